@@ -1,0 +1,13 @@
+"""shardplan: plan sharded PyTorch training from measured costs, then run the plan.
+
+The whole public API lives here: `capture`, `compile`, `parallelize`, `load_plan`, `Plan`.
+"""
+from .capture import capture
+from .errors import (CaptureError, HardwareError, InfeasibleError, PlanError, RuntimeMismatchError,
+                     ShardplanError)
+from .hardware import HardwareProfile, get_hardware
+from .plan import Checkpoint, Plan, ShardStrategy, load_plan
+
+__all__ = ["capture", "Plan", "load_plan", "ShardStrategy", "Checkpoint", "HardwareProfile", "get_hardware",
+           "ShardplanError", "CaptureError", "InfeasibleError", "PlanError", "HardwareError",
+           "RuntimeMismatchError"]

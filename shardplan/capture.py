@@ -1,0 +1,107 @@
+"""Capture: model + example inputs → a torch.fx GraphModule of ATen ops.
+
+torch.export (non-strict) is the primary path: it captures Hugging Face models
+and models on the meta device, and every node carries `nn_module_stack`.
+torch.fx.symbolic_trace is the fallback for models export rejects but fx can
+trace. Capture never runs real kernels on real data: inputs are turned into
+meta tensors first, so a 70B-parameter model captures on a laptop.
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from .errors import CaptureError
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    gm: torch.fx.GraphModule
+    method: str
+    """"export" or "symbolic_trace"."""
+    seconds: float
+
+
+def to_device(value, device: torch.device):
+    """The same pytree of tensors, on `device` (the meta device keeps shapes and dtypes, no memory)."""
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
+            dynamic_dims: dict | None = None) -> Captured:
+    """Capture `model` into an ATen-level GraphModule.
+
+    `dynamic_dims` maps an input name (positional index as str, or keyword) to
+    {dim: name}, e.g. {"0": {0: "batch"}}; those dims stay symbolic in the graph.
+
+    >>> from shardplan import zoo
+    >>> entry = zoo.gpt()
+    >>> capture(entry.model, entry.args, entry.kwargs).method
+    'export'
+    """
+    example_kwargs = dict(example_kwargs or {})
+    # export fakifies real inputs itself; they only need to sit where the model does.
+    device = model_device(model)
+    args, kwargs = to_device(tuple(example_inputs), device), to_device(example_kwargs, device)
+    start = time.perf_counter()
+    try:
+        exported = torch.export.export(model, args, kwargs, strict=False,
+                                       dynamic_shapes=_dynamic_shapes(args, kwargs, dynamic_dims))
+        return Captured(exported.module(), "export", time.perf_counter() - start)
+    except Exception as export_error:  # any failure inside export falls back to fx
+        try:
+            gm = torch.fx.symbolic_trace(model, concrete_args=None)
+            torch.fx.passes.shape_prop.ShapeProp(gm).propagate(*args, *kwargs.values())
+            return Captured(gm, "symbolic_trace", time.perf_counter() - start)
+        except Exception as trace_error:
+            raise CaptureError(_explain(model, export_error, trace_error)) from export_error
+
+
+def _dynamic_shapes(args: tuple, kwargs: dict, dynamic_dims: dict | None):
+    if not dynamic_dims:
+        return None
+    dims = {name: {dim: torch.export.Dim(label, min=2) for dim, label in spec.items()}
+            for name, spec in dynamic_dims.items()}
+    shared = {}  # one Dim object per label, so "batch" in two inputs is the same symbol
+    for spec in dims.values():
+        for dim, value in spec.items():
+            spec[dim] = shared.setdefault(value.__name__, value)
+    positional = tuple(dims.get(str(i)) for i in range(len(args)))
+    return positional + tuple(dims.get(name) for name in kwargs) if kwargs else positional
+
+
+def _explain(model: torch.nn.Module, export_error: Exception, trace_error: Exception) -> str:
+    first_line = str(export_error).strip().splitlines()[0] if str(export_error).strip() else type(export_error).__name__
+    where = _failing_location(export_error)
+    hint = ("the model's forward branches on tensor values (data-dependent control flow): "
+            "rewrite the branch with torch.where / torch.cond, or move it out of forward")
+    if "use_cache" in str(export_error) or "DynamicCache" in str(export_error):
+        hint = "set config.use_cache = False on Hugging Face models before planning"
+    return (f"cannot capture {type(model).__name__}: torch.export failed{where}: {first_line}; "
+            f"torch.fx.symbolic_trace failed too: {str(trace_error).strip().splitlines()[0] if str(trace_error).strip() else type(trace_error).__name__}. "
+            f"Likely cause and fix: {hint}")
+
+
+def _failing_location(error: Exception) -> str:
+    """The innermost frame of the user's code in the traceback, as " at file:line (function)"."""
+    frames = [frame for frame in _walk_traceback(error) if "/torch/" not in frame.filename]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" at {frame.filename}:{frame.lineno} ({frame.name})"
+
+
+def _walk_traceback(error: Exception):
+    import traceback
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield from traceback.extract_tb(error.__traceback__)
+        error = error.__cause__ or error.__context__

@@ -1,0 +1,92 @@
+"""The chain of blocks: what the front end hands to the cost model and the solver.
+
+Plain data, no torch: a block is a run of graph nodes owned by one module (a
+transformer layer, the embedding, the head), with the totals the solver needs.
+Bytes are per data-parallel replica batch given at capture (example inputs).
+"""
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Block:
+    """One candidate FSDP unit boundary segment of the captured graph."""
+
+    index: int
+    """Position in the chain, 0-based."""
+    name: str
+    """Owning module path, e.g. "transformer.h.3"; "" for ops at the model's root."""
+    modules: tuple[str, ...]
+    """Module paths whose nodes this block holds (one, or several merged parameterless ones)."""
+    param_names: tuple[str, ...]
+    """Parameters first read in this block, as named by model.named_parameters()."""
+    param_numel: int
+    param_bytes: int
+    """Bytes of those parameters in the dtype the model was captured with."""
+    buffer_bytes: int
+    fwd_flops: int
+    """FLOPs of the forward, as torch.utils.flop_counter counts them."""
+    bwd_flops: int
+    """FLOPs of the backward (input and weight gradients), counted the same way."""
+    saved_bytes: int
+    """Activation bytes autograd keeps from this block's forward until its backward.
+
+    A tensor saved by several blocks is counted in the first; parameters are not counted."""
+    input_bytes: int
+    """Bytes of the activations this block reads from earlier blocks: what a checkpointed block keeps."""
+    output_bytes: int
+    """Bytes of the activations later blocks read from this block."""
+    fwd_transient_bytes: int
+    """Peak bytes allocated during this block's forward beyond what was live when it began."""
+    bwd_transient_bytes: int
+    """Peak bytes allocated during this block's backward beyond what was live when it began
+    (parameter gradients excluded: they are counted with the sharded state)."""
+    first_node: str
+    last_node: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockChain:
+    """The captured model reduced to a chain of blocks, in execution order."""
+
+    blocks: tuple[Block, ...]
+    fingerprint: str
+    """Hash of the captured graph's structure and parameter shapes: a plan for another model fails."""
+    param_dtype: str
+    """dtype of the parameters at capture, e.g. "torch.float32"."""
+    inputs: tuple["InputSpec", ...]
+    input_bytes: int
+    """Bytes of the example inputs (one replica's batch)."""
+    extra: dict = field(default_factory=dict)
+    """Free-form facts for reports (node count, capture method, seconds spent)."""
+
+    @property
+    def param_numel(self) -> int:
+        return sum(b.param_numel for b in self.blocks)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(b.param_bytes for b in self.blocks)
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(b.fwd_flops for b in self.blocks)
+
+    @property
+    def bwd_flops(self) -> int:
+        return sum(b.bwd_flops for b in self.blocks)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(b.saved_bytes for b in self.blocks)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InputSpec:
+    """Shape and dtype of one example input, so each rank can capture again on fake data."""
+
+    name: str
+    """Positional index as a string ("0", "1") or the keyword name."""
+    shape: tuple[int, ...]
+    dtype: str
+    dynamic_dims: tuple[int, ...] = ()
+    """Dims that may change between batches (batch, sequence)."""

@@ -1,0 +1,29 @@
+"""The exception hierarchy: every error shardplan raises on bad input is one of these.
+
+Messages state the numbers and the fix, e.g. "needs 41.2 GiB per rank, budget is
+40 GiB at world_size=8: allow pipeline or offload, or add ranks".
+"""
+
+
+class ShardplanError(Exception):
+    """Base class of every error shardplan raises on purpose."""
+
+
+class CaptureError(ShardplanError):
+    """The model could not be captured into a graph (torch.export and torch.fx both failed)."""
+
+
+class InfeasibleError(ShardplanError):
+    """No plan fits the memory budget."""
+
+
+class PlanError(ShardplanError):
+    """A plan file is corrupt, of an unknown schema version, inconsistent, or for another model."""
+
+
+class HardwareError(ShardplanError):
+    """A hardware profile is unknown, incomplete or has non-positive figures."""
+
+
+class RuntimeMismatchError(ShardplanError):
+    """Ranks disagree (different plans) or a batch does not match the plan's inputs."""

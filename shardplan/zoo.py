@@ -1,0 +1,228 @@
+"""The model zoo used by tests, benchmarks and the demo.
+
+In-repo models are small and plain (nanoGPT-style); Hugging Face models are
+built from configs with random weights, never downloaded. Every entry returns
+`ZooModel(model, args, kwargs)`: a model that returns its loss, and example
+inputs of one replica's batch. `device="meta"` builds it without memory.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class ZooModel:
+    model: nn.Module
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 32
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 64
+    """Small defaults: a test trains it on CPU in well under a second per step."""
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(d_model, hidden)
+        self.proj = nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config.d_model, 4 * config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.seq_len, config.d_model)
+        self.h = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.wte(ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class ResidualMLP(nn.Module):
+    """Regression MLP with residual layers: the smallest chain."""
+
+    def __init__(self, width: int = 64, depth: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return F.mse_loss(self.head(x).squeeze(-1), target)
+
+
+class ResidualCNN(nn.Module):
+    """A small ResNet-style classifier: convolutions, batch norm buffers, pooling."""
+
+    def __init__(self, channels: int = 16, depth: int = 3, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU())
+            for _ in range(depth))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.stem(images)
+        for layer in self.layers:
+            x = x + layer(x)
+        return F.cross_entropy(self.head(x.mean(dim=(2, 3))), labels)
+
+
+class EncoderDecoder(nn.Module):
+    """A T5-shaped model: the encoder's output feeds every decoder layer (not a plain chain)."""
+
+    def __init__(self, vocab_size: int = 128, d_model: int = 64, n_head: int = 4, depth: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.encoder = nn.ModuleList(
+            nn.TransformerEncoderLayer(d_model, n_head, 4 * d_model, dropout=0.0, batch_first=True)
+            for _ in range(depth))
+        self.decoder = nn.ModuleList(
+            nn.TransformerDecoderLayer(d_model, n_head, 4 * d_model, dropout=0.0, batch_first=True)
+            for _ in range(depth))
+        self.head = nn.Linear(d_model, vocab_size)
+
+    def forward(self, source: torch.Tensor, target: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        memory = self.embed(source)
+        for layer in self.encoder:
+            memory = layer(memory)
+        x = self.embed(target)
+        for layer in self.decoder:
+            x = layer(x, memory)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def gpt(config: GPTConfig = GPTConfig(), batch: int = 4, device: str | torch.device = "cpu") -> ZooModel:
+    with torch.device(device):
+        model = GPT(config)
+        ids = torch.randint(0, config.vocab_size, (batch, config.seq_len))
+    return ZooModel(model, (ids,), {"labels": ids})
+
+
+def residual_mlp(width: int = 64, depth: int = 4, batch: int = 16, device="cpu") -> ZooModel:
+    with torch.device(device):
+        model = ResidualMLP(width, depth)
+        x, target = torch.randn(batch, width), torch.randn(batch)
+    return ZooModel(model, (x, target), {})
+
+
+def residual_cnn(batch: int = 4, size: int = 16, device="cpu") -> ZooModel:
+    with torch.device(device):
+        model = ResidualCNN()
+        images, labels = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+    return ZooModel(model, (images, labels), {})
+
+
+def encoder_decoder(batch: int = 4, seq: int = 16, device="cpu") -> ZooModel:
+    with torch.device(device):
+        model = EncoderDecoder()
+        source, target = torch.randint(0, 128, (batch, seq)), torch.randint(0, 128, (batch, seq))
+    return ZooModel(model, (source, target, target), {})
+
+
+def _hf_causal_lm(config, batch: int, seq: int, device) -> ZooModel:
+    import transformers
+
+    config.use_cache = False
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+    return ZooModel(model, (ids,), {"labels": ids})
+
+
+def hf_gpt2(n_layer: int = 2, d_model: int = 64, batch: int = 2, seq: int = 32, device="cpu") -> ZooModel:
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=n_layer, n_embd=d_model, n_head=4, vocab_size=512,
+                                     n_positions=max(seq, 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return _hf_causal_lm(config, batch, seq, device)
+
+
+def hf_llama(n_layer: int = 2, d_model: int = 64, ffn: int = 172, heads: int = 4, kv_heads: int = 2,
+             vocab: int = 512, batch: int = 2, seq: int = 32, device="cpu") -> ZooModel:
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=n_layer, hidden_size=d_model, intermediate_size=ffn,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                                      max_position_embeddings=max(seq, 64))
+    return _hf_causal_lm(config, batch, seq, device)
+
+
+def llama_7b(n_layer: int = 32, batch: int = 1, seq: int = 4096) -> ZooModel:
+    """LLaMA-7B shapes on the meta device (no memory): for planning benchmarks."""
+    return hf_llama(n_layer, 4096, 11008, 32, 32, 32000, batch, seq, device="meta")
+
+
+def llama_70b(n_layer: int = 80, batch: int = 1, seq: int = 4096) -> ZooModel:
+    """LLaMA-2-70B shapes on the meta device (grouped-query attention, 8 KV heads)."""
+    return hf_llama(n_layer, 8192, 28672, 64, 8, 32000, batch, seq, device="meta")
+
+
+ZOO = {
+    "gpt": gpt,
+    "mlp": residual_mlp,
+    "cnn": residual_cnn,
+    "encoder-decoder": encoder_decoder,
+    "hf-gpt2": hf_gpt2,
+    "hf-llama": hf_llama,
+    "llama-7b": llama_7b,
+    "llama-70b": llama_70b,
+}
+"""Zoo entries by the name the CLI and benchmarks use."""
+
+
+def build(name: str, **options) -> ZooModel:
+    if name not in ZOO:
+        from .errors import ShardplanError
+        raise ShardplanError(f"no zoo model {name!r}: choose one of {', '.join(ZOO)}")
+    return ZOO[name](**options)
