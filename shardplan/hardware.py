@@ -1,97 +1,356 @@
 """Hardware profiles: what one device computes and moves per second, and how much it holds.
 
 The cost model reads a profile only through `compute_time_s`, `collective_time_s`
-and `usable_memory_bytes`, so a calibrated profile and a built-in one are
-interchangeable.
+and `usable_memory_bytes`, so a calibrated profile (`shardplan.calibrate`) and a
+built-in one are interchangeable.
+
+[Note: model times measured correction]
+Both time formulas are a physical model times a factor read off a `SizeCurve`:
+- an op: roofline of peak FLOP/s x efficiency(FLOPs per call) against memory bandwidth;
+- a collective: alpha + bus bytes / bandwidth (alpha-beta, fitted by least squares),
+  times correction(bus bytes) = measured / fitted at each calibrated size.
+A datasheet profile carries a generic efficiency curve and no correction (1.0). A
+calibrated profile carries what this machine did, e.g. a CPU whose copies slow down
+once a buffer outgrows the last-level cache, which no straight line fits. Bus bytes
+are the full buffer times `ring_factor(kind, group_size)`; a backend that does more
+work than the ring (gloo's reduce_scatter_tensor is an all_reduce plus a slice) is
+captured by its fitted numbers, not by a special case.
 """
 import dataclasses
+import difflib
 import json
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import numpy as np
 
 from .errors import HardwareError
 
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+SCHEMA = "shardplan.hardware/1"
+
+
+def ring_factor(kind: str, group_size: int) -> float:
+    """Bytes each rank sends in the ring algorithm of `kind`, as a share of the full buffer.
+
+    All-gather and reduce-scatter: (n - 1) / n; all-reduce is a reduce-scatter then an
+    all-gather: 2 (n - 1) / n. `ring_factor("all_reduce", 4) == 1.5`.
+    """
+    if kind not in COLLECTIVES:
+        raise HardwareError(f"unknown collective {kind!r}: use one of {', '.join(COLLECTIVES)}")
+    share = (group_size - 1) / group_size
+    return 2 * share if kind == "all_reduce" else share
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SizeCurve:
+    """A dimensionless factor by problem size, known at a few sizes.
+
+    Linear in log(size) between points, constant beyond the ends:
+    `SizeCurve(points=((1e6, 0.2), (1e8, 0.6))).at(1e7) == 0.4`.
+    """
+
+    points: tuple[tuple[float, float], ...]
+    """(size, factor) pairs with strictly increasing sizes."""
+
+    def at(self, size: float) -> float:
+        sizes = np.log([point[0] for point in self.points])
+        factors = [point[1] for point in self.points]
+        return float(np.interp(math.log(max(size, 1e-300)), sizes, factors))
+
+
+NO_CORRECTION = SizeCurve(points=((1.0, 1.0),))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MatmulRate:
+    """How fast one device multiplies matrices in one dtype."""
+
+    peak_flops_per_s: float
+    """Dense matmul FLOP/s: the datasheet peak, or the best a calibration measured."""
+    efficiency: SizeCurve
+    """Share of the peak one call reaches, by its FLOP count (small matmuls cannot fill the device)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveCost:
+    """Alpha-beta cost of one collective kind over one link class (see [Note: model times measured correction])."""
+
+    latency_s: float
+    """Alpha: the fixed cost of one call."""
+    bus_bandwidth_bytes_per_s: float
+    """1 / beta: bus bytes (full buffer x ring_factor) moved per second."""
+    correction: SizeCurve = NO_CORRECTION
+    """Measured time / alpha-beta time, by bus bytes."""
+
+    def time_s(self, bus_bytes: float) -> float:
+        return (self.latency_s + bus_bytes / self.bus_bandwidth_bytes_per_s) * self.correction.at(bus_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkProfile:
-    """One class of link (within a node, across nodes), alpha-beta per collective kind."""
+    """One class of link (within a node, across nodes): a cost for every kind in COLLECTIVES."""
 
-    latency_s: dict[str, float]
-    """Fixed cost of one collective call, by kind (COLLECTIVES)."""
-    bus_bandwidth_bytes_per_s: dict[str, float]
-    """Bus bandwidth by kind: time = latency + bytes * factor(kind, n) / bandwidth."""
+    collectives: dict[str, CollectiveCost]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HardwareProfile:
+    """One device and its links. Every figure is positive and finite, checked on construction."""
+
     name: str
     device_memory_bytes: int
     usable_memory_fraction: float = 0.9
     """Share of device memory a plan may use by default (allocator fragmentation, runtime context)."""
-    peak_flops: dict[str, float]
-    """Peak dense matmul FLOP/s by dtype ("float32", "bfloat16", "float16")."""
-    matmul_efficiency: float = 0.6
-    """Fraction of peak that model-sized matmuls reach."""
+    matmul: dict[str, MatmulRate]
+    """By dtype name as torch spells it: "float32", "bfloat16", "float16"."""
     memory_bandwidth_bytes_per_s: float
-    devices_per_node: int = 8
+    """Bytes read plus bytes written per second by a large copy."""
+    op_overhead_s: float
+    """Fixed cost of one op: eager dispatch on CPU, the shortest kernel on GPU."""
+    devices_per_node: int
+    """Groups up to this size use `intra_node` links, larger ones `inter_node`."""
     intra_node: LinkProfile
     inter_node: LinkProfile
-    source: str = ""
-    """Where the figures come from."""
+    source: str
+    """Where the figures come from (datasheets, or the machine and settings of a calibration)."""
+
+    def __post_init__(self) -> None:
+        for where, value in _figures(self, ""):
+            if not _is_positive(value):
+                raise HardwareError(
+                    f"hardware profile {self.name!r}: {where} is {value!r}, must be a positive finite number: "
+                    "correct it in the profile JSON or write a new profile with `shardplan calibrate`")
+        if self.usable_memory_fraction > 1:
+            raise HardwareError(f"hardware profile {self.name!r}: usable_memory_fraction is "
+                                f"{self.usable_memory_fraction}, must be at most 1: it is a share of device memory")
+        if not self.matmul:
+            raise HardwareError(f"hardware profile {self.name!r}: matmul lists no dtype: "
+                                "add at least \"float32\" or run `shardplan calibrate`")
+        for link in ("intra_node", "inter_node"):
+            missing = [kind for kind in COLLECTIVES if kind not in getattr(self, link).collectives]
+            if missing:
+                raise HardwareError(f"hardware profile {self.name!r}: {link}.collectives lacks {', '.join(missing)}: "
+                                    "every collective kind needs a cost; run `shardplan calibrate`")
 
     @property
     def usable_memory_bytes(self) -> int:
         return int(self.device_memory_bytes * self.usable_memory_fraction)
 
-    def compute_time_s(self, flops: float, bytes_moved: float, dtype: str = "float32") -> float:
-        """Roofline: the slower of arithmetic and memory traffic."""
-        peak = self.peak_flops.get(dtype) or self.peak_flops["float32"]
-        return max(flops / (peak * self.matmul_efficiency), bytes_moved / self.memory_bandwidth_bytes_per_s)
+    def compute_time_s(self, flops: float, bytes_moved: float, dtype: str = "float32", *, calls: int = 1) -> float:
+        """Time of `calls` equal ops that together do `flops` and move `bytes_moved`.
+
+        Roofline: the slower of arithmetic (at the efficiency of one call's size) and memory
+        traffic, plus the fixed cost of each op. `dtype` is a name ("bfloat16") or a torch.dtype.
+        """
+        if flops <= 0 and bytes_moved <= 0:
+            return 0.0
+        arithmetic_s = 0.0
+        if flops > 0:
+            rate = self._matmul_rate(dtype)
+            arithmetic_s = flops / (rate.peak_flops_per_s * rate.efficiency.at(flops / calls))
+        memory_s = bytes_moved / self.memory_bandwidth_bytes_per_s
+        return calls * self.op_overhead_s + max(arithmetic_s, memory_s)
 
     def collective_time_s(self, kind: str, nbytes: float, group_size: int) -> float:
         """Time of one collective whose full (gathered, unsharded) buffer is `nbytes`."""
+        factor = ring_factor(kind, max(group_size, 1))  # first, so an unknown kind fails at any size
         if group_size <= 1 or nbytes <= 0:
             return 0.0
         link = self.intra_node if group_size <= self.devices_per_node else self.inter_node
-        factor = (group_size - 1) / group_size
-        if kind == "all_reduce":
-            factor *= 2
-        return link.latency_s[kind] + nbytes * factor / link.bus_bandwidth_bytes_per_s[kind]
+        return link.collectives[kind].time_s(nbytes * factor)
+
+    def _matmul_rate(self, dtype) -> MatmulRate:
+        name = str(dtype).removeprefix("torch.")
+        if name not in self.matmul:
+            raise HardwareError(f"hardware profile {self.name!r} has no matmul figures for {name}: it knows "
+                                f"{', '.join(sorted(self.matmul))}; compute in one of those, or calibrate "
+                                "on a device that supports it")
+        return self.matmul[name]
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+        data = {"schema": SCHEMA, **dataclasses.asdict(self)}
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> "HardwareProfile":
-        data = json.loads(text)
-        data["intra_node"] = LinkProfile(**data["intra_node"])
-        data["inter_node"] = LinkProfile(**data["inter_node"])
-        return cls(**data)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise HardwareError(f"hardware profile is not valid JSON ({error}): "
+                                "write it again with `shardplan calibrate -o profile.json`") from None
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            schema = data.get("schema") if isinstance(data, dict) else None
+            raise HardwareError(f"hardware profile schema {schema!r} is not {SCHEMA!r}: "
+                                "write it again with `shardplan calibrate -o profile.json`")
+        fields = _fields(cls, {key: value for key, value in data.items() if key != "schema"}, "")
+        fields["matmul"] = {dtype: _parse_matmul(rate, f"matmul.{dtype}")
+                            for dtype, rate in _object(fields["matmul"], "matmul").items()}
+        for link in ("intra_node", "inter_node"):
+            fields[link] = _parse_link(fields[link], link)
+        return cls(**fields)
 
 
-def _uniform_link(latency_s: float, bandwidth: float) -> LinkProfile:
-    return LinkProfile(latency_s={kind: latency_s for kind in COLLECTIVES},
-                       bus_bandwidth_bytes_per_s={kind: bandwidth for kind in COLLECTIVES})
+# Parsing: explicit per class, so every error names the path of the bad field.
 
+def _object(data, where: str) -> dict:
+    if not isinstance(data, dict):
+        raise HardwareError(f"hardware profile field {where or 'top level'} must be a JSON object, "
+                            f"got {type(data).__name__}")
+    return data
+
+
+def _fields(cls, data, where: str) -> dict:
+    """The keys of `data` as keyword arguments of dataclass `cls`: none missing, none unknown."""
+    data = _object(data, where)
+    prefix = f"{where}." if where else ""
+    names = [f.name for f in dataclasses.fields(cls)]
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+    missing = [f"{prefix}{name}" for name in required if name not in data]
+    if missing:
+        raise HardwareError(f"hardware profile lacks field {', '.join(missing)}: add it to the JSON, "
+                            "or write a complete profile with `shardplan calibrate`")
+    unknown = sorted(f"{prefix}{key}" for key in data if key not in names)
+    if unknown:
+        raise HardwareError(f"hardware profile has unknown field {', '.join(unknown)}: remove it or correct its "
+                            "spelling (the file was edited or written by another version)")
+    return dict(data)
+
+
+def _parse_curve(data, where: str) -> SizeCurve:
+    points = _fields(SizeCurve, data, where)["points"]
+    if not isinstance(points, list) or not points or not all(
+            isinstance(point, list) and len(point) == 2 for point in points):
+        raise HardwareError(f"hardware profile field {where}.points must be a non-empty list of "
+                            f"[size, factor] pairs, got {points!r}")
+    return SizeCurve(points=tuple((point[0], point[1]) for point in points))
+
+
+def _parse_matmul(data, where: str) -> MatmulRate:
+    fields = _fields(MatmulRate, data, where)
+    fields["efficiency"] = _parse_curve(fields["efficiency"], f"{where}.efficiency")
+    return MatmulRate(**fields)
+
+
+def _parse_link(data, where: str) -> LinkProfile:
+    collectives = _object(_fields(LinkProfile, data, where)["collectives"], f"{where}.collectives")
+    costs = {}
+    for kind, cost in collectives.items():
+        fields = _fields(CollectiveCost, cost, f"{where}.collectives.{kind}")
+        if "correction" in fields:
+            fields["correction"] = _parse_curve(fields["correction"], f"{where}.collectives.{kind}.correction")
+        costs[kind] = CollectiveCost(**fields)
+    return LinkProfile(collectives=costs)
+
+
+def _is_positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _figures(value, where: str):
+    """(path, value) for every figure of a profile, which must be a positive number.
+
+    Also checks the shape of curves, whose sizes must strictly increase.
+    """
+    if isinstance(value, SizeCurve):
+        sizes = [point[0] for point in value.points]
+        if not sizes or not all(map(_is_positive, sizes)) or any(b <= a for a, b in zip(sizes, sizes[1:])):
+            raise HardwareError(f"hardware profile field {where}.points has sizes {sizes}: they must be "
+                                "positive and strictly increasing, at least one point")
+        for i, (_, factor) in enumerate(value.points):
+            yield f"{where}.points[{i}][1]", factor
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            if f.name not in _TEXT_FIELDS:
+                yield from _figures(getattr(value, f.name), f"{where}.{f.name}" if where else f.name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _figures(item, f"{where}.{key}")
+    else:
+        yield where, value
+
+
+_TEXT_FIELDS = ("name", "source")
+
+
+# Built-in profiles. float32 is what PyTorch runs by default (full FP32, not TF32:
+# torch.backends.cuda.matmul.allow_tf32 is False unless set_float32_matmul_precision("high")).
+#
+# Large cuBLAS GEMMs reach ~70-85% of the dense peak, small ones are latency-bound
+# (NVIDIA "Matrix Multiplication Background User's Guide", GEMM performance vs size);
+# this curve is that shape, not a measurement: calibrate for real figures.
+_GPU_MATMUL_EFFICIENCY = SizeCurve(points=((1e6, 0.01), (1e8, 0.15), (1e9, 0.45), (1e10, 0.7), (1e11, 0.8)))
+# The shortest CUDA kernel plus its launch: a few microseconds (order of magnitude, not a datasheet figure).
+_GPU_OP_OVERHEAD_S = 4e-6
+
+
+def _gpu_matmul(fp32_flops_per_s: float, half_flops_per_s: float) -> dict[str, MatmulRate]:
+    return {"float32": MatmulRate(peak_flops_per_s=fp32_flops_per_s, efficiency=_GPU_MATMUL_EFFICIENCY),
+            "bfloat16": MatmulRate(peak_flops_per_s=half_flops_per_s, efficiency=_GPU_MATMUL_EFFICIENCY),
+            "float16": MatmulRate(peak_flops_per_s=half_flops_per_s, efficiency=_GPU_MATMUL_EFFICIENCY)}
+
+
+def _uniform_link(latency_s: float, bus_bandwidth_bytes_per_s: float) -> LinkProfile:
+    cost = CollectiveCost(latency_s=latency_s, bus_bandwidth_bytes_per_s=bus_bandwidth_bytes_per_s)
+    return LinkProfile(collectives={kind: cost for kind in COLLECTIVES})
+
+
+# NCCL latency of a small collective: ~10-20 us within an NVLink node, ~30-50 us across
+# InfiniBand (nccl-tests small-message times, order of magnitude). Bus bandwidth: ~80% of
+# the per-direction line rate, what nccl-tests' busbw reaches for large messages.
+_A100_NVLINK = _uniform_link(15e-6, 240e9)      # NVLink 3: 600 GB/s total, 300 GB/s per direction
+_HDR_INFINIBAND = _uniform_link(40e-6, 20e9)    # DGX A100: one 200 Gb/s HDR port (25 GB/s) per GPU
+_H100_NVLINK = _uniform_link(15e-6, 360e9)      # NVLink 4: 900 GB/s total, 450 GB/s per direction
+_NDR_INFINIBAND = _uniform_link(40e-6, 40e9)    # DGX H100/H200: one 400 Gb/s NDR port (50 GB/s) per GPU
+_MIB = 2**20
 
 BUILTIN = {
-    # H100 SXM5 datasheet: 80 GB HBM3, 3.35 TB/s, dense BF16 989 TFLOP/s, TF32 495 TFLOP/s;
-    # NVLink 4 at 450 GB/s per direction; 8 GPUs per node; 400 Gb/s (50 GB/s) InfiniBand per GPU.
+    # A100 SXM4 40GB datasheet: 40 GB HBM2 at 1,555 GB/s; FP32 19.5 TFLOP/s, BF16/FP16 tensor 312 TFLOP/s
+    # dense; 8 GPUs per DGX/HGX node. Memory as nvidia-smi reports it: 40,960 MiB.
+    "a100-40g": HardwareProfile(
+        name="a100-40g", device_memory_bytes=40_960 * _MIB, matmul=_gpu_matmul(19.5e12, 312e12),
+        memory_bandwidth_bytes_per_s=1.555e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
+        intra_node=_A100_NVLINK, inter_node=_HDR_INFINIBAND,
+        source="NVIDIA A100 datasheet (SXM4 40GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
+    # A100 SXM4 80GB datasheet: 80 GB HBM2e at 2,039 GB/s; compute as the 40GB part. nvidia-smi: 81,920 MiB.
+    "a100-80g": HardwareProfile(
+        name="a100-80g", device_memory_bytes=81_920 * _MIB, matmul=_gpu_matmul(19.5e12, 312e12),
+        memory_bandwidth_bytes_per_s=2.039e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
+        intra_node=_A100_NVLINK, inter_node=_HDR_INFINIBAND,
+        source="NVIDIA A100 datasheet (SXM4 80GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
+    # H100 SXM5 datasheet: 80 GB HBM3 at 3.35 TB/s; FP32 67 TFLOP/s, BF16/FP16 tensor 989 TFLOP/s dense
+    # (1,979 is with sparsity). nvidia-smi: 81,559 MiB.
     "h100-80g": HardwareProfile(
-        name="h100-80g", device_memory_bytes=80 * 10**9,
-        peak_flops={"float32": 495e12, "bfloat16": 989e12, "float16": 989e12},
-        memory_bandwidth_bytes_per_s=3.35e12, devices_per_node=8,
-        intra_node=_uniform_link(20e-6, 360e9), inter_node=_uniform_link(40e-6, 45e9),
-        source="NVIDIA H100 SXM5 datasheet; link bandwidth at ~80% of line rate"),
-    # A CPU process talking gloo over loopback; calibrate on the machine for real figures.
+        name="h100-80g", device_memory_bytes=81_559 * _MIB, matmul=_gpu_matmul(67e12, 989e12),
+        memory_bandwidth_bytes_per_s=3.35e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
+        intra_node=_H100_NVLINK, inter_node=_NDR_INFINIBAND,
+        source="NVIDIA H100 datasheet (SXM5 80GB); links: NVLink 4 and NDR InfiniBand at ~80% of line rate"),
+    # H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s; compute as H100 SXM (same Hopper die and clocks).
+    # nvidia-smi: 143,771 MiB.
+    "h200": HardwareProfile(
+        name="h200", device_memory_bytes=143_771 * _MIB, matmul=_gpu_matmul(67e12, 989e12),
+        memory_bandwidth_bytes_per_s=4.8e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
+        intra_node=_H100_NVLINK, inter_node=_NDR_INFINIBAND,
+        source="NVIDIA H200 datasheet (SXM 141GB); links: NVLink 4 and NDR InfiniBand at ~80% of line rate"),
+    # One CPU process per rank with 1 thread, gloo over loopback TCP: rounded from
+    # `shardplan calibrate --world-size 2` on a 2-core AMD EPYC (AVX-512 BF16) VM with
+    # torch 2.13. gloo's reduce_scatter_tensor is an all_reduce plus a slice: about half
+    # the bus bandwidth of all_gather. Calibrate on your machine for real figures.
     "cpu-gloo": HardwareProfile(
-        name="cpu-gloo", device_memory_bytes=16 * 2**30,
-        peak_flops={"float32": 100e9, "bfloat16": 50e9},
-        memory_bandwidth_bytes_per_s=10e9, devices_per_node=64,
-        intra_node=_uniform_link(100e-6, 2e9), inter_node=_uniform_link(100e-6, 2e9),
-        source="order-of-magnitude figures for one CPU process on gloo loopback"),
+        name="cpu-gloo", device_memory_bytes=8 * 2**30,
+        matmul={"float32": MatmulRate(peak_flops_per_s=95e9, efficiency=SizeCurve(
+                    points=((5e5, 0.6), (4e6, 0.9), (3e7, 1.0)))),
+                "bfloat16": MatmulRate(peak_flops_per_s=200e9, efficiency=SizeCurve(
+                    points=((5e5, 0.15), (4e6, 0.55), (3e7, 0.9), (3e8, 1.0))))},
+        memory_bandwidth_bytes_per_s=30e9, op_overhead_s=1.5e-6, devices_per_node=64,
+        intra_node=LinkProfile(collectives={
+            "all_gather_into_tensor": CollectiveCost(latency_s=300e-6, bus_bandwidth_bytes_per_s=0.35e9),
+            "reduce_scatter_tensor": CollectiveCost(latency_s=300e-6, bus_bandwidth_bytes_per_s=0.3e9),
+            "all_reduce": CollectiveCost(latency_s=300e-6, bus_bandwidth_bytes_per_s=0.9e9)}),
+        inter_node=_uniform_link(300e-6, 0.3e9),
+        source="rounded calibration of a 2-core CPU VM, 1 thread per rank, gloo over loopback; "
+               "inter_node copies the slowest intra_node kind (one machine)"),
 }
 
 
@@ -101,8 +360,15 @@ def get_hardware(spec: "str | os.PathLike | HardwareProfile") -> HardwareProfile
         return spec
     if isinstance(spec, str) and spec in BUILTIN:
         return BUILTIN[spec]
-    if os.path.exists(spec):
-        with open(spec) as handle:
-            return HardwareProfile.from_json(handle.read())
-    raise HardwareError(f"unknown hardware {spec!r}: use one of {', '.join(sorted(BUILTIN))} "
+    if os.path.isfile(spec):
+        try:
+            with open(spec) as handle:
+                text = handle.read()
+        except (OSError, UnicodeDecodeError) as error:
+            raise HardwareError(f"cannot read hardware profile {os.fspath(spec)!r} ({error}): "
+                                "write it again with `shardplan calibrate -o profile.json`") from None
+        return HardwareProfile.from_json(text)
+    close = difflib.get_close_matches(os.fspath(spec), BUILTIN, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise HardwareError(f"unknown hardware {os.fspath(spec)!r}: {hint}use one of {', '.join(sorted(BUILTIN))} "
                         "or the path of a profile written by `shardplan calibrate`")

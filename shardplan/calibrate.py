@@ -1,0 +1,390 @@
+"""Measure this machine and write a HardwareProfile: `shardplan calibrate [-o profile.json]`.
+
+Every figure is the median of several timings:
+- square matmuls over a sweep of sizes, per dtype: the peak and the efficiency curve;
+- a copy far larger than the caches: memory bandwidth; a one-element add: the fixed cost of an op;
+- all_gather_into_tensor, reduce_scatter_tensor and all_reduce over 4 KiB-256 MiB: alpha-beta
+  fitted by least squares, times the measured correction (hardware.py, [Note: model times
+  measured correction]).
+
+All of it runs in a spawned world of `world_size` ranks (gloo on CPU, NCCL on GPUs), so it
+sees what training ranks see: on CPU one thread per rank, the other ranks computing beside
+it. Rank 0 reports its timings; the parent process shows progress and fits the profile.
+"""
+import argparse
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import socket
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.optimize
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .errors import HardwareError
+from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
+                       ring_factor)
+from .units import format_bytes
+
+_KIB, _MIB = 2**10, 2**20
+_TIMEOUT_S = 120
+"""Process-group timeout: far above the slowest collective timed (256 MiB on gloo: ~0.5 s)."""
+_SINGLE_NAMES = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
+"""torch 2.13 spells the tensor collectives *_single and deprecates the old names; older torch has only those."""
+_MIN_TIMING_S = 2e-3
+"""Each compute timing loops over calls until it lasts this long, well above timer resolution."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sweep:
+    """What to measure and how often."""
+
+    matmul_sizes: tuple[int, ...]
+    """n of the n x n x n matmuls timed in every dtype; the smallest must take well over one op's overhead."""
+    dtypes: tuple[str, ...]
+    collective_sizes_bytes: tuple[int, ...]
+    """Full (gathered) buffer sizes of the collectives timed."""
+    repeats: int
+    """Timings per point, of which the median is kept; small collectives get more (`_collective_repeats`)."""
+    copy_bytes: int
+    """Buffer of the bandwidth copy: far beyond the last-level cache."""
+
+
+_ALL_SIZES_BYTES = tuple(4 * _KIB * 4**i for i in range(9))  # 4 KiB, 16 KiB, ..., 256 MiB
+CPU_SWEEP = Sweep(matmul_sizes=(64, 128, 256, 512, 1024, 2048), dtypes=("float32", "bfloat16"),
+                  collective_sizes_bytes=_ALL_SIZES_BYTES, repeats=7, copy_bytes=256 * _MIB)
+# GPU matmuls start at n=2048: a smaller one finishes faster than a kernel launches, so its
+# time says nothing about throughput.
+GPU_SWEEP = Sweep(matmul_sizes=(2048, 4096, 8192, 16384), dtypes=("float32", "bfloat16", "float16"),
+                  collective_sizes_bytes=_ALL_SIZES_BYTES, repeats=10, copy_bytes=2048 * _MIB)
+QUICK_SWEEP = Sweep(matmul_sizes=(64, 256), dtypes=("float32", "bfloat16"),
+                    collective_sizes_bytes=(4 * _KIB, 256 * _KIB, 16 * _MIB), repeats=3, copy_bytes=64 * _MIB)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurements:
+    """Rank 0's median timings: the input of `fit_profile`."""
+
+    device_name: str
+    backend: str
+    world_size: int
+    device_memory_bytes: int
+    devices_per_node: int
+    matmul_s: dict[str, tuple[tuple[float, float], ...]]
+    """By dtype: (FLOPs of one call, seconds), by increasing size."""
+    copy_bytes: int
+    copy_s: float
+    op_overhead_s: float
+    collective_s: dict[str, tuple[tuple[int, float], ...]]
+    """By kind: (full buffer bytes, seconds), by increasing size."""
+
+
+def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int, ...] | None = None,
+              progress: bool = True, quick: bool = False) -> HardwareProfile:
+    """Measure this machine with `world_size` ranks and fit a profile.
+
+    `backend`: "gloo" (CPU) or "nccl" (GPUs); by default NCCL when CUDA is present.
+    `sizes`: collective buffer sizes in bytes, instead of the sweep's 4 KiB-256 MiB.
+    `quick`: a few sizes and repeats, for tests (seconds, not minutes).
+
+    >>> profile = calibrate(world_size=2, quick=True)  # doctest: +SKIP
+    >>> profile.collective_time_s("all_gather_into_tensor", 64 * 2**20, 2)  # doctest: +SKIP
+    """
+    backend = _choose_backend(backend, world_size)
+    sweep = QUICK_SWEEP if quick else GPU_SWEEP if backend == "nccl" else CPU_SWEEP
+    if sizes is not None:
+        sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(sizes)))
+    steps = len(sweep.dtypes) * len(sweep.matmul_sizes) + 2 + len(COLLECTIVES) * len(sweep.collective_sizes_bytes)
+    measurements = run_world(_measure, (sweep,), world_size=world_size, backend=backend, total_steps=steps,
+                             progress=progress, description=f"calibrating ({backend}, world {world_size})")
+    return fit_profile(measurements)
+
+
+def calibrate_main(argv: list[str] | None = None) -> int:
+    """`shardplan calibrate [-o profile.json] [--world-size N] [--backend gloo|nccl] [--quick]`."""
+    parser = argparse.ArgumentParser(prog="shardplan calibrate",
+                                     description="Measure this machine and write a hardware profile.")
+    parser.add_argument("-o", "--output", default="profile.json", help="where to write the profile JSON")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn on this machine")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                        help="default: nccl when CUDA is present, else gloo")
+    parser.add_argument("--quick", action="store_true", help="few sizes and repeats (seconds, rough figures)")
+    args = parser.parse_args(argv)
+    profile = calibrate(world_size=args.world_size, backend=args.backend, quick=args.quick)
+    with open(args.output, "w") as handle:
+        handle.write(profile.to_json())
+    print(f"wrote {args.output}: {summary(profile)}")
+    return 0
+
+
+def summary(profile: HardwareProfile) -> str:
+    """One line per kind of figure, for people."""
+    lines = [f"{profile.name} ({profile.source})"]
+    for dtype, rate in sorted(profile.matmul.items()):
+        lines.append(f"  matmul {dtype}: peak {rate.peak_flops_per_s / 1e9:.1f} GFLOP/s")
+    lines.append(f"  memory: {profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+                 f"op overhead {profile.op_overhead_s * 1e6:.2f} us")
+    for kind, cost in profile.intra_node.collectives.items():
+        lines.append(f"  {kind}: latency {cost.latency_s * 1e6:.0f} us, "
+                     f"bus bandwidth {cost.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    return "\n".join(lines)
+
+
+# Fitting: pure functions of the measurements.
+
+def fit_profile(m: Measurements) -> HardwareProfile:
+    costs = {kind: fit_collective([(nbytes * ring_factor(kind, m.world_size), seconds) for nbytes, seconds in points])
+             for kind, points in m.collective_s.items()}
+    link = LinkProfile(collectives=costs)
+    on_cpu = m.backend == "gloo"
+    how = ("CPU compute per rank with 1 thread (as ranks run), all ranks computing at once; " if on_cpu else "")
+    return HardwareProfile(
+        name=f"calibrated-{m.backend}-{'cpu' if on_cpu else 'gpu'}",
+        device_memory_bytes=m.device_memory_bytes,
+        matmul={dtype: fit_matmul(points, m.op_overhead_s) for dtype, points in m.matmul_s.items()},
+        memory_bandwidth_bytes_per_s=2 * m.copy_bytes / m.copy_s,  # a copy reads and writes every byte
+        op_overhead_s=m.op_overhead_s, devices_per_node=m.devices_per_node,
+        intra_node=link, inter_node=link,
+        source=(f"shardplan calibrate on {m.device_name}, {datetime.date.today().isoformat()}, "
+                f"torch {torch.__version__}, {m.backend} world {m.world_size}; {how}"
+                "inter_node copies intra_node (measured on one machine)"))
+
+
+def fit_matmul(points: "list[tuple[float, float]] | tuple", op_overhead_s: float) -> MatmulRate:
+    """Peak = the best rate measured; efficiency = each size's rate over it, the op's fixed cost taken out."""
+    rates = []
+    for flops, seconds in points:
+        if seconds <= op_overhead_s:
+            raise HardwareError(f"a matmul of {flops:.3g} FLOPs took {seconds * 1e6:.2f} us, no longer than an "
+                                f"empty op ({op_overhead_s * 1e6:.2f} us): start the sweep at a larger size")
+        rates.append((flops, flops / (seconds - op_overhead_s)))
+    peak = max(rate for _, rate in rates)
+    return MatmulRate(peak_flops_per_s=peak,
+                      efficiency=SizeCurve(points=tuple((flops, rate / peak) for flops, rate in rates)))
+
+
+def fit_collective(points: "list[tuple[float, float]]") -> CollectiveCost:
+    """Alpha-beta by non-negative least squares on (bus bytes, seconds), plus the measured correction.
+
+    The residuals are relative (each row divided by its time) so 4 KiB and 256 MiB weigh alike.
+    """
+    bus_bytes = np.array([point[0] for point in points], dtype=np.float64)
+    seconds = np.array([point[1] for point in points], dtype=np.float64)
+    if len(points) < 2 or len(set(bus_bytes)) < len(points):
+        raise HardwareError(f"fitting latency and bandwidth needs at least 2 distinct sizes, got {bus_bytes.tolist()}")
+    design = np.stack([np.ones_like(bus_bytes), bus_bytes], axis=1) / seconds[:, None]
+    scale = np.linalg.norm(design, axis=0)  # equal column norms keep NNLS well conditioned
+    solution, _ = scipy.optimize.nnls(design / scale, np.ones_like(seconds))
+    latency_s, seconds_per_byte = solution / scale
+    if latency_s <= 0 or seconds_per_byte <= 0:
+        raise HardwareError(f"collective timings {seconds.tolist()} s at bus bytes {bus_bytes.tolist()} do not grow "
+                            "with size past a fixed latency: the machine was busy; calibrate again on a quiet machine")
+    fitted = CollectiveCost(latency_s=float(latency_s), bus_bandwidth_bytes_per_s=float(1 / seconds_per_byte))
+    correction = SizeCurve(points=tuple(sorted((float(x), float(t / fitted.time_s(x)))
+                                               for x, t in zip(bus_bytes, seconds))))
+    return dataclasses.replace(fitted, correction=correction)
+
+
+# Measuring: runs on every rank of the spawned world.
+
+def time_matmul_s(m: int, k: int, n: int, dtype: str, device: torch.device, repeats: int) -> float:
+    """Median seconds of one (m x k) @ (k x n) matmul."""
+    a = torch.randn(m, k, dtype=getattr(torch, dtype), device=device)
+    b = torch.randn(k, n, dtype=getattr(torch, dtype), device=device)
+    return _median_call_s(lambda: torch.mm(a, b), device, repeats)
+
+
+def time_collective_s(kind: str, nbytes: int, device: torch.device, repeats: int) -> float:
+    """Median seconds of one collective of `kind` over a full float32 buffer of `nbytes`, all ranks starting together."""
+    world_size = dist.get_world_size()
+    if nbytes % (4 * world_size):
+        raise ValueError(f"{nbytes} bytes do not split into {world_size} float32 shards")
+    full = torch.zeros(nbytes // 4, device=device)
+    shard = torch.zeros(nbytes // 4 // world_size, device=device)
+    if kind == "all_reduce":
+        call = lambda: dist.all_reduce(full)  # noqa: E731
+    else:
+        function = getattr(dist, _SINGLE_NAMES[kind], None) or getattr(dist, kind)
+        output, input = (full, shard) if kind == "all_gather_into_tensor" else (shard, full)
+        call = lambda: function(output, input)  # noqa: E731
+    call()  # the first call of a size sets up buffers and connections
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        _synchronize(device)
+        start = time.perf_counter()
+        call()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _collective_repeats(nbytes: int, repeats: int) -> int:
+    """Small collectives are cheap and noisy: time them until ~16 MiB have moved, at most 50 times."""
+    return max(repeats, min(50, 16 * _MIB // nbytes))
+
+
+def _median_call_s(call, device: torch.device, repeats: int) -> float:
+    """Median over `repeats` timings of a loop of calls long enough to time (_MIN_TIMING_S)."""
+    _synchronize(device)
+    start = time.perf_counter()
+    call()  # warm up, and a first guess of one call's time
+    _synchronize(device)
+    calls = max(1, math.ceil(_MIN_TIMING_S / (time.perf_counter() - start)))
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        _synchronize(device)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure(device: torch.device, report, sweep: Sweep) -> Measurements:
+    """The calibration job of one rank (see run_world)."""
+    matmul_s = {}
+    for dtype in sweep.dtypes:
+        points = []
+        for n in sweep.matmul_sizes:
+            dist.barrier()  # every rank computes at once, as in training
+            points.append((2.0 * n**3, time_matmul_s(n, n, n, dtype, device, sweep.repeats)))
+            report(f"matmul {dtype} n={n}")
+        matmul_s[dtype] = tuple(points)
+    source = torch.empty(sweep.copy_bytes // 4, device=device)
+    target = torch.empty_like(source)
+    dist.barrier()
+    copy_s = _median_call_s(lambda: target.copy_(source), device, sweep.repeats)
+    report(f"copy {format_bytes(sweep.copy_bytes)}")
+    del source, target
+    # Inputs that require grad: forward ops in training also record the autograd graph.
+    one = torch.ones(1, device=device, requires_grad=True)
+    op_overhead_s = _median_call_s(lambda: one + one, device, sweep.repeats)
+    report("op overhead")
+    collective_s = {}
+    for kind in COLLECTIVES:
+        points = []
+        for nbytes in sweep.collective_sizes_bytes:
+            points.append((nbytes, time_collective_s(kind, nbytes, device, _collective_repeats(nbytes, sweep.repeats))))
+            report(f"{kind} {format_bytes(nbytes)}")
+        collective_s[kind] = tuple(points)
+    on_cpu = device.type == "cpu"
+    return Measurements(
+        device_name=_cpu_name() if on_cpu else torch.cuda.get_device_name(device),
+        backend=dist.get_backend(), world_size=dist.get_world_size(),
+        # CPU ranks share the host's memory; a GPU rank owns its device.
+        device_memory_bytes=(_host_memory_bytes() // dist.get_world_size() if on_cpu
+                             else torch.cuda.get_device_properties(device).total_memory),
+        devices_per_node=os.cpu_count() if on_cpu else torch.cuda.device_count(),
+        matmul_s=matmul_s, copy_bytes=sweep.copy_bytes, copy_s=copy_s, op_overhead_s=op_overhead_s,
+        collective_s=collective_s)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass  # not Linux: fall back to what platform knows
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# The spawned world.
+
+def run_world(job, args: tuple = (), *, world_size: int, backend: str, total_steps: int, progress: bool = True,
+              description: str = ""):
+    """Run `job(device, report, *args)` on `world_size` spawned ranks; return rank 0's result.
+
+    `job` must be a module-level function (spawn pickles it). Rank 0 calls `report(text)` after
+    each of `total_steps` steps, which advances a progress bar here when `progress`.
+    """
+    queue = mp.get_context("spawn").Queue()
+    context = mp.spawn(_rank_main, args=(world_size, _free_port(), backend, job, args, queue),
+                       nprocs=world_size, join=False)
+    result = None
+    with _progress_bar(progress, description, total_steps) as advance:
+        done = False
+        while not done:
+            done = context.join(timeout=0.1)  # raises, after stopping the others, if a rank failed
+            while not queue.empty():
+                kind, payload = queue.get()
+                if kind == "step":
+                    advance(payload)
+                else:
+                    result = payload
+    return result
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, job, args: tuple, queue) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)  # as ranks run on CPU: one core each
+        device = torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=_TIMEOUT_S))
+    try:
+        report = (lambda text: queue.put(("step", text))) if rank == 0 else (lambda text: None)
+        result = job(device, report, *args)
+        if rank == 0:
+            queue.put(("result", result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _choose_backend(backend: str | None, world_size: int) -> str:
+    if world_size < 2:
+        raise HardwareError(f"calibrating collectives needs at least 2 ranks, got world_size={world_size}: "
+                            "pass --world-size 2 or more")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and gpus < world_size:
+        fix = f"pass --world-size {gpus}, or " if gpus >= 2 else ""
+        raise HardwareError(f"NCCL calibration at world_size={world_size} needs {world_size} GPUs, this machine "
+                            f"has {gpus}: {fix}pass --backend gloo to measure the CPU")
+    if backend not in ("gloo", "nccl"):
+        raise HardwareError(f"unknown backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPUs)")
+    return backend
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def _progress_bar(show: bool, description: str, total_steps: int):
+    """Yields advance(text): a rich progress bar on stderr, or nothing when not `show`."""
+    if not show:
+        yield lambda text: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[step]}"))
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task(description, total=total_steps, step="")
+        yield lambda text: bar.update(task, advance=1, step=text)
