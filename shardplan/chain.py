@@ -56,6 +56,9 @@ class BlockChain:
     inputs: tuple["InputSpec", ...]
     input_bytes: int
     """Bytes of the example inputs (one replica's batch)."""
+    returned_bytes: int = 0
+    """Bytes of the model's outputs that autograd does not save (e.g. a Hugging Face model's
+    logits beside its loss): held by the caller from the end of forward through backward."""
     extra: dict = field(default_factory=dict)
     """Free-form facts for reports (node count, capture method, seconds spent)."""
 

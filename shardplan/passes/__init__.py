@@ -1,0 +1,49 @@
+"""The analysis passes, in the order they run, and `analyze`: model → BlockChain.
+
+Each pass reads the graph and writes node.meta["shardplan"]; none runs real
+kernels on real data.
+"""
+import functools
+import time
+
+import torch
+
+from ..capture import capture
+from ..chain import BlockChain, InputSpec
+from .blocks import build_chain
+from .devices import retarget_meta_to_cpu_pass
+from .execution import annotate_execution_pass
+from .ownership import annotate_ownership_pass
+
+
+def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
+            dynamic_dims: dict | None = None) -> BlockChain:
+    """Capture `model` and reduce it to an annotated chain of blocks.
+
+    >>> from shardplan import zoo
+    >>> entry = zoo.gpt()
+    >>> [b.name for b in analyze(entry.model, entry.args, entry.kwargs).blocks]
+    ['wte', 'h.0', 'h.1', 'h.2', 'h.3', 'ln_f', 'lm_head']
+    """
+    example_kwargs = dict(example_kwargs or {})
+    start = time.perf_counter()
+    captured = capture(model, example_inputs, example_kwargs, dynamic_dims)
+    passes = [
+        retarget_meta_to_cpu_pass,
+        annotate_ownership_pass,
+        functools.partial(annotate_execution_pass, args=tuple(example_inputs), kwargs=example_kwargs),
+    ]
+    for annotate in passes:
+        annotate(captured.gm)
+    inputs = input_specs(example_inputs, example_kwargs, dynamic_dims)
+    return build_chain(captured.gm, inputs, {"capture": captured.method, "model": type(model).__name__,
+                                              "capture_s": round(captured.seconds, 3),
+                                              "analyze_s": round(time.perf_counter() - start, 3)})
+
+
+def input_specs(args: tuple, kwargs: dict, dynamic_dims: dict | None = None) -> tuple[InputSpec, ...]:
+    named = [(str(i), value) for i, value in enumerate(args)] + list(kwargs.items())
+    dynamic_dims = dynamic_dims or {}
+    return tuple(InputSpec(name=name, shape=tuple(value.shape), dtype=str(value.dtype).removeprefix("torch."),
+                           dynamic_dims=tuple(sorted(dynamic_dims.get(name, {}))))
+                 for name, value in named if isinstance(value, torch.Tensor))

@@ -1,0 +1,173 @@
+"""Group the annotated graph into a chain of blocks at module boundaries.
+
+A block is what FSDP users wrap by hand: one element of a layer container
+(`h.3`, `model.layers.12`), or one top-level module beside the layers (the
+embedding, the final norm, the head). Blocks without parameters (a rotary
+embedding, the loss) join their neighbour, so every block is worth a unit.
+"""
+import hashlib
+import re
+
+import networkx as nx
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..chain import Block, BlockChain, InputSpec
+from .facts import facts, is_compute
+
+_LAYER_INDEX = re.compile(r"^\d+$")
+
+
+def block_name(module_path: str, outer_depth: int) -> str:
+    """The layer a module belongs to (`h.3.attn.qkv` → `h.3`), else its ancestor at `outer_depth`."""
+    parts = module_path.split(".") if module_path else []
+    for depth, part in enumerate(parts):
+        if _LAYER_INDEX.match(part):
+            return ".".join(parts[:depth + 1])
+    return ".".join(parts[:outer_depth])
+
+
+def _outer_depth(paths) -> int:
+    """Depth of the modules beside the layers: one less than the shallowest layer's depth."""
+    depths = [len(block_name(path, 0).split(".")) for path in paths if block_name(path, 0)]
+    return max(min(depths) - 1, 1) if depths else 1
+
+
+def group_nodes(gm: torch.fx.GraphModule) -> list[tuple[str, list[torch.fx.Node]]]:
+    """Consecutive compute nodes with the same block name, parameterless groups merged into a neighbour."""
+    compute = [n for n in gm.graph.nodes if is_compute(n)]
+    depth = _outer_depth({facts(n).module_path for n in compute})
+    groups: list[tuple[str, list[torch.fx.Node]]] = []
+    for node in compute:
+        name = block_name(facts(node).module_path, depth)
+        if groups and groups[-1][0] == name:
+            groups[-1][1].append(node)
+        else:
+            groups.append((name, [node]))
+    parameters = {name for name, _ in gm.named_parameters()}
+    return _merge_parameterless(groups, parameters)
+
+
+def _merge_parameterless(groups, parameters: set[str]):
+    """Groups that read no parameter of their own (buffers, tied weights read again) join a neighbour."""
+    seen: set[str] = set()
+
+    def has_params(nodes):
+        own = {p for n in nodes for p in facts(n).param_names if p in parameters} - seen
+        seen.update(own)
+        return bool(own)
+
+    merged: list[tuple[str, list]] = []
+    pending: list = []  # parameterless nodes before the first block with parameters
+    for name, nodes in groups:
+        if has_params(nodes):
+            if merged and merged[-1][0] == name:
+                merged[-1][1].extend(pending + nodes)
+            else:
+                merged.append((name, pending + nodes))
+            pending = []
+        elif merged:
+            merged[-1][1].extend(nodes)
+        else:
+            pending.extend(nodes)
+    if pending:
+        merged.append(("", pending))
+    return merged
+
+
+def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: dict) -> BlockChain:
+    """The BlockChain of an annotated graph (run the ownership and execution passes first)."""
+    groups = group_nodes(gm)
+    param_names = {name for name, _ in gm.named_parameters()}
+    block_of = {node: index for index, (_, nodes) in enumerate(groups) for node in nodes}
+    seen_params: set[str] = set()
+    seen_saved: set[int] = set()
+    flow = nx.DiGraph()
+    flow.add_nodes_from(range(len(groups)))
+    blocks = []
+    for index, (name, nodes) in enumerate(groups):
+        reads = [p for n in nodes for p in facts(n).param_names if p not in seen_params]
+        reads = list(dict.fromkeys(reads))
+        seen_params.update(reads)
+        tensors = {p: _attribute(gm, p) for p in reads}
+        saved = {sid: size for n in nodes for sid, size in facts(n).saved if sid not in seen_saved}
+        seen_saved.update(saved)
+        inputs_read = _storages(arg for n in nodes for arg in n.all_input_nodes
+                                if arg in block_of and block_of[arg] < index)
+        for arg in {arg for n in nodes for arg in n.all_input_nodes if arg in block_of and block_of[arg] < index}:
+            flow.add_edge(block_of[arg], index)
+        outputs_read = _storages(n for n in nodes if any(block_of.get(u, index) > index for u in n.users))
+        blocks.append(Block(
+            index=index, name=name, modules=tuple(dict.fromkeys(facts(n).module_path for n in nodes)),
+            param_names=tuple(p for p in reads if p in param_names),
+            param_numel=sum(t.numel() for p, t in tensors.items() if p in param_names),
+            param_bytes=sum(t.numel() * t.element_size() for p, t in tensors.items() if p in param_names),
+            buffer_bytes=sum(t.numel() * t.element_size() for p, t in tensors.items() if p not in param_names),
+            fwd_flops=sum(facts(n).fwd_flops for n in nodes),
+            bwd_flops=sum(facts(n).bwd_flops for n in nodes),
+            saved_bytes=sum(saved.values()), input_bytes=inputs_read, output_bytes=outputs_read,
+            fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
+            first_node=nodes[0].name, last_node=nodes[-1].name))
+    extra = dict(extra, skip_edges=sorted((i, j) for i, j in flow.edges if j > i + 1),
+                 nodes=len(gm.graph.nodes))
+    dtypes = sorted({str(p.dtype) for p in gm.parameters()})
+    return BlockChain(blocks=tuple(blocks), fingerprint=fingerprint(gm), param_dtype=dtypes[0] if dtypes else "",
+                      returned_bytes=facts(next(n for n in reversed(gm.graph.nodes) if n.op == "output")).out_bytes,
+                      inputs=inputs, input_bytes=sum(_numel(s.shape) * _itemsize(s.dtype) for s in inputs),
+                      extra=extra)
+
+
+def _attribute(gm: torch.fx.GraphModule, target: str) -> torch.Tensor:
+    """A parameter, buffer or constant tensor of the graph by its dotted name."""
+    value = gm
+    for name in target.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def _storages(nodes) -> int:
+    """Bytes of the distinct storages behind these nodes' outputs (views of one tensor count once)."""
+    sizes = {}
+    for node in nodes:
+        for value in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor):
+                sizes[StorageWeakRef(value.untyped_storage())] = value.untyped_storage().nbytes()
+    return sum(sizes.values())
+
+
+def _fwd_transient(nodes) -> int:
+    start = facts(nodes[0]).fwd_live_before_bytes
+    return max(max(facts(n).fwd_peak_live_bytes for n in nodes) - start, 0)
+
+
+def _bwd_transient(nodes) -> int:
+    ran = [facts(n) for n in nodes if facts(n).bwd_order >= 0]
+    if not ran:
+        return 0
+    start = min(ran, key=lambda f: f.bwd_order).bwd_live_before_bytes
+    return max(max(f.bwd_peak_live_bytes for f in ran) - start, 0)
+
+
+def fingerprint(gm: torch.fx.GraphModule) -> str:
+    """Hash of the graph's ops, wiring, owning modules and tensor shapes: stable across runs and ranks."""
+    digest = hashlib.sha256()
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        digest.update(repr((node.op, str(node.target), facts(node).module_path,
+                            [a.name for a in node.all_input_nodes], shape)).encode())
+    for name, param in sorted(gm.named_parameters()):
+        digest.update(repr((name, tuple(param.shape), str(param.dtype))).encode())
+    return digest.hexdigest()[:16]
+
+
+def _numel(shape) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype.removeprefix("torch.")).itemsize

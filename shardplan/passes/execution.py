@@ -1,0 +1,216 @@
+"""Run the graph once, forward and backward, on fake tensors, and write what it cost.
+
+Nothing runs on real data: parameters and inputs are fake CPU tensors (shapes,
+dtypes and storages without memory), so a 70B model is analyzed on a laptop.
+Fake CPU rather than meta tensors, so that every op dispatches to the kernel
+eager CPU training runs (attention picks the same variant, whose FLOPs count
+differently from the math fallback), and device moves in the model work. Three things are observed at once:
+
+- FLOPs, by torch.utils.flop_counter, attributed to the node that ran (forward)
+  or whose autograd node ran (backward);
+- what autograd saves for backward (saved_tensors_hooks), by storage;
+- activation bytes live after every op (a dispatch mode that follows each
+  output storage until it is freed), for the transient peaks.
+
+Parameter gradients are dropped as soon as they are accumulated, as a sharded
+runtime hands them to reduce-scatter: the gradient state is the cost model's
+to count, not the activations'.
+"""
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from .facts import update_facts
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Follows every storage an op allocates until it is freed; `live_bytes` is their sum."""
+
+    def __init__(self, ignored: set):
+        super().__init__()
+        self.ignored = ignored
+        """Storage keys never counted: parameters, buffers, inputs."""
+        self.tracked: dict[StorageWeakRef, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        """Highest live_bytes since the last `reset_peak`."""
+
+    def reset_peak(self) -> None:
+        self._sweep()
+        self.peak_bytes = self.live_bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                key = StorageWeakRef(tensor.untyped_storage())
+                if key not in self.tracked and key not in self.ignored:
+                    size = tensor.untyped_storage().nbytes()
+                    self.tracked[key] = size
+                    self.live_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return out
+
+    def _sweep(self) -> None:
+        freed = [key for key in self.tracked if key.expired()]
+        for key in freed:
+            self.live_bytes -= self.tracked.pop(key)
+
+
+class _StorageIds:
+    """Small stable integers for storages, in order of first sight (deterministic facts)."""
+
+    def __init__(self):
+        self.ids: dict[StorageWeakRef, int] = {}
+
+    def __call__(self, tensor: torch.Tensor) -> int:
+        return self.ids.setdefault(StorageWeakRef(tensor.untyped_storage()), len(self.ids))
+
+
+def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """Write out_bytes, fwd/bwd FLOPs, saved storages and live-byte marks on every node."""
+    meta = _FakeState(gm)
+    flat_inputs = [meta.stand_in(t) if isinstance(t, torch.Tensor) else t
+                   for t in _flatten_inputs(gm, args, kwargs)]
+    meta.ignored.update(StorageWeakRef(t.untyped_storage()) for t in flat_inputs if isinstance(t, torch.Tensor))
+    live = _LiveStorages(meta.ignored)
+    storage_id = _StorageIds()
+    counter = FlopCounterMode(display=False)
+    grad_fn_owner: dict[torch.autograd.graph.Node, torch.fx.Node] = {}
+    current: list[torch.fx.Node] = []
+    saved: dict[torch.fx.Node, dict[int, int]] = {}
+
+    def pack(tensor: torch.Tensor):
+        key = StorageWeakRef(tensor.untyped_storage())
+        if current and key not in meta.ignored:
+            saved.setdefault(current[-1], {})[storage_id(tensor)] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    class Runner(torch.fx.Interpreter):
+        def fetch_attr(self, target: str):
+            return meta.tensor(target)
+
+        def run_node(self, node):
+            current.append(node)
+            live.reset_peak()
+            flops_before, live_before = counter.get_total_flops(), live.live_bytes
+            result = super().run_node(node)
+            for tensor in pytree.tree_leaves(result):
+                if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+                    grad_fn_owner.setdefault(tensor.grad_fn, node)
+            update_facts(node, fwd_flops=counter.get_total_flops() - flops_before,
+                         out_bytes=max(live.live_bytes - live_before, 0),
+                         fwd_live_before_bytes=live_before, fwd_peak_live_bytes=live.peak_bytes,
+                         saved=tuple(sorted(saved.get(node, {}).items())))
+            current.pop()
+            return result
+
+    # The fake mode is entered first so that it is innermost: the counting modes see each op before it.
+    with meta.fake_mode:
+        with counter, live, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            outputs = Runner(gm).run(*flat_inputs)
+        saved_ids = {sid for node_saved in saved.values() for sid in node_saved}
+        returned = {storage_id(t): t.untyped_storage().nbytes() for t in pytree.tree_leaves(outputs)
+                    if isinstance(t, torch.Tensor)}
+        output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        update_facts(output_node, out_bytes=sum(size for sid, size in returned.items() if sid not in saved_ids))
+        loss = _loss_of(outputs)
+        _run_backward(loss, grad_fn_owner, counter, live, meta)
+
+
+def _run_backward(loss, grad_fn_owner, counter, live, meta) -> None:
+    """Backward on meta tensors; each autograd node's FLOPs and live peak go to its fx node."""
+    order: list[torch.fx.Node] = []
+    marks: dict[torch.fx.Node, dict] = {}
+    running: list = [None, 0]  # the fx node whose backward runs now, FLOPs counted before it began
+
+    def close_running() -> None:
+        node, flops_before = running
+        if node is not None:
+            mark = marks[node]
+            mark["bwd_flops"] += counter.get_total_flops() - flops_before
+            mark["bwd_peak_live_bytes"] = max(mark["bwd_peak_live_bytes"], live.peak_bytes)
+
+    def on_backward_start(node):
+        def hook(grad_outputs):
+            close_running()
+            live.reset_peak()
+            if node not in marks:
+                order.append(node)
+                marks[node] = {"bwd_flops": 0, "bwd_live_before_bytes": live.live_bytes,
+                               "bwd_peak_live_bytes": live.live_bytes}
+            running[:] = [node, counter.get_total_flops()]
+        return hook
+
+    for grad_fn, node in grad_fn_owner.items():
+        grad_fn.register_prehook(on_backward_start(node))
+    for param in meta.params_requiring_grad():
+        param.register_post_accumulate_grad_hook(_drop_grad)
+    with counter, live:
+        loss.backward()
+        close_running()
+    for position, node in enumerate(order):
+        update_facts(node, bwd_order=position, **marks[node])
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
+
+
+class _FakeState:
+    """Fake CPU stand-ins for the graph's parameters, buffers and inputs, made once each."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.gm = gm
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.ignored: set[StorageWeakRef] = set()
+        """Storages that are not activations: parameters, buffers, inputs."""
+
+    def stand_in(self, real: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+        with self.fake_mode:
+            fake = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="cpu")
+        if requires_grad:
+            fake.requires_grad_(True)
+        self.ignored.add(StorageWeakRef(fake.untyped_storage()))
+        return fake
+
+    def tensor(self, target: str) -> torch.Tensor:
+        if target not in self.tensors:
+            real = self.gm
+            for attr in target.split("."):
+                real = getattr(real, attr)
+            if not isinstance(real, torch.Tensor):
+                return real  # a submodule, such as export's input-guard check
+            trainable = isinstance(real, torch.nn.Parameter) and real.requires_grad
+            self.tensors[target] = self.stand_in(real, requires_grad=trainable)
+        return self.tensors[target]
+
+    def params_requiring_grad(self):
+        return [t for t in self.tensors.values() if t.requires_grad]
+
+
+def _flatten_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
+    """The inputs in the order of the graph's placeholders."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        import torch.fx._pytree as fx_pytree
+        return list(fx_pytree.tree_flatten_spec((tuple(args), kwargs), info.in_spec))
+    return list(args) + list(kwargs.values())
+
+
+def _loss_of(outputs) -> torch.Tensor:
+    """The model's loss: its first scalar floating output; else the sum of its floating outputs."""
+    leaves = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    scalars = [t for t in leaves if t.dim() == 0 and t.is_floating_point()]
+    if scalars:
+        return scalars[0]
+    if not leaves:
+        from ..errors import CaptureError
+        raise CaptureError("the model's outputs do not depend on any parameter: nothing to train")
+    return sum(t.float().sum() for t in leaves)

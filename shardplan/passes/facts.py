@@ -1,0 +1,48 @@
+"""The one metadata namespace passes write: node.meta["shardplan"], a frozen NodeFacts.
+
+Frozen because torch.fx copies `meta` shallowly: a pass replaces the facts with
+`dataclasses.replace`, it never mutates them in place.
+"""
+import dataclasses
+from dataclasses import dataclass
+
+import torch.fx
+
+KEY = "shardplan"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeFacts:
+    module_path: str = ""
+    """Deepest module whose forward produced this node ("" for the model's root)."""
+    param_names: tuple[str, ...] = ()
+    """Parameters (and buffers) this node reads directly."""
+    out_bytes: int = 0
+    """Bytes of the storages this node's outputs newly allocate (0 for views)."""
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    saved: tuple[tuple[int, int], ...] = ()
+    """(storage id, bytes) of activations autograd saved while running this node."""
+    fwd_live_before_bytes: int = 0
+    """Activation bytes live (allocated by earlier ops, not yet freed) when this node began."""
+    fwd_peak_live_bytes: int = 0
+    """Most activation bytes live while this node ran."""
+    bwd_order: int = -1
+    """Position of this node's backward in the backward pass (-1: it has none)."""
+    bwd_live_before_bytes: int = 0
+    bwd_peak_live_bytes: int = 0
+
+
+def facts(node: torch.fx.Node) -> NodeFacts:
+    return node.meta.get(KEY) or NodeFacts()
+
+
+def update_facts(node: torch.fx.Node, **changes) -> None:
+    node.meta[KEY] = dataclasses.replace(facts(node), **changes)
+
+
+def is_compute(node: torch.fx.Node) -> bool:
+    """An op of the model (not an input, output, attribute, or export's input-guard check)."""
+    if node.op == "call_module" and str(node.target).startswith("_guards"):
+        return False
+    return node.op in ("call_function", "call_method", "call_module")
