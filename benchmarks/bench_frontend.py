@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardplan import zoo
 from shardplan.passes import analyze
 
-SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama"]
+SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama", "hf-bert", "hf-t5", "hf-mixtral"]
 
 
 def measured(entry: zoo.ZooModel) -> tuple[int, int]:

@@ -173,7 +173,7 @@ def encoder_decoder(batch: int = 4, seq: int = 16, device="cpu") -> ZooModel:
 def _hf_causal_lm(config, batch: int, seq: int, device) -> ZooModel:
     import transformers
 
-    config.use_cache = False
+    config.use_cache = False  # export cannot capture the KV cache object; training needs none
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config)
         ids = torch.randint(0, config.vocab_size, (batch, seq))
@@ -184,6 +184,7 @@ def hf_gpt2(n_layer: int = 2, d_model: int = 64, batch: int = 2, seq: int = 32, 
     import transformers
 
     config = transformers.GPT2Config(n_layer=n_layer, n_embd=d_model, n_head=4, vocab_size=512,
+                                     bos_token_id=0, eos_token_id=0,
                                      n_positions=max(seq, 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return _hf_causal_lm(config, batch, seq, device)
 
@@ -195,6 +196,44 @@ def hf_llama(n_layer: int = 2, d_model: int = 64, ffn: int = 172, heads: int = 4
     config = transformers.LlamaConfig(num_hidden_layers=n_layer, hidden_size=d_model, intermediate_size=ffn,
                                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                                       max_position_embeddings=max(seq, 64))
+    return _hf_causal_lm(config, batch, seq, device)
+
+
+def hf_bert(n_layer: int = 2, d_model: int = 64, batch: int = 2, seq: int = 32, device="cpu") -> ZooModel:
+    """BERT for masked language modelling (labels = inputs: every token is a target)."""
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=512, hidden_size=d_model, num_hidden_layers=n_layer,
+                                     num_attention_heads=4, intermediate_size=2 * d_model,
+                                     max_position_embeddings=max(seq, 64),
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    with torch.device(device):
+        model = transformers.BertForMaskedLM(config)
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+    return ZooModel(model, (ids,), {"labels": ids})
+
+
+def hf_t5(n_layer: int = 2, d_model: int = 64, batch: int = 2, seq: int = 32, device="cpu") -> ZooModel:
+    """T5: an encoder-decoder whose encoder output feeds every decoder block."""
+    import transformers
+
+    config = transformers.T5Config(vocab_size=512, d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model,
+                                   num_layers=n_layer, num_heads=4, dropout_rate=0.0, use_cache=False,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    with torch.device(device):
+        model = transformers.T5ForConditionalGeneration(config)
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+    return ZooModel(model, (ids,), {"labels": ids})
+
+
+def hf_mixtral(n_layer: int = 2, d_model: int = 64, batch: int = 2, seq: int = 32, device="cpu") -> ZooModel:
+    """Mixtral: mixture-of-experts layers (4 experts, top-2 routing)."""
+    import transformers
+
+    config = transformers.MixtralConfig(vocab_size=512, hidden_size=d_model, intermediate_size=2 * d_model,
+                                        num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2,
+                                        num_local_experts=4, num_experts_per_tok=2,
+                                        max_position_embeddings=max(seq, 64))
     return _hf_causal_lm(config, batch, seq, device)
 
 
@@ -215,6 +254,9 @@ ZOO = {
     "encoder-decoder": encoder_decoder,
     "hf-gpt2": hf_gpt2,
     "hf-llama": hf_llama,
+    "hf-bert": hf_bert,
+    "hf-t5": hf_t5,
+    "hf-mixtral": hf_mixtral,
     "llama-7b": llama_7b,
     "llama-70b": llama_70b,
 }

@@ -8,7 +8,7 @@ from shardplan import CaptureError, zoo
 from shardplan.passes import analyze
 from shardplan.passes.blocks import block_name
 
-SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama"]
+SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama", "hf-bert", "hf-t5", "hf-mixtral"]
 
 
 def _loss(output):
