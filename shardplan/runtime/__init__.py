@@ -1,0 +1,52 @@
+"""The runtime: run a Plan on every rank (see the runtime section of DESIGN.md).
+
+    flat_param.py    where each parameter sits in a unit's flat padded buffer
+    collectives.py   every torch.distributed call (all_gather, reduce_scatter, all_reduce, broadcast)
+    unit.py          one unit's state machine: shard, gathered buffer, gradient reduction
+    scheduler.py     when units are gathered, presented, released, prefetched and reduced
+    checkpointing.py activation checkpointing of a unit's modules (both backends)
+    program.py       Program: step / micro-batches / loss / clip_grad_norm_, backend-independent
+    sharded.py       backend="shardplan": building the units from the model and the plan
+    fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard
+"""
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..errors import ShardplanError
+from ..plan import Plan
+from .program import Program
+
+BACKENDS = ("shardplan", "fsdp2")
+
+
+def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None, backend: str = "shardplan",
+                device: torch.device | str | None = None) -> Program:
+    """Shard `model` as `plan` says and return the Program that trains it; call on every rank.
+
+    Call after torch.distributed.init_process_group, with the same plan on every rank. The model
+    may live on the meta device: each unit is then initialized by its modules' reset_parameters()
+    and only this rank's shard is kept. `device` defaults to the current CUDA device under NCCL,
+    else CPU.
+
+    >>> program = parallelize(model, plan)                          # doctest: +SKIP
+    >>> optimizer = torch.optim.AdamW(program.parameters(), lr=3e-4)  # doctest: +SKIP
+    >>> loss = program.step(ids, labels=ids)                         # doctest: +SKIP
+    >>> optimizer.step(); optimizer.zero_grad()                      # doctest: +SKIP
+    """
+    from . import collectives
+
+    collectives.world()
+    collectives.check_same_on_all_ranks(plan.to_json(), "plans")
+    device = torch.device(device) if device is not None else collectives.default_device()
+    if backend == "shardplan":
+        from .sharded import ShardedProgram
+        return ShardedProgram(model, plan, loss_fn, device)
+    if backend == "fsdp2":
+        from .fsdp2 import Fsdp2Program
+        return Fsdp2Program(model, plan, loss_fn, device)
+    raise ShardplanError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+
+
+__all__ = ["parallelize", "Program", "BACKENDS"]

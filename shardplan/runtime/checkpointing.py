@@ -1,0 +1,46 @@
+"""Activation checkpointing of a unit's modules, the same for both backends.
+
+A module's instance `forward` is replaced by a checkpointed call of the
+original (the module class and its parameter names are untouched, unlike
+`checkpoint_wrapper`). Each module of a unit is checkpointed on its own: only
+its inputs are kept, and it is recomputed in backward just before its
+gradient is needed.
+"""
+import functools
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..plan import Checkpoint
+
+_aten = torch.ops.aten
+SAVED_BY_SELECTIVE = tuple(getattr(_aten, name).default for name in (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention") if hasattr(_aten, name))
+"""Ops whose outputs SELECTIVE keeps: the matmul-like ones, costly to recompute and few; every
+elementwise op, norm and activation between them is recomputed."""
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def checkpointed(forward: Callable, kind: Checkpoint) -> Callable:
+    """`forward` recomputed in backward as `kind` says (non-reentrant torch.utils.checkpoint)."""
+    if kind is Checkpoint.NONE:
+        return forward
+    options = {"use_reentrant": False}
+    if kind is Checkpoint.SELECTIVE:
+        options["context_fn"] = _selective_contexts
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        # kwargs bound first so a module keyword can never collide with checkpoint's own options
+        return checkpoint(functools.partial(forward, **kwargs), *args, **options)
+    return run

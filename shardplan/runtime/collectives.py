@@ -1,0 +1,126 @@
+"""Every call the runtime makes into torch.distributed: free functions returning small named tuples.
+
+This is the only module of shardplan that talks to the process group, so the
+communication a step does can be read (and counted) in one place.
+
+[Note: averaging] gloo has no ReduceOp.AVG, so gradients are divided by the
+group size before a SUM reduction; dividing first also keeps a low-precision
+reduce dtype from overflowing.
+"""
+import datetime
+import hashlib
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RuntimeMismatchError, ShardplanError
+
+
+class World(NamedTuple):
+    rank: int
+    size: int
+
+
+class Pending(NamedTuple):
+    """An issued collective: `output` holds the result once `work` has been waited on."""
+
+    output: torch.Tensor
+    work: dist.Work | None
+    """None when the collective already completed (synchronous, or a group of one)."""
+
+
+def world() -> World:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ShardplanError("torch.distributed is not initialized: call "
+                             "torch.distributed.init_process_group(...) on every rank (torchrun does the "
+                             "environment) before shardplan.parallelize")
+    return World(dist.get_rank(), dist.get_world_size())
+
+
+def default_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=60)
+
+
+def wait(pending: Pending) -> torch.Tensor:
+    if pending.work is not None:
+        pending.work.wait()
+    return pending.output
+
+
+def all_gather(shard: torch.Tensor, *, async_op: bool) -> Pending:
+    """Concatenate every rank's `shard` (1-D, same numel everywhere) in rank order."""
+    size = dist.get_world_size()
+    output = shard.new_empty(shard.numel() * size)
+    if size == 1:
+        return Pending(output.copy_(shard), None)
+    work = dist.all_gather_single(output, shard, async_op=async_op)
+    return Pending(output, work if async_op else None)
+
+
+def reduce_scatter_mean(full: torch.Tensor, *, async_op: bool) -> Pending:
+    """Average `full` (1-D, numel divisible by the world size) over ranks; keep this rank's slice.
+
+    `full` is divided in place (see [Note: averaging])."""
+    size = dist.get_world_size()
+    full.div_(size)
+    output = full.new_empty(full.numel() // size)
+    if size == 1:
+        return Pending(output.copy_(full), None)
+    work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, async_op=async_op)
+    return Pending(output, work if async_op else None)
+
+
+def all_reduce_mean(full: torch.Tensor, *, async_op: bool) -> Pending:
+    """Average `full` over ranks, in place (see [Note: averaging])."""
+    size = dist.get_world_size()
+    full.div_(size)
+    if size == 1:
+        return Pending(full, None)
+    work = dist.all_reduce(full, op=dist.ReduceOp.SUM, async_op=async_op)
+    return Pending(full, work if async_op else None)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_(tensor: torch.Tensor, source_rank: int = 0) -> torch.Tensor:
+    """Overwrite `tensor` on every rank with `source_rank`'s values (in place)."""
+    if dist.get_world_size() > 1:
+        dist.broadcast(tensor, src=source_rank)
+    return tensor
+
+
+def check_same_on_all_ranks(text: str, what: str) -> None:
+    """Raise on every rank when the ranks were given different `text` (e.g. different plans)."""
+    digest = hashlib.sha256(text.encode()).digest()[:8]
+    mine = torch.tensor(list(digest), dtype=torch.int64)
+    highest, lowest = mine.clone(), -mine
+    all_reduce_max(highest)
+    all_reduce_max(lowest)
+    if not (torch.equal(highest, mine) and torch.equal(-lowest, mine)):
+        raise RuntimeMismatchError(f"ranks were given different {what} (rank {dist.get_rank()} of "
+                                   f"{dist.get_world_size()} differs): load the same plan file on every rank")
+
+
+def device_mesh(device_type: str, dp: int):
+    """The 1-D data-parallel mesh FSDP2 shards over."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (dp,))
+
+
+def default_device() -> torch.device:
+    """The current CUDA device when the process group runs NCCL, else CPU."""
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,85 @@
+"""backend="fsdp2": the same plan applied with PyTorch's FSDP2 (`fully_shard`) on the unit boundaries.
+
+It is the reference the shardplan runtime is measured against, and a real
+option. Units map onto fully_shard groups by their modules (a unit of several
+modules is one group); parameters owned by no unit module go to the root's
+group. FSDP2 has no ZeRO-1 or DDP mode inside fully_shard: SHARD_OPTIMIZER and
+REPLICATE units run as SHARD_GRAD_OP (the same arithmetic, with gradients and
+optimizer state sharded too), which this backend states rather than hides.
+"""
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from ..errors import PlanError, ShardplanError
+from ..plan import Plan, ShardStrategy
+from . import collectives
+from .checkpointing import checkpointed
+from .program import Program, grad_norm_term
+
+
+class Fsdp2Program(Program):
+    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
+        super().__init__(module, plan, loss_fn)
+        if plan.mesh.pp != 1:
+            raise ShardplanError(f"the plan pipelines over pp={plan.mesh.pp} stages; the fsdp2 backend runs "
+                                 "pp=1 plans only: re-plan without pipeline parallelism")
+        world = collectives.world()
+        if plan.mesh.dp != world.size:
+            raise ShardplanError(f"the plan is for dp={plan.mesh.dp} ranks but the process group has "
+                                 f"{world.size}: launch {plan.mesh.dp} ranks, or re-plan")
+        mesh = collectives.device_mesh(device.type, plan.mesh.dp)
+        param_dtype = getattr(torch, plan.mixed_precision.param_dtype)
+        reduce_dtype = getattr(torch, plan.mixed_precision.reduce_dtype)
+        precision = MixedPrecisionPolicy(param_dtype=None if param_dtype is torch.float32 else param_dtype,
+                                         reduce_dtype=None if reduce_dtype is torch.float32 else reduce_dtype)
+        modules = dict(module.named_modules())
+        on_meta = any(parameter.is_meta for parameter in module.parameters())
+        for unit in plan.units:
+            missing = [path for path in unit.modules if path not in modules]
+            if missing:
+                raise PlanError(f"unit {unit.name!r} names modules {missing} the model does not have: "
+                                "re-plan with this model")
+            targets = [modules[path] for path in unit.modules]
+            for target in targets:
+                target.forward = checkpointed(target.forward, unit.checkpoint)
+            offload = unit.offload and device.type != "cpu"  # on CPU the shard already lives in CPU memory
+            fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh,
+                        reshard_after_forward=unit.strategy is ShardStrategy.FULL_SHARD, mp_policy=precision,
+                        offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=precision)
+        if on_meta:
+            _initialize(module, device)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        return self.module(*args, **kwargs)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.module.parameters())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        state = {name: parameter.detach().full_tensor().clone() for name, parameter in self.module.named_parameters()}
+        state.update((name, buffer.detach().clone()) for name, buffer in self.module.named_buffers())
+        return state
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        self.module.set_requires_gradient_sync(enabled)
+
+    def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # every gradient is a Shard(0) DTensor over the one dp mesh: local parts are summed over ranks
+        local = [parameter.grad.to_local() for parameter in self.parameters() if parameter.grad is not None]
+        return grad_norm_term(local, norm_type), torch.zeros((), dtype=torch.float32)
+
+
+def _initialize(model: nn.Module, device: torch.device) -> None:
+    """Meta-device model: allocate the shards and run each module's own initialization on them."""
+    model.to_empty(device=device)
+    init_weights = getattr(model, "_init_weights", None)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            elif init_weights is not None and next(module.parameters(recurse=False), None) is not None:
+                init_weights(module)

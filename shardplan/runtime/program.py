@@ -1,0 +1,133 @@
+"""Program: a model trained under a plan on this rank, whatever backend runs it.
+
+What is common to both backends lives here: splitting a replica's batch into
+the plan's micro-batches, finding the loss in the model's output, averaging
+it, and gradient sync only on the last micro-batch. A backend supplies the
+forward, the gradient-sync switch, the local parameters and the norm.
+"""
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ..errors import RuntimeMismatchError, ShardplanError
+from ..plan import Plan
+from . import collectives
+
+
+class Program:
+    """Returned by `shardplan.parallelize`; call it on every rank.
+
+    >>> program = shardplan.parallelize(model, plan)               # doctest: +SKIP
+    >>> optimizer = torch.optim.AdamW(program.parameters(), lr=3e-4)  # doctest: +SKIP
+    >>> loss = program.step(ids, labels=ids); optimizer.step(); optimizer.zero_grad()  # doctest: +SKIP
+    """
+
+    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None):
+        self.module = module
+        self.plan = plan
+        self.loss_fn = loss_fn
+        """loss_fn(output, target): then the last positional argument of `step` is the target."""
+
+    # what a backend provides
+
+    def __call__(self, *args, **kwargs) -> Any:
+        """The model's forward on this rank's data, sharded as planned (pp == 1)."""
+        raise NotImplementedError
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's shards: give them to any torch.optim optimizer (its state is then sharded)."""
+        raise NotImplementedError
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, by its model name, and the buffers (a collective: call on every rank)."""
+        raise NotImplementedError
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        raise NotImplementedError
+
+    def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum over ranks is needed, already complete) parts of Σ|g|^p, or of max|g| for inf."""
+        raise NotImplementedError
+
+    # common
+
+    def train(self, mode: bool = True) -> "Program":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Program":
+        return self.train(False)
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of this rank's batch; returns the loss averaged over micro-batches and ranks.
+
+        Tensors of args and kwargs are split along dim 0 into the plan's micro-batches; gradients
+        are synchronized on the last one only (see [Note: gradient accumulation] in unit.py)."""
+        count = self.plan.schedule.num_micro_batches
+        micro_batches = split_micro_batches(args, kwargs, count)
+        total = torch.zeros((), dtype=torch.float32)
+        try:
+            for index, (micro_args, micro_kwargs) in enumerate(micro_batches):
+                self._set_gradient_sync(index == count - 1)
+                loss = self.loss(micro_args, micro_kwargs)
+                (loss / count).backward()
+                total += loss.detach().float().cpu()
+        finally:
+            self._set_gradient_sync(True)
+        return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
+
+    def loss(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        if self.loss_fn is not None:
+            if not args:
+                raise ShardplanError("with loss_fn, pass the target as the last positional argument of step()")
+            return self.loss_fn(self(*args[:-1], **kwargs), args[-1])
+        output = self(*args, **kwargs)
+        loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ShardplanError(f"the model returned {type(output).__name__}, not a scalar loss: return the "
+                                 "loss (or an output with .loss, as Hugging Face models do given labels), or "
+                                 "pass loss_fn=... to parallelize")
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale all gradients so their global norm (over every shard on every rank) is at most max_norm.
+
+        Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
+        to_reduce, complete = self._grad_norm_terms(norm_type)
+        if math.isinf(norm_type):
+            total = torch.maximum(collectives.all_reduce_max(to_reduce), complete)
+        else:
+            total = (collectives.all_reduce_sum(to_reduce) + complete) ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for parameter in self.parameters():
+            if parameter.grad is not None:
+                parameter.grad.mul_(coefficient.to(parameter.grad.device))
+        return total
+
+
+def grad_norm_term(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Σ|g|^p over `grads` (max|g| for the inf norm), in float32 on CPU."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    if math.isinf(norm_type):
+        return torch.stack([g.detach().abs().max().float().cpu() for g in grads]).max()
+    return torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type).cpu() ** norm_type
+                        for g in grads]).sum()
+
+
+def split_micro_batches(args: tuple, kwargs: dict, count: int) -> list[tuple[tuple, dict]]:
+    """Split every tensor of (args, kwargs) with a batch dim into `count` equal parts along dim 0."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    batch_sizes = sorted({leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0})
+    if count == 1:
+        return [(args, kwargs)]
+    if len(batch_sizes) != 1 or batch_sizes[0] % count:
+        raise RuntimeMismatchError(f"the plan splits each batch into {count} micro-batches along dim 0, but the "
+                                   f"inputs have batch sizes {batch_sizes}: pass one batch size divisible by "
+                                   f"{count}, or re-plan with another num_micro_batches")
+    parts = [leaf.chunk(count) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * count
+             for leaf in leaves]
+    return [pytree.tree_unflatten([part[index] for part in parts], spec) for index in range(count)]

@@ -1,0 +1,193 @@
+"""backend="shardplan": the plan's units as flat sharded buffers, run by the Scheduler.
+
+Building it: every parameter goes into its unit's flat buffer (see [Note: flat
+layout]); a unit on the meta device is first materialized with its modules'
+own initialization, one unit at a time, so only one unit is ever whole in
+memory; rank 0's values are broadcast (as DDP and FSDP's sync_module_states
+do) so ranks agree whatever their seeds; each rank keeps its slice and the
+module's own tensors are dropped. Then module forwards are wrapped so units
+are gathered where they are used (see [Note: unit choreography]).
+"""
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..errors import PlanError, ShardplanError
+from ..plan import Plan, ShardStrategy
+from . import collectives
+from .checkpointing import checkpointed
+from .flat_param import FlatLayout
+from .program import Program, grad_norm_term
+from .scheduler import Scheduler
+from .unit import FlatUnit
+
+
+class ShardedProgram(Program):
+    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
+        super().__init__(module, plan, loss_fn)
+        rank = collectives.world().rank
+        self.units = build_units(module, plan, rank, device)
+        modules = dict(module.named_modules())
+        self.scheduler = Scheduler(self.units, {unit: len(set(unit.spec.modules)) for unit in self.units})
+        _wrap_forwards(module, modules, self.units, self.scheduler)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        self.scheduler.begin_forward()
+        try:
+            with self.scheduler.saved_tensors_hooks():
+                return self.module(*args, **kwargs)
+        finally:
+            self.scheduler.end_forward()
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [unit.shard for unit in self.units]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(unit name, this rank's flat shard of it)."""
+        return [(unit.name, unit.shard) for unit in self.units]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        state = {}
+        for unit in self.units:
+            values = unit.full_values()
+            for name, piece in zip(unit.layout.names, unit.layout.split(values)):
+                state[name] = piece.clone()
+        state.update((name, buffer.detach().clone()) for name, buffer in self.module.named_buffers())
+        return state
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        self.scheduler.communicate = enabled
+
+    def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # a REPLICATE unit's gradient is the same on every rank: counted once, not summed over ranks
+        sharded = [u.shard.grad for u in self.units if u.shard.grad is not None
+                   and u.spec.strategy is not ShardStrategy.REPLICATE]
+        replicated = [u.shard.grad for u in self.units if u.shard.grad is not None
+                      and u.spec.strategy is ShardStrategy.REPLICATE]
+        return grad_norm_term(sharded, norm_type), grad_norm_term(replicated, norm_type)
+
+
+def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device) -> list[FlatUnit]:
+    named = dict(model.named_parameters())
+    _check_coverage(plan, named)
+    slots_of: dict[int, list[tuple[nn.Module, str]]] = {}
+    owners: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for attribute, parameter in module._parameters.items():
+            if parameter is not None:
+                slots_of.setdefault(id(parameter), []).append((module, attribute))
+                owners.setdefault(id(parameter), []).append(path)
+    compute_dtype = getattr(torch, plan.mixed_precision.param_dtype)
+    reduce_dtype = getattr(torch, plan.mixed_precision.reduce_dtype)
+    units = []
+    for spec in plan.units:
+        # slots are found by the original Parameter objects: materializing replaces them
+        slots = [(module, attribute, index) for index, name in enumerate(spec.params)
+                 for module, attribute in slots_of[id(named[name])]]
+        if any(named[name].is_meta for name in spec.params):
+            _materialize(model, spec.name, [owners[id(named[name])][0] for name in spec.params], device)
+        first_slots = {index: (module, attribute) for module, attribute, index in reversed(slots)}
+        parameters = [first_slots[index][0]._parameters[first_slots[index][1]] for index in range(len(spec.params))]
+        trainable = {parameter.requires_grad for parameter in parameters}
+        if len(trainable) > 1:
+            raise ShardplanError(f"unit {spec.name!r} mixes frozen and trainable parameters: one flat buffer has "
+                                 "one requires_grad; put frozen parameters in units of their own")
+        layout = FlatLayout.of(spec.name, list(zip(spec.params, parameters)), plan.mesh.dp)
+        with torch.no_grad():
+            flat = collectives.broadcast_(layout.flatten([p.detach().to(device) for p in parameters]))
+        shard, full = _keep_slice(spec.strategy, flat, layout, rank, spec.offload)
+        shard.requires_grad_(trainable == {True})
+        unit = FlatUnit(spec=spec, layout=layout, shard=shard, full=full, slots=slots, rank=rank,
+                        compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, device=device)
+        unit.release()  # the modules' own tensors give way to placeholders: only the shard stays
+        units.append(unit)
+    for name, buffer in model.named_buffers():
+        if buffer.is_meta:
+            raise ShardplanError(f"buffer {name!r} is still on the meta device after initialization: create "
+                                 "buffers on a real device (only parameters may start on meta), or give its "
+                                 "module a reset_parameters()")
+    for module in model.modules():  # buffers only: every parameter slot now holds a meta placeholder
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+    return units
+
+
+def _keep_slice(strategy: ShardStrategy, flat: torch.Tensor, layout: FlatLayout, rank: int,
+                offload: bool) -> tuple[nn.Parameter, torch.Tensor | None]:
+    """(what the optimizer steps, the persistent full buffer it is a slice of, if any)."""
+    home = torch.device("cpu") if offload else flat.device
+    if strategy is ShardStrategy.REPLICATE:
+        return nn.Parameter(flat.to(home)), None
+    if strategy is ShardStrategy.SHARD_OPTIMIZER:
+        full = flat.to(home)
+        return nn.Parameter(full[layout.shard_slice(rank)]), full
+    return nn.Parameter(flat[layout.shard_slice(rank)].to(home, copy=True)), None
+
+
+def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:
+    seen: dict[str, str] = {}
+    for unit in plan.units:
+        for name in unit.params:
+            if name not in named:
+                raise PlanError(f"unit {unit.name!r} lists parameter {name!r}, which the model does not have: "
+                                "the plan was made for another model; re-plan with this one")
+            if name in seen:
+                raise PlanError(f"parameter {name!r} is in units {seen[name]!r} and {unit.name!r}: "
+                                "a parameter belongs to exactly one unit")
+            seen[name] = unit.name
+    missing = sorted(set(named) - set(seen))
+    if missing:
+        raise PlanError(f"{len(missing)} parameters are in no unit of the plan (first: {missing[:3]}): "
+                        "the plan was made for another model; re-plan with this one")
+    if plan.mesh.pp != 1:
+        raise ShardplanError(f"the plan pipelines over pp={plan.mesh.pp} stages, which this runtime does not "
+                             "run yet: re-plan without pipeline parallelism (pp=1)")
+    world = collectives.world()
+    if plan.mesh.dp != world.size:
+        raise ShardplanError(f"the plan is for dp={plan.mesh.dp} ranks but the process group has "
+                             f"{world.size}: launch {plan.mesh.dp} ranks, or re-plan for world_size={world.size}")
+
+
+def _materialize(model: nn.Module, unit_name: str, owner_paths: list[str], device: torch.device) -> None:
+    """Give the owners of a meta unit's parameters real memory, initialized by their own code."""
+    modules = dict(model.named_modules())
+    init_weights = getattr(model, "_init_weights", None)  # Hugging Face models initialize per module
+    for path in dict.fromkeys(owner_paths):
+        module = modules[path]
+        module.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            elif init_weights is not None:
+                init_weights(module)
+            else:
+                raise ShardplanError(f"unit {unit_name!r}: module {path!r} ({type(module).__name__}) is on the "
+                                     "meta device and has no reset_parameters() to initialize it: add one, or "
+                                     "build the model on a real device")
+
+
+def _wrap_forwards(model: nn.Module, modules: dict[str, nn.Module], units: list[FlatUnit],
+                   scheduler: Scheduler) -> None:
+    """Wrap each module that a unit names or that owns a unit's parameter (see [Note: unit choreography])."""
+    unit_of_module = {path: unit for unit in units for path in unit.spec.modules}
+    for path in unit_of_module:
+        if path not in modules:
+            raise PlanError(f"unit {unit_of_module[path].name!r} names module {path!r}, which the model does "
+                            "not have: the plan was made for another model; re-plan with this one")
+    path_of = {id(module): path for path, module in modules.items()}
+    needed: dict[str, list[FlatUnit]] = {path: [unit] for path, unit in unit_of_module.items()}
+    for unit in units:
+        for module, _, _ in unit.slots:
+            users = needed.setdefault(path_of[id(module)], [])
+            if unit not in users:
+                users.append(unit)
+    for path, needed_units in needed.items():
+        module = modules[path]
+        if "forward" in module.__dict__:
+            raise ShardplanError(f"module {path!r} was already parallelized (its forward is wrapped): "
+                                 "call parallelize once per model")
+        own = unit_of_module.get(path)
+        forward = scheduler.wrap(module.forward, tuple(needed_units), path, own)
+        module.forward = checkpointed(forward, own.spec.checkpoint) if own is not None else forward

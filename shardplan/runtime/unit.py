@@ -1,0 +1,178 @@
+"""One unit at run time: its shard, its full buffer when gathered, and its gradient reduction.
+
+The unit is a small state machine (UnitState). What "gathered" means depends
+on the strategy:
+
+- FULL_SHARD, SHARD_GRAD_OP: the shard is 1/dp of the flat buffer; gathering
+  is an all_gather (in the compute dtype); the gradient is reduce-scattered.
+- SHARD_OPTIMIZER: every rank keeps the full fp32 buffer and the optimizer
+  steps only this rank's slice of it (`shard` is a view into `full`); the
+  gradient is all-reduced and sliced; after an optimizer step the slices are
+  all-gathered back into `full`, lazily, at the next use.
+- REPLICATE: `shard` is the whole buffer; the gradient is all-reduced.
+
+[Note: presenting parameters] The modules keep their own code: their
+parameter slots (`module._parameters[name]`) hold views of the gathered
+buffer while the unit is in use and meta-device placeholders of the right
+shape and dtype otherwise, so a stray use outside the runtime's control fails
+loudly instead of reading stale memory.
+"""
+import enum
+
+import torch
+import torch.nn as nn
+
+from ..plan import ShardStrategy, Unit
+from . import collectives
+from .collectives import Pending
+from .flat_param import FlatLayout
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    """Only the shard is held (for SHARD_OPTIMIZER / REPLICATE: the persistent buffer, no compute copy)."""
+    GATHERING = "gathering"
+    """An async all_gather into the full buffer is in flight."""
+    GATHERED = "gathered"
+    """The full buffer, in the compute dtype, is held and can be presented to the modules."""
+
+
+class FlatUnit:
+    def __init__(self, *, spec: Unit, layout: FlatLayout, shard: nn.Parameter, full: torch.Tensor | None,
+                 slots: list[tuple[nn.Module, str, int]], rank: int, compute_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, device: torch.device):
+        self.spec = spec
+        self.layout = layout
+        self.shard = shard
+        """What the optimizer steps (fp32): this rank's slice, or the whole buffer for REPLICATE."""
+        self.full = full
+        """SHARD_OPTIMIZER only: the persistent full buffer that `shard` is a slice of."""
+        self.slots = slots
+        """(module, attribute, index in layout) for every place a parameter is presented, ties included."""
+        self.rank = rank
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.device = device
+        """Where compute happens; the shard lives on CPU instead when the unit is offloaded."""
+        self.state = UnitState.SHARDED
+        self.views_epoch = -1
+        """The forward pass whose views are presented on the modules; -1 while placeholders are."""
+        self._buffer: torch.Tensor | None = None
+        """The full compute-dtype buffer while GATHERED."""
+        self._pending_gather: Pending | None = None
+        """The all_gather in flight while GATHERING."""
+        self._grad_accumulator: torch.Tensor | None = None
+        """Full reduce-dtype gradient summed over the micro-batches before the last (no communication)."""
+        self._pending_reduce: Pending | None = None
+        """The gradient reduction issued in backward, waited on before the next one or at the end."""
+        self._synced_version = shard._version
+        """SHARD_OPTIMIZER: shard version when `full` was last gathered; a step bumps it."""
+        self._placeholders = [torch.empty(layout.shapes[index], dtype=compute_dtype, device="meta")
+                              for _, _, index in slots]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the parameters exist only as shards between uses (so using them needs an all_gather)."""
+        return self.spec.strategy in (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP)
+
+    @property
+    def gathered_buffer_storage(self) -> int | None:
+        return self._buffer.untyped_storage().data_ptr() if self._buffer is not None else None
+
+    def prefetch(self) -> None:
+        """Start gathering without waiting (only sharded units need communication to gather)."""
+        if self.state is UnitState.SHARDED and self.sharded:
+            self._pending_gather = collectives.all_gather(self._compute_shard(), async_op=True)
+            self.state = UnitState.GATHERING
+
+    def gathered(self) -> torch.Tensor:
+        """The full buffer in the compute dtype, gathering (or waiting for a prefetch) if needed."""
+        if self.state is UnitState.GATHERING:
+            self._buffer = collectives.wait(self._pending_gather)
+            self._pending_gather = None
+        elif self.state is UnitState.SHARDED:
+            self._buffer = self._materialize()
+        self.state = UnitState.GATHERED
+        return self._buffer
+
+    def present(self, gathered: torch.Tensor, epoch: int) -> None:
+        """Put views of `gathered` (an autograd output) into the modules' parameter slots."""
+        views = self.layout.split(gathered)
+        for module, attribute, index in self.slots:
+            module._parameters[attribute] = views[index]
+        self.views_epoch = epoch
+
+    def release(self) -> None:
+        """Drop the full buffer (reshard); the modules get placeholders back."""
+        if self.state is UnitState.GATHERING:
+            collectives.wait(self._pending_gather)
+            self._pending_gather = None
+        for (module, attribute, _), placeholder in zip(self.slots, self._placeholders):
+            module._parameters[attribute] = placeholder
+        self._buffer = None
+        self.views_epoch = -1
+        self.state = UnitState.SHARDED
+
+    def reduce(self, grad_full: torch.Tensor, *, communicate: bool) -> None:
+        """Take the gradient of the full buffer: accumulate it locally, or issue its reduction.
+
+        [Note: gradient accumulation] Micro-batches before the last only add into a full-size
+        reduce-dtype accumulator: one buffer of the unit's padded numel per rank until the last
+        micro-batch, which reduces the sum once."""
+        grad = grad_full.to(self.reduce_dtype)
+        if self._grad_accumulator is not None:
+            grad = self._grad_accumulator.add_(grad)
+            self._grad_accumulator = None
+        if not communicate:
+            self._grad_accumulator = grad if grad is not grad_full else grad.clone()
+            return
+        if self.sharded:
+            self._pending_reduce = collectives.reduce_scatter_mean(grad, async_op=True)
+        else:
+            self._pending_reduce = collectives.all_reduce_mean(grad, async_op=True)
+
+    @property
+    def reducing(self) -> bool:
+        return self._pending_reduce is not None
+
+    def finish_reduction(self) -> None:
+        """Wait for the issued reduction and add its result into `shard.grad`."""
+        reduced = collectives.wait(self._pending_reduce)
+        self._pending_reduce = None
+        if self.spec.strategy is ShardStrategy.SHARD_OPTIMIZER:
+            reduced = reduced[self.layout.shard_slice(self.rank)]
+        reduced = reduced.to(device=self.shard.device, dtype=self.shard.dtype)
+        if self.shard.grad is None:
+            self.shard.grad = reduced.clone() if reduced._base is not None else reduced
+        else:
+            self.shard.grad.add_(reduced)
+
+    def full_values(self) -> torch.Tensor:
+        """The full fp32 buffer (a collective for sharded units: call on every rank)."""
+        if self.sharded:
+            return collectives.wait(collectives.all_gather(self.shard.detach(), async_op=False))
+        self._sync_full()
+        return (self.full if self.full is not None else self.shard).detach()
+
+    def _compute_shard(self) -> torch.Tensor:
+        return self.shard.detach().to(device=self.device, dtype=self.compute_dtype)
+
+    def _materialize(self) -> torch.Tensor:
+        if self.sharded:
+            return collectives.wait(collectives.all_gather(self._compute_shard(), async_op=False))
+        self._sync_full()
+        persistent = (self.full if self.full is not None else self.shard).detach()
+        return persistent.to(device=self.device, dtype=self.compute_dtype)
+
+    def _sync_full(self) -> None:
+        """SHARD_OPTIMIZER: after an optimizer step changed this rank's slice, gather every slice."""
+        if self.full is None or self.shard._version == self._synced_version:
+            return
+        gathered = collectives.wait(collectives.all_gather(self.shard.detach().clone(), async_op=False))
+        with torch.no_grad():
+            self.full.copy_(gathered)
+        self._synced_version = self.shard._version
