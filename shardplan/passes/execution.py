@@ -16,6 +16,8 @@ Parameter gradients are dropped as soon as they are accumulated, as a sharded
 runtime hands them to reduce-scatter: the gradient state is the cost model's
 to count, not the activations'.
 """
+import weakref
+
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
@@ -28,38 +30,41 @@ from .facts import update_facts
 
 
 class _LiveStorages(TorchDispatchMode):
-    """Follows every storage an op allocates until it is freed; `live_bytes` is their sum."""
+    """Follows every storage an op allocates until it is freed; `live_bytes` is their sum.
+
+    A storage's Python object lives exactly as long as the storage (PyTorch
+    preserves it while C++ holds a reference, e.g. autograd's saved tensors),
+    so a finalizer on it marks the free at O(1) cost.
+    """
 
     def __init__(self, ignored: set):
         super().__init__()
         self.ignored = ignored
         """Storage keys never counted: parameters, buffers, inputs."""
-        self.tracked: dict[StorageWeakRef, int] = {}
+        self.tracked: set[StorageWeakRef] = set()
         self.live_bytes = 0
         self.peak_bytes = 0
         """Highest live_bytes since the last `reset_peak`."""
 
     def reset_peak(self) -> None:
-        self._sweep()
         self.peak_bytes = self.live_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self._sweep()
         for tensor in pytree.tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
-                key = StorageWeakRef(tensor.untyped_storage())
+                storage = tensor.untyped_storage()
+                key = StorageWeakRef(storage)
                 if key not in self.tracked and key not in self.ignored:
-                    size = tensor.untyped_storage().nbytes()
-                    self.tracked[key] = size
-                    self.live_bytes += size
+                    self.tracked.add(key)
+                    self.live_bytes += storage.nbytes()
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return out
 
-    def _sweep(self) -> None:
-        freed = [key for key in self.tracked if key.expired()]
-        for key in freed:
-            self.live_bytes -= self.tracked.pop(key)
+    def _free(self, key: StorageWeakRef, size: int) -> None:
+        self.tracked.discard(key)
+        self.live_bytes -= size
 
 
 class _StorageIds:
