@@ -6,11 +6,14 @@ original (the module class and its parameter names are untouched, unlike
 its inputs are kept, and it is recomputed in backward just before its
 gradient is needed.
 """
+import contextlib
 import functools
 from typing import Callable
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
+from torch.utils.checkpoint import (CheckpointPolicy, _CachedTorchDispatchMode, _CachingTorchDispatchMode,
+                                    checkpoint, create_selective_checkpoint_contexts)
 
 from ..plan import Checkpoint
 
@@ -44,3 +47,21 @@ def checkpointed(forward: Callable, kind: Checkpoint) -> Callable:
         # kwargs bound first so a module keyword can never collide with checkpoint's own options
         return checkpoint(functools.partial(forward, **kwargs), *args, **options)
     return run
+
+
+@contextlib.contextmanager
+def outside_selective_checkpoint():
+    """Run the enclosed ops unseen by selective checkpointing's dispatch modes (and only by those).
+
+    SAC records every op of its region and expects the same ops again in recompute; the
+    runtime's own ops there (gathering a unit) depend on prefetch timing, which differs between
+    forward and recompute. Other modes (MemTracker, FlopCounterMode) still see them. The SAC
+    modes are innermost inside a checkpointed region, so popping from the top finds them."""
+    popped = []
+    while isinstance(_get_current_dispatch_mode(), (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
+        popped.append(_pop_mode())
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            _push_mode(mode)

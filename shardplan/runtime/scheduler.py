@@ -31,8 +31,8 @@ from typing import Callable, NamedTuple
 
 import torch
 from torch.autograd import Variable
-from torch.utils._python_dispatch import _disable_current_modes
 
+from .checkpointing import outside_selective_checkpoint
 from .unit import FlatUnit, UnitState
 
 
@@ -126,10 +126,7 @@ class Scheduler:
         backward = _in_backward()
         if not backward and unit not in self._order:
             self._order.append(unit)
-        # Runtime tensors (gather buffers, views) are made outside any dispatch mode: selective
-        # checkpointing records the ops of its region, and whether a gather allocates depends on
-        # prefetch timing, which differs between forward and recompute.
-        with _disable_current_modes():
+        with outside_selective_checkpoint():
             unit.gathered()
             unit.present(_GatherFlat.apply(unit.shard, unit, self), self._epoch)
             if unit.spec.reshard_after_forward and not backward:

@@ -1,0 +1,293 @@
+"""Runtime parity: plans run on spawned gloo ranks train exactly like one process on the whole batch.
+
+One spawned world per world size runs a grid of cases (models × strategies × checkpointing ×
+backends, plus micro-batches, clipping, offload, meta init, ties, mixed precision, errors);
+rank 0 writes one JSON record per case and the tests read them.
+"""
+import copy
+import datetime
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardplan import zoo
+from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
+from shardplan.plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy,
+                            Stage, Unit)
+from shardplan.runtime import parallelize
+from shardplan.runtime.flat_param import FlatLayout
+from shardplan.runtime.program import split_micro_batches
+from shardplan.runtime.unit import UnitState
+
+STEPS = 5
+TOLERANCE = 1e-5
+STRATEGIES = tuple(ShardStrategy)
+CHECKPOINTS = tuple(Checkpoint)
+# eps above the gradient rounding noise: GPT's key bias has an exactly zero gradient, whose
+# rounding noise (~1e-10, different in every summation order) default eps=1e-8 would amplify to lr
+ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}
+
+
+# plans by hand
+
+MODELS = {
+    "gpt": (lambda world, device="cpu": zoo.gpt(batch=2 * world, device=device),
+            [("wte", "wpe")] + [(f"h.{i}",) for i in range(4)] + [("ln_f", "lm_head")]),
+    "llama": (lambda world, device="cpu": zoo.hf_llama(batch=2 * world, seq=16, device=device),
+              [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
+    "gpt2-tied": (lambda world, device="cpu": zoo.hf_gpt2(batch=2 * world, seq=16, device=device),
+                  [("transformer.wte", "transformer.wpe"), ("transformer.h.0",), ("transformer.h.1",),
+                   ("transformer.ln_f", "lm_head")]),
+}
+
+
+def make_plan(model, groups, dp: int, strategies, checkpoints, *, micro_batches: int = 1, offload=(False,),
+              prefetch=(True,), precision: MixedPrecision = MixedPrecision(), pp: int = 1) -> Plan:
+    """One unit per module group, parameters by module prefix; decisions cycle through the given tuples."""
+    names = [name for name, _ in model.named_parameters()]
+    units = []
+    for index, modules in enumerate(groups):
+        params = tuple(n for n in names if any(n.startswith(m + ".") for m in modules))
+        pick = lambda options: options[index % len(options)]  # noqa: E731
+        units.append(Unit(name="..".join(modules), modules=tuple(modules), params=params,
+                          strategy=pick(strategies), checkpoint=pick(checkpoints), offload=pick(offload),
+                          prefetch=pick(prefetch)))
+    return Plan(fingerprint="by-hand", model=type(model).__name__, world_size=dp * pp, hardware="cpu",
+                inputs=(), mesh=Mesh(dp=dp, pp=pp), schedule=Schedule(num_micro_batches=micro_batches),
+                mixed_precision=precision, units=tuple(units),
+                stages=(Stage(index=0, units=tuple(u.name for u in units)),),
+                predicted=Predicted(peak_bytes=0, step_time_s=0.0),
+                reasoning=Reasoning(budget_bytes=0, binding_constraint="by hand"))
+
+
+# one case on every rank
+
+def run_case(rank: int, world: int, case: dict) -> dict:
+    """Train `case` for STEPS steps next to a one-process reference; return the largest differences."""
+    build, groups = MODELS[case["model"]]
+    torch.manual_seed(0)
+    entry = build(world, device="meta" if case.get("meta") else "cpu")
+    torch.manual_seed(0)
+    reference = build(world).model
+    model = entry.model if case.get("meta") else copy.deepcopy(reference)
+    plan = make_plan(model, groups, world, case["strategies"], case["checkpoints"],
+                     micro_batches=case.get("micro_batches", 1), offload=case.get("offload", (False,)),
+                     prefetch=case.get("prefetch", (True,)),
+                     precision=MixedPrecision(param_dtype=case.get("param_dtype", "float32")))
+    torch.manual_seed(0)  # meta init draws the same numbers as building on CPU did
+    program = parallelize(model, plan, backend=case.get("backend", "shardplan"))
+    optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    vocab = reference.config.vocab_size
+    seq = entry.args[0].shape[1]
+    loss_error = 0.0
+    for step in range(STEPS):
+        ids = torch.randint(0, vocab, (2 * world, seq), generator=torch.Generator().manual_seed(step))
+        mine = ids.chunk(world)[rank]
+        loss = program.step(mine, labels=mine)
+        reference_loss = _loss(reference(ids, labels=ids))
+        reference_loss.backward()
+        if case.get("clip"):
+            norm = program.clip_grad_norm_(case["clip"])
+            reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), case["clip"])
+            loss_error = max(loss_error, abs(float(norm) - float(reference_norm)) / float(reference_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        loss_error = max(loss_error, abs(float(loss) - float(reference_loss)))
+    state = program.full_state_dict()
+    param_error = max((state[name] - parameter.detach()).abs().max().item()
+                      for name, parameter in reference.named_parameters())
+    return {"loss_error": loss_error, "param_error": param_error}
+
+
+def _loss(output):
+    return output if isinstance(output, torch.Tensor) else output.loss
+
+
+def check_reshard(rank: int, world: int) -> dict:
+    """After forward, FULL_SHARD units hold only shards (saved tensors are handles); SHARD_GRAD_OP stay gathered."""
+    build, groups = MODELS["gpt"]
+    torch.manual_seed(0)
+    entry = build(world)
+    plan = make_plan(entry.model, groups, world, (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
+                     (Checkpoint.NONE,))
+    program = parallelize(entry.model, plan)
+    mine = entry.args[0].chunk(world)[rank]
+    loss = program(mine, labels=mine)
+    states = {unit.spec.strategy.value: unit.state.value for unit in program.units}
+    loss.backward()
+    after = sorted({unit.state.value for unit in program.units})
+    return {"after_forward": states, "after_backward": after,
+            "shard_numel": [unit.shard.numel() for unit in program.units],
+            "padded_numel": [unit.layout.padded_numel for unit in program.units]}
+
+
+def check_errors(rank: int, world: int) -> dict:
+    build, groups = MODELS["gpt"]
+    errors = {}
+    attempts = {
+        "pp": lambda model: make_plan(model, groups, world, STRATEGIES, CHECKPOINTS, pp=2),
+        "missing": lambda model: make_plan(model, groups[:-1], world, STRATEGIES, CHECKPOINTS),
+        "dp": lambda model: make_plan(model, groups, world + 1, STRATEGIES, CHECKPOINTS),
+        "ranks_disagree": lambda model: make_plan(model, groups, world, (STRATEGIES[rank % 2],), CHECKPOINTS),
+    }
+    for name, attempt in attempts.items():
+        model = build(world).model
+        try:
+            parallelize(model, attempt(model))
+            errors[name] = None
+        except ShardplanError as error:
+            errors[name] = [type(error).__name__, str(error)]
+    model = build(world).model
+    try:
+        parallelize(model, make_plan(model, groups, world, STRATEGIES, CHECKPOINTS), backend="nope")
+    except ShardplanError as error:
+        errors["backend"] = [type(error).__name__, str(error)]
+    return errors
+
+
+def _worker(rank: int, world: int, port: int, cases: dict, path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        results = {}
+        for name, case in cases.items():
+            results[name] = run_case(rank, world, case)
+        results["reshard"] = check_reshard(rank, world)
+        results["errors"] = check_errors(rank, world)
+        if rank == 0:
+            with open(path, "w") as handle:
+                json.dump(results, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, cases: dict, tmp_path) -> dict:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    path = os.fspath(tmp_path / f"world{world}.json")
+    mp.spawn(_worker, args=(world, port, cases, path), nprocs=world, join=True)
+    with open(path) as handle:
+        results = json.load(handle)
+    return results
+
+
+def _grid(models, strategies_checkpoints) -> dict:
+    return {f"{model}/{strategy.value}/{checkpoint.value}": {"model": model, "strategies": (strategy,),
+                                                           "checkpoints": (checkpoint,)}
+            for model in models for strategy, checkpoint in strategies_checkpoints}
+
+
+EVERY_PAIR = [(strategy, checkpoint) for strategy in STRATEGIES for checkpoint in CHECKPOINTS]
+DIAGONAL = [(strategy, CHECKPOINTS[index % len(CHECKPOINTS)]) for index, strategy in enumerate(STRATEGIES)]
+MIXED = {"strategies": STRATEGIES, "checkpoints": CHECKPOINTS}
+"""Every unit a different strategy and checkpointing: interactions between neighbours."""
+
+WORLD2_CASES = {
+    **_grid(["gpt", "llama"], EVERY_PAIR),
+    "gpt/mixed/micro_batches2/clip/offload": {"model": "gpt", **MIXED, "micro_batches": 2, "clip": 0.05,
+                                              "offload": (True, False), "prefetch": (True, True, False)},
+    "llama/mixed/micro_batches2/clip": {"model": "llama", **MIXED, "micro_batches": 2, "clip": 0.05},
+    "gpt/meta_init": {"model": "gpt", **MIXED, "meta": True},
+    "gpt/bfloat16": {"model": "gpt", **MIXED, "param_dtype": "bfloat16", "tolerance": 3e-2},
+    "gpt2-tied/full_shard": {"model": "gpt2-tied", "strategies": (ShardStrategy.FULL_SHARD,),
+                             "checkpoints": CHECKPOINTS},
+    "fsdp2/gpt/full_shard/none": {"model": "gpt", "strategies": (ShardStrategy.FULL_SHARD,),
+                                  "checkpoints": (Checkpoint.NONE,), "backend": "fsdp2"},
+    "fsdp2/gpt/mixed/micro_batches2/clip": {"model": "gpt", **MIXED, "backend": "fsdp2", "micro_batches": 2,
+                                            "clip": 0.05},
+    "fsdp2/llama/mixed": {"model": "llama", **MIXED, "backend": "fsdp2"},
+}
+WORLD4_CASES = {
+    **_grid(["gpt"], EVERY_PAIR),
+    **_grid(["llama"], DIAGONAL),
+    "gpt/mixed/micro_batches2/clip": {"model": "gpt", **MIXED, "micro_batches": 2, "clip": 0.05},
+    "fsdp2/gpt/mixed": {"model": "gpt", **MIXED, "backend": "fsdp2"},
+}
+
+
+def _assert_parity(results: dict, cases: dict) -> None:
+    failures = {name: results[name] for name, case in cases.items()
+                if not max(results[name]["loss_error"], results[name]["param_error"]) <= case.get("tolerance",
+                                                                                                  TOLERANCE)}
+    assert not failures, failures
+
+
+def _assert_runtime_facts(results: dict, world: int) -> None:
+    reshard = results["reshard"]
+    assert reshard["after_forward"] == {"full_shard": "sharded", "shard_grad_op": "gathered"}
+    assert reshard["after_backward"] == ["sharded"]
+    assert all(padded == shard * world for shard, padded in zip(reshard["shard_numel"], reshard["padded_numel"]))
+    errors = results["errors"]
+    assert errors["pp"][0] == "ShardplanError" and "pp=2" in errors["pp"][1]
+    assert errors["missing"][0] == "PlanError" and "in no unit" in errors["missing"][1]
+    assert errors["dp"][0] == "ShardplanError" and f"dp={world + 1}" in errors["dp"][1]
+    assert errors["ranks_disagree"][0] == "RuntimeMismatchError"
+    assert errors["backend"][0] == "ShardplanError" and "fsdp2" in errors["backend"][1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_parity_world2(tmp_path):
+    results = _spawn(2, WORLD2_CASES, tmp_path)
+    _assert_parity(results, WORLD2_CASES)
+    _assert_runtime_facts(results, 2)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_parity_world4(tmp_path):
+    results = _spawn(4, WORLD4_CASES, tmp_path)
+    _assert_parity(results, WORLD4_CASES)
+    _assert_runtime_facts(results, 4)
+
+
+# no processes
+
+def test_flat_layout_pads_to_equal_shards_and_splits_into_views():
+    tensors = [torch.randn(3, 2), torch.randn(5)]
+    layout = FlatLayout.of("u", [("a", tensors[0]), ("b", tensors[1])], dp=4)
+    assert (layout.padded_numel, layout.shard_numel, layout.padding_numel) == (12, 3, 1)
+    flat = layout.flatten(tensors)
+    assert flat[-1] == 0
+    views = layout.split(flat)
+    assert all(torch.equal(view, tensor) for view, tensor in zip(views, tensors))
+    assert views[1].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert torch.equal(torch.cat([flat[layout.shard_slice(rank)] for rank in range(4)]), flat)
+
+
+def test_flat_layout_rejects_mixed_dtypes():
+    with pytest.raises(ShardplanError, match="mixes parameter dtypes"):
+        FlatLayout.of("u", [("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16))], dp=2)
+
+
+def test_split_micro_batches_splits_every_batched_tensor():
+    ids, scalar = torch.arange(8).view(4, 2), torch.tensor(3.0)
+    parts = split_micro_batches((ids,), {"labels": ids, "scale": scalar, "flag": True}, 2)
+    assert [torch.equal(args[0], ids[2 * i:2 * i + 2]) for i, (args, _) in enumerate(parts)] == [True, True]
+    assert parts[1][1]["scale"] is scalar and parts[1][1]["flag"] is True
+    with pytest.raises(RuntimeMismatchError, match="divisible by 3"):
+        split_micro_batches((ids,), {}, 3)
+
+
+def test_unit_states_are_explicit():
+    assert [state.value for state in UnitState] == ["sharded", "gathering", "gathered"]
+
+
+def test_parallelize_needs_a_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    entry = zoo.gpt()
+    plan = make_plan(entry.model, MODELS["gpt"][1], 1, STRATEGIES, CHECKPOINTS)
+    with pytest.raises(ShardplanError, match="init_process_group"):
+        parallelize(entry.model, plan)
+    assert PlanError.__mro__[1] is ShardplanError
