@@ -52,7 +52,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     start = time.perf_counter()
     try:
         exported = torch.export.export(model, args, kwargs, strict=False,
-                                       dynamic_shapes=_dynamic_shapes(args, kwargs, dynamic_dims))
+                                       dynamic_shapes=_dynamic_shapes(model, args, kwargs, dynamic_dims))
         return Captured(exported.module(), "export", time.perf_counter() - start)
     except Exception as export_error:  # any failure inside export falls back to fx
         try:
@@ -63,17 +63,25 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
             raise CaptureError(_explain(model, export_error, trace_error)) from export_error
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict, dynamic_dims: dict | None):
+def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict | None):
+    """export's dynamic_shapes, keyed by forward's parameter names.
+
+    Dims are `Dim.AUTO`: export infers their ranges and which dims are equal
+    (batch of ids and labels), instead of failing on a range the user did not state.
+    """
     if not dynamic_dims:
         return None
-    dims = {name: {dim: torch.export.Dim(label, min=2) for dim, label in spec.items()}
-            for name, spec in dynamic_dims.items()}
-    shared = {}  # one Dim object per label, so "batch" in two inputs is the same symbol
-    for spec in dims.values():
-        for dim, value in spec.items():
-            spec[dim] = shared.setdefault(value.__name__, value)
-    positional = tuple(dims.get(str(i)) for i in range(len(args)))
-    return positional + tuple(dims.get(name) for name in kwargs) if kwargs else positional
+    import inspect
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    names = list(bound.arguments)
+    shapes = {name: None for name in names}
+    for key, dims in dynamic_dims.items():
+        name = names[int(key)] if key.isdigit() else key
+        if name not in shapes:
+            raise CaptureError(f"dynamic_dims names input {key!r}, but forward takes {names}")
+        shapes[name] = {dim: torch.export.Dim.AUTO for dim in dims}
+    return shapes
 
 
 def _explain(model: torch.nn.Module, export_error: Exception, trace_error: Exception) -> str:

@@ -11,7 +11,6 @@ import re
 import networkx as nx
 import torch
 import torch.fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..chain import Block, BlockChain, InputSpec
 from .facts import facts, is_compute
@@ -128,12 +127,7 @@ def _attribute(gm: torch.fx.GraphModule, target: str) -> torch.Tensor:
 
 def _storages(nodes) -> int:
     """Bytes of the distinct storages behind these nodes' outputs (views of one tensor count once)."""
-    sizes = {}
-    for node in nodes:
-        for value in torch.utils._pytree.tree_leaves(node.meta.get("val")):
-            if isinstance(value, torch.Tensor):
-                sizes[StorageWeakRef(value.untyped_storage())] = value.untyped_storage().nbytes()
-    return sum(sizes.values())
+    return sum(dict(output for node in nodes for output in facts(node).outputs).values())
 
 
 def _fwd_transient(nodes) -> int:

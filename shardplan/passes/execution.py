@@ -108,7 +108,10 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
             for tensor in pytree.tree_leaves(result):
                 if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
                     grad_fn_owner.setdefault(tensor.grad_fn, node)
+            outputs = {storage_id(t): t.untyped_storage().nbytes()
+                       for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
             update_facts(node, fwd_flops=counter.get_total_flops() - flops_before,
+                         outputs=tuple(sorted(outputs.items())),
                          out_bytes=max(live.live_bytes - live_before, 0),
                          fwd_live_before_bytes=live_before, fwd_peak_live_bytes=live.peak_bytes,
                          saved=tuple(sorted(saved.get(node, {}).items())))

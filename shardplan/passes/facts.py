@@ -21,6 +21,8 @@ class NodeFacts:
     """Bytes of the storages this node's outputs newly allocate (0 for views)."""
     fwd_flops: int = 0
     bwd_flops: int = 0
+    outputs: tuple[tuple[int, int], ...] = ()
+    """(storage id, bytes) of this node's outputs (views share their base's id)."""
     saved: tuple[tuple[int, int], ...] = ()
     """(storage id, bytes) of activations autograd saved while running this node."""
     fwd_live_before_bytes: int = 0
