@@ -368,7 +368,10 @@ def get_hardware(spec: "str | os.PathLike | HardwareProfile") -> HardwareProfile
             raise HardwareError(f"cannot read hardware profile {os.fspath(spec)!r} ({error}): "
                                 "write it again with `shardplan calibrate -o profile.json`") from None
         return HardwareProfile.from_json(text)
-    close = difflib.get_close_matches(os.fspath(spec), BUILTIN, n=1)
+    name = os.fspath(spec)
+    # A prefix ("h100") names its profile better than spelling distance, which finds "h200".
+    close = sorted(known for known in BUILTIN if known.startswith(name.lower())) or difflib.get_close_matches(
+        name, BUILTIN, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    raise HardwareError(f"unknown hardware {os.fspath(spec)!r}: {hint}use one of {', '.join(sorted(BUILTIN))} "
+    raise HardwareError(f"unknown hardware {name!r}: {hint}use one of {', '.join(sorted(BUILTIN))} "
                         "or the path of a profile written by `shardplan calibrate`")

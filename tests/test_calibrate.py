@@ -1,0 +1,104 @@
+"""Calibration: the fits on hand-made timings, and one quick calibration of this machine at world 2."""
+import math
+
+import pytest
+
+from shardplan.calibrate import Measurements, calibrate, calibrate_main, fit_collective, fit_matmul, fit_profile
+from shardplan.errors import HardwareError
+from shardplan.hardware import COLLECTIVES, HardwareProfile, get_hardware
+
+MIB = 2**20
+
+
+def test_fit_collective_recovers_alpha_beta():
+    latency_s, bandwidth = 2e-4, 1.5e9
+    points = [(2.0**p, latency_s + 2.0**p / bandwidth) for p in range(12, 29, 2)]
+    cost = fit_collective(points)
+    assert cost.latency_s == pytest.approx(latency_s, rel=1e-6)
+    assert cost.bus_bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-6)
+    assert all(factor == pytest.approx(1.0, rel=1e-6) for _, factor in cost.correction.points)
+
+
+def test_fit_collective_correction_reproduces_a_cache_cliff():
+    """Past 32 MiB this 'machine' moves bytes at a third of the speed: no line fits, the correction does."""
+    def measured_s(bus_bytes):
+        return 1e-4 + bus_bytes / 3e9 + max(0.0, bus_bytes - 32 * MIB) * 2 / 3e9
+
+    points = [(2.0**p, measured_s(2.0**p)) for p in range(12, 29, 2)]
+    cost = fit_collective(points)
+    for bus_bytes, seconds in points:
+        assert cost.time_s(bus_bytes) == pytest.approx(seconds, rel=1e-9)
+    # Between measured sizes the prediction lies between its neighbours.
+    assert measured_s(2.0**25) < cost.time_s(2.0**26) < measured_s(2.0**27)
+
+
+def test_fit_collective_rejects_bad_timings():
+    with pytest.raises(HardwareError, match="at least 2 distinct sizes"):
+        fit_collective([(4096, 1e-4)])
+    with pytest.raises(HardwareError, match="do not grow with size"):
+        fit_collective([(4096, 1e-3), (2**20, 1e-3), (2**24, 1e-3)])
+
+
+def test_fit_matmul_peak_and_efficiency():
+    overhead_s = 1e-6
+    # (FLOPs, seconds): rates after the overhead are 1e10, 4e10, 5e10 FLOP/s.
+    points = [(1e5, 1e5 / 1e10 + overhead_s), (1e7, 1e7 / 4e10 + overhead_s), (1e9, 1e9 / 5e10 + overhead_s)]
+    rate = fit_matmul(points, overhead_s)
+    assert rate.peak_flops_per_s == pytest.approx(5e10)
+    assert [f for _, f in rate.efficiency.points] == pytest.approx([0.2, 0.8, 1.0])
+    with pytest.raises(HardwareError, match="no longer than an empty op"):
+        fit_matmul([(1e3, 5e-7)], overhead_s)
+
+
+def hand_made_measurements() -> Measurements:
+    sizes = [4096 * 4**i for i in range(9)]
+    # gloo's reduce_scatter_tensor is an all_reduce plus a slice: it takes the all_reduce's time.
+    all_reduce = tuple((n, 3e-4 + n / 1e9) for n in sizes)
+    return Measurements(
+        device_name="test cpu", backend="gloo", world_size=2, device_memory_bytes=8 * 2**30, devices_per_node=2,
+        matmul_s={"float32": ((2e6, 2e6 / 5e10 + 2e-6), (2e9, 2e9 / 1e11 + 2e-6))},
+        copy_bytes=256 * MIB, copy_s=256 * MIB * 2 / 20e9, op_overhead_s=2e-6,
+        collective_s={"all_gather_into_tensor": tuple((n, 2e-4 + n / 2e9) for n in sizes),
+                      "reduce_scatter_tensor": all_reduce, "all_reduce": all_reduce})
+
+
+def test_fit_profile_from_hand_made_measurements():
+    profile = fit_profile(hand_made_measurements())
+    assert profile.memory_bandwidth_bytes_per_s == pytest.approx(20e9)
+    assert profile.matmul["float32"].peak_flops_per_s == pytest.approx(1e11)
+    costs = profile.intra_node.collectives
+    # World 2: bus bytes are nbytes / 2 for all_gather and reduce_scatter, nbytes for all_reduce.
+    assert costs["all_gather_into_tensor"].bus_bandwidth_bytes_per_s == pytest.approx(1e9)
+    assert costs["all_reduce"].bus_bandwidth_bytes_per_s == pytest.approx(1e9)
+    # The emulated reduce_scatter moves the all_reduce's bytes in half the ring factor: half the bandwidth.
+    assert costs["reduce_scatter_tensor"].bus_bandwidth_bytes_per_s == pytest.approx(0.5e9)
+    for kind in COLLECTIVES:
+        for nbytes, seconds in hand_made_measurements().collective_s[kind]:
+            assert profile.collective_time_s(kind, nbytes, 2) == pytest.approx(seconds)
+    assert "gloo world 2" in profile.source and "1 thread" in profile.source
+    assert HardwareProfile.from_json(profile.to_json()) == profile
+
+
+def test_calibrate_rejects_impossible_worlds():
+    with pytest.raises(HardwareError, match="at least 2 ranks, got world_size=1"):
+        calibrate(world_size=1)
+    with pytest.raises(HardwareError, match="needs 2 GPUs, this machine has 0: pass --backend gloo"):
+        calibrate(world_size=2, backend="nccl")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_quick_calibration_at_world_2(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    assert calibrate_main(["--quick", "--world-size", "2", "-o", str(path)]) == 0
+    assert f"wrote {path}" in capsys.readouterr().out
+    profile = get_hardware(path)  # validated on load: every figure positive and finite
+    assert profile.name == "calibrated-gloo-cpu"
+    assert set(profile.matmul) == {"float32", "bfloat16"}
+    for kind in COLLECTIVES:
+        seconds = [profile.collective_time_s(kind, n, 2) for n in (4096, 2**20, 2**24)]
+        assert all(math.isfinite(s) and s > 0 for s in seconds)
+        assert seconds[0] < seconds[2]
+    assert 1e8 < profile.matmul["float32"].peak_flops_per_s < 1e13
+    assert 1e8 < profile.memory_bandwidth_bytes_per_s < 1e13

@@ -1,0 +1,186 @@
+"""HardwareProfile: the formulas on hand-made numbers, the JSON round trip, validation, lookup."""
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from shardplan.errors import HardwareError
+from shardplan.hardware import (BUILTIN, COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate,
+                                SizeCurve, get_hardware, ring_factor)
+
+
+def make_profile(**changes) -> HardwareProfile:
+    """Round numbers, so every expected value below is easy to compute by hand."""
+    intra = LinkProfile(collectives={
+        "all_gather_into_tensor": CollectiveCost(latency_s=1e-4, bus_bandwidth_bytes_per_s=1e9),
+        "reduce_scatter_tensor": CollectiveCost(latency_s=2e-4, bus_bandwidth_bytes_per_s=0.5e9),
+        "all_reduce": CollectiveCost(latency_s=3e-4, bus_bandwidth_bytes_per_s=2e9,
+                                     correction=SizeCurve(points=((1e6, 2.0), (1e8, 1.0))))})
+    inter = LinkProfile(collectives={kind: CollectiveCost(latency_s=1e-3, bus_bandwidth_bytes_per_s=1e8)
+                                     for kind in COLLECTIVES})
+    fields = dict(
+        name="hand-made", device_memory_bytes=10 * 2**30, usable_memory_fraction=0.8,
+        matmul={"float32": MatmulRate(peak_flops_per_s=1e12,
+                                      efficiency=SizeCurve(points=((1e6, 0.1), (1e10, 0.9)))),
+                "bfloat16": MatmulRate(peak_flops_per_s=4e12, efficiency=SizeCurve(points=((1.0, 0.5),)))},
+        memory_bandwidth_bytes_per_s=1e11, op_overhead_s=1e-5, devices_per_node=4,
+        intra_node=intra, inter_node=inter, source="test")
+    fields.update(changes)
+    return HardwareProfile(**fields)
+
+
+def test_ring_factor():
+    assert ring_factor("all_gather_into_tensor", 4) == pytest.approx(3 / 4)
+    assert ring_factor("reduce_scatter_tensor", 8) == pytest.approx(7 / 8)
+    assert ring_factor("all_reduce", 4) == pytest.approx(2 * 3 / 4)
+    with pytest.raises(HardwareError, match="unknown collective 'all_to_all'"):
+        ring_factor("all_to_all", 4)
+
+
+def test_collective_time_alpha_beta_with_ring_factor():
+    profile = make_profile()
+    nbytes = 8e8
+    assert profile.collective_time_s("all_gather_into_tensor", nbytes, 4) == pytest.approx(1e-4 + 8e8 * 0.75 / 1e9)
+    assert profile.collective_time_s("reduce_scatter_tensor", nbytes, 2) == pytest.approx(2e-4 + 8e8 * 0.5 / 0.5e9)
+    # all_reduce moves twice the bytes; 1.2e9 bus bytes is past the correction curve's end (factor 1).
+    assert profile.collective_time_s("all_reduce", nbytes, 4) == pytest.approx(3e-4 + 8e8 * 1.5 / 2e9)
+
+
+def test_collective_time_correction_is_log_interpolated():
+    profile = make_profile()
+    # Group of 2: bus bytes = nbytes / 2 * 2 = nbytes. 1e7 is halfway between 1e6 and 1e8 in log space,
+    # so the correction is halfway between 2.0 and 1.0.
+    expected = (3e-4 + 1e7 / 2e9) * 1.5
+    assert profile.collective_time_s("all_reduce", 1e7, 2) == pytest.approx(expected)
+    # Below the first point the factor is held at 2.0.
+    assert profile.collective_time_s("all_reduce", 1e3, 2) == pytest.approx((3e-4 + 1e3 / 2e9) * 2.0)
+
+
+def test_collective_time_inter_node_and_trivial_cases():
+    profile = make_profile()
+    assert profile.collective_time_s("all_gather_into_tensor", 1e8, 8) == pytest.approx(1e-3 + 1e8 * 7 / 8 / 1e8)
+    assert profile.collective_time_s("all_reduce", 1e8, 1) == 0.0
+    assert profile.collective_time_s("all_reduce", 0, 8) == 0.0
+    with pytest.raises(HardwareError, match="unknown collective"):
+        profile.collective_time_s("broadcast", 1e8, 1)
+
+
+def test_gloo_reduce_scatter_emulation_is_in_the_numbers():
+    """A profile fitted on gloo gives reduce_scatter half the bus bandwidth of all_gather: same formula, no special case."""
+    profile = make_profile()
+    gather = profile.collective_time_s("all_gather_into_tensor", 1e9, 2) - 1e-4
+    scatter = profile.collective_time_s("reduce_scatter_tensor", 1e9, 2) - 2e-4
+    assert scatter == pytest.approx(2 * gather)
+
+
+def test_compute_time_roofline():
+    profile = make_profile()
+    # Arithmetic-bound: 1e10 FLOPs in one call, efficiency 0.9 at 1e10.
+    assert profile.compute_time_s(1e10, 1e3) == pytest.approx(1e-5 + 1e10 / (1e12 * 0.9))
+    # 1e8 FLOPs: halfway (log) between 1e6 and 1e10, efficiency 0.5.
+    assert profile.compute_time_s(1e8, 0) == pytest.approx(1e-5 + 1e8 / (1e12 * 0.5))
+    # Memory-bound: an elementwise op moving 1e9 bytes.
+    assert profile.compute_time_s(1e6, 1e9) == pytest.approx(1e-5 + 1e9 / 1e11)
+    assert profile.compute_time_s(0, 0) == 0.0
+
+
+def test_compute_time_calls_and_dtype():
+    profile = make_profile()
+    # 100 calls of 1e8 FLOPs each: efficiency read at 1e8 (0.5), overhead paid 100 times.
+    assert profile.compute_time_s(1e10, 0, calls=100) == pytest.approx(100 * 1e-5 + 1e10 / (1e12 * 0.5))
+    assert profile.compute_time_s(1e10, 0, torch.bfloat16) == pytest.approx(1e-5 + 1e10 / (4e12 * 0.5))
+    assert profile.compute_time_s(1e10, 0, "bfloat16") == profile.compute_time_s(1e10, 0, torch.bfloat16)
+    with pytest.raises(HardwareError, match="no matmul figures for float16: it knows bfloat16, float32"):
+        profile.compute_time_s(1e10, 0, "float16")
+
+
+def test_usable_memory():
+    assert make_profile().usable_memory_bytes == int(10 * 2**30 * 0.8)
+
+
+@pytest.mark.parametrize("profile", [*BUILTIN.values(), make_profile()], ids=lambda p: p.name)
+def test_json_round_trip(profile):
+    text = profile.to_json()
+    again = HardwareProfile.from_json(text)
+    assert again == profile
+    assert again.to_json() == text
+    assert json.loads(text)["schema"] == "shardplan.hardware/1"
+
+
+def test_builtin_profiles_are_sane():
+    assert set(BUILTIN) >= {"a100-40g", "a100-80g", "h100-80g", "h200", "cpu-gloo"}
+    for name, profile in BUILTIN.items():
+        assert profile.name == name and profile.source
+        # A bigger all-gather never takes less time, and bfloat16 is at least as fast as float32.
+        times = [profile.collective_time_s("all_gather_into_tensor", 2**p, 8) for p in range(12, 31)]
+        assert times == sorted(times)
+        assert profile.compute_time_s(1e12, 0, "bfloat16") <= profile.compute_time_s(1e12, 0, "float32")
+    assert BUILTIN["h100-80g"].compute_time_s(1e15, 0, "bfloat16") > 1e15 / 989e12  # never faster than peak
+
+
+def _edited(mutate) -> str:
+    data = json.loads(make_profile().to_json())
+    mutate(data)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("mutate, fragments", [
+    (lambda d: d.pop("memory_bandwidth_bytes_per_s"), ["lacks field memory_bandwidth_bytes_per_s", "shardplan calibrate"]),
+    (lambda d: d["intra_node"]["collectives"]["all_reduce"].pop("latency_s"),
+     ["lacks field intra_node.collectives.all_reduce.latency_s"]),
+    (lambda d: d["intra_node"]["collectives"]["all_reduce"].update(latency_s=-1e-4),
+     ["intra_node.collectives.all_reduce.latency_s is -0.0001", "positive"]),
+    (lambda d: d["matmul"]["float32"].update(peak_flops_per_s=0), ["matmul.float32.peak_flops_per_s is 0"]),
+    (lambda d: d.update(device_memory_bytes="80GB"), ["device_memory_bytes is '80GB'", "positive finite number"]),
+    (lambda d: d["matmul"]["float32"]["efficiency"].update(points=[[1e6, 0.1], [1e5, 0.9]]),
+     ["matmul.float32.efficiency.points has sizes [1000000.0, 100000.0]", "strictly increasing"]),
+    (lambda d: d["matmul"]["float32"]["efficiency"].update(points=[[1e6, -0.1]]),
+     ["matmul.float32.efficiency.points[0][1] is -0.1"]),
+    (lambda d: d["inter_node"]["collectives"].pop("reduce_scatter_tensor"),
+     ["inter_node.collectives lacks reduce_scatter_tensor"]),
+    (lambda d: d.update(usable_memory_fraction=1.5), ["usable_memory_fraction is 1.5", "at most 1"]),
+    (lambda d: d.update(peak_flops=1e12), ["unknown field peak_flops"]),
+    (lambda d: d.update(schema="shardplan.hardware/0"), ["schema 'shardplan.hardware/0'"]),
+    (lambda d: d.update(matmul=[]), ["matmul must be a JSON object"]),
+])
+def test_validation_errors(mutate, fragments):
+    with pytest.raises(HardwareError) as error:
+        HardwareProfile.from_json(_edited(mutate))
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+def test_validation_on_construction():
+    with pytest.raises(HardwareError, match="op_overhead_s is nan"):
+        make_profile(op_overhead_s=math.nan)
+    with pytest.raises(HardwareError, match="matmul lists no dtype"):
+        make_profile(matmul={})
+
+
+def test_not_json():
+    with pytest.raises(HardwareError, match="not valid JSON"):
+        HardwareProfile.from_json('{"name": ')
+
+
+def test_get_hardware(tmp_path):
+    assert get_hardware("h100-80g") is BUILTIN["h100-80g"]
+    profile = make_profile()
+    assert get_hardware(profile) is profile
+    path = tmp_path / "profile.json"
+    path.write_text(profile.to_json())
+    assert get_hardware(path) == profile
+    assert get_hardware(str(path)) == profile
+    with pytest.raises(HardwareError, match="unknown hardware 'h100'.*did you mean 'h100-80g'"):
+        get_hardware("h100")
+    with pytest.raises(HardwareError, match="unknown hardware 'tpu-v9'.*shardplan calibrate"):
+        get_hardware("tpu-v9")
+    (tmp_path / "broken.json").write_text(profile.to_json()[:100])
+    with pytest.raises(HardwareError, match="not valid JSON"):
+        get_hardware(tmp_path / "broken.json")
+
+
+def test_profiles_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        make_profile().name = "other"
