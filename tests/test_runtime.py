@@ -17,9 +17,9 @@ import torch.multiprocessing as mp
 
 from shardplan import zoo
 from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
-from shardplan.plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy,
-                            Stage, Unit)
+from shardplan.plan import Checkpoint, MixedPrecision, Plan, ShardStrategy
 from shardplan.runtime import parallelize
+from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.flat_param import FlatLayout
 from shardplan.runtime.program import split_micro_batches
 from shardplan.runtime.unit import UnitState
@@ -46,23 +46,8 @@ MODELS = {
 }
 
 
-def make_plan(model, groups, dp: int, strategies, checkpoints, *, micro_batches: int = 1, offload=(False,),
-              prefetch=(True,), precision: MixedPrecision = MixedPrecision(), pp: int = 1) -> Plan:
-    """One unit per module group, parameters by module prefix; decisions cycle through the given tuples."""
-    names = [name for name, _ in model.named_parameters()]
-    units = []
-    for index, modules in enumerate(groups):
-        params = tuple(n for n in names if any(n.startswith(m + ".") for m in modules))
-        pick = lambda options: options[index % len(options)]  # noqa: E731
-        units.append(Unit(name="..".join(modules), modules=tuple(modules), params=params,
-                          strategy=pick(strategies), checkpoint=pick(checkpoints), offload=pick(offload),
-                          prefetch=pick(prefetch)))
-    return Plan(fingerprint="by-hand", model=type(model).__name__, world_size=dp * pp, hardware="cpu",
-                inputs=(), mesh=Mesh(dp=dp, pp=pp), schedule=Schedule(num_micro_batches=micro_batches),
-                mixed_precision=precision, units=tuple(units),
-                stages=(Stage(index=0, units=tuple(u.name for u in units)),),
-                predicted=Predicted(peak_bytes=0, step_time_s=0.0),
-                reasoning=Reasoning(budget_bytes=0, binding_constraint="by hand"))
+def make_plan(model, groups, dp: int, strategies, checkpoints, **options) -> Plan:
+    return manual_plan(model, groups, dp=dp, strategies=strategies, checkpoints=checkpoints, **options)
 
 
 # one case on every rank

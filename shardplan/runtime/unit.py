@@ -67,8 +67,9 @@ class FlatUnit:
         """The gradient reduction issued in backward, waited on before the next one or at the end."""
         self._synced_version = shard._version
         """SHARD_OPTIMIZER: shard version when `full` was last gathered; a step bumps it."""
-        self._placeholders = [torch.empty(layout.shapes[index], dtype=compute_dtype, device="meta")
-                              for _, _, index in slots]
+        self._placeholders = [torch.empty(layout.shapes[index], dtype=compute_dtype, device="meta",
+                                          requires_grad=shard.requires_grad) for _, _, index in slots]
+
 
     @property
     def name(self) -> str:

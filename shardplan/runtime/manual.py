@@ -1,0 +1,38 @@
+"""A plan written by hand: units named by their modules, decisions given directly.
+
+This is FSDP's manual wrapping in plan form, for tests, benchmarks, and users
+who know their units; `shardplan.compile` is the planner that chooses them.
+"""
+from collections.abc import Sequence
+
+import torch.nn as nn
+
+from ..plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage,
+                    Unit)
+
+
+def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
+                strategies: Sequence[ShardStrategy] = (ShardStrategy.FULL_SHARD,),
+                checkpoints: Sequence[Checkpoint] = (Checkpoint.NONE,), offload: Sequence[bool] = (False,),
+                prefetch: Sequence[bool] = (True,), micro_batches: int = 1,
+                precision: MixedPrecision = MixedPrecision(), pp: int = 1) -> Plan:
+    """One unit per group of module paths; unit i takes decision i modulo each sequence's length.
+
+    A unit's parameters are those under its modules, in model.named_parameters() order.
+
+    >>> plan = manual_plan(gpt, [("wte", "wpe"), ("h.0",), ("h.1",), ("ln_f", "lm_head")], dp=2)  # doctest: +SKIP
+    """
+    names = [name for name, _ in model.named_parameters()]
+    units = []
+    for index, modules in enumerate(groups):
+        params = tuple(name for name in names if any(name.startswith(module + ".") for module in modules))
+        units.append(Unit(name="..".join(modules), modules=tuple(modules), params=params,
+                          strategy=strategies[index % len(strategies)],
+                          checkpoint=checkpoints[index % len(checkpoints)], offload=offload[index % len(offload)],
+                          prefetch=prefetch[index % len(prefetch)]))
+    return Plan(fingerprint="manual", model=type(model).__name__, world_size=dp * pp, hardware="unknown",
+                inputs=(), mesh=Mesh(dp=dp, pp=pp), schedule=Schedule(num_micro_batches=micro_batches),
+                mixed_precision=precision, units=tuple(units),
+                stages=(Stage(index=0, units=tuple(unit.name for unit in units)),),
+                predicted=Predicted(peak_bytes=0, step_time_s=0.0),
+                reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"))
