@@ -100,7 +100,11 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
     backend = _choose_backend(backend, world_size)
     sweep = QUICK_SWEEP if quick else GPU_SWEEP if backend == "nccl" else CPU_SWEEP
     if sizes is not None:
-        sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(sizes)))
+        unfit = [size for size in sizes if size <= 0 or size % (4 * world_size)]
+        if unfit:
+            raise HardwareError(f"collective sizes {unfit} bytes do not split into {world_size} float32 shards: "
+                                f"use positive multiples of {4 * world_size} bytes")
+        sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(set(sizes))))
     steps = len(sweep.dtypes) * len(sweep.matmul_sizes) + 2 + sweep.repeats
     measurements = run_world(_measure, (sweep,), world_size=world_size, backend=backend, total_steps=steps,
                              progress=progress, description=f"calibrating ({backend}, world {world_size})")
@@ -117,6 +121,9 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                         help="default: nccl when CUDA is present, else gloo")
     parser.add_argument("--quick", action="store_true", help="few sizes and repeats (seconds, rough figures)")
     args = parser.parse_args(argv)
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.access(folder, os.W_OK):  # fail now, not after minutes of measuring
+        parser.error(f"cannot write {args.output}: folder {folder} does not exist or is not writable")
     profile = calibrate(world_size=args.world_size, backend=args.backend, quick=args.quick)
     with open(args.output, "w") as handle:
         handle.write(profile.to_json())

@@ -102,3 +102,10 @@ def test_quick_calibration_at_world_2(tmp_path, capsys):
         assert seconds[0] < seconds[2]
     assert 1e8 < profile.matmul["float32"].peak_flops_per_s < 1e13
     assert 1e8 < profile.memory_bandwidth_bytes_per_s < 1e13
+
+
+def test_calibrate_rejects_bad_input_before_measuring(tmp_path):
+    with pytest.raises(HardwareError, match=r"sizes \[1002\] bytes do not split into 2 float32 shards"):
+        calibrate(world_size=2, sizes=(4096, 1002))
+    with pytest.raises(SystemExit):
+        calibrate_main(["-o", str(tmp_path / "missing" / "profile.json")])

@@ -68,7 +68,7 @@ def test_collective_time_inter_node_and_trivial_cases():
 
 
 def test_gloo_reduce_scatter_emulation_is_in_the_numbers():
-    """A profile fitted on gloo gives reduce_scatter half the bus bandwidth of all_gather: same formula, no special case."""
+    """Fitted on gloo, reduce_scatter has half all_gather's bus bandwidth: same formula, no special case."""
     profile = make_profile()
     gather = profile.collective_time_s("all_gather_into_tensor", 1e9, 2) - 1e-4
     scatter = profile.collective_time_s("reduce_scatter_tensor", 1e9, 2) - 2e-4
@@ -127,7 +127,8 @@ def _edited(mutate) -> str:
 
 
 @pytest.mark.parametrize("mutate, fragments", [
-    (lambda d: d.pop("memory_bandwidth_bytes_per_s"), ["lacks field memory_bandwidth_bytes_per_s", "shardplan calibrate"]),
+    (lambda d: d.pop("memory_bandwidth_bytes_per_s"),
+     ["lacks field memory_bandwidth_bytes_per_s", "shardplan calibrate"]),
     (lambda d: d["intra_node"]["collectives"]["all_reduce"].pop("latency_s"),
      ["lacks field intra_node.collectives.all_reduce.latency_s"]),
     (lambda d: d["intra_node"]["collectives"]["all_reduce"].update(latency_s=-1e-4),
