@@ -7,8 +7,9 @@ trace. Capture never runs real kernels on real data: inputs are turned into
 meta tensors first, so a 70B-parameter model captures on a laptop.
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx
 
@@ -21,6 +22,8 @@ class Captured:
     method: str
     """"export" or "symbolic_trace"."""
     seconds: float
+    dim_ranges: dict = field(default_factory=dict)
+    """(input name, dim) → (smallest, largest) size export allows, for the dims marked dynamic."""
 
 
 def to_device(value, device: torch.device):
@@ -53,7 +56,6 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     try:
         exported = torch.export.export(model, args, kwargs, strict=False,
                                        dynamic_shapes=_dynamic_shapes(model, args, kwargs, dynamic_dims))
-        return Captured(exported.module(), "export", time.perf_counter() - start)
     except Exception as export_error:  # any failure inside export falls back to fx
         try:
             gm = torch.fx.symbolic_trace(model, concrete_args=None)
@@ -61,6 +63,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
             return Captured(gm, "symbolic_trace", time.perf_counter() - start)
         except Exception as trace_error:
             raise CaptureError(_explain(model, export_error, trace_error)) from export_error
+    return Captured(exported.module(), "export", time.perf_counter() - start,
+                    _dim_ranges(exported, args, kwargs, dynamic_dims))
 
 
 def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict | None):
@@ -82,6 +86,26 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_d
             raise CaptureError(f"dynamic_dims names input {key!r}, but forward takes {names}")
         shapes[name] = {dim: torch.export.Dim.AUTO for dim in dims}
     return shapes
+
+
+def _dim_ranges(exported, args: tuple, kwargs: dict, dynamic_dims: dict | None) -> dict:
+    """Size ranges of the dynamic dims, read off export's range constraints (one tensor per input)."""
+    if not dynamic_dims:
+        return {}
+    names = [str(i) for i in range(len(args))] + list(kwargs)
+    user_inputs = set(exported.graph_signature.user_inputs)
+    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
+    ranges = {}
+    for name, node in zip(names, placeholders):
+        for dim in dynamic_dims.get(name, {}):
+            size = node.meta["val"].shape[dim]
+            if isinstance(size, torch.SymInt):
+                bounds = exported.range_constraints[size.node.expr]
+                upper = int(bounds.upper) if isinstance(bounds.upper, sympy.Integer) else 2**31 - 1  # unbounded
+                ranges[(name, dim)] = (int(bounds.lower), upper)
+            else:  # export found the dim cannot change (the model fixes it)
+                ranges[(name, dim)] = (int(size), int(size))
+    return ranges
 
 
 def _explain(model: torch.nn.Module, export_error: Exception, trace_error: Exception) -> str:
