@@ -114,6 +114,30 @@ def check_reshard(rank: int, world: int) -> dict:
             "padded_numel": [unit.layout.padded_numel for unit in program.units]}
 
 
+def check_loss_fn_and_loading(rank: int, world: int) -> dict:
+    """A model returning predictions, with loss_fn; then loading whole weights into the shards."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    errors = {}
+    for backend in ("shardplan", "fsdp2"):
+        model = copy.deepcopy(reference)
+        plan = make_plan(model, [("0",), ("2",)], world, (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_OPTIMIZER),
+                         CHECKPOINTS[:2])
+        program = parallelize(model, plan, loss_fn=torch.nn.functional.mse_loss, backend=backend)
+        x, y = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1)), torch.zeros(4 * world, 1)
+        loss = program.step(x.chunk(world)[rank], y.chunk(world)[rank])
+        expected = torch.nn.functional.mse_loss(reference(x), y)
+        grads = torch.autograd.grad(expected, list(reference.parameters()))
+        whole = {name: torch.randn(p.shape) for name, p in reference.named_parameters()}
+        program.load_full_state_dict(whole)
+        loaded = program.full_state_dict()
+        errors[backend] = {"loss": abs(float(loss) - float(expected)),
+                           "grad_norm": abs(float(program.clip_grad_norm_(1e9))
+                                            - float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))),
+                           "load": max((loaded[name] - value).abs().max().item() for name, value in whole.items())}
+    return errors
+
+
 def check_errors(rank: int, world: int) -> dict:
     build, groups = MODELS["gpt"]
     errors = {}
@@ -148,6 +172,7 @@ def _worker(rank: int, world: int, port: int, cases: dict, path: str) -> None:
             results[name] = run_case(rank, world, case)
         results["reshard"] = check_reshard(rank, world)
         results["errors"] = check_errors(rank, world)
+        results["loss_fn"] = check_loss_fn_and_loading(rank, world)
         if rank == 0:
             with open(path, "w") as handle:
                 json.dump(results, handle)
@@ -212,6 +237,8 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
     assert reshard["after_forward"] == {"full_shard": "sharded", "shard_grad_op": "gathered"}
     assert reshard["after_backward"] == ["sharded"]
     assert all(padded == shard * world for shard, padded in zip(reshard["shard_numel"], reshard["padded_numel"]))
+    for backend, errors in results["loss_fn"].items():
+        assert max(errors.values()) <= TOLERANCE, (backend, errors)
     errors = results["errors"]
     assert errors["pp"][0] == "ShardplanError" and "pp=2" in errors["pp"][1]
     assert errors["missing"][0] == "PlanError" and "in no unit" in errors["missing"][1]

@@ -64,6 +64,16 @@ class Fsdp2Program(Program):
         state.update((name, buffer.detach().clone()) for name, buffer in self.module.named_buffers())
         return state
 
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        with torch.no_grad():
+            for name, parameter in self.module.named_parameters():
+                if name not in state:
+                    raise ShardplanError(f"the state dict lacks parameter {name!r}: load one saved from this model")
+                whole = state[name].to(parameter.device, parameter.dtype)
+                parameter.copy_(distribute_tensor(whole, parameter.device_mesh, parameter.placements))
+
     def _set_gradient_sync(self, enabled: bool) -> None:
         self.module.set_requires_gradient_sync(enabled)
 

@@ -45,6 +45,10 @@ class Program:
         """Every parameter, whole, by its model name, and the buffers (a collective: call on every rank)."""
         raise NotImplementedError
 
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set every parameter from whole tensors by model name (as `full_state_dict` returns; same on all ranks)."""
+        raise NotImplementedError
+
     def _set_gradient_sync(self, enabled: bool) -> None:
         raise NotImplementedError
 

@@ -56,6 +56,14 @@ class ShardedProgram(Program):
         state.update((name, buffer.detach().clone()) for name, buffer in self.module.named_buffers())
         return state
 
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = sorted(name for unit in self.units for name in unit.layout.names if name not in state)
+        if missing:
+            raise ShardplanError(f"the state dict lacks {len(missing)} parameters (first: {missing[:3]}): "
+                                 "load one saved from this model")
+        for unit in self.units:
+            unit.load_full([state[name] for name in unit.layout.names])
+
     def _set_gradient_sync(self, enabled: bool) -> None:
         self.scheduler.communicate = enabled
 

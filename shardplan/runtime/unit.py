@@ -159,6 +159,18 @@ class FlatUnit:
         self._sync_full()
         return (self.full if self.full is not None else self.shard).detach()
 
+    def load_full(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite the parameters with whole values (the same on every rank; no communication)."""
+        self.release()
+        flat = self.layout.flatten([tensor.detach().to(self.shard.device, self.layout.dtype) for tensor in tensors])
+        with torch.no_grad():
+            if self.full is not None:
+                self.full.copy_(flat)
+            else:
+                self.shard.copy_(flat if self.spec.strategy is ShardStrategy.REPLICATE
+                                 else flat[self.layout.shard_slice(self.rank)])
+        self._synced_version = self.shard._version
+
     def _compute_shard(self) -> torch.Tensor:
         return self.shard.detach().to(device=self.device, dtype=self.compute_dtype)
 
