@@ -16,7 +16,9 @@ class Block:
     name: str
     """Owning module path, e.g. "transformer.h.3"; "" for ops at the model's root."""
     modules: tuple[str, ...]
-    """Module paths whose nodes this block holds (one, or several merged parameterless ones)."""
+    """Block-level module paths this block covers: its own, plus parameterless neighbours merged
+    into it (a rotary embedding, a final norm that reads a tied weight). The model's root is not
+    listed: its ops (a loss, a reshape) run wherever they fall."""
     param_names: tuple[str, ...]
     """Parameters first read in this block, as named by model.named_parameters()."""
     param_numel: int

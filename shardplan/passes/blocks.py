@@ -7,6 +7,7 @@ embedding, the loss) join their neighbour, so every block is worth a unit.
 """
 import hashlib
 import re
+from dataclasses import dataclass
 
 import networkx as nx
 import torch
@@ -33,59 +34,75 @@ def _outer_depth(paths) -> int:
     return max(min(depths) - 1, 1) if depths else 1
 
 
-def group_nodes(gm: torch.fx.GraphModule) -> list[tuple[str, list[torch.fx.Node]]]:
+@dataclass(slots=True)
+class NodeGroup:
+    """Consecutive nodes that will form one block."""
+
+    name: str
+    nodes: list[torch.fx.Node]
+    modules: list[str]
+    """Block-level module paths merged into this group ("" for the model's root is left out)."""
+
+
+def group_nodes(gm: torch.fx.GraphModule) -> list[NodeGroup]:
     """Consecutive compute nodes with the same block name, parameterless groups merged into a neighbour."""
     compute = [n for n in gm.graph.nodes if is_compute(n)]
     depth = _outer_depth({facts(n).module_path for n in compute})
-    groups: list[tuple[str, list[torch.fx.Node]]] = []
+    groups: list[NodeGroup] = []
     for node in compute:
         name = block_name(facts(node).module_path, depth)
-        if groups and groups[-1][0] == name:
-            groups[-1][1].append(node)
+        if groups and groups[-1].name == name:
+            groups[-1].nodes.append(node)
         else:
-            groups.append((name, [node]))
+            groups.append(NodeGroup(name, [node], [name] if name else []))
     parameters = {name for name, _ in gm.named_parameters()}
     return _merge_parameterless(groups, parameters)
 
 
-def _merge_parameterless(groups, parameters: set[str]):
-    """Groups that read no parameter of their own (buffers, tied weights read again) join a neighbour."""
+def _merge_parameterless(groups: list[NodeGroup], parameters: set[str]) -> list[NodeGroup]:
+    """Groups that read no parameter of their own (buffers, tied weights read again) join a neighbour:
+    the one before, or the first with parameters when nothing comes before."""
     seen: set[str] = set()
-
-    def has_params(nodes):
-        own = {p for n in nodes for p in facts(n).param_names if p in parameters} - seen
+    merged: list[NodeGroup] = []
+    pending: list[NodeGroup] = []
+    for group in groups:
+        own = {p for n in group.nodes for p in facts(n).param_names if p in parameters} - seen
         seen.update(own)
-        return bool(own)
-
-    merged: list[tuple[str, list]] = []
-    pending: list = []  # parameterless nodes before the first block with parameters
-    for name, nodes in groups:
-        if has_params(nodes):
-            if merged and merged[-1][0] == name:
-                merged[-1][1].extend(pending + nodes)
-            else:
-                merged.append((name, pending + nodes))
+        if own and merged and merged[-1].name == group.name:
+            _absorb(merged[-1], group)
+        elif own:
+            for earlier in reversed(pending):
+                _absorb(group, earlier, before=True)
             pending = []
+            merged.append(group)
         elif merged:
-            merged[-1][1].extend(nodes)
+            _absorb(merged[-1], group)
         else:
-            pending.extend(nodes)
+            pending.append(group)
     if pending:
-        merged.append(("", pending))
+        merged.append(NodeGroup("", [n for g in pending for n in g.nodes], [m for g in pending for m in g.modules]))
     return merged
+
+
+def _absorb(into: NodeGroup, group: NodeGroup, before: bool = False) -> None:
+    into.nodes[:] = group.nodes + into.nodes if before else into.nodes + group.nodes
+    modules = group.modules + into.modules if before else into.modules + group.modules
+    into.modules[:] = list(dict.fromkeys(modules))
 
 
 def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: dict) -> BlockChain:
     """The BlockChain of an annotated graph (run the ownership and execution passes first)."""
     groups = group_nodes(gm)
     param_names = {name for name, _ in gm.named_parameters()}
-    block_of = {node: index for index, (_, nodes) in enumerate(groups) for node in nodes}
+    block_of = {node: index for index, group in enumerate(groups) for node in group.nodes}
+    modules_of = _distinct_modules(groups)
     seen_params: set[str] = set()
     seen_saved: set[int] = set()
     flow = nx.DiGraph()
     flow.add_nodes_from(range(len(groups)))
     blocks = []
-    for index, (name, nodes) in enumerate(groups):
+    for index, group in enumerate(groups):
+        name, nodes = group.name, group.nodes
         reads = [p for n in nodes for p in facts(n).param_names if p not in seen_params]
         reads = list(dict.fromkeys(reads))
         seen_params.update(reads)
@@ -98,7 +115,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             flow.add_edge(block_of[arg], index)
         outputs_read = _storages(n for n in nodes if any(block_of.get(u, index) > index for u in n.users))
         blocks.append(Block(
-            index=index, name=name, modules=tuple(dict.fromkeys(facts(n).module_path for n in nodes)),
+            index=index, name=name, modules=modules_of[index],
             param_names=tuple(p for p in reads if p in param_names),
             param_numel=sum(t.numel() for p, t in tensors.items() if p in param_names),
             param_bytes=sum(t.numel() * t.element_size() for p, t in tensors.items() if p in param_names),
@@ -115,6 +132,20 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
                       returned_bytes=facts(next(n for n in reversed(gm.graph.nodes) if n.op == "output")).out_bytes,
                       inputs=inputs, input_bytes=sum(_numel(s.shape) * _itemsize(s.dtype) for s in inputs),
                       extra=extra)
+
+
+def _distinct_modules(groups: list[NodeGroup]) -> list[tuple[str, ...]]:
+    """Each block's modules, leaving out ancestors of blocks (`transformer` holds `transformer.h.0`)
+    and modules already listed by an earlier block (one module called from two places)."""
+    names = [g.name for g in groups]
+    taken: set[str] = set()
+    result = []
+    for group in groups:
+        own = [m for m in group.modules
+               if m not in taken and not any(other.startswith(m + ".") for other in names)]
+        taken.update(own)
+        result.append(tuple(own))
+    return result
 
 
 def _attribute(gm: torch.fx.GraphModule, target: str) -> torch.Tensor:
