@@ -1,0 +1,215 @@
+"""The command line: shardplan plan | explain | diff | check | calibrate | demo.
+
+Errors print on one line without a traceback and exit 2 (`--debug` shows the traceback).
+"""
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from rich.console import Console
+
+from .errors import ShardplanError
+
+EXAMPLES = {
+    "plan": "shardplan plan gpt --world-size 8 --hardware h100-80g --memory-budget 40GiB -o plan.json\n"
+            "  shardplan plan llama-7b --world-size 64 -o llama.json\n"
+            "  shardplan plan config.json --batch 1 --seq 4096 --world-size 16   (a Hugging Face config)\n"
+            "  shardplan plan mypackage.models:build --world-size 4   (build() returns (model, args, kwargs))",
+    "explain": "shardplan explain plan.json --pictures plan-pictures/",
+    "diff": "shardplan diff old.json new.json",
+    "check": "shardplan check --baseline benchmarks/baseline.json\n"
+             "  shardplan check --baseline benchmarks/baseline.json --update",
+    "calibrate": "shardplan calibrate -o profile.json --world-size 2",
+    "demo": "shardplan demo --world-size 2 --steps 5",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:
+        from .calibrate import calibrate_main
+        return _guarded(lambda: calibrate_main(argv[1:]), "--debug" in argv)
+    parser = _parser()
+    options = parser.parse_args(argv)
+    return _guarded(lambda: options.run(options), options.debug)
+
+
+def _guarded(command, debug: bool) -> int:
+    try:
+        return command() or 0
+    except ShardplanError as error:
+        if debug:
+            raise
+        print(f"shardplan: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("shardplan: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardplan", description="Plan and run sharded PyTorch training.",
+                                     epilog="examples:\n  " + "\n  ".join(EXAMPLES.values()),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, run, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text,
+                                  epilog="examples:\n  " + EXAMPLES[name],
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
+        sub.set_defaults(run=run)
+        return sub
+
+    plan = command("plan", _plan, "Capture a model, solve for the fastest plan within the budget, write it as JSON.")
+    plan.add_argument("spec", help="a zoo name, package.module:factory, or a Hugging Face config JSON")
+    plan.add_argument("--world-size", type=int, required=True)
+    _hardware_options(plan)
+    plan.add_argument("--batch", type=int, help="sequences per data-parallel replica")
+    plan.add_argument("--seq", type=int, help="sequence length")
+    plan.add_argument("--no-pipeline", action="store_true", help="plan data parallelism only (pp = 1)")
+    plan.add_argument("--allow-offload", action="store_true", help="let the solver offload shards to CPU")
+    plan.add_argument("-o", "--output", default="plan.json")
+
+    explain = command("explain", _explain, "Show a plan: units, predicted memory and time, and pictures.")
+    explain.add_argument("plan")
+    explain.add_argument("--pictures", help="folder for units.png and memory.png (default: beside the plan)")
+
+    diff = command("diff", _diff, "What changed between two plans, and what it does to memory and time.")
+    diff.add_argument("old")
+    diff.add_argument("new")
+
+    check = command("check", _check, "CI gate: re-plan the baseline's models; fail if a plan got worse.")
+    check.add_argument("--baseline", default="benchmarks/baseline.json")
+    check.add_argument("--tolerance", type=float, help="allowed relative worsening (default: the baseline's, 1%%)")
+    check.add_argument("--update", action="store_true", help="rewrite the baseline with today's plans")
+
+    command("calibrate", None, "Measure this machine and write a hardware profile (see calibrate --help).")
+
+    demo = command("demo", _demo, "Plan a GPT and train it with the plan on CPU ranks; compare with the prediction.")
+    demo.add_argument("--world-size", type=int, default=2)
+    demo.add_argument("--steps", type=int, default=5)
+    demo.add_argument("--hardware", help="a profile name or JSON path (default: a quick calibration here)")
+    demo.add_argument("--memory-budget", help="bytes per rank, e.g. 300MiB (default: 60%% of the fastest plan's)")
+    return parser
+
+
+def _hardware_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hardware", default="h100-80g", help="a built-in profile name or a calibrated JSON")
+    parser.add_argument("--memory-budget", help="per rank, e.g. 40GiB (default: the device's usable memory)")
+
+
+def _plan(options) -> int:
+    from .compile import compile as compile_plan
+
+    entry = load_model(options.spec, batch=options.batch, seq=options.seq)
+    with Console(stderr=True).status(f"capturing and planning {options.spec} for {options.world_size} ranks"):
+        plan = compile_plan(entry.model, options.world_size, entry.args, entry.kwargs, hardware=options.hardware,
+                            memory_budget=options.memory_budget, allow_pipeline=not options.no_pipeline,
+                            allow_offload=options.allow_offload)
+    plan.save(options.output)
+    print(plan.summary())
+    print(f"wrote {options.output}")
+    return 0
+
+
+def _explain(options) -> int:
+    from . import report
+    from .plan import load_plan
+
+    plan = load_plan(options.plan)
+    console = Console()
+    console.print(report.units_table(plan))
+    console.print(report.prediction_table(plan))
+    if plan.reasoning.runner_ups:
+        console.print(report.runner_ups_table(plan))
+    folder = options.pictures or os.path.splitext(options.plan)[0] + "-pictures"
+    for path in report.draw(plan, folder):
+        console.print(f"wrote {path}")
+    return 0
+
+
+def _diff(options) -> int:
+    from .plan import load_plan
+
+    print(load_plan(options.old).diff(load_plan(options.new)))
+    return 0
+
+
+def _check(options) -> int:
+    from .quality import check_baseline
+
+    failures = check_baseline(options.baseline, tolerance=options.tolerance, update=options.update)
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _demo(options) -> int:
+    from rich.table import Table
+
+    from . import demo
+    from .units import format_bytes
+
+    console = Console()
+    hardware = demo.resolve_hardware(options.hardware, options.world_size)
+    plan, budget = demo.plan_demo(options.world_size, hardware, options.memory_budget)
+    console.print(f"GPT {demo.DEMO_GPT.n_layer} layers, d_model {demo.DEMO_GPT.d_model}, seq {demo.DEMO_GPT.seq_len}, "
+                  f"batch {demo.DEMO_BATCH} per replica; world {options.world_size}; budget {format_bytes(budget)} "
+                  f"per rank; hardware: {hardware.name}")
+    console.print(plan.summary())
+    measured = demo.train_with_plan(plan, options.world_size, options.steps)
+    table = Table(title=f"predicted vs measured (CPU, gloo, {options.world_size} ranks, {options.steps} steps)")
+    for column in ("", "predicted", "measured", "predicted / measured"):
+        table.add_column(column, justify="right")
+    for row in demo.comparison_rows(plan, measured):
+        table.add_row(*row)
+    console.print(table)
+    console.print("loss by step: " + ", ".join(f"{loss:.3f}" for loss in measured.losses))
+    return 0
+
+
+def load_model(spec: str, batch: int | None = None, seq: int | None = None):
+    """A zoo name, `package.module:factory`, or a Hugging Face config JSON → ZooModel."""
+    from . import zoo
+
+    sizes = {key: value for key, value in (("batch", batch), ("seq", seq)) if value is not None}
+    if spec in zoo.ZOO:
+        return zoo.build(spec, **sizes)
+    if spec.endswith(".json"):
+        return _hugging_face_from_config(spec, batch or 1, seq or 512)
+    if ":" in spec:
+        module_name, factory_name = spec.split(":", 1)
+        try:
+            factory = getattr(importlib.import_module(module_name), factory_name)
+        except (ImportError, AttributeError) as error:
+            raise ShardplanError(f"cannot load {spec!r}: {error}; write package.module:function, importable "
+                                 "from here (set PYTHONPATH)") from None
+        built = factory(**sizes)
+        return built if isinstance(built, zoo.ZooModel) else zoo.ZooModel(*built)
+    raise ShardplanError(f"unknown model {spec!r}: give a zoo name ({', '.join(zoo.ZOO)}), "
+                         "package.module:factory, or a Hugging Face config .json")
+
+
+def _hugging_face_from_config(path: str, batch: int, seq: int):
+    import torch
+    import transformers
+
+    from . import zoo
+
+    try:
+        with open(path) as handle:
+            config = transformers.AutoConfig.for_model(**json.load(handle))
+    except (OSError, ValueError, KeyError) as error:
+        raise ShardplanError(f"cannot read Hugging Face config {path!r}: {error}") from None
+    config.use_cache = False
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    return zoo.ZooModel(model, (ids,), {"labels": ids})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

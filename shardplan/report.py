@@ -1,0 +1,101 @@
+"""Plans for people: a table of what was decided and predicted, and pictures of it."""
+import os
+
+from rich.table import Table
+
+from .plan import Checkpoint, Plan, ShardStrategy
+from .units import format_bytes
+
+STRATEGY_COLORS = {ShardStrategy.FULL_SHARD: "#4C72B0", ShardStrategy.SHARD_GRAD_OP: "#55A868",
+                   ShardStrategy.SHARD_OPTIMIZER: "#C44E52", ShardStrategy.REPLICATE: "#8172B2"}
+CHECKPOINT_HATCH = {Checkpoint.NONE: "", Checkpoint.FULL: "//", Checkpoint.SELECTIVE: ".."}
+
+
+def units_table(plan: Plan) -> Table:
+    table = Table(title=f"{plan.model}: {len(plan.units)} units, dp={plan.mesh.dp} pp={plan.mesh.pp}, "
+                        f"{plan.schedule.num_micro_batches} micro-batch(es)")
+    for column in ("unit", "modules", "params", "strategy", "checkpoint", "offload", "stage"):
+        table.add_column(column)
+    stage_of = {unit: stage.index for stage in plan.stages for unit in stage.units}
+    for unit in plan.units:
+        table.add_row(unit.name, str(len(unit.modules)), str(len(unit.params)), unit.strategy.value,
+                      unit.checkpoint.value, "yes" if unit.offload else "", str(stage_of.get(unit.name, "")))
+    return table
+
+
+def prediction_table(plan: Plan) -> Table:
+    predicted = plan.predicted
+    table = Table(title=f"predicted per rank on {plan.hardware} (budget {format_bytes(plan.reasoning.budget_bytes)}; "
+                        f"binding: {plan.reasoning.binding_constraint})")
+    table.add_column("term")
+    table.add_column("value", justify="right")
+    table.add_row("[b]peak memory[/b]", f"[b]{format_bytes(predicted.peak_bytes)}[/b]")
+    for category, size in sorted(predicted.memory_bytes.items()):
+        table.add_row(f"  {category}", format_bytes(size))
+    table.add_row("[b]step time[/b]", f"[b]{predicted.step_time_s * 1e3:.2f} ms[/b]")
+    for component, seconds in sorted(predicted.time_s.items()):
+        table.add_row(f"  {component}", f"{seconds * 1e3:.2f} ms")
+    if predicted.samples_per_s:
+        table.add_row("samples / s", f"{predicted.samples_per_s:.1f}")
+    if predicted.mfu:
+        table.add_row("MFU", f"{predicted.mfu:.1%}")
+    return table
+
+
+def runner_ups_table(plan: Plan) -> Table:
+    table = Table(title="runner-up plans")
+    for column in ("plan", "peak memory", "step time"):
+        table.add_column(column)
+    for alternative in plan.reasoning.runner_ups:
+        table.add_row(alternative.description, format_bytes(alternative.peak_bytes),
+                      f"{alternative.step_time_s * 1e3:.2f} ms")
+    return table
+
+
+def draw(plan: Plan, folder: str) -> list[str]:
+    """Write the pictures of `plan` into `folder` as PNG; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display is needed or wanted
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+
+    figure, axis = plt.subplots(figsize=(8, 1.2 + 0.25 * len(plan.stages)))
+    stage_of = {unit: stage.index for stage in plan.stages for unit in stage.units}
+    for position, unit in enumerate(plan.units):
+        axis.barh(stage_of.get(unit.name, 0), 1, left=position, color=STRATEGY_COLORS[unit.strategy],
+                  hatch=CHECKPOINT_HATCH[unit.checkpoint], edgecolor="white")
+        axis.text(position + 0.5, stage_of.get(unit.name, 0), unit.name, ha="center", va="center",
+                  rotation=90 if len(plan.units) > 8 else 0, fontsize=7, color="white")
+    axis.set_yticks(range(len(plan.stages)), [f"stage {s.index}" for s in plan.stages])
+    axis.set_xlabel("unit, in execution order")
+    axis.set_title(f"{plan.model}: units and stages (colour: strategy, hatch: checkpointing)")
+    axis.legend(handles=[Patch(color=c, label=s.value) for s, c in STRATEGY_COLORS.items()]
+                + [Patch(facecolor="grey", hatch=h, label=f"checkpoint {k.value}") for k, h in CHECKPOINT_HATCH.items()
+                   if h], fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3)
+    paths.append(_save(figure, os.path.join(folder, "units.png")))
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    bottom = 0.0
+    for category, size in sorted(plan.predicted.memory_bytes.items()):
+        axis.bar(0, size / 2**30, bottom=bottom, label=category)
+        bottom += size / 2**30
+    axis.axhline(plan.reasoning.budget_bytes / 2**30, color="black", linestyle="--", label="budget")
+    axis.set_xticks([])
+    axis.set_ylabel("GiB per rank at the peak")
+    axis.set_title(f"predicted peak memory: {format_bytes(plan.predicted.peak_bytes)}")
+    axis.legend(fontsize=8)
+    paths.append(_save(figure, os.path.join(folder, "memory.png")))
+    return paths
+
+
+def _save(figure, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
