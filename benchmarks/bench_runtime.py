@@ -8,8 +8,9 @@ boundaries and decisions. Time: a training step (program.step, optimizer.step,
 zero_grad), the slowest rank, median over rounds that alternate the backends
 so machine noise hits both alike. Memory: the peak of live tensor bytes on
 rank 0 over one step, by torch.distributed._tools.mem_tracker.MemTracker
-(parameters, gradients, optimizer states, activations and temporaries; it
-sees every tensor torch allocates, which allocator statistics on CPU do not).
+(shardplan.runtime.measure: parameters, gradients, optimizer states,
+activations and temporaries; it sees every tensor torch allocates, which
+allocator statistics on CPU do not).
 """
 import argparse
 import datetime
@@ -17,12 +18,10 @@ import os
 import socket
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed._tools.mem_tracker import MemTracker
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,6 +29,7 @@ from shardplan import zoo  # noqa: E402
 from shardplan.plan import Checkpoint, ShardStrategy  # noqa: E402
 from shardplan.runtime import parallelize  # noqa: E402
 from shardplan.runtime.manual import manual_plan  # noqa: E402
+from shardplan.runtime.measure import peak_step_bytes, step_time_s  # noqa: E402
 
 BACKENDS = ("shardplan", "fsdp2")
 KINDS = ((ShardStrategy.FULL_SHARD, Checkpoint.NONE), (ShardStrategy.SHARD_GRAD_OP, Checkpoint.NONE),
@@ -55,47 +55,6 @@ def _train_step(program, optimizer, ids) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _time_steps(program, optimizer, ids, steps: int) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        _train_step(program, optimizer, ids)
-    elapsed = torch.tensor(time.perf_counter() - start)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed) / steps
-
-
-class TotalMemTracker(MemTracker):
-    """MemTracker's totals without its per-module breakdown.
-
-    Its module hooks register gradient hooks on every module's parameters, which must be leaf
-    tensors; the shardplan runtime presents views of the gathered buffer in those slots. The
-    totals do not depend on the hooks: every tensor an op allocates is counted in dispatch, and
-    shards, optimizer states and buffers created earlier are registered by track_external."""
-
-    def _pre_fw_hook(self, module, inputs) -> None:
-        pass
-
-    def _post_fw_hook(self, module, inputs, outputs) -> None:
-        pass
-
-    def _pre_bw_hook(self, module, args) -> None:
-        pass
-
-    def _post_bw_hook(self, module, args) -> None:
-        pass
-
-
-def _peak_bytes(model, program, optimizer, ids) -> int:
-    tracker = TotalMemTracker()
-    tracker.track_external(model, optimizer, *program.parameters())
-    with tracker:
-        _train_step(program, optimizer, ids)
-    # meta-device entries are the runtime's placeholders: shapes without memory
-    return sum(snapshot["Total"] for device, snapshot in tracker.get_tracker_snapshot("peak").items()
-               if torch.device(device).type != "meta")
-
-
 def _worker(rank: int, world: int, port: int, options, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -109,8 +68,10 @@ def _worker(rank: int, world: int, port: int, options, queue) -> None:
                     _train_step(program, optimizer, ids)
             for _ in range(options.rounds):
                 for backend, (_, program, optimizer, ids) in runs.items():
-                    times[backend].append(_time_steps(program, optimizer, ids, options.steps))
-            peaks = {backend: _peak_bytes(*run) for backend, run in runs.items()}
+                    times[backend].append(step_time_s(lambda: _train_step(program, optimizer, ids), options.steps))
+            peaks = {backend: peak_step_bytes(lambda: _train_step(program, optimizer, ids), model, optimizer,
+                                              *program.parameters())
+                     for backend, (model, program, optimizer, ids) in runs.items()}
             if rank == 0:
                 queue.put((strategy.value, checkpoint.value, {b: statistics.median(t) for b, t in times.items()},
                            peaks))

@@ -8,6 +8,7 @@
     program.py       Program: step / micro-batches / loss / clip_grad_norm_, backend-independent
     sharded.py       backend="shardplan": building the units from the model and the plan
     fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard
+    manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
 """
 from typing import Callable
 
@@ -16,6 +17,7 @@ import torch.nn as nn
 
 from ..errors import ShardplanError
 from ..plan import Plan
+from .manual import manual_plan
 from .program import Program
 
 BACKENDS = ("shardplan", "fsdp2")
@@ -49,4 +51,4 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     raise ShardplanError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
 
 
-__all__ = ["parallelize", "Program", "BACKENDS"]
+__all__ = ["parallelize", "manual_plan", "Program", "BACKENDS"]
