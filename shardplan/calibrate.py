@@ -59,7 +59,7 @@ class Sweep:
 
 _ALL_SIZES_BYTES = tuple(4 * _KIB * 4**i for i in range(9))  # 4 KiB, 16 KiB, ..., 256 MiB
 CPU_SWEEP = Sweep(matmul_sizes=(64, 128, 256, 512, 1024, 2048), dtypes=("float32", "bfloat16"),
-                  collective_sizes_bytes=_ALL_SIZES_BYTES, repeats=7, copy_bytes=256 * _MIB)
+                  collective_sizes_bytes=_ALL_SIZES_BYTES, repeats=10, copy_bytes=256 * _MIB)
 # GPU matmuls start at n=2048: a smaller one finishes faster than a kernel launches, so its
 # time says nothing about throughput.
 GPU_SWEEP = Sweep(matmul_sizes=(2048, 4096, 8192, 16384), dtypes=("float32", "bfloat16", "float16"),
