@@ -27,8 +27,22 @@ class Captured:
 
 
 def to_device(value, device: torch.device):
-    """The same pytree of tensors, on `device` (the meta device keeps shapes and dtypes, no memory)."""
-    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+    """The same pytree of tensors, on `device` (the meta device keeps shapes and dtypes, no memory).
+
+    Meta tensors moved to a real device become zeros: export traces shapes, not values. A tensor
+    passed twice (ids as input and as labels) is copied the second time: export would capture the
+    aliasing, and the graph, its fingerprint with it, would depend on how the caller built the batch."""
+    seen: set[int] = set()
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_meta and device.type != "meta":
+            return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
+        moved = tensor.to(device)
+        if id(tensor) in seen:
+            moved = moved.clone()
+        seen.add(id(tensor))
+        return moved
+    return torch.utils._pytree.tree_map_only(torch.Tensor, move, value)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -51,7 +65,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     example_kwargs = dict(example_kwargs or {})
     # export fakifies real inputs itself; they only need to sit where the model does.
     device = model_device(model)
-    args, kwargs = to_device(tuple(example_inputs), device), to_device(example_kwargs, device)
+    args, kwargs = to_device((tuple(example_inputs), example_kwargs), device)
     start = time.perf_counter()
     try:
         exported = torch.export.export(model, args, kwargs, strict=False,

@@ -5,7 +5,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardplan import CaptureError, zoo
-from shardplan.passes import analyze
+from shardplan.passes import analyze, fingerprint_of
 from shardplan.passes.blocks import block_name
 
 SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama", "hf-bert", "hf-t5", "hf-mixtral"]
@@ -118,3 +118,9 @@ def test_uncapturable_model_names_the_cause_and_the_fix():
 ])
 def test_block_name(path, expected):
     assert block_name(path, outer_depth=2 if path.startswith("transformer") else 1) == expected
+
+
+def test_fingerprint_from_input_shapes_equals_the_analysis_fingerprint():
+    entry = zoo.hf_llama()
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    assert fingerprint_of(entry.model, chain.inputs) == chain.fingerprint

@@ -10,7 +10,7 @@ import torch
 
 from ..capture import capture
 from ..chain import BlockChain, InputSpec
-from .blocks import build_chain
+from .blocks import build_chain, fingerprint
 from .devices import retarget_meta_to_cpu_pass
 from .execution import annotate_execution_pass
 from .ownership import annotate_ownership_pass
@@ -47,3 +47,17 @@ def input_specs(args: tuple, kwargs: dict, dynamic_dims: dict | None = None) -> 
     return tuple(InputSpec(name=name, shape=tuple(value.shape), dtype=str(value.dtype).removeprefix("torch."),
                            dynamic_dims=tuple(sorted(dynamic_dims.get(name, {}))))
                  for name, value in named if isinstance(value, torch.Tensor))
+
+
+def fingerprint_of(model: torch.nn.Module, inputs: tuple[InputSpec, ...]) -> str:
+    """The captured graph's fingerprint, from input shapes alone (as a plan records them).
+
+    Capture only, no execution: what `parallelize` runs on every rank to refuse a plan
+    made for another model.
+    """
+    specs = [torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device="meta") for spec in inputs]
+    positional = [t for spec, t in zip(inputs, specs) if spec.name.isdigit()]
+    keywords = {spec.name: t for spec, t in zip(inputs, specs) if not spec.name.isdigit()}
+    captured = capture(model, tuple(positional), keywords)
+    annotate_ownership_pass(captured.gm)
+    return fingerprint(captured.gm)
