@@ -13,24 +13,18 @@ import time
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardplan import zoo
 from shardplan.passes import analyze
+from shardplan.runtime.measure import forward_activation_bytes
 
 SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama", "hf-bert", "hf-t5", "hf-mixtral"]
 
 
 def measured(entry: zoo.ZooModel) -> tuple[int, int]:
     """(FLOPs of an eager forward+backward, activation bytes live after a real forward)."""
-    tracker = MemTracker()
-    tracker.track_external(entry.model, *entry.args, *entry.kwargs.values())
-    with tracker:
-        output = entry.model(*entry.args, **entry.kwargs)
-        snapshot = tracker.get_tracker_snapshot("current")
-    activations = sum(v for by_kind in snapshot.values() for k, v in by_kind.items() if str(k) == "_MemRefType.ACT")
-    del output
+    activations = forward_activation_bytes(entry.model, entry.args, entry.kwargs)
     with FlopCounterMode(display=False) as counter:
         output = entry.model(*entry.args, **entry.kwargs)
         (output if isinstance(output, torch.Tensor) else output.loss).backward()

@@ -8,7 +8,7 @@ import time
 from typing import Callable
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from . import collectives
 
@@ -33,6 +33,19 @@ class _TotalsOnly(MemTracker):
 
     def _post_bw_hook(self, module, args) -> None:
         pass
+
+
+def forward_activation_bytes(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
+    """Activation bytes live on this process right after an eager forward of `model`:
+    what autograd saved for backward plus the outputs the caller holds."""
+    tracker = MemTracker()
+    tracker.track_external(model, *args, *kwargs.values())
+    with tracker:
+        output = model(*args, **kwargs)
+        snapshot = tracker.get_tracker_snapshot("current")
+    del output
+    return sum(size for by_kind in snapshot.values() for kind, size in by_kind.items()
+               if kind is _MemRefType.ACT)
 
 
 def peak_step_bytes(train_step: Callable[[], None], *existing) -> int:
