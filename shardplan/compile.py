@@ -1,0 +1,205 @@
+"""`compile`: model → Plan; `solve`: BlockChain → Plan (no torch: re-planning from a cached chain is fast).
+
+`compile` captures and analyzes the model (shardplan.passes.analyze) and hands the
+chain to `solve`, which searches meshes, micro-batches and schedules (solver/search.py),
+cuts stages and chooses units exactly (solver/stages.py, solver/chain_dp.py), and
+writes the decisions, the predicted terms and the reasoning into a Plan.
+"""
+from dataclasses import replace
+
+from . import cost
+from .chain import BlockChain
+from .cost import Decision, evaluate_stage
+from .errors import InfeasibleError, ShardplanError
+from .hardware import get_hardware
+from .plan import (Alternative, Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, Stage,
+                   Unit)
+from .solver.search import (Candidate, Configuration, Setting, boundary_time_s, context, search, smallest_peak,
+                            solve_configuration)
+from .solver.space import Constraints, SearchSpace, resolve_rules
+from .units import format_bytes, parse_bytes
+
+RUNNER_UPS = 4
+"""Other configurations listed in Plan.reasoning, besides the expert defaults."""
+
+
+def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
+            hardware="h100-80g", memory_budget=None, mixed_precision: MixedPrecision | None = None,
+            optimizer: str = "adamw", allow_pipeline: bool = True, allow_offload: bool = False,
+            constraints: Constraints | None = None, space: SearchSpace | None = None) -> Plan:
+    """The fastest plan for training `model` on `world_size` ranks within the memory budget.
+
+    >>> from shardplan import zoo
+    >>> entry = zoo.gpt()
+    >>> plan = compile(entry.model, 8, entry.args, entry.kwargs, hardware="cpu-gloo")  # doctest: +SKIP
+    >>> plan.mesh.dp * plan.mesh.pp
+    8
+    """
+    from .passes import analyze
+
+    chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
+    return solve(chain, world_size, hardware=hardware, budget_bytes=memory_budget, mixed_precision=mixed_precision,
+                 optimizer=optimizer, allow_pipeline=allow_pipeline, allow_offload=allow_offload,
+                 constraints=constraints, space=space, model_name=type(model).__name__)
+
+
+def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_bytes=None,
+          mixed_precision: MixedPrecision | None = None, optimizer: str = "adamw", allow_pipeline: bool = True,
+          allow_offload: bool = False, constraints: Constraints | None = None, space: SearchSpace | None = None,
+          model_name: str = "") -> Plan:
+    """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ShardplanError(f"world_size must be a positive integer, got {world_size!r}")
+    if not chain.blocks:
+        raise ShardplanError("the model has no blocks to plan: does its forward do anything?")
+    hw = get_hardware(hardware)
+    budget = hw.usable_memory_bytes if budget_bytes is None else parse_bytes(budget_bytes)
+    precision = mixed_precision or MixedPrecision(param_dtype=_dtype_name(chain.param_dtype),
+                                                  reduce_dtype=_dtype_name(chain.param_dtype))
+    space = replace(space or default_space(len(chain.blocks)), allow_offload=allow_offload)
+    setting = Setting(world_size=world_size, batch_size=_batch_size(chain), param_dtype=precision.param_dtype,
+                      reduce_dtype=precision.reduce_dtype, optimizer=optimizer, allow_pipeline=allow_pipeline)
+    rules = resolve_rules(chain.blocks, constraints)
+    candidates = search(chain.blocks, rules, setting, hw, budget, space)
+    if not candidates:
+        raise InfeasibleError(_infeasible_message(chain, rules, setting, hw, budget, space))
+    best = candidates[0]
+    units, stages = _units_and_stages(chain, best)
+    return Plan(fingerprint=chain.fingerprint, model=model_name or str(chain.extra.get("model", "")),
+                world_size=world_size, hardware=hw.name, inputs=chain.inputs,
+                mesh=Mesh(dp=best.configuration.dp, pp=best.configuration.pp),
+                schedule=Schedule(num_micro_batches=best.configuration.num_micro_batches,
+                                  name=best.configuration.schedule),
+                mixed_precision=precision, optimizer=optimizer, units=units, stages=stages,
+                predicted=predict(chain, best, setting, hw),
+                reasoning=_reasoning(chain, best, candidates, rules, setting, hw, budget, space))
+
+
+def default_space(n_blocks: int) -> SearchSpace:
+    """Units of up to 4 blocks on short chains; of single blocks past 16 blocks, where one
+    block (a transformer layer) is already large enough to hide its gather and the DP's
+    time grows with the square of the unit length. Prefetch is always on: turning it off
+    only saves one unit's gathered parameters."""
+    return SearchSpace(max_unit_blocks=4 if n_blocks <= 16 else 1, prefetch=(True,))
+
+
+def _dtype_name(dtype: str) -> str:
+    return dtype.removeprefix("torch.")
+
+
+def _batch_size(chain: BlockChain) -> int:
+    return chain.inputs[0].shape[0] if chain.inputs and chain.inputs[0].shape else 1
+
+
+def stage_costs(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> list[cost.StepCost]:
+    """Every stage's StepCost, walked event by event (cost.evaluate_stage)."""
+    found = []
+    for index, cut in enumerate(candidate.stages):
+        ctx = context(setting, candidate.configuration, hw, index)
+        blocks = chain.blocks[cut.start:cut.end]
+        bounds = tuple(b - cut.start for b in cut.solution.bounds)
+        found.append(evaluate_stage(blocks, bounds, cut.solution.decisions, ctx,
+                                    boundary_s=boundary_time_s(chain.blocks, cut.start, cut.end,
+                                                               candidate.configuration, hw)))
+    return found
+
+
+def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> Predicted:
+    """The peak stage's memory terms and the slowest stage's time terms."""
+    costs = stage_costs(chain, candidate, setting, hw)
+    peak = max(costs, key=lambda c: c.peak_bytes)
+    slowest = max(costs, key=lambda c: c.step_time_s)
+    dp = candidate.configuration.dp
+    samples_per_s = setting.batch_size * dp / slowest.step_time_s if slowest.step_time_s else 0.0
+    peak_flops = getattr(hw, "peak_flops", {}).get(setting.param_dtype, 0.0)
+    model_flops = (chain.fwd_flops + chain.bwd_flops) * dp
+    mfu = model_flops / (slowest.step_time_s * setting.world_size * peak_flops) if peak_flops and slowest.step_time_s else 0.0
+    return Predicted(peak_bytes=peak.peak_bytes, step_time_s=slowest.step_time_s, memory_bytes=dict(peak.memory_bytes),
+                     time_s=dict(slowest.time_s), samples_per_s=samples_per_s, mfu=mfu)
+
+
+def _unit_name(blocks) -> str:
+    first, last = blocks[0].name or "<root>", blocks[-1].name or "<root>"
+    return first if len(blocks) == 1 else f"{first}..{last}"
+
+
+def _units_and_stages(chain: BlockChain, candidate: Candidate) -> tuple[tuple[Unit, ...], tuple[Stage, ...]]:
+    units, stages, taken = [], [], set()
+    for index, cut in enumerate(candidate.stages):
+        names = []
+        ends = cut.solution.bounds[1:] + (cut.end,)
+        for start, end, decision in zip(cut.solution.bounds, ends, cut.solution.decisions):
+            blocks = chain.blocks[start:end]
+            name = _unit_name(blocks)
+            if name in taken:  # blocks of the model's root share the name "<root>"
+                name = f"{name}#{start}"
+            taken.add(name)
+            names.append(name)
+            units.append(Unit(name=name, modules=tuple(m for b in blocks for m in (b.modules or (b.name,))),
+                              params=tuple(p for b in blocks for p in b.param_names), strategy=decision.strategy,
+                              checkpoint=decision.checkpoint, offload=decision.offload, prefetch=decision.prefetch))
+        stages.append(Stage(index=index, units=tuple(names)))
+    return tuple(units), tuple(stages)
+
+
+def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, cost.StepCost]]:
+    """What a person would write by hand: every block its own FULL_SHARD unit, dp = world,
+    without and with full checkpointing (the baselines the solver must never lose to)."""
+    configuration = Configuration(dp=setting.world_size, pp=1, num_micro_batches=1, schedule="none")
+    ctx = context(setting, configuration, hw, 0)
+    bounds = tuple(range(len(chain.blocks)))
+    found = []
+    for label, checkpoint in (("expert default: FULL_SHARD per block", Checkpoint.NONE),
+                              ("expert default: FULL_SHARD per block + full checkpointing", Checkpoint.FULL)):
+        decisions = tuple(Decision(checkpoint=checkpoint) for _ in bounds)
+        found.append((label, evaluate_stage(chain.blocks, bounds, decisions, ctx)))
+    return found
+
+
+def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: int, space) -> Reasoning:
+    share = best.peak_bytes / budget
+    unconstrained = solve_configuration(chain.blocks, rules, setting, best.configuration, hw, float("inf"), space)
+    if unconstrained.step_time_s < best.step_time_s:
+        binding = (f"memory: peak {format_bytes(best.peak_bytes)} is {share:.0%} of the budget; with no budget "
+                   f"this mesh would step in {unconstrained.step_time_s:.4g} s instead of {best.step_time_s:.4g} s "
+                   f"(peak {format_bytes(unconstrained.peak_bytes)})")
+    else:
+        binding = f"none: the fastest plan fits (peak {format_bytes(best.peak_bytes)}, {share:.0%} of the budget)"
+    runner_ups = [Alternative(description=c.configuration.describe(), peak_bytes=c.peak_bytes,
+                              step_time_s=c.step_time_s) for c in candidates[1:1 + RUNNER_UPS]]
+    for label, step in expert_defaults(chain, setting, hw):
+        fits = "fits" if step.peak_bytes <= budget else "over budget"
+        runner_ups.append(Alternative(description=f"{label} ({fits})", peak_bytes=step.peak_bytes,
+                                      step_time_s=step.step_time_s))
+    return Reasoning(budget_bytes=budget, binding_constraint=binding, runner_ups=tuple(runner_ups))
+
+
+def _infeasible_message(chain, rules, setting: Setting, hw, budget: int, space: SearchSpace) -> str:
+    """Name the smallest budget that fits and each option that would make the plan fit."""
+    least = smallest_peak(chain.blocks, rules, setting, hw, space)
+    head = (f"no plan fits {format_bytes(budget)} per rank at world_size={setting.world_size}"
+            + (f": the smallest peak any plan reaches is {format_bytes(least)}, so a budget of "
+               f"{least / 2**30:.3g} GiB would fit" if least is not None else ""))
+    options = []
+
+    def fits_with(label: str, new_setting: Setting, new_space: SearchSpace) -> bool:
+        peak = smallest_peak(chain.blocks, rules, new_setting, hw, new_space)
+        if peak is not None and peak <= budget:
+            options.append(f"{label} (needs {format_bytes(peak)})")
+            return True
+        return False
+
+    if not space.allow_offload:
+        fits_with("allow_offload=True", setting, replace(space, allow_offload=True))
+    if not setting.allow_pipeline:
+        fits_with("allow_pipeline=True", replace(setting, allow_pipeline=True), space)
+    for factor in (2, 4, 8, 16, 32, 64):
+        if fits_with(f"world_size={setting.world_size * factor}",
+                     replace(setting, world_size=setting.world_size * factor), space):
+            break
+    fits_with("a smaller micro-batch (halve the per-replica batch or sequence)",
+              replace(setting, batch_size=setting.batch_size * 2, max_micro_batches=2 * setting.batch_size), space)
+    if not options:
+        return head + ("; neither offload, a pipeline, 64x the ranks nor half the micro-batch would fit: "
+                       "raise memory_budget or use a smaller model")
+    return head + "; it would fit with " + ", or with ".join(options)

@@ -1,0 +1,405 @@
+"""Time and memory of a unit, a stage and a step under given decisions, as named terms.
+
+Plain data in, plain data out: blocks (shardplan.chain.Block) and a hardware
+profile read only through `compute_time_s`, `collective_time_s` and
+`usable_memory_bytes`. The solver composes these same terms; `evaluate_stage`
+composes them independently (an event-by-event walk), which is what the
+brute force and the tests check the solver against.
+
+[Note: the cost model] — what the runtime is expected to do, per rank
+----------------------------------------------------------------------
+Units run in chain order; a stage is a run of units; one replica batch is split
+into `num_micro_batches` (m) micro-batches, each carrying 1/m of every
+activation byte and FLOP (bytes are rounded up per micro-batch).
+
+Memory, by category (the peak is the largest of these events):
+- sharded_state: parameters + gradients + optimizer state kept between steps.
+  FULL_SHARD / SHARD_GRAD_OP: (param + grad + optimizer) / dp; SHARD_OPTIMIZER:
+  param + grad + optimizer / dp; REPLICATE: all of it. Offloaded units keep it
+  in CPU memory: 0 on the device. Gradients are in the parameters' capture dtype,
+  the optimizer state is OPTIMIZER_STATE_BYTES_PER_PARAM (fp32).
+- gathered_params: unsharded parameters (param dtype of mixed precision) of the
+  unit computing, of the unit it prefetches, of SHARD_GRAD_OP units between
+  their forward and backward, plus the unsharded gradient of a sharded unit
+  during its backward (reduce dtype) before it is reduce-scattered.
+- activations: what each finished block keeps for backward (saved_bytes; for
+  FULL checkpointing its input_bytes; for SELECTIVE a SELECTIVE_KEEP_FRACTION of
+  saved_bytes), for the micro-batches in flight: 1 (pp == 1), m (GPipe), or
+  min(m, pp - stage) (1F1B; the other in-flight micro-batches hold the whole
+  stage's activations).
+- transient: a block's fwd_transient_bytes / bwd_transient_bytes (and for a
+  checkpointed block its recomputed saved_bytes) while it runs.
+Events: the forward of each unit (held activations of earlier units + this
+unit's gathered params + the prefetched next unit's + its forward working set),
+the end of forward, and the backward of each unit k (activations of units before
+k + unit k's backward working set and recompute + gathered params and gradient of
+unit k + the prefetched unit k-1 + SHARD_GRAD_OP units still gathered).
+
+Time, by component (per step):
+- compute: fwd + bwd FLOPs through compute_time_s (bytes moved: the block's
+  params in param dtype plus its input and output activations).
+- recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
+  the dropped elementwise ops, memory-bound: 2 × dropped bytes moved.
+- exposed_comm: collectives not hidden by compute. The all-gather of the next
+  unit (unit i+1 in forward, i-1 in backward) is issued when a prefetching unit
+  starts computing and hides under its compute; without prefetch it is fully
+  exposed; the first unit's forward gather and the last unit's backward gather
+  are exposed. Reduce-scatter (all-reduce for REPLICATE / SHARD_OPTIMIZER) of
+  a unit runs on its own stream and hides under the backward of the unit before
+  it; the first unit's is exposed. FULL_SHARD gathers in forward and again in
+  backward, SHARD_GRAD_OP only in forward; sharded units gather and
+  reduce-scatter every micro-batch; REPLICATE / SHARD_OPTIMIZER all-reduce
+  once per step (gradients accumulate locally), SHARD_OPTIMIZER all-gathers its
+  parameters after the optimizer step (exposed). Pipeline stages send the
+  boundary activation (forward) and its gradient (backward) per micro-batch.
+- offload: an offloaded shard is copied host→device before each gather and its
+  gradient shard device→host after each reduce-scatter at OFFLOAD_BYTES_PER_S,
+  not overlapped.
+- optimizer: the step reads and writes the rank's state: memory bound.
+- bubble: (pp - 1) × the stage's per-micro-batch time (GPipe and 1F1B alike).
+A stage's step time is (m + pp - 1) × its per-micro-batch time + its per-step
+terms; the step time of a plan is that of its slowest stage.
+"""
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .chain import Block
+from .errors import ShardplanError
+from .plan import Checkpoint, ShardStrategy
+
+OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}
+"""fp32 state per parameter: Adam keeps two moments, SGD one momentum buffer."""
+SELECTIVE_KEEP_FRACTION = 0.5
+"""Share of saved_bytes selective checkpointing keeps: the matmul outputs of a transformer
+layer are about half its saved bytes (Korthikanti et al. 2022, with flash attention)."""
+OFFLOAD_BYTES_PER_S = 25e9
+"""Effective host↔device copy rate (PCIe Gen5 x16 at about 40% of line rate with pinned buffers)."""
+CPU_MEMORY_BYTES_PER_S = 50e9
+"""Host memory bandwidth an offloaded optimizer step streams through."""
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+GATHERING = (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP)
+"""Strategies whose parameters are sharded and gathered before use."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decision:
+    """What the solver chooses for one unit."""
+
+    strategy: ShardStrategy = ShardStrategy.FULL_SHARD
+    checkpoint: Checkpoint = Checkpoint.NONE
+    offload: bool = False
+    prefetch: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostContext:
+    """Everything about the step that is not a per-unit decision."""
+
+    hardware: object
+    """A HardwareProfile (anything with compute_time_s / collective_time_s)."""
+    dp: int
+    num_micro_batches: int = 1
+    in_flight: int = 1
+    """Micro-batches whose activations a rank of this stage holds at once."""
+    pipeline_degree: int = 1
+    """pp: the stage's per-micro-batch time counts (m + pp - 1) times in the step."""
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    optimizer: str = "adamw"
+
+    @property
+    def pipeline_factor(self) -> int:
+        return self.num_micro_batches + self.pipeline_degree - 1
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZER_STATE_BYTES_PER_PARAM:
+            raise ShardplanError(f"unknown optimizer {self.optimizer!r}: use one of "
+                                 f"{', '.join(sorted(OPTIMIZER_STATE_BYTES_PER_PARAM))}")
+        for dtype in (self.param_dtype, self.reduce_dtype):
+            if dtype not in DTYPE_BYTES:
+                raise ShardplanError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_BYTES))}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitCost:
+    """One unit's own terms; the coupling with its neighbours is in `pair_exposed_s`."""
+
+    state_bytes: int
+    """Sharded state kept on the device between steps."""
+    activation_bytes: int
+    """Kept for backward per micro-batch."""
+    gathered_bytes: int
+    """Unsharded parameters while gathered (0 when never gathered)."""
+    gathered_fwd_bytes: int
+    """What a prefetch of this unit's forward gather allocates."""
+    gathered_bwd_bytes: int
+    """What a prefetch of this unit's backward gather allocates (FULL_SHARD only)."""
+    kept_gathered_bytes: int
+    """SHARD_GRAD_OP: stays gathered from forward to backward."""
+    grad_buffer_bytes: int
+    """Unsharded gradient of a sharded unit during its backward, before its reduce-scatter."""
+    fwd_working: tuple[int, int]
+    """(activations, transient) of the unit's forward at its peak, above earlier units' holdings."""
+    bwd_working: tuple[int, int]
+    """(activations, transient) of the unit's backward (recompute included) at its peak."""
+    compute_fwd_s: float
+    compute_bwd_s: float
+    recompute_s: float
+    gather_fwd_s: float
+    gather_bwd_s: float
+    reduce_s: float
+    """Per micro-batch (sharded) or per step (REPLICATE / SHARD_OPTIMIZER): see reduce_per_step."""
+    reduce_per_step: bool
+    post_step_gather_s: float
+    offload_s: float
+    """Per micro-batch host↔device copies."""
+    optimizer_s: float
+    prefetch: bool
+
+    @property
+    def bwd_window_s(self) -> float:
+        return self.compute_bwd_s + self.recompute_s
+
+
+def _per_micro_batch(nbytes: int, ctx: CostContext) -> int:
+    return -(-nbytes // ctx.num_micro_batches)
+
+
+def _kept_bytes(block: Block, checkpoint: Checkpoint, ctx: CostContext) -> int:
+    if checkpoint is Checkpoint.FULL:
+        return _per_micro_batch(block.input_bytes, ctx)
+    if checkpoint is Checkpoint.SELECTIVE:
+        return _per_micro_batch(math.ceil(block.saved_bytes * SELECTIVE_KEEP_FRACTION), ctx)
+    return _per_micro_batch(block.saved_bytes, ctx)
+
+
+def _storage_bytes_per_param(blocks) -> float:
+    numel = sum(b.param_numel for b in blocks)
+    return sum(b.param_bytes for b in blocks) / numel if numel else 0.0
+
+
+def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -> UnitCost:
+    """The terms of one unit made of `blocks` (consecutive) under `decision`."""
+    hw, m, dp = ctx.hardware, ctx.num_micro_batches, ctx.dp
+    strategy, checkpoint = decision.strategy, decision.checkpoint
+    if decision.offload and strategy not in GATHERING:
+        raise ShardplanError(f"offload needs a sharded strategy, not {strategy.value}")
+    numel = sum(b.param_numel for b in blocks)
+    storage_bytes = sum(b.param_bytes for b in blocks)
+    optimizer_bytes = numel * OPTIMIZER_STATE_BYTES_PER_PARAM[ctx.optimizer]
+    param_bytes = numel * DTYPE_BYTES[ctx.param_dtype]
+    grad_bytes = numel * DTYPE_BYTES[ctx.reduce_dtype]
+    if strategy in GATHERING:
+        state_bytes = -(-(2 * storage_bytes + optimizer_bytes) // dp)
+    elif strategy is ShardStrategy.SHARD_OPTIMIZER:
+        state_bytes = 2 * storage_bytes + -(-optimizer_bytes // dp)
+    else:
+        state_bytes = 2 * storage_bytes + optimizer_bytes
+    gathered = param_bytes if strategy in GATHERING else 0
+
+    kept = [_kept_bytes(b, checkpoint, ctx) for b in blocks]
+    fwd_working, bwd_working, running = (sum(kept), 0), (0, 0), 0
+    for block, kept_bytes in zip(blocks, kept):
+        fwd_transient = _per_micro_batch(block.fwd_transient_bytes, ctx)
+        bwd_transient = _per_micro_batch(block.bwd_transient_bytes, ctx)
+        saved = _per_micro_batch(block.saved_bytes, ctx)
+        fwd_working = max(fwd_working, (running, fwd_transient), key=sum)
+        if checkpoint is Checkpoint.FULL:  # recompute from the kept input, then the block's backward
+            working = (running + kept_bytes, max(fwd_transient, saved + bwd_transient))
+        elif checkpoint is Checkpoint.SELECTIVE:  # dropped bytes come back before the backward
+            working = (running + kept_bytes, saved - kept_bytes + bwd_transient)
+        else:
+            working = (running + kept_bytes, bwd_transient)
+        bwd_working = max(bwd_working, working, key=sum)
+        running += kept_bytes
+
+    compute_fwd_s = compute_bwd_s = recompute_s = 0.0
+    for block, kept_bytes in zip(blocks, kept):
+        block_param_bytes = block.param_numel * DTYPE_BYTES[ctx.param_dtype]
+        moved = block_param_bytes + _per_micro_batch(block.input_bytes + block.output_bytes, ctx)
+        fwd_s = hw.compute_time_s(block.fwd_flops / m, moved, ctx.param_dtype)
+        compute_fwd_s += fwd_s
+        compute_bwd_s += hw.compute_time_s(block.bwd_flops / m, 2 * moved, ctx.param_dtype)
+        if checkpoint is Checkpoint.FULL:
+            recompute_s += fwd_s
+        elif checkpoint is Checkpoint.SELECTIVE:
+            dropped = _per_micro_batch(block.saved_bytes, ctx) - kept_bytes
+            recompute_s += hw.compute_time_s(0, 2 * dropped, ctx.param_dtype)
+
+    gather_s = hw.collective_time_s("all_gather_into_tensor", param_bytes, dp) if gathered else 0.0
+    if strategy in GATHERING:
+        reduce_s = hw.collective_time_s("reduce_scatter_tensor", grad_bytes, dp)
+    else:
+        reduce_s = hw.collective_time_s("all_reduce", grad_bytes, dp)
+    post_step_gather_s = (hw.collective_time_s("all_gather_into_tensor", storage_bytes, dp)
+                          if strategy is ShardStrategy.SHARD_OPTIMIZER else 0.0)
+    rank_state_bytes = state_bytes
+    offload_s = 0.0
+    if decision.offload:
+        shard_bytes = -(-storage_bytes // dp)
+        gathers = 2 if strategy is ShardStrategy.FULL_SHARD else 1
+        offload_s = (gathers + 1) * shard_bytes / OFFLOAD_BYTES_PER_S
+        optimizer_s = 2 * rank_state_bytes / CPU_MEMORY_BYTES_PER_S
+        state_bytes = 0
+    else:
+        optimizer_s = hw.compute_time_s(0, 2 * rank_state_bytes, ctx.param_dtype)
+    return UnitCost(
+        state_bytes=state_bytes, activation_bytes=sum(kept), gathered_bytes=gathered,
+        gathered_fwd_bytes=gathered,
+        gathered_bwd_bytes=gathered if strategy is ShardStrategy.FULL_SHARD else 0,
+        kept_gathered_bytes=gathered if strategy is ShardStrategy.SHARD_GRAD_OP else 0,
+        grad_buffer_bytes=grad_bytes if strategy in GATHERING else 0,
+        fwd_working=fwd_working, bwd_working=bwd_working,
+        compute_fwd_s=compute_fwd_s, compute_bwd_s=compute_bwd_s, recompute_s=recompute_s,
+        gather_fwd_s=gather_s, gather_bwd_s=gather_s if strategy is ShardStrategy.FULL_SHARD else 0.0,
+        reduce_s=reduce_s, reduce_per_step=strategy not in GATHERING,
+        post_step_gather_s=post_step_gather_s, offload_s=offload_s, optimizer_s=optimizer_s,
+        prefetch=decision.prefetch)
+
+
+def base_bytes(unit: UnitCost, ctx: CostContext) -> int:
+    """Bytes a unit adds to every event of its stage: state, other micro-batches' activations
+    and, with several micro-batches in flight, SHARD_GRAD_OP params that then never reshard."""
+    extra = unit.kept_gathered_bytes if ctx.in_flight > 1 else 0
+    return unit.state_bytes + (ctx.in_flight - 1) * unit.activation_bytes + extra
+
+
+def held_bytes(unit: UnitCost, ctx: CostContext) -> int:
+    """Bytes a unit holds after its forward until its backward, for the current micro-batch."""
+    kept_gathered = unit.kept_gathered_bytes if ctx.in_flight == 1 else 0
+    return unit.activation_bytes + kept_gathered
+
+
+def own_gathered_bytes(unit: UnitCost, ctx: CostContext) -> int:
+    """A unit's gathered params while it runs, unless base_bytes already counts them."""
+    return unit.gathered_bytes - (unit.kept_gathered_bytes if ctx.in_flight > 1 else 0)
+
+
+def own_peak_bytes(unit: UnitCost, ctx: CostContext, backward: bool) -> int:
+    """A unit's whole working set while it runs (params, gradient buffer, activations, transient)."""
+    if backward:
+        return own_gathered_bytes(unit, ctx) + unit.grad_buffer_bytes + sum(unit.bwd_working)
+    return own_gathered_bytes(unit, ctx) + sum(unit.fwd_working)
+
+
+def prefetch_fwd_bytes(unit: UnitCost, nxt: UnitCost | None, ctx: CostContext) -> int:
+    """Extra bytes during `unit`'s forward: the next unit's params, when prefetched and not yet held.
+
+    `unit` may be a column view (attributes as arrays) of many units: the chain DP's batch form."""
+    if nxt is None or (ctx.in_flight > 1 and nxt.kept_gathered_bytes):
+        return 0
+    return unit.prefetch * nxt.gathered_fwd_bytes
+
+
+def prefetch_bwd_bytes(unit: UnitCost, prev: UnitCost | None) -> int:
+    """Extra bytes during `unit`'s backward: the previous unit's params gathered again early."""
+    return prev.gathered_bwd_bytes if prev is not None and unit.prefetch else 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExposedTime:
+    per_micro_batch_s: float
+    per_step_s: float
+
+
+def _hidden(comm_s, window_s, prefetch):
+    """What of `comm_s` a prefetch leaves exposed past `window_s` of compute (all of it without)."""
+    return comm_s - prefetch * np.minimum(comm_s, window_s)
+
+
+def pair_exposed_s(prev: UnitCost | None, unit: UnitCost | None) -> ExposedTime:
+    """Communication left exposed between adjacent units `prev` → `unit` (None at a chain end).
+
+    `prev` may be a column view of many units (attributes as arrays): the chain DP's batch form."""
+    if prev is None:  # `unit` is first: its forward gather and its gradient reduction hide under nothing
+        per_step = unit.reduce_s if unit.reduce_per_step else 0.0
+        per_mb = unit.gather_fwd_s + (0.0 if unit.reduce_per_step else unit.reduce_s)
+        return ExposedTime(per_micro_batch_s=per_mb, per_step_s=per_step)
+    if unit is None:  # `prev` is last: its backward gather runs first in backward, unhidden
+        return ExposedTime(per_micro_batch_s=prev.gather_bwd_s, per_step_s=0.0)
+    per_mb = (_hidden(unit.gather_fwd_s, prev.compute_fwd_s, prev.prefetch)
+              + _hidden(prev.gather_bwd_s, unit.bwd_window_s, unit.prefetch))
+    reduce = np.maximum(0.0, unit.reduce_s - prev.bwd_window_s)
+    if unit.reduce_per_step:
+        return ExposedTime(per_micro_batch_s=per_mb, per_step_s=reduce)
+    return ExposedTime(per_micro_batch_s=per_mb + reduce, per_step_s=0.0)
+
+
+def own_time_s(unit: UnitCost, ctx: CostContext) -> float:
+    """A unit's own contribution to its stage's step time (everything but neighbour coupling)."""
+    per_mb = unit.compute_fwd_s + unit.bwd_window_s + unit.offload_s
+    return ctx.pipeline_factor * per_mb + unit.post_step_gather_s + unit.optimizer_s
+
+
+def pair_time_s(prev: UnitCost | None, unit: UnitCost | None, ctx: CostContext) -> float:
+    exposed = pair_exposed_s(prev, unit)
+    return ctx.pipeline_factor * exposed.per_micro_batch_s + exposed.per_step_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepCost:
+    """One stage's (or a whole plan's) predicted peak memory and step time, as named terms."""
+
+    peak_bytes: int
+    memory_bytes: dict[str, int] = field(default_factory=dict)
+    """At the peak event: sharded_state, gathered_params, activations, transient."""
+    step_time_s: float
+    time_s: dict[str, float] = field(default_factory=dict)
+    """compute, recompute, exposed_comm, offload, optimizer, bubble."""
+    peak_event: str = ""
+    """Where the peak is, e.g. "backward of unit 3"."""
+
+
+def evaluate_stage(blocks: tuple[Block, ...], bounds: tuple[int, ...], decisions: tuple[Decision, ...],
+                   ctx: CostContext, *, boundary_s: float = 0.0) -> StepCost:
+    """Walk the stage's events one by one and add up its step time.
+
+    `bounds` are the block offsets where units start (first is 0); `boundary_s` is the
+    per-micro-batch pipeline send/receive time of this stage.
+    """
+    spans = list(zip(bounds, bounds[1:] + (len(blocks),)))
+    units = [unit_cost(blocks[a:b], d, ctx) for (a, b), d in zip(spans, decisions)]
+    state = sum(u.state_bytes for u in units)
+    other_micro_batches = sum((ctx.in_flight - 1) * u.activation_bytes for u in units)
+    never_resharded = sum(u.kept_gathered_bytes for u in units) if ctx.in_flight > 1 else 0
+    events = []  # (name, activations, gathered params and gradient buffers, transient)
+    held_acts = held_gathered = 0
+    for i, u in enumerate(units):
+        nxt = units[i + 1] if i + 1 < len(units) else None
+        acts, transient = u.fwd_working
+        gathered = own_gathered_bytes(u, ctx) + prefetch_fwd_bytes(u, nxt, ctx)
+        events.append((f"forward of unit {i}", held_acts + acts, held_gathered + gathered, transient))
+        held_acts += u.activation_bytes
+        held_gathered += held_bytes(u, ctx) - u.activation_bytes
+    events.append(("end of forward", held_acts, held_gathered, 0))
+    for i in reversed(range(len(units))):
+        u, prev = units[i], units[i - 1] if i else None
+        held_acts -= u.activation_bytes
+        held_gathered -= held_bytes(u, ctx) - u.activation_bytes
+        acts, transient = u.bwd_working
+        gathered = own_gathered_bytes(u, ctx) + u.grad_buffer_bytes + prefetch_bwd_bytes(u, prev)
+        events.append((f"backward of unit {i}", held_acts + acts, held_gathered + gathered, transient))
+    name, acts, gathered, transient = max(events, key=lambda e: e[1] + e[2] + e[3])
+    memory = {"sharded_state": state, "gathered_params": gathered + never_resharded,
+              "activations": acts + other_micro_batches, "transient": transient}
+    time = _stage_time(units, ctx, boundary_s)
+    return StepCost(peak_bytes=sum(memory.values()), memory_bytes=memory, step_time_s=float(sum(time.values())),
+                    time_s=time, peak_event=name)
+
+
+def _stage_time(units: list[UnitCost], ctx: CostContext, boundary_s: float) -> dict:
+    m = ctx.num_micro_batches
+    compute_mb = sum(u.compute_fwd_s + u.compute_bwd_s for u in units)
+    recompute_mb = sum(u.recompute_s for u in units)
+    offload_mb = sum(u.offload_s for u in units)
+    pairs = [pair_exposed_s(p, u) for p, u in zip([None] + units, units + [None])]
+    exposed_mb = sum(p.per_micro_batch_s for p in pairs) + boundary_s
+    exposed_step = sum(p.per_step_s for p in pairs) + sum(u.post_step_gather_s for u in units)
+    per_mb = compute_mb + recompute_mb + offload_mb + exposed_mb
+    terms = {"compute": m * compute_mb, "recompute": m * recompute_mb,
+             "exposed_comm": m * exposed_mb + exposed_step, "offload": m * offload_mb,
+             "optimizer": sum(u.optimizer_s for u in units), "bubble": (ctx.pipeline_degree - 1) * per_mb}
+    return {name: float(value) for name, value in terms.items()}

@@ -1,0 +1,309 @@
+"""Exact choice of unit boundaries and per-unit decisions on a chain: dynamic programming.
+
+[Note: what the DP state holds]
+Every memory event of a stage (cost.evaluate_stage) is
+    Σ_all units base_bytes + Σ_units before the event's unit held_bytes + a local term,
+where the local term of unit k depends only on k and its neighbours (the prefetched
+unit's params). So scanning units left to right, after placing unit U a partial plan
+is summarized by
+    Q = Σ base_bytes so far + Σ held_bytes so far (U included),
+    R = the largest event finished so far (U's backward included, U's forward not yet:
+        it depends on whether the next unit is prefetched) + Σ base_bytes so far,
+    T = step time so far (U's own terms and the exposure of every pair up to U),
+keyed by U itself (its span and decision), which is all the next unit couples to.
+Appending V adds base_bytes(V) to every event (R and Q), closes U's forward event and
+adds V's backward event. The final peak and time are non-decreasing in R, Q and T,
+so within a key only the Pareto-minimal (T, R, Q) states can lead to an optimum:
+the DP keeps exactly those (and drops states already over budget), which makes it
+exact for the cost model, not a heuristic.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import cost
+from ..cost import CostContext, Decision
+from .space import BlockRule, SearchSpace
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChainSolution:
+    bounds: tuple[int, ...]
+    """Block offsets where units start (the first is 0)."""
+    decisions: tuple[Decision, ...]
+    time_s: float
+    """The stage's step time (cost.evaluate_stage's step_time_s without pipeline boundary terms)."""
+    peak_bytes: int
+
+
+def block_signatures(blocks) -> tuple[int, ...]:
+    """Identical blocks (same numbers, any name) share an id, so their unit costs are computed once."""
+    ids: dict[tuple, int] = {}
+    return tuple(ids.setdefault((b.param_numel, b.param_bytes, b.buffer_bytes, b.fwd_flops, b.bwd_flops,
+                                 b.saved_bytes, b.input_bytes, b.output_bytes, b.fwd_transient_bytes,
+                                 b.bwd_transient_bytes), len(ids)) for b in blocks)
+
+
+class _UnitCosts:
+    """unit_cost memoized on (signatures of the span, decision): identical layers cost once."""
+
+    def __init__(self, blocks, ctx: CostContext):
+        self.blocks, self.ctx = blocks, ctx
+        self.signatures = block_signatures(blocks)
+        self.memo: dict = {}
+
+    def __call__(self, start: int, end: int, decision: Decision) -> cost.UnitCost:
+        key = (self.signatures[start:end], decision)
+        found = self.memo.get(key)
+        if found is None:
+            found = self.memo[key] = cost.unit_cost(tuple(self.blocks[start:end]), decision, self.ctx)
+        return found
+
+
+@dataclass(slots=True)
+class _Front:
+    """States as arrays. A state's parent is state `parent_index` of key number `parent_source`
+    in the position its last unit started from."""
+
+    time_s: np.ndarray
+    r: np.ndarray
+    q: np.ndarray
+    parent_source: np.ndarray
+    parent_index: np.ndarray
+
+    def take(self, keep: np.ndarray) -> "_Front":
+        return _Front(time_s=self.time_s[keep], r=self.r[keep], q=self.q[keep],
+                      parent_source=self.parent_source[keep], parent_index=self.parent_index[keep])
+
+
+@dataclass(slots=True)
+class _Columns:
+    """Every state of a position with its last unit's terms as arrays, so that appending a unit
+    is one vectorized step over all of them (cost functions accept this view as `prev`)."""
+
+    front: _Front
+    """parent_* here name the state itself: its key number and index at this position."""
+    rise_fwd_bytes: np.ndarray
+    prefetch: np.ndarray
+    gathered_bwd_bytes: np.ndarray
+    compute_fwd_s: np.ndarray
+    gather_bwd_s: np.ndarray
+    bwd_window_s: np.ndarray
+
+
+@dataclass(slots=True)
+class _Position:
+    """Pareto fronts of a span, one per key (the last unit: offsets relative to the span's start)."""
+
+    keys: list
+    fronts: list
+    columns: _Columns | None = None
+
+
+_PARETO_CHUNK = 128
+"""Candidates checked at once: a state is dominated iff an earlier one (in time order) dominates
+it, and then, by transitivity, a kept one does; so each chunk is compared with the kept states
+and with itself, never with everything."""
+
+
+def _pareto(front: _Front) -> _Front:
+    """Keep the states no other state beats in all of (T, R, Q); of equal states, the first."""
+    order = np.lexsort((front.q, front.r, front.time_s))
+    r_all, q_all = front.r[order], front.q[order]
+    kept_r, kept_q, keep = np.empty(0, np.int64), np.empty(0, np.int64), []
+    for at in range(0, len(order), _PARETO_CHUNK):
+        r, q = r_all[at:at + _PARETO_CHUNK], q_all[at:at + _PARETO_CHUNK]
+        by_kept = ((kept_r[None, :] <= r[:, None]) & (kept_q[None, :] <= q[:, None])).any(axis=1)
+        earlier = np.tri(len(r), k=-1, dtype=bool)
+        by_chunk = (earlier & (r[None, :] <= r[:, None]) & (q[None, :] <= q[:, None])).any(axis=1)
+        fresh = np.flatnonzero(~(by_kept | by_chunk))
+        kept_r, kept_q = np.concatenate([kept_r, r[fresh]]), np.concatenate([kept_q, q[fresh]])
+        keep.append(order[at + fresh])
+    return front.take(np.concatenate(keep))
+
+
+def _concat(fronts: list[_Front]) -> _Front:
+    return _Front(*(np.concatenate([getattr(f, name) for f in fronts])
+                    for name in ("time_s", "r", "q", "parent_source", "parent_index")))
+
+
+class ChainSolver:
+    """Best plans of sub-chains blocks[a:b] under one CostContext and budget.
+
+    Positions are memoized on the signatures (and rules) of blocks[a:j]: in a run of identical
+    layers every start shares them, which is what makes pipeline stage costs cheap.
+    """
+
+    def __init__(self, blocks, rules: tuple[BlockRule, ...], ctx: CostContext, budget_bytes: float,
+                 space: SearchSpace, *, minimize_memory: bool = False):
+        self.blocks, self.rules, self.ctx, self.space = tuple(blocks), rules, ctx, space
+        self.budget_bytes, self.minimize_memory = budget_bytes, minimize_memory
+        self.costs = _UnitCosts(self.blocks, ctx)
+        self.signatures = tuple(zip(self.costs.signatures, rules))
+        self.span_ids: dict[tuple, int] = {}
+        """(start, end) → an id shared by every span with the same signatures and rules."""
+        self.interned: dict[tuple, int] = {}
+        self.memo: dict[int, _Position] = {}
+        self.solutions: dict[int, ChainSolution | None] = {}
+        self.safe_margin_bytes = None if minimize_memory else self._safe_margin_bytes()
+
+    def solve(self, start: int, end: int) -> ChainSolution | None:
+        """The fastest plan of blocks[start:end] as one stage, None if nothing fits the budget."""
+        span = self._span_id(start, end)
+        if span not in self.solutions:
+            self.solutions[span] = self._solve(start, end)
+        found = self.solutions[span]
+        if found is None or found.bounds[0] == start:
+            return found
+        shift = start - found.bounds[0]
+        return ChainSolution(bounds=tuple(b + shift for b in found.bounds), decisions=found.decisions,
+                             time_s=found.time_s, peak_bytes=found.peak_bytes)
+
+    def _solve(self, start: int, end: int) -> ChainSolution | None:
+        for position in range(start, end):  # shorter spans first: no deep recursion
+            self._position(start, position)
+        position = self._position(start, end)
+        best = None
+        for number, (key, front) in enumerate(zip(position.keys, position.fronts)):
+            u = self.costs(start + key[0], start + key[1], key[2])
+            tail = 0.0 if self.minimize_memory else cost.pair_time_s(u, None, self.ctx)
+            peak = np.maximum(front.r, front.q + max(self._rise_fwd(u), 0))
+            time_s = front.time_s + tail
+            for i in np.flatnonzero(peak <= self.budget_bytes):
+                candidate = (float(time_s[i]), int(peak[i]))
+                if best is None or candidate < best[0]:
+                    best = (candidate, number, int(i))
+        if best is None:
+            return None
+        (time_s, peak), number, index = best
+        bounds, decisions, at = [], [], end
+        while at > start:
+            position = self._position(start, at)
+            key, front = position.keys[number], position.fronts[number]
+            bounds.append(start + key[0])
+            decisions.append(key[2])
+            number, index, at = int(front.parent_source[index]), int(front.parent_index[index]), start + key[0]
+        return ChainSolution(bounds=tuple(reversed(bounds)), decisions=tuple(reversed(decisions)),
+                             time_s=time_s, peak_bytes=peak)
+
+    def _rise_fwd(self, u: cost.UnitCost) -> int:
+        """How far a unit's forward event stands above the level after it (its held bytes)."""
+        return cost.own_peak_bytes(u, self.ctx, backward=False) - cost.held_bytes(u, self.ctx)
+
+    def _safe_margin_bytes(self) -> int:
+        """An upper bound on what any continuation adds to a state's peak, anywhere in the chain:
+        every block's largest base + held bytes, plus the largest working set of any unit with
+        its neighbour's gathered params (see `_drop_slower_than_safe`)."""
+        n, ctx, space = len(self.blocks), self.ctx, self.space
+        units = [self.costs(a, b, d) for a in range(n) for b in range(a + 1, min(n, a + space.max_unit_blocks) + 1)
+                 for d in space.decisions(self.rules[a:b])]
+        if not units:
+            return 0
+        gathered = max(u.gathered_bytes for u in units)
+        rise = max(max(cost.own_peak_bytes(u, ctx, backward=True), self._rise_fwd(u)) for u in units)
+        per_block = 0
+        for i in range(n):
+            singles = [self.costs(i, i + 1, d) for d in space.decisions(self.rules[i:i + 1])]
+            per_block += max(cost.base_bytes(u, ctx) + cost.held_bytes(u, ctx) for u in singles)
+        return rise + gathered + per_block
+
+    def _drop_slower_than_safe(self, front: _Front) -> _Front:
+        """A state is safe when every continuation of it fits the budget; then no state as slow
+        or slower can end faster: keep the fastest safe state and the faster ones (exact)."""
+        safe = np.flatnonzero(np.maximum(front.r, front.q) + self.safe_margin_bytes <= self.budget_bytes)
+        if not len(safe):
+            return front
+        fastest = safe[np.lexsort((front.q[safe], front.r[safe], front.time_s[safe]))[0]]
+        return front.take(np.flatnonzero((front.time_s < front.time_s[fastest])
+                                         | (np.arange(len(front.time_s)) == fastest)))
+
+    def _span_id(self, start: int, end: int) -> int:
+        found = self.span_ids.get((start, end))
+        if found is None:
+            for at in range(start, end + 1):
+                if (start, at) not in self.span_ids:
+                    token = (self.span_ids[(start, at - 1)], self.signatures[at - 1]) if at > start else ()
+                    self.span_ids[(start, at)] = self.interned.setdefault(token, len(self.interned))
+            found = self.span_ids[(start, end)]
+        return found
+
+    def _position(self, start: int, end: int) -> _Position:
+        span = self._span_id(start, end)
+        found = self.memo.get(span)
+        if found is None:
+            found = self.memo[span] = self._build(start, end)
+        return found
+
+    def _build(self, start: int, end: int) -> _Position:
+        if end == start:
+            zero = np.zeros(1, np.int64)
+            return _Position(keys=[None], fronts=[_Front(time_s=np.zeros(1), r=zero, q=zero, parent_source=zero,
+                                                         parent_index=zero)])
+        keys, fronts = [], []
+        rules, space = self.rules, self.space
+        candidates: dict = {}
+        for first in range(max(start, end - space.max_unit_blocks), end):
+            if first > start and not rules[first].may_start_unit:
+                continue
+            if any(rules[i].must_start_unit for i in range(first + 1, end)):
+                continue
+            source = self._position(start, first)
+            if not source.keys:
+                continue
+            for decision in space.decisions(rules[first:end]):
+                key = (first - start, end - start, decision)
+                chunk = self._extend(source, start, key)
+                if len(chunk.time_s):
+                    candidates[key] = chunk
+        for key, front in candidates.items():
+            u = self.costs(start + key[0], start + key[1], key[2])
+            # Raise R to Q + u's forward rise, which every continuation (another unit or the end)
+            # adds at least: states differing only below that level then merge (exact).
+            front.r = np.maximum(front.r, front.q + self._rise_fwd(u))
+            if self.safe_margin_bytes is not None:
+                front = self._drop_slower_than_safe(front)
+            keys.append(key)
+            fronts.append(_pareto(front))
+        return _Position(keys=keys, fronts=fronts)
+
+    def _columns(self, position: _Position, start: int) -> _Columns:
+        if position.columns is None:
+            units = [self.costs(start + k[0], start + k[1], k[2]) for k in position.keys]
+            sizes = [len(f.time_s) for f in position.fronts]
+            front = _concat(position.fronts)
+            front.parent_source = np.repeat(np.arange(len(units)), sizes)
+            front.parent_index = np.concatenate([np.arange(size) for size in sizes])
+
+            def column(values, dtype):
+                return np.repeat(np.array(values, dtype=dtype), sizes)
+
+            position.columns = _Columns(
+                front=front, rise_fwd_bytes=column([self._rise_fwd(u) for u in units], np.int64),
+                prefetch=column([u.prefetch for u in units], bool),
+                gathered_bwd_bytes=column([u.gathered_bwd_bytes for u in units], np.int64),
+                compute_fwd_s=column([u.compute_fwd_s for u in units], float),
+                gather_bwd_s=column([u.gather_bwd_s for u in units], float),
+                bwd_window_s=column([u.bwd_window_s for u in units], float))
+        return position.columns
+
+    def _extend(self, source: _Position, start: int, key) -> _Front:
+        """Append unit `key` to every state of `source`; drop what is already over budget."""
+        ctx = self.ctx
+        v = self.costs(start + key[0], start + key[1], key[2])
+        delta, held_v = cost.base_bytes(v, ctx), cost.held_bytes(v, ctx)
+        v_bwd = cost.own_peak_bytes(v, ctx, backward=True)
+        own_time = 0.0 if self.minimize_memory else cost.own_time_s(v, ctx)
+        if source.keys == [None]:
+            front, rise = source.fronts[0], v_bwd
+            step = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(None, v, ctx)
+        else:
+            columns = self._columns(source, start)
+            front = columns.front
+            rise = np.maximum(columns.rise_fwd_bytes + cost.prefetch_fwd_bytes(columns, v, ctx),
+                              v_bwd + cost.prefetch_bwd_bytes(v, columns))
+            step = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(columns, v, ctx)
+        r = np.maximum(front.r, front.q + rise) + delta
+        fits = np.flatnonzero(r <= self.budget_bytes)
+        return _Front(time_s=(front.time_s + step)[fits] if np.ndim(step) else front.time_s[fits] + step,
+                      r=r[fits], q=front.q[fits] + delta + held_v,
+                      parent_source=front.parent_source[fits], parent_index=front.parent_index[fits])

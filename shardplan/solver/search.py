@@ -1,0 +1,145 @@
+"""The outer enumeration: mesh (dp × pp), micro-batch count and pipeline schedule.
+
+For each configuration the stage cut (stages.py) and, inside each stage, the units and
+their decisions (chain_dp.py) are exact; this module tries every configuration and
+ranks the results. Plain data in, plain data out.
+"""
+from dataclasses import dataclass
+
+from ..cost import CostContext
+from .chain_dp import ChainSolution, ChainSolver
+from .space import BlockRule, SearchSpace
+from .stages import StageCut, cut_stages
+
+SCHEDULES = ("1f1b",)
+"""Schedules searched. GPipe is left out: in the cost model it takes the time of 1F1B with more
+micro-batches in flight (m instead of min(m, pp - stage)), so it never wins; a plan may still
+name it (Configuration.in_flight prices it)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Setting:
+    """Everything fixed for one search: the step's shape and what may vary."""
+
+    world_size: int
+    batch_size: int
+    """Samples in one replica's batch (the leading dim of the example inputs)."""
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    optimizer: str = "adamw"
+    allow_pipeline: bool = True
+    max_pipeline_degree: int = 8
+    """Deeper pipelines need many micro-batches to amortize the bubble; raise it for huge models."""
+    max_micro_batches: int = 64
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Configuration:
+    dp: int
+    pp: int
+    num_micro_batches: int
+    schedule: str
+    """"none" when pp == 1."""
+
+    def in_flight(self, stage: int) -> int:
+        if self.pp == 1:
+            return 1
+        return self.num_micro_batches if self.schedule == "gpipe" else min(self.num_micro_batches, self.pp - stage)
+
+    def describe(self) -> str:
+        text = f"dp={self.dp} pp={self.pp} micro-batches={self.num_micro_batches}"
+        return text + (f" {self.schedule}" if self.pp > 1 else "")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    configuration: Configuration
+    stages: tuple[StageCut, ...]
+    step_time_s: float
+    peak_bytes: int
+
+
+def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
+    """Every mesh, micro-batch count and schedule to try, in a fixed order."""
+    world = setting.world_size
+    micro = [m for m in range(1, min(setting.batch_size, setting.max_micro_batches) + 1)
+             if setting.batch_size % m == 0]
+    found = []
+    for pp in range(1, world + 1):
+        if world % pp or pp > n_blocks or (pp > 1 and (not setting.allow_pipeline
+                                                       or pp > setting.max_pipeline_degree)):
+            continue
+        for m in micro:
+            for schedule in (SCHEDULES if pp > 1 else ("none",)):
+                found.append(Configuration(dp=world // pp, pp=pp, num_micro_batches=m, schedule=schedule))
+    return found
+
+
+def context(setting: Setting, configuration: Configuration, hardware, stage: int) -> CostContext:
+    return CostContext(hardware=hardware, dp=configuration.dp, num_micro_batches=configuration.num_micro_batches,
+                       in_flight=configuration.in_flight(stage), pipeline_degree=configuration.pp,
+                       param_dtype=setting.param_dtype, reduce_dtype=setting.reduce_dtype,
+                       optimizer=setting.optimizer)
+
+
+def boundary_time_s(blocks, start: int, end: int, configuration: Configuration, hardware) -> float:
+    """Per-micro-batch pipeline traffic of a stage: its output forward, its input's gradient backward.
+
+    A send of x bytes between two ranks is priced as an all-gather of 2x bytes over 2 ranks
+    (each rank receives x): the profile has no point-to-point figures."""
+    if configuration.pp == 1:
+        return 0.0
+    m, total = configuration.num_micro_batches, 0.0
+    if end < len(blocks):
+        total += hardware.collective_time_s("all_gather_into_tensor", 2 * -(-blocks[end - 1].output_bytes // m), 2)
+    if start > 0:
+        total += hardware.collective_time_s("all_gather_into_tensor", 2 * -(-blocks[start].input_bytes // m), 2)
+    return total
+
+
+def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, configuration: Configuration,
+                        hardware, budget_bytes: float, space: SearchSpace, *,
+                        minimize_memory: bool = False) -> Candidate | None:
+    """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one)."""
+    solvers: dict[int, ChainSolver] = {}
+
+    def stage_cost(stage: int, start: int, end: int):
+        ctx = context(setting, configuration, hardware, stage)
+        if ctx.in_flight not in solvers:
+            solvers[ctx.in_flight] = ChainSolver(blocks, rules, ctx, budget_bytes, space,
+                                                 minimize_memory=minimize_memory)
+        solution = solvers[ctx.in_flight].solve(start, end)
+        if solution is None:
+            return None
+        if minimize_memory:
+            return solution, float(solution.peak_bytes)
+        return solution, solution.time_s + ctx.pipeline_factor * boundary_time_s(
+            blocks, start, end, configuration, hardware)
+
+    cuts = cut_stages(rules, configuration.pp, stage_cost)
+    if cuts is None:
+        return None
+    return Candidate(configuration=configuration, stages=cuts, step_time_s=max(c.time_s for c in cuts),
+                     peak_bytes=max(c.solution.peak_bytes for c in cuts))
+
+
+def search(blocks, rules, setting: Setting, hardware, budget_bytes: float,
+           space: SearchSpace) -> list[Candidate]:
+    """The best plan of every configuration that fits, fastest first (ties: smaller peak, then order)."""
+    found = []
+    for order, configuration in enumerate(configurations(setting, len(blocks))):
+        candidate = solve_configuration(blocks, rules, setting, configuration, hardware, budget_bytes, space)
+        if candidate is not None:
+            found.append((candidate.step_time_s, candidate.peak_bytes, order, candidate))
+    return [c for *_, c in sorted(found, key=lambda item: item[:3])]
+
+
+def smallest_peak(blocks, rules, setting: Setting, hardware, space: SearchSpace) -> int | None:
+    """The least peak memory per rank any configuration reaches (the budget that would just fit)."""
+    peaks = []
+    for configuration in configurations(setting, len(blocks)):
+        candidate = solve_configuration(blocks, rules, setting, configuration, hardware, float("inf"), space,
+                                        minimize_memory=True)
+        if candidate is not None:
+            peaks.append(candidate.peak_bytes)
+    return min(peaks) if peaks else None

@@ -1,0 +1,103 @@
+"""The decision space the solvers search, and the user's constraints resolved onto blocks.
+
+The chain DP and the brute force take the same `SearchSpace` and the same
+per-block `BlockRule`s, so whatever restricts one restricts the other and the
+property test compares like with like. Restrictions by default:
+- a unit spans at most `max_unit_blocks` consecutive blocks (default 4): larger
+  units only add gathered memory and give up overlap on a chain of similar blocks;
+- offload only for the sharded strategies (FULL_SHARD, SHARD_GRAD_OP), only when allowed.
+"""
+import re
+from dataclasses import dataclass
+
+from ..cost import GATHERING, Decision
+from ..errors import ShardplanError
+from ..plan import Checkpoint, ShardStrategy
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Constraints:
+    """What a user pins or forbids, by regular expressions searched in a block's module paths.
+
+    A block matches a pattern when `re.search(pattern, path)` finds it in the block's name
+    or any of its module paths.
+    """
+
+    unit_boundary: tuple[str, ...] = ()
+    """A unit must start at each matching block."""
+    no_unit_boundary: tuple[str, ...] = ()
+    """No unit may start at a matching block: it joins the unit of the block before."""
+    checkpoint: tuple[tuple[str, tuple[Checkpoint, ...]], ...] = ()
+    """(pattern, allowed checkpoint modes) for the unit holding a matching block."""
+    strategy: tuple[tuple[str, tuple[ShardStrategy, ...]], ...] = ()
+    """(pattern, allowed shard strategies) for the unit holding a matching block."""
+    stage_boundary: tuple[str, ...] = ()
+    """A pipeline stage must start at each matching block (when pp > 1)."""
+    no_stage_boundary: tuple[str, ...] = ()
+    """No pipeline stage may start at a matching block."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockRule:
+    """Constraints resolved onto one block."""
+
+    must_start_unit: bool = False
+    may_start_unit: bool = True
+    must_start_stage: bool = False
+    may_start_stage: bool = True
+    checkpoints: frozenset = frozenset(Checkpoint)
+    strategies: frozenset = frozenset(ShardStrategy)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchSpace:
+    strategies: tuple[ShardStrategy, ...] = tuple(ShardStrategy)
+    checkpoints: tuple[Checkpoint, ...] = tuple(Checkpoint)
+    prefetch: tuple[bool, ...] = (True, False)
+    allow_offload: bool = False
+    max_unit_blocks: int = 4
+
+    def decisions(self, rules: tuple[BlockRule, ...]) -> tuple[Decision, ...]:
+        """Every decision a unit holding blocks with these rules may take, in a fixed order."""
+        strategies = [s for s in self.strategies if all(s in r.strategies for r in rules)]
+        checkpoints = [c for c in self.checkpoints if all(c in r.checkpoints for r in rules)]
+        return tuple(Decision(strategy=s, checkpoint=c, offload=o, prefetch=p)
+                     for s in strategies for c in checkpoints
+                     for o in ((False, True) if self.allow_offload and s in GATHERING else (False,))
+                     for p in self.prefetch)
+
+
+def _matches(block, patterns) -> bool:
+    paths = (block.name,) + tuple(block.modules)
+    return any(re.search(pattern, path) for pattern in patterns for path in paths)
+
+
+def resolve_rules(blocks, constraints: Constraints | None) -> tuple[BlockRule, ...]:
+    """One BlockRule per block; raises when the constraints contradict each other."""
+    constraints = constraints or Constraints()
+    for pattern in (constraints.unit_boundary + constraints.no_unit_boundary + constraints.stage_boundary
+                    + constraints.no_stage_boundary
+                    + tuple(p for p, _ in constraints.checkpoint + constraints.strategy)):
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ShardplanError(f"constraint pattern {pattern!r} is not a regular expression: {error}") from None
+    rules = []
+    for i, block in enumerate(blocks):
+        must_unit = i == 0 or _matches(block, constraints.unit_boundary)
+        may_unit = i == 0 or not _matches(block, constraints.no_unit_boundary)
+        must_stage = i == 0 or _matches(block, constraints.stage_boundary)
+        may_stage = i == 0 or not _matches(block, constraints.no_stage_boundary)
+        checkpoints = frozenset(Checkpoint).intersection(
+            *[allowed for pattern, allowed in constraints.checkpoint if _matches(block, (pattern,))])
+        strategies = frozenset(ShardStrategy).intersection(
+            *[allowed for pattern, allowed in constraints.strategy if _matches(block, (pattern,))])
+        if must_unit and not may_unit or must_stage and not may_stage:
+            raise ShardplanError(f"constraints both pin and forbid a boundary at block {block.name!r}: "
+                                 "remove one of the two patterns")
+        if not checkpoints or not strategies:
+            raise ShardplanError(f"constraints leave no checkpoint mode or shard strategy for block "
+                                 f"{block.name!r}: relax the patterns that match it")
+        rules.append(BlockRule(must_start_unit=must_unit, may_start_unit=may_unit, must_start_stage=must_stage,
+                               may_start_stage=may_stage, checkpoints=checkpoints, strategies=strategies))
+    return tuple(rules)
