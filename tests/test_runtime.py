@@ -138,6 +138,23 @@ def check_loss_fn_and_loading(rank: int, world: int) -> dict:
     return errors
 
 
+def check_meta_hf(rank: int, world: int) -> dict:
+    """A Hugging Face model on meta starts: its own _init_weights fills parameters and rotary buffers."""
+    build, groups = MODELS["llama"]
+    facts = {}
+    for backend in ("shardplan", "fsdp2"):
+        entry = build(world, device="meta")
+        program = parallelize(entry.model, make_plan(entry.model, groups, world, STRATEGIES, CHECKPOINTS),
+                              backend=backend)
+        state = program.full_state_dict()
+        ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(rank))
+        expected_inv_freq = build(world).model.model.rotary_emb.inv_freq
+        facts[backend] = {"embedding_std": float(state["model.embed_tokens.weight"].std()),
+                          "inv_freq_error": float((state["model.rotary_emb.inv_freq"] - expected_inv_freq).abs().max()),
+                          "loss": float(program.step(ids, labels=ids))}
+    return facts
+
+
 def check_errors(rank: int, world: int) -> dict:
     build, groups = MODELS["gpt"]
     errors = {}
@@ -173,6 +190,7 @@ def _worker(rank: int, world: int, port: int, cases: dict, path: str) -> None:
         results["reshard"] = check_reshard(rank, world)
         results["errors"] = check_errors(rank, world)
         results["loss_fn"] = check_loss_fn_and_loading(rank, world)
+        results["meta_hf"] = check_meta_hf(rank, world)
         if rank == 0:
             with open(path, "w") as handle:
                 json.dump(results, handle)
@@ -239,6 +257,10 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
     assert all(padded == shard * world for shard, padded in zip(reshard["shard_numel"], reshard["padded_numel"]))
     for backend, errors in results["loss_fn"].items():
         assert max(errors.values()) <= TOLERANCE, (backend, errors)
+    for backend, facts in results["meta_hf"].items():
+        # initializer_range 0.02; ln(vocab 512) = 6.24 at initialization
+        assert abs(facts["embedding_std"] - 0.02) < 2e-3 and facts["inv_freq_error"] == 0, (backend, facts)
+        assert 5.5 < facts["loss"] < 7.0, (backend, facts)
     errors = results["errors"]
     assert errors["pp"][0] == "ShardplanError" and "pp=2" in errors["pp"][1]
     assert errors["missing"][0] == "PlanError" and "in no unit" in errors["missing"][1]

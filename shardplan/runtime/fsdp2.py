@@ -18,6 +18,7 @@ from ..plan import Plan, ShardStrategy
 from . import collectives
 from .checkpointing import checkpointed
 from .program import Program, grad_norm_term
+from .sharded import initialize_module
 
 
 class Fsdp2Program(Program):
@@ -86,10 +87,7 @@ class Fsdp2Program(Program):
 def _initialize(model: nn.Module, device: torch.device) -> None:
     """Meta-device model: allocate the shards and run each module's own initialization on them."""
     model.to_empty(device=device)
-    init_weights = getattr(model, "_init_weights", None)
-    with torch.no_grad():
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-            elif init_weights is not None and next(module.parameters(recurse=False), None) is not None:
-                init_weights(module)
+    for module in model.modules():
+        if next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None) \
+                is not None:
+            initialize_module(model, module)

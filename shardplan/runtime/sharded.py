@@ -96,7 +96,8 @@ def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device) -
         if any(named[name].is_meta for name in spec.params):
             _materialize(model, spec.name, [owners[id(named[name])][0] for name in spec.params], device)
         first_slots = {index: (module, attribute) for module, attribute, index in reversed(slots)}
-        parameters = [first_slots[index][0]._parameters[first_slots[index][1]] for index in range(len(spec.params))]
+        parameters = [module._parameters[attribute] for module, attribute in
+                      (first_slots[index] for index in range(len(spec.params)))]
         trainable = {parameter.requires_grad for parameter in parameters}
         if len(trainable) > 1:
             raise ShardplanError(f"unit {spec.name!r} mixes frozen and trainable parameters: one flat buffer has "
@@ -110,11 +111,10 @@ def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device) -
                         compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, device=device)
         unit.release()  # the modules' own tensors give way to placeholders: only the shard stays
         units.append(unit)
-    for name, buffer in model.named_buffers():
-        if buffer.is_meta:
-            raise ShardplanError(f"buffer {name!r} is still on the meta device after initialization: create "
-                                 "buffers on a real device (only parameters may start on meta), or give its "
-                                 "module a reset_parameters()")
+    meta_buffer_owners = [path for path, module in model.named_modules()
+                          if any(buffer.is_meta for buffer in module.buffers(recurse=False))]
+    if meta_buffer_owners:  # modules with buffers and no parameters (rotary embeddings)
+        _materialize(model, "(buffers)", meta_buffer_owners, device)
     for module in model.modules():  # buffers only: every parameter slot now holds a meta placeholder
         for name, buffer in module._buffers.items():
             if buffer is not None:
@@ -159,21 +159,31 @@ def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:
 
 
 def _materialize(model: nn.Module, unit_name: str, owner_paths: list[str], device: torch.device) -> None:
-    """Give the owners of a meta unit's parameters real memory, initialized by their own code."""
+    """Give modules on the meta device real memory, initialized by the model's own code."""
     modules = dict(model.named_modules())
-    init_weights = getattr(model, "_init_weights", None)  # Hugging Face models initialize per module
     for path in dict.fromkeys(owner_paths):
         module = modules[path]
         module.to_empty(device=device, recurse=False)
-        with torch.no_grad():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-            elif init_weights is not None:
-                init_weights(module)
-            else:
-                raise ShardplanError(f"unit {unit_name!r}: module {path!r} ({type(module).__name__}) is on the "
-                                     "meta device and has no reset_parameters() to initialize it: add one, or "
-                                     "build the model on a real device")
+        if not initialize_module(model, module):
+            raise ShardplanError(f"unit {unit_name!r}: module {path!r} ({type(module).__name__}) is on the "
+                                 "meta device and has no reset_parameters() to initialize it: add one, or "
+                                 "build the model on a real device")
+
+
+def initialize_module(model: nn.Module, module: nn.Module) -> bool:
+    """Run the model's own initialization of `module`'s direct tensors; False if it has none.
+
+    A Hugging Face model initializes module by module with its `_init_weights` (which also
+    fills rotary-embedding buffers); any other module by its `reset_parameters()`."""
+    init_weights = getattr(model, "_init_weights", None)
+    with torch.no_grad():
+        if init_weights is not None:
+            init_weights(module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        else:
+            return False
+    return True
 
 
 def _wrap_forwards(model: nn.Module, modules: dict[str, nn.Module], units: list[FlatUnit],
