@@ -7,6 +7,7 @@ so applying it to another model fails loudly.
 """
 import dataclasses
 import enum
+import functools
 import json
 import os
 import tempfile
@@ -17,6 +18,9 @@ from .chain import InputSpec
 from .errors import PlanError
 
 SCHEMA = "shardplan.plan/1"
+SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
+"""JSON Schema of the plan file, shipped in the package; from_json validates against it."""
+SCHEDULE_NAMES = ("none", "gpipe", "1f1b")
 
 
 class ShardStrategy(str, enum.Enum):
@@ -61,6 +65,13 @@ class Unit:
     prefetch: bool = True
     """Start the next unit's gather while this one computes."""
 
+    def __post_init__(self):
+        if not self.name or not self.modules:
+            raise PlanError(f"unit {self.name!r} has no name or no modules: every unit holds at least one block")
+        if self.offload and self.strategy not in (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP):
+            raise PlanError(f"unit {self.name!r} offloads with strategy {self.strategy.value}: offload needs a "
+                            "sharded strategy (full_shard or shard_grad_op); set offload to false")
+
     @property
     def reshard_after_forward(self) -> bool:
         return self.strategy is ShardStrategy.FULL_SHARD
@@ -82,6 +93,10 @@ class Mesh:
     dp: int
     pp: int = 1
 
+    def __post_init__(self):
+        if self.dp < 1 or self.pp < 1:
+            raise PlanError(f"mesh dp={self.dp} pp={self.pp}: both must be at least 1")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule:
@@ -90,6 +105,12 @@ class Schedule:
     num_micro_batches: int = 1
     name: str = "none"
     """"none" when pp == 1, else "gpipe" or "1f1b"."""
+
+    def __post_init__(self):
+        if self.num_micro_batches < 1:
+            raise PlanError(f"schedule has {self.num_micro_batches} micro-batches: at least 1")
+        if self.name not in SCHEDULE_NAMES:
+            raise PlanError(f"schedule {self.name!r} is unknown: use one of {', '.join(SCHEDULE_NAMES)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,6 +175,9 @@ class Plan:
     predicted: Predicted
     reasoning: Reasoning
 
+    def __post_init__(self):
+        _check_plan(self)
+
     def to_json(self) -> str:
         """Deterministic bytes: same plan, same text."""
         return json.dumps(_to_data(self), indent=2, sort_keys=True) + "\n"
@@ -171,7 +195,41 @@ class Plan:
         if schema != SCHEMA:
             raise PlanError(f"plan schema {schema!r} is not supported by this shardplan (reads {SCHEMA!r}): "
                             "re-plan with this version, or install the version that wrote it")
+        _validate_schema(data)
         return _from_data(cls, data, "plan")
+
+    def diff(self, other: "Plan") -> list[str]:
+        """What changes from this plan to `other`, one readable line per difference ([] if equal)."""
+        return _diff(_to_data(self), _to_data(other), "")
+
+    def summary(self) -> str:
+        """Units, stages, predicted memory and time as a text table."""
+        from .units import format_bytes
+
+        lines = [f"plan for {self.model or 'model'} on {self.world_size} ranks of {self.hardware}: "
+                 f"dp={self.mesh.dp} pp={self.mesh.pp}, {self.schedule.num_micro_batches} micro-batch(es)"
+                 + (f", {self.schedule.name}" if self.mesh.pp > 1 else "")
+                 + f", params {self.mixed_precision.param_dtype}, grads reduced in {self.mixed_precision.reduce_dtype}",
+                 "", f"{'stage':>5}  {'unit':<32} {'strategy':<16} {'checkpoint':<10} {'offload':<7} {'params':>7}"]
+        units = {unit.name: unit for unit in self.units}
+        for stage in self.stages:
+            for name in stage.units:
+                unit = units[name]
+                lines.append(f"{stage.index:>5}  {name[:32]:<32} {unit.strategy.value:<16} {unit.checkpoint.value:<10} "
+                             f"{'yes' if unit.offload else 'no':<7} {len(unit.params):>7}")
+        predicted = self.predicted
+        lines += ["", f"peak memory per rank {format_bytes(predicted.peak_bytes)} "
+                      f"(budget {format_bytes(self.reasoning.budget_bytes)}):"]
+        lines += [f"  {name:<16} {format_bytes(value):>12}" for name, value in sorted(predicted.memory_bytes.items())]
+        lines += [f"step time {predicted.step_time_s:.4g} s, {predicted.samples_per_s:.4g} samples/s, "
+                  f"MFU {predicted.mfu:.1%}:"]
+        lines += [f"  {name:<16} {value:>12.4g} s" for name, value in sorted(predicted.time_s.items())]
+        lines += ["", f"binding constraint: {self.reasoning.binding_constraint}"]
+        if self.reasoning.runner_ups:
+            lines.append("runner-ups:")
+            lines += [f"  {alt.step_time_s:>10.4g} s  {format_bytes(alt.peak_bytes):>12}  {alt.description}"
+                      for alt in self.reasoning.runner_ups]
+        return "\n".join(lines)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a crash mid-write leaves any previous file intact."""
@@ -202,6 +260,90 @@ def load_plan(path: str | os.PathLike) -> Plan:
     except UnicodeDecodeError:
         raise PlanError(f"plan file {os.fspath(path)!r} is not text: it is corrupt") from None
     return Plan.from_json(text)
+
+
+def _check_plan(plan: Plan) -> None:
+    """The invariants `parallelize` relies on; each message names the fix."""
+    if plan.mesh.dp * plan.mesh.pp != plan.world_size:
+        raise PlanError(f"mesh dp={plan.mesh.dp} x pp={plan.mesh.pp} = {plan.mesh.dp * plan.mesh.pp} ranks but "
+                        f"world_size is {plan.world_size}: make dp * pp equal world_size")
+    if len(plan.stages) != plan.mesh.pp:
+        raise PlanError(f"plan has {len(plan.stages)} stage(s) but pp={plan.mesh.pp}: give one stage per pipeline rank")
+    if (plan.mesh.pp == 1) != (plan.schedule.name == "none"):
+        raise PlanError(f"schedule {plan.schedule.name!r} with pp={plan.mesh.pp}: use 'none' without a pipeline "
+                        "and 'gpipe' or '1f1b' with one")
+    _unique([u.name for u in plan.units], "unit name", "rename one of the units")
+    _unique([m for u in plan.units for m in u.modules], "module", "a module belongs to one unit")
+    _unique([p for u in plan.units for p in u.params], "parameter", "a parameter belongs to one unit's flat buffer")
+    in_order = [name for stage in plan.stages for name in stage.units]
+    for index, stage in enumerate(plan.stages):
+        if stage.index != index:
+            raise PlanError(f"stage at position {index} has index {stage.index}: number stages 0..pp-1 in order")
+        if not stage.units:
+            raise PlanError(f"stage {index} has no units: every pipeline stage runs at least one unit")
+    known = {u.name for u in plan.units}
+    unknown = [name for name in in_order if name not in known]
+    if unknown:
+        raise PlanError(f"stages name unknown units {unknown}: list each unit in Plan.units")
+    if in_order != [u.name for u in plan.units]:
+        raise PlanError("stages must hold every unit exactly once, in the order of Plan.units "
+                        f"(stages list {in_order}, units are {[u.name for u in plan.units]})")
+
+
+def _unique(names: list[str], what: str, fix: str) -> None:
+    seen, repeated = set(), []
+    for name in names:
+        if name in seen:
+            repeated.append(name)
+        seen.add(name)
+    if repeated:
+        raise PlanError(f"{what} {sorted(set(repeated))[0]!r} appears in two units: {fix}")
+
+
+@functools.cache
+def _schema() -> dict:
+    with open(SCHEMA_PATH) as handle:
+        return json.load(handle)
+
+
+def _validate_schema(data: dict) -> None:
+    import jsonschema
+
+    errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(data), key=lambda e: list(e.path))
+    if errors:
+        error = errors[0]
+        where = "plan" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.path)
+        raise PlanError(f"plan field {where} does not match the plan schema: {error.message} "
+                        f"({len(errors)} problem(s) in all; the file was edited or written by another version)")
+
+
+def _diff(old, new, where: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        lines = []
+        for key in sorted(set(old) | set(new)):
+            path = f"{where}.{key}" if where else key
+            if key not in old:
+                lines.append(f"{path}: added {json.dumps(new[key], sort_keys=True)}")
+            elif key not in new:
+                lines.append(f"{path}: removed")
+            else:
+                lines += _diff(old[key], new[key], path)
+        return lines
+    if isinstance(old, list) and isinstance(new, list) and all(isinstance(x, dict) and "name" in x for x in old + new):
+        before, after = {x["name"]: x for x in old}, {x["name"]: x for x in new}
+        lines = [f"{where}: added {name!r}" for name in after if name not in before]
+        lines += [f"{where}: removed {name!r}" for name in before if name not in after]
+        for name in before:
+            if name in after:
+                lines += _diff(before[name], after[name], f"{where}[{name!r}]")
+        if not lines and [x["name"] for x in old] != [x["name"] for x in new]:
+            lines.append(f"{where}: reordered")
+        return lines
+    if isinstance(old, float) and isinstance(new, float) and abs(old - new) <= 1e-9 * max(abs(old), abs(new)):
+        return []  # the same prediction summed in another order
+    if old != new:
+        return [f"{where}: {json.dumps(old, sort_keys=True)} -> {json.dumps(new, sort_keys=True)}"]
+    return []
 
 
 def _to_data(value):
