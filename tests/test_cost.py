@@ -1,0 +1,136 @@
+"""The cost model's formulas on hand-made numbers: every expected value is computed here, apart."""
+import math
+
+import pytest
+
+from shardplan.chain import Block
+from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, SELECTIVE_KEEP_FRACTION, CostContext, Decision,
+                            evaluate_stage, pair_exposed_s, unit_cost)
+from shardplan.errors import ShardplanError
+from shardplan.plan import Checkpoint, ShardStrategy
+
+MiB = 2**20
+
+
+class LinearHardware:
+    """1 TFLOP/s, 100 GB/s memory, collectives at 1 GB/s bus bandwidth with the ring factor, no latency."""
+
+    def compute_time_s(self, flops, bytes_moved, dtype="float32"):
+        return max(flops / 1e12, bytes_moved / 1e11)
+
+    def collective_time_s(self, kind, nbytes, group_size):
+        factor = (group_size - 1) / group_size * (2 if kind == "all_reduce" else 1)
+        return nbytes * factor / 1e9 if group_size > 1 else 0.0
+
+
+def block(index=0, numel=1_000_000, fwd=10**12, saved=64 * MiB, inp=8 * MiB, fwd_transient=16 * MiB,
+          bwd_transient=32 * MiB) -> Block:
+    return Block(index=index, name=f"b{index}", modules=(f"b{index}",), param_names=(f"b{index}.w",),
+                 param_numel=numel, param_bytes=4 * numel, buffer_bytes=0, fwd_flops=fwd, bwd_flops=2 * fwd,
+                 saved_bytes=saved, input_bytes=inp, output_bytes=inp, fwd_transient_bytes=fwd_transient,
+                 bwd_transient_bytes=bwd_transient, first_node="a", last_node="b")
+
+
+def ctx(**changes) -> CostContext:
+    return CostContext(hardware=LinearHardware(), dp=changes.pop("dp", 4), **changes)
+
+
+@pytest.mark.parametrize("strategy, expected", [
+    (ShardStrategy.FULL_SHARD, (4 + 4 + 8) * 10**6 // 4),
+    (ShardStrategy.SHARD_GRAD_OP, (4 + 4 + 8) * 10**6 // 4),
+    (ShardStrategy.SHARD_OPTIMIZER, (4 + 4) * 10**6 + 8 * 10**6 // 4),
+    (ShardStrategy.REPLICATE, (4 + 4 + 8) * 10**6),
+])
+def test_sharded_state_by_strategy(strategy, expected):
+    assert OPTIMIZER_STATE_BYTES_PER_PARAM["adamw"] == 8
+    assert unit_cost((block(),), Decision(strategy=strategy), ctx()).state_bytes == expected
+
+
+def test_offload_moves_the_state_off_the_device_and_costs_copies():
+    unit = unit_cost((block(),), Decision(offload=True), ctx())
+    assert unit.state_bytes == 0
+    shard_bytes = 4 * 10**6 // 4
+    assert unit.offload_s == pytest.approx(3 * shard_bytes / 25e9)  # 2 gathers + 1 gradient copy
+    with pytest.raises(ShardplanError, match="sharded strategy"):
+        unit_cost((block(),), Decision(strategy=ShardStrategy.REPLICATE, offload=True), ctx())
+
+
+@pytest.mark.parametrize("checkpoint, kept", [
+    (Checkpoint.NONE, 64 * MiB), (Checkpoint.FULL, 8 * MiB),
+    (Checkpoint.SELECTIVE, math.ceil(64 * MiB * SELECTIVE_KEEP_FRACTION))])
+def test_kept_activations_by_checkpoint_and_micro_batches(checkpoint, kept):
+    assert unit_cost((block(), block(1)), Decision(checkpoint=checkpoint), ctx()).activation_bytes == 2 * kept
+    halved = unit_cost((block(),), Decision(checkpoint=checkpoint), ctx(num_micro_batches=2))
+    assert halved.activation_bytes == kept // 2
+
+
+def test_compute_recompute_and_collectives_of_a_unit():
+    unit = unit_cost((block(),), Decision(checkpoint=Checkpoint.FULL), ctx(dp=4))
+    assert unit.compute_fwd_s == pytest.approx(1.0)  # 1e12 FLOPs at 1 TFLOP/s
+    assert unit.compute_bwd_s == pytest.approx(2.0)
+    assert unit.recompute_s == pytest.approx(1.0)
+    assert unit.gather_fwd_s == pytest.approx(4e6 * 0.75 / 1e9)
+    assert unit.gather_bwd_s == unit.gather_fwd_s  # FULL_SHARD gathers again for backward
+    assert unit.reduce_s == pytest.approx(4e6 * 0.75 / 1e9)
+    grad_op = unit_cost((block(),), Decision(strategy=ShardStrategy.SHARD_GRAD_OP), ctx(dp=4))
+    assert grad_op.gather_bwd_s == 0.0 and grad_op.kept_gathered_bytes == 4 * 10**6
+    ddp = unit_cost((block(),), Decision(strategy=ShardStrategy.REPLICATE), ctx(dp=4))
+    assert ddp.reduce_per_step and ddp.reduce_s == pytest.approx(4e6 * 1.5 / 1e9)
+    bf16 = unit_cost((block(),), Decision(), ctx(dp=4, param_dtype="bfloat16"))
+    assert bf16.gathered_bytes == 2 * 10**6
+
+
+def test_overlap_hides_the_next_gather_under_compute_and_exposes_the_rest():
+    small = unit_cost((block(fwd=10**9),), Decision(), ctx(dp=4))  # 1 ms forward, 3 ms gather
+    large = unit_cost((block(numel=4_000_000),), Decision(), ctx(dp=4))
+    exposed = pair_exposed_s(small, large)
+    gather = 16e6 * 0.75 / 1e9
+    backward_gather_of_small = max(0.0, small.gather_bwd_s - large.bwd_window_s)
+    reduce_of_large = max(0.0, large.reduce_s - small.bwd_window_s)
+    assert exposed.per_micro_batch_s == pytest.approx(
+        (gather - small.compute_fwd_s) + backward_gather_of_small + reduce_of_large)
+    no_prefetch = unit_cost((block(fwd=10**9),), Decision(prefetch=False), ctx(dp=4))
+    assert pair_exposed_s(no_prefetch, large).per_micro_batch_s == pytest.approx(gather + reduce_of_large)
+    first = pair_exposed_s(None, large)
+    assert first.per_micro_batch_s == pytest.approx(large.gather_fwd_s + large.reduce_s)
+
+
+def test_peak_of_a_two_unit_stage_is_the_backward_of_the_last_unit():
+    blocks = (block(0), block(1))
+    step = evaluate_stage(blocks, (0, 1), (Decision(), Decision()), ctx(dp=4))
+    state = 2 * (16 * 10**6 // 4)
+    params = 4 * 10**6
+    # backward of unit 1: unit 0's activations + unit 1's params, gradient, activations and
+    # backward transient + unit 0's params prefetched for its backward.
+    expected = state + 64 * MiB + params + params + 64 * MiB + 32 * MiB + params
+    assert step.peak_bytes == expected
+    assert step.peak_event == "backward of unit 1"
+    assert step.memory_bytes == {"sharded_state": state, "gathered_params": 3 * params,
+                                 "activations": 128 * MiB, "transient": 32 * MiB}
+
+
+def test_step_time_is_the_sum_of_its_components_and_the_bubble_follows_the_schedule():
+    blocks = (block(0), block(1))
+    decisions = (Decision(), Decision(checkpoint=Checkpoint.FULL))
+    flat = evaluate_stage(blocks, (0, 1), decisions, ctx(dp=4, num_micro_batches=4))
+    piped = evaluate_stage(blocks, (0, 1), decisions, ctx(dp=4, num_micro_batches=4, pipeline_degree=3))
+    assert flat.step_time_s == pytest.approx(sum(flat.time_s.values()))
+    assert flat.time_s["recompute"] == pytest.approx(4 * 0.25)
+    per_micro_batch = (flat.time_s["compute"] + flat.time_s["recompute"]) / 4 + (
+        flat.time_s["exposed_comm"] - 0.0) / 4
+    assert piped.time_s["bubble"] == pytest.approx(2 * per_micro_batch)
+    assert piped.step_time_s == pytest.approx(flat.step_time_s + 2 * per_micro_batch)
+
+
+def test_micro_batches_in_flight_multiply_the_held_activations():
+    blocks = (block(0), block(1))
+    one = evaluate_stage(blocks, (0, 1), (Decision(), Decision()), ctx(num_micro_batches=2))
+    three = evaluate_stage(blocks, (0, 1), (Decision(), Decision()), ctx(num_micro_batches=2, in_flight=3))
+    assert three.peak_bytes - one.peak_bytes == 2 * (2 * 32 * MiB)
+
+
+def test_unknown_optimizer_and_dtype_are_refused():
+    with pytest.raises(ShardplanError, match="optimizer"):
+        ctx(optimizer="lion")
+    with pytest.raises(ShardplanError, match="dtype"):
+        ctx(param_dtype="int4")

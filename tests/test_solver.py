@@ -1,0 +1,174 @@
+"""The solvers against brute force on the same decision space and cost model, and constraints."""
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from shardplan.chain import Block
+from shardplan.cost import CostContext, evaluate_stage
+from shardplan.hardware import get_hardware
+from shardplan.plan import Checkpoint, ShardStrategy
+from shardplan.solver.brute_force import count_candidates, solve_chain_brute_force
+from shardplan.solver.chain_dp import ChainSolver
+from shardplan.solver.search import Configuration, Setting, boundary_time_s, context, solve_configuration
+from shardplan.solver.space import Constraints, SearchSpace, resolve_rules
+from shardplan.solver.stages import cut_stages
+
+H100 = get_hardware("h100-80g")
+MAX_CANDIDATES = 3000
+"""Brute-force plans per example: keeps the property test near a minute on two cores."""
+
+
+@st.composite
+def blocks_strategy(draw, max_blocks=10):
+    n = draw(st.integers(1, max_blocks))
+    blocks = []
+    for i in range(n):
+        numel = draw(st.sampled_from([0, 10**6, 3 * 10**7, 2 * 10**8]))
+        fwd = draw(st.sampled_from([10**9, 3 * 10**11, 10**13]))
+        blocks.append(Block(
+            index=i, name=f"layers.{i}", modules=(f"layers.{i}",), param_names=(f"layers.{i}.w",) if numel else (),
+            param_numel=numel, param_bytes=4 * numel, buffer_bytes=0, fwd_flops=fwd, bwd_flops=2 * fwd,
+            saved_bytes=draw(st.sampled_from([10**6, 3 * 10**8, 2 * 10**9])),
+            input_bytes=draw(st.sampled_from([10**6, 5 * 10**7])), output_bytes=5 * 10**7,
+            fwd_transient_bytes=draw(st.sampled_from([0, 10**8, 10**9])),
+            bwd_transient_bytes=draw(st.sampled_from([0, 3 * 10**8, 2 * 10**9])), first_node="a", last_node="b"))
+    return tuple(blocks)
+
+
+@st.composite
+def spaces(draw):
+    return SearchSpace(
+        strategies=tuple(draw(st.lists(st.sampled_from(list(ShardStrategy)), min_size=1, max_size=2, unique=True))),
+        checkpoints=tuple(draw(st.lists(st.sampled_from(list(Checkpoint)), min_size=1, max_size=2, unique=True))),
+        prefetch=tuple(draw(st.lists(st.booleans(), min_size=1, max_size=2, unique=True))),
+        allow_offload=draw(st.booleans()), max_unit_blocks=draw(st.integers(1, 4)))
+
+
+@st.composite
+def contexts(draw):
+    m = draw(st.sampled_from([1, 2, 4]))
+    return CostContext(hardware=H100, dp=draw(st.sampled_from([1, 2, 8, 64])), num_micro_batches=m,
+                       in_flight=draw(st.integers(1, m)), pipeline_degree=draw(st.sampled_from([1, 2])),
+                       param_dtype=draw(st.sampled_from(["float32", "bfloat16"])))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(blocks=blocks_strategy(), space=spaces(), ctx=contexts(),
+       budget_bytes=st.sampled_from([2 * 10**9, 8 * 10**9, 3 * 10**10, 10**12]))
+def test_chain_dp_equals_brute_force(blocks, space, ctx, budget_bytes):
+    rules = resolve_rules(blocks, None)
+    assume(count_candidates(rules, space) <= MAX_CANDIDATES)
+    expected = solve_chain_brute_force(blocks, rules, ctx, budget_bytes, space)
+    found = ChainSolver(blocks, rules, ctx, budget_bytes, space).solve(0, len(blocks))
+    assert (found is None) == (expected is None)
+    if found is None:
+        return
+    walked = evaluate_stage(blocks, found.bounds, found.decisions, ctx)
+    assert walked.peak_bytes == found.peak_bytes <= budget_bytes
+    assert math.isclose(walked.step_time_s, found.time_s, rel_tol=1e-9)
+    assert math.isclose(found.time_s, expected.time_s, rel_tol=1e-9)  # gap 0 (up to float summation order)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(blocks=blocks_strategy(max_blocks=6), budget_bytes=st.sampled_from([8 * 10**9, 3 * 10**10]),
+       m=st.sampled_from([1, 2, 4]), pp=st.sampled_from([2, 3]))
+def test_stage_cuts_equal_brute_force_over_cuts(blocks, budget_bytes, m, pp):
+    assume(len(blocks) >= pp)
+    space = SearchSpace(strategies=(ShardStrategy.FULL_SHARD, ShardStrategy.REPLICATE),
+                        checkpoints=(Checkpoint.NONE, Checkpoint.FULL), prefetch=(True,), max_unit_blocks=2)
+    rules = resolve_rules(blocks, None)
+    setting = Setting(world_size=pp * 2, batch_size=m)
+    configuration = Configuration(dp=2, pp=pp, num_micro_batches=m, schedule="1f1b")
+    found = solve_configuration(blocks, rules, setting, configuration, H100, budget_bytes, space)
+    best = None
+    for cut in itertools.combinations(range(1, len(blocks)), pp - 1):
+        edges = (0,) + cut + (len(blocks),)
+        worst = 0.0
+        for stage, (start, end) in enumerate(zip(edges, edges[1:])):
+            ctx = context(setting, configuration, H100, stage)
+            solution = solve_chain_brute_force(blocks[start:end], rules[start:end], ctx, budget_bytes, space)
+            if solution is None:
+                worst = math.inf
+                break
+            worst = max(worst, solution.time_s + ctx.pipeline_factor * boundary_time_s(
+                blocks, start, end, configuration, H100))
+        best = worst if best is None else min(best, worst)
+    if best == math.inf:
+        assert found is None
+    else:
+        assert math.isclose(found.step_time_s, best, rel_tol=1e-9)
+
+
+def test_min_max_cut_on_hand_costs():
+    rules = resolve_rules(_uniform_blocks(5), None)
+    times = [3.0, 1.0, 1.0, 1.0, 3.0]
+
+    def stage_cost(stage, start, end):
+        return object(), sum(times[start:end])
+
+    cuts = cut_stages(rules, 3, stage_cost)
+    assert [(c.start, c.end) for c in cuts] == [(0, 1), (1, 4), (4, 5)]
+
+
+def _uniform_blocks(n: int, names=None) -> tuple[Block, ...]:
+    names = names or [f"model.layers.{i}" for i in range(n)]
+    return tuple(Block(index=i, name=name, modules=(name,), param_names=(f"{name}.weight",), param_numel=10**7,
+                       param_bytes=4 * 10**7, buffer_bytes=0, fwd_flops=10**12, bwd_flops=2 * 10**12,
+                       saved_bytes=10**9, input_bytes=10**7, output_bytes=10**7, fwd_transient_bytes=10**8,
+                       bwd_transient_bytes=10**8, first_node="a", last_node="b") for i, name in enumerate(names))
+
+
+def _solve(blocks, constraints, budget_bytes=10**12, space=SearchSpace(max_unit_blocks=3, prefetch=(True,))):
+    rules = resolve_rules(blocks, constraints)
+    ctx = CostContext(hardware=H100, dp=8)
+    return ChainSolver(blocks, rules, ctx, budget_bytes, space).solve(0, len(blocks))
+
+
+def test_constraints_pin_and_forbid_unit_boundaries():
+    blocks = _uniform_blocks(6)
+    pinned = _solve(blocks, Constraints(unit_boundary=(r"layers\.[24]$",), no_unit_boundary=(r"layers\.[135]$",)))
+    assert pinned.bounds == (0, 2, 4)
+
+
+def test_constraints_pin_checkpointing_and_strategy():
+    blocks = _uniform_blocks(4)
+    found = _solve(blocks, Constraints(checkpoint=((r"layers\.1$", (Checkpoint.FULL,)),),
+                                       strategy=((r"layers\.[23]", (ShardStrategy.FULL_SHARD,)),)))
+    ends = found.bounds[1:] + (4,)
+    for start, end, decision in zip(found.bounds, ends, found.decisions):
+        if start <= 1 < end:
+            assert decision.checkpoint is Checkpoint.FULL
+        if any(i in (2, 3) for i in range(start, end)):
+            assert decision.strategy is ShardStrategy.FULL_SHARD
+
+
+def test_constraints_cut_stages_where_pinned():
+    blocks = _uniform_blocks(6)
+    rules = resolve_rules(blocks, Constraints(stage_boundary=(r"layers\.5$",)))
+    setting = Setting(world_size=4, batch_size=4)
+    configuration = Configuration(dp=2, pp=2, num_micro_batches=4, schedule="1f1b")
+    found = solve_configuration(blocks, rules, setting, configuration, H100, 10**12, SearchSpace(prefetch=(True,)))
+    assert [(c.start, c.end) for c in found.stages] == [(0, 5), (5, 6)]
+    forbid = resolve_rules(blocks, Constraints(no_stage_boundary=(r"layers\.[1-5]$",)))
+    assert solve_configuration(blocks, forbid, setting, configuration, H100, 10**12,
+                               SearchSpace(prefetch=(True,))) is None
+
+
+def test_contradicting_or_bad_constraints_are_refused():
+    from shardplan.errors import ShardplanError
+
+    with pytest.raises(ShardplanError, match="pin and forbid"):
+        resolve_rules(_uniform_blocks(3), Constraints(unit_boundary=("layers.1",), no_unit_boundary=("layers.1",)))
+    with pytest.raises(ShardplanError, match="regular expression"):
+        resolve_rules(_uniform_blocks(3), Constraints(unit_boundary=("layers.[",)))
+    with pytest.raises(ShardplanError, match="no checkpoint mode"):
+        resolve_rules(_uniform_blocks(3), Constraints(checkpoint=(("layers", ()),)))
+
+
+def test_identical_layers_share_work_and_give_the_same_answer_as_distinct_names():
+    blocks = _uniform_blocks(12)
+    renamed = _uniform_blocks(12, names=[f"x{i}" for i in range(12)])
+    assert _solve(blocks, None, budget_bytes=6 * 10**9) == _solve(renamed, None, budget_bytes=6 * 10**9)
