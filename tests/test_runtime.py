@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import socket
+import weakref
 
 import pytest
 import torch
@@ -97,21 +98,32 @@ def _loss(output):
 
 
 def check_reshard(rank: int, world: int) -> dict:
-    """After forward, FULL_SHARD units hold only shards (saved tensors are handles); SHARD_GRAD_OP stay gathered."""
+    """What each unit holds when: FULL_SHARD (h.1) keeps no gathered buffer between forward and backward,
+    SHARD_GRAD_OP (h.2) keeps it, the next unit is being gathered while one computes."""
     build, groups = MODELS["gpt"]
     torch.manual_seed(0)
     entry = build(world)
     plan = make_plan(entry.model, groups, world, (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
                      (Checkpoint.NONE,))
     program = parallelize(entry.model, plan)
+    h1, h2 = program.units[2], program.units[3]
+    seen = {}
+
+    def spy(module, args, output):
+        seen["h2_while_h1_computes"] = h2.state.value
+        seen["h1_buffer"] = weakref.ref(h1.gathered())
+
+    entry.model.h[1].mlp.register_forward_hook(spy)
     mine = entry.args[0].chunk(world)[rank]
     loss = program(mine, labels=mine)
-    states = {unit.spec.strategy.value: unit.state.value for unit in program.units}
+    facts = {"h2_while_h1_computes": seen["h2_while_h1_computes"],
+             "h1_buffer_alive_after_forward": seen["h1_buffer"]() is not None,
+             "after_forward": {unit.spec.strategy.value: unit.state.value for unit in (h1, h2)}}
     loss.backward()
-    after = sorted({unit.state.value for unit in program.units})
-    return {"after_forward": states, "after_backward": after,
-            "shard_numel": [unit.shard.numel() for unit in program.units],
-            "padded_numel": [unit.layout.padded_numel for unit in program.units]}
+    facts["after_backward"] = sorted({unit.state.value for unit in program.units})
+    facts["shard_numel"] = [unit.shard.numel() for unit in program.units]
+    facts["padded_numel"] = [unit.layout.padded_numel for unit in program.units]
+    return facts
 
 
 def check_loss_fn_and_loading(rank: int, world: int) -> dict:
@@ -223,7 +235,8 @@ MIXED = {"strategies": STRATEGIES, "checkpoints": CHECKPOINTS}
 WORLD2_CASES = {
     **_grid(["gpt", "llama"], EVERY_PAIR),
     "gpt/mixed/micro_batches2/clip/offload": {"model": "gpt", **MIXED, "micro_batches": 2, "clip": 0.05,
-                                              "offload": (True, False), "prefetch": (True, True, False)},
+                                              "offload": (True, True, False, False),  # the sharded strategies offload
+                                              "prefetch": (True, True, False)},
     "llama/mixed/micro_batches2/clip": {"model": "llama", **MIXED, "micro_batches": 2, "clip": 0.05},
     "gpt/meta_init": {"model": "gpt", **MIXED, "meta": True},
     "gpt/bfloat16": {"model": "gpt", **MIXED, "param_dtype": "bfloat16", "tolerance": 3e-2},
@@ -253,6 +266,8 @@ def _assert_parity(results: dict, cases: dict) -> None:
 def _assert_runtime_facts(results: dict, world: int) -> None:
     reshard = results["reshard"]
     assert reshard["after_forward"] == {"full_shard": "sharded", "shard_grad_op": "gathered"}
+    assert reshard["h2_while_h1_computes"] == "gathering"  # prefetched
+    assert not reshard["h1_buffer_alive_after_forward"]  # saved tensors hold handles, not views
     assert reshard["after_backward"] == ["sharded"]
     assert all(padded == shard * world for shard, padded in zip(reshard["shard_numel"], reshard["padded_numel"]))
     for backend, errors in results["loss_fn"].items():

@@ -18,7 +18,8 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
                 precision: MixedPrecision = MixedPrecision(), pp: int = 1) -> Plan:
     """One unit per group of module paths; unit i takes decision i modulo each sequence's length.
 
-    A unit's parameters are those under its modules, in model.named_parameters() order.
+    A unit's parameters are those under its modules, in model.named_parameters() order; with
+    pp > 1 the units are cut into pp stages of equal count (GPipe).
 
     >>> plan = manual_plan(gpt, [("wte", "wpe"), ("h.0",), ("h.1",), ("ln_f", "lm_head")], dp=2)  # doctest: +SKIP
     """
@@ -30,9 +31,12 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
                           strategy=strategies[index % len(strategies)],
                           checkpoint=checkpoints[index % len(checkpoints)], offload=offload[index % len(offload)],
                           prefetch=prefetch[index % len(prefetch)]))
+    per_stage = -(-len(units) // pp)
+    stages = tuple(Stage(index=index, units=tuple(unit.name for unit in units[index * per_stage:][:per_stage]))
+                   for index in range(pp))
     return Plan(fingerprint="manual", model=type(model).__name__, world_size=dp * pp, hardware="unknown",
-                inputs=(), mesh=Mesh(dp=dp, pp=pp), schedule=Schedule(num_micro_batches=micro_batches),
-                mixed_precision=precision, units=tuple(units),
-                stages=(Stage(index=0, units=tuple(unit.name for unit in units)),),
+                inputs=(), mesh=Mesh(dp=dp, pp=pp),
+                schedule=Schedule(num_micro_batches=micro_batches, name="none" if pp == 1 else "gpipe"),
+                mixed_precision=precision, units=tuple(units), stages=stages,
                 predicted=Predicted(peak_bytes=0, step_time_s=0.0),
                 reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"))
