@@ -183,6 +183,12 @@ def check_errors(rank: int, world: int) -> dict:
             errors[name] = None
         except ShardplanError as error:
             errors[name] = [type(error).__name__, str(error)]
+    tied_build, tied_groups = MODELS["gpt2-tied"]
+    model = tied_build(world).model
+    try:
+        parallelize(model, make_plan(model, tied_groups, world, STRATEGIES, CHECKPOINTS), backend="fsdp2")
+    except ShardplanError as error:
+        errors["fsdp2_tied"] = [type(error).__name__, str(error)]
     model = build(world).model
     try:
         parallelize(model, make_plan(model, groups, world, STRATEGIES, CHECKPOINTS), backend="nope")
@@ -282,6 +288,7 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
     assert errors["dp"][0] == "ShardplanError" and f"dp={world + 1}" in errors["dp"][1]
     assert errors["ranks_disagree"][0] == "RuntimeMismatchError"
     assert errors["backend"][0] == "ShardplanError" and "fsdp2" in errors["backend"][1]
+    assert errors["fsdp2_tied"][0] == "ShardplanError" and "backend='shardplan'" in errors["fsdp2_tied"][1]
 
 
 @pytest.mark.distributed

@@ -36,6 +36,11 @@ class Fsdp2Program(Program):
         reduce_dtype = getattr(torch, plan.mixed_precision.reduce_dtype)
         precision = MixedPrecisionPolicy(param_dtype=None if param_dtype is torch.float32 else param_dtype,
                                          reduce_dtype=None if reduce_dtype is torch.float32 else reduce_dtype)
+        tied = _tied_across_units(module, plan)
+        if tied:
+            raise ShardplanError(f"parameter {tied[0]!r} is tied across units {tied[1]}, which FSDP2 cannot "
+                                 "shard: use backend='shardplan' (it gathers the owning unit where the tie is "
+                                 "used), or put the tied modules in one unit")
         modules = dict(module.named_modules())
         on_meta = any(parameter.is_meta for parameter in module.parameters())
         for unit in plan.units:
@@ -82,6 +87,25 @@ class Fsdp2Program(Program):
         # every gradient is a Shard(0) DTensor over the one dp mesh: local parts are summed over ranks
         local = [parameter.grad.to_local() for parameter in self.parameters() if parameter.grad is not None]
         return grad_norm_term(local, norm_type), torch.zeros((), dtype=torch.float32)
+
+
+def _tied_across_units(model: nn.Module, plan: Plan) -> tuple[str, list[str]] | None:
+    """(a parameter name, the units its owners belong to) for the first parameter shared across units."""
+    unit_of_module = {path: unit.name for unit in plan.units for path in unit.modules}
+
+    def unit_of(path: str) -> str:  # the unit of the nearest unit module at or above `path`
+        parts = path.split(".") if path else []
+        for length in range(len(parts), -1, -1):
+            if ".".join(parts[:length]) in unit_of_module:
+                return unit_of_module[".".join(parts[:length])]
+        return "(root)"
+
+    owners: dict[int, tuple[str, set[str]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for attribute, parameter in module._parameters.items():
+            if parameter is not None:
+                owners.setdefault(id(parameter), (f"{path}.{attribute}".lstrip("."), set()))[1].add(unit_of(path))
+    return next(((name, sorted(units)) for name, units in owners.values() if len(units) > 1), None)
 
 
 def _initialize(model: nn.Module, device: torch.device) -> None:
