@@ -111,7 +111,8 @@ def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> Pr
     slowest = max(costs, key=lambda c: c.step_time_s)
     dp = candidate.configuration.dp
     samples_per_s = setting.batch_size * dp / slowest.step_time_s if slowest.step_time_s else 0.0
-    peak_flops = getattr(hw, "peak_flops", {}).get(setting.param_dtype, 0.0)
+    # Peak FLOP/s is read from the profile's matmul table where it has one (MFU is for people only).
+    peak_flops = getattr(getattr(hw, "matmul", {}).get(setting.param_dtype), "peak_flops_per_s", 0.0)
     model_flops = (chain.fwd_flops + chain.bwd_flops) * dp
     mfu = model_flops / (slowest.step_time_s * setting.world_size * peak_flops) if peak_flops and slowest.step_time_s else 0.0
     return Predicted(peak_bytes=peak.peak_bytes, step_time_s=slowest.step_time_s, memory_bytes=dict(peak.memory_bytes),
@@ -158,8 +159,9 @@ def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, 
 
 def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: int, space) -> Reasoning:
     share = best.peak_bytes / budget
-    unconstrained = solve_configuration(chain.blocks, rules, setting, best.configuration, hw, float("inf"), space)
-    if unconstrained.step_time_s < best.step_time_s:
+    unconstrained = solve_configuration(chain.blocks, rules, setting, best.configuration, hw, float("inf"), space,
+                                        time_bound_s=best.step_time_s)
+    if unconstrained is not None and unconstrained.step_time_s < best.step_time_s:
         binding = (f"memory: peak {format_bytes(best.peak_bytes)} is {share:.0%} of the budget; with no budget "
                    f"this mesh would step in {unconstrained.step_time_s:.4g} s instead of {best.step_time_s:.4g} s "
                    f"(peak {format_bytes(unconstrained.peak_bytes)})")

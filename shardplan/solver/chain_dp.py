@@ -17,6 +17,7 @@ so within a key only the Pareto-minimal (T, R, Q) states can lead to an optimum:
 the DP keeps exactly those (and drops states already over budget), which makes it
 exact for the cost model, not a heuristic.
 """
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,7 +101,9 @@ class _Position:
     columns: _Columns | None = None
 
 
-_PARETO_CHUNK = 128
+_ROUNDING = 1e-9
+"""Relative slack on time bounds: the same plan's time summed in another order may differ in the last bits."""
+_PARETO_CHUNK = 512
 """Candidates checked at once: a state is dominated iff an earlier one (in time order) dominates
 it, and then, by transitivity, a kept one does; so each chunk is compared with the kept states
 and with itself, never with everything."""
@@ -135,10 +138,17 @@ class ChainSolver:
     """
 
     def __init__(self, blocks, rules: tuple[BlockRule, ...], ctx: CostContext, budget_bytes: float,
-                 space: SearchSpace, *, minimize_memory: bool = False):
+                 space: SearchSpace, *, minimize_memory: bool = False, time_bound_s: float = math.inf,
+                 only_end: int | None = None):
         self.blocks, self.rules, self.ctx, self.space = tuple(blocks), rules, ctx, space
         self.budget_bytes, self.minimize_memory = budget_bytes, minimize_memory
+        self.time_bound_s = time_bound_s * (1 + _ROUNDING)
+        """States slower than this are dropped: the caller has a plan at least this fast already."""
+        self.only_end = only_end
+        """When every query ends here, a state's time plus the compute of the blocks still to come
+        (a lower bound of what they add) is held to the bound too."""
         self.costs = _UnitCosts(self.blocks, ctx)
+        self.compute_to_end_s = self._compute_to_end_s()
         self.signatures = tuple(zip(self.costs.signatures, rules))
         self.span_ids: dict[tuple, int] = {}
         """(start, end) → an id shared by every span with the same signatures and rules."""
@@ -149,6 +159,8 @@ class ChainSolver:
 
     def solve(self, start: int, end: int) -> ChainSolution | None:
         """The fastest plan of blocks[start:end] as one stage, None if nothing fits the budget."""
+        if self.only_end is not None and end != self.only_end:
+            raise ValueError(f"this solver was built for spans ending at {self.only_end}, not {end}")
         span = self._span_id(start, end)
         if span not in self.solutions:
             self.solutions[span] = self._solve(start, end)
@@ -169,7 +181,7 @@ class ChainSolver:
             tail = 0.0 if self.minimize_memory else cost.pair_time_s(u, None, self.ctx)
             peak = np.maximum(front.r, front.q + max(self._rise_fwd(u), 0))
             time_s = front.time_s + tail
-            for i in np.flatnonzero(peak <= self.budget_bytes):
+            for i in np.flatnonzero((peak <= self.budget_bytes) & (time_s <= self.time_bound_s)):
                 candidate = (float(time_s[i]), int(peak[i]))
                 if best is None or candidate < best[0]:
                     best = (candidate, number, int(i))
@@ -185,6 +197,37 @@ class ChainSolver:
             number, index, at = int(front.parent_source[index]), int(front.parent_index[index]), start + key[0]
         return ChainSolution(bounds=tuple(reversed(bounds)), decisions=tuple(reversed(decisions)),
                              time_s=time_s, peak_bytes=peak)
+
+    def _least_rise(self, first: int, end: int, decision: Decision) -> int:
+        """The least that any continuation of a state whose last unit is blocks[first:end] adds above Q.
+
+        The end of the chain adds the unit's forward rise; the next unit V adds the larger of
+        that (plus V's prefetched params) and V's backward working set (plus this unit's params
+        prefetched). Without `only_end` the blocks after `end` are unknown (memoized fronts are
+        shared by every span with the same blocks), so only the first bound holds."""
+        u = self.costs(first, end, decision)
+        rise_fwd = self._rise_fwd(u)
+        if self.only_end is None or end == self.only_end:
+            return rise_fwd
+        ctx, least = self.ctx, None
+        for after in range(end + 1, min(self.only_end, end + self.space.max_unit_blocks) + 1):
+            for following in self.space.decisions(self.rules[end:after]):
+                v = self.costs(end, after, following)
+                rise = max(rise_fwd + cost.prefetch_fwd_bytes(u, v, ctx),
+                           cost.own_peak_bytes(v, ctx, backward=True) + cost.prefetch_bwd_bytes(v, u))
+                least = rise if least is None else min(least, rise)
+        return rise_fwd if least is None else least
+
+    def _compute_to_end_s(self) -> list[float]:
+        """By block offset j: time the compute of blocks[j:only_end] takes in any plan (0 without only_end)."""
+        n = len(self.blocks)
+        remaining = [0.0] * (n + 1)
+        if self.only_end is None or self.minimize_memory:
+            return remaining
+        for j in reversed(range(self.only_end)):
+            u = self.costs(j, j + 1, Decision())
+            remaining[j] = remaining[j + 1] + self.ctx.pipeline_factor * (u.compute_fwd_s + u.compute_bwd_s)
+        return remaining
 
     def _rise_fwd(self, u: cost.UnitCost) -> int:
         """How far a unit's forward event stands above the level after it (its held bytes)."""
@@ -256,10 +299,9 @@ class ChainSolver:
                 if len(chunk.time_s):
                     candidates[key] = chunk
         for key, front in candidates.items():
-            u = self.costs(start + key[0], start + key[1], key[2])
-            # Raise R to Q + u's forward rise, which every continuation (another unit or the end)
-            # adds at least: states differing only below that level then merge (exact).
-            front.r = np.maximum(front.r, front.q + self._rise_fwd(u))
+            # Raise R to Q + the least rise any continuation adds: states differing only below
+            # that level behave the same in every future, so the Pareto step merges them (exact).
+            front.r = np.maximum(front.r, front.q + self._least_rise(start + key[0], start + key[1], key[2]))
             if self.safe_margin_bytes is not None:
                 front = self._drop_slower_than_safe(front)
             keys.append(key)
@@ -303,7 +345,8 @@ class ChainSolver:
                               v_bwd + cost.prefetch_bwd_bytes(v, columns))
             step = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(columns, v, ctx)
         r = np.maximum(front.r, front.q + rise) + delta
-        fits = np.flatnonzero(r <= self.budget_bytes)
-        return _Front(time_s=(front.time_s + step)[fits] if np.ndim(step) else front.time_s[fits] + step,
-                      r=r[fits], q=front.q[fits] + delta + held_v,
+        time_s = front.time_s + step
+        to_come = self.compute_to_end_s[start + key[1]]
+        fits = np.flatnonzero((r <= self.budget_bytes) & (time_s + to_come <= self.time_bound_s))
+        return _Front(time_s=time_s[fits], r=r[fits], q=front.q[fits] + delta + held_v,
                       parent_source=front.parent_source[fits], parent_index=front.parent_index[fits])

@@ -4,9 +4,12 @@ For each configuration the stage cut (stages.py) and, inside each stage, the uni
 their decisions (chain_dp.py) are exact; this module tries every configuration and
 ranks the results. Plain data in, plain data out.
 """
+import bisect
+import itertools
+import math
 from dataclasses import dataclass
 
-from ..cost import CostContext
+from ..cost import CostContext, evaluate_stage
 from .chain_dp import ChainSolution, ChainSolver
 from .space import BlockRule, SearchSpace
 from .stages import StageCut, cut_stages
@@ -15,6 +18,11 @@ SCHEDULES = ("1f1b",)
 """Schedules searched. GPipe is left out: in the cost model it takes the time of 1F1B with more
 micro-batches in flight (m instead of min(m, pp - stage)), so it never wins; a plan may still
 name it (Configuration.in_flight prices it)."""
+
+
+RUNNER_UP_SLACK = 1.5
+"""A configuration is searched only for plans at most this much slower than the best so far:
+the bound prunes the DPs (exactly: the winner is never cut), and runner-ups stay informative."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,16 +106,18 @@ def boundary_time_s(blocks, start: int, end: int, configuration: Configuration, 
 
 
 def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, configuration: Configuration,
-                        hardware, budget_bytes: float, space: SearchSpace, *,
-                        minimize_memory: bool = False) -> Candidate | None:
-    """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one)."""
+                        hardware, budget_bytes: float, space: SearchSpace, *, minimize_memory: bool = False,
+                        time_bound_s: float = math.inf) -> Candidate | None:
+    """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one);
+    None when nothing fits the budget or nothing is as fast as `time_bound_s`."""
     solvers: dict[int, ChainSolver] = {}
 
     def stage_cost(stage: int, start: int, end: int):
         ctx = context(setting, configuration, hardware, stage)
         if ctx.in_flight not in solvers:
-            solvers[ctx.in_flight] = ChainSolver(blocks, rules, ctx, budget_bytes, space,
-                                                 minimize_memory=minimize_memory)
+            solvers[ctx.in_flight] = ChainSolver(
+                blocks, rules, ctx, budget_bytes, space, minimize_memory=minimize_memory, time_bound_s=time_bound_s,
+                only_end=len(blocks) if configuration.pp == 1 else None)
         solution = solvers[ctx.in_flight].solve(start, end)
         if solution is None:
             return None
@@ -125,13 +135,51 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
 
 def search(blocks, rules, setting: Setting, hardware, budget_bytes: float,
            space: SearchSpace) -> list[Candidate]:
-    """The best plan of every configuration that fits, fastest first (ties: smaller peak, then order)."""
-    found = []
-    for order, configuration in enumerate(configurations(setting, len(blocks))):
-        candidate = solve_configuration(blocks, rules, setting, configuration, hardware, budget_bytes, space)
+    """The best plan of every configuration within RUNNER_UP_SLACK of the fastest, fastest first
+    (ties: smaller peak, then configuration order).
+
+    Configurations are solved in the order of their simplest plan's time, so that the first
+    exact answers bound (and prune) the rest; the bound never cuts a plan that could win."""
+    everything = configurations(setting, len(blocks))
+    guesses = [uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space) for c in everything]
+    found, bound = [], min(guesses, default=math.inf) * RUNNER_UP_SLACK
+    for order in sorted(range(len(everything)), key=lambda i: (guesses[i], i)):
+        candidate = solve_configuration(blocks, rules, setting, everything[order], hardware, budget_bytes, space,
+                                        time_bound_s=bound)
         if candidate is not None:
             found.append((candidate.step_time_s, candidate.peak_bytes, order, candidate))
+            bound = min(bound, candidate.step_time_s * RUNNER_UP_SLACK)
+    found = [item for item in found if item[0] <= bound]  # the same list whatever the solving order
     return [c for *_, c in sorted(found, key=lambda item: item[:3])]
+
+
+def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configuration, hardware,
+                        budget_bytes: float, space: SearchSpace) -> float:
+    """Step time of the fastest simple plan of this configuration that fits: stages cut evenly by
+    compute, every block its own unit, one decision for all; inf when none fits."""
+    n, pp = len(blocks), configuration.pp
+    if not all(rule.may_start_unit for rule in rules) or any(r.must_start_stage for r in rules[1:]):
+        return math.inf
+    prefix = list(itertools.accumulate((b.fwd_flops + b.bwd_flops for b in blocks), initial=0))
+    edges = [0]
+    for stage in range(1, pp):  # first block past an even share of the work, one block at least per stage
+        at = bisect.bisect_left(prefix, prefix[-1] * stage / pp)
+        edges.append(min(max(at, edges[-1] + 1), n - (pp - stage)))
+    edges.append(n)
+    if any(not rules[e].may_start_stage for e in edges[1:-1]):
+        return math.inf
+    best = math.inf
+    for decision in space.decisions(rules):
+        worst, fits = 0.0, True
+        for stage, (start, end) in enumerate(zip(edges, edges[1:])):
+            ctx = context(setting, configuration, hardware, stage)
+            step = evaluate_stage(tuple(blocks[start:end]), tuple(range(end - start)), (decision,) * (end - start),
+                                  ctx, boundary_s=boundary_time_s(blocks, start, end, configuration, hardware))
+            fits = fits and step.peak_bytes <= budget_bytes
+            worst = max(worst, step.step_time_s)
+        if fits:
+            best = min(best, worst)
+    return best
 
 
 def smallest_peak(blocks, rules, setting: Setting, hardware, space: SearchSpace) -> int | None:

@@ -5,12 +5,13 @@ per-block `BlockRule`s, so whatever restricts one restricts the other and the
 property test compares like with like. Restrictions by default:
 - a unit spans at most `max_unit_blocks` consecutive blocks (default 4): larger
   units only add gathered memory and give up overlap on a chain of similar blocks;
-- offload only for the sharded strategies (FULL_SHARD, SHARD_GRAD_OP), only when allowed.
+- offload only with FULL_SHARD (ZeRO-3 with CPU offload, as FSDP's CPUOffload and ZeRO-Infinity),
+  only when allowed: SHARD_GRAD_OP keeps the gathered parameters on the device anyway.
 """
 import re
 from dataclasses import dataclass
 
-from ..cost import GATHERING, Decision
+from ..cost import Decision
 from ..errors import ShardplanError
 from ..plan import Checkpoint, ShardStrategy
 
@@ -63,7 +64,7 @@ class SearchSpace:
         checkpoints = [c for c in self.checkpoints if all(c in r.checkpoints for r in rules)]
         return tuple(Decision(strategy=s, checkpoint=c, offload=o, prefetch=p)
                      for s in strategies for c in checkpoints
-                     for o in ((False, True) if self.allow_offload and s in GATHERING else (False,))
+                     for o in ((False, True) if self.allow_offload and s is ShardStrategy.FULL_SHARD else (False,))
                      for p in self.prefetch)
 
 
