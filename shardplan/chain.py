@@ -44,6 +44,12 @@ class Block:
     (parameter gradients excluded: they are counted with the sharded state)."""
     first_node: str
     last_node: str
+    fwd_memory_bytes: int = 0
+    """Bytes read and written by the forward's memory-bound ops (all but matmul-like ones)."""
+    bwd_memory_bytes: int = 0
+    fwd_ops: int = 0
+    """Kernels the forward runs (views not counted): each pays a fixed launch / dispatch cost."""
+    bwd_ops: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from .facts import update_facts
 
@@ -67,6 +67,44 @@ class _LiveStorages(TorchDispatchMode):
         self.live_bytes -= size
 
 
+class _Traffic(TorchDispatchMode):
+    """Counts ops and the bytes memory-bound ops move.
+
+    An op FlopCounterMode counts (matmul, attention, convolution) is taken as
+    compute-bound: its time comes from its FLOPs. Every other op that is not a
+    view (elementwise, norms, softmax, copies) is taken as memory-bound: it
+    reads its inputs and writes its outputs once.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.memory_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.ops += 1
+            if func.overloadpacket not in flop_registry:
+                self.memory_bytes += sum(t.numel() * t.element_size()
+                                         for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+        return out
+
+
+class _Counters:
+    """The running totals a node's costs are read off, as differences before and after it."""
+
+    def __init__(self, flops: FlopCounterMode, traffic: _Traffic):
+        self.flops, self.traffic = flops, traffic
+
+    def read(self) -> tuple[int, int, int]:
+        return self.flops.get_total_flops(), self.traffic.memory_bytes, self.traffic.ops
+
+    def since(self, before: tuple[int, int, int], phase: str) -> dict[str, int]:
+        flops, memory_bytes, ops = (now - then for now, then in zip(self.read(), before))
+        return {f"{phase}_flops": flops, f"{phase}_memory_bytes": memory_bytes, f"{phase}_ops": ops}
+
+
 class _StorageIds:
     """Small stable integers for storages, in order of first sight (deterministic facts)."""
 
@@ -85,7 +123,8 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
     meta.ignored.update(StorageWeakRef(t.untyped_storage()) for t in flat_inputs if isinstance(t, torch.Tensor))
     live = _LiveStorages(meta.ignored)
     storage_id = _StorageIds()
-    counter = FlopCounterMode(display=False)
+    flop_counter, traffic = FlopCounterMode(display=False), _Traffic()
+    counters = _Counters(flop_counter, traffic)
     grad_fn_owner: dict[torch.autograd.graph.Node, torch.fx.Node] = {}
     current: list[torch.fx.Node] = []
     saved: dict[torch.fx.Node, dict[int, int]] = {}
@@ -103,14 +142,14 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
         def run_node(self, node):
             current.append(node)
             live.reset_peak()
-            flops_before, live_before = counter.get_total_flops(), live.live_bytes
+            before, live_before = counters.read(), live.live_bytes
             result = super().run_node(node)
             for tensor in pytree.tree_leaves(result):
                 if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
                     grad_fn_owner.setdefault(tensor.grad_fn, node)
             outputs = {storage_id(t): t.untyped_storage().nbytes()
                        for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
-            update_facts(node, fwd_flops=counter.get_total_flops() - flops_before,
+            update_facts(node, **counters.since(before, "fwd"),
                          outputs=tuple(sorted(outputs.items())),
                          out_bytes=max(live.live_bytes - live_before, 0),
                          fwd_live_before_bytes=live_before, fwd_peak_live_bytes=live.peak_bytes,
@@ -120,7 +159,7 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
 
     # The fake mode is entered first so that it is innermost: the counting modes see each op before it.
     with meta.fake_mode:
-        with counter, live, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with flop_counter, traffic, live, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             outputs = Runner(gm).run(*flat_inputs)
         saved_ids = {sid for node_saved in saved.values() for sid in node_saved}
         returned = {storage_id(t): t.untyped_storage().nbytes() for t in pytree.tree_leaves(outputs)
@@ -128,20 +167,21 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
         output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         update_facts(output_node, out_bytes=sum(size for sid, size in returned.items() if sid not in saved_ids))
         loss = _loss_of(outputs)
-        _run_backward(loss, grad_fn_owner, counter, live, meta)
+        _run_backward(loss, grad_fn_owner, counters, live, meta)
 
 
-def _run_backward(loss, grad_fn_owner, counter, live, meta) -> None:
-    """Backward on meta tensors; each autograd node's FLOPs and live peak go to its fx node."""
+def _run_backward(loss, grad_fn_owner, counters: _Counters, live: _LiveStorages, meta) -> None:
+    """Backward on fake tensors; each autograd node's costs and live peak go to its fx node."""
     order: list[torch.fx.Node] = []
     marks: dict[torch.fx.Node, dict] = {}
-    running: list = [None, 0]  # the fx node whose backward runs now, FLOPs counted before it began
+    running: list = [None, None]  # the fx node whose backward runs now, the counters when it began
 
     def close_running() -> None:
-        node, flops_before = running
+        node, before = running
         if node is not None:
             mark = marks[node]
-            mark["bwd_flops"] += counter.get_total_flops() - flops_before
+            for name, value in counters.since(before, "bwd").items():
+                mark[name] += value
             mark["bwd_peak_live_bytes"] = max(mark["bwd_peak_live_bytes"], live.peak_bytes)
 
     def on_backward_start(node):
@@ -150,16 +190,16 @@ def _run_backward(loss, grad_fn_owner, counter, live, meta) -> None:
             live.reset_peak()
             if node not in marks:
                 order.append(node)
-                marks[node] = {"bwd_flops": 0, "bwd_live_before_bytes": live.live_bytes,
-                               "bwd_peak_live_bytes": live.live_bytes}
-            running[:] = [node, counter.get_total_flops()]
+                marks[node] = {"bwd_flops": 0, "bwd_memory_bytes": 0, "bwd_ops": 0,
+                               "bwd_live_before_bytes": live.live_bytes, "bwd_peak_live_bytes": live.live_bytes}
+            running[:] = [node, counters.read()]
         return hook
 
     for grad_fn, node in grad_fn_owner.items():
         grad_fn.register_prehook(on_backward_start(node))
     for param in meta.params_requiring_grad():
         param.register_post_accumulate_grad_hook(_drop_grad)
-    with counter, live:
+    with counters.flops, counters.traffic, live:
         loss.backward()
         close_running()
     for position, node in enumerate(order):

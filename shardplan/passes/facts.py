@@ -21,6 +21,12 @@ class NodeFacts:
     """Bytes of the storages this node's outputs newly allocate (0 for views)."""
     fwd_flops: int = 0
     bwd_flops: int = 0
+    fwd_memory_bytes: int = 0
+    """Bytes read and written by the node's memory-bound ops (those without counted FLOPs)."""
+    bwd_memory_bytes: int = 0
+    fwd_ops: int = 0
+    """Ops (kernels) the node runs, views not counted."""
+    bwd_ops: int = 0
     outputs: tuple[tuple[int, int], ...] = ()
     """(storage id, bytes) of this node's outputs (views share their base's id)."""
     saved: tuple[tuple[int, int], ...] = ()
