@@ -146,8 +146,38 @@ def check_loss_fn_and_loading(rank: int, world: int) -> dict:
         errors[backend] = {"loss": abs(float(loss) - float(expected)),
                            "grad_norm": abs(float(program.clip_grad_norm_(1e9))
                                             - float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))),
-                           "load": max((loaded[name] - value).abs().max().item() for name, value in whole.items())}
+                           "load": max((loaded[name] - value).abs().max().item() for name, value in whole.items()),
+                           "inf_norm": abs(float(program.clip_grad_norm_(1e9, norm_type=float("inf")))
+                                           - max(float(g.abs().max()) for g in grads))}
     return errors
+
+
+def check_communication(rank: int, world: int) -> dict:
+    """Collectives per step with 2 micro-batches: gathers every micro-batch, gradients reduced once."""
+    from shardplan.runtime import collectives
+
+    build, groups = MODELS["gpt"]
+    entry = build(world)
+    plan = make_plan(entry.model, groups, world, (ShardStrategy.FULL_SHARD,), (Checkpoint.NONE,), micro_batches=2)
+    program = parallelize(entry.model, plan)
+    counts = {"all_gather": 0, "reduce_scatter_mean": 0, "all_reduce_mean": 0}
+    originals = {name: getattr(collectives, name) for name in counts}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in counts:
+        setattr(collectives, name, counting(name))
+    try:
+        mine = entry.args[0].chunk(world)[rank]
+        program.step(mine, labels=mine)
+    finally:
+        for name, original in originals.items():
+            setattr(collectives, name, original)
+    return {"units": len(program.units), **counts}
 
 
 def check_meta_hf(rank: int, world: int) -> dict:
@@ -209,6 +239,7 @@ def _worker(rank: int, world: int, port: int, cases: dict, path: str) -> None:
         results["errors"] = check_errors(rank, world)
         results["loss_fn"] = check_loss_fn_and_loading(rank, world)
         results["meta_hf"] = check_meta_hf(rank, world)
+        results["communication"] = check_communication(rank, world)
         if rank == 0:
             with open(path, "w") as handle:
                 json.dump(results, handle)
@@ -282,6 +313,12 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
         # initializer_range 0.02; ln(vocab 512) = 6.24 at initialization
         assert abs(facts["embedding_std"] - 0.02) < 2e-3 and facts["inv_freq_error"] == 0, (backend, facts)
         assert 5.5 < facts["loss"] < 7.0, (backend, facts)
+    communication = results["communication"]
+    units = communication["units"]
+    # FULL_SHARD: each unit gathered in forward and again in backward, in each of 2 micro-batches;
+    # gradients reduce-scattered once per step; the loss all-reduced once
+    assert communication == {"units": units, "all_gather": 4 * units, "reduce_scatter_mean": units,
+                             "all_reduce_mean": 1}, communication
     errors = results["errors"]
     assert errors["pp"][0] == "ShardplanError" and "pp=2" in errors["pp"][1]
     assert errors["missing"][0] == "PlanError" and "in no unit" in errors["missing"][1]

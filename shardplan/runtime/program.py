@@ -114,6 +114,7 @@ class Program:
 
 def grad_norm_term(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Σ|g|^p over `grads` (max|g| for the inf norm), in float32 on CPU."""
+    grads = [g for g in grads if g.numel()]  # a rank's shard of a small parameter may be empty
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     if math.isinf(norm_type):
