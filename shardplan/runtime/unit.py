@@ -69,7 +69,7 @@ class FlatUnit:
         """SHARD_OPTIMIZER: shard version when `full` was last gathered; a step bumps it."""
         self._placeholders = [torch.empty(layout.shapes[index], dtype=compute_dtype, device="meta",
                                           requires_grad=shard.requires_grad) for _, _, index in slots]
-
+        """What the slots hold between uses: shape, dtype and requires_grad of the parameter, no memory."""
 
     @property
     def name(self) -> str:
