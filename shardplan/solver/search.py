@@ -133,16 +133,18 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
                      peak_bytes=max(c.solution.peak_bytes for c in cuts))
 
 
-def search(blocks, rules, setting: Setting, hardware, budget_bytes: float,
-           space: SearchSpace) -> list[Candidate]:
+def search(blocks, rules, setting: Setting, hardware, budget_bytes: float, space: SearchSpace, *,
+           time_bound_s: float = math.inf) -> list[Candidate]:
     """The best plan of every configuration within RUNNER_UP_SLACK of the fastest, fastest first
     (ties: smaller peak, then configuration order).
 
     Configurations are solved in the order of their simplest plan's time, so that the first
-    exact answers bound (and prune) the rest; the bound never cuts a plan that could win."""
+    exact answers bound (and prune) the rest; the bound never cuts a plan that could win.
+    Plans slower than `time_bound_s` are not looked for."""
     everything = configurations(setting, len(blocks))
-    guesses = [uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space) for c in everything]
-    found, bound = [], min(guesses, default=math.inf) * RUNNER_UP_SLACK
+    guesses = ([uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space) for c in everything]
+               if time_bound_s == math.inf else [math.inf] * len(everything))  # a given bound is tight enough
+    found, bound = [], min(min(guesses, default=math.inf) * RUNNER_UP_SLACK, time_bound_s)
     for order in sorted(range(len(everything)), key=lambda i: (guesses[i], i)):
         candidate = solve_configuration(blocks, rules, setting, everything[order], hardware, budget_bytes, space,
                                         time_bound_s=bound)
@@ -156,7 +158,7 @@ def search(blocks, rules, setting: Setting, hardware, budget_bytes: float,
 def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configuration, hardware,
                         budget_bytes: float, space: SearchSpace) -> float:
     """Step time of the fastest simple plan of this configuration that fits: stages cut evenly by
-    compute, every block its own unit, one decision for all; inf when none fits."""
+    compute, every block its own unit, one decision per stage; inf when none fits."""
     n, pp = len(blocks), configuration.pp
     if not all(rule.may_start_unit for rule in rules) or any(r.must_start_stage for r in rules[1:]):
         return math.inf
@@ -168,18 +170,18 @@ def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configur
     edges.append(n)
     if any(not rules[e].may_start_stage for e in edges[1:-1]):
         return math.inf
-    best = math.inf
-    for decision in space.decisions(rules):
-        worst, fits = 0.0, True
-        for stage, (start, end) in enumerate(zip(edges, edges[1:])):
-            ctx = context(setting, configuration, hardware, stage)
+    worst = 0.0
+    for stage, (start, end) in enumerate(zip(edges, edges[1:])):
+        ctx = context(setting, configuration, hardware, stage)
+        boundary_s = boundary_time_s(blocks, start, end, configuration, hardware)
+        fastest = math.inf  # each stage takes its own fastest fitting decision
+        for decision in space.decisions(rules[start:end]):
             step = evaluate_stage(tuple(blocks[start:end]), tuple(range(end - start)), (decision,) * (end - start),
-                                  ctx, boundary_s=boundary_time_s(blocks, start, end, configuration, hardware))
-            fits = fits and step.peak_bytes <= budget_bytes
-            worst = max(worst, step.step_time_s)
-        if fits:
-            best = min(best, worst)
-    return best
+                                  ctx, boundary_s=boundary_s)
+            if step.peak_bytes <= budget_bytes:
+                fastest = min(fastest, step.step_time_s)
+        worst = max(worst, fastest)
+    return worst
 
 
 def smallest_peak(blocks, rules, setting: Setting, hardware, space: SearchSpace) -> int | None:

@@ -1,0 +1,107 @@
+"""compile / solve end to end on the zoo: valid, deterministic, never worse than the expert defaults."""
+import math
+
+import pytest
+import torch
+
+from shardplan import zoo
+from shardplan.compile import compile, expert_defaults, solve
+from shardplan.errors import InfeasibleError, ShardplanError
+from shardplan.hardware import get_hardware
+from shardplan.plan import Checkpoint, Plan
+from shardplan.solver.search import Setting
+from shardplan.solver.space import Constraints
+
+WORLD = 8
+HARDWARE = "cpu-gloo"
+
+
+@pytest.fixture(scope="module")
+def chains():
+    from shardplan.passes import analyze
+
+    torch.set_num_threads(1)
+    found = {}
+    for name in ("gpt", "mlp", "cnn", "encoder-decoder"):
+        entry = zoo.build(name)
+        found[name] = analyze(entry.model, entry.args, entry.kwargs)
+    return found
+
+
+def test_compile_gives_a_valid_deterministic_plan_over_every_parameter():
+    torch.set_num_threads(1)
+    entry = zoo.gpt()
+    first = compile(entry.model, WORLD, entry.args, entry.kwargs, hardware=HARDWARE)
+    again = compile(entry.model, WORLD, entry.args, entry.kwargs, hardware=HARDWARE)
+    assert first.to_json() == again.to_json()
+    assert Plan.from_json(first.to_json()) == first
+    assert first.mesh.dp * first.mesh.pp == WORLD
+    assert sorted(p for u in first.units for p in u.params) == sorted(n for n, _ in entry.model.named_parameters())
+    assert first.model == "GPT"
+    assert first.predicted.peak_bytes == sum(first.predicted.memory_bytes.values())
+    assert math.isclose(first.predicted.step_time_s, sum(first.predicted.time_s.values()), rel_tol=1e-9)
+    assert first.predicted.peak_bytes <= first.reasoning.budget_bytes
+    assert any("expert default" in alt.description for alt in first.reasoning.runner_ups)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.75, 0.5])
+def test_never_slower_than_the_expert_defaults_at_equal_budget(chains, fraction):
+    hw = get_hardware(HARDWARE)
+    for name, chain in chains.items():
+        dtype = chain.param_dtype.removeprefix("torch.")
+        setting = Setting(world_size=WORLD, batch_size=chain.inputs[0].shape[0], param_dtype=dtype, reduce_dtype=dtype)
+        defaults = expert_defaults(chain, setting, hw)
+        budget = int(defaults[0][1].peak_bytes * fraction)
+        fitting = [step for _, step in defaults if step.peak_bytes <= budget]
+        try:
+            plan = solve(chain, WORLD, hardware=hw, budget_bytes=budget)
+        except InfeasibleError:
+            assert not fitting, name  # the defaults are in the search space: if one fits, a plan exists
+            continue
+        for step in fitting:
+            assert plan.predicted.step_time_s <= step.step_time_s * (1 + 1e-9), name
+
+
+def test_replanning_from_the_cached_chain_is_deterministic_and_respects_the_budget(chains):
+    chain = chains["gpt"]
+    loose = solve(chain, WORLD, hardware=HARDWARE)
+    budget = loose.predicted.peak_bytes * 3 // 4
+    tight = solve(chain, WORLD, hardware=HARDWARE, budget_bytes=budget)
+    assert tight.predicted.peak_bytes <= budget
+    assert tight.predicted.step_time_s >= loose.predicted.step_time_s
+    assert tight.reasoning.binding_constraint.startswith("memory")
+    assert solve(chain, WORLD, hardware=HARDWARE, budget_bytes=budget).to_json() == tight.to_json()
+    assert tight.diff(loose)
+
+
+def test_infeasible_names_the_smallest_budget_and_what_would_fit(chains):
+    chain = chains["gpt"]
+    with pytest.raises(InfeasibleError, match=r"no plan fits .* GiB would fit") as caught:
+        solve(chain, 2, hardware=HARDWARE, budget_bytes=4096, allow_pipeline=False)
+    assert "raise memory_budget" in str(caught.value) or "fit with" in str(caught.value)
+    offload_fits = solve(chain, 2, hardware=HARDWARE, budget_bytes="1GiB", allow_offload=True)
+    without = solve(chain, 2, hardware=HARDWARE, budget_bytes="1GiB", allow_pipeline=False)
+    budget = (offload_fits.predicted.peak_bytes + without.predicted.peak_bytes) // 2
+    least_with_offload = solve(chain, 2, hardware=HARDWARE, budget_bytes="1GiB", allow_offload=True,
+                               allow_pipeline=False)
+    if least_with_offload.predicted.peak_bytes < budget:
+        with pytest.raises(InfeasibleError) as caught:
+            solve(chain, 2, hardware=HARDWARE, budget_bytes=budget // 4, allow_pipeline=False)
+        assert "GiB would fit" in str(caught.value)
+
+
+def test_constraints_reach_the_plan(chains):
+    chain = chains["gpt"]
+    plan = solve(chain, WORLD, hardware=HARDWARE, allow_pipeline=False,
+                 constraints=Constraints(unit_boundary=(r"^h\.2$",), checkpoint=((r"^h\.1$", (Checkpoint.FULL,)),)))
+    assert any(u.modules[0] == "h.2" for u in plan.units)
+    assert all(u.checkpoint is Checkpoint.FULL for u in plan.units if "h.1" in u.modules)
+
+
+def test_bad_arguments_are_refused(chains):
+    with pytest.raises(ShardplanError, match="world_size"):
+        solve(chains["gpt"], 0, hardware=HARDWARE)
+    with pytest.raises(ShardplanError, match="optimizer"):
+        solve(chains["gpt"], 2, hardware=HARDWARE, optimizer="lion")
+    with pytest.raises(ShardplanError, match="memory size"):
+        solve(chains["gpt"], 2, hardware=HARDWARE, budget_bytes="lots")

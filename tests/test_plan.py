@@ -1,0 +1,125 @@
+"""The plan file: schema, invariants with their fixes, round trip, diff and summary."""
+import dataclasses
+import json
+import typing
+
+import pytest
+
+from shardplan.errors import PlanError
+from shardplan.plan import (SCHEMA_PATH, Checkpoint, Mesh, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage,
+                            Unit, load_plan)
+
+
+def unit(name: str, params=None, **changes) -> Unit:
+    return Unit(name=name, modules=(name,), params=tuple(params if params is not None else (f"{name}.weight",)),
+                **changes)
+
+
+def plan(**changes) -> Plan:
+    units = changes.pop("units", (unit("h.0"), unit("h.1", strategy=ShardStrategy.SHARD_GRAD_OP,
+                                                     checkpoint=Checkpoint.FULL)))
+    values = dict(fingerprint="abc", model="GPT", world_size=4, hardware="cpu-gloo", inputs=(), mesh=Mesh(dp=4),
+                  units=units, stages=(Stage(index=0, units=tuple(u.name for u in units)),),
+                  predicted=Predicted(peak_bytes=3 * 2**20, step_time_s=0.5,
+                                      memory_bytes={"sharded_state": 2**20, "activations": 2 * 2**20},
+                                      time_s={"compute": 0.4, "exposed_comm": 0.1}),
+                  reasoning=Reasoning(budget_bytes=2**30, binding_constraint="none: the fastest plan fits"))
+    values.update(changes)
+    return Plan(**values)
+
+
+def test_round_trip_is_byte_identical(tmp_path):
+    original = plan()
+    path = tmp_path / "plan.json"
+    original.save(path)
+    loaded = load_plan(path)
+    assert loaded == original
+    assert loaded.to_json() == original.to_json() == path.read_text()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(mesh=Mesh(dp=3)), "dp \\* pp equal world_size"),
+    (dict(units=(unit("h.0"), unit("h.1", params=("h.0.weight",)))), "parameter 'h.0.weight' appears in two units"),
+    (dict(stages=(Stage(index=0, units=("h.0", "h.1")), Stage(index=1, units=())), mesh=Mesh(dp=2, pp=2),
+          schedule=Schedule(num_micro_batches=2, name="1f1b")), "stage 1 has no units"),
+    (dict(stages=(Stage(index=0, units=("h.0", "h.9")),)), "unknown units \\['h.9'\\]"),
+    (dict(stages=(Stage(index=0, units=("h.1", "h.0")),)), "in the order of Plan.units"),
+    (dict(schedule=Schedule(num_micro_batches=2, name="1f1b")), "use 'none' without a pipeline"),
+    (dict(mesh=Mesh(dp=2, pp=2)), "1 stage\\(s\\) but pp=2"),
+])
+def test_invariants_are_checked_on_construction_with_the_fix(change, message):
+    with pytest.raises(PlanError, match=message):
+        plan(**change)
+
+
+def test_unit_and_mesh_invariants():
+    with pytest.raises(PlanError, match="offload needs a sharded strategy"):
+        unit("h.0", strategy=ShardStrategy.REPLICATE, offload=True)
+    with pytest.raises(PlanError, match="at least 1"):
+        Mesh(dp=0)
+    with pytest.raises(PlanError, match="unknown"):
+        Schedule(name="interleaved")
+    with pytest.raises(PlanError, match="no modules"):
+        Unit(name="h.0", modules=(), params=())
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["mesh"].update(dp="4"), "plan field plan.mesh.dp does not match the plan schema"),
+    (lambda d: d["units"][1].update(checkpoint="sometimes"), "plan.units\\[1\\].checkpoint"),
+    (lambda d: d.update(extra=1), "Additional properties"),
+    (lambda d: d.pop("predicted"), "'predicted' is a required property"),
+    (lambda d: d["mesh"].update(dp=2), "make dp \\* pp equal world_size"),
+])
+def test_a_bad_file_is_refused_naming_the_field(edit, message):
+    data = json.loads(plan().to_json())
+    edit(data)
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json(json.dumps(data))
+
+
+def test_corrupt_and_foreign_files_are_refused(tmp_path):
+    text = plan().to_json()
+    with pytest.raises(PlanError, match="truncated"):
+        Plan.from_json(text[: len(text) // 2])
+    with pytest.raises(PlanError, match="not supported"):
+        Plan.from_json(text.replace("shardplan.plan/1", "shardplan.plan/9"))
+    with pytest.raises(PlanError, match="cannot read"):
+        load_plan(tmp_path / "missing.json")
+
+
+def test_the_shipped_schema_names_every_field_of_the_dataclasses():
+    with open(SCHEMA_PATH) as handle:
+        schema = json.load(handle)
+
+    def check(kind, node):
+        fields = {f.name for f in dataclasses.fields(kind)}
+        assert set(node["properties"]) == fields, kind.__name__
+        hints = typing.get_type_hints(kind)
+        for name in fields:
+            inner = hints[name]
+            while typing.get_origin(inner) in (tuple, dict):
+                inner = typing.get_args(inner)[-1 if typing.get_origin(inner) is dict else 0]
+            if dataclasses.is_dataclass(inner):
+                check(inner, schema["$defs"][inner.__name__])
+
+    check(Plan, schema)
+
+
+def test_diff_names_what_changed():
+    before = plan()
+    after = plan(units=(unit("h.0", checkpoint=Checkpoint.SELECTIVE), unit("h.1..h.2", params=("h.1.weight",))),
+                 predicted=Predicted(peak_bytes=2**20, step_time_s=0.5))
+    lines = before.diff(after)
+    assert "units['h.0'].checkpoint: \"none\" -> \"selective\"" in lines
+    assert "units: added 'h.1..h.2'" in lines and "units: removed 'h.1'" in lines
+    assert "predicted.peak_bytes: 3145728 -> 1048576" in lines
+    assert before.diff(plan()) == []
+
+
+def test_summary_is_a_readable_table():
+    text = plan().summary()
+    assert "dp=4 pp=1" in text
+    assert "h.1" in text and "shard_grad_op" in text and "full" in text
+    assert "peak memory per rank 3.00 MiB" in text and "activations" in text
+    assert "step time 0.5 s" in text and "exposed_comm" in text
+    assert "binding constraint: none" in text
