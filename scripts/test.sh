@@ -4,3 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-venv.sh
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# The plan-quality gate: predicted step time and memory of the baseline's models must not regress.
+.venv/bin/shardplan check --baseline benchmarks/baseline.json
