@@ -19,6 +19,7 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,7 +32,6 @@ import torch.multiprocessing as mp
 from .errors import HardwareError
 from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
                        ring_factor)
-from .units import format_bytes
 
 _KIB, _MIB = 2**10, 2**20
 _TIMEOUT_S = 120
@@ -52,7 +52,7 @@ class Sweep:
     collective_sizes_bytes: tuple[int, ...]
     """Full (gathered) buffer sizes of the collectives timed."""
     repeats: int
-    """Timings per point (rounds, for collectives), of which the fastest is kept."""
+    """Rounds: timings of every probe, of which the fastest is kept."""
     copy_bytes: int
     """Buffer of the bandwidth copy: far beyond the last-level cache."""
 
@@ -105,9 +105,9 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
             raise HardwareError(f"collective sizes {unfit} bytes do not split into {world_size} float32 shards: "
                                 f"use positive multiples of {4 * world_size} bytes")
         sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(set(sizes))))
-    steps = len(sweep.dtypes) * len(sweep.matmul_sizes) + 2 + sweep.repeats
-    measurements = run_world(_measure, (sweep,), world_size=world_size, backend=backend, total_steps=steps,
-                             progress=progress, description=f"calibrating ({backend}, world {world_size})")
+    measurements, _ = run_world(measure_job, (sweep.repeats, sweep), world_size=world_size, backend=backend,
+                                total_steps=sweep.repeats, progress=progress,
+                                description=f"calibrating ({backend}, world {world_size})")
     return fit_profile(measurements)
 
 
@@ -206,47 +206,122 @@ def fit_collective(points: "list[tuple[float, float]]") -> CollectiveCost:
 # processes only ever add time, and by how much depends on their load at that moment: runs of
 # this calibration at load 5 on 2 cores gave medians up to 2x apart, the fastest times mostly
 # within 15%. The fastest time is the figure of the machine, the median one of its load.
-# Collectives are timed in interleaved rounds (every size once per round) so a busy spell slows
-# one round of every size, not every timing of one size.
+# Probes are timed in interleaved rounds (every probe once a round), so a busy spell slows one
+# round of every probe, not every timing of one; and a benchmark that adds its own probes to
+# the calibration's rounds (`measure_job`) compares prediction and measurement under one load.
 
-def time_matmul_s(m: int, k: int, n: int, dtype: str, device: torch.device, repeats: int) -> float:
-    """Fastest seconds of one (m x k) @ (k x n) matmul."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Probe:
+    """One thing to time."""
+
+    call: Callable[[], object]
+    loop: bool
+    """Time a loop of calls lasting _MIN_TIMING_S (short compute ops), its count chosen by each rank;
+    False for collectives, of which every rank must make the same number of calls."""
+    timings_per_round: int = 1
+
+
+def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Probe:
+    """One (m x k) @ (k x n) matmul."""
     a = torch.randn(m, k, dtype=getattr(torch, dtype), device=device)
     b = torch.randn(k, n, dtype=getattr(torch, dtype), device=device)
-    return _fastest_call_s(lambda: torch.mm(a, b), device, repeats)
+    return Probe(call=lambda: torch.mm(a, b), loop=True)
 
 
-def time_collectives_s(points: "list[tuple[str, int]]", device: torch.device, rounds: int,
-                       report=lambda text: None) -> dict[tuple[str, int], float]:
-    """Fastest seconds of each (kind, full buffer bytes) collective over `rounds` interleaved rounds.
+def collective_probes(points: "list[tuple[str, int]]", device: torch.device) -> dict[tuple[str, int], Probe]:
+    """One probe per (kind, full buffer bytes), on float32 views of one buffer pair (the largest size's).
 
-    Buffers are float32; all ranks start each timing together. Collectives under 4 MiB are
-    timed several times a round (up to 8): they are cheap and the noisiest. Calls `report`
-    after each round.
+    Collectives under 4 MiB are timed several times a round (up to 8): they are cheap and the noisiest.
     """
     world_size = dist.get_world_size()
     for kind, nbytes in points:
         if nbytes % (4 * world_size):
             raise ValueError(f"{kind} of {nbytes} bytes does not split into {world_size} float32 shards")
-    # Views of one buffer pair, so memory is that of the largest size alone.
     full = torch.zeros(max(nbytes for _, nbytes in points) // 4, device=device)
     shard = torch.zeros(full.numel() // world_size, device=device)
-    calls = {(kind, nbytes): _collective_call(kind, full[:nbytes // 4], shard[:nbytes // 4 // world_size])
-             for kind, nbytes in points}
-    for call in calls.values():
-        call()  # the first call of a size sets up buffers and connections
-    fastest_s = dict.fromkeys(calls, math.inf)
+    return {(kind, nbytes): Probe(call=_collective_call(kind, full[:nbytes // 4], shard[:nbytes // 4 // world_size]),
+                                  loop=False, timings_per_round=min(8, max(1, 4 * _MIB // nbytes)))
+            for kind, nbytes in points}
+
+
+def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda text: None) -> dict:
+    """Fastest seconds of one call of each probe over `rounds` interleaved rounds; `report` after each round.
+
+    All ranks start every timing together (a barrier before it), as ranks compute and communicate in training.
+    """
+    loops = {}
+    for key, probe in probes.items():
+        dist.barrier()
+        _synchronize(device)
+        start = time.perf_counter()
+        probe.call()  # warm up (buffers, connections, kernels), and a first guess of one call's time
+        _synchronize(device)
+        loops[key] = max(1, math.ceil(_MIN_TIMING_S / (time.perf_counter() - start))) if probe.loop else 1
+    fastest_s = dict.fromkeys(probes, math.inf)
     for round_index in range(rounds):
-        for (kind, nbytes), call in calls.items():
-            for _ in range(min(8, max(1, 4 * _MIB // nbytes))):
+        for key, probe in probes.items():
+            for _ in range(probe.timings_per_round):
                 dist.barrier()
                 _synchronize(device)
                 start = time.perf_counter()
-                call()
+                for _ in range(loops[key]):
+                    probe.call()
                 _synchronize(device)
-                fastest_s[kind, nbytes] = min(fastest_s[kind, nbytes], time.perf_counter() - start)
-        report(f"collectives, round {round_index + 1} of {rounds}")
+                fastest_s[key] = min(fastest_s[key], (time.perf_counter() - start) / loops[key])
+        report(f"round {round_index + 1} of {rounds}")
     return fastest_s
+
+
+def measure_job(device: torch.device, report, rounds: int, sweep: Sweep | None,
+                build_probes: "Callable[[torch.device], dict] | None" = None) -> tuple[Measurements | None, dict]:
+    """Rank job (see run_world): the calibration of `sweep` and the probes of `build_probes`, in the same rounds.
+
+    Returns the calibration's Measurements (None without a sweep) and the other probes' fastest seconds.
+    """
+    probes = _calibration_probes(sweep, device) if sweep else {}
+    extra = build_probes(device) if build_probes else {}
+    every = probes | extra
+    ordered = {key: every[key] for key in sorted(every, key=_timing_order)}
+    seconds = time_probes_s(ordered, device, rounds, report)
+    measurements = _measurements(sweep, seconds, device) if sweep else None
+    return measurements, {key: seconds[key] for key in extra}
+
+
+def _timing_order(key) -> tuple:
+    """Compute probes first, then collectives by size: a calibration size and a benchmark size
+    next to it are timed back to back, at one moment of the machine's load."""
+    if isinstance(key, tuple) and key[0] in COLLECTIVES:
+        return (1, key[1], key[0])
+    return (0, 0, str(key))
+
+
+def _calibration_probes(sweep: Sweep, device: torch.device) -> dict:
+    probes = {("matmul", dtype, n, n, n): matmul_probe(n, n, n, dtype, device)
+              for dtype in sweep.dtypes for n in sweep.matmul_sizes}
+    source = torch.empty(sweep.copy_bytes // 4, device=device)
+    target = torch.empty_like(source)
+    probes["copy"] = Probe(call=lambda: target.copy_(source), loop=True)
+    # Inputs that require grad: forward ops in training also record the autograd graph.
+    one = torch.ones(1, device=device, requires_grad=True)
+    probes["op"] = Probe(call=lambda: one + one, loop=True)
+    points = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.collective_sizes_bytes]
+    return probes | collective_probes(points, device)
+
+
+def _measurements(sweep: Sweep, seconds: dict, device: torch.device) -> Measurements:
+    on_cpu = device.type == "cpu"
+    return Measurements(
+        device_name=_cpu_name() if on_cpu else torch.cuda.get_device_name(device),
+        backend=dist.get_backend(), world_size=dist.get_world_size(),
+        # CPU ranks share the host's memory; a GPU rank owns its device.
+        device_memory_bytes=(_host_memory_bytes() // dist.get_world_size() if on_cpu
+                             else torch.cuda.get_device_properties(device).total_memory),
+        devices_per_node=os.cpu_count() if on_cpu else torch.cuda.device_count(),
+        matmul_s={dtype: tuple((2.0 * n**3, seconds["matmul", dtype, n, n, n]) for n in sweep.matmul_sizes)
+                  for dtype in sweep.dtypes},
+        copy_bytes=sweep.copy_bytes, copy_s=seconds["copy"], op_overhead_s=seconds["op"],
+        collective_s={kind: tuple((nbytes, seconds[kind, nbytes]) for nbytes in sweep.collective_sizes_bytes)
+                      for kind in COLLECTIVES})
 
 
 def _collective_call(kind: str, full: torch.Tensor, shard: torch.Tensor):
@@ -257,62 +332,9 @@ def _collective_call(kind: str, full: torch.Tensor, shard: torch.Tensor):
     return lambda: function(output, input)
 
 
-def _fastest_call_s(call, device: torch.device, repeats: int) -> float:
-    """Fastest over `repeats` timings of a loop of calls long enough to time (_MIN_TIMING_S), per call."""
-    _synchronize(device)
-    start = time.perf_counter()
-    call()  # warm up, and a first guess of one call's time
-    _synchronize(device)
-    calls = max(1, math.ceil(_MIN_TIMING_S / (time.perf_counter() - start)))
-    times = []
-    for _ in range(repeats):
-        _synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        _synchronize(device)
-        times.append((time.perf_counter() - start) / calls)
-    return min(times)
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _measure(device: torch.device, report, sweep: Sweep) -> Measurements:
-    """The calibration job of one rank (see run_world)."""
-    matmul_s = {}
-    for dtype in sweep.dtypes:
-        points = []
-        for n in sweep.matmul_sizes:
-            dist.barrier()  # every rank computes at once, as in training
-            points.append((2.0 * n**3, time_matmul_s(n, n, n, dtype, device, sweep.repeats)))
-            report(f"matmul {dtype} n={n}")
-        matmul_s[dtype] = tuple(points)
-    source = torch.empty(sweep.copy_bytes // 4, device=device)
-    target = torch.empty_like(source)
-    dist.barrier()
-    copy_s = _fastest_call_s(lambda: target.copy_(source), device, sweep.repeats)
-    report(f"copy {format_bytes(sweep.copy_bytes)}")
-    del source, target
-    # Inputs that require grad: forward ops in training also record the autograd graph.
-    one = torch.ones(1, device=device, requires_grad=True)
-    op_overhead_s = _fastest_call_s(lambda: one + one, device, sweep.repeats)
-    report("op overhead")
-    points = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.collective_sizes_bytes]
-    fastest_s = time_collectives_s(points, device, sweep.repeats, report)
-    on_cpu = device.type == "cpu"
-    return Measurements(
-        device_name=_cpu_name() if on_cpu else torch.cuda.get_device_name(device),
-        backend=dist.get_backend(), world_size=dist.get_world_size(),
-        # CPU ranks share the host's memory; a GPU rank owns its device.
-        device_memory_bytes=(_host_memory_bytes() // dist.get_world_size() if on_cpu
-                             else torch.cuda.get_device_properties(device).total_memory),
-        devices_per_node=os.cpu_count() if on_cpu else torch.cuda.device_count(),
-        matmul_s=matmul_s, copy_bytes=sweep.copy_bytes, copy_s=copy_s, op_overhead_s=op_overhead_s,
-        collective_s={kind: tuple((nbytes, fastest_s[kind, nbytes]) for nbytes in sweep.collective_sizes_bytes)
-                      for kind in COLLECTIVES})
 
 
 def _cpu_name() -> str:
