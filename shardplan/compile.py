@@ -15,7 +15,7 @@ from .hardware import get_hardware
 from .plan import (Alternative, Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, Stage,
                    Unit)
 from .solver.search import Candidate, Configuration, Setting, boundary_time_s, context, search, smallest_peak
-from .solver.space import Constraints, SearchSpace, resolve_rules
+from .solver.space import Constraints, SearchSpace, forbid_stage_cuts_across, resolve_rules
 from .units import format_bytes, parse_bytes
 
 RUNNER_UPS = 4
@@ -58,7 +58,7 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
     space = replace(space or default_space(len(chain.blocks)), allow_offload=allow_offload)
     setting = Setting(world_size=world_size, batch_size=_batch_size(chain), param_dtype=precision.param_dtype,
                       reduce_dtype=precision.reduce_dtype, optimizer=optimizer, allow_pipeline=allow_pipeline)
-    rules = resolve_rules(chain.blocks, constraints)
+    rules = forbid_stage_cuts_across(resolve_rules(chain.blocks, constraints), chain.extra.get("skip_edges", ()))
     candidates = search(chain.blocks, rules, setting, hw, budget, space)
     if not candidates:
         raise InfeasibleError(_infeasible_message(chain, rules, setting, hw, budget, space))

@@ -176,11 +176,6 @@ def _kept_bytes(block: Block, checkpoint: Checkpoint, ctx: CostContext) -> int:
     return _per_micro_batch(block.saved_bytes, ctx)
 
 
-def _storage_bytes_per_param(blocks) -> float:
-    numel = sum(b.param_numel for b in blocks)
-    return sum(b.param_bytes for b in blocks) / numel if numel else 0.0
-
-
 def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -> UnitCost:
     """The terms of one unit made of `blocks` (consecutive) under `decision`."""
     hw, m, dp = ctx.hardware, ctx.num_micro_batches, ctx.dp

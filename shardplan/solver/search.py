@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from ..cost import CostContext, evaluate_stage
-from .chain_dp import ChainSolution, ChainSolver
+from .chain_dp import ChainSolver
 from .space import BlockRule, SearchSpace
 from .stages import StageCut, cut_stages
 

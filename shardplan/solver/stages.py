@@ -40,9 +40,8 @@ def cut_stages(rules: tuple[BlockRule, ...], pp: int,
             if not allowed[start]:
                 continue
             choice = None
-            for end in range(start + 1, n - (pp - 2 - stage) if stage < pp - 1 else n + 1):
-                if stage == pp - 1 and end != n:
-                    continue
+            ends = range(start + 1, n - (pp - 2 - stage)) if stage < pp - 1 else (n,)
+            for end in ends:  # each later stage keeps one block at least
                 if any(start < i < end for i in must):
                     break
                 rest = best.get((stage + 1, end))
