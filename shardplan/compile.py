@@ -15,7 +15,7 @@ from .hardware import get_hardware
 from .plan import (Alternative, Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, Stage,
                    Unit)
 from .solver.search import Candidate, Configuration, Setting, boundary_time_s, context, search, smallest_peak
-from .solver.space import Constraints, SearchSpace, forbid_stage_cuts_across, resolve_rules
+from .solver.space import Constraints, SearchSpace, resolve_rules
 from .units import format_bytes, parse_bytes
 
 RUNNER_UPS = 4
@@ -57,8 +57,9 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
                                                   reduce_dtype=_dtype_name(chain.param_dtype))
     space = replace(space or default_space(len(chain.blocks)), allow_offload=allow_offload)
     setting = Setting(world_size=world_size, batch_size=_batch_size(chain), param_dtype=precision.param_dtype,
-                      reduce_dtype=precision.reduce_dtype, optimizer=optimizer, allow_pipeline=allow_pipeline)
-    rules = forbid_stage_cuts_across(resolve_rules(chain.blocks, constraints), chain.extra.get("skip_edges", ()))
+                      reduce_dtype=precision.reduce_dtype, optimizer=optimizer, allow_pipeline=allow_pipeline,
+                      skip_edges=tuple(tuple(edge) for edge in chain.extra.get("skip_edges", ())))
+    rules = resolve_rules(chain.blocks, constraints)
     candidates = search(chain.blocks, rules, setting, hw, budget, space)
     if not candidates:
         raise InfeasibleError(_infeasible_message(chain, rules, setting, hw, budget, space))
@@ -98,7 +99,7 @@ def stage_costs(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -
         blocks = chain.blocks[cut.start:cut.end]
         bounds = tuple(b - cut.start for b in cut.solution.bounds)
         found.append(evaluate_stage(blocks, bounds, cut.solution.decisions, ctx,
-                                    boundary_s=boundary_time_s(chain.blocks, cut.start, cut.end,
+                                    boundary_s=boundary_time_s(chain.blocks, cut.start, cut.end, setting,
                                                                candidate.configuration, hw)))
     return found
 

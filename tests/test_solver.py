@@ -94,7 +94,7 @@ def test_stage_cuts_equal_brute_force_over_cuts(blocks, budget_bytes, m, pp):
                 worst = math.inf
                 break
             worst = max(worst, solution.time_s + ctx.pipeline_factor * boundary_time_s(
-                blocks, start, end, configuration, H100))
+                blocks, start, end, setting, configuration, H100))
         best = worst if best is None else min(best, worst)
     if best == math.inf:
         assert found is None

@@ -39,6 +39,9 @@ class Setting:
     max_pipeline_degree: int = 8
     """Deeper pipelines need many micro-batches to amortize the bubble; raise it for huge models."""
     max_micro_batches: int = 64
+    skip_edges: tuple[tuple[int, int], ...] = ()
+    """(i, j): block j > i + 1 reads block i's output (T5's encoder output, LLaMA's rotary tables):
+    a stage boundary between them sends that output too."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,18 +93,27 @@ def context(setting: Setting, configuration: Configuration, hardware, stage: int
                        optimizer=setting.optimizer)
 
 
-def boundary_time_s(blocks, start: int, end: int, configuration: Configuration, hardware) -> float:
-    """Per-micro-batch pipeline traffic of a stage: its output forward, its input's gradient backward.
+def boundary_bytes(blocks, cut: int, skip_edges) -> int:
+    """Activation bytes crossing a stage boundary before block `cut`: the previous block's output
+    and the output of every earlier block read past the cut."""
+    producers = {cut - 1} | {i for i, j in skip_edges if i < cut - 1 and j >= cut}
+    return sum(blocks[i].output_bytes for i in producers)
+
+
+def boundary_time_s(blocks, start: int, end: int, setting: Setting, configuration: Configuration,
+                    hardware) -> float:
+    """Per-micro-batch pipeline traffic of a stage: what crosses its end forward, and the gradient
+    of what crosses its start backward.
 
     A send of x bytes between two ranks is priced as an all-gather of 2x bytes over 2 ranks
     (each rank receives x): the profile has no point-to-point figures."""
     if configuration.pp == 1:
         return 0.0
     m, total = configuration.num_micro_batches, 0.0
-    if end < len(blocks):
-        total += hardware.collective_time_s("all_gather_into_tensor", 2 * -(-blocks[end - 1].output_bytes // m), 2)
-    if start > 0:
-        total += hardware.collective_time_s("all_gather_into_tensor", 2 * -(-blocks[start].input_bytes // m), 2)
+    for cut in (start, end):
+        if 0 < cut < len(blocks):
+            nbytes = -(-boundary_bytes(blocks, cut, setting.skip_edges) // m)
+            total += hardware.collective_time_s("all_gather_into_tensor", 2 * nbytes, 2)
     return total
 
 
@@ -124,7 +136,7 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
         if minimize_memory:
             return solution, float(solution.peak_bytes)
         return solution, solution.time_s + ctx.pipeline_factor * boundary_time_s(
-            blocks, start, end, configuration, hardware)
+            blocks, start, end, setting, configuration, hardware)
 
     cuts = cut_stages(rules, configuration.pp, stage_cost)
     if cuts is None:
@@ -173,7 +185,7 @@ def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configur
     worst = 0.0
     for stage, (start, end) in enumerate(zip(edges, edges[1:])):
         ctx = context(setting, configuration, hardware, stage)
-        boundary_s = boundary_time_s(blocks, start, end, configuration, hardware)
+        boundary_s = boundary_time_s(blocks, start, end, setting, configuration, hardware)
         fastest = math.inf  # each stage takes its own fastest fitting decision
         for decision in space.decisions(rules[start:end]):
             step = evaluate_stage(tuple(blocks[start:end]), tuple(range(end - start)), (decision,) * (end - start),

@@ -8,7 +8,6 @@ property test compares like with like. Restrictions by default:
 - offload only with FULL_SHARD (ZeRO-3 with CPU offload, as FSDP's CPUOffload and ZeRO-Infinity),
   only when allowed: SHARD_GRAD_OP keeps the gathered parameters on the device anyway.
 """
-import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -104,10 +103,3 @@ def resolve_rules(blocks, constraints: Constraints | None) -> tuple[BlockRule, .
                                may_start_stage=may_stage, checkpoints=checkpoints, strategies=strategies))
     return tuple(rules)
 
-
-def forbid_stage_cuts_across(rules: tuple[BlockRule, ...], skip_edges) -> tuple[BlockRule, ...]:
-    """No stage may start inside a skip connection (block i's output read by block j > i + 1, as
-    T5's encoder output feeds every decoder layer): a pipeline sends one activation per boundary."""
-    inside = {c for i, j in skip_edges for c in range(i + 1, j + 1)}
-    return tuple(dataclasses.replace(rule, may_start_stage=False) if index in inside and index else rule
-                 for index, rule in enumerate(rules))
