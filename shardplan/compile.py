@@ -185,8 +185,8 @@ def _infeasible_message(chain, rules, setting: Setting, hw, budget: int, space: 
     options = []
 
     def fits_with(label: str, new_setting: Setting, new_space: SearchSpace) -> bool:
-        peak = smallest_peak(chain.blocks, rules, new_setting, hw, new_space)
-        if peak is not None and peak <= budget:
+        peak = smallest_peak(chain.blocks, rules, new_setting, hw, new_space, budget)
+        if peak is not None:
             options.append(f"{label} (needs {format_bytes(peak)})")
             return True
         return False

@@ -20,7 +20,7 @@ micro-batches in flight (m instead of min(m, pp - stage)), so it never wins; a p
 name it (Configuration.in_flight prices it)."""
 
 
-RUNNER_UP_SLACK = 1.5
+RUNNER_UP_SLACK = 1.25
 """A configuration is searched only for plans at most this much slower than the best so far:
 the bound prunes the DPs (exactly: the winner is never cut), and runner-ups stay informative."""
 
@@ -156,7 +156,7 @@ def search(blocks, rules, setting: Setting, hardware, budget_bytes: float, space
     everything = configurations(setting, len(blocks))
     guesses = ([uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space) for c in everything]
                if time_bound_s == math.inf else [math.inf] * len(everything))  # a given bound is tight enough
-    found, bound = [], min(min(guesses, default=math.inf) * RUNNER_UP_SLACK, time_bound_s)
+    found, bound = [], min(min(guesses, default=math.inf), time_bound_s)  # a simple plan reaches it: exact
     for order in sorted(range(len(everything)), key=lambda i: (guesses[i], i)):
         candidate = solve_configuration(blocks, rules, setting, everything[order], hardware, budget_bytes, space,
                                         time_bound_s=bound)
@@ -196,12 +196,16 @@ def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configur
     return worst
 
 
-def smallest_peak(blocks, rules, setting: Setting, hardware, space: SearchSpace) -> int | None:
-    """The least peak memory per rank any configuration reaches (the budget that would just fit)."""
-    peaks = []
-    for configuration in configurations(setting, len(blocks)):
-        candidate = solve_configuration(blocks, rules, setting, configuration, hardware, float("inf"), space,
+def smallest_peak(blocks, rules, setting: Setting, hardware, space: SearchSpace,
+                  budget_bytes: float = math.inf) -> int | None:
+    """The least peak memory per rank any configuration reaches (the budget that would just fit),
+    or None when none reaches `budget_bytes`. Deepest pipelines first: they usually need the
+    least, and each answer bounds (prunes) the next search exactly."""
+    best = None
+    for configuration in reversed(configurations(setting, len(blocks))):
+        bound = budget_bytes if best is None else best
+        candidate = solve_configuration(blocks, rules, setting, configuration, hardware, bound, space,
                                         minimize_memory=True)
-        if candidate is not None:
-            peaks.append(candidate.peak_bytes)
-    return min(peaks) if peaks else None
+        if candidate is not None and (best is None or candidate.peak_bytes < best):
+            best = candidate.peak_bytes
+    return best
