@@ -315,9 +315,10 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
         assert 5.5 < facts["loss"] < 7.0, (backend, facts)
     communication = results["communication"]
     units = communication["units"]
-    # FULL_SHARD: each unit gathered in forward and again in backward, in each of 2 micro-batches;
-    # gradients reduce-scattered once per step; the loss all-reduced once
-    assert communication == {"units": units, "all_gather": 4 * units, "reduce_scatter_mean": units,
+    # FULL_SHARD: each unit gathered in forward and again in backward, and its gradient
+    # reduce-scattered, in each of 2 micro-batches (see [Note: gradient accumulation]);
+    # the loss all-reduced once
+    assert communication == {"units": units, "all_gather": 4 * units, "reduce_scatter_mean": 2 * units,
                              "all_reduce_mean": 1}, communication
     errors = results["errors"]
     assert errors["pp"][0] == "ShardplanError" and "pp=2" in errors["pp"][1]

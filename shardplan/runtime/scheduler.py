@@ -181,7 +181,7 @@ class Scheduler:
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._end_backward)
             self._callback_queued = True
-        if self.communicate and self._reducing is not None:
+        if self._reducing is not None:  # one reduction in flight: finish it before issuing the next
             self._reducing.finish_reduction()
             self._reducing = None
         unit.reduce(grad_full, communicate=self.communicate)

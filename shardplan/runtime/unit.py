@@ -121,14 +121,17 @@ class FlatUnit:
     def reduce(self, grad_full: torch.Tensor, *, communicate: bool) -> None:
         """Take the gradient of the full buffer: accumulate it locally, or issue its reduction.
 
-        [Note: gradient accumulation] Micro-batches before the last only add into a full-size
-        reduce-dtype accumulator: one buffer of the unit's padded numel per rank until the last
-        micro-batch, which reduces the sum once."""
+        [Note: gradient accumulation] Sharded units (FULL_SHARD, SHARD_GRAD_OP) reduce-scatter
+        every micro-batch into the sharded gradient: holding full gradients until the last one
+        would cost each rank the whole model's gradient, more than micro-batching saves in
+        activations. Replicated units (SHARD_OPTIMIZER, REPLICATE) hold a full gradient anyway,
+        so micro-batches before the last only add into a full-size reduce-dtype accumulator and
+        the last reduces the sum once. The cost model counts the same (shardplan.cost)."""
         grad = grad_full.to(self.reduce_dtype)
         if self._grad_accumulator is not None:
             grad = self._grad_accumulator.add_(grad)
             self._grad_accumulator = None
-        if not communicate:
+        if not communicate and not self.sharded:
             self._grad_accumulator = grad if grad is not grad_full else grad.clone()
             return
         if self.sharded:
