@@ -3,11 +3,13 @@
 The whole public API lives here: `capture`, `compile`, `parallelize`, `load_plan`, `Plan`.
 """
 from .capture import capture
+from .compile import compile, solve
 from .errors import (CaptureError, HardwareError, InfeasibleError, PlanError, RuntimeMismatchError,
                      ShardplanError)
 from .hardware import HardwareProfile, get_hardware
 from .plan import Checkpoint, Plan, ShardStrategy, load_plan
+from .runtime import Program, manual_plan, parallelize
 
-__all__ = ["capture", "Plan", "load_plan", "ShardStrategy", "Checkpoint", "HardwareProfile", "get_hardware",
+__all__ = ["capture", "compile", "solve", "parallelize", "Program", "manual_plan", "Plan", "load_plan", "ShardStrategy", "Checkpoint", "HardwareProfile", "get_hardware",
            "ShardplanError", "CaptureError", "InfeasibleError", "PlanError", "HardwareError",
            "RuntimeMismatchError"]
