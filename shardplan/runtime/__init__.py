@@ -41,6 +41,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
 
     collectives.world()
     collectives.check_same_on_all_ranks(plan.to_json(), "plans")
+    _check_fingerprint(model, plan)
     device = torch.device(device) if device is not None else collectives.default_device()
     if backend == "shardplan":
         from .sharded import ShardedProgram
@@ -49,6 +50,21 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         from .fsdp2 import Fsdp2Program
         return Fsdp2Program(model, plan, loss_fn, device)
     raise ShardplanError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+
+
+def _check_fingerprint(model: nn.Module, plan: Plan) -> None:
+    """Refuse a plan made for another model: capture this one again from the plan's input shapes."""
+    if not plan.inputs:  # a plan written by hand (manual_plan) records no capture
+        return
+    from ..errors import PlanError
+    from ..passes import fingerprint_of
+
+    found = fingerprint_of(model, plan.inputs)
+    if found != plan.fingerprint:
+        raise PlanError(f"this plan was made for another model: its graph fingerprint is {plan.fingerprint}, "
+                        f"this {type(model).__name__} captures as {found} (with inputs "
+                        f"{', '.join(f'{i.name}{list(i.shape)}' for i in plan.inputs)}): re-plan with "
+                        "shardplan.compile(model, ...) for this model")
 
 
 __all__ = ["parallelize", "manual_plan", "Program", "BACKENDS"]

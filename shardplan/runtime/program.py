@@ -70,6 +70,7 @@ class Program:
 
         Tensors of args and kwargs are split along dim 0 into the plan's micro-batches; gradients
         are synchronized on the last one only (see [Note: gradient accumulation] in unit.py)."""
+        check_batch(self.plan, args, kwargs)
         count = self.plan.schedule.num_micro_batches
         micro_batches = split_micro_batches(args, kwargs, count)
         total = torch.zeros((), dtype=torch.float32)
@@ -121,6 +122,20 @@ def grad_norm_term(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         return torch.stack([g.detach().abs().max().float().cpu() for g in grads]).max()
     return torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type).cpu() ** norm_type
                         for g in grads]).sum()
+
+
+def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
+    """Refuse a batch whose shapes differ from the plan's inputs (its dynamic dims may change)."""
+    for spec in plan.inputs:
+        value = args[int(spec.name)] if spec.name.isdigit() and int(spec.name) < len(args) else kwargs.get(spec.name)
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeMismatchError(f"the plan was made with input {spec.name!r} of shape {list(spec.shape)}; "
+                                       "this batch does not pass it: call step() as the model was planned")
+        fixed = [dim for dim in range(len(spec.shape)) if dim not in spec.dynamic_dims]
+        if value.dim() != len(spec.shape) or any(value.shape[dim] != spec.shape[dim] for dim in fixed):
+            raise RuntimeMismatchError(
+                f"input {spec.name!r} has shape {list(value.shape)}, the plan was made for {list(spec.shape)} "
+                "(one data-parallel replica's batch): pass batches of that shape, or re-plan for this one")
 
 
 def split_micro_batches(args: tuple, kwargs: dict, count: int) -> list[tuple[tuple, dict]]:
