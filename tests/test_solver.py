@@ -66,6 +66,10 @@ def test_chain_dp_equals_brute_force(blocks, space, ctx, budget_bytes):
     assert (found is None) == (expected is None)
     if found is None:
         return
+    # The search's pp == 1 form: look-ahead canonical states and a time bound as tight as the optimum.
+    bounded = ChainSolver(blocks, rules, ctx, budget_bytes, space, time_bound_s=expected.time_s,
+                          only_end=len(blocks)).solve(0, len(blocks))
+    assert math.isclose(bounded.time_s, expected.time_s, rel_tol=1e-9)
     walked = evaluate_stage(blocks, found.bounds, found.decisions, ctx)
     assert walked.peak_bytes == found.peak_bytes <= budget_bytes
     assert math.isclose(walked.step_time_s, found.time_s, rel_tol=1e-9)
