@@ -15,7 +15,14 @@ Appending V adds base_bytes(V) to every event (R and Q), closes U's forward even
 adds V's backward event. The final peak and time are non-decreasing in R, Q and T,
 so within a key only the Pareto-minimal (T, R, Q) states can lead to an optimum:
 the DP keeps exactly those (and drops states already over budget), which makes it
-exact for the cost model, not a heuristic.
+exact for the cost model, not a heuristic. Further cuts, each exact:
+- canonical R: R is raised to Q + the least rise any continuation adds (`_least_rise`);
+- safe states: once every continuation of a state fits, slower states of its key go;
+- time bounds: given a plan as fast as `time_bound_s` (the search has one), states whose time
+  plus a lower bound of the time still to come exceeds it go (`_time_to_end_tables`);
+- identical blocks share memoized fronts and unit costs (`block_signatures`).
+The decision space and its documented restrictions are in space.py; brute_force.py enumerates
+the same space and tests/test_solver.py checks gap 0 on random chains.
 """
 import math
 from dataclasses import dataclass
@@ -103,25 +110,27 @@ class _Position:
 
 _ROUNDING = 1e-9
 """Relative slack on time bounds: the same plan's time summed in another order may differ in the last bits."""
-_PARETO_CHUNK = 512
-"""Candidates checked at once: a state is dominated iff an earlier one (in time order) dominates
-it, and then, by transitivity, a kept one does; so each chunk is compared with the kept states
-and with itself, never with everything."""
+_PARETO_CHUNK = 64
+"""States taken at once, in time order: a state is dominated iff an earlier one (in time order)
+dominates it, so each chunk is checked against itself, and what it keeps at once strikes out
+every later state it dominates; most states go in the first strike."""
 
 
 def _pareto(front: _Front) -> _Front:
     """Keep the states no other state beats in all of (T, R, Q); of equal states, the first."""
-    order = np.lexsort((front.q, front.r, front.time_s))
-    r_all, q_all = front.r[order], front.q[order]
-    kept_r, kept_q, keep = np.empty(0, np.int64), np.empty(0, np.int64), []
-    for at in range(0, len(order), _PARETO_CHUNK):
-        r, q = r_all[at:at + _PARETO_CHUNK], q_all[at:at + _PARETO_CHUNK]
-        by_kept = ((kept_r[None, :] <= r[:, None]) & (kept_q[None, :] <= q[:, None])).any(axis=1)
-        earlier = np.tri(len(r), k=-1, dtype=bool)
-        by_chunk = (earlier & (r[None, :] <= r[:, None]) & (q[None, :] <= q[:, None])).any(axis=1)
-        fresh = np.flatnonzero(~(by_kept | by_chunk))
-        kept_r, kept_q = np.concatenate([kept_r, r[fresh]]), np.concatenate([kept_q, q[fresh]])
-        keep.append(order[at + fresh])
+    pool = np.lexsort((front.q, front.r, front.time_s))
+    keep = []
+    while len(pool):
+        chunk, pool = pool[:_PARETO_CHUNK], pool[_PARETO_CHUNK:]
+        r, q = front.r[chunk], front.q[chunk]
+        earlier = np.tri(len(chunk), k=-1, dtype=bool)
+        fresh = chunk[~(earlier & (r[None, :] <= r[:, None]) & (q[None, :] <= q[:, None])).any(axis=1)]
+        keep.append(fresh)
+        if len(pool):
+            r_fresh, q_fresh = front.r[fresh], front.q[fresh]
+            struck = ((r_fresh[None, :] <= front.r[pool][:, None])
+                      & (q_fresh[None, :] <= front.q[pool][:, None])).any(axis=1)
+            pool = pool[~struck]
     return front.take(np.concatenate(keep))
 
 
@@ -148,7 +157,7 @@ class ChainSolver:
         """When every query ends here, a state's time plus the compute of the blocks still to come
         (a lower bound of what they add) is held to the bound too."""
         self.costs = _UnitCosts(self.blocks, ctx)
-        self.compute_to_end_s = self._compute_to_end_s()
+        self.prices, self.time_to_end_s = self._time_to_end_tables()
         self.signatures = tuple(zip(self.costs.signatures, rules))
         self.span_ids: dict[tuple, int] = {}
         """(start, end) → an id shared by every span with the same signatures and rules."""
@@ -218,16 +227,32 @@ class ChainSolver:
                 least = rise if least is None else min(least, rise)
         return rise_fwd if least is None else least
 
-    def _compute_to_end_s(self) -> list[float]:
-        """By block offset j: time the compute of blocks[j:only_end] takes in any plan (0 without only_end)."""
+    def _time_to_end_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """Lower bounds of the time blocks[j:only_end] still add, knowing the memory left.
+
+        Every feasible completion of a state with level Q keeps Σ(base + held) of the blocks to
+        come within budget - Q (the end-of-forward event). So for any price λ ≥ 0 the time to
+        come is at least Σ_b min_d (t_b,d + λ m_b,d) - λ (budget - Q) (Lagrangian relaxation of
+        that knapsack): returns the prices and, per price, those sums by block offset j. λ = 0
+        is the plain compute bound. Per block t is the unit's own time when units are single
+        blocks, else only its compute and recompute; m is less one byte for shared rounding."""
         n = len(self.blocks)
-        remaining = [0.0] * (n + 1)
         if self.only_end is None or self.minimize_memory:
-            return remaining
+            return np.zeros(1), np.zeros((1, n + 1))
+        pf = self.ctx.pipeline_factor
+        terms = []  # per block: (time, memory) of each decision
+        for j in range(self.only_end):
+            units = [self.costs(j, j + 1, d) for d in self.space.decisions(self.rules[j:j + 1])]
+            terms.append([(cost.own_time_s(u, self.ctx) if self.space.max_unit_blocks == 1
+                           else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
+                           max(0, cost.base_bytes(u, self.ctx) + cost.held_bytes(u, self.ctx) - 1)) for u in units])
+        least_time = sum(min(t for t, _ in options) for options in terms)
+        scale = least_time / self.budget_bytes if math.isfinite(self.budget_bytes) and least_time else 0.0
+        prices = np.array([0.0] + [scale * 2.0**k for k in range(-4, 9)] if scale else [0.0])
+        sums = np.zeros((len(prices), n + 1))
         for j in reversed(range(self.only_end)):
-            u = self.costs(j, j + 1, Decision())
-            remaining[j] = remaining[j + 1] + self.ctx.pipeline_factor * (u.compute_fwd_s + u.compute_bwd_s)
-        return remaining
+            sums[:, j] = sums[:, j + 1] + [min(t + price * m for t, m in terms[j]) for price in prices]
+        return prices, sums
 
     def _rise_fwd(self, u: cost.UnitCost) -> int:
         """How far a unit's forward event stands above the level after it (its held bytes)."""
@@ -345,8 +370,9 @@ class ChainSolver:
                               v_bwd + cost.prefetch_bwd_bytes(v, columns))
             step = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(columns, v, ctx)
         r = np.maximum(front.r, front.q + rise) + delta
-        time_s = front.time_s + step
-        to_come = self.compute_to_end_s[start + key[1]]
-        fits = np.flatnonzero((r <= self.budget_bytes) & (time_s + to_come <= self.time_bound_s))
-        return _Front(time_s=time_s[fits], r=r[fits], q=front.q[fits] + delta + held_v,
+        time_s, q = front.time_s + step, front.q + delta + held_v
+        end = start + key[1]
+        to_come_s = self.time_to_end_s[:, end, None] + self.prices[:, None] * np.minimum(q - self.budget_bytes, 0)
+        fits = np.flatnonzero((r <= self.budget_bytes) & (time_s + to_come_s.max(axis=0) <= self.time_bound_s))
+        return _Front(time_s=time_s[fits], r=r[fits], q=q[fits],
                       parent_source=front.parent_source[fits], parent_index=front.parent_index[fits])
