@@ -372,7 +372,9 @@ class ChainSolver:
         r = np.maximum(front.r, front.q + rise) + delta
         time_s, q = front.time_s + step, front.q + delta + held_v
         end = start + key[1]
-        to_come_s = self.time_to_end_s[:, end, None] + self.prices[:, None] * np.minimum(q - self.budget_bytes, 0)
+        to_come_s = self.time_to_end_s[:, end, None]
+        if math.isfinite(self.budget_bytes):  # without a budget only the plain compute bound (λ = 0) is there
+            to_come_s = to_come_s + self.prices[:, None] * np.minimum(q - self.budget_bytes, 0)
         fits = np.flatnonzero((r <= self.budget_bytes) & (time_s + to_come_s.max(axis=0) <= self.time_bound_s))
         return _Front(time_s=time_s[fits], r=r[fits], q=q[fits],
                       parent_source=front.parent_source[fits], parent_index=front.parent_index[fits])
