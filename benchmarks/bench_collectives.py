@@ -5,7 +5,7 @@
 
 Target (issue 3): every collective of 1-256 MB within +-15% of measured at world 2 on gloo.
 
-By default the calibration's probes (4 KiB-256 MiB, square matmuls) and this table's probes
+By default the calibration's probes (6 KB-380 MB, square matmuls) and this table's probes
 (decimal sizes the calibration never times, non-square matmuls) run in the same interleaved
 rounds of one spawned world ([Note: the fastest of interleaved rounds] in shardplan/calibrate.py):
 on a machine shared with other work both then see the same load, and the ratio measures the

@@ -3,7 +3,7 @@
 Every figure is the fastest of several timings (see [Note: the fastest of interleaved rounds]):
 - square matmuls over a sweep of sizes, per dtype: the peak and the efficiency curve;
 - a copy far larger than the caches: memory bandwidth; a one-element add: the fixed cost of an op;
-- all_gather_into_tensor, reduce_scatter_tensor and all_reduce over 4 KiB-256 MiB: alpha-beta
+- all_gather_into_tensor, reduce_scatter_tensor and all_reduce over 6 KB-380 MB: alpha-beta
   fitted by least squares, times the measured correction (hardware.py, [Note: model times
   measured correction]).
 
@@ -33,9 +33,9 @@ from .errors import HardwareError
 from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
                        ring_factor)
 
-_KIB, _MIB = 2**10, 2**20
+_MIB = 2**20
 _TIMEOUT_S = 120
-"""Process-group timeout: far above the slowest collective timed (256 MiB on gloo: ~0.5 s)."""
+"""Process-group timeout: far above the slowest collective timed (380 MB on gloo: ~0.6 s)."""
 _SINGLE_NAMES = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
 """torch 2.13 spells the tensor collectives *_single and deprecates the old names; older torch has only those."""
 _MIN_TIMING_S = 2e-3
@@ -57,9 +57,12 @@ class Sweep:
     """Buffer of the bandwidth copy: far beyond the last-level cache."""
 
 
-# 4 KiB, 8 KiB, ..., 256 MiB: every power of 2, as gloo's time jumps by 30% between sizes 5% apart
-# (measured here), and a dense grid follows more of those jumps than one every factor of 4.
-_ALL_SIZES_BYTES = tuple(4 * _KIB * 2**i for i in range(17))
+# Every factor of 2 from 5.8 KB to 380 MB, midway (in log) between powers of 2. Measured here
+# with gloo: a buffer of exactly 2^k bytes is often 10-30% slower than sizes 6% either side
+# (buffers at power-of-2 offsets collide in the caches), and training buffers have any size.
+# Time also jumps by up to 30% between sizes 5% apart: a grid every factor of 2 follows more
+# of that than one every factor of 4.
+_ALL_SIZES_BYTES = tuple(int(2 ** (k + 0.5)) // 64 * 64 for k in range(12, 29))
 CPU_SWEEP = Sweep(matmul_sizes=(64, 128, 256, 512, 1024, 2048), dtypes=("float32", "bfloat16"),
                   collective_sizes_bytes=_ALL_SIZES_BYTES, repeats=10, copy_bytes=256 * _MIB)
 # GPU matmuls start at n=2048: a smaller one finishes faster than a kernel launches, so its
@@ -67,7 +70,7 @@ CPU_SWEEP = Sweep(matmul_sizes=(64, 128, 256, 512, 1024, 2048), dtypes=("float32
 GPU_SWEEP = Sweep(matmul_sizes=(2048, 4096, 8192, 16384), dtypes=("float32", "bfloat16", "float16"),
                   collective_sizes_bytes=_ALL_SIZES_BYTES, repeats=10, copy_bytes=2048 * _MIB)
 QUICK_SWEEP = Sweep(matmul_sizes=(64, 256), dtypes=("float32", "bfloat16"),
-                    collective_sizes_bytes=(4 * _KIB, 256 * _KIB, 16 * _MIB), repeats=3, copy_bytes=64 * _MIB)
+                    collective_sizes_bytes=_ALL_SIZES_BYTES[::6], repeats=3, copy_bytes=64 * _MIB)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,7 +96,7 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
     """Measure this machine with `world_size` ranks and fit a profile.
 
     `backend`: "gloo" (CPU) or "nccl" (GPUs); by default NCCL when CUDA is present.
-    `sizes`: collective buffer sizes in bytes, instead of the sweep's 4 KiB-256 MiB.
+    `sizes`: collective buffer sizes in bytes, instead of the sweep's 6 KB-380 MB.
     `quick`: a few sizes and repeats, for tests (seconds, not minutes).
 
     >>> profile = calibrate(world_size=2, quick=True)  # doctest: +SKIP
@@ -106,7 +109,9 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
         if unfit:
             raise HardwareError(f"collective sizes {unfit} bytes do not split into {world_size} float32 shards: "
                                 f"use positive multiples of {4 * world_size} bytes")
-        sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(set(sizes))))
+    else:  # the sweep's sizes, down to whole float32 shards
+        sizes = [size // (4 * world_size) * (4 * world_size) for size in sweep.collective_sizes_bytes]
+    sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(set(sizes))))
     measurements, _ = run_world(measure_job, (sweep.repeats, sweep), world_size=world_size, backend=backend,
                                 total_steps=sweep.repeats, progress=progress,
                                 description=f"calibrating ({backend}, world {world_size})")
@@ -182,7 +187,7 @@ def fit_matmul(points: "list[tuple[float, float]] | tuple", op_overhead_s: float
 def fit_collective(points: "list[tuple[float, float]]") -> CollectiveCost:
     """Alpha-beta by non-negative least squares on (bus bytes, seconds), plus the measured correction.
 
-    The residuals are relative (each row divided by its time) so 4 KiB and 256 MiB weigh alike.
+    The residuals are relative (each row divided by its time) so the smallest and largest sizes weigh alike.
     """
     bus_bytes = np.array([point[0] for point in points], dtype=np.float64)
     seconds = np.array([point[1] for point in points], dtype=np.float64)
@@ -254,11 +259,8 @@ def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda
     loops = {}
     for key, probe in probes.items():
         dist.barrier()
-        _synchronize(device)
-        start = time.perf_counter()
-        probe.call()  # warm up (buffers, connections, kernels), and a first guess of one call's time
-        _synchronize(device)
-        loops[key] = max(1, math.ceil(_MIN_TIMING_S / (time.perf_counter() - start))) if probe.loop else 1
+        probe.call()  # warm up: buffers, connections, kernels, the autograd graph's first node
+        loops[key] = _loop_count(probe.call, device) if probe.loop else 1
     fastest_s = dict.fromkeys(probes, math.inf)
     for round_index in range(rounds):
         for key, probe in probes.items():
@@ -272,6 +274,20 @@ def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda
                 fastest_s[key] = min(fastest_s[key], (time.perf_counter() - start) / loops[key])
         report(f"round {round_index + 1} of {rounds}")
     return fastest_s
+
+
+def _loop_count(call, device: torch.device) -> int:
+    """Calls per timing: doubled until a loop lasts _MIN_TIMING_S (as timeit's autorange)."""
+    count = 1
+    while True:
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(count):
+            call()
+        _synchronize(device)
+        if time.perf_counter() - start >= _MIN_TIMING_S:
+            return count
+        count *= 2
 
 
 def measure_job(device: torch.device, report, rounds: int, sweep: Sweep | None,
