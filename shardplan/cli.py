@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     _hardware_options(plan)
     plan.add_argument("--batch", type=int, help="sequences per data-parallel replica")
     plan.add_argument("--seq", type=int, help="sequence length")
-    plan.add_argument("--no-pipeline", action="store_true", help="plan data parallelism only (pp = 1)")
+    plan.add_argument("--allow-pipeline", action="store_true",
+                      help="let the solver cut pipeline stages (pp > 1); the runtime does not run those yet")
     plan.add_argument("--allow-offload", action="store_true", help="let the solver offload shards to CPU")
     plan.add_argument("-o", "--output", default="plan.json")
 
@@ -107,7 +108,7 @@ def _plan(options) -> int:
     entry = load_model(options.spec, batch=options.batch, seq=options.seq)
     with Console(stderr=True).status(f"capturing and planning {options.spec} for {options.world_size} ranks"):
         plan = compile_plan(entry.model, options.world_size, entry.args, entry.kwargs, hardware=options.hardware,
-                            memory_budget=options.memory_budget, allow_pipeline=not options.no_pipeline,
+                            memory_budget=options.memory_budget, allow_pipeline=options.allow_pipeline,
                             allow_offload=options.allow_offload)
     plan.save(options.output)
     print(plan.summary())
