@@ -7,9 +7,10 @@ from .compile import compile, solve
 from .errors import (CaptureError, HardwareError, InfeasibleError, PlanError, RuntimeMismatchError,
                      ShardplanError)
 from .hardware import HardwareProfile, get_hardware
-from .plan import Checkpoint, Plan, ShardStrategy, load_plan
+from .plan import Checkpoint, MixedPrecision, Plan, ShardStrategy, load_plan
 from .runtime import Program, manual_plan, parallelize
+from .solver.space import Constraints, SearchSpace
 
-__all__ = ["capture", "compile", "solve", "parallelize", "Program", "manual_plan", "Plan", "load_plan", "ShardStrategy", "Checkpoint", "HardwareProfile", "get_hardware",
+__all__ = ["capture", "compile", "solve", "parallelize", "Program", "manual_plan", "Constraints", "SearchSpace", "MixedPrecision", "Plan", "load_plan", "ShardStrategy", "Checkpoint", "HardwareProfile", "get_hardware",
            "ShardplanError", "CaptureError", "InfeasibleError", "PlanError", "HardwareError",
            "RuntimeMismatchError"]

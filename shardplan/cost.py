@@ -15,7 +15,8 @@ activation byte and FLOP (bytes are rounded up per micro-batch).
 Memory, by category (the peak is the largest of these events):
 - sharded_state: parameters + gradients + optimizer state kept between steps.
   FULL_SHARD / SHARD_GRAD_OP: (param + grad + optimizer) / dp; SHARD_OPTIMIZER:
-  param + grad + optimizer / dp; REPLICATE: all of it. Offloaded units keep it
+  param + (grad + optimizer) / dp (its gradient is all-reduced in full, during
+  the unit's backward, then sliced); REPLICATE: all of it. Offloaded units keep it
   in CPU memory: 0 on the device. Gradients are in the parameters' capture dtype,
   the optimizer state is OPTIMIZER_STATE_BYTES_PER_PARAM (fp32).
 - gathered_params: unsharded parameters (param dtype of mixed precision) of the
@@ -37,7 +38,9 @@ unit k + the prefetched unit k-1 + SHARD_GRAD_OP units still gathered).
 
 Time, by component (per step):
 - compute: fwd + bwd FLOPs through compute_time_s (bytes moved: the block's
-  params in param dtype plus its input and output activations).
+  params in param dtype plus its input and output activations), plus the block's
+  memory-bound ops (Block.fwd_ops / fwd_memory_bytes, bwd likewise): each op's
+  fixed cost and the bytes it streams.
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
   the dropped elementwise ops, memory-bound: 2 × dropped bytes moved.
 - exposed_comm: collectives not hidden by compute. The all-gather of the next
@@ -164,6 +167,14 @@ class UnitCost:
         return self.compute_bwd_s + self.recompute_s
 
 
+def _memory_bound_s(hw, memory_bytes: int, ops: int, ctx: CostContext) -> float:
+    """The block's memory-bound ops (all but matmul-like ones) for one micro-batch: each pays a
+    fixed cost and streams its bytes. Blocks built by hand without op counts cost nothing here."""
+    if ops == 0:
+        return 0.0
+    return hw.compute_time_s(0, _per_micro_batch(memory_bytes, ctx), ctx.param_dtype, calls=ops)
+
+
 def _per_micro_batch(nbytes: int, ctx: CostContext) -> int:
     return -(-nbytes // ctx.num_micro_batches)
 
@@ -189,8 +200,8 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
     grad_bytes = numel * DTYPE_BYTES[ctx.reduce_dtype]
     if strategy in GATHERING:
         state_bytes = -(-(2 * storage_bytes + optimizer_bytes) // dp)
-    elif strategy is ShardStrategy.SHARD_OPTIMIZER:
-        state_bytes = 2 * storage_bytes + -(-optimizer_bytes // dp)
+    elif strategy is ShardStrategy.SHARD_OPTIMIZER:  # the gradient is all-reduced, then only a slice kept
+        state_bytes = storage_bytes + -(-(storage_bytes + optimizer_bytes) // dp)
     else:
         state_bytes = 2 * storage_bytes + optimizer_bytes
     gathered = param_bytes if strategy in GATHERING else 0
@@ -215,9 +226,11 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
     for block, kept_bytes in zip(blocks, kept):
         block_param_bytes = block.param_numel * DTYPE_BYTES[ctx.param_dtype]
         moved = block_param_bytes + _per_micro_batch(block.input_bytes + block.output_bytes, ctx)
-        fwd_s = hw.compute_time_s(block.fwd_flops / m, moved, ctx.param_dtype)
+        fwd_s = (hw.compute_time_s(block.fwd_flops / m, moved, ctx.param_dtype)
+                 + _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx))
         compute_fwd_s += fwd_s
-        compute_bwd_s += hw.compute_time_s(block.bwd_flops / m, 2 * moved, ctx.param_dtype)
+        compute_bwd_s += (hw.compute_time_s(block.bwd_flops / m, 2 * moved, ctx.param_dtype)
+                          + _memory_bound_s(hw, block.bwd_memory_bytes, block.bwd_ops, ctx))
         if checkpoint is Checkpoint.FULL:
             recompute_s += fwd_s
         elif checkpoint is Checkpoint.SELECTIVE:
@@ -246,7 +259,7 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         gathered_fwd_bytes=gathered,
         gathered_bwd_bytes=gathered if strategy is ShardStrategy.FULL_SHARD else 0,
         kept_gathered_bytes=gathered if strategy is ShardStrategy.SHARD_GRAD_OP else 0,
-        grad_buffer_bytes=grad_bytes if strategy in GATHERING else 0,
+        grad_buffer_bytes=grad_bytes if strategy is not ShardStrategy.REPLICATE else 0,
         fwd_working=fwd_working, bwd_working=bwd_working,
         compute_fwd_s=compute_fwd_s, compute_bwd_s=compute_bwd_s, recompute_s=recompute_s,
         gather_fwd_s=gather_s, gather_bwd_s=gather_s if strategy is ShardStrategy.FULL_SHARD else 0.0,
