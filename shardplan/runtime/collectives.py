@@ -124,3 +124,51 @@ def default_device() -> torch.device:
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def barrier() -> None:
+    if dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(value, source_rank: int = 0):
+    """`source_rank`'s picklable `value` on every rank (so every rank can raise the same error)."""
+    if dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=source_rank)
+    return box[0]
+
+
+def chunked_tensor(local: torch.Tensor, numel: int, chunks: list[tuple[int, int, int]]):
+    """A 1-D tensor of `numel` elements held in chunks over ranks, for torch.distributed.checkpoint.
+
+    `chunks` lists (rank, offset, numel) for every rank's chunk, the same list on every rank;
+    `local` is this rank's chunk (empty list entry means the rank holds none). The global layout
+    is known on every rank, so no communication is needed to describe it."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    rank = dist.get_rank()
+    metadata = [ShardMetadata(shard_offsets=[offset], shard_sizes=[size], placement=f"rank:{owner}/{local.device}")
+                for owner, offset, size in chunks]
+    local_shards = [Shard(local, shard) for shard, (owner, _, _) in zip(metadata, chunks) if owner == rank]
+    properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                                  memory_format=torch.contiguous_format, pin_memory=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, ShardedTensorMetadata(metadata, torch.Size([numel]), properties))
+
+
+def save_checkpoint(state: dict, directory: str) -> None:
+    """Every rank writes its chunks of `state` (plain tensors: one rank writes each) under `directory`."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=directory)
+
+
+def load_checkpoint(state: dict, directory: str) -> None:
+    """Fill `state`'s tensors in place with the chunks this rank holds, whatever chunks were saved."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=directory)

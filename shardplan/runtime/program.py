@@ -6,6 +6,7 @@ it, and gradient sync only on the last micro-batch. A backend supplies the
 forward, the gradient-sync switch, the local parameters and the norm.
 """
 import math
+import os
 from typing import Any, Callable
 
 import torch
@@ -48,6 +49,39 @@ class Program:
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set every parameter from whole tensors by model name (as `full_state_dict` returns; same on all ranks)."""
         raise NotImplementedError
+
+    # checkpoints (see [Note: checkpoint format] in checkpoint.py; backend="shardplan" only for now)
+
+    def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Write parameters, buffers and the optimizer's state to the directory `path`, atomically.
+
+        Call on every rank. The checkpoint loads into any plan and world size.
+
+        >>> program.save("ckpt/step_1000", optimizer)  # doctest: +SKIP
+        """
+        from . import checkpoint
+
+        checkpoint.save(self, path, optimizer)
+
+    def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Restore what `save` wrote (resharding to this plan and world size); call on every rank.
+
+        >>> optimizer = torch.optim.AdamW(program.parameters(), lr=3e-4)  # doctest: +SKIP
+        >>> program.load("ckpt/step_1000", optimizer)                     # doctest: +SKIP
+        """
+        from . import checkpoint
+
+        checkpoint.load(self, path, optimizer)
+
+    def export_full_state_dict(self, path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
+        """The plain model's state dict on rank 0 ({} elsewhere), gathered one unit at a time; saved to `path`.
+
+        >>> state = program.export_full_state_dict()  # doctest: +SKIP
+        >>> plain_model.load_state_dict(state)        # on rank 0; doctest: +SKIP
+        """
+        from . import checkpoint
+
+        return checkpoint.export_full_state_dict(self, path)
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         raise NotImplementedError

@@ -1,0 +1,448 @@
+"""Checkpoints of a sharded program: save, load on any world size and plan, export a full state dict.
+
+[Note: checkpoint format] A checkpoint is a directory written by
+torch.distributed.checkpoint (DCP) plus `shardplan.json`. Every parameter is
+stored as one flattened 1-D tensor under `model.<name>`, whatever unit, plan
+or world size held it: each rank contributes the chunk of it that its flat
+shard covers (padding excluded), a REPLICATE unit the whole tensor (DCP writes
+one copy). Optimizer state shaped like the shard is stored the same way under
+`optim.<name>.<key>`; scalar state (Adam's step) as one tensor per parameter.
+Persistent buffers are `model.<name>` too. Loading asks DCP for exactly the
+chunks this rank's new shards cover, so a checkpoint saved at one world size
+and unit grouping loads into any other (DCP reads across chunk boundaries).
+`shardplan.json` holds the format version, the plan, the world size, the names,
+shapes and dtypes of parameters and buffers, and the optimizer's state schema
+and hyperparameters; it is written last, so a directory without it is not a
+checkpoint.
+
+[Note: atomic save] Ranks write into `<path>.partial` (rank 0 removes a stale
+one first); rank 0 then writes `shardplan.json` into it and swaps directories:
+`<path>` → `<path>.old`, `<path>.partial` → `<path>`, remove `<path>.old`. A
+crash before the first rename leaves `<path>` as it was; between the renames
+only `<path>.old` exists, and `load` falls back to it; after the second,
+`<path>` is the new checkpoint. Rank 0's outcome is broadcast, so every rank
+returns, or raises the same error, instead of one rank failing alone and the
+others hanging at the next collective.
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.nn as nn
+
+from ..errors import PlanError, ShardplanError
+from ..plan import ShardStrategy
+from . import collectives
+from .flat_param import FlatLayout
+from .unit import FlatUnit
+
+FORMAT = "shardplan.checkpoint/1"
+METADATA_FILE = "shardplan.json"
+
+
+def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write `program`'s parameters, buffers and `optimizer`'s state to the directory `path`, atomically.
+
+    Call on every rank, between steps. See [Note: checkpoint format] and [Note: atomic save]."""
+    _check_backend(program, "save")
+    directory = Path(path)
+    metadata = _metadata(program, optimizer)
+    state = _parameter_entries(program, whole_full=False)
+    if optimizer is not None:
+        state.update(_optimizer_entries(program, _state_of(program, optimizer), metadata["optimizer"]["state"]))
+    state.update(_buffer_entries(program.module))
+    _on_rank_zero(lambda: _clear_partial(directory))
+    collectives.save_checkpoint(state, os.fspath(_partial(directory)))
+    _on_rank_zero(lambda: _commit(directory, metadata))
+
+
+def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Set `program`'s parameters, buffers and `optimizer`'s state from the checkpoint at `path`.
+
+    Call on every rank, with the optimizer built over `program.parameters()` (its state is
+    replaced). The plan and world size may differ from the saving run's."""
+    _check_backend(program, "load")
+    directory, metadata = _on_rank_zero(lambda: read_metadata(path))
+    _check_model(program, metadata, directory)
+    if optimizer is not None and metadata["optimizer"] is None:
+        raise ShardplanError(f"the checkpoint at {directory} holds no optimizer state (it was saved without "
+                             "optimizer=...): load with optimizer=None, or save with the optimizer")
+    for unit in program.units:
+        unit.release()
+    state = _parameter_entries(program, whole_full=True)
+    state.update(_buffer_entries(program.module))
+    if optimizer is not None:
+        schema = metadata["optimizer"]["state"]
+        unit_states = _fresh_state(program, optimizer, schema, metadata["optimizer"]["params_with_state"])
+        state.update(_optimizer_entries(program, unit_states, schema))
+    collectives.load_checkpoint(state, os.fspath(directory))
+    for unit in program.units:
+        if unit.full is not None:
+            # [Note: checkpoint format] SHARD_OPTIMIZER read its whole `full` buffer, the shard included:
+            # nothing to gather, and every rank must agree that nothing is stale
+            unit._synced_version = unit.shard._version
+    if optimizer is not None:
+        _finish_optimizer(program, optimizer, unit_states, state, metadata["optimizer"])
+
+
+def export_full_state_dict(program, path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, on CPU, on rank 0 (other ranks get {}); `torch.save`d to `path` if given.
+
+    Units are gathered one at a time and only rank 0 keeps a copy, so no rank holds more than
+    the full model on CPU plus one unit. The keys are `model.state_dict()`'s (tied names
+    included, non-persistent buffers excluded), so the plain model's `load_state_dict` and
+    Hugging Face's `save_pretrained(dir, state_dict=...)` accept it. Call on every rank."""
+    _check_backend(program, "export")
+    keep = collectives.world().rank == 0
+    pieces: dict[tuple[int, str], torch.Tensor] = {}
+    for unit in program.units:
+        values = unit.full_values()
+        if keep:
+            for (module, attribute, index) in unit.slots:
+                pieces[id(module), attribute] = unit.layout.split(values)[index].to("cpu", copy=True)
+        del values
+    if not keep:
+        return {}
+    state = {}
+    for path_, module, attribute, kind in _state_dict_slots(program.module):
+        state[path_] = pieces[id(module), attribute] if kind == "parameter" \
+            else module._buffers[attribute].detach().to("cpu", copy=True)
+    if path is not None:
+        torch.save(state, path)
+    return state
+
+
+def read_metadata(path: str | os.PathLike) -> tuple[Path, dict]:
+    """(the checkpoint directory, its metadata): `path`, or `path`.old after a crash mid-swap."""
+    directory = Path(path)
+    if not directory.exists() and _old(directory).exists():
+        directory = _old(directory)
+    if not directory.is_dir():
+        raise ShardplanError(f"no checkpoint at {path}: give the directory program.save(...) wrote")
+    file = directory / METADATA_FILE
+    if not file.is_file():
+        raise PlanError(f"{directory} is not a shardplan checkpoint: it has no {METADATA_FILE} (a save writes it "
+                        f"last, so an unfinished save leaves {_partial(Path(path)).name}, never this): give the "
+                        "directory a finished program.save(...) wrote")
+    try:
+        metadata = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PlanError(f"{file} is corrupt ({error}): restore it from a copy, or save again") from None
+    found = metadata.get("format") if isinstance(metadata, dict) else None
+    if found != FORMAT:
+        raise PlanError(f"{file} has format {found!r}; this shardplan reads {FORMAT!r}: load it with the "
+                        "shardplan version that wrote it and export_full_state_dict() from there")
+    missing = [key for key in ("world_size", "plan", "parameters", "buffers", "optimizer") if key not in metadata]
+    if missing:
+        raise PlanError(f"{file} lacks {missing}: it is corrupt; restore it from a copy, or save again")
+    return directory, metadata
+
+
+# what is stored: chunks of flattened parameters
+
+class Chunk(NamedTuple):
+    """Where one rank's piece of one parameter lies."""
+
+    rank: int
+    offset: int
+    """First element of the piece in the flattened parameter."""
+    numel: int
+    start: int
+    """First element of the piece in that rank's local tensor (its shard, or the whole buffer)."""
+
+
+def parameter_chunks(layout: FlatLayout, index: int) -> list[Chunk]:
+    """Every rank's piece of parameter `index`: the intersection of its range with each rank's slice."""
+    begin = sum(layout.numels[:index])
+    end = begin + layout.numels[index]
+    chunks = []
+    for rank in range(layout.dp):
+        low, high = max(begin, rank * layout.shard_numel), min(end, (rank + 1) * layout.shard_numel)
+        if high > low:
+            chunks.append(Chunk(rank=rank, offset=low - begin, numel=high - low, start=low - rank * layout.shard_numel))
+    return chunks
+
+
+def _entries(unit: FlatUnit, local: torch.Tensor, key: Callable[[str], str], whole: bool) -> dict[str, torch.Tensor]:
+    """One DCP entry per parameter of `unit`: from `local`, the whole buffer (`whole`) or this rank's slice."""
+    local = local.detach()
+    if whole:
+        return {key(name): piece.reshape(-1) for name, piece in zip(unit.layout.names, unit.layout.split(local))}
+    entries = {}
+    for index, name in enumerate(unit.layout.names):
+        chunks = parameter_chunks(unit.layout, index)
+        mine = [chunk for chunk in chunks if chunk.rank == unit.rank]
+        if not chunks:  # an empty parameter: nothing to shard
+            entries[key(name)] = local[:0]
+            continue
+        piece = local[mine[0].start:mine[0].start + mine[0].numel] if mine else local[:0]
+        entries[key(name)] = collectives.chunked_tensor(piece, unit.layout.numels[index],
+                                                        [(chunk.rank, chunk.offset, chunk.numel) for chunk in chunks])
+    return entries
+
+
+def _parameter_entries(program, *, whole_full: bool) -> dict[str, torch.Tensor]:
+    """`model.<name>` for every parameter. A SHARD_OPTIMIZER unit's `full` may be stale after a step,
+    so saving reads its shard; loading fills `full` whole (every rank keeps it anyway)."""
+    entries = {}
+    for unit in program.units:
+        if unit.full is not None and whole_full:
+            entries.update(_entries(unit, unit.full, lambda name: f"model.{name}", whole=True))
+        else:
+            entries.update(_entries(unit, unit.shard, lambda name: f"model.{name}",
+                                    whole=unit.spec.strategy is ShardStrategy.REPLICATE))
+    return entries
+
+
+def _buffer_entries(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {f"model.{name}": owner._buffers[attribute]
+            for name, owner, attribute, kind in _state_dict_slots(module) if kind == "buffer"}
+
+
+def _state_dict_slots(model: nn.Module) -> list[tuple[str, nn.Module, str, str]]:
+    """(state dict key, module, attribute, "parameter" or "buffer") in `model.state_dict()` order."""
+    slots = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        slots += [(prefix + attribute, module, attribute, "parameter")
+                  for attribute, value in module._parameters.items() if value is not None]
+        slots += [(prefix + attribute, module, attribute, "buffer") for attribute, value in module._buffers.items()
+                  if value is not None and attribute not in module._non_persistent_buffers_set]
+    return slots
+
+
+# optimizer state
+
+def _state_of(program, optimizer: torch.optim.Optimizer) -> dict[FlatUnit, dict]:
+    """Each unit's optimizer state (empty before its first step); refuses tensors that are not shards."""
+    unit_of = {id(unit.shard): unit for unit in program.units}
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if id(parameter) not in unit_of:
+                raise ShardplanError(f"the optimizer steps a tensor of shape {list(parameter.shape)} that is not "
+                                     "one of this program's shards: build it over program.parameters()")
+    in_optimizer = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+    return {unit: optimizer.state.get(unit.shard, {}) for unit in program.units if id(unit.shard) in in_optimizer}
+
+
+def _state_schema(unit_states: dict[FlatUnit, dict]) -> dict[str, dict]:
+    """Per state key: "shaped" (like the shard) or "scalar", its dtype, and where it lives."""
+    schema: dict[str, dict] = {}
+    for unit, state in unit_states.items():
+        for key, value in state.items():
+            if not isinstance(value, (torch.Tensor, int, float)):
+                raise ShardplanError(f"optimizer state {key!r} is a {type(value).__name__}: checkpoints hold "
+                                     "tensors and numbers; use an optimizer whose state is tensors")
+            tensor = _as_tensor(value)
+            entry = {"kind": "shaped" if tensor.dim() and tensor.shape == unit.shard.shape else "scalar",
+                     "dtype": str(tensor.dtype).removeprefix("torch."), "python": not isinstance(value, torch.Tensor),
+                     "on_param_device": tensor.device == unit.shard.device}
+            if schema.setdefault(key, entry) != entry:
+                raise ShardplanError(f"optimizer state {key!r} is {entry} for unit {unit.name!r} but "
+                                     f"{schema[key]} elsewhere: checkpoints need one schema for every parameter")
+    return schema
+
+
+def _as_tensor(value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+
+
+def _optimizer_entries(program, unit_states: dict[FlatUnit, dict], schema: dict[str, dict]) -> dict:
+    """`optim.<name>.<key>`: shaped state chunked like the parameter, scalar state whole per parameter."""
+    entries = {}
+    for unit, state in unit_states.items():
+        for key, value in state.items():
+            if schema[key]["kind"] == "shaped":
+                entries.update(_entries(unit, value, lambda name: f"optim.{name}.{key}",
+                                        whole=unit.spec.strategy is ShardStrategy.REPLICATE))
+            else:
+                entries.update((f"optim.{name}.{key}", _as_tensor(value).clone()) for name in unit.layout.names)
+    return entries
+
+
+def _fresh_state(program, optimizer: torch.optim.Optimizer, schema: dict[str, dict],
+                 params_with_state: list[str]) -> dict[FlatUnit, dict]:
+    """Zero state tensors for DCP to load into, for every unit whose parameters were saved with state."""
+    saved = set(params_with_state)
+    unit_states = {}
+    for unit in _state_of(program, optimizer):
+        has = [name in saved for name in unit.layout.names]
+        if any(has) and not all(has):
+            raise ShardplanError(f"unit {unit.name!r} groups parameters saved with optimizer state and without "
+                                 f"({unit.layout.names[has.index(False)]!r}): put them in separate units")
+        if all(has):
+            unit_states[unit] = {
+                key: torch.zeros_like(unit.shard.detach(), dtype=getattr(torch, entry["dtype"]))
+                if entry["kind"] == "shaped" else
+                torch.zeros((), dtype=getattr(torch, entry["dtype"]),
+                            device=unit.shard.device if entry["on_param_device"] else "cpu")
+                for key, entry in schema.items()}
+    return unit_states
+
+
+def _finish_optimizer(program, optimizer: torch.optim.Optimizer, unit_states: dict[FlatUnit, dict],
+                      loaded: dict[str, torch.Tensor], saved: dict) -> None:
+    """Scalar state from its per-parameter copies, the state into the optimizer, then the hyperparameters."""
+    for unit in _state_of(program, optimizer):
+        optimizer.state.pop(unit.shard, None)
+    for unit, state in unit_states.items():
+        for key, entry in saved["state"].items():
+            if entry["kind"] == "scalar":
+                values = {name: loaded[f"optim.{name}.{key}"] for name in unit.layout.names}
+                differing = sorted({value.item() for value in values.values()})
+                if len(differing) > 1:
+                    raise ShardplanError(f"unit {unit.name!r} groups parameters saved with different optimizer "
+                                         f"{key!r} values {differing}: one flat buffer has one {key!r}; group "
+                                         "them as they were saved")
+                state[key].copy_(values[unit.layout.names[0]])
+            if entry["python"]:
+                state[key] = state[key].item()
+        optimizer.state[unit.shard] = state
+    groups = saved["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ShardplanError(f"the checkpoint's optimizer had {len(groups)} param groups, this one has "
+                             f"{len(optimizer.param_groups)}: build the optimizer with as many groups")
+    for group, hyperparameters in zip(optimizer.param_groups, groups):
+        for key, value in hyperparameters.items():
+            group[key] = _from_json(group.get(key), value)
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"tensor": value.tolist()}
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _from_json(current: Any, value: Any) -> Any:
+    """Put a saved hyperparameter back in the type the live optimizer uses (tensor lr, tuple betas)."""
+    if isinstance(value, dict) and "tensor" in value:
+        if isinstance(current, torch.Tensor):
+            return current.copy_(torch.tensor(value["tensor"]))
+        return torch.tensor(value["tensor"])
+    if isinstance(current, tuple):
+        return tuple(value)
+    return value
+
+
+# metadata and the model check
+
+def _metadata(program, optimizer: torch.optim.Optimizer | None) -> dict:
+    optimizer_metadata = None
+    if optimizer is not None:
+        unit_states = _state_of(program, optimizer)
+        optimizer_metadata = {
+            "state": _state_schema(unit_states),
+            "params_with_state": [name for unit, state in unit_states.items() if state for name in unit.layout.names],
+            "param_groups": [{key: _to_json(value) for key, value in group.items() if key != "params"}
+                             for group in optimizer.param_groups]}
+    return {"format": FORMAT, "world_size": collectives.world().size, "plan": json.loads(program.plan.to_json()),
+            "parameters": _described(_parameter_shapes(program)), "buffers": _described(_buffer_shapes(program)),
+            "optimizer": optimizer_metadata}
+
+
+def _parameter_shapes(program) -> dict[str, tuple[list[int], str]]:
+    return {name: (list(shape), str(unit.layout.dtype).removeprefix("torch."))
+            for unit in program.units for name, shape in zip(unit.layout.names, unit.layout.shapes)}
+
+
+def _buffer_shapes(program) -> dict[str, tuple[list[int], str]]:
+    return {name[len("model."):]: (list(buffer.shape), str(buffer.dtype).removeprefix("torch."))
+            for name, buffer in _buffer_entries(program.module).items()}
+
+
+def _described(shapes: dict[str, tuple[list[int], str]]) -> list[dict]:
+    return [{"name": name, "shape": shape, "dtype": dtype} for name, (shape, dtype) in shapes.items()]
+
+
+def _check_model(program, metadata: dict, directory: Path) -> None:
+    """Refuse a checkpoint of another model, naming the first differences."""
+    problems = []
+    for what, mine in (("parameter", _parameter_shapes(program)), ("buffer", _buffer_shapes(program))):
+        saved = {entry["name"]: (entry["shape"], entry["dtype"]) for entry in metadata[what + "s"]}
+        problems += [f"{what} {name!r} is not in the checkpoint" for name in mine if name not in saved]
+        problems += [f"the checkpoint's {what} {name!r} is not in the model" for name in saved if name not in mine]
+        problems += [f"{what} {name!r} is {saved[name][1]}{saved[name][0]} in the checkpoint, "
+                     f"{mine[name][1]}{mine[name][0]} in the model"
+                     for name in mine if name in saved and saved[name] != mine[name]]
+    if problems:
+        raise PlanError(f"the checkpoint at {directory} was saved from another model ({len(problems)} differences; "
+                        f"first: {'; '.join(problems[:3])}): load it into the model it was saved from "
+                        "(same parameter names, shapes and dtypes), or export_full_state_dict() there and "
+                        "convert the names")
+
+
+def _check_backend(program, what: str) -> None:
+    from .sharded import ShardedProgram
+
+    if not isinstance(program, ShardedProgram):
+        raise ShardplanError(f"checkpoint {what} is not supported yet for backend 'fsdp2': parallelize with "
+                             "backend='shardplan' (its checkpoints load into any plan and world size)")
+
+
+# the directory protocol (see [Note: atomic save])
+
+def _partial(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".partial")
+
+
+def _old(directory: Path) -> Path:
+    return directory.with_name(directory.name + ".old")
+
+
+def _on_rank_zero(action: Callable[[], Any]) -> Any:
+    """Run `action` on rank 0 and give its result, or raise its error, on every rank."""
+    outcome: Any = None
+    if collectives.world().rank == 0:
+        try:
+            outcome = ("ok", action())
+        except Exception as error:  # re-raised below, on every rank
+            outcome = ("error", error)
+    kind, value = collectives.broadcast_object(outcome)
+    if kind == "error":
+        raise value
+    return value
+
+
+def _clear_partial(directory: Path) -> None:
+    if directory.exists() and not (directory / METADATA_FILE).is_file() and any(directory.iterdir()):
+        raise ShardplanError(f"{directory} exists and is not a shardplan checkpoint: saving would replace it; "
+                             "save to another path, or remove it")
+    shutil.rmtree(_partial(directory), ignore_errors=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _commit(directory: Path, metadata: dict) -> None:
+    partial = _partial(directory)
+    temporary = partial / (METADATA_FILE + ".tmp")
+    with open(temporary, "w") as handle:
+        json.dump(metadata, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, partial / METADATA_FILE)
+    _swap(directory)
+
+
+def _swap(directory: Path) -> None:
+    """`<path>` → `<path>.old`, `<path>.partial` → `<path>`, remove `<path>.old`."""
+    old = _old(directory)
+    if directory.exists():
+        shutil.rmtree(old, ignore_errors=True)  # stale: `<path>` is the checkpoint to keep
+        os.replace(directory, old)
+    os.replace(_partial(directory), directory)
+    _fsync_directory(directory.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,265 @@
+"""Checkpoints: resume exactly, reshard to other world sizes and plans, survive a crash mid-save, export.
+
+World 2 trains a GPT for 5 steps, saving after step 3; everything else is compared with that
+uninterrupted run. Each spawned world runs all its cases and rank 0 writes one JSON record.
+"""
+import datetime
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardplan import zoo
+from shardplan.errors import PlanError, ShardplanError
+from shardplan.plan import ShardStrategy
+from shardplan.runtime import checkpoint, manual_plan, parallelize
+
+FS, SGO, SO, REP = (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP, ShardStrategy.SHARD_OPTIMIZER,
+                    ShardStrategy.REPLICATE)
+PLANS = {
+    # the saving run: one unit per block, every strategy
+    2: ([("wte", "wpe")] + [(f"h.{i}",) for i in range(4)] + [("ln_f", "lm_head")], (FS, SGO, SO, REP)),
+    # other groupings and strategy mixes: chunks land on other ranks, in other units
+    4: ([("wte", "wpe", "h.0"), ("h.1", "h.2"), ("h.3", "ln_f", "lm_head")], (SO, FS, REP)),
+    1: ([("wte",), ("wpe", "h.0", "h.1"), ("h.2", "h.3", "ln_f", "lm_head")], (REP, SGO, FS)),
+}
+GLOBAL_BATCH = 4
+"""Sequences per step, split over the ranks: the same data and mean loss at every world size."""
+ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+SAVE_AFTER, STEPS = 3, 5
+
+
+def build(rank: int, world: int, config=zoo.GPTConfig()):
+    torch.manual_seed(0)
+    model = zoo.gpt(config).model
+    groups, strategies = PLANS[world]
+    program = parallelize(model, manual_plan(model, groups, dp=world, strategies=strategies))
+    return program, torch.optim.AdamW(program.parameters(), **ADAMW)
+
+
+def batch(step: int, rank: int, world: int) -> torch.Tensor:
+    config = zoo.GPTConfig()
+    ids = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, config.seq_len),
+                        generator=torch.Generator().manual_seed(step))
+    return ids.chunk(world)[rank]
+
+
+def train(program, optimizer, steps, rank: int, world: int) -> list[float]:
+    losses = []
+    for step in steps:
+        ids = batch(step, rank, world)
+        losses.append(program.step(ids, labels=ids).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def resume(rank: int, world: int, directory: Path) -> dict:
+    """Load the step-3 checkpoint into a fresh program of this world's plan, train to step 5."""
+    program, optimizer = build(rank, world)
+    program.load(directory / "ckpt", optimizer)
+    losses = train(program, optimizer, range(SAVE_AFTER, STEPS), rank, world)
+    state = program.export_full_state_dict()
+    return {"losses": losses, "state": state}
+
+
+def max_difference(state: dict, reference: dict) -> float:
+    assert state.keys() == reference.keys()
+    return max((state[name] - reference[name]).abs().max().item() for name in state)
+
+
+# world 2: the uninterrupted run, exact resume, export, crashes
+
+def uninterrupted(rank: int, world: int, directory: Path) -> dict:
+    program, optimizer = build(rank, world)
+    losses = train(program, optimizer, range(SAVE_AFTER), rank, world)
+    program.save(directory / "ckpt", optimizer)
+    losses += train(program, optimizer, range(SAVE_AFTER, STEPS), rank, world)
+    state = program.export_full_state_dict(directory / "final.pt")
+    ids = batch(STEPS, rank, world)
+    program_loss = program.step(ids, labels=ids).item()
+    record = {"losses": losses}
+    if rank == 0:
+        torch.manual_seed(1)
+        plain = zoo.gpt().model
+        plain.load_state_dict(state)  # strict: every key, no extra
+        everything = torch.cat([batch(STEPS, r, world) for r in range(world)])
+        record["export"] = {"program_loss": program_loss, "plain_loss": plain(everything, labels=everything).item(),
+                            "saved_equal": max_difference(torch.load(directory / "final.pt"), state) == 0.0,
+                            "keys_match": sorted(state) == sorted(plain.state_dict())}
+    return record
+
+
+def crashes(rank: int, world: int, directory: Path, monkeypatch_swap) -> dict:
+    """Saves that die before and between the directory renames leave the previous checkpoint loadable."""
+    program, optimizer = build(rank, world)
+    train(program, optimizer, range(1), rank, world)
+    path = directory / "crash"
+    program.save(path, optimizer)
+    before = program.export_full_state_dict()
+    train(program, optimizer, range(1, 2), rank, world)
+    record = {}
+    for when in ("before_swap", "between_renames"):
+        with monkeypatch_swap(when):
+            try:
+                program.save(path, optimizer)
+                record[when] = "saved"
+            except RuntimeError as error:
+                record[when] = str(error)
+        record[f"{when}_dirs"] = sorted(p.name for p in directory.iterdir() if p.name.startswith("crash"))
+        fresh, fresh_optimizer = build(rank, world)
+        fresh.load(path, fresh_optimizer)
+        restored = fresh.export_full_state_dict()  # a collective: every rank calls it
+        record[f"{when}_restored"] = rank != 0 or max_difference(restored, before) == 0.0
+    program.save(path, optimizer)  # a later save cleans up
+    record["after_dirs"] = sorted(p.name for p in directory.iterdir() if p.name.startswith("crash"))
+    return record
+
+
+class SwapCrash:
+    """Make rank 0 die (raise) in the atomic save: before the renames, or after `<path>` became `.old`."""
+
+    def __init__(self, when: str):
+        self.when = when
+
+    def __enter__(self):
+        self.original = checkpoint._swap
+
+        def crash(target: Path) -> None:
+            if self.when == "between_renames":
+                os.replace(target, checkpoint._old(target))
+            raise RuntimeError(f"simulated crash {self.when}")
+
+        checkpoint._swap = crash
+
+    def __exit__(self, *exc):
+        checkpoint._swap = self.original
+
+
+def errors(rank: int, world: int, directory: Path) -> dict:
+    found = {}
+
+    def expect(name, action):
+        try:
+            action()
+            found[name] = None
+        except ShardplanError as error:
+            found[name] = [type(error).__name__, str(error)]
+
+    other = zoo.GPTConfig(d_model=32, n_layer=4)
+    program, optimizer = build(rank, world, other)
+    expect("other_model", lambda: program.load(directory / "ckpt", optimizer))
+    if rank == 0:
+        for name in ("missing", "corrupt", "future"):
+            shutil.copytree(directory / "ckpt", directory / name)
+        (directory / "missing" / checkpoint.METADATA_FILE).unlink()
+        (directory / "corrupt" / checkpoint.METADATA_FILE).write_text('{"format": "shardplan.chec')
+        metadata = json.loads((directory / "ckpt" / checkpoint.METADATA_FILE).read_text())
+        (directory / "future" / checkpoint.METADATA_FILE).write_text(json.dumps({**metadata, "format": "shardplan.checkpoint/2"}))
+    dist.barrier()
+    program, optimizer = build(rank, world)
+    for name in ("missing", "corrupt", "future", "nowhere"):
+        expect(name, lambda: program.load(directory / name, optimizer))
+    fsdp2 = parallelize(zoo.gpt().model, manual_plan(zoo.gpt().model, PLANS[world][0], dp=world), backend="fsdp2")
+    expect("fsdp2", lambda: fsdp2.save(directory / "fsdp2"))
+    return found
+
+
+def _worker(rank: int, world: int, port: int, directory: str, role: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    directory = Path(directory)
+    try:
+        if role == "save":
+            results = {"uninterrupted": uninterrupted(rank, world, directory)}
+            results["resume"] = resume(rank, world, directory)
+            results["resume"]["state"] = results["resume"]["state"] == {} or \
+                max_difference(results["resume"]["state"], torch.load(directory / "final.pt"))
+            results["crashes"] = crashes(rank, world, directory, SwapCrash)
+        else:
+            results = resume(rank, world, directory)
+            results["state"] = results["state"] == {} or \
+                max_difference(results["state"], torch.load(directory / "final.pt"))
+            if world == 1:
+                results["errors"] = errors(rank, world, directory)
+        if rank == 0:
+            (directory / f"{role}-world{world}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, directory: Path, role: str) -> dict:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_worker, args=(world, port, os.fspath(directory), role), nprocs=world, join=True)
+    return json.loads((directory / f"{role}-world{world}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    directory = tmp_path_factory.mktemp("checkpoints")
+    saved = _spawn(2, directory, "save")
+    return {"save": saved, 4: _spawn(4, directory, "resume"), 1: _spawn(1, directory, "resume"),
+            "directory": directory}
+
+
+@pytest.mark.timeout(300)
+def test_resume_on_the_same_plan_is_exact(runs):
+    uninterrupted, resumed = runs["save"]["uninterrupted"], runs["save"]["resume"]
+    assert resumed["losses"] == uninterrupted["losses"][SAVE_AFTER:]
+    assert resumed["state"] == 0.0  # every parameter bit-equal after the two resumed steps
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [4, 1])
+def test_resume_on_another_world_size_and_plan(runs, world):
+    expected = runs["save"]["uninterrupted"]["losses"][SAVE_AFTER:]
+    assert runs[world]["losses"] == pytest.approx(expected, abs=1e-5)
+    assert runs[world]["state"] < 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_directory_holds_the_metadata(runs):
+    metadata = json.loads((runs["directory"] / "ckpt" / checkpoint.METADATA_FILE).read_text())
+    assert metadata["format"] == checkpoint.FORMAT and metadata["world_size"] == 2
+    assert len(metadata["plan"]["units"]) == 6
+    assert {entry["name"]: entry["shape"] for entry in metadata["parameters"]}["wte.weight"] == [256, 64]
+    assert set(metadata["optimizer"]["state"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert metadata["optimizer"]["param_groups"][0]["betas"] == [0.9, 0.95]
+
+
+@pytest.mark.timeout(300)
+def test_exported_state_dict_loads_into_the_plain_model(runs):
+    export = runs["save"]["uninterrupted"]["export"]
+    assert export["keys_match"] and export["saved_equal"]
+    assert export["plain_loss"] == pytest.approx(export["program_loss"], abs=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_a_crash_mid_save_leaves_the_previous_checkpoint(runs):
+    crashes = runs["save"]["crashes"]
+    assert crashes["before_swap"] == "simulated crash before_swap"
+    assert crashes["before_swap_dirs"] == ["crash", "crash.partial"] and crashes["before_swap_restored"]
+    assert crashes["between_renames"] == "simulated crash between_renames"
+    assert crashes["between_renames_dirs"] == ["crash.old", "crash.partial"] and crashes["between_renames_restored"]
+    assert crashes["after_dirs"] == ["crash"]
+
+
+@pytest.mark.timeout(300)
+def test_bad_checkpoints_are_refused_with_the_reason(runs):
+    found = runs[1]["errors"]
+    assert found["other_model"][0] == "PlanError" and "'wte.weight' is float32[256, 64] in the checkpoint, " \
+        "float32[256, 32] in the model" in found["other_model"][1]
+    assert found["missing"][0] == "PlanError" and "has no shardplan.json" in found["missing"][1]
+    assert found["corrupt"][0] == "PlanError" and "is corrupt" in found["corrupt"][1]
+    assert found["future"][0] == "PlanError" and "'shardplan.checkpoint/2'" in found["future"][1]
+    assert found["nowhere"][0] == "ShardplanError" and "no checkpoint at" in found["nowhere"][1]
+    assert found["fsdp2"][0] == "ShardplanError" and "backend='shardplan'" in found["fsdp2"][1]
