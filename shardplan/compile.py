@@ -10,7 +10,7 @@ from dataclasses import replace
 from . import cost
 from .chain import BlockChain
 from .cost import Decision, evaluate_stage
-from .errors import InfeasibleError, ShardplanError
+from .errors import InfeasibleError, PlanError, ShardplanError
 from .hardware import get_hardware
 from .plan import (Alternative, Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, Stage,
                    Unit)
@@ -110,10 +110,41 @@ def stage_costs(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -
 
 def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> Predicted:
     """The peak stage's memory terms and the slowest stage's time terms."""
-    costs = stage_costs(chain, candidate, setting, hw)
+    return _predicted(chain, stage_costs(chain, candidate, setting, hw), candidate.configuration.dp, setting, hw)
+
+
+def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
+    """What the cost model predicts for `plan`'s own decisions on `chain`, a plan written by hand
+    (runtime.manual_plan) included: how predictions are checked against measurement."""
+    hw = get_hardware(hardware or plan.hardware)
+    if plan.mesh.pp != 1:
+        raise ShardplanError(f"evaluate prices plans with pp=1; this one has pp={plan.mesh.pp}")
+    unit_of = {param: index for index, unit in enumerate(plan.units) for param in unit.params}
+    owners: list[int] = []
+    for block in chain.blocks:
+        owned = [unit_of[p] for p in block.param_names if p in unit_of]
+        if len(set(owned)) > 1 or (not owned and not owners):
+            raise PlanError(f"block {block.name!r} is not inside one unit of the plan: units must be runs of "
+                            "whole blocks (see shardplan.passes.analyze) for the cost model to price them")
+        owners.append(owned[0] if owned else owners[-1])
+    if owners != sorted(owners):
+        raise PlanError("the plan's units do not follow the model's execution order: list them in that order")
+    bounds = tuple(i for i, owner in enumerate(owners) if i == 0 or owner != owners[i - 1])
+    decisions = tuple(Decision(strategy=plan.units[owners[i]].strategy, checkpoint=plan.units[owners[i]].checkpoint,
+                               offload=plan.units[owners[i]].offload, prefetch=plan.units[owners[i]].prefetch)
+                      for i in bounds)
+    setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain),
+                      param_dtype=plan.mixed_precision.param_dtype, reduce_dtype=plan.mixed_precision.reduce_dtype,
+                      optimizer=plan.optimizer, allow_pipeline=False)
+    configuration = Configuration(dp=plan.mesh.dp, pp=1, num_micro_batches=plan.schedule.num_micro_batches,
+                                  schedule="none")
+    step = evaluate_stage(chain.blocks, bounds, decisions, context(setting, configuration, hw, 0))
+    return _predicted(chain, [step], plan.mesh.dp, setting, hw)
+
+
+def _predicted(chain: BlockChain, costs: list[cost.StepCost], dp: int, setting: Setting, hw) -> Predicted:
     peak = max(costs, key=lambda c: c.peak_bytes)
     slowest = max(costs, key=lambda c: c.step_time_s)
-    dp = candidate.configuration.dp
     samples_per_s = setting.batch_size * dp / slowest.step_time_s if slowest.step_time_s else 0.0
     # Peak FLOP/s is read from the profile's matmul table where it has one (MFU is for people only).
     peak_flops = getattr(getattr(hw, "matmul", {}).get(setting.param_dtype), "peak_flops_per_s", 0.0)
