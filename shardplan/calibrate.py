@@ -238,7 +238,8 @@ def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Pr
 def collective_probes(points: "list[tuple[str, int]]", device: torch.device) -> dict[tuple[str, int], Probe]:
     """One probe per (kind, full buffer bytes), on float32 views of one buffer pair (the largest size's).
 
-    Collectives under 4 MiB are timed several times a round (up to 8): they are cheap and the noisiest.
+    Collectives under 32 MiB are timed several times a round (up to 8): they are cheap, and the
+    shorter a timing the more a moment of the scheduler's jitter weighs in it.
     """
     world_size = dist.get_world_size()
     for kind, nbytes in points:
@@ -247,7 +248,7 @@ def collective_probes(points: "list[tuple[str, int]]", device: torch.device) -> 
     full = torch.zeros(max(nbytes for _, nbytes in points) // 4, device=device)
     shard = torch.zeros(full.numel() // world_size, device=device)
     return {(kind, nbytes): Probe(call=_collective_call(kind, full[:nbytes // 4], shard[:nbytes // 4 // world_size]),
-                                  loop=False, timings_per_round=min(8, max(1, 4 * _MIB // nbytes)))
+                                  loop=False, timings_per_round=min(8, max(1, 32 * _MIB // nbytes)))
             for kind, nbytes in points}
 
 

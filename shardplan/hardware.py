@@ -304,6 +304,13 @@ _HDR_INFINIBAND = _uniform_link(40e-6, 20e9)    # DGX A100: one 200 Gb/s HDR por
 _H100_NVLINK = _uniform_link(15e-6, 360e9)      # NVLink 4: 900 GB/s total, 450 GB/s per direction
 _NDR_INFINIBAND = _uniform_link(40e-6, 40e9)    # DGX H100/H200: one 400 Gb/s NDR port (50 GB/s) per GPU
 _MIB = 2**20
+_CPU_LOOPBACK = LinkProfile(collectives={
+    "all_gather_into_tensor": CollectiveCost(latency_s=130e-6, bus_bandwidth_bytes_per_s=1.3e9, correction=SizeCurve(
+        points=((1.9e5, 0.75), (3e6, 0.85), (1.2e7, 1.2), (2.4e7, 2.4)))),
+    "reduce_scatter_tensor": CollectiveCost(latency_s=180e-6, bus_bandwidth_bytes_per_s=0.77e9, correction=SizeCurve(
+        points=((9e4, 0.75), (3e6, 0.85), (1.2e7, 1.1), (2.4e7, 1.7)))),
+    "all_reduce": CollectiveCost(latency_s=160e-6, bus_bandwidth_bytes_per_s=2.3e9, correction=SizeCurve(
+        points=((1.9e5, 0.8), (3e6, 0.85), (6e6, 1.3), (2.4e7, 1.5), (1e8, 1.2))))})
 
 BUILTIN = {
     # A100 SXM4 40GB datasheet: 40 GB HBM2 at 1,555 GB/s; FP32 19.5 TFLOP/s, BF16/FP16 tensor 312 TFLOP/s
@@ -334,23 +341,19 @@ BUILTIN = {
         intra_node=_H100_NVLINK, inter_node=_NDR_INFINIBAND,
         source="NVIDIA H200 datasheet (SXM 141GB); links: NVLink 4 and NDR InfiniBand at ~80% of line rate"),
     # One CPU process per rank with 1 thread, gloo over loopback TCP: rounded from
-    # `shardplan calibrate --world-size 2` on a 2-core AMD EPYC (AVX-512 BF16) VM with
-    # torch 2.13. gloo's reduce_scatter_tensor is an all_reduce plus a slice: about half
-    # the bus bandwidth of all_gather. Calibrate on your machine for real figures.
+    # `shardplan calibrate --world-size 2` on this project's 2-core AMD EPYC (Zen 4, AVX-512 BF16)
+    # VM, torch 2.13, 2026-11-22, machine quiet. Collectives slow 2-3x past ~24 MB of bus bytes
+    # (the 32 MB last-level cache); gloo's reduce_scatter_tensor is an all_reduce plus a slice,
+    # slower still here: a third of all_reduce's bus bandwidth. Calibrate for real figures.
     "cpu-gloo": HardwareProfile(
-        name="cpu-gloo", device_memory_bytes=8 * 2**30,
-        matmul={"float32": MatmulRate(peak_flops_per_s=95e9, efficiency=SizeCurve(
-                    points=((5e5, 0.6), (4e6, 0.9), (3e7, 1.0)))),
-                "bfloat16": MatmulRate(peak_flops_per_s=200e9, efficiency=SizeCurve(
-                    points=((5e5, 0.15), (4e6, 0.55), (3e7, 0.9), (3e8, 1.0))))},
-        memory_bandwidth_bytes_per_s=30e9, op_overhead_s=1.5e-6, devices_per_node=64,
-        intra_node=LinkProfile(collectives={
-            "all_gather_into_tensor": CollectiveCost(latency_s=300e-6, bus_bandwidth_bytes_per_s=0.35e9),
-            "reduce_scatter_tensor": CollectiveCost(latency_s=300e-6, bus_bandwidth_bytes_per_s=0.3e9),
-            "all_reduce": CollectiveCost(latency_s=300e-6, bus_bandwidth_bytes_per_s=0.9e9)}),
-        inter_node=_uniform_link(300e-6, 0.3e9),
+        name="cpu-gloo", device_memory_bytes=8 * 2**30,  # a conservative share of host memory per rank
+        matmul={"float32": MatmulRate(peak_flops_per_s=99e9, efficiency=SizeCurve(points=((5e5, 0.95), (3e7, 1.0)))),
+                "bfloat16": MatmulRate(peak_flops_per_s=210e9, efficiency=SizeCurve(
+                    points=((5e5, 0.16), (4e6, 0.58), (3e7, 0.93), (3e8, 1.0))))},
+        memory_bandwidth_bytes_per_s=33e9, op_overhead_s=1.7e-6, devices_per_node=64,
+        intra_node=_CPU_LOOPBACK, inter_node=_CPU_LOOPBACK,
         source="rounded calibration of a 2-core CPU VM, 1 thread per rank, gloo over loopback; "
-               "inter_node copies the slowest intra_node kind (one machine)"),
+               "inter_node copies intra_node (one machine)"),
 }
 
 
