@@ -63,6 +63,7 @@ def train(program, optimizer, steps, rank: int, world: int) -> list[float]:
 def resume(rank: int, world: int, directory: Path) -> dict:
     """Load the step-3 checkpoint into a fresh program of this world's plan, train to step 5."""
     program, optimizer = build(rank, world)
+    optimizer.param_groups[0]["lr"] = 0.5  # as a scheduler might have left it: load restores the saved lr
     program.load(directory / "ckpt", optimizer)
     losses = train(program, optimizer, range(SAVE_AFTER, STEPS), rank, world)
     state = program.export_full_state_dict()

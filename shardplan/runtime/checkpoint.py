@@ -57,6 +57,9 @@ def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
     _on_rank_zero(lambda: _clear_partial(directory))
     collectives.save_checkpoint(state, os.fspath(_partial(directory)))
     _on_rank_zero(lambda: _commit(directory, metadata))
+    # rank 0 leaves the broadcast as soon as it has sent: a script that ends with save() and
+    # destroys the process group at once could tear gloo down under the other ranks' receive
+    collectives.barrier()
 
 
 def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:

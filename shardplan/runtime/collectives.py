@@ -7,8 +7,10 @@ communication a step does can be read (and counted) in one place.
 group size before a SUM reduction; dividing first also keeps a low-precision
 reduce dtype from overflowing.
 """
+import contextlib
 import datetime
 import hashlib
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -164,11 +166,23 @@ def save_checkpoint(state: dict, directory: str) -> None:
     """Every rank writes its chunks of `state` (plain tensors: one rank writes each) under `directory`."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=directory)
+    with _sharded_tensor_without_deprecation_warnings():
+        dcp.save(state, checkpoint_id=directory)
 
 
 def load_checkpoint(state: dict, directory: str) -> None:
     """Fill `state`'s tensors in place with the chunks this rank holds, whatever chunks were saved."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, checkpoint_id=directory)
+    with _sharded_tensor_without_deprecation_warnings():
+        dcp.load(state, checkpoint_id=directory)
+
+
+@contextlib.contextmanager
+def _sharded_tensor_without_deprecation_warnings():
+    """ShardedTensor is deprecated as a compute type in favour of DTensor, but it is the only type
+    DCP reads and writes at arbitrary chunk offsets (a DTensor shards evenly along dims); DCP
+    warns each time it touches one, hundreds of times per checkpoint."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
