@@ -97,6 +97,33 @@ def uninterrupted(rank: int, world: int, directory: Path) -> dict:
     return record
 
 
+def hugging_face_export(rank: int, world: int, directory: Path) -> dict:
+    """A tied GPT-2: the export names both tied keys, and save_pretrained / from_pretrained round-trip it."""
+    import transformers
+
+    torch.manual_seed(0)
+    entry = zoo.hf_gpt2(batch=2 * world, seq=16)
+    groups = [("transformer.wte", "transformer.wpe"), ("transformer.h.0",), ("transformer.h.1",),
+              ("transformer.ln_f", "lm_head")]
+    program = parallelize(entry.model, manual_plan(entry.model, groups, dp=world, strategies=(FS, SO, SGO, REP)))
+    optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
+    ids = entry.args[0]
+    program.step(ids.chunk(world)[rank], labels=ids.chunk(world)[rank])
+    optimizer.step()
+    optimizer.zero_grad()
+    program_loss = program.step(ids.chunk(world)[rank], labels=ids.chunk(world)[rank]).item()
+    state = program.export_full_state_dict()
+    if rank != 0:
+        return {}
+    tied = state.get("lm_head.weight") is state["transformer.wte.weight"]  # before save_pretrained drops one
+    plain = transformers.AutoModelForCausalLM.from_config(entry.model.config)
+    plain.load_state_dict(state)
+    plain.save_pretrained(directory / "hf", state_dict=state)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory / "hf")
+    return {"program_loss": program_loss, "plain_loss": plain(ids, labels=ids).loss.item(),
+            "reloaded_loss": reloaded(ids, labels=ids).loss.item(), "tied_keys": tied}
+
+
 def crashes(rank: int, world: int, directory: Path, monkeypatch_swap) -> dict:
     """Saves that die before and between the directory renames leave the previous checkpoint loadable."""
     program, optimizer = build(rank, world)
@@ -184,6 +211,7 @@ def _worker(rank: int, world: int, port: int, directory: str, role: str) -> None
             results["resume"]["state"] = results["resume"]["state"] == {} or \
                 max_difference(results["resume"]["state"], torch.load(directory / "final.pt"))
             results["crashes"] = crashes(rank, world, directory, SwapCrash)
+            results["hugging_face"] = hugging_face_export(rank, world, directory)
         else:
             results = resume(rank, world, directory)
             results["state"] = results["state"] == {} or \
@@ -242,6 +270,14 @@ def test_exported_state_dict_loads_into_the_plain_model(runs):
     export = runs["save"]["uninterrupted"]["export"]
     assert export["keys_match"] and export["saved_equal"]
     assert export["plain_loss"] == pytest.approx(export["program_loss"], abs=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_exported_hugging_face_state_dict_keeps_ties_and_round_trips(runs):
+    export = runs["save"]["hugging_face"]
+    assert export["tied_keys"]
+    assert export["plain_loss"] == pytest.approx(export["program_loss"], abs=1e-5)
+    assert export["reloaded_loss"] == pytest.approx(export["program_loss"], abs=1e-5)
 
 
 @pytest.mark.timeout(300)

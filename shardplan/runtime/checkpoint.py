@@ -101,17 +101,18 @@ def export_full_state_dict(program, path: str | os.PathLike | None = None) -> di
     _check_backend(program, "export")
     keep = collectives.world().rank == 0
     pieces: dict[tuple[int, str], torch.Tensor] = {}
+    """(module id, attribute) → the CPU copy; tied slots share one tensor, as in model.state_dict()."""
     for unit in program.units:
         values = unit.full_values()
         if keep:
-            for (module, attribute, index) in unit.slots:
-                pieces[id(module), attribute] = unit.layout.split(values)[index].to("cpu", copy=True)
+            copies = [piece.to("cpu", copy=True) for piece in unit.layout.split(values)]
+            pieces.update(((id(module), attribute), copies[index]) for module, attribute, index in unit.slots)
         del values
     if not keep:
         return {}
     state = {}
-    for path_, module, attribute, kind in _state_dict_slots(program.module):
-        state[path_] = pieces[id(module), attribute] if kind == "parameter" \
+    for key, module, attribute, kind in _state_dict_slots(program.module):
+        state[key] = pieces[id(module), attribute] if kind == "parameter" \
             else module._buffers[attribute].detach().to("cpu", copy=True)
     if path is not None:
         torch.save(state, path)
