@@ -1,11 +1,11 @@
-"""Checkpoints of a sharded program: save, load on any world size and plan, export a full state dict.
+"""Checkpoints of a program: save, load on any world size, plan and backend, export a full state dict.
 
 [Note: checkpoint format] A checkpoint is a directory written by
 torch.distributed.checkpoint (DCP) plus `shardplan.json`. Every parameter is
-stored as one flattened 1-D tensor under `model.<name>`, whatever unit, plan
-or world size held it: each rank contributes the chunk of it that its flat
-shard covers (padding excluded), a REPLICATE unit the whole tensor (DCP writes
-one copy). Optimizer state shaped like the shard is stored the same way under
+stored as one flattened 1-D tensor under `model.<name>`, whatever unit, plan,
+world size or backend held it: each rank contributes the chunk of it that its
+flat shard covers (padding excluded; an FSDP2 rank its rows), a REPLICATE unit
+the whole tensor (DCP writes one copy); see chunks.py. Optimizer state shaped like the shard is stored the same way under
 `optim.<name>.<key>`; scalar state (Adam's step) as one tensor per parameter.
 Persistent buffers are `model.<name>` too. Loading asks DCP for exactly the
 chunks this rank's new shards cover, so a checkpoint saved at one world size
@@ -28,16 +28,14 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from ..errors import PlanError, ShardplanError
-from ..plan import ShardStrategy
 from . import collectives
-from .flat_param import FlatLayout
-from .unit import FlatUnit
+from .chunks import Holder, holders
 
 FORMAT = "shardplan.checkpoint/1"
 METADATA_FILE = "shardplan.json"
@@ -47,12 +45,14 @@ def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
     """Write `program`'s parameters, buffers and `optimizer`'s state to the directory `path`, atomically.
 
     Call on every rank, between steps. See [Note: checkpoint format] and [Note: atomic save]."""
-    _check_backend(program, "save")
     directory = Path(path)
-    metadata = _metadata(program, optimizer)
-    state = _parameter_entries(program, whole_full=False)
+    held = holders(program)
+    metadata = _metadata(program, held, optimizer)
+    state = {}
+    for holder in held:
+        state.update(holder.entries(holder.parameter, _model_key))
     if optimizer is not None:
-        state.update(_optimizer_entries(program, _state_of(program, optimizer), metadata["optimizer"]["state"]))
+        state.update(_optimizer_entries(_state_of(held, optimizer), metadata["optimizer"]["state"]))
     state.update(_buffer_entries(program.module))
     _on_rank_zero(lambda: _clear_partial(directory))
     collectives.save_checkpoint(state, os.fspath(_partial(directory)))
@@ -66,29 +66,27 @@ def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
     """Set `program`'s parameters, buffers and `optimizer`'s state from the checkpoint at `path`.
 
     Call on every rank, with the optimizer built over `program.parameters()` (its state is
-    replaced). The plan and world size may differ from the saving run's."""
-    _check_backend(program, "load")
+    replaced). The plan, world size and backend may differ from the saving run's."""
     directory, metadata = _on_rank_zero(lambda: read_metadata(path))
-    _check_model(program, metadata, directory)
+    held = holders(program)
+    _check_model(program, held, metadata, directory)
     if optimizer is not None and metadata["optimizer"] is None:
         raise ShardplanError(f"the checkpoint at {directory} holds no optimizer state (it was saved without "
                              "optimizer=...): load with optimizer=None, or save with the optimizer")
-    for unit in program.units:
-        unit.release()
-    state = _parameter_entries(program, whole_full=True)
+    state = {}
+    for holder in held:
+        holder.before_load()
+        state.update(holder.load_entries(_model_key))
     state.update(_buffer_entries(program.module))
     if optimizer is not None:
         schema = metadata["optimizer"]["state"]
-        unit_states = _fresh_state(program, optimizer, schema, metadata["optimizer"]["params_with_state"])
-        state.update(_optimizer_entries(program, unit_states, schema))
+        fresh = _fresh_state(held, optimizer, schema, metadata["optimizer"]["params_with_state"])
+        state.update(_optimizer_entries(fresh, schema))
     collectives.load_checkpoint(state, os.fspath(directory))
-    for unit in program.units:
-        if unit.full is not None:
-            # [Note: checkpoint format] SHARD_OPTIMIZER read its whole `full` buffer, the shard included:
-            # nothing to gather, and every rank must agree that nothing is stale
-            unit._synced_version = unit.shard._version
+    for holder in held:
+        holder.after_load()
     if optimizer is not None:
-        _finish_optimizer(program, optimizer, unit_states, state, metadata["optimizer"])
+        _finish_optimizer(held, optimizer, fresh, state, metadata["optimizer"])
 
 
 def export_full_state_dict(program, path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
@@ -98,16 +96,15 @@ def export_full_state_dict(program, path: str | os.PathLike | None = None) -> di
     the full model on CPU plus one unit. The keys are `model.state_dict()`'s (tied names
     included, non-persistent buffers excluded), so the plain model's `load_state_dict` and
     Hugging Face's `save_pretrained(dir, state_dict=...)` accept it. Call on every rank."""
-    _check_backend(program, "export")
     keep = collectives.world().rank == 0
     pieces: dict[tuple[int, str], torch.Tensor] = {}
     """(module id, attribute) → the CPU copy; tied slots share one tensor, as in model.state_dict()."""
-    for unit in program.units:
-        values = unit.full_values()
+    for holder in holders(program):
+        wholes = holder.gather()
         if keep:
-            copies = [piece.to("cpu", copy=True) for piece in unit.layout.split(values)]
-            pieces.update(((id(module), attribute), copies[index]) for module, attribute, index in unit.slots)
-        del values
+            copies = [whole.to("cpu", copy=True) for whole in wholes]
+            pieces.update(((id(module), attribute), copies[index]) for module, attribute, index in holder.slots)
+        del wholes
     if not keep:
         return {}
     state = {}
@@ -145,60 +142,10 @@ def read_metadata(path: str | os.PathLike) -> tuple[Path, dict]:
     return directory, metadata
 
 
-# what is stored: chunks of flattened parameters
+# what is stored besides the holders' entries
 
-class Chunk(NamedTuple):
-    """Where one rank's piece of one parameter lies."""
-
-    rank: int
-    offset: int
-    """First element of the piece in the flattened parameter."""
-    numel: int
-    start: int
-    """First element of the piece in that rank's local tensor (its shard, or the whole buffer)."""
-
-
-def parameter_chunks(layout: FlatLayout, index: int) -> list[Chunk]:
-    """Every rank's piece of parameter `index`: the intersection of its range with each rank's slice."""
-    begin = sum(layout.numels[:index])
-    end = begin + layout.numels[index]
-    chunks = []
-    for rank in range(layout.dp):
-        low, high = max(begin, rank * layout.shard_numel), min(end, (rank + 1) * layout.shard_numel)
-        if high > low:
-            chunks.append(Chunk(rank=rank, offset=low - begin, numel=high - low, start=low - rank * layout.shard_numel))
-    return chunks
-
-
-def _entries(unit: FlatUnit, local: torch.Tensor, key: Callable[[str], str], whole: bool) -> dict[str, torch.Tensor]:
-    """One DCP entry per parameter of `unit`: from `local`, the whole buffer (`whole`) or this rank's slice."""
-    local = local.detach()
-    if whole:
-        return {key(name): piece.reshape(-1) for name, piece in zip(unit.layout.names, unit.layout.split(local))}
-    entries = {}
-    for index, name in enumerate(unit.layout.names):
-        chunks = parameter_chunks(unit.layout, index)
-        mine = [chunk for chunk in chunks if chunk.rank == unit.rank]
-        if not chunks:  # an empty parameter: nothing to shard
-            entries[key(name)] = local[:0]
-            continue
-        piece = local[mine[0].start:mine[0].start + mine[0].numel] if mine else local[:0]
-        entries[key(name)] = collectives.chunked_tensor(piece, unit.layout.numels[index],
-                                                        [(chunk.rank, chunk.offset, chunk.numel) for chunk in chunks])
-    return entries
-
-
-def _parameter_entries(program, *, whole_full: bool) -> dict[str, torch.Tensor]:
-    """`model.<name>` for every parameter. A SHARD_OPTIMIZER unit's `full` may be stale after a step,
-    so saving reads its shard; loading fills `full` whole (every rank keeps it anyway)."""
-    entries = {}
-    for unit in program.units:
-        if unit.full is not None and whole_full:
-            entries.update(_entries(unit, unit.full, lambda name: f"model.{name}", whole=True))
-        else:
-            entries.update(_entries(unit, unit.shard, lambda name: f"model.{name}",
-                                    whole=unit.spec.strategy is ShardStrategy.REPLICATE))
-    return entries
+def _model_key(name: str) -> str:
+    return f"model.{name}"
 
 
 def _buffer_entries(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -220,32 +167,31 @@ def _state_dict_slots(model: nn.Module) -> list[tuple[str, nn.Module, str, str]]
 
 # optimizer state
 
-def _state_of(program, optimizer: torch.optim.Optimizer) -> dict[FlatUnit, dict]:
-    """Each unit's optimizer state (empty before its first step); refuses tensors that are not shards."""
-    unit_of = {id(unit.shard): unit for unit in program.units}
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            if id(parameter) not in unit_of:
-                raise ShardplanError(f"the optimizer steps a tensor of shape {list(parameter.shape)} that is not "
-                                     "one of this program's shards: build it over program.parameters()")
-    in_optimizer = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
-    return {unit: optimizer.state.get(unit.shard, {}) for unit in program.units if id(unit.shard) in in_optimizer}
+def _state_of(held: list[Holder], optimizer: torch.optim.Optimizer) -> dict[Holder, dict]:
+    """Each holder's optimizer state (empty before its first step); refuses tensors the program does not hold."""
+    holder_of = {id(holder.parameter): holder for holder in held}
+    stepped = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    for parameter in stepped:
+        if id(parameter) not in holder_of:
+            raise ShardplanError(f"the optimizer steps a tensor of shape {list(parameter.shape)} that is not "
+                                 "one of this program's parameters: build it over program.parameters()")
+    return {holder_of[id(parameter)]: optimizer.state.get(parameter, {}) for parameter in stepped}
 
 
-def _state_schema(unit_states: dict[FlatUnit, dict]) -> dict[str, dict]:
-    """Per state key: "shaped" (like the shard) or "scalar", its dtype, and where it lives."""
+def _state_schema(states: dict[Holder, dict]) -> dict[str, dict]:
+    """Per state key: "shaped" (like the parameter) or "scalar", its dtype, and where it lives."""
     schema: dict[str, dict] = {}
-    for unit, state in unit_states.items():
+    for holder, state in states.items():
         for key, value in state.items():
             if not isinstance(value, (torch.Tensor, int, float)):
                 raise ShardplanError(f"optimizer state {key!r} is a {type(value).__name__}: checkpoints hold "
                                      "tensors and numbers; use an optimizer whose state is tensors")
             tensor = _as_tensor(value)
-            entry = {"kind": "shaped" if tensor.dim() and tensor.shape == unit.shard.shape else "scalar",
+            entry = {"kind": "shaped" if tensor.dim() and tensor.shape == holder.parameter.shape else "scalar",
                      "dtype": str(tensor.dtype).removeprefix("torch."), "python": not isinstance(value, torch.Tensor),
-                     "on_param_device": tensor.device == unit.shard.device}
+                     "on_param_device": tensor.device == holder.parameter.device}
             if schema.setdefault(key, entry) != entry:
-                raise ShardplanError(f"optimizer state {key!r} is {entry} for unit {unit.name!r} but "
+                raise ShardplanError(f"optimizer state {key!r} is {entry} for {holder.label} but "
                                      f"{schema[key]} elsewhere: checkpoints need one schema for every parameter")
     return schema
 
@@ -256,57 +202,55 @@ def _as_tensor(value) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
 
 
-def _optimizer_entries(program, unit_states: dict[FlatUnit, dict], schema: dict[str, dict]) -> dict:
+def _optimizer_entries(states: dict[Holder, dict], schema: dict[str, dict]) -> dict[str, torch.Tensor]:
     """`optim.<name>.<key>`: shaped state chunked like the parameter, scalar state whole per parameter."""
     entries = {}
-    for unit, state in unit_states.items():
+    for holder, state in states.items():
         for key, value in state.items():
             if schema[key]["kind"] == "shaped":
-                entries.update(_entries(unit, value, lambda name: f"optim.{name}.{key}",
-                                        whole=unit.spec.strategy is ShardStrategy.REPLICATE))
+                entries.update(holder.entries(value, lambda name: f"optim.{name}.{key}"))
             else:
-                entries.update((f"optim.{name}.{key}", _as_tensor(value).clone()) for name in unit.layout.names)
+                entries.update((f"optim.{name}.{key}", _as_tensor(value).clone()) for name in holder.names)
     return entries
 
 
-def _fresh_state(program, optimizer: torch.optim.Optimizer, schema: dict[str, dict],
-                 params_with_state: list[str]) -> dict[FlatUnit, dict]:
-    """Zero state tensors for DCP to load into, for every unit whose parameters were saved with state."""
+def _fresh_state(held: list[Holder], optimizer: torch.optim.Optimizer, schema: dict[str, dict],
+                 params_with_state: list[str]) -> dict[Holder, dict]:
+    """Zero state tensors for DCP to load into, for every holder whose parameters were saved with state."""
     saved = set(params_with_state)
-    unit_states = {}
-    for unit in _state_of(program, optimizer):
-        has = [name in saved for name in unit.layout.names]
+    states = {}
+    for holder in _state_of(held, optimizer):
+        has = [name in saved for name in holder.names]
         if any(has) and not all(has):
-            raise ShardplanError(f"unit {unit.name!r} groups parameters saved with optimizer state and without "
-                                 f"({unit.layout.names[has.index(False)]!r}): put them in separate units")
+            raise ShardplanError(f"{holder.label} groups parameters saved with optimizer state and without "
+                                 f"({holder.names[has.index(False)]!r}): put them in separate units")
         if all(has):
-            unit_states[unit] = {
-                key: torch.zeros_like(unit.shard.detach(), dtype=getattr(torch, entry["dtype"]))
+            states[holder] = {
+                key: torch.zeros_like(holder.parameter.detach(), dtype=getattr(torch, entry["dtype"]))
                 if entry["kind"] == "shaped" else
                 torch.zeros((), dtype=getattr(torch, entry["dtype"]),
-                            device=unit.shard.device if entry["on_param_device"] else "cpu")
+                            device=holder.parameter.device if entry["on_param_device"] else "cpu")
                 for key, entry in schema.items()}
-    return unit_states
+    return states
 
 
-def _finish_optimizer(program, optimizer: torch.optim.Optimizer, unit_states: dict[FlatUnit, dict],
+def _finish_optimizer(held: list[Holder], optimizer: torch.optim.Optimizer, states: dict[Holder, dict],
                       loaded: dict[str, torch.Tensor], saved: dict) -> None:
     """Scalar state from its per-parameter copies, the state into the optimizer, then the hyperparameters."""
-    for unit in _state_of(program, optimizer):
-        optimizer.state.pop(unit.shard, None)
-    for unit, state in unit_states.items():
+    for holder in _state_of(held, optimizer):
+        optimizer.state.pop(holder.parameter, None)
+    for holder, state in states.items():
         for key, entry in saved["state"].items():
             if entry["kind"] == "scalar":
-                values = {name: loaded[f"optim.{name}.{key}"] for name in unit.layout.names}
-                differing = sorted({value.item() for value in values.values()})
-                if len(differing) > 1:
-                    raise ShardplanError(f"unit {unit.name!r} groups parameters saved with different optimizer "
-                                         f"{key!r} values {differing}: one flat buffer has one {key!r}; group "
+                values = sorted({loaded[f"optim.{name}.{key}"].item() for name in holder.names})
+                if len(values) > 1:
+                    raise ShardplanError(f"{holder.label} groups parameters saved with different optimizer "
+                                         f"{key!r} values {values}: one flat buffer has one {key!r}; group "
                                          "them as they were saved")
-                state[key].copy_(values[unit.layout.names[0]])
+                state[key].copy_(loaded[f"optim.{holder.names[0]}.{key}"])
             if entry["python"]:
                 state[key] = state[key].item()
-        optimizer.state[unit.shard] = state
+        optimizer.state[holder.parameter] = state
     groups = saved["param_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise ShardplanError(f"the checkpoint's optimizer had {len(groups)} param groups, this one has "
@@ -337,23 +281,22 @@ def _from_json(current: Any, value: Any) -> Any:
 
 # metadata and the model check
 
-def _metadata(program, optimizer: torch.optim.Optimizer | None) -> dict:
+def _metadata(program, held: list[Holder], optimizer: torch.optim.Optimizer | None) -> dict:
     optimizer_metadata = None
     if optimizer is not None:
-        unit_states = _state_of(program, optimizer)
+        states = _state_of(held, optimizer)
         optimizer_metadata = {
-            "state": _state_schema(unit_states),
-            "params_with_state": [name for unit, state in unit_states.items() if state for name in unit.layout.names],
+            "state": _state_schema(states),
+            "params_with_state": [name for holder, state in states.items() if state for name in holder.names],
             "param_groups": [{key: _to_json(value) for key, value in group.items() if key != "params"}
                              for group in optimizer.param_groups]}
     return {"format": FORMAT, "world_size": collectives.world().size, "plan": json.loads(program.plan.to_json()),
-            "parameters": _described(_parameter_shapes(program)), "buffers": _described(_buffer_shapes(program)),
+            "parameters": _described(_parameter_shapes(held)), "buffers": _described(_buffer_shapes(program)),
             "optimizer": optimizer_metadata}
 
 
-def _parameter_shapes(program) -> dict[str, tuple[list[int], str]]:
-    return {name: (list(shape), str(unit.layout.dtype).removeprefix("torch."))
-            for unit in program.units for name, shape in zip(unit.layout.names, unit.layout.shapes)}
+def _parameter_shapes(held: list[Holder]) -> dict[str, tuple[list[int], str]]:
+    return {name: shape for holder in held for name, shape in holder.shapes().items()}
 
 
 def _buffer_shapes(program) -> dict[str, tuple[list[int], str]]:
@@ -365,10 +308,10 @@ def _described(shapes: dict[str, tuple[list[int], str]]) -> list[dict]:
     return [{"name": name, "shape": shape, "dtype": dtype} for name, (shape, dtype) in shapes.items()]
 
 
-def _check_model(program, metadata: dict, directory: Path) -> None:
+def _check_model(program, held: list[Holder], metadata: dict, directory: Path) -> None:
     """Refuse a checkpoint of another model, naming the first differences."""
     problems = []
-    for what, mine in (("parameter", _parameter_shapes(program)), ("buffer", _buffer_shapes(program))):
+    for what, mine in (("parameter", _parameter_shapes(held)), ("buffer", _buffer_shapes(program))):
         saved = {entry["name"]: (entry["shape"], entry["dtype"]) for entry in metadata[what + "s"]}
         problems += [f"{what} {name!r} is not in the checkpoint" for name in mine if name not in saved]
         problems += [f"the checkpoint's {what} {name!r} is not in the model" for name in saved if name not in mine]
@@ -380,14 +323,6 @@ def _check_model(program, metadata: dict, directory: Path) -> None:
                         f"first: {'; '.join(problems[:3])}): load it into the model it was saved from "
                         "(same parameter names, shapes and dtypes), or export_full_state_dict() there and "
                         "convert the names")
-
-
-def _check_backend(program, what: str) -> None:
-    from .sharded import ShardedProgram
-
-    if not isinstance(program, ShardedProgram):
-        raise ShardplanError(f"checkpoint {what} is not supported yet for backend 'fsdp2': parallelize with "
-                             "backend='shardplan' (its checkpoints load into any plan and world size)")
 
 
 # the directory protocol (see [Note: atomic save])

@@ -1,0 +1,170 @@
+"""Which chunk of each flattened parameter this rank holds, for either backend (see [Note: checkpoint format]).
+
+A Holder is one tensor an optimizer steps and the parameters in it: a
+shardplan unit (one flat shard, many parameters, cut anywhere by the rank
+slices) or an FSDP2 parameter (a DTensor sharded along dim 0). Either way a
+parameter flattened to 1-D is held in contiguous chunks, one per rank at most,
+and a tensor shaped like the holder's parameter (the parameter itself, or its
+Adam moments) becomes one DCP entry per parameter name.
+"""
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn as nn
+
+from ..errors import ShardplanError
+from ..plan import ShardStrategy
+from . import collectives
+from .flat_param import FlatLayout
+from .unit import FlatUnit
+
+Key = Callable[[str], str]
+"""Parameter name → DCP entry name (`model.<name>`, `optim.<name>.exp_avg`)."""
+
+
+class Chunk(NamedTuple):
+    """Where one rank's piece of one flattened parameter lies."""
+
+    rank: int
+    offset: int
+    """First element of the piece in the flattened parameter."""
+    numel: int
+    start: int
+    """First element of the piece in that rank's local tensor."""
+
+
+def unit_chunks(layout: FlatLayout, index: int) -> list[Chunk]:
+    """Every rank's piece of parameter `index`: the intersection of its range with each rank's slice."""
+    begin = sum(layout.numels[:index])
+    end = begin + layout.numels[index]
+    chunks = []
+    for rank in range(layout.dp):
+        low, high = max(begin, rank * layout.shard_numel), min(end, (rank + 1) * layout.shard_numel)
+        if high > low:
+            chunks.append(Chunk(rank=rank, offset=low - begin, numel=high - low, start=low - rank * layout.shard_numel))
+    return chunks
+
+
+def row_chunks(shape: torch.Size, dp: int) -> list[Chunk]:
+    """Every rank's piece of a tensor sharded along dim 0 as torch.chunk cuts it (FSDP2's Shard(0))."""
+    rows = shape[0] if len(shape) else 0
+    row_numel = shape.numel() // rows if rows else 0
+    per_rank = -(-rows // dp)
+    chunks = []
+    for rank in range(dp):
+        low, high = min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+        if high > low:
+            chunks.append(Chunk(rank=rank, offset=low * row_numel, numel=(high - low) * row_numel, start=0))
+    return chunks
+
+
+def chunked_entry(local: torch.Tensor, numel: int, chunks: list[Chunk], rank: int) -> torch.Tensor:
+    """One parameter's DCP entry: this rank's piece of `local` (1-D), described with every rank's."""
+    if not chunks:  # an empty parameter: nothing to shard
+        return local[:0]
+    mine = [chunk for chunk in chunks if chunk.rank == rank]
+    piece = local[mine[0].start:mine[0].start + mine[0].numel] if mine else local[:0]
+    return collectives.chunked_tensor(piece, numel, [(chunk.rank, chunk.offset, chunk.numel) for chunk in chunks])
+
+
+class UnitHolder:
+    """A shardplan unit: one flat shard (or the whole buffer, REPLICATE) holding many parameters."""
+
+    def __init__(self, unit: FlatUnit):
+        self.unit = unit
+        self.parameter = unit.shard
+        """What the optimizer steps: its state is keyed by it and shaped like it."""
+        self.names = unit.layout.names
+        self.slots = unit.slots
+        """(module, attribute, index in names) for every place a parameter is presented, ties included."""
+        self.label = f"unit {unit.name!r}"
+
+    def shapes(self) -> dict[str, tuple[list[int], str]]:
+        dtype = str(self.unit.layout.dtype).removeprefix("torch.")
+        return {name: (list(shape), dtype) for name, shape in zip(self.names, self.unit.layout.shapes)}
+
+    def entries(self, local: torch.Tensor, key: Key) -> dict[str, torch.Tensor]:
+        """One entry per parameter from `local`, a tensor shaped like the shard."""
+        local = local.detach()
+        layout = self.unit.layout
+        if self.unit.spec.strategy is ShardStrategy.REPLICATE:
+            return {key(name): piece.reshape(-1) for name, piece in zip(self.names, layout.split(local))}
+        return {key(name): chunked_entry(local, layout.numels[index], unit_chunks(layout, index), self.unit.rank)
+                for index, name in enumerate(self.names)}
+
+    def load_entries(self, key: Key) -> dict[str, torch.Tensor]:
+        """Where loading writes the parameters. A SHARD_OPTIMIZER unit fills its whole `full` buffer, which
+        every rank keeps anyway: nothing to gather after, and saving read the shard (`full` may be stale)."""
+        if self.unit.full is None:
+            return self.entries(self.parameter, key)
+        return {key(name): piece.reshape(-1) for name, piece in zip(self.names, self.unit.layout.split(self.unit.full))}
+
+    def before_load(self) -> None:
+        self.unit.release()
+
+    def after_load(self) -> None:
+        if self.unit.full is not None:  # `full` is whole and current on every rank (see load_entries)
+            self.unit._synced_version = self.unit.shard._version
+
+    def gather(self) -> list[torch.Tensor]:
+        """Every parameter whole (a collective for sharded units: call on every rank)."""
+        return self.unit.layout.split(self.unit.full_values())
+
+
+class DTensorHolder:
+    """An FSDP2 parameter: a DTensor sharded along dim 0 over the data-parallel ranks."""
+
+    def __init__(self, name: str, parameter: nn.Parameter, slots: list[tuple[nn.Module, str, int]]):
+        from torch.distributed.tensor import Shard
+
+        if tuple(parameter.placements) != (Shard(0),):
+            raise ShardplanError(f"parameter {name!r} is placed {parameter.placements}, not Shard(0) over one "
+                                 "data-parallel mesh: checkpoints of this layout need backend='shardplan'")
+        self.parameter = parameter
+        self.names = (name,)
+        self.slots = slots
+        self.label = f"parameter {name!r}"
+
+    def shapes(self) -> dict[str, tuple[list[int], str]]:
+        return {self.names[0]: (list(self.parameter.shape), str(self.parameter.dtype).removeprefix("torch."))}
+
+    def entries(self, tensor: torch.Tensor, key: Key) -> dict[str, torch.Tensor]:
+        """The entry of `tensor`, a DTensor placed like the parameter."""
+        local = tensor.to_local().detach().reshape(-1)
+        world = collectives.world()
+        chunks = row_chunks(self.parameter.shape, world.size)
+        mine = sum(chunk.numel for chunk in chunks if chunk.rank == world.rank)
+        if local.numel() != mine:
+            raise ShardplanError(f"{self.label}: FSDP2 holds {local.numel()} elements on rank {world.rank}, "
+                                 f"torch.chunk along dim 0 gives {mine}: use backend='shardplan' for checkpoints")
+        return {key(self.names[0]): chunked_entry(local, self.parameter.numel(), chunks, world.rank)}
+
+    def load_entries(self, key: Key) -> dict[str, torch.Tensor]:
+        return self.entries(self.parameter, key)
+
+    def before_load(self) -> None:
+        pass
+
+    def after_load(self) -> None:
+        pass
+
+    def gather(self) -> list[torch.Tensor]:
+        return [self.parameter.full_tensor().detach()]
+
+
+Holder = UnitHolder | DTensorHolder
+
+
+def holders(program) -> list[Holder]:
+    """The program's holders in a fixed order (the same on every rank)."""
+    from .sharded import ShardedProgram
+
+    if isinstance(program, ShardedProgram):
+        return [UnitHolder(unit) for unit in program.units]
+    slots: dict[int, list[tuple[nn.Module, str, int]]] = {}
+    for _, module in program.module.named_modules(remove_duplicate=False):
+        for attribute, parameter in module._parameters.items():
+            if parameter is not None:
+                slots.setdefault(id(parameter), []).append((module, attribute, 0))
+    return [DTensorHolder(name, parameter, slots[id(parameter)])
+            for name, parameter in program.module.named_parameters()]
