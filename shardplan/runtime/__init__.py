@@ -9,6 +9,8 @@
     sharded.py       backend="shardplan": building the units from the model and the plan
     fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
+    checkpoint.py    save / load (any plan, world size, backend) and export_full_state_dict
+    chunks.py        which chunk of each flattened parameter a rank holds, for checkpoints
 """
 from typing import Callable
 

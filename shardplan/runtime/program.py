@@ -50,12 +50,12 @@ class Program:
         """Set every parameter from whole tensors by model name (as `full_state_dict` returns; same on all ranks)."""
         raise NotImplementedError
 
-    # checkpoints (see [Note: checkpoint format] in checkpoint.py; backend="shardplan" only for now)
+    # checkpoints (see [Note: checkpoint format] in checkpoint.py): the same format for both backends
 
     def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Write parameters, buffers and the optimizer's state to the directory `path`, atomically.
 
-        Call on every rank. The checkpoint loads into any plan and world size.
+        Call on every rank. The checkpoint loads into any plan, world size and backend.
 
         >>> program.save("ckpt/step_1000", optimizer)  # doctest: +SKIP
         """
