@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="a profile JSON written by `shardplan calibrate`; default: calibrate here")
     parser.add_argument("--save-profile", help="write the profile calibrated here to this path")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=CPU_SWEEP.repeats, help="timings per probe; the fastest is kept")
+    parser.add_argument("--rounds", type=int, default=CPU_SWEEP.rounds, help="timings per probe; the fastest is kept")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
     sweep = None if args.profile else CPU_SWEEP

@@ -51,7 +51,7 @@ class Sweep:
     dtypes: tuple[str, ...]
     collective_sizes_bytes: tuple[int, ...]
     """Full (gathered) buffer sizes of the collectives timed."""
-    repeats: int
+    rounds: int
     """Rounds: timings of every probe, of which the fastest is kept."""
     copy_bytes: int
     """Buffer of the bandwidth copy: far beyond the last-level cache."""
@@ -59,18 +59,19 @@ class Sweep:
 
 # Every factor of 2 from 5.8 KB to 380 MB, midway (in log) between powers of 2. Measured here
 # with gloo: a buffer of exactly 2^k bytes is often 10-30% slower than sizes 6% either side
-# (buffers at power-of-2 offsets collide in the caches), and training buffers have any size.
+# (likely cache-set conflicts between buffers at power-of-2 offsets), and training buffers
+# have any size.
 # Time also jumps by up to 30% between sizes 5% apart: a grid every factor of 2 follows more
 # of that than one every factor of 4.
 _ALL_SIZES_BYTES = tuple(int(2 ** (k + 0.5)) // 64 * 64 for k in range(12, 29))
 CPU_SWEEP = Sweep(matmul_sizes=(64, 128, 256, 512, 1024, 2048), dtypes=("float32", "bfloat16"),
-                  collective_sizes_bytes=_ALL_SIZES_BYTES, repeats=10, copy_bytes=256 * _MIB)
+                  collective_sizes_bytes=_ALL_SIZES_BYTES, rounds=10, copy_bytes=256 * _MIB)
 # GPU matmuls start at n=2048: a smaller one finishes faster than a kernel launches, so its
 # time says nothing about throughput.
 GPU_SWEEP = Sweep(matmul_sizes=(2048, 4096, 8192, 16384), dtypes=("float32", "bfloat16", "float16"),
-                  collective_sizes_bytes=_ALL_SIZES_BYTES, repeats=10, copy_bytes=2048 * _MIB)
+                  collective_sizes_bytes=_ALL_SIZES_BYTES, rounds=10, copy_bytes=2048 * _MIB)
 QUICK_SWEEP = Sweep(matmul_sizes=(64, 256), dtypes=("float32", "bfloat16"),
-                    collective_sizes_bytes=_ALL_SIZES_BYTES[::6], repeats=3, copy_bytes=64 * _MIB)
+                    collective_sizes_bytes=_ALL_SIZES_BYTES[::6], rounds=3, copy_bytes=64 * _MIB)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,7 +98,7 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
 
     `backend`: "gloo" (CPU) or "nccl" (GPUs); by default NCCL when CUDA is present.
     `sizes`: collective buffer sizes in bytes, instead of the sweep's 6 KB-380 MB.
-    `quick`: a few sizes and repeats, for tests (seconds, not minutes).
+    `quick`: a few sizes and rounds, for tests (seconds, not minutes).
 
     >>> profile = calibrate(world_size=2, quick=True)  # doctest: +SKIP
     >>> profile.collective_time_s("all_gather_into_tensor", 64 * 2**20, 2)  # doctest: +SKIP
@@ -112,8 +113,8 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
     else:  # the sweep's sizes, down to whole float32 shards
         sizes = [size // (4 * world_size) * (4 * world_size) for size in sweep.collective_sizes_bytes]
     sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(set(sizes))))
-    measurements, _ = run_world(measure_job, (sweep.repeats, sweep), world_size=world_size, backend=backend,
-                                total_steps=sweep.repeats, progress=progress,
+    measurements, _ = run_world(measure_job, (sweep.rounds, sweep), world_size=world_size, backend=backend,
+                                total_steps=sweep.rounds, progress=progress,
                                 description=f"calibrating ({backend}, world {world_size})")
     return fit_profile(measurements)
 
@@ -126,7 +127,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn on this machine")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="default: nccl when CUDA is present, else gloo")
-    parser.add_argument("--quick", action="store_true", help="few sizes and repeats (seconds, rough figures)")
+    parser.add_argument("--quick", action="store_true", help="few sizes and rounds (seconds, rough figures)")
     args = parser.parse_args(argv)
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.access(folder, os.W_OK):  # fail now, not after minutes of measuring
