@@ -1,7 +1,10 @@
-"""Checkpoints: resume exactly, reshard to other world sizes and plans, survive a crash mid-save, export.
+"""Checkpoints: resume exactly, reshard to other world sizes, plans and backends, survive a crash mid-save,
+export a full state dict.
 
 World 2 trains a GPT for 5 steps, saving after step 3; everything else is compared with that
-uninterrupted run. Each spawned world runs all its cases and rank 0 writes one JSON record.
+uninterrupted run: world 2 resumes it exactly, worlds 4 and 1 (other unit groupings and strategy
+mixes, and FSDP2 at world 4) continue its losses. A world-1 process dies mid-save for real. Each
+spawned world runs all its cases and rank 0 writes one JSON record the tests read.
 """
 import datetime
 import gc
@@ -185,6 +188,30 @@ class SwapCrash:
         checkpoint._swap = self.original
 
 
+def die_mid_save(rank: int, world: int, directory: Path) -> None:
+    """The process dies for real (os._exit) after `<path>` became `<path>.old`, the worst moment."""
+    program, optimizer = build(rank, world)
+    train(program, optimizer, range(1), rank, world)
+    program.save(directory / "dying", optimizer)
+    program.export_full_state_dict(directory / "dying-saved.pt")
+    train(program, optimizer, range(1, 2), rank, world)
+
+    def die(target: Path) -> None:
+        os.replace(target, checkpoint._old(target))
+        os._exit(17)
+
+    checkpoint._swap = die
+    program.save(directory / "dying", optimizer)
+
+
+def after_death(rank: int, world: int, directory: Path) -> bool:
+    """Another world size loads what the dead save left: the checkpoint before it."""
+    program, optimizer = build(rank, world)
+    program.load(directory / "dying", optimizer)
+    state = program.export_full_state_dict()
+    return rank != 0 or max_difference(state, torch.load(directory / "dying-saved.pt")) == 0.0
+
+
 def errors(rank: int, world: int, directory: Path) -> dict:
     found = {}
 
@@ -225,12 +252,15 @@ def _worker(rank: int, world: int, port: int, directory: str, role: str) -> None
                 max_difference(results["resume"]["state"], torch.load(directory / "final.pt"))
             results["crashes"] = crashes(rank, world, directory, SwapCrash)
             results["hugging_face"] = hugging_face_export(rank, world, directory)
+        elif role == "die":
+            die_mid_save(rank, world, directory)
         else:
             results = resume(rank, world, directory)
             results["state"] = results["state"] == {} or \
                 max_difference(results["state"], torch.load(directory / "final.pt"))
             if world == 4:
                 results["fsdp2"] = across_backends(rank, world, directory)
+                results["after_death"] = after_death(rank, world, directory)
             if world == 1:
                 results["errors"] = errors(rank, world, directory)
         if rank == 0:
@@ -254,6 +284,9 @@ def _spawn(world: int, directory: Path, role: str) -> dict:
 def runs(tmp_path_factory) -> dict:
     directory = tmp_path_factory.mktemp("checkpoints")
     saved = _spawn(2, directory, "save")
+    with pytest.raises(mp.ProcessExitedException, match="exit code 17"):
+        _spawn(1, directory, "die")
+    saved["dead_dirs"] = sorted(p.name for p in directory.iterdir() if p.name.startswith("dying"))
     return {"save": saved, 4: _spawn(4, directory, "resume"), 1: _spawn(1, directory, "resume"),
             "directory": directory}
 
@@ -313,6 +346,12 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(runs):
     assert crashes["between_renames"] == "simulated crash between_renames"
     assert crashes["between_renames_dirs"] == ["crash.old", "crash.partial"] and crashes["between_renames_restored"]
     assert crashes["after_dirs"] == ["crash"]
+
+
+@pytest.mark.timeout(300)
+def test_a_process_dying_mid_save_leaves_the_previous_checkpoint(runs):
+    assert runs["save"]["dead_dirs"] == ["dying-saved.pt", "dying.old", "dying.partial"]
+    assert runs[4]["after_death"]
 
 
 @pytest.mark.timeout(300)
