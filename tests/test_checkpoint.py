@@ -23,6 +23,8 @@ from shardplan import zoo
 from shardplan.errors import ShardplanError
 from shardplan.plan import ShardStrategy
 from shardplan.runtime import checkpoint, manual_plan, parallelize
+from shardplan.runtime.chunks import Chunk, row_chunks, unit_chunks
+from shardplan.runtime.flat_param import FlatLayout
 
 FS, SGO, SO, REP = (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP, ShardStrategy.SHARD_OPTIMIZER,
                     ShardStrategy.REPLICATE)
@@ -363,3 +365,27 @@ def test_bad_checkpoints_are_refused_with_the_reason(runs):
     assert found["corrupt"][0] == "PlanError" and "is corrupt" in found["corrupt"][1]
     assert found["future"][0] == "PlanError" and "'shardplan.checkpoint/2'" in found["future"][1]
     assert found["nowhere"][0] == "ShardplanError" and "no checkpoint at" in found["nowhere"][1]
+
+
+# pure: the chunk arithmetic, against the flat buffer itself
+
+@pytest.mark.parametrize("numels,dp", [((3, 5), 4), ((1,), 4), ((7, 0, 2, 9), 3), ((4, 4), 1)])
+def test_unit_chunks_tile_each_parameter_exactly(numels, dp):
+    shapes = [torch.Size([numel]) for numel in numels]
+    layout = FlatLayout.of("unit", [(f"p{i}", torch.empty(shape)) for i, shape in enumerate(shapes)], dp)
+    flat = torch.arange(layout.padded_numel, dtype=torch.float32)
+    shards = flat.chunk(dp)
+    for index, whole in enumerate(layout.split(flat)):
+        rebuilt = torch.full((numels[index],), -1.0)
+        for chunk in unit_chunks(layout, index):
+            rebuilt[chunk.offset:chunk.offset + chunk.numel] = shards[chunk.rank][chunk.start:chunk.start + chunk.numel]
+        assert torch.equal(rebuilt, whole)
+
+
+def test_row_chunks_follow_torch_chunk_along_dim_0():
+    assert row_chunks(torch.Size([5, 3]), 2) == [Chunk(rank=0, offset=0, numel=9, start=0),
+                                                 Chunk(rank=1, offset=9, numel=6, start=0)]
+    assert row_chunks(torch.Size([1, 4]), 4) == [Chunk(rank=0, offset=0, numel=4, start=0)]
+    tensor = torch.arange(7 * 2).view(7, 2)
+    pieces = tensor.chunk(3)
+    assert [chunk.numel for chunk in row_chunks(tensor.shape, 3)] == [piece.numel() for piece in pieces]
