@@ -238,6 +238,7 @@ def errors(rank: int, world: int, directory: Path) -> dict:
     program, optimizer = build(rank, world)
     for name in ("missing", "corrupt", "future", "nowhere"):
         expect(name, lambda: program.load(directory / name, optimizer))
+    expect("other_optimizer", lambda: program.load(directory / "ckpt", torch.optim.SGD(program.parameters())))
     return found
 
 
@@ -321,6 +322,7 @@ def test_checkpoint_directory_holds_the_metadata(runs):
     assert metadata["format"] == checkpoint.FORMAT and metadata["world_size"] == 2
     assert len(metadata["plan"]["units"]) == 6
     assert {entry["name"]: entry["shape"] for entry in metadata["parameters"]}["wte.weight"] == [256, 64]
+    assert metadata["optimizer"]["type"] == "AdamW"
     assert set(metadata["optimizer"]["state"]) == {"step", "exp_avg", "exp_avg_sq"}
     assert metadata["optimizer"]["param_groups"][0]["betas"] == [0.9, 0.95]
 
@@ -365,6 +367,7 @@ def test_bad_checkpoints_are_refused_with_the_reason(runs):
     assert found["corrupt"][0] == "PlanError" and "is corrupt" in found["corrupt"][1]
     assert found["future"][0] == "PlanError" and "'shardplan.checkpoint/2'" in found["future"][1]
     assert found["nowhere"][0] == "ShardplanError" and "no checkpoint at" in found["nowhere"][1]
+    assert found["other_optimizer"][0] == "ShardplanError" and "holds AdamW state" in found["other_optimizer"][1]
 
 
 # pure: the chunk arithmetic, against the flat buffer itself

@@ -73,6 +73,10 @@ def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
     if optimizer is not None and metadata["optimizer"] is None:
         raise ShardplanError(f"the checkpoint at {directory} holds no optimizer state (it was saved without "
                              "optimizer=...): load with optimizer=None, or save with the optimizer")
+    if optimizer is not None and metadata["optimizer"]["type"] != type(optimizer).__name__:
+        raise ShardplanError(f"the checkpoint at {directory} holds {metadata['optimizer']['type']} state; this "
+                             f"optimizer is {type(optimizer).__name__}: build a {metadata['optimizer']['type']}, "
+                             "or load with optimizer=None")
     state = {}
     for holder in held:
         holder.before_load()
@@ -286,10 +290,16 @@ def _metadata(program, held: list[Holder], optimizer: torch.optim.Optimizer | No
     if optimizer is not None:
         states = _state_of(held, optimizer)
         optimizer_metadata = {
+            "type": type(optimizer).__name__,
             "state": _state_schema(states),
             "params_with_state": [name for holder, state in states.items() if state for name in holder.names],
             "param_groups": [{key: _to_json(value) for key, value in group.items() if key != "params"}
                              for group in optimizer.param_groups]}
+        try:
+            json.dumps(optimizer_metadata["param_groups"])
+        except TypeError as error:
+            raise ShardplanError(f"an optimizer hyperparameter cannot be written to {METADATA_FILE} ({error}): "
+                                 "keep param_groups to numbers, strings, tuples and tensors") from None
     return {"format": FORMAT, "world_size": collectives.world().size, "plan": json.loads(program.plan.to_json()),
             "parameters": _described(_parameter_shapes(held)), "buffers": _described(_buffer_shapes(program)),
             "optimizer": optimizer_metadata}
