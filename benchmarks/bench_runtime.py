@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shardplan import zoo  # noqa: E402
 from shardplan.plan import Checkpoint, ShardStrategy  # noqa: E402
-from shardplan.runtime import parallelize  # noqa: E402
+from shardplan.runtime import parallelize, shutdown  # noqa: E402
 from shardplan.runtime.manual import manual_plan  # noqa: E402
 from shardplan.runtime.measure import peak_step_bytes, step_time_s  # noqa: E402
 
@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, port: int, options, queue) -> None:
                 queue.put((strategy.value, checkpoint.value, {b: statistics.median(t) for b, t in times.items()},
                            peaks))
     finally:
-        dist.destroy_process_group()
+        shutdown()  # see [Note: shutdown]
 
 
 def main() -> None:

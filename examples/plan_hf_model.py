@@ -73,7 +73,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         if dist.get_rank() == 0:
             print(f"step {step}: loss {float(loss):.4f}")
-    dist.destroy_process_group()
+    shardplan.shutdown()  # frees the program before the process group: see runtime/collectives.py
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ from .errors import (CaptureError, HardwareError, InfeasibleError, PlanError, Ru
                      ShardplanError)
 from .hardware import HardwareProfile, get_hardware
 from .plan import Checkpoint, MixedPrecision, Plan, ShardStrategy, load_plan
-from .runtime import Program, manual_plan, parallelize
+from .runtime import Program, manual_plan, parallelize, shutdown
 from .solver.space import Constraints, SearchSpace
 
-__all__ = ["capture", "compile", "solve", "parallelize", "Program", "manual_plan", "Constraints", "SearchSpace", "MixedPrecision", "Plan", "load_plan", "ShardStrategy", "Checkpoint", "HardwareProfile", "get_hardware",
+__all__ = ["capture", "compile", "solve", "parallelize", "shutdown", "Program", "manual_plan", "Constraints", "SearchSpace", "MixedPrecision", "Plan", "load_plan", "ShardStrategy", "Checkpoint", "HardwareProfile", "get_hardware",
            "ShardplanError", "CaptureError", "InfeasibleError", "PlanError", "HardwareError",
            "RuntimeMismatchError"]

@@ -413,7 +413,9 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, job, args: t
         if rank == 0:
             queue.put(("result", result))
     finally:
-        dist.destroy_process_group()
+        from .runtime.collectives import shutdown
+
+        shutdown()  # see [Note: shutdown]
 
 
 def _choose_backend(backend: str | None, world_size: int) -> str:

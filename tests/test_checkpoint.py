@@ -7,7 +7,6 @@ mixes, and FSDP2 at world 4) continue its losses. A world-1 process dies mid-sav
 spawned world runs all its cases and rank 0 writes one JSON record the tests read.
 """
 import datetime
-import gc
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ import torch.multiprocessing as mp
 from shardplan import zoo
 from shardplan.errors import ShardplanError
 from shardplan.plan import ShardStrategy
-from shardplan.runtime import checkpoint, manual_plan, parallelize
+from shardplan.runtime import checkpoint, manual_plan, parallelize, shutdown
 from shardplan.runtime.chunks import Chunk, row_chunks, unit_chunks
 from shardplan.runtime.flat_param import FlatLayout
 
@@ -269,10 +268,7 @@ def _worker(rank: int, world: int, port: int, directory: str, role: str) -> None
         if rank == 0:
             (directory / f"{role}-world{world}.json").write_text(json.dumps(results))
     finally:
-        # programs are reference cycles (wrapped forwards, FSDP2's mesh) that hold the process group: free
-        # them while it is alive, or gloo may be torn down at interpreter exit and abort the rank
-        gc.collect()
-        dist.destroy_process_group()
+        shutdown()  # see [Note: shutdown]
 
 
 def _spawn(world: int, directory: Path, role: str) -> dict:

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from shardplan import zoo
 from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
 from shardplan.plan import Checkpoint, MixedPrecision, Plan, ShardStrategy
-from shardplan.runtime import parallelize
+from shardplan.runtime import parallelize, shutdown
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.flat_param import FlatLayout
 from shardplan.runtime.program import split_micro_batches
@@ -244,7 +244,7 @@ def _worker(rank: int, world: int, port: int, cases: dict, path: str) -> None:
             with open(path, "w") as handle:
                 json.dump(results, handle)
     finally:
-        dist.destroy_process_group()
+        shutdown()  # see [Note: shutdown]
 
 
 def _spawn(world: int, cases: dict, tmp_path) -> dict:

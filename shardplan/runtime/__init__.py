@@ -20,6 +20,7 @@ import torch.nn as nn
 from ..errors import ShardplanError
 from ..plan import Plan
 from .manual import manual_plan
+from .collectives import shutdown
 from .program import Program
 
 BACKENDS = ("shardplan", "fsdp2")
@@ -69,4 +70,4 @@ def _check_fingerprint(model: nn.Module, plan: Plan) -> None:
                         "shardplan.compile(model, ...) for this model")
 
 
-__all__ = ["parallelize", "manual_plan", "Program", "BACKENDS"]
+__all__ = ["parallelize", "shutdown", "manual_plan", "Program", "BACKENDS"]
