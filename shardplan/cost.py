@@ -17,7 +17,9 @@ Memory, by category (the peak is the largest of these events):
   FULL_SHARD / SHARD_GRAD_OP: (param + grad + optimizer) / dp; SHARD_OPTIMIZER:
   param + (grad + optimizer) / dp (its gradient is all-reduced in full, during
   the unit's backward, then sliced); REPLICATE: all of it. Offloaded units keep it
-  in CPU memory: 0 on the device. Gradients are in the parameters' capture dtype,
+  in CPU memory: 0 on the device. Gradients count for the whole step, as with
+  zero_grad(set_to_none=False); freeing them between steps (set_to_none=True)
+  lowers the real peak by up to their bytes. Gradients are in the parameters' capture dtype,
   the optimizer state is OPTIMIZER_STATE_BYTES_PER_PARAM (fp32).
 - gathered_params: unsharded parameters (param dtype of mixed precision) of the
   unit computing, of the unit it prefetches, of SHARD_GRAD_OP units between

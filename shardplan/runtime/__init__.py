@@ -42,8 +42,9 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     """
     from . import collectives
 
-    collectives.world()
+    world = collectives.world()  # first: without a process group, this is the error to give
     collectives.check_same_on_all_ranks(plan.to_json(), "plans")
+    _check_mesh(plan, world.size)
     _check_fingerprint(model, plan)
     device = torch.device(device) if device is not None else collectives.default_device()
     if backend == "shardplan":
@@ -53,6 +54,15 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         from .fsdp2 import Fsdp2Program
         return Fsdp2Program(model, plan, loss_fn, device)
     raise ShardplanError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+
+
+def _check_mesh(plan: Plan, world_size: int) -> None:
+    if plan.mesh.pp != 1:
+        raise ShardplanError(f"the plan pipelines over pp={plan.mesh.pp} stages, which the runtime does not "
+                             "run yet: re-plan without pipeline parallelism (pp=1)")
+    if plan.mesh.dp != world_size:
+        raise ShardplanError(f"the plan is for dp={plan.mesh.dp} ranks but the process group has {world_size}: "
+                             f"launch {plan.mesh.dp} ranks, or re-plan for world_size={world_size}")
 
 
 def _check_fingerprint(model: nn.Module, plan: Plan) -> None:

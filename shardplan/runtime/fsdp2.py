@@ -24,13 +24,6 @@ from .sharded import initialize_module
 class Fsdp2Program(Program):
     def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
         super().__init__(module, plan, loss_fn)
-        if plan.mesh.pp != 1:
-            raise ShardplanError(f"the plan pipelines over pp={plan.mesh.pp} stages; the fsdp2 backend runs "
-                                 "pp=1 plans only: re-plan without pipeline parallelism")
-        world = collectives.world()
-        if plan.mesh.dp != world.size:
-            raise ShardplanError(f"the plan is for dp={plan.mesh.dp} ranks but the process group has "
-                                 f"{world.size}: launch {plan.mesh.dp} ranks, or re-plan")
         mesh = collectives.device_mesh(device.type, plan.mesh.dp)
         param_dtype = getattr(torch, plan.mixed_precision.param_dtype)
         reduce_dtype = getattr(torch, plan.mixed_precision.reduce_dtype)

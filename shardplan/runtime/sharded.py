@@ -146,13 +146,6 @@ def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:
     if missing:
         raise PlanError(f"{len(missing)} parameters are in no unit of the plan (first: {missing[:3]}): "
                         "the plan was made for another model; re-plan with this one")
-    if plan.mesh.pp != 1:
-        raise ShardplanError(f"the plan pipelines over pp={plan.mesh.pp} stages, which this runtime does not "
-                             "run yet: re-plan without pipeline parallelism (pp=1)")
-    world = collectives.world()
-    if plan.mesh.dp != world.size:
-        raise ShardplanError(f"the plan is for dp={plan.mesh.dp} ranks but the process group has "
-                             f"{world.size}: launch {plan.mesh.dp} ranks, or re-plan for world_size={world.size}")
 
 
 def _materialize(model: nn.Module, unit_name: str, owner_paths: list[str], device: torch.device) -> None:
