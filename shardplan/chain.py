@@ -50,6 +50,9 @@ class Block:
     fwd_ops: int = 0
     """Kernels the forward runs (views not counted): each pays a fixed launch / dispatch cost."""
     bwd_ops: int = 0
+    selective_bytes: int = 0
+    """Output bytes of the block's matmul-like ops (plan.SELECTIVE_SAVED_OPS): what selective
+    checkpointing keeps besides the block's input."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -77,8 +77,9 @@ from .plan import Checkpoint, ShardStrategy
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}
 """fp32 state per parameter: Adam keeps two moments, SGD one momentum buffer."""
 SELECTIVE_KEEP_FRACTION = 0.5
-"""Share of saved_bytes selective checkpointing keeps: the matmul outputs of a transformer
-layer are about half its saved bytes (Korthikanti et al. 2022, with flash attention)."""
+"""Share of saved_bytes selective checkpointing keeps in a block the analysis did not measure
+(Block.selective_bytes is 0: a chain built by hand): the matmul outputs of a transformer layer
+are about half its saved bytes (Korthikanti et al. 2022, with flash attention)."""
 OFFLOAD_BYTES_PER_S = 25e9
 """Effective host↔device copy rate (PCIe Gen5 x16 at about 40% of line rate with pinned buffers)."""
 CPU_MEMORY_BYTES_PER_S = 50e9
@@ -185,6 +186,8 @@ def _kept_bytes(block: Block, checkpoint: Checkpoint, ctx: CostContext) -> int:
     if checkpoint is Checkpoint.FULL:
         return _per_micro_batch(block.input_bytes, ctx)
     if checkpoint is Checkpoint.SELECTIVE:
+        if block.selective_bytes:  # measured by the analysis: the block's input and its matmul outputs
+            return _per_micro_batch(block.input_bytes + block.selective_bytes, ctx)
         return _per_micro_batch(math.ceil(block.saved_bytes * SELECTIVE_KEEP_FRACTION), ctx)
     return _per_micro_batch(block.saved_bytes, ctx)
 

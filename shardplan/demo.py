@@ -77,7 +77,8 @@ def _train_rank(device: torch.device, report, plan_json: str, steps: int) -> Mea
 
     train_step()  # warm-up: allocates optimizer state, as every later step has it
     report("warm-up")
-    peak = peak_step_bytes(train_step, entry.model, optimizer, *program.parameters())
+    grads = [p.grad for p in program.parameters() if p.grad is not None]  # kept from the warm-up step
+    peak = peak_step_bytes(train_step, entry.model, optimizer, *program.parameters(), *grads)
     report("memory")
     seconds = 0.0
     for step in range(steps):

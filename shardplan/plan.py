@@ -38,6 +38,14 @@ class ShardStrategy(str, enum.Enum):
     """DDP: everything replicated, gradients all-reduced."""
 
 
+SELECTIVE_SAVED_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+                       "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                       "_scaled_dot_product_cudnn_attention")
+"""ATen ops whose outputs SELECTIVE checkpointing keeps: the matmul-like ones, costly to recompute
+and few; every elementwise op, norm and activation between them is recomputed. The runtime keeps
+exactly these, and the analysis counts exactly these."""
+
+
 class Checkpoint(str, enum.Enum):
     """Activation checkpointing of a unit."""
 

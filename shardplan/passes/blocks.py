@@ -123,7 +123,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             fwd_flops=sum(facts(n).fwd_flops for n in nodes),
             bwd_flops=sum(facts(n).bwd_flops for n in nodes),
             **{name: sum(getattr(facts(n), name) for n in nodes)
-               for name in ("fwd_memory_bytes", "bwd_memory_bytes", "fwd_ops", "bwd_ops")},
+               for name in ("fwd_memory_bytes", "bwd_memory_bytes", "fwd_ops", "bwd_ops", "selective_bytes")},
             saved_bytes=sum(saved.values()), input_bytes=inputs_read, output_bytes=outputs_read,
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
             first_node=nodes[0].name, last_node=nodes[-1].name))

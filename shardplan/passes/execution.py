@@ -26,6 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from ..plan import SELECTIVE_SAVED_OPS
 from .facts import update_facts
 
 
@@ -80,9 +81,14 @@ class _Traffic(TorchDispatchMode):
         super().__init__()
         self.ops = 0
         self.memory_bytes = 0
+        self.selective_bytes = 0
+        """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in SELECTIVE_SAVED_OPS:
+            self.selective_bytes += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out)
+                                        if isinstance(t, torch.Tensor))
         if not func.is_view:
             self.ops += 1
             if func.overloadpacket not in flop_registry:
@@ -97,12 +103,16 @@ class _Counters:
     def __init__(self, flops: FlopCounterMode, traffic: _Traffic):
         self.flops, self.traffic = flops, traffic
 
-    def read(self) -> tuple[int, int, int]:
-        return self.flops.get_total_flops(), self.traffic.memory_bytes, self.traffic.ops
+    def read(self) -> tuple[int, int, int, int]:
+        traffic = self.traffic
+        return self.flops.get_total_flops(), traffic.memory_bytes, traffic.ops, traffic.selective_bytes
 
-    def since(self, before: tuple[int, int, int], phase: str) -> dict[str, int]:
-        flops, memory_bytes, ops = (now - then for now, then in zip(self.read(), before))
-        return {f"{phase}_flops": flops, f"{phase}_memory_bytes": memory_bytes, f"{phase}_ops": ops}
+    def since(self, before: tuple[int, int, int, int], phase: str) -> dict[str, int]:
+        flops, memory_bytes, ops, selective_bytes = (now - then for now, then in zip(self.read(), before))
+        changes = {f"{phase}_flops": flops, f"{phase}_memory_bytes": memory_bytes, f"{phase}_ops": ops}
+        if phase == "fwd":  # what selective checkpointing keeps is made in forward
+            changes["selective_bytes"] = selective_bytes
+        return changes
 
 
 class _StorageIds:

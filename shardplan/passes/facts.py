@@ -24,6 +24,8 @@ class NodeFacts:
     fwd_memory_bytes: int = 0
     """Bytes read and written by the node's memory-bound ops (those without counted FLOPs)."""
     bwd_memory_bytes: int = 0
+    selective_bytes: int = 0
+    """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
     fwd_ops: int = 0
     """Ops (kernels) the node runs, views not counted."""
     bwd_ops: int = 0

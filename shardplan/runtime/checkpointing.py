@@ -15,15 +15,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, 
 from torch.utils.checkpoint import (CheckpointPolicy, _CachedTorchDispatchMode, _CachingTorchDispatchMode,
                                     checkpoint, create_selective_checkpoint_contexts)
 
-from ..plan import Checkpoint
+from ..plan import SELECTIVE_SAVED_OPS, Checkpoint
 
 _aten = torch.ops.aten
-SAVED_BY_SELECTIVE = tuple(getattr(_aten, name).default for name in (
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention") if hasattr(_aten, name))
-"""Ops whose outputs SELECTIVE keeps: the matmul-like ones, costly to recompute and few; every
-elementwise op, norm and activation between them is recomputed."""
+SAVED_BY_SELECTIVE = tuple(getattr(_aten, name).default for name in SELECTIVE_SAVED_OPS if hasattr(_aten, name))
+"""The ops of plan.SELECTIVE_SAVED_OPS this torch has."""
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
