@@ -160,7 +160,7 @@ def _demo(options) -> int:
     console.print(f"GPT {demo.DEMO_GPT.n_layer} layers, d_model {demo.DEMO_GPT.d_model}, seq {demo.DEMO_GPT.seq_len}, "
                   f"batch {demo.DEMO_BATCH} per replica; world {options.world_size}; budget {format_bytes(budget)} "
                   f"per rank; hardware: {hardware.name}")
-    console.print(plan.summary())
+    print(plan.summary(), flush=True)  # plain text: rich would rewrap its columns to the terminal
     measured = demo.train_with_plan(plan, options.world_size, options.steps)
     table = Table(title=f"predicted vs measured (CPU, gloo, {options.world_size} ranks, {options.steps} steps)")
     for column in ("", "predicted", "measured", "predicted / measured"):
