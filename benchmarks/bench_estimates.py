@@ -25,7 +25,7 @@ from shardplan.cost import CostContext, Decision, unit_cost
 from shardplan.demo import DEMO_BATCH, DEMO_GPT, train_with_plan
 from shardplan.passes import analyze
 from shardplan.runtime.manual import manual_plan
-from shardplan.units import format_bytes
+from shardplan.sizes import format_bytes
 
 KINDS = [(strategy, checkpoint) for strategy in ShardStrategy for checkpoint in Checkpoint]
 GROUPS = [("wte", "wpe")] + [(f"h.{i}",) for i in range(DEMO_GPT.n_layer)] + [("ln_f", "lm_head")]

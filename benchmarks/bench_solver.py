@@ -20,7 +20,7 @@ from shardplan.errors import InfeasibleError
 from shardplan.hardware import get_hardware
 from shardplan.plan import MixedPrecision
 from shardplan.solver.search import Setting
-from shardplan.units import format_bytes
+from shardplan.sizes import format_bytes
 
 ZOO_MODELS = ("gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama")
 BUDGET_FRACTIONS = (1.0, 0.75, 0.5)

@@ -152,7 +152,7 @@ def _demo(options) -> int:
     from rich.table import Table
 
     from . import demo
-    from .units import format_bytes
+    from .sizes import format_bytes
 
     console = Console()
     hardware = demo.resolve_hardware(options.hardware, options.world_size)

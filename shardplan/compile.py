@@ -16,7 +16,7 @@ from .plan import (Alternative, Checkpoint, Mesh, MixedPrecision, Plan, Predicte
                    Unit)
 from .solver.search import Candidate, Configuration, Setting, boundary_time_s, context, search, smallest_peak
 from .solver.space import Constraints, SearchSpace, resolve_rules
-from .units import format_bytes, parse_bytes
+from .sizes import format_bytes, parse_bytes
 
 RUNNER_UPS = 4
 """Other configurations listed in Plan.reasoning, besides the expert defaults."""

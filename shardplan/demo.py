@@ -11,7 +11,7 @@ import torch
 from . import zoo
 from .hardware import HardwareProfile, get_hardware
 from .plan import Plan
-from .units import format_bytes, parse_bytes
+from .sizes import format_bytes, parse_bytes
 
 DEMO_GPT = zoo.GPTConfig(vocab_size=1024, seq_len=128, n_layer=6, n_head=8, d_model=256)
 """Large enough that compute, not Python overhead, dominates a CPU step; small enough for seconds per step."""

@@ -212,7 +212,7 @@ class Plan:
 
     def summary(self) -> str:
         """Units, stages, predicted memory and time as a text table."""
-        from .units import format_bytes
+        from .sizes import format_bytes
 
         lines = [f"plan for {self.model or 'model'} on {self.world_size} ranks of {self.hardware}: "
                  f"dp={self.mesh.dp} pp={self.mesh.pp}, {self.schedule.num_micro_batches} micro-batch(es)"

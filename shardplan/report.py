@@ -4,7 +4,7 @@ import os
 from rich.table import Table
 
 from .plan import Checkpoint, Plan, ShardStrategy
-from .units import format_bytes
+from .sizes import format_bytes
 
 STRATEGY_COLORS = {ShardStrategy.FULL_SHARD: "#4C72B0", ShardStrategy.SHARD_GRAD_OP: "#55A868",
                    ShardStrategy.SHARD_OPTIMIZER: "#C44E52", ShardStrategy.REPLICATE: "#8172B2"}

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardplan import PlanError, Plan, RuntimeMismatchError, ShardplanError, compile, parallelize, zoo
-from shardplan.units import parse_bytes
+from shardplan.sizes import parse_bytes
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Byte quantities as people write them: "70GiB", "512 MB", 1e9."""
+"""Memory sizes as people write them ("70GiB", "512 MB", 1e9) and as they read them."""
 import re
 
 from .errors import ShardplanError
