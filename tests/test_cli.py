@@ -84,3 +84,13 @@ def test_every_command_has_help_with_examples(capsys):
             main([command, "--help"])
         assert done.value.code == 0
         assert "examples:" in capsys.readouterr().out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_demo_plans_trains_and_compares(capsys):
+    assert main(["demo", "--world-size", "2", "--steps", "1", "--hardware", "cpu-gloo"]) == 0
+    out = capsys.readouterr().out
+    assert "peak memory per rank" in out and "predicted / measured" in out
+    losses = [float(x) for x in out.split("loss by step:")[1].split(",")]
+    assert len(losses) == 3 and losses[-1] < losses[0]  # warm-up, measured step, timed step
