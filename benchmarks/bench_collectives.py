@@ -20,9 +20,9 @@ import sys
 
 import torch
 
-from shardplan.calibrate import (CPU_SWEEP, collective_probes, fit_profile, matmul_probe, measure_job, run_world,
-                                 summary)
+from shardplan.calibrate import CPU_SWEEP, collective_probes, fit_profile, matmul_probe, measure_job, summary
 from shardplan.hardware import COLLECTIVES, NO_CORRECTION, get_hardware, ring_factor
+from shardplan.runtime.launch import run_world
 
 SIZES_BYTES = tuple(mb * 10**6 for mb in (1, 4, 16, 64, 256))
 # (m, k, n): a small projection, a GPT-2-small attention projection and MLP up-projection at 512

@@ -17,25 +17,21 @@ import datetime
 import math
 import os
 import platform
-import socket
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import scipy.optimize
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .errors import HardwareError
 from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
                        ring_factor)
+from .runtime.launch import run_world
 
 _MIB = 2**20
-_TIMEOUT_S = 120
-"""Process-group timeout: far above the slowest collective timed (380 MB on gloo: ~0.6 s)."""
 _SINGLE_NAMES = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
 """torch 2.13 spells the tensor collectives *_single and deprecates the old names; older torch has only those."""
 _MIN_TIMING_S = 2e-3
@@ -372,52 +368,6 @@ def _host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-# The spawned world.
-
-def run_world(job, args: tuple = (), *, world_size: int, backend: str, total_steps: int, progress: bool = True,
-              description: str = ""):
-    """Run `job(device, report, *args)` on `world_size` spawned ranks; return rank 0's result.
-
-    `job` must be a module-level function (spawn pickles it). Rank 0 calls `report(text)` after
-    each of `total_steps` steps, which advances a progress bar here when `progress`.
-    """
-    queue = mp.get_context("spawn").Queue()
-    context = mp.spawn(_rank_main, args=(world_size, _free_port(), backend, job, args, queue),
-                       nprocs=world_size, join=False)
-    result = None
-    with _progress_bar(progress, description, total_steps) as advance:
-        done = False
-        while not done:
-            done = context.join(timeout=0.1)  # raises, after stopping the others, if a rank failed
-            while not queue.empty():
-                kind, payload = queue.get()
-                if kind == "step":
-                    advance(payload)
-                else:
-                    result = payload
-    return result
-
-
-def _rank_main(rank: int, world_size: int, port: int, backend: str, job, args: tuple, queue) -> None:
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        torch.set_num_threads(1)  # as ranks run on CPU: one core each
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=_TIMEOUT_S))
-    try:
-        report = (lambda text: queue.put(("step", text))) if rank == 0 else (lambda text: None)
-        result = job(device, report, *args)
-        if rank == 0:
-            queue.put(("result", result))
-    finally:
-        from .runtime.collectives import shutdown
-
-        shutdown()  # see [Note: shutdown]
-
-
 def _choose_backend(backend: str | None, world_size: int) -> str:
     if world_size < 2:
         raise HardwareError(f"calibrating collectives needs at least 2 ranks, got world_size={world_size}: "
@@ -431,25 +381,3 @@ def _choose_backend(backend: str | None, world_size: int) -> str:
     if backend not in ("gloo", "nccl"):
         raise HardwareError(f"unknown backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPUs)")
     return backend
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextmanager
-def _progress_bar(show: bool, description: str, total_steps: int):
-    """Yields advance(text): a rich progress bar on stderr, or nothing when not `show`."""
-    if not show:
-        yield lambda text: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[step]}"))
-    with Progress(*columns, console=Console(stderr=True)) as bar:
-        task = bar.add_task(description, total=total_steps, step="")
-        yield lambda text: bar.update(task, advance=1, step=text)

@@ -47,7 +47,7 @@ def plan_demo(world_size: int, hardware: HardwareProfile, memory_budget=None) ->
 
 def train_with_plan(plan: Plan, world_size: int, steps: int, progress: bool = True) -> Measured:
     """Train the demo GPT with `plan` on `world_size` spawned CPU ranks; return what was measured."""
-    from .calibrate import run_world
+    from .runtime.launch import run_world
 
     return run_world(_train_rank, (plan.to_json(), steps), world_size=world_size, backend="gloo",
                      total_steps=steps + 2, progress=progress, description=f"training on {world_size} ranks")

@@ -11,6 +11,8 @@
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
     checkpoint.py    save / load (any plan, world size, backend) and export_full_state_dict
     chunks.py        which chunk of each flattened parameter a rank holds, for checkpoints
+    measure.py       peak tensor memory and step time of a training step on this rank
+    launch.py        spawn a world of ranks on this machine and run a job on each (demo, calibration)
 """
 from typing import Callable
 

@@ -1,0 +1,83 @@
+"""Spawn a world of ranks on this machine and run one job on every rank.
+
+What the demo, the calibration and the benchmarks share: each rank sets up its
+device and process group, runs the job, and leaves cleanly (see [Note:
+shutdown] in collectives.py); rank 0's result comes back to the caller.
+"""
+import datetime
+import socket
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .collectives import shutdown
+
+_TIMEOUT_S = 120
+"""Process-group timeout of a spawned world: far above any one collective its jobs run (the largest
+calibration buffer, 380 MB on gloo, takes ~0.6 s), so only a dead or stuck rank trips it."""
+
+
+def run_world(job, args: tuple = (), *, world_size: int, backend: str, total_steps: int, progress: bool = True,
+              description: str = ""):
+    """Run `job(device, report, *args)` on `world_size` spawned ranks; return rank 0's result.
+
+    `job` must be a module-level function (spawn pickles it). Rank 0 calls `report(text)` after
+    each of `total_steps` steps, which advances a progress bar here when `progress`.
+    """
+    queue = mp.get_context("spawn").Queue()
+    context = mp.spawn(_rank_main, args=(world_size, _free_port(), backend, job, args, queue),
+                       nprocs=world_size, join=False)
+    result = None
+    with _progress_bar(progress, description, total_steps) as advance:
+        done = False
+        while not done:
+            done = context.join(timeout=0.1)  # raises, after stopping the others, if a rank failed
+            while not queue.empty():
+                kind, payload = queue.get()
+                if kind == "step":
+                    advance(payload)
+                else:
+                    result = payload
+    return result
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, job, args: tuple, queue) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)  # as ranks run on CPU: one core each
+        device = torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=_TIMEOUT_S))
+    try:
+        report = (lambda text: queue.put(("step", text))) if rank == 0 else (lambda text: None)
+        result = job(device, report, *args)
+        if rank == 0:
+            queue.put(("result", result))
+    finally:
+        shutdown()  # see [Note: shutdown]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def _progress_bar(show: bool, description: str, total_steps: int):
+    """Yields advance(text): a rich progress bar on stderr, or nothing when not `show`."""
+    if not show:
+        yield lambda text: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[step]}"))
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task(description, total=total_steps, step="")
+        yield lambda text: bar.update(task, advance=1, step=text)
