@@ -161,7 +161,7 @@ def fit_profile(m: Measurements) -> HardwareProfile:
         device_memory_bytes=m.device_memory_bytes,
         matmul={dtype: fit_matmul(points, m.op_overhead_s) for dtype, points in m.matmul_s.items()},
         memory_bandwidth_bytes_per_s=2 * m.copy_bytes / m.copy_s,  # a copy reads and writes every byte
-        op_overhead_s=m.op_overhead_s, devices_per_node=m.devices_per_node,
+        op_overhead_s=m.op_overhead_s, devices_per_node=m.devices_per_node, overlaps_communication=not on_cpu,
         intra_node=link, inter_node=link,
         source=(f"shardplan calibrate on {m.device_name}, {datetime.date.today().isoformat()}, "
                 f"torch {torch.__version__}, {m.backend} world {m.world_size}; {how}"

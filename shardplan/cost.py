@@ -47,7 +47,8 @@ Time, by component (per step):
   the dropped elementwise ops, memory-bound: 2 × dropped bytes moved.
 - exposed_comm: collectives not hidden by compute. The all-gather of the next
   unit (unit i+1 in forward, i-1 in backward) is issued when a prefetching unit
-  starts computing and hides under its compute; without prefetch it is fully
+  starts computing and hides under its compute (on hardware that overlaps
+  communication with compute: not CPU ranks on gloo); without prefetch it is fully
   exposed; the first unit's forward gather and the last unit's backward gather
   are exposed. Reduce-scatter (all-reduce for REPLICATE / SHARD_OPTIMIZER) of
   a unit runs on its own stream and hides under the backward of the unit before
@@ -164,6 +165,11 @@ class UnitCost:
     """Per micro-batch host↔device copies."""
     optimizer_s: float
     prefetch: bool
+    hide_fwd_s: float
+    """Forward compute that collectives issued beside it can hide under: compute_fwd_s, or 0 on
+    hardware whose collectives take the cores the compute needs (overlaps_communication)."""
+    hide_bwd_s: float
+    """The same for the backward (recompute included)."""
 
     @property
     def bwd_window_s(self) -> float:
@@ -228,6 +234,7 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         running += kept_bytes
 
     compute_fwd_s = compute_bwd_s = recompute_s = 0.0
+    overlap = getattr(hw, "overlaps_communication", True)
     for block, kept_bytes in zip(blocks, kept):
         block_param_bytes = block.param_numel * DTYPE_BYTES[ctx.param_dtype]
         moved = block_param_bytes + _per_micro_batch(block.input_bytes + block.output_bytes, ctx)
@@ -270,7 +277,9 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         gather_fwd_s=gather_s, gather_bwd_s=gather_s if strategy is ShardStrategy.FULL_SHARD else 0.0,
         reduce_s=reduce_s, reduce_per_step=strategy not in GATHERING,
         post_step_gather_s=post_step_gather_s, offload_s=offload_s, optimizer_s=optimizer_s,
-        prefetch=decision.prefetch)
+        prefetch=decision.prefetch,
+        hide_fwd_s=compute_fwd_s if overlap else 0.0,
+        hide_bwd_s=compute_bwd_s + recompute_s if overlap else 0.0)
 
 
 def base_bytes(unit: UnitCost, ctx: CostContext) -> int:
@@ -333,9 +342,9 @@ def pair_exposed_s(prev: UnitCost | None, unit: UnitCost | None) -> ExposedTime:
         return ExposedTime(per_micro_batch_s=per_mb, per_step_s=per_step)
     if unit is None:  # `prev` is last: its backward gather runs first in backward, unhidden
         return ExposedTime(per_micro_batch_s=prev.gather_bwd_s, per_step_s=0.0)
-    per_mb = (_hidden(unit.gather_fwd_s, prev.compute_fwd_s, prev.prefetch)
-              + _hidden(prev.gather_bwd_s, unit.bwd_window_s, unit.prefetch))
-    reduce = np.maximum(0.0, unit.reduce_s - prev.bwd_window_s)
+    per_mb = (_hidden(unit.gather_fwd_s, prev.hide_fwd_s, prev.prefetch)
+              + _hidden(prev.gather_bwd_s, unit.hide_bwd_s, unit.prefetch))
+    reduce = np.maximum(0.0, unit.reduce_s - prev.hide_bwd_s)
     if unit.reduce_per_step:
         return ExposedTime(per_micro_batch_s=per_mb, per_step_s=reduce)
     return ExposedTime(per_micro_batch_s=per_mb + reduce, per_step_s=0.0)

@@ -111,6 +111,10 @@ class HardwareProfile:
     """Fixed cost of one op: eager dispatch on CPU, the shortest kernel on GPU."""
     devices_per_node: int
     """Groups up to this size use `intra_node` links, larger ones `inter_node`."""
+    overlaps_communication: bool = True
+    """Whether a collective can run while the device computes. GPUs: yes (NCCL kernels on their
+    own stream). CPU ranks on gloo: no, the transfers take the cores the compute needs, so the
+    cost model hides no communication under compute."""
     intra_node: LinkProfile
     inter_node: LinkProfile
     source: str
@@ -122,6 +126,9 @@ class HardwareProfile:
                 raise HardwareError(
                     f"hardware profile {self.name!r}: {where} is {value!r}, must be a positive finite number: "
                     "correct it in the profile JSON or write a new profile with `shardplan calibrate`")
+        if not isinstance(self.overlaps_communication, bool):
+            raise HardwareError(f"hardware profile {self.name!r}: overlaps_communication is "
+                                f"{self.overlaps_communication!r}, must be true or false")
         if self.usable_memory_fraction > 1:
             raise HardwareError(f"hardware profile {self.name!r}: usable_memory_fraction is "
                                 f"{self.usable_memory_fraction}, must be at most 1: it is a share of device memory")
@@ -262,7 +269,7 @@ def _figures(value, where: str):
             yield f"{where}.points[{i}][1]", factor
     elif dataclasses.is_dataclass(value):
         for f in dataclasses.fields(value):
-            if f.name not in _TEXT_FIELDS:
+            if f.name not in _NOT_FIGURES:
                 yield from _figures(getattr(value, f.name), f"{where}.{f.name}" if where else f.name)
     elif isinstance(value, dict):
         for key, item in value.items():
@@ -271,7 +278,8 @@ def _figures(value, where: str):
         yield where, value
 
 
-_TEXT_FIELDS = ("name", "source")
+_NOT_FIGURES = ("name", "source", "overlaps_communication")
+"""Fields that are not positive figures."""
 
 
 # Built-in profiles. float32 is what PyTorch runs by default (full FP32, not TF32:
@@ -347,6 +355,7 @@ BUILTIN = {
     # slower still here: a third of all_reduce's bus bandwidth. Calibrate for real figures.
     "cpu-gloo": HardwareProfile(
         name="cpu-gloo", device_memory_bytes=8 * 2**30,  # a conservative share of host memory per rank
+        overlaps_communication=False,
         matmul={"float32": MatmulRate(peak_flops_per_s=99e9, efficiency=SizeCurve(points=((5e5, 0.95), (3e7, 1.0)))),
                 "bfloat16": MatmulRate(peak_flops_per_s=210e9, efficiency=SizeCurve(
                     points=((5e5, 0.16), (4e6, 0.58), (3e7, 0.93), (3e8, 1.0))))},

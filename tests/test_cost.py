@@ -95,6 +95,21 @@ def test_overlap_hides_the_next_gather_under_compute_and_exposes_the_rest():
     assert first.per_micro_batch_s == pytest.approx(large.gather_fwd_s + large.reduce_s)
 
 
+class CoresSharedHardware(LinearHardware):
+    """As LinearHardware, but collectives take the cores the compute needs (CPU ranks on gloo)."""
+
+    overlaps_communication = False
+
+
+def test_nothing_hides_under_compute_when_collectives_share_the_cores():
+    context = CostContext(hardware=CoresSharedHardware(), dp=4)
+    small = unit_cost((block(fwd=10**9),), Decision(), context)
+    large = unit_cost((block(numel=4_000_000),), Decision(), context)
+    assert small.compute_fwd_s > 0 and small.hide_fwd_s == small.hide_bwd_s == 0.0
+    every_collective = large.gather_fwd_s + small.gather_bwd_s + large.reduce_s
+    assert pair_exposed_s(small, large).per_micro_batch_s == pytest.approx(every_collective)
+
+
 def test_peak_of_a_two_unit_stage_is_the_backward_of_the_last_unit():
     blocks = (block(0), block(1))
     step = evaluate_stage(blocks, (0, 1), (Decision(), Decision()), ctx(dp=4))

@@ -94,9 +94,9 @@ class _Columns:
     rise_fwd_bytes: np.ndarray
     prefetch: np.ndarray
     gathered_bwd_bytes: np.ndarray
-    compute_fwd_s: np.ndarray
+    hide_fwd_s: np.ndarray
     gather_bwd_s: np.ndarray
-    bwd_window_s: np.ndarray
+    hide_bwd_s: np.ndarray
 
 
 @dataclass(slots=True)
@@ -348,9 +348,9 @@ class ChainSolver:
                 front=front, rise_fwd_bytes=column([self._rise_fwd(u) for u in units], np.int64),
                 prefetch=column([u.prefetch for u in units], bool),
                 gathered_bwd_bytes=column([u.gathered_bwd_bytes for u in units], np.int64),
-                compute_fwd_s=column([u.compute_fwd_s for u in units], float),
+                hide_fwd_s=column([u.hide_fwd_s for u in units], float),
                 gather_bwd_s=column([u.gather_bwd_s for u in units], float),
-                bwd_window_s=column([u.bwd_window_s for u in units], float))
+                hide_bwd_s=column([u.hide_bwd_s for u in units], float))
         return position.columns
 
     def _extend(self, source: _Position, start: int, key) -> _Front:
