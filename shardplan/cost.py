@@ -16,7 +16,9 @@ Memory, by category (the peak is the largest of these events):
 - sharded_state: parameters + gradients + optimizer state kept between steps.
   FULL_SHARD / SHARD_GRAD_OP: (param + grad + optimizer) / dp; SHARD_OPTIMIZER:
   param + (grad + optimizer) / dp (its gradient is all-reduced in full, during
-  the unit's backward, then sliced); REPLICATE: all of it. Offloaded units keep it
+  the unit's backward, then sliced); REPLICATE: all of it. Both replicated kinds
+  also hold a full gradient accumulator through the step when m > 1 (they
+  all-reduce once, on the last micro-batch). Offloaded units keep it
   in CPU memory: 0 on the device. Gradients count for the whole step, as with
   zero_grad(set_to_none=False); freeing them between steps (set_to_none=True)
   lowers the real peak by up to their bytes. Gradients are in the parameters' capture dtype,
@@ -215,6 +217,8 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         state_bytes = storage_bytes + -(-(storage_bytes + optimizer_bytes) // dp)
     else:
         state_bytes = 2 * storage_bytes + optimizer_bytes
+    if strategy not in GATHERING and m > 1:  # [Note: gradient accumulation] in runtime/unit.py
+        state_bytes += grad_bytes
     gathered = param_bytes if strategy in GATHERING else 0
 
     kept = [_kept_bytes(b, checkpoint, ctx) for b in blocks]
