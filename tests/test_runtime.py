@@ -23,7 +23,6 @@ from shardplan.runtime import parallelize, shutdown
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.flat_param import FlatLayout
 from shardplan.runtime.program import split_micro_batches
-from shardplan.runtime.unit import UnitState
 
 STEPS = 5
 TOLERANCE = 1e-5
@@ -371,10 +370,6 @@ def test_split_micro_batches_splits_every_batched_tensor():
     assert parts[1][1]["scale"] is scalar and parts[1][1]["flag"] is True
     with pytest.raises(RuntimeMismatchError, match="divisible by 3"):
         split_micro_batches((ids,), {}, 3)
-
-
-def test_unit_states_are_explicit():
-    assert [state.value for state in UnitState] == ["sharded", "gathering", "gathered"]
 
 
 def test_parallelize_needs_a_process_group():
