@@ -15,7 +15,6 @@ allocator statistics on CPU do not).
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 
@@ -30,6 +29,7 @@ from shardplan.plan import Checkpoint, ShardStrategy  # noqa: E402
 from shardplan.runtime import parallelize, shutdown  # noqa: E402
 from shardplan.runtime.manual import manual_plan  # noqa: E402
 from shardplan.runtime.measure import peak_step_bytes, step_time_s  # noqa: E402
+from shardplan.runtime.launch import free_port  # noqa: E402
 
 BACKENDS = ("shardplan", "fsdp2")
 KINDS = ((ShardStrategy.FULL_SHARD, Checkpoint.NONE), (ShardStrategy.SHARD_GRAD_OP, Checkpoint.NONE),
@@ -94,9 +94,7 @@ def main() -> None:
     options = parser.parse_args()
     if options.quick:
         options.layers, options.d_model, options.seq, options.rounds, options.steps = 2, 64, 32, 2, 2
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     mp.spawn(_worker, args=(options.world, port, options, queue), nprocs=options.world, join=True)

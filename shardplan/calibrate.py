@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import HardwareError
+from .files import write_text_atomically
 from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
                        ring_factor)
 from .runtime.launch import run_world
@@ -129,8 +130,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     if not os.access(folder, os.W_OK):  # fail now, not after minutes of measuring
         parser.error(f"cannot write {args.output}: folder {folder} does not exist or is not writable")
     profile = calibrate(world_size=args.world_size, backend=args.backend, quick=args.quick)
-    with open(args.output, "w") as handle:
-        handle.write(profile.to_json())
+    write_text_atomically(args.output, profile.to_json())
     print(f"wrote {args.output}: {summary(profile)}")
     return 0
 

@@ -10,12 +10,12 @@ import enum
 import functools
 import json
 import os
-import tempfile
 import typing
 from dataclasses import dataclass, field
 
 from .chain import InputSpec
 from .errors import PlanError
+from .files import write_text_atomically
 
 SCHEMA = "shardplan.plan/1"
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
@@ -241,18 +241,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a crash mid-write leaves any previous file intact."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=".plan-", suffix=".tmp")
-        try:
-            with os.fdopen(descriptor, "w") as handle:
-                handle.write(self.to_json())
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        write_text_atomically(path, self.to_json())
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -5,10 +5,10 @@ baseline by more than the tolerance, or when planning it twice does not give
 byte-identical JSON. `update` rewrites the baseline with today's plans.
 """
 import json
-import os
 from dataclasses import asdict, dataclass
 
 from .errors import ShardplanError
+from .files import write_text_atomically
 
 SCHEMA = "shardplan.baseline/1"
 DEFAULT_TOLERANCE = 0.01
@@ -92,7 +92,4 @@ def _read(path: str) -> tuple[list[Case], float]:
 def _write(path: str, cases: list[Case], tolerance: float) -> None:
     text = json.dumps({"schema": SCHEMA, "tolerance": tolerance, "cases": [asdict(c) for c in cases]},
                       indent=2, sort_keys=True) + "\n"
-    temporary = path + ".tmp"
-    with open(temporary, "w") as handle:
-        handle.write(text)
-    os.replace(temporary, path)
+    write_text_atomically(path, text)

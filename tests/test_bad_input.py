@@ -1,7 +1,6 @@
 """Bad input and faults: each gets a clear error naming the cause and the fix, nothing hangs."""
 import json
 import os
-import socket
 import time
 
 import pytest
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 
 from shardplan import PlanError, Plan, RuntimeMismatchError, ShardplanError, compile, parallelize, zoo
 from shardplan.sizes import parse_bytes
+from shardplan.runtime.launch import free_port
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +24,7 @@ def gpt_plan() -> Plan:
 @pytest.fixture(scope="module")
 def world_of_one():
     """A one-rank gloo world in this process: enough for parallelize's own checks."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
@@ -139,9 +137,7 @@ def _dying_rank(rank: int, port: int, folder: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_a_rank_that_dies_makes_the_others_fail_not_hang(tmp_path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     context = mp.get_context("spawn")
     ranks = [context.Process(target=_dying_rank, args=(rank, port, str(tmp_path))) for rank in range(2)]
     for process in ranks:

@@ -10,7 +10,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from shardplan.plan import ShardStrategy
 from shardplan.runtime import checkpoint, manual_plan, parallelize, shutdown
 from shardplan.runtime.chunks import Chunk, row_chunks, unit_chunks
 from shardplan.runtime.flat_param import FlatLayout
+from shardplan.runtime.launch import free_port
 
 FS, SGO, SO, REP = (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP, ShardStrategy.SHARD_OPTIMIZER,
                     ShardStrategy.REPLICATE)
@@ -272,9 +272,7 @@ def _worker(rank: int, world: int, port: int, directory: str, role: str) -> None
 
 
 def _spawn(world: int, directory: Path, role: str) -> dict:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     mp.spawn(_worker, args=(world, port, os.fspath(directory), role), nprocs=world, join=True)
     return json.loads((directory / f"{role}-world{world}.json").read_text())
 

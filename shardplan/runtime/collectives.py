@@ -8,7 +8,6 @@ group size before a SUM reduction; dividing first also keeps a low-precision
 reduce dtype from overflowing.
 """
 import contextlib
-import datetime
 import hashlib
 import warnings
 from typing import NamedTuple
@@ -38,10 +37,6 @@ def world() -> World:
                              "torch.distributed.init_process_group(...) on every rank (torchrun does the "
                              "environment) before shardplan.parallelize")
     return World(dist.get_rank(), dist.get_world_size())
-
-
-def default_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=60)
 
 
 def wait(pending: Pending) -> torch.Tensor:

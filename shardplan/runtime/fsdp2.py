@@ -58,11 +58,6 @@ class Fsdp2Program(Program):
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        state = {name: parameter.detach().full_tensor().clone() for name, parameter in self.module.named_parameters()}
-        state.update((name, buffer.detach().clone()) for name, buffer in self.module.named_buffers())
-        return state
-
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.tensor import distribute_tensor
 

@@ -27,7 +27,7 @@ def run_world(job, args: tuple = (), *, world_size: int, backend: str, total_ste
     each of `total_steps` steps, which advances a progress bar here when `progress`.
     """
     queue = mp.get_context("spawn").Queue()
-    context = mp.spawn(_rank_main, args=(world_size, _free_port(), backend, job, args, queue),
+    context = mp.spawn(_rank_main, args=(world_size, free_port(), backend, job, args, queue),
                        nprocs=world_size, join=False)
     result = None
     with _progress_bar(progress, description, total_steps) as advance:
@@ -61,7 +61,8 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, job, args: t
         shutdown()  # see [Note: shutdown]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback address that nothing listens on now (for a world's rendezvous)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

@@ -42,12 +42,9 @@ class Program:
         """This rank's shards: give them to any torch.optim optimizer (its state is then sharded)."""
         raise NotImplementedError
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, by its model name, and the buffers (a collective: call on every rank)."""
-        raise NotImplementedError
-
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Set every parameter from whole tensors by model name (as `full_state_dict` returns; same on all ranks)."""
+        """Set every parameter from whole tensors by model name (as `export_full_state_dict` returns; the
+        same on every rank)."""
         raise NotImplementedError
 
     # checkpoints (see [Note: checkpoint format] in checkpoint.py): the same format for both backends

@@ -47,15 +47,6 @@ class ShardedProgram(Program):
         """(unit name, this rank's flat shard of it)."""
         return [(unit.name, unit.shard) for unit in self.units]
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        state = {}
-        for unit in self.units:
-            values = unit.full_values()
-            for name, piece in zip(unit.layout.names, unit.layout.split(values)):
-                state[name] = piece.clone()
-        state.update((name, buffer.detach().clone()) for name, buffer in self.module.named_buffers())
-        return state
-
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         missing = sorted(name for unit in self.units for name in unit.layout.names if name not in state)
         if missing:
