@@ -1,8 +1,9 @@
 """Time and memory of a unit, a stage and a step under given decisions, as named terms.
 
 Plain data in, plain data out: blocks (shardplan.chain.Block) and a hardware
-profile read only through `compute_time_s`, `collective_time_s` and
-`usable_memory_bytes`. The solver composes these same terms; `evaluate_stage`
+profile read only through `compute_time_s`, `collective_time_s`,
+`overlaps_communication` and `usable_memory_bytes`. The solver composes these
+same terms; `evaluate_stage`
 composes them independently (an event-by-event walk), which is what the
 brute force and the tests check the solver against.
 
@@ -108,7 +109,7 @@ class CostContext:
     """Everything about the step that is not a per-unit decision."""
 
     hardware: object
-    """A HardwareProfile (anything with compute_time_s / collective_time_s)."""
+    """A HardwareProfile (anything with compute_time_s / collective_time_s / overlaps_communication)."""
     dp: int
     num_micro_batches: int = 1
     in_flight: int = 1
@@ -238,7 +239,7 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         running += kept_bytes
 
     compute_fwd_s = compute_bwd_s = recompute_s = 0.0
-    overlap = getattr(hw, "overlaps_communication", True)
+    overlap = hw.overlaps_communication
     for block, kept_bytes in zip(blocks, kept):
         block_param_bytes = block.param_numel * DTYPE_BYTES[ctx.param_dtype]
         moved = block_param_bytes + _per_micro_batch(block.input_bytes + block.output_bytes, ctx)

@@ -13,7 +13,10 @@ MiB = 2**20
 
 
 class LinearHardware:
-    """1 TFLOP/s, 100 GB/s memory, collectives at 1 GB/s bus bandwidth with the ring factor, no latency."""
+    """1 TFLOP/s, 100 GB/s memory, collectives at 1 GB/s bus bandwidth with the ring factor, no latency,
+    running beside compute."""
+
+    overlaps_communication = True
 
     def compute_time_s(self, flops, bytes_moved, dtype="float32"):
         return max(flops / 1e12, bytes_moved / 1e11)
