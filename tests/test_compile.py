@@ -114,5 +114,6 @@ def test_a_skip_connection_crossing_a_stage_boundary_is_sent_too(chains):
     chain = chains["encoder-decoder"]
     edges = chain.extra["skip_edges"]
     i, j = edges[0]
-    assert boundary_bytes(chain.blocks, j, edges) == chain.blocks[j - 1].output_bytes + chain.blocks[i].output_bytes
-    assert boundary_bytes(chain.blocks, i + 1, edges) == chain.blocks[i].output_bytes
+    crossing = boundary_bytes(chain.blocks, edges)
+    assert crossing[j] == chain.blocks[j - 1].output_bytes + chain.blocks[i].output_bytes
+    assert crossing[i + 1] == chain.blocks[i].output_bytes

@@ -9,7 +9,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from ..cost import CostContext, evaluate_stage
+from ..cost import CostContext, Decision, evaluate_stage, unit_cost
 from .chain_dp import ChainSolver
 from .space import BlockRule, SearchSpace
 from .stages import StageCut, cut_stages
@@ -93,28 +93,41 @@ def context(setting: Setting, configuration: Configuration, hardware, stage: int
                        optimizer=setting.optimizer)
 
 
-def boundary_bytes(blocks, cut: int, skip_edges) -> int:
-    """Activation bytes crossing a stage boundary before block `cut`: the previous block's output
-    and the output of every earlier block read past the cut."""
-    producers = {cut - 1} | {i for i, j in skip_edges if i < cut - 1 and j >= cut}
-    return sum(blocks[i].output_bytes for i in producers)
+def boundary_bytes(blocks, skip_edges) -> list[int]:
+    """Activation bytes crossing a stage boundary at each cut (before block `cut`, 0 < cut < n;
+    0 at both ends): the previous block's output and the output of every earlier block read
+    past the cut. A block i read as late as block j crosses every cut in i + 2 .. j: summed
+    over the cuts once, as running sums of where each such span starts and ends."""
+    n = len(blocks)
+    last_reader = {}
+    for i, j in skip_edges:
+        last_reader[i] = max(last_reader.get(i, j), j)
+    change = [0] * (n + 2)
+    for i, j in last_reader.items():
+        if i + 2 <= j:
+            change[i + 2] += blocks[i].output_bytes
+            change[j + 1] -= blocks[i].output_bytes
+    skipping = list(itertools.accumulate(change))
+    return [0] + [blocks[cut - 1].output_bytes + skipping[cut] for cut in range(1, n)] + [0]
+
+
+def boundary_times_s(blocks, setting: Setting, configuration: Configuration, hardware) -> list[float]:
+    """Per-micro-batch pipeline traffic of a boundary at each cut (0 at both ends): the stages on
+    either side each pay it once, one sending the activations forward, the other their gradient
+    back. A send of x bytes between two ranks is priced as an all-gather of 2x bytes over 2 ranks
+    (each rank receives x): the profile has no point-to-point figures."""
+    if configuration.pp == 1:
+        return [0.0] * (len(blocks) + 1)
+    m, crossing = configuration.num_micro_batches, boundary_bytes(blocks, setting.skip_edges)
+    return [0.0] + [hardware.collective_time_s("all_gather_into_tensor", 2 * -(-nbytes // m), 2)
+                    for nbytes in crossing[1:-1]] + [0.0]
 
 
 def boundary_time_s(blocks, start: int, end: int, setting: Setting, configuration: Configuration,
                     hardware) -> float:
-    """Per-micro-batch pipeline traffic of a stage: what crosses its end forward, and the gradient
-    of what crosses its start backward.
-
-    A send of x bytes between two ranks is priced as an all-gather of 2x bytes over 2 ranks
-    (each rank receives x): the profile has no point-to-point figures."""
-    if configuration.pp == 1:
-        return 0.0
-    m, total = configuration.num_micro_batches, 0.0
-    for cut in (start, end):
-        if 0 < cut < len(blocks):
-            nbytes = -(-boundary_bytes(blocks, cut, setting.skip_edges) // m)
-            total += hardware.collective_time_s("all_gather_into_tensor", 2 * nbytes, 2)
-    return total
+    """Per-micro-batch pipeline traffic of the stage blocks[start:end] (see boundary_times_s)."""
+    times_s = boundary_times_s(blocks, setting, configuration, hardware)
+    return times_s[start] + times_s[end]
 
 
 def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, configuration: Configuration,
@@ -123,6 +136,7 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
     """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one);
     None when nothing fits the budget or nothing is as fast as `time_bound_s`."""
     solvers: dict[int, ChainSolver] = {}
+    times_s = boundary_times_s(blocks, setting, configuration, hardware)
 
     def stage_cost(stage: int, start: int, end: int):
         ctx = context(setting, configuration, hardware, stage)
@@ -135,14 +149,21 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
             return None
         if minimize_memory:
             return solution, float(solution.peak_bytes)
-        return solution, solution.time_s + ctx.pipeline_factor * boundary_time_s(
-            blocks, start, end, setting, configuration, hardware)
+        return solution, solution.time_s + ctx.pipeline_factor * (times_s[start] + times_s[end])
 
-    cuts = cut_stages(rules, configuration.pp, stage_cost)
+    floors = None if minimize_memory else compute_floors_s(blocks, context(setting, configuration, hardware, 0))
+    cuts = cut_stages(rules, configuration.pp, stage_cost, floors)
     if cuts is None:
         return None
     return Candidate(configuration=configuration, stages=cuts, step_time_s=max(c.time_s for c in cuts),
                      peak_bytes=max(c.solution.peak_bytes for c in cuts))
+
+
+def compute_floors_s(blocks, ctx: CostContext) -> list[float]:
+    """Per block, the compute it adds to the step time of any stage holding it, whatever the
+    decisions: a lower bound of stage times that lets the stage cut skip hopeless spans."""
+    return [ctx.pipeline_factor * (u.compute_fwd_s + u.compute_bwd_s)
+            for u in (unit_cost((block,), Decision(), ctx) for block in blocks)]
 
 
 def search(blocks, rules, setting: Setting, hardware, budget_bytes: float, space: SearchSpace, *,

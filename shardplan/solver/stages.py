@@ -3,12 +3,23 @@
 A stage's cost is its step time (chain DP on its blocks, with the micro-batches it holds in
 flight) plus its boundary sends; the plan's step time is its slowest stage's, so the cut
 minimizing the largest stage cost is optimal, and a DP over (stage, first block) finds it.
+
+Most (stage, span) pairs cannot be part of the optimum, and each one asked for costs a chain
+DP, so the DP is solved top-down and skips them by lower bounds (exactly: what it skips is
+strictly worse than a cut in hand): a stage costs at least the sum of its blocks' floors, and
+the stages after a cut cost at least their floors' sum spread evenly. Each stage tries its
+ends from the balanced one outwards, so a good cut is in hand early and the bounds bite.
 """
-from collections.abc import Callable
+import bisect
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .chain_dp import ChainSolution
 from .space import BlockRule
+
+_ROUNDING = 1e-9
+"""Relative slack on the floors: a stage's cost sums the same terms in another order."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,36 +36,59 @@ def stage_starts_allowed(rules: tuple[BlockRule, ...]) -> tuple[bool, ...]:
 
 
 def cut_stages(rules: tuple[BlockRule, ...], pp: int,
-               stage_cost: Callable[[int, int, int], tuple[ChainSolution, float] | None]) -> tuple[StageCut, ...] | None:
+               stage_cost: Callable[[int, int, int], tuple[ChainSolution, float] | None],
+               floors: Sequence[float] | None = None) -> tuple[StageCut, ...] | None:
     """The pp stages minimizing the slowest stage's time; None when no cut fits.
 
     `stage_cost(stage, start, end)` gives the best plan of blocks[start:end] as stage `stage`
-    and its time, or None when it does not fit. Ties go to the earliest cut.
+    and its cost, or None when it does not fit. `floors[j]` is what block j adds at least to
+    the cost of any stage holding it (none given: 0). Ties go to the earliest cut.
     """
     n = len(rules)
     allowed = stage_starts_allowed(rules)
     must = [i for i, r in enumerate(rules) if r.must_start_stage and i > 0]
+    floor_sums = list(itertools.accumulate(floors if floors is not None else [0.0] * n, initial=0.0))
+
+    def floor_s(start: int, end: int) -> float:
+        return (floor_sums[end] - floor_sums[start]) * (1 - _ROUNDING)
+
     best: dict[tuple[int, int], tuple[float, int] | None] = {(pp, n): (0.0, n)}
-    for stage in reversed(range(pp)):
-        for start in range(stage, n - (pp - 1 - stage)):
-            if not allowed[start]:
-                continue
-            choice = None
-            ends = range(start + 1, n - (pp - 2 - stage)) if stage < pp - 1 else (n,)
-            for end in ends:  # each later stage keeps one block at least
-                if any(start < i < end for i in must):
-                    break
-                rest = best.get((stage + 1, end))
-                if rest is None:
-                    continue
-                found = stage_cost(stage, start, end)
-                if found is None:
-                    continue
-                worst = max(found[1], rest[0])
-                if choice is None or worst < choice[0]:
-                    choice = (worst, end)
-            best[(stage, start)] = choice
-    if best.get((0, 0)) is None:
+
+    def solve_from(stage: int, start: int) -> tuple[float, int] | None:
+        """(the least slowest-stage cost of stages stage.. on blocks[start:], this stage's end)."""
+        if (stage, start) in best:
+            return best[(stage, start)]
+        later = pp - 1 - stage  # stages after this one, each keeping one block at least
+        first, last = (start + 1, n - later) if later else (n, n)
+        last = min([last] + [i for i in must if i > start])  # a pinned stage start ends this stage
+        choice = None
+
+        def consider(end: int) -> None:
+            nonlocal choice
+            if choice is not None and floor_s(start, end) > choice[0]:
+                return
+            rest = solve_from(stage + 1, end) if end == n or allowed[end] else None
+            if rest is None or (choice is not None and rest[0] > choice[0]):
+                return
+            found = stage_cost(stage, start, end)
+            if found is not None and (choice is None or (max(found[1], rest[0]), end) < choice):
+                choice = (max(found[1], rest[0]), end)
+
+        # The balanced end: this stage's floor reaches the later stages' mean floor.
+        balanced = first if not later else bisect.bisect_left(
+            range(first, last + 1), 0.0, key=lambda end: floor_s(start, end) - floor_s(end, n) / later) + first
+        for end in range(balanced, last + 1):  # this stage's floor only grows
+            if choice is not None and floor_s(start, end) > choice[0]:
+                break
+            consider(end)
+        for end in reversed(range(first, balanced)):  # the later stages' floor only grows
+            if choice is not None and floor_s(end, n) / later > choice[0]:
+                break
+            consider(end)
+        best[(stage, start)] = choice
+        return choice
+
+    if solve_from(0, 0) is None:
         return None
     cuts, start = [], 0
     for stage in range(pp):
