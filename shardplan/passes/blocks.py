@@ -95,7 +95,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
     groups = group_nodes(gm)
     param_names = {name for name, _ in gm.named_parameters()}
     block_of = {node: index for index, group in enumerate(groups) for node in group.nodes}
-    modules_of = _distinct_modules(groups)
+    modules_of = block_modules(groups)
     seen_params: set[str] = set()
     seen_saved: set[int] = set()
     flow = nx.DiGraph()
@@ -136,7 +136,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
                       extra=extra)
 
 
-def _distinct_modules(groups: list[NodeGroup]) -> list[tuple[str, ...]]:
+def block_modules(groups: list[NodeGroup]) -> list[tuple[str, ...]]:
     """Each block's modules, leaving out ancestors of blocks (`transformer` holds `transformer.h.0`)
     and modules already listed by an earlier block (one module called from two places)."""
     names = [g.name for g in groups]

@@ -7,6 +7,8 @@
     checkpointing.py activation checkpointing of a unit's modules (both backends)
     program.py       Program: step / micro-batches / loss / clip_grad_norm_, backend-independent
     sharded.py       backend="shardplan": building the units from the model and the plan
+    stages.py        a pipeline stage cut out of the captured graph, and the module that runs it
+    pipelined.py     backend="shardplan" with pp > 1: this rank's stage under a GPipe / 1F1B schedule
     fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
     checkpoint.py    save / load (any plan, world size, backend) and export_full_state_dict
@@ -49,9 +51,15 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     _check_mesh(plan, world.size)
     _check_fingerprint(model, plan)
     device = torch.device(device) if device is not None else collectives.default_device()
+    if backend == "shardplan" and plan.mesh.pp > 1:
+        from .pipelined import PipelinedProgram
+        return PipelinedProgram(model, plan, loss_fn, device)
     if backend == "shardplan":
         from .sharded import ShardedProgram
         return ShardedProgram(model, plan, loss_fn, device)
+    if backend == "fsdp2" and plan.mesh.pp > 1:
+        raise ShardplanError(f"the plan pipelines over pp={plan.mesh.pp} stages, which backend='fsdp2' does not "
+                             "run: use backend='shardplan', or re-plan with pp=1")
     if backend == "fsdp2":
         from .fsdp2 import Fsdp2Program
         return Fsdp2Program(model, plan, loss_fn, device)
@@ -59,12 +67,10 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
 
 
 def _check_mesh(plan: Plan, world_size: int) -> None:
-    if plan.mesh.pp != 1:
-        raise ShardplanError(f"the plan pipelines over pp={plan.mesh.pp} stages, which the runtime does not "
-                             "run yet: re-plan without pipeline parallelism (pp=1)")
-    if plan.mesh.dp != world_size:
-        raise ShardplanError(f"the plan is for dp={plan.mesh.dp} ranks but the process group has {world_size}: "
-                             f"launch {plan.mesh.dp} ranks, or re-plan for world_size={world_size}")
+    if plan.mesh.dp * plan.mesh.pp != world_size:
+        raise ShardplanError(f"the plan is for dp={plan.mesh.dp} × pp={plan.mesh.pp} = "
+                             f"{plan.mesh.dp * plan.mesh.pp} ranks but the process group has {world_size}: launch "
+                             f"{plan.mesh.dp * plan.mesh.pp} ranks, or re-plan for world_size={world_size}")
 
 
 def _check_fingerprint(model: nn.Module, plan: Plan) -> None:

@@ -18,6 +18,10 @@ import torch.distributed as dist
 from ..errors import RuntimeMismatchError, ShardplanError
 
 
+Group = dist.ProcessGroup | None
+"""A process group; None is the whole world."""
+
+
 class World(NamedTuple):
     rank: int
     size: int
@@ -45,55 +49,55 @@ def wait(pending: Pending) -> torch.Tensor:
     return pending.output
 
 
-def all_gather(shard: torch.Tensor, *, async_op: bool) -> Pending:
+def all_gather(shard: torch.Tensor, *, async_op: bool, group: Group = None) -> Pending:
     """Concatenate every rank's `shard` (1-D, same numel everywhere) in rank order."""
-    size = dist.get_world_size()
+    size = dist.get_world_size(group)
     output = shard.new_empty(shard.numel() * size)
     if size == 1:
         return Pending(output.copy_(shard), None)
-    work = dist.all_gather_single(output, shard, async_op=async_op)
+    work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
     return Pending(output, work if async_op else None)
 
 
-def reduce_scatter_mean(full: torch.Tensor, *, async_op: bool) -> Pending:
+def reduce_scatter_mean(full: torch.Tensor, *, async_op: bool, group: Group = None) -> Pending:
     """Average `full` (1-D, numel divisible by the world size) over ranks; keep this rank's slice.
 
     `full` is divided in place (see [Note: averaging])."""
-    size = dist.get_world_size()
+    size = dist.get_world_size(group)
     full.div_(size)
     output = full.new_empty(full.numel() // size)
     if size == 1:
         return Pending(output.copy_(full), None)
-    work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, async_op=async_op)
+    work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return Pending(output, work if async_op else None)
 
 
-def all_reduce_mean(full: torch.Tensor, *, async_op: bool) -> Pending:
+def all_reduce_mean(full: torch.Tensor, *, async_op: bool, group: Group = None) -> Pending:
     """Average `full` over ranks, in place (see [Note: averaging])."""
-    size = dist.get_world_size()
+    size = dist.get_world_size(group)
     full.div_(size)
     if size == 1:
         return Pending(full, None)
-    work = dist.all_reduce(full, op=dist.ReduceOp.SUM, async_op=async_op)
+    work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return Pending(full, work if async_op else None)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    if dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+def all_reduce_sum(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    if dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+def all_reduce_max(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
 
 
-def broadcast_(tensor: torch.Tensor, source_rank: int = 0) -> torch.Tensor:
-    """Overwrite `tensor` on every rank with `source_rank`'s values (in place)."""
-    if dist.get_world_size() > 1:
-        dist.broadcast(tensor, src=source_rank)
+def broadcast_(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Overwrite `tensor` on every rank of `group` with the values of the group's first rank (in place)."""
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(tensor, group=group, group_src=0)
     return tensor
 
 
@@ -114,6 +118,25 @@ def device_mesh(device_type: str, dp: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, (dp,))
+
+
+class PipelineGroups(NamedTuple):
+    """This rank's place in the dp × pp mesh (rank = stage · dp + replica) and its two groups."""
+
+    stage: int
+    replica: int
+    data_parallel: dist.ProcessGroup
+    """The ranks holding this stage: its units shard over them."""
+    pipeline: dist.ProcessGroup
+    """The ranks of this replica, one per stage: activations flow between them."""
+
+
+def pipeline_groups(device_type: str, dp: int, pp: int) -> PipelineGroups:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    rank = dist.get_rank()
+    return PipelineGroups(rank // dp, rank % dp, mesh.get_group("dp"), mesh.get_group("pp"))
 
 
 def default_device() -> torch.device:

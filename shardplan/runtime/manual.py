@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
+from ..passes import fingerprint_of, input_specs
 from ..plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage,
                     Unit)
 
@@ -15,11 +16,14 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
                 strategies: Sequence[ShardStrategy] = (ShardStrategy.FULL_SHARD,),
                 checkpoints: Sequence[Checkpoint] = (Checkpoint.NONE,), offload: Sequence[bool] = (False,),
                 prefetch: Sequence[bool] = (True,), micro_batches: int = 1,
-                precision: MixedPrecision = MixedPrecision(), pp: int = 1) -> Plan:
+                precision: MixedPrecision = MixedPrecision(), pp: int = 1, schedule: str = "gpipe",
+                example_inputs: tuple = (), example_kwargs: dict | None = None) -> Plan:
     """One unit per group of module paths; unit i takes decision i modulo each sequence's length.
 
     A unit's parameters are those under its modules, in model.named_parameters() order; with
-    pp > 1 the units are cut into pp stages of equal count (GPipe).
+    pp > 1 the units are cut into pp stages of equal count, run by `schedule` ("gpipe" or "1f1b").
+    Example inputs (one replica's batch) are recorded with the graph's fingerprint, as compile
+    records them: a pipelined plan needs them to cut its stages.
 
     >>> plan = manual_plan(gpt, [("wte", "wpe"), ("h.0",), ("h.1",), ("ln_f", "lm_head")], dp=2)  # doctest: +SKIP
     """
@@ -34,9 +38,10 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
     per_stage = -(-len(units) // pp)
     stages = tuple(Stage(index=index, units=tuple(unit.name for unit in units[index * per_stage:][:per_stage]))
                    for index in range(pp))
-    return Plan(fingerprint="manual", model=type(model).__name__, world_size=dp * pp, hardware="unknown",
-                inputs=(), mesh=Mesh(dp=dp, pp=pp),
-                schedule=Schedule(num_micro_batches=micro_batches, name="none" if pp == 1 else "gpipe"),
+    inputs = input_specs(tuple(example_inputs), dict(example_kwargs or {}))
+    return Plan(fingerprint=fingerprint_of(model, inputs) if inputs else "manual", model=type(model).__name__,
+                world_size=dp * pp, hardware="unknown", inputs=inputs, mesh=Mesh(dp=dp, pp=pp),
+                schedule=Schedule(num_micro_batches=micro_batches, name="none" if pp == 1 else schedule),
                 mixed_precision=precision, units=tuple(units), stages=stages,
                 predicted=Predicted(peak_bytes=0, step_time_s=0.0),
                 reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"))

@@ -116,11 +116,21 @@ class Program:
         return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
 
     def loss(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        args, target = self.split_target(args)
+        return self.loss_of(self(*args, **kwargs), target)
+
+    def split_target(self, args: tuple) -> tuple[tuple, Any]:
+        """(the model's positional arguments, the target): with loss_fn, the target is the last argument."""
+        if self.loss_fn is None:
+            return args, None
+        if not args:
+            raise ShardplanError("with loss_fn, pass the target as the last positional argument of step()")
+        return args[:-1], args[-1]
+
+    def loss_of(self, output: Any, target: Any) -> torch.Tensor:
+        """The scalar loss of the model's `output`: loss_fn(output, target), or the output itself or its .loss."""
         if self.loss_fn is not None:
-            if not args:
-                raise ShardplanError("with loss_fn, pass the target as the last positional argument of step()")
-            return self.loss_fn(self(*args[:-1], **kwargs), args[-1])
-        output = self(*args, **kwargs)
+            return self.loss_fn(output, target)
         loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ShardplanError(f"the model returned {type(output).__name__}, not a scalar loss: return the "
@@ -169,16 +179,22 @@ def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
                 "(one data-parallel replica's batch): pass batches of that shape, or re-plan for this one")
 
 
-def split_micro_batches(args: tuple, kwargs: dict, count: int) -> list[tuple[tuple, dict]]:
-    """Split every tensor of (args, kwargs) with a batch dim into `count` equal parts along dim 0."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+def check_micro_batches(args: tuple, kwargs: dict, count: int) -> None:
+    """Refuse a batch that does not split into `count` equal micro-batches along dim 0."""
+    leaves = pytree.tree_leaves((args, kwargs))
     batch_sizes = sorted({leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0})
-    if count == 1:
-        return [(args, kwargs)]
-    if len(batch_sizes) != 1 or batch_sizes[0] % count:
+    if count > 1 and (len(batch_sizes) != 1 or batch_sizes[0] % count):
         raise RuntimeMismatchError(f"the plan splits each batch into {count} micro-batches along dim 0, but the "
                                    f"inputs have batch sizes {batch_sizes}: pass one batch size divisible by "
                                    f"{count}, or re-plan with another num_micro_batches")
+
+
+def split_micro_batches(args: tuple, kwargs: dict, count: int) -> list[tuple[tuple, dict]]:
+    """Split every tensor of (args, kwargs) with a batch dim into `count` equal parts along dim 0."""
+    check_micro_batches(args, kwargs, count)
+    if count == 1:
+        return [(args, kwargs)]
+    leaves, spec = pytree.tree_flatten((args, kwargs))
     parts = [leaf.chunk(count) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * count
              for leaf in leaves]
     return [pytree.tree_unflatten([part[index] for part in parts], spec) for index in range(count)]

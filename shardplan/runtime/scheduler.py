@@ -26,6 +26,7 @@ unit's buffer (a parameter view, its transpose) by (unit, size, stride,
 offset); unpacking gathers the unit again and rebuilds the view. So no
 gathered buffer stays alive between forward and backward.
 """
+import contextlib
 import functools
 from typing import Callable, NamedTuple
 
@@ -48,13 +49,15 @@ class _GatherFlat(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, unit: FlatUnit, scheduler: "Scheduler") -> torch.Tensor:
-        ctx.unit, ctx.scheduler = unit, scheduler
+        # decided now, not in backward: a pipeline schedule runs forwards of later micro-batches
+        # before the backward of earlier ones
+        ctx.unit, ctx.scheduler, ctx.communicate = unit, scheduler, scheduler.communicate
         buffer = unit.gathered()
         return buffer.view_as(buffer)
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
-        ctx.scheduler.unit_backward_done(ctx.unit, grad_full)
+        ctx.scheduler.unit_backward_done(ctx.unit, grad_full, communicate=ctx.communicate)
         return None, None, None
 
 
@@ -66,7 +69,8 @@ class Scheduler:
     def __init__(self, units: list[FlatUnit], module_counts: dict[FlatUnit, int]):
         self.units = units
         self.communicate = True
-        """Whether backward reduces gradients (False on micro-batches before the last)."""
+        """Whether the backward of the forward now running reduces gradients (False on micro-batches
+        before the last)."""
         self._module_counts = module_counts
         """Number of distinct modules of each unit: all have run once a unit's forward is over."""
         self._epoch = 0
@@ -83,23 +87,30 @@ class Scheduler:
         self._reducing: FlatUnit | None = None
         self._callback_queued = False
 
-    # forward pass boundaries (Program.__call__)
+    # forward pass boundaries
 
-    def begin_forward(self) -> None:
+    @contextlib.contextmanager
+    def forward_pass(self):
+        """One forward pass of the model (or of a pipeline stage, for one micro-batch)."""
+        self._begin_forward()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._end_forward()
+
+    def _begin_forward(self) -> None:
         self._epoch += 1
         self._order = []
         for done in self._modules_done.values():
             done.clear()
 
-    def end_forward(self) -> None:
+    def _end_forward(self) -> None:
         self._next.update(zip(self._order, self._order[1:]))
         for unit in self.units:
             if unit.state is not UnitState.SHARDED and (unit.spec.reshard_after_forward
                                                         or not torch.is_grad_enabled()):
                 self._release(unit)
-
-    def saved_tensors_hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     # module wrapping
 
@@ -177,14 +188,14 @@ class Scheduler:
 
     # backward
 
-    def unit_backward_done(self, unit: FlatUnit, grad_full: torch.Tensor) -> None:
+    def unit_backward_done(self, unit: FlatUnit, grad_full: torch.Tensor, *, communicate: bool) -> None:
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._end_backward)
             self._callback_queued = True
         if self._reducing is not None:  # one reduction in flight: finish it before issuing the next
             self._reducing.finish_reduction()
             self._reducing = None
-        unit.reduce(grad_full, communicate=self.communicate)
+        unit.reduce(grad_full, communicate=communicate)
         if unit.reducing:
             self._reducing = unit
         self._release(unit)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import PlanError, ShardplanError
-from ..plan import Plan, ShardStrategy
+from ..plan import Plan, ShardStrategy, Unit
 from . import collectives
 from .checkpointing import checkpointed
 from .flat_param import FlatLayout
@@ -33,12 +33,8 @@ class ShardedProgram(Program):
         _wrap_forwards(module, modules, self.units, self.scheduler)
 
     def __call__(self, *args, **kwargs) -> Any:
-        self.scheduler.begin_forward()
-        try:
-            with self.scheduler.saved_tensors_hooks():
-                return self.module(*args, **kwargs)
-        finally:
-            self.scheduler.end_forward()
+        with self.scheduler.forward_pass():
+            return self.module(*args, **kwargs)
 
     def parameters(self) -> list[nn.Parameter]:
         return [unit.shard for unit in self.units]
@@ -67,7 +63,10 @@ class ShardedProgram(Program):
         return grad_norm_term(sharded, norm_type), grad_norm_term(replicated, norm_type)
 
 
-def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device) -> list[FlatUnit]:
+def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device, *,
+                units: tuple[Unit, ...] | None = None, group: collectives.Group = None) -> list[FlatUnit]:
+    """This rank's FlatUnits of `units` (default: all of the plan's), sharded over `group`, in which
+    this rank is `rank`."""
     named = dict(model.named_parameters())
     _check_coverage(plan, named)
     slots_of: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -79,8 +78,8 @@ def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device) -
                 owners.setdefault(id(parameter), []).append(path)
     compute_dtype = getattr(torch, plan.mixed_precision.param_dtype)
     reduce_dtype = getattr(torch, plan.mixed_precision.reduce_dtype)
-    units = []
-    for spec in plan.units:
+    built = []
+    for spec in plan.units if units is None else units:
         # slots are found by the original Parameter objects: materializing replaces them
         slots = [(module, attribute, index) for index, name in enumerate(spec.params)
                  for module, attribute in slots_of[id(named[name])]]
@@ -95,13 +94,13 @@ def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device) -
                                  "one requires_grad; put frozen parameters in units of their own")
         layout = FlatLayout.of(spec.name, list(zip(spec.params, parameters)), plan.mesh.dp)
         with torch.no_grad():
-            flat = collectives.broadcast_(layout.flatten([p.detach().to(device) for p in parameters]))
+            flat = collectives.broadcast_(layout.flatten([p.detach().to(device) for p in parameters]), group)
         shard, full = _keep_slice(spec.strategy, flat, layout, rank, spec.offload)
         shard.requires_grad_(trainable == {True})
         unit = FlatUnit(spec=spec, layout=layout, shard=shard, full=full, slots=slots, rank=rank,
-                        compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, device=device)
+                        compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, device=device, group=group)
         unit.release()  # the modules' own tensors give way to placeholders: only the shard stays
-        units.append(unit)
+        built.append(unit)
     meta_buffer_owners = [path for path, module in model.named_modules()
                           if any(buffer.is_meta for buffer in module.buffers(recurse=False))]
     if meta_buffer_owners:  # modules with buffers and no parameters (rotary embeddings)
@@ -110,7 +109,7 @@ def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device) -
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[name] = buffer.to(device)
-    return units
+    return built
 
 
 def _keep_slice(strategy: ShardStrategy, flat: torch.Tensor, layout: FlatLayout, rank: int,

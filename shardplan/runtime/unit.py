@@ -40,7 +40,7 @@ class UnitState(enum.Enum):
 class FlatUnit:
     def __init__(self, *, spec: Unit, layout: FlatLayout, shard: nn.Parameter, full: torch.Tensor | None,
                  slots: list[tuple[nn.Module, str, int]], rank: int, compute_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, device: torch.device):
+                 reduce_dtype: torch.dtype, device: torch.device, group: collectives.Group = None):
         self.spec = spec
         self.layout = layout
         self.shard = shard
@@ -50,6 +50,8 @@ class FlatUnit:
         self.slots = slots
         """(module, attribute, index in layout) for every place a parameter is presented, ties included."""
         self.rank = rank
+        """This rank's index in `group`, which the unit is sharded over."""
+        self.group = group
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.device = device
@@ -87,7 +89,7 @@ class FlatUnit:
     def prefetch(self) -> None:
         """Start gathering without waiting (only sharded units need communication to gather)."""
         if self.state is UnitState.SHARDED and self.sharded:
-            self._pending_gather = collectives.all_gather(self._compute_shard(), async_op=True)
+            self._pending_gather = collectives.all_gather(self._compute_shard(), async_op=True, group=self.group)
             self.state = UnitState.GATHERING
 
     def gathered(self) -> torch.Tensor:
@@ -135,9 +137,9 @@ class FlatUnit:
             self._grad_accumulator = grad if grad is not grad_full else grad.clone()
             return
         if self.sharded:
-            self._pending_reduce = collectives.reduce_scatter_mean(grad, async_op=True)
+            self._pending_reduce = collectives.reduce_scatter_mean(grad, async_op=True, group=self.group)
         else:
-            self._pending_reduce = collectives.all_reduce_mean(grad, async_op=True)
+            self._pending_reduce = collectives.all_reduce_mean(grad, async_op=True, group=self.group)
 
     @property
     def reducing(self) -> bool:
@@ -158,7 +160,7 @@ class FlatUnit:
     def full_values(self) -> torch.Tensor:
         """The full fp32 buffer (a collective for sharded units: call on every rank)."""
         if self.sharded:
-            return collectives.wait(collectives.all_gather(self.shard.detach(), async_op=False))
+            return collectives.wait(collectives.all_gather(self.shard.detach(), async_op=False, group=self.group))
         self._sync_full()
         return (self.full if self.full is not None else self.shard).detach()
 
@@ -179,7 +181,7 @@ class FlatUnit:
 
     def _materialize(self) -> torch.Tensor:
         if self.sharded:
-            return collectives.wait(collectives.all_gather(self._compute_shard(), async_op=False))
+            return collectives.wait(collectives.all_gather(self._compute_shard(), async_op=False, group=self.group))
         self._sync_full()
         persistent = (self.full if self.full is not None else self.shard).detach()
         return persistent.to(device=self.device, dtype=self.compute_dtype)
@@ -188,7 +190,7 @@ class FlatUnit:
         """SHARD_OPTIMIZER: after an optimizer step changed this rank's slice, gather every slice."""
         if self.full is None or self.shard._version == self._synced_version:
             return
-        gathered = collectives.wait(collectives.all_gather(self.shard.detach().clone(), async_op=False))
+        gathered = collectives.wait(collectives.all_gather(self.shard.detach().clone(), async_op=False, group=self.group))
         with torch.no_grad():
             self.full.copy_(gathered)
         self._synced_version = self.shard._version

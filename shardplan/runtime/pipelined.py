@@ -1,0 +1,168 @@
+"""backend="shardplan" with pp > 1: the plan's stages run by torch.distributed.pipelining.
+
+Rank r holds stage r // dp as replica r % dp (plan.Mesh). Its stage is cut out
+of the captured graph (see [Note: stage graphs] in stages.py); its units are
+built as without pipelining, but sharded over the stage's data-parallel
+group; a GPipe or 1F1B schedule runs the stage and sends activations and
+their gradients to the neighbouring stages of the same replica.
+
+[Note: pipelined step] `step` means what it means at pp == 1: the loss
+averaged over micro-batches and ranks, and gradients of that average. Each
+micro-batch's loss is divided by their number (so the schedule is told not to
+scale gradients), and a micro-batch's backward reduces gradients only when it
+is the last micro-batch, decided when its forward runs (scheduler._GatherFlat):
+the schedule interleaves forwards and backwards of different micro-batches.
+"""
+import contextlib
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.fx import _pytree as fx_pytree
+from torch.utils import _pytree as pytree
+
+from ..errors import PlanError, ShardplanError
+from ..plan import Plan
+from . import collectives
+from .checkpointing import checkpointed
+from .program import check_batch, check_micro_batches
+from .scheduler import Scheduler
+from .sharded import ShardedProgram, build_units
+from .stages import BlockCall, StageGraph, StageModule, attribute_of, block_runner, cut_stages
+
+
+def schedule_class(name: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    if name not in classes:
+        raise PlanError(f"the plan pipelines with schedule {name!r}: a plan with pp > 1 runs one of "
+                        f"{', '.join(classes)}; re-plan with shardplan.compile")
+    return classes[name]
+
+
+class PipelinedProgram(ShardedProgram):
+    """The units of this rank's stage (ShardedProgram's, over the stage's dp group), run by a schedule."""
+
+    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
+        from torch.distributed.pipelining import PipelineStage
+
+        # not ShardedProgram.__init__: that one builds every unit of the plan and wraps module forwards
+        super(ShardedProgram, self).__init__(module, plan, loss_fn)
+        self.groups = collectives.pipeline_groups(device.type, plan.mesh.dp, plan.mesh.pp)
+        stages = cut_stages(module, plan)
+        reads = _units_read(module, plan, stages)  # before the units replace the parameters
+        self.graph = stages[self.groups.stage]
+        specs = {unit.name: unit for unit in plan.units}
+        _drop_other_stages(module, plan, self.graph.index)
+        self.units = build_units(module, plan, self.groups.replica, device, group=self.groups.data_parallel,
+                                 units=tuple(specs[name] for name in plan.stages[self.graph.index].units))
+        by_name = {unit.name: unit for unit in self.units}
+        self.scheduler = Scheduler(self.units, {unit: sum(call.unit == unit.name for call in self.graph.calls)
+                                                for unit in self.units})
+
+        def run_block(call: BlockCall) -> Callable:
+            run = self.scheduler.wrap(block_runner(call, module, self.graph.constants),
+                                      tuple(by_name[name] for name in reads[call.node]), call.name,
+                                      by_name[call.unit])
+            return checkpointed(run, specs[call.unit].checkpoint)
+        self._forwards_this_step = 0
+        examples = self.graph.examples
+        stage = PipelineStage(StageModule(self.graph, run_block, self._micro_batch_forward), self.graph.index,
+                              plan.mesh.pp, device, group=self.groups.pipeline,
+                              input_args=tuple(examples[name] for name in self.graph.inbound),
+                              output_args=tuple(examples[name] for name in self.graph.outbound))
+        self.schedule = schedule_class(plan.schedule.name)(
+            stage, n_microbatches=plan.schedule.num_micro_batches, loss_fn=self._micro_batch_loss,
+            scale_grads=False)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        raise ShardplanError("a pipelined program runs whole training steps, each stage on its own ranks: call "
+                             "program.step(...); to run the model's forward alone, plan with pp=1")
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """As Program.step (see [Note: pipelined step]): call on every rank with the same batch."""
+        check_batch(self.plan, args, kwargs)
+        args, target = self.split_target(args)
+        count = self.plan.schedule.num_micro_batches
+        check_micro_batches(args, kwargs, count)
+        first, last = self.graph.index == 0, self.graph.index == self.plan.mesh.pp - 1
+        inputs = fx_pytree.tree_flatten_spec((args, kwargs), self.graph.input_spec) if first else ()
+        if last and target is None:  # the schedule computes a loss only given a target to split
+            target = torch.zeros(count)
+        losses: list[torch.Tensor] = []
+        self._forwards_this_step = 0
+        try:
+            self.schedule.step(*inputs, target=target if last else None, losses=losses, return_outputs=False)
+        finally:
+            self.scheduler.communicate = True
+        mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
+        return collectives.all_reduce_sum(mine) / self.plan.mesh.dp
+
+    @contextlib.contextmanager
+    def _micro_batch_forward(self):
+        self.scheduler.communicate = self._forwards_this_step == self.plan.schedule.num_micro_batches - 1
+        self._forwards_this_step += 1
+        with self.scheduler.forward_pass():
+            yield
+
+    def _micro_batch_loss(self, outputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor:
+        output = pytree.tree_unflatten(list(outputs), self.graph.output_spec)
+        loss = self.loss_of(output, target if self.loss_fn is not None else None)
+        return loss / self.plan.schedule.num_micro_batches
+
+    def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # sharded terms are summed over the whole world by clip_grad_norm_; a replicated unit's term is
+        # the same on its stage's ranks, so it is combined over the stages only
+        sharded, replicated = super()._grad_norm_terms(norm_type)
+        combine = collectives.all_reduce_max if norm_type == float("inf") else collectives.all_reduce_sum
+        return sharded, combine(replicated, self.groups.pipeline)
+
+    def save(self, path, optimizer=None) -> None:
+        raise _no_checkpoints_yet()
+
+    def load(self, path, optimizer=None) -> None:
+        raise _no_checkpoints_yet()
+
+    def export_full_state_dict(self, path=None) -> dict[str, torch.Tensor]:
+        raise _no_checkpoints_yet()
+
+
+def _no_checkpoints_yet() -> ShardplanError:
+    return ShardplanError("checkpoints of pipelined programs (pp > 1) are not supported yet: train with a pp=1 "
+                          "plan to save, or save from a pp=1 run and resume it under any plan")
+
+
+def _units_read(model: nn.Module, plan: Plan, stages: list[StageGraph]) -> dict[str, list[str]]:
+    """The units each block needs gathered: its own, and the owners of every parameter it reads (tied
+    weights), which must be on the block's stage."""
+    unit_of_param = {id(model.get_parameter(name)): unit.name for unit in plan.units for name in unit.params}
+    reads = {}
+    for graph, call in ((graph, call) for graph in stages for call in graph.calls):
+        here = set(plan.stages[graph.index].units)
+        owners = [unit_of_param[id(value)] for value in map(functools.partial(attribute_of, model), call.attributes)
+                  if id(value) in unit_of_param]
+        elsewhere = sorted(set(owners) - here)
+        if elsewhere:
+            raise PlanError(f"block {call.name!r} on stage {graph.index} reads parameters of unit(s) {elsewhere}, "
+                            "held by another stage (tied weights): keep the modules sharing parameters on one "
+                            "stage, or untie them")
+        reads[call.node] = list(dict.fromkeys([call.unit] + owners))
+    return reads
+
+
+def _drop_other_stages(model: nn.Module, plan: Plan, stage_index: int) -> None:
+    """Free the parameters of other stages, which this rank never reads (meta stand-ins keep their shapes)."""
+    kept = {name for unit in plan.units if unit.name in plan.stages[stage_index].units for name in unit.params}
+    canonical = {id(parameter): name for name, parameter in model.named_parameters()}
+    stand_ins: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    """id → (the parameter, kept alive while its id is a key; its meta stand-in, one per tie)."""
+    for module in model.modules():
+        for attribute, parameter in list(module._parameters.items()):
+            if parameter is None or parameter.is_meta or canonical[id(parameter)] in kept:
+                continue
+            if id(parameter) not in stand_ins:
+                stand_ins[id(parameter)] = parameter, nn.Parameter(torch.empty_like(parameter, device="meta"),
+                                                                   requires_grad=parameter.requires_grad)
+            module._parameters[attribute] = stand_ins[id(parameter)][1]

@@ -1,0 +1,263 @@
+"""Pipeline stages cut out of the captured graph (see [Note: stage graphs]).
+
+[Note: stage graphs] A stage cannot be cut out of the model's Python code, so
+it is cut out of its graph: the model is captured again at the shape of one
+micro-batch, the graph is split into one partition per block (the blocks of
+the analysis, torch.fx split_module), and each rank runs the partitions of
+its stage, in graph order. Values that cross a cut are what a stage sends and
+the next receives: the residual stream, and any model input a later stage
+reads (labels), which the stages before it pass along.
+
+A partition takes its parameters as arguments; they are read from the model
+only when it runs, inside the scheduler's wrap, once its units have presented
+their gathered views. So a block is run as a module is without pipelining:
+gathered, prefetched, released and checkpointed the same way, and a stage's
+units shard over its data-parallel group unchanged.
+"""
+import contextlib
+import functools
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.fx.passes.split_module import split_module
+
+from ..chain import InputSpec
+from ..errors import PlanError, ShardplanError
+from ..plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockCall:
+    """One block's partition and how the stage calls it."""
+
+    name: str
+    """The block's name (its module path)."""
+    unit: str
+    """The unit the block belongs to."""
+    partition: torch.fx.GraphModule
+    arguments: tuple[tuple[bool, str], ...]
+    """(is an attribute, name) per argument: a value's node name, or the dotted name of a parameter,
+    buffer or constant."""
+    results: tuple[str, ...] | None
+    """Node names of the partition's outputs when it returns a tuple; None when it returns one value,
+    bound to the block's own name in the graph."""
+    node: str
+    """The partition's node name in the split graph."""
+
+    @property
+    def attributes(self) -> tuple[str, ...]:
+        return tuple(name for is_attribute, name in self.arguments if is_attribute)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageGraph:
+    """What one stage runs, and what crosses its cuts."""
+
+    index: int
+    calls: tuple[BlockCall, ...]
+    inbound: tuple[str, ...]
+    """Values the stage receives, in order (stage 0: the model's flat inputs)."""
+    outbound: tuple[str, ...]
+    """Values it sends on (the last stage: the model's flat outputs)."""
+    examples: dict[str, torch.Tensor]
+    """A meta tensor like each inbound and outbound value (shape, dtype, requires_grad), which the
+    pipeline sizes its receive buffers by."""
+    constants: dict[str, torch.Tensor]
+    """Tensors the capture made that the model does not hold (lifted constants), by dotted name."""
+    input_spec: Any
+    """How the model's (args, kwargs) flatten into stage 0's inputs (a pytree spec)."""
+    output_spec: Any
+    """How the last stage's outputs unflatten into what the model returns."""
+
+
+def micro_batch_inputs(inputs: tuple[InputSpec, ...], num_micro_batches: int) -> tuple[tuple, dict]:
+    """Meta tensors shaped like one micro-batch of the plan's inputs (dim 0 divided)."""
+    def tensor(spec: InputSpec) -> torch.Tensor:
+        shape = list(spec.shape)
+        if shape:
+            shape[0] //= num_micro_batches
+        return torch.empty(shape, dtype=getattr(torch, spec.dtype), device="meta")
+    args = tuple(tensor(spec) for spec in inputs if spec.name.isdigit())
+    kwargs = {spec.name: tensor(spec) for spec in inputs if not spec.name.isdigit()}
+    return args, kwargs
+
+
+def cut_stages(model: nn.Module, plan: Plan) -> list[StageGraph]:
+    """Capture `model` at one micro-batch and cut it into the stages of `plan`.
+
+    Every rank cuts every stage, so a plan that cannot run fails alike on all of them."""
+    from ..capture import capture
+    from ..passes.blocks import block_modules, group_nodes
+    from ..passes.ownership import annotate_ownership_pass
+
+    if not plan.inputs:
+        raise PlanError("this plan records no input shapes (written by hand?): pipeline stages are cut from "
+                        "a capture at those shapes; make the plan with shardplan.compile")
+    gm = capture(model, *micro_batch_inputs(plan.inputs, plan.schedule.num_micro_batches)).gm
+    if not hasattr(gm, "_in_spec"):
+        raise ShardplanError(f"torch.export could not capture {type(model).__name__} (only symbolic tracing "
+                             "could), and pipeline stages are cut from an exported graph: make the model "
+                             "exportable, or plan with pp=1")
+    for node in gm.graph.find_nodes(op="call_module"):
+        if str(node.target).startswith("_guards"):
+            gm.graph.erase_node(node)  # re-checks input shapes, which Program.step has done
+    annotate_ownership_pass(gm)
+    groups = group_nodes(gm)
+    units = _unit_of_blocks(plan, block_modules(groups))
+    stage_of_unit = {name: stage.index for stage in plan.stages for name in stage.units}
+    block_of = {node: index for index, group in enumerate(groups) for node in group.nodes}
+    split = split_module(gm, gm, lambda node: block_of[node], keep_original_order=True)
+
+    last = plan.mesh.pp - 1
+    made_by: dict[str, int] = {}
+    """Value → the stage computing it; model inputs count as stage 0's."""
+    last_read_by: dict[str, int] = {}
+    calls: list[list[BlockCall]] = [[] for _ in range(plan.mesh.pp)]
+    for node in split.graph.nodes:
+        if node.op == "placeholder":
+            made_by[node.name] = 0
+        elif node.op == "call_module":
+            block = int(str(node.target).removeprefix("submod_"))
+            made_by[node.name] = stage_of_unit[units[block]]
+            calls[made_by[node.name]].append(_block_call(split, node, groups[block].name, units[block]))
+        elif node.op == "call_function" and node.target is operator.getitem:
+            made_by[node.name] = made_by[node.args[0].name]
+        reader = last if node.op == "output" else made_by.get(node.name)
+        for value in node.all_input_nodes:
+            if value.op != "get_attr":
+                last_read_by[value.name] = max(last_read_by.get(value.name, 0), reader)
+
+    tuples = {node.name for node in split.graph.nodes if _returns_tuple(node)}
+
+    def crossing(cut: int) -> tuple[str, ...]:  # values made before the cut and read after it
+        return tuple(name for name in made_by
+                     if made_by[name] < cut <= last_read_by.get(name, -1) and name not in tuples)
+    placeholders = tuple(node.name for node in split.graph.find_nodes(op="placeholder"))
+    output = next(iter(split.graph.find_nodes(op="output")))
+    stages = []
+    for index in range(plan.mesh.pp):
+        inbound = placeholders if index == 0 else crossing(index)
+        outbound = _output_names(output) if index == last else crossing(index + 1)
+        stages.append(StageGraph(
+            index=index, calls=tuple(calls[index]), inbound=inbound, outbound=outbound,
+            examples=_examples(split, inbound + outbound),
+            constants={target: attribute_of(split, target) for call in calls[index] for target in call.attributes
+                       if attribute_of(model, target) is None},
+            input_spec=gm._in_spec, output_spec=gm._out_spec))
+    return stages
+
+
+def _unit_of_blocks(plan: Plan, modules_of_block: list[tuple[str, ...]]) -> list[str]:
+    """The plan's unit of each block of the graph; a block of no module joins the block before it."""
+    unit_of_module = {module: unit.name for unit in plan.units for module in unit.modules}
+    units: list[str] = []
+    for modules in modules_of_block:
+        found = [unit_of_module[m] for m in modules if m in unit_of_module]
+        if modules and not found:
+            raise PlanError(f"the graph has a block of modules {list(modules)} that no unit of the plan holds: "
+                            "the plan was made for another model; re-plan with this one")
+        units.append(found[0] if found else units[-1] if units else plan.units[0].name)
+    stage_of_unit = {name: stage.index for stage in plan.stages for name in stage.units}
+    stages = [stage_of_unit[unit] for unit in units]
+    if stages != sorted(stages):
+        raise PlanError(f"the plan's stages do not follow the graph's order (stage of each block: {stages}): "
+                        "each stage must hold consecutive blocks; re-plan with shardplan.compile")
+    return units
+
+
+def _block_call(split: torch.fx.GraphModule, node: torch.fx.Node, name: str, unit: str) -> BlockCall:
+    if node.kwargs:
+        raise ShardplanError(f"block {name!r} was split with keyword arguments, which stages do not pass")
+    arguments = tuple((value.op == "get_attr", str(value.target) if value.op == "get_attr" else value.name)
+                      for value in node.args)
+    results = None
+    if _returns_tuple(node):
+        by_index = {user.args[1]: user.name for user in node.users}
+        results = tuple(by_index.get(index, "") for index in range(max(by_index) + 1))
+    return BlockCall(name=name, unit=unit, partition=getattr(split, str(node.target)), arguments=arguments,
+                     results=results, node=node.name)
+
+
+def _returns_tuple(node: torch.fx.Node) -> bool:
+    """A partition returning several values: its users are the getitems taking them apart."""
+    return (node.op == "call_module" and bool(node.users)
+            and all(user.op == "call_function" and user.target is operator.getitem for user in node.users))
+
+
+def _examples(split: torch.fx.GraphModule, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Meta tensors like the values `names` (capture recorded them on the partitions' outputs)."""
+    nodes = {node.name: node for node in split.graph.nodes}
+    examples = {}
+    for name in names:
+        node, index = nodes[name], None
+        if node.op == "call_function":  # a getitem of a partition's outputs
+            node, index = node.args[0], node.args[1]
+        if node.op == "placeholder":
+            value = node.meta["val"]
+        else:
+            returned = next(iter(getattr(split, str(node.target)).graph.find_nodes(op="output"))).args[0]
+            value = (returned if index is None else returned[index]).meta["val"]
+        if not isinstance(value, torch.Tensor):
+            raise ShardplanError(f"a pipeline stage would send {name!r}, a {type(value).__name__}, to the next "
+                                 "stage: only tensors cross stages; plan with pp=1 for this model")
+        examples[name] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta",
+                                             requires_grad=node.op != "placeholder" and value.is_floating_point())
+    return examples
+
+
+def _output_names(output: torch.fx.Node) -> tuple[str, ...]:
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    if not all(isinstance(value, torch.fx.Node) for value in values):
+        raise ShardplanError("the model returns values that are not tensors computed by the graph (constants or "
+                             "None): the last pipeline stage can only return tensors; return only tensors, or "
+                             "plan with pp=1")
+    return tuple(value.name for value in values)
+
+
+def attribute_of(module: nn.Module, target: str) -> Any:
+    """The parameter, buffer or tensor at dotted name `target`; None if there is none."""
+    try:
+        return functools.reduce(getattr, target.split("."), module)
+    except AttributeError:
+        return None
+
+
+class StageModule(nn.Module):
+    """The forward of one pipeline stage: its blocks in graph order, inbound values in, outbound out.
+
+    `run_block(call)` gives the callable that runs one block from its activation arguments (the
+    runtime wraps it with unit gathering and checkpointing); `forward_pass()` is the context one
+    micro-batch's forward runs in."""
+
+    def __init__(self, graph: StageGraph, run_block: Callable[[BlockCall], Callable],
+                 forward_pass: Callable[[], contextlib.AbstractContextManager]):
+        super().__init__()
+        self.graph = graph
+        self._runs = [(call, run_block(call)) for call in graph.calls]
+        self._forward_pass = forward_pass
+
+    def forward(self, *inbound: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values = dict(zip(self.graph.inbound, inbound))
+        with self._forward_pass():
+            for call, run in self._runs:
+                result = run(*(values[name] for is_attribute, name in call.arguments if not is_attribute))
+                if call.results is None:
+                    values[call.node] = result
+                else:
+                    values.update((name, value) for name, value in zip(call.results, result) if name)
+        return tuple(values[name] for name in self.graph.outbound)
+
+
+def block_runner(call: BlockCall, model: nn.Module, constants: dict[str, torch.Tensor]) -> Callable:
+    """A callable running `call`'s partition on activations, reading its attributes from `model` as it starts
+    (where the block's units present their gathered parameters) or from `constants`."""
+    def run(*values):
+        given = iter(values)
+        arguments = [(constants[name] if name in constants else attribute_of(model, name)) if is_attribute
+                     else next(given) for is_attribute, name in call.arguments]
+        return call.partition(*arguments)
+    return run

@@ -1,0 +1,219 @@
+"""Pipeline parity: plans with pp > 1 train exactly like one process on the whole batch.
+
+One spawned world per world size (pp 2 at world 2; pp 2 × dp 2 at world 4) runs a grid of
+cases (schedules × strategies × checkpointing × micro-batches, a Hugging Face model, loss_fn,
+a plan the solver chose because pure FSDP did not fit) and the errors; rank 0 writes one JSON
+record per case and the tests read them.
+"""
+import copy
+import datetime
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardplan import compile as compile_plan
+from shardplan import zoo
+from shardplan.errors import InfeasibleError, ShardplanError
+from shardplan.plan import Checkpoint, Plan, ShardStrategy
+from shardplan.runtime import collectives, parallelize, shutdown
+from shardplan.runtime.launch import free_port
+from shardplan.runtime.manual import manual_plan
+
+STEPS = 5
+TOLERANCE = 1e-5
+ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}
+MIXED = {"strategies": tuple(ShardStrategy), "checkpoints": tuple(Checkpoint)}
+"""Every unit a different strategy and checkpointing (see test_runtime)."""
+
+MODELS = {
+    "gpt": (lambda batch: zoo.gpt(batch=batch),
+            [("wte", "wpe")] + [(f"h.{i}",) for i in range(4)] + [("ln_f", "lm_head")]),
+    "llama": (lambda batch: zoo.hf_llama(batch=batch, seq=16),
+              [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
+    "gpt2-tied": (lambda batch: zoo.hf_gpt2(batch=batch, seq=16),
+                  [("transformer.wte", "transformer.wpe"), ("transformer.h.0",), ("transformer.h.1",),
+                   ("transformer.ln_f", "lm_head")]),
+}
+REPLICA_BATCH = 4
+
+
+def run_case(rank: int, world: int, case: dict) -> dict:
+    """Train `case` for STEPS steps next to a one-process reference; the largest differences over all ranks."""
+    given = Plan.from_json(case["plan"]) if "plan" in case else None
+    dp = given.mesh.dp if given else world // 2
+    build, groups = MODELS[case["model"]]
+    batch = case.get("replica_batch", REPLICA_BATCH)
+    torch.manual_seed(0)
+    reference = build(batch * dp).model
+    model = copy.deepcopy(reference)
+    vocab, seq = reference.config.vocab_size, 32 if case["model"] == "gpt" else 16
+
+    def batch_of(step: int) -> torch.Tensor:
+        return torch.randint(0, vocab, (batch * dp, seq), generator=torch.Generator().manual_seed(step))
+    mine = batch_of(0).chunk(dp)[rank % dp]
+    plan = given or manual_plan(model, groups, dp=dp, pp=2, schedule=case["schedule"],
+                                micro_batches=case["micro_batches"], strategies=case["strategies"],
+                                checkpoints=case["checkpoints"], example_inputs=(mine,),
+                                example_kwargs={"labels": mine})
+    program = parallelize(model, plan)
+    optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    loss_error = 0.0
+    for step in range(STEPS):
+        ids = batch_of(step)
+        mine = ids.chunk(dp)[rank % dp]
+        loss = program.step(mine, labels=mine)
+        reference_loss = _loss(reference(ids, labels=ids))
+        reference_loss.backward()
+        if case.get("clip"):
+            norm = program.clip_grad_norm_(case["clip"])
+            reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), case["clip"])
+            loss_error = max(loss_error, abs(float(norm) - float(reference_norm)) / float(reference_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        loss_error = max(loss_error, abs(float(loss) - float(reference_loss)))
+    return {"loss_error": loss_error, "param_error": _param_error(program, reference),
+            "mesh": [plan.mesh.dp, plan.mesh.pp], "schedule": plan.schedule.name}
+
+
+def _loss(output):
+    return output if isinstance(output, torch.Tensor) else output.loss
+
+
+def _param_error(program, reference: torch.nn.Module) -> float:
+    """Largest difference of any parameter from the reference's, over every stage's units."""
+    expected = dict(reference.named_parameters())
+    error = 0.0
+    for unit in program.units:  # full_values gathers over the stage's ranks: every rank calls it
+        for name, value in zip(unit.layout.names, unit.layout.split(unit.full_values())):
+            error = max(error, float((value - expected[name].detach()).abs().max()))
+    return float(collectives.all_reduce_max(torch.tensor(error)))
+
+
+def check_loss_fn(rank: int, world: int) -> float:
+    """A model returning predictions, trained with loss_fn: the target reaches the last stage."""
+    dp = world // 2
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = copy.deepcopy(reference)
+    x = torch.randn(4 * dp, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(4 * dp, 1, generator=torch.Generator().manual_seed(2))
+    mine_x, mine_y = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
+    plan = manual_plan(model, [("0",), ("2",)], dp=dp, pp=2, micro_batches=2, example_inputs=(mine_x,))
+    program = parallelize(model, plan, loss_fn=torch.nn.functional.mse_loss)
+    loss = program.step(mine_x, mine_y)
+    expected = torch.nn.functional.mse_loss(reference(x), y)
+    expected.backward()
+    norm = program.clip_grad_norm_(1e9)
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+    return max(abs(float(loss) - float(expected)), abs(float(norm) - float(expected_norm)))
+
+
+def check_errors(rank: int, world: int) -> dict:
+    dp = world // 2
+    errors = {}
+
+    def attempt(name: str, action) -> None:
+        try:
+            action()
+            errors[name] = None
+        except ShardplanError as error:
+            errors[name] = [type(error).__name__, str(error)]
+
+    build, groups = MODELS["gpt2-tied"]
+    entry = build(REPLICA_BATCH)
+    ids = entry.args[0]
+    tied = manual_plan(entry.model, groups, dp=dp, pp=2, example_inputs=(ids,), example_kwargs={"labels": ids})
+    attempt("tied_across_stages", lambda: parallelize(entry.model, tied))
+    build, groups = MODELS["gpt"]
+    entry = build(REPLICA_BATCH)
+    ids = entry.args[0]
+    plan = manual_plan(entry.model, groups, dp=dp, pp=2, example_inputs=(ids,), example_kwargs={"labels": ids})
+    attempt("fsdp2", lambda: parallelize(copy.deepcopy(entry.model), plan, backend="fsdp2"))
+    program = parallelize(entry.model, plan)
+    attempt("forward_alone", lambda: program(ids, labels=ids))
+    attempt("save", lambda: program.save("unused"))
+    return errors
+
+
+def _worker(rank: int, world: int, port: int, cases: dict, path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        results = {name: run_case(rank, world, case) for name, case in cases.items()}
+        results["loss_fn"] = check_loss_fn(rank, world)
+        results["errors"] = check_errors(rank, world)
+        if rank == 0:
+            with open(path, "w") as handle:
+                json.dump(results, handle)
+    finally:
+        shutdown()  # see [Note: shutdown]
+
+
+def _spawn(world: int, cases: dict, tmp_path) -> dict:
+    path = os.fspath(tmp_path / f"world{world}.json")
+    mp.spawn(_worker, args=(world, free_port(), cases, path), nprocs=world, join=True)
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def solver_pipelined_plan() -> str:
+    """The plan compile chooses for GPT on 2 CPU ranks under a budget pure FSDP cannot meet."""
+    entry = zoo.gpt(batch=8)
+    unbounded = compile_plan(entry.model, 2, entry.args, entry.kwargs, hardware="cpu-gloo")
+    budget = int(0.3 * unbounded.predicted.peak_bytes)
+    with pytest.raises(InfeasibleError):
+        compile_plan(entry.model, 2, entry.args, entry.kwargs, hardware="cpu-gloo", memory_budget=budget,
+                     allow_pipeline=False)
+    plan = compile_plan(entry.model, 2, entry.args, entry.kwargs, hardware="cpu-gloo", memory_budget=budget,
+                        allow_pipeline=True)
+    assert plan.mesh.pp > 1 and plan.predicted.peak_bytes <= budget, plan.summary()
+    return plan.to_json()
+
+
+def _assert_parity(results: dict, cases: dict) -> None:
+    failures = {name: results[name] for name in cases
+                if not max(results[name]["loss_error"], results[name]["param_error"]) <= TOLERANCE}
+    assert not failures, failures
+
+
+WORLD2_CASES = {
+    "gpt/gpipe/m2/full_shard": {"model": "gpt", "schedule": "gpipe", "micro_batches": 2,
+                                "strategies": (ShardStrategy.FULL_SHARD,), "checkpoints": (Checkpoint.NONE,)},
+    "gpt/1f1b/m4/mixed/clip": {"model": "gpt", "schedule": "1f1b", "micro_batches": 4, **MIXED, "clip": 0.05},
+    "gpt/gpipe/m4/mixed": {"model": "gpt", "schedule": "gpipe", "micro_batches": 4, **MIXED},
+    "llama/1f1b/m2/mixed/clip": {"model": "llama", "schedule": "1f1b", "micro_batches": 2, **MIXED, "clip": 0.05},
+}
+WORLD4_CASES = {
+    "gpt/gpipe/m2/mixed/clip": {"model": "gpt", "schedule": "gpipe", "micro_batches": 2, **MIXED, "clip": 0.05},
+    "gpt/1f1b/m4/mixed": {"model": "gpt", "schedule": "1f1b", "micro_batches": 4, **MIXED},
+}
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_world2_matches_one_process(tmp_path):
+    cases = dict(WORLD2_CASES, solver={"model": "gpt", "plan": solver_pipelined_plan(), "replica_batch": 8})
+    results = _spawn(2, cases, tmp_path)
+    _assert_parity(results, cases)
+    assert results["solver"]["mesh"][1] == 2
+    assert results["loss_fn"] <= TOLERANCE
+    errors = results["errors"]
+    assert errors["tied_across_stages"][0] == "PlanError" and "tied" in errors["tied_across_stages"][1]
+    assert errors["fsdp2"][0] == "ShardplanError" and "backend='shardplan'" in errors["fsdp2"][1]
+    assert errors["forward_alone"][0] == "ShardplanError" and "step(" in errors["forward_alone"][1]
+    assert errors["save"][0] == "ShardplanError" and "pp=1" in errors["save"][1]
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_world4_pp2_dp2_matches_one_process(tmp_path):
+    results = _spawn(4, WORLD4_CASES, tmp_path)
+    _assert_parity(results, WORLD4_CASES)
+    assert all(results[name]["mesh"] == [2, 2] for name in WORLD4_CASES)
+    assert results["loss_fn"] <= TOLERANCE
