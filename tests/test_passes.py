@@ -1,11 +1,11 @@
 """Front end: capture and analysis passes against eager measurement."""
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from shardplan import CaptureError, zoo
 from shardplan.passes import analyze, fingerprint_of
 from shardplan.passes.blocks import block_name
+from shardplan.passes.execution import flop_counter
 from shardplan.runtime.measure import forward_activation_bytes
 
 SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama", "hf-bert", "hf-t5", "hf-mixtral"]
@@ -19,7 +19,7 @@ def _loss(output):
 def test_flops_and_parameter_bytes_match_eager(name):
     entry = zoo.build(name)
     chain = analyze(entry.model, entry.args, entry.kwargs)
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:  # torch's counter plus the CPU attention kernels it lacks
         _loss(entry.model(*entry.args, **entry.kwargs)).backward()
     assert chain.fwd_flops + chain.bwd_flops == pytest.approx(counter.get_total_flops(), rel=0.01)
     assert chain.param_bytes == sum(p.numel() * p.element_size() for p in entry.model.parameters())
@@ -118,3 +118,36 @@ def test_fingerprint_from_input_shapes_equals_the_analysis_fingerprint():
     entry = zoo.hf_llama()
     chain = analyze(entry.model, entry.args, entry.kwargs)
     assert fingerprint_of(entry.model, chain.inputs) == chain.fingerprint
+
+
+class Lookup(torch.nn.Module):
+    """An embedding lookup and nothing else, so its traffic is known by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(1000, 64)
+
+    def forward(self, ids):
+        return self.table(ids).sum()
+
+
+def test_an_embedding_reads_the_rows_it_gathers_and_its_backward_writes_the_table_gradient():
+    ids = torch.randint(0, 1000, (4, 8))
+    chain = analyze(Lookup(), (ids,))
+    (block,) = [b for b in chain.blocks if b.name == "table"]
+    rows_bytes, ids_bytes, table_bytes = 4 * 8 * 64 * 4, 4 * 8 * 8, 1000 * 64 * 4
+    # forward: the lookup reads the ids and the 32 rows and writes them, not the 1000-row table;
+    # then the sum reads them and writes a 4-byte scalar
+    assert block.fwd_memory_bytes == (ids_bytes + 2 * rows_bytes) + (rows_bytes + 4)
+    # backward: the sum's gradient is a view; embedding_dense_backward reads the rows' gradient and the
+    # ids and writes the whole table's gradient
+    assert block.bwd_memory_bytes == rows_bytes + ids_bytes + table_bytes
+    assert (block.fwd_ops, block.bwd_ops) == (2, 1)  # metadata queries (tensor.device) are not kernels
+
+
+def test_cpu_attention_has_flops():
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    with flop_counter() as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    # forward: two batched matmuls of 2·(2·4)·16·16·8 FLOPs; backward: five of them
+    assert counter.get_total_flops() == 7 * 2 * (2 * 4) * 16 * 16 * 8

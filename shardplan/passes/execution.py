@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..plan import SELECTIVE_SAVED_OPS
 from .facts import update_facts
@@ -68,13 +68,44 @@ class _LiveStorages(TorchDispatchMode):
         self.live_bytes -= size
 
 
+def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                                  **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_aten = torch.ops.aten
+EXTRA_FLOP_FORMULAS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
+"""FLOP formulas torch's FlopCounterMode lacks (2.13): the attention kernels eager CPU runs, counted
+as torch counts their CUDA twins. Without them a CPU transformer's attention had no FLOPs and was
+priced as a memory-bound op, ~5x faster than it runs."""
+
+
+def flop_counter() -> FlopCounterMode:
+    """FlopCounterMode with EXTRA_FLOP_FORMULAS: what the analysis counts, for checks against eager."""
+    return FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+
+
+GATHER_OPS = {_aten.embedding: 0, _aten.index_select: 0, _aten.gather: 0}
+"""Ops that read only some rows of one input (position given): an embedding lookup reads the rows
+it gathers, as many bytes as it writes, not its whole table."""
+
+
 class _Traffic(TorchDispatchMode):
     """Counts ops and the bytes memory-bound ops move.
 
-    An op FlopCounterMode counts (matmul, attention, convolution) is taken as
+    An op a FLOP formula counts (matmul, attention, convolution) is taken as
     compute-bound: its time comes from its FLOPs. Every other op that is not a
     view (elementwise, norms, softmax, copies) is taken as memory-bound: it
-    reads its inputs and writes its outputs once.
+    reads its inputs and writes its outputs once; a gather (GATHER_OPS) reads
+    from its table only what it writes. Metadata queries (`prim` ops such as
+    tensor.device, which modes see but no kernel runs for) are not ops.
     """
 
     def __init__(self):
@@ -89,12 +120,25 @@ class _Traffic(TorchDispatchMode):
         if func.overloadpacket.__name__ in SELECTIVE_SAVED_OPS:
             self.selective_bytes += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out)
                                         if isinstance(t, torch.Tensor))
-        if not func.is_view:
+        if not func.is_view and func.namespace != "prim":
             self.ops += 1
-            if func.overloadpacket not in flop_registry:
-                self.memory_bytes += sum(t.numel() * t.element_size()
-                                         for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+            packet = func.overloadpacket
+            if packet not in flop_registry and packet not in EXTRA_FLOP_FORMULAS:
+                self.memory_bytes += _moved_bytes(packet, args, kwargs, out)
         return out
+
+
+def _nbytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def _moved_bytes(packet, args: tuple, kwargs: dict | None, out) -> int:
+    """Bytes a memory-bound op reads and writes: all its tensors once; a gather's table only where read."""
+    table = GATHER_OPS.get(packet)
+    if table is None or table >= len(args):
+        return _nbytes((args, kwargs, out))
+    others = args[:table] + args[table + 1:]
+    return _nbytes((others, kwargs, out)) + _nbytes(out)
 
 
 class _Counters:
@@ -131,10 +175,13 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
     flat_inputs = [meta.stand_in(t) if isinstance(t, torch.Tensor) else t
                    for t in _flatten_inputs(gm, args, kwargs)]
     meta.ignored.update(StorageWeakRef(t.untyped_storage()) for t in flat_inputs if isinstance(t, torch.Tensor))
+    for node in gm.graph.nodes:  # stand-ins made before counting starts: making them is not the model's work
+        if node.op == "get_attr":
+            meta.tensor(node.target)
     live = _LiveStorages(meta.ignored)
     storage_id = _StorageIds()
-    flop_counter, traffic = FlopCounterMode(display=False), _Traffic()
-    counters = _Counters(flop_counter, traffic)
+    flops, traffic = flop_counter(), _Traffic()
+    counters = _Counters(flops, traffic)
     grad_fn_owner: dict[torch.autograd.graph.Node, torch.fx.Node] = {}
     current: list[torch.fx.Node] = []
     saved: dict[torch.fx.Node, dict[int, int]] = {}
@@ -169,7 +216,7 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
 
     # The fake mode is entered first so that it is innermost: the counting modes see each op before it.
     with meta.fake_mode:
-        with flop_counter, traffic, live, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with flops, traffic, live, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             outputs = Runner(gm).run(*flat_inputs)
         saved_ids = {sid for node_saved in saved.values() for sid in node_saved}
         returned = {storage_id(t): t.untyped_storage().nbytes() for t in pytree.tree_leaves(outputs)
