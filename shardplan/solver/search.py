@@ -82,6 +82,8 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
             continue
         for m in micro:
             for schedule in (SCHEDULES if pp > 1 else ("none",)):
+                if schedule == "1f1b" and m < pp:  # 1F1B's warm-up needs a micro-batch per stage
+                    continue
                 found.append(Configuration(dp=world // pp, pp=pp, num_micro_batches=m, schedule=schedule))
     return found
 
@@ -152,7 +154,7 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
         return solution, solution.time_s + ctx.pipeline_factor * (times_s[start] + times_s[end])
 
     floors = None if minimize_memory else compute_floors_s(blocks, context(setting, configuration, hardware, 0))
-    cuts = cut_stages(rules, configuration.pp, stage_cost, floors)
+    cuts = cut_stages(rules, configuration.pp, stage_cost, floors, time_bound_s)
     if cuts is None:
         return None
     return Candidate(configuration=configuration, stages=cuts, step_time_s=max(c.time_s for c in cuts),

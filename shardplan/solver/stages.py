@@ -6,12 +6,14 @@ minimizing the largest stage cost is optimal, and a DP over (stage, first block)
 
 Most (stage, span) pairs cannot be part of the optimum, and each one asked for costs a chain
 DP, so the DP is solved top-down and skips them by lower bounds (exactly: what it skips is
-strictly worse than a cut in hand): a stage costs at least the sum of its blocks' floors, and
-the stages after a cut cost at least their floors' sum spread evenly. Each stage tries its
-ends from the balanced one outwards, so a good cut is in hand early and the bounds bite.
+strictly worse than a cut in hand, or than the bound the caller gives): a stage costs at least
+the sum of its blocks' floors, and the stages after a cut cost at least their floors' sum
+spread evenly. Each stage tries its ends from the balanced one outwards, so a good cut is in
+hand early and the bounds bite.
 """
 import bisect
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,8 +39,9 @@ def stage_starts_allowed(rules: tuple[BlockRule, ...]) -> tuple[bool, ...]:
 
 def cut_stages(rules: tuple[BlockRule, ...], pp: int,
                stage_cost: Callable[[int, int, int], tuple[ChainSolution, float] | None],
-               floors: Sequence[float] | None = None) -> tuple[StageCut, ...] | None:
-    """The pp stages minimizing the slowest stage's time; None when no cut fits.
+               floors: Sequence[float] | None = None, bound: float = math.inf) -> tuple[StageCut, ...] | None:
+    """The pp stages minimizing the slowest stage's cost; None when no cut fits, or none has
+    its slowest stage's cost within `bound`.
 
     `stage_cost(stage, start, end)` gives the best plan of blocks[start:end] as stage `stage`
     and its cost, or None when it does not fit. `floors[j]` is what block j adds at least to
@@ -63,26 +66,31 @@ def cut_stages(rules: tuple[BlockRule, ...], pp: int,
         last = min([last] + [i for i in must if i > start])  # a pinned stage start ends this stage
         choice = None
 
+        def limit() -> float:
+            return bound if choice is None else choice[0]
+
         def consider(end: int) -> None:
             nonlocal choice
-            if choice is not None and floor_s(start, end) > choice[0]:
+            if floor_s(start, end) > limit():
                 return
             rest = solve_from(stage + 1, end) if end == n or allowed[end] else None
-            if rest is None or (choice is not None and rest[0] > choice[0]):
+            if rest is None or rest[0] > limit():
                 return
             found = stage_cost(stage, start, end)
-            if found is not None and (choice is None or (max(found[1], rest[0]), end) < choice):
+            if found is None or found[1] > bound:
+                return
+            if choice is None or (max(found[1], rest[0]), end) < choice:
                 choice = (max(found[1], rest[0]), end)
 
         # The balanced end: this stage's floor reaches the later stages' mean floor.
         balanced = first if not later else bisect.bisect_left(
             range(first, last + 1), 0.0, key=lambda end: floor_s(start, end) - floor_s(end, n) / later) + first
         for end in range(balanced, last + 1):  # this stage's floor only grows
-            if choice is not None and floor_s(start, end) > choice[0]:
+            if floor_s(start, end) > limit():
                 break
             consider(end)
         for end in reversed(range(first, balanced)):  # the later stages' floor only grows
-            if choice is not None and floor_s(end, n) / later > choice[0]:
+            if floor_s(end, n) / later > limit():
                 break
             consider(end)
         best[(stage, start)] = choice
