@@ -117,8 +117,6 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
     """What the cost model predicts for `plan`'s own decisions on `chain`, a plan written by hand
     (runtime.manual_plan) included: how predictions are checked against measurement."""
     hw = get_hardware(hardware or plan.hardware)
-    if plan.mesh.pp != 1:
-        raise ShardplanError(f"evaluate prices plans with pp=1; this one has pp={plan.mesh.pp}")
     unit_of = {param: index for index, unit in enumerate(plan.units) for param in unit.params}
     owners: list[int] = []
     for block in chain.blocks:
@@ -129,17 +127,27 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
         owners.append(owned[0] if owned else owners[-1])
     if owners != sorted(owners):
         raise PlanError("the plan's units do not follow the model's execution order: list them in that order")
-    bounds = tuple(i for i, owner in enumerate(owners) if i == 0 or owner != owners[i - 1])
-    decisions = tuple(Decision(strategy=plan.units[owners[i]].strategy, checkpoint=plan.units[owners[i]].checkpoint,
-                               offload=plan.units[owners[i]].offload, prefetch=plan.units[owners[i]].prefetch)
-                      for i in bounds)
+    stage_of_unit = {plan.units.index(unit): stage.index for stage in plan.stages for unit in plan.units
+                     if unit.name in stage.units}
     setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain),
                       param_dtype=plan.mixed_precision.param_dtype, reduce_dtype=plan.mixed_precision.reduce_dtype,
-                      optimizer=plan.optimizer, allow_pipeline=False)
-    configuration = Configuration(dp=plan.mesh.dp, pp=1, num_micro_batches=plan.schedule.num_micro_batches,
-                                  schedule="none")
-    step = evaluate_stage(chain.blocks, bounds, decisions, context(setting, configuration, hw, 0))
-    return _predicted(chain, [step], plan.mesh.dp, setting, hw)
+                      optimizer=plan.optimizer, allow_pipeline=plan.mesh.pp > 1,
+                      skip_edges=tuple(tuple(edge) for edge in chain.extra.get("skip_edges", ())))
+    configuration = Configuration(dp=plan.mesh.dp, pp=plan.mesh.pp, num_micro_batches=plan.schedule.num_micro_batches,
+                                  schedule=plan.schedule.name)
+    steps = []
+    for stage in range(plan.mesh.pp):
+        blocks = [i for i, owner in enumerate(owners) if stage_of_unit[owner] == stage]
+        start, end = blocks[0], blocks[-1] + 1
+        bounds = tuple(i - start for i in blocks if i == start or owners[i] != owners[i - 1])
+        decisions = tuple(Decision(strategy=plan.units[owners[i]].strategy,
+                                   checkpoint=plan.units[owners[i]].checkpoint,
+                                   offload=plan.units[owners[i]].offload, prefetch=plan.units[owners[i]].prefetch)
+                          for i in blocks if i == start or owners[i] != owners[i - 1])
+        steps.append(evaluate_stage(chain.blocks[start:end], bounds, decisions,
+                                    context(setting, configuration, hw, stage),
+                                    boundary_s=boundary_time_s(chain.blocks, start, end, setting, configuration, hw)))
+    return _predicted(chain, steps, plan.mesh.dp, setting, hw)
 
 
 def _predicted(chain: BlockChain, costs: list[cost.StepCost], dp: int, setting: Setting, hw) -> Predicted:

@@ -269,6 +269,10 @@ def _check_plan(plan: Plan) -> None:
     if (plan.mesh.pp == 1) != (plan.schedule.name == "none"):
         raise PlanError(f"schedule {plan.schedule.name!r} with pp={plan.mesh.pp}: use 'none' without a pipeline "
                         "and 'gpipe' or '1f1b' with one")
+    if plan.schedule.name == "1f1b" and plan.schedule.num_micro_batches < plan.mesh.pp:
+        raise PlanError(f"schedule '1f1b' with {plan.schedule.num_micro_batches} micro-batches over pp={plan.mesh.pp} "
+                        "stages: 1F1B needs at least one micro-batch per stage; use 'gpipe' (the same schedule "
+                        "with fewer micro-batches) or more micro-batches")
     _unique([u.name for u in plan.units], "unit name", "rename one of the units")
     _unique([m for u in plan.units for m in u.modules], "module", "a module belongs to one unit")
     _unique([p for u in plan.units for p in u.params], "parameter", "a parameter belongs to one unit's flat buffer")

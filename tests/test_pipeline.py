@@ -6,6 +6,7 @@ a plan the solver chose because pure FSDP did not fit) and the errors; rank 0 wr
 record per case and the tests read them.
 """
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -17,11 +18,14 @@ import torch.multiprocessing as mp
 
 from shardplan import compile as compile_plan
 from shardplan import zoo
-from shardplan.errors import InfeasibleError, ShardplanError
-from shardplan.plan import Checkpoint, Plan, ShardStrategy
+from shardplan.compile import evaluate, solve
+from shardplan.errors import InfeasibleError, PlanError, ShardplanError
+from shardplan.passes import analyze
+from shardplan.plan import Checkpoint, Plan, ShardStrategy, Stage
 from shardplan.runtime import collectives, parallelize, shutdown
 from shardplan.runtime.launch import free_port
 from shardplan.runtime.manual import manual_plan
+from shardplan.runtime.stages import cut_stages
 
 STEPS = 5
 TOLERANCE = 1e-5
@@ -182,6 +186,39 @@ def _assert_parity(results: dict, cases: dict) -> None:
     failures = {name: results[name] for name in cases
                 if not max(results[name]["loss_error"], results[name]["param_error"]) <= TOLERANCE}
     assert not failures, failures
+
+
+def test_stages_are_cut_from_the_graph_where_the_plan_says():
+    entry = zoo.gpt(batch=4)
+    ids = entry.args[0]
+    plan = manual_plan(entry.model, MODELS["gpt"][1], dp=1, pp=2, micro_batches=2, example_inputs=(ids,),
+                       example_kwargs={"labels": ids})
+    first, second = cut_stages(entry.model, plan)
+    assert [call.unit for call in first.calls] == ["wte..wpe", "wte..wpe", "h.0", "h.1"]
+    assert [call.unit for call in second.calls] == ["h.2", "h.3", "ln_f..lm_head", "ln_f..lm_head"]
+    assert first.inbound == ("ids", "labels")
+    # what stage 0 sends is what stage 1 receives: the labels, passed along, and the residual stream
+    assert first.outbound == second.inbound and "labels" in second.inbound and len(second.inbound) == 2
+    residual = second.examples[second.inbound[1]]
+    assert tuple(residual.shape) == (2, 32, 64) and residual.requires_grad  # one micro-batch
+    assert not second.examples["labels"].requires_grad
+    scrambled = dataclasses.replace(plan, units=plan.units[1:2] + plan.units[:1] + plan.units[2:],
+                                    stages=(Stage(index=0, units=(plan.units[1].name,)),
+                                            Stage(index=1, units=tuple(u.name for u in plan.units if u is not
+                                                                       plan.units[1]))))
+    with pytest.raises(PlanError, match="stages do not follow the graph's order"):
+        cut_stages(entry.model, scrambled)
+
+
+def test_evaluate_prices_a_pipelined_plan_as_the_solver_did():
+    entry = zoo.gpt(batch=8)
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    plan = solve(chain, 4, hardware="cpu-gloo", allow_pipeline=True,
+                 budget_bytes=int(0.3 * solve(chain, 4, hardware="cpu-gloo").predicted.peak_bytes))
+    assert plan.mesh.pp > 1
+    predicted = evaluate(chain, plan, "cpu-gloo")
+    assert (predicted.peak_bytes, predicted.time_s) == (plan.predicted.peak_bytes, plan.predicted.time_s)
+    assert predicted.time_s["bubble"] > 0
 
 
 WORLD2_CASES = {

@@ -69,12 +69,13 @@ class PipelinedProgram(ShardedProgram):
             return checkpointed(run, specs[call.unit].checkpoint)
         self._forwards_this_step = 0
         examples = self.graph.examples
-        stage = PipelineStage(StageModule(self.graph, run_block, self._micro_batch_forward), self.graph.index,
-                              plan.mesh.pp, device, group=self.groups.pipeline,
-                              input_args=tuple(examples[name] for name in self.graph.inbound),
-                              output_args=tuple(examples[name] for name in self.graph.outbound))
+        self.stage = PipelineStage(StageModule(self.graph, run_block, self._micro_batch_forward),
+                                   self.graph.index, plan.mesh.pp, device, group=self.groups.pipeline,
+                                   input_args=tuple(examples[name] for name in self.graph.inbound),
+                                   output_args=tuple(examples[name] for name in self.graph.outbound))
+        """This rank's torch.distributed.pipelining stage."""
         self.schedule = schedule_class(plan.schedule.name)(
-            stage, n_microbatches=plan.schedule.num_micro_batches, loss_fn=self._micro_batch_loss,
+            self.stage, n_microbatches=plan.schedule.num_micro_batches, loss_fn=self._micro_batch_loss,
             scale_grads=False)
 
     def __call__(self, *args, **kwargs) -> Any:
