@@ -47,7 +47,8 @@ Time, by component (per step):
   memory-bound ops (Block.fwd_ops / fwd_memory_bytes, bwd likewise): each op's
   fixed cost and the bytes it streams.
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
-  the dropped elementwise ops, memory-bound: 2 × dropped bytes moved.
+  its memory-bound ops (every op but the matmul-like ones, whose outputs it kept):
+  their fixed costs and traffic, as in compute.
 - exposed_comm: collectives not hidden by compute. The all-gather of the next
   unit (unit i+1 in forward, i-1 in backward) is issued when a prefetching unit
   starts computing and hides under its compute (on hardware that overlaps
@@ -64,7 +65,9 @@ Time, by component (per step):
 - offload: an offloaded shard is copied host→device before each gather and its
   gradient shard device→host after each reduce-scatter at OFFLOAD_BYTES_PER_S,
   not overlapped.
-- optimizer: the step reads and writes the rank's state: memory bound.
+- optimizer: the step and zero_grad stream the rank's shard of parameters, gradients and
+  optimizer state (OPTIMIZER_STEPS: 92 bytes per parameter for AdamW, not just the state's 16
+  read and written once): memory bound, plus each kernel's fixed cost.
 - bubble: (pp - 1) × the stage's per-micro-batch time (GPipe and 1F1B alike).
 A stage's step time is (m + pp - 1) × its per-micro-batch time + its per-step
 terms; the step time of a plan is that of its slowest stage.
@@ -80,6 +83,30 @@ from .plan import Checkpoint, ShardStrategy
 
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}
 """fp32 state per parameter: Adam keeps two moments, SGD one momentum buffer."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerStep:
+    """What `optimizer.step(); optimizer.zero_grad(set_to_none=False)` streams per fp32 parameter it steps."""
+
+    bytes_per_param: int
+    """Read plus written, each kernel reading its inputs and writing its outputs once (an in-place op
+    reads and writes its tensor)."""
+    kernels: int
+    """Elementwise kernels per parameter tensor (the runtime gives the optimizer one flat shard per unit)."""
+
+
+OPTIMIZER_STEPS = {
+    # torch's single-tensor AdamW (CPU's default): param.mul_ 8, exp_avg.lerp_ 12, exp_avg_sq.mul_ 8
+    # and .addcmul_ 16, sqrt 8, div 8, add_ 8, param.addcdiv_ 16 = 84; zero_grad's fill_ 8.
+    "adamw": OptimizerStep(bytes_per_param=84 + 8, kernels=8 + 1),
+    "adam": OptimizerStep(bytes_per_param=76 + 8, kernels=7 + 1),  # AdamW without the decay's param.mul_
+    # SGD with momentum: buf.mul_ 8, buf.add_(grad) 12, param.add_(buf) 12.
+    "sgd": OptimizerStep(bytes_per_param=32 + 8, kernels=3 + 1),
+    "none": OptimizerStep(bytes_per_param=0, kernels=0),
+}
+"""Counted by running each optimizer's step under the analysis's traffic rule (passes/execution.py);
+tests/test_cost.py checks them the same way against torch.optim."""
 SELECTIVE_KEEP_FRACTION = 0.5
 """Share of saved_bytes selective checkpointing keeps in a block the analysis did not measure
 (Block.selective_bytes is 0: a chain built by hand): the matmul outputs of a transformer layer
@@ -250,9 +277,8 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
                           + _memory_bound_s(hw, block.bwd_memory_bytes, block.bwd_ops, ctx))
         if checkpoint is Checkpoint.FULL:
             recompute_s += fwd_s
-        elif checkpoint is Checkpoint.SELECTIVE:
-            dropped = _per_micro_batch(block.saved_bytes, ctx) - kept_bytes
-            recompute_s += hw.compute_time_s(0, 2 * dropped, ctx.param_dtype)
+        elif checkpoint is Checkpoint.SELECTIVE:  # every forward op but the kept matmul-like ones runs again
+            recompute_s += _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx)
 
     gather_s = hw.collective_time_s("all_gather_into_tensor", param_bytes, dp) if gathered else 0.0
     if strategy in GATHERING:
@@ -261,16 +287,17 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         reduce_s = hw.collective_time_s("all_reduce", grad_bytes, dp)
     post_step_gather_s = (hw.collective_time_s("all_gather_into_tensor", storage_bytes, dp)
                           if strategy is ShardStrategy.SHARD_OPTIMIZER else 0.0)
-    rank_state_bytes = state_bytes
+    stepped = OPTIMIZER_STEPS[ctx.optimizer]
+    step_bytes = (numel if strategy is ShardStrategy.REPLICATE else -(-numel // dp)) * stepped.bytes_per_param
     offload_s = 0.0
     if decision.offload:
         shard_bytes = -(-storage_bytes // dp)
         gathers = 2 if strategy is ShardStrategy.FULL_SHARD else 1
         offload_s = (gathers + 1) * shard_bytes / OFFLOAD_BYTES_PER_S
-        optimizer_s = 2 * rank_state_bytes / CPU_MEMORY_BYTES_PER_S
+        optimizer_s = step_bytes / CPU_MEMORY_BYTES_PER_S
         state_bytes = 0
     else:
-        optimizer_s = hw.compute_time_s(0, 2 * rank_state_bytes, ctx.param_dtype)
+        optimizer_s = hw.compute_time_s(0, step_bytes, "float32", calls=stepped.kernels)
     return UnitCost(
         state_bytes=state_bytes, activation_bytes=sum(kept), gathered_bytes=gathered,
         gathered_fwd_bytes=gathered,

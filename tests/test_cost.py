@@ -2,10 +2,12 @@
 import math
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardplan.chain import Block
-from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, SELECTIVE_KEEP_FRACTION, CostContext, Decision,
-                            evaluate_stage, pair_exposed_s, unit_cost)
+from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, OPTIMIZER_STEPS, SELECTIVE_KEEP_FRACTION, CostContext,
+                            Decision, evaluate_stage, pair_exposed_s, unit_cost)
 from shardplan.errors import ShardplanError
 from shardplan.plan import Checkpoint, ShardStrategy
 
@@ -13,13 +15,13 @@ MiB = 2**20
 
 
 class LinearHardware:
-    """1 TFLOP/s, 100 GB/s memory, collectives at 1 GB/s bus bandwidth with the ring factor, no latency,
-    running beside compute."""
+    """1 TFLOP/s, 100 GB/s memory, 1 us per op, collectives at 1 GB/s bus bandwidth with the ring factor,
+    no latency, running beside compute."""
 
     overlaps_communication = True
 
-    def compute_time_s(self, flops, bytes_moved, dtype="float32"):
-        return max(flops / 1e12, bytes_moved / 1e11)
+    def compute_time_s(self, flops, bytes_moved, dtype="float32", *, calls=1):
+        return calls * 1e-6 + max(flops / 1e12, bytes_moved / 1e11)
 
     def collective_time_s(self, kind, nbytes, group_size):
         factor = (group_size - 1) / group_size * (2 if kind == "all_reduce" else 1)
@@ -27,11 +29,11 @@ class LinearHardware:
 
 
 def block(index=0, numel=1_000_000, fwd=10**12, saved=64 * MiB, inp=8 * MiB, fwd_transient=16 * MiB,
-          bwd_transient=32 * MiB) -> Block:
+          bwd_transient=32 * MiB, **measured) -> Block:
     return Block(index=index, name=f"b{index}", modules=(f"b{index}",), param_names=(f"b{index}.w",),
                  param_numel=numel, param_bytes=4 * numel, buffer_bytes=0, fwd_flops=fwd, bwd_flops=2 * fwd,
                  saved_bytes=saved, input_bytes=inp, output_bytes=inp, fwd_transient_bytes=fwd_transient,
-                 bwd_transient_bytes=bwd_transient, first_node="a", last_node="b")
+                 bwd_transient_bytes=bwd_transient, first_node="a", last_node="b", **measured)
 
 
 def ctx(**changes) -> CostContext:
@@ -133,7 +135,7 @@ def test_step_time_is_the_sum_of_its_components_and_the_bubble_follows_the_sched
     flat = evaluate_stage(blocks, (0, 1), decisions, ctx(dp=4, num_micro_batches=4))
     piped = evaluate_stage(blocks, (0, 1), decisions, ctx(dp=4, num_micro_batches=4, pipeline_degree=3))
     assert flat.step_time_s == pytest.approx(sum(flat.time_s.values()))
-    assert flat.time_s["recompute"] == pytest.approx(4 * 0.25)
+    assert flat.time_s["recompute"] == pytest.approx(4 * (0.25 + 1e-6))  # the forward again: its FLOPs and one op
     per_micro_batch = (flat.time_s["compute"] + flat.time_s["recompute"]) / 4 + (
         flat.time_s["exposed_comm"] - 0.0) / 4
     assert piped.time_s["bubble"] == pytest.approx(2 * per_micro_batch)
@@ -152,3 +154,57 @@ def test_unknown_optimizer_and_dtype_are_refused():
         ctx(optimizer="lion")
     with pytest.raises(ShardplanError, match="dtype"):
         ctx(param_dtype="int4")
+
+
+@pytest.mark.parametrize("name, make", [
+    ("adamw", lambda params: torch.optim.AdamW(params, lr=1e-3)),
+    ("adam", lambda params: torch.optim.Adam(params, lr=1e-3)),
+    ("sgd", lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9)),
+])
+def test_optimizer_step_traffic_is_what_torch_optim_runs(name, make):
+    """Each kernel of a real step and zero_grad, its tensors' bytes summed by hand (not by the analysis)."""
+    numel = 1000
+    param = torch.nn.Parameter(torch.zeros(numel))
+    param.grad = torch.ones(numel)
+    optimizer = make([param])
+    optimizer.step()  # the first step makes the state
+    counter = _KernelBytes()
+    with counter:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    assert (counter.bytes // numel, counter.kernels) == (OPTIMIZER_STEPS[name].bytes_per_param,
+                                                         OPTIMIZER_STEPS[name].kernels)
+
+
+class _KernelBytes(TorchDispatchMode):
+    """Elementwise kernels over whole tensors (scalar bookkeeping such as the step count left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in (*args, *(kwargs or {}).values(), out) if isinstance(t, torch.Tensor)]
+        if not func.is_view and any(t.numel() > 1 for t in tensors):
+            self.kernels += 1
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+@pytest.mark.parametrize("strategy, stepped_numel", [
+    (ShardStrategy.FULL_SHARD, 10**6 // 4), (ShardStrategy.SHARD_OPTIMIZER, 10**6 // 4),
+    (ShardStrategy.REPLICATE, 10**6)])
+def test_the_optimizer_streams_this_ranks_shard(strategy, stepped_numel):
+    unit = unit_cost((block(),), Decision(strategy=strategy), ctx(dp=4))
+    # AdamW + zero_grad: 92 bytes per stepped parameter at 100 GB/s, 9 kernels at 1 us
+    assert unit.optimizer_s == pytest.approx(9e-6 + stepped_numel * 92 / 1e11)
+    offloaded = unit_cost((block(),), Decision(offload=True), ctx(dp=4))
+    assert offloaded.optimizer_s == pytest.approx(10**6 // 4 * 92 / 50e9)  # host memory, no kernel costs
+
+
+def test_selective_recompute_reruns_the_memory_bound_forward_ops():
+    measured = block(fwd_memory_bytes=300 * MiB, fwd_ops=40, selective_bytes=8 * MiB)
+    unit = unit_cost((measured,), Decision(checkpoint=Checkpoint.SELECTIVE), ctx(num_micro_batches=2))
+    # per micro-batch: 40 ops at 1 us, half of 300 MiB at 100 GB/s; matmuls kept, not re-run
+    assert unit.recompute_s == pytest.approx(40e-6 + 150 * MiB / 1e11)
