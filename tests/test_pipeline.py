@@ -142,7 +142,6 @@ def check_errors(rank: int, world: int) -> dict:
     attempt("fsdp2", lambda: parallelize(copy.deepcopy(entry.model), plan, backend="fsdp2"))
     program = parallelize(entry.model, plan)
     attempt("forward_alone", lambda: program(ids, labels=ids))
-    attempt("save", lambda: program.save("unused"))
     return errors
 
 
@@ -245,7 +244,6 @@ def test_pipeline_world2_matches_one_process(tmp_path):
     assert errors["tied_across_stages"][0] == "PlanError" and "tied" in errors["tied_across_stages"][1]
     assert errors["fsdp2"][0] == "ShardplanError" and "backend='shardplan'" in errors["fsdp2"][1]
     assert errors["forward_alone"][0] == "ShardplanError" and "step(" in errors["forward_alone"][1]
-    assert errors["save"][0] == "ShardplanError" and "pp=1" in errors["save"][1]
 
 
 @pytest.mark.timeout(600)

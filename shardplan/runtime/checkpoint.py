@@ -100,21 +100,25 @@ def export_full_state_dict(program, path: str | os.PathLike | None = None) -> di
     the full model on CPU plus one unit. The keys are `model.state_dict()`'s (tied names
     included, non-persistent buffers excluded), so the plain model's `load_state_dict` and
     Hugging Face's `save_pretrained(dir, state_dict=...)` accept it. Call on every rank."""
-    keep = collectives.world().rank == 0
-    pieces: dict[tuple[int, str], torch.Tensor] = {}
-    """(module id, attribute) → the CPU copy; tied slots share one tensor, as in model.state_dict()."""
+    slots = _state_dict_slots(program.module)
+    key_of = {(id(module), attribute): key for key, module, attribute, kind in slots if kind == "parameter"}
+    keep = program.keeps_export_copies
+    pieces: dict[str, torch.Tensor] = {}
+    """State dict key → the CPU copy; tied slots share one tensor, as in model.state_dict()."""
     for holder in holders(program):
         wholes = holder.gather()
         if keep:
             copies = [whole.to("cpu", copy=True) for whole in wholes]
-            pieces.update(((id(module), attribute), copies[index]) for module, attribute, index in holder.slots)
+            pieces.update((key_of[id(module), attribute], copies[index]) for module, attribute, index in holder.slots)
         del wholes
-    if not keep:
+    stages = collectives.gather_object(pieces if keep and collectives.world().rank else None)
+    if stages is None:
         return {}
+    for found in stages[1:]:
+        pieces.update(found or {})
     state = {}
-    for key, module, attribute, kind in _state_dict_slots(program.module):
-        state[key] = pieces[id(module), attribute] if kind == "parameter" \
-            else module._buffers[attribute].detach().to("cpu", copy=True)
+    for key, module, attribute, kind in slots:
+        state[key] = pieces[key] if kind == "parameter" else module._buffers[attribute].detach().to("cpu", copy=True)
     if path is not None:
         torch.save(state, path)
     return state
@@ -198,6 +202,16 @@ def _state_schema(states: dict[Holder, dict]) -> dict[str, dict]:
                 raise ShardplanError(f"optimizer state {key!r} is {entry} for {holder.label} but "
                                      f"{schema[key]} elsewhere: checkpoints need one schema for every parameter")
     return schema
+
+
+def _merged_schema(schemas: list[dict[str, dict]]) -> dict[str, dict]:
+    merged: dict[str, dict] = {}
+    for schema in schemas:
+        for key, entry in schema.items():
+            if merged.setdefault(key, entry) != entry:
+                raise ShardplanError(f"optimizer state {key!r} is {entry} on one pipeline stage but {merged[key]} "
+                                     "on another: checkpoints need one schema for every parameter")
+    return merged
 
 
 def _as_tensor(value) -> torch.Tensor:
@@ -289,10 +303,13 @@ def _metadata(program, held: list[Holder], optimizer: torch.optim.Optimizer | No
     optimizer_metadata = None
     if optimizer is not None:
         states = _state_of(held, optimizer)
+        # every rank's, as each pipeline stage steps its own parameters
+        found = collectives.all_gather_object((_state_schema(states), [name for holder, state in states.items()
+                                                                       if state for name in holder.names]))
         optimizer_metadata = {
             "type": type(optimizer).__name__,
-            "state": _state_schema(states),
-            "params_with_state": [name for holder, state in states.items() if state for name in holder.names],
+            "state": _merged_schema([schema for schema, _ in found]),
+            "params_with_state": list(dict.fromkeys(name for _, names in found for name in names)),
             "param_groups": [{key: _to_json(value) for key, value in group.items() if key != "params"}
                              for group in optimizer.param_groups]}
         try:
@@ -306,7 +323,12 @@ def _metadata(program, held: list[Holder], optimizer: torch.optim.Optimizer | No
 
 
 def _parameter_shapes(held: list[Holder]) -> dict[str, tuple[list[int], str]]:
-    return {name: shape for holder in held for name, shape in holder.shapes().items()}
+    """Every rank's parameters, in rank order (a pipeline stage holds only its own); a collective."""
+    shapes = {}
+    for found in collectives.all_gather_object({name: shape for holder in held
+                                                for name, shape in holder.shapes().items()}):
+        shapes.update(found)
+    return shapes
 
 
 def _buffer_shapes(program) -> dict[str, tuple[list[int], str]]:

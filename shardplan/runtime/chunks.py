@@ -89,7 +89,11 @@ class UnitHolder:
         layout = self.unit.layout
         if self.unit.spec.strategy is ShardStrategy.REPLICATE:
             return {key(name): piece.reshape(-1) for name, piece in zip(self.names, layout.split(local))}
-        return {key(name): chunked_entry(local, layout.numels[index], unit_chunks(layout, index), self.unit.rank)
+        group = self.unit.group  # chunks are placed on world ranks: a pipeline stage's group is not the world
+        return {key(name): chunked_entry(local, layout.numels[index],
+                                         [chunk._replace(rank=collectives.global_rank(group, chunk.rank))
+                                          for chunk in unit_chunks(layout, index)],
+                                         collectives.global_rank(group, self.unit.rank))
                 for index, name in enumerate(self.names)}
 
     def load_entries(self, key: Key) -> dict[str, torch.Tensor]:

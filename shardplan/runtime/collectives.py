@@ -168,6 +168,29 @@ def shutdown() -> None:
     dist.destroy_process_group()
 
 
+def all_gather_object(value) -> list:
+    """Every rank's picklable `value`, in rank order, on every rank."""
+    if dist.get_world_size() == 1:
+        return [value]
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, value)
+    return found
+
+
+def gather_object(value) -> list | None:
+    """Every rank's picklable `value`, in rank order, on rank 0 (None elsewhere)."""
+    if dist.get_world_size() == 1:
+        return [value]
+    found = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, found, dst=0)
+    return found
+
+
+def global_rank(group: Group, group_rank: int) -> int:
+    """The world rank of `group`'s rank `group_rank` (None: the world itself)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
 def broadcast_object(value, source_rank: int = 0):
     """`source_rank`'s picklable `value` on every rank (so every rank can raise the same error)."""
     if dist.get_world_size() == 1:

@@ -120,19 +120,9 @@ class PipelinedProgram(ShardedProgram):
         combine = collectives.all_reduce_max if norm_type == float("inf") else collectives.all_reduce_sum
         return sharded, combine(replicated, self.groups.pipeline)
 
-    def save(self, path, optimizer=None) -> None:
-        raise _no_checkpoints_yet()
-
-    def load(self, path, optimizer=None) -> None:
-        raise _no_checkpoints_yet()
-
-    def export_full_state_dict(self, path=None) -> dict[str, torch.Tensor]:
-        raise _no_checkpoints_yet()
-
-
-def _no_checkpoints_yet() -> ShardplanError:
-    return ShardplanError("checkpoints of pipelined programs (pp > 1) are not supported yet: train with a pp=1 "
-                          "plan to save, or save from a pp=1 run and resume it under any plan")
+    @property
+    def keeps_export_copies(self) -> bool:
+        return self.groups.replica == 0  # one rank of every stage
 
 
 def _units_read(model: nn.Module, plan: Plan, stages: list[StageGraph]) -> dict[str, list[str]]:

@@ -80,6 +80,11 @@ class Program:
 
         return checkpoint.export_full_state_dict(self, path)
 
+    @property
+    def keeps_export_copies(self) -> bool:
+        """Whether export_full_state_dict copies what this rank's units gather (and sends it to rank 0)."""
+        return collectives.world().rank == 0
+
     def _set_gradient_sync(self, enabled: bool) -> None:
         raise NotImplementedError
 

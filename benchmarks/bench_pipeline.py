@@ -1,0 +1,131 @@
+"""Pipeline plans on CPU: predicted vs measured step time, bubble and peak memory, for pp 2.
+
+    .venv/bin/python benchmarks/bench_pipeline.py --profile profile.json   # from `shardplan calibrate -o`
+    .venv/bin/python benchmarks/bench_pipeline.py                          # calibrates first (a few minutes)
+
+The demo GPT (6 layers) on 2 CPU ranks (gloo) as two pipeline stages of four
+units each, under GPipe and 1F1B with 1 to 8 micro-batches; the pp=1 FSDP
+plan of the same units beside them. Step time is the slowest rank's
+(optimizer included); the measured bubble is the time a step spends outside
+the busiest stage's forward and backward chunks (waiting for its
+neighbour); the predicted one is the cost model's (pp - 1) x the stage's
+per-micro-batch time. Memory is MemTracker's peak (every tensor on the rank).
+"""
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from shardplan import ShardStrategy, get_hardware, zoo
+from shardplan.calibrate import calibrate
+from shardplan.compile import evaluate
+from shardplan.demo import DEMO_BATCH, DEMO_GPT
+from shardplan.passes import analyze
+from shardplan.runtime.launch import run_world
+from shardplan.runtime.manual import manual_plan
+from shardplan.sizes import format_bytes
+
+GROUPS = [("wte", "wpe")] + [(f"h.{i}",) for i in range(DEMO_GPT.n_layer)] + [("ln_f", "lm_head")]
+CONFIGURATIONS = [(1, "none", 1)] + [(2, "gpipe", m) for m in (1, 2, 4, 8)] + [(2, "1f1b", m) for m in (2, 4, 8)]
+"""(pp, schedule, micro-batches); 1F1B needs a micro-batch per stage."""
+
+
+def demo_plan(world_size: int, pp: int, schedule: str, micro_batches: int):
+    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    dp = world_size // pp
+    # at dp == 1 sharding only copies: the stages' units are replicated; pp == 1 shards as FSDP does
+    strategy = ShardStrategy.REPLICATE if dp == 1 else ShardStrategy.FULL_SHARD
+    return manual_plan(entry.model, GROUPS, dp=dp, pp=pp, schedule=schedule if pp > 1 else "gpipe",
+                       micro_batches=micro_batches, strategies=(strategy,), example_inputs=entry.args,
+                       example_kwargs=entry.kwargs)
+
+
+def _measure_rank(device, report, plan_json: str, steps: int) -> dict:
+    from shardplan.plan import Plan
+    from shardplan.runtime import parallelize
+    from shardplan.runtime.collectives import all_reduce_max, world
+    from shardplan.runtime.measure import peak_step_bytes
+
+    plan = Plan.from_json(plan_json)
+    torch.manual_seed(0)
+    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    generator = torch.Generator().manual_seed(1 + world().rank % plan.mesh.dp)  # one batch per replica
+    ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
+    program = parallelize(entry.model, plan, device=device)
+    optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
+    busy_s = [0.0]
+    stage = getattr(program, "stage", None)
+    if stage is not None:  # time the stage's own work: forward and backward chunks
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            setattr(stage, name, _timed(getattr(stage, name), busy_s))
+
+    def train_step():
+        program.step(ids, labels=ids)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    train_step()
+    peak = peak_step_bytes(train_step, entry.model, optimizer, *program.parameters(),
+                           *[p.grad for p in program.parameters() if p.grad is not None])
+    steps_s, busy = [], []
+    for _ in range(steps):
+        all_reduce_max(torch.zeros(()))  # start together
+        busy_s[0] = 0.0
+        start = time.perf_counter()
+        train_step()
+        steps_s.append(float(all_reduce_max(torch.tensor(time.perf_counter() - start))))
+        busy.append(float(all_reduce_max(torch.tensor(busy_s[0]))))
+        report("step")
+    return {"peak_bytes": int(all_reduce_max(torch.tensor(peak))), "step_s": statistics.median(steps_s),
+            "busy_s": statistics.median(busy)}
+
+
+def _timed(method, total: list[float]):
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - start
+    return run
+
+
+def pipeline_table(hardware, world_size: int, steps: int) -> Table:
+    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    table = Table(title=f"pipeline plans: demo GPT on {world_size} CPU ranks (gloo), median of {steps} steps")
+    for column in ("mesh", "schedule", "m", "memory pred", "memory meas", "ratio", "step pred ms", "step meas ms",
+                   "ratio", "bubble pred ms", "bubble meas ms"):
+        table.add_column(column, justify="right")
+    for pp, schedule, micro_batches in CONFIGURATIONS:
+        plan = demo_plan(world_size, pp, schedule, micro_batches)
+        predicted = evaluate(chain, plan, hardware)
+        measured = run_world(_measure_rank, (plan.to_json(), steps), world_size=world_size, backend="gloo",
+                             total_steps=steps, progress=False)
+        bubble = f"{(measured['step_s'] - measured['busy_s']) * 1e3:.0f}" if pp > 1 else "-"
+        table.add_row(f"dp{plan.mesh.dp}×pp{pp}", schedule, str(micro_batches), format_bytes(predicted.peak_bytes),
+                      format_bytes(measured["peak_bytes"]), f"{predicted.peak_bytes / measured['peak_bytes']:.2f}",
+                      f"{predicted.step_time_s * 1e3:.0f}", f"{measured['step_s'] * 1e3:.0f}",
+                      f"{predicted.step_time_s / measured['step_s']:.2f}",
+                      f"{predicted.time_s.get('bubble', 0.0) * 1e3:.0f}", bubble)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", help="a calibrated profile JSON (default: calibrate now)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    options = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    hardware = get_hardware(options.profile) if options.profile else calibrate(world_size=options.world_size)
+    Console().print(pipeline_table(hardware, options.world_size, options.steps))
+
+
+if __name__ == "__main__":
+    main()
