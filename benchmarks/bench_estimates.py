@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/bench_estimates.py                      # calibrates first (a few minutes)
     .venv/bin/python benchmarks/bench_estimates.py --profile profile.json
 
-Blocks: the demo GPT's blocks, forward+backward timed by module hooks in one
-process (one thread, as a rank runs), against the cost model's compute terms.
+Blocks: the demo GPT's blocks, forward+backward timed by hooks at block boundaries
+in one process (one thread, as a rank runs), against the cost model's compute terms.
 Plans: the demo GPT trained on 2 CPU ranks (gloo) under hand-written plans of
 every strategy x checkpoint kind; peak memory is MemTracker's (every tensor on
 the rank), time the slowest rank's step; prediction is compile.evaluate.
@@ -32,30 +32,45 @@ GROUPS = [("wte", "wpe")] + [(f"h.{i}",) for i in range(DEMO_GPT.n_layer)] + [("
 
 
 def measure_block_times(entry: zoo.ZooModel, names: list[str], rounds: int) -> dict[str, float]:
-    """Median seconds of each named module's forward + backward, by hooks, over `rounds` steps."""
+    """Median seconds of each named block's forward + backward over `rounds` steps, blocks in chain order.
+
+    Timed as spans between block boundaries, as the analysis attributes every op to a block: a
+    block's forward runs from its forward pre-hook to the next block's (the last one to the loss);
+    its backward ends when its input gradient and its parameters' gradients are all done (an
+    embedding's own backward runs after its module's backward hook: its input needs no gradient)
+    and starts when the block finishing before it ended. So ops of the model's root (the add of
+    token and position embeddings, the loss) count in a neighbouring block, as in the analysis.
+    """
     modules = dict(entry.model.named_modules())
-    started: dict[str, float] = {}
-    spent: dict[str, list[float]] = {name: [] for name in names}
-    current: dict[str, float] = {}
+    forward_starts: dict[str, float] = {}
+    backward_ends: dict[str, float] = {}
 
-    def begin(name):
-        return lambda *args: started.__setitem__(name, time.perf_counter())
+    def mark_forward(name):
+        return lambda *args: forward_starts.__setitem__(name, time.perf_counter())
 
-    def end(name):
-        return lambda *args: current.__setitem__(name, current.get(name, 0.0) + time.perf_counter() - started[name])
+    def mark_backward(name):
+        return lambda *args: backward_ends.__setitem__(name, time.perf_counter())
 
     for name in names:
-        modules[name].register_forward_pre_hook(begin(name))
-        modules[name].register_forward_hook(end(name))
-        modules[name].register_full_backward_pre_hook(begin(name))
-        modules[name].register_full_backward_hook(end(name))
+        modules[name].register_forward_pre_hook(mark_forward(name))
+        modules[name].register_full_backward_hook(mark_backward(name))
+        for param in modules[name].parameters():
+            param.register_post_accumulate_grad_hook(mark_backward(name))
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # the embedding has no input grad
+    spent: dict[str, list[float]] = {name: [] for name in names}
     for step in range(rounds + 1):
-        current.clear()
-        entry.model(*entry.args, **entry.kwargs).backward()
+        forward_starts.clear()
+        backward_ends.clear()
+        loss = entry.model(*entry.args, **entry.kwargs)
+        forward_end = backward_start = time.perf_counter()
+        loss.backward()
         if step:  # the first step warms caches and allocators
-            for name in names:
-                spent[name].append(current[name])
+            starts = [forward_starts[name] for name in names] + [forward_end]
+            previous_end = dict(zip(sorted(names, key=backward_ends.get),
+                                    [backward_start] + sorted(backward_ends.values())))
+            for index, name in enumerate(names):
+                spent[name].append(starts[index + 1] - starts[index] + backward_ends[name] - previous_end[name])
+        entry.model.zero_grad(set_to_none=True)
     return {name: statistics.median(times) for name, times in spent.items()}
 
 

@@ -1,11 +1,11 @@
 """Measure this machine and write a HardwareProfile: `shardplan calibrate [-o profile.json]`.
 
-Every figure is the fastest of several timings (see [Note: the fastest of interleaved rounds]):
+Every figure is the fastest of several rounds (see [Note: the fastest of interleaved rounds]):
 - square matmuls over a sweep of sizes, per dtype: the peak and the efficiency curve;
 - a copy far larger than the caches: memory bandwidth; a one-element add: the fixed cost of an op;
-- all_gather_into_tensor, reduce_scatter_tensor and all_reduce over 6 KB-380 MB: alpha-beta
-  fitted by least squares, times the measured correction (hardware.py, [Note: model times
-  measured correction]).
+- all_gather_into_tensor, reduce_scatter_tensor and all_reduce over 6 KB-380 MB, each after a
+  little compute as in training ([Note: collectives after compute]): alpha-beta fitted by least
+  squares, times the measured correction (hardware.py, [Note: model times measured correction]).
 
 All of it runs in a spawned world of `world_size` ranks (gloo on CPU, NCCL on GPUs), so it
 sees what training ranks see: on CPU one thread per rank, the other ranks computing beside
@@ -169,14 +169,21 @@ def fit_profile(m: Measurements) -> HardwareProfile:
 
 
 def fit_matmul(points: "list[tuple[float, float]] | tuple", op_overhead_s: float) -> MatmulRate:
-    """Peak = the best rate measured; efficiency = each size's rate over it, the op's fixed cost taken out."""
-    rates = []
-    for flops, seconds in points:
+    """Peak = the best rate measured; efficiency = each size's rate over it, the op's fixed cost taken out,
+    never falling with size.
+
+    A larger matmul can always run as tiles of a smaller one, so a rate that falls with size is
+    the load of a shared machine, not the device: one timing of a large matmul is one long call,
+    which any other process lengthens (here, n = 2048 measured at half the rate of n = 512 while
+    other agents ran, and at 0.9 of it on a quiet core)."""
+    rates, best = [], 0.0
+    for flops, seconds in sorted(points):
         if seconds <= op_overhead_s:
             raise HardwareError(f"a matmul of {flops:.3g} FLOPs took {seconds * 1e6:.2f} us, no longer than an "
                                 f"empty op ({op_overhead_s * 1e6:.2f} us): start the sweep at a larger size")
-        rates.append((flops, flops / (seconds - op_overhead_s)))
-    peak = max(rate for _, rate in rates)
+        best = max(best, flops / (seconds - op_overhead_s))
+        rates.append((flops, best))
+    peak = rates[-1][1]
     return MatmulRate(peak_flops_per_s=peak,
                       efficiency=SizeCurve(points=tuple((flops, rate / peak) for flops, rate in rates)))
 
@@ -206,7 +213,8 @@ def fit_collective(points: "list[tuple[float, float]]") -> CollectiveCost:
 # Measuring: runs on every rank of the spawned world.
 #
 # [Note: the fastest of interleaved rounds]
-# Every figure is the fastest of several timings, not their median. On a shared machine other
+# Every figure is the fastest of several rounds, not their median; a round's figure is the mean of a
+# loop of calls (compute) or of a few timings (collectives). On a shared machine other
 # processes only ever add time, and by how much depends on their load at that moment: runs of
 # this calibration at load 5 on 2 cores gave medians up to 2x apart, the fastest times
 # typically 15% apart. The fastest time is the figure of the machine, the median one of its load.
@@ -223,6 +231,9 @@ class Probe:
     """Time a loop of calls lasting _MIN_TIMING_S (short compute ops), its count chosen by each rank;
     False for collectives, of which every rank must make the same number of calls."""
     timings_per_round: int = 1
+    """A round's figure is the mean of this many timings."""
+    before: Callable[[], object] | None = None
+    """Untimed work every timing starts with, after the ranks' barrier (see [Note: collectives after compute])."""
 
 
 def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Probe:
@@ -232,11 +243,23 @@ def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Pr
     return Probe(call=lambda: torch.mm(a, b), loop=True)
 
 
+# [Note: collectives after compute]
+# In a training step every collective follows compute: the ranks reach it at slightly different
+# moments, its buffers and the library's have left the caches, and the step pays each one, not
+# the luckiest. Timed back to back after a barrier, gloo collectives of 1-4 MB ran in about half
+# the time the same calls took inside a training step here (1.1 vs 2.0 ms for a 3 MB
+# all_gather_into_tensor, 2.3 vs 4.2 ms for its reduce_scatter_tensor). So each timing starts, after the
+# barrier, with _COMPUTE_BEFORE_S of matmuls on every rank, and a round's figure is the mean of its timings.
+_COMPUTE_BEFORE_S = 2e-3
+"""Compute before each collective timing: about one transformer layer's forward on a CPU rank."""
+
+
 def collective_probes(points: "list[tuple[str, int]]", device: torch.device) -> dict[tuple[str, int], Probe]:
     """One probe per (kind, full buffer bytes), on float32 views of one buffer pair (the largest size's).
 
-    Collectives under 32 MiB are timed several times a round (up to 8): they are cheap, and the
-    shorter a timing the more a moment of the scheduler's jitter weighs in it.
+    Collectives under 32 MiB are timed several times a round (up to 8), each after compute (see
+    [Note: collectives after compute]): they are cheap, and the more timings a figure averages
+    the less one moment of the scheduler's jitter weighs in it.
     """
     world_size = dist.get_world_size()
     for kind, nbytes in points:
@@ -244,9 +267,30 @@ def collective_probes(points: "list[tuple[str, int]]", device: torch.device) -> 
             raise ValueError(f"{kind} of {nbytes} bytes does not split into {world_size} float32 shards")
     full = torch.zeros(max(nbytes for _, nbytes in points) // 4, device=device)
     shard = torch.zeros(full.numel() // world_size, device=device)
+    compute = _compute_lasting(_COMPUTE_BEFORE_S, device)
     return {(kind, nbytes): Probe(call=_collective_call(kind, full[:nbytes // 4], shard[:nbytes // 4 // world_size]),
-                                  loop=False, timings_per_round=min(8, max(1, 32 * _MIB // nbytes)))
+                                  loop=False, timings_per_round=min(8, max(1, 32 * _MIB // nbytes)), before=compute)
             for kind, nbytes in points}
+
+
+def _compute_lasting(seconds: float, device: torch.device) -> Callable[[], None]:
+    """Matmuls that take about `seconds` on this rank (their count chosen here, as _loop_count does)."""
+    matmul = matmul_probe(256, 256, 256, "float32", device).call
+    count = 1
+    while True:
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(count):
+            matmul()
+        _synchronize(device)
+        if time.perf_counter() - start >= seconds:
+            break
+        count *= 2
+
+    def compute() -> None:
+        for _ in range(count):
+            matmul()
+    return compute
 
 
 def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda text: None) -> dict:
@@ -262,14 +306,18 @@ def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda
     fastest_s = dict.fromkeys(probes, math.inf)
     for round_index in range(rounds):
         for key, probe in probes.items():
+            spent_s = 0.0
             for _ in range(probe.timings_per_round):
                 dist.barrier()
+                if probe.before is not None:
+                    probe.before()
                 _synchronize(device)
                 start = time.perf_counter()
                 for _ in range(loops[key]):
                     probe.call()
                 _synchronize(device)
-                fastest_s[key] = min(fastest_s[key], (time.perf_counter() - start) / loops[key])
+                spent_s += time.perf_counter() - start
+            fastest_s[key] = min(fastest_s[key], spent_s / (loops[key] * probe.timings_per_round))
         report(f"round {round_index + 1} of {rounds}")
     return fastest_s
 

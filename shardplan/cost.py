@@ -214,6 +214,15 @@ def _memory_bound_s(hw, memory_bytes: int, ops: int, ctx: CostContext) -> float:
     return hw.compute_time_s(0, _per_micro_batch(memory_bytes, ctx), ctx.param_dtype, calls=ops)
 
 
+def _arithmetic_s(hw, flops: int, moved_bytes: int, ops: int, ctx: CostContext) -> float:
+    """The block's FLOP-counted ops (matmuls, attention, convolutions) for one micro-batch, by roofline
+    over the bytes they stream. A block without any whose ops the analysis counted (an embedding, a
+    norm) pays nothing here: all its traffic is in its memory-bound ops."""
+    if flops == 0 and ops:
+        return 0.0
+    return hw.compute_time_s(flops / ctx.num_micro_batches, moved_bytes, ctx.param_dtype)
+
+
 def _per_micro_batch(nbytes: int, ctx: CostContext) -> int:
     return -(-nbytes // ctx.num_micro_batches)
 
@@ -270,10 +279,10 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
     for block, kept_bytes in zip(blocks, kept):
         block_param_bytes = block.param_numel * DTYPE_BYTES[ctx.param_dtype]
         moved = block_param_bytes + _per_micro_batch(block.input_bytes + block.output_bytes, ctx)
-        fwd_s = (hw.compute_time_s(block.fwd_flops / m, moved, ctx.param_dtype)
+        fwd_s = (_arithmetic_s(hw, block.fwd_flops, moved, block.fwd_ops, ctx)
                  + _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx))
         compute_fwd_s += fwd_s
-        compute_bwd_s += (hw.compute_time_s(block.bwd_flops / m, 2 * moved, ctx.param_dtype)
+        compute_bwd_s += (_arithmetic_s(hw, block.bwd_flops, 2 * moved, block.bwd_ops, ctx)
                           + _memory_bound_s(hw, block.bwd_memory_bytes, block.bwd_ops, ctx))
         if checkpoint is Checkpoint.FULL:
             recompute_s += fwd_s

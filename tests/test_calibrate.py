@@ -50,6 +50,14 @@ def test_fit_matmul_peak_and_efficiency():
         fit_matmul([(1e3, 5e-7)], overhead_s)
 
 
+def test_fit_matmul_efficiency_never_falls_with_size():
+    # rates 4e10, 5e10, then 2.5e10 FLOP/s at the largest size (a busy machine): that size keeps 5e10
+    points = [(1e7, 1e7 / 4e10), (1e9, 1e9 / 5e10), (1e10, 1e10 / 2.5e10)]
+    rate = fit_matmul(points, 0.0)
+    assert rate.peak_flops_per_s == pytest.approx(5e10)
+    assert [f for _, f in rate.efficiency.points] == pytest.approx([0.8, 1.0, 1.0])
+
+
 def hand_made_measurements() -> Measurements:
     sizes = [4096 * 4**i for i in range(9)]
     # gloo's reduce_scatter_tensor is an all_reduce plus a slice: it takes the all_reduce's time.
@@ -109,3 +117,26 @@ def test_calibrate_rejects_bad_input_before_measuring(tmp_path):
         calibrate(world_size=2, sizes=(4096, 1002))
     with pytest.raises(SystemExit):
         calibrate_main(["-o", str(tmp_path / "missing" / "profile.json")])
+
+
+def _timing_job(device, report):
+    """Rank job: one probe whose calls last 1 ms then 3 ms, after 20 ms of untimed work each."""
+    import itertools
+    import time
+
+    from shardplan.calibrate import Probe, time_probes_s
+
+    durations = itertools.cycle((1e-3, 3e-3))
+    probe = Probe(call=lambda: time.sleep(next(durations)), loop=False, timings_per_round=2,
+                  before=lambda: time.sleep(20e-3))
+    return time_probes_s({"probe": probe}, device, rounds=2)["probe"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_round_is_the_mean_of_its_timings_and_the_work_before_is_not_timed():
+    from shardplan.runtime.launch import run_world
+
+    # one warm-up call (1 ms), then rounds of 3 + 1 ms and 3 + 1 ms: the mean, 2 ms, not the fastest 1 ms
+    seconds = run_world(_timing_job, world_size=1, backend="gloo", total_steps=2, progress=False)
+    assert seconds == pytest.approx(2e-3, abs=0.7e-3)

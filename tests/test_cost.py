@@ -208,3 +208,11 @@ def test_selective_recompute_reruns_the_memory_bound_forward_ops():
     unit = unit_cost((measured,), Decision(checkpoint=Checkpoint.SELECTIVE), ctx(num_micro_batches=2))
     # per micro-batch: 40 ops at 1 us, half of 300 MiB at 100 GB/s; matmuls kept, not re-run
     assert unit.recompute_s == pytest.approx(40e-6 + 150 * MiB / 1e11)
+
+
+def test_a_block_without_flops_pays_only_its_memory_bound_ops():
+    lookup = block(fwd=0, fwd_memory_bytes=2 * MiB, fwd_ops=1, bwd_memory_bytes=3 * MiB, bwd_ops=1)
+    unit = unit_cost((lookup,), Decision(strategy=ShardStrategy.REPLICATE), ctx())
+    # no roofline over its parameters and activations on top: 1 op at 1 us and its bytes at 100 GB/s
+    assert unit.compute_fwd_s == pytest.approx(1e-6 + 2 * MiB / 1e11)
+    assert unit.compute_bwd_s == pytest.approx(1e-6 + 3 * MiB / 1e11)
