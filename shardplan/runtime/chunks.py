@@ -161,9 +161,9 @@ Holder = UnitHolder | DTensorHolder
 
 def holders(program) -> list[Holder]:
     """The program's holders in a fixed order (the same on every rank)."""
-    from .sharded import ShardedProgram
+    from .sharded import UnitProgram
 
-    if isinstance(program, ShardedProgram):
+    if isinstance(program, UnitProgram):
         return [UnitHolder(unit) for unit in program.units]
     slots: dict[int, list[tuple[nn.Module, str, int]]] = {}
     for _, module in program.module.named_modules(remove_duplicate=False):

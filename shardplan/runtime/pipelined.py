@@ -28,7 +28,7 @@ from . import collectives
 from .checkpointing import checkpointed
 from .program import check_batch, check_micro_batches
 from .scheduler import Scheduler
-from .sharded import ShardedProgram, build_units
+from .sharded import UnitProgram, build_units
 from .stages import BlockCall, StageGraph, StageModule, attribute_of, block_runner, cut_stages
 
 
@@ -42,14 +42,13 @@ def schedule_class(name: str):
     return classes[name]
 
 
-class PipelinedProgram(ShardedProgram):
-    """The units of this rank's stage (ShardedProgram's, over the stage's dp group), run by a schedule."""
+class PipelinedProgram(UnitProgram):
+    """The units of this rank's stage, sharded over the stage's dp group, run by a pipeline schedule."""
 
     def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
         from torch.distributed.pipelining import PipelineStage
 
-        # not ShardedProgram.__init__: that one builds every unit of the plan and wraps module forwards
-        super(ShardedProgram, self).__init__(module, plan, loss_fn)
+        super().__init__(module, plan, loss_fn)
         self.groups = collectives.pipeline_groups(device.type, plan.mesh.dp, plan.mesh.pp)
         stages = cut_stages(module, plan)
         reads = _units_read(module, plan, stages)  # before the units replace the parameters

@@ -23,18 +23,13 @@ from .scheduler import Scheduler
 from .unit import FlatUnit
 
 
-class ShardedProgram(Program):
-    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
-        super().__init__(module, plan, loss_fn)
-        rank = collectives.world().rank
-        self.units = build_units(module, plan, rank, device)
-        modules = dict(module.named_modules())
-        self.scheduler = Scheduler(self.units, {unit: len(set(unit.spec.modules)) for unit in self.units})
-        _wrap_forwards(module, modules, self.units, self.scheduler)
+class UnitProgram(Program):
+    """A Program whose parameters are FlatUnits run by a Scheduler: what backend="shardplan" programs,
+    pipelined or not, have in common."""
 
-    def __call__(self, *args, **kwargs) -> Any:
-        with self.scheduler.forward_pass():
-            return self.module(*args, **kwargs)
+    units: list[FlatUnit]
+    """The units this rank holds a shard of."""
+    scheduler: Scheduler
 
     def parameters(self) -> list[nn.Parameter]:
         return [unit.shard for unit in self.units]
@@ -61,6 +56,20 @@ class ShardedProgram(Program):
         replicated = [u.shard.grad for u in self.units if u.shard.grad is not None
                       and u.spec.strategy is ShardStrategy.REPLICATE]
         return grad_norm_term(sharded, norm_type), grad_norm_term(replicated, norm_type)
+
+
+class ShardedProgram(UnitProgram):
+    """Every unit of the plan, gathered where the model's modules use them (pp == 1)."""
+
+    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
+        super().__init__(module, plan, loss_fn)
+        self.units = build_units(module, plan, collectives.world().rank, device)
+        self.scheduler = Scheduler(self.units, {unit: len(set(unit.spec.modules)) for unit in self.units})
+        _wrap_forwards(module, dict(module.named_modules()), self.units, self.scheduler)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        with self.scheduler.forward_pass():
+            return self.module(*args, **kwargs)
 
 
 def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device, *,
