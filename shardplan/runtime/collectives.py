@@ -1,7 +1,10 @@
 """Every call the runtime makes into torch.distributed: free functions returning small named tuples.
 
 This is the only module of shardplan that talks to the process group, so the
-communication a step does can be read (and counted) in one place.
+communication a step does can be read (and counted) in one place. The one
+exception is delegated: with pp > 1, torch.distributed.pipelining's stage
+(pipelined.py) sends activations and their gradients between stages over the
+pipeline group made here.
 
 [Note: averaging] gloo has no ReduceOp.AVG, so gradients are divided by the
 group size before a SUM reduction; dividing first also keeps a low-precision
