@@ -13,7 +13,8 @@ Two machines of 2 ranks each (run on both, HOST being the first machine's addres
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         --rdzv-id gpt-run examples/train_gpt.py --plan plan.json
 
-The plan's world size must equal torchrun's (nnodes x nproc-per-node); every rank
+With `shardplan plan ... --allow-pipeline` the plan may cut the model into pipeline
+stages; the script is the same. The plan's world size must equal torchrun's (nnodes x nproc-per-node); every rank
 must load the same plan file (parallelize checks both before any training).
 """
 import argparse
@@ -44,7 +45,7 @@ def main() -> None:
     program = shardplan.parallelize(entry.model, plan)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
     shape = plan.inputs[0].shape  # one data-parallel replica's batch
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator().manual_seed(rank % plan.mesh.dp)  # a replica's pipeline stages share its batch
     for step in range(options.steps):
         ids = torch.randint(0, zoo.GPTConfig().vocab_size, shape, generator=generator)
         loss = program.step(ids, labels=ids)

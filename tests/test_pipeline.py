@@ -192,7 +192,7 @@ def test_stages_are_cut_from_the_graph_where_the_plan_says():
     ids = entry.args[0]
     plan = manual_plan(entry.model, MODELS["gpt"][1], dp=1, pp=2, micro_batches=2, example_inputs=(ids,),
                        example_kwargs={"labels": ids})
-    first, second = cut_stages(entry.model, plan)
+    first, second = cut_stages(entry.model, plan, torch.device("cpu"))
     assert [call.unit for call in first.calls] == ["wte..wpe", "wte..wpe", "h.0", "h.1"]
     assert [call.unit for call in second.calls] == ["h.2", "h.3", "ln_f..lm_head", "ln_f..lm_head"]
     assert first.inbound == ("ids", "labels")
@@ -206,7 +206,7 @@ def test_stages_are_cut_from_the_graph_where_the_plan_says():
                                             Stage(index=1, units=tuple(u.name for u in plan.units if u is not
                                                                        plan.units[1]))))
     with pytest.raises(PlanError, match="stages do not follow the graph's order"):
-        cut_stages(entry.model, scrambled)
+        cut_stages(entry.model, scrambled, torch.device("cpu"))
 
 
 def test_evaluate_prices_a_pipelined_plan_as_the_solver_did():

@@ -11,7 +11,7 @@ import torch
 from ..capture import capture
 from ..chain import BlockChain, InputSpec
 from .blocks import build_chain, fingerprint
-from .devices import retarget_meta_to_cpu_pass
+from .devices import retarget_device_pass
 from .execution import annotate_execution_pass
 from .ownership import annotate_ownership_pass
 
@@ -29,7 +29,7 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     start = time.perf_counter()
     captured = capture(model, example_inputs, example_kwargs, dynamic_dims)
     passes = [
-        retarget_meta_to_cpu_pass,
+        retarget_device_pass,
         annotate_ownership_pass,
         functools.partial(annotate_execution_pass, args=tuple(example_inputs), kwargs=example_kwargs),
     ]

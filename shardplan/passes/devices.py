@@ -1,31 +1,41 @@
-"""Point a graph captured on the meta device at the CPU, for the fake-tensor execution pass.
+"""Point a graph captured on one device at another.
 
 A model built on the meta device bakes `device=meta` into its graph (arange,
 device moves, export's metadata asserts). The execution pass runs fake CPU
-tensors, so that ops pick their CPU kernels; this pass rewrites those devices.
+tensors, so that ops pick their CPU kernels; a pipeline stage runs its graph
+on the rank's device. Both rewrite those device constants.
 """
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-_META = torch.device("meta")
-_CPU = torch.device("cpu")
 
+def retarget_device_pass(gm: torch.fx.GraphModule, source: torch.device = torch.device("meta"),
+                         target: torch.device = torch.device("cpu")) -> None:
+    """Replace every `source` device constant in node arguments (subgraphs included) with `target`."""
+    if source == target:
+        return
 
-def retarget_meta_to_cpu_pass(gm: torch.fx.GraphModule) -> None:
-    """Replace every meta device constant in node arguments (subgraphs included) with cpu."""
+    def retarget(value):
+        if _device_named(value) != source:
+            return value
+        return target if isinstance(value, torch.device) else str(target)
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
         for node in module.graph.nodes:
-            node.args = pytree.tree_map(_retarget, node.args)
-            node.kwargs = pytree.tree_map(_retarget, node.kwargs)
+            node.args = pytree.tree_map(retarget, node.args)
+            node.kwargs = pytree.tree_map(retarget, node.kwargs)
         module.recompile()
 
 
-def _retarget(value):
-    if isinstance(value, torch.device) and value == _META:
-        return _CPU
-    if isinstance(value, str) and value == "meta":
-        return "cpu"
-    return value
+def _device_named(value) -> torch.device | None:
+    """`value` as a device when it is one, or a string naming one (graphs spell devices both ways)."""
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError:
+            return None
+    return None

@@ -30,7 +30,7 @@ from ..capture import capture
 from ..chain import BlockChain, InputSpec
 from ..errors import ShardplanError
 from .blocks import build_chain
-from .devices import retarget_meta_to_cpu_pass
+from .devices import retarget_device_pass
 from .execution import annotate_execution_pass
 from .ownership import annotate_ownership_pass
 
@@ -111,7 +111,7 @@ def analyze_dynamic(model: torch.nn.Module, example_inputs: tuple, example_kwarg
 
     example_kwargs = dict(example_kwargs or {})
     captured = capture(model, example_inputs, example_kwargs, dynamic_dims)
-    retarget_meta_to_cpu_pass(captured.gm)
+    retarget_device_pass(captured.gm)
     annotate_ownership_pass(captured.gm)
     dims = {(name, dim): label for name, spec in dynamic_dims.items() for dim, label in spec.items()}
     specs = input_specs(example_inputs, example_kwargs, dynamic_dims)

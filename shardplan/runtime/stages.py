@@ -86,12 +86,13 @@ def micro_batch_inputs(inputs: tuple[InputSpec, ...], num_micro_batches: int) ->
     return args, kwargs
 
 
-def cut_stages(model: nn.Module, plan: Plan) -> list[StageGraph]:
-    """Capture `model` at one micro-batch and cut it into the stages of `plan`.
+def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[StageGraph]:
+    """Capture `model` at one micro-batch and cut it into the stages of `plan`, to run on `device`.
 
     Every rank cuts every stage, so a plan that cannot run fails alike on all of them."""
-    from ..capture import capture
+    from ..capture import capture, model_device
     from ..passes.blocks import block_modules, group_nodes
+    from ..passes.devices import retarget_device_pass
     from ..passes.ownership import annotate_ownership_pass
 
     if not plan.inputs:
@@ -105,6 +106,7 @@ def cut_stages(model: nn.Module, plan: Plan) -> list[StageGraph]:
     for node in gm.graph.find_nodes(op="call_module"):
         if str(node.target).startswith("_guards"):
             gm.graph.erase_node(node)  # re-checks input shapes, which Program.step has done
+    retarget_device_pass(gm, model_device(model), device)  # a model on meta captures `arange(device=meta)`
     annotate_ownership_pass(gm)
     groups = group_nodes(gm)
     units = _unit_of_blocks(plan, block_modules(groups))
