@@ -96,16 +96,21 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
     param_names = {name for name, _ in gm.named_parameters()}
     block_of = {node: index for index, group in enumerate(groups) for node in group.nodes}
     modules_of = block_modules(groups)
-    seen_params: set[str] = set()
+    owner_of: dict[str, int] = {}
+    """Parameter → the first block reading it, which holds it."""
+    tied_edges: set[tuple[int, int]] = set()
+    """(i, j): block j reads a parameter block i holds (tied weights): a stage cut between them would
+    need the parameter on two stages."""
     seen_saved: set[int] = set()
     flow = nx.DiGraph()
     flow.add_nodes_from(range(len(groups)))
     blocks = []
     for index, group in enumerate(groups):
         name, nodes = group.name, group.nodes
-        reads = [p for n in nodes for p in facts(n).param_names if p not in seen_params]
-        reads = list(dict.fromkeys(reads))
-        seen_params.update(reads)
+        read = list(dict.fromkeys(p for n in nodes for p in facts(n).param_names))
+        reads = [p for p in read if p not in owner_of]
+        tied_edges.update((owner_of[p], index) for p in read if p in owner_of and p in param_names)
+        owner_of.update((p, index) for p in reads)
         tensors = {p: _attribute(gm, p) for p in reads}
         saved = {sid: size for n in nodes for sid, size in facts(n).saved if sid not in seen_saved}
         seen_saved.update(saved)
@@ -127,7 +132,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             saved_bytes=sum(saved.values()), input_bytes=inputs_read, output_bytes=outputs_read,
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
             first_node=nodes[0].name, last_node=nodes[-1].name))
-    extra = dict(extra, skip_edges=sorted((i, j) for i, j in flow.edges if j > i + 1),
+    extra = dict(extra, skip_edges=sorted((i, j) for i, j in flow.edges if j > i + 1), tied_edges=sorted(tied_edges),
                  nodes=len(gm.graph.nodes))
     dtypes = sorted({str(p.dtype) for p in gm.parameters()})
     return BlockChain(blocks=tuple(blocks), fingerprint=fingerprint(gm), param_dtype=dtypes[0] if dtypes else "",
