@@ -25,7 +25,7 @@ The decision space and its documented restrictions are in space.py; brute_force.
 the same space and tests/test_solver.py checks gap 0 on random chains.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -66,6 +66,58 @@ class _UnitCosts:
         if found is None:
             found = self.memo[key] = cost.unit_cost(tuple(self.blocks[start:end]), decision, self.ctx)
         return found
+
+
+def block_terms(costs: _UnitCosts, rules: tuple[BlockRule, ...], space: SearchSpace, ctx: CostContext,
+                count: int) -> list[list[tuple[float, int]]]:
+    """For each of the first `count` blocks, the (time, memory) it adds at least to a stage under
+    each decision it may take, whatever units it joins (the terms of a Lagrangian relaxation of
+    the stage's memory budget: a stage's Σ memory is within budget at its end of forward).
+
+    Time is the block's own unit time when units are single blocks, else only its compute and
+    recompute (the rest is not additive over a unit's blocks); memory is its base + held bytes
+    as a unit of one block, less one byte for the rounding a unit's blocks share."""
+    pf = ctx.pipeline_factor
+    terms = []
+    for j in range(count):
+        units = [costs(j, j + 1, d) for d in space.decisions(rules[j:j + 1])]
+        terms.append([(cost.own_time_s(u, ctx) if space.max_unit_blocks == 1
+                       else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
+                       max(0, cost.base_bytes(u, ctx) + cost.held_bytes(u, ctx) - 1)) for u in units])
+    return terms
+
+
+def lagrange_prices(terms: list[list[tuple[float, int]]], budget_bytes: float) -> np.ndarray:
+    """Prices λ (seconds per byte) of the relaxation: 0 (the plain time bound) and a geometric
+    range around the price at which the least time and the budget weigh the same."""
+    least_time = sum(min(t for t, _ in options) for options in terms)
+    scale = least_time / budget_bytes if math.isfinite(budget_bytes) and least_time else 0.0
+    return np.array([0.0] + [scale * 2.0**k for k in range(-4, 9)] if scale else [0.0])
+
+
+class StageFloors:
+    """Lower bounds of stage times on spans of a chain, for the stage cut to skip spans with.
+
+    By `block_terms`, a stage on blocks[a:b] takes at least Σ_b min_d (t_b,d + λ m_b,d) - λ budget
+    for every price λ ≥ 0, and the slowest of k stages at least the mean of theirs. Memory is
+    counted with one micro-batch in flight, the least any stage holds, so one table bounds them all.
+    """
+
+    def __init__(self, blocks, rules: tuple[BlockRule, ...], ctx: CostContext, budget_bytes: float,
+                 space: SearchSpace):
+        ctx = replace(ctx, in_flight=1)
+        terms = block_terms(_UnitCosts(tuple(blocks), ctx), rules, space, ctx, len(blocks))
+        self.prices = lagrange_prices(terms, budget_bytes)
+        self.sums_s = np.zeros((len(self.prices), len(blocks) + 1))
+        for j, options in enumerate(terms):
+            self.sums_s[:, j + 1] = self.sums_s[:, j] + [min(t + price * m for t, m in options)
+                                                         for price in self.prices]
+        self.budget_bytes = budget_bytes if math.isfinite(budget_bytes) else 0.0
+
+    def slowest_s(self, start: int, end: int, stages: int = 1) -> float:
+        """At least the slowest stage's time when `stages` stages cover blocks[start:end]."""
+        spread_s = (self.sums_s[:, end] - self.sums_s[:, start]) / stages - self.prices * self.budget_bytes
+        return float(spread_s.max())
 
 
 @dataclass(slots=True)
@@ -110,15 +162,36 @@ class _Position:
 
 _ROUNDING = 1e-9
 """Relative slack on time bounds: the same plan's time summed in another order may differ in the last bits."""
-_PARETO_CHUNK = 64
-"""States taken at once, in time order: a state is dominated iff an earlier one (in time order)
-dominates it, so each chunk is checked against itself, and what it keeps at once strikes out
-every later state it dominates; most states go in the first strike."""
+_PARETO_CHUNK = 128
+"""States taken at once, in time order (see `_pareto`): larger chunks check more pairs inside
+the chunk, smaller ones strike the rest more often; 128 was fastest on LLaMA-70B fronts."""
+
+
+def _staircase(r: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (R, Q) points no other point beats in both: R rising, Q strictly falling."""
+    order = np.lexsort((q, r))
+    r, q = r[order], q[order]
+    lowest_before = np.minimum.accumulate(np.concatenate(([np.iinfo(q.dtype).max], q[:-1])))
+    keep = q < lowest_before
+    return r[keep], q[keep]
+
+
+def _beaten(stair_r: np.ndarray, stair_q: np.ndarray, r: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Which (r, q) a staircase point beats or equals in both: the last step at or below r has
+    the least Q of all steps at or below r."""
+    step = np.searchsorted(stair_r, r, side="right") - 1
+    return (step >= 0) & (stair_q[np.maximum(step, 0)] <= q)
 
 
 def _pareto(front: _Front) -> _Front:
-    """Keep the states no other state beats in all of (T, R, Q); of equal states, the first."""
+    """Keep the states no other state beats in all of (T, R, Q); of equal states, the first.
+
+    In (T, R, Q) order a state is beaten iff an earlier one is at least as good in R and Q. So
+    states are taken a chunk at a time: each is checked against the earlier ones of its chunk,
+    and what the chunk keeps joins the staircase of kept (R, Q) points, which strikes out every
+    later state it beats at once (a binary search each); most states go in the first strikes."""
     pool = np.lexsort((front.q, front.r, front.time_s))
+    stair_r = stair_q = np.zeros(0, np.int64)
     keep = []
     while len(pool):
         chunk, pool = pool[:_PARETO_CHUNK], pool[_PARETO_CHUNK:]
@@ -127,10 +200,9 @@ def _pareto(front: _Front) -> _Front:
         fresh = chunk[~(earlier & (r[None, :] <= r[:, None]) & (q[None, :] <= q[:, None])).any(axis=1)]
         keep.append(fresh)
         if len(pool):
-            r_fresh, q_fresh = front.r[fresh], front.q[fresh]
-            struck = ((r_fresh[None, :] <= front.r[pool][:, None])
-                      & (q_fresh[None, :] <= front.q[pool][:, None])).any(axis=1)
-            pool = pool[~struck]
+            stair_r, stair_q = _staircase(np.concatenate((stair_r, front.r[fresh])),
+                                          np.concatenate((stair_q, front.q[fresh])))
+            pool = pool[~_beaten(stair_r, stair_q, front.r[pool], front.q[pool])]
     return front.take(np.concatenate(keep))
 
 
@@ -231,24 +303,14 @@ class ChainSolver:
         """Lower bounds of the time blocks[j:only_end] still add, knowing the memory left.
 
         Every feasible completion of a state with level Q keeps Σ(base + held) of the blocks to
-        come within budget - Q (the end-of-forward event). So for any price λ ≥ 0 the time to
-        come is at least Σ_b min_d (t_b,d + λ m_b,d) - λ (budget - Q) (Lagrangian relaxation of
-        that knapsack): returns the prices and, per price, those sums by block offset j. λ = 0
-        is the plain compute bound. Per block t is the unit's own time when units are single
-        blocks, else only its compute and recompute; m is less one byte for shared rounding."""
+        come within budget - Q (the end-of-forward event), so by `block_terms` the time to come is
+        at least Σ_b min_d (t_b,d + λ m_b,d) - λ (budget - Q) for any price λ ≥ 0: returns the
+        prices and, per price, those sums by block offset j."""
         n = len(self.blocks)
         if self.only_end is None or self.minimize_memory:
             return np.zeros(1), np.zeros((1, n + 1))
-        pf = self.ctx.pipeline_factor
-        terms = []  # per block: (time, memory) of each decision
-        for j in range(self.only_end):
-            units = [self.costs(j, j + 1, d) for d in self.space.decisions(self.rules[j:j + 1])]
-            terms.append([(cost.own_time_s(u, self.ctx) if self.space.max_unit_blocks == 1
-                           else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
-                           max(0, cost.base_bytes(u, self.ctx) + cost.held_bytes(u, self.ctx) - 1)) for u in units])
-        least_time = sum(min(t for t, _ in options) for options in terms)
-        scale = least_time / self.budget_bytes if math.isfinite(self.budget_bytes) and least_time else 0.0
-        prices = np.array([0.0] + [scale * 2.0**k for k in range(-4, 9)] if scale else [0.0])
+        terms = block_terms(self.costs, self.rules, self.space, self.ctx, self.only_end)
+        prices = lagrange_prices(terms, self.budget_bytes)
         sums = np.zeros((len(prices), n + 1))
         for j in reversed(range(self.only_end)):
             sums[:, j] = sums[:, j + 1] + [min(t + price * m for t, m in terms[j]) for price in prices]

@@ -9,8 +9,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from ..cost import CostContext, Decision, evaluate_stage, unit_cost
-from .chain_dp import ChainSolver
+from ..cost import CostContext, evaluate_stage
+from .chain_dp import ChainSolver, StageFloors
 from .space import BlockRule, SearchSpace
 from .stages import StageCut, cut_stages
 
@@ -153,19 +153,13 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
             return solution, float(solution.peak_bytes)
         return solution, solution.time_s + ctx.pipeline_factor * (times_s[start] + times_s[end])
 
-    floors = None if minimize_memory else compute_floors_s(blocks, context(setting, configuration, hardware, 0))
-    cuts = cut_stages(rules, configuration.pp, stage_cost, floors, time_bound_s)
+    floor = None if minimize_memory else StageFloors(
+        blocks, rules, context(setting, configuration, hardware, 0), budget_bytes, space).slowest_s
+    cuts = cut_stages(rules, configuration.pp, stage_cost, floor, time_bound_s)
     if cuts is None:
         return None
     return Candidate(configuration=configuration, stages=cuts, step_time_s=max(c.time_s for c in cuts),
                      peak_bytes=max(c.solution.peak_bytes for c in cuts))
-
-
-def compute_floors_s(blocks, ctx: CostContext) -> list[float]:
-    """Per block, the compute it adds to the step time of any stage holding it, whatever the
-    decisions: a lower bound of stage times that lets the stage cut skip hopeless spans."""
-    return [ctx.pipeline_factor * (u.compute_fwd_s + u.compute_bwd_s)
-            for u in (unit_cost((block,), Decision(), ctx) for block in blocks)]
 
 
 def search(blocks, rules, setting: Setting, hardware, budget_bytes: float, space: SearchSpace, *,

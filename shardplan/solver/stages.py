@@ -6,15 +6,13 @@ minimizing the largest stage cost is optimal, and a DP over (stage, first block)
 
 Most (stage, span) pairs cannot be part of the optimum, and each one asked for costs a chain
 DP, so the DP is solved top-down and skips them by lower bounds (exactly: what it skips is
-strictly worse than a cut in hand, or than the bound the caller gives): a stage costs at least
-the sum of its blocks' floors, and the stages after a cut cost at least their floors' sum
-spread evenly. Each stage tries its ends from the balanced one outwards, so a good cut is in
-hand early and the bounds bite.
+strictly worse than a cut in hand, or than the bound the caller gives) by lower bounds of the
+cost of a stage and of the slowest of the stages after it (chain_dp.StageFloors). Each stage
+tries its ends from the balanced one outwards, so a good cut is in hand early and the bounds bite.
 """
 import bisect
-import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .chain_dp import ChainSolution
@@ -39,21 +37,22 @@ def stage_starts_allowed(rules: tuple[BlockRule, ...]) -> tuple[bool, ...]:
 
 def cut_stages(rules: tuple[BlockRule, ...], pp: int,
                stage_cost: Callable[[int, int, int], tuple[ChainSolution, float] | None],
-               floors: Sequence[float] | None = None, bound: float = math.inf) -> tuple[StageCut, ...] | None:
+               floor: Callable[[int, int, int], float] | None = None,
+               bound: float = math.inf) -> tuple[StageCut, ...] | None:
     """The pp stages minimizing the slowest stage's cost; None when no cut fits, or none has
     its slowest stage's cost within `bound`.
 
     `stage_cost(stage, start, end)` gives the best plan of blocks[start:end] as stage `stage`
-    and its cost, or None when it does not fit. `floors[j]` is what block j adds at least to
-    the cost of any stage holding it (none given: 0). Ties go to the earliest cut.
+    and its cost, or None when it does not fit. `floor(start, end, k)` is at most the cost of the
+    slowest of k stages covering blocks[start:end] (none given: 0); it must not shrink as the
+    span grows. Ties go to the earliest cut.
     """
     n = len(rules)
     allowed = stage_starts_allowed(rules)
     must = [i for i, r in enumerate(rules) if r.must_start_stage and i > 0]
-    floor_sums = list(itertools.accumulate(floors if floors is not None else [0.0] * n, initial=0.0))
 
-    def floor_s(start: int, end: int) -> float:
-        return (floor_sums[end] - floor_sums[start]) * (1 - _ROUNDING)
+    def floor_s(start: int, end: int, stages: int = 1) -> float:
+        return 0.0 if floor is None else floor(start, end, stages) * (1 - _ROUNDING)
 
     best: dict[tuple[int, int], tuple[float, int] | None] = {(pp, n): (0.0, n)}
 
@@ -82,15 +81,15 @@ def cut_stages(rules: tuple[BlockRule, ...], pp: int,
             if choice is None or (max(found[1], rest[0]), end) < choice:
                 choice = (max(found[1], rest[0]), end)
 
-        # The balanced end: this stage's floor reaches the later stages' mean floor.
+        # The balanced end: this stage's floor reaches the later stages' floor.
         balanced = first if not later else bisect.bisect_left(
-            range(first, last + 1), 0.0, key=lambda end: floor_s(start, end) - floor_s(end, n) / later) + first
+            range(first, last + 1), 0.0, key=lambda end: floor_s(start, end) - floor_s(end, n, later)) + first
         for end in range(balanced, last + 1):  # this stage's floor only grows
             if floor_s(start, end) > limit():
                 break
             consider(end)
         for end in reversed(range(first, balanced)):  # the later stages' floor only grows
-            if floor_s(end, n) / later > limit():
+            if floor_s(end, n, later) > limit():
                 break
             consider(end)
         best[(stage, start)] = choice
