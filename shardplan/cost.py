@@ -45,7 +45,8 @@ Time, by component (per step):
 - compute: fwd + bwd FLOPs through compute_time_s (bytes moved: the block's
   params in param dtype plus its input and output activations), plus the block's
   memory-bound ops (Block.fwd_ops / fwd_memory_bytes, bwd likewise): each op's
-  fixed cost and the bytes it streams.
+  fixed cost and the bytes it streams. A block with no FLOPs whose ops the
+  analysis counted (an embedding, a norm) pays its memory-bound ops only.
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
   its memory-bound ops (every op but the matmul-like ones, whose outputs it kept):
   their fixed costs and traffic, as in compute.
