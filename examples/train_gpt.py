@@ -41,13 +41,16 @@ def main() -> None:
     rank = dist.get_rank()
 
     plan = shardplan.load_plan(options.plan)
+    torch.manual_seed(0)  # the initialization below draws from it (rank 0's values are broadcast anyway)
     entry = zoo.gpt(device="meta")  # parameters appear only as this rank's shards
     program = shardplan.parallelize(entry.model, plan)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
     shape = plan.inputs[0].shape  # one data-parallel replica's batch
-    generator = torch.Generator().manual_seed(rank % plan.mesh.dp)  # a replica's pipeline stages share its batch
+    # a stand-in for a data loader: one fixed batch per replica, which the loss visibly learns;
+    # a replica's pipeline stages (ranks r with the same r % dp) read the same batch
+    generator = torch.Generator().manual_seed(rank % plan.mesh.dp)
+    ids = torch.randint(0, zoo.GPTConfig().vocab_size, shape, generator=generator)
     for step in range(options.steps):
-        ids = torch.randint(0, zoo.GPTConfig().vocab_size, shape, generator=generator)
         loss = program.step(ids, labels=ids)
         program.clip_grad_norm_(1.0)
         optimizer.step()
