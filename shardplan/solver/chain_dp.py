@@ -52,13 +52,24 @@ def block_signatures(blocks) -> tuple[int, ...]:
                                  b.bwd_transient_bytes), len(ids)) for b in blocks)
 
 
-class _UnitCosts:
-    """unit_cost memoized on (signatures of the span, decision): identical layers cost once."""
+class UnitCosts:
+    """The units a chain's spans may form: the decisions each span may take, and unit_cost
+    memoized on (signatures of the span, decision), so identical layers cost once.
 
-    def __init__(self, blocks, ctx: CostContext):
-        self.blocks, self.ctx = blocks, ctx
-        self.signatures = block_signatures(blocks)
+    unit_cost does not read ctx.in_flight, so the stages of a configuration share one."""
+
+    def __init__(self, blocks, rules: tuple[BlockRule, ...], space: SearchSpace, ctx: CostContext):
+        self.blocks, self.rules, self.space, self.ctx = tuple(blocks), rules, space, ctx
+        self.signatures = block_signatures(self.blocks)
         self.memo: dict = {}
+        self.allowed: dict[tuple[int, int], tuple[Decision, ...]] = {}
+
+    def decisions(self, start: int, end: int) -> tuple[Decision, ...]:
+        """What a unit of blocks[start:end] may decide (SearchSpace.decisions on their rules)."""
+        found = self.allowed.get((start, end))
+        if found is None:
+            found = self.allowed[(start, end)] = self.space.decisions(self.rules[start:end])
+        return found
 
     def __call__(self, start: int, end: int, decision: Decision) -> cost.UnitCost:
         key = (self.signatures[start:end], decision)
@@ -68,8 +79,7 @@ class _UnitCosts:
         return found
 
 
-def block_terms(costs: _UnitCosts, rules: tuple[BlockRule, ...], space: SearchSpace, ctx: CostContext,
-                count: int) -> list[list[tuple[float, int]]]:
+def block_terms(costs: UnitCosts, ctx: CostContext, count: int) -> list[list[tuple[float, int]]]:
     """For each of the first `count` blocks, the (time, memory) it adds at least to a stage under
     each decision it may take, whatever units it joins (the terms of a Lagrangian relaxation of
     the stage's memory budget: a stage's Σ memory is within budget at its end of forward).
@@ -80,8 +90,8 @@ def block_terms(costs: _UnitCosts, rules: tuple[BlockRule, ...], space: SearchSp
     pf = ctx.pipeline_factor
     terms = []
     for j in range(count):
-        units = [costs(j, j + 1, d) for d in space.decisions(rules[j:j + 1])]
-        terms.append([(cost.own_time_s(u, ctx) if space.max_unit_blocks == 1
+        units = [costs(j, j + 1, d) for d in costs.decisions(j, j + 1)]
+        terms.append([(cost.own_time_s(u, ctx) if costs.space.max_unit_blocks == 1
                        else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
                        max(0, cost.base_bytes(u, ctx) + cost.held_bytes(u, ctx) - 1)) for u in units])
     return terms
@@ -103,21 +113,29 @@ class StageFloors:
     counted with one micro-batch in flight, the least any stage holds, so one table bounds them all.
     """
 
-    def __init__(self, blocks, rules: tuple[BlockRule, ...], ctx: CostContext, budget_bytes: float,
-                 space: SearchSpace):
-        ctx = replace(ctx, in_flight=1)
-        terms = block_terms(_UnitCosts(tuple(blocks), ctx), rules, space, ctx, len(blocks))
-        self.prices = lagrange_prices(terms, budget_bytes)
-        self.sums_s = np.zeros((len(self.prices), len(blocks) + 1))
+    def __init__(self, costs: UnitCosts, budget_bytes: float):
+        ctx = replace(costs.ctx, in_flight=1)
+        terms = block_terms(costs, ctx, len(costs.blocks))
+        prices = lagrange_prices(terms, budget_bytes)
+        self.sums_s = np.zeros((len(prices), len(costs.blocks) + 1))
         for j, options in enumerate(terms):
-            self.sums_s[:, j + 1] = self.sums_s[:, j] + [min(t + price * m for t, m in options)
-                                                         for price in self.prices]
-        self.budget_bytes = budget_bytes if math.isfinite(budget_bytes) else 0.0
+            self.sums_s[:, j + 1] = self.sums_s[:, j] + [min(t + price * m for t, m in options) for price in prices]
+        self.allowance_s = prices * (budget_bytes if math.isfinite(budget_bytes) else 0.0)
+        self.single_s = np.full((self.sums_s.shape[1],) * 2, -math.inf)
+        """[start, end]: the bound of one stage, for every span at once (the stage cut asks often)."""
+        for sums_s, allowance_s in zip(self.sums_s, self.allowance_s):
+            np.maximum(self.single_s, sums_s[None, :] - sums_s[:, None] - allowance_s, out=self.single_s)
+        self.memo: dict[tuple[int, int, int], float] = {}
 
     def slowest_s(self, start: int, end: int, stages: int = 1) -> float:
         """At least the slowest stage's time when `stages` stages cover blocks[start:end]."""
-        spread_s = (self.sums_s[:, end] - self.sums_s[:, start]) / stages - self.prices * self.budget_bytes
-        return float(spread_s.max())
+        if stages == 1:
+            return self.single_s[start, end]
+        found = self.memo.get((start, end, stages))
+        if found is None:
+            spread_s = (self.sums_s[:, end] - self.sums_s[:, start]) / stages - self.allowance_s
+            found = self.memo[(start, end, stages)] = float(spread_s.max())
+        return found
 
 
 @dataclass(slots=True)
@@ -220,7 +238,7 @@ class ChainSolver:
 
     def __init__(self, blocks, rules: tuple[BlockRule, ...], ctx: CostContext, budget_bytes: float,
                  space: SearchSpace, *, minimize_memory: bool = False, time_bound_s: float = math.inf,
-                 only_end: int | None = None):
+                 only_end: int | None = None, costs: UnitCosts | None = None):
         self.blocks, self.rules, self.ctx, self.space = tuple(blocks), rules, ctx, space
         self.budget_bytes, self.minimize_memory = budget_bytes, minimize_memory
         self.time_bound_s = time_bound_s * (1 + _ROUNDING)
@@ -228,7 +246,8 @@ class ChainSolver:
         self.only_end = only_end
         """When every query ends here, a state's time plus the compute of the blocks still to come
         (a lower bound of what they add) is held to the bound too."""
-        self.costs = _UnitCosts(self.blocks, ctx)
+        self.costs = costs or UnitCosts(self.blocks, rules, space, ctx)
+        """May be shared with the other stages of a configuration."""
         self.prices, self.time_to_end_s = self._time_to_end_tables()
         self.signatures = tuple(zip(self.costs.signatures, rules))
         self.span_ids: dict[tuple, int] = {}
@@ -236,6 +255,7 @@ class ChainSolver:
         self.interned: dict[tuple, int] = {}
         self.memo: dict[int, _Position] = {}
         self.solutions: dict[int, ChainSolution | None] = {}
+        self.least_rises: dict[tuple, int] = {}
         self.safe_margin_bytes = None if minimize_memory else self._safe_margin_bytes()
 
     def solve(self, start: int, end: int) -> ChainSolution | None:
@@ -285,14 +305,23 @@ class ChainSolver:
         The end of the chain adds the unit's forward rise; the next unit V adds the larger of
         that (plus V's prefetched params) and V's backward working set (plus this unit's params
         prefetched). Without `only_end` the blocks after `end` are unknown (memoized fronts are
-        shared by every span with the same blocks), so only the first bound holds."""
+        shared by every span with the same blocks), so only the first bound holds. Memoized on
+        the signatures of the blocks it reads: in a run of identical layers it is computed once."""
+        last = end if self.only_end is None or end == self.only_end else min(
+            self.only_end, end + self.space.max_unit_blocks)
+        key = (self.signatures[first:last], end - first, last == end, decision)
+        if key not in self.least_rises:
+            self.least_rises[key] = self._least_rise_of(first, end, last, decision)
+        return self.least_rises[key]
+
+    def _least_rise_of(self, first: int, end: int, last: int, decision: Decision) -> int:
         u = self.costs(first, end, decision)
         rise_fwd = self._rise_fwd(u)
-        if self.only_end is None or end == self.only_end:
+        if last == end:
             return rise_fwd
         ctx, least = self.ctx, None
-        for after in range(end + 1, min(self.only_end, end + self.space.max_unit_blocks) + 1):
-            for following in self.space.decisions(self.rules[end:after]):
+        for after in range(end + 1, last + 1):
+            for following in self.costs.decisions(end, after):
                 v = self.costs(end, after, following)
                 rise = max(rise_fwd + cost.prefetch_fwd_bytes(u, v, ctx),
                            cost.own_peak_bytes(v, ctx, backward=True) + cost.prefetch_bwd_bytes(v, u))
@@ -309,7 +338,7 @@ class ChainSolver:
         n = len(self.blocks)
         if self.only_end is None or self.minimize_memory:
             return np.zeros(1), np.zeros((1, n + 1))
-        terms = block_terms(self.costs, self.rules, self.space, self.ctx, self.only_end)
+        terms = block_terms(self.costs, self.ctx, self.only_end)
         prices = lagrange_prices(terms, self.budget_bytes)
         sums = np.zeros((len(prices), n + 1))
         for j in reversed(range(self.only_end)):
@@ -326,14 +355,14 @@ class ChainSolver:
         its neighbour's gathered params (see `_drop_slower_than_safe`)."""
         n, ctx, space = len(self.blocks), self.ctx, self.space
         units = [self.costs(a, b, d) for a in range(n) for b in range(a + 1, min(n, a + space.max_unit_blocks) + 1)
-                 for d in space.decisions(self.rules[a:b])]
+                 for d in self.costs.decisions(a, b)]
         if not units:
             return 0
         gathered = max(u.gathered_bytes for u in units)
         rise = max(max(cost.own_peak_bytes(u, ctx, backward=True), self._rise_fwd(u)) for u in units)
         per_block = 0
         for i in range(n):
-            singles = [self.costs(i, i + 1, d) for d in space.decisions(self.rules[i:i + 1])]
+            singles = [self.costs(i, i + 1, d) for d in self.costs.decisions(i, i + 1)]
             per_block += max(cost.base_bytes(u, ctx) + cost.held_bytes(u, ctx) for u in singles)
         return rise + gathered + per_block
 
@@ -380,7 +409,7 @@ class ChainSolver:
             source = self._position(start, first)
             if not source.keys:
                 continue
-            for decision in space.decisions(rules[first:end]):
+            for decision in self.costs.decisions(first, end):
                 key = (first - start, end - start, decision)
                 chunk = self._extend(source, start, key)
                 if len(chunk.time_s):

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from ..cost import CostContext, evaluate_stage
-from .chain_dp import ChainSolver, StageFloors
+from .chain_dp import ChainSolver, StageFloors, UnitCosts
 from .space import BlockRule, SearchSpace
 from .stages import StageCut, cut_stages
 
@@ -137,15 +137,17 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
                         time_bound_s: float = math.inf) -> Candidate | None:
     """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one);
     None when nothing fits the budget or nothing is as fast as `time_bound_s`."""
+    contexts = [context(setting, configuration, hardware, stage) for stage in range(configuration.pp)]
+    costs = UnitCosts(blocks, rules, space, contexts[0])  # shared by the stages: see UnitCosts
     solvers: dict[int, ChainSolver] = {}
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
 
     def stage_cost(stage: int, start: int, end: int):
-        ctx = context(setting, configuration, hardware, stage)
+        ctx = contexts[stage]
         if ctx.in_flight not in solvers:
             solvers[ctx.in_flight] = ChainSolver(
                 blocks, rules, ctx, budget_bytes, space, minimize_memory=minimize_memory, time_bound_s=time_bound_s,
-                only_end=len(blocks) if configuration.pp == 1 else None)
+                only_end=len(blocks) if configuration.pp == 1 else None, costs=costs)
         solution = solvers[ctx.in_flight].solve(start, end)
         if solution is None:
             return None
@@ -153,8 +155,7 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
             return solution, float(solution.peak_bytes)
         return solution, solution.time_s + ctx.pipeline_factor * (times_s[start] + times_s[end])
 
-    floor = None if minimize_memory else StageFloors(
-        blocks, rules, context(setting, configuration, hardware, 0), budget_bytes, space).slowest_s
+    floor = None if minimize_memory else StageFloors(costs, budget_bytes).slowest_s
     cuts = cut_stages(rules, configuration.pp, stage_cost, floor, time_bound_s)
     if cuts is None:
         return None
