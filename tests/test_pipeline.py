@@ -22,14 +22,15 @@ from shardplan.compile import evaluate, solve
 from shardplan.errors import InfeasibleError, PlanError, ShardplanError
 from shardplan.passes import analyze
 from shardplan.plan import Checkpoint, Plan, ShardStrategy, Stage
-from shardplan.runtime import collectives, parallelize, shutdown
+from shardplan.runtime import parallelize, shutdown
 from shardplan.runtime.launch import free_port
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.stages import cut_stages
 
+from parity import train_next_to_reference
+
 STEPS = 5
 TOLERANCE = 1e-5
-ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}
 MIXED = {"strategies": tuple(ShardStrategy), "checkpoints": tuple(Checkpoint)}
 """Every unit a different strategy and checkpointing (see test_runtime)."""
 
@@ -46,7 +47,7 @@ REPLICA_BATCH = 4
 
 
 def run_case(rank: int, world: int, case: dict) -> dict:
-    """Train `case` for STEPS steps next to a one-process reference; the largest differences over all ranks."""
+    """Train `case` for STEPS steps next to a one-process reference; return the largest differences."""
     given = Plan.from_json(case["plan"]) if "plan" in case else None
     dp = given.mesh.dp if given else world // 2
     build, groups = MODELS[case["model"]]
@@ -55,49 +56,16 @@ def run_case(rank: int, world: int, case: dict) -> dict:
     reference = build(batch * dp).model
     model = copy.deepcopy(reference)
     vocab, seq = reference.config.vocab_size, 32 if case["model"] == "gpt" else 16
-
-    def batch_of(step: int) -> torch.Tensor:
-        return torch.randint(0, vocab, (batch * dp, seq), generator=torch.Generator().manual_seed(step))
-    mine = batch_of(0).chunk(dp)[rank % dp]
+    batches = [torch.randint(0, vocab, (batch * dp, seq), generator=torch.Generator().manual_seed(step))
+               for step in range(STEPS)]
+    mine = batches[0].chunk(dp)[rank % dp]
     plan = given or manual_plan(model, groups, dp=dp, pp=2, schedule=case["schedule"],
                                 micro_batches=case["micro_batches"], strategies=case["strategies"],
                                 checkpoints=case["checkpoints"], example_inputs=(mine,),
                                 example_kwargs={"labels": mine})
-    program = parallelize(model, plan)
-    optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    loss_error = 0.0
-    for step in range(STEPS):
-        ids = batch_of(step)
-        mine = ids.chunk(dp)[rank % dp]
-        loss = program.step(mine, labels=mine)
-        reference_loss = _loss(reference(ids, labels=ids))
-        reference_loss.backward()
-        if case.get("clip"):
-            norm = program.clip_grad_norm_(case["clip"])
-            reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), case["clip"])
-            loss_error = max(loss_error, abs(float(norm) - float(reference_norm)) / float(reference_norm))
-        optimizer.step()
-        optimizer.zero_grad()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
-        loss_error = max(loss_error, abs(float(loss) - float(reference_loss)))
-    return {"loss_error": loss_error, "param_error": _param_error(program, reference),
-            "mesh": [plan.mesh.dp, plan.mesh.pp], "schedule": plan.schedule.name}
-
-
-def _loss(output):
-    return output if isinstance(output, torch.Tensor) else output.loss
-
-
-def _param_error(program, reference: torch.nn.Module) -> float:
-    """Largest difference of any parameter from the reference's, over every stage's units."""
-    expected = dict(reference.named_parameters())
-    error = 0.0
-    for unit in program.units:  # full_values gathers over the stage's ranks: every rank calls it
-        for name, value in zip(unit.layout.names, unit.layout.split(unit.full_values())):
-            error = max(error, float((value - expected[name].detach()).abs().max()))
-    return float(collectives.all_reduce_max(torch.tensor(error)))
+    return dict(train_next_to_reference(parallelize(model, plan), reference,
+                                        [(ids.chunk(dp)[rank % dp], ids) for ids in batches], clip=case.get("clip")),
+                mesh=[plan.mesh.dp, plan.mesh.pp])
 
 
 def check_loss_fn(rank: int, world: int) -> float:

@@ -24,13 +24,12 @@ from shardplan.runtime.flat_param import FlatLayout
 from shardplan.runtime.program import split_micro_batches
 from shardplan.runtime.launch import free_port
 
+from parity import train_next_to_reference
+
 STEPS = 5
 TOLERANCE = 1e-5
 STRATEGIES = tuple(ShardStrategy)
 CHECKPOINTS = tuple(Checkpoint)
-# eps above the gradient rounding noise: GPT's key bias has an exactly zero gradient, whose
-# rounding noise (~1e-10, different in every summation order) default eps=1e-8 would amplify to lr
-ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}
 
 
 # plans by hand
@@ -66,34 +65,11 @@ def run_case(rank: int, world: int, case: dict) -> dict:
                      precision=MixedPrecision(param_dtype=case.get("param_dtype", "float32")))
     torch.manual_seed(0)  # meta init draws the same numbers as building on CPU did
     program = parallelize(model, plan, backend=case.get("backend", "shardplan"))
-    optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    vocab = reference.config.vocab_size
-    seq = entry.args[0].shape[1]
-    loss_error = 0.0
-    for step in range(STEPS):
-        ids = torch.randint(0, vocab, (2 * world, seq), generator=torch.Generator().manual_seed(step))
-        mine = ids.chunk(world)[rank]
-        loss = program.step(mine, labels=mine)
-        reference_loss = _loss(reference(ids, labels=ids))
-        reference_loss.backward()
-        if case.get("clip"):
-            norm = program.clip_grad_norm_(case["clip"])
-            reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), case["clip"])
-            loss_error = max(loss_error, abs(float(norm) - float(reference_norm)) / float(reference_norm))
-        optimizer.step()
-        optimizer.zero_grad()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
-        loss_error = max(loss_error, abs(float(loss) - float(reference_loss)))
-    state = program.export_full_state_dict()  # on rank 0, which reports the results
-    param_error = max((state[name] - parameter.detach()).abs().max().item()
-                      for name, parameter in reference.named_parameters()) if state else 0.0
-    return {"loss_error": loss_error, "param_error": param_error}
-
-
-def _loss(output):
-    return output if isinstance(output, torch.Tensor) else output.loss
+    vocab, seq = reference.config.vocab_size, entry.args[0].shape[1]
+    batches = [torch.randint(0, vocab, (2 * world, seq), generator=torch.Generator().manual_seed(step))
+               for step in range(STEPS)]
+    return train_next_to_reference(program, reference, [(ids.chunk(world)[rank], ids) for ids in batches],
+                                   clip=case.get("clip"))
 
 
 def check_reshard(rank: int, world: int) -> dict:

@@ -1,0 +1,36 @@
+"""Training a program next to a one-process reference, for the multi-process parity tests."""
+import torch
+
+ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}
+"""eps above the gradient rounding noise: GPT's key bias has an exactly zero gradient, whose
+rounding noise (~1e-10, different in every summation order) default eps=1e-8 would amplify to lr."""
+
+
+def train_next_to_reference(program, reference: torch.nn.Module, batches, clip: float | None = None) -> dict:
+    """Train both with AdamW on `batches`, pairs of (this rank's batch, the whole batch), each step with
+    clipping when `clip` is given; the largest loss (and relative norm) difference, and the largest
+    parameter difference at the end (rank 0 compares; 0 elsewhere)."""
+    optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    loss_error = 0.0
+    for mine, whole in batches:
+        loss = program.step(mine, labels=mine)
+        reference_loss = _loss(reference(whole, labels=whole))
+        reference_loss.backward()
+        if clip:
+            norm = program.clip_grad_norm_(clip)
+            reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            loss_error = max(loss_error, abs(float(norm) - float(reference_norm)) / float(reference_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        loss_error = max(loss_error, abs(float(loss) - float(reference_loss)))
+    state = program.export_full_state_dict()  # on rank 0, which reports the results
+    param_error = max((state[name] - parameter.detach()).abs().max().item()
+                      for name, parameter in reference.named_parameters()) if state else 0.0
+    return {"loss_error": loss_error, "param_error": param_error}
+
+
+def _loss(output):
+    return output if isinstance(output, torch.Tensor) else output.loss
