@@ -1,16 +1,21 @@
 """Predicted vs measured, on this machine: block compute times, and every plan kind's memory and step time.
 
-    .venv/bin/python benchmarks/bench_estimates.py                      # calibrates first (a few minutes)
+    .venv/bin/python benchmarks/bench_estimates.py                      # calibrates in the same rounds
     .venv/bin/python benchmarks/bench_estimates.py --profile profile.json
 
 Blocks: the demo GPT's blocks, forward+backward timed by hooks at block boundaries
 in one process (one thread, as a rank runs), against the cost model's compute terms.
 Plans: the demo GPT trained on 2 CPU ranks (gloo) under hand-written plans of
 every strategy x checkpoint kind; peak memory is MemTracker's (every tensor on
-the rank), time the slowest rank's step; prediction is compile.evaluate.
+the rank), time a whole training step (forward, backward, optimizer step,
+zero_grad) on rank 0; prediction is compile.evaluate. By default every plan's step
+is timed in the same interleaved rounds of one spawned world as the calibration's
+probes ([Note: the fastest of interleaved rounds] in shardplan/calibrate.py), the
+fastest round kept on both sides, so that on a machine shared with other work the
+ratio measures the model, not the neighbours' load (as bench_collectives.py does).
 """
 import argparse
-import warnings
+import functools
 import time
 
 import torch
@@ -18,11 +23,12 @@ from rich.console import Console
 from rich.table import Table
 
 from shardplan import Checkpoint, ShardStrategy, get_hardware, zoo
-from shardplan.calibrate import calibrate
+from shardplan.calibrate import CPU_SWEEP, fit_profile, summary
 from shardplan.compile import evaluate
 from shardplan.cost import CostContext, Decision, unit_cost
-from shardplan.demo import DEMO_BATCH, DEMO_GPT, train_with_plan
+from shardplan.demo import DEMO_BATCH, DEMO_GPT
 from shardplan.passes import analyze
+from shardplan.runtime.launch import run_world
 from shardplan.runtime.manual import manual_plan
 from shardplan.sizes import format_bytes
 
@@ -47,18 +53,23 @@ def measure_block_times(entry: zoo.ZooModel, names: list[str], rounds: int) -> d
     forward_starts: dict[str, float] = {}
     backward_ends: dict[str, float] = {}
 
-    def mark_forward(name):
-        return lambda *args: forward_starts.__setitem__(name, time.perf_counter())
-
     def mark_backward(name):
         return lambda *args: backward_ends.__setitem__(name, time.perf_counter())
 
+    def mark_forward(name):
+        def hook(module, inputs):
+            forward_starts[name] = time.perf_counter()
+            for tensor in inputs:  # its gradient is complete when the block's backward is done
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(mark_backward(name))
+        return hook
+
+    # Tensor and parameter hooks, not module backward hooks: those add autograd nodes of their own,
+    # whose Python cost (~0.1 ms) would double a sub-millisecond block's time.
     for name in names:
         modules[name].register_forward_pre_hook(mark_forward(name))
-        modules[name].register_full_backward_hook(mark_backward(name))
         for param in modules[name].parameters():
             param.register_post_accumulate_grad_hook(mark_backward(name))
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")  # the embedding has no input grad
     spent: dict[str, list[float]] = {name: [] for name in names}
     for step in range(rounds + 1):
         forward_starts.clear()
@@ -93,36 +104,80 @@ def block_table(hardware, rounds: int) -> Table:
     return table
 
 
-def plan_table(hardware, world_size: int, steps: int) -> Table:
-    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
-    chain = analyze(entry.model, entry.args, entry.kwargs)
-    table = Table(title=f"every plan kind: demo GPT on {world_size} CPU ranks (gloo), {steps} steps")
+def plan_table(chain, plans: list, hardware, measured: list[tuple[int, float]], world_size: int, how: str) -> Table:
+    table = Table(title=f"every plan kind: demo GPT on {world_size} CPU ranks (gloo), {how}")
     for column in ("strategy", "checkpoint", "memory pred", "memory meas", "ratio", "step pred ms", "step meas ms",
                    "ratio"):
         table.add_column(column, justify="right")
-    for strategy, checkpoint in KINDS:
-        plan = manual_plan(entry.model, GROUPS, dp=world_size, strategies=(strategy,), checkpoints=(checkpoint,))
+    for (strategy, checkpoint), plan, (peak_bytes, step_s) in zip(KINDS, plans, measured):
         predicted = evaluate(chain, plan, hardware)
-        measured = train_with_plan(plan, world_size, steps, progress=False)
-        table.add_row(strategy.value, checkpoint.value, format_bytes(predicted.peak_bytes),
-                      format_bytes(measured.peak_bytes), f"{predicted.peak_bytes / measured.peak_bytes:.2f}",
-                      f"{predicted.step_time_s * 1e3:.0f}", f"{measured.step_time_s * 1e3:.0f}",
-                      f"{predicted.step_time_s / measured.step_time_s:.2f}")
+        table.add_row(strategy.value, checkpoint.value, format_bytes(predicted.peak_bytes), format_bytes(peak_bytes),
+                      f"{predicted.peak_bytes / peak_bytes:.2f}", f"{predicted.step_time_s * 1e3:.0f}",
+                      f"{step_s * 1e3:.0f}", f"{predicted.step_time_s / step_s:.2f}")
     return table
+
+
+def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep):
+    """Rank job: every plan's training step (demo.train_with_plan's, made here so that it can be timed
+    inside the calibration's rounds), its peak memory by MemTracker, and the calibration of `sweep`.
+
+    Returns the calibration's Measurements (None without a sweep) and per plan (peak bytes over the
+    ranks, the fastest round's step seconds)."""
+    from shardplan.calibrate import Probe, measure_job
+    from shardplan.plan import Plan
+    from shardplan.runtime import parallelize
+    from shardplan.runtime.collectives import all_reduce_max, world
+    from shardplan.runtime.measure import peak_step_bytes
+
+    probes, peaks = {}, []
+    for index, plan_json in enumerate(plan_jsons):
+        torch.manual_seed(0)  # the same initial weights on every rank
+        entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+        generator = torch.Generator().manual_seed(1 + world().rank)  # each replica its own batch
+        ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
+        program = parallelize(entry.model, Plan.from_json(plan_json), device=device)
+        optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
+        step = functools.partial(_train_step, program, optimizer, ids)
+        step()  # warm-up: allocates the optimizer state, as every later step has it
+        grads = [p.grad for p in program.parameters() if p.grad is not None]  # kept between steps
+        peak = peak_step_bytes(step, entry.model, optimizer, *program.parameters(), *grads)
+        peaks.append(int(all_reduce_max(torch.tensor(peak))))
+        probes["plan", index] = Probe(call=step, loop=False)
+    measurements, seconds = measure_job(device, report, rounds, sweep, lambda device: probes)
+    return measurements, [(peak, seconds["plan", index]) for index, peak in enumerate(peaks)]
+
+
+def _train_step(program, optimizer, ids) -> None:
+    program.step(ids, labels=ids)
+    optimizer.step()
+    # Gradients stay allocated between steps, as the cost model counts them (sharded_state).
+    optimizer.zero_grad(set_to_none=False)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", help="a calibrated profile JSON (default: calibrate now)")
+    parser.add_argument("--profile", help="a profile JSON written by `shardplan calibrate`; default: calibrate "
+                                          "in the same rounds as the training steps")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=5, help="timed steps for the block table (the fastest is kept)")
+    parser.add_argument("--rounds", type=int, default=CPU_SWEEP.rounds,
+                        help="timed rounds of every probe and training step, and timed steps of the block table; "
+                             "the fastest is kept")
     options = parser.parse_args()
     torch.set_num_threads(1)
-    hardware = get_hardware(options.profile) if options.profile else calibrate(world_size=options.world_size)
+    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    plans = [manual_plan(entry.model, GROUPS, dp=options.world_size, strategies=(strategy,), checkpoints=(checkpoint,))
+             for strategy, checkpoint in KINDS]
+    sweep = None if options.profile else CPU_SWEEP
+    measurements, measured = run_world(measure_plans_job, ([plan.to_json() for plan in plans], options.rounds, sweep),
+                                       world_size=options.world_size, backend="gloo", total_steps=options.rounds,
+                                       description="training steps and calibration")
+    hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)
+    how = "saved profile" if options.profile else "calibrated in the same rounds"
     console = Console()
+    console.print(summary(hardware))
     console.print(block_table(hardware, options.rounds))
-    console.print(plan_table(hardware, options.world_size, options.steps))
+    console.print(plan_table(chain, plans, hardware, measured, options.world_size, how))
 
 
 if __name__ == "__main__":
