@@ -208,6 +208,8 @@ def _pareto(front: _Front) -> _Front:
     states are taken a chunk at a time: each is checked against the earlier ones of its chunk,
     and what the chunk keeps joins the staircase of kept (R, Q) points, which strikes out every
     later state it beats at once (a binary search each); most states go in the first strikes."""
+    if len(front.time_s) < 2:
+        return front
     pool = np.lexsort((front.q, front.r, front.time_s))
     stair_r = stair_q = np.zeros(0, np.int64)
     keep = []
@@ -354,17 +356,21 @@ class ChainSolver:
         every block's largest base + held bytes, plus the largest working set of any unit with
         its neighbour's gathered params (see `_drop_slower_than_safe`)."""
         n, ctx, space = len(self.blocks), self.ctx, self.space
-        units = [self.costs(a, b, d) for a in range(n) for b in range(a + 1, min(n, a + space.max_unit_blocks) + 1)
-                 for d in self.costs.decisions(a, b)]
+        spans: dict[tuple, tuple[int, int]] = {}  # identical spans (blocks and rules) counted once
+        for a in range(n):
+            for b in range(a + 1, min(n, a + space.max_unit_blocks) + 1):
+                spans.setdefault(self.signatures[a:b], (a, b))
+        units = [self.costs(a, b, d) for a, b in spans.values() for d in self.costs.decisions(a, b)]
         if not units:
             return 0
         gathered = max(u.gathered_bytes for u in units)
         rise = max(max(cost.own_peak_bytes(u, ctx, backward=True), self._rise_fwd(u)) for u in units)
-        per_block = 0
+        most: dict[tuple, int] = {}  # per block signature: its largest base + held bytes
         for i in range(n):
-            singles = [self.costs(i, i + 1, d) for d in self.costs.decisions(i, i + 1)]
-            per_block += max(cost.base_bytes(u, ctx) + cost.held_bytes(u, ctx) for u in singles)
-        return rise + gathered + per_block
+            if self.signatures[i:i + 1] not in most:
+                singles = [self.costs(i, i + 1, d) for d in self.costs.decisions(i, i + 1)]
+                most[self.signatures[i:i + 1]] = max(cost.base_bytes(u, ctx) + cost.held_bytes(u, ctx) for u in singles)
+        return rise + gathered + sum(most[self.signatures[i:i + 1]] for i in range(n))
 
     def _drop_slower_than_safe(self, front: _Front) -> _Front:
         """A state is safe when every continuation of it fits the budget; then no state as slow

@@ -9,6 +9,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from .. import cost
 from ..cost import CostContext, evaluate_stage
 from .chain_dp import ChainSolver, StageFloors, UnitCosts
 from .space import BlockRule, SearchSpace
@@ -20,6 +21,8 @@ micro-batches in flight (m instead of min(m, pp - stage)), so it never wins; a p
 name it (Configuration.in_flight prices it)."""
 
 
+_ROUNDING = 1e-9
+"""Relative slack on lower bounds of times: the same plan's time summed in another order may differ in the last bits."""
 RUNNER_UP_SLACK = 1.25
 """A configuration is searched only for plans at most this much slower than the best so far:
 the bound prunes the DPs (exactly: the winner is never cut), and runner-ups stay informative."""
@@ -200,12 +203,22 @@ def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configur
     edges.append(n)
     if any(not rules[e].may_start_stage for e in edges[1:-1]):
         return math.inf
+    costs = UnitCosts(blocks, rules, space, context(setting, configuration, hardware, 0))
     worst = 0.0
     for stage, (start, end) in enumerate(zip(edges, edges[1:])):
         ctx = context(setting, configuration, hardware, stage)
         boundary_s = boundary_time_s(blocks, start, end, setting, configuration, hardware)
+        # Walking the stage is what costs: decisions whose units' own times already lose to the
+        # fastest so far, or whose end of forward (Σ base + held bytes) is over budget, are not.
+        options = []
+        for decision in costs.decisions(start, end):
+            units = [costs(j, j + 1, decision) for j in range(start, end)]
+            if sum(cost.base_bytes(u, ctx) + cost.held_bytes(u, ctx) for u in units) <= budget_bytes:
+                options.append((sum(cost.own_time_s(u, ctx) for u in units), decision))
         fastest = math.inf  # each stage takes its own fastest fitting decision
-        for decision in space.decisions(rules[start:end]):
+        for least_s, decision in sorted(options, key=lambda option: option[0]):
+            if least_s * (1 - _ROUNDING) > fastest:
+                break
             step = evaluate_stage(tuple(blocks[start:end]), tuple(range(end - start)), (decision,) * (end - start),
                                   ctx, boundary_s=boundary_s)
             if step.peak_bytes <= budget_bytes:
