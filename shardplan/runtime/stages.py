@@ -90,7 +90,7 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
     """Capture `model` at one micro-batch and cut it into the stages of `plan`, to run on `device`.
 
     Every rank cuts every stage, so a plan that cannot run fails alike on all of them."""
-    from ..capture import capture, model_device
+    from ..capture import capture
     from ..passes.blocks import block_modules, group_nodes
     from ..passes.devices import retarget_device_pass
     from ..passes.ownership import annotate_ownership_pass
@@ -98,7 +98,8 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
     if not plan.inputs:
         raise PlanError("this plan records no input shapes (written by hand?): pipeline stages are cut from "
                         "a capture at those shapes; make the plan with shardplan.compile")
-    gm = capture(model, *micro_batch_inputs(plan.inputs, plan.schedule.num_micro_batches)).gm
+    with _stand_ins(model, getattr(torch, plan.mixed_precision.param_dtype)):
+        gm = capture(model, *micro_batch_inputs(plan.inputs, plan.schedule.num_micro_batches)).gm
     if not hasattr(gm, "_in_spec"):
         raise ShardplanError(f"torch.export could not capture {type(model).__name__} (only symbolic tracing "
                              "could), and pipeline stages are cut from an exported graph: make the model "
@@ -106,7 +107,7 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
     for node in gm.graph.find_nodes(op="call_module"):
         if str(node.target).startswith("_guards"):
             gm.graph.erase_node(node)  # re-checks input shapes, which Program.step has done
-    retarget_device_pass(gm, model_device(model), device)  # a model on meta captures `arange(device=meta)`
+    retarget_device_pass(gm, torch.device("meta"), device)  # the stand-ins capture `arange(device=meta)`
     annotate_ownership_pass(gm)
     groups = group_nodes(gm)
     units = _unit_of_blocks(plan, block_modules(groups))
@@ -151,6 +152,32 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
                        if attribute_of(model, target) is None},
             input_spec=gm._in_spec, output_spec=gm._out_spec))
     return stages
+
+
+@contextlib.contextmanager
+def _stand_ins(model: nn.Module, compute_dtype: torch.dtype):
+    """The model's parameters and buffers replaced, for a capture, by meta tensors, the parameters in the
+    compute dtype: the graph then bakes the dtypes the runtime computes in (a Hugging Face model casts
+    to `x.dtype`, which capture writes down as a constant), and capturing allocates nothing."""
+    originals = []
+    stand_in: dict[int, torch.Tensor] = {}
+    """One stand-in per tensor, so tied parameters stay tied."""
+    for module in model.modules():
+        for slots, is_parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, value in slots.items():
+                if value is None:
+                    continue
+                originals.append((slots, name, value))
+                if id(value) not in stand_in:
+                    dtype = compute_dtype if is_parameter and value.is_floating_point() else value.dtype
+                    meta = torch.empty_like(value, device="meta", dtype=dtype)
+                    stand_in[id(value)] = nn.Parameter(meta, value.requires_grad) if is_parameter else meta
+                slots[name] = stand_in[id(value)]
+    try:
+        yield
+    finally:
+        for slots, name, value in originals:
+            slots[name] = value
 
 
 def _unit_of_blocks(plan: Plan, modules_of_block: list[tuple[str, ...]]) -> list[str]:
