@@ -106,35 +106,42 @@ def lagrange_prices(terms: list[list[tuple[float, int]]], budget_bytes: float) -
 
 
 class StageFloors:
-    """Lower bounds of stage times on spans of a chain, for the stage cut to skip spans with.
+    """Lower bounds of stage costs on spans of a chain, for the stage cut to skip spans with.
 
     By `block_terms`, a stage on blocks[a:b] takes at least Σ_b min_d (t_b,d + λ m_b,d) - λ budget
-    for every price λ ≥ 0, and the slowest of k stages at least the mean of theirs. Memory is
+    seconds for every price λ ≥ 0, and its peak is at least Σ_b min_d m_b,d bytes (its end of
+    forward); the largest of k stages' costs is at least the mean of their bounds. Memory is
     counted with one micro-batch in flight, the least any stage holds, so one table bounds them all.
     """
 
-    def __init__(self, costs: UnitCosts, budget_bytes: float):
+    def __init__(self, costs: UnitCosts, budget_bytes: float, *, minimize_memory: bool = False):
         ctx = replace(costs.ctx, in_flight=1)
         terms = block_terms(costs, ctx, len(costs.blocks))
-        prices = lagrange_prices(terms, budget_bytes)
-        self.sums_s = np.zeros((len(prices), len(costs.blocks) + 1))
-        for j, options in enumerate(terms):
-            self.sums_s[:, j + 1] = self.sums_s[:, j] + [min(t + price * m for t, m in options) for price in prices]
-        self.allowance_s = prices * (budget_bytes if math.isfinite(budget_bytes) else 0.0)
-        self.single_s = np.full((self.sums_s.shape[1],) * 2, -math.inf)
+        if minimize_memory:  # the stage's cost is its peak: one row, of bytes
+            prices, allowances = np.zeros(1), np.zeros(1)
+            per_block = [[min(m for _, m in options)] for options in terms]
+        else:
+            prices = lagrange_prices(terms, budget_bytes)
+            allowances = prices * (budget_bytes if math.isfinite(budget_bytes) else 0.0)
+            per_block = [[min(t + price * m for t, m in options) for price in prices] for options in terms]
+        self.sums = np.zeros((len(prices), len(costs.blocks) + 1))
+        for j, row in enumerate(per_block):
+            self.sums[:, j + 1] = self.sums[:, j] + row
+        self.allowances = allowances
+        self.single = np.full((self.sums.shape[1],) * 2, -math.inf)
         """[start, end]: the bound of one stage, for every span at once (the stage cut asks often)."""
-        for sums_s, allowance_s in zip(self.sums_s, self.allowance_s):
-            np.maximum(self.single_s, sums_s[None, :] - sums_s[:, None] - allowance_s, out=self.single_s)
+        for sums, allowance in zip(self.sums, self.allowances):
+            np.maximum(self.single, sums[None, :] - sums[:, None] - allowance, out=self.single)
         self.memo: dict[tuple[int, int, int], float] = {}
 
-    def slowest_s(self, start: int, end: int, stages: int = 1) -> float:
-        """At least the slowest stage's time when `stages` stages cover blocks[start:end]."""
+    def least(self, start: int, end: int, stages: int = 1) -> float:
+        """At least the largest stage cost when `stages` stages cover blocks[start:end]."""
         if stages == 1:
-            return self.single_s[start, end]
+            return self.single[start, end]
         found = self.memo.get((start, end, stages))
         if found is None:
-            spread_s = (self.sums_s[:, end] - self.sums_s[:, start]) / stages - self.allowance_s
-            found = self.memo[(start, end, stages)] = float(spread_s.max())
+            spread = (self.sums[:, end] - self.sums[:, start]) / stages - self.allowances
+            found = self.memo[(start, end, stages)] = float(spread.max())
         return found
 
 
@@ -275,7 +282,10 @@ class ChainSolver:
                              time_s=found.time_s, peak_bytes=found.peak_bytes)
 
     def _solve(self, start: int, end: int) -> ChainSolution | None:
-        for position in range(start, end):  # shorter spans first: no deep recursion
+        built = end  # shorter spans first, from the longest one built already: no deep recursion
+        while built > start and self._span_id(start, built - 1) not in self.memo:
+            built -= 1
+        for position in range(built, end):
             self._position(start, position)
         position = self._position(start, end)
         best = None

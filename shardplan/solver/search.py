@@ -158,8 +158,9 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
             return solution, float(solution.peak_bytes)
         return solution, solution.time_s + ctx.pipeline_factor * (times_s[start] + times_s[end])
 
-    floor = None if minimize_memory else StageFloors(costs, budget_bytes).slowest_s
-    cuts = cut_stages(rules, configuration.pp, stage_cost, floor, time_bound_s)
+    floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
+    cuts = cut_stages(rules, configuration.pp, stage_cost, floors.least,
+                      budget_bytes if minimize_memory else time_bound_s)
     if cuts is None:
         return None
     return Candidate(configuration=configuration, stages=cuts, step_time_s=max(c.time_s for c in cuts),
