@@ -2,6 +2,7 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -11,7 +12,7 @@ from shardplan.cost import CostContext, evaluate_stage
 from shardplan.hardware import get_hardware
 from shardplan.plan import Checkpoint, ShardStrategy
 from shardplan.solver.brute_force import count_candidates, solve_chain_brute_force
-from shardplan.solver.chain_dp import ChainSolver
+from shardplan.solver.chain_dp import ChainSolver, StageFloors, UnitCosts, _Front, _pareto
 from shardplan.solver.search import Configuration, Setting, boundary_time_s, context, solve_configuration
 from shardplan.solver.space import Constraints, SearchSpace, resolve_rules
 from shardplan.solver.stages import cut_stages
@@ -87,6 +88,9 @@ def test_stage_cuts_equal_brute_force_over_cuts(blocks, budget_bytes, m, pp):
     setting = Setting(world_size=pp * 2, batch_size=m)
     configuration = Configuration(dp=2, pp=pp, num_micro_batches=m, schedule="1f1b")
     found = solve_configuration(blocks, rules, setting, configuration, H100, budget_bytes, space)
+    costs = UnitCosts(blocks, rules, space, context(setting, configuration, H100, 0))
+    time_floors = StageFloors(costs, budget_bytes)
+    memory_floors = StageFloors(costs, budget_bytes, minimize_memory=True)
     best = None
     for cut in itertools.combinations(range(1, len(blocks)), pp - 1):
         edges = (0,) + cut + (len(blocks),)
@@ -97,13 +101,37 @@ def test_stage_cuts_equal_brute_force_over_cuts(blocks, budget_bytes, m, pp):
             if solution is None:
                 worst = math.inf
                 break
-            worst = max(worst, solution.time_s + ctx.pipeline_factor * boundary_time_s(
-                blocks, start, end, setting, configuration, H100))
+            time_s = solution.time_s + ctx.pipeline_factor * boundary_time_s(blocks, start, end, setting,
+                                                                               configuration, H100)
+            # The floors the stage cut skips spans by are lower bounds (what makes skipping exact).
+            assert time_floors.least(start, end) <= time_s * (1 + 1e-9)
+            assert memory_floors.least(start, end) <= solution.peak_bytes
+            worst = max(worst, time_s)
         best = worst if best is None else min(best, worst)
     if best == math.inf:
         assert found is None
-    else:
-        assert math.isclose(found.step_time_s, best, rel_tol=1e-9)
+        return
+    assert math.isclose(found.step_time_s, best, rel_tol=1e-9)
+    # A time bound as tight as the optimum keeps it; a tighter one leaves nothing.
+    bounded = solve_configuration(blocks, rules, setting, configuration, H100, budget_bytes, space,
+                                  time_bound_s=found.step_time_s)
+    assert bounded.step_time_s == found.step_time_s
+    assert solve_configuration(blocks, rules, setting, configuration, H100, budget_bytes, space,
+                               time_bound_s=found.step_time_s * (1 - 1e-6)) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(points=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 4)), max_size=300))
+def test_pareto_keeps_exactly_the_states_no_other_beats(points):
+    time_s, r, q = (np.array([p[k] for p in points], dtype=dtype) for k, dtype in ((0, float), (1, np.int64),
+                                                                                    (2, np.int64)))
+    indices = np.arange(len(points))
+    kept = _pareto(_Front(time_s=time_s, r=r, q=q, parent_source=indices, parent_index=indices)).parent_index
+    # Beaten: another state is as good in all three and is better in one, or is equal and comes first.
+    expected = [i for i, p in enumerate(points)
+                if not any(o != p and all(a <= b for a, b in zip(o, p)) or (o == p and j < i)
+                           for j, o in enumerate(points))]
+    assert sorted(kept.tolist()) == expected
 
 
 def test_min_max_cut_on_hand_costs():
