@@ -313,12 +313,12 @@ _H100_NVLINK = _uniform_link(15e-6, 360e9)      # NVLink 4: 900 GB/s total, 450 
 _NDR_INFINIBAND = _uniform_link(40e-6, 40e9)    # DGX H100/H200: one 400 Gb/s NDR port (50 GB/s) per GPU
 _MIB = 2**20
 _CPU_LOOPBACK = LinkProfile(collectives={
-    "all_gather_into_tensor": CollectiveCost(latency_s=130e-6, bus_bandwidth_bytes_per_s=1.3e9, correction=SizeCurve(
-        points=((1.9e5, 0.75), (3e6, 0.85), (1.2e7, 1.2), (2.4e7, 2.4)))),
-    "reduce_scatter_tensor": CollectiveCost(latency_s=180e-6, bus_bandwidth_bytes_per_s=0.77e9, correction=SizeCurve(
-        points=((9e4, 0.75), (3e6, 0.85), (1.2e7, 1.1), (2.4e7, 1.7)))),
-    "all_reduce": CollectiveCost(latency_s=160e-6, bus_bandwidth_bytes_per_s=2.3e9, correction=SizeCurve(
-        points=((1.9e5, 0.8), (3e6, 0.85), (6e6, 1.3), (2.4e7, 1.5), (1e8, 1.2))))})
+    "all_gather_into_tensor": CollectiveCost(latency_s=230e-6, bus_bandwidth_bytes_per_s=1.05e9, correction=SizeCurve(
+        points=((1.9e5, 1.0), (1.5e6, 0.75), (1.2e7, 0.92), (2.4e7, 2.1)))),
+    "reduce_scatter_tensor": CollectiveCost(latency_s=420e-6, bus_bandwidth_bytes_per_s=0.6e9, correction=SizeCurve(
+        points=((1.9e5, 1.0), (7.4e5, 0.7), (5.9e6, 1.05), (2.4e7, 1.5), (9.5e7, 2.0), (1.9e8, 1.4)))),
+    "all_reduce": CollectiveCost(latency_s=380e-6, bus_bandwidth_bytes_per_s=1.9e9, correction=SizeCurve(
+        points=((1.9e5, 1.0), (3e6, 0.85), (1.2e7, 1.2), (4.7e7, 0.95), (1e8, 1.2))))})
 
 BUILTIN = {
     # A100 SXM4 40GB datasheet: 40 GB HBM2 at 1,555 GB/s; FP32 19.5 TFLOP/s, BF16/FP16 tensor 312 TFLOP/s
@@ -350,9 +350,11 @@ BUILTIN = {
         source="NVIDIA H200 datasheet (SXM 141GB); links: NVLink 4 and NDR InfiniBand at ~80% of line rate"),
     # One CPU process per rank with 1 thread, gloo over loopback TCP: rounded from
     # `shardplan calibrate --world-size 2` on this project's 2-core AMD EPYC (Zen 4, AVX-512 BF16)
-    # VM, torch 2.13, 2026-11-22, machine quiet. Collectives slow 2-3x past ~24 MB of bus bytes
-    # (the 32 MB last-level cache); gloo's reduce_scatter_tensor is an all_reduce plus a slice,
-    # slower still here: a third of all_reduce's bus bandwidth. Calibrate for real figures.
+    # VM, torch 2.13, 2026-11-22: compute and memory with the machine quiet; collectives timed
+    # after compute as a step pays them (calibrate.py, [Note: collectives after compute]), load
+    # average ~3 from other work. Collectives slow ~2x past ~24 MB of bus bytes (the 32 MB
+    # last-level cache); gloo's reduce_scatter_tensor is an all_reduce plus a slice, slower still
+    # here: a third of all_reduce's bus bandwidth. Calibrate for real figures.
     "cpu-gloo": HardwareProfile(
         name="cpu-gloo", device_memory_bytes=8 * 2**30,  # a conservative share of host memory per rank
         overlaps_communication=False,
