@@ -185,8 +185,8 @@ class _Position:
     columns: _Columns | None = None
 
 
-_ROUNDING = 1e-9
-"""Relative slack on time bounds: the same plan's time summed in another order may differ in the last bits."""
+ROUNDING = 1e-9
+"""Relative slack on bounds: the same plan's time summed in another order may differ in the last bits."""
 _PARETO_CHUNK = 128
 """States taken at once, in time order (see `_pareto`): larger chunks check more pairs inside
 the chunk, smaller ones strike the rest more often; 128 was fastest on LLaMA-70B fronts."""
@@ -250,7 +250,7 @@ class ChainSolver:
                  only_end: int | None = None, costs: UnitCosts | None = None):
         self.blocks, self.rules, self.ctx, self.space = tuple(blocks), rules, ctx, space
         self.budget_bytes, self.minimize_memory = budget_bytes, minimize_memory
-        self.time_bound_s = time_bound_s * (1 + _ROUNDING)
+        self.time_bound_s = time_bound_s * (1 + ROUNDING)
         """States slower than this are dropped: the caller has a plan at least this fast already."""
         self.only_end = only_end
         """When every query ends here, a state's time plus the compute of the blocks still to come

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .. import cost
 from ..cost import CostContext, evaluate_stage
-from .chain_dp import ChainSolver, StageFloors, UnitCosts
+from .chain_dp import ROUNDING, ChainSolver, StageFloors, UnitCosts
 from .space import BlockRule, SearchSpace
 from .stages import StageCut, cut_stages
 
@@ -21,8 +21,6 @@ micro-batches in flight (m instead of min(m, pp - stage)), so it never wins; a p
 name it (Configuration.in_flight prices it)."""
 
 
-_ROUNDING = 1e-9
-"""Relative slack on lower bounds of times: the same plan's time summed in another order may differ in the last bits."""
 RUNNER_UP_SLACK = 1.25
 """A configuration is searched only for plans at most this much slower than the best so far:
 the bound prunes the DPs (exactly: the winner is never cut), and runner-ups stay informative."""
@@ -218,7 +216,7 @@ def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configur
                 options.append((sum(cost.own_time_s(u, ctx) for u in units), decision))
         fastest = math.inf  # each stage takes its own fastest fitting decision
         for least_s, decision in sorted(options, key=lambda option: option[0]):
-            if least_s * (1 - _ROUNDING) > fastest:
+            if least_s * (1 - ROUNDING) > fastest:
                 break
             step = evaluate_stage(tuple(blocks[start:end]), tuple(range(end - start)), (decision,) * (end - start),
                                   ctx, boundary_s=boundary_s)

@@ -5,21 +5,18 @@ flight) plus its boundary sends; the plan's step time is its slowest stage's, so
 minimizing the largest stage cost is optimal, and a DP over (stage, first block) finds it.
 
 Most (stage, span) pairs cannot be part of the optimum, and each one asked for costs a chain
-DP, so the DP is solved top-down and skips them by lower bounds (exactly: what it skips is
-strictly worse than a cut in hand, or than the bound the caller gives) by lower bounds of the
-cost of a stage and of the slowest of the stages after it (chain_dp.StageFloors). Each stage
-tries its ends from the balanced one outwards, so a good cut is in hand early and the bounds bite.
+DP, so the DP is solved top-down and skips them by lower bounds of the cost of a stage and of
+the slowest of the stages after it (chain_dp.StageFloors). That is exact: what it skips is
+strictly worse than a cut in hand, or than the bound the caller gives. Each stage tries its
+ends from the balanced one outwards, so a good cut is in hand early and the bounds bite.
 """
 import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .chain_dp import ChainSolution
+from .chain_dp import ROUNDING, ChainSolution
 from .space import BlockRule
-
-_ROUNDING = 1e-9
-"""Relative slack on the floors: a stage's cost sums the same terms in another order."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,8 +48,8 @@ def cut_stages(rules: tuple[BlockRule, ...], pp: int,
     allowed = stage_starts_allowed(rules)
     must = [i for i, r in enumerate(rules) if r.must_start_stage and i > 0]
 
-    def floor_s(start: int, end: int, stages: int = 1) -> float:
-        return 0.0 if floor is None else floor(start, end, stages) * (1 - _ROUNDING)
+    def at_least(start: int, end: int, stages: int = 1) -> float:
+        return 0.0 if floor is None else floor(start, end, stages) * (1 - ROUNDING)
 
     best: dict[tuple[int, int], tuple[float, int] | None] = {(pp, n): (0.0, n)}
 
@@ -70,7 +67,7 @@ def cut_stages(rules: tuple[BlockRule, ...], pp: int,
 
         def consider(end: int) -> None:
             nonlocal choice
-            if floor_s(start, end) > limit():
+            if at_least(start, end) > limit():
                 return
             rest = solve_from(stage + 1, end) if end == n or allowed[end] else None
             if rest is None or rest[0] > limit():
@@ -83,13 +80,13 @@ def cut_stages(rules: tuple[BlockRule, ...], pp: int,
 
         # The balanced end: this stage's floor reaches the later stages' floor.
         balanced = first if not later else bisect.bisect_left(
-            range(first, last + 1), 0.0, key=lambda end: floor_s(start, end) - floor_s(end, n, later)) + first
+            range(first, last + 1), 0.0, key=lambda end: at_least(start, end) - at_least(end, n, later)) + first
         for end in range(balanced, last + 1):  # this stage's floor only grows
-            if floor_s(start, end) > limit():
+            if at_least(start, end) > limit():
                 break
             consider(end)
         for end in reversed(range(first, balanced)):  # the later stages' floor only grows
-            if floor_s(end, n, later) > limit():
+            if at_least(end, n, later) > limit():
                 break
             consider(end)
         best[(stage, start)] = choice
