@@ -8,8 +8,8 @@ rounding noise (~1e-10, different in every summation order) default eps=1e-8 wou
 
 def train_next_to_reference(program, reference: torch.nn.Module, batches, clip: float | None = None) -> dict:
     """Train both with AdamW on `batches`, pairs of (this rank's batch, the whole batch), each step with
-    clipping when `clip` is given; the largest loss (and relative norm) difference, and the largest
-    parameter difference at the end (rank 0 compares; 0 elsewhere)."""
+    clipping when `clip` is given, then evaluate the first batch again; the largest loss (and relative
+    norm) difference, and the largest parameter difference at the end (rank 0 compares; 0 elsewhere)."""
     optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
     loss_error = 0.0
@@ -26,6 +26,10 @@ def train_next_to_reference(program, reference: torch.nn.Module, batches, clip: 
         reference_optimizer.step()
         reference_optimizer.zero_grad()
         loss_error = max(loss_error, abs(float(loss) - float(reference_loss)))
+    mine, whole = batches[0]
+    with torch.no_grad():
+        expected = _loss(reference(whole, labels=whole))
+    loss_error = max(loss_error, abs(float(program.evaluate(mine, labels=mine)) - float(expected)))
     state = program.export_full_state_dict()  # on rank 0, which reports the results
     param_error = max((state[name] - parameter.detach()).abs().max().item()
                       for name, parameter in reference.named_parameters()) if state else 0.0

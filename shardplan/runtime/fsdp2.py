@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..errors import PlanError, ShardplanError
 from ..plan import Plan, ShardStrategy
@@ -57,6 +57,15 @@ class Fsdp2Program(Program):
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
+
+    def evaluate(self, *args, **kwargs) -> torch.Tensor:
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            # units not resharded after forward (and the root) keep parameters gathered when no backward follows
+            for module in self.module.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.tensor import distribute_tensor

@@ -82,7 +82,15 @@ class PipelinedProgram(UnitProgram):
                              "program.step(...); to run the model's forward alone, plan with pp=1")
 
     def step(self, *args, **kwargs) -> torch.Tensor:
-        """As Program.step (see [Note: pipelined step]): call on every rank with the same batch."""
+        """As Program.step (see [Note: pipelined step]): call on every rank with its replica's batch."""
+        return self._run_schedule(self.schedule.step, args, kwargs)
+
+    def evaluate(self, *args, **kwargs) -> torch.Tensor:
+        """As Program.evaluate: the schedule's forwards alone, without gradients."""
+        with torch.no_grad():
+            return self._run_schedule(self.schedule.eval, args, kwargs)
+
+    def _run_schedule(self, run: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
         check_batch(self.plan, args, kwargs)
         args, target = self.split_target(args)
         count = self.plan.schedule.num_micro_batches
@@ -94,7 +102,7 @@ class PipelinedProgram(UnitProgram):
         losses: list[torch.Tensor] = []
         self._forwards_this_step = 0
         try:
-            self.schedule.step(*inputs, target=target if last else None, losses=losses, return_outputs=False)
+            run(*inputs, target=target if last else None, losses=losses, return_outputs=False)
         finally:
             self.scheduler.communicate = True
         mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())

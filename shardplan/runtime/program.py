@@ -120,6 +120,18 @@ class Program:
             self._set_gradient_sync(True)
         return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
 
+    def evaluate(self, *args, **kwargs) -> torch.Tensor:
+        """The loss of this rank's batch without gradients (a validation step), averaged as `step` averages.
+
+        >>> validation_loss = program.evaluate(ids, labels=ids)  # doctest: +SKIP
+        """
+        check_batch(self.plan, args, kwargs)
+        count = self.plan.schedule.num_micro_batches
+        with torch.no_grad():
+            total = sum(self.loss(micro_args, micro_kwargs).float().cpu()
+                        for micro_args, micro_kwargs in split_micro_batches(args, kwargs, count))
+        return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
+
     def loss(self, args: tuple, kwargs: dict) -> torch.Tensor:
         args, target = self.split_target(args)
         return self.loss_of(self(*args, **kwargs), target)
