@@ -124,7 +124,7 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     hardware = get_hardware(options.profile) if options.profile else calibrate(world_size=options.world_size)
-    Console().print(pipeline_table(hardware, options.world_size, options.steps))
+    Console(width=160).print(pipeline_table(hardware, options.world_size, options.steps))
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
     setting = Setting(world_size=world_size, batch_size=_batch_size(chain), param_dtype=precision.param_dtype,
                       reduce_dtype=precision.reduce_dtype, optimizer=optimizer, allow_pipeline=allow_pipeline,
                       skip_edges=tuple(tuple(edge) for edge in chain.extra.get("skip_edges", ())))
-    rules = resolve_rules(chain.blocks, constraints)
+    rules = resolve_rules(chain.blocks, constraints, tuple(tuple(edge) for edge in chain.extra.get("tied_edges", ())))
     candidates = search(chain.blocks, rules, setting, hw, budget, space)
     if not candidates:
         raise InfeasibleError(_infeasible_message(chain, rules, setting, hw, budget, space))

@@ -26,6 +26,7 @@ from shardplan.runtime import parallelize, shutdown
 from shardplan.runtime.launch import free_port
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.stages import cut_stages
+from shardplan.solver.space import resolve_rules
 
 from parity import train_next_to_reference
 
@@ -188,6 +189,17 @@ def test_evaluate_prices_a_pipelined_plan_as_the_solver_did():
     predicted = evaluate(chain, plan, "cpu-gloo")
     assert (predicted.peak_bytes, predicted.time_s) == (plan.predicted.peak_bytes, plan.predicted.time_s)
     assert predicted.time_s["bubble"] > 0
+
+
+def test_tied_parameters_keep_their_blocks_on_one_stage():
+    entry = zoo.hf_gpt2(batch=4, seq=16)  # the head reads the embedding's weight: no cut may fall between
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    assert chain.extra["tied_edges"] == [(0, len(chain.blocks) - 1)]
+    rules = resolve_rules(chain.blocks, None, ((1, 3),))
+    assert [rule.may_start_stage for rule in rules] == [True, True, False, False, True]
+    assert solve(chain, 2, hardware="cpu-gloo", allow_pipeline=True).mesh.pp == 1
+    gpt = zoo.gpt()  # the same planner cuts an untied GPT into stages
+    assert solve(analyze(gpt.model, gpt.args, gpt.kwargs), 2, hardware="cpu-gloo", allow_pipeline=True).mesh.pp == 2
 
 
 WORLD2_CASES = {

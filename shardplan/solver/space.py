@@ -73,8 +73,12 @@ def _matches(block, patterns) -> bool:
     return any(re.search(pattern, path) for pattern in patterns for path in paths)
 
 
-def resolve_rules(blocks, constraints: Constraints | None) -> tuple[BlockRule, ...]:
-    """One BlockRule per block; raises when the constraints contradict each other."""
+def resolve_rules(blocks, constraints: Constraints | None,
+                  tied_edges: tuple[tuple[int, int], ...] = ()) -> tuple[BlockRule, ...]:
+    """One BlockRule per block; raises when the constraints contradict each other.
+
+    `tied_edges` (i, j): block j reads a parameter block i holds (BlockChain.extra["tied_edges"]); no
+    stage may start in i + 1 .. j, as a parameter lives on one stage."""
     constraints = constraints or Constraints()
     for pattern in (constraints.unit_boundary + constraints.no_unit_boundary + constraints.stage_boundary
                     + constraints.no_stage_boundary
@@ -88,11 +92,16 @@ def resolve_rules(blocks, constraints: Constraints | None) -> tuple[BlockRule, .
         must_unit = i == 0 or _matches(block, constraints.unit_boundary)
         may_unit = i == 0 or not _matches(block, constraints.no_unit_boundary)
         must_stage = i == 0 or _matches(block, constraints.stage_boundary)
-        may_stage = i == 0 or not _matches(block, constraints.no_stage_boundary)
+        tied = any(start < i <= end for start, end in tied_edges)
+        may_stage = i == 0 or not (_matches(block, constraints.no_stage_boundary) or tied)
         checkpoints = frozenset(Checkpoint).intersection(
             *[allowed for pattern, allowed in constraints.checkpoint if _matches(block, (pattern,))])
         strategies = frozenset(ShardStrategy).intersection(
             *[allowed for pattern, allowed in constraints.strategy if _matches(block, (pattern,))])
+        if must_stage and tied:
+            raise ShardplanError(f"a constraint pins a stage boundary at block {block.name!r}, inside a span of "
+                                 "blocks sharing (tied) parameters, which must stay on one stage: remove the "
+                                 "pattern, or untie the parameters")
         if must_unit and not may_unit or must_stage and not may_stage:
             raise ShardplanError(f"constraints both pin and forbid a boundary at block {block.name!r}: "
                                  "remove one of the two patterns")
