@@ -2,7 +2,9 @@
 
 [Note: stage graphs] A stage cannot be cut out of the model's Python code, so
 it is cut out of its graph: the model is captured again at the shape of one
-micro-batch, the graph is split into one partition per block (the blocks of
+micro-batch (from meta stand-ins of its tensors, parameters in the compute
+dtype, so the graph bakes the dtypes the runtime computes in and capturing
+allocates nothing), the graph is split into one partition per block (the blocks of
 the analysis, torch.fx split_module), and each rank runs the partitions of
 its stage, in graph order. Values that cross a cut are what a stage sends and
 the next receives: the residual stream, and any model input a later stage
@@ -90,24 +92,10 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
     """Capture `model` at one micro-batch and cut it into the stages of `plan`, to run on `device`.
 
     Every rank cuts every stage, so a plan that cannot run fails alike on all of them."""
-    from ..capture import capture
     from ..passes.blocks import block_modules, group_nodes
-    from ..passes.devices import retarget_device_pass
     from ..passes.ownership import annotate_ownership_pass
 
-    if not plan.inputs:
-        raise PlanError("this plan records no input shapes (written by hand?): pipeline stages are cut from "
-                        "a capture at those shapes; make the plan with shardplan.compile")
-    with _stand_ins(model, getattr(torch, plan.mixed_precision.param_dtype)):
-        gm = capture(model, *micro_batch_inputs(plan.inputs, plan.schedule.num_micro_batches)).gm
-    if not hasattr(gm, "_in_spec"):
-        raise ShardplanError(f"torch.export could not capture {type(model).__name__} (only symbolic tracing "
-                             "could), and pipeline stages are cut from an exported graph: make the model "
-                             "exportable, or plan with pp=1")
-    for node in gm.graph.find_nodes(op="call_module"):
-        if str(node.target).startswith("_guards"):
-            gm.graph.erase_node(node)  # re-checks input shapes, which Program.step has done
-    retarget_device_pass(gm, torch.device("meta"), device)  # the stand-ins capture `arange(device=meta)`
+    gm = _capture_micro_batch(model, plan, device)
     annotate_ownership_pass(gm)
     groups = group_nodes(gm)
     units = _unit_of_blocks(plan, block_modules(groups))
@@ -155,6 +143,26 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
 
 
 @contextlib.contextmanager
+def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> torch.fx.GraphModule:
+    from ..capture import capture
+    from ..passes.devices import retarget_device_pass
+
+    if not plan.inputs:
+        raise PlanError("this plan records no input shapes (written by hand?): pipeline stages are cut from "
+                        "a capture at those shapes; make the plan with shardplan.compile")
+    with _stand_ins(model, getattr(torch, plan.mixed_precision.param_dtype)):
+        gm = capture(model, *micro_batch_inputs(plan.inputs, plan.schedule.num_micro_batches)).gm
+    if not hasattr(gm, "_in_spec"):
+        raise ShardplanError(f"torch.export could not capture {type(model).__name__} (only symbolic tracing "
+                             "could), and pipeline stages are cut from an exported graph: make the model "
+                             "exportable, or plan with pp=1")
+    for node in gm.graph.find_nodes(op="call_module"):
+        if str(node.target).startswith("_guards"):
+            gm.graph.erase_node(node)  # re-checks input shapes, which Program.step has done
+    retarget_device_pass(gm, torch.device("meta"), device)  # the stand-ins capture `arange(device=meta)`
+    return gm
+
+
 def _stand_ins(model: nn.Module, compute_dtype: torch.dtype):
     """The model's parameters and buffers replaced, for a capture, by meta tensors, the parameters in the
     compute dtype: the graph then bakes the dtypes the runtime computes in (a Hugging Face model casts
