@@ -142,7 +142,6 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
     return stages
 
 
-@contextlib.contextmanager
 def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> torch.fx.GraphModule:
     from ..capture import capture
     from ..passes.devices import retarget_device_pass
@@ -163,6 +162,7 @@ def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> 
     return gm
 
 
+@contextlib.contextmanager
 def _stand_ins(model: nn.Module, compute_dtype: torch.dtype):
     """The model's parameters and buffers replaced, for a capture, by meta tensors, the parameters in the
     compute dtype: the graph then bakes the dtypes the runtime computes in (a Hugging Face model casts
