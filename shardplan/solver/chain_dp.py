@@ -128,16 +128,17 @@ class StageFloors:
         for j, row in enumerate(per_block):
             self.sums[:, j + 1] = self.sums[:, j] + row
         self.allowances = allowances
-        self.single = np.full((self.sums.shape[1],) * 2, -math.inf)
-        """[start, end]: the bound of one stage, for every span at once (the stage cut asks often)."""
-        for sums, allowance in zip(self.sums, self.allowances):
-            np.maximum(self.single, sums[None, :] - sums[:, None] - allowance, out=self.single)
+        self.rows: dict[int, np.ndarray] = {}
+        """start → the bound of one stage from there, for every end at once (the stage cut asks often)."""
         self.memo: dict[tuple[int, int, int], float] = {}
 
     def least(self, start: int, end: int, stages: int = 1) -> float:
         """At least the largest stage cost when `stages` stages cover blocks[start:end]."""
         if stages == 1:
-            return self.single[start, end]
+            row = self.rows.get(start)
+            if row is None:
+                row = self.rows[start] = (self.sums - self.sums[:, start, None] - self.allowances[:, None]).max(axis=0)
+            return row[end]
         found = self.memo.get((start, end, stages))
         if found is None:
             spread = (self.sums[:, end] - self.sums[:, start]) / stages - self.allowances
