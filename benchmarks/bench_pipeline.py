@@ -10,6 +10,9 @@ plan of the same units beside them. Step time is the slowest rank's
 the busiest stage's forward and backward chunks (waiting for its
 neighbour); the predicted one is the cost model's (pp - 1) x the stage's
 per-micro-batch time. Memory is MemTracker's peak (every tensor on the rank).
+Beside each pipeline, the same two stages written by hand for
+torch.distributed.pipelining (the model's code split in two modules): the
+cost of cutting stages out of the graph instead, as a ratio.
 """
 import argparse
 import statistics
@@ -71,6 +74,71 @@ def _measure_rank(device, report, plan_json: str, steps: int) -> dict:
     train_step()
     peak = peak_step_bytes(train_step, entry.model, optimizer, *program.parameters(),
                            *[p.grad for p in program.parameters() if p.grad is not None])
+    step_s, busy = _time_steps(train_step, steps, report, busy_s)
+    return {"peak_bytes": int(all_reduce_max(torch.tensor(peak))), "step_s": step_s, "busy_s": busy}
+
+
+class _HandStage(torch.nn.Module):
+    """The demo GPT's half on pipeline rank `rank` of 2, written by hand as torch.distributed.pipelining's
+    manual-split examples do: blocks 0-2 after the embeddings, or blocks 3-5 before the head and loss."""
+
+    def __init__(self, gpt, rank: int):
+        super().__init__()
+        half = len(gpt.h) // 2
+        self.first = rank == 0
+        self.embeddings = torch.nn.ModuleList([gpt.wte, gpt.wpe] if self.first else [])
+        self.blocks = gpt.h[:half] if self.first else gpt.h[half:]
+        self.head = torch.nn.ModuleList([] if self.first else [gpt.ln_f, gpt.lm_head])
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor):
+        if self.first:
+            wte, wpe = self.embeddings
+            x = wte(x) + wpe(torch.arange(x.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        if self.first:
+            return x, labels
+        ln_f, lm_head = self.head
+        return torch.nn.functional.cross_entropy(lm_head(ln_f(x)).flatten(0, 1), labels.flatten())
+
+
+def _hand_split_rank(device, report, schedule: str, micro_batches: int, steps: int) -> dict:
+    """The same pipeline written by hand with torch.distributed.pipelining (dp 1, pp 2)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from shardplan.runtime.collectives import world
+    from shardplan.runtime.pipelined import schedule_class
+
+    rank = world().rank
+    torch.manual_seed(0)
+    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=torch.Generator().manual_seed(1))
+    module = _HandStage(entry.model, rank)
+    # what crosses the cut, given up front (else the stage infers it by running garbage through itself)
+    tokens = torch.empty(DEMO_BATCH // micro_batches, DEMO_GPT.seq_len, dtype=torch.int64, device="meta")
+    stream = torch.empty(*tokens.shape, DEMO_GPT.d_model, device="meta", requires_grad=True)
+    stage = PipelineStage(module, rank, 2, device, input_args=(tokens, tokens) if rank == 0 else (stream, tokens),
+                          output_args=(stream, tokens) if rank == 0 else torch.empty((), device="meta"))
+    run = schedule_class(schedule)(stage, n_microbatches=micro_batches, scale_grads=False,
+                                   loss_fn=lambda loss, _: loss / micro_batches)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+
+    def train_step():
+        if rank == 0:
+            run.step(ids, ids, return_outputs=False)
+        else:
+            run.step(target=torch.zeros(micro_batches), return_outputs=False)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    train_step()
+    return {"step_s": _time_steps(train_step, steps, report, [0.0])[0]}
+
+
+def _time_steps(train_step, steps: int, report, busy_s: list[float]) -> tuple[float, float]:
+    """Median over `steps` of the slowest rank's step time and of the busiest rank's `busy_s[0]`."""
+    from shardplan.runtime.collectives import all_reduce_max
+
     steps_s, busy = [], []
     for _ in range(steps):
         all_reduce_max(torch.zeros(()))  # start together
@@ -80,8 +148,7 @@ def _measure_rank(device, report, plan_json: str, steps: int) -> dict:
         steps_s.append(float(all_reduce_max(torch.tensor(time.perf_counter() - start))))
         busy.append(float(all_reduce_max(torch.tensor(busy_s[0]))))
         report("step")
-    return {"peak_bytes": int(all_reduce_max(torch.tensor(peak))), "step_s": statistics.median(steps_s),
-            "busy_s": statistics.median(busy)}
+    return statistics.median(steps_s), statistics.median(busy)
 
 
 def _timed(method, total: list[float]):
@@ -99,19 +166,24 @@ def pipeline_table(hardware, world_size: int, steps: int) -> Table:
     chain = analyze(entry.model, entry.args, entry.kwargs)
     table = Table(title=f"pipeline plans: demo GPT on {world_size} CPU ranks (gloo), median of {steps} steps")
     for column in ("mesh", "schedule", "m", "memory pred", "memory meas", "ratio", "step pred ms", "step meas ms",
-                   "ratio", "bubble pred ms", "bubble meas ms"):
+                   "ratio", "bubble pred ms", "bubble meas ms", "hand-split ms", "meas / hand-split"):
         table.add_column(column, justify="right")
     for pp, schedule, micro_batches in CONFIGURATIONS:
         plan = demo_plan(world_size, pp, schedule, micro_batches)
         predicted = evaluate(chain, plan, hardware)
         measured = run_world(_measure_rank, (plan.to_json(), steps), world_size=world_size, backend="gloo",
                              total_steps=steps, progress=False)
-        bubble = f"{(measured['step_s'] - measured['busy_s']) * 1e3:.0f}" if pp > 1 else "-"
+        bubble = hand = versus = "-"
+        if pp > 1:
+            bubble = f"{(measured['step_s'] - measured['busy_s']) * 1e3:.0f}"
+            by_hand = run_world(_hand_split_rank, (schedule, micro_batches, steps), world_size=2, backend="gloo",
+                                total_steps=steps, progress=False)
+            hand, versus = f"{by_hand['step_s'] * 1e3:.0f}", f"{measured['step_s'] / by_hand['step_s']:.2f}"
         table.add_row(f"dp{plan.mesh.dp}×pp{pp}", schedule, str(micro_batches), format_bytes(predicted.peak_bytes),
                       format_bytes(measured["peak_bytes"]), f"{predicted.peak_bytes / measured['peak_bytes']:.2f}",
                       f"{predicted.step_time_s * 1e3:.0f}", f"{measured['step_s'] * 1e3:.0f}",
                       f"{predicted.step_time_s / measured['step_s']:.2f}",
-                      f"{predicted.time_s.get('bubble', 0.0) * 1e3:.0f}", bubble)
+                      f"{predicted.time_s.get('bubble', 0.0) * 1e3:.0f}", bubble, hand, versus)
     return table
 
 
