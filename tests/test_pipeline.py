@@ -50,7 +50,8 @@ REPLICA_BATCH = 4
 def run_case(rank: int, world: int, case: dict) -> dict:
     """Train `case` for STEPS steps next to a one-process reference; return the largest differences."""
     given = Plan.from_json(case["plan"]) if "plan" in case else None
-    dp = given.mesh.dp if given else world // 2
+    pp = given.mesh.pp if given else case.get("pp", 2)
+    dp = world // pp
     build, groups = MODELS[case["model"]]
     batch = case.get("replica_batch", REPLICA_BATCH)
     torch.manual_seed(0)
@@ -60,7 +61,7 @@ def run_case(rank: int, world: int, case: dict) -> dict:
     batches = [torch.randint(0, vocab, (batch * dp, seq), generator=torch.Generator().manual_seed(step))
                for step in range(STEPS)]
     mine = batches[0].chunk(dp)[rank % dp]
-    plan = given or manual_plan(model, groups, dp=dp, pp=2, schedule=case["schedule"],
+    plan = given or manual_plan(model, groups, dp=dp, pp=pp, schedule=case["schedule"],
                                 micro_batches=case["micro_batches"], strategies=case["strategies"],
                                 checkpoints=case["checkpoints"], example_inputs=(mine,),
                                 example_kwargs={"labels": mine},
@@ -215,6 +216,8 @@ WORLD2_CASES = {
 WORLD4_CASES = {
     "gpt/gpipe/m2/mixed/clip": {"model": "gpt", "schedule": "gpipe", "micro_batches": 2, **MIXED, "clip": 0.05},
     "gpt/1f1b/m4/mixed": {"model": "gpt", "schedule": "1f1b", "micro_batches": 4, **MIXED},
+    # four stages: the labels pass through three of them
+    "gpt/1f1b/m4/pp4": {"model": "gpt", "schedule": "1f1b", "micro_batches": 4, "pp": 4, **MIXED},
 }
 
 
@@ -235,5 +238,5 @@ def test_pipeline_world2_matches_one_process(tmp_path):
 def test_pipeline_world4_pp2_dp2_matches_one_process(tmp_path):
     results = _spawn(4, WORLD4_CASES, tmp_path)
     _assert_parity(results, WORLD4_CASES)
-    assert all(results[name]["mesh"] == [2, 2] for name in WORLD4_CASES)
+    assert [results[name]["mesh"] for name in WORLD4_CASES] == [[2, 2], [2, 2], [1, 4]]
     assert results["loss_fn"] <= TOLERANCE

@@ -21,7 +21,7 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
     """One unit per group of module paths; unit i takes decision i modulo each sequence's length.
 
     A unit's parameters are those under its modules, in model.named_parameters() order; with
-    pp > 1 the units are cut into pp stages of equal count, run by `schedule` ("gpipe" or "1f1b").
+    pp > 1 the units are cut into pp stages of counts as equal as can be, run by `schedule` ("gpipe" or "1f1b").
     Example inputs (one replica's batch) are recorded with the graph's fingerprint, as compile
     records them: a pipelined plan needs them to cut its stages.
 
@@ -35,8 +35,9 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
                           strategy=strategies[index % len(strategies)],
                           checkpoint=checkpoints[index % len(checkpoints)], offload=offload[index % len(offload)],
                           prefetch=prefetch[index % len(prefetch)]))
-    per_stage = -(-len(units) // pp)
-    stages = tuple(Stage(index=index, units=tuple(unit.name for unit in units[index * per_stage:][:per_stage]))
+    count = len(units)
+    stages = tuple(Stage(index=index, units=tuple(unit.name for unit in units[index * count // pp:
+                                                                               (index + 1) * count // pp]))
                    for index in range(pp))
     inputs = input_specs(tuple(example_inputs), dict(example_kwargs or {}))
     return Plan(fingerprint=fingerprint_of(model, inputs) if inputs else "manual", model=type(model).__name__,
