@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from shardplan import zoo
-from shardplan.compile import compile, expert_defaults, solve
+from shardplan.compile import compile, default_space, expert_defaults, predict, solve
 from shardplan.errors import InfeasibleError, ShardplanError
 from shardplan.hardware import get_hardware
 from shardplan.plan import Checkpoint, Plan
-from shardplan.solver.search import Setting
-from shardplan.solver.space import Constraints
+from shardplan.solver.search import Setting, search
+from shardplan.solver.space import Constraints, resolve_rules
 
 WORLD = 8
 HARDWARE = "cpu-gloo"
@@ -117,3 +117,21 @@ def test_a_skip_connection_crossing_a_stage_boundary_is_sent_too(chains):
     crossing = boundary_bytes(chain.blocks, edges)
     assert crossing[j] == chain.blocks[j - 1].output_bytes + chain.blocks[i].output_bytes
     assert crossing[i + 1] == chain.blocks[i].output_bytes
+
+
+def test_a_bound_within_rounding_of_a_plans_time_keeps_that_plan(chains):
+    """Search bounds come from plans walked event by event (the simple plans' guesses), while the
+    DP sums the same times in another order: a plan as fast as the bound up to the last bits is
+    kept (it once turned a plan that fit into an InfeasibleError)."""
+    hw = get_hardware(HARDWARE)
+    for name, chain in chains.items():
+        dtype = chain.param_dtype.removeprefix("torch.")
+        setting = Setting(world_size=WORLD, batch_size=chain.inputs[0].shape[0], param_dtype=dtype,
+                          reduce_dtype=dtype)
+        rules, space = resolve_rules(chain.blocks, None), default_space(len(chain.blocks))
+        best = search(chain.blocks, rules, setting, hw, hw.usable_memory_bytes, space)[0]
+        walked_s = predict(chain, best, setting, hw).step_time_s
+        assert math.isclose(walked_s, best.step_time_s, rel_tol=1e-12)
+        for bound_s in (walked_s, best.step_time_s * (1 - 1e-12)):
+            again = search(chain.blocks, rules, setting, hw, hw.usable_memory_bytes, space, time_bound_s=bound_s)
+            assert again and again[0].step_time_s == best.step_time_s, name

@@ -45,6 +45,7 @@ def cut_stages(rules: tuple[BlockRule, ...], pp: int,
     span grows. Ties go to the earliest cut.
     """
     n = len(rules)
+    bound *= 1 + ROUNDING  # the caller's bound may be the same time summed in another order
     allowed = stage_starts_allowed(rules)
     must = [i for i, r in enumerate(rules) if r.must_start_stage and i > 0]
 
