@@ -46,7 +46,10 @@ Time, by component (per step):
   params in param dtype plus its input and output activations), plus the block's
   memory-bound ops (Block.fwd_ops / fwd_memory_bytes, bwd likewise): each op's
   fixed cost and the bytes it streams. A block with no FLOPs whose ops the
-  analysis counted (an embedding, a norm) pays its memory-bound ops only.
+  analysis counted (an embedding, a norm) pays its memory-bound ops only. Each
+  micro-batch's backward also assembles the unit's flat gradient (read and write
+  it once) and, in a replicated unit with m > 1, adds it to the accumulator
+  (read both, write one).
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
   its memory-bound ops (every op but the matmul-like ones, whose outputs it kept):
   their fixed costs and traffic, as in compute.
@@ -289,6 +292,12 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
             recompute_s += fwd_s
         elif checkpoint is Checkpoint.SELECTIVE:  # every forward op but the kept matmul-like ones runs again
             recompute_s += _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx)
+    # each micro-batch's backward assembles the unit's flat gradient from its parameters' (a cat) and,
+    # in a replicated unit with micro-batches to come, adds it to the accumulator: see
+    # [Note: gradient accumulation] in runtime/unit.py
+    accumulates = strategy not in GATHERING and m > 1
+    compute_bwd_s += hw.compute_time_s(0, 2 * param_bytes + (3 * grad_bytes if accumulates else 0), "float32",
+                                       calls=1 + accumulates)
 
     gather_s = hw.collective_time_s("all_gather_into_tensor", param_bytes, dp) if gathered else 0.0
     if strategy in GATHERING:

@@ -72,7 +72,7 @@ def test_kept_activations_by_checkpoint_and_micro_batches(checkpoint, kept):
 def test_compute_recompute_and_collectives_of_a_unit():
     unit = unit_cost((block(),), Decision(checkpoint=Checkpoint.FULL), ctx(dp=4))
     assert unit.compute_fwd_s == pytest.approx(1.0)  # 1e12 FLOPs at 1 TFLOP/s
-    assert unit.compute_bwd_s == pytest.approx(2.0)
+    assert unit.compute_bwd_s == pytest.approx(2.0 + 1e-6 + 2 * 4e6 / 1e11)  # + the flat gradient's assembly
     assert unit.recompute_s == pytest.approx(1.0)
     assert unit.gather_fwd_s == pytest.approx(4e6 * 0.75 / 1e9)
     assert unit.gather_bwd_s == unit.gather_fwd_s  # FULL_SHARD gathers again for backward
@@ -83,6 +83,17 @@ def test_compute_recompute_and_collectives_of_a_unit():
     assert ddp.reduce_per_step and ddp.reduce_s == pytest.approx(4e6 * 1.5 / 1e9)
     bf16 = unit_cost((block(),), Decision(), ctx(dp=4, param_dtype="bfloat16"))
     assert bf16.gathered_bytes == 2 * 10**6
+
+
+def test_replicated_units_pay_for_accumulating_gradients_over_micro_batches():
+    flat = dict(fwd=0, fwd_ops=1, bwd_ops=1, saved=0, inp=0, fwd_transient=0, bwd_transient=0)  # gradient alone
+    sharded, replicated = (unit_cost((block(**flat),), Decision(strategy=strategy), ctx(num_micro_batches=2))
+                           for strategy in (ShardStrategy.FULL_SHARD, ShardStrategy.REPLICATE))
+    block_op_s = 1e-6  # the block's one backward op, moving nothing
+    assert sharded.compute_bwd_s == pytest.approx(block_op_s + 1e-6 + 2 * 4e6 / 1e11)  # cat of 4 MB: read, write
+    assert replicated.compute_bwd_s == pytest.approx(block_op_s + 2e-6 + (2 + 3) * 4e6 / 1e11)  # + accumulator add
+    once = unit_cost((block(**flat),), Decision(strategy=ShardStrategy.REPLICATE), ctx())
+    assert once.compute_bwd_s == pytest.approx(sharded.compute_bwd_s)  # one micro-batch accumulates nothing
 
 
 def test_overlap_hides_the_next_gather_under_compute_and_exposes_the_rest():
@@ -215,4 +226,4 @@ def test_a_block_without_flops_pays_only_its_memory_bound_ops():
     unit = unit_cost((lookup,), Decision(strategy=ShardStrategy.REPLICATE), ctx())
     # no roofline over its parameters and activations on top: 1 op at 1 us and its bytes at 100 GB/s
     assert unit.compute_fwd_s == pytest.approx(1e-6 + 2 * MiB / 1e11)
-    assert unit.compute_bwd_s == pytest.approx(1e-6 + 3 * MiB / 1e11)
+    assert unit.compute_bwd_s == pytest.approx(1e-6 + 3 * MiB / 1e11 + 1e-6 + 2 * 4e6 / 1e11)  # + gradient cat
