@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/bench_frontend.py [--depths 8 16 32 80]
 
-Accuracy: forward+backward FLOPs against FlopCounterMode over an eager step,
+Accuracy: forward+backward FLOPs against FlopCounterMode over an eager step
+(with the formulas torch lacks for CPU attention kernels, execution.flop_counter),
 parameter bytes against the model, activation bytes at the end of forward
 against MemTracker on a real CPU forward. Speed: LLaMA-7B shapes (seq 4096) on
 the meta device; time per layer shows whether growth is linear.
@@ -13,10 +14,10 @@ import time
 import torch
 from rich.console import Console
 from rich.table import Table
-from torch.utils.flop_counter import FlopCounterMode
 
 from shardplan import zoo
 from shardplan.passes import analyze
+from shardplan.passes.execution import flop_counter
 from shardplan.runtime.measure import forward_activation_bytes
 
 SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama", "hf-bert", "hf-t5", "hf-mixtral"]
@@ -25,7 +26,7 @@ SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama", "hf-bert
 def measured(entry: zoo.ZooModel) -> tuple[int, int]:
     """(FLOPs of an eager forward+backward, activation bytes live after a real forward)."""
     activations = forward_activation_bytes(entry.model, entry.args, entry.kwargs)
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         output = entry.model(*entry.args, **entry.kwargs)
         (output if isinstance(output, torch.Tensor) else output.loss).backward()
     return counter.get_total_flops(), activations

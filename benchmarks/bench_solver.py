@@ -1,7 +1,6 @@
 """Planner benchmark: plan quality against the expert defaults, solve and re-plan times.
 
-The whole decision space is searched (allow_pipeline=True), as the solver can price pipelines
-even while the runtime cannot run them.
+The whole decision space is searched, pipelines included (allow_pipeline=True).
 
     .venv/bin/python benchmarks/bench_solver.py            # hand-built LLaMA-70B chain
     .venv/bin/python benchmarks/bench_solver.py --analyze  # LLaMA-70B analyzed from zoo.llama_70b() on meta
