@@ -54,7 +54,7 @@ def main() -> None:
     if not options.train:
         model, ids = build(options.config, options.batch, options.seq, device="meta")
         plan = shardplan.compile(model, options.world_size, (ids,), {"labels": ids}, hardware=options.hardware,
-                                 memory_budget=options.memory_budget, allow_pipeline=False)
+                                 memory_budget=options.memory_budget)
         plan.save(options.output)
         print(plan.summary())
         print(f"wrote {options.output}")
@@ -63,9 +63,10 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     torch.manual_seed(0)
     model, _ = build(options.config, options.batch, options.seq, device="meta")
-    program = shardplan.parallelize(model, shardplan.load_plan(options.output))
+    plan = shardplan.load_plan(options.output)
+    program = shardplan.parallelize(model, plan)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(dist.get_rank())
+    generator = torch.Generator().manual_seed(dist.get_rank() % plan.mesh.dp)  # a replica's stages share its batch
     for step in range(options.steps):
         ids = torch.randint(0, model.config.vocab_size, (options.batch, options.seq), generator=generator)
         loss = program.step(ids, labels=ids)

@@ -13,8 +13,8 @@ Two machines of 2 ranks each (run on both, HOST being the first machine's addres
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         --rdzv-id gpt-run examples/train_gpt.py --plan plan.json
 
-With `shardplan plan ... --allow-pipeline` the plan may cut the model into pipeline
-stages; the script is the same. The plan's world size must equal torchrun's (nnodes x nproc-per-node); every rank
+The plan may cut the model into pipeline stages (`shardplan plan ... --no-pipeline`
+keeps one); the script is the same. The plan's world size must equal torchrun's (nnodes x nproc-per-node); every rank
 must load the same plan file (parallelize checks both before any training).
 """
 import argparse

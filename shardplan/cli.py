@@ -69,8 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     _hardware_options(plan)
     plan.add_argument("--batch", type=int, help="sequences per data-parallel replica")
     plan.add_argument("--seq", type=int, help="sequence length")
-    plan.add_argument("--allow-pipeline", action="store_true",
-                      help="let the solver cut pipeline stages (pp > 1); the runtime does not run those yet")
+    plan.add_argument("--no-pipeline", dest="allow_pipeline", action="store_false",
+                      help="plan data parallelism only (pp = 1): no pipeline stages")
     plan.add_argument("--allow-offload", action="store_true", help="let the solver offload shards to CPU")
     plan.add_argument("-o", "--output", default="plan.json")
 

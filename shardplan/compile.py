@@ -24,13 +24,13 @@ RUNNER_UPS = 4
 
 def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
             hardware="h100-80g", memory_budget=None, mixed_precision: MixedPrecision | None = None,
-            optimizer: str = "adamw", allow_pipeline: bool = False, allow_offload: bool = False,
+            optimizer: str = "adamw", allow_pipeline: bool = True, allow_offload: bool = False,
             constraints: Constraints | None = None, space: SearchSpace | None = None) -> Plan:
     """The fastest plan for training `model` on `world_size` ranks within the memory budget.
 
-    `allow_pipeline` is off by default while the runtime cannot run pipeline stages
-    (pp > 1): such plans are still solved and priced when asked for, and the
-    InfeasibleError of a pure data-parallel search says when a pipeline would fit.
+    With `allow_pipeline` (the default) the search includes pipeline stages (pp > 1) and their
+    micro-batch counts and schedules; without, it plans data parallelism alone, and its
+    InfeasibleError says when a pipeline would fit.
 
     >>> from shardplan import zoo
     >>> entry = zoo.gpt()
@@ -47,7 +47,7 @@ def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: 
 
 
 def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_bytes=None,
-          mixed_precision: MixedPrecision | None = None, optimizer: str = "adamw", allow_pipeline: bool = False,
+          mixed_precision: MixedPrecision | None = None, optimizer: str = "adamw", allow_pipeline: bool = True,
           allow_offload: bool = False, constraints: Constraints | None = None, space: SearchSpace | None = None,
           model_name: str = "") -> Plan:
     """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch)."""

@@ -18,7 +18,7 @@ DEMO_GPT = zoo.GPTConfig(vocab_size=1024, seq_len=128, n_layer=6, n_head=8, d_mo
 DEMO_BATCH = 8
 """Sequences per data-parallel replica."""
 TIGHT_BUDGET_SHARE = 0.6
-"""Default budget: this share of what the fastest unconstrained plan needs, so the solver must trade."""
+"""Default budget: this share of what the fastest data-parallel plan needs, so the solver must trade."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,11 +37,13 @@ def plan_demo(world_size: int, hardware: HardwareProfile, memory_budget=None) ->
     entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
     chain = analyze(entry.model, entry.args, entry.kwargs)
     if memory_budget is None:
+        # a share of what the fastest data-parallel plan needs: the planner must trade (pipelining, checkpointing,
+        # sharding), as a budget below the model's comfortable size makes it
         fastest = solve(chain, world_size, hardware=hardware, allow_pipeline=False, model_name="GPT")
         budget = int(fastest.predicted.peak_bytes * TIGHT_BUDGET_SHARE)
     else:
         budget = parse_bytes(memory_budget)
-    plan = solve(chain, world_size, hardware=hardware, budget_bytes=budget, allow_pipeline=False, model_name="GPT")
+    plan = solve(chain, world_size, hardware=hardware, budget_bytes=budget, model_name="GPT")
     return plan, budget
 
 
@@ -62,7 +64,7 @@ def _train_rank(device: torch.device, report, plan_json: str, steps: int) -> Mea
     plan = Plan.from_json(plan_json)
     torch.manual_seed(0)  # the same initial weights on every rank
     entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
-    generator = torch.Generator().manual_seed(1 + world().rank)  # each replica its own batch
+    generator = torch.Generator().manual_seed(1 + world().rank % plan.mesh.dp)  # each replica its own batch
     ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
     program = parallelize(entry.model, plan, device=device)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)

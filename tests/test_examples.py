@@ -23,7 +23,8 @@ def _run(command: list[str], cwd: Path) -> str:
 @pytest.mark.timeout(300)
 def test_train_gpt_under_torchrun(tmp_path):
     _run([sys.executable, "-m", "shardplan.cli", "plan", "gpt", "--world-size", "2", "--hardware", "cpu-gloo",
-          "-o", "plan.json"], tmp_path)
+          "--no-pipeline", "-o", "plan.json"], tmp_path)
+    assert json.loads((tmp_path / "plan.json").read_text())["mesh"] == {"dp": 2, "pp": 1}
     out = _run(TORCHRUN + [str(ROOT / "examples" / "train_gpt.py"), "--plan", "plan.json", "--steps", "3"], tmp_path)
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0]
@@ -33,7 +34,7 @@ def test_train_gpt_under_torchrun(tmp_path):
 @pytest.mark.timeout(300)
 def test_train_gpt_pipelined_from_meta_under_torchrun(tmp_path):
     _run([sys.executable, "-m", "shardplan.cli", "plan", "gpt", "--world-size", "2", "--hardware", "cpu-gloo",
-          "--allow-pipeline", "-o", "plan.json"], tmp_path)
+          "-o", "plan.json"], tmp_path)
     assert json.loads((tmp_path / "plan.json").read_text())["mesh"]["pp"] == 2  # gloo: stages beat gathers
     out = _run(TORCHRUN + [str(ROOT / "examples" / "train_gpt.py"), "--plan", "plan.json", "--steps", "4"], tmp_path)
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]

@@ -141,7 +141,7 @@ def _spawn(world: int, cases: dict, tmp_path) -> dict:
 def solver_pipelined_plan() -> str:
     """The plan compile chooses for GPT on 2 CPU ranks under a budget pure FSDP cannot meet."""
     entry = zoo.gpt(batch=8)
-    unbounded = compile_plan(entry.model, 2, entry.args, entry.kwargs, hardware="cpu-gloo")
+    unbounded = compile_plan(entry.model, 2, entry.args, entry.kwargs, hardware="cpu-gloo", allow_pipeline=False)
     budget = int(0.3 * unbounded.predicted.peak_bytes)
     with pytest.raises(InfeasibleError):
         compile_plan(entry.model, 2, entry.args, entry.kwargs, hardware="cpu-gloo", memory_budget=budget,
@@ -185,7 +185,7 @@ def test_evaluate_prices_a_pipelined_plan_as_the_solver_did():
     entry = zoo.gpt(batch=8)
     chain = analyze(entry.model, entry.args, entry.kwargs)
     plan = solve(chain, 4, hardware="cpu-gloo", allow_pipeline=True,
-                 budget_bytes=int(0.3 * solve(chain, 4, hardware="cpu-gloo").predicted.peak_bytes))
+                 budget_bytes=int(0.3 * solve(chain, 4, hardware="cpu-gloo", allow_pipeline=False).predicted.peak_bytes))
     assert plan.mesh.pp > 1
     predicted = evaluate(chain, plan, "cpu-gloo")
     assert (predicted.peak_bytes, predicted.time_s) == (plan.predicted.peak_bytes, plan.predicted.time_s)

@@ -53,11 +53,14 @@ def wait(pending: Pending) -> torch.Tensor:
 
 
 def all_gather(shard: torch.Tensor, *, async_op: bool, group: Group = None) -> Pending:
-    """Concatenate every rank's `shard` (1-D, same numel everywhere) in rank order."""
+    """Concatenate every rank's `shard` (1-D, same numel everywhere) in rank order.
+
+    [Note: groups of one] Over a group of one rank (a pipeline stage without data parallelism) the
+    collectives return their input itself: no copy, as the cost model prices them (nothing)."""
     size = dist.get_world_size(group)
-    output = shard.new_empty(shard.numel() * size)
     if size == 1:
-        return Pending(output.copy_(shard), None)
+        return Pending(shard, None)
+    output = shard.new_empty(shard.numel() * size)
     work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
     return Pending(output, work if async_op else None)
 
@@ -65,12 +68,12 @@ def all_gather(shard: torch.Tensor, *, async_op: bool, group: Group = None) -> P
 def reduce_scatter_mean(full: torch.Tensor, *, async_op: bool, group: Group = None) -> Pending:
     """Average `full` (1-D, numel divisible by the world size) over ranks; keep this rank's slice.
 
-    `full` is divided in place (see [Note: averaging])."""
+    `full` is divided in place (see [Note: averaging]); see [Note: groups of one]."""
     size = dist.get_world_size(group)
+    if size == 1:
+        return Pending(full, None)
     full.div_(size)
     output = full.new_empty(full.numel() // size)
-    if size == 1:
-        return Pending(output.copy_(full), None)
     work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return Pending(output, work if async_op else None)
 
@@ -78,9 +81,9 @@ def reduce_scatter_mean(full: torch.Tensor, *, async_op: bool, group: Group = No
 def all_reduce_mean(full: torch.Tensor, *, async_op: bool, group: Group = None) -> Pending:
     """Average `full` over ranks, in place (see [Note: averaging])."""
     size = dist.get_world_size(group)
-    full.div_(size)
     if size == 1:
         return Pending(full, None)
+    full.div_(size)
     work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return Pending(full, work if async_op else None)
 
