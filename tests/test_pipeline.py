@@ -7,14 +7,9 @@ record per case and the tests read them.
 """
 import copy
 import dataclasses
-import datetime
-import json
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardplan import compile as compile_plan
 from shardplan import zoo
@@ -22,13 +17,12 @@ from shardplan.compile import evaluate, solve
 from shardplan.errors import InfeasibleError, PlanError, ShardplanError
 from shardplan.passes import analyze
 from shardplan.plan import Checkpoint, MixedPrecision, Plan, ShardStrategy, Stage
-from shardplan.runtime import parallelize, shutdown
-from shardplan.runtime.launch import free_port
+from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.stages import cut_stages
 from shardplan.solver.space import resolve_rules
 
-from parity import train_next_to_reference
+from parity import spawn_world, train_next_to_reference
 
 STEPS = 5
 TOLERANCE = 1e-5
@@ -116,26 +110,11 @@ def check_errors(rank: int, world: int) -> dict:
     return errors
 
 
-def _worker(rank: int, world: int, port: int, cases: dict, path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {name: run_case(rank, world, case) for name, case in cases.items()}
-        results["loss_fn"] = check_loss_fn(rank, world)
-        results["errors"] = check_errors(rank, world)
-        if rank == 0:
-            with open(path, "w") as handle:
-                json.dump(results, handle)
-    finally:
-        shutdown()  # see [Note: shutdown]
-
-
-def _spawn(world: int, cases: dict, tmp_path) -> dict:
-    path = os.fspath(tmp_path / f"world{world}.json")
-    mp.spawn(_worker, args=(world, free_port(), cases, path), nprocs=world, join=True)
-    with open(path) as handle:
-        return json.load(handle)
+def _all_checks(rank: int, world: int, cases: dict) -> dict:
+    results = {name: run_case(rank, world, case) for name, case in cases.items()}
+    results["loss_fn"] = check_loss_fn(rank, world)
+    results["errors"] = check_errors(rank, world)
+    return results
 
 
 def solver_pipelined_plan() -> str:
@@ -224,7 +203,7 @@ WORLD4_CASES = {
 @pytest.mark.timeout(600)
 def test_pipeline_world2_matches_one_process(tmp_path):
     cases = dict(WORLD2_CASES, solver={"model": "gpt", "plan": solver_pipelined_plan(), "replica_batch": 8})
-    results = _spawn(2, cases, tmp_path)
+    results = spawn_world(2, _all_checks, (cases,), tmp_path)
     _assert_parity(results, cases)
     assert results["solver"]["mesh"][1] == 2
     assert results["loss_fn"] <= TOLERANCE
@@ -236,7 +215,7 @@ def test_pipeline_world2_matches_one_process(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_pipeline_world4_pp2_dp2_matches_one_process(tmp_path):
-    results = _spawn(4, WORLD4_CASES, tmp_path)
+    results = spawn_world(4, _all_checks, (WORLD4_CASES,), tmp_path)
     _assert_parity(results, WORLD4_CASES)
     assert [results[name]["mesh"] for name in WORLD4_CASES] == [[2, 2], [2, 2], [1, 4]]
     assert results["loss_fn"] <= TOLERANCE

@@ -5,26 +5,21 @@ backends, plus micro-batches, clipping, offload, meta init, ties, mixed precisio
 rank 0 writes one JSON record per case and the tests read them.
 """
 import copy
-import datetime
-import json
-import os
 import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardplan import zoo
 from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
 from shardplan.plan import Checkpoint, MixedPrecision, Plan, ShardStrategy
-from shardplan.runtime import parallelize, shutdown
+from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.flat_param import FlatLayout
 from shardplan.runtime.program import split_micro_batches
-from shardplan.runtime.launch import free_port
 
-from parity import train_next_to_reference
+from parity import spawn_world, train_next_to_reference
 
 STEPS = 5
 TOLERANCE = 1e-5
@@ -203,32 +198,13 @@ def check_errors(rank: int, world: int) -> dict:
     return errors
 
 
-def _worker(rank: int, world: int, port: int, cases: dict, path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {}
-        for name, case in cases.items():
-            results[name] = run_case(rank, world, case)
-        results["reshard"] = check_reshard(rank, world)
-        results["errors"] = check_errors(rank, world)
-        results["loss_fn"] = check_loss_fn_and_loading(rank, world)
-        results["meta_hf"] = check_meta_hf(rank, world)
-        results["communication"] = check_communication(rank, world)
-        if rank == 0:
-            with open(path, "w") as handle:
-                json.dump(results, handle)
-    finally:
-        shutdown()  # see [Note: shutdown]
-
-
-def _spawn(world: int, cases: dict, tmp_path) -> dict:
-    port = free_port()
-    path = os.fspath(tmp_path / f"world{world}.json")
-    mp.spawn(_worker, args=(world, port, cases, path), nprocs=world, join=True)
-    with open(path) as handle:
-        results = json.load(handle)
+def _all_checks(rank: int, world: int, cases: dict) -> dict:
+    results = {name: run_case(rank, world, case) for name, case in cases.items()}
+    results["reshard"] = check_reshard(rank, world)
+    results["errors"] = check_errors(rank, world)
+    results["loss_fn"] = check_loss_fn_and_loading(rank, world)
+    results["meta_hf"] = check_meta_hf(rank, world)
+    results["communication"] = check_communication(rank, world)
     return results
 
 
@@ -307,7 +283,7 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world, cases", [(2, WORLD2_CASES), (4, WORLD4_CASES)], ids=["world2", "world4"])
 def test_parity(world, cases, tmp_path):
-    results = _spawn(world, cases, tmp_path)
+    results = spawn_world(world, _all_checks, (cases,), tmp_path)
     _assert_parity(results, cases)
     _assert_runtime_facts(results, world)
 
