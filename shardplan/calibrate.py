@@ -274,18 +274,9 @@ def collective_probes(points: "list[tuple[str, int]]", device: torch.device) -> 
 
 
 def _compute_lasting(seconds: float, device: torch.device) -> Callable[[], None]:
-    """Matmuls that take about `seconds` on this rank (their count chosen here, as _loop_count does)."""
+    """Matmuls that take about `seconds` on this rank."""
     matmul = matmul_probe(256, 256, 256, "float32", device).call
-    count = 1
-    while True:
-        _synchronize(device)
-        start = time.perf_counter()
-        for _ in range(count):
-            matmul()
-        _synchronize(device)
-        if time.perf_counter() - start >= seconds:
-            break
-        count *= 2
+    count = _loop_count(matmul, device, seconds)
 
     def compute() -> None:
         for _ in range(count):
@@ -322,8 +313,8 @@ def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda
     return fastest_s
 
 
-def _loop_count(call, device: torch.device) -> int:
-    """Calls per timing: doubled until a loop lasts _MIN_TIMING_S (as timeit's autorange)."""
+def _loop_count(call, device: torch.device, seconds: float = _MIN_TIMING_S) -> int:
+    """Calls per timing: doubled until a loop lasts `seconds` (as timeit's autorange)."""
     count = 1
     while True:
         _synchronize(device)
@@ -331,7 +322,7 @@ def _loop_count(call, device: torch.device) -> int:
         for _ in range(count):
             call()
         _synchronize(device)
-        if time.perf_counter() - start >= _MIN_TIMING_S:
+        if time.perf_counter() - start >= seconds:
             return count
         count *= 2
 
