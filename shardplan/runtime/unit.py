@@ -200,7 +200,8 @@ class FlatUnit:
         """SHARD_OPTIMIZER: after an optimizer step changed this rank's slice, gather every slice."""
         if self.full is None or self.shard._version == self._synced_version:
             return
-        gathered = collectives.wait(collectives.all_gather(self.shard.detach().clone(), async_op=False, group=self.group))
+        gathered = collectives.wait(collectives.all_gather(self.shard.detach().clone(), async_op=False,
+                                                          group=self.group))
         with torch.no_grad():
             self.full.copy_(gathered)
         self._synced_version = self.shard._version
