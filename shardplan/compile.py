@@ -62,8 +62,8 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
     space = replace(space or default_space(len(chain.blocks)), allow_offload=allow_offload)
     setting = Setting(world_size=world_size, batch_size=_batch_size(chain), param_dtype=precision.param_dtype,
                       reduce_dtype=precision.reduce_dtype, optimizer=optimizer, allow_pipeline=allow_pipeline,
-                      skip_edges=tuple(tuple(edge) for edge in chain.extra.get("skip_edges", ())))
-    rules = resolve_rules(chain.blocks, constraints, tuple(tuple(edge) for edge in chain.extra.get("tied_edges", ())))
+                      skip_edges=_edges(chain, "skip_edges"))
+    rules = resolve_rules(chain.blocks, constraints, _edges(chain, "tied_edges"))
     candidates = search(chain.blocks, rules, setting, hw, budget, space)
     if not candidates:
         raise InfeasibleError(_infeasible_message(chain, rules, setting, hw, budget, space))
@@ -89,6 +89,11 @@ def default_space(n_blocks: int) -> SearchSpace:
 
 def _dtype_name(dtype: str) -> str:
     return dtype.removeprefix("torch.")
+
+
+def _edges(chain: BlockChain, kind: str) -> tuple[tuple[int, int], ...]:
+    """The analysis' skip_edges or tied_edges (a list of pairs) as tuples, as the frozen Setting holds them."""
+    return tuple(tuple(edge) for edge in chain.extra.get(kind, ()))
 
 
 def _batch_size(chain: BlockChain) -> int:
@@ -127,23 +132,21 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
         owners.append(owned[0] if owned else owners[-1])
     if owners != sorted(owners):
         raise PlanError("the plan's units do not follow the model's execution order: list them in that order")
-    stage_of_unit = {plan.units.index(unit): stage.index for stage in plan.stages for unit in plan.units
+    stage_of_unit = {index: stage.index for stage in plan.stages for index, unit in enumerate(plan.units)
                      if unit.name in stage.units}
     setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain),
                       param_dtype=plan.mixed_precision.param_dtype, reduce_dtype=plan.mixed_precision.reduce_dtype,
-                      optimizer=plan.optimizer, allow_pipeline=plan.mesh.pp > 1,
-                      skip_edges=tuple(tuple(edge) for edge in chain.extra.get("skip_edges", ())))
+                      optimizer=plan.optimizer, allow_pipeline=plan.mesh.pp > 1, skip_edges=_edges(chain, "skip_edges"))
     configuration = Configuration(dp=plan.mesh.dp, pp=plan.mesh.pp, num_micro_batches=plan.schedule.num_micro_batches,
                                   schedule=plan.schedule.name)
     steps = []
     for stage in range(plan.mesh.pp):
         blocks = [i for i, owner in enumerate(owners) if stage_of_unit[owner] == stage]
         start, end = blocks[0], blocks[-1] + 1
-        bounds = tuple(i - start for i in blocks if i == start or owners[i] != owners[i - 1])
-        decisions = tuple(Decision(strategy=plan.units[owners[i]].strategy,
-                                   checkpoint=plan.units[owners[i]].checkpoint,
-                                   offload=plan.units[owners[i]].offload, prefetch=plan.units[owners[i]].prefetch)
-                          for i in blocks if i == start or owners[i] != owners[i - 1])
+        unit_starts = [i for i in blocks if i == start or owners[i] != owners[i - 1]]
+        bounds = tuple(i - start for i in unit_starts)
+        decisions = tuple(Decision(strategy=unit.strategy, checkpoint=unit.checkpoint, offload=unit.offload,
+                                   prefetch=unit.prefetch) for unit in (plan.units[owners[i]] for i in unit_starts))
         steps.append(evaluate_stage(chain.blocks[start:end], bounds, decisions,
                                     context(setting, configuration, hw, stage),
                                     boundary_s=boundary_time_s(chain.blocks, start, end, setting, configuration, hw)))

@@ -96,8 +96,8 @@ def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
 def export_full_state_dict(program, path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
     """The whole model's state dict, on CPU, on rank 0 (other ranks get {}); `torch.save`d to `path` if given.
 
-    Units are gathered one at a time and only rank 0 keeps a copy, so no rank holds more than
-    the full model on CPU plus one unit. The keys are `model.state_dict()`'s (tied names
+    Units are gathered one at a time and one rank per pipeline stage keeps a copy (rank 0 alone at
+    pp = 1), which it sends to rank 0, so no rank holds more than the full model on CPU plus one unit. The keys are `model.state_dict()`'s (tied names
     included, non-persistent buffers excluded), so the plain model's `load_state_dict` and
     Hugging Face's `save_pretrained(dir, state_dict=...)` accept it. Call on every rank."""
     slots = _state_dict_slots(program.module)

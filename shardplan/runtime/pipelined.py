@@ -29,7 +29,8 @@ from .checkpointing import checkpointed
 from .program import check_batch, check_micro_batches
 from .scheduler import Scheduler
 from .sharded import UnitProgram, build_units
-from .stages import BlockCall, StageGraph, StageModule, attribute_of, block_runner, cut_stages
+from .stages import (BlockCall, StageGraph, StageModule, attribute_of, block_runner, cut_stages,
+                     put_meta_stand_ins)
 
 
 def schedule_class(name: str):
@@ -154,13 +155,4 @@ def _drop_other_stages(model: nn.Module, plan: Plan, stage_index: int) -> None:
     """Free the parameters of other stages, which this rank never reads (meta stand-ins keep their shapes)."""
     kept = {name for unit in plan.units if unit.name in plan.stages[stage_index].units for name in unit.params}
     canonical = {id(parameter): name for name, parameter in model.named_parameters()}
-    stand_ins: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-    """id → (the parameter, kept alive while its id is a key; its meta stand-in, one per tie)."""
-    for module in model.modules():
-        for attribute, parameter in list(module._parameters.items()):
-            if parameter is None or parameter.is_meta or canonical[id(parameter)] in kept:
-                continue
-            if id(parameter) not in stand_ins:
-                stand_ins[id(parameter)] = parameter, nn.Parameter(torch.empty_like(parameter, device="meta"),
-                                                                   requires_grad=parameter.requires_grad)
-            module._parameters[attribute] = stand_ins[id(parameter)][1]
+    put_meta_stand_ins(model, lambda parameter: not parameter.is_meta and canonical[id(parameter)] not in kept)

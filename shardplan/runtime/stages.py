@@ -167,25 +167,35 @@ def _stand_ins(model: nn.Module, compute_dtype: torch.dtype):
     """The model's parameters and buffers replaced, for a capture, by meta tensors, the parameters in the
     compute dtype: the graph then bakes the dtypes the runtime computes in (a Hugging Face model casts
     to `x.dtype`, which capture writes down as a constant), and capturing allocates nothing."""
-    originals = []
-    stand_in: dict[int, torch.Tensor] = {}
-    """One stand-in per tensor, so tied parameters stay tied."""
-    for module in model.modules():
-        for slots, is_parameter in ((module._parameters, True), (module._buffers, False)):
-            for name, value in slots.items():
-                if value is None:
-                    continue
-                originals.append((slots, name, value))
-                if id(value) not in stand_in:
-                    dtype = compute_dtype if is_parameter and value.is_floating_point() else value.dtype
-                    meta = torch.empty_like(value, device="meta", dtype=dtype)
-                    stand_in[id(value)] = nn.Parameter(meta, value.requires_grad) if is_parameter else meta
-                slots[name] = stand_in[id(value)]
+    originals = put_meta_stand_ins(model, lambda value: True, buffers=True, parameter_dtype=compute_dtype)
     try:
         yield
     finally:
         for slots, name, value in originals:
             slots[name] = value
+
+
+def put_meta_stand_ins(model: nn.Module, chosen: Callable[[torch.Tensor], bool], *, buffers: bool = False,
+                       parameter_dtype: torch.dtype | None = None) -> list[tuple[dict, str, torch.Tensor]]:
+    """Replace the `chosen` parameters (and buffers) of `model` by meta tensors of their shapes (floating
+    parameters in `parameter_dtype`, if given), one per tensor so tied parameters stay tied; return
+    (slots, name, original) for each replaced slot."""
+    originals = []
+    stand_in: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for slots, is_parameter in ((module._parameters, True), (module._buffers, False)):
+            if not (is_parameter or buffers):
+                continue
+            for name, value in list(slots.items()):
+                if value is None or not chosen(value):
+                    continue
+                originals.append((slots, name, value))
+                if id(value) not in stand_in:
+                    floating = is_parameter and parameter_dtype is not None and value.is_floating_point()
+                    meta = torch.empty_like(value, device="meta", dtype=parameter_dtype if floating else value.dtype)
+                    stand_in[id(value)] = nn.Parameter(meta, value.requires_grad) if is_parameter else meta
+                slots[name] = stand_in[id(value)]
+    return originals
 
 
 def _unit_of_blocks(plan: Plan, modules_of_block: list[tuple[str, ...]]) -> list[str]:
