@@ -69,7 +69,7 @@ class StageGraph:
     """A meta tensor like each inbound and outbound value (shape, dtype, requires_grad), which the
     pipeline sizes its receive buffers by."""
     constants: dict[str, torch.Tensor]
-    """Tensors the capture made that the model does not hold (lifted constants), by dotted name."""
+    """Tensors the capture made that the model does not hold (lifted constants), by dotted name, on the device."""
     input_spec: Any
     """How the model's (args, kwargs) flatten into stage 0's inputs (a pytree spec)."""
     output_spec: Any
@@ -136,8 +136,8 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
         stages.append(StageGraph(
             index=index, calls=tuple(calls[index]), inbound=inbound, outbound=outbound,
             examples=_examples(split, inbound + outbound),
-            constants={target: attribute_of(split, target) for call in calls[index] for target in call.attributes
-                       if attribute_of(model, target) is None},
+            constants={target: attribute_of(split, target).to(device) for call in calls[index]
+                       for target in call.attributes if attribute_of(model, target) is None},
             input_spec=gm._in_spec, output_spec=gm._out_spec))
     return stages
 
