@@ -42,7 +42,7 @@ def demo_plan(world_size: int, pp: int, schedule: str, micro_batches: int):
     dp = world_size // pp
     # at dp == 1 sharding only copies: the stages' units are replicated; pp == 1 shards as FSDP does
     strategy = ShardStrategy.REPLICATE if dp == 1 else ShardStrategy.FULL_SHARD
-    return manual_plan(entry.model, GROUPS, dp=dp, pp=pp, schedule=schedule if pp > 1 else "gpipe",
+    return manual_plan(entry.model, GROUPS, dp=dp, pp=pp, schedule=schedule,
                        micro_batches=micro_batches, strategies=(strategy,), example_inputs=entry.args,
                        example_kwargs=entry.kwargs)
 

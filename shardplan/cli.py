@@ -135,7 +135,8 @@ def _explain(options) -> int:
 def _diff(options) -> int:
     from .plan import load_plan
 
-    print(load_plan(options.old).diff(load_plan(options.new)))
+    changes = load_plan(options.old).diff(load_plan(options.new))
+    print("\n".join(changes) if changes else "the plans are the same")
     return 0
 
 

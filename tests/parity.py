@@ -1,14 +1,8 @@
 """Training a program next to a one-process reference, and the spawned gloo worlds that do it."""
-import datetime
-import json
-import os
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from shardplan.runtime import shutdown
-from shardplan.runtime.launch import free_port
+from shardplan.runtime.launch import run_world
 
 ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}
 """eps above the gradient rounding noise: GPT's key bias has an exactly zero gradient, whose
@@ -40,8 +34,10 @@ def train_next_to_reference(program, reference: torch.nn.Module, batches, clip: 
         expected = _loss(reference(whole, labels=whole))
     loss_error = max(loss_error, abs(float(program.evaluate(mine, labels=mine)) - float(expected)))
     state = program.export_full_state_dict()  # on rank 0, which reports the results
+    if dist.get_rank() != 0:
+        return {"loss_error": loss_error, "param_error": 0.0}
     param_error = max((state[name] - parameter.detach()).abs().max().item()
-                      for name, parameter in reference.named_parameters()) if state else 0.0
+                      for name, parameter in reference.named_parameters())  # a KeyError if the export misses one
     return {"loss_error": loss_error, "param_error": param_error}
 
 
@@ -49,23 +45,11 @@ def _loss(output):
     return output if isinstance(output, torch.Tensor) else output.loss
 
 
-def spawn_world(world: int, job, args: tuple, tmp_path) -> dict:
+def spawn_world(world: int, job, args: tuple) -> dict:
     """Run `job(rank, world, *args)` (a module-level function) on `world` spawned gloo ranks; return
-    rank 0's result, which must be JSON."""
-    path = os.fspath(tmp_path / f"world{world}.json")
-    mp.spawn(_rank, args=(world, free_port(), job, args, path), nprocs=world, join=True)
-    with open(path) as handle:
-        return json.load(handle)
+    rank 0's result."""
+    return run_world(_rank_job, (job, args), world_size=world, backend="gloo", total_steps=0, progress=False)
 
 
-def _rank(rank: int, world: int, port: int, job, args: tuple, path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        results = job(rank, world, *args)
-        if rank == 0:
-            with open(path, "w") as handle:
-                json.dump(results, handle)
-    finally:
-        shutdown()  # see [Note: shutdown] in shardplan/runtime/collectives.py
+def _rank_job(device, report, job, args: tuple):
+    return job(dist.get_rank(), dist.get_world_size(), *args)

@@ -43,8 +43,10 @@ def test_explain_draws_real_pictures(plans, tmp_path, capsys):
 def test_diff_names_what_changed(plans, capsys):
     roomy, tight = plans
     assert main(["diff", str(roomy), str(tight)]) == 0
-    out = capsys.readouterr().out
-    assert "peak" in out.lower()
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("predicted.peak_bytes: ") for line in lines), lines  # one change per line
+    assert main(["diff", str(roomy), str(roomy)]) == 0
+    assert capsys.readouterr().out.strip() == "the plans are the same"
 
 
 def _baseline(tmp_path, **change) -> Path:

@@ -201,9 +201,9 @@ WORLD4_CASES = {
 
 
 @pytest.mark.timeout(600)
-def test_pipeline_world2_matches_one_process(tmp_path):
+def test_pipeline_world2_matches_one_process():
     cases = dict(WORLD2_CASES, solver={"model": "gpt", "plan": solver_pipelined_plan(), "replica_batch": 8})
-    results = spawn_world(2, _all_checks, (cases,), tmp_path)
+    results = spawn_world(2, _all_checks, (cases,))
     _assert_parity(results, cases)
     assert results["solver"]["mesh"][1] == 2
     assert results["loss_fn"] <= TOLERANCE
@@ -214,8 +214,8 @@ def test_pipeline_world2_matches_one_process(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_pipeline_world4_pp2_dp2_matches_one_process(tmp_path):
-    results = spawn_world(4, _all_checks, (WORLD4_CASES,), tmp_path)
+def test_pipeline_world4_pp2_dp2_matches_one_process():
+    results = spawn_world(4, _all_checks, (WORLD4_CASES,))
     _assert_parity(results, WORLD4_CASES)
     assert [results[name]["mesh"] for name in WORLD4_CASES] == [[2, 2], [2, 2], [1, 4]]
     assert results["loss_fn"] <= TOLERANCE
