@@ -4,6 +4,8 @@ import torch.distributed as dist
 
 from shardplan.runtime.launch import run_world
 
+TOLERANCE = 1e-5
+"""Largest difference from the one-process reference a parity case may show (a case may set its own)."""
 ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}
 """eps above the gradient rounding noise: GPT's key bias has an exactly zero gradient, whose
 rounding noise (~1e-10, different in every summation order) default eps=1e-8 would amplify to lr."""
@@ -43,6 +45,14 @@ def train_next_to_reference(program, reference: torch.nn.Module, batches, clip: 
 
 def _loss(output):
     return output if isinstance(output, torch.Tensor) else output.loss
+
+
+def assert_parity(results: dict, cases: dict) -> None:
+    """Every case within its tolerance of the reference, in loss and in parameters."""
+    failures = {name: results[name] for name, case in cases.items()
+                if not max(results[name]["loss_error"], results[name]["param_error"]) <= case.get("tolerance",
+                                                                                                  TOLERANCE)}
+    assert not failures, failures
 
 
 def spawn_world(world: int, job, args: tuple) -> dict:

@@ -1,4 +1,5 @@
 """Bad input and faults: each gets a clear error naming the cause and the fix, nothing hangs."""
+import datetime
 import json
 import os
 import time
@@ -115,7 +116,9 @@ def test_fuzzed_plan_files_raise_only_plan_error(gpt_plan):
 
 def _dying_rank(rank: int, port: int, folder: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # the timeout the README tells users to set: the bound on how long a rank waits for a dead one
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
     torch.manual_seed(0)
     entry = zoo.gpt()
     from shardplan.runtime.manual import manual_plan
@@ -142,8 +145,13 @@ def test_a_rank_that_dies_makes_the_others_fail_not_hang(tmp_path):
     ranks = [context.Process(target=_dying_rank, args=(rank, port, str(tmp_path))) for rank in range(2)]
     for process in ranks:
         process.start()
-    for process in ranks:
-        process.join(timeout=100)
-    assert not any(process.is_alive() for process in ranks)
+    try:
+        for process in ranks:
+            process.join(timeout=100)
+        assert not any(process.is_alive() for process in ranks)
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()  # a hang is the failure; leave no process behind it
     report = json.loads((tmp_path / "rank0.json").read_text())
     assert report["outcome"] != "no error" and report["seconds"] < 60, report

@@ -22,10 +22,9 @@ from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.stages import cut_stages
 from shardplan.solver.space import resolve_rules
 
-from parity import spawn_world, train_next_to_reference
+from parity import TOLERANCE, assert_parity, spawn_world, train_next_to_reference
 
 STEPS = 5
-TOLERANCE = 1e-5
 MIXED = {"strategies": tuple(ShardStrategy), "checkpoints": tuple(Checkpoint)}
 """Every unit a different strategy and checkpointing (see test_runtime)."""
 
@@ -131,13 +130,6 @@ def solver_pipelined_plan() -> str:
     return plan.to_json()
 
 
-def _assert_parity(results: dict, cases: dict) -> None:
-    failures = {name: results[name] for name, case in cases.items()
-                if not max(results[name]["loss_error"], results[name]["param_error"]) <= case.get("tolerance",
-                                                                                                  TOLERANCE)}
-    assert not failures, failures
-
-
 def test_stages_are_cut_from_the_graph_where_the_plan_says():
     entry = zoo.gpt(batch=4)
     ids = entry.args[0]
@@ -204,7 +196,7 @@ WORLD4_CASES = {
 def test_pipeline_world2_matches_one_process():
     cases = dict(WORLD2_CASES, solver={"model": "gpt", "plan": solver_pipelined_plan(), "replica_batch": 8})
     results = spawn_world(2, _all_checks, (cases,))
-    _assert_parity(results, cases)
+    assert_parity(results, cases)
     assert results["solver"]["mesh"][1] == 2
     assert results["loss_fn"] <= TOLERANCE
     errors = results["errors"]
@@ -216,6 +208,6 @@ def test_pipeline_world2_matches_one_process():
 @pytest.mark.timeout(600)
 def test_pipeline_world4_pp2_dp2_matches_one_process():
     results = spawn_world(4, _all_checks, (WORLD4_CASES,))
-    _assert_parity(results, WORLD4_CASES)
+    assert_parity(results, WORLD4_CASES)
     assert [results[name]["mesh"] for name in WORLD4_CASES] == [[2, 2], [2, 2], [1, 4]]
     assert results["loss_fn"] <= TOLERANCE

@@ -19,10 +19,9 @@ from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.flat_param import FlatLayout
 from shardplan.runtime.program import split_micro_batches
 
-from parity import spawn_world, train_next_to_reference
+from parity import TOLERANCE, assert_parity, spawn_world, train_next_to_reference
 
 STEPS = 5
-TOLERANCE = 1e-5
 STRATEGIES = tuple(ShardStrategy)
 CHECKPOINTS = tuple(Checkpoint)
 
@@ -244,13 +243,6 @@ WORLD4_CASES = {
 }
 
 
-def _assert_parity(results: dict, cases: dict) -> None:
-    failures = {name: results[name] for name, case in cases.items()
-                if not max(results[name]["loss_error"], results[name]["param_error"]) <= case.get("tolerance",
-                                                                                                  TOLERANCE)}
-    assert not failures, failures
-
-
 def _assert_runtime_facts(results: dict, world: int) -> None:
     reshard = results["reshard"]
     assert reshard["after_forward"] == {"full_shard": "sharded", "shard_grad_op": "gathered"}
@@ -285,7 +277,7 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
 @pytest.mark.parametrize("world, cases", [(2, WORLD2_CASES), (4, WORLD4_CASES)], ids=["world2", "world4"])
 def test_parity(world, cases):
     results = spawn_world(world, _all_checks, (cases,))
-    _assert_parity(results, cases)
+    assert_parity(results, cases)
     _assert_runtime_facts(results, world)
 
 
