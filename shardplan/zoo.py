@@ -86,6 +86,20 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+def gpt_units(n_layer: int) -> list[tuple[str, ...]]:
+    """GPT's modules grouped into units by hand, as FSDP wraps a transformer: one unit per block.
+
+    Blocks hold most of the parameters, so a unit each keeps about one block's worth gathered at a
+    time. The position embedding and the final norm are too small to be worth a collective of their
+    own: the two embeddings go together (their outputs are summed before the first block), and the
+    norm goes with the head that reads it.
+
+    >>> gpt_units(2)
+    [('wte', 'wpe'), ('h.0',), ('h.1',), ('ln_f', 'lm_head')]
+    """
+    return [("wte", "wpe")] + [(f"h.{i}",) for i in range(n_layer)] + [("ln_f", "lm_head")]
+
+
 class ResidualMLP(nn.Module):
     """Regression MLP with residual layers: the smallest chain."""
 

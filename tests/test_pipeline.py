@@ -29,8 +29,7 @@ MIXED = {"strategies": tuple(ShardStrategy), "checkpoints": tuple(Checkpoint)}
 """Every unit a different strategy and checkpointing (see test_runtime)."""
 
 MODELS = {
-    "gpt": (lambda batch: zoo.gpt(batch=batch),
-            [("wte", "wpe")] + [(f"h.{i}",) for i in range(4)] + [("ln_f", "lm_head")]),
+    "gpt": (lambda batch: zoo.gpt(batch=batch), zoo.gpt_units(zoo.GPTConfig().n_layer)),
     "llama": (lambda batch: zoo.hf_llama(batch=batch, seq=16),
               [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
     "gpt2-tied": (lambda batch: zoo.hf_gpt2(batch=batch, seq=16),

@@ -30,7 +30,7 @@ CHECKPOINTS = tuple(Checkpoint)
 
 MODELS = {
     "gpt": (lambda world, device="cpu": zoo.gpt(batch=2 * world, device=device),
-            [("wte", "wpe")] + [(f"h.{i}",) for i in range(4)] + [("ln_f", "lm_head")]),
+            zoo.gpt_units(zoo.GPTConfig().n_layer)),
     "llama": (lambda world, device="cpu": zoo.hf_llama(batch=2 * world, seq=16, device=device),
               [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
     "gpt2-tied": (lambda world, device="cpu": zoo.hf_gpt2(batch=2 * world, seq=16, device=device),
