@@ -5,7 +5,8 @@ import torch.distributed as dist
 from shardplan.runtime.launch import run_world
 
 TOLERANCE = 1e-5
-"""Largest difference from the one-process reference a parity case may show (a case may set its own)."""
+"""Largest difference from the one-process reference a parity case may show (a case may set its own):
+absolute in the loss and the parameters, relative in the gradient norm (see train_next_to_reference)."""
 ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}
 """eps above the gradient rounding noise: GPT's key bias has an exactly zero gradient, whose
 rounding noise (~1e-10, different in every summation order) default eps=1e-8 would amplify to lr."""
@@ -13,11 +14,13 @@ rounding noise (~1e-10, different in every summation order) default eps=1e-8 wou
 
 def train_next_to_reference(program, reference: torch.nn.Module, batches, clip: float | None = None) -> dict:
     """Train both with AdamW on `batches`, pairs of (this rank's batch, the whole batch), each step with
-    clipping when `clip` is given, then evaluate the first batch again; the largest loss (and relative
-    norm) difference, and the largest parameter difference at the end (rank 0 compares; 0 elsewhere)."""
+    clipping when `clip` is given, then evaluate the first batch again. Returns the largest differences:
+    loss_error, absolute, in the losses; grad_norm_error, relative, in the clipped gradient norms (None
+    without `clip`: no norm is taken); param_error, absolute, in the parameters at the end (None off
+    rank 0, whose export is the one compared)."""
     optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
-    loss_error = 0.0
+    loss_error, norm_errors = 0.0, []
     for mine, whole in batches:
         loss = program.step(mine, labels=mine)
         reference_loss = _loss(reference(whole, labels=whole))
@@ -25,7 +28,7 @@ def train_next_to_reference(program, reference: torch.nn.Module, batches, clip: 
         if clip:
             norm = program.clip_grad_norm_(clip)
             reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-            loss_error = max(loss_error, abs(float(norm) - float(reference_norm)) / float(reference_norm))
+            norm_errors.append(abs(float(norm) - float(reference_norm)) / float(reference_norm))
         optimizer.step()
         optimizer.zero_grad()
         reference_optimizer.step()
@@ -35,12 +38,12 @@ def train_next_to_reference(program, reference: torch.nn.Module, batches, clip: 
     with torch.no_grad():
         expected = _loss(reference(whole, labels=whole))
     loss_error = max(loss_error, abs(float(program.evaluate(mine, labels=mine)) - float(expected)))
+    errors = {"loss_error": loss_error, "grad_norm_error": max(norm_errors, default=None), "param_error": None}
     state = program.export_full_state_dict()  # on rank 0, which reports the results
-    if dist.get_rank() != 0:
-        return {"loss_error": loss_error, "param_error": 0.0}
-    param_error = max((state[name] - parameter.detach()).abs().max().item()
-                      for name, parameter in reference.named_parameters())  # a KeyError if the export misses one
-    return {"loss_error": loss_error, "param_error": param_error}
+    if dist.get_rank() == 0:
+        errors["param_error"] = max((state[name] - parameter.detach()).abs().max().item()
+                                    for name, parameter in reference.named_parameters())  # a KeyError if one is missing
+    return errors
 
 
 def _loss(output):
@@ -48,10 +51,15 @@ def _loss(output):
 
 
 def assert_parity(results: dict, cases: dict) -> None:
-    """Every case within its tolerance of the reference, in loss and in parameters."""
-    failures = {name: results[name] for name, case in cases.items()
-                if not max(results[name]["loss_error"], results[name]["param_error"]) <= case.get("tolerance",
-                                                                                                  TOLERANCE)}
+    """Every case within its tolerance of the reference in each difference train_next_to_reference
+    measured: the loss and the parameters (absolute), and the gradient norm (relative) where it clips."""
+    failures = {}
+    for name, case in cases.items():
+        tolerance = case.get("tolerance", TOLERANCE)
+        checked = ("loss_error", "param_error") + (("grad_norm_error",) if case.get("clip") else ())
+        errors = {field: results[name][field] for field in checked}
+        if not all(error is not None and error <= tolerance for error in errors.values()):
+            failures[name] = {"tolerance": tolerance, **errors}
     assert not failures, failures
 
 
