@@ -140,6 +140,8 @@ def _dying_rank(rank: int, port: int, folder: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_a_rank_that_dies_makes_the_others_fail_not_hang(tmp_path):
+    # Spawned by hand, not by run_world: when a rank dies, run_world (mp.spawn's join) terminates the
+    # others at once, and what this test watches is how the survivor fails on its own.
     port = free_port()
     context = mp.get_context("spawn")
     ranks = [context.Process(target=_dying_rank, args=(rank, port, str(tmp_path))) for rank in range(2)]
