@@ -13,23 +13,21 @@ activations and temporaries; it sees every tensor torch allocates, which
 allocator statistics on CPU do not).
 """
 import argparse
-import datetime
 import os
 import statistics
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shardplan import zoo  # noqa: E402
 from shardplan.plan import Checkpoint, ShardStrategy  # noqa: E402
-from shardplan.runtime import parallelize, shutdown  # noqa: E402
+from shardplan.runtime import parallelize  # noqa: E402
+from shardplan.runtime.launch import run_world  # noqa: E402
 from shardplan.runtime.manual import manual_plan  # noqa: E402
 from shardplan.runtime.measure import peak_step_bytes, step_time_s  # noqa: E402
-from shardplan.runtime.launch import free_port  # noqa: E402
 
 BACKENDS = ("shardplan", "fsdp2")
 KINDS = ((ShardStrategy.FULL_SHARD, Checkpoint.NONE), (ShardStrategy.SHARD_GRAD_OP, Checkpoint.NONE),
@@ -41,8 +39,8 @@ def _setup(options, rank: int, world: int, backend: str, strategy, checkpoint):
                            n_head=8, d_model=options.d_model)
     torch.manual_seed(0)
     entry = zoo.gpt(config, batch=options.batch * world)
-    groups = [("wte", "wpe")] + [(f"h.{i}",) for i in range(options.layers)] + [("ln_f", "lm_head")]
-    plan = manual_plan(entry.model, groups, dp=world, strategies=(strategy,), checkpoints=(checkpoint,))
+    plan = manual_plan(entry.model, zoo.gpt_units(options.layers), dp=world, strategies=(strategy,),
+                       checkpoints=(checkpoint,))
     program = parallelize(entry.model, plan, backend=backend)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-4)
     ids = entry.args[0].chunk(world)[rank]
@@ -55,28 +53,26 @@ def _train_step(program, optimizer, ids) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _worker(rank: int, world: int, port: int, options, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        for strategy, checkpoint in KINDS:
-            runs = {backend: _setup(options, rank, world, backend, strategy, checkpoint) for backend in BACKENDS}
-            times = {backend: [] for backend in BACKENDS}
-            for _, program, optimizer, ids in runs.values():
-                for _ in range(options.warmup):
-                    _train_step(program, optimizer, ids)
-            for _ in range(options.rounds):
-                for backend, (_, program, optimizer, ids) in runs.items():
-                    times[backend].append(step_time_s(lambda: _train_step(program, optimizer, ids), options.steps))
-            peaks = {backend: peak_step_bytes(lambda: _train_step(program, optimizer, ids), model, optimizer,
-                                              *program.parameters())
-                     for backend, (model, program, optimizer, ids) in runs.items()}
-            if rank == 0:
-                queue.put((strategy.value, checkpoint.value, {b: statistics.median(t) for b, t in times.items()},
-                           peaks))
-    finally:
-        shutdown()  # see [Note: shutdown]
+def _measure_rank(device, report, options) -> list[tuple]:
+    """Rank job (see run_world): per plan kind, (strategy, checkpoint, median step seconds by backend,
+    peak step bytes by backend)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for strategy, checkpoint in KINDS:
+        runs = {backend: _setup(options, rank, world, backend, strategy, checkpoint) for backend in BACKENDS}
+        times = {backend: [] for backend in BACKENDS}
+        for _, program, optimizer, ids in runs.values():
+            for _ in range(options.warmup):
+                _train_step(program, optimizer, ids)
+        for _ in range(options.rounds):
+            for backend, (_, program, optimizer, ids) in runs.items():
+                times[backend].append(step_time_s(lambda: _train_step(program, optimizer, ids), options.steps))
+        peaks = {backend: peak_step_bytes(lambda: _train_step(program, optimizer, ids), model, optimizer,
+                                          *program.parameters())
+                 for backend, (model, program, optimizer, ids) in runs.items()}
+        rows.append((strategy.value, checkpoint.value, {b: statistics.median(t) for b, t in times.items()}, peaks))
+        report(f"{strategy.value}/{checkpoint.value}")
+    return rows
 
 
 def main() -> None:
@@ -94,17 +90,14 @@ def main() -> None:
     options = parser.parse_args()
     if options.quick:
         options.layers, options.d_model, options.seq, options.rounds, options.steps = 2, 64, 32, 2, 2
-    port = free_port()
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.spawn(_worker, args=(options.world, port, options, queue), nprocs=options.world, join=True)
+    rows = run_world(_measure_rank, (options,), world_size=options.world, backend="gloo", total_steps=len(KINDS),
+                     description="plan kinds")
     print(f"GPT {options.layers} layers, d_model {options.d_model}, seq {options.seq}, vocab {options.vocab}, "
           f"batch {options.batch}/rank; CPU gloo, world {options.world}, 1 thread/rank; "
           f"median of {options.rounds} rounds x {options.steps} steps")
     print(f"{'strategy':<14} {'checkpoint':<10} {'shardplan ms':>12} {'fsdp2 ms':>9} {'time ratio':>10} "
           f"{'shardplan MiB':>13} {'fsdp2 MiB':>9} {'memory ratio':>12}")
-    while not queue.empty():
-        strategy, checkpoint, times, peaks = queue.get()
+    for strategy, checkpoint, times, peaks in rows:
         print(f"{strategy:<14} {checkpoint:<10} {times['shardplan'] * 1e3:>12.1f} {times['fsdp2'] * 1e3:>9.1f} "
               f"{times['shardplan'] / times['fsdp2']:>10.3f} {peaks['shardplan'] / 2**20:>13.2f} "
               f"{peaks['fsdp2'] / 2**20:>9.2f} {peaks['shardplan'] / peaks['fsdp2']:>12.3f}")
