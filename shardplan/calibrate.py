@@ -25,11 +25,14 @@ import numpy as np
 import scipy.optimize
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import HardwareError
 from .files import write_text_atomically
 from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
                        ring_factor)
+from . import zoo
+from .passes.execution import is_kernel, moved_bytes, op_flops
 from .runtime.launch import run_world
 
 _MIB = 2**20
@@ -87,6 +90,8 @@ class Measurements:
     op_overhead_s: float
     collective_s: dict[str, tuple[tuple[int, float], ...]]
     """By kind: (full buffer bytes, seconds), by increasing size."""
+    op_calls: tuple[tuple[str, int, int, float], ...] = ()
+    """Every kernel of one training step of each op workload: (op name, FLOPs, bytes, fastest seconds)."""
 
 
 def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int, ...] | None = None,
@@ -142,10 +147,18 @@ def summary(profile: HardwareProfile) -> str:
         lines.append(f"  matmul {dtype}: peak {rate.peak_flops_per_s / 1e9:.1f} GFLOP/s")
     lines.append(f"  memory: {profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
                  f"op overhead {profile.op_overhead_s * 1e6:.2f} us")
+    if profile.op_time_factors:
+        examples = [f"{name} {profile.op_time_factors[name]:.2f}" for name in _SUMMARY_OPS
+                    if name in profile.op_time_factors]
+        lines.append(f"  op time factors (measured / roofline): {len(profile.op_time_factors)} ops, "
+                     f"e.g. {', '.join(examples)}")
     for kind, cost in profile.intra_node.collectives.items():
         lines.append(f"  {kind}: latency {cost.latency_s * 1e6:.0f} us, "
                      f"bus bandwidth {cost.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s")
     return "\n".join(lines)
+
+
+_SUMMARY_OPS = ("mm", "addmm", "native_layer_norm", "gelu", "add")
 
 
 # Fitting: pure functions of the measurements.
@@ -156,7 +169,7 @@ def fit_profile(m: Measurements) -> HardwareProfile:
     link = LinkProfile(collectives=costs)
     on_cpu = m.backend == "gloo"
     how = ("CPU compute per rank with 1 thread (as ranks run), all ranks computing at once; " if on_cpu else "")
-    return HardwareProfile(
+    profile = HardwareProfile(
         name=f"calibrated-{m.backend}-{'cpu' if on_cpu else 'gpu'}",
         device_memory_bytes=m.device_memory_bytes,
         matmul={dtype: fit_matmul(points, m.op_overhead_s) for dtype, points in m.matmul_s.items()},
@@ -166,6 +179,30 @@ def fit_profile(m: Measurements) -> HardwareProfile:
         source=(f"shardplan calibrate on {m.device_name}, {datetime.date.today().isoformat()}, "
                 f"torch {torch.__version__}, {m.backend} world {m.world_size}; {how}"
                 "inter_node copies intra_node (measured on one machine)"))
+    return dataclasses.replace(profile, op_time_factors=fit_op_factors(profile, m.op_calls))
+
+
+def fit_op_factors(profile: HardwareProfile, op_calls) -> dict[str, float]:
+    """Per op name: measured seconds over roofline seconds in `profile` (see [Note: op time
+    factors]), summed over the calls whose roofline time is at least _FACTOR_MIN_OVERHEADS fixed
+    costs: a smaller call's time is mostly its fixed cost and timer noise, which would read as a
+    factor of hundreds on its few bytes (and the fixed cost left in a larger call's time is a few
+    percent of it)."""
+    spent: dict[str, list[float]] = {}
+    for name, flops, nbytes, seconds in op_calls:
+        roofline_s = profile.compute_time_s(flops, nbytes) - profile.op_overhead_s
+        if roofline_s >= _FACTOR_MIN_OVERHEADS * profile.op_overhead_s:
+            total = spent.setdefault(name, [0.0, 0.0])
+            total[0] += seconds
+            total[1] += roofline_s
+    return {name: max(measured_s / roofline_s, _SMALLEST_FACTOR)
+            for name, (measured_s, roofline_s) in sorted(spent.items())}
+
+
+_FACTOR_MIN_OVERHEADS = 10
+_SMALLEST_FACTOR = 1e-3
+"""An op that moves no bytes though the roofline counts them (_unsafe_view, a view the dispatcher
+runs as an op) gets this factor, not zero, which profiles reject."""
 
 
 def fit_matmul(points: "list[tuple[float, float]] | tuple", op_overhead_s: float) -> MatmulRate:
@@ -339,7 +376,74 @@ def measure_job(device: torch.device, report, rounds: int, sweep: Sweep | None,
     ordered = {key: every[key] for key in sorted(every, key=_timing_order)}
     seconds = time_probes_s(ordered, device, rounds, report)
     measurements = _measurements(sweep, seconds, device) if sweep else None
+    if measurements is not None:
+        measurements = dataclasses.replace(measurements, op_calls=time_op_calls_s(op_workloads(device), device, rounds))
     return measurements, {key: seconds[key] for key in extra}
+
+
+# [Note: op time factors]
+# The roofline prices an op by its FLOPs and bytes alone. On a CPU thread many ops run well below
+# it, each by its own factor: a GELU (erf) and a layer norm (two reductions) are bound by their
+# arithmetic, not by memory, and ran here at a quarter and half of the copy bandwidth; flash
+# attention reaches about half the matmul rate; a matmul in a step meets its operands cold in
+# cache. So the calibration runs one training step (forward and backward) of each op workload,
+# times every kernel below autograd (a dispatch mode), each call's fastest round kept, and the
+# fit divides each op's time, its fixed cost taken out, by its roofline (fit_op_factors). The analysis
+# counts each block's ops by the same names (chain.OpKind), so the cost model prices them with
+# the factor; an op no workload runs keeps factor 1. Workloads are float32, at sizes whose
+# activations (0.5-4 MB) are past the per-core cache, as a training step's are.
+
+def op_workloads(device: torch.device) -> list["zoo.ZooModel"]:
+    """Models whose training step the op factors are measured on: the zoo's native ones, at shapes
+    other than the demo's (so the benchmarks that check the factors do not check them on their
+    own workload)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return [zoo.gpt(zoo.GPTConfig(vocab_size=2048, seq_len=256, n_layer=2, n_head=6, d_model=384), batch=2,
+                        device=device),
+                zoo.residual_mlp(width=1024, depth=2, batch=512, device=device),
+                zoo.residual_cnn(batch=16, size=32, device=device),
+                zoo.encoder_decoder(batch=8, seq=128, device=device)]
+
+
+class _KernelClock(TorchDispatchMode):
+    """Records every kernel's (op name, FLOPs, bytes, seconds), in order (views and metadata
+    queries run no kernel). FLOPs and bytes are counted after the clock stops, by the rules the
+    analysis counts a block's ops with."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.calls: list[tuple[str, int, int, float]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not is_kernel(func):
+            return func(*args, **(kwargs or {}))
+        _synchronize(self.device)
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        _synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.calls.append((func.overloadpacket.__name__, op_flops(func, args, kwargs, out),
+                           moved_bytes(func, args, kwargs, out), seconds))
+        return out
+
+
+def time_op_calls_s(workloads: list, device: torch.device, rounds: int) -> tuple[tuple[str, int, int, float], ...]:
+    """Every kernel of one training step of each workload: (op name, FLOPs, bytes, seconds), the
+    seconds the fastest of `rounds` rounds (a step runs the same kernels in the same order)."""
+    fastest = None
+    for round_index in range(rounds + 1):  # the first round warms caches and allocators, and is not kept
+        clock = _KernelClock(device)
+        with clock:
+            for entry in workloads:
+                entry.model(*entry.args, **entry.kwargs).backward()
+                entry.model.zero_grad(set_to_none=True)
+        if round_index == 1:
+            fastest = clock.calls
+        elif round_index:
+            fastest = [min(best, call, key=lambda c: c[3]) for best, call in zip(fastest, clock.calls)]
+    return tuple(fastest)
 
 
 def _timing_order(key) -> tuple:
@@ -350,15 +454,33 @@ def _timing_order(key) -> tuple:
     return (0, 0, str(key))
 
 
+_TRAINING_OP_LENGTH = 32
+_TRAINING_OP_KERNELS = 2 * _TRAINING_OP_LENGTH + 2
+"""Kernels of one call of training_op_probe: each multiply's forward and backward, the backward's
+seed gradient and the accumulation into the leaf's (tests/test_calibrate.py counts them)."""
+
+
+def training_op_probe(device: torch.device) -> Probe:
+    """Forward and backward of _TRAINING_OP_LENGTH multiplies of one element: the fixed cost of a
+    kernel in a training step (dispatch, autograd's node and its engine, launch) times
+    _TRAINING_OP_KERNELS. A bare op (`one + one`) took half of it here (1.7 against 3.6 us on CPU)."""
+    one = torch.ones(1, device=device, requires_grad=True)
+
+    def call() -> None:
+        value = one
+        for _ in range(_TRAINING_OP_LENGTH):
+            value = value * 1.0
+        value.backward()
+    return Probe(call=call, loop=True)
+
+
 def _calibration_probes(sweep: Sweep, device: torch.device) -> dict:
     probes = {("matmul", dtype, n, n, n): matmul_probe(n, n, n, dtype, device)
               for dtype in sweep.dtypes for n in sweep.matmul_sizes}
     source = torch.empty(sweep.copy_bytes // 4, device=device)
     target = torch.empty_like(source)
     probes["copy"] = Probe(call=lambda: target.copy_(source), loop=True)
-    # Inputs that require grad: forward ops in training also record the autograd graph.
-    one = torch.ones(1, device=device, requires_grad=True)
-    probes["op"] = Probe(call=lambda: one + one, loop=True)
+    probes["op"] = training_op_probe(device)
     points = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.collective_sizes_bytes]
     return probes | collective_probes(points, device)
 
@@ -374,7 +496,7 @@ def _measurements(sweep: Sweep, seconds: dict, device: torch.device) -> Measurem
         devices_per_node=os.cpu_count() if on_cpu else torch.cuda.device_count(),
         matmul_s={dtype: tuple((2.0 * n**3, seconds["matmul", dtype, n, n, n]) for n in sweep.matmul_sizes)
                   for dtype in sweep.dtypes},
-        copy_bytes=sweep.copy_bytes, copy_s=seconds["copy"], op_overhead_s=seconds["op"],
+        copy_bytes=sweep.copy_bytes, copy_s=seconds["copy"], op_overhead_s=seconds["op"] / _TRAINING_OP_KERNELS,
         collective_s={kind: tuple((nbytes, seconds[kind, nbytes]) for nbytes in sweep.collective_sizes_bytes)
                       for kind in COLLECTIVES})
 

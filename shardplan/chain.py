@@ -4,7 +4,35 @@ Plain data, no torch: a block is a run of graph nodes owned by one module (a
 transformer layer, the embedding, the head), with the totals the solver needs.
 Bytes are per data-parallel replica batch given at capture (example inputs).
 """
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpKind:
+    """Every call of one ATen op in a block's forward (or backward), summed: what the cost model
+    prices one op at a time, each op name with the time factor a calibration measured for it."""
+
+    name: str
+    """The op's name without overload, as ATen spells it: "mm", "native_layer_norm", "gelu_backward"."""
+    calls: int
+    flops: int
+    """0 for a memory-bound op (one without a FLOP formula)."""
+    bytes: int
+    """Read plus written: its tensors once each (a gather reads only the rows it writes)."""
+
+
+def merge_op_kinds(groups: Iterable[Iterable[OpKind]]) -> tuple[OpKind, ...]:
+    """The op kinds of several nodes (or blocks) as one block's: summed by name, sorted by name."""
+    totals: dict[str, list[int]] = {}
+    for kinds in groups:
+        for kind in kinds:
+            total = totals.setdefault(kind.name, [0, 0, 0])
+            total[0] += kind.calls
+            total[1] += kind.flops
+            total[2] += kind.bytes
+    return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes)
+                 for name, (calls, flops, nbytes) in sorted(totals.items()))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,6 +81,10 @@ class Block:
     selective_bytes: int = 0
     """Output bytes of the block's matmul-like ops (plan.SELECTIVE_SAVED_OPS): what selective
     checkpointing keeps besides the block's input."""
+    fwd_kinds: tuple[OpKind, ...] = ()
+    """The forward's ops by name; they add up to fwd_flops, fwd_ops and (the FLOP-less ones)
+    fwd_memory_bytes. Empty in a chain built by hand: the cost model then prices the totals."""
+    bwd_kinds: tuple[OpKind, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

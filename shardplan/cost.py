@@ -42,17 +42,19 @@ k + unit k's backward working set and recompute + gathered params and gradient o
 unit k + the prefetched unit k-1 + SHARD_GRAD_OP units still gathered).
 
 Time, by component (per step):
-- compute: fwd + bwd FLOPs through compute_time_s (bytes moved: the block's
-  params in param dtype plus its input and output activations), plus the block's
-  memory-bound ops (Block.fwd_ops / fwd_memory_bytes, bwd likewise): each op's
-  fixed cost and the bytes it streams. A block with no FLOPs whose ops the
-  analysis counted (an embedding, a norm) pays its memory-bound ops only. Each
+- compute: each op kind of the block (Block.fwd_kinds / bwd_kinds: an ATen op's
+  calls, FLOPs and bytes) through compute_time_s: its calls' fixed cost plus its
+  roofline time, times the factor the profile measured for that op. A block built
+  by hand has totals only: its FLOPs by roofline over its params (param dtype)
+  and its input and output activations, plus its memory-bound ops (fwd_ops /
+  fwd_memory_bytes): their fixed costs and the bytes they stream. Each
   micro-batch's backward also assembles the unit's flat gradient (read and write
   it once) and, in a replicated unit with m > 1, adds it to the accumulator
   (read both, write one).
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
-  its memory-bound ops (every op but the matmul-like ones, whose outputs it kept):
-  their fixed costs and traffic, as in compute.
+  every forward op but the matmul-like ones whose outputs it kept
+  (plan.SELECTIVE_SAVED_OPS; a hand-built block: its memory-bound ops), priced as
+  in compute.
 - exposed_comm: collectives not hidden by compute. The all-gather of the next
   unit (unit i+1 in forward, i-1 in backward) is issued when a prefetching unit
   starts computing and hides under its compute (on hardware that overlaps
@@ -81,9 +83,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .chain import Block
+from .chain import Block, OpKind
 from .errors import ShardplanError
-from .plan import Checkpoint, ShardStrategy
+from .plan import SELECTIVE_SAVED_OPS, Checkpoint, ShardStrategy
 
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}
 """fp32 state per parameter: Adam keeps two moments, SGD one momentum buffer."""
@@ -210,18 +212,42 @@ class UnitCost:
         return self.compute_bwd_s + self.recompute_s
 
 
+def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]:
+    """(forward, backward, selective recompute) seconds of one block for one micro-batch.
+
+    Each op kind the analysis counted pays its calls' fixed cost and its roofline time (FLOPs and
+    bytes at 1/m per micro-batch) times the factor the profile measured for it; selective
+    checkpointing re-runs every forward op but the matmul-like ones it keeps (SELECTIVE_SAVED_OPS).
+    A chain built by hand has only totals: its FLOP-counted ops are priced together by roofline
+    over the parameters and the block's input and output, its memory-bound ops by their bytes."""
+    hw = ctx.hardware
+    if block.fwd_kinds or block.bwd_kinds:
+        def kind_s(kind: OpKind) -> float:
+            return hw.compute_time_s(kind.flops / ctx.num_micro_batches, _per_micro_batch(kind.bytes, ctx),
+                                     ctx.param_dtype, calls=kind.calls, op=kind.name)
+        fwd = [kind_s(kind) for kind in block.fwd_kinds]
+        selective = sum(s for kind, s in zip(block.fwd_kinds, fwd) if kind.name not in SELECTIVE_SAVED_OPS)
+        return sum(fwd), sum(kind_s(kind) for kind in block.bwd_kinds), selective
+    moved = block.param_numel * DTYPE_BYTES[ctx.param_dtype] + _per_micro_batch(block.input_bytes + block.output_bytes,
+                                                                              ctx)
+    fwd_memory_s = _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx)
+    return (_arithmetic_s(hw, block.fwd_flops, moved, block.fwd_ops, ctx) + fwd_memory_s,
+            _arithmetic_s(hw, block.bwd_flops, 2 * moved, block.bwd_ops, ctx)
+            + _memory_bound_s(hw, block.bwd_memory_bytes, block.bwd_ops, ctx),
+            fwd_memory_s)
+
+
 def _memory_bound_s(hw, memory_bytes: int, ops: int, ctx: CostContext) -> float:
-    """The block's memory-bound ops (all but matmul-like ones) for one micro-batch: each pays a
-    fixed cost and streams its bytes. Blocks built by hand without op counts cost nothing here."""
+    """A hand-built block's memory-bound ops for one micro-batch: each pays a fixed cost and streams
+    its bytes. Blocks built without op counts cost nothing here."""
     if ops == 0:
         return 0.0
     return hw.compute_time_s(0, _per_micro_batch(memory_bytes, ctx), ctx.param_dtype, calls=ops)
 
 
 def _arithmetic_s(hw, flops: int, moved_bytes: int, ops: int, ctx: CostContext) -> float:
-    """The block's FLOP-counted ops (matmuls, attention, convolutions) for one micro-batch, by roofline
-    over the bytes they stream. A block without any whose ops the analysis counted (an embedding, a
-    norm) pays nothing here: all its traffic is in its memory-bound ops."""
+    """A hand-built block's FLOP-counted ops for one micro-batch, by roofline over the bytes they
+    stream. A block without any whose ops were counted (an embedding, a norm) pays nothing here."""
     if flops == 0 and ops:
         return 0.0
     return hw.compute_time_s(flops / ctx.num_micro_batches, moved_bytes, ctx.param_dtype)
@@ -280,18 +306,11 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
 
     compute_fwd_s = compute_bwd_s = recompute_s = 0.0
     overlap = hw.overlaps_communication
-    for block, kept_bytes in zip(blocks, kept):
-        block_param_bytes = block.param_numel * DTYPE_BYTES[ctx.param_dtype]
-        moved = block_param_bytes + _per_micro_batch(block.input_bytes + block.output_bytes, ctx)
-        fwd_s = (_arithmetic_s(hw, block.fwd_flops, moved, block.fwd_ops, ctx)
-                 + _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx))
+    for block in blocks:
+        fwd_s, bwd_s, selective_s = _block_times_s(block, ctx)
         compute_fwd_s += fwd_s
-        compute_bwd_s += (_arithmetic_s(hw, block.bwd_flops, 2 * moved, block.bwd_ops, ctx)
-                          + _memory_bound_s(hw, block.bwd_memory_bytes, block.bwd_ops, ctx))
-        if checkpoint is Checkpoint.FULL:
-            recompute_s += fwd_s
-        elif checkpoint is Checkpoint.SELECTIVE:  # every forward op but the kept matmul-like ones runs again
-            recompute_s += _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx)
+        compute_bwd_s += bwd_s
+        recompute_s += {Checkpoint.FULL: fwd_s, Checkpoint.SELECTIVE: selective_s}.get(checkpoint, 0.0)
     # each micro-batch's backward assembles the unit's flat gradient from its parameters' (a cat) and,
     # in a replicated unit with micro-batches to come, adds it to the accumulator: see
     # [Note: gradient accumulation] in runtime/unit.py

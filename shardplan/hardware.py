@@ -5,11 +5,13 @@ and `usable_memory_bytes`, so a calibrated profile (`shardplan.calibrate`) and a
 built-in one are interchangeable.
 
 [Note: model times measured correction]
-Both time formulas are a physical model times a factor read off a `SizeCurve`:
-- an op: roofline of peak FLOP/s x efficiency(FLOPs per call) against memory bandwidth;
+Both time formulas are a physical model times measured factors:
+- an op: roofline of peak FLOP/s x efficiency(FLOPs per call) against memory bandwidth,
+  times the factor measured for that op by name (a GELU on one CPU thread is bound by its
+  arithmetic, not by memory: it runs at a quarter of the copy bandwidth);
 - a collective: alpha + bus bytes / bandwidth (alpha-beta, fitted by least squares),
   times correction(bus bytes) = measured / fitted at each calibrated size.
-A datasheet profile carries a generic efficiency curve and no correction (1.0). A
+A datasheet profile carries a generic efficiency curve, no op factors and no correction (1.0). A
 calibrated profile carries what this machine did, e.g. a CPU whose copies slow down
 once a buffer outgrows the last-level cache, which no straight line fits. Bus bytes
 are the full buffer times `ring_factor(kind, group_size)`; a backend that does more
@@ -21,7 +23,7 @@ import difflib
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -119,6 +121,9 @@ class HardwareProfile:
     inter_node: LinkProfile
     source: str
     """Where the figures come from (datasheets, or the machine and settings of a calibration)."""
+    op_time_factors: dict[str, float] = field(default_factory=dict)
+    """Measured time / roofline time of ATen ops by name, on this machine in a training step
+    (see [Note: op time factors] in calibrate.py); an op not listed is priced at its roofline (1)."""
 
     def __post_init__(self) -> None:
         for where, value in _figures(self, ""):
@@ -145,11 +150,13 @@ class HardwareProfile:
     def usable_memory_bytes(self) -> int:
         return int(self.device_memory_bytes * self.usable_memory_fraction)
 
-    def compute_time_s(self, flops: float, bytes_moved: float, dtype: str = "float32", *, calls: int = 1) -> float:
+    def compute_time_s(self, flops: float, bytes_moved: float, dtype: str = "float32", *, calls: int = 1,
+                       op: str = "") -> float:
         """Time of `calls` equal ops that together do `flops` and move `bytes_moved`.
 
         Roofline: the slower of arithmetic (at the efficiency of one call's size) and memory
-        traffic, plus the fixed cost of each op. `dtype` is a name ("bfloat16") or a torch.dtype.
+        traffic, times the op's measured factor (`op` names it, as ATen does: "gelu"), plus the
+        fixed cost of each op. `dtype` is a name ("bfloat16") or a torch.dtype.
         """
         if flops <= 0 and bytes_moved <= 0:
             return 0.0
@@ -158,7 +165,7 @@ class HardwareProfile:
             rate = self._matmul_rate(dtype)
             arithmetic_s = flops / (rate.peak_flops_per_s * rate.efficiency.at(flops / calls))
         memory_s = bytes_moved / self.memory_bandwidth_bytes_per_s
-        return calls * self.op_overhead_s + max(arithmetic_s, memory_s)
+        return calls * self.op_overhead_s + self.op_time_factors.get(op, 1.0) * max(arithmetic_s, memory_s)
 
     def collective_time_s(self, kind: str, nbytes: float, group_size: int) -> float:
         """Time of one collective whose full (gathered, unsharded) buffer is `nbytes`."""
@@ -194,6 +201,8 @@ class HardwareProfile:
         fields = _fields(cls, {key: value for key, value in data.items() if key != "schema"}, "")
         fields["matmul"] = {dtype: _parse_matmul(rate, f"matmul.{dtype}")
                             for dtype, rate in _object(fields["matmul"], "matmul").items()}
+        if "op_time_factors" in fields:
+            fields["op_time_factors"] = dict(_object(fields["op_time_factors"], "op_time_factors"))
         for link in ("intra_node", "inter_node"):
             fields[link] = _parse_link(fields[link], link)
         return cls(**fields)
@@ -213,7 +222,8 @@ def _fields(cls, data, where: str) -> dict:
     data = _object(data, where)
     prefix = f"{where}." if where else ""
     names = [f.name for f in dataclasses.fields(cls)]
-    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [f"{prefix}{name}" for name in required if name not in data]
     if missing:
         raise HardwareError(f"hardware profile lacks field {', '.join(missing)}: add it to the JSON, "

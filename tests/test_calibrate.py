@@ -2,10 +2,14 @@
 import math
 
 import pytest
+import torch
 
-from shardplan.calibrate import Measurements, calibrate, calibrate_main, fit_collective, fit_matmul, fit_profile
+from shardplan import zoo
+from shardplan.calibrate import (Measurements, calibrate, calibrate_main, fit_collective, fit_matmul, fit_op_factors,
+                                 fit_profile)
 from shardplan.errors import HardwareError
 from shardplan.hardware import COLLECTIVES, HardwareProfile, get_hardware
+from shardplan.passes import analyze
 
 MIB = 2**20
 
@@ -67,7 +71,8 @@ def hand_made_measurements() -> Measurements:
         matmul_s={"float32": ((2e6, 2e6 / 5e10 + 2e-6), (2e9, 2e9 / 1e11 + 2e-6))},
         copy_bytes=256 * MIB, copy_s=256 * MIB * 2 / 20e9, op_overhead_s=2e-6,
         collective_s={"all_gather_into_tensor": tuple((n, 2e-4 + n / 2e9) for n in sizes),
-                      "reduce_scatter_tensor": all_reduce, "all_reduce": all_reduce})
+                      "reduce_scatter_tensor": all_reduce, "all_reduce": all_reduce},
+        op_calls=(("gelu", 0, 4 * MIB, 2.5 * 4 * MIB / 20e9),))
 
 
 def test_fit_profile_from_hand_made_measurements():
@@ -84,7 +89,54 @@ def test_fit_profile_from_hand_made_measurements():
         for nbytes, seconds in hand_made_measurements().collective_s[kind]:
             assert profile.collective_time_s(kind, nbytes, 2) == pytest.approx(seconds)
     assert "gloo world 2" in profile.source and "1 thread" in profile.source
+    assert profile.op_time_factors == pytest.approx({"gelu": 2.5})
     assert HardwareProfile.from_json(profile.to_json()) == profile
+
+
+def test_fit_op_factors_divides_measured_by_roofline_over_the_calls_long_enough_to_tell():
+    profile = fit_profile(hand_made_measurements())  # 20 GB/s, 1e11 FLOP/s, 2 us per op
+    calls = [("gelu", 0, 2 * MIB, 3 * 2 * MIB / 20e9),   # three times its memory time
+             ("gelu", 0, 6 * MIB, 3 * 6 * MIB / 20e9),
+             ("gelu", 0, 64, 50e-6),                     # 64 bytes: its time is its fixed cost and noise
+             ("mm", 2e9, 12 * MIB, 1.1 * 2e9 / 1e11),    # arithmetic-bound, 10% slower than the peak
+             ("_unsafe_view", 0, 4 * MIB, 1e-8)]         # a view dispatched as an op: no bytes move
+    factors = fit_op_factors(profile, calls)
+    assert factors == pytest.approx({"gelu": 3.0, "mm": 1.1, "_unsafe_view": 1e-3})
+    assert fit_op_factors(profile, [("add", 0, 64, 1e-5)]) == {}  # nothing long enough: the roofline stands
+
+
+def test_training_op_probe_counts_its_kernels():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardplan.calibrate import _TRAINING_OP_KERNELS, training_op_probe
+    from shardplan.passes.execution import is_kernel
+
+    class Kernels(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += is_kernel(func)
+            return func(*args, **(kwargs or {}))
+
+    probe = training_op_probe(torch.device("cpu"))
+    probe.call()  # the first call leaves the leaf's gradient; every timed call then adds to it
+    with Kernels() as kernels:
+        probe.call()
+    assert kernels.count == _TRAINING_OP_KERNELS
+
+
+def test_op_calls_are_one_training_step_of_every_workload():
+    from shardplan.calibrate import time_op_calls_s
+
+    workloads = [zoo.gpt(zoo.GPTConfig(n_layer=1)), zoo.residual_mlp()]
+    calls = time_op_calls_s(workloads, torch.device("cpu"), rounds=2)
+    entry = workloads[0]
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    gpt_calls = calls[:sum(b.fwd_ops + b.bwd_ops for b in chain.blocks)]
+    # the same kernels the analysis counts in the GPT's step, with the same FLOPs
+    assert sum(flops for _, flops, _, _ in gpt_calls) == chain.fwd_flops + chain.bwd_flops
+    assert {name for name, _, _, _ in calls} >= {"addmm", "gelu", "native_layer_norm", "mse_loss", "relu"}
+    assert all(seconds > 0 for _, _, _, seconds in calls)
 
 
 def test_calibrate_rejects_impossible_worlds():

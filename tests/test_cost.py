@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardplan.chain import Block
+from shardplan.chain import Block, OpKind
 from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, OPTIMIZER_STEPS, SELECTIVE_KEEP_FRACTION, CostContext,
                             Decision, evaluate_stage, pair_exposed_s, unit_cost)
 from shardplan.errors import ShardplanError
@@ -15,13 +15,15 @@ MiB = 2**20
 
 
 class LinearHardware:
-    """1 TFLOP/s, 100 GB/s memory, 1 us per op, collectives at 1 GB/s bus bandwidth with the ring factor,
-    no latency, running beside compute."""
+    """1 TFLOP/s, 100 GB/s memory, 1 us per op, GELU at a third of the roofline, collectives at 1 GB/s
+    bus bandwidth with the ring factor, no latency, running beside compute."""
 
     overlaps_communication = True
 
-    def compute_time_s(self, flops, bytes_moved, dtype="float32", *, calls=1):
-        return calls * 1e-6 + max(flops / 1e12, bytes_moved / 1e11)
+    op_time_factors = {"gelu": 3.0}
+
+    def compute_time_s(self, flops, bytes_moved, dtype="float32", *, calls=1, op=""):
+        return calls * 1e-6 + self.op_time_factors.get(op, 1.0) * max(flops / 1e12, bytes_moved / 1e11)
 
     def collective_time_s(self, kind, nbytes, group_size):
         factor = (group_size - 1) / group_size * (2 if kind == "all_reduce" else 1)
@@ -219,6 +221,32 @@ def test_selective_recompute_reruns_the_memory_bound_forward_ops():
     unit = unit_cost((measured,), Decision(checkpoint=Checkpoint.SELECTIVE), ctx(num_micro_batches=2))
     # per micro-batch: 40 ops at 1 us, half of 300 MiB at 100 GB/s; matmuls kept, not re-run
     assert unit.recompute_s == pytest.approx(40e-6 + 150 * MiB / 1e11)
+
+
+def analyzed_layer() -> Block:
+    """A block as the analysis writes it: its ops by name, adding up to its totals."""
+    fwd = (OpKind(name="addmm", calls=2, flops=4 * 10**9, bytes=40 * MiB),
+           OpKind(name="gelu", calls=1, flops=0, bytes=16 * MiB),
+           OpKind(name="native_layer_norm", calls=1, flops=0, bytes=4 * MiB))
+    bwd = (OpKind(name="mm", calls=4, flops=8 * 10**9, bytes=80 * MiB),
+           OpKind(name="gelu_backward", calls=1, flops=0, bytes=24 * MiB))
+    return block(fwd=4 * 10**9, fwd_kinds=fwd, bwd_kinds=bwd, fwd_ops=4, bwd_ops=5, fwd_memory_bytes=20 * MiB,
+                 bwd_memory_bytes=24 * MiB, selective_bytes=8 * MiB)
+
+
+def test_an_analyzed_block_is_priced_op_kind_by_op_kind():
+    unit = unit_cost((analyzed_layer(),), Decision(strategy=ShardStrategy.REPLICATE, checkpoint=Checkpoint.SELECTIVE),
+                     ctx(num_micro_batches=2))
+    # per micro-batch, half of every kind's FLOPs and bytes; GELU at 3x its memory time
+    addmm_s = 2e-6 + max(2e9 / 1e12, 20 * MiB / 1e11)
+    gelu_s = 1e-6 + 3.0 * 8 * MiB / 1e11
+    norm_s = 1e-6 + 2 * MiB / 1e11
+    assert unit.compute_fwd_s == pytest.approx(addmm_s + gelu_s + norm_s)
+    mm_s = 4e-6 + max(4e9 / 1e12, 40 * MiB / 1e11)
+    gradient_s = 2e-6 + (2 * 4e6 + 3 * 4e6) / 1e11  # flat gradient's cat and accumulation (m > 1, replicated)
+    assert unit.compute_bwd_s == pytest.approx(mm_s + (1e-6 + 12 * MiB / 1e11) + gradient_s)
+    # selective checkpointing keeps addmm's output and runs the GELU and the norm again
+    assert unit.recompute_s == pytest.approx(gelu_s + norm_s)
 
 
 def test_a_block_without_flops_pays_only_its_memory_bound_ops():

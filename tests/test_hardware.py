@@ -96,11 +96,23 @@ def test_compute_time_calls_and_dtype():
         profile.compute_time_s(1e10, 0, "float16")
 
 
+def test_compute_time_op_factor_scales_the_roofline_not_the_fixed_cost():
+    profile = make_profile(op_time_factors={"gelu": 4.0, "mm": 1.5})
+    # gelu: 2 calls moving 1e9 bytes: 2 fixed costs + 4 x the memory time
+    assert profile.compute_time_s(0, 1e9, calls=2, op="gelu") == pytest.approx(2 * 1e-5 + 4.0 * 1e9 / 1e11)
+    # mm: arithmetic-bound, efficiency 0.9 at 1e10 FLOPs
+    assert profile.compute_time_s(1e10, 1e3, op="mm") == pytest.approx(1e-5 + 1.5 * 1e10 / (1e12 * 0.9))
+    # an op no calibration measured is priced at its roofline
+    assert profile.compute_time_s(0, 1e9, op="add") == profile.compute_time_s(0, 1e9) == pytest.approx(1e-5 + 1e-2)
+
+
 def test_usable_memory():
     assert make_profile().usable_memory_bytes == int(10 * 2**30 * 0.8)
 
 
-@pytest.mark.parametrize("profile", [*BUILTIN.values(), make_profile()], ids=lambda p: p.name)
+@pytest.mark.parametrize("profile", [*BUILTIN.values(), make_profile(),
+                                     make_profile(name="with-op-factors", op_time_factors={"gelu": 2.5})],
+                         ids=lambda p: p.name)
 def test_json_round_trip(profile):
     text = profile.to_json()
     again = HardwareProfile.from_json(text)
@@ -145,12 +157,20 @@ def _edited(mutate) -> str:
     (lambda d: d.update(peak_flops=1e12), ["unknown field peak_flops"]),
     (lambda d: d.update(schema="shardplan.hardware/0"), ["schema 'shardplan.hardware/0'"]),
     (lambda d: d.update(matmul=[]), ["matmul must be a JSON object"]),
+    (lambda d: d.update(op_time_factors={"gelu": 0}), ["op_time_factors.gelu is 0", "positive"]),
+    (lambda d: d.update(op_time_factors=[2.0]), ["op_time_factors must be a JSON object"]),
 ])
 def test_validation_errors(mutate, fragments):
     with pytest.raises(HardwareError) as error:
         HardwareProfile.from_json(_edited(mutate))
     for fragment in fragments:
         assert fragment in str(error.value)
+
+
+def test_a_profile_written_before_op_factors_loads_without_them():
+    data = json.loads(make_profile(op_time_factors={"gelu": 2.5}).to_json())
+    data.pop("op_time_factors")
+    assert HardwareProfile.from_json(json.dumps(data)) == make_profile()
 
 
 def test_validation_on_construction():

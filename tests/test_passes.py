@@ -46,6 +46,9 @@ def test_gpt_blocks_follow_its_modules():
     assert chain.blocks[-1].bwd_flops == 2 * chain.blocks[-1].fwd_flops  # a linear layer: input and weight grads
     assert all(b.input_bytes > 0 for b in chain.blocks[1:])
     assert chain.extra["skip_edges"] == []
+    # a layer's forward by op: 4 linear layers, attention, GELU, 2 norms, 2 residual adds
+    assert {k.name: k.calls for k in layers[0].fwd_kinds} == {
+        "addmm": 4, "_scaled_dot_product_flash_attention_for_cpu": 1, "gelu": 1, "native_layer_norm": 2, "add": 2}
 
 
 def test_tied_weights_and_buffers_do_not_make_blocks():
@@ -143,6 +146,24 @@ def test_an_embedding_reads_the_rows_it_gathers_and_its_backward_writes_the_tabl
     # ids and writes the whole table's gradient
     assert block.bwd_memory_bytes == rows_bytes + ids_bytes + table_bytes
     assert (block.fwd_ops, block.bwd_ops) == (2, 1)  # metadata queries (tensor.device) are not kernels
+    # by op name, as the cost model prices them
+    assert [(k.name, k.calls, k.flops, k.bytes) for k in block.fwd_kinds] == [
+        ("embedding", 1, 0, ids_bytes + 2 * rows_bytes), ("sum", 1, 0, rows_bytes + 4)]
+    assert [(k.name, k.calls, k.bytes) for k in block.bwd_kinds] == [
+        ("embedding_dense_backward", 1, rows_bytes + ids_bytes + table_bytes)]
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn", "encoder-decoder", "hf-llama"])
+def test_op_kinds_add_up_to_the_block_totals(name):
+    entry = zoo.build(name)
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    for block in chain.blocks:
+        for phase in ("fwd", "bwd"):
+            kinds = getattr(block, f"{phase}_kinds")
+            assert [k.name for k in kinds] == sorted({k.name for k in kinds})  # one entry per op, by name
+            assert sum(k.flops for k in kinds) == getattr(block, f"{phase}_flops")
+            assert sum(k.calls for k in kinds) == getattr(block, f"{phase}_ops")
+            assert sum(k.bytes for k in kinds if not k.flops) == getattr(block, f"{phase}_memory_bytes")
 
 
 def test_cpu_attention_has_flops():

@@ -13,7 +13,7 @@ import networkx as nx
 import torch
 import torch.fx
 
-from ..chain import Block, BlockChain, InputSpec
+from ..chain import Block, BlockChain, InputSpec, merge_op_kinds
 from .facts import facts, is_compute
 
 _LAYER_INDEX = re.compile(r"^\d+$")
@@ -129,6 +129,8 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             bwd_flops=sum(facts(n).bwd_flops for n in nodes),
             **{name: sum(getattr(facts(n), name) for n in nodes)
                for name in ("fwd_memory_bytes", "bwd_memory_bytes", "fwd_ops", "bwd_ops", "selective_bytes")},
+            fwd_kinds=merge_op_kinds(facts(n).fwd_kinds for n in nodes),
+            bwd_kinds=merge_op_kinds(facts(n).bwd_kinds for n in nodes),
             saved_bytes=sum(saved.values()), input_bytes=inputs_read, output_bytes=outputs_read,
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
             first_node=nodes[0].name, last_node=nodes[-1].name))

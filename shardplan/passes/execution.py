@@ -6,8 +6,9 @@ Fake CPU rather than meta tensors, so that every op dispatches to the kernel
 eager CPU training runs (attention picks the same variant, whose FLOPs count
 differently from the math fallback), and device moves in the model work. Three things are observed at once:
 
-- FLOPs, by torch.utils.flop_counter, attributed to the node that ran (forward)
-  or whose autograd node ran (backward);
+- each kernel's name, FLOPs (by torch.utils.flop_counter) and bytes moved,
+  attributed to the node that ran (forward) or whose autograd node ran
+  (backward), summed by op name (chain.OpKind);
 - what autograd saves for backward (saved_tensors_hooks), by storage;
 - activation bytes live after every op (a dispatch mode that follows each
   output storage until it is freed), for the transient peaks.
@@ -24,8 +25,10 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count,
+                                      shape_wrapper)
 
+from ..chain import OpKind, merge_op_kinds
 from ..plan import SELECTIVE_SAVED_OPS
 from .facts import update_facts
 
@@ -87,6 +90,15 @@ as torch counts their CUDA twins. Without them a CPU transformer's attention had
 priced as a memory-bound op, ~5x faster than it runs."""
 
 
+def op_flops(func, args: tuple, kwargs: dict | None, out) -> int:
+    """FLOPs of one op by torch's formula (or EXTRA_FLOP_FORMULAS), 0 for an op without one:
+    what FlopCounterMode counts for an op it need not decompose."""
+    formula = flop_registry.get(func.overloadpacket)
+    if formula is None and func.overloadpacket in EXTRA_FLOP_FORMULAS:
+        formula = shape_wrapper(EXTRA_FLOP_FORMULAS[func.overloadpacket])
+    return 0 if formula is None else formula(*args, **(kwargs or {}), out_val=out)
+
+
 def flop_counter() -> FlopCounterMode:
     """FlopCounterMode with EXTRA_FLOP_FORMULAS: what the analysis counts, for checks against eager."""
     return FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
@@ -97,34 +109,65 @@ GATHER_OPS = {_aten.embedding: 0, _aten.index_select: 0, _aten.gather: 0}
 it gathers, as many bytes as it writes, not its whole table."""
 
 
-class _Traffic(TorchDispatchMode):
-    """Counts ops and the bytes memory-bound ops move.
+def is_kernel(func) -> bool:
+    """Whether a dispatched op runs a kernel: not a view, not a metadata query (`prim` ops such as
+    tensor.device, which modes see but no kernel runs for)."""
+    return not func.is_view and func.namespace != "prim"
 
-    An op a FLOP formula counts (matmul, attention, convolution) is taken as
-    compute-bound: its time comes from its FLOPs. Every other op that is not a
-    view (elementwise, norms, softmax, copies) is taken as memory-bound: it
-    reads its inputs and writes its outputs once; a gather (GATHER_OPS) reads
-    from its table only what it writes. Metadata queries (`prim` ops such as
-    tensor.device, which modes see but no kernel runs for) are not ops.
-    """
+
+class _Tally:
+    """What the ops of one node's forward (or backward) did, by op name."""
 
     def __init__(self):
-        super().__init__()
-        self.ops = 0
-        self.memory_bytes = 0
+        self.kinds: dict[str, list[int]] = {}
+        """Op name → [calls, FLOPs, bytes]."""
         self.selective_bytes = 0
         """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
 
+    def op_kinds(self) -> tuple[OpKind, ...]:
+        return merge_op_kinds([[OpKind(name=name, calls=calls, flops=flops, bytes=nbytes)
+                                for name, (calls, flops, nbytes) in self.kinds.items()]])
+
+    def facts(self, phase: str) -> dict:
+        kinds = self.op_kinds()
+        changes = {f"{phase}_kinds": kinds, f"{phase}_flops": sum(k.flops for k in kinds),
+                   f"{phase}_memory_bytes": sum(k.bytes for k in kinds if not k.flops),
+                   f"{phase}_ops": sum(k.calls for k in kinds)}
+        if phase == "fwd":  # what selective checkpointing keeps is made in forward
+            changes["selective_bytes"] = self.selective_bytes
+        return changes
+
+
+class _OpTally(TorchDispatchMode):
+    """Adds every kernel's name, FLOPs and bytes to the tally of the node running (`tally`).
+
+    An op a FLOP formula counts (matmul, attention, convolution) is taken as
+    compute-bound: its time comes from its FLOPs. Every other kernel
+    (elementwise, norms, softmax, copies) is taken as memory-bound. Each reads
+    its inputs and writes its outputs once; a gather (GATHER_OPS) reads from its
+    table only what it writes. FLOPs are what `flops` (entered inside this
+    mode) counted while the op ran, so they are exactly torch's count.
+    """
+
+    def __init__(self, flops: FlopCounterMode):
+        super().__init__()
+        self.flops = flops
+        self.tally: _Tally | None = None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flops_before = self.flops.get_total_flops()
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ in SELECTIVE_SAVED_OPS:
-            self.selective_bytes += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out)
-                                        if isinstance(t, torch.Tensor))
-        if not func.is_view and func.namespace != "prim":
-            self.ops += 1
-            packet = func.overloadpacket
-            if packet not in flop_registry and packet not in EXTRA_FLOP_FORMULAS:
-                self.memory_bytes += _moved_bytes(packet, args, kwargs, out)
+        tally = self.tally
+        if tally is None or not is_kernel(func):
+            return out
+        name = func.overloadpacket.__name__
+        if name in SELECTIVE_SAVED_OPS:
+            tally.selective_bytes += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out)
+                                         if isinstance(t, torch.Tensor))
+        kind = tally.kinds.setdefault(name, [0, 0, 0])
+        kind[0] += 1
+        kind[1] += self.flops.get_total_flops() - flops_before
+        kind[2] += moved_bytes(func, args, kwargs, out)
         return out
 
 
@@ -132,31 +175,13 @@ def _nbytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
-def _moved_bytes(packet, args: tuple, kwargs: dict | None, out) -> int:
-    """Bytes a memory-bound op reads and writes: all its tensors once; a gather's table only where read."""
-    table = GATHER_OPS.get(packet)
+def moved_bytes(func, args: tuple, kwargs: dict | None, out) -> int:
+    """Bytes an op reads and writes: all its tensors once; a gather's table only where read."""
+    table = GATHER_OPS.get(func.overloadpacket)
     if table is None or table >= len(args):
         return _nbytes((args, kwargs, out))
     others = args[:table] + args[table + 1:]
     return _nbytes((others, kwargs, out)) + _nbytes(out)
-
-
-class _Counters:
-    """The running totals a node's costs are read off, as differences before and after it."""
-
-    def __init__(self, flops: FlopCounterMode, traffic: _Traffic):
-        self.flops, self.traffic = flops, traffic
-
-    def read(self) -> tuple[int, int, int, int]:
-        traffic = self.traffic
-        return self.flops.get_total_flops(), traffic.memory_bytes, traffic.ops, traffic.selective_bytes
-
-    def since(self, before: tuple[int, int, int, int], phase: str) -> dict[str, int]:
-        flops, memory_bytes, ops, selective_bytes = (now - then for now, then in zip(self.read(), before))
-        changes = {f"{phase}_flops": flops, f"{phase}_memory_bytes": memory_bytes, f"{phase}_ops": ops}
-        if phase == "fwd":  # what selective checkpointing keeps is made in forward
-            changes["selective_bytes"] = selective_bytes
-        return changes
 
 
 class _StorageIds:
@@ -180,8 +205,8 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
             meta.tensor(node.target)
     live = _LiveStorages(meta.ignored)
     storage_id = _StorageIds()
-    flops, traffic = flop_counter(), _Traffic()
-    counters = _Counters(flops, traffic)
+    flops = flop_counter()
+    tally = _OpTally(flops)
     grad_fn_owner: dict[torch.autograd.graph.Node, torch.fx.Node] = {}
     current: list[torch.fx.Node] = []
     saved: dict[torch.fx.Node, dict[int, int]] = {}
@@ -199,24 +224,26 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
         def run_node(self, node):
             current.append(node)
             live.reset_peak()
-            before, live_before = counters.read(), live.live_bytes
+            live_before = live.live_bytes
+            tally.tally = _Tally()
             result = super().run_node(node)
             for tensor in pytree.tree_leaves(result):
                 if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
                     grad_fn_owner.setdefault(tensor.grad_fn, node)
             outputs = {storage_id(t): t.untyped_storage().nbytes()
                        for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
-            update_facts(node, **counters.since(before, "fwd"),
+            update_facts(node, **tally.tally.facts("fwd"),
                          outputs=tuple(sorted(outputs.items())),
                          out_bytes=max(live.live_bytes - live_before, 0),
                          fwd_live_before_bytes=live_before, fwd_peak_live_bytes=live.peak_bytes,
                          saved=tuple(sorted(saved.get(node, {}).items())))
             current.pop()
+            tally.tally = None
             return result
 
     # The fake mode is entered first so that it is innermost: the counting modes see each op before it.
     with meta.fake_mode:
-        with flops, traffic, live, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with flops, tally, live, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             outputs = Runner(gm).run(*flat_inputs)
         saved_ids = {sid for node_saved in saved.values() for sid in node_saved}
         returned = {storage_id(t): t.untyped_storage().nbytes() for t in pytree.tree_leaves(outputs)
@@ -224,22 +251,20 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
         output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         update_facts(output_node, out_bytes=sum(size for sid, size in returned.items() if sid not in saved_ids))
         loss = _loss_of(outputs)
-        _run_backward(loss, grad_fn_owner, counters, live, meta)
+        _run_backward(loss, grad_fn_owner, flops, tally, live, meta)
 
 
-def _run_backward(loss, grad_fn_owner, counters: _Counters, live: _LiveStorages, meta) -> None:
+def _run_backward(loss, grad_fn_owner, flops: FlopCounterMode, ops: _OpTally, live: _LiveStorages, meta) -> None:
     """Backward on fake tensors; each autograd node's costs and live peak go to its fx node."""
     order: list[torch.fx.Node] = []
+    tallies: dict[torch.fx.Node, _Tally] = {}
     marks: dict[torch.fx.Node, dict] = {}
-    running: list = [None, None]  # the fx node whose backward runs now, the counters when it began
+    running: list = [None]  # the fx node whose backward runs now
 
     def close_running() -> None:
-        node, before = running
+        node = running[0]
         if node is not None:
-            mark = marks[node]
-            for name, value in counters.since(before, "bwd").items():
-                mark[name] += value
-            mark["bwd_peak_live_bytes"] = max(mark["bwd_peak_live_bytes"], live.peak_bytes)
+            marks[node]["bwd_peak_live_bytes"] = max(marks[node]["bwd_peak_live_bytes"], live.peak_bytes)
 
     def on_backward_start(node):
         def hook(grad_outputs):
@@ -247,20 +272,22 @@ def _run_backward(loss, grad_fn_owner, counters: _Counters, live: _LiveStorages,
             live.reset_peak()
             if node not in marks:
                 order.append(node)
-                marks[node] = {"bwd_flops": 0, "bwd_memory_bytes": 0, "bwd_ops": 0,
-                               "bwd_live_before_bytes": live.live_bytes, "bwd_peak_live_bytes": live.live_bytes}
-            running[:] = [node, counters.read()]
+                tallies[node] = _Tally()
+                marks[node] = {"bwd_live_before_bytes": live.live_bytes, "bwd_peak_live_bytes": live.live_bytes}
+            running[0] = node
+            ops.tally = tallies[node]
         return hook
 
     for grad_fn, node in grad_fn_owner.items():
         grad_fn.register_prehook(on_backward_start(node))
     for param in meta.params_requiring_grad():
         param.register_post_accumulate_grad_hook(_drop_grad)
-    with counters.flops, counters.traffic, live:
+    with flops, ops, live:
         loss.backward()
         close_running()
+    ops.tally = None
     for position, node in enumerate(order):
-        update_facts(node, bwd_order=position, **marks[node])
+        update_facts(node, bwd_order=position, **marks[node], **tallies[node].facts("bwd"))
 
 
 def _drop_grad(param: torch.Tensor) -> None:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch.fx
 
+from ..chain import OpKind
+
 KEY = "shardplan"
 
 
@@ -29,6 +31,9 @@ class NodeFacts:
     fwd_ops: int = 0
     """Ops (kernels) the node runs, views not counted."""
     bwd_ops: int = 0
+    fwd_kinds: tuple[OpKind, ...] = ()
+    """The forward's kernels by op name (the totals above, broken down)."""
+    bwd_kinds: tuple[OpKind, ...] = ()
     outputs: tuple[tuple[int, int], ...] = ()
     """(storage id, bytes) of this node's outputs (views share their base's id)."""
     saved: tuple[tuple[int, int], ...] = ()

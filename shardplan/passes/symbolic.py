@@ -27,7 +27,7 @@ import sympy
 import torch
 
 from ..capture import capture
-from ..chain import BlockChain, InputSpec
+from ..chain import Block, BlockChain, InputSpec, OpKind
 from ..errors import ShardplanError
 from .blocks import build_chain
 from .devices import retarget_device_pass
@@ -35,7 +35,9 @@ from .execution import annotate_execution_pass
 from .ownership import annotate_ownership_pass
 
 BLOCK_COSTS = ("fwd_flops", "bwd_flops", "saved_bytes", "input_bytes", "output_bytes",
-               "fwd_transient_bytes", "bwd_transient_bytes")
+               "fwd_transient_bytes", "bwd_transient_bytes", "fwd_memory_bytes", "bwd_memory_bytes", "selective_bytes")
+KIND_COSTS = ("flops", "bytes")
+"""Of every op kind (chain.OpKind) of a block's forward and backward; its calls do not change with size."""
 CHAIN_COSTS = ("returned_bytes", "input_bytes")
 
 
@@ -52,7 +54,8 @@ class SymbolicChain:
     formulas: dict[str, sympy.Expr]
     """"blocks[3].saved_bytes" or "returned_bytes" → its formula."""
     inexact: frozenset[str]
-    """Formulas that failed the off-grid check: `at` measures these instead."""
+    """Formulas that failed the off-grid check, and "blocks[i].fwd_kinds" (or bwd) where other ops
+    run at other sizes: `at` measures these instead."""
     measure: Callable[[dict[str, int]], BlockChain] = field(repr=False, compare=False)
 
     def at(self, **sizes: int) -> BlockChain:
@@ -64,8 +67,16 @@ class SymbolicChain:
                 raise ShardplanError(f"{label}={size} is outside the range the model accepts, [{low}, {high}]")
         measured = self.measure(sizes) if self.inexact else None
         values = {key: self._value(key, sizes, measured) for key in self.formulas}
+
+        def kinds_at(block, phase: str) -> tuple[OpKind, ...]:
+            if f"blocks[{block.index}].{phase}" in self.inexact:  # other ops run at other sizes
+                return getattr(measured.blocks[block.index], phase)
+            return tuple(dataclasses.replace(kind, **{name: values[f"blocks[{block.index}].{phase}[{k}].{name}"]
+                                                      for name in KIND_COSTS})
+                         for k, kind in enumerate(getattr(block, phase)))
         blocks = tuple(dataclasses.replace(block, **{name: values[f"blocks[{block.index}].{name}"]
-                                                     for name in BLOCK_COSTS})
+                                                     for name in BLOCK_COSTS},
+                                           fwd_kinds=kinds_at(block, "fwd_kinds"), bwd_kinds=kinds_at(block, "bwd_kinds"))
                        for block in self.chain.blocks)
         return dataclasses.replace(self.chain, blocks=blocks, inputs=self._inputs_at(sizes),
                                    **{name: values[name] for name in CHAIN_COSTS})
@@ -130,14 +141,17 @@ def analyze_dynamic(model: torch.nn.Module, example_inputs: tuple, example_kwarg
     points = [dict(zip(labels, values)) for values in itertools.product(*(grids[l][:3] for l in labels))]
     chains = [measure(point) for point in points]
     symbols = {label: sympy.Symbol(label, positive=True, integer=True) for label in labels}
-    keys = [f"blocks[{b.index}].{name}" for b in chains[0].blocks for name in BLOCK_COSTS] + list(CHAIN_COSTS)
-    formulas = _interpolate(points, [[_read(chain, key) for key in keys] for chain in chains], symbols, keys)
     check_point = {label: grids[label][3] for label in labels}
     check = measure(check_point)
-    inexact = frozenset(key for key in keys
-                        if int(formulas[key].subs({symbols[l]: s for l, s in check_point.items()})) != _read(check, key))
+    varying = {f"blocks[{block.index}].{phase}" for block in chains[0].blocks for phase in ("fwd_kinds", "bwd_kinds")
+               if len({_op_names(getattr(c.blocks[block.index], phase)) for c in chains + [check]}) > 1}
+    keys = [key for block in chains[0].blocks for key in _block_keys(block)
+            if key.rpartition("[")[0] not in varying] + list(CHAIN_COSTS)
+    formulas = _interpolate(points, [[_read(chain, key) for key in keys] for chain in chains], symbols, keys)
+    inexact = varying | {key for key in keys
+                         if int(formulas[key].subs({symbols[l]: s for l, s in check_point.items()})) != _read(check, key)}
     return SymbolicChain(chain=measure(example), symbols=symbols, ranges=ranges, formulas=formulas,
-                         inexact=inexact, measure=measure)
+                         inexact=frozenset(inexact), measure=measure)
 
 
 def _interpolate(points, values, symbols, keys) -> dict[str, sympy.Expr]:
@@ -186,8 +200,25 @@ def _meta_inputs(specs, positional: int) -> tuple[tuple, dict]:
     return tuple(tensors[:positional]), {spec.name: t for spec, t in zip(specs[positional:], tensors[positional:])}
 
 
+def _block_keys(block: Block) -> list[str]:
+    """The keys of a block's costs: "blocks[3].saved_bytes", "blocks[3].bwd_kinds[2].flops"."""
+    keys = [f"blocks[{block.index}].{name}" for name in BLOCK_COSTS]
+    for phase in ("fwd_kinds", "bwd_kinds"):
+        keys += [f"blocks[{block.index}].{phase}[{k}].{name}"
+                 for k in range(len(getattr(block, phase))) for name in KIND_COSTS]
+    return keys
+
+
+def _op_names(kinds: tuple[OpKind, ...]) -> tuple[tuple[str, int], ...]:
+    return tuple((kind.name, kind.calls) for kind in kinds)
+
+
 def _read(chain: BlockChain, key: str) -> int:
-    if key.startswith("blocks["):
-        index, name = key[len("blocks["):].split("].")
-        return getattr(chain.blocks[int(index)], name)
-    return getattr(chain, key)
+    """The value at `key` (see _block_keys), or a chain-level cost by name."""
+    value = chain
+    for part in key.split("."):
+        name, _, index = part.partition("[")
+        value = getattr(value, name)
+        if index:
+            value = value[int(index.rstrip("]"))]
+    return value

@@ -46,10 +46,9 @@ class ChainSolution:
 
 def block_signatures(blocks) -> tuple[int, ...]:
     """Identical blocks (same numbers, any name) share an id, so their unit costs are computed once."""
-    ids: dict[tuple, int] = {}
-    return tuple(ids.setdefault((b.param_numel, b.param_bytes, b.buffer_bytes, b.fwd_flops, b.bwd_flops,
-                                 b.saved_bytes, b.input_bytes, b.output_bytes, b.fwd_transient_bytes,
-                                 b.bwd_transient_bytes), len(ids)) for b in blocks)
+    ids: dict[Block, int] = {}
+    return tuple(ids.setdefault(replace(b, index=0, name="", modules=(), param_names=(), first_node="",
+                                                    last_node=""), len(ids)) for b in blocks)
 
 
 class UnitCosts:
