@@ -33,7 +33,7 @@ from shardplan.runtime.manual import manual_plan
 from shardplan.sizes import format_bytes
 
 KINDS = [(strategy, checkpoint) for strategy in ShardStrategy for checkpoint in Checkpoint]
-GROUPS = [("wte", "wpe")] + [(f"h.{i}",) for i in range(DEMO_GPT.n_layer)] + [("ln_f", "lm_head")]
+GROUPS = zoo.gpt_units(DEMO_GPT.n_layer)
 
 
 def measure_block_times(entry: zoo.ZooModel, names: list[str], rounds: int) -> dict[str, float]:

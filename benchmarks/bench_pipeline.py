@@ -32,7 +32,7 @@ from shardplan.runtime.launch import run_world
 from shardplan.runtime.manual import manual_plan
 from shardplan.sizes import format_bytes
 
-GROUPS = [("wte", "wpe")] + [(f"h.{i}",) for i in range(DEMO_GPT.n_layer)] + [("ln_f", "lm_head")]
+GROUPS = zoo.gpt_units(DEMO_GPT.n_layer)
 CONFIGURATIONS = [(1, "none", 1)] + [(2, "gpipe", m) for m in (1, 2, 4, 8)] + [(2, "1f1b", m) for m in (2, 4, 8)]
 """(pp, schedule, micro-batches); 1F1B needs a micro-batch per stage."""
 

@@ -2,7 +2,11 @@
 
 Every figure is the fastest of several rounds (see [Note: the fastest of interleaved rounds]):
 - square matmuls over a sweep of sizes, per dtype: the peak and the efficiency curve;
-- a copy far larger than the caches: memory bandwidth; a one-element add: the fixed cost of an op;
+- a copy far larger than the caches: memory bandwidth; one-element ops, forward and backward:
+  the fixed cost of a kernel in a training step (a bare call's, without autograd, is taken out
+  of the timed matmuls and ops);
+- every kernel of a training step of a few models: each ATen op's time over its roofline
+  ([Note: op time factors]);
 - all_gather_into_tensor, reduce_scatter_tensor and all_reduce over 6 KB-380 MB, each after a
   little compute as in training ([Note: collectives after compute]): alpha-beta fitted by least
   squares, times the measured correction (hardware.py, [Note: model times measured correction]).
@@ -88,6 +92,10 @@ class Measurements:
     copy_bytes: int
     copy_s: float
     op_overhead_s: float
+    """Fixed cost of a kernel in a training step (training_op_probe): what the profile prices."""
+    kernel_overhead_s: float
+    """Fixed cost of a bare kernel call (no autograd): what a timed call of a matmul or of a
+    workload's op holds beside its work."""
     collective_s: dict[str, tuple[tuple[int, float], ...]]
     """By kind: (full buffer bytes, seconds), by increasing size."""
     op_calls: tuple[tuple[str, int, int, float], ...] = ()
@@ -172,28 +180,27 @@ def fit_profile(m: Measurements) -> HardwareProfile:
     profile = HardwareProfile(
         name=f"calibrated-{m.backend}-{'cpu' if on_cpu else 'gpu'}",
         device_memory_bytes=m.device_memory_bytes,
-        matmul={dtype: fit_matmul(points, m.op_overhead_s) for dtype, points in m.matmul_s.items()},
+        matmul={dtype: fit_matmul(points, m.kernel_overhead_s) for dtype, points in m.matmul_s.items()},
         memory_bandwidth_bytes_per_s=2 * m.copy_bytes / m.copy_s,  # a copy reads and writes every byte
         op_overhead_s=m.op_overhead_s, devices_per_node=m.devices_per_node, overlaps_communication=not on_cpu,
         intra_node=link, inter_node=link,
         source=(f"shardplan calibrate on {m.device_name}, {datetime.date.today().isoformat()}, "
                 f"torch {torch.__version__}, {m.backend} world {m.world_size}; {how}"
                 "inter_node copies intra_node (measured on one machine)"))
-    return dataclasses.replace(profile, op_time_factors=fit_op_factors(profile, m.op_calls))
+    return dataclasses.replace(profile, op_time_factors=fit_op_factors(profile, m.op_calls, m.kernel_overhead_s))
 
 
-def fit_op_factors(profile: HardwareProfile, op_calls) -> dict[str, float]:
-    """Per op name: measured seconds over roofline seconds in `profile` (see [Note: op time
-    factors]), summed over the calls whose roofline time is at least _FACTOR_MIN_OVERHEADS fixed
-    costs: a smaller call's time is mostly its fixed cost and timer noise, which would read as a
-    factor of hundreds on its few bytes (and the fixed cost left in a larger call's time is a few
-    percent of it)."""
+def fit_op_factors(profile: HardwareProfile, op_calls, kernel_overhead_s: float) -> dict[str, float]:
+    """Per op name: measured seconds (less a bare call's fixed cost) over roofline seconds in
+    `profile` (see [Note: op time factors]), summed over the calls whose roofline time is at least
+    _FACTOR_MIN_OVERHEADS fixed costs: a smaller call's time is mostly fixed cost and timer noise,
+    which would read as a factor of hundreds on its few bytes."""
     spent: dict[str, list[float]] = {}
     for name, flops, nbytes, seconds in op_calls:
         roofline_s = profile.compute_time_s(flops, nbytes) - profile.op_overhead_s
         if roofline_s >= _FACTOR_MIN_OVERHEADS * profile.op_overhead_s:
             total = spent.setdefault(name, [0.0, 0.0])
-            total[0] += seconds
+            total[0] += max(seconds - kernel_overhead_s, 0.0)
             total[1] += roofline_s
     return {name: max(measured_s / roofline_s, _SMALLEST_FACTOR)
             for name, (measured_s, roofline_s) in sorted(spent.items())}
@@ -205,9 +212,9 @@ _SMALLEST_FACTOR = 1e-3
 runs as an op) gets this factor, not zero, which profiles reject."""
 
 
-def fit_matmul(points: "list[tuple[float, float]] | tuple", op_overhead_s: float) -> MatmulRate:
-    """Peak = the best rate measured; efficiency = each size's rate over it, the op's fixed cost taken out,
-    never falling with size.
+def fit_matmul(points: "list[tuple[float, float]] | tuple", kernel_overhead_s: float) -> MatmulRate:
+    """Peak = the best rate measured; efficiency = each size's rate over it, a bare call's fixed cost
+    taken out, never falling with size.
 
     A larger matmul can always run as tiles of a smaller one, so a rate that falls with size is
     the load of a shared machine, not the device: one timing of a large matmul is one long call,
@@ -215,10 +222,10 @@ def fit_matmul(points: "list[tuple[float, float]] | tuple", op_overhead_s: float
     other agents ran, and at 0.9 of it on a quiet core)."""
     rates, best = [], 0.0
     for flops, seconds in sorted(points):
-        if seconds <= op_overhead_s:
+        if seconds <= kernel_overhead_s:
             raise HardwareError(f"a matmul of {flops:.3g} FLOPs took {seconds * 1e6:.2f} us, no longer than an "
-                                f"empty op ({op_overhead_s * 1e6:.2f} us): start the sweep at a larger size")
-        best = max(best, flops / (seconds - op_overhead_s))
+                                f"empty op ({kernel_overhead_s * 1e6:.2f} us): start the sweep at a larger size")
+        best = max(best, flops / (seconds - kernel_overhead_s))
         rates.append((flops, best))
     peak = rates[-1][1]
     return MatmulRate(peak_flops_per_s=peak,
@@ -481,6 +488,8 @@ def _calibration_probes(sweep: Sweep, device: torch.device) -> dict:
     target = torch.empty_like(source)
     probes["copy"] = Probe(call=lambda: target.copy_(source), loop=True)
     probes["op"] = training_op_probe(device)
+    one = torch.ones(1, device=device)
+    probes["bare op"] = Probe(call=lambda: one + one, loop=True)
     points = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.collective_sizes_bytes]
     return probes | collective_probes(points, device)
 
@@ -497,6 +506,7 @@ def _measurements(sweep: Sweep, seconds: dict, device: torch.device) -> Measurem
         matmul_s={dtype: tuple((2.0 * n**3, seconds["matmul", dtype, n, n, n]) for n in sweep.matmul_sizes)
                   for dtype in sweep.dtypes},
         copy_bytes=sweep.copy_bytes, copy_s=seconds["copy"], op_overhead_s=seconds["op"] / _TRAINING_OP_KERNELS,
+        kernel_overhead_s=seconds["bare op"],
         collective_s={kind: tuple((nbytes, seconds[kind, nbytes]) for nbytes in sweep.collective_sizes_bytes)
                       for kind in COLLECTIVES})
 

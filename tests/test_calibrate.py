@@ -69,10 +69,10 @@ def hand_made_measurements() -> Measurements:
     return Measurements(
         device_name="test cpu", backend="gloo", world_size=2, device_memory_bytes=8 * 2**30, devices_per_node=2,
         matmul_s={"float32": ((2e6, 2e6 / 5e10 + 2e-6), (2e9, 2e9 / 1e11 + 2e-6))},
-        copy_bytes=256 * MIB, copy_s=256 * MIB * 2 / 20e9, op_overhead_s=2e-6,
+        copy_bytes=256 * MIB, copy_s=256 * MIB * 2 / 20e9, op_overhead_s=5e-6, kernel_overhead_s=2e-6,
         collective_s={"all_gather_into_tensor": tuple((n, 2e-4 + n / 2e9) for n in sizes),
                       "reduce_scatter_tensor": all_reduce, "all_reduce": all_reduce},
-        op_calls=(("gelu", 0, 4 * MIB, 2.5 * 4 * MIB / 20e9),))
+        op_calls=(("gelu", 0, 4 * MIB, 2e-6 + 2.5 * 4 * MIB / 20e9),))
 
 
 def test_fit_profile_from_hand_made_measurements():
@@ -94,15 +94,16 @@ def test_fit_profile_from_hand_made_measurements():
 
 
 def test_fit_op_factors_divides_measured_by_roofline_over_the_calls_long_enough_to_tell():
-    profile = fit_profile(hand_made_measurements())  # 20 GB/s, 1e11 FLOP/s, 2 us per op
-    calls = [("gelu", 0, 2 * MIB, 3 * 2 * MIB / 20e9),   # three times its memory time
-             ("gelu", 0, 6 * MIB, 3 * 6 * MIB / 20e9),
-             ("gelu", 0, 64, 50e-6),                     # 64 bytes: its time is its fixed cost and noise
-             ("mm", 2e9, 12 * MIB, 1.1 * 2e9 / 1e11),    # arithmetic-bound, 10% slower than the peak
-             ("_unsafe_view", 0, 4 * MIB, 1e-8)]         # a view dispatched as an op: no bytes move
-    factors = fit_op_factors(profile, calls)
+    profile = fit_profile(hand_made_measurements())  # 20 GB/s, 1e11 FLOP/s, 5 us per kernel in a step
+    bare_s = 2e-6  # what a timed call holds beside its work
+    calls = [("gelu", 0, 2 * MIB, bare_s + 3 * 2 * MIB / 20e9),   # three times its memory time
+             ("gelu", 0, 6 * MIB, bare_s + 3 * 6 * MIB / 20e9),
+             ("gelu", 0, 64, 50e-6),                              # 64 bytes: its time is fixed cost and noise
+             ("mm", 2e9, 12 * MIB, bare_s + 1.1 * 2e9 / 1e11),    # arithmetic-bound, 10% under the peak
+             ("_unsafe_view", 0, 4 * MIB, 1e-8)]                  # a view dispatched as an op: no bytes move
+    factors = fit_op_factors(profile, calls, bare_s)
     assert factors == pytest.approx({"gelu": 3.0, "mm": 1.1, "_unsafe_view": 1e-3})
-    assert fit_op_factors(profile, [("add", 0, 64, 1e-5)]) == {}  # nothing long enough: the roofline stands
+    assert fit_op_factors(profile, [("add", 0, 64, 1e-5)], bare_s) == {}  # none long enough: roofline stands
 
 
 def test_training_op_probe_counts_its_kernels():
