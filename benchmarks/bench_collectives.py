@@ -12,6 +12,10 @@ on a machine shared with other work both then see the same load, and the ratio m
 model (fit, interpolation, ring factor), not the neighbours. With --profile the table is
 measured alone, as a user would after calibrating earlier. The "alpha-beta only" column drops
 the measured correction (hardware.py) to show what the straight-line fit alone predicts.
+
+The first table times each collective with the ranks arriving together (its own cost, what
+the target is about); the second times 1-16 MB inside a step, after compute, against the own
+cost plus the link's in-step wait ([Note: collectives in a step] in shardplan/calibrate.py).
 """
 import argparse
 import dataclasses
@@ -20,11 +24,13 @@ import sys
 
 import torch
 
-from shardplan.calibrate import CPU_SWEEP, collective_probes, fit_profile, matmul_probe, measure_job, summary
+from shardplan.calibrate import (CPU_SWEEP, IN_STEP, collective_probes, fit_profile, matmul_probe, measure_job,
+                                 summary)
 from shardplan.hardware import COLLECTIVES, NO_CORRECTION, get_hardware, ring_factor
 from shardplan.runtime.launch import run_world
 
 SIZES_BYTES = tuple(mb * 10**6 for mb in (1, 4, 16, 64, 256))
+IN_STEP_SIZES_BYTES = SIZES_BYTES[:3]
 # (m, k, n): a small projection, a GPT-2-small attention projection and MLP up-projection at 512
 # tokens, and a wide layer at 128 tokens.
 MATMUL_SHAPES = ((64, 256, 256), (512, 768, 768), (512, 768, 3072), (128, 4096, 4096))
@@ -35,6 +41,8 @@ TOLERANCE = 0.15
 def table_probes(device: torch.device) -> dict:
     """Rank side: the probes of the two tables."""
     probes = collective_probes([(kind, nbytes) for kind in COLLECTIVES for nbytes in SIZES_BYTES], device)
+    probes |= collective_probes([(kind, nbytes) for kind in COLLECTIVES for nbytes in IN_STEP_SIZES_BYTES], device,
+                                in_step=True)
     for dtype in DTYPES:
         for m, k, n in MATMUL_SHAPES:
             probes["matmul", dtype, m, k, n] = matmul_probe(m, k, n, dtype, device)
@@ -61,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nworld {args.world_size}, gloo, fastest of {args.rounds} rounds, {how}; load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)\n")
     within = collective_table(profile, seconds, args.world_size)
+    in_step_table(profile, seconds, args.world_size)
     matmul_table(profile, seconds)
     print(f"\ncollectives within +-{TOLERANCE:.0%}: {within}/{len(COLLECTIVES) * len(SIZES_BYTES)}")
     return 0
@@ -74,13 +83,25 @@ def collective_table(profile, seconds: dict, world_size: int) -> int:
     for kind in COLLECTIVES:
         fit_only = dataclasses.replace(profile.intra_node.collectives[kind], correction=NO_CORRECTION)
         for nbytes in SIZES_BYTES:
-            predicted_s = profile.collective_time_s(kind, nbytes, world_size)
+            predicted_s = profile.collective_time_s(kind, nbytes, world_size, in_step=False)
             measured_s = seconds[kind, nbytes]
             within += abs(predicted_s / measured_s - 1) <= TOLERANCE
             print(f"| {kind} | {nbytes / 1e6:g} MB | {predicted_s:.5f} | {measured_s:.5f} | "
                   f"{predicted_s / measured_s:.2f} | "
                   f"{fit_only.time_s(nbytes * ring_factor(kind, world_size)) / measured_s:.2f} |")
     return within
+
+
+def in_step_table(profile, seconds: dict, world_size: int) -> None:
+    """Print the in-step table: each timing after compute, a round the mean of its timings."""
+    print(f"\n| kind (in a step) | size | predicted s | measured s | predicted/measured |")
+    print("|---|---:|---:|---:|---:|")
+    for kind in COLLECTIVES:
+        for nbytes in IN_STEP_SIZES_BYTES:
+            predicted_s = profile.collective_time_s(kind, nbytes, world_size)
+            measured_s = seconds[IN_STEP, kind, nbytes]
+            print(f"| {kind} | {nbytes / 1e6:g} MB | {predicted_s:.5f} | {measured_s:.5f} | "
+                  f"{predicted_s / measured_s:.2f} |")
 
 
 def matmul_table(profile, seconds: dict) -> None:

@@ -7,9 +7,10 @@ Every figure is the fastest of several rounds (see [Note: the fastest of interle
   of the timed matmuls and ops);
 - every kernel of a training step of a few models: each ATen op's time over its roofline
   ([Note: op time factors]);
-- all_gather_into_tensor, reduce_scatter_tensor and all_reduce over 6 KB-380 MB, each after a
-  little compute as in training ([Note: collectives after compute]): alpha-beta fitted by least
-  squares, times the measured correction (hardware.py, [Note: model times measured correction]).
+- all_gather_into_tensor, reduce_scatter_tensor and all_reduce over 6 KB-380 MB, the ranks
+  arriving together: alpha-beta fitted by least squares, times the measured correction
+  (hardware.py, [Note: model times measured correction]); and at a few sizes after compute, as
+  in a training step: the mean wait a step adds to each ([Note: collectives in a step]).
 
 All of it runs in a spawned world of `world_size` ranks (gloo on CPU, NCCL on GPUs), so it
 sees what training ranks see: on CPU one thread per rank, the other ranks computing beside
@@ -21,6 +22,7 @@ import datetime
 import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +57,8 @@ class Sweep:
     dtypes: tuple[str, ...]
     collective_sizes_bytes: tuple[int, ...]
     """Full (gathered) buffer sizes of the collectives timed."""
+    in_step_sizes_bytes: tuple[int, ...]
+    """Sizes also timed inside a step, after compute ([Note: collectives in a step])."""
     rounds: int
     """Rounds: timings of every probe, of which the fastest is kept."""
     copy_bytes: int
@@ -68,14 +72,18 @@ class Sweep:
 # Time also jumps by up to 30% between sizes 5% apart: a grid every factor of 2 follows more
 # of that than one every factor of 4.
 _ALL_SIZES_BYTES = tuple(int(2 ** (k + 0.5)) // 64 * 64 for k in range(12, 29))
+_IN_STEP_SIZES_BYTES = _ALL_SIZES_BYTES[8:13:2]
+"""About 1.5, 6 and 24 MB: the sizes of a layer's parameters and gradients in the models planned here."""
 CPU_SWEEP = Sweep(matmul_sizes=(64, 128, 256, 512, 1024, 2048), dtypes=("float32", "bfloat16"),
-                  collective_sizes_bytes=_ALL_SIZES_BYTES, rounds=10, copy_bytes=256 * _MIB)
+                  collective_sizes_bytes=_ALL_SIZES_BYTES, in_step_sizes_bytes=_IN_STEP_SIZES_BYTES, rounds=10,
+                  copy_bytes=256 * _MIB)
 # GPU matmuls start at n=2048: a smaller one finishes faster than a kernel launches, so its
 # time says nothing about throughput.
 GPU_SWEEP = Sweep(matmul_sizes=(2048, 4096, 8192, 16384), dtypes=("float32", "bfloat16", "float16"),
-                  collective_sizes_bytes=_ALL_SIZES_BYTES, rounds=10, copy_bytes=2048 * _MIB)
-QUICK_SWEEP = Sweep(matmul_sizes=(64, 256), dtypes=("float32", "bfloat16"),
-                    collective_sizes_bytes=_ALL_SIZES_BYTES[::6], rounds=3, copy_bytes=64 * _MIB)
+                  collective_sizes_bytes=_ALL_SIZES_BYTES, in_step_sizes_bytes=_IN_STEP_SIZES_BYTES, rounds=10,
+                  copy_bytes=2048 * _MIB)
+QUICK_SWEEP = Sweep(matmul_sizes=(64, 256), dtypes=("float32", "bfloat16"), collective_sizes_bytes=_ALL_SIZES_BYTES[::6],
+                    in_step_sizes_bytes=_ALL_SIZES_BYTES[6:7], rounds=3, copy_bytes=64 * _MIB)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,7 +105,9 @@ class Measurements:
     """Fixed cost of a bare kernel call (no autograd): what a timed call of a matmul or of a
     workload's op holds beside its work."""
     collective_s: dict[str, tuple[tuple[int, float], ...]]
-    """By kind: (full buffer bytes, seconds), by increasing size."""
+    """By kind: (full buffer bytes, seconds), by increasing size; the ranks arriving together."""
+    in_step_collective_s: dict[str, tuple[tuple[int, float], ...]]
+    """The same at a few sizes, each timing after compute ([Note: collectives in a step])."""
     op_calls: tuple[tuple[str, int, int, float], ...] = ()
     """Every kernel of one training step of each op workload: (op name, FLOPs, bytes, fastest seconds)."""
 
@@ -120,13 +130,19 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
         if unfit:
             raise HardwareError(f"collective sizes {unfit} bytes do not split into {world_size} float32 shards: "
                                 f"use positive multiples of {4 * world_size} bytes")
-    else:  # the sweep's sizes, down to whole float32 shards
-        sizes = [size // (4 * world_size) * (4 * world_size) for size in sweep.collective_sizes_bytes]
-    sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(set(sizes))))
+    else:
+        sizes = _whole_shards(sweep.collective_sizes_bytes, world_size)
+    sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(set(sizes))),
+                                in_step_sizes_bytes=_whole_shards(sweep.in_step_sizes_bytes, world_size))
     measurements, _ = run_world(measure_job, (sweep.rounds, sweep), world_size=world_size, backend=backend,
                                 total_steps=sweep.rounds, progress=progress,
                                 description=f"calibrating ({backend}, world {world_size})")
     return fit_profile(measurements)
+
+
+def _whole_shards(sizes: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+    """Each size down to whole float32 shards over `world_size` ranks."""
+    return tuple(sorted({size // (4 * world_size) * (4 * world_size) for size in sizes}))
 
 
 def calibrate_main(argv: list[str] | None = None) -> int:
@@ -163,6 +179,7 @@ def summary(profile: HardwareProfile) -> str:
     for kind, cost in profile.intra_node.collectives.items():
         lines.append(f"  {kind}: latency {cost.latency_s * 1e6:.0f} us, "
                      f"bus bandwidth {cost.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s")
+    lines.append(f"  in a training step, each collective waits {profile.intra_node.in_step_wait_s * 1e6:.0f} us more")
     return "\n".join(lines)
 
 
@@ -174,7 +191,9 @@ _SUMMARY_OPS = ("mm", "addmm", "native_layer_norm", "gelu", "add")
 def fit_profile(m: Measurements) -> HardwareProfile:
     costs = {kind: fit_collective([(nbytes * ring_factor(kind, m.world_size), seconds) for nbytes, seconds in points])
              for kind, points in m.collective_s.items()}
-    link = LinkProfile(collectives=costs)
+    excess_s = [seconds - costs[kind].time_s(nbytes * ring_factor(kind, m.world_size))
+                for kind, points in m.in_step_collective_s.items() for nbytes, seconds in points]
+    link = LinkProfile(collectives=costs, in_step_wait_s=max(0.0, float(np.mean(excess_s))) if excess_s else 0.0)
     on_cpu = m.backend == "gloo"
     how = ("CPU compute per rank with 1 thread (as ranks run), all ranks computing at once; " if on_cpu else "")
     profile = HardwareProfile(
@@ -258,7 +277,8 @@ def fit_collective(points: "list[tuple[float, float]]") -> CollectiveCost:
 #
 # [Note: the fastest of interleaved rounds]
 # Every figure is the fastest of several rounds, not their median; a round's figure is the mean of a
-# loop of calls (compute) or of a few timings (collectives). On a shared machine other
+# loop of calls (compute), or the fastest of a few timings (collectives; in a step, their mean:
+# [Note: collectives in a step]). On a shared machine other
 # processes only ever add time, and by how much depends on their load at that moment: runs of
 # this calibration at load 5 on 2 cores gave medians up to 2x apart, the fastest times
 # typically 15% apart. The fastest time is the figure of the machine, the median one of its load.
@@ -275,9 +295,12 @@ class Probe:
     """Time a loop of calls lasting _MIN_TIMING_S (short compute ops), its count chosen by each rank;
     False for collectives, of which every rank must make the same number of calls."""
     timings_per_round: int = 1
-    """A round's figure is the mean of this many timings."""
+    """Timings a round takes of this probe."""
+    round_figure: Callable[[list[float]], float] = min
+    """What a round's figure is of its timings: the fastest (a cost of its own, which other work only
+    lengthens), or their mean (a cost whose spread is the thing measured: collectives in a step)."""
     before: Callable[[], object] | None = None
-    """Untimed work every timing starts with, after the ranks' barrier (see [Note: collectives after compute])."""
+    """Untimed work every timing starts with, after the ranks' barrier (see [Note: collectives in a step])."""
 
 
 def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Probe:
@@ -287,23 +310,30 @@ def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Pr
     return Probe(call=lambda: torch.mm(a, b), loop=True)
 
 
-# [Note: collectives after compute]
-# In a training step every collective follows compute: the ranks reach it at slightly different
-# moments, its buffers and the library's have left the caches, and the step pays each one, not
-# the luckiest. Timed back to back after a barrier, gloo collectives of 1-4 MB ran in about half
-# the time the same calls took inside a training step here (1.1 vs 2.0 ms for a 3 MB
-# all_gather_into_tensor, 2.3 vs 4.2 ms for its reduce_scatter_tensor). So each timing starts, after the
-# barrier, with _COMPUTE_BEFORE_S of matmuls on every rank, and a round's figure is the mean of its timings.
+# [Note: collectives in a step]
+# A collective's own cost is timed with the ranks arriving together (a barrier, then the call,
+# back to back): stable to a few percent between calibrations, and what alpha-beta fits. Inside
+# a training step the same call takes longer on average: the ranks reach it at different moments,
+# communication threads wake late, its buffers have left the caches. Here a 1 MB gloo all-gather
+# took 0.3 ms back to back and, after 2 ms of compute, a median of 0.75 ms, with a quarter of the
+# timings at 3-5 ms (a scheduler time slice): a heavy tail no single size's figure reproduces
+# from one calibration to the next. So a few sizes are also timed after _COMPUTE_BEFORE_S of
+# matmuls on every rank, a round's figure the mean of its timings, and the mean excess over the
+# fitted own cost is the link's in_step_wait_s, a latency the cost model adds to each collective
+# of a step (whole-step predictions check it: docs/benchmarks.md).
 _COMPUTE_BEFORE_S = 2e-3
-"""Compute before each collective timing: about one transformer layer's forward on a CPU rank."""
+"""Compute before each in-step collective timing: about one transformer layer's forward on a CPU rank."""
 
 
-def collective_probes(points: "list[tuple[str, int]]", device: torch.device) -> dict[tuple[str, int], Probe]:
-    """One probe per (kind, full buffer bytes), on float32 views of one buffer pair (the largest size's).
+def collective_probes(points: "list[tuple[str, int]]", device: torch.device, *,
+                      in_step: bool = False) -> dict[tuple, Probe]:
+    """One probe per (kind, full buffer bytes), on float32 views of one buffer pair (the largest size's),
+    keyed (kind, bytes), or ("in step", kind, bytes) when each timing follows compute
+    ([Note: collectives in a step]).
 
-    Collectives under 32 MiB are timed several times a round (up to 8), each after compute (see
-    [Note: collectives after compute]): they are cheap, and the more timings a figure averages
-    the less one moment of the scheduler's jitter weighs in it.
+    Collectives under 32 MiB are timed several times a round (up to 8): they are cheap, and the more
+    timings a round takes the less one moment of the scheduler's jitter weighs in its figure (the
+    fastest timing; in a step, their mean).
     """
     world_size = dist.get_world_size()
     for kind, nbytes in points:
@@ -311,10 +341,16 @@ def collective_probes(points: "list[tuple[str, int]]", device: torch.device) -> 
             raise ValueError(f"{kind} of {nbytes} bytes does not split into {world_size} float32 shards")
     full = torch.zeros(max(nbytes for _, nbytes in points) // 4, device=device)
     shard = torch.zeros(full.numel() // world_size, device=device)
-    compute = _compute_lasting(_COMPUTE_BEFORE_S, device)
-    return {(kind, nbytes): Probe(call=_collective_call(kind, full[:nbytes // 4], shard[:nbytes // 4 // world_size]),
-                                  loop=False, timings_per_round=min(8, max(1, 32 * _MIB // nbytes)), before=compute)
+    compute = _compute_lasting(_COMPUTE_BEFORE_S, device) if in_step else None
+    return {(IN_STEP, kind, nbytes) if in_step else (kind, nbytes): Probe(
+                call=_collective_call(kind, full[:nbytes // 4], shard[:nbytes // 4 // world_size]), loop=False,
+                timings_per_round=min(8, max(1, 32 * _MIB // nbytes)), before=compute,
+                round_figure=statistics.fmean if in_step else min)
             for kind, nbytes in points}
+
+
+IN_STEP = "in step"
+"""First item of an in-step collective probe's key."""
 
 
 def _compute_lasting(seconds: float, device: torch.device) -> Callable[[], None]:
@@ -341,7 +377,7 @@ def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda
     fastest_s = dict.fromkeys(probes, math.inf)
     for round_index in range(rounds):
         for key, probe in probes.items():
-            spent_s = 0.0
+            timings_s = []
             for _ in range(probe.timings_per_round):
                 dist.barrier()
                 if probe.before is not None:
@@ -351,8 +387,8 @@ def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda
                 for _ in range(loops[key]):
                     probe.call()
                 _synchronize(device)
-                spent_s += time.perf_counter() - start
-            fastest_s[key] = min(fastest_s[key], spent_s / (loops[key] * probe.timings_per_round))
+                timings_s.append((time.perf_counter() - start) / loops[key])
+            fastest_s[key] = min(fastest_s[key], probe.round_figure(timings_s))
         report(f"round {round_index + 1} of {rounds}")
     return fastest_s
 
@@ -458,6 +494,8 @@ def _timing_order(key) -> tuple:
     next to it are timed back to back, at one moment of the machine's load."""
     if isinstance(key, tuple) and key[0] in COLLECTIVES:
         return (1, key[1], key[0])
+    if isinstance(key, tuple) and key[0] == IN_STEP:
+        return (1, key[2], f"{IN_STEP} {key[1]}")
     return (0, 0, str(key))
 
 
@@ -491,7 +529,8 @@ def _calibration_probes(sweep: Sweep, device: torch.device) -> dict:
     one = torch.ones(1, device=device)
     probes["bare op"] = Probe(call=lambda: one + one, loop=True)
     points = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.collective_sizes_bytes]
-    return probes | collective_probes(points, device)
+    in_step = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.in_step_sizes_bytes]
+    return probes | collective_probes(points, device) | collective_probes(in_step, device, in_step=True)
 
 
 def _measurements(sweep: Sweep, seconds: dict, device: torch.device) -> Measurements:
@@ -508,7 +547,9 @@ def _measurements(sweep: Sweep, seconds: dict, device: torch.device) -> Measurem
         copy_bytes=sweep.copy_bytes, copy_s=seconds["copy"], op_overhead_s=seconds["op"] / _TRAINING_OP_KERNELS,
         kernel_overhead_s=seconds["bare op"],
         collective_s={kind: tuple((nbytes, seconds[kind, nbytes]) for nbytes in sweep.collective_sizes_bytes)
-                      for kind in COLLECTIVES})
+                      for kind in COLLECTIVES},
+        in_step_collective_s={kind: tuple((nbytes, seconds[IN_STEP, kind, nbytes])
+                                          for nbytes in sweep.in_step_sizes_bytes) for kind in COLLECTIVES})
 
 
 def _collective_call(kind: str, full: torch.Tensor, shard: torch.Tensor):

@@ -95,6 +95,10 @@ class LinkProfile:
     """One class of link (within a node, across nodes): a cost for every kind in COLLECTIVES."""
 
     collectives: dict[str, CollectiveCost]
+    in_step_wait_s: float = 0.0
+    """Mean time a collective inside a training step takes beyond its own cost, which is timed
+    with the ranks arriving together: in a step they arrive apart and communication threads wake
+    late (see [Note: collectives in a step] in calibrate.py). 0 where not measured (datasheets)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,6 +141,11 @@ class HardwareProfile:
         if self.usable_memory_fraction > 1:
             raise HardwareError(f"hardware profile {self.name!r}: usable_memory_fraction is "
                                 f"{self.usable_memory_fraction}, must be at most 1: it is a share of device memory")
+        for link in ("intra_node", "inter_node"):
+            wait_s = getattr(self, link).in_step_wait_s
+            if not (_is_positive(wait_s) or wait_s == 0) or isinstance(wait_s, bool):
+                raise HardwareError(f"hardware profile {self.name!r}: {link}.in_step_wait_s is {wait_s!r}, must be "
+                                    "a finite number of seconds, 0 or more")
         if not self.matmul:
             raise HardwareError(f"hardware profile {self.name!r}: matmul lists no dtype: "
                                 "add at least \"float32\" or run `shardplan calibrate`")
@@ -167,13 +176,14 @@ class HardwareProfile:
         memory_s = bytes_moved / self.memory_bandwidth_bytes_per_s
         return calls * self.op_overhead_s + self.op_time_factors.get(op, 1.0) * max(arithmetic_s, memory_s)
 
-    def collective_time_s(self, kind: str, nbytes: float, group_size: int) -> float:
-        """Time of one collective whose full (gathered, unsharded) buffer is `nbytes`."""
+    def collective_time_s(self, kind: str, nbytes: float, group_size: int, *, in_step: bool = True) -> float:
+        """Time of one collective whose full (gathered, unsharded) buffer is `nbytes`: inside a
+        training step, or (`in_step=False`) its own cost, all ranks arriving together."""
         factor = ring_factor(kind, max(group_size, 1))  # first, so an unknown kind fails at any size
         if group_size <= 1 or nbytes <= 0:
             return 0.0
         link = self.intra_node if group_size <= self.devices_per_node else self.inter_node
-        return link.collectives[kind].time_s(nbytes * factor)
+        return link.collectives[kind].time_s(nbytes * factor) + (link.in_step_wait_s if in_step else 0.0)
 
     def _matmul_rate(self, dtype) -> MatmulRate:
         name = str(dtype).removeprefix("torch.")
@@ -251,14 +261,14 @@ def _parse_matmul(data, where: str) -> MatmulRate:
 
 
 def _parse_link(data, where: str) -> LinkProfile:
-    collectives = _object(_fields(LinkProfile, data, where)["collectives"], f"{where}.collectives")
+    link = _fields(LinkProfile, data, where)
     costs = {}
-    for kind, cost in collectives.items():
+    for kind, cost in _object(link["collectives"], f"{where}.collectives").items():
         fields = _fields(CollectiveCost, cost, f"{where}.collectives.{kind}")
         if "correction" in fields:
             fields["correction"] = _parse_curve(fields["correction"], f"{where}.collectives.{kind}.correction")
         costs[kind] = CollectiveCost(**fields)
-    return LinkProfile(collectives=costs)
+    return LinkProfile(**dict(link, collectives=costs))
 
 
 def _is_positive(value) -> bool:
@@ -288,8 +298,8 @@ def _figures(value, where: str):
         yield where, value
 
 
-_NOT_FIGURES = ("name", "source", "overlaps_communication")
-"""Fields that are not positive figures."""
+_NOT_FIGURES = ("name", "source", "overlaps_communication", "in_step_wait_s")
+"""Fields that are not positive figures (a wait may be 0: checked on its own)."""
 
 
 # Built-in profiles. float32 is what PyTorch runs by default (full FP32, not TF32:

@@ -58,6 +58,15 @@ def test_collective_time_correction_is_log_interpolated():
     assert profile.collective_time_s("all_reduce", 1e3, 2) == pytest.approx((3e-4 + 1e3 / 2e9) * 2.0)
 
 
+def test_collective_time_in_a_step_adds_the_links_wait():
+    profile = make_profile(intra_node=dataclasses.replace(make_profile().intra_node, in_step_wait_s=5e-4))
+    own_s = 1e-4 + 8e8 * 0.75 / 1e9
+    assert profile.collective_time_s("all_gather_into_tensor", 8e8, 4, in_step=False) == pytest.approx(own_s)
+    assert profile.collective_time_s("all_gather_into_tensor", 8e8, 4) == pytest.approx(own_s + 5e-4)
+    assert profile.collective_time_s("all_gather_into_tensor", 8e8, 8) == pytest.approx(1e-3 + 8e8 * 7 / 8 / 1e8)
+    assert profile.collective_time_s("all_gather_into_tensor", 8e8, 1) == 0.0  # no collective, nothing to wait on
+
+
 def test_collective_time_inter_node_and_trivial_cases():
     profile = make_profile()
     assert profile.collective_time_s("all_gather_into_tensor", 1e8, 8) == pytest.approx(1e-3 + 1e8 * 7 / 8 / 1e8)
@@ -159,6 +168,7 @@ def _edited(mutate) -> str:
     (lambda d: d.update(matmul=[]), ["matmul must be a JSON object"]),
     (lambda d: d.update(op_time_factors={"gelu": 0}), ["op_time_factors.gelu is 0", "positive"]),
     (lambda d: d.update(op_time_factors=[2.0]), ["op_time_factors must be a JSON object"]),
+    (lambda d: d["intra_node"].update(in_step_wait_s=-1e-3), ["intra_node.in_step_wait_s is -0.001", "0 or more"]),
 ])
 def test_validation_errors(mutate, fragments):
     with pytest.raises(HardwareError) as error:
