@@ -168,9 +168,17 @@ def test_tied_parameters_keep_their_blocks_on_one_stage():
     assert chain.extra["tied_edges"] == [(0, len(chain.blocks) - 1)]
     rules = resolve_rules(chain.blocks, None, ((1, 3),))
     assert [rule.may_start_stage for rule in rules] == [True, True, False, False, True]
-    assert solve(chain, 2, hardware="cpu-gloo", allow_pipeline=True).mesh.pp == 1
-    gpt = zoo.gpt()  # the same planner cuts an untied GPT into stages
-    assert solve(analyze(gpt.model, gpt.args, gpt.kwargs), 2, hardware="cpu-gloo", allow_pipeline=True).mesh.pp == 2
+    def share_of_fastest_peak(model_chain, share: float) -> int:
+        return int(solve(model_chain, 2, hardware="cpu-gloo").predicted.peak_bytes * share)
+
+    # at 65% of the fastest plan's peak the planner cuts an untied GPT into stages; GPT-2 stays data
+    # parallel (sharded further), and at half its peak nothing fits: no stage cut may part its tied weights
+    gpt = zoo.gpt()
+    gpt_chain = analyze(gpt.model, gpt.args, gpt.kwargs)
+    assert solve(gpt_chain, 2, hardware="cpu-gloo", budget_bytes=share_of_fastest_peak(gpt_chain, 0.65)).mesh.pp == 2
+    assert solve(chain, 2, hardware="cpu-gloo", budget_bytes=share_of_fastest_peak(chain, 0.65)).mesh.pp == 1
+    with pytest.raises(InfeasibleError):
+        solve(chain, 2, hardware="cpu-gloo", budget_bytes=share_of_fastest_peak(chain, 0.5))
 
 
 WORLD2_CASES = {
