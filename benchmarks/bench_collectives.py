@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     sweep = None if args.profile else CPU_SWEEP
     measurements, seconds = run_world(measure_job, (args.rounds, sweep, table_probes), world_size=args.world_size,
-                                      backend="gloo", total_steps=args.rounds, description="measuring")
+                                      backend="gloo", total_steps=args.rounds * (2 if sweep else 1),
+                                      description="measuring")
     profile = get_hardware(args.profile) if args.profile else fit_profile(measurements)
     if args.save_profile:
         with open(args.save_profile, "w") as handle:

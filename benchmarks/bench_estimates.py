@@ -170,7 +170,8 @@ def main() -> None:
              for strategy, checkpoint in KINDS]
     sweep = None if options.profile else CPU_SWEEP
     measurements, measured = run_world(measure_plans_job, ([plan.to_json() for plan in plans], options.rounds, sweep),
-                                       world_size=options.world_size, backend="gloo", total_steps=options.rounds,
+                                       world_size=options.world_size, backend="gloo",
+                                       total_steps=options.rounds * (2 if sweep else 1),
                                        description="training steps and calibration")
     hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)
     how = "saved profile" if options.profile else "calibrated in the same rounds"

@@ -31,15 +31,14 @@ import numpy as np
 import scipy.optimize
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import HardwareError
 from .files import write_text_atomically
 from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
                        ring_factor)
-from . import zoo
-from .passes.execution import is_kernel, moved_bytes, op_flops
+from .op_factors import fit_op_factors, op_workloads, time_op_calls_s
 from .runtime.launch import run_world
+from .runtime.measure import synchronize
 
 _MIB = 2**20
 _SINGLE_NAMES = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
@@ -135,7 +134,7 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
     sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(set(sizes))),
                                 in_step_sizes_bytes=_whole_shards(sweep.in_step_sizes_bytes, world_size))
     measurements, _ = run_world(measure_job, (sweep.rounds, sweep), world_size=world_size, backend=backend,
-                                total_steps=sweep.rounds, progress=progress,
+                                total_steps=2 * sweep.rounds, progress=progress,
                                 description=f"calibrating ({backend}, world {world_size})")
     return fit_profile(measurements)
 
@@ -207,28 +206,6 @@ def fit_profile(m: Measurements) -> HardwareProfile:
                 f"torch {torch.__version__}, {m.backend} world {m.world_size}; {how}"
                 "inter_node copies intra_node (measured on one machine)"))
     return dataclasses.replace(profile, op_time_factors=fit_op_factors(profile, m.op_calls, m.kernel_overhead_s))
-
-
-def fit_op_factors(profile: HardwareProfile, op_calls, kernel_overhead_s: float) -> dict[str, float]:
-    """Per op name: measured seconds (less a bare call's fixed cost) over roofline seconds in
-    `profile` (see [Note: op time factors]), summed over the calls whose roofline time is at least
-    _FACTOR_MIN_OVERHEADS fixed costs: a smaller call's time is mostly fixed cost and timer noise,
-    which would read as a factor of hundreds on its few bytes."""
-    spent: dict[str, list[float]] = {}
-    for name, flops, nbytes, seconds in op_calls:
-        roofline_s = profile.compute_time_s(flops, nbytes) - profile.op_overhead_s
-        if roofline_s >= _FACTOR_MIN_OVERHEADS * profile.op_overhead_s:
-            total = spent.setdefault(name, [0.0, 0.0])
-            total[0] += max(seconds - kernel_overhead_s, 0.0)
-            total[1] += roofline_s
-    return {name: max(measured_s / roofline_s, _SMALLEST_FACTOR)
-            for name, (measured_s, roofline_s) in sorted(spent.items())}
-
-
-_FACTOR_MIN_OVERHEADS = 10
-_SMALLEST_FACTOR = 1e-3
-"""An op that moves no bytes though the roofline counts them (_unsafe_view, a view the dispatcher
-runs as an op) gets this factor, not zero, which profiles reject."""
 
 
 def fit_matmul(points: "list[tuple[float, float]] | tuple", kernel_overhead_s: float) -> MatmulRate:
@@ -382,11 +359,11 @@ def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda
                 dist.barrier()
                 if probe.before is not None:
                     probe.before()
-                _synchronize(device)
+                synchronize(device)
                 start = time.perf_counter()
                 for _ in range(loops[key]):
                     probe.call()
-                _synchronize(device)
+                synchronize(device)
                 timings_s.append((time.perf_counter() - start) / loops[key])
             fastest_s[key] = min(fastest_s[key], probe.round_figure(timings_s))
         report(f"round {round_index + 1} of {rounds}")
@@ -397,11 +374,11 @@ def _loop_count(call, device: torch.device, seconds: float = _MIN_TIMING_S) -> i
     """Calls per timing: doubled until a loop lasts `seconds` (as timeit's autorange)."""
     count = 1
     while True:
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(count):
             call()
-        _synchronize(device)
+        synchronize(device)
         if time.perf_counter() - start >= seconds:
             return count
         count *= 2
@@ -420,73 +397,8 @@ def measure_job(device: torch.device, report, rounds: int, sweep: Sweep | None,
     seconds = time_probes_s(ordered, device, rounds, report)
     measurements = _measurements(sweep, seconds, device) if sweep else None
     if measurements is not None:
-        measurements = dataclasses.replace(measurements, op_calls=time_op_calls_s(op_workloads(device), device, rounds))
+        measurements = dataclasses.replace(measurements, op_calls=time_op_calls_s(op_workloads(device), device, rounds, report))
     return measurements, {key: seconds[key] for key in extra}
-
-
-# [Note: op time factors]
-# The roofline prices an op by its FLOPs and bytes alone. On a CPU thread many ops run well below
-# it, each by its own factor: a GELU (erf) and a layer norm (two reductions) are bound by their
-# arithmetic, not by memory, and ran here at a quarter and half of the copy bandwidth; flash
-# attention reaches about half the matmul rate; a matmul in a step meets its operands cold in
-# cache. So the calibration runs one training step (forward and backward) of each op workload,
-# times every kernel below autograd (a dispatch mode), each call's fastest round kept, and the
-# fit divides each op's time, its fixed cost taken out, by its roofline (fit_op_factors). The analysis
-# counts each block's ops by the same names (chain.OpKind), so the cost model prices them with
-# the factor; an op no workload runs keeps factor 1. Workloads are float32, at sizes whose
-# activations (0.5-4 MB) are past the per-core cache, as a training step's are.
-
-def op_workloads(device: torch.device) -> list["zoo.ZooModel"]:
-    """Models whose training step the op factors are measured on: the zoo's native ones, at shapes
-    other than the demo's (so the benchmarks that check the factors do not check them on their
-    own workload)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return [zoo.gpt(zoo.GPTConfig(vocab_size=2048, seq_len=256, n_layer=2, n_head=6, d_model=384), batch=2,
-                        device=device),
-                zoo.residual_mlp(width=1024, depth=2, batch=512, device=device),
-                zoo.residual_cnn(batch=16, size=32, device=device),
-                zoo.encoder_decoder(batch=8, seq=128, device=device)]
-
-
-class _KernelClock(TorchDispatchMode):
-    """Records every kernel's (op name, FLOPs, bytes, seconds), in order (views and metadata
-    queries run no kernel). FLOPs and bytes are counted after the clock stops, by the rules the
-    analysis counts a block's ops with."""
-
-    def __init__(self, device: torch.device):
-        super().__init__()
-        self.device = device
-        self.calls: list[tuple[str, int, int, float]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not is_kernel(func):
-            return func(*args, **(kwargs or {}))
-        _synchronize(self.device)
-        start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        _synchronize(self.device)
-        seconds = time.perf_counter() - start
-        self.calls.append((func.overloadpacket.__name__, op_flops(func, args, kwargs, out),
-                           moved_bytes(func, args, kwargs, out), seconds))
-        return out
-
-
-def time_op_calls_s(workloads: list, device: torch.device, rounds: int) -> tuple[tuple[str, int, int, float], ...]:
-    """Every kernel of one training step of each workload: (op name, FLOPs, bytes, seconds), the
-    seconds the fastest of `rounds` rounds (a step runs the same kernels in the same order)."""
-    fastest = None
-    for round_index in range(rounds + 1):  # the first round warms caches and allocators, and is not kept
-        clock = _KernelClock(device)
-        with clock:
-            for entry in workloads:
-                entry.model(*entry.args, **entry.kwargs).backward()
-                entry.model.zero_grad(set_to_none=True)
-        if round_index == 1:
-            fastest = clock.calls
-        elif round_index:
-            fastest = [min(best, call, key=lambda c: c[3]) for best, call in zip(fastest, clock.calls)]
-    return tuple(fastest)
 
 
 def _timing_order(key) -> tuple:
@@ -558,11 +470,6 @@ def _collective_call(kind: str, full: torch.Tensor, shard: torch.Tensor):
     function = getattr(dist, _SINGLE_NAMES[kind], None) or getattr(dist, kind)
     output, input = (full, shard) if kind == "all_gather_into_tensor" else (shard, full)
     return lambda: function(output, input)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _cpu_name() -> str:

@@ -19,7 +19,10 @@ class OpKind:
     flops: int
     """0 for a memory-bound op (one without a FLOP formula)."""
     bytes: int
-    """Read plus written: its tensors once each (a gather reads only the rows it writes)."""
+    """Read plus written: its tensors once each (passes/execution.py, moved_bytes)."""
+    weight_bytes: int = 0
+    """Of `bytes`, those of parameters and buffers: read whole by every micro-batch, while the
+    rest (activations) splits over micro-batches."""
 
 
 def merge_op_kinds(groups: Iterable[Iterable[OpKind]]) -> tuple[OpKind, ...]:
@@ -27,12 +30,13 @@ def merge_op_kinds(groups: Iterable[Iterable[OpKind]]) -> tuple[OpKind, ...]:
     totals: dict[str, list[int]] = {}
     for kinds in groups:
         for kind in kinds:
-            total = totals.setdefault(kind.name, [0, 0, 0])
+            total = totals.setdefault(kind.name, [0, 0, 0, 0])
             total[0] += kind.calls
             total[1] += kind.flops
             total[2] += kind.bytes
-    return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes)
-                 for name, (calls, flops, nbytes) in sorted(totals.items()))
+            total[3] += kind.weight_bytes
+    return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes)
+                 for name, (calls, flops, nbytes, weight_bytes) in sorted(totals.items()))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,6 +89,7 @@ class Block:
     """The forward's ops by name; they add up to fwd_flops, fwd_ops and (the FLOP-less ones)
     fwd_memory_bytes. Empty in a chain built by hand: the cost model then prices the totals."""
     bwd_kinds: tuple[OpKind, ...] = ()
+    """The backward's ops by name, likewise."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

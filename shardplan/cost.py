@@ -215,16 +215,18 @@ class UnitCost:
 def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]:
     """(forward, backward, selective recompute) seconds of one block for one micro-batch.
 
-    Each op kind the analysis counted pays its calls' fixed cost and its roofline time (FLOPs and
-    bytes at 1/m per micro-batch) times the factor the profile measured for it; selective
+    Each op kind the analysis counted pays its calls' fixed cost plus the factor the profile
+    measured for it times its roofline time (per micro-batch: 1/m of its FLOPs and activation
+    bytes, all of its parameter bytes); selective
     checkpointing re-runs every forward op but the matmul-like ones it keeps (SELECTIVE_SAVED_OPS).
     A chain built by hand has only totals: its FLOP-counted ops are priced together by roofline
     over the parameters and the block's input and output, its memory-bound ops by their bytes."""
     hw = ctx.hardware
     if block.fwd_kinds or block.bwd_kinds:
         def kind_s(kind: OpKind) -> float:
-            return hw.compute_time_s(kind.flops / ctx.num_micro_batches, _per_micro_batch(kind.bytes, ctx),
-                                     ctx.param_dtype, calls=kind.calls, op=kind.name)
+            moved = kind.weight_bytes + _per_micro_batch(kind.bytes - kind.weight_bytes, ctx)
+            return hw.compute_time_s(kind.flops / ctx.num_micro_batches, moved, ctx.param_dtype, calls=kind.calls,
+                                     op=kind.name)
         fwd = [kind_s(kind) for kind in block.fwd_kinds]
         selective = sum(s for kind, s in zip(block.fwd_kinds, fwd) if kind.name not in SELECTIVE_SAVED_OPS)
         return sum(fwd), sum(kind_s(kind) for kind in block.bwd_kinds), selective

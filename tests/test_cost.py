@@ -227,7 +227,7 @@ def analyzed_layer() -> Block:
     """A block as the analysis writes it: its ops by name, adding up to its totals."""
     fwd = (OpKind(name="addmm", calls=2, flops=4 * 10**9, bytes=40 * MiB),
            OpKind(name="gelu", calls=1, flops=0, bytes=16 * MiB),
-           OpKind(name="native_layer_norm", calls=1, flops=0, bytes=4 * MiB))
+           OpKind(name="native_layer_norm", calls=1, flops=0, bytes=4 * MiB, weight_bytes=2 * MiB))
     bwd = (OpKind(name="mm", calls=4, flops=8 * 10**9, bytes=80 * MiB),
            OpKind(name="gelu_backward", calls=1, flops=0, bytes=24 * MiB))
     return block(fwd=4 * 10**9, fwd_kinds=fwd, bwd_kinds=bwd, fwd_ops=4, bwd_ops=5, fwd_memory_bytes=20 * MiB,
@@ -237,10 +237,10 @@ def analyzed_layer() -> Block:
 def test_an_analyzed_block_is_priced_op_kind_by_op_kind():
     unit = unit_cost((analyzed_layer(),), Decision(strategy=ShardStrategy.REPLICATE, checkpoint=Checkpoint.SELECTIVE),
                      ctx(num_micro_batches=2))
-    # per micro-batch, half of every kind's FLOPs and bytes; GELU at 3x its memory time
+    # per micro-batch, half of every kind's FLOPs and activation bytes, all its weight bytes; GELU at 3x
     addmm_s = 2e-6 + max(2e9 / 1e12, 20 * MiB / 1e11)
     gelu_s = 1e-6 + 3.0 * 8 * MiB / 1e11
-    norm_s = 1e-6 + 2 * MiB / 1e11
+    norm_s = 1e-6 + (2 * MiB + 1 * MiB) / 1e11
     assert unit.compute_fwd_s == pytest.approx(addmm_s + gelu_s + norm_s)
     mm_s = 4e-6 + max(4e9 / 1e12, 40 * MiB / 1e11)
     gradient_s = 2e-6 + (2 * 4e6 + 3 * 4e6) / 1e11  # flat gradient's cat and accumulation (m > 1, replicated)

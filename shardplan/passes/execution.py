@@ -6,7 +6,7 @@ Fake CPU rather than meta tensors, so that every op dispatches to the kernel
 eager CPU training runs (attention picks the same variant, whose FLOPs count
 differently from the math fallback), and device moves in the model work. Three things are observed at once:
 
-- each kernel's name, FLOPs (by torch.utils.flop_counter) and bytes moved,
+- each kernel's name, FLOPs (torch.utils.flop_counter's formulas) and bytes moved,
   attributed to the node that ran (forward) or whose autograd node ran
   (backward), summed by op name (chain.OpKind);
 - what autograd saves for backward (saved_tensors_hooks), by storage;
@@ -120,13 +120,13 @@ class _Tally:
 
     def __init__(self):
         self.kinds: dict[str, list[int]] = {}
-        """Op name → [calls, FLOPs, bytes]."""
+        """Op name → [calls, FLOPs, bytes, weight bytes]."""
         self.selective_bytes = 0
         """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
 
     def op_kinds(self) -> tuple[OpKind, ...]:
-        return merge_op_kinds([[OpKind(name=name, calls=calls, flops=flops, bytes=nbytes)
-                                for name, (calls, flops, nbytes) in self.kinds.items()]])
+        return merge_op_kinds([[OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes)
+                                for name, (calls, flops, nbytes, weight_bytes) in self.kinds.items()]])
 
     def facts(self, phase: str) -> dict:
         kinds = self.op_kinds()
@@ -139,23 +139,15 @@ class _Tally:
 
 
 class _OpTally(TorchDispatchMode):
-    """Adds every kernel's name, FLOPs and bytes to the tally of the node running (`tally`).
+    """Adds every kernel's name, FLOPs (op_flops), bytes (moved_bytes) and the bytes of those that
+    are parameters or buffers (`weights`, storages) to the tally of the node running (`tally`)."""
 
-    An op a FLOP formula counts (matmul, attention, convolution) is taken as
-    compute-bound: its time comes from its FLOPs. Every other kernel
-    (elementwise, norms, softmax, copies) is taken as memory-bound. Each reads
-    its inputs and writes its outputs once; a gather (GATHER_OPS) reads from its
-    table only what it writes. FLOPs are what `flops` (entered inside this
-    mode) counted while the op ran, so they are exactly torch's count.
-    """
-
-    def __init__(self, flops: FlopCounterMode):
+    def __init__(self, weights: set[StorageWeakRef]):
         super().__init__()
-        self.flops = flops
+        self.weights = weights
         self.tally: _Tally | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        flops_before = self.flops.get_total_flops()
         out = func(*args, **(kwargs or {}))
         tally = self.tally
         if tally is None or not is_kernel(func):
@@ -164,24 +156,39 @@ class _OpTally(TorchDispatchMode):
         if name in SELECTIVE_SAVED_OPS:
             tally.selective_bytes += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out)
                                          if isinstance(t, torch.Tensor))
-        kind = tally.kinds.setdefault(name, [0, 0, 0])
+        kind = tally.kinds.setdefault(name, [0, 0, 0, 0])
         kind[0] += 1
-        kind[1] += self.flops.get_total_flops() - flops_before
+        kind[1] += op_flops(func, args, kwargs, out)
         kind[2] += moved_bytes(func, args, kwargs, out)
+        kind[3] += moved_bytes(func, args, kwargs, out, only=self.weights)
         return out
 
 
-def _nbytes(tree) -> int:
-    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+def moved_bytes(func, args: tuple, kwargs: dict | None, out, only: set[StorageWeakRef] | None = None) -> int:
+    """Bytes an op reads and writes (those of `only` storages, when given).
 
-
-def moved_bytes(func, args: tuple, kwargs: dict | None, out) -> int:
-    """Bytes an op reads and writes: all its tensors once; a gather's table only where read."""
+    An op is taken to read its inputs and write its outputs once each, with two exceptions: a
+    gather (GATHER_OPS) reads from its table only the rows it writes, and an op that returns an
+    input's storage without mutating it (_unsafe_view: a view the dispatcher runs as an op) moves
+    nothing. Matmul-like ops are priced by their FLOPs (op_flops), the rest by these bytes.
+    """
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if not func._schema.is_mutable and _shares_storage(outputs, inputs):
+        return 0
     table = GATHER_OPS.get(func.overloadpacket)
-    if table is None or table >= len(args):
-        return _nbytes((args, kwargs, out))
-    others = args[:table] + args[table + 1:]
-    return _nbytes((others, kwargs, out)) + _nbytes(out)
+    if table is not None and table < len(args):
+        inputs = [t for t in pytree.tree_leaves((args[:table] + args[table + 1:], kwargs))
+                  if isinstance(t, torch.Tensor)] + outputs  # the rows read, as many bytes as written
+    tensors = inputs + outputs
+    if only is not None:
+        tensors = [t for t in tensors if StorageWeakRef(t.untyped_storage()) in only]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _shares_storage(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+    storages = {StorageWeakRef(t.untyped_storage()) for t in inputs}
+    return bool(outputs) and all(StorageWeakRef(t.untyped_storage()) in storages for t in outputs)
 
 
 class _StorageIds:
@@ -205,8 +212,7 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
             meta.tensor(node.target)
     live = _LiveStorages(meta.ignored)
     storage_id = _StorageIds()
-    flops = flop_counter()
-    tally = _OpTally(flops)
+    tally = _OpTally(weights={StorageWeakRef(t.untyped_storage()) for t in meta.tensors.values()})
     grad_fn_owner: dict[torch.autograd.graph.Node, torch.fx.Node] = {}
     current: list[torch.fx.Node] = []
     saved: dict[torch.fx.Node, dict[int, int]] = {}
@@ -243,7 +249,7 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
 
     # The fake mode is entered first so that it is innermost: the counting modes see each op before it.
     with meta.fake_mode:
-        with flops, tally, live, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with tally, live, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             outputs = Runner(gm).run(*flat_inputs)
         saved_ids = {sid for node_saved in saved.values() for sid in node_saved}
         returned = {storage_id(t): t.untyped_storage().nbytes() for t in pytree.tree_leaves(outputs)
@@ -251,10 +257,10 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
         output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         update_facts(output_node, out_bytes=sum(size for sid, size in returned.items() if sid not in saved_ids))
         loss = _loss_of(outputs)
-        _run_backward(loss, grad_fn_owner, flops, tally, live, meta)
+        _run_backward(loss, grad_fn_owner, tally, live, meta)
 
 
-def _run_backward(loss, grad_fn_owner, flops: FlopCounterMode, ops: _OpTally, live: _LiveStorages, meta) -> None:
+def _run_backward(loss, grad_fn_owner, ops: _OpTally, live: _LiveStorages, meta) -> None:
     """Backward on fake tensors; each autograd node's costs and live peak go to its fx node."""
     order: list[torch.fx.Node] = []
     tallies: dict[torch.fx.Node, _Tally] = {}
@@ -282,7 +288,7 @@ def _run_backward(loss, grad_fn_owner, flops: FlopCounterMode, ops: _OpTally, li
         grad_fn.register_prehook(on_backward_start(node))
     for param in meta.params_requiring_grad():
         param.register_post_accumulate_grad_hook(_drop_grad)
-    with flops, ops, live:
+    with ops, live:
         loss.backward()
         close_running()
     ops.tally = None

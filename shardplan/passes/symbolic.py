@@ -35,8 +35,9 @@ from .execution import annotate_execution_pass
 from .ownership import annotate_ownership_pass
 
 BLOCK_COSTS = ("fwd_flops", "bwd_flops", "saved_bytes", "input_bytes", "output_bytes",
-               "fwd_transient_bytes", "bwd_transient_bytes", "fwd_memory_bytes", "bwd_memory_bytes", "selective_bytes")
-KIND_COSTS = ("flops", "bytes")
+               "fwd_transient_bytes", "bwd_transient_bytes", "fwd_memory_bytes", "bwd_memory_bytes", "selective_bytes",
+               "fwd_ops", "bwd_ops")
+KIND_COSTS = ("flops", "bytes", "weight_bytes")
 """Of every op kind (chain.OpKind) of a block's forward and backward; its calls do not change with size."""
 CHAIN_COSTS = ("returned_bytes", "input_bytes")
 
@@ -52,7 +53,7 @@ class SymbolicChain:
     ranges: dict[str, tuple[int, int]]
     """Dim label → (smallest, largest) size the captured graph accepts."""
     formulas: dict[str, sympy.Expr]
-    """"blocks[3].saved_bytes" or "returned_bytes" → its formula."""
+    """"blocks[3].saved_bytes", "blocks[3].bwd_kinds[2].flops" or "returned_bytes" → its formula."""
     inexact: frozenset[str]
     """Formulas that failed the off-grid check, and "blocks[i].fwd_kinds" (or bwd) where other ops
     run at other sizes: `at` measures these instead."""

@@ -63,6 +63,12 @@ def peak_step_bytes(train_step: Callable[[], None], *existing) -> int:
                if torch.device(device).type != "meta")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a timer reads the host's clock)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step_time_s(train_step: Callable[[], None], steps: int) -> float:
     """Seconds per `train_step()` over `steps` calls, of the slowest rank (a collective)."""
     collectives.all_reduce_max(torch.zeros(()))  # start together

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .. import cost
+from ..chain import Block
 from ..cost import CostContext, Decision
 from .space import BlockRule, SearchSpace
 

@@ -1,0 +1,111 @@
+"""Per-op time factors: how far each ATen op runs from its roofline on this machine, in a training step.
+
+Measured by `shardplan calibrate` (calibrate.py runs `time_op_calls_s` on every rank after its
+probes) and fitted into HardwareProfile.op_time_factors by `fit_op_factors`.
+"""
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import zoo
+from .errors import HardwareError
+from .hardware import HardwareProfile
+from .passes.execution import is_kernel, moved_bytes, op_flops
+from .runtime.measure import synchronize
+
+# [Note: op time factors]
+# The roofline prices an op by its FLOPs and bytes alone. On a CPU thread many ops run well below
+# it, each by its own factor: a GELU (erf) and a layer norm (two reductions) are bound by their
+# arithmetic, not by memory, and ran here at a quarter and half of the copy bandwidth; flash
+# attention reaches about half the matmul rate; a matmul in a step meets its operands cold in
+# cache. So the calibration runs one training step (forward and backward) of each op workload,
+# times every kernel below autograd (a dispatch mode), each call's fastest round kept, and the
+# fit divides each op's time, a bare call's fixed cost taken out, by its roofline
+# (fit_op_factors). The analysis counts each block's ops by the same names (chain.OpKind), so the
+# cost model prices them with the factor; an op no workload runs keeps factor 1. Workloads are
+# float32 (factors apply to every dtype alike: a limit), at sizes whose activations (0.5-4 MB)
+# are past the per-core cache, as a training step's are.
+
+def op_workloads(device: torch.device) -> list[zoo.ZooModel]:
+    """Models whose training step the op factors are measured on: the zoo's native ones, at shapes
+    other than the demo's (so the benchmarks that check the factors do not check them on their
+    own workload)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return [zoo.gpt(zoo.GPTConfig(vocab_size=2048, seq_len=256, n_layer=2, n_head=6, d_model=384), batch=2,
+                        device=device),
+                zoo.residual_mlp(width=1024, depth=2, batch=512, device=device),
+                zoo.residual_cnn(batch=16, size=32, device=device),
+                zoo.encoder_decoder(batch=8, seq=128, device=device)]
+
+
+class _KernelClock(TorchDispatchMode):
+    """Records every kernel's (op name, FLOPs, bytes, seconds), in order (views and metadata
+    queries run no kernel). FLOPs and bytes are counted after the clock stops, by the rules the
+    analysis counts a block's ops with."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.calls: list[tuple[str, int, int, float]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not is_kernel(func):
+            return func(*args, **(kwargs or {}))
+        synchronize(self.device)
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.calls.append((func.overloadpacket.__name__, op_flops(func, args, kwargs, out),
+                           moved_bytes(func, args, kwargs, out), seconds))
+        return out
+
+
+def time_op_calls_s(workloads: list, device: torch.device, rounds: int,
+                    report=lambda text: None) -> tuple[tuple[str, int, int, float], ...]:
+    """Every kernel of one training step of each workload: (op name, FLOPs, bytes, seconds), the
+    seconds the fastest of `rounds` rounds (a step runs the same kernels in the same order);
+    `report` after each round."""
+    if rounds < 1:
+        raise HardwareError(f"timing op kinds needs at least 1 round, got {rounds}")
+    fastest = None
+    for round_index in range(rounds + 1):  # the first round warms caches and allocators, and is not kept
+        clock = _KernelClock(device)
+        with clock:
+            for entry in workloads:
+                entry.model(*entry.args, **entry.kwargs).backward()
+                entry.model.zero_grad(set_to_none=True)
+        if fastest is not None and [c[:3] for c in clock.calls] != [c[:3] for c in fastest]:
+            raise HardwareError(f"round {round_index} of the op workloads ran {len(clock.calls)} kernels, not the "
+                                f"{len(fastest)} of the round before, or other ones: a workload is not deterministic")
+        fastest = clock.calls if round_index <= 1 else [min(best, call, key=lambda c: c[3])
+                                                        for best, call in zip(fastest, clock.calls)]
+        if round_index:
+            report(f"op kinds, round {round_index} of {rounds}")
+    return tuple(fastest)
+
+
+# Fitting: a pure function of the timings.
+
+def fit_op_factors(profile: HardwareProfile, op_calls, kernel_overhead_s: float) -> dict[str, float]:
+    """Per op name: measured seconds (less a bare call's fixed cost) over roofline seconds in
+    `profile` (see [Note: op time factors]), summed over the calls whose roofline time is at least
+    _FACTOR_MIN_OVERHEADS fixed costs: a smaller call's time is mostly fixed cost and timer noise,
+    which would read as a factor of hundreds on its few bytes."""
+    spent: dict[str, list[float]] = {}
+    for name, flops, nbytes, seconds in op_calls:
+        roofline_s = profile.compute_time_s(flops, nbytes) - profile.op_overhead_s
+        if roofline_s >= _FACTOR_MIN_OVERHEADS * profile.op_overhead_s:
+            total = spent.setdefault(name, [0.0, 0.0])
+            total[0] += max(seconds - kernel_overhead_s, 0.0)
+            total[1] += roofline_s
+    return {name: max(measured_s / roofline_s, _SMALLEST_FACTOR)
+            for name, (measured_s, roofline_s) in sorted(spent.items())}
+
+
+_FACTOR_MIN_OVERHEADS = 10
+"""Calls priced under this many fixed costs by the roofline do not enter a factor."""
+_SMALLEST_FACTOR = 1e-3
+"""A floor: a factor of 0 (an op timed under a bare call's fixed cost) would be rejected by profiles."""
