@@ -19,7 +19,6 @@ it. Rank 0 reports its timings; the parent process shows progress and fits the p
 import argparse
 import dataclasses
 import datetime
-import math
 import os
 import platform
 import statistics
@@ -253,8 +252,8 @@ def fit_collective(points: "list[tuple[float, float]]") -> CollectiveCost:
 # Measuring: runs on every rank of the spawned world.
 #
 # [Note: the fastest of interleaved rounds]
-# Every figure is the fastest of several rounds, not their median; a round's figure is the mean of a
-# loop of calls (compute), or the fastest of a few timings (collectives; in a step, their mean:
+# Every figure is the fastest timing over several rounds, not their median; a compute timing is the
+# mean of a loop of calls (collectives in a step are the exception: the mean of every timing, see
 # [Note: collectives in a step]). On a shared machine other
 # processes only ever add time, and by how much depends on their load at that moment: runs of
 # this calibration at load 5 on 2 cores gave medians up to 2x apart, the fastest times
@@ -273,9 +272,10 @@ class Probe:
     False for collectives, of which every rank must make the same number of calls."""
     timings_per_round: int = 1
     """Timings a round takes of this probe."""
-    round_figure: Callable[[list[float]], float] = min
-    """What a round's figure is of its timings: the fastest (a cost of its own, which other work only
-    lengthens), or their mean (a cost whose spread is the thing measured: collectives in a step)."""
+    figure: Callable[[list[float]], float] = min
+    """The probe's figure from all its timings, every round's: the fastest (a cost of its own, which
+    other work only lengthens), or their mean (a cost whose spread is the thing measured: collectives
+    in a step)."""
     before: Callable[[], object] | None = None
     """Untimed work every timing starts with, after the ranks' barrier (see [Note: collectives in a step])."""
 
@@ -295,9 +295,9 @@ def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Pr
 # took 0.3 ms back to back and, after 2 ms of compute, a median of 0.75 ms, with a quarter of the
 # timings at 3-5 ms (a scheduler time slice): a heavy tail no single size's figure reproduces
 # from one calibration to the next. So a few sizes are also timed after _COMPUTE_BEFORE_S of
-# matmuls on every rank, a round's figure the mean of its timings, and the mean excess over the
-# fitted own cost is the link's in_step_wait_s, a latency the cost model adds to each collective
-# of a step (whole-step predictions check it: docs/benchmarks.md).
+# matmuls on every rank, 8 timings a round, and the mean of all of them less the fitted own cost
+# is the link's in_step_wait_s, a latency the cost model adds to each collective (and pipeline
+# send) of a step (whole-step predictions check it: docs/benchmarks.md).
 _COMPUTE_BEFORE_S = 2e-3
 """Compute before each in-step collective timing: about one transformer layer's forward on a CPU rank."""
 
@@ -309,8 +309,8 @@ def collective_probes(points: "list[tuple[str, int]]", device: torch.device, *,
     ([Note: collectives in a step]).
 
     Collectives under 32 MiB are timed several times a round (up to 8): they are cheap, and the more
-    timings a round takes the less one moment of the scheduler's jitter weighs in its figure (the
-    fastest timing; in a step, their mean).
+    timings the less one moment of the scheduler's jitter weighs (the figure is the fastest timing).
+    In a step every size is timed _IN_STEP_TIMINGS times a round, and the figure is the mean of all.
     """
     world_size = dist.get_world_size()
     for kind, nbytes in points:
@@ -321,11 +321,12 @@ def collective_probes(points: "list[tuple[str, int]]", device: torch.device, *,
     compute = _compute_lasting(_COMPUTE_BEFORE_S, device) if in_step else None
     return {(IN_STEP, kind, nbytes) if in_step else (kind, nbytes): Probe(
                 call=_collective_call(kind, full[:nbytes // 4], shard[:nbytes // 4 // world_size]), loop=False,
-                timings_per_round=min(8, max(1, 32 * _MIB // nbytes)), before=compute,
-                round_figure=statistics.fmean if in_step else min)
+                timings_per_round=_IN_STEP_TIMINGS if in_step else min(8, max(1, 32 * _MIB // nbytes)),
+                before=compute, figure=statistics.fmean if in_step else min)
             for kind, nbytes in points}
 
 
+_IN_STEP_TIMINGS = 8
 IN_STEP = "in step"
 """First item of an in-step collective probe's key."""
 
@@ -342,7 +343,8 @@ def _compute_lasting(seconds: float, device: torch.device) -> Callable[[], None]
 
 
 def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda text: None) -> dict:
-    """Fastest seconds of one call of each probe over `rounds` interleaved rounds; `report` after each round.
+    """Seconds of one call of each probe, its `figure` of its timings over `rounds` interleaved rounds;
+    `report` after each round.
 
     All ranks start every timing together (a barrier before it), as ranks compute and communicate in training.
     """
@@ -351,10 +353,9 @@ def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda
         dist.barrier()
         probe.call()  # warm up: buffers, connections, kernels, the autograd graph's first node
         loops[key] = _loop_count(probe.call, device) if probe.loop else 1
-    fastest_s = dict.fromkeys(probes, math.inf)
+    timings_s: dict = {key: [] for key in probes}
     for round_index in range(rounds):
         for key, probe in probes.items():
-            timings_s = []
             for _ in range(probe.timings_per_round):
                 dist.barrier()
                 if probe.before is not None:
@@ -364,10 +365,9 @@ def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda
                 for _ in range(loops[key]):
                     probe.call()
                 synchronize(device)
-                timings_s.append((time.perf_counter() - start) / loops[key])
-            fastest_s[key] = min(fastest_s[key], probe.round_figure(timings_s))
+                timings_s[key].append((time.perf_counter() - start) / loops[key])
         report(f"round {round_index + 1} of {rounds}")
-    return fastest_s
+    return {key: probe.figure(timings_s[key]) for key, probe in probes.items()}
 
 
 def _loop_count(call, device: torch.device, seconds: float = _MIN_TIMING_S) -> int:

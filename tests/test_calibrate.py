@@ -6,8 +6,8 @@ import torch
 
 from shardplan import zoo
 from shardplan.calibrate import Measurements, calibrate, calibrate_main, fit_collective, fit_matmul, fit_profile
-from shardplan.errors import HardwareError
 from shardplan.chain import merge_op_kinds
+from shardplan.errors import HardwareError
 from shardplan.hardware import COLLECTIVES, HardwareProfile, get_hardware
 from shardplan.op_factors import fit_op_factors, time_op_calls_s
 from shardplan.passes import analyze
@@ -192,12 +192,12 @@ def _timing_job(device, report):
     def probe(**figure):
         return Probe(call=lambda: time.sleep(next(durations)), loop=False, timings_per_round=2,
                      before=lambda: time.sleep(20e-3), **figure)
-    return time_probes_s({"mean": probe(round_figure=statistics.fmean), "fastest": probe()}, device, rounds=2)
+    return time_probes_s({"mean": probe(figure=statistics.fmean), "fastest": probe()}, device, rounds=2)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
-def test_a_round_is_the_fastest_or_the_mean_of_its_timings_and_the_work_before_is_not_timed():
+def test_a_figure_is_the_fastest_or_the_mean_of_all_timings_and_the_work_before_is_not_timed():
     from shardplan.runtime.launch import run_world
 
     # each probe: one warm-up call, then rounds of a 1 ms and a 3 ms timing (20 ms of work before each, untimed)
