@@ -95,7 +95,7 @@ def collective_table(profile, seconds: dict, world_size: int) -> int:
 
 def in_step_table(profile, seconds: dict, world_size: int) -> None:
     """Print the in-step table: each timing after compute, a round the mean of its timings."""
-    print(f"\n| kind (in a step) | size | predicted s | measured s | predicted/measured |")
+    print("\n| kind (in a step) | size | predicted s | measured s | predicted/measured |")
     print("|---|---:|---:|---:|---:|")
     for kind in COLLECTIVES:
         for nbytes in IN_STEP_SIZES_BYTES:

@@ -412,6 +412,7 @@ def _timing_order(key) -> tuple:
 
 
 _TRAINING_OP_LENGTH = 32
+"""Multiplies in one call of training_op_probe: enough that the call's own cost is spread thin."""
 _TRAINING_OP_KERNELS = 2 * _TRAINING_OP_LENGTH + 2
 """Kernels of one call of training_op_probe: each multiply's forward and backward, the backward's
 seed gradient and the accumulation into the leaf's (tests/test_calibrate.py counts them)."""

@@ -43,8 +43,8 @@ unit k + the prefetched unit k-1 + SHARD_GRAD_OP units still gathered).
 
 Time, by component (per step):
 - compute: each op kind of the block (Block.fwd_kinds / bwd_kinds: an ATen op's
-  calls, FLOPs and bytes) through compute_time_s: its calls' fixed cost plus its
-  roofline time, times the factor the profile measured for that op. A block built
+  calls, FLOPs and bytes) through compute_time_s: its calls' fixed cost + the
+  factor the profile measured for that op x its roofline time. A block built
   by hand has totals only: its FLOPs by roofline over its params (param dtype)
   and its input and output activations, plus its memory-bound ops (fwd_ops /
   fwd_memory_bytes): their fixed costs and the bytes they stream. Each
@@ -55,7 +55,8 @@ Time, by component (per step):
   every forward op but the matmul-like ones whose outputs it kept
   (plan.SELECTIVE_SAVED_OPS; a hand-built block: its memory-bound ops), priced as
   in compute.
-- exposed_comm: collectives not hidden by compute. The all-gather of the next
+- exposed_comm: collectives not hidden by compute, each with the in-step wait
+  the profile adds (hardware.py). The all-gather of the next
   unit (unit i+1 in forward, i-1 in backward) is issued when a prefetching unit
   starts computing and hides under its compute (on hardware that overlaps
   communication with compute: not CPU ranks on gloo); without prefetch it is fully
@@ -111,7 +112,7 @@ OPTIMIZER_STEPS = {
     "sgd": OptimizerStep(bytes_per_param=32 + 8, kernels=3 + 1),
     "none": OptimizerStep(bytes_per_param=0, kernels=0),
 }
-"""Counted by running each optimizer's step under the analysis's traffic rule (passes/execution.py);
+"""Counted by running each optimizer's step under the analysis's byte rule (passes/execution.py, moved_bytes);
 tests/test_cost.py checks them the same way against torch.optim."""
 SELECTIVE_KEEP_FRACTION = 0.5
 """Share of saved_bytes selective checkpointing keeps in a block the analysis did not measure

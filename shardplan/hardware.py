@@ -10,7 +10,8 @@ Both time formulas are a physical model times measured factors:
   times the factor measured for that op by name (a GELU on one CPU thread is bound by its
   arithmetic, not by memory: it runs at a quarter of the copy bandwidth);
 - a collective: alpha + bus bytes / bandwidth (alpha-beta, fitted by least squares),
-  times correction(bus bytes) = measured / fitted at each calibrated size.
+  times correction(bus bytes) = measured / fitted at each calibrated size, plus in a step
+  the link's in_step_wait_s.
 A datasheet profile carries a generic efficiency curve, no op factors and no correction (1.0). A
 calibrated profile carries what this machine did, e.g. a CPU whose copies slow down
 once a buffer outgrows the last-level cache, which no straight line fits. Bus bytes
@@ -114,7 +115,8 @@ class HardwareProfile:
     memory_bandwidth_bytes_per_s: float
     """Bytes read plus bytes written per second by a large copy."""
     op_overhead_s: float
-    """Fixed cost of one op: eager dispatch on CPU, the shortest kernel on GPU."""
+    """Fixed cost of one kernel in a training step: its dispatch, autograd's node and its engine
+    (calibrate.py, training_op_probe), and on a GPU the launch; the shortest kernel on GPU."""
     devices_per_node: int
     """Groups up to this size use `intra_node` links, larger ones `inter_node`."""
     overlaps_communication: bool = True
@@ -143,7 +145,7 @@ class HardwareProfile:
                                 f"{self.usable_memory_fraction}, must be at most 1: it is a share of device memory")
         for link in ("intra_node", "inter_node"):
             wait_s = getattr(self, link).in_step_wait_s
-            if not (_is_positive(wait_s) or wait_s == 0) or isinstance(wait_s, bool):
+            if not _is_non_negative(wait_s):
                 raise HardwareError(f"hardware profile {self.name!r}: {link}.in_step_wait_s is {wait_s!r}, must be "
                                     "a finite number of seconds, 0 or more")
         if not self.matmul:
@@ -271,8 +273,12 @@ def _parse_link(data, where: str) -> LinkProfile:
     return LinkProfile(**dict(link, collectives=costs))
 
 
+def _is_non_negative(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 def _is_positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return _is_non_negative(value) and value > 0
 
 
 def _figures(value, where: str):
