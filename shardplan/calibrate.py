@@ -70,8 +70,9 @@ class Sweep:
 # Time also jumps by up to 30% between sizes 5% apart: a grid every factor of 2 follows more
 # of that than one every factor of 4.
 _ALL_SIZES_BYTES = tuple(int(2 ** (k + 0.5)) // 64 * 64 for k in range(12, 29))
-_IN_STEP_SIZES_BYTES = _ALL_SIZES_BYTES[8:13:2]
-"""About 1.5, 6 and 24 MB: the sizes of a layer's parameters and gradients in the models planned here."""
+_IN_STEP_SIZES_BYTES = _ALL_SIZES_BYTES[6:11:2]
+"""About 0.4, 1.5 and 6 MB: below the last-level cache's cliff, where one size's own cost is known
+to a few percent (past it, sizes 5% apart differ by 30%, and the excess would be that noise)."""
 CPU_SWEEP = Sweep(matmul_sizes=(64, 128, 256, 512, 1024, 2048), dtypes=("float32", "bfloat16"),
                   collective_sizes_bytes=_ALL_SIZES_BYTES, in_step_sizes_bytes=_IN_STEP_SIZES_BYTES, rounds=10,
                   copy_bytes=256 * _MIB)
