@@ -338,20 +338,20 @@ _HDR_INFINIBAND = _uniform_link(40e-6, 20e9)    # DGX A100: one 200 Gb/s HDR por
 _H100_NVLINK = _uniform_link(15e-6, 360e9)      # NVLink 4: 900 GB/s total, 450 GB/s per direction
 _NDR_INFINIBAND = _uniform_link(40e-6, 40e9)    # DGX H100/H200: one 400 Gb/s NDR port (50 GB/s) per GPU
 _MIB = 2**20
-_CPU_LOOPBACK = LinkProfile(in_step_wait_s=750e-6, collectives={
-    "all_gather_into_tensor": CollectiveCost(latency_s=115e-6, bus_bandwidth_bytes_per_s=2.0e9, correction=SizeCurve(
-        points=((1.9e5, 1.0), (7.4e5, 0.65), (3e6, 0.95), (1.2e7, 1.6), (2.4e7, 3.0), (4.7e7, 3.5)))),
-    "reduce_scatter_tensor": CollectiveCost(latency_s=170e-6, bus_bandwidth_bytes_per_s=1.1e9, correction=SizeCurve(
-        points=((1.9e5, 0.8), (7.4e5, 0.7), (3e6, 1.3), (1.2e7, 1.9), (2.4e7, 2.2)))),
-    "all_reduce": CollectiveCost(latency_s=155e-6, bus_bandwidth_bytes_per_s=3.1e9, correction=SizeCurve(
-        points=((3.7e5, 1.05), (7.4e5, 0.66), (1.5e6, 0.64), (5.9e6, 1.17), (2.4e7, 1.35), (1.9e8, 1.65))))})
+_CPU_LOOPBACK = LinkProfile(in_step_wait_s=2.3e-3, collectives={
+    "all_gather_into_tensor": CollectiveCost(latency_s=110e-6, bus_bandwidth_bytes_per_s=1.8e9, correction=SizeCurve(
+        points=((1.9e5, 1.0), (3.7e5, 0.72), (1.5e6, 0.74), (3e6, 1.04), (1.2e7, 1.6), (2.4e7, 3.1)))),
+    "reduce_scatter_tensor": CollectiveCost(latency_s=155e-6, bus_bandwidth_bytes_per_s=1.07e9, correction=SizeCurve(
+        points=((1.9e5, 0.82), (7.4e5, 0.61), (3e6, 1.2), (1.2e7, 1.8), (2.4e7, 2.3)))),
+    "all_reduce": CollectiveCost(latency_s=165e-6, bus_bandwidth_bytes_per_s=2.9e9, correction=SizeCurve(
+        points=((1.9e5, 0.82), (1.5e6, 0.67), (5.9e6, 1.0), (2.4e7, 1.47), (1e8, 1.55))))})
 _CPU_OP_TIME_FACTORS = {
-    "mm": 1.0, "addmm": 1.0, "_scaled_dot_product_flash_attention_for_cpu": 1.6,
-    "_scaled_dot_product_flash_attention_for_cpu_backward": 1.4, "convolution": 1.5, "convolution_backward": 1.2,
-    "gelu": 2.3, "gelu_backward": 2.7, "native_layer_norm": 1.8, "native_layer_norm_backward": 1.7,
-    "native_batch_norm": 7.7, "native_batch_norm_backward": 1.4, "_log_softmax": 2.9,
-    "_log_softmax_backward_data": 1.2, "embedding": 2.4, "embedding_dense_backward": 1.2, "sum": 1.6,
-    "add": 0.6, "relu": 0.75, "threshold_backward": 0.6, "_unsafe_view": 0.07}
+    "mm": 1.0, "addmm": 1.0, "_scaled_dot_product_flash_attention_for_cpu": 1.7,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": 1.4, "convolution": 1.55, "convolution_backward": 1.2,
+    "gelu": 2.3, "gelu_backward": 2.5, "native_layer_norm": 1.8, "native_layer_norm_backward": 2.0,
+    "native_batch_norm": 7.6, "native_batch_norm_backward": 1.4, "_log_softmax": 2.9,
+    "_log_softmax_backward_data": 1.2, "embedding": 2.7, "embedding_dense_backward": 1.0, "sum": 1.8,
+    "add": 0.66, "relu": 0.8, "threshold_backward": 0.64}
 
 BUILTIN = {
     # A100 SXM4 40GB datasheet: 40 GB HBM2 at 1,555 GB/s; FP32 19.5 TFLOP/s, BF16/FP16 tensor 312 TFLOP/s
@@ -386,7 +386,7 @@ BUILTIN = {
     # VM, torch 2.13, 2026-11-22, the machine quiet. Collectives: their own cost (ranks arriving
     # together), slowing 2-3x past ~12 MB of bus bytes (the 32 MB last-level cache); gloo's
     # reduce_scatter_tensor is an all_reduce plus a slice, slower still; in a step each waits
-    # ~0.75 ms more (calibrate.py, [Note: collectives in a step]). Kernels: 4.4 us fixed cost in
+    # ~2.3 ms more (calibrate.py, [Note: collectives in a step]). Kernels: 4.2 us fixed cost in
     # a training step; op factors as measured (GELU and norms are bound by arithmetic on one
     # thread, not memory; [Note: op time factors]). Calibrate for real figures.
     "cpu-gloo": HardwareProfile(
@@ -395,7 +395,7 @@ BUILTIN = {
         matmul={"float32": MatmulRate(peak_flops_per_s=99e9, efficiency=SizeCurve(points=((5e5, 0.95), (3e7, 1.0)))),
                 "bfloat16": MatmulRate(peak_flops_per_s=210e9, efficiency=SizeCurve(
                     points=((5e5, 0.16), (4e6, 0.58), (3e7, 0.93), (3e8, 1.0))))},
-        memory_bandwidth_bytes_per_s=33e9, op_overhead_s=4.4e-6, devices_per_node=64,
+        memory_bandwidth_bytes_per_s=33e9, op_overhead_s=4.2e-6, devices_per_node=64,
         intra_node=_CPU_LOOPBACK, inter_node=_CPU_LOOPBACK, op_time_factors=_CPU_OP_TIME_FACTORS,
         source="rounded calibration of a 2-core CPU VM, 1 thread per rank, gloo over loopback; "
                "inter_node copies intra_node (one machine)"),
