@@ -171,7 +171,7 @@ def summary(profile: HardwareProfile) -> str:
     lines.append(f"  memory: {profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
                  f"op overhead {profile.op_overhead_s * 1e6:.2f} us")
     if profile.op_time_factors:
-        examples = [f"{name} {profile.op_time_factors[name]:.2f}" for name in _SUMMARY_OPS
+        examples = [f"{name} {_factor_range(profile.op_time_factors[name])}" for name in _SUMMARY_OPS
                     if name in profile.op_time_factors]
         lines.append(f"  op time factors (measured / roofline): {len(profile.op_time_factors)} ops, "
                      f"e.g. {', '.join(examples)}")
@@ -183,6 +183,11 @@ def summary(profile: HardwareProfile) -> str:
 
 
 _SUMMARY_OPS = ("mm", "addmm", "native_layer_norm", "gelu", "add")
+
+
+def _factor_range(curve: SizeCurve) -> str:
+    factors = [factor for _, factor in curve.points]
+    return f"{min(factors):.2f}" if min(factors) == max(factors) else f"{min(factors):.2f}-{max(factors):.2f}"
 
 
 # Fitting: pure functions of the measurements.

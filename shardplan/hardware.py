@@ -127,9 +127,11 @@ class HardwareProfile:
     inter_node: LinkProfile
     source: str
     """Where the figures come from (datasheets, or the machine and settings of a calibration)."""
-    op_time_factors: dict[str, float] = field(default_factory=dict)
-    """Measured time / roofline time of ATen ops by name, on this machine in a training step
-    (see [Note: op time factors] in calibrate.py); an op not listed is priced at its roofline (1)."""
+    op_time_factors: dict[str, SizeCurve] = field(default_factory=dict)
+    """Measured time / roofline time of ATen ops by name, by one call's roofline seconds, on this
+    machine in a training step ([Note: op time factors] in op_factors.py); an op not listed is
+    priced at its roofline (1). Small calls run further from it: a GELU of 0.5 MB took 3.5x its
+    memory time here, one of 4 MB 2.3x."""
 
     def __post_init__(self) -> None:
         for where, value in _figures(self, ""):
@@ -176,7 +178,9 @@ class HardwareProfile:
             rate = self._matmul_rate(dtype)
             arithmetic_s = flops / (rate.peak_flops_per_s * rate.efficiency.at(flops / calls))
         memory_s = bytes_moved / self.memory_bandwidth_bytes_per_s
-        return calls * self.op_overhead_s + self.op_time_factors.get(op, 1.0) * max(arithmetic_s, memory_s)
+        roofline_s = max(arithmetic_s, memory_s)
+        factor = self.op_time_factors[op].at(roofline_s / calls) if op in self.op_time_factors else 1.0
+        return calls * self.op_overhead_s + factor * roofline_s
 
     def collective_time_s(self, kind: str, nbytes: float, group_size: int, *, in_step: bool = True) -> float:
         """Time of one collective whose full (gathered, unsharded) buffer is `nbytes`: inside a
@@ -214,7 +218,8 @@ class HardwareProfile:
         fields["matmul"] = {dtype: _parse_matmul(rate, f"matmul.{dtype}")
                             for dtype, rate in _object(fields["matmul"], "matmul").items()}
         if "op_time_factors" in fields:
-            fields["op_time_factors"] = dict(_object(fields["op_time_factors"], "op_time_factors"))
+            fields["op_time_factors"] = {op: _parse_curve(curve, f"op_time_factors.{op}")
+                                         for op, curve in _object(fields["op_time_factors"], "op_time_factors").items()}
         for link in ("intra_node", "inter_node"):
             fields[link] = _parse_link(fields[link], link)
         return cls(**fields)
@@ -345,13 +350,14 @@ _CPU_LOOPBACK = LinkProfile(in_step_wait_s=2.3e-3, collectives={
         points=((1.9e5, 0.82), (7.4e5, 0.61), (3e6, 1.2), (1.2e7, 1.8), (2.4e7, 2.3)))),
     "all_reduce": CollectiveCost(latency_s=165e-6, bus_bandwidth_bytes_per_s=2.9e9, correction=SizeCurve(
         points=((1.9e5, 0.82), (1.5e6, 0.67), (5.9e6, 1.0), (2.4e7, 1.47), (1e8, 1.55))))})
-_CPU_OP_TIME_FACTORS = {
+_CPU_OP_TIME_FACTORS_AT_100_US = {
     "mm": 1.0, "addmm": 1.0, "_scaled_dot_product_flash_attention_for_cpu": 1.7,
     "_scaled_dot_product_flash_attention_for_cpu_backward": 1.4, "convolution": 1.55, "convolution_backward": 1.2,
     "gelu": 2.3, "gelu_backward": 2.5, "native_layer_norm": 1.8, "native_layer_norm_backward": 2.0,
     "native_batch_norm": 7.6, "native_batch_norm_backward": 1.4, "_log_softmax": 2.9,
     "_log_softmax_backward_data": 1.2, "embedding": 2.7, "embedding_dense_backward": 1.0, "sum": 1.8,
     "add": 0.66, "relu": 0.8, "threshold_backward": 0.64}
+_CPU_OP_TIME_FACTORS = {op: SizeCurve(points=((1e-4, factor),)) for op, factor in _CPU_OP_TIME_FACTORS_AT_100_US.items()}
 
 BUILTIN = {
     # A100 SXM4 40GB datasheet: 40 GB HBM2 at 1,555 GB/s; FP32 19.5 TFLOP/s, BF16/FP16 tensor 312 TFLOP/s

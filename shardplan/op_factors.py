@@ -3,6 +3,8 @@
 Measured by `shardplan calibrate` (calibrate.py runs `time_op_calls_s` on every rank after its
 probes) and fitted into HardwareProfile.op_time_factors by `fit_op_factors`.
 """
+import dataclasses
+import math
 import time
 
 import torch
@@ -10,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import zoo
 from .errors import HardwareError
-from .hardware import HardwareProfile
+from .hardware import HardwareProfile, SizeCurve
 from .passes.execution import is_kernel, moved_bytes, op_flops
 from .runtime.measure import synchronize
 
@@ -23,9 +25,11 @@ from .runtime.measure import synchronize
 # times every kernel below autograd (a dispatch mode), each call's fastest round kept, and the
 # fit divides each op's time, a bare call's fixed cost taken out, by its roofline
 # (fit_op_factors). The analysis counts each block's ops by the same names (chain.OpKind), so the
-# cost model prices them with the factor; an op no workload runs keeps factor 1. Workloads are
-# float32 (factors apply to every dtype alike: a limit), at sizes whose activations (0.5-4 MB)
-# are past the per-core cache, as a training step's are.
+# cost model prices them with the factor; an op no workload runs keeps factor 1. The factor
+# depends on a call's size (small calls run further from the roofline: a GELU of 0.5 MB at 3.5x
+# its memory time, one of 4 MB at 2.3x), so it is a curve by the call's roofline time, and the
+# workloads run at a few sizes (activations of 0.1-4 MB). They are float32: factors apply to
+# every dtype alike, a limit.
 
 def op_workloads(device: torch.device) -> list[zoo.ZooModel]:
     """Models whose training step the op factors are measured on: the zoo's native ones, at shapes
@@ -33,8 +37,9 @@ def op_workloads(device: torch.device) -> list[zoo.ZooModel]:
     own workload)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return [zoo.gpt(zoo.GPTConfig(vocab_size=2048, seq_len=256, n_layer=2, n_head=6, d_model=384), batch=2,
-                        device=device),
+        gpt = zoo.GPTConfig(vocab_size=2048, seq_len=256, n_layer=2, n_head=6, d_model=384)
+        return [zoo.gpt(gpt, batch=2, device=device),
+                zoo.gpt(dataclasses.replace(gpt, seq_len=128), batch=1, device=device),  # a micro-batch's small calls
                 zoo.residual_mlp(width=1024, depth=2, batch=512, device=device),
                 zoo.residual_cnn(batch=16, size=32, device=device),
                 zoo.encoder_decoder(batch=8, seq=128, device=device)]
@@ -89,20 +94,23 @@ def time_op_calls_s(workloads: list, device: torch.device, rounds: int,
 
 # Fitting: a pure function of the timings.
 
-def fit_op_factors(profile: HardwareProfile, op_calls, kernel_overhead_s: float) -> dict[str, float]:
-    """Per op name: measured seconds (less a bare call's fixed cost) over roofline seconds in
-    `profile` (see [Note: op time factors]), summed over the calls whose roofline time is at least
-    _FACTOR_MIN_OVERHEADS fixed costs: a smaller call's time is mostly fixed cost and timer noise,
-    which would read as a factor of hundreds on its few bytes."""
-    spent: dict[str, list[float]] = {}
+def fit_op_factors(profile: HardwareProfile, op_calls, kernel_overhead_s: float) -> dict[str, SizeCurve]:
+    """Per op name, a factor by one call's roofline seconds in `profile` (see [Note: op time factors]):
+    over the calls in each factor-of-2 band of roofline time, measured seconds (less a bare call's
+    fixed cost) over roofline seconds, at the band's mean roofline time. Calls the roofline prices
+    under _FACTOR_MIN_OVERHEADS fixed costs are left out: their time is mostly fixed cost and timer
+    noise, which would read as a factor of hundreds on their few bytes."""
+    bands: dict[str, dict[int, list[float]]] = {}
     for name, flops, nbytes, seconds in op_calls:
         roofline_s = profile.compute_time_s(flops, nbytes) - profile.op_overhead_s
         if roofline_s >= _FACTOR_MIN_OVERHEADS * profile.op_overhead_s:
-            total = spent.setdefault(name, [0.0, 0.0])
-            total[0] += max(seconds - kernel_overhead_s, 0.0)
-            total[1] += roofline_s
-    return {name: max(measured_s / roofline_s, _SMALLEST_FACTOR)
-            for name, (measured_s, roofline_s) in sorted(spent.items())}
+            band = bands.setdefault(name, {}).setdefault(math.floor(math.log2(roofline_s)), [0.0, 0.0, 0])
+            band[0] += max(seconds - kernel_overhead_s, 0.0)
+            band[1] += roofline_s
+            band[2] += 1
+    return {name: SizeCurve(points=tuple((roofline_s / count, max(measured_s / roofline_s, _SMALLEST_FACTOR))
+                                         for _, (measured_s, roofline_s, count) in sorted(by_band.items())))
+            for name, by_band in sorted(bands.items())}
 
 
 _FACTOR_MIN_OVERHEADS = 10

@@ -94,21 +94,30 @@ def test_fit_profile_from_hand_made_measurements():
             assert profile.collective_time_s(kind, nbytes, 2, in_step=False) == pytest.approx(seconds)
             assert profile.collective_time_s(kind, nbytes, 2) == pytest.approx(seconds + 2e-3)
     assert "gloo world 2" in profile.source and "1 thread" in profile.source
-    assert profile.op_time_factors == pytest.approx({"gelu": 2.5})
+    assert {name: curve.points for name, curve in profile.op_time_factors.items()} == {
+        "gelu": ((pytest.approx(4 * MIB / 20e9), pytest.approx(2.5)),)}
     assert HardwareProfile.from_json(profile.to_json()) == profile
 
 
-def test_fit_op_factors_divides_measured_by_roofline_over_the_calls_long_enough_to_tell():
+def test_fit_op_factors_by_band_of_roofline_time_over_the_calls_long_enough_to_tell():
     profile = fit_profile(hand_made_measurements())  # 20 GB/s, 1e11 FLOP/s, 5 us per kernel in a step
     bare_s = 2e-6  # what a timed call holds beside its work
-    calls = [("gelu", 0, 2 * MIB, bare_s + 3 * 2 * MIB / 20e9),   # three times its memory time
-             ("gelu", 0, 6 * MIB, bare_s + 3 * 6 * MIB / 20e9),
+    calls = [("gelu", 0, 2 * MIB, bare_s + 4 * 2 * MIB / 20e9),   # four times its memory time (105 us)
+             ("gelu", 0, 6 * MIB, bare_s + 3 * 6 * MIB / 20e9),   # three times, at 315 us: another band
              ("gelu", 0, 64, 50e-6),                              # 64 bytes: its time is fixed cost and noise
              ("mm", 2e9, 12 * MIB, bare_s + 1.1 * 2e9 / 1e11),    # arithmetic-bound, 10% under the peak
-             ("_unsafe_view", 0, 4 * MIB, 1e-8)]                  # a view dispatched as an op: no bytes move
+             ("copy_", 0, 4 * MIB, 1e-8)]                         # timed under a bare call: the floor
     factors = fit_op_factors(profile, calls, bare_s)
-    assert factors == pytest.approx({"gelu": 3.0, "mm": 1.1, "_unsafe_view": 1e-3})
+    points = {name: curve.points for name, curve in factors.items()}
+    assert points == {"gelu": ((pytest.approx(2 * MIB / 20e9), pytest.approx(4.0)),
+                               (pytest.approx(6 * MIB / 20e9), pytest.approx(3.0))),
+                      "mm": ((pytest.approx(2e9 / 1e11), pytest.approx(1.1)),),
+                      "copy_": ((pytest.approx(4 * MIB / 20e9), 1e-3),)}
     assert fit_op_factors(profile, [("add", 0, 64, 1e-5)], bare_s) == {}  # none long enough: roofline stands
+    # two calls in one band make one point: their summed time over their summed roofline, at their mean
+    one_band = fit_op_factors(profile, [("gelu", 0, 5 * MIB, bare_s + 2 * 5 * MIB / 20e9),
+                                        ("gelu", 0, 6 * MIB, bare_s + 4 * 6 * MIB / 20e9)], bare_s)
+    assert one_band["gelu"].points == ((pytest.approx(5.5 * MIB / 20e9), pytest.approx((10 + 24) / 11)),)
 
 
 def test_training_op_probe_counts_its_kernels():

@@ -106,9 +106,12 @@ def test_compute_time_calls_and_dtype():
 
 
 def test_compute_time_op_factor_scales_the_roofline_not_the_fixed_cost():
-    profile = make_profile(op_time_factors={"gelu": 4.0, "mm": 1.5})
-    # gelu: 2 calls moving 1e9 bytes: 2 fixed costs + 4 x the memory time
-    assert profile.compute_time_s(0, 1e9, calls=2, op="gelu") == pytest.approx(2 * 1e-5 + 4.0 * 1e9 / 1e11)
+    profile = make_profile(op_time_factors={"gelu": SizeCurve(points=((1e-3, 6.0), (1e-1, 4.0))),
+                                            "mm": SizeCurve(points=((1.0, 1.5),))})
+    # gelu: 2 calls moving 1e9 bytes, 5 ms each by roofline: 2 fixed costs + the factor at 5 ms x 10 ms
+    factor = 6.0 + (4.0 - 6.0) * math.log(5e-3 / 1e-3) / math.log(1e-1 / 1e-3)  # log-interpolated
+    assert profile.compute_time_s(0, 1e9, calls=2, op="gelu") == pytest.approx(2 * 1e-5 + factor * 1e9 / 1e11)
+    assert profile.compute_time_s(0, 1e11, op="gelu") == pytest.approx(1e-5 + 4.0 * 1.0)  # past the last point
     # mm: arithmetic-bound, efficiency 0.9 at 1e10 FLOPs
     assert profile.compute_time_s(1e10, 1e3, op="mm") == pytest.approx(1e-5 + 1.5 * 1e10 / (1e12 * 0.9))
     # an op no calibration measured is priced at its roofline
@@ -120,7 +123,8 @@ def test_usable_memory():
 
 
 @pytest.mark.parametrize("profile", [*BUILTIN.values(), make_profile(),
-                                     make_profile(name="with-op-factors", op_time_factors={"gelu": 2.5})],
+                                     make_profile(name="with-op-factors",
+                                                  op_time_factors={"gelu": SizeCurve(points=((1e-5, 3.0), (1e-3, 2.5)))})],
                          ids=lambda p: p.name)
 def test_json_round_trip(profile):
     text = profile.to_json()
@@ -166,7 +170,9 @@ def _edited(mutate) -> str:
     (lambda d: d.update(peak_flops=1e12), ["unknown field peak_flops"]),
     (lambda d: d.update(schema="shardplan.hardware/0"), ["schema 'shardplan.hardware/0'"]),
     (lambda d: d.update(matmul=[]), ["matmul must be a JSON object"]),
-    (lambda d: d.update(op_time_factors={"gelu": 0}), ["op_time_factors.gelu is 0", "positive"]),
+    (lambda d: d.update(op_time_factors={"gelu": {"points": [[1e-4, 0]]}}),
+     ["op_time_factors.gelu.points[0][1] is 0", "positive"]),
+    (lambda d: d.update(op_time_factors={"gelu": 2.5}), ["op_time_factors.gelu must be a JSON object"]),
     (lambda d: d.update(op_time_factors=[2.0]), ["op_time_factors must be a JSON object"]),
     (lambda d: d["intra_node"].update(in_step_wait_s=-1e-3), ["intra_node.in_step_wait_s is -0.001", "0 or more"]),
 ])
@@ -178,7 +184,7 @@ def test_validation_errors(mutate, fragments):
 
 
 def test_a_profile_written_before_op_factors_loads_without_them():
-    data = json.loads(make_profile(op_time_factors={"gelu": 2.5}).to_json())
+    data = json.loads(make_profile(op_time_factors={"gelu": SizeCurve(points=((1e-4, 2.5),))}).to_json())
     data.pop("op_time_factors")
     assert HardwareProfile.from_json(json.dumps(data)) == make_profile()
 
