@@ -24,8 +24,8 @@ Memory, by category (the peak is the largest of these events):
   zero_grad(set_to_none=False); freeing them between steps (set_to_none=True)
   lowers the real peak by up to their bytes. Gradients are in the parameters' capture dtype,
   the optimizer state is OPTIMIZER_STATE_BYTES_PER_PARAM (fp32).
-- gathered_params: unsharded parameters (param dtype of mixed precision) of the
-  unit computing, of the unit it prefetches, of SHARD_GRAD_OP units between
+- gathered_params: unsharded parameters (param dtype of mixed precision; none
+  at dp = 1 unless cast to it) of the unit computing, of the unit it prefetches, of SHARD_GRAD_OP units between
   their forward and backward, plus the unsharded gradient of a sharded unit
   during its backward (reduce dtype) before it is reduce-scattered.
 - activations: what each finished block keeps for backward (saved_bytes; for
@@ -289,7 +289,9 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         state_bytes = 2 * storage_bytes + optimizer_bytes
     if strategy not in GATHERING and m > 1:  # [Note: gradient accumulation] in runtime/unit.py
         state_bytes += grad_bytes
-    gathered = param_bytes if strategy in GATHERING else 0
+    # over a single rank a gather returns the shard itself: only a cast to the compute dtype allocates
+    # ([Note: groups of one] in runtime/collectives.py)
+    gathered = param_bytes if strategy in GATHERING and (dp > 1 or param_bytes != storage_bytes) else 0
 
     kept = [_kept_bytes(b, checkpoint, ctx) for b in blocks]
     fwd_working, bwd_working, running = (sum(kept), 0), (0, 0), 0

@@ -350,14 +350,21 @@ _CPU_LOOPBACK = LinkProfile(in_step_wait_s=2.3e-3, collectives={
         points=((1.9e5, 0.82), (7.4e5, 0.61), (3e6, 1.2), (1.2e7, 1.8), (2.4e7, 2.3)))),
     "all_reduce": CollectiveCost(latency_s=165e-6, bus_bandwidth_bytes_per_s=2.9e9, correction=SizeCurve(
         points=((1.9e5, 0.82), (1.5e6, 0.67), (5.9e6, 1.0), (2.4e7, 1.47), (1e8, 1.55))))})
-_CPU_OP_TIME_FACTORS_AT_100_US = {
-    "mm": 1.0, "addmm": 1.0, "_scaled_dot_product_flash_attention_for_cpu": 1.7,
-    "_scaled_dot_product_flash_attention_for_cpu_backward": 1.4, "convolution": 1.55, "convolution_backward": 1.2,
-    "gelu": 2.3, "gelu_backward": 2.5, "native_layer_norm": 1.8, "native_layer_norm_backward": 2.0,
-    "native_batch_norm": 7.6, "native_batch_norm_backward": 1.4, "_log_softmax": 2.9,
-    "_log_softmax_backward_data": 1.2, "embedding": 2.7, "embedding_dense_backward": 1.0, "sum": 1.8,
-    "add": 0.66, "relu": 0.8, "threshold_backward": 0.64}
-_CPU_OP_TIME_FACTORS = {op: SizeCurve(points=((1e-4, factor),)) for op, factor in _CPU_OP_TIME_FACTORS_AT_100_US.items()}
+_CPU_OP_TIME_FACTORS = {op: SizeCurve(points=points) for op, points in {
+    # (one call's roofline seconds, factor)
+    "mm": ((8.5e-5, 1.22), (3.2e-4, 1.12), (1.5e-3, 1.04), (5.7e-3, 1.0)),
+    "addmm": ((8.4e-5, 1.24), (3.5e-4, 1.1), (1.5e-3, 1.07), (5.7e-3, 1.0)),
+    "_scaled_dot_product_flash_attention_for_cpu": ((3.2e-4, 2.2), (2.1e-3, 1.3)),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": ((8.1e-4, 1.7), (5.2e-3, 1.2)),
+    "convolution": ((1.5e-4, 2.8), (7.8e-4, 1.4)), "convolution_backward": ((1.5e-4, 1.9), (1.6e-3, 1.2)),
+    "gelu": ((4.7e-5, 3.05), (1.9e-4, 2.3)), "gelu_backward": ((7.1e-5, 3.1), (2.8e-4, 2.6)),
+    "native_layer_norm": ((4.7e-5, 1.9),), "native_layer_norm_backward": ((7.1e-5, 2.0),),
+    "native_batch_norm": ((6.3e-5, 7.7),), "native_batch_norm_backward": ((9.4e-5, 1.7),),
+    "_log_softmax": ((6.3e-5, 3.2), (2.5e-4, 3.0)), "_log_softmax_backward_data": ((4.7e-5, 1.3),),
+    "embedding": ((4.7e-5, 2.6),), "embedding_dense_backward": ((1.1e-4, 1.2),), "sum": ((7.6e-5, 1.9),),
+    "add": ((4.9e-5, 0.73), (1.9e-4, 0.78)), "relu": ((6.3e-5, 0.77), (1.3e-4, 0.87)),
+    "threshold_backward": ((9.4e-5, 0.67), (1.9e-4, 0.75)),
+}.items()}
 
 BUILTIN = {
     # A100 SXM4 40GB datasheet: 40 GB HBM2 at 1,555 GB/s; FP32 19.5 TFLOP/s, BF16/FP16 tensor 312 TFLOP/s
@@ -392,16 +399,17 @@ BUILTIN = {
     # VM, torch 2.13, 2026-11-22, the machine quiet. Collectives: their own cost (ranks arriving
     # together), slowing 2-3x past ~12 MB of bus bytes (the 32 MB last-level cache); gloo's
     # reduce_scatter_tensor is an all_reduce plus a slice, slower still; in a step each waits
-    # ~2.3 ms more (calibrate.py, [Note: collectives in a step]). Kernels: 4.2 us fixed cost in
-    # a training step; op factors as measured (GELU and norms are bound by arithmetic on one
-    # thread, not memory; [Note: op time factors]). Calibrate for real figures.
+    # ~2.3 ms more (calibrate.py, [Note: collectives in a step]). Kernels: 4.1 us fixed cost in
+    # a training step; op factors as measured, by one call's roofline time (GELU and norms are
+    # bound by arithmetic on one thread, not memory; op_factors.py, [Note: op time factors]).
+    # Calibrate for real figures.
     "cpu-gloo": HardwareProfile(
         name="cpu-gloo", device_memory_bytes=8 * 2**30,  # a conservative share of host memory per rank
         overlaps_communication=False,
         matmul={"float32": MatmulRate(peak_flops_per_s=99e9, efficiency=SizeCurve(points=((5e5, 0.95), (3e7, 1.0)))),
                 "bfloat16": MatmulRate(peak_flops_per_s=210e9, efficiency=SizeCurve(
                     points=((5e5, 0.16), (4e6, 0.58), (3e7, 0.93), (3e8, 1.0))))},
-        memory_bandwidth_bytes_per_s=33e9, op_overhead_s=4.2e-6, devices_per_node=64,
+        memory_bandwidth_bytes_per_s=33e9, op_overhead_s=4.1e-6, devices_per_node=64,
         intra_node=_CPU_LOOPBACK, inter_node=_CPU_LOOPBACK, op_time_factors=_CPU_OP_TIME_FACTORS,
         source="rounded calibration of a 2-core CPU VM, 1 thread per rank, gloo over loopback; "
                "inter_node copies intra_node (one machine)"),

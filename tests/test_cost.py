@@ -98,6 +98,14 @@ def test_replicated_units_pay_for_accumulating_gradients_over_micro_batches():
     assert once.compute_bwd_s == pytest.approx(sharded.compute_bwd_s)  # one micro-batch accumulates nothing
 
 
+def test_a_single_rank_gathers_nothing_unless_it_casts():
+    # dp = 1 (a pipeline stage without data parallelism): the gather returns the shard itself
+    assert unit_cost((block(),), Decision(), ctx(dp=1)).gathered_bytes == 0
+    assert unit_cost((block(),), Decision(), ctx(dp=2)).gathered_bytes == 4 * 10**6
+    # bfloat16 compute over float32 storage: the cast allocates the unit's parameters in bfloat16
+    assert unit_cost((block(),), Decision(), ctx(dp=1, param_dtype="bfloat16")).gathered_bytes == 2 * 10**6
+
+
 def test_overlap_hides_the_next_gather_under_compute_and_exposes_the_rest():
     small = unit_cost((block(fwd=10**9),), Decision(), ctx(dp=4))  # 1 ms forward, 3 ms gather
     large = unit_cost((block(numel=4_000_000),), Decision(), ctx(dp=4))
