@@ -81,8 +81,9 @@ CPU_SWEEP = Sweep(matmul_sizes=(64, 128, 256, 512, 1024, 2048), dtypes=("float32
 GPU_SWEEP = Sweep(matmul_sizes=(2048, 4096, 8192, 16384), dtypes=("float32", "bfloat16", "float16"),
                   collective_sizes_bytes=_ALL_SIZES_BYTES, in_step_sizes_bytes=_IN_STEP_SIZES_BYTES, rounds=10,
                   copy_bytes=2048 * _MIB)
-QUICK_SWEEP = Sweep(matmul_sizes=(64, 256), dtypes=("float32", "bfloat16"), collective_sizes_bytes=_ALL_SIZES_BYTES[::6],
-                    in_step_sizes_bytes=_ALL_SIZES_BYTES[6:7], rounds=3, copy_bytes=64 * _MIB)
+QUICK_SWEEP = Sweep(matmul_sizes=(64, 256), dtypes=("float32", "bfloat16"),
+                    collective_sizes_bytes=_ALL_SIZES_BYTES[::6], in_step_sizes_bytes=_ALL_SIZES_BYTES[6:7], rounds=3,
+                    copy_bytes=64 * _MIB)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -403,7 +404,8 @@ def measure_job(device: torch.device, report, rounds: int, sweep: Sweep | None,
     seconds = time_probes_s(ordered, device, rounds, report)
     measurements = _measurements(sweep, seconds, device) if sweep else None
     if measurements is not None:
-        measurements = dataclasses.replace(measurements, op_calls=time_op_calls_s(op_workloads(device), device, rounds, report))
+        op_calls = time_op_calls_s(op_workloads(device), device, rounds, report)
+        measurements = dataclasses.replace(measurements, op_calls=op_calls)
     return measurements, {key: seconds[key] for key in extra}
 
 

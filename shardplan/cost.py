@@ -25,9 +25,10 @@ Memory, by category (the peak is the largest of these events):
   lowers the real peak by up to their bytes. Gradients are in the parameters' capture dtype,
   the optimizer state is OPTIMIZER_STATE_BYTES_PER_PARAM (fp32).
 - gathered_params: unsharded parameters (param dtype of mixed precision; none
-  at dp = 1 unless cast to it) of the unit computing, of the unit it prefetches, of SHARD_GRAD_OP units between
-  their forward and backward, plus the unsharded gradient of a sharded unit
-  during its backward (reduce dtype) before it is reduce-scattered.
+  at dp = 1 unless cast to it) of the unit computing, of the unit it
+  prefetches, of SHARD_GRAD_OP units between their forward and backward, plus
+  the unsharded gradient of a sharded unit during its backward (reduce dtype)
+  before it is reduce-scattered.
 - activations: what each finished block keeps for backward (saved_bytes; for
   FULL checkpointing its input_bytes; for SELECTIVE a SELECTIVE_KEEP_FRACTION of
   saved_bytes), for the micro-batches in flight: 1 (pp == 1), m (GPipe), or
@@ -218,8 +219,8 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
 
     Each op kind the analysis counted pays its calls' fixed cost plus the factor the profile
     measured for it times its roofline time (per micro-batch: 1/m of its FLOPs and activation
-    bytes, all of its parameter bytes); selective
-    checkpointing re-runs every forward op but the matmul-like ones it keeps (SELECTIVE_SAVED_OPS).
+    bytes, all of its parameter bytes); selective checkpointing re-runs every forward op but the
+    matmul-like ones it keeps (SELECTIVE_SAVED_OPS).
     A chain built by hand has only totals: its FLOP-counted ops are priced together by roofline
     over the parameters and the block's input and output, its memory-bound ops by their bytes."""
     hw = ctx.hardware

@@ -123,8 +123,8 @@ def test_usable_memory():
 
 
 @pytest.mark.parametrize("profile", [*BUILTIN.values(), make_profile(),
-                                     make_profile(name="with-op-factors",
-                                                  op_time_factors={"gelu": SizeCurve(points=((1e-5, 3.0), (1e-3, 2.5)))})],
+                                     make_profile(name="with-op-factors", op_time_factors={
+                                         "gelu": SizeCurve(points=((1e-5, 3.0), (1e-3, 2.5)))})],
                          ids=lambda p: p.name)
 def test_json_round_trip(profile):
     text = profile.to_json()

@@ -77,7 +77,8 @@ class SymbolicChain:
                          for k, kind in enumerate(getattr(block, phase)))
         blocks = tuple(dataclasses.replace(block, **{name: values[f"blocks[{block.index}].{name}"]
                                                      for name in BLOCK_COSTS},
-                                           fwd_kinds=kinds_at(block, "fwd_kinds"), bwd_kinds=kinds_at(block, "bwd_kinds"))
+                                           fwd_kinds=kinds_at(block, "fwd_kinds"),
+                                           bwd_kinds=kinds_at(block, "bwd_kinds"))
                        for block in self.chain.blocks)
         return dataclasses.replace(self.chain, blocks=blocks, inputs=self._inputs_at(sizes),
                                    **{name: values[name] for name in CHAIN_COSTS})
@@ -149,8 +150,8 @@ def analyze_dynamic(model: torch.nn.Module, example_inputs: tuple, example_kwarg
     keys = [key for block in chains[0].blocks for key in _block_keys(block)
             if key.rpartition("[")[0] not in varying] + list(CHAIN_COSTS)
     formulas = _interpolate(points, [[_read(chain, key) for key in keys] for chain in chains], symbols, keys)
-    inexact = varying | {key for key in keys
-                         if int(formulas[key].subs({symbols[l]: s for l, s in check_point.items()})) != _read(check, key)}
+    at_check = {symbols[label]: size for label, size in check_point.items()}
+    inexact = varying | {key for key in keys if int(formulas[key].subs(at_check)) != _read(check, key)}
     return SymbolicChain(chain=measure(example), symbols=symbols, ranges=ranges, formulas=formulas,
                          inexact=frozenset(inexact), measure=measure)
 
