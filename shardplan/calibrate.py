@@ -58,7 +58,7 @@ class Sweep:
     in_step_sizes_bytes: tuple[int, ...]
     """Sizes also timed inside a step, after compute ([Note: collectives in a step])."""
     rounds: int
-    """Rounds: timings of every probe, of which the fastest is kept."""
+    """Rounds: timings of every probe, of which the fastest is kept (in a step: the mean of all)."""
     copy_bytes: int
     """Buffer of the bandwidth copy: far beyond the last-level cache."""
 
@@ -395,7 +395,7 @@ def measure_job(device: torch.device, report, rounds: int, sweep: Sweep | None,
                 build_probes: "Callable[[torch.device], dict] | None" = None) -> tuple[Measurements | None, dict]:
     """Rank job (see run_world): the calibration of `sweep` and the probes of `build_probes`, in the same rounds.
 
-    Returns the calibration's Measurements (None without a sweep) and the other probes' fastest seconds.
+    Returns the calibration's Measurements (None without a sweep) and the other probes' figures (seconds).
     """
     probes = _calibration_probes(sweep, device) if sweep else {}
     extra = build_probes(device) if build_probes else {}

@@ -25,7 +25,7 @@ Memory, by category (the peak is the largest of these events):
   lowers the real peak by up to their bytes. Gradients are in the parameters' capture dtype,
   the optimizer state is OPTIMIZER_STATE_BYTES_PER_PARAM (fp32).
 - gathered_params: unsharded parameters (param dtype of mixed precision; none
-  at dp = 1 unless cast to it) of the unit computing, of the unit it
+  at dp = 1 unless cast to it or copied in from the host) of the unit computing, of the unit it
   prefetches, of SHARD_GRAD_OP units between their forward and backward, plus
   the unsharded gradient of a sharded unit during its backward (reduce dtype)
   before it is reduce-scattered.
@@ -292,7 +292,8 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         state_bytes += grad_bytes
     # over a single rank a gather returns the shard itself: only a cast to the compute dtype allocates
     # ([Note: groups of one] in runtime/collectives.py)
-    gathered = param_bytes if strategy in GATHERING and (dp > 1 or param_bytes != storage_bytes) else 0
+    copies = dp > 1 or param_bytes != storage_bytes or decision.offload  # an offloaded shard is copied in
+    gathered = param_bytes if strategy in GATHERING and copies else 0
 
     kept = [_kept_bytes(b, checkpoint, ctx) for b in blocks]
     fwd_working, bwd_working, running = (sum(kept), 0), (0, 0), 0

@@ -7,8 +7,8 @@ built-in one are interchangeable.
 [Note: model times measured correction]
 Both time formulas are a physical model times measured factors:
 - an op: roofline of peak FLOP/s x efficiency(FLOPs per call) against memory bandwidth,
-  times the factor measured for that op by name (a GELU on one CPU thread is bound by its
-  arithmetic, not by memory: it runs at a quarter of the copy bandwidth);
+  times the factor measured for that op by name, read off its curve by one call's roofline
+  seconds (a GELU on one CPU thread is bound by its arithmetic, not by memory);
 - a collective: alpha + bus bytes / bandwidth (alpha-beta, fitted by least squares),
   times correction(bus bytes) = measured / fitted at each calibrated size, plus in a step
   the link's in_step_wait_s.
@@ -130,8 +130,9 @@ class HardwareProfile:
     op_time_factors: dict[str, SizeCurve] = field(default_factory=dict)
     """Measured time / roofline time of ATen ops by name, by one call's roofline seconds, on this
     machine in a training step ([Note: op time factors] in op_factors.py); an op not listed is
-    priced at its roofline (1). Small calls run further from it: a GELU of 0.5 MB took 3.5x its
-    memory time here, one of 4 MB 2.3x."""
+    priced at its roofline (1). Small calls run further from it: a GELU of 50 us by roofline took
+    3.1x its memory time here, one of 190 us 2.3x. Read at the call's roofline in the compute dtype,
+    though fitted in float32 (a limit)."""
 
     def __post_init__(self) -> None:
         for where, value in _figures(self, ""):
@@ -230,7 +231,8 @@ class HardwareProfile:
 def _object(data, where: str) -> dict:
     if not isinstance(data, dict):
         raise HardwareError(f"hardware profile field {where or 'top level'} must be a JSON object, "
-                            f"got {type(data).__name__}")
+                            f"got {type(data).__name__}: correct it, or write the profile again with "
+                            "`shardplan calibrate`")
     return data
 
 

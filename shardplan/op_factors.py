@@ -26,8 +26,9 @@ from .runtime.measure import synchronize
 # fit divides each op's time, a bare call's fixed cost taken out, by its roofline
 # (fit_op_factors). The analysis counts each block's ops by the same names (chain.OpKind), so the
 # cost model prices them with the factor; an op no workload runs keeps factor 1. The factor
-# depends on a call's size (small calls run further from the roofline: a GELU of 0.5 MB at 3.5x
-# its memory time, one of 4 MB at 2.3x), so it is a curve by the call's roofline time, and the
+# depends on a call's size (small calls run further from the roofline: a GELU of 50 us by
+# roofline at 3.1x its memory time, one of 190 us at 2.3x), so it is a curve by the call's
+# roofline time, and the
 # workloads run at a few sizes (activations of 0.1-4 MB). They are float32: factors apply to
 # every dtype alike, a limit.
 

@@ -1,4 +1,5 @@
 """The cost model's formulas on hand-made numbers: every expected value is computed here, apart."""
+import dataclasses
 import math
 
 import pytest
@@ -9,6 +10,7 @@ from shardplan.chain import Block, OpKind
 from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, OPTIMIZER_STEPS, SELECTIVE_KEEP_FRACTION, CostContext,
                             Decision, evaluate_stage, pair_exposed_s, unit_cost)
 from shardplan.errors import ShardplanError
+from shardplan.hardware import BUILTIN, SizeCurve
 from shardplan.plan import Checkpoint, ShardStrategy
 
 MiB = 2**20
@@ -104,6 +106,20 @@ def test_a_single_rank_gathers_nothing_unless_it_casts():
     assert unit_cost((block(),), Decision(), ctx(dp=2)).gathered_bytes == 4 * 10**6
     # bfloat16 compute over float32 storage: the cast allocates the unit's parameters in bfloat16
     assert unit_cost((block(),), Decision(), ctx(dp=1, param_dtype="bfloat16")).gathered_bytes == 2 * 10**6
+    # an offloaded shard is copied in from the host
+    assert unit_cost((block(),), Decision(offload=True), ctx(dp=1)).gathered_bytes == 4 * 10**6
+
+
+def test_an_op_factor_is_read_at_one_calls_roofline_time_of_a_micro_batch():
+    curve = SizeCurve(points=((1e-4, 4.0), (1e-2, 2.0)))
+    hardware = dataclasses.replace(BUILTIN["cpu-gloo"], op_time_factors={"gelu": curve})
+    gelu = OpKind(name="gelu", calls=3, flops=0, bytes=60 * MiB, weight_bytes=6 * MiB)
+    unit = unit_cost((block(fwd_kinds=(gelu,), bwd_kinds=()),), Decision(strategy=ShardStrategy.REPLICATE),
+                     CostContext(hardware=hardware, dp=1, num_micro_batches=2))
+    # a micro-batch moves the weights whole and half the rest: 6 + 27 MiB, over 3 calls
+    roofline_s = (6 + 27) * MiB / hardware.memory_bandwidth_bytes_per_s
+    factor = 4.0 + (2.0 - 4.0) * math.log((roofline_s / 3) / 1e-4) / math.log(1e-2 / 1e-4)
+    assert unit.compute_fwd_s == pytest.approx(3 * hardware.op_overhead_s + factor * roofline_s)
 
 
 def test_overlap_hides_the_next_gather_under_compute_and_exposes_the_rest():

@@ -56,7 +56,8 @@ def all_gather(shard: torch.Tensor, *, async_op: bool, group: Group = None) -> P
     """Concatenate every rank's `shard` (1-D, same numel everywhere) in rank order.
 
     [Note: groups of one] Over a group of one rank (a pipeline stage without data parallelism) the
-    collectives return their input itself: no copy, as the cost model prices them (nothing)."""
+    collectives return their input itself: no copy, as the cost model prices them (nothing). (FSDP2
+    allocates its gather outputs even over one rank: the cost model prices this backend's runtime.)"""
     size = dist.get_world_size(group)
     if size == 1:
         return Pending(shard, None)
