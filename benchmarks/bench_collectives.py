@@ -25,7 +25,7 @@ import sys
 import torch
 
 from shardplan.calibrate import (CPU_SWEEP, IN_STEP, collective_probes, fit_profile, matmul_probe, measure_job,
-                                 summary)
+                                 measure_steps, summary)
 from shardplan.hardware import COLLECTIVES, NO_CORRECTION, get_hardware, ring_factor
 from shardplan.runtime.launch import run_world
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     sweep = None if args.profile else CPU_SWEEP
     measurements, seconds = run_world(measure_job, (args.rounds, sweep, table_probes), world_size=args.world_size,
-                                      backend="gloo", total_steps=args.rounds * (2 if sweep else 1),
+                                      backend="gloo", total_steps=measure_steps(args.rounds, sweep),
                                       description="measuring")
     profile = get_hardware(args.profile) if args.profile else fit_profile(measurements)
     if args.save_profile:

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardplan import Checkpoint, ShardStrategy, get_hardware, zoo
-from shardplan.calibrate import CPU_SWEEP, fit_profile, summary
+from shardplan.calibrate import CPU_SWEEP, fit_profile, measure_steps, summary
 from shardplan.compile import evaluate
 from shardplan.cost import CostContext, Decision, unit_cost
 from shardplan.demo import DEMO_BATCH, DEMO_GPT
@@ -171,7 +171,7 @@ def main() -> None:
     sweep = None if options.profile else CPU_SWEEP
     measurements, measured = run_world(measure_plans_job, ([plan.to_json() for plan in plans], options.rounds, sweep),
                                        world_size=options.world_size, backend="gloo",
-                                       total_steps=options.rounds * (2 if sweep else 1),
+                                       total_steps=measure_steps(options.rounds, sweep),
                                        description="training steps and calibration")
     hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)
     how = "saved profile" if options.profile else "calibrated in the same rounds"

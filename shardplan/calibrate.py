@@ -108,7 +108,7 @@ class Measurements:
     """By kind: (full buffer bytes, seconds), by increasing size; the ranks arriving together."""
     in_step_collective_s: dict[str, tuple[tuple[int, float], ...]]
     """The same at a few sizes, each timing after compute ([Note: collectives in a step])."""
-    op_calls: tuple[tuple[str, int, int, float], ...] = ()
+    op_calls: tuple[tuple[str, int, int, float], ...]
     """Every kernel of one training step of each op workload: (op name, FLOPs, bytes, fastest seconds)."""
 
 
@@ -135,7 +135,7 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
     sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(set(sizes))),
                                 in_step_sizes_bytes=_whole_shards(sweep.in_step_sizes_bytes, world_size))
     measurements, _ = run_world(measure_job, (sweep.rounds, sweep), world_size=world_size, backend=backend,
-                                total_steps=2 * sweep.rounds, progress=progress,
+                                total_steps=measure_steps(sweep.rounds, sweep), progress=progress,
                                 description=f"calibrating ({backend}, world {world_size})")
     return fit_profile(measurements)
 
@@ -402,11 +402,16 @@ def measure_job(device: torch.device, report, rounds: int, sweep: Sweep | None,
     every = probes | extra
     ordered = {key: every[key] for key in sorted(every, key=_timing_order)}
     seconds = time_probes_s(ordered, device, rounds, report)
-    measurements = _measurements(sweep, seconds, device) if sweep else None
-    if measurements is not None:
+    measurements = None
+    if sweep:
         op_calls = time_op_calls_s(op_workloads(device), device, rounds, report)
-        measurements = dataclasses.replace(measurements, op_calls=op_calls)
+        measurements = _measurements(sweep, seconds, op_calls, device)
     return measurements, {key: seconds[key] for key in extra}
+
+
+def measure_steps(rounds: int, sweep: Sweep | None) -> int:
+    """Progress reports measure_job makes: a round of probes, and with a sweep a round of op workloads."""
+    return rounds * (2 if sweep else 1)
 
 
 def _timing_order(key) -> tuple:
@@ -454,7 +459,7 @@ def _calibration_probes(sweep: Sweep, device: torch.device) -> dict:
     return probes | collective_probes(points, device) | collective_probes(in_step, device, in_step=True)
 
 
-def _measurements(sweep: Sweep, seconds: dict, device: torch.device) -> Measurements:
+def _measurements(sweep: Sweep, seconds: dict, op_calls: tuple, device: torch.device) -> Measurements:
     on_cpu = device.type == "cpu"
     return Measurements(
         device_name=_cpu_name() if on_cpu else torch.cuda.get_device_name(device),
@@ -470,7 +475,8 @@ def _measurements(sweep: Sweep, seconds: dict, device: torch.device) -> Measurem
         collective_s={kind: tuple((nbytes, seconds[kind, nbytes]) for nbytes in sweep.collective_sizes_bytes)
                       for kind in COLLECTIVES},
         in_step_collective_s={kind: tuple((nbytes, seconds[IN_STEP, kind, nbytes])
-                                          for nbytes in sweep.in_step_sizes_bytes) for kind in COLLECTIVES})
+                                          for nbytes in sweep.in_step_sizes_bytes) for kind in COLLECTIVES},
+        op_calls=op_calls)
 
 
 def _collective_call(kind: str, full: torch.Tensor, shard: torch.Tensor):

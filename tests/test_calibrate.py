@@ -6,11 +6,9 @@ import torch
 
 from shardplan import zoo
 from shardplan.calibrate import Measurements, calibrate, calibrate_main, fit_collective, fit_matmul, fit_profile
-from shardplan.chain import merge_op_kinds
 from shardplan.errors import HardwareError
 from shardplan.hardware import COLLECTIVES, HardwareProfile, get_hardware
 from shardplan.op_factors import fit_op_factors, time_op_calls_s
-from shardplan.passes import analyze
 
 MIB = 2**20
 
@@ -140,21 +138,10 @@ def test_training_op_probe_counts_its_kernels():
     assert kernels.count == _TRAINING_OP_KERNELS
 
 
-def test_op_calls_are_the_kernels_the_analysis_counts():
-    gpt = zoo.gpt(zoo.GPTConfig(n_layer=1))
-    calls = time_op_calls_s([gpt], torch.device("cpu"), rounds=2)
-    assert all(seconds > 0 for *_, seconds in calls)
-    timed: dict[str, list[int]] = {}
-    for name, flops, nbytes, _ in calls:
-        kind = timed.setdefault(name, [0, 0, 0])
-        kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + flops, kind[2] + nbytes
-    chain = analyze(gpt.model, gpt.args, gpt.kwargs)
-    counted = merge_op_kinds(block.fwd_kinds + block.bwd_kinds for block in chain.blocks)
-    # the same kernels, FLOPs and bytes, by op name (backward's seed gradient runs outside every block)
-    assert {k.name: [k.calls, k.flops, k.bytes] for k in counted} == {
-        name: kind for name, kind in timed.items() if name != "ones_like"}
+def test_op_timing_needs_a_round():
+    # what the timed kernels are is checked against the analysis in tests/test_passes.py
     with pytest.raises(HardwareError, match="at least 1 round"):
-        time_op_calls_s([gpt], torch.device("cpu"), rounds=0)
+        time_op_calls_s([zoo.gpt(zoo.GPTConfig(n_layer=1))], torch.device("cpu"), rounds=0)
 
 
 def test_calibrate_rejects_impossible_worlds():

@@ -1,15 +1,13 @@
 """Front end: capture and analysis passes against eager measurement."""
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardplan import CaptureError, zoo
+from shardplan.chain import merge_op_kinds
+from shardplan.op_factors import time_op_calls_s
 from shardplan.passes import analyze, fingerprint_of
 from shardplan.passes.blocks import block_name
-from shardplan.chain import merge_op_kinds
-from shardplan.passes.execution import flop_counter, is_kernel, moved_bytes, op_flops
+from shardplan.passes.execution import flop_counter
 from shardplan.runtime.measure import forward_activation_bytes
 
 SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama", "hf-bert", "hf-t5", "hf-mixtral"]
@@ -160,33 +158,19 @@ def test_an_embedding_reads_the_rows_it_gathers_and_its_backward_writes_the_tabl
         ("embedding_dense_backward", 1, rows_bytes + ids_bytes + table_bytes)]
 
 
-class _EagerKernels(TorchDispatchMode):
-    """Calls, FLOPs and bytes of every kernel an eager step runs, by op name: counted apart from the analysis."""
-
-    def __init__(self):
-        super().__init__()
-        self.kinds = collections.defaultdict(lambda: [0, 0, 0])
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if is_kernel(func):
-            kind = self.kinds[func.overloadpacket.__name__]
-            kind[0] += 1
-            kind[1] += op_flops(func, args, kwargs, out)
-            kind[2] += moved_bytes(func, args, kwargs, out)
-        return out
-
-
 @pytest.mark.parametrize("name", ["gpt", "mlp", "cnn", "encoder-decoder"])
 def test_op_kinds_are_the_kernels_of_an_eager_step(name):
     entry = zoo.build(name)
     chain = analyze(entry.model, entry.args, entry.kwargs)
-    with _EagerKernels() as eager:
-        entry.model(*entry.args, **entry.kwargs).backward()
+    eager: dict[str, list[int]] = {}  # the kernels calibration times in an eager step, by op name
+    for name, flops, nbytes, seconds in time_op_calls_s([entry], torch.device("cpu"), rounds=1):
+        kind = eager.setdefault(name, [0, 0, 0])
+        kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + flops, kind[2] + nbytes
+        assert seconds > 0
     counted = merge_op_kinds(block.fwd_kinds + block.bwd_kinds for block in chain.blocks)
     # every kernel but backward's seed gradient, which runs before any block's backward
     assert {k.name: [k.calls, k.flops, k.bytes] for k in counted} == {
-        name: kind for name, kind in eager.kinds.items() if name != "ones_like"}
+        name: kind for name, kind in eager.items() if name != "ones_like"}
     for block in chain.blocks:
         for phase in ("fwd", "bwd"):
             kinds = getattr(block, f"{phase}_kinds")

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import (FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count,
                                       shape_wrapper)
 
-from ..chain import OpKind, merge_op_kinds
+from ..chain import OpKind
 from ..plan import SELECTIVE_SAVED_OPS
 from .facts import update_facts
 
@@ -125,8 +125,8 @@ class _Tally:
         """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
 
     def op_kinds(self) -> tuple[OpKind, ...]:
-        return merge_op_kinds([[OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes)
-                                for name, (calls, flops, nbytes, weight_bytes) in self.kinds.items()]])
+        return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes)
+                     for name, (calls, flops, nbytes, weight_bytes) in sorted(self.kinds.items()))
 
     def facts(self, phase: str) -> dict:
         kinds = self.op_kinds()
