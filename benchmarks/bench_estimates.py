@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/bench_estimates.py --profile profile.json
 
 Blocks: the demo GPT's blocks, forward+backward timed by hooks at block boundaries
-in one process (one thread, as a rank runs), against the cost model's compute terms.
+in one process (one thread, as a rank runs), against the cost model's compute terms,
+at the demo's batch and at one sequence (a pipeline's micro-batch).
 Plans: the demo GPT trained on 2 CPU ranks (gloo) under hand-written plans of
 every strategy x checkpoint kind; peak memory is MemTracker's (every tensor on
 the rank), time a whole training step (forward, backward, optimizer step,
@@ -87,13 +88,13 @@ def measure_block_times(entry: zoo.ZooModel, names: list[str], rounds: int) -> d
     return {name: min(times) for name, times in spent.items()}
 
 
-def block_table(hardware, rounds: int) -> Table:
+def block_table(hardware, rounds: int, batch: int) -> Table:
     torch.manual_seed(0)
-    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    entry = zoo.gpt(DEMO_GPT, batch=batch)
     chain = analyze(entry.model, entry.args, entry.kwargs)
     measured = measure_block_times(entry, [b.name for b in chain.blocks], rounds)
     ctx = CostContext(hardware=hardware, dp=1)
-    table = Table(title=f"block forward+backward time, one process, one thread ({hardware.name})")
+    table = Table(title=f"block forward+backward time, {batch} sequence(s), one process, one thread ({hardware.name})")
     for column in ("block", "predicted ms", "measured ms", "predicted / measured"):
         table.add_column(column, justify="right")
     for block in chain.blocks:
@@ -177,7 +178,8 @@ def main() -> None:
     how = "saved profile" if options.profile else "calibrated in the same rounds"
     console = Console()
     console.print(summary(hardware))
-    console.print(block_table(hardware, options.rounds))
+    for batch in (DEMO_BATCH, 1):
+        console.print(block_table(hardware, options.rounds, batch))
     console.print(plan_table(chain, plans, hardware, measured, options.world_size, how))
 
 
