@@ -1,6 +1,6 @@
 """Planner benchmark: plan quality against the expert defaults, solve and re-plan times.
 
-The whole decision space is searched, pipelines included (allow_pipeline=True).
+The whole decision space is searched, pipelines included.
 
     .venv/bin/python benchmarks/bench_solver.py            # hand-built LLaMA-70B chain
     .venv/bin/python benchmarks/bench_solver.py --analyze  # LLaMA-70B analyzed from zoo.llama_70b() on meta
@@ -85,7 +85,7 @@ def quality_table(world_size: int, hardware: str) -> None:
         for fraction in BUDGET_FRACTIONS:
             budget = int(plain.peak_bytes * fraction)
             try:
-                plan = solve(chain, world_size, hardware=hw, budget_bytes=budget, allow_pipeline=True)
+                plan = solve(chain, world_size, hardware=hw, budget_bytes=budget)
             except InfeasibleError:
                 print(f"{name:<16} {format_bytes(budget):>11} {'infeasible':>11}")
                 continue
@@ -108,8 +108,7 @@ def solve_times(chain: BlockChain, title: str) -> None:
     for world, offload in ((8, False), (8, True), (64, False), (1024, False)):
         start = time.perf_counter()
         try:
-            plan = solve(chain, world, hardware="h100-80g", mixed_precision=BF16, allow_offload=offload,
-                         allow_pipeline=True)
+            plan = solve(chain, world, hardware="h100-80g", mixed_precision=BF16, allow_offload=offload)
             result = (f"dp={plan.mesh.dp} pp={plan.mesh.pp}, {len(plan.units)} units, peak "
                       f"{format_bytes(plan.predicted.peak_bytes)}, step {plan.predicted.step_time_s:.3f} s, "
                       f"MFU {plan.predicted.mfu:.1%}")
@@ -126,8 +125,7 @@ def replan_times(chain: BlockChain) -> None:
     for budget in ("70GiB", "50GiB", "40GiB"):
         start = time.perf_counter()
         try:
-            plan = solve(chain, 64, hardware="h100-80g", budget_bytes=budget, mixed_precision=BF16,
-                         allow_pipeline=True)
+            plan = solve(chain, 64, hardware="h100-80g", budget_bytes=budget, mixed_precision=BF16)
             result = f"peak {format_bytes(plan.predicted.peak_bytes)}, step {plan.predicted.step_time_s:.3f} s"
         except InfeasibleError as error:
             result = f"InfeasibleError: {error}"

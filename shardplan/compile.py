@@ -14,6 +14,7 @@ from .errors import InfeasibleError, PlanError, ShardplanError
 from .hardware import get_hardware
 from .plan import (Alternative, Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, Stage,
                    Unit)
+from .solver.chain_dp import ROUNDING
 from .solver.search import Candidate, Configuration, Setting, boundary_time_s, context, search, smallest_peak
 from .solver.space import Constraints, SearchSpace, resolve_rules
 from .sizes import format_bytes, parse_bytes
@@ -102,15 +103,16 @@ def _batch_size(chain: BlockChain) -> int:
 
 def stage_costs(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> list[cost.StepCost]:
     """Every stage's StepCost, walked event by event (cost.evaluate_stage)."""
-    found = []
-    for index, cut in enumerate(candidate.stages):
-        ctx = context(setting, candidate.configuration, hw, index)
-        blocks = chain.blocks[cut.start:cut.end]
-        bounds = tuple(b - cut.start for b in cut.solution.bounds)
-        found.append(evaluate_stage(blocks, bounds, cut.solution.decisions, ctx,
-                                    boundary_s=boundary_time_s(chain.blocks, cut.start, cut.end, setting,
-                                                               candidate.configuration, hw)))
-    return found
+    return [_stage_cost(chain, index, cut.start, cut.end, tuple(b - cut.start for b in cut.solution.bounds),
+                        cut.solution.decisions, setting, candidate.configuration, hw)
+            for index, cut in enumerate(candidate.stages)]
+
+
+def _stage_cost(chain: BlockChain, index: int, start: int, end: int, bounds: tuple[int, ...],
+                decisions: tuple[Decision, ...], setting: Setting, configuration: Configuration, hw) -> cost.StepCost:
+    """Stage `index` (blocks start..end, units starting at `bounds` within it) walked event by event."""
+    return evaluate_stage(chain.blocks[start:end], bounds, decisions, context(setting, configuration, hw, index),
+                          boundary_s=boundary_time_s(chain.blocks, start, end, setting, configuration, hw))
 
 
 def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> Predicted:
@@ -132,24 +134,21 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
         owners.append(owned[0] if owned else owners[-1])
     if owners != sorted(owners):
         raise PlanError("the plan's units do not follow the model's execution order: list them in that order")
-    stage_of_unit = {index: stage.index for stage in plan.stages for index, unit in enumerate(plan.units)
-                     if unit.name in stage.units}
+    stage_of_unit = plan.stage_of_unit
     setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain),
                       param_dtype=plan.mixed_precision.param_dtype, reduce_dtype=plan.mixed_precision.reduce_dtype,
-                      optimizer=plan.optimizer, allow_pipeline=plan.mesh.pp > 1, skip_edges=_edges(chain, "skip_edges"))
+                      optimizer=plan.optimizer, skip_edges=_edges(chain, "skip_edges"))
     configuration = Configuration(dp=plan.mesh.dp, pp=plan.mesh.pp, num_micro_batches=plan.schedule.num_micro_batches,
                                   schedule=plan.schedule.name)
     steps = []
     for stage in range(plan.mesh.pp):
-        blocks = [i for i, owner in enumerate(owners) if stage_of_unit[owner] == stage]
+        blocks = [i for i, owner in enumerate(owners) if stage_of_unit[plan.units[owner].name] == stage]
         start, end = blocks[0], blocks[-1] + 1
         unit_starts = [i for i in blocks if i == start or owners[i] != owners[i - 1]]
-        bounds = tuple(i - start for i in unit_starts)
         decisions = tuple(Decision(strategy=unit.strategy, checkpoint=unit.checkpoint, offload=unit.offload,
                                    prefetch=unit.prefetch) for unit in (plan.units[owners[i]] for i in unit_starts))
-        steps.append(evaluate_stage(chain.blocks[start:end], bounds, decisions,
-                                    context(setting, configuration, hw, stage),
-                                    boundary_s=boundary_time_s(chain.blocks, start, end, setting, configuration, hw)))
+        steps.append(_stage_cost(chain, stage, start, end, tuple(i - start for i in unit_starts), decisions,
+                                 setting, configuration, hw))
     return _predicted(chain, steps, plan.mesh.dp, setting, hw)
 
 
@@ -206,7 +205,7 @@ def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, 
 def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: int, space) -> Reasoning:
     share = best.peak_bytes / budget
     faster = search(chain.blocks, rules, setting, hw, float("inf"), space, time_bound_s=best.step_time_s)
-    if faster and faster[0].step_time_s < best.step_time_s * (1 - 1e-9):
+    if faster and faster[0].step_time_s < best.step_time_s * (1 - ROUNDING):
         unconstrained = faster[0]
         binding = (f"memory: peak {format_bytes(best.peak_bytes)} is {share:.0%} of the budget; with no budget "
                    f"the step would take {unconstrained.step_time_s:.4g} s instead of {best.step_time_s:.4g} s "

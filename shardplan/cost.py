@@ -366,6 +366,11 @@ def base_bytes(unit: UnitCost, ctx: CostContext) -> int:
     return unit.state_bytes + (ctx.in_flight - 1) * unit.activation_bytes + extra
 
 
+def end_of_forward_bytes(unit: UnitCost, ctx: CostContext) -> int:
+    """Bytes a unit holds at the end of its stage's forward: base_bytes + held_bytes."""
+    return base_bytes(unit, ctx) + held_bytes(unit, ctx)
+
+
 def held_bytes(unit: UnitCost, ctx: CostContext) -> int:
     """Bytes a unit holds after its forward until its backward, for the current micro-batch."""
     kept_gathered = unit.kept_gathered_bytes if ctx.in_flight == 1 else 0

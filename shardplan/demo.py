@@ -37,8 +37,6 @@ def plan_demo(world_size: int, hardware: HardwareProfile, memory_budget=None) ->
     entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
     chain = analyze(entry.model, entry.args, entry.kwargs)
     if memory_budget is None:
-        # a share of what the fastest data-parallel plan needs: the planner must trade (pipelining, checkpointing,
-        # sharding), as a budget below the model's comfortable size makes it
         fastest = solve(chain, world_size, hardware=hardware, allow_pipeline=False, model_name="GPT")
         budget = int(fastest.predicted.peak_bytes * TIGHT_BUDGET_SHARE)
     else:

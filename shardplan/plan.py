@@ -186,6 +186,11 @@ class Plan:
     def __post_init__(self):
         _check_plan(self)
 
+    @property
+    def stage_of_unit(self) -> dict[str, int]:
+        """Unit name → the index of the pipeline stage it runs on."""
+        return {name: stage.index for stage in self.stages for name in stage.units}
+
     def to_json(self) -> str:
         """Deterministic bytes: same plan, same text."""
         return json.dumps(_to_data(self), indent=2, sort_keys=True) + "\n"

@@ -49,15 +49,19 @@ def input_specs(args: tuple, kwargs: dict, dynamic_dims: dict | None = None) -> 
                  for name, value in named if isinstance(value, torch.Tensor))
 
 
+def meta_inputs(inputs) -> tuple[tuple, dict]:
+    """(args, kwargs) of meta tensors shaped as `inputs` (InputSpecs; positional ones are named "0", "1")."""
+    tensors = {spec.name: torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device="meta") for spec in inputs}
+    return (tuple(t for name, t in tensors.items() if name.isdigit()),
+            {name: t for name, t in tensors.items() if not name.isdigit()})
+
+
 def fingerprint_of(model: torch.nn.Module, inputs: tuple[InputSpec, ...]) -> str:
     """The captured graph's fingerprint, from input shapes alone (as a plan records them).
 
     Capture only, no execution: what `parallelize` runs on every rank to refuse a plan
     made for another model.
     """
-    specs = [torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device="meta") for spec in inputs]
-    positional = [t for spec, t in zip(inputs, specs) if spec.name.isdigit()]
-    keywords = {spec.name: t for spec, t in zip(inputs, specs) if not spec.name.isdigit()}
-    captured = capture(model, tuple(positional), keywords)
+    captured = capture(model, *meta_inputs(inputs))
     annotate_ownership_pass(captured.gm)
     return fingerprint(captured.gm)

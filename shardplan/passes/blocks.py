@@ -5,9 +5,11 @@ A block is what FSDP users wrap by hand: one element of a layer container
 embedding, the final norm, the head). Blocks without parameters (a rotary
 embedding, the loss) join their neighbour, so every block is worth a unit.
 """
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 import torch
@@ -111,7 +113,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
         reads = [p for p in read if p not in owner_of]
         tied_edges.update((owner_of[p], index) for p in read if p in owner_of and p in param_names)
         owner_of.update((p, index) for p in reads)
-        tensors = {p: _attribute(gm, p) for p in reads}
+        tensors = {p: attribute_of(gm, p) for p in reads}
         saved = {sid: size for n in nodes for sid, size in facts(n).saved if sid not in seen_saved}
         seen_saved.update(saved)
         inputs_read = _storages(arg for n in nodes for arg in n.all_input_nodes
@@ -157,12 +159,12 @@ def block_modules(groups: list[NodeGroup]) -> list[tuple[str, ...]]:
     return result
 
 
-def _attribute(gm: torch.fx.GraphModule, target: str) -> torch.Tensor:
-    """A parameter, buffer or constant tensor of the graph by its dotted name."""
-    value = gm
-    for name in target.split("."):
-        value = getattr(value, name)
-    return value
+def attribute_of(module: torch.nn.Module, target: str) -> Any:
+    """The parameter, buffer or tensor at dotted name `target`; None if there is none."""
+    try:
+        return functools.reduce(getattr, target.split("."), module)
+    except AttributeError:
+        return None
 
 
 def _storages(nodes) -> int:

@@ -16,10 +16,10 @@ def retarget_device_pass(gm: torch.fx.GraphModule, source: torch.device = torch.
     if source == target:
         return
 
-    def retarget(value):
-        if _device_named(value) != source:
-            return value
-        return target if isinstance(value, torch.device) else str(target)
+    def retarget(value):  # graphs spell a device as a torch.device or as its name
+        if isinstance(value, torch.device) and value == source:
+            return target
+        return str(target) if isinstance(value, str) and value == str(source) else value
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
@@ -28,14 +28,3 @@ def retarget_device_pass(gm: torch.fx.GraphModule, source: torch.device = torch.
             node.kwargs = pytree.tree_map(retarget, node.kwargs)
         module.recompile()
 
-
-def _device_named(value) -> torch.device | None:
-    """`value` as a device when it is one, or a string naming one (graphs spell devices both ways)."""
-    if isinstance(value, torch.device):
-        return value
-    if isinstance(value, str):
-        try:
-            return torch.device(value)
-        except RuntimeError:
-            return None
-    return None

@@ -120,7 +120,7 @@ class SymbolicChain:
 def analyze_dynamic(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None,
                     dynamic_dims: dict[str, dict[int, str]]) -> SymbolicChain:
     """Analyze `model` with the dims in `dynamic_dims` ({input: {dim: label}}) kept symbolic."""
-    from . import input_specs  # the package's, to spell inputs the same way analyze does
+    from . import input_specs, meta_inputs  # the package's, to spell inputs the same way analyze does
 
     example_kwargs = dict(example_kwargs or {})
     captured = capture(model, example_inputs, example_kwargs, dynamic_dims)
@@ -133,7 +133,7 @@ def analyze_dynamic(model: torch.nn.Module, example_inputs: tuple, example_kwarg
 
     def measure(sizes: dict[str, int]) -> BlockChain:
         inputs = _inputs_at(specs, dims, sizes)
-        args, kwargs = _meta_inputs(inputs, len(example_inputs))
+        args, kwargs = meta_inputs(inputs)
         annotate_execution_pass(captured.gm, args, kwargs)
         return build_chain(captured.gm, inputs, extra)
 
@@ -195,11 +195,6 @@ def _inputs_at(specs, dims, sizes) -> tuple[InputSpec, ...]:
     def shape(spec):
         return tuple(sizes.get(dims.get((spec.name, dim)), size) for dim, size in enumerate(spec.shape))
     return tuple(dataclasses.replace(spec, shape=shape(spec)) for spec in specs)
-
-
-def _meta_inputs(specs, positional: int) -> tuple[tuple, dict]:
-    tensors = [torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device="meta") for spec in specs]
-    return tuple(tensors[:positional]), {spec.name: t for spec, t in zip(specs[positional:], tensors[positional:])}
 
 
 def _block_keys(block: Block) -> list[str]:

@@ -23,14 +23,14 @@ from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from ..errors import PlanError, ShardplanError
+from ..passes.blocks import attribute_of
 from ..plan import Plan
 from . import collectives
 from .checkpointing import checkpointed
 from .program import check_batch, check_micro_batches
 from .scheduler import Scheduler
 from .sharded import UnitProgram, build_units
-from .stages import (BlockCall, StageGraph, StageModule, attribute_of, block_runner, cut_stages,
-                     put_meta_stand_ins)
+from .stages import BlockCall, StageGraph, StageModule, block_runner, cut_stages, put_meta_stand_ins
 
 
 def schedule_class(name: str):
@@ -59,8 +59,9 @@ class PipelinedProgram(UnitProgram):
         self.units = build_units(module, plan, self.groups.replica, device, group=self.groups.data_parallel,
                                  units=tuple(specs[name] for name in plan.stages[self.graph.index].units))
         by_name = {unit.name: unit for unit in self.units}
-        self.scheduler = Scheduler(self.units, {unit: sum(call.unit == unit.name for call in self.graph.calls)
-                                                for unit in self.units})
+        # the scheduler counts a unit's distinct module paths done (a module called twice counts once)
+        self.scheduler = Scheduler(self.units, {unit: len({call.name for call in self.graph.calls
+                                                           if call.unit == unit.name}) for unit in self.units})
 
         def run_block(call: BlockCall) -> Callable:
             run = self.scheduler.wrap(block_runner(call, module, self.graph.constants),

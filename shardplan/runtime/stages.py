@@ -17,7 +17,7 @@ gathered, prefetched, released and checkpointed the same way, and a stage's
 units shard over its data-parallel group unchanged.
 """
 import contextlib
-import functools
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -29,6 +29,7 @@ from torch.fx.passes.split_module import split_module
 
 from ..chain import InputSpec
 from ..errors import PlanError, ShardplanError
+from ..passes.blocks import attribute_of
 from ..plan import Plan
 
 
@@ -78,14 +79,10 @@ class StageGraph:
 
 def micro_batch_inputs(inputs: tuple[InputSpec, ...], num_micro_batches: int) -> tuple[tuple, dict]:
     """Meta tensors shaped like one micro-batch of the plan's inputs (dim 0 divided)."""
-    def tensor(spec: InputSpec) -> torch.Tensor:
-        shape = list(spec.shape)
-        if shape:
-            shape[0] //= num_micro_batches
-        return torch.empty(shape, dtype=getattr(torch, spec.dtype), device="meta")
-    args = tuple(tensor(spec) for spec in inputs if spec.name.isdigit())
-    kwargs = {spec.name: tensor(spec) for spec in inputs if not spec.name.isdigit()}
-    return args, kwargs
+    from ..passes import meta_inputs
+
+    return meta_inputs(dataclasses.replace(spec, shape=(spec.shape[0] // num_micro_batches, *spec.shape[1:]))
+                       if spec.shape else spec for spec in inputs)
 
 
 def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[StageGraph]:
@@ -99,7 +96,7 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
     annotate_ownership_pass(gm)
     groups = group_nodes(gm)
     units = _unit_of_blocks(plan, block_modules(groups))
-    stage_of_unit = {name: stage.index for stage in plan.stages for name in stage.units}
+    stage_of_unit = plan.stage_of_unit
     block_of = {node: index for index, group in enumerate(groups) for node in group.nodes}
     split = split_module(gm, gm, lambda node: block_of[node], keep_original_order=True)
 
@@ -208,8 +205,7 @@ def _unit_of_blocks(plan: Plan, modules_of_block: list[tuple[str, ...]]) -> list
             raise PlanError(f"the graph has a block of modules {list(modules)} that no unit of the plan holds: "
                             "the plan was made for another model; re-plan with this one")
         units.append(found[0] if found else units[-1] if units else plan.units[0].name)
-    stage_of_unit = {name: stage.index for stage in plan.stages for name in stage.units}
-    stages = [stage_of_unit[unit] for unit in units]
+    stages = [plan.stage_of_unit[unit] for unit in units]
     if stages != sorted(stages):
         raise PlanError(f"the plan's stages do not follow the graph's order (stage of each block: {stages}): "
                         "each stage must hold consecutive blocks; re-plan with shardplan.compile")
@@ -263,14 +259,6 @@ def _output_names(output: torch.fx.Node) -> tuple[str, ...]:
                              "None): the last pipeline stage can only return tensors; return only tensors, or "
                              "plan with pp=1")
     return tuple(value.name for value in values)
-
-
-def attribute_of(module: nn.Module, target: str) -> Any:
-    """The parameter, buffer or tensor at dotted name `target`; None if there is none."""
-    try:
-        return functools.reduce(getattr, target.split("."), module)
-    except AttributeError:
-        return None
 
 
 class StageModule(nn.Module):

@@ -93,7 +93,7 @@ def block_terms(costs: UnitCosts, ctx: CostContext, count: int) -> list[list[tup
         units = [costs(j, j + 1, d) for d in costs.decisions(j, j + 1)]
         terms.append([(cost.own_time_s(u, ctx) if costs.space.max_unit_blocks == 1
                        else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
-                       max(0, cost.base_bytes(u, ctx) + cost.held_bytes(u, ctx) - 1)) for u in units])
+                       max(0, cost.end_of_forward_bytes(u, ctx) - 1)) for u in units])
     return terms
 
 
@@ -380,7 +380,7 @@ class ChainSolver:
         for i in range(n):
             if self.signatures[i:i + 1] not in most:
                 singles = [self.costs(i, i + 1, d) for d in self.costs.decisions(i, i + 1)]
-                most[self.signatures[i:i + 1]] = max(cost.base_bytes(u, ctx) + cost.held_bytes(u, ctx) for u in singles)
+                most[self.signatures[i:i + 1]] = max(cost.end_of_forward_bytes(u, ctx) for u in singles)
         return rise + gathered + sum(most[self.signatures[i:i + 1]] for i in range(n))
 
     def _drop_slower_than_safe(self, front: _Front) -> _Front:

@@ -216,7 +216,7 @@ def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configur
         options = []
         for decision in costs.decisions(start, end):
             units = [costs(j, j + 1, decision) for j in range(start, end)]
-            if sum(cost.base_bytes(u, ctx) + cost.held_bytes(u, ctx) for u in units) <= budget_bytes:
+            if sum(cost.end_of_forward_bytes(u, ctx) for u in units) <= budget_bytes:
                 options.append((sum(cost.own_time_s(u, ctx) for u in units), decision))
         fastest = math.inf  # each stage takes its own fastest fitting decision
         for least_s, decision in sorted(options, key=lambda option: option[0]):
