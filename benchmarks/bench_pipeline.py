@@ -56,7 +56,7 @@ def _measure_rank(device, report, plan_json: str, steps: int) -> dict:
     plan = Plan.from_json(plan_json)
     torch.manual_seed(0)
     entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
-    generator = torch.Generator().manual_seed(1 + world().rank % plan.mesh.dp)  # one batch per replica
+    generator = torch.Generator().manual_seed(1 + plan.mesh.replica_of(world().rank))  # one batch per replica
     ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
     program = parallelize(entry.model, plan, device=device)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)

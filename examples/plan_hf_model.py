@@ -66,7 +66,7 @@ def main() -> None:
     plan = shardplan.load_plan(options.output)
     program = shardplan.parallelize(model, plan)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(dist.get_rank() % plan.mesh.dp)  # a replica's stages share its batch
+    generator = torch.Generator().manual_seed(plan.mesh.replica_of(dist.get_rank()))  # a replica's stages share its batch
     for step in range(options.steps):
         ids = torch.randint(0, model.config.vocab_size, (options.batch, options.seq), generator=generator)
         loss = program.step(ids, labels=ids)

@@ -47,8 +47,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
     shape = plan.inputs[0].shape  # one data-parallel replica's batch
     # a stand-in for a data loader: one fixed batch per replica, which the loss visibly learns;
-    # a replica's pipeline stages (ranks r with the same r % dp) read the same batch
-    generator = torch.Generator().manual_seed(rank % plan.mesh.dp)
+    # a replica's pipeline stages read the same batch
+    generator = torch.Generator().manual_seed(plan.mesh.replica_of(rank))
     ids = torch.randint(0, zoo.GPTConfig().vocab_size, shape, generator=generator)
     for step in range(options.steps):
         loss = program.step(ids, labels=ids)

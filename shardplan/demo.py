@@ -62,7 +62,7 @@ def _train_rank(device: torch.device, report, plan_json: str, steps: int) -> Mea
     plan = Plan.from_json(plan_json)
     torch.manual_seed(0)  # the same initial weights on every rank
     entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
-    generator = torch.Generator().manual_seed(1 + world().rank % plan.mesh.dp)  # each replica its own batch
+    generator = torch.Generator().manual_seed(1 + plan.mesh.replica_of(world().rank))  # each replica its own batch
     ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
     program = parallelize(entry.model, plan, device=device)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)

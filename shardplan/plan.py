@@ -105,6 +105,13 @@ class Mesh:
         if self.dp < 1 or self.pp < 1:
             raise PlanError(f"mesh dp={self.dp} pp={self.pp}: both must be at least 1")
 
+    def stage_of(self, rank: int) -> int:
+        return rank // self.dp
+
+    def replica_of(self, rank: int) -> int:
+        """The data-parallel replica `rank` computes for: its stages read the same batch."""
+        return rank % self.dp
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule:

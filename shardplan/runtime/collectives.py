@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RuntimeMismatchError, ShardplanError
+from ..plan import Mesh
 
 
 Group = dist.ProcessGroup | None
@@ -138,12 +139,13 @@ class PipelineGroups(NamedTuple):
     """The ranks of this replica, one per stage: activations flow between them."""
 
 
-def pipeline_groups(device_type: str, dp: int, pp: int) -> PipelineGroups:
+def pipeline_groups(device_type: str, plan_mesh: Mesh) -> PipelineGroups:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(device_type, (plan_mesh.pp, plan_mesh.dp), mesh_dim_names=("pp", "dp"))
     rank = dist.get_rank()
-    return PipelineGroups(rank // dp, rank % dp, mesh.get_group("dp"), mesh.get_group("pp"))
+    return PipelineGroups(plan_mesh.stage_of(rank), plan_mesh.replica_of(rank), mesh.get_group("dp"),
+                          mesh.get_group("pp"))
 
 
 def default_device() -> torch.device:

@@ -50,7 +50,7 @@ class PipelinedProgram(UnitProgram):
         from torch.distributed.pipelining import PipelineStage
 
         super().__init__(module, plan, loss_fn)
-        self.groups = collectives.pipeline_groups(device.type, plan.mesh.dp, plan.mesh.pp)
+        self.groups = collectives.pipeline_groups(device.type, plan.mesh)
         stages = cut_stages(module, plan, device)
         reads = _units_read(module, plan, stages)  # before the units replace the parameters
         self.graph = stages[self.groups.stage]
