@@ -110,22 +110,15 @@ class VocabCandidate:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TensorParallelLayout:
-    """What tensor parallelism over `degree` ranks shards, module by module; the rest stays whole.
-
-    [Note: whole parameters under tensor parallelism] Without sequence parallelism every tp rank
-    holds the same activations outside the pairs: a pair's input is whole on every rank, and its
-    output is the all-reduced sum, whose values an all-reduce computes once and hands to every
-    rank. So norms, embeddings, the head and the row-parallel biases compute the same values on
-    every tp rank, and in backward receive the same gradients: f's all-reduce hands every rank the
-    same input gradient, g passes the same output gradient to every rank. Their gradients need no
-    reduction over tp, and their copies stay equal after any optimizer step (tested to 1e-5).
-    """
+    """What tensor parallelism over `degree` ranks shards, module by module; the rest stays whole on
+    every tp rank, with equal gradients (see [Note: whole parameters under tensor parallelism] in
+    runtime/tensor_parallel.py)."""
 
     degree: int
     pairs: tuple[TensorParallelPair, ...]
     """Applied: each rank holds 1/degree of these linears' weights."""
     replicated: tuple[str, ...]
-    """Modules with parameters every tp rank holds whole, in graph order (the row-parallel
+    """Modules with parameters every tp rank holds whole, in the model's order (the row-parallel
     linears' biases are whole too, though their modules are sharded)."""
     rejected: tuple[Rejection, ...] = ()
     """Pairs found in the graph that stay replicated, each with the reason."""
