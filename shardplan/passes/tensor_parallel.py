@@ -176,7 +176,8 @@ def find_tensor_parallel_pairs(gm: torch.fx.GraphModule) -> TensorParallelCandid
     """The pairs of a captured graph (torch.export's ATen ops, after annotate_ownership_pass).
 
     Linears are `aten.linear` calls that read their own module's weight (and bias) and nothing else
-    reads: a tied or reused weight cannot be sliced for one use alone, so it stays whole."""
+    reads: a tied or reused weight cannot be sliced for one use alone, so it stays whole. (A graph
+    from capture's symbolic_trace fallback calls modules, not `aten.linear`: it has no pairs.)"""
     linears = _own_linears(gm)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     flow = _Flow()
@@ -186,13 +187,13 @@ def find_tensor_parallel_pairs(gm: torch.fx.GraphModule) -> TensorParallelCandid
     for group in flow.roots():
         modules = [facts(node).module_path for node in [*group.columns, *group.rows]]
         name = _common_parent(modules)
-        if not group.rows:  # a head, a linear writing the residual stream, or a pair blocked half-way
-            if group.ends_at_loss and list(group.columns.values()) == [1]:
+        clash = sorted(used.intersection(modules))
+        if not group.rows:  # the head, a linear whose output joins the residual stream, or a blocked pair
+            if group.ending is _Ending.LOSS and list(group.columns.values()) == [1]:
                 heads.append(_head_candidate(next(iter(group.columns))))
-            elif group.failure and _inside(group.failed_in, name):
+            elif group.ending is _Ending.MIXED and not clash:
                 rejected.append(Rejection(name=name, reason=group.failure))
             continue
-        clash = sorted(used.intersection(modules))
         if group.failure or clash:
             reason = group.failure or f"{clash[0]} is already sharded by another pair"
             rejected.append(Rejection(name=name, reason=reason))
@@ -221,25 +222,21 @@ def _own_linears(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 def _embedding_candidates(gm: torch.fx.GraphModule) -> list[VocabCandidate]:
     """Lookups of the model's inputs (token embeddings, not position tables) in a table of their own."""
-    found = []
+    found = {}
     for node in gm.graph.nodes:
         path, params = facts(node).module_path, facts(node).param_names
         if (node.target is aten.embedding.default and params == (f"{path}.weight",)
                 and node.args[1].op == "placeholder"):
             rows = _shape(node.args[0])[0]
-            found.append(VocabCandidate(module=path, divisor=Divisor(size=rows, what=f"rows of {path}'s table"),
-                                        needs="a vocab-parallel lookup (mask the ids of other ranks, all-reduce)"))
-    return found
+            found[path] = VocabCandidate(module=path, divisor=Divisor(size=rows, what=f"rows of {path}'s table"),
+                                         needs="a vocab-parallel lookup (mask the ids of other ranks, all-reduce)")
+    return list(found.values())
 
 
 def _head_candidate(linear: torch.fx.Node) -> VocabCandidate:
     path = facts(linear).module_path
     return VocabCandidate(module=path, divisor=Divisor(size=_shape(linear)[-1], what=f"output features of {path}"),
                           needs="a vocab-parallel cross-entropy (or an all-gather of the logits)")
-
-
-def _inside(path: str, module: str) -> bool:
-    return not module or path == module or path.startswith(module + ".")
 
 
 def _common_parent(paths: list[str]) -> str:
@@ -252,13 +249,24 @@ def _common_parent(paths: list[str]) -> str:
     return ".".join(common)
 
 
+class _Ending(enum.Enum):
+    """How the sharded features of a group that reaches no row-parallel linear end."""
+
+    MIXED = "mixed"
+    """An op mixes them (a norm, a softmax over them): a pair blocked half-way, worth reporting."""
+    JOINED = "joined"
+    """They meet a whole tensor as wide as they are (the residual stream): the linear is a
+    row-parallel one's peer, never the start of a pair."""
+    LOSS = "loss"
+    """They reach the loss or the model's output: the mark of an LM head."""
+
+
 class _Refused(Exception):
     """An op the sharded features cannot flow through (flow control inside the search only)."""
 
-    def __init__(self, why: str, *, loss: bool = False):
+    def __init__(self, why: str, ending: _Ending = _Ending.MIXED):
         super().__init__(why)
-        self.loss = loss
-        """The features reach the loss or the model's output: the mark of an LM head."""
+        self.ending = ending
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,18 +291,14 @@ class _Group:
     heads: dict[torch.fx.Node, int] = field(default_factory=dict)
     """column linear → the number of heads its features split into."""
     failure: str | None = None
-    failed_in: str = ""
-    """The module of the op that refused the features: inside the linears' own module, it blocked a
-    pair; outside (a residual add in the layer), the linear was a row-parallel one's peer, never a pair."""
-    ends_at_loss: bool = False
+    ending: _Ending | None = None
 
     def absorb(self, other: "_Group") -> None:
         self.columns.update(other.columns)
         self.rows += other.rows
         self.heads.update(other.heads)
         if not self.failure:
-            self.failure, self.failed_in = other.failure, other.failed_in
-        self.ends_at_loss = self.ends_at_loss or other.ends_at_loss
+            self.failure, self.ending = other.failure, other.ending
 
     def pair(self, name: str, order: dict[torch.fx.Node, int]) -> TensorParallelPair:
         columns = sorted(self.columns, key=order.get)
@@ -307,10 +311,13 @@ class _Group:
                 divisors.append(Divisor(size=self.heads[linear], what=f"{kind} of {path}"))
             else:
                 chunks = self.columns[linear]
-                what = f"output features in each of {path}'s {chunks} chunks" if chunks > 1 else f"output features of {path}"
+                what = (f"output features in each of {path}'s {chunks} chunks" if chunks > 1
+                        else f"output features of {path}")
                 divisors.append(Divisor(size=_shape(linear)[-1] // chunks, what=what))
-        linears = ([ShardedLinear(module=facts(n).module_path, style=Style.COLWISE, chunks=self.columns[n]) for n in columns]
-                   + [ShardedLinear(module=facts(n).module_path, style=Style.ROWWISE) for n in sorted(self.rows, key=order.get)])
+        linears = [ShardedLinear(module=facts(n).module_path, style=Style.COLWISE, chunks=self.columns[n])
+                   for n in columns]
+        linears += [ShardedLinear(module=facts(n).module_path, style=Style.ROWWISE)
+                    for n in sorted(self.rows, key=order.get)]
         return TensorParallelPair(name=name, linears=tuple(linears), divisors=tuple(divisors))
 
 
@@ -353,17 +360,15 @@ class _Flow:
         try:
             self.values[node] = _follow(node, self.values, self.groups[group], group)
         except _Refused as refused:
-            where = facts(node).module_path
-            self.groups[group].failure = f"{_op_name(node)} ({node.name} in {where or 'the model'}) {refused}"
-            self.groups[group].failed_in = where
-            self.groups[group].ends_at_loss = refused.loss
+            where = facts(node).module_path or "the model"
+            self.groups[group].failure = f"{_op_name(node)} ({node.name} in {where}) {refused}"
+            self.groups[group].ending = refused.ending
 
     def _end_at_linear(self, linear: torch.fx.Node, group: int) -> None:
         value = self.values[linear.args[0]] if linear.args[0] in self.values else None
         if value is None or value.dim != len(_shape(linear.args[0])) - 1:
             self.groups[group].failure = (f"{facts(linear).module_path} reads the sharded features "
                                           "other than as its input features")
-            self.groups[group].failed_in = facts(linear).module_path
         else:
             self.groups[group].rows.append(linear)
 
@@ -371,7 +376,7 @@ class _Flow:
 def _follow(node: torch.fx.Node, values: dict, group: _Group, group_index: int) -> _Sharded:
     """The value `node` computes from sharded inputs, or _Refused when its features would mix."""
     if node.op == "output":
-        raise _Refused("returns the sharded features from the model", loss=True)
+        raise _Refused("returns the sharded features from the model", _Ending.LOSS)
     if node.op != "call_function":
         raise _Refused("is not an ATen op the search knows")
     origin = next(values[v] for v in node.all_input_nodes if v in values).origin
@@ -379,7 +384,7 @@ def _follow(node: torch.fx.Node, values: dict, group: _Group, group_index: int) 
         return _Sharded(group_index, values[node.args[0]].dim, origin)
     name = _op_name(node)
     if name in _LOSSES:
-        raise _Refused("computes the loss over the sharded features", loss=True)
+        raise _Refused("computes the loss over the sharded features", _Ending.LOSS)
     if name in _VIEWS:
         dim, heads = _view_dim(_shape(node.args[0]), _shape(node), values[node.args[0]].dim)
         if heads:
@@ -417,7 +422,7 @@ def _view_dim(source: tuple, target: tuple, dim: int) -> tuple[int, int | None]:
     splits into several dims, the size of the outermost one (the heads): the dim a rank's slice
     then cuts. Refused when `dim` merges under an outer dim (a rank's slice would interleave)."""
     if source[dim] == 1:
-        raise _Refused("reshapes a sharded dim of size 1")
+        raise _Refused("reshapes a sharded dim of size 1", _Ending.JOINED)
     sources = [i for i, size in enumerate(source) if size != 1]
     targets = [j for j, size in enumerate(target) if size != 1]
     i = j = 0
@@ -472,7 +477,8 @@ def _pointwise(node: torch.fx.Node, values: dict) -> int:
     for arg in _tensor_inputs(node):
         aligned = dim - (ndim - len(_shape(arg)))
         if arg not in values and aligned >= 0 and _shape(arg)[aligned] != 1:
-            raise _Refused(f"combines the sharded features with a whole tensor ({arg.name}, shape {_shape(arg)})")
+            raise _Refused(f"combines the sharded features with a whole tensor ({arg.name}, shape {_shape(arg)})",
+                           _Ending.JOINED)
     return dim
 
 

@@ -72,7 +72,8 @@ class ParameterSlice:
                      for chunk in range(self.chunks))
 
 
-def apply_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, group: Group) -> dict[str, ParameterSlice]:
+def apply_tensor_parallel(model: nn.Module, layout: TensorParallelLayout,
+                          group: Group) -> dict[str, ParameterSlice]:
     """Slice `model`'s pairs in place for this rank of `group`, put f and g around them, and return
     the slice of every parameter this rank now holds a part of (the others stay whole).
 
@@ -98,7 +99,8 @@ def apply_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, group:
     return slices
 
 
-def gather_full_parameters(model: nn.Module, slices: dict[str, ParameterSlice], group: Group) -> dict[str, torch.Tensor]:
+def gather_full_parameters(model: nn.Module, slices: dict[str, ParameterSlice],
+                           group: Group) -> dict[str, torch.Tensor]:
     """Every parameter of `model`, whole, by name, on every rank of `group` (sliced ones gathered)."""
     full = {}
     for name, parameter in model.named_parameters():
