@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from shardplan import zoo
 from shardplan.errors import RuntimeMismatchError
-from shardplan.passes.tensor_parallel import tensor_parallel_candidates
+from shardplan.passes.tensor_parallel import TensorParallelLayout, tensor_parallel_candidates
 from shardplan.runtime import tensor_parallel
 from shardplan.runtime.collectives import all_reduce_max, tensor_parallel_groups
 from shardplan.runtime.tensor_parallel import ParameterSlice, apply_tensor_parallel, gather_full_parameters
@@ -162,7 +162,7 @@ def train_tensor_parallel(rank: int, world: int, layouts: dict) -> dict:
         results[name] = {"loss_error": errors[0].item(), "param_error": errors[1].item(),
                          "sliced": len(slices), "held_fraction": held / whole, "all_reduces": len(calls)}
     try:
-        apply_tensor_parallel(MODELS["gpt"]().model, layouts["gpt"].__class__(degree=1, pairs=(), replicated=()),
+        apply_tensor_parallel(MODELS["gpt"]().model, TensorParallelLayout(degree=1, pairs=(), replicated=()),
                               groups.tensor_parallel)
     except RuntimeMismatchError as error:
         results["mismatch"] = str(error)
