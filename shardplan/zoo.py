@@ -32,16 +32,21 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
+        self.head_dim = config.d_model // config.n_head
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # Widths and head counts come from the tensors, not the config: under tensor parallelism a
+        # rank's qkv holds only its heads (runtime/tensor_parallel.py), and this code runs unchanged.
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x)
+        # split, not chunk(3): the same captured op as before this code was made TP-agnostic, so the
+        # graph's fingerprint, and every plan saved for this model, stays valid.
+        q, k, v = qkv.split(qkv.shape[-1] // 3, dim=-1)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):

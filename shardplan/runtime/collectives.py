@@ -47,6 +47,11 @@ def world() -> World:
     return World(dist.get_rank(), dist.get_world_size())
 
 
+def group_world(group: Group) -> World:
+    """This rank's index in `group` and the group's size (None: the world)."""
+    return World(dist.get_rank(group), dist.get_world_size(group))
+
+
 def wait(pending: Pending) -> torch.Tensor:
     if pending.work is not None:
         pending.work.wait()
@@ -146,6 +151,30 @@ def pipeline_groups(device_type: str, plan_mesh: Mesh) -> PipelineGroups:
     rank = dist.get_rank()
     return PipelineGroups(plan_mesh.stage_of(rank), plan_mesh.replica_of(rank), mesh.get_group("dp"),
                           mesh.get_group("pp"))
+
+
+class TensorParallelGroups(NamedTuple):
+    """This rank's place in the dp × tp mesh (rank = replica · tp + tp index) and its two groups.
+
+    tp is the innermost axis, as Megatron-LM and torchtitan lay it out: a tp group is consecutive
+    ranks, so it stays inside a node, where its all-reduces (two per pair per step) find the fast links."""
+
+    index: int
+    """This rank's tp index: which slice of every tensor-parallel parameter it holds."""
+    tensor_parallel: dist.ProcessGroup
+    data_parallel: dist.ProcessGroup
+    """The ranks with this tp index: they hold the same slices and reduce their gradients together."""
+
+
+def tensor_parallel_groups(device_type: str, tp: int) -> TensorParallelGroups:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    size = dist.get_world_size()
+    if size % tp:
+        raise RuntimeMismatchError(f"tp={tp} does not divide the world of {size} ranks: choose a tp that "
+                                   f"divides {size}, or launch a multiple of {tp} ranks")
+    mesh = init_device_mesh(device_type, (size // tp, tp), mesh_dim_names=("dp", "tp"))
+    return TensorParallelGroups(dist.get_rank() % tp, mesh.get_group("tp"), mesh.get_group("dp"))
 
 
 def default_device() -> torch.device:

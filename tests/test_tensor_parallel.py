@@ -1,0 +1,181 @@
+"""Tensor parallelism: the pairs the graph allows, the sizes that refuse them, and parity at tp = 2."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardplan import zoo
+from shardplan.errors import RuntimeMismatchError
+from shardplan.passes.tensor_parallel import TensorParallelLayout, tensor_parallel_candidates
+from shardplan.runtime import tensor_parallel
+from shardplan.runtime.collectives import all_reduce_max, tensor_parallel_groups
+from shardplan.runtime.tensor_parallel import ParameterSlice, apply_tensor_parallel, gather_full_parameters
+
+from parity import ADAMW, TOLERANCE, spawn_world
+
+STEPS = 3
+
+MODELS = {
+    "gpt": lambda: zoo.gpt(zoo.GPTConfig(n_layer=2), batch=2),
+    "llama": lambda: zoo.hf_llama(n_layer=2, d_model=64, ffn=128, heads=4, kv_heads=2, vocab=128, batch=2, seq=16),
+}
+
+
+@pytest.fixture(scope="module")
+def candidates():
+    found = {}
+    for name, build in MODELS.items():
+        entry = build()
+        found[name] = tensor_parallel_candidates(entry.model, entry.args, entry.kwargs)
+    return found
+
+
+def test_gpt_pairs_attention_in_fused_chunks_and_the_mlp(candidates):
+    layout = candidates["gpt"].layout(2)
+    assert layout.styles == {
+        f"h.{i}.{path}": style for i in range(2)
+        for path, style in [("attn.qkv", "colwise_fused(3)"), ("attn.proj", "rowwise"),
+                            ("mlp.fc", "colwise"), ("mlp.proj", "rowwise")]}
+    assert [pair.name for pair in layout.pairs] == ["h.0.attn", "h.0.mlp", "h.1.attn", "h.1.mlp"]
+    assert layout.replicated == ("wte", "wpe", "h.0.ln_1", "h.0.ln_2", "h.1.ln_1", "h.1.ln_2", "ln_f", "lm_head")
+    assert layout.rejected == ()
+    assert {d.name: d.reason.split(":")[0] for d in layout.deferred} == {
+        "wte": "256 rows of wte's table divide by tp=2, but it stays whole",
+        "lm_head": "256 output features of lm_head divide by tp=2, but it stays whole"}
+
+
+def test_llama_pairs_q_k_v_with_o_and_gate_up_with_down(candidates):
+    layout = candidates["llama"].layout(2)
+    attention, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    assert {path: style for path, style in layout.styles.items() if path.startswith("model.layers.0.")} == {
+        f"{attention}.q_proj": "colwise", f"{attention}.k_proj": "colwise", f"{attention}.v_proj": "colwise",
+        f"{attention}.o_proj": "rowwise",
+        f"{mlp}.gate_proj": "colwise", f"{mlp}.up_proj": "colwise", f"{mlp}.down_proj": "rowwise"}
+    assert [(d.size, d.what) for d in layout.pairs[0].divisors] == [
+        (4, f"heads of {attention}.q_proj"), (2, f"kv heads of {attention}.k_proj"),
+        (2, f"kv heads of {attention}.v_proj")]
+    assert "model.norm" in layout.replicated and "model.embed_tokens" in layout.replicated
+
+
+def test_indivisible_heads_are_explained(candidates):
+    gpt = candidates["gpt"].layout(3)
+    assert gpt.pairs == () and len(gpt.replicated) == 16
+    assert {r.name: r.reason for r in gpt.rejected}["h.0.attn"] == \
+        "4 heads of h.0.attn.qkv do not divide by tp=3: tp must divide 4 to shard this pair"
+    llama = candidates["llama"].layout(4)  # 4 query heads divide, the 2 kv heads do not; the MLP shards
+    assert [pair.name for pair in llama.pairs] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert {r.name: r.reason for r in llama.rejected}["model.layers.0.self_attn"].startswith(
+        "2 kv heads of model.layers.0.self_attn.k_proj, 2 kv heads of model.layers.0.self_attn.v_proj "
+        "do not divide by tp=4")
+
+
+class _MLP(nn.Module):
+    def __init__(self, norm: bool):
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+        self.norm = nn.LayerNorm(64) if norm else nn.Identity()
+        self.proj = nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.proj(self.norm(F.gelu(self.fc(x))))
+
+
+class _NormFormer(nn.Module):
+    """Two residual MLPs; the first normalizes its hidden features, which mixes every rank's slice."""
+
+    def __init__(self):
+        super().__init__()
+        self.normed = _MLP(norm=True)
+        self.plain = _MLP(norm=False)
+
+    def forward(self, x):
+        x = x + self.normed(x)
+        return (x + self.plain(x)).sum()
+
+
+def test_a_norm_over_the_sharded_features_refuses_the_pair():
+    layout = tensor_parallel_candidates(_NormFormer(), (torch.randn(2, 8, 16),)).layout(2)
+    assert layout.styles == {"plain.fc": "colwise", "plain.proj": "rowwise"}
+    assert [(r.name, r.reason) for r in layout.rejected] == [
+        ("normed", "layer_norm (layer_norm in normed.norm) normalizes over the sharded features")]
+
+
+def test_fused_slices_are_one_box_per_chunk_and_assemble_back():
+    full = torch.arange(24.0).view(12, 2)  # a fused projection: 3 chunks of 4 rows, over tp = 2
+    cuts = [ParameterSlice(full_shape=(12, 2), dim=0, chunks=3, index=i, degree=2) for i in range(2)]
+    assert cuts[1].take(full).tolist() == full[[2, 3, 6, 7, 10, 11]].tolist()
+    assert cuts[1].boxes() == (((2, 0), (2, 2)), ((6, 0), (2, 2)), ((10, 0), (2, 2)))
+    assert torch.equal(cuts[0].assemble([cut.take(full) for cut in cuts]), full)
+    rows = [ParameterSlice(full_shape=(12, 2), dim=1, chunks=1, index=i, degree=2) for i in range(2)]
+    assert torch.equal(rows[0].assemble([cut.take(full) for cut in rows]), full)
+
+
+# parity with one process, on 2 gloo ranks forming one tp group
+
+def _loss(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.loss
+
+
+def _counting_all_reduces(calls: list):
+    original = tensor_parallel.all_reduce_sum
+
+    def count(tensor, group):
+        calls.append(tensor.shape)
+        return original(tensor, group)
+    return count
+
+
+def train_tensor_parallel(rank: int, world: int, layouts: dict) -> dict:
+    """Each model at tp = world next to the whole model, on the same batches; the largest differences
+    over every rank (each rank compares its own copy of the whole parameters), and the all-reduces
+    of the last step."""
+    groups = tensor_parallel_groups("cpu", world)
+    calls = []
+    tensor_parallel.all_reduce_sum = _counting_all_reduces(calls)
+    results = {}
+    for name, layout in layouts.items():
+        torch.manual_seed(0)
+        entry = MODELS[name]()
+        reference, model = entry.model, copy.deepcopy(entry.model)
+        slices = apply_tensor_parallel(model, layout, groups.tensor_parallel)
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+        vocab, shape = reference.config.vocab_size, entry.args[0].shape
+        loss_error = 0.0
+        for step in range(STEPS):
+            ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(step))
+            calls.clear()
+            loss, reference_loss = _loss(model(ids, labels=ids)), _loss(reference(ids, labels=ids))
+            loss.backward()
+            reference_loss.backward()
+            for each in (optimizer, reference_optimizer):
+                each.step()
+                each.zero_grad()
+            loss_error = max(loss_error, abs(loss.item() - reference_loss.item()))
+        full = gather_full_parameters(model, slices, groups.tensor_parallel)
+        param_error = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+        errors = all_reduce_max(torch.tensor([loss_error, param_error], dtype=torch.float64))
+        held = sum(p.numel() for n, p in model.named_parameters() if n in slices)
+        whole = sum(p.numel() for n, p in reference.named_parameters() if n in slices)
+        results[name] = {"loss_error": errors[0].item(), "param_error": errors[1].item(),
+                         "sliced": len(slices), "held_fraction": held / whole, "all_reduces": len(calls)}
+    try:
+        apply_tensor_parallel(MODELS["gpt"]().model, TensorParallelLayout(degree=1, pairs=(), replicated=()),
+                              groups.tensor_parallel)
+    except RuntimeMismatchError as error:
+        results["mismatch"] = str(error)
+    return results
+
+
+def test_tp2_trains_like_one_process(candidates):
+    results = spawn_world(2, train_tensor_parallel, ({name: found.layout(2) for name, found in candidates.items()},))
+    for name in MODELS:
+        assert results[name]["loss_error"] <= TOLERANCE and results[name]["param_error"] <= TOLERANCE, results
+        assert results[name]["held_fraction"] == 0.5
+        # one in forward (g) and one in backward (f) per pair: q, k and v share their input's f
+        assert results[name]["all_reduces"] == 2 * 4
+    # GPT: per layer qkv and fc weight and bias, two proj weights; LLaMA (no biases): 7 weights per layer
+    assert (results["gpt"]["sliced"], results["llama"]["sliced"]) == (12, 14)
+    assert results["mismatch"].startswith("the layout shards over tp=1 ranks, the tp group has 2")
