@@ -16,26 +16,18 @@ fastest round kept on both sides, so that on a machine shared with other work th
 ratio measures the model, not the neighbours' load (as bench_collectives.py does).
 """
 import argparse
-import functools
 import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from shardplan import Checkpoint, ShardStrategy, get_hardware, zoo
-from shardplan.calibrate import CPU_SWEEP, fit_profile, measure_steps, summary
-from shardplan.compile import evaluate
+from shardplan import ShardStrategy, get_hardware, zoo
+from shardplan.accuracy import accuracy_table, compare, demo_chain_and_plans, measure_plans
+from shardplan.calibrate import CPU_SWEEP, fit_profile, summary
 from shardplan.cost import CostContext, Decision, unit_cost
 from shardplan.demo import DEMO_BATCH, DEMO_GPT
 from shardplan.passes import analyze
-from shardplan.runtime.launch import run_world
-from shardplan.runtime.manual import manual_plan
-from shardplan.sizes import format_bytes
-
-KINDS = [(strategy, checkpoint) for strategy in ShardStrategy for checkpoint in Checkpoint]
-GROUPS = zoo.gpt_units(DEMO_GPT.n_layer)
-
 
 def measure_block_times(entry: zoo.ZooModel, names: list[str], rounds: int) -> dict[str, float]:
     """Fastest seconds of each named block's forward + backward over `rounds` steps, blocks in chain order.
@@ -105,56 +97,6 @@ def block_table(hardware, rounds: int, batch: int) -> Table:
     return table
 
 
-def plan_table(chain, plans: list, hardware, measured: list[tuple[int, float]], world_size: int, how: str) -> Table:
-    table = Table(title=f"every plan kind: demo GPT on {world_size} CPU ranks (gloo), {how}")
-    for column in ("strategy", "checkpoint", "memory pred", "memory meas", "ratio", "step pred ms", "step meas ms",
-                   "ratio"):
-        table.add_column(column, justify="right")
-    for (strategy, checkpoint), plan, (peak_bytes, step_s) in zip(KINDS, plans, measured):
-        predicted = evaluate(chain, plan, hardware)
-        table.add_row(strategy.value, checkpoint.value, format_bytes(predicted.peak_bytes), format_bytes(peak_bytes),
-                      f"{predicted.peak_bytes / peak_bytes:.2f}", f"{predicted.step_time_s * 1e3:.0f}",
-                      f"{step_s * 1e3:.0f}", f"{predicted.step_time_s / step_s:.2f}")
-    return table
-
-
-def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep):
-    """Rank job: every plan's training step (demo.train_with_plan's, made here so that it can be timed
-    inside the calibration's rounds), its peak memory by MemTracker, and the calibration of `sweep`.
-
-    Returns the calibration's Measurements (None without a sweep) and per plan (peak bytes over the
-    ranks, the fastest round's step seconds)."""
-    from shardplan.calibrate import Probe, measure_job
-    from shardplan.plan import Plan
-    from shardplan.runtime import parallelize
-    from shardplan.runtime.collectives import all_reduce_max, world
-    from shardplan.runtime.measure import peak_step_bytes
-
-    probes, peaks = {}, []
-    for index, plan_json in enumerate(plan_jsons):
-        torch.manual_seed(0)  # the same initial weights on every rank
-        entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
-        generator = torch.Generator().manual_seed(1 + world().rank)  # each replica its own batch
-        ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
-        program = parallelize(entry.model, Plan.from_json(plan_json), device=device)
-        optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
-        step = functools.partial(_train_step, program, optimizer, ids)
-        step()  # warm-up: allocates the optimizer state, as every later step has it
-        grads = [p.grad for p in program.parameters() if p.grad is not None]  # kept between steps
-        peak = peak_step_bytes(step, entry.model, optimizer, *program.parameters(), *grads)
-        peaks.append(int(all_reduce_max(torch.tensor(peak))))
-        probes["plan", index] = Probe(call=step, loop=False)
-    measurements, seconds = measure_job(device, report, rounds, sweep, lambda device: probes)
-    return measurements, [(peak, seconds["plan", index]) for index, peak in enumerate(peaks)]
-
-
-def _train_step(program, optimizer, ids) -> None:
-    program.step(ids, labels=ids)
-    optimizer.step()
-    # Gradients stay allocated between steps, as the cost model counts them (sharded_state).
-    optimizer.zero_grad(set_to_none=False)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", help="a profile JSON written by `shardplan calibrate`; default: calibrate "
@@ -165,22 +107,17 @@ def main() -> None:
                              "the fastest is kept")
     options = parser.parse_args()
     torch.set_num_threads(1)
-    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
-    chain = analyze(entry.model, entry.args, entry.kwargs)
-    plans = [manual_plan(entry.model, GROUPS, dp=options.world_size, strategies=(strategy,), checkpoints=(checkpoint,))
-             for strategy, checkpoint in KINDS]
+    chain, plans = demo_chain_and_plans(options.world_size)
     sweep = None if options.profile else CPU_SWEEP
-    measurements, measured = run_world(measure_plans_job, ([plan.to_json() for plan in plans], options.rounds, sweep),
-                                       world_size=options.world_size, backend="gloo",
-                                       total_steps=measure_steps(options.rounds, sweep),
-                                       description="training steps and calibration")
+    measurements, measured = measure_plans(plans, options.world_size, options.rounds, sweep)
     hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)
     how = "saved profile" if options.profile else "calibrated in the same rounds"
     console = Console()
     console.print(summary(hardware))
     for batch in (DEMO_BATCH, 1):
         console.print(block_table(hardware, options.rounds, batch))
-    console.print(plan_table(chain, plans, hardware, measured, options.world_size, how))
+    console.print(accuracy_table(compare(chain, plans, measured, hardware),
+                                 f"every plan kind: demo GPT on {options.world_size} CPU ranks (gloo), {how}"))
 
 
 if __name__ == "__main__":

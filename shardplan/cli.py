@@ -20,7 +20,8 @@ EXAMPLES = {
     "explain": "shardplan explain plan.json --pictures plan-pictures/",
     "diff": "shardplan diff old.json new.json",
     "check": "shardplan check --baseline benchmarks/baseline.json\n"
-             "  shardplan check --baseline benchmarks/baseline.json --update",
+             "  shardplan check --baseline benchmarks/baseline.json --update\n"
+             "  shardplan check --measure cpu-gloo   # predicted vs measured training on this machine",
     "calibrate": "shardplan calibrate -o profile.json --world-size 2",
     "demo": "shardplan demo --world-size 2 --steps 5",
 }
@@ -86,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--baseline", default="benchmarks/baseline.json")
     check.add_argument("--tolerance", type=float, help="allowed relative worsening (default: the baseline's, 1%%)")
     check.add_argument("--update", action="store_true", help="rewrite the baseline with today's plans")
+    check.add_argument("--measure", metavar="PROFILE", help="also train the demo GPT on 2 CPU ranks under every plan "
+                       "kind and fail where PROFILE's prediction misses (memory ±10%%, step time 0.7-1.3x)")
 
     command("calibrate", None, "Measure this machine and write a hardware profile (see calibrate --help).")
 
@@ -144,6 +147,13 @@ def _check(options) -> int:
     from .quality import check_baseline
 
     failures = check_baseline(options.baseline, tolerance=options.tolerance, update=options.update)
+    if options.measure:
+        from .accuracy import accuracy_table, measure_accuracy
+        from .hardware import get_hardware
+
+        rows = measure_accuracy(get_hardware(options.measure))
+        Console().print(accuracy_table(rows, f"predicted ({options.measure}) vs measured, demo GPT, 2 CPU ranks"))
+        failures += [miss for row in rows for miss in row.misses()]
     for failure in failures:
         print(f"FAIL {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -1,0 +1,150 @@
+"""Predicted against measured on this machine: the demo GPT trained on CPU ranks under every plan kind.
+
+This is what holds the cost model's [Note: the cost model] and the runtime together. Each plan kind
+(every shard strategy x activation checkpointing) is written by hand (runtime.manual_plan), priced
+by compile.evaluate, and trained on gloo ranks: peak memory is MemTracker's (every tensor on the
+rank, after a warm-up step has allocated the optimizer state), step time a whole training step
+(forward, backward, optimizer step, zero_grad) of rank 0, the fastest of interleaved rounds
+([Note: the fastest of interleaved rounds] in calibrate.py), so that other work on the machine
+lengthens no plan more than another.
+
+tests/test_predictions.py and `shardplan check --measure` hold every kind to MEMORY_TOLERANCE and
+STEP_TIME_BAND; benchmarks/bench_estimates.py prints the same table against a fresh calibration.
+"""
+import functools
+from dataclasses import dataclass
+
+import torch
+from rich.table import Table
+
+from . import zoo
+from .chain import BlockChain
+from .demo import DEMO_BATCH, DEMO_GPT
+from .plan import Checkpoint, Plan, ShardStrategy
+from .sizes import format_bytes
+
+KINDS = tuple((strategy, checkpoint) for strategy in ShardStrategy for checkpoint in Checkpoint)
+MEMORY_TOLERANCE = 0.10
+"""Largest |predicted / measured - 1| of peak memory: CPU memory is deterministic, so a miss is the model's."""
+STEP_TIME_BAND = (0.7, 1.3)
+"""Accepted predicted / measured step time: the built-in profile is another day's calibration."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Accuracy:
+    """One plan kind's prediction beside its measurement."""
+
+    kind: str
+    """"strategy/checkpoint", e.g. "full_shard/selective"."""
+    predicted_bytes: int
+    measured_bytes: int
+    predicted_s: float
+    measured_s: float
+
+    @property
+    def memory_ratio(self) -> float:
+        return self.predicted_bytes / self.measured_bytes
+
+    @property
+    def time_ratio(self) -> float:
+        return self.predicted_s / self.measured_s
+
+    def misses(self) -> list[str]:
+        """One line per figure outside its accepted range."""
+        low, high = STEP_TIME_BAND
+        misses = []
+        if abs(self.memory_ratio - 1) > MEMORY_TOLERANCE:
+            misses.append(f"{self.kind}: predicted peak memory is {self.memory_ratio:.2f}x the measured "
+                          f"(accepted: within {MEMORY_TOLERANCE:.0%})")
+        if not low <= self.time_ratio <= high:
+            misses.append(f"{self.kind}: predicted step time is {self.time_ratio:.2f}x the measured "
+                          f"(accepted: {low}-{high}); on a busy machine run it again, else recalibrate")
+        return misses
+
+
+def demo_chain_and_plans(world_size: int) -> tuple[BlockChain, list[Plan]]:
+    """The demo GPT's analysed chain and one hand-written plan per kind (one unit per block, as KINDS orders)."""
+    from .passes import analyze
+    from .runtime.manual import manual_plan
+
+    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    groups = zoo.gpt_units(DEMO_GPT.n_layer)
+    return chain, [manual_plan(entry.model, groups, dp=world_size, strategies=(strategy,), checkpoints=(checkpoint,))
+                   for strategy, checkpoint in KINDS]
+
+
+def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep):
+    """Rank job (see runtime.launch.run_world): every plan's peak memory by MemTracker and its training
+    step timed in the same interleaved rounds as the calibration of `sweep` (None: no calibration).
+
+    Returns the calibration's Measurements (None without a sweep) and per plan (peak bytes over the
+    ranks, the fastest round's step seconds)."""
+    from .calibrate import Probe, measure_job
+    from .runtime import parallelize
+    from .runtime.collectives import all_reduce_max, world
+    from .runtime.measure import peak_step_bytes
+
+    probes, peaks = {}, []
+    for index, plan_json in enumerate(plan_jsons):
+        torch.manual_seed(0)  # the same initial weights on every rank
+        entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+        generator = torch.Generator().manual_seed(1 + world().rank)  # each replica its own batch
+        ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
+        program = parallelize(entry.model, Plan.from_json(plan_json), device=device)
+        optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
+        step = functools.partial(_train_step, program, optimizer, ids)
+        step()  # warm-up: allocates the optimizer state, as every later step has it
+        grads = [p.grad for p in program.parameters() if p.grad is not None]  # kept between steps
+        peak = peak_step_bytes(step, entry.model, optimizer, *program.parameters(), *grads)
+        peaks.append(int(all_reduce_max(torch.tensor(peak))))
+        probes["plan", index] = Probe(call=step, loop=False)
+    measurements, seconds = measure_job(device, report, rounds, sweep, lambda device: probes)
+    return measurements, [(peak, seconds["plan", index]) for index, peak in enumerate(peaks)]
+
+
+def _train_step(program, optimizer, ids) -> None:
+    program.step(ids, labels=ids)
+    optimizer.step()
+    # Gradients stay allocated between steps, as the cost model counts them (sharded_state).
+    optimizer.zero_grad(set_to_none=False)
+
+
+def measure_plans(plans: list[Plan], world_size: int, rounds: int, sweep=None, progress: bool = True):
+    """`measure_plans_job` on `world_size` spawned gloo ranks: (Measurements or None, [(peak bytes, step s)])."""
+    from .calibrate import measure_steps
+    from .runtime.launch import run_world
+
+    return run_world(measure_plans_job, ([plan.to_json() for plan in plans], rounds, sweep), world_size=world_size,
+                     backend="gloo", total_steps=measure_steps(rounds, sweep), progress=progress,
+                     description="training steps" + (" and calibration" if sweep else ""))
+
+
+def compare(chain: BlockChain, plans: list[Plan], measured: list[tuple[int, float]], hardware) -> list[Accuracy]:
+    """Each plan's prediction on `hardware` beside what `measure_plans` measured."""
+    from .compile import evaluate
+
+    rows = []
+    for (strategy, checkpoint), plan, (peak_bytes, step_s) in zip(KINDS, plans, measured):
+        predicted = evaluate(chain, plan, hardware)
+        rows.append(Accuracy(kind=f"{strategy.value}/{checkpoint.value}", predicted_bytes=predicted.peak_bytes,
+                             measured_bytes=peak_bytes, predicted_s=predicted.step_time_s, measured_s=step_s))
+    return rows
+
+
+def measure_accuracy(hardware, world_size: int = 2, rounds: int = 3, progress: bool = True) -> list[Accuracy]:
+    """Every plan kind of the demo GPT, predicted on `hardware` and measured on `world_size` CPU ranks."""
+    chain, plans = demo_chain_and_plans(world_size)
+    _, measured = measure_plans(plans, world_size, rounds, progress=progress)
+    return compare(chain, plans, measured, hardware)
+
+
+def accuracy_table(rows: list[Accuracy], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("plan kind", "memory pred", "memory meas", "ratio", "step pred ms", "step meas ms", "ratio"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(row.kind, format_bytes(row.predicted_bytes), format_bytes(row.measured_bytes),
+                      f"{row.memory_ratio:.2f}", f"{row.predicted_s * 1e3:.0f}", f"{row.measured_s * 1e3:.0f}",
+                      f"{row.time_ratio:.2f}")
+    return table
