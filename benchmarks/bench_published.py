@@ -126,7 +126,8 @@ def _backward(kinds: tuple[OpKind, ...]) -> tuple[OpKind, ...]:
     moves about twice its bytes; flash attention's backward runs 5 of the forward's 2 products (Dao
     2023, FlashAttention-2, sec. 3.1); an elementwise op's backward streams about twice its bytes."""
     factor = {"mm": 2, "_scaled_dot_product_flash_attention": 2.5}
-    return tuple(OpKind(name=f"{kind.name}_backward" if kind.name != "mm" else "mm", calls=kind.calls * 2,
+    return tuple(OpKind(name="mm" if kind.name == "mm" else f"{kind.name}_backward",
+                        calls=kind.calls * (2 if kind.name == "mm" else 1),
                         flops=int(kind.flops * factor.get(kind.name, 0)), bytes=2 * kind.bytes,
                         weight_bytes=2 * kind.weight_bytes) for kind in kinds)
 

@@ -359,6 +359,17 @@ _NOT_FIGURES = ("name", "source", "overlaps_communication", "in_step_wait_s", "l
 _GPU_MATMUL_EFFICIENCY = SizeCurve(points=((1e6, 0.01), (1e8, 0.15), (1e9, 0.45), (1e10, 0.7), (1e11, 0.8)))
 # The shortest CUDA kernel plus its launch: a few microseconds (order of magnitude, not a datasheet figure).
 _GPU_OP_OVERHEAD_S = 4e-6
+# FlashAttention-2 reaches about 35% of H100's dense BF16 peak (Shah et al. 2024, FlashAttention-3,
+# abstract and fig. 5-6), against the ~0.78 the matmul curve gives a call of its size: 2.2x the
+# roofline, forward and backward.
+# What a GPU process holds before any tensor: the CUDA context (~0.5 GiB with lazy module loading,
+# CUDA 12) and NCCL's buffers (NCCL_BUFFSIZE 4 MiB per channel, protocol and peer over a few
+# communicators: ~1 GiB); cuBLAS workspaces are MiBs. What is left the caching allocator hands out
+# with ~5% lost to fragmentation.
+_GPU_RUNTIME_RESERVED_BYTES = 1536 * 2**20
+_GPU_USABLE_FRACTION = 0.95
+_HOPPER_OP_TIME_FACTORS = {op: SizeCurve(points=((1.0, 2.2),)) for op in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")}
 
 
 def _gpu_matmul(fp32_flops_per_s: float, half_flops_per_s: float) -> dict[str, MatmulRate]:
@@ -433,6 +444,8 @@ BUILTIN = {
         name="h100-80g", device_memory_bytes=81_559 * _MIB, matmul=_gpu_matmul(67e12, 989e12),
         memory_bandwidth_bytes_per_s=3.35e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
         intra_node=_H100_NVLINK, inter_node=_NDR_INFINIBAND,
+        op_time_factors=_HOPPER_OP_TIME_FACTORS,
+        runtime_reserved_bytes=_GPU_RUNTIME_RESERVED_BYTES, usable_memory_fraction=_GPU_USABLE_FRACTION,
         source="NVIDIA H100 datasheet (SXM5 80GB); links: NVLink 4 and NDR InfiniBand at ~80% of line rate"),
     # H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s; compute as H100 SXM (same Hopper die and clocks).
     # nvidia-smi: 143,771 MiB.
@@ -440,6 +453,8 @@ BUILTIN = {
         name="h200", device_memory_bytes=143_771 * _MIB, matmul=_gpu_matmul(67e12, 989e12),
         memory_bandwidth_bytes_per_s=4.8e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
         intra_node=_H100_NVLINK, inter_node=_NDR_INFINIBAND,
+        op_time_factors=_HOPPER_OP_TIME_FACTORS,
+        runtime_reserved_bytes=_GPU_RUNTIME_RESERVED_BYTES, usable_memory_fraction=_GPU_USABLE_FRACTION,
         source="NVIDIA H200 datasheet (SXM 141GB); links: NVLink 4 and NDR InfiniBand at ~80% of line rate"),
     # One CPU process per rank with 1 thread, gloo over loopback TCP: rounded from
     # `shardplan calibrate --world-size 2` on this project's 2-core AMD EPYC (Zen 4, AVX-512 BF16)

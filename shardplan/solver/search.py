@@ -121,11 +121,15 @@ def boundary_times_s(blocks, setting: Setting, configuration: Configuration, har
     back. A send of x bytes between two ranks is priced as an all-gather of 2x bytes over 2 ranks
     (each rank receives x): the profile has no point-to-point figures. It includes the link's
     in-step wait: a send in a step waits for its peer as a collective does (without it the
-    pipelined plans' step times read 0.72-0.96 of measured, with it 0.84-1.02: docs/benchmarks.md)."""
+    pipelined plans' step times read 0.72-0.96 of measured, with it 0.84-1.02: docs/benchmarks.md).
+    Neighbouring stages sit dp ranks apart: once the world spans nodes, the slowest stage's sends
+    cross them, one rank's links each side (ranks_per_node=1)."""
     if configuration.pp == 1:
         return [0.0] * (len(blocks) + 1)
     m, crossing = configuration.num_micro_batches, boundary_bytes(blocks, setting.skip_edges)
-    return [0.0] + [hardware.collective_time_s("all_gather_into_tensor", 2 * -(-nbytes // m), 2)
+    spans_nodes = setting.world_size > getattr(hardware, "devices_per_node", setting.world_size)
+    placement = {"ranks_per_node": 1} if spans_nodes else {}
+    return [0.0] + [hardware.collective_time_s("all_gather_into_tensor", 2 * -(-nbytes // m), 2, **placement)
                     for nbytes in crossing[1:-1]] + [0.0]
 
 
