@@ -193,7 +193,9 @@ def nanotron_stage_starts(dims: LlamaDims, pp: int) -> list[int]:
     block ranks"): each block weighs its weight count (a decoder layer 4 h^2 + 3 h i, the LM head
     V h, the embedding and norms nothing, models/llama.py get_block_compute_costs); blocks go to
     the current stage in order, which moves on once their running weight passes its share
-    (stage + 1) / pp of the total. -1 for a stage left without blocks."""
+    (stage + 1) / pp of the total. -1 for a stage left without blocks: nanotron gives the last such
+    stage the blocks after the LM head (the fp32 cast and the loss), which this chain holds in the
+    head's block, so such a cut is not expressed."""
     h = dims.hidden
     costs = [0] + [4 * h * h + 3 * h * dims.intermediate] * dims.layers + [dims.vocab * h]
     total, running, stage, stage_of = sum(costs), 0, 0, []
@@ -230,7 +232,8 @@ def why_not_expressible(row: Row) -> str:
     if row.pp > dims.layers + 2:
         return f"pp={row.pp} is more stages than the model's {dims.layers + 2} blocks"
     if -1 in nanotron_stage_starts(dims, row.pp):
-        return f"pp={row.pp}: nanotron's cut by weight count leaves a stage without blocks"
+        return (f"pp={row.pp}: nanotron's cut by weight count leaves the loss alone on the last stage "
+                "(this chain holds the loss in the LM head's block)")
     if row.dp * row.tp * row.pp != row.n_gpus:
         return f"dp x tp x pp = {row.dp * row.tp * row.pp} is not the {row.n_gpus} GPUs of the row"
     return ""
