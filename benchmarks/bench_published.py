@@ -190,21 +190,34 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int) -> BlockChain:
 
 def nanotron_stage_starts(dims: LlamaDims, pp: int) -> list[int]:
     """The first block of each stage as nanotron assigns pipeline blocks (trainer.py, "Setting PP
-    block ranks"): each block weighs its weight count (a decoder layer 4 h^2 + 3 h i, the LM head
-    V h, the embedding and norms nothing, models/llama.py get_block_compute_costs); blocks go to
-    the current stage in order, which moves on once their running weight passes its share
-    (stage + 1) / pp of the total. -1 for a stage left without blocks: nanotron gives the last such
-    stage the blocks after the LM head (the fp32 cast and the loss), which this chain holds in the
-    head's block, so such a cut is not expressed."""
+    block ranks"), -1 for a stage it leaves without any. Its blocks, in order: the embedding, the
+    decoder layers, the final norm, the LM head, the fp32 cast, the loss; each weighs its weight
+    count (a layer 4 h^2 + 3 h i, the head V h, the others nothing: models/llama.py
+    get_block_compute_costs) and goes to the current stage, which moves on once the running weight
+    passes its share (stage + 1) / pp of the total.
+
+    This chain holds the final norm, the head, the cast and the loss in one block. Where nanotron
+    leaves the last stage only the cast and the loss, the head's block takes that stage and each
+    stage before it that is left without blocks takes the last block of the stage before (an
+    approximation: the head's matmul and the loss share one stage here, two in nanotron)."""
     h = dims.hidden
-    costs = [0] + [4 * h * h + 3 * h * dims.intermediate] * dims.layers + [dims.vocab * h]
+    costs = [0] + [4 * h * h + 3 * h * dims.intermediate] * dims.layers + [0, dims.vocab * h, 0, 0]
     total, running, stage, stage_of = sum(costs), 0, 0, []
     for block_cost in costs:
         stage_of.append(stage)
         running += block_cost
         if running * pp > total * (stage + 1):
             stage += 1
-    return [stage_of.index(s) if s in stage_of else -1 for s in range(pp)]
+    head = dims.layers + 1  # this chain's block holding the final norm, the head, the cast and the loss
+    starts = [stage_of.index(s) if s in stage_of else -1 for s in range(pp)]
+    if -1 in starts:
+        return starts
+    starts = [min(start, head) for start in starts]
+    if pp > 1 and starts[-1] == starts[-2]:  # the last stage held only the cast and the loss
+        for s in range(pp - 2, 0, -1):
+            if starts[s] >= starts[s + 1]:
+                starts[s] = starts[s + 1] - 1
+    return starts
 
 
 def plan_for(row: Row, chain: BlockChain, dims: LlamaDims) -> Plan:
@@ -231,9 +244,10 @@ def why_not_expressible(row: Row) -> str:
     dims = MODELS[row.model]
     if row.pp > dims.layers + 2:
         return f"pp={row.pp} is more stages than the model's {dims.layers + 2} blocks"
-    if -1 in nanotron_stage_starts(dims, row.pp):
-        return (f"pp={row.pp}: nanotron's cut by weight count leaves the loss alone on the last stage "
-                "(this chain holds the loss in the LM head's block)")
+    starts = nanotron_stage_starts(dims, row.pp)
+    if -1 in starts:
+        return (f"pp={row.pp}: nanotron's cut by weight count leaves stage {starts.index(-1)} without blocks "
+                "(every such run crashed)")
     if row.dp * row.tp * row.pp != row.n_gpus:
         return f"dp x tp x pp = {row.dp * row.tp * row.pp} is not the {row.n_gpus} GPUs of the row"
     return ""

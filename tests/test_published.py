@@ -54,8 +54,9 @@ def test_nanotron_stage_cut_gives_the_lm_head_the_weight_of_layers(bench):
     # a block goes to the current stage, which moves on once the running weight passes its share
     assert bench.nanotron_stage_starts(dims, 2) == [0, 12]  # embedding + layers 0-10 | layers 11-15 + head
     assert bench.nanotron_stage_starts(dims, 4) == [0, 7, 12, 17]  # the head alone: 4 of 20 layer weights
-    # past the head's share only the loss is left for the last stage: a block this chain does not have
-    assert bench.nanotron_stage_starts(dims, 8) == [0, 4, 7, 9, 12, 14, 17, -1]
+    # nanotron: [0, 4, 7, 9, 12, 14, 17] and the loss alone on stage 7; here the head (holding the
+    # loss) takes stage 7 and layer 15 stage 6
+    assert bench.nanotron_stage_starts(dims, 8) == [0, 4, 7, 9, 12, 14, 16, 17]
 
 
 def test_tensor_parallel_rows_are_reported_not_planned(bench):
