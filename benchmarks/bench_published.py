@@ -24,6 +24,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 from scipy.stats import kendalltau
 
 from shardplan.chain import Block, BlockChain, InputSpec, OpKind
@@ -285,6 +286,8 @@ class GroupScore:
     ranked: int
     """Rows that ran, with a measured throughput and a prediction: what tau and the ratios are over."""
     tau: float
+    ratios: tuple[float, ...]
+    """Predicted / measured tokens/s/GPU of the ranked rows."""
     ratio_median: float
     ratio_p10: float
     ratio_p90: float
@@ -294,10 +297,8 @@ class GroupScore:
     ran_within: int
 
 
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    return statistics.quantiles(values, n=10, method="inclusive")[round(q * 10) - 1] if len(values) > 1 else values[0]
+def _percentile(values: list[float], percent: float) -> float:
+    return float(np.percentile(values, percent)) if values else math.nan
 
 
 def score(outcomes: list[Outcome], usable_bytes: int) -> list[GroupScore]:
@@ -315,8 +316,8 @@ def score(outcomes: list[Outcome], usable_bytes: int) -> list[GroupScore]:
         ran = [o for o in expressed if o.row.ran]
         scores.append(GroupScore(
             model=model, n_gpus=n_gpus, rows=len(members), expressed=len(expressed), ranked=len(ranked),
-            tau=float(tau), ratio_median=statistics.median(ratios) if ratios else math.nan,
-            ratio_p10=_quantile(ratios, 0.1), ratio_p90=_quantile(ratios, 0.9), crashed=len(crashed),
+            tau=float(tau), ratios=tuple(ratios), ratio_median=_percentile(ratios, 50),
+            ratio_p10=_percentile(ratios, 10), ratio_p90=_percentile(ratios, 90), crashed=len(crashed),
             crashed_over=sum(o.predicted.peak_bytes > usable_bytes for o in crashed), ran=len(ran),
             ran_within=sum(o.predicted.peak_bytes <= usable_bytes for o in ran)))
     return scores
@@ -334,14 +335,17 @@ def print_table(scores: list[GroupScore]) -> None:
         print(f"| {s.model} | {s.n_gpus} | {s.rows} ({s.expressed}) | {s.ranked} | {s.tau:+.2f} | "
               f"{s.ratio_median:.2f} | {s.ratio_p10:.2f} | {s.ratio_p90:.2f} | {_share(s.crashed_over, s.crashed)} | "
               f"{_share(s.ran_within, s.ran)} |")
-    print("\n| model | mean tau over GPU counts | lowest tau | crashed predicted over | ran predicted within |")
-    print("|---|---:|---:|---:|---:|")
+    print("\n| model | mean tau over GPU counts | lowest tau | pred/meas median | p90 | crashed predicted over "
+          "| ran predicted within |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for model in sorted({s.model for s in scores}):
         mine = [s for s in scores if s.model == model]
         taus = [s.tau for s in mine if not math.isnan(s.tau)]
-        print(f"| {model} | {statistics.mean(taus):+.2f} | {min(taus):+.2f} | "
+        ratios = [ratio for s in mine for ratio in s.ratios]
+        mean_tau, lowest_tau = (f"{statistics.mean(taus):+.2f}", f"{min(taus):+.2f}") if taus else ("-", "-")
+        print(f"| {model} | {mean_tau} | {lowest_tau} | {_percentile(ratios, 50):.2f} | {_percentile(ratios, 90):.2f} | "
               f"{_share(sum(s.crashed_over for s in mine), sum(s.crashed for s in mine))} | "
-              f"{_share(sum(s.ran_within for s in mine), sum(s.ran for s in mine))} |" if taus else f"| {model} | - |")
+              f"{_share(sum(s.ran_within for s in mine), sum(s.ran for s in mine))} |")
 
 
 def main() -> None:
@@ -356,15 +360,21 @@ def main() -> None:
     print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name} "
           f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
     print_table(score(outcomes, hw.usable_memory_bytes))
-    left_out = [o for o in outcomes if o.reason]
+    print_left_out([o for o in outcomes if o.reason])
+
+
+def print_left_out(left_out: list[Outcome]) -> None:
+    """Every row that is not a plan with its reason; the tp > 1 rows, which all wait for one
+    feature, counted by tp degree."""
+    tensor_parallel: dict[tuple[int, str], int] = defaultdict(int)
     print(f"\n{len(left_out)} rows not expressible:")
-    by_reason: dict[str, list[Row]] = defaultdict(list)
     for outcome in left_out:
-        by_reason[outcome.reason.split(" (")[0] if "tensor" in outcome.reason else outcome.reason].append(outcome.row)
-    for reason, members in sorted(by_reason.items()):
-        print(f"  {len(members):4d}  {reason}")
-        for row in members[:3]:
-            print(f"          e.g. {row.describe()}")
+        if outcome.row.tp > 1:
+            tensor_parallel[outcome.row.tp, outcome.reason] += 1
+        else:
+            print(f"  {outcome.row.describe()}: {outcome.reason}")
+    for (_, reason), count in sorted(tensor_parallel.items()):
+        print(f"  {count} rows: {reason}")
 
 
 if __name__ == "__main__":
