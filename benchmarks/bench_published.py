@@ -54,14 +54,21 @@ class LlamaDims:
     kv_heads: int
     intermediate: int
     vocab: int
+    tied: bool
+    """The LM head reads the embedding's weight (tie_word_embeddings)."""
 
 
 MODELS = {
-    "playbook-1B": LlamaDims(layers=16, hidden=2048, heads=32, kv_heads=32, intermediate=8192, vocab=131072),
-    "playbook-3B": LlamaDims(layers=28, hidden=3072, heads=32, kv_heads=32, intermediate=8192, vocab=131072),
-    "playbook-8B": LlamaDims(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=14336, vocab=131072),
-    "playbook-80B": LlamaDims(layers=80, hidden=8192, heads=64, kv_heads=64, intermediate=28672, vocab=131072),
-    "oldbench-llama-1B": LlamaDims(layers=24, hidden=2048, heads=32, kv_heads=32, intermediate=4096, vocab=50257),
+    "playbook-1B": LlamaDims(layers=16, hidden=2048, heads=32, kv_heads=32, intermediate=8192, vocab=131072,
+                               tied=True),
+    "playbook-3B": LlamaDims(layers=28, hidden=3072, heads=32, kv_heads=32, intermediate=8192, vocab=131072,
+                             tied=True),
+    "playbook-8B": LlamaDims(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=14336, vocab=131072,
+                             tied=False),
+    "playbook-80B": LlamaDims(layers=80, hidden=8192, heads=64, kv_heads=64, intermediate=28672, vocab=131072,
+                              tied=False),
+    "oldbench-llama-1B": LlamaDims(layers=24, hidden=2048, heads=32, kv_heads=32, intermediate=4096, vocab=50257,
+                                   tied=True),
 }
 
 
@@ -149,7 +156,7 @@ def _block(index: int, name: str, numel: int, fwd_kinds: tuple[OpKind, ...], *, 
                  fwd_kinds=fwd_kinds, bwd_kinds=bwd_kinds)
 
 
-def llama_chain(dims: LlamaDims, samples: int, seq_len: int) -> BlockChain:
+def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool) -> BlockChain:
     """The chain of a LLaMA decoder over `samples` sequences (one replica's batch), fp32 master
     parameters computed in bf16, flash attention, the loss in fp32 over the whole vocabulary.
 
@@ -158,8 +165,9 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int) -> BlockChain:
     MLP's gate and up outputs, SiLU(gate) and their product (4 i): 2 (8 h + 4 i) bytes. The head
     keeps the final norm's input and output and the loss's fp32 softmax over the vocabulary
     (4 V bytes a token: nanotron's cross entropy casts the logits to fp32 and saves exp(logits) /
-    sum); while the loss runs, the bf16 logits (2 V) sit beside it. Weights are untied: with
-    pp > 1 nanotron keeps the embedding on the first stage and a copy on the last."""
+    sum); while the loss runs, the bf16 logits (2 V) sit beside it. Tied weights are one parameter,
+    held by the embedding's block, unless `pipelined`: nanotron then keeps the embedding on the
+    first stage and a copy on the last (the copies' gradient sync is not priced)."""
     tokens, h, i, v = samples * seq_len, dims.hidden, dims.intermediate, dims.vocab
     stream = tokens * h * BF16_BYTES
     head_dim = h // dims.heads
@@ -181,7 +189,8 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int) -> BlockChain:
                for n in range(dims.layers)]
     head_kinds = (_elementwise("rms_norm", 1, 4 * stream), _matmul(tokens, h, v),
                   _elementwise("cross_entropy", 3, logits * (BF16_BYTES + 3 * FP32_BYTES)))
-    blocks.append(_block(1 + dims.layers, "lm_head", v * h + h, head_kinds, saved=2 * stream + logits * FP32_BYTES,
+    head_numel = h if dims.tied and not pipelined else v * h + h
+    blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, saved=2 * stream + logits * FP32_BYTES,
                          inp=stream, out=0, fwd_transient=logits * BF16_BYTES,
                          bwd_transient=logits * BF16_BYTES + stream))
     return BlockChain(blocks=tuple(blocks), fingerprint=f"llama-{dims.layers}x{h}", param_dtype="torch.float32",
@@ -265,9 +274,9 @@ def predict(rows: list[Row], hardware: str) -> list[Outcome]:
             continue
         dims = MODELS[row.model]
         samples = row.micro_batch_size * row.grad_accum
-        key = (row.model, samples, row.seq_len)
+        key = (row.model, samples, row.seq_len, row.pp > 1)
         if key not in chains:
-            chains[key] = llama_chain(dims, samples, row.seq_len)
+            chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1)
         chain = chains[key]
         predicted = evaluate(chain, plan_for(row, chain, dims), hw)
         tokens = samples * row.seq_len * row.dp / predicted.step_time_s / row.n_gpus
