@@ -352,8 +352,8 @@ def print_table(scores: list[GroupScore]) -> None:
         taus = [s.tau for s in mine if not math.isnan(s.tau)]
         ratios = [ratio for s in mine for ratio in s.ratios]
         mean_tau, lowest_tau = (f"{statistics.mean(taus):+.2f}", f"{min(taus):+.2f}") if taus else ("-", "-")
-        print(f"| {model} | {mean_tau} | {lowest_tau} | {_percentile(ratios, 50):.2f} | {_percentile(ratios, 90):.2f} | "
-              f"{_share(sum(s.crashed_over for s in mine), sum(s.crashed for s in mine))} | "
+        print(f"| {model} | {mean_tau} | {lowest_tau} | {_percentile(ratios, 50):.2f} | "
+              f"{_percentile(ratios, 90):.2f} | {_share(sum(s.crashed_over for s in mine), sum(s.crashed for s in mine))} | "
               f"{_share(sum(s.ran_within for s in mine), sum(s.ran for s in mine))} |")
 
 

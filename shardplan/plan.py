@@ -140,11 +140,10 @@ class Schedule:
         run every forward, then every backward, the later ones still alternate; its step takes
         (m + pp - 1) micro-batch times, as GPipe's does, and holds fewer activations late."""
         m = self.num_micro_batches
-        if pp == 1:
-            return f"{m} micro-batch(es), no pipeline"
-        if self.name == "1f1b" and m < pp:
-            return f"1f1b over {m} micro-batch(es) < {pp} stages: fill-drain on stages 0..{pp - m - 1}"
-        return f"{self.name} over {m} micro-batch(es), {pp} stages"
+        words = f"{m} micro-batch(es)" + (f", {self.name}" if pp > 1 else "")
+        if pp > 1 and self.name == "1f1b" and m < pp:
+            words += f" (fewer micro-batches than the {pp} stages: fill-drain on stages 0..{pp - m - 1})"
+        return words
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -246,8 +245,7 @@ class Plan:
         from .sizes import format_bytes
 
         lines = [f"plan for {self.model or 'model'} on {self.world_size} ranks of {self.hardware}: "
-                 f"dp={self.mesh.dp} pp={self.mesh.pp}, {self.schedule.num_micro_batches} micro-batch(es)"
-                 + (f", {self.schedule.name}" if self.mesh.pp > 1 else "")
+                 f"dp={self.mesh.dp} pp={self.mesh.pp}, {self.schedule.runs_as(self.mesh.pp)}"
                  + f", params {self.mixed_precision.param_dtype}, grads reduced in {self.mixed_precision.reduce_dtype}",
                  "", f"{'stage':>5}  {'unit':<32} {'strategy':<16} {'checkpoint':<10} {'offload':<7} {'params':>7}"]
         units = {unit.name: unit for unit in self.units}
