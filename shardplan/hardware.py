@@ -360,16 +360,18 @@ _GPU_MATMUL_EFFICIENCY = SizeCurve(points=((1e6, 0.01), (1e8, 0.15), (1e9, 0.45)
 # The shortest CUDA kernel plus its launch: a few microseconds (order of magnitude, not a datasheet figure).
 _GPU_OP_OVERHEAD_S = 4e-6
 # FlashAttention-2 reaches about 35% of H100's dense BF16 peak (Shah et al. 2024, FlashAttention-3,
-# abstract and fig. 5-6), against the ~0.78 the matmul curve gives a call of its size: 2.2x the
-# roofline, forward and backward.
+# abstract and fig. 5-6) and 50-73% of A100's (Dao 2023, FlashAttention-2, abstract), against the
+# ~0.78 the matmul curve gives a call of its size: 2.2x the roofline on Hopper, 1.3x on Ampere,
+# forward and backward.
 # What a GPU process holds before any tensor: the CUDA context (~0.5 GiB with lazy module loading,
 # CUDA 12) and NCCL's buffers (NCCL_BUFFSIZE 4 MiB per channel, protocol and peer over a few
 # communicators: ~1 GiB); cuBLAS workspaces are MiBs. What is left the caching allocator hands out
 # with ~5% lost to fragmentation.
 _GPU_RUNTIME_RESERVED_BYTES = 1536 * 2**20
 _GPU_USABLE_FRACTION = 0.95
-_HOPPER_OP_TIME_FACTORS = {op: SizeCurve(points=((1.0, 2.2),)) for op in (
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")}
+_FLASH_ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
+_HOPPER_OP_TIME_FACTORS = {op: SizeCurve(points=((1.0, 2.2),)) for op in _FLASH_ATTENTION_OPS}
+_AMPERE_OP_TIME_FACTORS = {op: SizeCurve(points=((1.0, 1.3),)) for op in _FLASH_ATTENTION_OPS}
 
 
 def _gpu_matmul(fp32_flops_per_s: float, half_flops_per_s: float) -> dict[str, MatmulRate]:
@@ -390,7 +392,7 @@ def _uniform_link(latency_s: float, bus_bandwidth_bytes_per_s: float, **link) ->
 # group with all 8 GPUs of each node moves 8x one GPU's network bandwidth (the figure given).
 _GPU_RAILS = 8
 _A100_NVLINK = _uniform_link(15e-6, 240e9)      # NVLink 3: 600 GB/s total, 300 GB/s per direction
-# DGX A100: one 200 Gb/s HDR port (25 GB/s) per GPU
+# DGX A100: one 200 Gb/s HDR port (25 GB/s) per GPU; how its latency grows with nodes is not measured here.
 _HDR_INFINIBAND = _uniform_link(40e-6, 20e9, rails=_GPU_RAILS)
 _H100_NVLINK = _uniform_link(15e-6, 360e9)      # NVLink 4: 900 GB/s total, 450 GB/s per direction
 # 400 Gb/s (50 GB/s) per GPU: DGX H100's NDR InfiniBand port, AWS p5's 4 x 100 Gb/s EFA. Measured on
@@ -399,7 +401,8 @@ _H100_NVLINK = _uniform_link(15e-6, 360e9)      # NVLink 4: 900 GB/s total, 450 
 # of time = 0.24 ms x log2(nodes) + bus bytes / 358 GB/s (within -39%..+36% of every point): bus
 # bandwidth 358 GB/s a node of 8 GPUs, 44.8 GB/s a GPU (90% of line rate); the latency grows by
 # 0.24 ms each time the nodes double (a 32 MiB all-reduce takes 0.43 ms over 2 nodes, 1.0 ms over 32).
-_NDR_INFINIBAND = _uniform_link(30e-6, 44.8e9, rails=_GPU_RAILS, latency_per_node_doubling_s=0.24e-3)
+# The fit's own intercept is ~0; 30 us is a small message's latency across nodes (order of magnitude).
+_HOPPER_NETWORK = _uniform_link(30e-6, 44.8e9, rails=_GPU_RAILS, latency_per_node_doubling_s=0.24e-3)
 _MIB = 2**20
 _CPU_LOOPBACK = LinkProfile(in_step_wait_s=2.3e-3, collectives={
     "all_gather_into_tensor": CollectiveCost(latency_s=110e-6, bus_bandwidth_bytes_per_s=1.8e9, correction=SizeCurve(
@@ -424,38 +427,40 @@ _CPU_OP_TIME_FACTORS = {op: SizeCurve(points=points) for op, points in {
     "threshold_backward": ((9.4e-5, 0.67), (1.9e-4, 0.75)),
 }.items()}
 
+def _gpu_profile(name: str, memory_mib: int, fp32_flops_per_s: float, half_flops_per_s: float,
+                 memory_bandwidth_bytes_per_s: float, intra_node: LinkProfile, inter_node: LinkProfile,
+                 op_time_factors: dict[str, SizeCurve], source: str) -> HardwareProfile:
+    """A datasheet GPU of an 8-GPU node: what every built-in GPU profile shares, spelled once."""
+    return HardwareProfile(
+        name=name, device_memory_bytes=memory_mib * _MIB, matmul=_gpu_matmul(fp32_flops_per_s, half_flops_per_s),
+        memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s, op_overhead_s=_GPU_OP_OVERHEAD_S,
+        devices_per_node=8, intra_node=intra_node, inter_node=inter_node, op_time_factors=op_time_factors,
+        runtime_reserved_bytes=_GPU_RUNTIME_RESERVED_BYTES, usable_memory_fraction=_GPU_USABLE_FRACTION,
+        source=source)
+
+
 BUILTIN = {
     # A100 SXM4 40GB datasheet: 40 GB HBM2 at 1,555 GB/s; FP32 19.5 TFLOP/s, BF16/FP16 tensor 312 TFLOP/s
     # dense; 8 GPUs per DGX/HGX node. Memory as nvidia-smi reports it: 40,960 MiB.
-    "a100-40g": HardwareProfile(
-        name="a100-40g", device_memory_bytes=40_960 * _MIB, matmul=_gpu_matmul(19.5e12, 312e12),
-        memory_bandwidth_bytes_per_s=1.555e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
-        intra_node=_A100_NVLINK, inter_node=_HDR_INFINIBAND,
-        source="NVIDIA A100 datasheet (SXM4 40GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
+    "a100-40g": _gpu_profile(
+        "a100-40g", 40_960, 19.5e12, 312e12, 1.555e12, _A100_NVLINK, _HDR_INFINIBAND, _AMPERE_OP_TIME_FACTORS,
+        "NVIDIA A100 datasheet (SXM4 40GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
     # A100 SXM4 80GB datasheet: 80 GB HBM2e at 2,039 GB/s; compute as the 40GB part. nvidia-smi: 81,920 MiB.
-    "a100-80g": HardwareProfile(
-        name="a100-80g", device_memory_bytes=81_920 * _MIB, matmul=_gpu_matmul(19.5e12, 312e12),
-        memory_bandwidth_bytes_per_s=2.039e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
-        intra_node=_A100_NVLINK, inter_node=_HDR_INFINIBAND,
-        source="NVIDIA A100 datasheet (SXM4 80GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
+    "a100-80g": _gpu_profile(
+        "a100-80g", 81_920, 19.5e12, 312e12, 2.039e12, _A100_NVLINK, _HDR_INFINIBAND, _AMPERE_OP_TIME_FACTORS,
+        "NVIDIA A100 datasheet (SXM4 80GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
     # H100 SXM5 datasheet: 80 GB HBM3 at 3.35 TB/s; FP32 67 TFLOP/s, BF16/FP16 tensor 989 TFLOP/s dense
     # (1,979 is with sparsity). nvidia-smi: 81,559 MiB.
-    "h100-80g": HardwareProfile(
-        name="h100-80g", device_memory_bytes=81_559 * _MIB, matmul=_gpu_matmul(67e12, 989e12),
-        memory_bandwidth_bytes_per_s=3.35e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
-        intra_node=_H100_NVLINK, inter_node=_NDR_INFINIBAND,
-        op_time_factors=_HOPPER_OP_TIME_FACTORS,
-        runtime_reserved_bytes=_GPU_RUNTIME_RESERVED_BYTES, usable_memory_fraction=_GPU_USABLE_FRACTION,
-        source="NVIDIA H100 datasheet (SXM5 80GB); links: NVLink 4 and NDR InfiniBand at ~80% of line rate"),
+    "h100-80g": _gpu_profile(
+        "h100-80g", 81_559, 67e12, 989e12, 3.35e12, _H100_NVLINK, _HOPPER_NETWORK, _HOPPER_OP_TIME_FACTORS,
+        "NVIDIA H100 datasheet (SXM5 80GB); links: NVLink 4 at ~80% of line rate, 400 Gb/s a GPU across nodes "
+        "as nccl-tests measured it on AWS p5"),
     # H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s; compute as H100 SXM (same Hopper die and clocks).
     # nvidia-smi: 143,771 MiB.
-    "h200": HardwareProfile(
-        name="h200", device_memory_bytes=143_771 * _MIB, matmul=_gpu_matmul(67e12, 989e12),
-        memory_bandwidth_bytes_per_s=4.8e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
-        intra_node=_H100_NVLINK, inter_node=_NDR_INFINIBAND,
-        op_time_factors=_HOPPER_OP_TIME_FACTORS,
-        runtime_reserved_bytes=_GPU_RUNTIME_RESERVED_BYTES, usable_memory_fraction=_GPU_USABLE_FRACTION,
-        source="NVIDIA H200 datasheet (SXM 141GB); links: NVLink 4 and NDR InfiniBand at ~80% of line rate"),
+    "h200": _gpu_profile(
+        "h200", 143_771, 67e12, 989e12, 4.8e12, _H100_NVLINK, _HOPPER_NETWORK, _HOPPER_OP_TIME_FACTORS,
+        "NVIDIA H200 datasheet (SXM 141GB); links: NVLink 4 at ~80% of line rate, 400 Gb/s a GPU across nodes "
+        "as nccl-tests measured it on AWS p5"),
     # One CPU process per rank with 1 thread, gloo over loopback TCP: rounded from
     # `shardplan calibrate --world-size 2` on this project's 2-core AMD EPYC (Zen 4, AVX-512 BF16)
     # VM, torch 2.13, 2026-11-22, the machine quiet. Collectives: their own cost (ranks arriving
