@@ -17,8 +17,9 @@ RECORDED = {  # (model, GPUs): (Kendall tau, crashed rows predicted over, rows t
     ("playbook-3B", 16): (0.77, 10, 9),
     ("playbook-3B", 64): (0.57, 6, 8),
 }
-"""At commit time: tau +0.78 / +0.49 / +0.78 / +0.57 (before the cross-node link model, 1B read
--0.17 and -0.31); a little slack below each tau for float noise, none on the counts."""
+"""At commit time: tau +0.78 / +0.49 / +0.78 / +0.57 (the profile before the cross-node link model
+read +0.06 / -0.03 / +0.00 / -0.79); a little slack below each tau for float noise, none on the
+counts."""
 
 
 @pytest.fixture(scope="module")
