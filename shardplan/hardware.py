@@ -100,6 +100,21 @@ class LinkProfile:
     """Mean time a collective inside a training step takes beyond its own cost, which is timed
     with the ranks arriving together: in a step they arrive apart and communication threads wake
     late (see [Note: collectives in a step] in calibrate.py). 0 where not measured (datasheets)."""
+    rails: int = 1
+    """Ranks of one node whose own network links carry a collective across nodes side by side (a
+    rail-optimized GPU cluster gives every GPU its NICs): a group with k ranks on each node moves
+    its bus bytes at min(k, rails) x the collectives' bandwidth, which is then one rank's. 1 where
+    a node's ranks share one link."""
+    latency_per_node_doubling_s: float = 0.0
+    """Latency a collective adds each time the nodes it spans double (the inter-node steps of
+    NCCL's tree and ring phases): alpha = latency_s + this x log2(nodes). 0 within a node."""
+
+    def time_s(self, kind: str, bus_bytes: float, *, nodes: int = 1, ranks_per_node: int = 1) -> float:
+        """One collective of `kind` moving `bus_bytes` over a group of `nodes` x `ranks_per_node` ranks."""
+        cost = self.collectives[kind]
+        latency_s = cost.latency_s + self.latency_per_node_doubling_s * math.log2(nodes)
+        bandwidth = cost.bus_bandwidth_bytes_per_s * min(ranks_per_node, self.rails)
+        return (latency_s + bus_bytes / bandwidth) * cost.correction.at(bus_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,7 +124,11 @@ class HardwareProfile:
     name: str
     device_memory_bytes: int
     usable_memory_fraction: float = 0.9
-    """Share of device memory a plan may use by default (allocator fragmentation, runtime context)."""
+    """Share of the memory left past runtime_reserved_bytes that a plan may use by default: the
+    caching allocator's fragmentation (and, where runtime_reserved_bytes is 0, the runtime's own)."""
+    runtime_reserved_bytes: int = 0
+    """Device memory the runtime takes before any tensor of the plan: on a GPU the CUDA context,
+    NCCL's communicator buffers, cuBLAS workspaces. 0 where usable_memory_fraction covers it."""
     matmul: dict[str, MatmulRate]
     """By dtype name as torch spells it: "float32", "bfloat16", "float16"."""
     memory_bandwidth_bytes_per_s: float
@@ -146,11 +165,17 @@ class HardwareProfile:
         if self.usable_memory_fraction > 1:
             raise HardwareError(f"hardware profile {self.name!r}: usable_memory_fraction is "
                                 f"{self.usable_memory_fraction}, must be at most 1: it is a share of device memory")
-        for link in ("intra_node", "inter_node"):
-            wait_s = getattr(self, link).in_step_wait_s
-            if not _is_non_negative(wait_s):
-                raise HardwareError(f"hardware profile {self.name!r}: {link}.in_step_wait_s is {wait_s!r}, must be "
-                                    "a finite number of seconds, 0 or more")
+        for where, value in (("intra_node.in_step_wait_s", self.intra_node.in_step_wait_s),
+                             ("inter_node.in_step_wait_s", self.inter_node.in_step_wait_s),
+                             ("intra_node.latency_per_node_doubling_s", self.intra_node.latency_per_node_doubling_s),
+                             ("inter_node.latency_per_node_doubling_s", self.inter_node.latency_per_node_doubling_s),
+                             ("runtime_reserved_bytes", self.runtime_reserved_bytes)):
+            if not _is_non_negative(value):
+                raise HardwareError(f"hardware profile {self.name!r}: {where} is {value!r}, must be a finite "
+                                    "number, 0 or more")
+        if self.runtime_reserved_bytes >= self.device_memory_bytes:
+            raise HardwareError(f"hardware profile {self.name!r}: runtime_reserved_bytes {self.runtime_reserved_bytes} "
+                                f"leaves nothing of device_memory_bytes {self.device_memory_bytes}: lower it")
         if not self.matmul:
             raise HardwareError(f"hardware profile {self.name!r}: matmul lists no dtype: "
                                 "add at least \"float32\" or run `shardplan calibrate`")
@@ -162,7 +187,7 @@ class HardwareProfile:
 
     @property
     def usable_memory_bytes(self) -> int:
-        return int(self.device_memory_bytes * self.usable_memory_fraction)
+        return int((self.device_memory_bytes - self.runtime_reserved_bytes) * self.usable_memory_fraction)
 
     def compute_time_s(self, flops: float, bytes_moved: float, dtype: str = "float32", *, calls: int = 1,
                        op: str = "") -> float:
@@ -183,14 +208,23 @@ class HardwareProfile:
         factor = self.op_time_factors[op].at(roofline_s / calls) if op in self.op_time_factors else 1.0
         return calls * self.op_overhead_s + factor * roofline_s
 
-    def collective_time_s(self, kind: str, nbytes: float, group_size: int, *, in_step: bool = True) -> float:
+    def collective_time_s(self, kind: str, nbytes: float, group_size: int, *, in_step: bool = True,
+                          ranks_per_node: int = 0) -> float:
         """Time of one collective whose full (gathered, unsharded) buffer is `nbytes`: inside a
-        training step, or (`in_step=False`) its own cost, all ranks arriving together."""
+        training step, or (`in_step=False`) its own cost, all ranks arriving together.
+
+        The group's ranks are consecutive (a data-parallel group of the mesh), so it fills whole
+        nodes, unless `ranks_per_node` says how many of its ranks share a node (1: two pipeline
+        stages whose ranks sit a node or more apart). A group within one node uses `intra_node`;
+        one spanning nodes `inter_node`, at the bandwidth of the links its ranks on a node bring."""
         factor = ring_factor(kind, max(group_size, 1))  # first, so an unknown kind fails at any size
         if group_size <= 1 or nbytes <= 0:
             return 0.0
-        link = self.intra_node if group_size <= self.devices_per_node else self.inter_node
-        return link.collectives[kind].time_s(nbytes * factor) + (link.in_step_wait_s if in_step else 0.0)
+        per_node = min(ranks_per_node or self.devices_per_node, group_size)
+        nodes = -(-group_size // per_node)
+        link = self.intra_node if nodes == 1 else self.inter_node
+        return (link.time_s(kind, nbytes * factor, nodes=nodes, ranks_per_node=per_node)
+                + (link.in_step_wait_s if in_step else 0.0))
 
     def _matmul_rate(self, dtype) -> MatmulRate:
         name = str(dtype).removeprefix("torch.")
@@ -311,8 +345,9 @@ def _figures(value, where: str):
         yield where, value
 
 
-_NOT_FIGURES = ("name", "source", "overlaps_communication", "in_step_wait_s")
-"""Fields that are not positive figures (a wait may be 0: checked on its own)."""
+_NOT_FIGURES = ("name", "source", "overlaps_communication", "in_step_wait_s", "latency_per_node_doubling_s",
+                "runtime_reserved_bytes")
+"""Fields that are not positive figures (a wait, a latency step, a reserve may be 0: checked on their own)."""
 
 
 # Built-in profiles. float32 is what PyTorch runs by default (full FP32, not TF32:
@@ -324,6 +359,19 @@ _NOT_FIGURES = ("name", "source", "overlaps_communication", "in_step_wait_s")
 _GPU_MATMUL_EFFICIENCY = SizeCurve(points=((1e6, 0.01), (1e8, 0.15), (1e9, 0.45), (1e10, 0.7), (1e11, 0.8)))
 # The shortest CUDA kernel plus its launch: a few microseconds (order of magnitude, not a datasheet figure).
 _GPU_OP_OVERHEAD_S = 4e-6
+# FlashAttention-2 reaches about 35% of H100's dense BF16 peak (Shah et al. 2024, FlashAttention-3,
+# abstract and fig. 5-6) and 50-73% of A100's (Dao 2023, FlashAttention-2, abstract), against the
+# ~0.78 the matmul curve gives a call of its size: 2.2x the roofline on Hopper, 1.3x on Ampere,
+# forward and backward.
+# What a GPU process holds before any tensor: the CUDA context (~0.5 GiB with lazy module loading,
+# CUDA 12) and NCCL's buffers (NCCL_BUFFSIZE 4 MiB per channel, protocol and peer over a few
+# communicators: ~1 GiB); cuBLAS workspaces are MiBs. What is left the caching allocator hands out
+# with ~5% lost to fragmentation.
+_GPU_RUNTIME_RESERVED_BYTES = 1536 * 2**20
+_GPU_USABLE_FRACTION = 0.95
+_FLASH_ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
+_HOPPER_OP_TIME_FACTORS = {op: SizeCurve(points=((1.0, 2.2),)) for op in _FLASH_ATTENTION_OPS}
+_AMPERE_OP_TIME_FACTORS = {op: SizeCurve(points=((1.0, 1.3),)) for op in _FLASH_ATTENTION_OPS}
 
 
 def _gpu_matmul(fp32_flops_per_s: float, half_flops_per_s: float) -> dict[str, MatmulRate]:
@@ -332,18 +380,29 @@ def _gpu_matmul(fp32_flops_per_s: float, half_flops_per_s: float) -> dict[str, M
             "float16": MatmulRate(peak_flops_per_s=half_flops_per_s, efficiency=_GPU_MATMUL_EFFICIENCY)}
 
 
-def _uniform_link(latency_s: float, bus_bandwidth_bytes_per_s: float) -> LinkProfile:
+def _uniform_link(latency_s: float, bus_bandwidth_bytes_per_s: float, **link) -> LinkProfile:
     cost = CollectiveCost(latency_s=latency_s, bus_bandwidth_bytes_per_s=bus_bandwidth_bytes_per_s)
-    return LinkProfile(collectives={kind: cost for kind in COLLECTIVES})
+    return LinkProfile(collectives={kind: cost for kind in COLLECTIVES}, **link)
 
 
 # NCCL latency of a small collective: ~10-20 us within an NVLink node, ~30-50 us across
 # InfiniBand (nccl-tests small-message times, order of magnitude). Bus bandwidth: ~80% of
 # the per-direction line rate, what nccl-tests' busbw reaches for large messages.
+# Across nodes every GPU of a DGX / HGX node has its own NIC (rail-optimized: 8 rails), so a
+# group with all 8 GPUs of each node moves 8x one GPU's network bandwidth (the figure given).
+_GPU_RAILS = 8
 _A100_NVLINK = _uniform_link(15e-6, 240e9)      # NVLink 3: 600 GB/s total, 300 GB/s per direction
-_HDR_INFINIBAND = _uniform_link(40e-6, 20e9)    # DGX A100: one 200 Gb/s HDR port (25 GB/s) per GPU
+# DGX A100: one 200 Gb/s HDR port (25 GB/s) per GPU; how its latency grows with nodes is not measured here.
+_HDR_INFINIBAND = _uniform_link(40e-6, 20e9, rails=_GPU_RAILS)
 _H100_NVLINK = _uniform_link(15e-6, 360e9)      # NVLink 4: 900 GB/s total, 450 GB/s per direction
-_NDR_INFINIBAND = _uniform_link(40e-6, 40e9)    # DGX H100/H200: one 400 Gb/s NDR port (50 GB/s) per GPU
+# 400 Gb/s (50 GB/s) per GPU: DGX H100's NDR InfiniBand port, AWS p5's 4 x 100 Gb/s EFA. Measured on
+# p5.48xlarge (nccl-tests all_reduce_perf, 2-32 nodes of 8 H100, 32 MiB-8 GiB buffers;
+# github.com/crazyguitar/aws-gpu-communication-benchmark, data/nccl_all_reduce.csv), least squares
+# of time = 0.24 ms x log2(nodes) + bus bytes / 358 GB/s (within -39%..+36% of every point): bus
+# bandwidth 358 GB/s a node of 8 GPUs, 44.8 GB/s a GPU (90% of line rate); the latency grows by
+# 0.24 ms each time the nodes double (a 32 MiB all-reduce takes 0.43 ms over 2 nodes, 1.0 ms over 32).
+# The fit's own intercept is ~0; 30 us is a small message's latency across nodes (order of magnitude).
+_HOPPER_NETWORK = _uniform_link(30e-6, 44.8e9, rails=_GPU_RAILS, latency_per_node_doubling_s=0.24e-3)
 _MIB = 2**20
 _CPU_LOOPBACK = LinkProfile(in_step_wait_s=2.3e-3, collectives={
     "all_gather_into_tensor": CollectiveCost(latency_s=110e-6, bus_bandwidth_bytes_per_s=1.8e9, correction=SizeCurve(
@@ -368,34 +427,40 @@ _CPU_OP_TIME_FACTORS = {op: SizeCurve(points=points) for op, points in {
     "threshold_backward": ((9.4e-5, 0.67), (1.9e-4, 0.75)),
 }.items()}
 
+def _gpu_profile(name: str, memory_mib: int, fp32_flops_per_s: float, half_flops_per_s: float,
+                 memory_bandwidth_bytes_per_s: float, intra_node: LinkProfile, inter_node: LinkProfile,
+                 op_time_factors: dict[str, SizeCurve], source: str) -> HardwareProfile:
+    """A datasheet GPU of an 8-GPU node: what every built-in GPU profile shares, spelled once."""
+    return HardwareProfile(
+        name=name, device_memory_bytes=memory_mib * _MIB, matmul=_gpu_matmul(fp32_flops_per_s, half_flops_per_s),
+        memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s, op_overhead_s=_GPU_OP_OVERHEAD_S,
+        devices_per_node=8, intra_node=intra_node, inter_node=inter_node, op_time_factors=op_time_factors,
+        runtime_reserved_bytes=_GPU_RUNTIME_RESERVED_BYTES, usable_memory_fraction=_GPU_USABLE_FRACTION,
+        source=source)
+
+
 BUILTIN = {
     # A100 SXM4 40GB datasheet: 40 GB HBM2 at 1,555 GB/s; FP32 19.5 TFLOP/s, BF16/FP16 tensor 312 TFLOP/s
     # dense; 8 GPUs per DGX/HGX node. Memory as nvidia-smi reports it: 40,960 MiB.
-    "a100-40g": HardwareProfile(
-        name="a100-40g", device_memory_bytes=40_960 * _MIB, matmul=_gpu_matmul(19.5e12, 312e12),
-        memory_bandwidth_bytes_per_s=1.555e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
-        intra_node=_A100_NVLINK, inter_node=_HDR_INFINIBAND,
-        source="NVIDIA A100 datasheet (SXM4 40GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
+    "a100-40g": _gpu_profile(
+        "a100-40g", 40_960, 19.5e12, 312e12, 1.555e12, _A100_NVLINK, _HDR_INFINIBAND, _AMPERE_OP_TIME_FACTORS,
+        "NVIDIA A100 datasheet (SXM4 40GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
     # A100 SXM4 80GB datasheet: 80 GB HBM2e at 2,039 GB/s; compute as the 40GB part. nvidia-smi: 81,920 MiB.
-    "a100-80g": HardwareProfile(
-        name="a100-80g", device_memory_bytes=81_920 * _MIB, matmul=_gpu_matmul(19.5e12, 312e12),
-        memory_bandwidth_bytes_per_s=2.039e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
-        intra_node=_A100_NVLINK, inter_node=_HDR_INFINIBAND,
-        source="NVIDIA A100 datasheet (SXM4 80GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
+    "a100-80g": _gpu_profile(
+        "a100-80g", 81_920, 19.5e12, 312e12, 2.039e12, _A100_NVLINK, _HDR_INFINIBAND, _AMPERE_OP_TIME_FACTORS,
+        "NVIDIA A100 datasheet (SXM4 80GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
     # H100 SXM5 datasheet: 80 GB HBM3 at 3.35 TB/s; FP32 67 TFLOP/s, BF16/FP16 tensor 989 TFLOP/s dense
     # (1,979 is with sparsity). nvidia-smi: 81,559 MiB.
-    "h100-80g": HardwareProfile(
-        name="h100-80g", device_memory_bytes=81_559 * _MIB, matmul=_gpu_matmul(67e12, 989e12),
-        memory_bandwidth_bytes_per_s=3.35e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
-        intra_node=_H100_NVLINK, inter_node=_NDR_INFINIBAND,
-        source="NVIDIA H100 datasheet (SXM5 80GB); links: NVLink 4 and NDR InfiniBand at ~80% of line rate"),
+    "h100-80g": _gpu_profile(
+        "h100-80g", 81_559, 67e12, 989e12, 3.35e12, _H100_NVLINK, _HOPPER_NETWORK, _HOPPER_OP_TIME_FACTORS,
+        "NVIDIA H100 datasheet (SXM5 80GB); links: NVLink 4 at ~80% of line rate, 400 Gb/s a GPU across nodes "
+        "as nccl-tests measured it on AWS p5"),
     # H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s; compute as H100 SXM (same Hopper die and clocks).
     # nvidia-smi: 143,771 MiB.
-    "h200": HardwareProfile(
-        name="h200", device_memory_bytes=143_771 * _MIB, matmul=_gpu_matmul(67e12, 989e12),
-        memory_bandwidth_bytes_per_s=4.8e12, op_overhead_s=_GPU_OP_OVERHEAD_S, devices_per_node=8,
-        intra_node=_H100_NVLINK, inter_node=_NDR_INFINIBAND,
-        source="NVIDIA H200 datasheet (SXM 141GB); links: NVLink 4 and NDR InfiniBand at ~80% of line rate"),
+    "h200": _gpu_profile(
+        "h200", 143_771, 67e12, 989e12, 4.8e12, _H100_NVLINK, _HOPPER_NETWORK, _HOPPER_OP_TIME_FACTORS,
+        "NVIDIA H200 datasheet (SXM 141GB); links: NVLink 4 at ~80% of line rate, 400 Gb/s a GPU across nodes "
+        "as nccl-tests measured it on AWS p5"),
     # One CPU process per rank with 1 thread, gloo over loopback TCP: rounded from
     # `shardplan calibrate --world-size 2` on this project's 2-core AMD EPYC (Zen 4, AVX-512 BF16)
     # VM, torch 2.13, 2026-11-22, the machine quiet. Collectives: their own cost (ranks arriving

@@ -127,6 +127,24 @@ class Schedule:
         if self.name not in SCHEDULE_NAMES:
             raise PlanError(f"schedule {self.name!r} is unknown: use one of {', '.join(SCHEDULE_NAMES)}")
 
+    def in_flight(self, stage: int, pp: int) -> int:
+        """Micro-batches whose activations stage `stage` of `pp` holds at once: every one under GPipe;
+        under 1F1B the forwards of its warm-up, min(m, pp - stage)."""
+        if pp == 1:
+            return 1
+        return self.num_micro_batches if self.name == "gpipe" else min(self.num_micro_batches, pp - stage)
+
+    def runs_as(self, pp: int) -> str:
+        """What the schedule does over `pp` stages, in words. 1F1B with fewer micro-batches than
+        stages (as nanotron and Megatron run it) degrades to fill-drain: the first pp - m stages
+        run every forward, then every backward, the later ones still alternate; its step takes
+        (m + pp - 1) micro-batch times, as GPipe's does, and holds fewer activations late."""
+        m = self.num_micro_batches
+        words = f"{m} micro-batch(es)" + (f", {self.name}" if pp > 1 else "")
+        if pp > 1 and self.name == "1f1b" and m < pp:
+            words += f" (fewer micro-batches than the {pp} stages: fill-drain on stages 0..{pp - m - 1})"
+        return words
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MixedPrecision:
@@ -227,8 +245,7 @@ class Plan:
         from .sizes import format_bytes
 
         lines = [f"plan for {self.model or 'model'} on {self.world_size} ranks of {self.hardware}: "
-                 f"dp={self.mesh.dp} pp={self.mesh.pp}, {self.schedule.num_micro_batches} micro-batch(es)"
-                 + (f", {self.schedule.name}" if self.mesh.pp > 1 else "")
+                 f"dp={self.mesh.dp} pp={self.mesh.pp}, {self.schedule.runs_as(self.mesh.pp)}"
                  + f", params {self.mixed_precision.param_dtype}, grads reduced in {self.mixed_precision.reduce_dtype}",
                  "", f"{'stage':>5}  {'unit':<32} {'strategy':<16} {'checkpoint':<10} {'offload':<7} {'params':>7}"]
         units = {unit.name: unit for unit in self.units}
@@ -281,10 +298,6 @@ def _check_plan(plan: Plan) -> None:
     if (plan.mesh.pp == 1) != (plan.schedule.name == "none"):
         raise PlanError(f"schedule {plan.schedule.name!r} with pp={plan.mesh.pp}: use 'none' without a pipeline "
                         "and 'gpipe' or '1f1b' with one")
-    if plan.schedule.name == "1f1b" and plan.schedule.num_micro_batches < plan.mesh.pp:
-        raise PlanError(f"schedule '1f1b' with {plan.schedule.num_micro_batches} micro-batches over pp={plan.mesh.pp} "
-                        "stages: 1F1B needs at least one micro-batch per stage; use 'gpipe' (the same schedule "
-                        "with fewer micro-batches) or more micro-batches")
     _unique([u.name for u in plan.units], "unit name", "rename one of the units")
     _unique([m for u in plan.units for m in u.modules], "module", "a module belongs to one unit")
     _unique([p for u in plan.units for p in u.params], "parameter", "a parameter belongs to one unit's flat buffer")

@@ -76,6 +76,32 @@ def test_collective_time_inter_node_and_trivial_cases():
         profile.collective_time_s("broadcast", 1e8, 1)
 
 
+def test_a_group_across_nodes_moves_its_bytes_over_the_rails_its_ranks_bring():
+    rails = dataclasses.replace(make_profile().inter_node, rails=4, latency_per_node_doubling_s=2e-3)
+    profile = make_profile(inter_node=rails)  # 4 devices a node
+    bus = 1e8 * 15 / 16
+    # 16 consecutive ranks fill 4 nodes: 4 ranks' links each, latency + 2 doublings of nodes
+    assert profile.collective_time_s("all_gather_into_tensor", 1e8, 16) == pytest.approx(1e-3 + 2 * 2e-3 + bus / 4e8)
+    # the same group with one rank a node (stages of a pipeline): one rank's links over 16 nodes
+    assert profile.collective_time_s("all_gather_into_tensor", 1e8, 16, ranks_per_node=1) == pytest.approx(
+        1e-3 + 4 * 2e-3 + bus / 1e8)
+    # 2 ranks a node: half the rails; a group within one node never reads the inter-node link
+    assert profile.collective_time_s("all_gather_into_tensor", 1e8, 16, ranks_per_node=2) == pytest.approx(
+        1e-3 + 3 * 2e-3 + bus / 2e8)
+    assert profile.collective_time_s("all_gather_into_tensor", 8e8, 4) == pytest.approx(1e-4 + 8e8 * 0.75 / 1e9)
+
+
+def test_links_without_rails_price_a_group_across_nodes_as_before():
+    """rails 1 and no latency growth (the defaults, the CPU profile): the plain alpha-beta of the link."""
+    profile = make_profile()
+    assert profile.collective_time_s("all_reduce", 1e8, 64) == pytest.approx(1e-3 + 1e8 * 2 * 63 / 64 / 1e8)
+    assert profile.collective_time_s("all_reduce", 1e8, 64, ranks_per_node=1) == pytest.approx(
+        1e-3 + 1e8 * 2 * 63 / 64 / 1e8)
+    cpu = BUILTIN["cpu-gloo"]
+    assert cpu.inter_node.rails == 1 and cpu.inter_node.latency_per_node_doubling_s == 0
+    assert cpu.usable_memory_bytes == int(8 * 2**30 * 0.9)
+
+
 def test_gloo_reduce_scatter_emulation_is_in_the_numbers():
     """Fitted on gloo, reduce_scatter has half all_gather's bus bandwidth: same formula, no special case."""
     profile = make_profile()
@@ -120,6 +146,10 @@ def test_compute_time_op_factor_scales_the_roofline_not_the_fixed_cost():
 
 def test_usable_memory():
     assert make_profile().usable_memory_bytes == int(10 * 2**30 * 0.8)
+    # the runtime's own memory (CUDA context, NCCL buffers) comes off before the allocator's share
+    assert make_profile(runtime_reserved_bytes=2**30).usable_memory_bytes == int(9 * 2**30 * 0.8)
+    with pytest.raises(HardwareError, match="runtime_reserved_bytes .* leaves nothing"):
+        make_profile(runtime_reserved_bytes=10 * 2**30)
 
 
 @pytest.mark.parametrize("profile", [*BUILTIN.values(), make_profile(),
@@ -167,6 +197,10 @@ def _edited(mutate) -> str:
     (lambda d: d["inter_node"]["collectives"].pop("reduce_scatter_tensor"),
      ["inter_node.collectives lacks reduce_scatter_tensor"]),
     (lambda d: d.update(usable_memory_fraction=1.5), ["usable_memory_fraction is 1.5", "at most 1"]),
+    (lambda d: d.update(runtime_reserved_bytes=-1), ["runtime_reserved_bytes is -1", "0 or more"]),
+    (lambda d: d["inter_node"].update(latency_per_node_doubling_s=-1e-3),
+     ["inter_node.latency_per_node_doubling_s is -0.001", "0 or more"]),
+    (lambda d: d["inter_node"].update(rails=0), ["inter_node.rails is 0", "positive"]),
     (lambda d: d.update(peak_flops=1e12), ["unknown field peak_flops"]),
     (lambda d: d.update(schema="shardplan.hardware/0"), ["schema 'shardplan.hardware/0'"]),
     (lambda d: d.update(matmul=[]), ["matmul must be a JSON object"]),

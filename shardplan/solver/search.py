@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .. import cost
 from ..cost import CostContext, evaluate_stage
+from ..plan import Schedule
 from .chain_dp import ROUNDING, ChainSolver, StageFloors, UnitCosts
 from .space import BlockRule, SearchSpace
 from .stages import StageCut, cut_stages
@@ -54,9 +55,7 @@ class Configuration:
     """"none" when pp == 1."""
 
     def in_flight(self, stage: int) -> int:
-        if self.pp == 1:
-            return 1
-        return self.num_micro_batches if self.schedule == "gpipe" else min(self.num_micro_batches, self.pp - stage)
+        return Schedule(num_micro_batches=self.num_micro_batches, name=self.schedule).in_flight(stage, self.pp)
 
     def describe(self) -> str:
         text = f"dp={self.dp} pp={self.pp} micro-batches={self.num_micro_batches}"
@@ -83,7 +82,9 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
             continue
         for m in micro:
             for schedule in (SCHEDULES if pp > 1 else ("none",)):
-                if schedule == "1f1b" and m < pp:  # 1F1B's warm-up needs a micro-batch per stage
+                # A plan may name 1F1B over fewer micro-batches than stages (fill-drain: Schedule.runs_as),
+                # but torch's Schedule1F1B, which the runtime runs, refuses it: not searched.
+                if schedule == "1f1b" and m < pp:
                     continue
                 found.append(Configuration(dp=world // pp, pp=pp, num_micro_batches=m, schedule=schedule))
     return found
@@ -120,11 +121,15 @@ def boundary_times_s(blocks, setting: Setting, configuration: Configuration, har
     back. A send of x bytes between two ranks is priced as an all-gather of 2x bytes over 2 ranks
     (each rank receives x): the profile has no point-to-point figures. It includes the link's
     in-step wait: a send in a step waits for its peer as a collective does (without it the
-    pipelined plans' step times read 0.72-0.96 of measured, with it 0.84-1.02: docs/benchmarks.md)."""
+    pipelined plans' step times read 0.72-0.96 of measured, with it 0.84-1.02: docs/benchmarks.md).
+    Neighbouring stages sit dp ranks apart: once the world spans nodes, the slowest stage's sends
+    cross them, one rank's links each side (ranks_per_node=1)."""
     if configuration.pp == 1:
         return [0.0] * (len(blocks) + 1)
     m, crossing = configuration.num_micro_batches, boundary_bytes(blocks, setting.skip_edges)
-    return [0.0] + [hardware.collective_time_s("all_gather_into_tensor", 2 * -(-nbytes // m), 2)
+    spans_nodes = setting.world_size > getattr(hardware, "devices_per_node", setting.world_size)
+    placement = {"ranks_per_node": 1} if spans_nodes else {}
+    return [0.0] + [hardware.collective_time_s("all_gather_into_tensor", 2 * -(-nbytes // m), 2, **placement)
                     for nbytes in crossing[1:-1]] + [0.0]
 
 

@@ -1,0 +1,390 @@
+"""The GPU cost model against published H100 training runs (nanotron, Ultra-Scale Playbook).
+
+    .venv/bin/python benchmarks/bench_published.py                   # ../shared/data/published-h100/runs.csv
+    .venv/bin/python benchmarks/bench_published.py --data runs.csv --hardware h100-80g
+
+Every tp = 1 row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
+(the embedding, each decoder layer, the final norm with the LM head and the loss), ZeRO-0 as
+REPLICATE and ZeRO-1 as SHARD_OPTIMIZER, 1F1B over the gradient-accumulation micro-batches,
+parameters in bf16 and gradients reduced in fp32, no recomputation, stages cut as nanotron cuts
+them. `compile.evaluate` predicts each plan's step time and peak memory on the profile. Printed
+per model and GPU count: Kendall tau of predicted against measured tokens/s/GPU over the rows
+that ran, predicted / measured throughput (median, p10, p90), and the memory classification (the
+share of crashed rows predicted over the device's usable memory, the share of rows that ran
+predicted within it); then the rows that cannot be expressed, each with its reason.
+
+The LLaMA chains are built by hand from the model dimensions (model_configs.md of the data set):
+no torch, no capture, so the whole data set is evaluated in seconds.
+"""
+import argparse
+import csv
+import math
+import os
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.stats import kendalltau
+
+from shardplan.chain import Block, BlockChain, InputSpec, OpKind
+from shardplan.compile import evaluate
+from shardplan.hardware import get_hardware
+from shardplan.plan import Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage, Unit
+
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
+                            "published-h100", "runs.csv")
+"""`<repo>/../shared/data/published-h100/runs.csv`: the shared data set beside the checkout."""
+BF16 = MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
+ZERO_STAGES = {"0": ShardStrategy.REPLICATE, "1": ShardStrategy.SHARD_OPTIMIZER}
+"""nanotron shards at most the optimizer state (ZeRO-1): its parameters stay whole on every rank."""
+RAN = ("ok", "completed", "completed_but_only_1_iteration_logged")
+CRASHED = ("crashed_or_oom", "oom", "oom (inferred")
+"""Statuses that count as a crash (status prefixes); timeouts and other failures are neither."""
+BF16_BYTES, FP32_BYTES = 2, 4
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LlamaDims:
+    """A LLaMA-style decoder as nanotron builds it (model_configs.md of the data set)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    """The LM head reads the embedding's weight (tie_word_embeddings)."""
+
+
+MODELS = {
+    "playbook-1B": LlamaDims(layers=16, hidden=2048, heads=32, kv_heads=32, intermediate=8192, vocab=131072,
+                               tied=True),
+    "playbook-3B": LlamaDims(layers=28, hidden=3072, heads=32, kv_heads=32, intermediate=8192, vocab=131072,
+                             tied=True),
+    "playbook-8B": LlamaDims(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=14336, vocab=131072,
+                             tied=False),
+    "playbook-80B": LlamaDims(layers=80, hidden=8192, heads=64, kv_heads=64, intermediate=28672, vocab=131072,
+                              tied=False),
+    "oldbench-llama-1B": LlamaDims(layers=24, hidden=2048, heads=32, kv_heads=32, intermediate=4096, vocab=50257,
+                                   tied=True),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Row:
+    """One configuration of the data set, as far as the cost model reads it."""
+
+    model: str
+    n_gpus: int
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    grad_accum: int
+    seq_len: int
+    zero_stage: str
+    status: str
+    tokens_per_s_per_gpu: float | None
+    line: int
+    """Line in the CSV file (the header is line 1)."""
+
+    @property
+    def ran(self) -> bool:
+        return self.status in RAN
+
+    @property
+    def crashed(self) -> bool:
+        return self.status.startswith(CRASHED)
+
+    def describe(self) -> str:
+        return (f"{self.model} n={self.n_gpus} dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} "
+                f"ga={self.grad_accum} zero={self.zero_stage} ({self.status.split(' ')[0]}, line {self.line})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Outcome:
+    row: Row
+    predicted: Predicted | None = None
+    tokens_per_s_per_gpu: float = 0.0
+    reason: str = ""
+    """Why the row cannot be expressed as a plan ("" when it can)."""
+
+
+def read_rows(path: str) -> list[Row]:
+    with open(path, newline="") as handle:
+        return [Row(model=r["model"], n_gpus=int(r["n_gpus"]), dp=int(r["dp"]), tp=int(r["tp"]), pp=int(r["pp"]),
+                    micro_batch_size=int(r["mbz"]), grad_accum=int(r["grad_accum"]), seq_len=int(r["seq_len"]),
+                    zero_stage=r["zero_stage"], status=r["status"],
+                    tokens_per_s_per_gpu=float(r["tokens_per_sec_per_gpu"]) if r["tokens_per_sec_per_gpu"] else None,
+                    line=line)
+                for line, r in enumerate(csv.DictReader(handle), start=2)]
+
+
+def _matmul(tokens: int, fan_in: int, fan_out: int, calls: int = 1) -> OpKind:
+    """`calls` bf16 matmuls of (tokens x fan_in) by (fan_in x fan_out) over the replica batch."""
+    weights = calls * fan_in * fan_out * BF16_BYTES
+    return OpKind(name="mm", calls=calls, flops=2 * calls * tokens * fan_in * fan_out,
+                  bytes=weights + calls * tokens * (fan_in + fan_out) * BF16_BYTES, weight_bytes=weights)
+
+
+def _backward(kinds: tuple[OpKind, ...]) -> tuple[OpKind, ...]:
+    """A matmul's backward computes two products (input and weight gradient) of its forward's size and
+    moves about twice its bytes; flash attention's backward runs 5 of the forward's 2 products (Dao
+    2023, FlashAttention-2, sec. 3.1); an elementwise op's backward streams about twice its bytes."""
+    factor = {"mm": 2, "_scaled_dot_product_flash_attention": 2.5}
+    return tuple(OpKind(name="mm" if kind.name == "mm" else f"{kind.name}_backward",
+                        calls=kind.calls * (2 if kind.name == "mm" else 1),
+                        flops=int(kind.flops * factor.get(kind.name, 0)), bytes=2 * kind.bytes,
+                        weight_bytes=2 * kind.weight_bytes) for kind in kinds)
+
+
+def _elementwise(name: str, calls: int, nbytes: int) -> OpKind:
+    return OpKind(name=name, calls=calls, flops=0, bytes=nbytes)
+
+
+def _block(index: int, name: str, numel: int, fwd_kinds: tuple[OpKind, ...], *, saved: int, inp: int, out: int,
+           fwd_transient: int, bwd_transient: int) -> Block:
+    bwd_kinds = _backward(fwd_kinds)
+    return Block(index=index, name=name, modules=(name,), param_names=(f"{name}.weight",), param_numel=numel,
+                 param_bytes=FP32_BYTES * numel, buffer_bytes=0,
+                 fwd_flops=sum(k.flops for k in fwd_kinds), bwd_flops=sum(k.flops for k in bwd_kinds),
+                 saved_bytes=saved, input_bytes=inp, output_bytes=out, fwd_transient_bytes=fwd_transient,
+                 bwd_transient_bytes=bwd_transient, first_node=name, last_node=name,
+                 fwd_ops=sum(k.calls for k in fwd_kinds), bwd_ops=sum(k.calls for k in bwd_kinds),
+                 fwd_kinds=fwd_kinds, bwd_kinds=bwd_kinds)
+
+
+def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool) -> BlockChain:
+    """The chain of a LLaMA decoder over `samples` sequences (one replica's batch), fp32 master
+    parameters computed in bf16, flash attention, the loss in fp32 over the whole vocabulary.
+
+    Per layer and token, in bf16 (2 bytes): saved for backward are both norms' inputs and outputs
+    (4 h), q, k, v after rotary and the attention output (4 h; the output is o_proj's input), the
+    MLP's gate and up outputs, SiLU(gate) and their product (4 i): 2 (8 h + 4 i) bytes. The head
+    keeps the final norm's input and output and the loss's fp32 softmax over the vocabulary
+    (4 V bytes a token: nanotron's cross entropy casts the logits to fp32 and saves exp(logits) /
+    sum); while the loss runs, the bf16 logits (2 V) sit beside it. Tied weights are one parameter,
+    held by the embedding's block, unless `pipelined`: nanotron then keeps the embedding on the
+    first stage and a copy on the last (the copies' gradient sync is not priced)."""
+    tokens, h, i, v = samples * seq_len, dims.hidden, dims.intermediate, dims.vocab
+    stream = tokens * h * BF16_BYTES
+    head_dim = h // dims.heads
+    kv = dims.kv_heads * head_dim
+    layer_numel = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    attention = OpKind(name="_scaled_dot_product_flash_attention", calls=1,
+                       flops=2 * samples * seq_len * seq_len * h,  # QK^T and PV, 2 s^2 h each, causal: half
+                       bytes=(2 * h + 2 * kv) * tokens * BF16_BYTES)
+    layer_kinds = (_matmul(tokens, h, h + 2 * kv), attention, _matmul(tokens, h, h), _matmul(tokens, h, i, calls=2),
+                   _matmul(tokens, i, h),
+                   _elementwise("rms_norm", 2, 4 * stream), _elementwise("rotary", 2, 2 * stream + 2 * tokens * kv * 2),
+                   _elementwise("add", 2, 6 * stream), _elementwise("silu_mul", 2, 5 * tokens * i * BF16_BYTES))
+    layer_saved = (8 * h + 4 * i) * tokens * BF16_BYTES
+    logits = tokens * v
+    blocks = [_block(0, "model.embed_tokens", v * h, (_elementwise("embedding", 1, 2 * stream),),
+                     saved=tokens * 8, inp=tokens * 8, out=stream, fwd_transient=stream, bwd_transient=stream)]
+    blocks += [_block(1 + n, f"model.layers.{n}", layer_numel, layer_kinds, saved=layer_saved, inp=stream,
+                      out=stream, fwd_transient=2 * tokens * i * BF16_BYTES, bwd_transient=4 * tokens * i * BF16_BYTES)
+               for n in range(dims.layers)]
+    head_kinds = (_elementwise("rms_norm", 1, 4 * stream), _matmul(tokens, h, v),
+                  _elementwise("cross_entropy", 3, logits * (BF16_BYTES + 3 * FP32_BYTES)))
+    head_numel = h if dims.tied and not pipelined else v * h + h
+    blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, saved=2 * stream + logits * FP32_BYTES,
+                         inp=stream, out=0, fwd_transient=logits * BF16_BYTES,
+                         bwd_transient=logits * BF16_BYTES + stream))
+    return BlockChain(blocks=tuple(blocks), fingerprint=f"llama-{dims.layers}x{h}", param_dtype="torch.float32",
+                      inputs=(InputSpec(name="0", shape=(samples, seq_len), dtype="int64"),), input_bytes=tokens * 8,
+                      extra={"model": "LlamaForCausalLM"})
+
+
+def nanotron_stage_starts(dims: LlamaDims, pp: int) -> list[int]:
+    """The first block of each stage as nanotron assigns pipeline blocks (trainer.py, "Setting PP
+    block ranks"), -1 for a stage it leaves without any. Its blocks, in order: the embedding, the
+    decoder layers, the final norm, the LM head, the fp32 cast, the loss; each weighs its weight
+    count (a layer 4 h^2 + 3 h i, the head V h, the others nothing: models/llama.py
+    get_block_compute_costs) and goes to the current stage, which moves on once the running weight
+    passes its share (stage + 1) / pp of the total.
+
+    This chain holds the final norm, the head, the cast and the loss in one block. Where nanotron
+    leaves the last stage only the cast and the loss, the head's block takes that stage and each
+    stage before it that is left without blocks takes the last block of the stage before (an
+    approximation: the head's matmul and the loss share one stage here, two in nanotron)."""
+    h = dims.hidden
+    costs = [0] + [4 * h * h + 3 * h * dims.intermediate] * dims.layers + [0, dims.vocab * h, 0, 0]
+    total, running, stage, stage_of = sum(costs), 0, 0, []
+    for block_cost in costs:
+        stage_of.append(stage)
+        running += block_cost
+        if running * pp > total * (stage + 1):
+            stage += 1
+    head = dims.layers + 1  # this chain's block holding the final norm, the head, the cast and the loss
+    starts = [stage_of.index(s) if s in stage_of else -1 for s in range(pp)]
+    if -1 in starts:
+        return starts
+    starts = [min(start, head) for start in starts]
+    if pp > 1 and starts[-1] == starts[-2]:  # the last stage held only the cast and the loss
+        for s in range(pp - 2, 0, -1):
+            if starts[s] >= starts[s + 1]:
+                starts[s] = starts[s + 1] - 1
+    return starts
+
+
+def plan_for(row: Row, chain: BlockChain, dims: LlamaDims) -> Plan:
+    """The plan nanotron ran for `row` on `chain` (which holds one replica's batch)."""
+    strategy = ZERO_STAGES[row.zero_stage]
+    units = tuple(Unit(name=b.name, modules=b.modules, params=b.param_names, strategy=strategy) for b in chain.blocks)
+    starts = nanotron_stage_starts(dims, row.pp) + [len(units)]
+    stages = tuple(Stage(index=s, units=tuple(u.name for u in units[starts[s]:starts[s + 1]])) for s in range(row.pp))
+    return Plan(fingerprint=chain.fingerprint, model=row.model, world_size=row.dp * row.pp, hardware="h100-80g",
+                inputs=chain.inputs, mesh=Mesh(dp=row.dp, pp=row.pp),
+                schedule=Schedule(num_micro_batches=row.grad_accum, name="1f1b" if row.pp > 1 else "none"),
+                mixed_precision=BF16, units=units, stages=stages, predicted=Predicted(peak_bytes=0, step_time_s=0.0),
+                reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"))
+
+
+def why_not_expressible(row: Row) -> str:
+    """"" when the row can be planned, else the reason it cannot."""
+    if row.model not in MODELS:
+        return f"model {row.model!r} has no dimensions in MODELS"
+    if row.tp > 1:
+        return f"tensor parallelism (tp={row.tp}) is not modelled yet (the mesh issue)"
+    if row.zero_stage not in ZERO_STAGES:
+        return f"ZeRO stage {row.zero_stage} has no shardplan strategy here"
+    dims = MODELS[row.model]
+    if row.pp > dims.layers + 2:
+        return f"pp={row.pp} is more stages than the model's {dims.layers + 2} blocks"
+    starts = nanotron_stage_starts(dims, row.pp)
+    if -1 in starts:
+        return (f"pp={row.pp}: nanotron's cut by weight count leaves stage {starts.index(-1)} without blocks "
+                "(every such run crashed)")
+    if row.dp * row.tp * row.pp != row.n_gpus:
+        return f"dp x tp x pp = {row.dp * row.tp * row.pp} is not the {row.n_gpus} GPUs of the row"
+    return ""
+
+
+def predict(rows: list[Row], hardware: str) -> list[Outcome]:
+    hw = get_hardware(hardware)
+    chains: dict[tuple, BlockChain] = {}
+    outcomes = []
+    for row in rows:
+        reason = why_not_expressible(row)
+        if reason:
+            outcomes.append(Outcome(row=row, reason=reason))
+            continue
+        dims = MODELS[row.model]
+        samples = row.micro_batch_size * row.grad_accum
+        key = (row.model, samples, row.seq_len, row.pp > 1)
+        if key not in chains:
+            chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1)
+        chain = chains[key]
+        predicted = evaluate(chain, plan_for(row, chain, dims), hw)
+        tokens = samples * row.seq_len * row.dp / predicted.step_time_s / row.n_gpus
+        outcomes.append(Outcome(row=row, predicted=predicted, tokens_per_s_per_gpu=tokens))
+    return outcomes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupScore:
+    """One model at one GPU count."""
+
+    model: str
+    n_gpus: int
+    rows: int
+    expressed: int
+    ranked: int
+    """Rows that ran, with a measured throughput and a prediction: what tau and the ratios are over."""
+    tau: float
+    ratios: tuple[float, ...]
+    """Predicted / measured tokens/s/GPU of the ranked rows."""
+    ratio_median: float
+    ratio_p10: float
+    ratio_p90: float
+    crashed: int
+    crashed_over: int
+    ran: int
+    ran_within: int
+
+
+def _percentile(values: list[float], percent: float) -> float:
+    return float(np.percentile(values, percent)) if values else math.nan
+
+
+def score(outcomes: list[Outcome], usable_bytes: int) -> list[GroupScore]:
+    groups: dict[tuple[str, int], list[Outcome]] = defaultdict(list)
+    for outcome in outcomes:
+        groups[outcome.row.model, outcome.row.n_gpus].append(outcome)
+    scores = []
+    for (model, n_gpus), members in sorted(groups.items()):
+        expressed = [o for o in members if o.predicted is not None]
+        ranked = [o for o in expressed if o.row.ran and o.row.tokens_per_s_per_gpu]
+        ratios = sorted(o.tokens_per_s_per_gpu / o.row.tokens_per_s_per_gpu for o in ranked)
+        tau = (kendalltau([o.tokens_per_s_per_gpu for o in ranked], [o.row.tokens_per_s_per_gpu for o in ranked])[0]
+               if len(ranked) > 1 else math.nan)
+        crashed = [o for o in expressed if o.row.crashed]
+        ran = [o for o in expressed if o.row.ran]
+        scores.append(GroupScore(
+            model=model, n_gpus=n_gpus, rows=len(members), expressed=len(expressed), ranked=len(ranked),
+            tau=float(tau), ratios=tuple(ratios), ratio_median=_percentile(ratios, 50),
+            ratio_p10=_percentile(ratios, 10), ratio_p90=_percentile(ratios, 90), crashed=len(crashed),
+            crashed_over=sum(o.predicted.peak_bytes > usable_bytes for o in crashed), ran=len(ran),
+            ran_within=sum(o.predicted.peak_bytes <= usable_bytes for o in ran)))
+    return scores
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part}/{whole} ({part / whole:.0%})" if whole else "-"
+
+
+def print_table(scores: list[GroupScore]) -> None:
+    print("| model | GPUs | rows (tp=1 planned) | ranked | Kendall tau | pred/meas median | p10 | p90 "
+          "| crashed predicted over | ran predicted within |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in scores:
+        print(f"| {s.model} | {s.n_gpus} | {s.rows} ({s.expressed}) | {s.ranked} | {s.tau:+.2f} | "
+              f"{s.ratio_median:.2f} | {s.ratio_p10:.2f} | {s.ratio_p90:.2f} | {_share(s.crashed_over, s.crashed)} | "
+              f"{_share(s.ran_within, s.ran)} |")
+    print("\n| model | mean tau over GPU counts | lowest tau | pred/meas median | p90 | crashed predicted over "
+          "| ran predicted within |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for model in sorted({s.model for s in scores}):
+        mine = [s for s in scores if s.model == model]
+        taus = [s.tau for s in mine if not math.isnan(s.tau)]
+        ratios = [ratio for s in mine for ratio in s.ratios]
+        mean_tau, lowest_tau = (f"{statistics.mean(taus):+.2f}", f"{min(taus):+.2f}") if taus else ("-", "-")
+        print(f"| {model} | {mean_tau} | {lowest_tau} | {_percentile(ratios, 50):.2f} | "
+              f"{_percentile(ratios, 90):.2f} | {_share(sum(s.crashed_over for s in mine), sum(s.crashed for s in mine))} | "
+              f"{_share(sum(s.ran_within for s in mine), sum(s.ran for s in mine))} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
+    parser.add_argument("--hardware", default="h100-80g", help="built-in profile name or calibrated profile path")
+    parser.add_argument("--model", action="append", help="only these models (repeatable)")
+    args = parser.parse_args()
+    rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
+    hw = get_hardware(args.hardware)
+    outcomes = predict(rows, hw)
+    print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name} "
+          f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
+    print_table(score(outcomes, hw.usable_memory_bytes))
+    print_left_out([o for o in outcomes if o.reason])
+
+
+def print_left_out(left_out: list[Outcome]) -> None:
+    """Every row that is not a plan with its reason; the tp > 1 rows, which all wait for one
+    feature, counted by tp degree."""
+    tensor_parallel: dict[tuple[int, str], int] = defaultdict(int)
+    print(f"\n{len(left_out)} rows not expressible:")
+    for outcome in left_out:
+        if outcome.row.tp > 1:
+            tensor_parallel[outcome.row.tp, outcome.reason] += 1
+        else:
+            print(f"  {outcome.row.describe()}: {outcome.reason}")
+    for (_, reason), count in sorted(tensor_parallel.items()):
+        print(f"  {count} rows: {reason}")
+
+
+if __name__ == "__main__":
+    main()
