@@ -93,6 +93,7 @@ class PipelinedProgram(UnitProgram):
             return self._run_schedule(self.schedule.eval, args, kwargs)
 
     def _run_schedule(self, run: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+        self.check_in_step()
         check_batch(self.plan, args, kwargs)
         args, target = self.split_target(args)
         count = self.plan.schedule.num_micro_batches
@@ -103,12 +104,19 @@ class PipelinedProgram(UnitProgram):
             target = torch.zeros(count)
         losses: list[torch.Tensor] = []
         self._forwards_this_step = 0
-        try:
-            run(*inputs, target=target if last else None, losses=losses, return_outputs=False)
-        finally:
-            self.scheduler.communicate = True
-        mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
-        return collectives.all_reduce_sum(mine) / self.plan.mesh.dp
+        with self._transaction():
+            try:
+                run(*inputs, target=target if last else None, losses=losses, return_outputs=False)
+            finally:
+                self.scheduler.communicate = True
+            mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
+            return collectives.all_reduce_sum(mine) / self.plan.mesh.dp
+
+    def _stopped_together(self) -> bool:
+        # a stage that fails leaves its neighbours waiting on activations or gradients it never sends
+        # (torch.distributed.pipelining's send and receive, which cannot be drained from here): they
+        # fail at the process group's timeout, out of step with it
+        return False
 
     @contextlib.contextmanager
     def _micro_batch_forward(self):
