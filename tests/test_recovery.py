@@ -100,6 +100,36 @@ def run_fault_case(rank: int, world: int, case: dict) -> dict:
     return facts
 
 
+def check_failed_raw_backward(rank: int, world: int) -> bool:
+    """A loss.backward() of program(...) that raises, then zero_grad as in plain PyTorch: the next steps
+    train as if that batch was skipped."""
+    torch.manual_seed(0)
+    model = zoo.gpt(batch=2).model
+    batches = [torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(10 * step + rank))
+               for step in range(4)]
+    faulty = copy.deepcopy(model)
+    armed = _arm(faulty.h[1], "backward", on_call=1)
+    programs = [_program(faulty, world, ShardStrategy.FULL_SHARD, 1),
+                _program(copy.deepcopy(model), world, ShardStrategy.FULL_SHARD, 1)]
+    for program, skips in zip(programs, (False, True)):
+        optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
+        for index, ids in enumerate(batches):
+            if index == 1:
+                if skips:
+                    continue
+                armed["armed"] = True
+                loss = program(ids, labels=ids)
+                with pytest.raises(Fault):
+                    loss.backward()
+                optimizer.zero_grad()
+                continue
+            program.step(ids, labels=ids)
+            optimizer.step()
+            optimizer.zero_grad()
+    state, expected = (program.export_full_state_dict() for program in programs)
+    return rank != 0 or all(torch.equal(state[name], expected[name]) for name in expected)
+
+
 def check_optimizer_over_model_parameters(rank: int, world: int) -> str | None:
     model = zoo.gpt(batch=2).model
     program = _program(model, world, ShardStrategy.FULL_SHARD, 1)
@@ -137,6 +167,7 @@ def check_out_of_step(rank: int, world: int) -> dict:
 
 def _all_checks(rank: int, world: int, cases: dict, path: str) -> None:
     results = {name: run_fault_case(rank, world, case) for name, case in cases.items()}
+    results["raw_backward"] = check_failed_raw_backward(rank, world)
     results["optimizer"] = check_optimizer_over_model_parameters(rank, world)
     results["out_of_step"] = check_out_of_step(rank, world)  # last: the world is out of step after it
     if rank == 0:
@@ -162,6 +193,7 @@ def test_failed_steps_recover_exactly_or_refuse(tmp_path):
              if results[name] != {"states": ["sharded"], "out_of_step": None, "equal_losses": True,
                                   "equal_parameters": True}}
     assert not wrong, wrong
+    assert results["raw_backward"]
     assert results["optimizer"] == ("optimizer steps the model's original parameters, which parallelize "
                                     "replaced: build it over program.parameters()")
     out_of_step = results["out_of_step"]

@@ -12,6 +12,8 @@ micro-batch's loss is divided by their number (so the schedule is told not to
 scale gradients), and a micro-batch's backward reduces gradients only when it
 is the last micro-batch, decided when its forward runs (scheduler._GatherFlat):
 the schedule interleaves forwards and backwards of different micro-batches.
+A step that fails on any stage leaves the ranks out of step (see [Note:
+failed steps] in program.py): every later call refuses.
 """
 import contextlib
 import functools
@@ -27,7 +29,7 @@ from ..passes.blocks import attribute_of
 from ..plan import Plan
 from . import collectives
 from .checkpointing import checkpointed
-from .program import check_batch, check_micro_batches
+from .program import check_batch, check_micro_batches, refuse_optimizers_over
 from .scheduler import Scheduler
 from .sharded import UnitProgram, build_units
 from .stages import BlockCall, StageGraph, StageModule, block_runner, cut_stages, put_meta_stand_ins
@@ -164,4 +166,6 @@ def _drop_other_stages(model: nn.Module, plan: Plan, stage_index: int) -> None:
     """Free the parameters of other stages, which this rank never reads (meta stand-ins keep their shapes)."""
     kept = {name for unit in plan.units if unit.name in plan.stages[stage_index].units for name in unit.params}
     canonical = {id(parameter): name for name, parameter in model.named_parameters()}
-    put_meta_stand_ins(model, lambda parameter: not parameter.is_meta and canonical[id(parameter)] not in kept)
+    dropped = put_meta_stand_ins(model, lambda parameter: not parameter.is_meta
+                                 and canonical[id(parameter)] not in kept)
+    refuse_optimizers_over(original for _, _, original in dropped)

@@ -55,7 +55,6 @@ class Program:
         """loss_fn(output, target): then the last positional argument of `step` is the target."""
         self.out_of_step: str | None = None
         """Why every call now refuses (see [Note: failed steps]); None while the program can train."""
-        refuse_optimizers_over(module.parameters())  # the backend replaces them
 
     # what a backend provides
 

@@ -57,7 +57,7 @@ class UnitProgram(Program):
         """See [Note: failed steps]: the step's gradients go to fresh `.grad` tensors, added to what `.grad`
         held before on success and dropped on failure."""
         if self.scheduler.backward_failed:
-            self._abandon(RuntimeError("a loss.backward() of the program's forward raised"))
+            self._abandon("in a loss.backward() outside program.step")
             self.check_in_step()
         self._transactions += 1
         before = [unit.shard.grad for unit in self.units]
@@ -68,7 +68,7 @@ class UnitProgram(Program):
         except BaseException as error:
             for unit, grad in zip(self.units, before):
                 unit.shard.grad = grad
-            self._abandon(error)
+            self._abandon(type(error).__name__)
             raise
         for unit, grad in zip(self.units, before):
             if grad is not None:
@@ -76,11 +76,11 @@ class UnitProgram(Program):
                     grad.add_(unit.shard.grad)
                 unit.shard.grad = grad
 
-    def _abandon(self, error: BaseException) -> None:
+    def _abandon(self, failure: str) -> None:
         """Forget a failed step: drained when every rank stopped at the same collective, else out of step."""
-        self.out_of_step = (f"a step failed ({type(error).__name__}) where other ranks did not stop, so the "
-                            "ranks are out of step: restart every rank and program.load(...) the last "
-                            "checkpoint rather than train on")  # until the ranks are known to agree
+        self.out_of_step = (f"a step failed ({failure}) at another point than on other ranks, so the ranks are "
+                            "out of step: restart every rank and program.load(...) the last checkpoint rather "
+                            "than train on")  # until the ranks are known to agree
         drain = self._stopped_together()
         try:
             self.scheduler.abandon(drain=drain)
@@ -173,7 +173,7 @@ def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device, *
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[name] = buffer.to(device)
-    refuse_optimizers_over(model.parameters())  # the placeholders
+    refuse_optimizers_over([*named.values(), *model.parameters()])  # now placeholders
     return built
 
 
