@@ -2,9 +2,10 @@
 
 One spawned world of 2 gloo ranks runs a grid of faults (every strategy × one or two micro-batches ×
 a fault in forward or in backward, raised alike on both ranks): training on after the fault must
-give exactly (torch.equal) the parameters of a run that skipped the batch. Then ranks that fail at
-different points must refuse to go on; they are out of step, so the world exits without leaving
-its process group (as a user restarts such ranks).
+give exactly (torch.equal) the parameters of a run that skipped the batch; so must a failed
+loss.backward() of program(...) followed by zero_grad. A failed pipelined step, and ranks that fail
+at different points, must refuse to go on; the latter are out of step, so the world exits without
+leaving its process group (as a user restarts such ranks).
 """
 import copy
 import json
@@ -18,7 +19,7 @@ from shardplan import zoo
 from shardplan.chain import InputSpec
 from shardplan.errors import RuntimeMismatchError, ShardplanError
 from shardplan.plan import Checkpoint, ShardStrategy
-from shardplan.runtime import parallelize
+from shardplan.runtime import collectives, parallelize
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.program import check_batch
 from shardplan.runtime.unit import UnitState
@@ -142,6 +143,32 @@ def check_optimizer_over_model_parameters(rank: int, world: int) -> str | None:
     return None
 
 
+def check_failed_pipelined_step(rank: int, world: int) -> str | None:
+    """A pipelined step failing (here after its schedule, alike on both stages, so the world stays in step)
+    refuses every later step: a stage cannot know where its neighbours stopped."""
+    model = zoo.gpt(batch=2).model
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    plan = manual_plan(model, UNITS, dp=1, pp=world, micro_batches=2, example_inputs=(ids,),
+                       example_kwargs={"labels": ids})
+    program = parallelize(model, plan)
+    program.step(ids, labels=ids)
+    original = collectives.all_reduce_sum
+
+    def failing(*args, **kwargs):
+        raise Fault("injected after the schedule")
+    collectives.all_reduce_sum = failing
+    try:
+        with pytest.raises(Fault):
+            program.step(ids, labels=ids)
+    finally:
+        collectives.all_reduce_sum = original
+    try:
+        program.step(ids, labels=ids)
+    except RuntimeMismatchError as error:
+        return str(error)
+    return None
+
+
 def check_out_of_step(rank: int, world: int) -> dict:
     """Rank 0 fails in block 0's forward, rank 1 in block 1's, after one more gather: they must refuse."""
     model = zoo.gpt(batch=2).model
@@ -169,6 +196,7 @@ def _all_checks(rank: int, world: int, cases: dict, path: str) -> None:
     results = {name: run_fault_case(rank, world, case) for name, case in cases.items()}
     results["raw_backward"] = check_failed_raw_backward(rank, world)
     results["optimizer"] = check_optimizer_over_model_parameters(rank, world)
+    results["pipelined"] = check_failed_pipelined_step(rank, world)
     results["out_of_step"] = check_out_of_step(rank, world)  # last: the world is out of step after it
     if rank == 0:
         with open(path, "w") as file:
@@ -194,6 +222,7 @@ def test_failed_steps_recover_exactly_or_refuse(tmp_path):
                                   "equal_parameters": True}}
     assert not wrong, wrong
     assert results["raw_backward"]
+    assert results["pipelined"] is not None and "program.load(" in results["pipelined"]
     assert results["optimizer"] == ("optimizer steps the model's original parameters, which parallelize "
                                     "replaced: build it over program.parameters()")
     out_of_step = results["out_of_step"]
