@@ -11,7 +11,9 @@ program is left as if it never ran, or, where that cannot be known, refuses
 every later call until the ranks restart from a checkpoint. Gradients the
 step reduces go to fresh `.grad` tensors; what `.grad` held before (None after
 `zero_grad`, or gradients accumulated over earlier steps) is set aside and
-added back when the step succeeds, put back alone when it fails. The ranks
+added back when the step succeeds, put back alone when it fails (so a `.grad`
+kept over the step, as `zero_grad(set_to_none=False)` keeps it, costs one more
+gradient's memory during the step; None costs nothing). The ranks
 then compare where they stopped on a group of their own, which the step's
 collectives never use (collectives.control_group): if every rank has issued
 the same number of collectives, each one in flight has its partners, so it is
@@ -22,7 +24,10 @@ stopped is then out of step with the others, drops what it has in flight
 unwaited, issues no collective again, and refuses every call. A successful
 step adds no collective for this. A `loss.backward()` of the program's own
 forward (outside `step`) that raises is found at the next call and abandoned
-the same way, but, as in plain PyTorch, the gradients it produced stay.
+the same way, but, as in plain PyTorch, the gradients it produced stay. A
+pipeline stage cannot tell where its neighbours stopped, so any failed
+pipelined step leaves the ranks out of step (see [Note: pipelined step]).
+A successful `program.load` ends the refusal.
 """
 import contextlib
 import math
