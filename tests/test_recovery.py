@@ -5,15 +5,18 @@ a fault in forward or in backward, raised alike on both ranks): training on afte
 give exactly (torch.equal) the parameters of a run that skipped the batch; so must a failed
 loss.backward() of program(...) followed by zero_grad. A failed pipelined step, and ranks that fail
 at different points, must refuse to go on; the latter are out of step, so the world exits without
-leaving its process group (as a user restarts such ranks).
+leaving its process group (as a user restarts such ranks). So must both ranks when one fails alone
+in backward and the other runs into the process group's timeout (a world of its own).
 """
 import copy
+import datetime
 import json
 import os
 import types
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardplan import zoo
 from shardplan.chain import InputSpec
@@ -192,6 +195,30 @@ def check_out_of_step(rank: int, world: int) -> dict:
     return {"refusals": refusals, "states": sorted({unit.state.value for unit in program.units})}
 
 
+def _one_rank_fails(rank: int, world: int, folder: str) -> None:
+    """Rank 1 fails in backward, rank 0 goes on into a gather rank 1 never issues: the world's timeout
+    (cut to 5 s) ends it, and both refuse. Each rank writes what happened, then exits (out of step)."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=5))
+    model = zoo.gpt(batch=2).model
+    armed = _arm(model.h[1], "backward", on_call=1)
+    program = _program(model, world, ShardStrategy.FULL_SHARD, 1)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank))
+    program.step(ids, labels=ids)
+    armed["armed"] = rank == 1
+    facts = {}
+    try:
+        program.step(ids, labels=ids)
+    except (Fault, RuntimeError) as error:  # rank 0: gloo's timeout
+        facts["failure"] = type(error).__name__
+    try:
+        program.step(ids, labels=ids)
+    except RuntimeMismatchError as error:
+        facts["refusal"] = str(error)
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as file:
+        json.dump(facts, file)
+    os._exit(0)
+
+
 def _all_checks(rank: int, world: int, cases: dict, path: str) -> None:
     results = {name: run_fault_case(rank, world, case) for name, case in cases.items()}
     results["raw_backward"] = check_failed_raw_backward(rank, world)
@@ -229,6 +256,15 @@ def test_failed_steps_recover_exactly_or_refuse(tmp_path):
     assert out_of_step["states"] == ["sharded"]
     assert all(refusal is not None and "KeyboardInterrupt" in refusal and "program.load(" in refusal
                and "\n" not in refusal for refusal in out_of_step["refusals"]), out_of_step
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_rank_failing_alone_leaves_every_rank_refusing(tmp_path):
+    spawn_world(2, _one_rank_fails, (str(tmp_path),))
+    facts = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [rank_facts.get("failure") for rank_facts in facts] == ["RuntimeError", "Fault"], facts
+    assert all("program.load(" in rank_facts.get("refusal", "") for rank_facts in facts), facts
 
 
 def test_step_refuses_an_input_of_another_dtype():
