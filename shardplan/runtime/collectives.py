@@ -165,6 +165,7 @@ def agree_after_failure(values: list[int], group: dist.ProcessGroup) -> bool:
 
 
 def _world_timeout():
+    """The timeout the world's process group was made with (init_process_group's `timeout`)."""
     world_group = dist.group.WORLD
     for device_type in ("cpu", "cuda"):
         try:
