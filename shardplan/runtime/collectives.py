@@ -39,6 +39,21 @@ class Pending(NamedTuple):
     """None when the collective already completed (synchronous, or a group of one)."""
 
 
+_issued = 0
+"""Collectives this process has issued through this module. Every rank issues the same sequence, so
+after a failure equal counts on every rank mean every collective in flight has its partners
+(see [Note: failed steps] in program.py)."""
+
+
+def _issue() -> None:
+    global _issued
+    _issued += 1
+
+
+def issued() -> int:
+    return _issued
+
+
 def world() -> World:
     if not dist.is_available() or not dist.is_initialized():
         raise ShardplanError("torch.distributed is not initialized: call "
@@ -68,6 +83,7 @@ def all_gather(shard: torch.Tensor, *, async_op: bool, group: Group = None) -> P
     if size == 1:
         return Pending(shard, None)
     output = shard.new_empty(shard.numel() * size)
+    _issue()
     work = dist.all_gather_single(output, shard, group=group, async_op=async_op)
     return Pending(output, work if async_op else None)
 
@@ -81,6 +97,7 @@ def reduce_scatter_mean(full: torch.Tensor, *, async_op: bool, group: Group = No
         return Pending(full, None)
     full.div_(size)
     output = full.new_empty(full.numel() // size)
+    _issue()
     work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return Pending(output, work if async_op else None)
 
@@ -91,18 +108,21 @@ def all_reduce_mean(full: torch.Tensor, *, async_op: bool, group: Group = None) 
     if size == 1:
         return Pending(full, None)
     full.div_(size)
+    _issue()
     work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return Pending(full, work if async_op else None)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     if dist.get_world_size(group) > 1:
+        _issue()
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     if dist.get_world_size(group) > 1:
+        _issue()
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
 
@@ -110,6 +130,7 @@ def all_reduce_max(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 def broadcast_(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Overwrite `tensor` on every rank of `group` with the values of the group's first rank (in place)."""
     if dist.get_world_size(group) > 1:
+        _issue()
         dist.broadcast(tensor, group=group, group_src=0)
     return tensor
 
@@ -117,13 +138,46 @@ def broadcast_(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 def check_same_on_all_ranks(text: str, what: str) -> None:
     """Raise on every rank when the ranks were given different `text` (e.g. different plans)."""
     digest = hashlib.sha256(text.encode()).digest()[:8]
-    mine = torch.tensor(list(digest), dtype=torch.int64)
-    highest, lowest = mine.clone(), -mine
-    all_reduce_max(highest)
-    all_reduce_max(lowest)
-    if not (torch.equal(highest, mine) and torch.equal(-lowest, mine)):
+    if not same_on_all_ranks(list(digest)):
         raise RuntimeMismatchError(f"ranks were given different {what} (rank {dist.get_rank()} of "
                                    f"{dist.get_world_size()} differs): load the same plan file on every rank")
+
+
+def same_on_all_ranks(values: list[int], group: Group = None) -> bool:
+    """Whether every rank of `group` passed the same `values` (the answer is the same on every rank)."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    highest, lowest = mine.clone(), -mine
+    all_reduce_max(highest, group)
+    all_reduce_max(lowest, group)
+    return torch.equal(highest, mine) and torch.equal(-lowest, mine)
+
+
+def control_group() -> dist.ProcessGroup:
+    """A gloo group of the whole world that only failure handling uses, so ranks can compare where they
+    stopped while the world's own collectives are out of step (see [Note: failed steps] in program.py).
+
+    Its timeout is twice the world's: a rank whose step failed alone waits here while its peers run
+    into the world's timeout, and then hears from them."""
+    return dist.new_group(backend="gloo", timeout=2 * _world_timeout())
+
+
+def agree_after_failure(values: list[int], group: dist.ProcessGroup) -> bool:
+    """same_on_all_ranks over the control group; False when a rank never comes (timeout) or is gone."""
+    try:
+        return same_on_all_ranks(values, group)
+    except Exception:  # DistBackendError, a timeout's RuntimeError: no agreement either way
+        return False
+
+
+def _world_timeout():
+    """The timeout the world's process group was made with (init_process_group's `timeout`)."""
+    world_group = dist.group.WORLD
+    for device_type in ("cpu", "cuda"):
+        try:
+            return world_group._get_backend(torch.device(device_type)).options._timeout
+        except RuntimeError:  # no backend for this device type in the world group
+            continue
+    return dist.distributed_c10d.default_pg_timeout
 
 
 def device_mesh(device_type: str, dp: int):
@@ -186,6 +240,7 @@ def default_device() -> torch.device:
 
 def barrier() -> None:
     if dist.get_world_size() > 1:
+        _issue()
         dist.barrier()
 
 
@@ -211,6 +266,7 @@ def all_gather_object(value) -> list:
     if dist.get_world_size() == 1:
         return [value]
     found = [None] * dist.get_world_size()
+    _issue()
     dist.all_gather_object(found, value)
     return found
 
@@ -220,6 +276,7 @@ def gather_object(value) -> list | None:
     if dist.get_world_size() == 1:
         return [value]
     found = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    _issue()
     dist.gather_object(value, found, dst=0)
     return found
 
@@ -234,6 +291,7 @@ def broadcast_object(value, source_rank: int = 0):
     if dist.get_world_size() == 1:
         return value
     box = [value]
+    _issue()
     dist.broadcast_object_list(box, src=source_rank)
     return box[0]
 

@@ -12,6 +12,8 @@ micro-batch's loss is divided by their number (so the schedule is told not to
 scale gradients), and a micro-batch's backward reduces gradients only when it
 is the last micro-batch, decided when its forward runs (scheduler._GatherFlat):
 the schedule interleaves forwards and backwards of different micro-batches.
+A step that fails on any stage leaves the ranks out of step (see [Note:
+failed steps] in program.py): every later call refuses.
 """
 import contextlib
 import functools
@@ -27,7 +29,7 @@ from ..passes.blocks import attribute_of
 from ..plan import Plan
 from . import collectives
 from .checkpointing import checkpointed
-from .program import check_batch, check_micro_batches
+from .program import check_batch, check_micro_batches, refuse_optimizers_over
 from .scheduler import Scheduler
 from .sharded import UnitProgram, build_units
 from .stages import BlockCall, StageGraph, StageModule, block_runner, cut_stages, put_meta_stand_ins
@@ -93,6 +95,7 @@ class PipelinedProgram(UnitProgram):
             return self._run_schedule(self.schedule.eval, args, kwargs)
 
     def _run_schedule(self, run: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+        self.check_in_step()
         check_batch(self.plan, args, kwargs)
         args, target = self.split_target(args)
         count = self.plan.schedule.num_micro_batches
@@ -103,12 +106,19 @@ class PipelinedProgram(UnitProgram):
             target = torch.zeros(count)
         losses: list[torch.Tensor] = []
         self._forwards_this_step = 0
-        try:
-            run(*inputs, target=target if last else None, losses=losses, return_outputs=False)
-        finally:
-            self.scheduler.communicate = True
-        mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
-        return collectives.all_reduce_sum(mine) / self.plan.mesh.dp
+        with self._transaction():
+            try:
+                run(*inputs, target=target if last else None, losses=losses, return_outputs=False)
+            finally:
+                self.scheduler.communicate = True
+            mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
+            return collectives.all_reduce_sum(mine) / self.plan.mesh.dp
+
+    def _stopped_together(self) -> bool:
+        # a stage that fails leaves its neighbours waiting on activations or gradients it never sends
+        # (torch.distributed.pipelining's send and receive, which cannot be drained from here): they
+        # fail at the process group's timeout, out of step with it
+        return False
 
     @contextlib.contextmanager
     def _micro_batch_forward(self):
@@ -156,4 +166,6 @@ def _drop_other_stages(model: nn.Module, plan: Plan, stage_index: int) -> None:
     """Free the parameters of other stages, which this rank never reads (meta stand-ins keep their shapes)."""
     kept = {name for unit in plan.units if unit.name in plan.stages[stage_index].units for name in unit.params}
     canonical = {id(parameter): name for name, parameter in model.named_parameters()}
-    put_meta_stand_ins(model, lambda parameter: not parameter.is_meta and canonical[id(parameter)] not in kept)
+    dropped = put_meta_stand_ins(model, lambda parameter: not parameter.is_meta
+                                 and canonical[id(parameter)] not in kept)
+    refuse_optimizers_over(original for _, _, original in dropped)

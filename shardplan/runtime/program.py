@@ -4,13 +4,40 @@ What is common to both backends lives here: splitting a replica's batch into
 the plan's micro-batches, finding the loss in the model's output, averaging
 it, and gradient sync only on the last micro-batch. A backend supplies the
 forward, the gradient-sync switch, the local parameters and the norm.
+
+[Note: failed steps] A step that raises (in forward or backward, on any
+exception: out of memory, Ctrl-C, a hook) is abandoned as a transaction: the
+program is left as if it never ran, or, where that cannot be known, refuses
+every later call until the ranks restart from a checkpoint. Gradients the
+step reduces go to fresh `.grad` tensors; what `.grad` held before (None after
+`zero_grad`, or gradients accumulated over earlier steps) is set aside and
+added back when the step succeeds, put back alone when it fails (so a `.grad`
+kept over the step, as `zero_grad(set_to_none=False)` keeps it, costs one more
+gradient's memory during the step; None costs nothing). The ranks
+then compare where they stopped on a group of their own, which the step's
+collectives never use (collectives.control_group): if every rank has issued
+the same number of collectives, each one in flight has its partners, so it is
+waited for and dropped, and every unit is resharded. If not (one rank failed
+where its peers went on), those peers block in a collective the failed rank
+never issues until the process group's timeout ends them; every rank that
+stopped is then out of step with the others, drops what it has in flight
+unwaited, issues no collective again, and refuses every call. A successful
+step adds no collective for this. A `loss.backward()` of the program's own
+forward (outside `step`) that raises is found at the next call and abandoned
+the same way, but, as in plain PyTorch, the gradients it produced stay. A
+pipeline stage cannot tell where its neighbours stopped, so any failed
+pipelined step leaves the ranks out of step (see [Note: pipelined step]).
+A successful `program.load` ends the refusal.
 """
+import contextlib
 import math
 import os
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from ..errors import RuntimeMismatchError, ShardplanError
@@ -31,6 +58,8 @@ class Program:
         self.plan = plan
         self.loss_fn = loss_fn
         """loss_fn(output, target): then the last positional argument of `step` is the target."""
+        self.out_of_step: str | None = None
+        """Why every call now refuses (see [Note: failed steps]); None while the program can train."""
 
     # what a backend provides
 
@@ -58,6 +87,7 @@ class Program:
         """
         from . import checkpoint
 
+        self.check_in_step()
         checkpoint.save(self, path, optimizer)
 
     def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -69,6 +99,7 @@ class Program:
         from . import checkpoint
 
         checkpoint.load(self, path, optimizer)
+        self.out_of_step = None
 
     def export_full_state_dict(self, path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
         """The plain model's state dict on rank 0 ({} elsewhere), gathered one unit at a time; saved to `path`.
@@ -78,6 +109,7 @@ class Program:
         """
         from . import checkpoint
 
+        self.check_in_step()
         return checkpoint.export_full_state_dict(self, path)
 
     @property
@@ -87,6 +119,21 @@ class Program:
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         raise NotImplementedError
+
+    def _forward(self, *args, **kwargs) -> Any:
+        """The model's forward inside a step (a backend whose __call__ guards the step's state overrides it)."""
+        return self(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """Run a step or an evaluation so that a failure leaves the program as it was (see [Note: failed
+        steps]); FSDP2 keeps its own state."""
+        yield
+
+    def check_in_step(self) -> None:
+        """Refuse to run once a failed step left the ranks out of step (see [Note: failed steps])."""
+        if self.out_of_step is not None:
+            raise RuntimeMismatchError(self.out_of_step)
 
     def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum over ranks is needed, already complete) parts of Σ|g|^p, or of max|g| for inf."""
@@ -105,36 +152,40 @@ class Program:
         """Forward and backward of this rank's batch; returns the loss averaged over micro-batches and ranks.
 
         Tensors of args and kwargs are split along dim 0 into the plan's micro-batches; gradients
-        are synchronized on the last one only (see [Note: gradient accumulation] in unit.py)."""
+        are synchronized on the last one only (see [Note: gradient accumulation] in unit.py). A step
+        that raises leaves the program as it was (see [Note: failed steps])."""
+        self.check_in_step()
         check_batch(self.plan, args, kwargs)
         count = self.plan.schedule.num_micro_batches
         micro_batches = split_micro_batches(args, kwargs, count)
         total = torch.zeros((), dtype=torch.float32)
-        try:
-            for index, (micro_args, micro_kwargs) in enumerate(micro_batches):
-                self._set_gradient_sync(index == count - 1)
-                loss = self.loss(micro_args, micro_kwargs)
-                (loss / count).backward()
-                total += loss.detach().float().cpu()
-        finally:
-            self._set_gradient_sync(True)
-        return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
+        with self._transaction():
+            try:
+                for index, (micro_args, micro_kwargs) in enumerate(micro_batches):
+                    self._set_gradient_sync(index == count - 1)
+                    loss = self.loss(micro_args, micro_kwargs)
+                    (loss / count).backward()
+                    total += loss.detach().float().cpu()
+            finally:
+                self._set_gradient_sync(True)
+            return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
 
     def evaluate(self, *args, **kwargs) -> torch.Tensor:
         """The loss of this rank's batch without gradients (a validation step), averaged as `step` averages.
 
         >>> validation_loss = program.evaluate(ids, labels=ids)  # doctest: +SKIP
         """
+        self.check_in_step()
         check_batch(self.plan, args, kwargs)
         count = self.plan.schedule.num_micro_batches
-        with torch.no_grad():
-            total = sum(self.loss(micro_args, micro_kwargs).float().cpu()
-                        for micro_args, micro_kwargs in split_micro_batches(args, kwargs, count))
-        return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
+        micro_batches = split_micro_batches(args, kwargs, count)
+        with self._transaction(), torch.no_grad():
+            total = sum(self.loss(micro_args, micro_kwargs).float().cpu() for micro_args, micro_kwargs in micro_batches)
+            return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
 
     def loss(self, args: tuple, kwargs: dict) -> torch.Tensor:
         args, target = self.split_target(args)
-        return self.loss_of(self(*args, **kwargs), target)
+        return self.loss_of(self._forward(*args, **kwargs), target)
 
     def split_target(self, args: tuple) -> tuple[tuple, Any]:
         """(the model's positional arguments, the target): with loss_fn, the target is the last argument."""
@@ -159,6 +210,7 @@ class Program:
         """Scale all gradients so their global norm (over every shard on every rank) is at most max_norm.
 
         Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
+        self.check_in_step()
         to_reduce, complete = self._grad_norm_terms(norm_type)
         if math.isinf(norm_type):
             total = torch.maximum(collectives.all_reduce_max(to_reduce), complete)
@@ -182,8 +234,32 @@ def grad_norm_term(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
                         for g in grads]).sum()
 
 
+_replaced: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+"""Tensors no optimizer should step, by id: a model's parameters that parallelize replaced, and the
+placeholders now in their slots (what `model.parameters()` gives after it). Weak, so a freed tensor's
+id, reused, is never mistaken for one of them. Process-wide, as torch's optimizer step hooks are."""
+_optimizer_hook = None
+
+
+def refuse_optimizers_over(tensors) -> None:
+    """Make any optimizer stepping one of `tensors` raise at its step instead of training nothing."""
+    global _optimizer_hook
+    for tensor in tensors:
+        _replaced[id(tensor)] = tensor
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_pre_hook(_refuse_replaced)
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    # an error, not a warning: such a step never trains, and a warning scrolls by in a long run's log
+    if any(_replaced.get(id(parameter)) is parameter for group in optimizer.param_groups
+           for parameter in group["params"]):
+        raise ShardplanError("optimizer steps the model's original parameters, which parallelize replaced: "
+                             "build it over program.parameters()")
+
+
 def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
-    """Refuse a batch whose shapes differ from the plan's inputs (its dynamic dims may change)."""
+    """Refuse a batch whose shapes (its dynamic dims may change) or dtypes differ from the plan's inputs."""
     for spec in plan.inputs:
         value = args[int(spec.name)] if spec.name.isdigit() and int(spec.name) < len(args) else kwargs.get(spec.name)
         if not isinstance(value, torch.Tensor):
@@ -194,6 +270,10 @@ def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
             raise RuntimeMismatchError(
                 f"input {spec.name!r} has shape {list(value.shape)}, the plan was made for {list(spec.shape)} "
                 "(one data-parallel replica's batch): pass batches of that shape, or re-plan for this one")
+        given = str(value.dtype).removeprefix("torch.")
+        if given != spec.dtype:
+            raise RuntimeMismatchError(f"input {spec.name!r} is {given}, the plan was made for {spec.dtype}: "
+                                       f"pass it as {spec.dtype} (.to(torch.{spec.dtype})), or re-plan for {given}")
 
 
 def check_micro_batches(args: tuple, kwargs: dict, count: int) -> None:

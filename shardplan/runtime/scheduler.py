@@ -18,7 +18,9 @@ before it in forward. When autograd reaches `_GatherFlat.backward` every
 gradient of the unit's buffer is summed: the unit issues its reduction (async;
 at most one is in flight, the previous one is finished first) and releases
 the buffer. A callback queued on the autograd engine finishes the last
-reduction and releases whatever is left when backward ends.
+reduction and releases whatever is left when backward ends. The engine drops
+it when backward raises: the program then abandons the step (see [Note:
+failed steps] in program.py).
 
 [Note: saved handles] While a FULL_SHARD unit is gathered in forward, a
 saved_tensors_hooks pack hook replaces any saved tensor that lives in the
@@ -85,19 +87,21 @@ class Scheduler:
         self._storages: dict[int, FlatUnit] = {}
         """Storage address of each gathered FULL_SHARD buffer → its unit, for the pack hook."""
         self._reducing: FlatUnit | None = None
-        self._callback_queued = False
+        self._callback_task: int | None = None
+        """The autograd graph task that _end_backward is queued on; None once it has run."""
 
     # forward pass boundaries
 
     @contextlib.contextmanager
     def forward_pass(self):
-        """One forward pass of the model (or of a pipeline stage, for one micro-batch)."""
+        """One forward pass of the model (or of a pipeline stage, for one micro-batch).
+
+        One that raises is not ended here: releasing would wait for gathers a peer may never issue
+        (see [Note: failed steps] in program.py)."""
         self._begin_forward()
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            self._end_forward()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+        self._end_forward()
 
     def _begin_forward(self) -> None:
         self._epoch += 1
@@ -189,9 +193,10 @@ class Scheduler:
     # backward
 
     def unit_backward_done(self, unit: FlatUnit, grad_full: torch.Tensor, *, communicate: bool) -> None:
-        if not self._callback_queued:
+        task = torch._C._current_graph_task_id()
+        if self._callback_task != task:
             Variable._execution_engine.queue_callback(self._end_backward)
-            self._callback_queued = True
+            self._callback_task = task
         if self._reducing is not None:  # one reduction in flight: finish it before issuing the next
             self._reducing.finish_reduction()
             self._reducing = None
@@ -207,4 +212,23 @@ class Scheduler:
         for unit in self.units:
             if unit.state is not UnitState.SHARDED:
                 self._release(unit)
-        self._callback_queued = False
+        self._callback_task = None
+
+    # failures (see [Note: failed steps] in program.py)
+
+    @property
+    def backward_failed(self) -> bool:
+        """Whether a backward ended without its end-of-backward callback: it raised."""
+        return self._callback_task is not None and not _in_backward()
+
+    def abandon(self, *, drain: bool) -> None:
+        """Forget a failed forward or backward: every unit sharded, nothing in flight (waited for when
+        `drain`), no reduction or callback pending."""
+        self._reducing = None
+        self._callback_task = None
+        self._storages.clear()
+        self.communicate = True
+        for unit in self.units:
+            self._active[unit] = 0
+            self._modules_done[unit].clear()
+            unit.abandon(drain=drain)

@@ -8,6 +8,7 @@ do) so ranks agree whatever their seeds; each rank keeps its slice and the
 module's own tensors are dropped. Then module forwards are wrapped so units
 are gathered where they are used (see [Note: unit choreography]).
 """
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -18,7 +19,7 @@ from ..plan import Plan, ShardStrategy, Unit
 from . import collectives
 from .checkpointing import checkpointed
 from .flat_param import FlatLayout
-from .program import Program, grad_norm_term
+from .program import Program, grad_norm_term, refuse_optimizers_over
 from .scheduler import Scheduler
 from .unit import FlatUnit
 
@@ -30,6 +31,8 @@ class UnitProgram(Program):
     units: list[FlatUnit]
     """The units this rank holds a shard of."""
     scheduler: Scheduler
+    _transactions = 0
+    """Steps, evaluations and forwards begun: where a failure happened, to compare over ranks."""
 
     def parameters(self) -> list[nn.Parameter]:
         return [unit.shard for unit in self.units]
@@ -49,6 +52,48 @@ class UnitProgram(Program):
     def _set_gradient_sync(self, enabled: bool) -> None:
         self.scheduler.communicate = enabled
 
+    @contextlib.contextmanager
+    def _transaction(self):
+        """See [Note: failed steps]: the step's gradients go to fresh `.grad` tensors, added to what `.grad`
+        held before on success and dropped on failure."""
+        if self.scheduler.backward_failed:
+            self._abandon("in a loss.backward() outside program.step")
+            self.check_in_step()
+        self._transactions += 1
+        before = [unit.shard.grad for unit in self.units]
+        for unit in self.units:
+            unit.shard.grad = None
+        try:
+            yield
+        except BaseException as error:
+            for unit, grad in zip(self.units, before):
+                unit.shard.grad = grad
+            self._abandon(type(error).__name__)
+            raise
+        for unit, grad in zip(self.units, before):
+            if grad is not None:
+                if unit.shard.grad is not None:
+                    grad.add_(unit.shard.grad)
+                unit.shard.grad = grad
+
+    def _abandon(self, failure: str) -> None:
+        """Forget a failed step: drained when every rank stopped at the same collective, else out of step."""
+        self.out_of_step = (f"a step failed ({failure}) at another point than on other ranks, so the ranks are "
+                            "out of step: restart every rank and program.load(...) the last checkpoint rather "
+                            "than train on")  # until the ranks are known to agree
+        drain = self._stopped_together()
+        try:
+            self.scheduler.abandon(drain=drain)
+        except Exception:  # a collective every rank issued failed all the same: the group is unusable
+            self.scheduler.abandon(drain=False)
+            return
+        if drain:
+            self.out_of_step = None
+
+    def _stopped_together(self) -> bool:
+        """Whether every rank stopped after the same collectives of the same step (see [Note: failed steps])."""
+        raise NotImplementedError
+
     def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
         # a REPLICATE unit's gradient is the same on every rank: counted once, not summed over ranks
         sharded = [u.shard.grad for u in self.units if u.shard.grad is not None
@@ -66,10 +111,20 @@ class ShardedProgram(UnitProgram):
         self.units = build_units(module, plan, collectives.world().rank, device)
         self.scheduler = Scheduler(self.units, {unit: len(set(unit.spec.modules)) for unit in self.units})
         _wrap_forwards(module, dict(module.named_modules()), self.units, self.scheduler)
+        self._control = collectives.control_group()
+        """Where ranks compare where a failed step stopped (see [Note: failed steps])."""
 
     def __call__(self, *args, **kwargs) -> Any:
+        self.check_in_step()
+        with self._transaction():
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, *args, **kwargs) -> Any:
         with self.scheduler.forward_pass():
             return self.module(*args, **kwargs)
+
+    def _stopped_together(self) -> bool:
+        return collectives.agree_after_failure([self._transactions, collectives.issued()], self._control)
 
 
 def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device, *,
@@ -118,6 +173,7 @@ def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device, *
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[name] = buffer.to(device)
+    refuse_optimizers_over([*named.values(), *model.parameters()])  # now placeholders
     return built
 
 

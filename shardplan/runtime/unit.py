@@ -124,6 +124,18 @@ class FlatUnit:
         self.views_epoch = -1
         self.state = UnitState.SHARDED
 
+    def abandon(self, *, drain: bool) -> None:
+        """Forget a failed step (see [Note: failed steps] in program.py): its collectives in flight, waited
+        for when `drain` (every rank issued them) and dropped unwaited otherwise, its sum of earlier
+        micro-batches' gradients, and the gathered buffer."""
+        for pending in (self._pending_gather, self._pending_reduce):
+            if pending is not None and drain:
+                collectives.wait(pending)
+        self._pending_gather = self._pending_reduce = None
+        self._accumulating = False
+        self.state = UnitState.SHARDED  # nothing left to wait for: release() only puts placeholders back
+        self.release()
+
     def reduce(self, grad_full: torch.Tensor, *, communicate: bool) -> None:
         """Take the gradient of the full buffer: accumulate it locally, or issue its reduction.
 
