@@ -15,12 +15,23 @@ from dataclasses import dataclass, field
 
 from .chain import InputSpec
 from .errors import PlanError
-from .files import write_text_atomically
+from .files import parse_json, read_text, write_text_atomically
 
 SCHEMA = "shardplan.plan/1"
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
 """JSON Schema of the plan file, shipped in the package; from_json validates against it."""
 SCHEDULE_NAMES = ("none", "gpipe", "1f1b")
+MAX_WORLD_SIZE = 2**20
+"""The most ranks a plan spans: ten times the largest training clusters built (about 10^5 GPUs),
+and a bound that keeps every search over meshes and ranks fast."""
+MAX_DIM = 2**31 - 1
+"""The largest size of one input dim: what torch.export assumes of an unbounded dim."""
+MAX_INPUT_NUMEL = 2**40
+"""The most elements one example input may hold (4 TiB of bytes at the least): more is a typo."""
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+"""dtypes parameters may be gathered, computed and reduced in, as torch spells them."""
+INPUT_DTYPES = FLOAT_DTYPES + ("bool", "uint8", "int8", "int16", "int32", "int64", "complex64", "complex128")
+"""dtypes an example input may have."""
 
 
 class ShardStrategy(str, enum.Enum):
@@ -137,6 +148,12 @@ class MixedPrecision:
     reduce_dtype: str = "float32"
     """dtype of gradient reduction."""
 
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in FLOAT_DTYPES:
+                raise PlanError(f"mixed precision {name} {getattr(self, name)!r} is not a floating-point dtype "
+                                f"shardplan computes in: use one of {', '.join(FLOAT_DTYPES)}")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Predicted:
@@ -204,11 +221,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise PlanError(f"plan file is not valid JSON ({error}); it may be truncated: "
-                            "write it again with plan.save() or `shardplan plan`") from None
+        data = parse_json(text, "plan file", PlanError)
         if not isinstance(data, dict):
             raise PlanError("plan file must hold a JSON object")
         schema = data.get("schema")
@@ -257,22 +270,20 @@ class Plan:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-    """Read and validate a plan written by `Plan.save`.
+    """Read and validate a plan written by `Plan.save` (files past files.MAX_FILE_BYTES are refused).
 
     >>> plan = load_plan("plan.json")  # doctest: +SKIP
     """
-    try:
-        with open(path) as handle:
-            text = handle.read()
-    except OSError as error:
-        raise PlanError(f"cannot read plan file {os.fspath(path)!r}: {error.strerror}") from None
-    except UnicodeDecodeError:
-        raise PlanError(f"plan file {os.fspath(path)!r} is not text: it is corrupt") from None
-    return Plan.from_json(text)
+    return Plan.from_json(read_text(path, "plan file", PlanError))
 
 
 def _check_plan(plan: Plan) -> None:
     """The invariants `parallelize` relies on; each message names the fix."""
+    if plan.world_size > MAX_WORLD_SIZE:
+        raise PlanError(f"world_size {plan.world_size} is more than the {MAX_WORLD_SIZE} ranks shardplan plans for: "
+                        "give the number of ranks you launch")
+    _check_inputs(plan.inputs)
+    _check_unicode(plan)
     if plan.mesh.dp * plan.mesh.pp != plan.world_size:
         raise PlanError(f"mesh dp={plan.mesh.dp} x pp={plan.mesh.pp} = {plan.mesh.dp * plan.mesh.pp} ranks but "
                         f"world_size is {plan.world_size}: make dp * pp equal world_size")
@@ -303,14 +314,43 @@ def _check_plan(plan: Plan) -> None:
                         f"(stages list {in_order}, units are {[u.name for u in plan.units]})")
 
 
-def _unique(names: list[str], what: str, fix: str) -> None:
+def _check_inputs(inputs) -> None:
+    _unique([spec.name for spec in inputs], "input name", "name each input once", where="two inputs")
+    for spec in inputs:
+        if spec.dtype not in INPUT_DTYPES:
+            raise PlanError(f"input {spec.name!r} has dtype {spec.dtype!r}, which is not a torch dtype: use one of "
+                            f"{', '.join(INPUT_DTYPES)}")
+        numel = 1
+        for size in spec.shape:
+            numel *= size
+        if any(not 0 <= size <= MAX_DIM for size in spec.shape) or numel > MAX_INPUT_NUMEL:
+            raise PlanError(f"input {spec.name!r} has shape {list(spec.shape)}: dims must lie in 0..{MAX_DIM} and "
+                            f"hold at most {MAX_INPUT_NUMEL} elements; re-plan from the real example inputs")
+        if sorted(set(spec.dynamic_dims)) != sorted(spec.dynamic_dims) or any(
+                not 0 <= dim < len(spec.shape) for dim in spec.dynamic_dims):
+            raise PlanError(f"input {spec.name!r} marks dims {list(spec.dynamic_dims)} dynamic, but its shape "
+                            f"{list(spec.shape)} has dims 0..{len(spec.shape) - 1}: name each existing dim once")
+
+
+def _check_unicode(plan: Plan) -> None:
+    """Refuse lone surrogates (from undecodable bytes): JSON tools, terminals and fonts reject them."""
+    text = json.dumps(_to_data(plan), ensure_ascii=False, sort_keys=True)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise PlanError(f"plan text {text[max(0, error.start - 40):error.end + 10]!r} holds a lone surrogate "
+                        f"{text[error.start]!r}, which is not Unicode: rename the model, module or parameter "
+                        "(decode names as UTF-8)") from None
+
+
+def _unique(names: list[str], what: str, fix: str, where: str = "two units") -> None:
     seen, repeated = set(), []
     for name in names:
         if name in seen:
             repeated.append(name)
         seen.add(name)
     if repeated:
-        raise PlanError(f"{what} {sorted(set(repeated))[0]!r} appears in two units: {fix}")
+        raise PlanError(f"{what} {sorted(set(repeated))[0]!r} appears in {where}: {fix}")
 
 
 @functools.cache
@@ -326,7 +366,8 @@ def _validate_schema(data: dict) -> None:
     if errors:
         error = errors[0]
         where = "plan" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.path)
-        raise PlanError(f"plan field {where} does not match the plan schema: {error.message} "
+        message = error.message if len(error.message) <= 200 else error.message[:200] + "..."
+        raise PlanError(f"plan field {where} does not match the plan schema: {message} "
                         f"({len(errors)} problem(s) in all; the file was edited or written by another version)")
 
 
