@@ -412,13 +412,17 @@ def _to_data(value):
     return value
 
 
+_type_hints = functools.cache(typing.get_type_hints)
+"""A dataclass's field types, read once per class: a plan holds thousands of units."""
+
+
 def _from_data(kind, data, where: str):
     """Build `kind` (a type annotation) from parsed JSON, naming the path of any bad field."""
     origin = typing.get_origin(kind)
     if dataclasses.is_dataclass(kind):
         if not isinstance(data, dict):
             raise PlanError(f"plan field {where} must be an object, got {type(data).__name__}")
-        hints = typing.get_type_hints(kind)
+        hints = _type_hints(kind)
         names = {f.name for f in dataclasses.fields(kind)}
         unknown = sorted(set(data) - names)
         if unknown:
