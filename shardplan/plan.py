@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import functools
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -86,9 +87,9 @@ class Unit:
 
     def __post_init__(self):
         if not self.name or not self.modules:
-            raise PlanError(f"unit {self.name!r} has no name or no modules: every unit holds at least one block")
+            raise PlanError(f"unit {_shown(self.name)} has no name or no modules: every unit holds at least one block")
         if self.offload and self.strategy not in (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP):
-            raise PlanError(f"unit {self.name!r} offloads with strategy {self.strategy.value}: offload needs a "
+            raise PlanError(f"unit {_shown(self.name)} offloads with strategy {self.strategy.value}: offload needs a "
                             "sharded strategy (full_shard or shard_grad_op); set offload to false")
 
     @property
@@ -151,7 +152,7 @@ class MixedPrecision:
     def __post_init__(self):
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in FLOAT_DTYPES:
-                raise PlanError(f"mixed precision {name} {getattr(self, name)!r} is not a floating-point dtype "
+                raise PlanError(f"mixed precision {name} {_shown(getattr(self, name))} is not a floating-point dtype "
                                 f"shardplan computes in: use one of {', '.join(FLOAT_DTYPES)}")
 
 
@@ -226,7 +227,7 @@ class Plan:
             raise PlanError("plan file must hold a JSON object")
         schema = data.get("schema")
         if schema != SCHEMA:
-            raise PlanError(f"plan schema {schema!r} is not supported by this shardplan (reads {SCHEMA!r}): "
+            raise PlanError(f"plan schema {_shown(schema)} is not supported by this shardplan (reads {SCHEMA!r}): "
                             "re-plan with this version, or install the version that wrote it")
         _validate_schema(data)
         return _from_data(cls, data, "plan")
@@ -308,28 +309,28 @@ def _check_plan(plan: Plan) -> None:
     known = {u.name for u in plan.units}
     unknown = [name for name in in_order if name not in known]
     if unknown:
-        raise PlanError(f"stages name unknown units {unknown}: list each unit in Plan.units")
+        raise PlanError(f"stages name unknown units {_shown(unknown)}: list each unit in Plan.units")
     if in_order != [u.name for u in plan.units]:
         raise PlanError("stages must hold every unit exactly once, in the order of Plan.units "
-                        f"(stages list {in_order}, units are {[u.name for u in plan.units]})")
+                        f"(stages list {_shown(in_order)}, units are {_shown([u.name for u in plan.units])})")
 
 
 def _check_inputs(inputs) -> None:
     _unique([spec.name for spec in inputs], "input name", "name each input once", where="two inputs")
     for spec in inputs:
         if spec.dtype not in INPUT_DTYPES:
-            raise PlanError(f"input {spec.name!r} has dtype {spec.dtype!r}, which is not a torch dtype: use one of "
+            raise PlanError(f"input {_shown(spec.name)} has dtype {_shown(spec.dtype)}, which is not a torch dtype: use one of "
                             f"{', '.join(INPUT_DTYPES)}")
         numel = 1
         for size in spec.shape:
             numel *= size
         if any(not 0 <= size <= MAX_DIM for size in spec.shape) or numel > MAX_INPUT_NUMEL:
-            raise PlanError(f"input {spec.name!r} has shape {list(spec.shape)}: dims must lie in 0..{MAX_DIM} and "
+            raise PlanError(f"input {_shown(spec.name)} has shape {_shown(list(spec.shape))}: dims must lie in 0..{MAX_DIM} and "
                             f"hold at most {MAX_INPUT_NUMEL} elements; re-plan from the real example inputs")
         if sorted(set(spec.dynamic_dims)) != sorted(spec.dynamic_dims) or any(
                 not 0 <= dim < len(spec.shape) for dim in spec.dynamic_dims):
-            raise PlanError(f"input {spec.name!r} marks dims {list(spec.dynamic_dims)} dynamic, but its shape "
-                            f"{list(spec.shape)} has dims 0..{len(spec.shape) - 1}: name each existing dim once")
+            raise PlanError(f"input {_shown(spec.name)} marks dims {_shown(list(spec.dynamic_dims))} dynamic, but its shape "
+                            f"{_shown(list(spec.shape))} has dims 0..{len(spec.shape) - 1}: name each existing dim once")
 
 
 def _check_unicode(plan: Plan) -> None:
@@ -343,6 +344,17 @@ def _check_unicode(plan: Plan) -> None:
                         "(decode names as UTF-8)") from None
 
 
+def _shown(value, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: an error quotes what a file holds, which may be huge."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _key(key: str) -> str:
+    """A key in the path of a field, as an error names it: `.name`, or `['odd key']` quoted."""
+    return f".{key}" if key.isidentifier() and len(key) <= 80 else f"[{_shown(key)}]"
+
+
 def _unique(names: list[str], what: str, fix: str, where: str = "two units") -> None:
     seen, repeated = set(), []
     for name in names:
@@ -350,7 +362,7 @@ def _unique(names: list[str], what: str, fix: str, where: str = "two units") -> 
             repeated.append(name)
         seen.add(name)
     if repeated:
-        raise PlanError(f"{what} {sorted(set(repeated))[0]!r} appears in {where}: {fix}")
+        raise PlanError(f"{what} {_shown(sorted(set(repeated))[0])} appears in {where}: {fix}")
 
 
 @functools.cache
@@ -365,8 +377,8 @@ def _validate_schema(data: dict) -> None:
     errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(data), key=lambda e: list(e.path))
     if errors:
         error = errors[0]
-        where = "plan" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.path)
-        message = error.message if len(error.message) <= 200 else error.message[:200] + "..."
+        where = "plan" + "".join(f"[{p}]" if isinstance(p, int) else _key(p) for p in error.path)
+        message = error.message if len(error.message) <= 200 else error.message[:200] + "..."  # it quotes the value
         raise PlanError(f"plan field {where} does not match the plan schema: {message} "
                         f"({len(errors)} problem(s) in all; the file was edited or written by another version)")
 
@@ -426,7 +438,7 @@ def _from_data(kind, data, where: str):
         names = {f.name for f in dataclasses.fields(kind)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise PlanError(f"plan field {where} has unknown keys {unknown}: the file was edited or "
+            raise PlanError(f"plan field {where} has unknown keys {_shown(unknown)}: the file was edited or "
                             "written by another version")
         values = {}
         for f in dataclasses.fields(kind):
@@ -443,7 +455,7 @@ def _from_data(kind, data, where: str):
             return kind(data)
         except ValueError:
             allowed = ", ".join(repr(member.value) for member in kind)
-            raise PlanError(f"plan field {where} is {data!r}; expected one of {allowed}") from None
+            raise PlanError(f"plan field {where} is {_shown(data)}; expected one of {allowed}") from None
     if origin is tuple:
         if not isinstance(data, list):
             raise PlanError(f"plan field {where} must be a list, got {type(data).__name__}")
@@ -453,13 +465,20 @@ def _from_data(kind, data, where: str):
         if not isinstance(data, dict):
             raise PlanError(f"plan field {where} must be an object, got {type(data).__name__}")
         value_kind = typing.get_args(kind)[1]
-        return {key: _from_data(value_kind, item, f"{where}.{key}") for key, item in data.items()}
+        return {key: _from_data(value_kind, item, where + _key(key)) for key, item in data.items()}
     if kind is float:
         if isinstance(data, bool) or not isinstance(data, (int, float)):
-            raise PlanError(f"plan field {where} must be a number, got {data!r}")
-        return float(data)
+            raise PlanError(f"plan field {where} must be a number, got {_shown(data)}")
+        try:
+            value = float(data)
+        except OverflowError:  # an integer past 1e308
+            value = math.inf
+        if not math.isfinite(value):
+            raise PlanError(f"plan field {where} is beyond the largest float (1.8e308): the file was edited; "
+                            "write it again")
+        return value
     if kind in (int, str, bool):
         if type(data) is not kind:
-            raise PlanError(f"plan field {where} must be {kind.__name__}, got {data!r}")
+            raise PlanError(f"plan field {where} must be {kind.__name__}, got {_shown(data)}")
         return data
     raise PlanError(f"plan field {where}: unsupported type {kind}")

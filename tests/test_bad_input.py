@@ -8,8 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from shardplan import PlanError, Plan, RuntimeMismatchError, ShardplanError, compile, parallelize, zoo
 from shardplan.compile import solve
@@ -117,57 +115,6 @@ def test_a_plan_missing_parameters_is_called_incomplete_not_foreign(gpt_plan, wo
     with pytest.raises(PlanError, match=f"1 parameters of the model are in no unit of the plan .*{dropped}.*"
                                         "the plan is incomplete"):
         parallelize(zoo.gpt().model, Plan.from_json(json.dumps(data)))
-
-
-def _mutations(text: str):
-    data = json.loads(text)
-    paths = list(_leaf_paths(data))
-    junk = st.one_of(st.none(), st.booleans(), st.integers(-2, 10**12), st.floats(allow_nan=True),
-                     st.text(max_size=8), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=4),
-                                                                                                st.integers(),
-                                                                                                max_size=2))
-    replace = st.tuples(st.sampled_from(paths), junk).map(lambda change: _replaced(data, *change))
-    delete = st.sampled_from(paths).map(lambda path: _replaced(data, path, _DELETE))
-    truncate = st.integers(0, len(text) - 1).map(lambda cut: text[:cut])
-    flip = st.tuples(st.integers(0, len(text) - 1), st.characters()).map(
-        lambda change: text[:change[0]] + change[1] + text[change[0] + 1:])
-    return st.one_of(replace, delete, truncate, flip)
-
-
-_DELETE = object()
-
-
-def _leaf_paths(value, path=()):
-    yield path
-    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, child in children:
-        yield from _leaf_paths(child, path + (key,))
-
-
-def _replaced(data, path, new):
-    if not path:
-        return json.dumps(None if new is _DELETE else new)
-    copy = json.loads(json.dumps(data))
-    parent = copy
-    for key in path[:-1]:
-        parent = parent[key]
-    if new is _DELETE:
-        del parent[path[-1]]
-    else:
-        parent[path[-1]] = new
-    return json.dumps(copy)
-
-
-def test_fuzzed_plan_files_raise_only_plan_error(gpt_plan):
-    @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(_mutations(gpt_plan.to_json()))
-    def load(text):
-        try:
-            Plan.from_json(text)
-        except PlanError:
-            pass
-
-    load()
 
 
 def _dying_rank(rank: int, port: int, folder: str) -> None:
