@@ -41,6 +41,7 @@ def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: 
     """
     from .passes import analyze
 
+    _check_world_size(world_size)  # before the capture: a bad count is refused in moments
     chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
     return solve(chain, world_size, hardware=hardware, budget_bytes=memory_budget, mixed_precision=mixed_precision,
                  optimizer=optimizer, allow_pipeline=allow_pipeline, allow_offload=allow_offload,
@@ -52,9 +53,7 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
           allow_offload: bool = False, constraints: Constraints | None = None, space: SearchSpace | None = None,
           model_name: str = "") -> Plan:
     """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch)."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ShardplanError(f"world_size must be a whole number of ranks from 1 to {MAX_WORLD_SIZE}, "
-                             f"got {world_size!r}: give the number of ranks you launch")
+    _check_world_size(world_size)
     if not chain.blocks:
         raise ShardplanError("the model has no blocks to plan: does its forward do anything?")
     hw = get_hardware(hardware)
@@ -79,6 +78,12 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
                 mixed_precision=precision, optimizer=optimizer, units=units, stages=stages,
                 predicted=predict(chain, best, setting, hw),
                 reasoning=_reasoning(chain, best, candidates, rules, setting, hw, budget, space))
+
+
+def _check_world_size(world_size) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ShardplanError(f"world_size must be a whole number of ranks from 1 to {MAX_WORLD_SIZE}, "
+                             f"got {world_size!r}: give the number of ranks you launch")
 
 
 def default_space(n_blocks: int) -> SearchSpace:

@@ -25,6 +25,8 @@ SCHEDULE_NAMES = ("none", "gpipe", "1f1b")
 MAX_WORLD_SIZE = 2**20
 """The most ranks a plan spans: ten times the largest training clusters built (about 10^5 GPUs),
 and a bound that keeps every search over meshes and ranks fast."""
+MAX_NDIM = 64
+"""The most dims of one input: torch's own limit for a tensor's dims in most kernels."""
 MAX_DIM = 2**31 - 1
 """The largest size of one input dim: what torch.export assumes of an unbounded dim."""
 MAX_INPUT_NUMEL = 2**40
@@ -318,19 +320,20 @@ def _check_plan(plan: Plan) -> None:
 def _check_inputs(inputs) -> None:
     _unique([spec.name for spec in inputs], "input name", "name each input once", where="two inputs")
     for spec in inputs:
+        name = _shown(spec.name)
         if spec.dtype not in INPUT_DTYPES:
-            raise PlanError(f"input {_shown(spec.name)} has dtype {_shown(spec.dtype)}, which is not a torch dtype: use one of "
-                            f"{', '.join(INPUT_DTYPES)}")
-        numel = 1
-        for size in spec.shape:
-            numel *= size
-        if any(not 0 <= size <= MAX_DIM for size in spec.shape) or numel > MAX_INPUT_NUMEL:
-            raise PlanError(f"input {_shown(spec.name)} has shape {_shown(list(spec.shape))}: dims must lie in 0..{MAX_DIM} and "
-                            f"hold at most {MAX_INPUT_NUMEL} elements; re-plan from the real example inputs")
+            raise PlanError(f"input {name} has dtype {_shown(spec.dtype)}, which is not a torch dtype: use one "
+                            f"of {', '.join(INPUT_DTYPES)}")
+        # dims checked before their product is taken: a million huge dims would multiply for minutes
+        if (len(spec.shape) > MAX_NDIM or any(not 0 <= size <= MAX_DIM for size in spec.shape)
+                or math.prod(spec.shape) > MAX_INPUT_NUMEL):
+            raise PlanError(f"input {name} has shape {_shown(list(spec.shape))}: at most {MAX_NDIM} dims, each "
+                            f"0..{MAX_DIM}, {MAX_INPUT_NUMEL} elements in all; re-plan from the real example inputs")
         if sorted(set(spec.dynamic_dims)) != sorted(spec.dynamic_dims) or any(
                 not 0 <= dim < len(spec.shape) for dim in spec.dynamic_dims):
-            raise PlanError(f"input {_shown(spec.name)} marks dims {_shown(list(spec.dynamic_dims))} dynamic, but its shape "
-                            f"{_shown(list(spec.shape))} has dims 0..{len(spec.shape) - 1}: name each existing dim once")
+            raise PlanError(f"input {name} marks dims {_shown(list(spec.dynamic_dims))} dynamic, but its shape "
+                            f"{_shown(list(spec.shape))} has dims 0..{len(spec.shape) - 1}: name each existing dim "
+                            "once")
 
 
 def _check_unicode(plan: Plan) -> None:
