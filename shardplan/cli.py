@@ -4,7 +4,6 @@ Errors print on one line without a traceback and exit 2 (`--debug` shows the tra
 """
 import argparse
 import importlib
-import json
 import os
 import sys
 
@@ -211,16 +210,31 @@ def _hugging_face_from_config(path: str, batch: int, seq: int):
 
     from . import zoo
 
+    from .files import parse_json, read_text
+
+    fields = parse_json(read_text(path, "Hugging Face config"), f"Hugging Face config {path!r}")
+    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+        raise ShardplanError(f"Hugging Face config {path!r} is not a JSON object with a \"model_type\" string: "
+                             "give the config.json saved with the model (config.save_pretrained)")
+    if fields["model_type"] not in transformers.CONFIG_MAPPING:
+        raise ShardplanError(f"Hugging Face config {path!r} has model_type {fields['model_type']!r}, which "
+                             f"transformers {transformers.__version__} does not know: fix it (e.g. 'llama', 'gpt2') "
+                             "or upgrade transformers")
     try:
-        with open(path) as handle:
-            config = transformers.AutoConfig.for_model(**json.load(handle))
-    except (OSError, ValueError, KeyError) as error:
-        raise ShardplanError(f"cannot read Hugging Face config {path!r}: {error}") from None
+        config = transformers.AutoConfig.for_model(**fields)
+    except Exception as error:  # transformers and huggingface_hub validate fields with errors of their own
+        raise ShardplanError(f"cannot read Hugging Face config {path!r}: {_summary(error)}: fix that field") from None
     config.use_cache = False
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
         ids = torch.zeros(batch, seq, dtype=torch.long)
     return zoo.ZooModel(model, (ids,), {"labels": ids})
+
+
+def _summary(error: Exception) -> str:
+    """A library's error on one line, at most 300 characters."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ from .chain import BlockChain
 from .cost import Decision, evaluate_stage
 from .errors import InfeasibleError, PlanError, ShardplanError
 from .hardware import get_hardware
-from .plan import (Alternative, Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, Stage,
-                   Unit)
+from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning,
+                   Schedule, Stage, Unit)
 from .solver.chain_dp import ROUNDING
 from .solver.search import Candidate, Configuration, Setting, boundary_time_s, context, search, smallest_peak
-from .solver.space import Constraints, SearchSpace, resolve_rules
+from .solver.space import BlockRule, Constraints, SearchSpace, resolve_rules
 from .sizes import format_bytes, parse_bytes
 
 RUNNER_UPS = 4
@@ -41,6 +41,7 @@ def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: 
     """
     from .passes import analyze
 
+    _check_world_size(world_size)  # before the capture: a bad count is refused in moments
     chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
     return solve(chain, world_size, hardware=hardware, budget_bytes=memory_budget, mixed_precision=mixed_precision,
                  optimizer=optimizer, allow_pipeline=allow_pipeline, allow_offload=allow_offload,
@@ -52,8 +53,7 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
           allow_offload: bool = False, constraints: Constraints | None = None, space: SearchSpace | None = None,
           model_name: str = "") -> Plan:
     """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch)."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ShardplanError(f"world_size must be a positive integer, got {world_size!r}")
+    _check_world_size(world_size)
     if not chain.blocks:
         raise ShardplanError("the model has no blocks to plan: does its forward do anything?")
     hw = get_hardware(hardware)
@@ -64,7 +64,7 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
     setting = Setting(world_size=world_size, batch_size=_batch_size(chain), param_dtype=precision.param_dtype,
                       reduce_dtype=precision.reduce_dtype, optimizer=optimizer, allow_pipeline=allow_pipeline,
                       skip_edges=_edges(chain, "skip_edges"))
-    rules = resolve_rules(chain.blocks, constraints, _edges(chain, "tied_edges"))
+    rules = _split_at_frozen(chain, resolve_rules(chain.blocks, constraints, _edges(chain, "tied_edges")))
     candidates = search(chain.blocks, rules, setting, hw, budget, space)
     if not candidates:
         raise InfeasibleError(_infeasible_message(chain, rules, setting, hw, budget, space))
@@ -78,6 +78,12 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
                 mixed_precision=precision, optimizer=optimizer, units=units, stages=stages,
                 predicted=predict(chain, best, setting, hw),
                 reasoning=_reasoning(chain, best, candidates, rules, setting, hw, budget, space))
+
+
+def _check_world_size(world_size) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ShardplanError(f"world_size must be a whole number of ranks from 1 to {MAX_WORLD_SIZE}, "
+                             f"got {world_size!r}: give the number of ranks you launch")
 
 
 def default_space(n_blocks: int) -> SearchSpace:
@@ -95,6 +101,33 @@ def _dtype_name(dtype: str) -> str:
 def _edges(chain: BlockChain, kind: str) -> tuple[tuple[int, int], ...]:
     """The analysis' skip_edges or tied_edges (a list of pairs) as tuples, as the frozen Setting holds them."""
     return tuple(tuple(edge) for edge in chain.extra.get(kind, ()))
+
+
+def _split_at_frozen(chain: BlockChain, rules: tuple[BlockRule, ...]) -> tuple[BlockRule, ...]:
+    """Start a unit wherever the blocks switch between frozen (requires_grad=False) and trainable
+    parameters: a unit is one flat buffer with one requires_grad (runtime/sharded.py). A block without
+    parameters joins either kind."""
+    frozen = set(chain.extra.get("frozen_params", ()))
+    if not frozen:
+        return rules
+    split, previous = [], None
+    for block, rule in zip(chain.blocks, rules):
+        kinds = {name in frozen for name in block.param_names}
+        if len(kinds) > 1:
+            raise ShardplanError(
+                f"block {block.name!r} holds frozen parameters "
+                f"({', '.join(n for n in block.param_names if n in frozen)[:200]}) beside trainable ones: a unit "
+                "trains all its parameters or none; set requires_grad alike for the whole block")
+        kind = kinds.pop() if kinds else previous
+        if previous is not None and kind != previous:
+            if not rule.may_start_unit:
+                raise ShardplanError(f"a constraint forbids a unit boundary at block {block.name!r}, where the "
+                                     f"parameters turn {'frozen' if kind else 'trainable'}: a unit trains all its "
+                                     "parameters or none; remove that no_unit_boundary pattern")
+            rule = replace(rule, must_start_unit=True)
+        split.append(rule)
+        previous = kind
+    return tuple(split)
 
 
 def _batch_size(chain: BlockChain) -> int:

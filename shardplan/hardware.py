@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import HardwareError
+from .files import parse_json, read_text
 
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 SCHEMA = "shardplan.hardware/1"
@@ -240,11 +241,7 @@ class HardwareProfile:
 
     @classmethod
     def from_json(cls, text: str) -> "HardwareProfile":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise HardwareError(f"hardware profile is not valid JSON ({error}): "
-                                "write it again with `shardplan calibrate -o profile.json`") from None
+        data = parse_json(text, "hardware profile", HardwareError)
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             schema = data.get("schema") if isinstance(data, dict) else None
             raise HardwareError(f"hardware profile schema {schema!r} is not {SCHEMA!r}: "
@@ -490,13 +487,7 @@ def get_hardware(spec: "str | os.PathLike | HardwareProfile") -> HardwareProfile
     if isinstance(spec, str) and spec in BUILTIN:
         return BUILTIN[spec]
     if os.path.isfile(spec):
-        try:
-            with open(spec) as handle:
-                text = handle.read()
-        except (OSError, UnicodeDecodeError) as error:
-            raise HardwareError(f"cannot read hardware profile {os.fspath(spec)!r} ({error}): "
-                                "write it again with `shardplan calibrate -o profile.json`") from None
-        return HardwareProfile.from_json(text)
+        return HardwareProfile.from_json(read_text(spec, "hardware profile", HardwareError))
     name = os.fspath(spec)
     # A prefix ("h100") names its profile better than spelling distance, which finds "h200".
     close = sorted(known for known in BUILTIN if known.startswith(name.lower())) or difflib.get_close_matches(

@@ -9,18 +9,32 @@ import dataclasses
 import enum
 import functools
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
 
 from .chain import InputSpec
 from .errors import PlanError
-from .files import write_text_atomically
+from .files import parse_json, read_text, write_text_atomically
 
 SCHEMA = "shardplan.plan/1"
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
 """JSON Schema of the plan file, shipped in the package; from_json validates against it."""
 SCHEDULE_NAMES = ("none", "gpipe", "1f1b")
+MAX_WORLD_SIZE = 2**20
+"""The most ranks a plan spans: ten times the largest training clusters built (about 10^5 GPUs),
+and a bound that keeps every search over meshes and ranks fast."""
+MAX_NDIM = 64
+"""The most dims of one input: torch's own limit for a tensor's dims in most kernels."""
+MAX_DIM = 2**31 - 1
+"""The largest size of one input dim: what torch.export assumes of an unbounded dim."""
+MAX_INPUT_NUMEL = 2**40
+"""The most elements one example input may hold (4 TiB of bytes at the least): more is a typo."""
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+"""dtypes parameters may be gathered, computed and reduced in, as torch spells them."""
+INPUT_DTYPES = FLOAT_DTYPES + ("bool", "uint8", "int8", "int16", "int32", "int64", "complex64", "complex128")
+"""dtypes an example input may have."""
 
 
 class ShardStrategy(str, enum.Enum):
@@ -75,9 +89,9 @@ class Unit:
 
     def __post_init__(self):
         if not self.name or not self.modules:
-            raise PlanError(f"unit {self.name!r} has no name or no modules: every unit holds at least one block")
+            raise PlanError(f"unit {_shown(self.name)} has no name or no modules: every unit holds at least one block")
         if self.offload and self.strategy not in (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP):
-            raise PlanError(f"unit {self.name!r} offloads with strategy {self.strategy.value}: offload needs a "
+            raise PlanError(f"unit {_shown(self.name)} offloads with strategy {self.strategy.value}: offload needs a "
                             "sharded strategy (full_shard or shard_grad_op); set offload to false")
 
     @property
@@ -155,6 +169,12 @@ class MixedPrecision:
     reduce_dtype: str = "float32"
     """dtype of gradient reduction."""
 
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in FLOAT_DTYPES:
+                raise PlanError(f"mixed precision {name} {_shown(getattr(self, name))} is not a floating-point dtype "
+                                f"shardplan computes in: use one of {', '.join(FLOAT_DTYPES)}")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Predicted:
@@ -222,16 +242,12 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise PlanError(f"plan file is not valid JSON ({error}); it may be truncated: "
-                            "write it again with plan.save() or `shardplan plan`") from None
+        data = parse_json(text, "plan file", PlanError)
         if not isinstance(data, dict):
             raise PlanError("plan file must hold a JSON object")
         schema = data.get("schema")
         if schema != SCHEMA:
-            raise PlanError(f"plan schema {schema!r} is not supported by this shardplan (reads {SCHEMA!r}): "
+            raise PlanError(f"plan schema {_shown(schema)} is not supported by this shardplan (reads {SCHEMA!r}): "
                             "re-plan with this version, or install the version that wrote it")
         _validate_schema(data)
         return _from_data(cls, data, "plan")
@@ -274,22 +290,20 @@ class Plan:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-    """Read and validate a plan written by `Plan.save`.
+    """Read and validate a plan written by `Plan.save` (files past files.MAX_FILE_BYTES are refused).
 
     >>> plan = load_plan("plan.json")  # doctest: +SKIP
     """
-    try:
-        with open(path) as handle:
-            text = handle.read()
-    except OSError as error:
-        raise PlanError(f"cannot read plan file {os.fspath(path)!r}: {error.strerror}") from None
-    except UnicodeDecodeError:
-        raise PlanError(f"plan file {os.fspath(path)!r} is not text: it is corrupt") from None
-    return Plan.from_json(text)
+    return Plan.from_json(read_text(path, "plan file", PlanError))
 
 
 def _check_plan(plan: Plan) -> None:
     """The invariants `parallelize` relies on; each message names the fix."""
+    if plan.world_size > MAX_WORLD_SIZE:
+        raise PlanError(f"world_size {plan.world_size} is more than the {MAX_WORLD_SIZE} ranks shardplan plans for: "
+                        "give the number of ranks you launch")
+    _check_inputs(plan.inputs)
+    _check_unicode(plan)
     if plan.mesh.dp * plan.mesh.pp != plan.world_size:
         raise PlanError(f"mesh dp={plan.mesh.dp} x pp={plan.mesh.pp} = {plan.mesh.dp * plan.mesh.pp} ranks but "
                         f"world_size is {plan.world_size}: make dp * pp equal world_size")
@@ -310,20 +324,61 @@ def _check_plan(plan: Plan) -> None:
     known = {u.name for u in plan.units}
     unknown = [name for name in in_order if name not in known]
     if unknown:
-        raise PlanError(f"stages name unknown units {unknown}: list each unit in Plan.units")
+        raise PlanError(f"stages name unknown units {_shown(unknown)}: list each unit in Plan.units")
     if in_order != [u.name for u in plan.units]:
         raise PlanError("stages must hold every unit exactly once, in the order of Plan.units "
-                        f"(stages list {in_order}, units are {[u.name for u in plan.units]})")
+                        f"(stages list {_shown(in_order)}, units are {_shown([u.name for u in plan.units])})")
 
 
-def _unique(names: list[str], what: str, fix: str) -> None:
+def _check_inputs(inputs) -> None:
+    _unique([spec.name for spec in inputs], "input name", "name each input once", where="two inputs")
+    for spec in inputs:
+        name = _shown(spec.name)
+        if spec.dtype not in INPUT_DTYPES:
+            raise PlanError(f"input {name} has dtype {_shown(spec.dtype)}, which is not a torch dtype: use one "
+                            f"of {', '.join(INPUT_DTYPES)}")
+        # dims checked before their product is taken: a million huge dims would multiply for minutes
+        if (len(spec.shape) > MAX_NDIM or any(not 0 <= size <= MAX_DIM for size in spec.shape)
+                or math.prod(spec.shape) > MAX_INPUT_NUMEL):
+            raise PlanError(f"input {name} has shape {_shown(list(spec.shape))}: at most {MAX_NDIM} dims, each "
+                            f"0..{MAX_DIM}, {MAX_INPUT_NUMEL} elements in all; re-plan from the real example inputs")
+        if sorted(set(spec.dynamic_dims)) != sorted(spec.dynamic_dims) or any(
+                not 0 <= dim < len(spec.shape) for dim in spec.dynamic_dims):
+            raise PlanError(f"input {name} marks dims {_shown(list(spec.dynamic_dims))} dynamic, but its shape "
+                            f"{_shown(list(spec.shape))} has dims 0..{len(spec.shape) - 1}: name each existing dim "
+                            "once")
+
+
+def _check_unicode(plan: Plan) -> None:
+    """Refuse lone surrogates (from undecodable bytes): JSON tools, terminals and fonts reject them."""
+    text = json.dumps(_to_data(plan), ensure_ascii=False, sort_keys=True)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise PlanError(f"plan text {text[max(0, error.start - 40):error.end + 10]!r} holds a lone surrogate "
+                        f"{text[error.start]!r}, which is not Unicode: rename the model, module or parameter "
+                        "(decode names as UTF-8)") from None
+
+
+def _shown(value, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: an error quotes what a file holds, which may be huge."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _key(key: str) -> str:
+    """A key in the path of a field, as an error names it: `.name`, or `['odd key']` quoted."""
+    return f".{key}" if key.isidentifier() and len(key) <= 80 else f"[{_shown(key)}]"
+
+
+def _unique(names: list[str], what: str, fix: str, where: str = "two units") -> None:
     seen, repeated = set(), []
     for name in names:
         if name in seen:
             repeated.append(name)
         seen.add(name)
     if repeated:
-        raise PlanError(f"{what} {sorted(set(repeated))[0]!r} appears in two units: {fix}")
+        raise PlanError(f"{what} {_shown(sorted(set(repeated))[0])} appears in {where}: {fix}")
 
 
 @functools.cache
@@ -338,8 +393,9 @@ def _validate_schema(data: dict) -> None:
     errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(data), key=lambda e: list(e.path))
     if errors:
         error = errors[0]
-        where = "plan" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.path)
-        raise PlanError(f"plan field {where} does not match the plan schema: {error.message} "
+        where = "plan" + "".join(f"[{p}]" if isinstance(p, int) else _key(p) for p in error.path)
+        message = error.message if len(error.message) <= 200 else error.message[:200] + "..."  # it quotes the value
+        raise PlanError(f"plan field {where} does not match the plan schema: {message} "
                         f"({len(errors)} problem(s) in all; the file was edited or written by another version)")
 
 
@@ -384,17 +440,21 @@ def _to_data(value):
     return value
 
 
+_type_hints = functools.cache(typing.get_type_hints)
+"""A dataclass's field types, read once per class: a plan holds thousands of units."""
+
+
 def _from_data(kind, data, where: str):
     """Build `kind` (a type annotation) from parsed JSON, naming the path of any bad field."""
     origin = typing.get_origin(kind)
     if dataclasses.is_dataclass(kind):
         if not isinstance(data, dict):
             raise PlanError(f"plan field {where} must be an object, got {type(data).__name__}")
-        hints = typing.get_type_hints(kind)
+        hints = _type_hints(kind)
         names = {f.name for f in dataclasses.fields(kind)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise PlanError(f"plan field {where} has unknown keys {unknown}: the file was edited or "
+            raise PlanError(f"plan field {where} has unknown keys {_shown(unknown)}: the file was edited or "
                             "written by another version")
         values = {}
         for f in dataclasses.fields(kind):
@@ -411,7 +471,7 @@ def _from_data(kind, data, where: str):
             return kind(data)
         except ValueError:
             allowed = ", ".join(repr(member.value) for member in kind)
-            raise PlanError(f"plan field {where} is {data!r}; expected one of {allowed}") from None
+            raise PlanError(f"plan field {where} is {_shown(data)}; expected one of {allowed}") from None
     if origin is tuple:
         if not isinstance(data, list):
             raise PlanError(f"plan field {where} must be a list, got {type(data).__name__}")
@@ -421,13 +481,20 @@ def _from_data(kind, data, where: str):
         if not isinstance(data, dict):
             raise PlanError(f"plan field {where} must be an object, got {type(data).__name__}")
         value_kind = typing.get_args(kind)[1]
-        return {key: _from_data(value_kind, item, f"{where}.{key}") for key, item in data.items()}
+        return {key: _from_data(value_kind, item, where + _key(key)) for key, item in data.items()}
     if kind is float:
         if isinstance(data, bool) or not isinstance(data, (int, float)):
-            raise PlanError(f"plan field {where} must be a number, got {data!r}")
-        return float(data)
+            raise PlanError(f"plan field {where} must be a number, got {_shown(data)}")
+        try:
+            value = float(data)
+        except OverflowError:  # an integer past 1e308
+            value = math.inf
+        if not math.isfinite(value):
+            raise PlanError(f"plan field {where} is beyond the largest float (1.8e308): the file was edited; "
+                            "write it again")
+        return value
     if kind in (int, str, bool):
         if type(data) is not kind:
-            raise PlanError(f"plan field {where} must be {kind.__name__}, got {data!r}")
+            raise PlanError(f"plan field {where} must be {kind.__name__}, got {_shown(data)}")
         return data
     raise PlanError(f"plan field {where}: unsupported type {kind}")

@@ -5,10 +5,11 @@ baseline by more than the tolerance, or when planning it twice does not give
 byte-identical JSON. `update` rewrites the baseline with today's plans.
 """
 import json
+import os
 from dataclasses import asdict, dataclass
 
 from .errors import ShardplanError
-from .files import write_text_atomically
+from .files import parse_json, read_text, write_text_atomically
 
 SCHEMA = "shardplan.baseline/1"
 DEFAULT_TOLERANCE = 0.01
@@ -72,14 +73,10 @@ def _name(case: Case) -> str:
 
 
 def _read(path: str) -> tuple[list[Case], float]:
-    try:
-        with open(path) as handle:
-            data = json.load(handle)
-    except OSError as error:
-        raise ShardplanError(f"cannot read baseline {path!r}: {error.strerror}; create one with "
-                             "`shardplan check --baseline PATH --update` after listing cases in it") from None
-    except json.JSONDecodeError as error:
-        raise ShardplanError(f"baseline {path!r} is not valid JSON: {error}") from None
+    if not os.path.exists(path):
+        raise ShardplanError(f"cannot read baseline {path!r}: it does not exist; create one with "
+                             "`shardplan check --baseline PATH --update` after listing cases in it")
+    data = parse_json(read_text(path, "baseline"), f"baseline {path!r}")
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ShardplanError(f"baseline {path!r} is not a {SCHEMA} file")
     try:

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -96,3 +97,48 @@ def test_demo_plans_trains_and_compares(capsys):
     assert "peak memory per rank" in out and "predicted / measured" in out
     losses = [float(x) for x in out.split("loss by step:")[1].split(",")]
     assert len(losses) == 3 and losses[-1] < losses[0]  # warm-up, measured step, timed step
+
+
+def _refused(argv: list[str], capsys) -> str:
+    """stderr of a command that must fail with exit 2 and one line, no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("shardplan: error: ") and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("budget", ["1e400GiB", "1e30", "0.001", "nan", "inf"])
+def test_absurd_budgets_are_refused_with_the_range(budget, capsys):
+    err = _refused(["plan", "mlp", "--world-size", "2", "--memory-budget", budget], capsys)
+    assert "between 1 B and 1 PiB" in err or "cannot read memory size" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_world_past_the_ceiling_is_refused_at_once(capsys):
+    start = time.perf_counter()
+    assert "from 1 to 1048576" in _refused(["plan", "mlp", "--world-size", str(2**30)], capsys)
+    assert time.perf_counter() - start < 5  # refused before the model is captured
+
+
+def test_output_to_a_folder_is_refused(tmp_path, capsys):
+    err = _refused(["plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", "-o", str(tmp_path)], capsys)
+    assert "it is a folder; give a file path inside it" in err
+
+
+@pytest.mark.parametrize("config, message", [
+    ("[1, 2]", 'not a JSON object with a "model_type" string'),
+    ('"gpt2"', 'not a JSON object with a "model_type" string'),
+    ('{"n_layer": 2}', 'not a JSON object with a "model_type" string'),
+    ('{"model_type": "no-such-model"}', "does not know"),
+    ('{"model_type": "gpt2", "n_layer": "two"}', "n_layer"),
+    ('{"model_type": "gpt2", "x": ' + "[" * 5000 + "]" * 5000 + "}", "more than 32 levels deep"),
+])
+def test_bad_hugging_face_configs_are_refused(config, message, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(config)
+    assert message in _refused(["plan", str(path), "--world-size", "2"], capsys)
+
+
+@pytest.mark.timeout(60)
+def test_explain_reads_within_bounds(capsys):
+    assert "larger than 16 MiB" in _refused(["explain", "/dev/zero"], capsys)

@@ -1,13 +1,15 @@
 """The plan file: schema, invariants with their fixes, round trip, diff and summary."""
 import dataclasses
 import json
+import time
 import typing
 
 import pytest
 
-from shardplan.errors import PlanError
-from shardplan.plan import (SCHEMA_PATH, Checkpoint, Mesh, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage,
-                            Unit, load_plan)
+from shardplan.chain import InputSpec
+from shardplan.errors import PlanError, ShardplanError
+from shardplan.plan import (FLOAT_DTYPES, INPUT_DTYPES, MAX_WORLD_SIZE, SCHEMA_PATH, Checkpoint, Mesh, MixedPrecision,
+                            Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage, Unit, load_plan)
 
 
 def unit(name: str, params=None, **changes) -> Unit:
@@ -123,3 +125,80 @@ def test_summary_is_a_readable_table():
     assert "peak memory per rank 3.00 MiB" in text and "activations" in text
     assert "step time 0.5 s" in text and "exposed_comm" in text
     assert "binding constraint: none" in text
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["mixed_precision"].update(param_dtype="nn"), "plan.mixed_precision.param_dtype"),
+    (lambda d: d["mixed_precision"].update(reduce_dtype="int64"), "plan.mixed_precision.reduce_dtype"),
+    (lambda d: d["inputs"].append(dict(name="0", shape=[4, 32], dtype="junk")), "plan.inputs\\[0\\].dtype"),
+    (lambda d: d["inputs"].append(dict(name="0", shape=[-4, 32], dtype="int64")), "plan.inputs\\[0\\].shape\\[0\\]"),
+    (lambda d: d["inputs"].append(dict(name="0", shape=[2**62], dtype="int64")), "plan.inputs\\[0\\].shape\\[0\\]"),
+    (lambda d: d["inputs"].append(dict(name="0", shape=[2**30, 2**30], dtype="int64")), "elements in all"),
+    (lambda d: d["inputs"].append(dict(name="0", shape=[1] * 65, dtype="int64")), "plan.inputs\\[0\\].shape"),
+    (lambda d: d["inputs"].append(dict(name="0", shape=[4], dtype="int64", dynamic_dims=[1])), "dims 0..0"),
+    (lambda d: d.update(world_size=2**30) or d["mesh"].update(dp=2**30), "maximum"),
+    (lambda d: d["stages"][0].update(index=-1), "plan.stages\\[0\\].index"),
+    (lambda d: d["predicted"].update(peak_bytes=10**400), "plan.predicted.peak_bytes"),
+    (lambda d: d.update(model="GPT\udc80"), "lone surrogate '\\\\udc80'"),
+])
+def test_junk_values_are_refused_naming_the_field(edit, message):
+    data = json.loads(plan().to_json())
+    edit(data)
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json(json.dumps(data))
+
+
+def test_plans_built_in_code_are_held_to_the_same_rules():
+    with pytest.raises(PlanError, match="not a floating-point dtype"):
+        MixedPrecision(reduce_dtype="int8")
+    with pytest.raises(PlanError, match="lone surrogate"):
+        plan(model="GPT\udc80")
+    with pytest.raises(PlanError, match="input '0' has shape \\[-1\\]"):
+        plan(inputs=(InputSpec(name="0", shape=(-1,), dtype="int64"),))
+    with pytest.raises(PlanError, match="input name '0' appears in two inputs"):
+        plan(inputs=(InputSpec(name="0", shape=(1,), dtype="int64"),) * 2)
+    with pytest.raises(PlanError, match=f"more than the {MAX_WORLD_SIZE} ranks"):
+        plan(world_size=2**21, mesh=Mesh(dp=2**21))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[" * 100_000 + "]" * 100_000, "more than 32 levels deep"),  # past Python's recursion limit
+    ('{"schema": "shardplan.plan/1", "model": ' + "[" * 40 + "]" * 40 + "}", "more than 32 levels deep"),
+    ('{"schema": "shardplan.plan/1", "world_size": NaN}', "NaN is not a JSON number"),
+    ('{"schema": "shardplan.plan/1", "schema": "shardplan.plan/1"}', "key 'schema' appears twice"),
+    ('{"world_size": 1' + "0" * 5000 + "}", "not valid JSON"),
+    (" " * (16 * 2**20 + 1), "longer than 16 MiB"),
+])
+def test_hostile_json_is_refused_in_one_line(text, message):
+    with pytest.raises(PlanError, match=message) as refused:
+        Plan.from_json(text)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.timeout(30)
+def test_plan_files_are_read_within_bounds(tmp_path):
+    start = time.perf_counter()
+    with pytest.raises(PlanError, match="larger than 16 MiB"):
+        load_plan("/dev/zero")  # endless: read up to the limit and refused
+    assert time.perf_counter() - start < 10
+    (tmp_path / "latin1.json").write_bytes(b'{"model": "caf\xe9"}')
+    with pytest.raises(PlanError, match="not UTF-8 text"):
+        load_plan(tmp_path / "latin1.json")
+    with pytest.raises(PlanError, match="cannot read plan file"):
+        load_plan(tmp_path)
+
+
+def test_the_schema_allows_the_dtypes_and_world_sizes_the_code_does():
+    with open(SCHEMA_PATH) as handle:
+        schema = json.load(handle)
+    assert schema["$defs"]["MixedPrecision"]["properties"]["param_dtype"]["enum"] == list(FLOAT_DTYPES)
+    assert schema["$defs"]["InputSpec"]["properties"]["dtype"]["enum"] == list(INPUT_DTYPES)
+    assert schema["properties"]["world_size"]["maximum"] == MAX_WORLD_SIZE
+
+
+def test_writing_to_a_folder_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ShardplanError, match="it is a folder; give a file path"):
+        plan().save(tmp_path)
+    with pytest.raises(ShardplanError, match="create the folder or write elsewhere"):
+        plan().save(tmp_path / "missing" / "plan.json")
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind

@@ -36,9 +36,11 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     for annotate in passes:
         annotate(captured.gm)
     inputs = input_specs(example_inputs, example_kwargs, dynamic_dims)
+    frozen = sorted(name for name, parameter in model.named_parameters() if not parameter.requires_grad)
     return build_chain(captured.gm, inputs, {"capture": captured.method, "model": type(model).__name__,
                                               "capture_s": round(captured.seconds, 3),
-                                              "analyze_s": round(time.perf_counter() - start, 3)})
+                                              "analyze_s": round(time.perf_counter() - start, 3),
+                                              "frozen_params": frozen})
 
 
 def input_specs(args: tuple, kwargs: dict, dynamic_dims: dict | None = None) -> tuple[InputSpec, ...]:

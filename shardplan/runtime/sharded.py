@@ -199,8 +199,9 @@ def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:
             listed.add(name)
     missing = sorted(set(named) - listed)
     if missing:
-        raise PlanError(f"{len(missing)} parameters are in no unit of the plan (first: {missing[:3]}): "
-                        "the plan was made for another model; re-plan with this one")
+        raise PlanError(f"{len(missing)} parameters of the model are in no unit of the plan (first: {missing[:3]}): "
+                        "the plan is incomplete (its file was edited, or it was written by hand); add them to "
+                        "units, or re-plan with shardplan.compile")
 
 
 def _materialize(model: nn.Module, unit_name: str, owner_paths: list[str], device: torch.device) -> None:

@@ -76,7 +76,7 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
     micro = [m for m in range(1, min(setting.batch_size, setting.max_micro_batches) + 1)
              if setting.batch_size % m == 0]
     found = []
-    for pp in range(1, world + 1):
+    for pp in range(1, min(world, n_blocks) + 1):  # a stage holds a block at least: O(blocks), not O(ranks)
         if world % pp or pp > n_blocks or (pp > 1 and (not setting.allow_pipeline
                                                        or pp > setting.max_pipeline_degree)):
             continue
