@@ -9,10 +9,11 @@ from dataclasses import replace
 
 from . import cost
 from .chain import BlockChain
-from .cost import Decision, evaluate_stage
+from .cost import evaluate_stage
+from .dtypes import dtype_name
 from .errors import InfeasibleError, PlanError, ShardplanError
 from .hardware import get_hardware
-from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning,
+from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning,
                    Schedule, Stage, Unit)
 from .solver.chain_dp import ROUNDING
 from .solver.search import Candidate, Configuration, Setting, boundary_time_s, context, search, smallest_peak
@@ -58,8 +59,8 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
         raise ShardplanError("the model has no blocks to plan: does its forward do anything?")
     hw = get_hardware(hardware)
     budget = hw.usable_memory_bytes if budget_bytes is None else parse_bytes(budget_bytes)
-    precision = mixed_precision or MixedPrecision(param_dtype=_dtype_name(chain.param_dtype),
-                                                  reduce_dtype=_dtype_name(chain.param_dtype))
+    precision = mixed_precision or MixedPrecision(param_dtype=dtype_name(chain.param_dtype),
+                                                  reduce_dtype=dtype_name(chain.param_dtype))
     space = replace(space or default_space(len(chain.blocks)), allow_offload=allow_offload)
     setting = Setting(world_size=world_size, batch_size=_batch_size(chain), param_dtype=precision.param_dtype,
                       reduce_dtype=precision.reduce_dtype, optimizer=optimizer, allow_pipeline=allow_pipeline,
@@ -92,10 +93,6 @@ def default_space(n_blocks: int) -> SearchSpace:
     time grows with the square of the unit length. Prefetch is always on: turning it off
     only saves one unit's gathered parameters."""
     return SearchSpace(max_unit_blocks=4 if n_blocks <= 16 else 1, prefetch=(True,))
-
-
-def _dtype_name(dtype: str) -> str:
-    return dtype.removeprefix("torch.")
 
 
 def _edges(chain: BlockChain, kind: str) -> tuple[tuple[int, int], ...]:
@@ -178,8 +175,7 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
         blocks = [i for i, owner in enumerate(owners) if stage_of_unit[plan.units[owner].name] == stage]
         start, end = blocks[0], blocks[-1] + 1
         unit_starts = [i for i in blocks if i == start or owners[i] != owners[i - 1]]
-        decisions = tuple(Decision(strategy=unit.strategy, checkpoint=unit.checkpoint, offload=unit.offload,
-                                   prefetch=unit.prefetch) for unit in (plan.units[owners[i]] for i in unit_starts))
+        decisions = tuple(plan.units[owners[i]].decision() for i in unit_starts)
         steps.append(_stage_cost(chain, stage, start, end, tuple(i - start for i in unit_starts), decisions,
                                  setting, configuration, hw))
     return _predicted(chain, steps, plan.mesh.dp, setting, hw)
@@ -214,9 +210,8 @@ def _units_and_stages(chain: BlockChain, candidate: Candidate) -> tuple[tuple[Un
                 name = f"{name}#{start}"
             taken.add(name)
             names.append(name)
-            units.append(Unit(name=name, modules=tuple(m for b in blocks for m in (b.modules or (b.name,))),
-                              params=tuple(p for b in blocks for p in b.param_names), strategy=decision.strategy,
-                              checkpoint=decision.checkpoint, offload=decision.offload, prefetch=decision.prefetch))
+            units.append(Unit.of(decision, name=name, modules=tuple(m for b in blocks for m in (b.modules or (b.name,))),
+                                 params=tuple(p for b in blocks for p in b.param_names)))
         stages.append(Stage(index=index, units=tuple(names)))
     return tuple(units), tuple(stages)
 
