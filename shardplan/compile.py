@@ -210,8 +210,8 @@ def _units_and_stages(chain: BlockChain, candidate: Candidate) -> tuple[tuple[Un
                 name = f"{name}#{start}"
             taken.add(name)
             names.append(name)
-            units.append(Unit.of(decision, name=name, modules=tuple(m for b in blocks for m in (b.modules or (b.name,))),
-                                 params=tuple(p for b in blocks for p in b.param_names)))
+            modules = tuple(m for b in blocks for m in (b.modules or (b.name,)))
+            units.append(Unit.of(decision, name=name, modules=modules, params=tuple(p for b in blocks for p in b.param_names)))
         stages.append(Stage(index=index, units=tuple(names)))
     return tuple(units), tuple(stages)
 
