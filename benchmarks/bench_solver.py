@@ -17,6 +17,7 @@ import time
 
 from shardplan.chain import Block, BlockChain, InputSpec
 from shardplan.compile import expert_defaults, solve
+from shardplan.dtypes import dtype_name
 from shardplan.errors import InfeasibleError
 from shardplan.hardware import get_hardware
 from shardplan.plan import MixedPrecision
@@ -78,9 +79,9 @@ def quality_table(world_size: int, hardware: str) -> None:
           f"{'+ckpt s':>11} {'ratio':>6}")
     for name in ZOO_MODELS:
         chain = analyzed(name)
+        dtype = dtype_name(chain.param_dtype)
         setting = Setting(world_size=world_size, batch_size=chain.inputs[0].shape[0],
-                          param_dtype=chain.param_dtype.removeprefix("torch."),
-                          reduce_dtype=chain.param_dtype.removeprefix("torch."))
+                          mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=dtype))
         (_, plain), (_, checkpointed) = expert_defaults(chain, setting, hw)
         for fraction in BUDGET_FRACTIONS:
             budget = int(plain.peak_bytes * fraction)

@@ -62,8 +62,8 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
     precision = mixed_precision or MixedPrecision(param_dtype=dtype_name(chain.param_dtype),
                                                   reduce_dtype=dtype_name(chain.param_dtype))
     space = replace(space or default_space(len(chain.blocks)), allow_offload=allow_offload)
-    setting = Setting(world_size=world_size, batch_size=_batch_size(chain), param_dtype=precision.param_dtype,
-                      reduce_dtype=precision.reduce_dtype, optimizer=optimizer, allow_pipeline=allow_pipeline,
+    setting = Setting(world_size=world_size, batch_size=_batch_size(chain), mixed_precision=precision,
+                      optimizer=optimizer, allow_pipeline=allow_pipeline,
                       skip_edges=_edges(chain, "skip_edges"))
     rules = _split_at_frozen(chain, resolve_rules(chain.blocks, constraints, _edges(chain, "tied_edges")))
     candidates = search(chain.blocks, rules, setting, hw, budget, space)
@@ -73,9 +73,7 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
     units, stages = _units_and_stages(chain, best)
     return Plan(fingerprint=chain.fingerprint, model=model_name or str(chain.extra.get("model", "")),
                 world_size=world_size, hardware=hw.name, inputs=chain.inputs,
-                mesh=Mesh(dp=best.configuration.dp, pp=best.configuration.pp),
-                schedule=Schedule(num_micro_batches=best.configuration.num_micro_batches,
-                                  name=best.configuration.schedule),
+                mesh=best.configuration.mesh, schedule=best.configuration.schedule,
                 mixed_precision=precision, optimizer=optimizer, units=units, stages=stages,
                 predicted=predict(chain, best, setting, hw),
                 reasoning=_reasoning(chain, best, candidates, rules, setting, hw, budget, space))
@@ -147,7 +145,8 @@ def _stage_cost(chain: BlockChain, index: int, start: int, end: int, bounds: tup
 
 def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> Predicted:
     """The peak stage's memory terms and the slowest stage's time terms."""
-    return _predicted(chain, stage_costs(chain, candidate, setting, hw), candidate.configuration.dp, setting, hw)
+    costs = stage_costs(chain, candidate, setting, hw)
+    return _predicted(chain, costs, candidate.configuration.mesh.dp, setting, hw)
 
 
 def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
@@ -165,11 +164,9 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
     if owners != sorted(owners):
         raise PlanError("the plan's units do not follow the model's execution order: list them in that order")
     stage_of_unit = plan.stage_of_unit
-    setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain),
-                      param_dtype=plan.mixed_precision.param_dtype, reduce_dtype=plan.mixed_precision.reduce_dtype,
+    setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain), mixed_precision=plan.mixed_precision,
                       optimizer=plan.optimizer, skip_edges=_edges(chain, "skip_edges"))
-    configuration = Configuration(dp=plan.mesh.dp, pp=plan.mesh.pp, num_micro_batches=plan.schedule.num_micro_batches,
-                                  schedule=plan.schedule.name)
+    configuration = Configuration(mesh=plan.mesh, schedule=plan.schedule)
     steps = []
     for stage in range(plan.mesh.pp):
         blocks = [i for i, owner in enumerate(owners) if stage_of_unit[plan.units[owner].name] == stage]
@@ -186,7 +183,8 @@ def _predicted(chain: BlockChain, costs: list[cost.StepCost], dp: int, setting: 
     slowest = max(costs, key=lambda c: c.step_time_s)
     samples_per_s = setting.batch_size * dp / slowest.step_time_s if slowest.step_time_s else 0.0
     # Peak FLOP/s is read from the profile's matmul table where it has one (MFU is for people only).
-    peak_flops = getattr(getattr(hw, "matmul", {}).get(setting.param_dtype), "peak_flops_per_s", 0.0)
+    matmul = getattr(hw, "matmul", {}).get(setting.mixed_precision.param_dtype)
+    peak_flops = getattr(matmul, "peak_flops_per_s", 0.0)
     model_flops = (chain.fwd_flops + chain.bwd_flops) * dp
     mfu = model_flops / (slowest.step_time_s * setting.world_size * peak_flops) if peak_flops and slowest.step_time_s else 0.0
     return Predicted(peak_bytes=peak.peak_bytes, step_time_s=slowest.step_time_s, memory_bytes=dict(peak.memory_bytes),
@@ -219,7 +217,7 @@ def _units_and_stages(chain: BlockChain, candidate: Candidate) -> tuple[tuple[Un
 def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, cost.StepCost]]:
     """What a person would write by hand: every block its own FULL_SHARD unit, dp = world,
     without and with full checkpointing (the baselines the solver must never lose to)."""
-    configuration = Configuration(dp=setting.world_size, pp=1, num_micro_batches=1, schedule="none")
+    configuration = Configuration(mesh=Mesh(dp=setting.world_size), schedule=Schedule())
     ctx = context(setting, configuration, hw, 0)
     bounds = tuple(range(len(chain.blocks)))
     found = []

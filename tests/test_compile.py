@@ -9,7 +9,8 @@ from shardplan import zoo
 from shardplan.compile import compile, default_space, expert_defaults, predict, solve
 from shardplan.errors import InfeasibleError, ShardplanError
 from shardplan.hardware import get_hardware
-from shardplan.plan import Checkpoint, Plan
+from shardplan.dtypes import dtype_name
+from shardplan.plan import Checkpoint, MixedPrecision, Plan
 from shardplan.sizes import parse_bytes
 from shardplan.solver.search import Setting, search
 from shardplan.solver.space import Constraints, resolve_rules
@@ -50,8 +51,9 @@ def test_compile_gives_a_valid_deterministic_plan_over_every_parameter():
 def test_never_slower_than_the_expert_defaults_at_equal_budget(chains, fraction):
     hw = get_hardware(HARDWARE)
     for name, chain in chains.items():
-        dtype = chain.param_dtype.removeprefix("torch.")
-        setting = Setting(world_size=WORLD, batch_size=chain.inputs[0].shape[0], param_dtype=dtype, reduce_dtype=dtype)
+        dtype = dtype_name(chain.param_dtype)
+        precision = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
+        setting = Setting(world_size=WORLD, batch_size=chain.inputs[0].shape[0], mixed_precision=precision)
         defaults = expert_defaults(chain, setting, hw)
         budget = int(defaults[0][1].peak_bytes * fraction)
         fitting = [step for _, step in defaults if step.peak_bytes <= budget]
@@ -125,9 +127,9 @@ def test_a_bound_within_rounding_of_a_plans_time_keeps_that_plan(chains):
     kept (it once turned a plan that fit into an InfeasibleError)."""
     hw = get_hardware(HARDWARE)
     for name, chain in chains.items():
-        dtype = chain.param_dtype.removeprefix("torch.")
-        setting = Setting(world_size=WORLD, batch_size=chain.inputs[0].shape[0], param_dtype=dtype,
-                          reduce_dtype=dtype)
+        dtype = dtype_name(chain.param_dtype)
+        precision = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
+        setting = Setting(world_size=WORLD, batch_size=chain.inputs[0].shape[0], mixed_precision=precision)
         rules, space = resolve_rules(chain.blocks, None), default_space(len(chain.blocks))
         best = search(chain.blocks, rules, setting, hw, hw.usable_memory_bytes, space)[0]
         walked_s = predict(chain, best, setting, hw).step_time_s

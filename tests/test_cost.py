@@ -284,13 +284,14 @@ def test_a_block_without_flops_pays_only_its_memory_bound_ops():
 def test_pipeline_sends_cross_nodes_once_the_world_spans_them():
     """Neighbouring stages sit dp ranks apart: within one 8-GPU node a send rides NVLink, across
     nodes one GPU's NICs (44.8 GB/s) plus the latency of two nodes."""
+    from shardplan.plan import Mesh, Schedule
     from shardplan.solver.search import Configuration, Setting, boundary_times_s
 
     h100 = BUILTIN["h100-80g"]
     blocks = (block(0, inp=64 * MiB), block(1, inp=64 * MiB))
     sent = 2 * 64 * MiB  # a send of x bytes is priced as an all-gather of 2x over 2 ranks
     for world, link in ((8, h100.intra_node), (16, h100.inter_node)):
-        configuration = Configuration(dp=world // 2, pp=2, num_micro_batches=1, schedule="1f1b")
+        configuration = Configuration(mesh=Mesh(dp=world // 2, pp=2), schedule=Schedule(name="1f1b"))
         cost = link.collectives["all_gather_into_tensor"]
         latency_s = cost.latency_s + link.latency_per_node_doubling_s * (world > 8)
         expected = latency_s + sent / 2 / cost.bus_bandwidth_bytes_per_s + link.in_step_wait_s
