@@ -86,7 +86,7 @@ def quality_table(world_size: int, hardware: str) -> None:
         for fraction in BUDGET_FRACTIONS:
             budget = int(plain.peak_bytes * fraction)
             try:
-                plan = solve(chain, world_size, hardware=hw, budget_bytes=budget)
+                plan = solve(chain, world_size, hardware=hw, memory_budget=budget)
             except InfeasibleError:
                 print(f"{name:<16} {format_bytes(budget):>11} {'infeasible':>11}")
                 continue
@@ -126,7 +126,7 @@ def replan_times(chain: BlockChain) -> None:
     for budget in ("70GiB", "50GiB", "40GiB"):
         start = time.perf_counter()
         try:
-            plan = solve(chain, 64, hardware="h100-80g", budget_bytes=budget, mixed_precision=BF16)
+            plan = solve(chain, 64, hardware="h100-80g", memory_budget=budget, mixed_precision=BF16)
             result = f"peak {format_bytes(plan.predicted.peak_bytes)}, step {plan.predicted.step_time_s:.3f} s"
         except InfeasibleError as error:
             result = f"InfeasibleError: {error}"

@@ -5,7 +5,7 @@ chain to `solve`, which searches meshes, micro-batches and schedules (solver/sea
 cuts stages and chooses units exactly (solver/stages.py, solver/chain_dp.py), and
 writes the decisions, the predicted terms and the reasoning into a Plan.
 """
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from . import cost
 from .chain import BlockChain
@@ -24,15 +24,29 @@ RUNNER_UPS = 4
 """Other configurations listed in Plan.reasoning, besides the expert defaults."""
 
 
-def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
-            hardware="h100-80g", memory_budget=None, mixed_precision: MixedPrecision | None = None,
-            optimizer: str = "adamw", allow_pipeline: bool = True, allow_offload: bool = False,
-            constraints: Constraints | None = None, space: SearchSpace | None = None) -> Plan:
-    """The fastest plan for training `model` on `world_size` ranks within the memory budget.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """What `compile` and `solve` are asked for besides the model and the world size (their keywords)."""
 
-    With `allow_pipeline` (the default) the search includes pipeline stages (pp > 1) and their
-    micro-batch counts and schedules; without, it plans data parallelism alone, and its
-    InfeasibleError says when a pipeline would fit.
+    hardware: object = "h100-80g"
+    """A profile name (shardplan.hardware) or a profile."""
+    memory_budget: int | str | None = None
+    """Bytes per rank, or a size such as "40GiB"; None: the profile's usable memory."""
+    mixed_precision: MixedPrecision | None = None
+    """None: compute and reduce in the parameters' dtype."""
+    optimizer: str = "adamw"
+    allow_pipeline: bool = True
+    """Search pipeline stages (pp > 1) with their micro-batch counts and schedules; without, plan data
+    parallelism alone, and say in the InfeasibleError when a pipeline would fit."""
+    allow_offload: bool = False
+    constraints: Constraints | None = None
+    space: SearchSpace | None = None
+
+
+def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None,
+            **options) -> Plan:
+    """The fastest plan for training `model` on `world_size` ranks within the memory budget;
+    `options` are PlanOptions' fields.
 
     >>> from shardplan import zoo
     >>> entry = zoo.gpt()
@@ -44,28 +58,25 @@ def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: 
 
     _check_world_size(world_size)  # before the capture: a bad count is refused in moments
     chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
-    return solve(chain, world_size, hardware=hardware, budget_bytes=memory_budget, mixed_precision=mixed_precision,
-                 optimizer=optimizer, allow_pipeline=allow_pipeline, allow_offload=allow_offload,
-                 constraints=constraints, space=space, model_name=type(model).__name__)
+    return solve(chain, world_size, model_name=type(model).__name__, **options)
 
 
-def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_bytes=None,
-          mixed_precision: MixedPrecision | None = None, optimizer: str = "adamw", allow_pipeline: bool = True,
-          allow_offload: bool = False, constraints: Constraints | None = None, space: SearchSpace | None = None,
-          model_name: str = "") -> Plan:
-    """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch)."""
+def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options) -> Plan:
+    """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch); `options` are
+    PlanOptions' fields."""
     _check_world_size(world_size)
+    asked = PlanOptions(**options)
     if not chain.blocks:
         raise ShardplanError("the model has no blocks to plan: does its forward do anything?")
-    hw = get_hardware(hardware)
-    budget = hw.usable_memory_bytes if budget_bytes is None else parse_bytes(budget_bytes)
-    precision = mixed_precision or MixedPrecision(param_dtype=dtype_name(chain.param_dtype),
-                                                  reduce_dtype=dtype_name(chain.param_dtype))
-    space = replace(space or default_space(len(chain.blocks)), allow_offload=allow_offload)
+    hw = get_hardware(asked.hardware)
+    budget = hw.usable_memory_bytes if asked.memory_budget is None else parse_bytes(asked.memory_budget)
+    dtype = dtype_name(chain.param_dtype)
+    precision = asked.mixed_precision or MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
+    space = replace(asked.space or default_space(len(chain.blocks)), allow_offload=asked.allow_offload)
     setting = Setting(world_size=world_size, batch_size=_batch_size(chain), mixed_precision=precision,
-                      optimizer=optimizer, allow_pipeline=allow_pipeline,
+                      optimizer=asked.optimizer, allow_pipeline=asked.allow_pipeline,
                       skip_edges=_edges(chain, "skip_edges"))
-    rules = _split_at_frozen(chain, resolve_rules(chain.blocks, constraints, _edges(chain, "tied_edges")))
+    rules = _split_at_frozen(chain, resolve_rules(chain.blocks, asked.constraints, _edges(chain, "tied_edges")))
     candidates = search(chain.blocks, rules, setting, hw, budget, space)
     if not candidates:
         raise InfeasibleError(_infeasible_message(chain, rules, setting, hw, budget, space))
@@ -74,7 +85,7 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
     return Plan(fingerprint=chain.fingerprint, model=model_name or str(chain.extra.get("model", "")),
                 world_size=world_size, hardware=hw.name, inputs=chain.inputs,
                 mesh=best.configuration.mesh, schedule=best.configuration.schedule,
-                mixed_precision=precision, optimizer=optimizer, units=units, stages=stages,
+                mixed_precision=precision, optimizer=asked.optimizer, units=units, stages=stages,
                 predicted=predict(chain, best, setting, hw),
                 reasoning=_reasoning(chain, best, candidates, rules, setting, hw, budget, space))
 

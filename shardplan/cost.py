@@ -14,13 +14,11 @@ into `num_micro_batches` (m) micro-batches, each carrying 1/m of every
 activation byte and FLOP (bytes are rounded up per micro-batch).
 
 Memory, by category (the peak is the largest of these events):
-- sharded_state: parameters + gradients + optimizer state kept between steps.
-  FULL_SHARD / SHARD_GRAD_OP: (param + grad + optimizer) / dp; SHARD_OPTIMIZER:
-  param + (grad + optimizer) / dp (its gradient is all-reduced in full, during
-  the unit's backward, then sliced); REPLICATE: all of it. Both replicated kinds
-  also hold a full gradient accumulator through the step when m > 1 (they
-  all-reduce once, on the last micro-batch). Offloaded units keep it
-  in CPU memory: 0 on the device. Gradients count for the whole step, as with
+- sharded_state: parameters + gradients + optimizer state kept between steps,
+  each whole or 1/dp as the strategy's traits (plan.StrategyTraits) shard it
+  (SHARD_OPTIMIZER: param + (grad + optimizer) / dp), plus a full gradient
+  accumulator through the step when m > 1 in units that all-reduce once per
+  step. Offloaded units keep it in CPU memory: 0 on the device. Gradients count for the whole step, as with
   zero_grad(set_to_none=False); freeing them between steps (set_to_none=True)
   lowers the real peak by up to their bytes. Gradients are in the parameters' capture dtype,
   the optimizer state is OPTIMIZER_STATE_BYTES_PER_PARAM (fp32).
@@ -62,13 +60,12 @@ Time, by component (per step):
   starts computing and hides under its compute (on hardware that overlaps
   communication with compute: not CPU ranks on gloo); without prefetch it is fully
   exposed; the first unit's forward gather and the last unit's backward gather
-  are exposed. Reduce-scatter (all-reduce for REPLICATE / SHARD_OPTIMIZER) of
-  a unit runs on its own stream and hides under the backward of the unit before
-  it; the first unit's is exposed. FULL_SHARD gathers in forward and again in
-  backward, SHARD_GRAD_OP only in forward; sharded units gather and
-  reduce-scatter every micro-batch; REPLICATE / SHARD_OPTIMIZER all-reduce
-  once per step (gradients accumulate locally), SHARD_OPTIMIZER all-gathers its
-  parameters after the optimizer step (exposed). Pipeline stages send the
+  are exposed. A unit's gradient reduction runs on its own stream and hides
+  under the backward of the unit before it; the first unit's is exposed. Units
+  that shard parameters gather every micro-batch, in forward and, when they
+  reshard after it, again in backward; gradients are reduce-scattered every
+  micro-batch or all-reduced once per step, and stepped slices of full
+  parameters all-gathered after the step (exposed), as the traits say. Pipeline stages send the
   boundary activation (forward) and its gradient (backward) per micro-batch.
 - offload: an offloaded shard is copied host→device before each gather and its
   gradient shard device→host after each reduce-scatter at OFFLOAD_BYTES_PER_S,
