@@ -5,6 +5,7 @@ chain to `solve`, which searches meshes, micro-batches and schedules (solver/sea
 cuts stages and chooses units exactly (solver/stages.py, solver/chain_dp.py), and
 writes the decisions, the predicted terms and the reasoning into a Plan.
 """
+import dataclasses
 from dataclasses import dataclass, replace
 
 from . import cost
@@ -183,7 +184,7 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
         blocks = [i for i, owner in enumerate(owners) if stage_of_unit[plan.units[owner].name] == stage]
         start, end = blocks[0], blocks[-1] + 1
         unit_starts = [i for i in blocks if i == start or owners[i] != owners[i - 1]]
-        decisions = tuple(plan.units[owners[i]].decision() for i in unit_starts)
+        decisions = tuple(plan.units[owners[i]] for i in unit_starts)  # a Unit is its Decision
         steps.append(_stage_cost(chain, stage, start, end, tuple(i - start for i in unit_starts), decisions,
                                  setting, configuration, hw))
     return _predicted(chain, steps, plan.mesh.dp, setting, hw)
@@ -220,7 +221,8 @@ def _units_and_stages(chain: BlockChain, candidate: Candidate) -> tuple[tuple[Un
             taken.add(name)
             names.append(name)
             modules = tuple(m for b in blocks for m in (b.modules or (b.name,)))
-            units.append(Unit.of(decision, name=name, modules=modules, params=tuple(p for b in blocks for p in b.param_names)))
+            units.append(Unit(name=name, modules=modules, params=tuple(p for b in blocks for p in b.param_names),
+                              **dataclasses.asdict(decision)))
         stages.append(Stage(index=index, units=tuple(names)))
     return tuple(units), tuple(stages)
 

@@ -151,14 +151,6 @@ class Unit(Decision):
             raise PlanError(f"unit {_shown(self.name)} has no name or no modules: every unit holds at least one block")
         self._check_offload(f"unit {_shown(self.name)}")
 
-    @classmethod
-    def of(cls, decision: Decision, *, name: str, modules: tuple[str, ...], params: tuple[str, ...]) -> "Unit":
-        return cls(name=name, modules=modules, params=params,
-                   **{f.name: getattr(decision, f.name) for f in dataclasses.fields(Decision)})
-
-    def decision(self) -> Decision:
-        return Decision(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Decision)})
-
     @property
     def reshard_after_forward(self) -> bool:
         return self.traits.reshard_after_forward
