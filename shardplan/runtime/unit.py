@@ -1,15 +1,13 @@
 """One unit at run time: its shard, its full buffer when gathered, and its gradient reduction.
 
 The unit is a small state machine (UnitState). What "gathered" means follows
-the strategy's traits (plan.StrategyTraits), read here and nowhere else:
+the strategy's traits (plan.StrategyTraits), as the cost model's terms do:
 
 - shards_params (FULL_SHARD, SHARD_GRAD_OP): the shard is 1/dp of the flat
-  buffer; gathering is an all_gather (in the compute dtype).
-- otherwise every rank keeps the whole buffer; with shards_optimizer
-  (SHARD_OPTIMIZER) the optimizer steps only this rank's slice of it (`shard`
-  is a view into `full`), and after a step the slices are all-gathered back
-  into `full`, lazily, at the next use; without (REPLICATE) `shard` is the
-  whole buffer.
+  buffer; gathering is an all_gather (in the compute dtype). Otherwise every
+  rank keeps the whole buffer: with shards_optimizer (SHARD_OPTIMIZER) the
+  optimizer steps this rank's slice of it (`shard` is a view into `full`),
+  all-gathered back into `full`, lazily, at the next use after a step.
 - reduce_scatters_grads: the gradient is reduce-scattered every micro-batch;
   otherwise it accumulates locally and is all-reduced once per step (and
   sliced, when `shard` is a slice of `full`).
