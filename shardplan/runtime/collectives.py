@@ -109,7 +109,7 @@ def broadcast_(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     return tensor
 
 
-def check_same_on_all_ranks(text: str, what: str) -> None:
+def check_same_on_all_ranks(text: str, what: str, fix: str = "load the same plan file on every rank") -> None:
     """Raise on every rank when the ranks were given different `text` (e.g. different plans)."""
     digest = hashlib.sha256(text.encode()).digest()[:8]
     mine = torch.tensor(list(digest), dtype=torch.int64)
@@ -118,7 +118,7 @@ def check_same_on_all_ranks(text: str, what: str) -> None:
     all_reduce_max(lowest)
     if not (torch.equal(highest, mine) and torch.equal(-lowest, mine)):
         raise RuntimeMismatchError(f"ranks were given different {what} (rank {dist.get_rank()} of "
-                                   f"{dist.get_world_size()} differs): load the same plan file on every rank")
+                                   f"{dist.get_world_size()} differs): {fix}")
 
 
 def device_mesh(device_type: str, dp: int):
@@ -229,20 +229,37 @@ def chunked_tensor(local: torch.Tensor, numel: int, chunks: list[tuple[int, int,
         local_shards, ShardedTensorMetadata(metadata, torch.Size([numel]), properties))
 
 
-def save_checkpoint(state: dict, directory: str) -> None:
-    """Every rank writes its chunks of `state` (plain tensors: one rank writes each) under `directory`."""
+def save_checkpoint(state: dict, writer) -> None:
+    """Every rank writes its chunks of `state` (plain tensors: one rank writes each) through `writer`.
+
+    DCP reports a failure on any rank as a CheckpointException on every rank: a BaseException, which
+    `except Exception` misses, carrying every rank's traceback. The first failing rank's own error is
+    raised instead."""
     import torch.distributed.checkpoint as dcp
 
-    with _sharded_tensor_without_deprecation_warnings():
-        dcp.save(state, checkpoint_id=directory)
+    with _sharded_tensor_without_deprecation_warnings(), _first_failure():
+        dcp.save(state, storage_writer=writer)
 
 
-def load_checkpoint(state: dict, directory: str) -> None:
-    """Fill `state`'s tensors in place with the chunks this rank holds, whatever chunks were saved."""
+def load_checkpoint(state: dict, reader) -> None:
+    """Fill `state`'s tensors in place with the chunks this rank holds, whatever chunks were saved; a
+    failure as in save_checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    with _sharded_tensor_without_deprecation_warnings():
-        dcp.load(state, checkpoint_id=directory)
+    with _sharded_tensor_without_deprecation_warnings(), _first_failure():
+        dcp.load(state, storage_reader=reader)
+
+
+@contextlib.contextmanager
+def _first_failure():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as failure:
+        rank = min(failure.failures)
+        error = failure.failures[rank][0]
+        raise RuntimeError(f"rank {rank}: {type(error).__name__}: {error}") from None
 
 
 @contextlib.contextmanager
