@@ -161,8 +161,8 @@ def _read(staged: _Staged, metadata: dict) -> dict[Holder, dict]:
     try:
         collectives.load_checkpoint(staged.entries, staged.reader)
     except RuntimeError as error:
-        raise CheckpointError(f"reading the tensors of {staged.reader.path} failed ({error}): the checkpoint is "
-                              "corrupt or was crafted; restore it from a copy, or save again") from None
+        raise CheckpointError(f"reading {staged.reader.path} failed ({error}): the checkpoint is corrupt or was "
+                              "crafted; restore it from a copy, or save again") from None
     return _finished_state(staged.optimizer_state, staged.entries, metadata["optimizer"])
 
 

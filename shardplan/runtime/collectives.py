@@ -259,7 +259,7 @@ def _first_failure():
     except CheckpointException as failure:
         rank = min(failure.failures)
         error = failure.failures[rank][0]
-        raise RuntimeError(f"rank {rank}: {type(error).__name__}: {error}") from None
+        raise RuntimeError(f"rank {rank}: {' '.join(str(error).split())[:400]}") from None
 
 
 @contextlib.contextmanager

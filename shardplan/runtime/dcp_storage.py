@@ -135,10 +135,11 @@ def _expect(condition: bool, problem: str) -> None:
         raise ValueError(problem)
 
 
-def one_line(error: BaseException) -> str:
-    """`error` as one line: its type and its message with every run of whitespace made one space."""
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """`error` as one short line: its type and its message, whitespace runs made one space, cut at `limit`."""
     text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 class ManifestReader(FileSystemReader):
@@ -147,10 +148,23 @@ class ManifestReader(FileSystemReader):
     def __init__(self, path: str, metadata: Metadata):
         super().__init__(path)
         self._metadata = metadata
+        self._reading = "the checkpoint"
+        """The file read_data is in, for its error."""
 
     # no **kwargs on purpose: DCP falls back to rank-local `__<rank>.metadata` files for readers that take them
     def read_metadata(self) -> Metadata:
         return self._metadata
+
+    def read_data(self, plan, planner) -> torch.futures.Future:
+        try:
+            return super().read_data(plan, planner)
+        except Exception as error:  # DCP reports it from every rank; say which file
+            raise CheckpointError(f"{self._reading} holds no tensor data where its metadata says "
+                                  f"({one_line(error)})") from None
+
+    def _slice_file(self, file, sinfo: _StorageInfo):
+        self._reading = sinfo.relative_path
+        return super()._slice_file(file, sinfo)
 
 
 class RecordingWriter(FileSystemWriter):
