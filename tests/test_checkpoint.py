@@ -361,7 +361,7 @@ def restamp(directory: Path, *names: str) -> None:
     metadata = json.loads((directory / checkpoint.METADATA_FILE).read_text())
     for name in names:
         data = (directory / name).read_bytes()
-        metadata["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        metadata.setdefault("files", {})[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (directory / checkpoint.METADATA_FILE).write_text(json.dumps(metadata))
 
 
@@ -524,10 +524,10 @@ def test_ranks_given_different_paths_save_nothing(runs):
 @pytest.mark.timeout(300)
 def test_a_failed_load_applies_nothing_on_any_rank(runs):
     found = runs["save"]["transactions"]
-    assert found["truncated"][0] == "CheckpointError" and "__1_0.distcp" in found["truncated"][1]
-    assert found["two_groups"][0] == "CheckpointError" and "param groups" in found["two_groups"][1]
     assert found["state_error"] == 0.0  # parameters as before both failed loads
     assert found["optimizer_unchanged"]
+    assert found["truncated"][0] == "CheckpointError" and "__1_0.distcp" in found["truncated"][1]
+    assert found["two_groups"][0] == "CheckpointError" and "param groups" in found["two_groups"][1]
     # the ranks still run their collectives in step: two more steps train, as the uninterrupted run's did
     assert found["losses"] == pytest.approx(runs["save"]["uninterrupted"]["losses"][2:4], abs=1e-5)
 
