@@ -12,6 +12,7 @@ import hashlib
 import json
 import pickle
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -191,25 +192,30 @@ def collections_counter():
     return collections.Counter("a class DCP metadata never holds")
 
 
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
 @FUZZ
 @given(restamped=st.booleans(), damage=st.tuples(*BYTE_DAMAGE))
-def test_damaged_dcp_metadata_bytes(saved, tmp_path, restamped, damage):
-    """Damaged `.metadata` bytes: caught by the checksum, or (manifest rewritten) by the restricted unpickler."""
+def test_damaged_file_bytes(saved, tmp_path, name, restamped, damage):
+    """Damaged bytes of the DCP metadata or a shard: caught by the checksum, or, with the manifest rewritten,
+    by the restricted unpickler or torch.load(weights_only=True)."""
     def mutate(directory: Path) -> None:
-        file = directory / ".metadata"
+        file = directory / name
         file.write_bytes(damaged(file.read_bytes(), *damage))
         if restamped:
-            restamp(directory, ".metadata")
+            restamp(directory, name)
     load_mutated(saved, tmp_path, mutate)
 
 
-@FUZZ
-@given(restamped=st.booleans(), damage=st.tuples(*BYTE_DAMAGE))
-def test_damaged_shard_bytes(saved, tmp_path, restamped, damage):
-    """Damaged shard bytes: caught by the checksum, or (manifest rewritten) read by torch.load(weights_only)."""
-    def mutate(directory: Path) -> None:
-        file = directory / "__0_0.distcp"
-        file.write_bytes(damaged(file.read_bytes(), *damage))
-        if restamped:
-            restamp(directory, "__0_0.distcp")
-    load_mutated(saved, tmp_path, mutate)
+def test_a_huge_memo_index_is_refused_at_once(tmp_path):
+    """Found by this fuzz test: four flipped bytes naming memo slot 2**31 - 1 made the C unpickler zero
+    gigabytes for over a minute; the metadata reader answers in milliseconds."""
+    from shardplan.errors import CheckpointError
+    from shardplan.runtime.dcp_storage import read_dcp_metadata
+
+    file = tmp_path / ".metadata"
+    file.write_bytes(pickle.PROTO + b"\x04" + pickle.EMPTY_DICT + pickle.LONG_BINPUT + (2**31 - 1).to_bytes(4, "little")
+                     + pickle.STOP)
+    started = time.perf_counter()
+    with pytest.raises(CheckpointError, match="is not the DCP metadata"):
+        read_dcp_metadata(file, {})
+    assert time.perf_counter() - started < 1.0

@@ -38,7 +38,10 @@ _PURE_PATHS = {"PosixPath": pathlib.PurePosixPath, "PurePosixPath": pathlib.Pure
 """The saving run's checkpoint_id, unused here: built as a pure path, which touches no file."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):
+    """Python's own unpickler, not the C one: the C one sizes its memo by the largest index a file names,
+    so four flipped bytes ask for gigabytes and a minute of zeroing; this one keeps its memo in a dict."""
+
     def find_class(self, module: str, name: str):
         if module == "torch.distributed.checkpoint.metadata" and name in _METADATA_CLASSES:
             return _METADATA_CLASSES[name]
