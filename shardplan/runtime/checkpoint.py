@@ -76,12 +76,7 @@ def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
     directory = _agreed_path(path)
     held = holders(program)
     metadata = _metadata(program, held, optimizer)
-    state = {}
-    for holder in held:
-        state.update(holder.entries(holder.parameter, _model_key))
-    if optimizer is not None:
-        state.update(_optimizer_entries(_state_of(held, optimizer), metadata["optimizer"]["state"]))
-    state.update(_buffer_entries(program.module))
+    state = _agreed(lambda: _saved_entries(program, held, optimizer, metadata))
     _on_rank_zero(lambda: _prepare_target(directory))
     partial = _partial(directory)
     writer = RecordingWriter(os.fspath(partial))
@@ -96,6 +91,17 @@ def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
     # rank 0 leaves the broadcast as soon as it has sent: a script that ends with save() and
     # destroys the process group at once could tear gloo down under the other ranks' receive
     collectives.barrier()
+
+
+def _saved_entries(program, held: list[Holder], optimizer: torch.optim.Optimizer | None,
+                   metadata: dict) -> dict[str, torch.Tensor]:
+    state = {}
+    for holder in held:
+        state.update(holder.entries(holder.parameter, _model_key))
+    if optimizer is not None:
+        state.update(_optimizer_entries(_state_of(held, optimizer), metadata["optimizer"]["state"]))
+    state.update(_buffer_entries(program.module))
+    return state
 
 
 def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -246,15 +252,16 @@ def _check_schema(metadata: dict, file: Path) -> None:
     """The checkpoint schema, and dtypes that name torch dtypes (the code below trusts both)."""
     import jsonschema
 
-    errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(metadata), key=lambda e: list(e.path))
+    errors = list(jsonschema.Draft202012Validator(_schema()).iter_errors(metadata))
     dtypes = [entry["dtype"] for what in ("parameters", "buffers") for entry in metadata[what]] if not errors else []
     if not errors and metadata["optimizer"] is not None:
         dtypes += [entry["dtype"] for entry in metadata["optimizer"]["state"].values()]
     unknown = [dtype for dtype in dtypes if not isinstance(getattr(torch, dtype, None), torch.dtype)]
     if errors:
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in errors[0].path)
+        error = jsonschema.exceptions.best_match(errors)  # the deepest: inside anyOf, not the anyOf
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
         raise CheckpointError(f"{file} field {where or '(top)'} does not match the checkpoint schema: "
-                              f"{errors[0].message[:200]} ({len(errors)} problem(s) in all): it is corrupt or was "
+                              f"{error.message[:200]} ({len(errors)} problem(s) in all): it is corrupt or was "
                               "edited; restore it from a copy, or save again")
     if unknown:
         raise CheckpointError(f"{file} names dtype {unknown[0][:40]!r}, which torch does not have: it is corrupt or "
