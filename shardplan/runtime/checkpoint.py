@@ -14,7 +14,7 @@ and unit grouping loads into any other (DCP reads across chunk boundaries).
 shapes and dtypes of parameters and buffers, the optimizer's state schema
 and hyperparameters, and the manifest: every other file's size and SHA-256.
 It is written last, so a directory without it is not a checkpoint; it is read
-with bounds on size and depth and checked against
+within files.py's bounds on size and depth and checked against
 schemas/checkpoint.schema.json. See [Note: trust model] in dcp_storage.py.
 
 [Note: atomic save] Every rank checks that all were given the same path. Rank 0
@@ -40,7 +40,9 @@ disagree across ranks. The cost: a second copy of this rank's parameters and
 buffers while loading.
 """
 import functools
+import hashlib
 import json
+import math
 import os
 import shutil
 import stat
@@ -51,8 +53,8 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.nn as nn
 
-from ..errors import CheckpointError, ShardplanError
-from ..files import read_json_bounded, sha256_of_file
+from ..errors import CheckpointError, RuntimeMismatchError, ShardplanError
+from ..files import parse_json, read_text, sha256_of_file
 from . import collectives
 from .chunks import Holder, holders
 from .dcp_storage import DCP_METADATA_FILE, ManifestReader, RecordingWriter, one_line, read_dcp_metadata
@@ -60,10 +62,6 @@ from .dcp_storage import DCP_METADATA_FILE, ManifestReader, RecordingWriter, one
 FORMAT = "shardplan.checkpoint/2"
 """/2: with the manifest of file checksums."""
 METADATA_FILE = "shardplan.json"
-METADATA_LIMIT_BYTES = 256 << 20
-"""Largest shardplan.json read: a plan and the names of a model's parameters take a few MB at most."""
-METADATA_LIMIT_DEPTH = 32
-"""Deepest nesting of shardplan.json read: what save writes is 7 deep."""
 SCHEMA_PATH = Path(__file__).parent.parent / "schemas" / "checkpoint.schema.json"
 
 T = TypeVar("T")
@@ -236,10 +234,8 @@ def read_metadata(path: str | os.PathLike) -> tuple[Path, dict]:
         raise CheckpointError(f"{directory} is not a shardplan checkpoint: it has no {METADATA_FILE} (a save writes "
                               f"it last, so an unfinished save leaves {_partial(directory).name}, never this): give "
                               "the directory a finished program.save(...) wrote")
-    try:
-        metadata = read_json_bounded(file, limit_bytes=METADATA_LIMIT_BYTES, limit_depth=METADATA_LIMIT_DEPTH)
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{file} is corrupt ({one_line(error)}): restore it from a copy, or save again") from None
+    metadata = parse_json(read_text(file, "checkpoint metadata", CheckpointError), f"checkpoint metadata {file}",
+                          CheckpointError)
     found = metadata.get("format") if isinstance(metadata, dict) else None
     if found != FORMAT:
         raise CheckpointError(f"{file} has format {str(found)[:80]!r}; this shardplan reads {FORMAT!r}: load it with "
@@ -415,7 +411,8 @@ def _is_numeric(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (JSON's 1e400 parses to inf); not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _number_like(live: Any, saved: Any, where: str) -> Any:
@@ -423,7 +420,7 @@ def _number_like(live: Any, saved: Any, where: str) -> Any:
     try:
         if isinstance(live, torch.Tensor):
             value = torch.tensor(saved["tensor"], dtype=live.dtype)
-            if value.shape == live.shape:
+            if value.shape == live.shape and bool(value.isfinite().all()):
                 return value
         elif isinstance(live, (tuple, list)):
             if isinstance(saved, list) and len(saved) == len(live) and all(map(_is_number, saved)):
@@ -513,9 +510,12 @@ def _check_model(program, held: list[Holder], metadata: dict, directory: Path) -
 def _agreed_path(path: str | os.PathLike) -> Path:
     """`path` made absolute, the same on every rank or an error on every rank (a collective)."""
     directory = Path(os.path.abspath(path))
-    collectives.check_same_on_all_ranks(os.fspath(directory), "checkpoint paths",
-                                        "pass the same path on every rank (e.g. built from the step number, "
-                                        "not from a clock each rank reads)")
+    digests = collectives.all_gather_object(hashlib.sha256(os.fsencode(directory)).hexdigest())
+    if len(set(digests)) > 1:
+        other = next(rank for rank, digest in enumerate(digests) if digest != digests[0])
+        raise RuntimeMismatchError(f"ranks were given different checkpoint paths (rank 0's and rank {other}'s "
+                                   f"differ; this rank's is {directory}): pass the same path on every rank (e.g. "
+                                   "built from the step number, not from a clock each rank reads)")
     return directory
 
 

@@ -109,7 +109,7 @@ def broadcast_(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     return tensor
 
 
-def check_same_on_all_ranks(text: str, what: str, fix: str = "load the same plan file on every rank") -> None:
+def check_same_on_all_ranks(text: str, what: str) -> None:
     """Raise on every rank when the ranks were given different `text` (e.g. different plans)."""
     digest = hashlib.sha256(text.encode()).digest()[:8]
     mine = torch.tensor(list(digest), dtype=torch.int64)
@@ -118,7 +118,7 @@ def check_same_on_all_ranks(text: str, what: str, fix: str = "load the same plan
     all_reduce_max(lowest)
     if not (torch.equal(highest, mine) and torch.equal(-lowest, mine)):
         raise RuntimeMismatchError(f"ranks were given different {what} (rank {dist.get_rank()} of "
-                                   f"{dist.get_world_size()} differs): {fix}")
+                                   f"{dist.get_world_size()} differs): load the same plan file on every rank")
 
 
 def device_mesh(device_type: str, dp: int):
