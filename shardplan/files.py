@@ -6,7 +6,6 @@ at most MAX_FILE_BYTES and JSON nested at most MAX_JSON_DEPTH deep (plans nest 4
 parameter's name once, about 70 bytes: a 70B-parameter Llama's plan is about 60 KiB, and one of
 200 000 parameter tensors still fits in 16 MiB, which loads in seconds (about 0.3 s per MiB).
 """
-import hashlib
 import json
 import os
 import tempfile
@@ -107,9 +106,3 @@ def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         os.unlink(temporary)
         raise
-
-
-def sha256_of_file(path: str | os.PathLike) -> str:
-    """The SHA-256 of a file's bytes, streamed, as 64 hex digits (a checkpoint's manifest holds them)."""
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()

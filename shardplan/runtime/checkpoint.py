@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError, RuntimeMismatchError, ShardplanError
-from ..files import parse_json, read_text, sha256_of_file
+from ..files import parse_json, read_text
 from . import collectives
 from .chunks import Holder, holders
 from .dcp_storage import DCP_METADATA_FILE, ManifestReader, RecordingWriter, one_line, read_dcp_metadata
@@ -600,8 +600,14 @@ def _manifest(found: list[dict]) -> dict[str, dict]:
 
 def _described_files(directory: Path, names: list[str]) -> dict[str, dict]:
     """The manifest's entries for files this rank wrote: size and SHA-256."""
-    return {name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_of_file(directory / name)}
+    return {name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256_of_file(directory / name)}
             for name in names}
+
+
+def _sha256_of_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, streamed, as 64 hex digits."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _verify_files(directory: Path, files: dict[str, dict]) -> None:
@@ -615,7 +621,7 @@ def _verify_files(directory: Path, files: dict[str, dict]) -> None:
                        f"is {found.st_size} bytes, the manifest says {expected['bytes']}"
                        if found.st_size != expected["bytes"] else
                        "has other bytes than the manifest's SHA-256"
-                       if sha256_of_file(path) != expected["sha256"] else None)
+                       if _sha256_of_file(path) != expected["sha256"] else None)
         except OSError as error:
             problem = f"cannot be read ({one_line(error)})"
         if problem is not None:
