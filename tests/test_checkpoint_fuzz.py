@@ -96,7 +96,7 @@ def restamp(directory: Path, name: str) -> None:
     file = directory / checkpoint.METADATA_FILE
     metadata = json.loads(file.read_text())
     data = (directory / name).read_bytes()
-    metadata["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    metadata.setdefault("files", {})[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     file.write_text(json.dumps(metadata))
 
 
