@@ -230,7 +230,7 @@ def _units_and_stages(chain: BlockChain, candidate: Candidate) -> tuple[tuple[Un
 def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, cost.StepCost]]:
     """What a person would write by hand: every block its own FULL_SHARD unit, dp = world,
     without and with full checkpointing (the baselines the solver must never lose to)."""
-    configuration = Configuration(mesh=Mesh(dp=setting.world_size), schedule=Schedule())
+    configuration = Configuration(mesh=Mesh(dp_shard=setting.world_size), schedule=Schedule())
     ctx = context(setting, configuration, hw, 0)
     bounds = tuple(range(len(chain.blocks)))
     found = []

@@ -291,7 +291,7 @@ def test_pipeline_sends_cross_nodes_once_the_world_spans_them():
     blocks = (block(0, inp=64 * MiB), block(1, inp=64 * MiB))
     sent = 2 * 64 * MiB  # a send of x bytes is priced as an all-gather of 2x over 2 ranks
     for world, link in ((8, h100.intra_node), (16, h100.inter_node)):
-        configuration = Configuration(mesh=Mesh(dp=world // 2, pp=2), schedule=Schedule(name="1f1b"))
+        configuration = Configuration(mesh=Mesh(dp_shard=world // 2, pp=2), schedule=Schedule(name="1f1b"))
         cost = link.collectives["all_gather_into_tensor"]
         latency_s = cost.latency_s + link.latency_per_node_doubling_s * (world > 8)
         expected = latency_s + sent / 2 / cost.bus_bandwidth_bytes_per_s + link.in_step_wait_s

@@ -84,7 +84,7 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
                 # but torch's Schedule1F1B, which the runtime runs, refuses it: not searched.
                 if schedule == "1f1b" and m < pp:
                     continue
-                found.append(Configuration(mesh=Mesh(dp=world // pp, pp=pp),
+                found.append(Configuration(mesh=Mesh(dp_shard=world // pp, pp=pp),
                                            schedule=Schedule(num_micro_batches=m, name=schedule)))
     return found
 
