@@ -18,7 +18,6 @@ size instead.
 True
 """
 import dataclasses
-import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,10 +28,8 @@ import torch
 from ..capture import capture
 from ..chain import Block, BlockChain, InputSpec, OpKind
 from ..errors import ShardplanError
+from . import PassInputs, input_specs, meta_inputs, run_passes
 from .blocks import build_chain
-from .devices import retarget_device_pass
-from .execution import annotate_execution_pass
-from .ownership import annotate_ownership_pass
 
 BLOCK_COSTS = ("fwd_flops", "bwd_flops", "saved_bytes", "input_bytes", "output_bytes",
                "fwd_transient_bytes", "bwd_transient_bytes", "fwd_memory_bytes", "bwd_memory_bytes", "selective_bytes",
@@ -102,11 +99,7 @@ class SymbolicChain:
 
     @property
     def example_sizes(self) -> dict[str, int]:
-        return _sizes_of(self.chain.inputs, self._dims)
-
-    @functools.cached_property
-    def _dims(self) -> dict[tuple[str, int], str]:
-        return self.chain.extra["dynamic_dims"]
+        return _sizes_of(self.chain.inputs, self.chain.dynamic_dims)
 
     def _value(self, key: str, sizes: dict[str, int], measured: BlockChain | None) -> int:
         if key in self.inexact:
@@ -114,28 +107,25 @@ class SymbolicChain:
         return int(self.formulas[key].subs({self.symbols[label]: size for label, size in sizes.items()}))
 
     def _inputs_at(self, sizes: dict[str, int]) -> tuple[InputSpec, ...]:
-        return _inputs_at(self.chain.inputs, self._dims, sizes)
+        return _inputs_at(self.chain.inputs, self.chain.dynamic_dims, sizes)
 
 
 def analyze_dynamic(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None,
                     dynamic_dims: dict[str, dict[int, str]]) -> SymbolicChain:
     """Analyze `model` with the dims in `dynamic_dims` ({input: {dim: label}}) kept symbolic."""
-    from . import input_specs, meta_inputs  # the package's, to spell inputs the same way analyze does
-
     example_kwargs = dict(example_kwargs or {})
     captured = capture(model, example_inputs, example_kwargs, dynamic_dims)
-    retarget_device_pass(captured.gm)
-    annotate_ownership_pass(captured.gm)
+    run_passes(captured.gm, last="retarget_device")
     dims = {(name, dim): label for name, spec in dynamic_dims.items() for dim, label in spec.items()}
     specs = input_specs(example_inputs, example_kwargs, dynamic_dims)
     ranges = _label_ranges(captured.dim_ranges, dims)
-    extra = {"capture": captured.method, "model": type(model).__name__, "dynamic_dims": dims}
+    extra = {"capture": captured.method, "model": type(model).__name__}
 
     def measure(sizes: dict[str, int]) -> BlockChain:
         inputs = _inputs_at(specs, dims, sizes)
         args, kwargs = meta_inputs(inputs)
-        annotate_execution_pass(captured.gm, args, kwargs)
-        return build_chain(captured.gm, inputs, extra)
+        run_passes(captured.gm, first="execution", last="execution", inputs=PassInputs(args=args, kwargs=kwargs))
+        return build_chain(captured.gm, inputs, extra, dims)
 
     example = _sizes_of(specs, dims)
     labels = sorted(example)

@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch.autograd import Variable
 
-from .checkpointing import outside_selective_checkpoint
+from .activation_checkpoint import outside_selective_checkpoint
 from .unit import FlatUnit, UnitState
 
 

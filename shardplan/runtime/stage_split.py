@@ -85,15 +85,13 @@ def micro_batch_inputs(inputs: tuple[InputSpec, ...], num_micro_batches: int) ->
                        if spec.shape else spec for spec in inputs)
 
 
-def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[StageGraph]:
-    """Capture `model` at one micro-batch and cut it into the stages of `plan`, to run on `device`.
+def split_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[StageGraph]:
+    """Capture `model` at one micro-batch and split its graph into the stages of `plan`, to run on `device`.
 
-    Every rank cuts every stage, so a plan that cannot run fails alike on all of them."""
+    Every rank splits out every stage, so a plan that cannot run fails alike on all of them."""
     from ..passes.blocks import block_modules, group_nodes
-    from ..passes.ownership import annotate_ownership_pass
 
     gm = _capture_micro_batch(model, plan, device)
-    annotate_ownership_pass(gm)
     groups = group_nodes(gm)
     units = _unit_of_blocks(plan, block_modules(groups))
     stage_of_unit = plan.stage_of_unit
@@ -141,7 +139,7 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
 
 def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> torch.fx.GraphModule:
     from ..capture import capture
-    from ..passes.devices import retarget_device_pass
+    from ..passes import PassInputs, run_passes
 
     if not plan.inputs:
         raise PlanError("this plan records no input shapes (written by hand?): pipeline stages are cut from "
@@ -155,7 +153,7 @@ def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> 
     for node in gm.graph.find_nodes(op="call_module"):
         if str(node.target).startswith("_guards"):
             gm.graph.erase_node(node)  # re-checks input shapes, which Program.step has done
-    retarget_device_pass(gm, torch.device("meta"), device)  # the stand-ins capture `arange(device=meta)`
+    run_passes(gm, last="retarget_device", inputs=PassInputs(device=device))  # stand-ins capture `arange(device=meta)`
     return gm
 
 
