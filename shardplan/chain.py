@@ -6,6 +6,7 @@ Bytes are per data-parallel replica batch given at capture (example inputs).
 """
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,7 +116,7 @@ class BlockChain:
     need the parameter on two stages."""
     dynamic_dims: dict[tuple[str, int], str] = field(default_factory=dict)
     """(input name, dim) → its label ("batch", "seq"): the dims a symbolic analysis kept dynamic."""
-    extra: dict[str, object] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts for reports (node count, capture method, seconds spent)."""
 
     @property

@@ -23,8 +23,9 @@ import difflib
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -243,7 +244,7 @@ class HardwareProfile:
         return (link.time_s(kind, nbytes * factor, nodes=nodes, ranks_per_node=per_node)
                 + (link.in_step_wait_s if in_step else 0.0))
 
-    def _matmul_rate(self, dtype) -> MatmulRate:
+    def _matmul_rate(self, dtype: object) -> MatmulRate:
         name = str(dtype).removeprefix("torch.")
         if name not in self.matmul:
             raise HardwareError(f"hardware profile {self.name!r} has no matmul figures for {name}: it knows "
@@ -279,7 +280,7 @@ _NOT_FIELDS = ("schema", "sources")
 
 # Parsing: explicit per class, so every error names the path of the bad field.
 
-def _object(data, where: str) -> dict:
+def _object(data: object, where: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise HardwareError(f"hardware profile field {where or 'top level'} must be a JSON object, "
                             f"got {type(data).__name__}: correct it, or write the profile again with "
@@ -287,7 +288,7 @@ def _object(data, where: str) -> dict:
     return data
 
 
-def _fields(cls, data, where: str) -> dict:
+def _fields(cls: type, data: object, where: str) -> dict[str, Any]:
     """The keys of `data` as keyword arguments of dataclass `cls`: none missing, none unknown."""
     data = _object(data, where)
     prefix = f"{where}." if where else ""
@@ -305,7 +306,7 @@ def _fields(cls, data, where: str) -> dict:
     return dict(data)
 
 
-def _parse_curve(data, where: str) -> SizeCurve:
+def _parse_curve(data: object, where: str) -> SizeCurve:
     points = _fields(SizeCurve, data, where)["points"]
     if not isinstance(points, list) or not points or not all(
             isinstance(point, list) and len(point) == 2 for point in points):
@@ -314,13 +315,13 @@ def _parse_curve(data, where: str) -> SizeCurve:
     return SizeCurve(points=tuple((point[0], point[1]) for point in points))
 
 
-def _parse_matmul(data, where: str) -> MatmulRate:
+def _parse_matmul(data: object, where: str) -> MatmulRate:
     fields = _fields(MatmulRate, data, where)
     fields["efficiency"] = _parse_curve(fields["efficiency"], f"{where}.efficiency")
     return MatmulRate(**fields)
 
 
-def _parse_link(data, where: str) -> LinkProfile:
+def _parse_link(data: object, where: str) -> LinkProfile:
     link = _fields(LinkProfile, data, where)
     costs = {}
     for kind, cost in _object(link["collectives"], f"{where}.collectives").items():
@@ -331,15 +332,15 @@ def _parse_link(data, where: str) -> LinkProfile:
     return LinkProfile(**dict(link, collectives=costs))
 
 
-def _is_non_negative(value) -> bool:
+def _is_non_negative(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
-def _is_positive(value) -> bool:
-    return _is_non_negative(value) and value > 0
+def _is_positive(value: object) -> bool:
+    return _is_non_negative(value) and value != 0
 
 
-def _figures(value, where: str):
+def _figures(value: object, where: str) -> Iterator[tuple[str, object]]:
     """(path, value) for every figure of a profile, which must be a positive number.
 
     Also checks the shape of curves, whose sizes must strictly increase.

@@ -92,7 +92,7 @@ def _absorb(into: NodeGroup, group: NodeGroup, before: bool = False) -> None:
     into.modules[:] = list(dict.fromkeys(modules))
 
 
-def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: dict[str, object],
+def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: dict[str, Any],
                 dynamic_dims: dict[tuple[str, int], str] | None = None) -> BlockChain:
     """The BlockChain of an annotated graph (run the ownership and execution passes first)."""
     groups = group_nodes(gm)

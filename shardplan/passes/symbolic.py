@@ -20,7 +20,7 @@ True
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -63,8 +63,8 @@ class SymbolicChain:
             low, high = self.ranges[label]
             if not low <= size <= high:
                 raise ShardplanError(f"{label}={size} is outside the range the model accepts, [{low}, {high}]")
-        measured = self.measure(sizes) if self.inexact else None
-        values = {key: self._value(key, sizes, measured) for key in self.formulas}
+        measured = self.measure(sizes) if self.inexact else self.chain  # read at inexact keys alone
+        values: dict[str, Any] = {key: self._value(key, sizes, measured) for key in self.formulas}
 
         def kinds_at(block, phase: str) -> tuple[OpKind, ...]:
             if f"blocks[{block.index}].{phase}" in self.inexact:  # other ops run at other sizes
@@ -101,7 +101,7 @@ class SymbolicChain:
     def example_sizes(self) -> dict[str, int]:
         return _sizes_of(self.chain.inputs, self.chain.dynamic_dims)
 
-    def _value(self, key: str, sizes: dict[str, int], measured: BlockChain | None) -> int:
+    def _value(self, key: str, sizes: dict[str, int], measured: BlockChain) -> int:
         if key in self.inexact:
             return _read(measured, key)
         return int(self.formulas[key].subs({self.symbols[label]: size for label, size in sizes.items()}))
@@ -202,7 +202,7 @@ def _op_names(kinds: tuple[OpKind, ...]) -> tuple[tuple[str, int], ...]:
 
 def _read(chain: BlockChain, key: str) -> int:
     """The value at `key` (see _block_keys), or a chain-level cost by name."""
-    value = chain
+    value: Any = chain
     for part in key.split("."):
         name, _, index = part.partition("[")
         value = getattr(value, name)
