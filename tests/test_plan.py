@@ -39,6 +39,17 @@ def test_round_trip_is_byte_identical(tmp_path):
     assert loaded.to_json() == original.to_json() == path.read_text()
 
 
+def test_a_plan_written_by_hand_round_trips():
+    """manual_plan's plans carry no budget and no prediction (zeros), and spawned ranks read them as JSON."""
+    from shardplan import zoo
+    from shardplan.runtime.manual import manual_plan
+
+    entry = zoo.gpt()
+    written = manual_plan(entry.model, zoo.gpt_units(entry.model.config.n_layer), dp=2)
+    assert written.reasoning.budget_bytes == 0
+    assert Plan.from_json(written.to_json()) == written
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(mesh=Mesh(dp=3)), "dp \\* pp equal world_size"),
     (dict(units=(unit("h.0"), unit("h.1", params=("h.0.weight",)))), "parameter 'h.0.weight' appears in two units"),
