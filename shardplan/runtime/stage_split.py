@@ -1,4 +1,4 @@
-"""Pipeline stages cut out of the captured graph (see [Note: stage graphs]).
+"""The captured graph split into the plan's pipeline stages (see [Note: stage graphs]); the solver chose the cuts.
 
 [Note: stage graphs] A stage cannot be cut out of the model's Python code, so
 it is cut out of its graph: the model is captured again at the shape of one
