@@ -237,7 +237,7 @@ def plan_for(row: Row, chain: BlockChain, dims: LlamaDims) -> Plan:
     starts = nanotron_stage_starts(dims, row.pp) + [len(units)]
     stages = tuple(Stage(index=s, units=tuple(u.name for u in units[starts[s]:starts[s + 1]])) for s in range(row.pp))
     return Plan(fingerprint=chain.fingerprint, model=row.model, world_size=row.dp * row.pp, hardware="h100-80g",
-                inputs=chain.inputs, mesh=Mesh(dp=row.dp, pp=row.pp),
+                inputs=chain.inputs, mesh=Mesh(dp_shard=row.dp, pp=row.pp),
                 schedule=Schedule(num_micro_batches=row.grad_accum, name="1f1b" if row.pp > 1 else "none"),
                 mixed_precision=BF16, units=units, stages=stages, predicted=Predicted(peak_bytes=0, step_time_s=0.0),
                 reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"))

@@ -72,7 +72,7 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
     units, stages = _units_and_stages(chain, best)
     return Plan(fingerprint=chain.fingerprint, model=model_name or str(chain.extra.get("model", "")),
                 world_size=world_size, hardware=hw.name, inputs=chain.inputs,
-                mesh=Mesh(dp=best.configuration.dp, pp=best.configuration.pp),
+                mesh=Mesh(dp_shard=best.configuration.dp, pp=best.configuration.pp),
                 schedule=Schedule(num_micro_batches=best.configuration.num_micro_batches,
                                   name=best.configuration.schedule),
                 mixed_precision=precision, optimizer=optimizer, units=units, stages=stages,

@@ -27,3 +27,7 @@ class HardwareError(ShardplanError):
 
 class RuntimeMismatchError(ShardplanError):
     """Ranks disagree (different plans) or a batch does not match the plan's inputs."""
+
+
+class CheckpointError(PlanError):
+    """A checkpoint is corrupt, crafted, of another format or model, or cannot be written where asked."""

@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 
@@ -18,7 +19,9 @@ from .chain import InputSpec
 from .errors import PlanError
 from .files import parse_json, read_text, write_text_atomically
 
-SCHEMA = "shardplan.plan/1"
+SCHEMA = "shardplan.plan/2"
+READABLE_SCHEMAS = ("shardplan.plan/1", SCHEMA)
+"""Plan formats this version reads: format 1 (mesh dp × pp) is upgraded on load (_upgrade)."""
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
 """JSON Schema of the plan file, shipped in the package; from_json validates against it."""
 SCHEDULE_NAMES = ("none", "gpipe", "1f1b")
@@ -108,23 +111,109 @@ class Stage:
     """Names of the units in this stage."""
 
 
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+"""The mesh's dimensions, outermost first (see Mesh.coordinates)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Mesh:
-    """World = dp × pp; rank r sits at stage r // dp, replica r % dp."""
+    """World = pp × dp_replicate × dp_shard × tp, laid out in MESH_DIMS order, tp innermost.
 
-    dp: int
+    [Note: rank layout] rank = ((stage · dp_replicate + replica group) · dp_shard + shard) · tp + tp rank.
+    A tp group is tp consecutive ranks, so it stays inside a node whenever tp divides the node's devices
+    (as torchtitan and Megatron lay it out); a data-parallel group strides by tp; a pipeline stage is
+    the outermost block of dp · tp ranks. With tp = dp_replicate = 1 this is the dp × pp layout of
+    plan format 1: rank r at stage r // dp, replica r % dp.
+
+    >>> Mesh(dp_shard=2, tp=2, pp=2).coordinates(5)
+    {'pp': 1, 'dp_replicate': 0, 'dp_shard': 0, 'tp': 1}
+    """
+
+    dp_shard: int = 1
+    """Ranks a unit's parameters, gradients and optimizer state are sharded over (FSDP's shard group)."""
+    dp_replicate: int = 1
+    """Groups of dp_shard ranks holding the same shards, whose gradients are all-reduced across groups
+    (HSDP); 1 is plain FSDP / ZeRO."""
+    tp: int = 1
+    """Ranks one tensor-parallel group slices each sharded module over (Plan.tensor_parallel)."""
     pp: int = 1
 
     def __post_init__(self):
-        if self.dp < 1 or self.pp < 1:
-            raise PlanError(f"mesh dp={self.dp} pp={self.pp}: both must be at least 1")
+        for dim in MESH_DIMS:
+            if getattr(self, dim) < 1:
+                raise PlanError(f"mesh {dim}={getattr(self, dim)}: every mesh dimension is at least 1")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas of the model: ranks that read different batches."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def describe(self) -> str:
+        return " ".join(f"{dim}={getattr(self, dim)}" for dim in MESH_DIMS if dim == "pp" or getattr(self, dim) > 1
+                        or (dim == "dp_shard" and self.dp == 1))
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """`rank`'s index along each dimension ([Note: rank layout])."""
+        found = {}
+        for dim in reversed(MESH_DIMS):
+            rank, found[dim] = divmod(rank, getattr(self, dim))
+        return {dim: found[dim] for dim in MESH_DIMS}
+
+    def stride(self, dim: str) -> int:
+        """Distance in ranks between neighbours along `dim`: the product of the dimensions inside it."""
+        return math.prod(getattr(self, inner) for inner in MESH_DIMS[MESH_DIMS.index(dim) + 1:])
 
     def stage_of(self, rank: int) -> int:
-        return rank // self.dp
+        return rank // (self.dp * self.tp)
 
     def replica_of(self, rank: int) -> int:
-        """The data-parallel replica `rank` computes for: its stages read the same batch."""
-        return rank % self.dp
+        """The data-parallel replica `rank` computes for (0..dp-1): its stages and tp ranks read the same batch."""
+        return rank // self.tp % self.dp
+
+
+TENSOR_PARALLEL_STYLE = re.compile(r"colwise|colwise_fused\([2-9][0-9]*\)|rowwise|vocab_embedding|vocab_head")
+"""How a module is sliced over the tp ranks (passes/tensor_parallel.py finds them): "colwise" by output
+features, "colwise_fused(n)" each of a fused projection's n chunks by output features, "rowwise" by input
+features (partial products summed), "vocab_embedding" / "vocab_head" by vocabulary rows."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardedModule:
+    """A module whose parameters the tp ranks slice, each holding 1/tp of them."""
+
+    path: str
+    style: str
+    """One of TENSOR_PARALLEL_STYLE."""
+
+    def __post_init__(self):
+        if not TENSOR_PARALLEL_STYLE.fullmatch(self.style):
+            raise PlanError(f"module {_shown(self.path)} has tensor-parallel style {_shown(self.style)}: use colwise, "
+                            "colwise_fused(n), rowwise, vocab_embedding or vocab_head")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KeptWhole:
+    """A module tensor parallelism could have sliced and does not, with the reason."""
+
+    module: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorParallel:
+    """What the mesh's tp ranks slice (nothing at tp = 1); every other parameter is whole on each tp rank."""
+
+    sequence_parallel: bool = False
+    """Activations between the sliced modules are split along the sequence over the tp ranks (Megatron SP)."""
+    vocab_parallel: bool = False
+    """Embedding tables and the LM head are sliced by vocabulary (listed in `sharded`)."""
+    sharded: tuple[ShardedModule, ...] = ()
+    kept_whole: tuple[KeptWhole, ...] = ()
+    """Pairs and tables the graph offered that stay whole: the plan says why (indivisible heads, a tie)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -220,6 +309,7 @@ class Plan:
     hardware: str
     inputs: tuple[InputSpec, ...]
     mesh: Mesh
+    tensor_parallel: TensorParallel = TensorParallel()
     schedule: Schedule = Schedule()
     mixed_precision: MixedPrecision = MixedPrecision()
     optimizer: str = "adamw"
@@ -246,11 +336,12 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError("plan file must hold a JSON object")
         schema = data.get("schema")
-        if schema != SCHEMA:
-            raise PlanError(f"plan schema {_shown(schema)} is not supported by this shardplan (reads {SCHEMA!r}): "
-                            "re-plan with this version, or install the version that wrote it")
-        _validate_schema(data)
-        return _from_data(cls, data, "plan")
+        if schema not in READABLE_SCHEMAS:
+            raise PlanError(f"plan schema {_shown(schema)} is not supported by this shardplan (reads "
+                            f"{', '.join(map(repr, READABLE_SCHEMAS))}): re-plan with this version, or install the "
+                            "version that wrote it")
+        _validate_schema(_upgrade(data))
+        return _from_data(cls, _upgrade(data), "plan")
 
     def diff(self, other: "Plan") -> list[str]:
         """What changes from this plan to `other`, one readable line per difference ([] if equal)."""
@@ -261,7 +352,7 @@ class Plan:
         from .sizes import format_bytes
 
         lines = [f"plan for {self.model or 'model'} on {self.world_size} ranks of {self.hardware}: "
-                 f"dp={self.mesh.dp} pp={self.mesh.pp}, {self.schedule.runs_as(self.mesh.pp)}"
+                 f"{self.mesh.describe()}, {self.schedule.runs_as(self.mesh.pp)}"
                  + f", params {self.mixed_precision.param_dtype}, grads reduced in {self.mixed_precision.reduce_dtype}",
                  "", f"{'stage':>5}  {'unit':<32} {'strategy':<16} {'checkpoint':<10} {'offload':<7} {'params':>7}"]
         units = {unit.name: unit for unit in self.units}
@@ -289,6 +380,16 @@ class Plan:
         write_text_atomically(path, self.to_json())
 
 
+def _upgrade(data: dict) -> dict:
+    """A format-1 plan (mesh dp × pp, no tensor parallelism) as format 2 says it: its dp ranks shard
+    every unit, one replica group, tp = 1; the same ranks do the same work ([Note: rank layout])."""
+    if data.get("schema") != "shardplan.plan/1" or not isinstance(data.get("mesh"), dict):
+        return data
+    mesh = dict(data["mesh"])
+    mesh["dp_shard"] = mesh.pop("dp", None)
+    return {**data, "schema": SCHEMA, "mesh": {"dp_replicate": 1, "tp": 1, **mesh}}
+
+
 def load_plan(path: str | os.PathLike) -> Plan:
     """Read and validate a plan written by `Plan.save` (files past files.MAX_FILE_BYTES are refused).
 
@@ -304,9 +405,13 @@ def _check_plan(plan: Plan) -> None:
                         "give the number of ranks you launch")
     _check_inputs(plan.inputs)
     _check_unicode(plan)
-    if plan.mesh.dp * plan.mesh.pp != plan.world_size:
-        raise PlanError(f"mesh dp={plan.mesh.dp} x pp={plan.mesh.pp} = {plan.mesh.dp * plan.mesh.pp} ranks but "
-                        f"world_size is {plan.world_size}: make dp * pp equal world_size")
+    if plan.mesh.size != plan.world_size:
+        raise PlanError(f"mesh {plan.mesh.describe()} is {plan.mesh.size} ranks but world_size is {plan.world_size}: "
+                        "make pp * dp_replicate * dp_shard * tp equal world_size")
+    if plan.mesh.tp == 1 and (plan.tensor_parallel.sharded or plan.tensor_parallel.sequence_parallel):
+        raise PlanError("the plan slices modules over tensor-parallel ranks but its mesh has tp=1: set mesh.tp, "
+                        "or drop tensor_parallel")
+    _unique([m.path for m in plan.tensor_parallel.sharded], "tensor-parallel module", "list each sliced module once")
     if len(plan.stages) != plan.mesh.pp:
         raise PlanError(f"plan has {len(plan.stages)} stage(s) but pp={plan.mesh.pp}: give one stage per pipeline rank")
     if (plan.mesh.pp == 1) != (plan.schedule.name == "none"):

@@ -6,8 +6,10 @@ uninterrupted run: world 2 resumes it exactly, worlds 4 and 1 (other unit groupi
 mixes, and FSDP2 at world 4) continue its losses. A world-1 process dies mid-save for real. Each
 spawned world runs all its cases and returns rank 0's record, which the tests read.
 """
+import hashlib
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardplan import zoo
-from shardplan.errors import ShardplanError
+from shardplan.errors import CheckpointError, RuntimeMismatchError, ShardplanError
 from shardplan.plan import ShardStrategy
 from shardplan.runtime import checkpoint, manual_plan, parallelize
 from shardplan.runtime.chunks import Chunk, row_chunks, unit_chunks
@@ -241,32 +243,146 @@ def after_death(rank: int, world: int, directory: Path) -> float | None:
     return max_difference(state, torch.load(directory / "dying-saved.pt")) if state else None
 
 
+def expect(found: dict, name: str, action) -> None:
+    """found[name]: None if `action` returned, else the error's type name and message. Any error: DCP's
+    CheckpointException derives from BaseException, and the assertions should name it."""
+    try:
+        action()
+        found[name] = None
+    except BaseException as error:
+        found[name] = [type(error).__name__, str(error)]
+
+
 def errors(rank: int, world: int, directory: Path) -> dict:
     found = {}
 
-    def expect(name, action):
-        try:
-            action()
-            found[name] = None
-        except ShardplanError as error:
-            found[name] = [type(error).__name__, str(error)]
-
     other = zoo.GPTConfig(d_model=32, n_layer=4)
     program, optimizer = build(rank, world, other)
-    expect("other_model", lambda: program.load(directory / "ckpt", optimizer))
+    expect(found, "other_model", lambda: program.load(directory / "ckpt", optimizer))
     if rank == 0:
         for name in ("missing", "corrupt", "future"):
             shutil.copytree(directory / "ckpt", directory / name)
         (directory / "missing" / checkpoint.METADATA_FILE).unlink()
         (directory / "corrupt" / checkpoint.METADATA_FILE).write_text('{"format": "shardplan.chec')
         metadata = json.loads((directory / "ckpt" / checkpoint.METADATA_FILE).read_text())
-        future = {**metadata, "format": "shardplan.checkpoint/2"}
+        future = {**metadata, "format": "shardplan.checkpoint/3"}
         (directory / "future" / checkpoint.METADATA_FILE).write_text(json.dumps(future))
     dist.barrier()
     program, optimizer = build(rank, world)
     for name in ("missing", "corrupt", "future", "nowhere"):
-        expect(name, lambda: program.load(directory / name, optimizer))
-    expect("other_optimizer", lambda: program.load(directory / "ckpt", torch.optim.SGD(program.parameters())))
+        expect(found, name, lambda: program.load(directory / name, optimizer))
+    expect(found, "other_optimizer", lambda: program.load(directory / "ckpt", torch.optim.SGD(program.parameters())))
+    return found
+
+
+def transactions(rank: int, world: int, directory: Path) -> dict:
+    """World 2: a save to a different path on each rank fails on both; loads that fail (a truncated shard
+    that only some reads hit, an optimizer of another shape) leave every rank's state as it was, and the
+    ranks still step together."""
+    program, optimizer = build(rank, world)
+    train(program, optimizer, range(1), rank, world)
+    program.save(directory / "tx", optimizer)
+    train(program, optimizer, range(1, 2), rank, world)
+    found = {}
+    expect(found, "per_rank_paths", lambda: program.save(directory / f"tx-rank-{rank}", optimizer))
+    found["per_rank_dirs"] = sorted(p.name for p in directory.iterdir() if p.name.startswith("tx-rank"))
+    before = program.export_full_state_dict()
+    optimizer_before = {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                        for p, state in optimizer.state.items()}
+    if rank == 0:
+        shutil.copytree(directory / "tx", directory / "tx-truncated")
+        shard = directory / "tx-truncated" / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    dist.barrier()
+    expect(found, "truncated", lambda: program.load(directory / "tx-truncated", optimizer))
+    groups = [list(program.parameters())[:1], list(program.parameters())[1:]]
+    two_groups = torch.optim.AdamW([{"params": group} for group in groups], **ADAMW)
+    expect(found, "two_groups", lambda: program.load(directory / "tx", two_groups))
+    after = program.export_full_state_dict()  # a collective: ranks that disagree on a unit abort here
+    found["optimizer_unchanged"] = all(
+        all(torch.equal(value, optimizer_before[id(p)][key]) if isinstance(value, torch.Tensor)
+            else value == optimizer_before[id(p)][key] for key, value in state.items())
+        for p, state in optimizer.state.items()) and not two_groups.state
+    found["state_error"] = max_difference(after, before) if after else None
+    found["losses"] = train(program, optimizer, range(2, 4), rank, world)
+    return found
+
+
+def tampered(rank: int, world: int, directory: Path) -> dict:
+    """World 1: flipped bytes, a shard of another checkpoint, crafted metadata (code in `.metadata` or in a
+    shard's tensor data, with a manifest that matches), params=[] and deep nesting in shardplan.json."""
+    found = {}
+    marker = directory / "code-ran"
+    cases = {name: directory / f"tampered-{name}" for name in ("flipped", "swapped", "pickle", "tensor_pickle",
+                                                                "frozen", "deep")}
+    for name, target in cases.items():
+        shutil.copytree(directory / "ckpt", target)
+    flipped = cases["flipped"] / "__1_0.distcp"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    shutil.copyfile(directory / "crash" / "__0_0.distcp", cases["swapped"] / "__0_0.distcp")
+    (cases["pickle"] / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    restamp(cases["pickle"], ".metadata")
+    with open(cases["tensor_pickle"] / ".metadata", "rb") as handle:
+        dcp_metadata = pickle.load(handle)  # this test's own checkpoint: trusted
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    evil = pickle.dumps(RunsCode(marker))
+    (cases["tensor_pickle"] / "evil.distcp").write_bytes(evil)
+    key = next(iter(dcp_metadata.storage_data))
+    dcp_metadata.storage_data[key] = _StorageInfo(relative_path="evil.distcp", offset=0, length=len(evil))
+    (cases["tensor_pickle"] / ".metadata").write_bytes(pickle.dumps(dcp_metadata))
+    restamp(cases["tensor_pickle"], ".metadata", "evil.distcp")
+    metadata = json.loads((cases["frozen"] / checkpoint.METADATA_FILE).read_text())
+    (cases["frozen"] / checkpoint.METADATA_FILE).write_text(json.dumps(
+        {**metadata, "optimizer": {**metadata["optimizer"], "param_groups": [
+            {**metadata["optimizer"]["param_groups"][0], "params": []}]}}))
+    (cases["deep"] / checkpoint.METADATA_FILE).write_text(
+        json.dumps({**metadata, "plan": "PLAN"}).replace('"PLAN"', "[" * 100_000 + "]" * 100_000))
+    program, optimizer = build(rank, world)
+    for name, target in cases.items():
+        expect(found, name, lambda: program.load(target, optimizer))
+    found["code_ran"] = marker.exists()
+    return found
+
+
+class RunsCode:
+    """Pickles to a call of os.mkdir(marker): what a crafted file would run on load."""
+
+    def __init__(self, marker: Path):
+        self.marker = os.fspath(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def restamp(directory: Path, *names: str) -> None:
+    """Write the manifest entries of files an attacker replaced, as they would."""
+    metadata = json.loads((directory / checkpoint.METADATA_FILE).read_text())
+    for name in names:
+        data = (directory / name).read_bytes()
+        metadata.setdefault("files", {})[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (directory / checkpoint.METADATA_FILE).write_text(json.dumps(metadata))
+
+
+def save_paths(rank: int, world: int, directory: Path) -> dict:
+    """World 1: paths a save cannot replace safely are refused with the reason; the checkpoint there survives."""
+    program, optimizer = build(rank, world)
+    found = {}
+    (directory / "link").symlink_to(directory / "ckpt", target_is_directory=True)
+    (directory / "a-file").write_text("keep me")
+    working = Path.cwd()
+    os.chdir(directory / "ckpt")
+    try:
+        expect(found, "dot", lambda: program.save(".", optimizer))
+    finally:
+        os.chdir(working)
+    for name, path in (("symlink", directory / "link"), ("file", directory / "a-file"),
+                       ("under_file", directory / "a-file" / "ckpt")):
+        expect(found, name, lambda: program.save(path, optimizer))
+    found["file_kept"] = (directory / "a-file").read_text() == "keep me"
+    found["link_kept"] = (directory / "link").is_symlink()
+    expect(found, "still_loads", lambda: program.load(directory / "ckpt", optimizer))
     return found
 
 
@@ -275,7 +391,8 @@ def saving_run(rank: int, world: int, directory: Path) -> dict:
     # in this order: resume loads what the uninterrupted run saved
     return {"uninterrupted": uninterrupted(rank, world, directory), "resume": resume(rank, world, directory),
             "crashes": crashes(rank, world, directory, SwapCrash),
-            "hugging_face": hugging_face_export(rank, world, directory)}
+            "hugging_face": hugging_face_export(rank, world, directory),
+            "transactions": transactions(rank, world, directory)}
 
 
 def resuming_run(rank: int, world: int, directory: Path) -> dict:
@@ -288,6 +405,8 @@ def resuming_run(rank: int, world: int, directory: Path) -> dict:
         results["after_death"] = after_death(rank, world, directory)
     if world == 1:
         results["errors"] = errors(rank, world, directory)
+        results["tampered"] = tampered(rank, world, directory)
+        results["save_paths"] = save_paths(rank, world, directory)
     return results
 
 
@@ -341,6 +460,11 @@ def test_checkpoint_directory_holds_the_metadata(runs):
     assert metadata["optimizer"]["type"] == "AdamW"
     assert set(metadata["optimizer"]["state"]) == {"step", "exp_avg", "exp_avg_sq"}
     assert metadata["optimizer"]["param_groups"][0]["betas"] == [0.9, 0.95]
+    listed = sorted(p.name for p in (runs["directory"] / "ckpt").iterdir() if p.name != checkpoint.METADATA_FILE)
+    assert sorted(metadata["files"]) == listed == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    for name, entry in metadata["files"].items():
+        data = (runs["directory"] / "ckpt" / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 @pytest.mark.timeout(300)
@@ -379,13 +503,54 @@ def test_a_process_dying_mid_save_leaves_the_previous_checkpoint(runs):
 @pytest.mark.timeout(300)
 def test_bad_checkpoints_are_refused_with_the_reason(runs):
     found = runs[1]["errors"]
-    assert found["other_model"][0] == "PlanError" and "'wte.weight' is float32[256, 64] in the checkpoint, " \
+    assert found["other_model"][0] == "CheckpointError" and "'wte.weight' is float32[256, 64] in the checkpoint, " \
         "float32[256, 32] in the model" in found["other_model"][1]
-    assert found["missing"][0] == "PlanError" and "has no shardplan.json" in found["missing"][1]
-    assert found["corrupt"][0] == "PlanError" and "is corrupt" in found["corrupt"][1]
-    assert found["future"][0] == "PlanError" and "'shardplan.checkpoint/2'" in found["future"][1]
-    assert found["nowhere"][0] == "ShardplanError" and "no checkpoint at" in found["nowhere"][1]
-    assert found["other_optimizer"][0] == "ShardplanError" and "holds AdamW state" in found["other_optimizer"][1]
+    assert found["missing"][0] == "CheckpointError" and "has no shardplan.json" in found["missing"][1]
+    assert found["corrupt"][0] == "CheckpointError" and "is not valid JSON" in found["corrupt"][1]
+    assert found["future"][0] == "CheckpointError" and "'shardplan.checkpoint/3'" in found["future"][1]
+    assert found["nowhere"][0] == "CheckpointError" and "no checkpoint at" in found["nowhere"][1]
+    assert found["other_optimizer"][0] == "CheckpointError" and "holds AdamW state" in found["other_optimizer"][1]
+    assert issubclass(CheckpointError, ShardplanError)
+
+
+@pytest.mark.timeout(300)
+def test_ranks_given_different_paths_save_nothing(runs):
+    found = runs["save"]["transactions"]
+    assert found["per_rank_paths"][0] == "RuntimeMismatchError" and "checkpoint paths" in found["per_rank_paths"][1]
+    assert found["per_rank_dirs"] == []
+    assert issubclass(RuntimeMismatchError, ShardplanError)
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_load_applies_nothing_on_any_rank(runs):
+    found = runs["save"]["transactions"]
+    assert found["state_error"] == 0.0  # parameters as before both failed loads
+    assert found["optimizer_unchanged"]
+    assert found["truncated"][0] == "CheckpointError" and "__1_0.distcp" in found["truncated"][1]
+    assert found["two_groups"][0] == "CheckpointError" and "param groups" in found["two_groups"][1]
+    # the ranks still run their collectives in step: two more steps train, as the uninterrupted run's did
+    assert found["losses"] == pytest.approx(runs["save"]["uninterrupted"]["losses"][2:4], abs=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_tampered_checkpoints_are_refused_and_run_no_code(runs):
+    found = runs[1]["tampered"]
+    assert not found["code_ran"]
+    for name, fragment in (("flipped", "__1_0.distcp has other bytes"), ("swapped", "__0_0.distcp has other bytes"),
+                           ("pickle", "posix.mkdir"), ("tensor_pickle", "evil.distcp"), ("frozen", "params"),
+                           ("deep", "levels deep")):
+        assert found[name][0] == "CheckpointError" and fragment in found[name][1], (name, found[name])
+        assert "\n" not in found[name][1]
+
+
+@pytest.mark.timeout(300)
+def test_paths_a_save_cannot_replace_are_refused(runs):
+    found = runs[1]["save_paths"]
+    for name, fragment in (("dot", "working directory"), ("symlink", "symbolic link"), ("file", "is a file"),
+                           ("under_file", "a-file is a file")):
+        assert found[name][0] == "CheckpointError" and fragment in found[name][1], (name, found[name])
+    assert found["file_kept"] and found["link_kept"]
+    assert found["still_loads"] is None
 
 
 # pure: the chunk arithmetic, against the flat buffer itself

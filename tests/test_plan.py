@@ -9,7 +9,8 @@ import pytest
 from shardplan.chain import InputSpec
 from shardplan.errors import PlanError, ShardplanError
 from shardplan.plan import (FLOAT_DTYPES, INPUT_DTYPES, MAX_WORLD_SIZE, SCHEMA_PATH, Checkpoint, Mesh, MixedPrecision,
-                            Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage, Unit, load_plan)
+                            Plan, Predicted, Reasoning, Schedule, ShardedModule, ShardStrategy, Stage, TensorParallel,
+                            Unit, load_plan)
 
 
 def unit(name: str, params=None, **changes) -> Unit:
@@ -20,7 +21,7 @@ def unit(name: str, params=None, **changes) -> Unit:
 def plan(**changes) -> Plan:
     units = changes.pop("units", (unit("h.0"), unit("h.1", strategy=ShardStrategy.SHARD_GRAD_OP,
                                                      checkpoint=Checkpoint.FULL)))
-    values = dict(fingerprint="abc", model="GPT", world_size=4, hardware="cpu-gloo", inputs=(), mesh=Mesh(dp=4),
+    values = dict(fingerprint="abc", model="GPT", world_size=4, hardware="cpu-gloo", inputs=(), mesh=Mesh(dp_shard=4),
                   units=units, stages=(Stage(index=0, units=tuple(u.name for u in units)),),
                   predicted=Predicted(peak_bytes=3 * 2**20, step_time_s=0.5,
                                       memory_bytes={"sharded_state": 2**20, "activations": 2 * 2**20},
@@ -51,25 +52,48 @@ def test_a_plan_written_by_hand_round_trips():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(mesh=Mesh(dp=3)), "dp \\* pp equal world_size"),
+    (dict(mesh=Mesh(dp_shard=3)), "make pp \\* dp_replicate \\* dp_shard \\* tp equal world_size"),
+    (dict(tensor_parallel=TensorParallel(sharded=(ShardedModule(path="h.0.fc", style="colwise"),))),
+     "its mesh has tp=1"),
     (dict(units=(unit("h.0"), unit("h.1", params=("h.0.weight",)))), "parameter 'h.0.weight' appears in two units"),
-    (dict(stages=(Stage(index=0, units=("h.0", "h.1")), Stage(index=1, units=())), mesh=Mesh(dp=2, pp=2),
+    (dict(stages=(Stage(index=0, units=("h.0", "h.1")), Stage(index=1, units=())), mesh=Mesh(dp_shard=2, pp=2),
           schedule=Schedule(num_micro_batches=2, name="1f1b")), "stage 1 has no units"),
     (dict(stages=(Stage(index=0, units=("h.0", "h.9")),)), "unknown units \\['h.9'\\]"),
     (dict(stages=(Stage(index=0, units=("h.1", "h.0")),)), "in the order of Plan.units"),
     (dict(schedule=Schedule(num_micro_batches=2, name="1f1b")), "use 'none' without a pipeline"),
-    (dict(mesh=Mesh(dp=2, pp=2)), "1 stage\\(s\\) but pp=2"),
+    (dict(mesh=Mesh(dp_shard=2, pp=2)), "1 stage\\(s\\) but pp=2"),
 ])
 def test_invariants_are_checked_on_construction_with_the_fix(change, message):
     with pytest.raises(PlanError, match=message):
         plan(**change)
 
 
+def test_the_mesh_lays_tp_innermost_and_pipeline_stages_outermost():
+    mesh = Mesh(dp_replicate=2, dp_shard=2, tp=2, pp=2)
+    assert mesh.size == 16 and mesh.dp == 4
+    assert [mesh.coordinates(rank)["tp"] for rank in range(4)] == [0, 1, 0, 1]  # a tp group: consecutive ranks
+    assert mesh.coordinates(13) == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "tp": 1}
+    assert [mesh.stride(dim) for dim in ("pp", "dp_replicate", "dp_shard", "tp")] == [8, 4, 2, 1]
+    assert [mesh.stage_of(rank) for rank in (7, 8)] == [0, 1]
+    assert [mesh.replica_of(rank) for rank in (0, 1, 2, 7, 8)] == [0, 0, 1, 3, 0]  # a tp group reads one batch
+    flat = Mesh(dp_shard=3, pp=2)  # plan format 1's dp × pp: stage r // dp, replica r % dp
+    assert [(flat.stage_of(r), flat.replica_of(r)) for r in range(6)] == [(r // 3, r % 3) for r in range(6)]
+
+
+def test_a_format_1_plan_loads_as_its_dp_ranks_sharding_every_unit():
+    data = json.loads(plan(world_size=4, mesh=Mesh(dp_shard=2, pp=2), schedule=Schedule(num_micro_batches=2,
+                      name="1f1b"), stages=(Stage(index=0, units=("h.0",)), Stage(index=1, units=("h.1",)))).to_json())
+    del data["tensor_parallel"]
+    data.update(schema="shardplan.plan/1", mesh={"dp": 2, "pp": 2})
+    loaded = Plan.from_json(json.dumps(data))
+    assert loaded.mesh == Mesh(dp_shard=2, pp=2) and loaded.schema == "shardplan.plan/2"
+
+
 def test_unit_and_mesh_invariants():
     with pytest.raises(PlanError, match="offload needs a sharded strategy"):
         unit("h.0", strategy=ShardStrategy.REPLICATE, offload=True)
     with pytest.raises(PlanError, match="at least 1"):
-        Mesh(dp=0)
+        Mesh(dp_shard=0)
     with pytest.raises(PlanError, match="unknown"):
         Schedule(name="interleaved")
     with pytest.raises(PlanError, match="no modules"):
@@ -77,11 +101,11 @@ def test_unit_and_mesh_invariants():
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: d["mesh"].update(dp="4"), "plan field plan.mesh.dp does not match the plan schema"),
+    (lambda d: d["mesh"].update(dp_shard="4"), "plan field plan.mesh.dp_shard does not match the plan schema"),
     (lambda d: d["units"][1].update(checkpoint="sometimes"), "plan.units\\[1\\].checkpoint"),
     (lambda d: d.update(extra=1), "Additional properties"),
     (lambda d: d.pop("predicted"), "'predicted' is a required property"),
-    (lambda d: d["mesh"].update(dp=2), "make dp \\* pp equal world_size"),
+    (lambda d: d["mesh"].update(dp_shard=2), "make pp \\* dp_replicate \\* dp_shard \\* tp equal world_size"),
 ])
 def test_a_bad_file_is_refused_naming_the_field(edit, message):
     data = json.loads(plan().to_json())
@@ -95,7 +119,7 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
     with pytest.raises(PlanError, match="truncated"):
         Plan.from_json(text[: len(text) // 2])
     with pytest.raises(PlanError, match="not supported"):
-        Plan.from_json(text.replace("shardplan.plan/1", "shardplan.plan/9"))
+        Plan.from_json(text.replace("shardplan.plan/2", "shardplan.plan/9"))
     with pytest.raises(PlanError, match="cannot read"):
         load_plan(tmp_path / "missing.json")
 
@@ -131,7 +155,7 @@ def test_diff_names_what_changed():
 
 def test_summary_is_a_readable_table():
     text = plan().summary()
-    assert "dp=4 pp=1" in text
+    assert "pp=1 dp_shard=4" in text
     assert "h.1" in text and "shard_grad_op" in text and "full" in text
     assert "peak memory per rank 3.00 MiB" in text and "activations" in text
     assert "step time 0.5 s" in text and "exposed_comm" in text
@@ -147,7 +171,7 @@ def test_summary_is_a_readable_table():
     (lambda d: d["inputs"].append(dict(name="0", shape=[2**30, 2**30], dtype="int64")), "elements in all"),
     (lambda d: d["inputs"].append(dict(name="0", shape=[1] * 65, dtype="int64")), "plan.inputs\\[0\\].shape"),
     (lambda d: d["inputs"].append(dict(name="0", shape=[4], dtype="int64", dynamic_dims=[1])), "dims 0..0"),
-    (lambda d: d.update(world_size=2**30) or d["mesh"].update(dp=2**30), "maximum"),
+    (lambda d: d.update(world_size=2**30) or d["mesh"].update(dp_shard=2**30), "maximum"),
     (lambda d: d["stages"][0].update(index=-1), "plan.stages\\[0\\].index"),
     (lambda d: d["predicted"].update(peak_bytes=10**400), "plan.predicted.peak_bytes"),
     (lambda d: d.update(model="GPT\udc80"), "lone surrogate '\\\\udc80'"),
@@ -169,7 +193,7 @@ def test_plans_built_in_code_are_held_to_the_same_rules():
     with pytest.raises(PlanError, match="input name '0' appears in two inputs"):
         plan(inputs=(InputSpec(name="0", shape=(1,), dtype="int64"),) * 2)
     with pytest.raises(PlanError, match=f"more than the {MAX_WORLD_SIZE} ranks"):
-        plan(world_size=2**21, mesh=Mesh(dp=2**21))
+        plan(world_size=2**21, mesh=Mesh(dp_shard=2**21))
 
 
 @pytest.mark.parametrize("text, message", [

@@ -26,7 +26,7 @@ def _valid_plan() -> Plan:
     return Plan(fingerprint="0123abcd", model="GPT", world_size=4, hardware="h100-80g",
                 inputs=(InputSpec(name="0", shape=(4, 32), dtype="int64", dynamic_dims=(1,)),
                         InputSpec(name="labels", shape=(4, 32), dtype="int64")),
-                mesh=Mesh(dp=2, pp=2), schedule=Schedule(num_micro_batches=4, name="1f1b"),
+                mesh=Mesh(dp_shard=2, pp=2), schedule=Schedule(num_micro_batches=4, name="1f1b"),
                 mixed_precision=MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32"), units=units,
                 stages=(Stage(index=0, units=("h.0", "h.1")), Stage(index=1, units=("h.2", "h.3"))),
                 predicted=Predicted(peak_bytes=3 * 2**30, step_time_s=0.25, memory_bytes={"activations": 2**30},

@@ -68,7 +68,7 @@ def test_tensor_parallel_rows_are_reported_not_planned(bench):
 
 def test_one_f_one_b_over_fewer_micro_batches_than_stages_is_a_plan_that_says_so():
     units = tuple(Unit(name=f"h.{i}", modules=(f"h.{i}",), params=(f"h.{i}.w",)) for i in range(4))
-    plan = Plan(fingerprint="f", model="m", world_size=4, hardware="h100-80g", inputs=(), mesh=Mesh(dp=1, pp=4),
+    plan = Plan(fingerprint="f", model="m", world_size=4, hardware="h100-80g", inputs=(), mesh=Mesh(dp_shard=1, pp=4),
                 schedule=Schedule(num_micro_batches=2, name="1f1b"), mixed_precision=MixedPrecision(), units=units,
                 stages=tuple(Stage(index=i, units=(f"h.{i}",)) for i in range(4)),
                 predicted=Predicted(peak_bytes=0, step_time_s=0.0), reasoning=Reasoning(budget_bytes=0,

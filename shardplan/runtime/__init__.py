@@ -67,10 +67,15 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
 
 
 def _check_mesh(plan: Plan, world_size: int) -> None:
-    if plan.mesh.dp * plan.mesh.pp != world_size:
-        raise ShardplanError(f"the plan is for dp={plan.mesh.dp} × pp={plan.mesh.pp} = "
-                             f"{plan.mesh.dp * plan.mesh.pp} ranks but the process group has {world_size}: launch "
-                             f"{plan.mesh.dp * plan.mesh.pp} ranks, or re-plan for world_size={world_size}")
+    mesh = plan.mesh
+    if mesh.size != world_size:
+        raise ShardplanError(f"the plan is for {mesh.describe()} = {mesh.size} ranks but the process group has "
+                             f"{world_size}: launch {mesh.size} ranks, or re-plan for world_size={world_size}")
+    # the planner prices these meshes; running them is the runtime's next step
+    if mesh.tp > 1 or mesh.dp_replicate > 1:
+        raise ShardplanError(f"the plan's mesh {mesh.describe()} uses tensor parallelism or replica groups (HSDP), "
+                             "which this version's runtime does not run yet: run a plan whose mesh has tp=1 and "
+                             "dp_replicate=1")
 
 
 def _check_fingerprint(model: nn.Module, plan: Plan) -> None:

@@ -11,86 +11,184 @@ Persistent buffers are `model.<name>` too. Loading asks DCP for exactly the
 chunks this rank's new shards cover, so a checkpoint saved at one world size
 and unit grouping loads into any other (DCP reads across chunk boundaries).
 `shardplan.json` holds the format version, the plan, the world size, the names,
-shapes and dtypes of parameters and buffers, and the optimizer's state schema
-and hyperparameters; it is written last, so a directory without it is not a
-checkpoint.
+shapes and dtypes of parameters and buffers, the optimizer's state schema
+and hyperparameters, and the manifest: every other file's size and SHA-256.
+It is written last, so a directory without it is not a checkpoint; it is read
+within files.py's bounds on size and depth and checked against
+schemas/checkpoint.schema.json. See [Note: trust model] in dcp_storage.py.
 
-[Note: atomic save] Ranks write into `<path>.partial` (rank 0 removes a stale
-one first); rank 0 then writes `shardplan.json` into it and swaps directories:
+[Note: atomic save] Every rank checks that all were given the same path. Rank 0
+refuses a path the renames below cannot replace safely (the working directory,
+a symbolic link, a file, a directory that is not a checkpoint) before
+anything is written. Ranks write into `<path>.partial` (rank 0 removes a stale
+one first) and checksum the files they wrote; rank 0 then writes `shardplan.json` into it and swaps directories:
 `<path>` → `<path>.old`, `<path>.partial` → `<path>`, remove `<path>.old`. A
 crash before the first rename leaves `<path>` as it was; between the renames
 only `<path>.old` exists, and `load` falls back to it; after the second,
 `<path>` is the new checkpoint. Rank 0's outcome is broadcast, so every rank
 returns, or raises the same error, instead of one rank failing alone and the
 others hanging at the next collective.
+
+[Note: load as a transaction] Loading writes nothing live until every rank
+has everything: each rank checks its share of the files against the manifest,
+then DCP fills copies of this rank's parameters, buffers and optimizer state,
+and the hyperparameters are checked against the live optimizer's. After each
+of these steps the ranks agree (_agreed): one failure anywhere raises on every
+rank, before anything was applied, so every unit stays as it was on every
+rank. Only then are the copies put in place, with local copies that cannot
+disagree across ranks. The cost: a second copy of this rank's parameters and
+buffers while loading.
 """
+import functools
+import hashlib
 import json
+import math
 import os
 import shutil
+import stat
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn as nn
 
-from ..errors import PlanError, ShardplanError
+from ..errors import CheckpointError, RuntimeMismatchError, ShardplanError
+from ..files import parse_json, read_text
 from . import collectives
 from .chunks import Holder, holders
+from .dcp_storage import DCP_METADATA_FILE, ManifestReader, RecordingWriter, one_line, read_dcp_metadata
 
-FORMAT = "shardplan.checkpoint/1"
+FORMAT = "shardplan.checkpoint/2"
+"""/2: with the manifest of file checksums."""
 METADATA_FILE = "shardplan.json"
+SCHEMA_PATH = Path(__file__).parent.parent / "schemas" / "checkpoint.schema.json"
+
+T = TypeVar("T")
 
 
 def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write `program`'s parameters, buffers and `optimizer`'s state to the directory `path`, atomically.
 
     Call on every rank, between steps. See [Note: checkpoint format] and [Note: atomic save]."""
-    directory = Path(path)
+    directory = _agreed_path(path)
     held = holders(program)
     metadata = _metadata(program, held, optimizer)
+    state = _agreed(lambda: _saved_entries(program, held, optimizer, metadata))
+    _on_rank_zero(lambda: _prepare_target(directory))
+    partial = _partial(directory)
+    writer = RecordingWriter(os.fspath(partial))
+    try:
+        collectives.save_checkpoint(state, writer)
+    except RuntimeError as error:
+        raise CheckpointError(f"saving to {directory} failed ({error}); {directory} is as it was: mend the "
+                              "cause and save again") from None
+    written = writer.written + ([DCP_METADATA_FILE] if collectives.world().rank == 0 else [])  # DCP's coordinator's
+    found = collectives.gather_object(_agreed(lambda: _described_files(partial, written)))
+    _on_rank_zero(lambda: _commit(directory, {**metadata, "files": _manifest(found)}))
+    # rank 0 leaves the broadcast as soon as it has sent: a script that ends with save() and
+    # destroys the process group at once could tear gloo down under the other ranks' receive
+    collectives.barrier()
+
+
+def _saved_entries(program, held: list[Holder], optimizer: torch.optim.Optimizer | None,
+                   metadata: dict) -> dict[str, torch.Tensor]:
     state = {}
     for holder in held:
         state.update(holder.entries(holder.parameter, _model_key))
     if optimizer is not None:
         state.update(_optimizer_entries(_state_of(held, optimizer), metadata["optimizer"]["state"]))
     state.update(_buffer_entries(program.module))
-    _on_rank_zero(lambda: _clear_partial(directory))
-    collectives.save_checkpoint(state, os.fspath(_partial(directory)))
-    _on_rank_zero(lambda: _commit(directory, metadata))
-    # rank 0 leaves the broadcast as soon as it has sent: a script that ends with save() and
-    # destroys the process group at once could tear gloo down under the other ranks' receive
-    collectives.barrier()
+    return state
 
 
 def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Set `program`'s parameters, buffers and `optimizer`'s state from the checkpoint at `path`.
+    """Set `program`'s parameters, buffers and `optimizer`'s state from the checkpoint at `path`, all or nothing.
 
     Call on every rank, with the optimizer built over `program.parameters()` (its state is
-    replaced). The plan, world size and backend may differ from the saving run's."""
-    directory, metadata = _on_rank_zero(lambda: read_metadata(path))
+    replaced, its numeric hyperparameters restored). The plan, world size and backend may differ
+    from the saving run's. See [Note: load as a transaction]."""
+    agreed = _agreed_path(path)
+    directory, metadata = _on_rank_zero(lambda: read_metadata(agreed))
     held = holders(program)
     _check_model(program, held, metadata, directory)
     if optimizer is not None and metadata["optimizer"] is None:
-        raise ShardplanError(f"the checkpoint at {directory} holds no optimizer state (it was saved without "
-                             "optimizer=...): load with optimizer=None, or save with the optimizer")
+        raise CheckpointError(f"the checkpoint at {directory} holds no optimizer state (it was saved without "
+                              "optimizer=...): load with optimizer=None, or save with the optimizer")
     if optimizer is not None and metadata["optimizer"]["type"] != type(optimizer).__name__:
-        raise ShardplanError(f"the checkpoint at {directory} holds {metadata['optimizer']['type']} state; this "
-                             f"optimizer is {type(optimizer).__name__}: build a {metadata['optimizer']['type']}, "
-                             "or load with optimizer=None")
-    state = {}
-    for holder in held:
-        holder.before_load()
-        state.update(holder.load_entries(_model_key))
-    state.update(_buffer_entries(program.module))
+        raise CheckpointError(f"the checkpoint at {directory} holds {metadata['optimizer']['type']} state; this "
+                              f"optimizer is {type(optimizer).__name__}: build a {metadata['optimizer']['type']}, "
+                              "or load with optimizer=None")
+    _agreed(lambda: _verify_files(directory, metadata["files"]))
+    staged = _agreed(lambda: _stage(program, held, optimizer, metadata, directory))
+    optimizer_state = _agreed(lambda: _read(staged, metadata))
+    _apply(program, held, optimizer, staged, optimizer_state)
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """What a load sets, as copies DCP fills before anything live changes (see [Note: load as a transaction])."""
+
+    parameters: list[torch.Tensor]
+    """Per holder, a copy of what its load overwrites."""
+    buffers: dict[str, torch.Tensor]
+    optimizer_state: dict[Holder, dict]
+    """Fresh state tensors for the holders saved with state; scalar state is read per name into `entries`."""
+    hyperparameters: list[dict[str, Any]]
+    """Per param group, the numeric hyperparameters the checkpoint restores."""
+    entries: dict[str, torch.Tensor]
+    """What DCP fills: views of the tensors above, by checkpoint key."""
+    reader: ManifestReader
+
+
+def _stage(program, held: list[Holder], optimizer: torch.optim.Optimizer | None, metadata: dict,
+           directory: Path) -> _Staged:
+    sizes_bytes = {name: found["bytes"] for name, found in metadata["files"].items()}
+    reader = ManifestReader(os.fspath(directory), read_dcp_metadata(directory / DCP_METADATA_FILE, sizes_bytes))
+    parameters = [holder.staged() for holder in held]
+    entries = {}
+    for holder, staged in zip(held, parameters):
+        entries.update(holder.load_entries(staged, _model_key))
+    buffers = {key: buffer.detach().clone() for key, buffer in _buffer_entries(program.module).items()}
+    entries.update(buffers)
+    optimizer_state, hyperparameters = {}, []
     if optimizer is not None:
-        schema = metadata["optimizer"]["state"]
-        fresh = _fresh_state(held, optimizer, schema, metadata["optimizer"]["params_with_state"])
-        state.update(_optimizer_entries(fresh, schema))
-    collectives.load_checkpoint(state, os.fspath(directory))
-    for holder in held:
-        holder.after_load()
-    if optimizer is not None:
-        _finish_optimizer(held, optimizer, fresh, state, metadata["optimizer"])
+        saved = metadata["optimizer"]
+        optimizer_state = _fresh_state(held, optimizer, saved["state"], saved["params_with_state"])
+        entries.update(_optimizer_entries(optimizer_state, saved["state"]))
+        hyperparameters = _restored_hyperparameters(optimizer, saved["param_groups"], directory / METADATA_FILE)
+    return _Staged(parameters, buffers, optimizer_state, hyperparameters, entries, reader)
+
+
+def _read(staged: _Staged, metadata: dict) -> dict[Holder, dict]:
+    """DCP fills the staged copies (a collective); the optimizer state as the optimizer keeps it."""
+    try:
+        collectives.load_checkpoint(staged.entries, staged.reader)
+    except RuntimeError as error:
+        raise CheckpointError(f"reading {staged.reader.path} failed ({error}): the checkpoint is corrupt or was "
+                              "crafted; restore it from a copy, or save again") from None
+    return _finished_state(staged.optimizer_state, staged.entries, metadata["optimizer"])
+
+
+def _apply(program, held: list[Holder], optimizer: torch.optim.Optimizer | None, staged: _Staged,
+           optimizer_state: dict[Holder, dict]) -> None:
+    """Put what every rank read in place: local copies only, so the ranks cannot come out different."""
+    for holder, parameter in zip(held, staged.parameters):
+        holder.apply(parameter)
+    with torch.no_grad():
+        for key, buffer in _buffer_entries(program.module).items():
+            buffer.copy_(staged.buffers[key])
+    if optimizer is None:
+        return
+    for holder in _state_of(held, optimizer):
+        optimizer.state.pop(holder.parameter, None)
+    optimizer.state.update((holder.parameter, state) for holder, state in optimizer_state.items())
+    for group, hyperparameters in zip(optimizer.param_groups, staged.hyperparameters):
+        for key, value in hyperparameters.items():
+            if isinstance(group[key], torch.Tensor):
+                group[key].copy_(value)
+            else:
+                group[key] = value
 
 
 def export_full_state_dict(program, path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
@@ -125,29 +223,50 @@ def export_full_state_dict(program, path: str | os.PathLike | None = None) -> di
 
 
 def read_metadata(path: str | os.PathLike) -> tuple[Path, dict]:
-    """(the checkpoint directory, its metadata): `path`, or `path`.old after a crash mid-swap."""
-    directory = Path(path)
+    """(the checkpoint directory, its checked metadata): `path`, or `path`.old after a crash mid-swap."""
+    directory = Path(os.path.abspath(path))
     if not directory.exists() and _old(directory).exists():
         directory = _old(directory)
     if not directory.is_dir():
-        raise ShardplanError(f"no checkpoint at {path}: give the directory program.save(...) wrote")
+        raise CheckpointError(f"no checkpoint at {path}: give the directory program.save(...) wrote")
     file = directory / METADATA_FILE
     if not file.is_file():
-        raise PlanError(f"{directory} is not a shardplan checkpoint: it has no {METADATA_FILE} (a save writes it "
-                        f"last, so an unfinished save leaves {_partial(Path(path)).name}, never this): give the "
-                        "directory a finished program.save(...) wrote")
-    try:
-        metadata = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PlanError(f"{file} is corrupt ({error}): restore it from a copy, or save again") from None
+        raise CheckpointError(f"{directory} is not a shardplan checkpoint: it has no {METADATA_FILE} (a save writes "
+                              f"it last, so an unfinished save leaves {_partial(directory).name}, never this): give "
+                              "the directory a finished program.save(...) wrote")
+    metadata = parse_json(read_text(file, "checkpoint metadata", CheckpointError), f"checkpoint metadata {file}",
+                          CheckpointError)
     found = metadata.get("format") if isinstance(metadata, dict) else None
     if found != FORMAT:
-        raise PlanError(f"{file} has format {found!r}; this shardplan reads {FORMAT!r}: load it with the "
-                        "shardplan version that wrote it and export_full_state_dict() from there")
-    missing = [key for key in ("world_size", "plan", "parameters", "buffers", "optimizer") if key not in metadata]
-    if missing:
-        raise PlanError(f"{file} lacks {missing}: it is corrupt; restore it from a copy, or save again")
+        raise CheckpointError(f"{file} has format {str(found)[:80]!r}; this shardplan reads {FORMAT!r}: load it with "
+                              "the shardplan version that wrote it and export_full_state_dict() from there")
+    _check_schema(metadata, file)
     return directory, metadata
+
+
+def _check_schema(metadata: dict, file: Path) -> None:
+    """The checkpoint schema, and dtypes that name torch dtypes (the code below trusts both)."""
+    import jsonschema
+
+    errors = list(jsonschema.Draft202012Validator(_schema()).iter_errors(metadata))
+    dtypes = [entry["dtype"] for what in ("parameters", "buffers") for entry in metadata[what]] if not errors else []
+    if not errors and metadata["optimizer"] is not None:
+        dtypes += [entry["dtype"] for entry in metadata["optimizer"]["state"].values()]
+    unknown = [dtype for dtype in dtypes if not isinstance(getattr(torch, dtype, None), torch.dtype)]
+    if errors:
+        error = jsonschema.exceptions.best_match(errors)  # the deepest: inside anyOf, not the anyOf
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+        raise CheckpointError(f"{file} field {where or '(top)'} does not match the checkpoint schema: "
+                              f"{error.message[:200]} ({len(errors)} problem(s) in all): it is corrupt or was "
+                              "edited; restore it from a copy, or save again")
+    if unknown:
+        raise CheckpointError(f"{file} names dtype {unknown[0][:40]!r}, which torch does not have: it is corrupt or "
+                              "was edited; restore it from a copy, or save again")
+
+
+@functools.cache
+def _schema() -> dict:
+    return json.loads(SCHEMA_PATH.read_text())
 
 
 # what is stored besides the holders' entries
@@ -252,12 +371,13 @@ def _fresh_state(held: list[Holder], optimizer: torch.optim.Optimizer, schema: d
     return states
 
 
-def _finish_optimizer(held: list[Holder], optimizer: torch.optim.Optimizer, states: dict[Holder, dict],
-                      loaded: dict[str, torch.Tensor], saved: dict) -> None:
-    """Scalar state from its per-parameter copies, the state into the optimizer, then the hyperparameters."""
-    for holder in _state_of(held, optimizer):
-        optimizer.state.pop(holder.parameter, None)
+def _finished_state(states: dict[Holder, dict], loaded: dict[str, torch.Tensor],
+                    saved: dict | None) -> dict[Holder, dict]:
+    """The loaded state as the optimizer keeps it: scalar state from its per-parameter copies, Python numbers
+    where the saving optimizer had them."""
+    finished = {}
     for holder, state in states.items():
+        finished[holder] = dict(state)
         for key, entry in saved["state"].items():
             if entry["kind"] == "scalar":
                 values = sorted({loaded[f"optim.{name}.{key}"].item() for name in holder.names})
@@ -265,17 +385,54 @@ def _finish_optimizer(held: list[Holder], optimizer: torch.optim.Optimizer, stat
                     raise ShardplanError(f"{holder.label} groups parameters saved with different optimizer "
                                          f"{key!r} values {values}: one flat buffer has one {key!r}; group "
                                          "them as they were saved")
-                state[key].copy_(loaded[f"optim.{holder.names[0]}.{key}"])
+                finished[holder][key] = state[key].copy_(loaded[f"optim.{holder.names[0]}.{key}"])
             if entry["python"]:
-                state[key] = state[key].item()
-        optimizer.state[holder.parameter] = state
-    groups = saved["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise ShardplanError(f"the checkpoint's optimizer had {len(groups)} param groups, this one has "
-                             f"{len(optimizer.param_groups)}: build the optimizer with as many groups")
-    for group, hyperparameters in zip(optimizer.param_groups, groups):
-        for key, value in hyperparameters.items():
-            group[key] = _from_json(group.get(key), value)
+                finished[holder][key] = finished[holder][key].item()
+    return finished
+
+
+def _restored_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict], file: Path) -> list[dict]:
+    """Per live param group, the saved values of its numeric hyperparameters (lr, betas, eps, weight decay...),
+    checked against the live ones' types and shapes. Never `params`: the groups stay the live optimizer's."""
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint's optimizer had {len(saved)} param groups, this one has "
+                              f"{len(optimizer.param_groups)}: build the optimizer with as many groups")
+    restored = []
+    for index, (group, values) in enumerate(zip(optimizer.param_groups, saved)):
+        restored.append({key: _number_like(group[key], values[key], f"{file} param_groups[{index}].{key}")
+                         for key in values if key != "params" and key in group and _is_numeric(group[key])})
+    return restored
+
+
+def _is_numeric(value: Any) -> bool:
+    """A hyperparameter load restores: a number, a tensor, or a tuple of numbers (betas); not a flag."""
+    return _is_number(value) or isinstance(value, torch.Tensor) or (
+        isinstance(value, (tuple, list)) and bool(value) and all(map(_is_number, value)))
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float (JSON's 1e400 parses to inf); not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number_like(live: Any, saved: Any, where: str) -> Any:
+    """`saved` (from JSON: a number, a list of numbers, {"tensor": nested numbers}) in `live`'s type and shape."""
+    try:
+        if isinstance(live, torch.Tensor):
+            value = torch.tensor(saved["tensor"], dtype=live.dtype)
+            if value.shape == live.shape and bool(value.isfinite().all()):
+                return value
+        elif isinstance(live, (tuple, list)):
+            if isinstance(saved, list) and len(saved) == len(live) and all(map(_is_number, saved)):
+                return type(live)(saved)
+        elif _is_number(saved):
+            return float(saved) if isinstance(live, float) else saved
+    except (TypeError, ValueError, KeyError, RuntimeError):  # a ragged or non-numeric "tensor"
+        pass
+    raise CheckpointError(f"{where} is {json.dumps(saved)[:80]}, where this optimizer has "
+                          f"{json.dumps(_to_json(live))[:80]}: the file "
+                          "is corrupt or from another optimizer; restore it from a copy, or build the optimizer "
+                          "the checkpoint was saved with")
 
 
 def _to_json(value: Any) -> Any:
@@ -286,26 +443,17 @@ def _to_json(value: Any) -> Any:
     return value
 
 
-def _from_json(current: Any, value: Any) -> Any:
-    """Put a saved hyperparameter back in the type the live optimizer uses (tensor lr, tuple betas)."""
-    if isinstance(value, dict) and "tensor" in value:
-        if isinstance(current, torch.Tensor):
-            return current.copy_(torch.tensor(value["tensor"]))
-        return torch.tensor(value["tensor"])
-    if isinstance(current, tuple):
-        return tuple(value)
-    return value
-
-
 # metadata and the model check
 
 def _metadata(program, held: list[Holder], optimizer: torch.optim.Optimizer | None) -> dict:
     optimizer_metadata = None
     if optimizer is not None:
-        states = _state_of(held, optimizer)
+        def mine():
+            states = _state_of(held, optimizer)
+            return _state_schema(states), [name for holder, state in states.items() if state for name in holder.names]
+
         # every rank's, as each pipeline stage steps its own parameters
-        found = collectives.all_gather_object((_state_schema(states), [name for holder, state in states.items()
-                                                                       if state for name in holder.names]))
+        found = collectives.all_gather_object(_agreed(mine))
         optimizer_metadata = {
             "type": type(optimizer).__name__,
             "state": _merged_schema([schema for schema, _ in found]),
@@ -351,13 +499,25 @@ def _check_model(program, held: list[Holder], metadata: dict, directory: Path) -
                      f"{mine[name][1]}{mine[name][0]} in the model"
                      for name in mine if name in saved and saved[name] != mine[name]]
     if problems:
-        raise PlanError(f"the checkpoint at {directory} was saved from another model ({len(problems)} differences; "
+        raise CheckpointError(f"the checkpoint at {directory} was saved from another model ({len(problems)} differences; "
                         f"first: {'; '.join(problems[:3])}): load it into the model it was saved from "
                         "(same parameter names, shapes and dtypes), or export_full_state_dict() there and "
                         "convert the names")
 
 
 # the directory protocol (see [Note: atomic save])
+
+def _agreed_path(path: str | os.PathLike) -> Path:
+    """`path` made absolute, the same on every rank or an error on every rank (a collective)."""
+    directory = Path(os.path.abspath(path))
+    digests = collectives.all_gather_object(hashlib.sha256(os.fsencode(directory)).hexdigest())
+    if len(set(digests)) > 1:
+        other = next(rank for rank, digest in enumerate(digests) if digest != digests[0])
+        raise RuntimeMismatchError(f"ranks were given different checkpoint paths (rank 0's and rank {other}'s "
+                                   f"differ; this rank's is {directory}): pass the same path on every rank (e.g. "
+                                   "built from the step number, not from a clock each rank reads)")
+    return directory
+
 
 def _partial(directory: Path) -> Path:
     return directory.with_name(directory.name + ".partial")
@@ -367,7 +527,7 @@ def _old(directory: Path) -> Path:
     return directory.with_name(directory.name + ".old")
 
 
-def _on_rank_zero(action: Callable[[], Any]) -> Any:
+def _on_rank_zero(action: Callable[[], T]) -> T:
     """Run `action` on rank 0 and give its result, or raise its error, on every rank."""
     outcome: Any = None
     if collectives.world().rank == 0:
@@ -381,12 +541,92 @@ def _on_rank_zero(action: Callable[[], Any]) -> Any:
     return value
 
 
-def _clear_partial(directory: Path) -> None:
-    if directory.exists() and not (directory / METADATA_FILE).is_file() and any(directory.iterdir()):
-        raise ShardplanError(f"{directory} exists and is not a shardplan checkpoint: saving would replace it; "
-                             "save to another path, or remove it")
-    shutil.rmtree(_partial(directory), ignore_errors=True)
-    directory.parent.mkdir(parents=True, exist_ok=True)
+def _agreed(action: Callable[[], T]) -> T:
+    """Run `action` on every rank and give this rank's result, or raise on every rank if it failed on any: a
+    failing rank its own error, the others the lowest failing rank's (see [Note: load as a transaction])."""
+    try:
+        result, failure = action(), None
+    except Exception as error:  # re-raised below, on every rank
+        result, failure = None, error
+    shared = failure if failure is None or isinstance(failure, ShardplanError) else RuntimeError(one_line(failure))
+    found = [error for error in collectives.all_gather_object(shared) if error is not None]
+    if failure is not None:
+        raise failure
+    if found:
+        raise found[0]
+    return result
+
+
+def _prepare_target(directory: Path) -> None:
+    """Refuse a path that the renames of a save cannot replace safely, before anything is written; clear a
+    stale `<path>.partial`. A previous checkpoint at `directory` stays as it is."""
+    if Path.cwd().resolve().is_relative_to(directory.resolve()):
+        raise CheckpointError(f"cannot save to {directory}: it is the working directory or holds it, and a save "
+                              f"replaces its directory by renames: save to a new directory, e.g. {directory / 'ckpt'}")
+    if directory.is_symlink():
+        raise CheckpointError(f"cannot save to {directory}: it is a symbolic link (to {os.readlink(directory)}), "
+                              "which a save's renames would replace: save to the directory it points to, "
+                              f"{directory.resolve()}")
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"cannot save to {directory}: it is a file, which a save would replace: save to "
+                              "another path, or remove it")
+    if directory.is_dir() and not (directory / METADATA_FILE).is_file() and any(directory.iterdir()):
+        raise CheckpointError(f"{directory} exists and is not a shardplan checkpoint: saving would replace it; "
+                              "save to another path, or remove it")
+    existing = next(parent for parent in directory.parents if parent.exists())
+    if not existing.is_dir():
+        raise CheckpointError(f"cannot save to {directory}: {existing} is a file, so no directory can be made "
+                              "under it: save to another path")
+    try:
+        _remove(_partial(directory))
+        directory.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(f"cannot save to {directory} ({one_line(error)}): save where this process may "
+                              "write") from None
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory tree, or a file or link of that name (a stale `<path>.partial` or `.old`)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def _manifest(found: list[dict]) -> dict[str, dict]:
+    """Every rank's files, by name."""
+    return dict(sorted((name, entry) for mine in found for name, entry in mine.items()))
+
+
+def _described_files(directory: Path, names: list[str]) -> dict[str, dict]:
+    """The manifest's entries for files this rank wrote: size and SHA-256."""
+    return {name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256_of_file(directory / name)}
+            for name in names}
+
+
+def _sha256_of_file(path: Path) -> str:
+    """The SHA-256 of a file's bytes, streamed, as 64 hex digits."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _verify_files(directory: Path, files: dict[str, dict]) -> None:
+    """This rank's share of the manifest (every rank checks a different slice, so each file is read once)."""
+    world = collectives.world()
+    for name in sorted(files)[world.rank::world.size]:
+        path, expected = directory / name, files[name]
+        try:
+            found = path.stat()
+            problem = ("is not a regular file" if not stat.S_ISREG(found.st_mode) else
+                       f"is {found.st_size} bytes, the manifest says {expected['bytes']}"
+                       if found.st_size != expected["bytes"] else
+                       "has other bytes than the manifest's SHA-256"
+                       if _sha256_of_file(path) != expected["sha256"] else None)
+        except OSError as error:
+            problem = f"cannot be read ({one_line(error)})"
+        if problem is not None:
+            raise CheckpointError(f"checkpoint file {path} {problem}: it is corrupt, truncated or from another "
+                                  f"checkpoint; restore {directory} from a copy, or save again")
 
 
 def _commit(directory: Path, metadata: dict) -> None:
@@ -404,11 +644,11 @@ def _swap(directory: Path) -> None:
     """`<path>` → `<path>.old`, `<path>.partial` → `<path>`, remove `<path>.old`."""
     old = _old(directory)
     if directory.exists():
-        shutil.rmtree(old, ignore_errors=True)  # stale: `<path>` is the checkpoint to keep
+        _remove(old)  # stale: `<path>` is the checkpoint to keep
         os.replace(directory, old)
     os.replace(_partial(directory), directory)
     _fsync_directory(directory.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -96,19 +96,29 @@ class UnitHolder:
                                          collectives.global_rank(group, self.unit.rank))
                 for index, name in enumerate(self.names)}
 
-    def load_entries(self, key: Key) -> dict[str, torch.Tensor]:
-        """Where loading writes the parameters. A SHARD_OPTIMIZER unit fills its whole `full` buffer, which
-        every rank keeps anyway: nothing to gather after, and saving read the shard (`full` may be stale)."""
+    def staged(self) -> torch.Tensor:
+        """A copy of what loading overwrites, for a load to fill before anything live changes (what no
+        entry covers, the padding, keeps its value). A SHARD_OPTIMIZER unit loads its whole `full` buffer,
+        which every rank keeps anyway: nothing to gather after, and saving read the shard (`full` may be
+        stale)."""
+        return self._loaded().clone()
+
+    def load_entries(self, staged: torch.Tensor, key: Key) -> dict[str, torch.Tensor]:
+        """Where loading writes the parameters: into `staged`."""
         if self.unit.full is None:
-            return self.entries(self.parameter, key)
-        return {key(name): piece.reshape(-1) for name, piece in zip(self.names, self.unit.layout.split(self.unit.full))}
+            return self.entries(staged, key)
+        return {key(name): piece.reshape(-1) for name, piece in zip(self.names, self.unit.layout.split(staged))}
 
-    def before_load(self) -> None:
+    def apply(self, staged: torch.Tensor) -> None:
+        """Make a filled `staged` the parameters: the unit resharded, a loaded `full` current on every rank."""
         self.unit.release()
-
-    def after_load(self) -> None:
-        if self.unit.full is not None:  # `full` is whole and current on every rank (see load_entries)
+        with torch.no_grad():
+            self._loaded().copy_(staged)
+        if self.unit.full is not None:
             self.unit._synced_version = self.unit.shard._version
+
+    def _loaded(self) -> torch.Tensor:
+        return (self.unit.full if self.unit.full is not None else self.unit.shard).detach()
 
     def gather(self) -> list[torch.Tensor]:
         """Every parameter whole (a collective for sharded units: call on every rank)."""
@@ -143,14 +153,15 @@ class DTensorHolder:
                                  f"torch.chunk along dim 0 gives {mine}: use backend='shardplan' for checkpoints")
         return {key(self.names[0]): chunked_entry(local, self.parameter.numel(), chunks, world.rank)}
 
-    def load_entries(self, key: Key) -> dict[str, torch.Tensor]:
-        return self.entries(self.parameter, key)
+    def staged(self) -> torch.Tensor:
+        return self.parameter.detach().clone()
 
-    def before_load(self) -> None:
-        pass
+    def load_entries(self, staged: torch.Tensor, key: Key) -> dict[str, torch.Tensor]:
+        return self.entries(staged, key)
 
-    def after_load(self) -> None:
-        pass
+    def apply(self, staged: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.parameter.copy_(staged)
 
     def gather(self) -> list[torch.Tensor]:
         return [self.parameter.full_tensor().detach()]

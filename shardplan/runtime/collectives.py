@@ -316,20 +316,37 @@ def chunked_tensor(local: torch.Tensor, numel: int, chunks: list[tuple[int, int,
         local_shards, ShardedTensorMetadata(metadata, torch.Size([numel]), properties))
 
 
-def save_checkpoint(state: dict, directory: str) -> None:
-    """Every rank writes its chunks of `state` (plain tensors: one rank writes each) under `directory`."""
+def save_checkpoint(state: dict, writer) -> None:
+    """Every rank writes its chunks of `state` (plain tensors: one rank writes each) through `writer`.
+
+    DCP reports a failure on any rank as a CheckpointException on every rank: a BaseException, which
+    `except Exception` misses, carrying every rank's traceback. The first failing rank's own error is
+    raised instead."""
     import torch.distributed.checkpoint as dcp
 
-    with _sharded_tensor_without_deprecation_warnings():
-        dcp.save(state, checkpoint_id=directory)
+    with _sharded_tensor_without_deprecation_warnings(), _first_failure():
+        dcp.save(state, storage_writer=writer)
 
 
-def load_checkpoint(state: dict, directory: str) -> None:
-    """Fill `state`'s tensors in place with the chunks this rank holds, whatever chunks were saved."""
+def load_checkpoint(state: dict, reader) -> None:
+    """Fill `state`'s tensors in place with the chunks this rank holds, whatever chunks were saved; a
+    failure as in save_checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    with _sharded_tensor_without_deprecation_warnings():
-        dcp.load(state, checkpoint_id=directory)
+    with _sharded_tensor_without_deprecation_warnings(), _first_failure():
+        dcp.load(state, storage_reader=reader)
+
+
+@contextlib.contextmanager
+def _first_failure():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as failure:
+        rank = min(failure.failures)
+        error = failure.failures[rank][0]
+        raise RuntimeError(f"rank {rank}: {' '.join(str(error).split())[:400]}") from None
 
 
 @contextlib.contextmanager

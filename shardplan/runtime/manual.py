@@ -41,7 +41,7 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
                    for index in range(pp))
     inputs = input_specs(tuple(example_inputs), dict(example_kwargs or {}))
     return Plan(fingerprint=fingerprint_of(model, inputs) if inputs else "manual", model=type(model).__name__,
-                world_size=dp * pp, hardware="unknown", inputs=inputs, mesh=Mesh(dp=dp, pp=pp),
+                world_size=dp * pp, hardware="unknown", inputs=inputs, mesh=Mesh(dp_shard=dp, pp=pp),
                 schedule=Schedule(num_micro_batches=micro_batches, name="none" if pp == 1 else schedule),
                 mixed_precision=precision, units=tuple(units), stages=stages,
                 predicted=Predicted(peak_bytes=0, step_time_s=0.0),
