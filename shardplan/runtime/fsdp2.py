@@ -16,7 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from ..errors import PlanError, ShardplanError
 from ..plan import Plan, ShardStrategy
 from . import collectives
-from .checkpointing import checkpointed
+from .activation_checkpoint import checkpointed
 from .program import Program, grad_norm_term
 from .sharded import initialize_module
 
