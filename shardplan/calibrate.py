@@ -447,7 +447,7 @@ def training_op_probe(device: torch.device) -> Probe:
 
 
 def _calibration_probes(sweep: Sweep, device: torch.device) -> dict:
-    probes = {("matmul", dtype, n, n, n): matmul_probe(n, n, n, dtype, device)
+    probes: dict[tuple | str, Probe] = {("matmul", dtype, n, n, n): matmul_probe(n, n, n, dtype, device)
               for dtype in sweep.dtypes for n in sweep.matmul_sizes}
     source = torch.empty(sweep.copy_bytes // 4, device=device)
     target = torch.empty_like(source)
@@ -468,7 +468,7 @@ def _measurements(sweep: Sweep, seconds: dict, op_calls: tuple, device: torch.de
         # CPU ranks share the host's memory; a GPU rank owns its device.
         device_memory_bytes=(_host_memory_bytes() // dist.get_world_size() if on_cpu
                              else torch.cuda.get_device_properties(device).total_memory),
-        devices_per_node=os.cpu_count() if on_cpu else torch.cuda.device_count(),
+        devices_per_node=(os.cpu_count() or 1) if on_cpu else torch.cuda.device_count(),
         matmul_s={dtype: tuple((2.0 * n**3, seconds["matmul", dtype, n, n, n]) for n in sweep.matmul_sizes)
                   for dtype in sweep.dtypes},
         copy_bytes=sweep.copy_bytes, copy_s=seconds["copy"], op_overhead_s=seconds["op"] / _TRAINING_OP_KERNELS,

@@ -93,7 +93,7 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_d
 
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     names = list(bound.arguments)
-    shapes = {name: None for name in names}
+    shapes: dict[str, dict | None] = {name: None for name in names}
     for key, dims in dynamic_dims.items():
         name = names[int(key)] if key.isdigit() else key
         if name not in shapes:
@@ -143,7 +143,7 @@ def _failing_location(error: Exception) -> str:
     return f" at {frame.filename}:{frame.lineno} ({frame.name})"
 
 
-def _walk_traceback(error: Exception):
+def _walk_traceback(error: BaseException | None):
     import traceback
 
     seen = set()

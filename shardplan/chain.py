@@ -6,6 +6,7 @@ Bytes are per data-parallel replica batch given at capture (example inputs).
 """
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,7 +108,15 @@ class BlockChain:
     returned_bytes: int = 0
     """Bytes of the model's outputs that autograd does not save (e.g. a Hugging Face model's
     logits beside its loss): held by the caller from the end of forward through backward."""
-    extra: dict = field(default_factory=dict)
+    skip_edges: tuple[tuple[int, int], ...] = ()
+    """(i, j), j > i + 1: block j reads an activation block i made (a skip connection), which a stage
+    cut between them must send on."""
+    tied_edges: tuple[tuple[int, int], ...] = ()
+    """(i, j): block j reads a parameter block i holds (tied weights): a stage cut between them would
+    need the parameter on two stages."""
+    dynamic_dims: dict[tuple[str, int], str] = field(default_factory=dict)
+    """(input name, dim) → its label ("batch", "seq"): the dims a symbolic analysis kept dynamic."""
+    extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts for reports (node count, capture method, seconds spent)."""
 
     @property

@@ -1,8 +1,7 @@
 """Hardware profiles: what one device computes and moves per second, and how much it holds.
 
-The cost model reads a profile only through `compute_time_s`, `collective_time_s`
-and `usable_memory_bytes`, so a calibrated profile (`shardplan.calibrate`) and a
-built-in one are interchangeable.
+The cost model reads a profile only through `HardwareModel`, so a calibrated profile
+(`shardplan.calibrate`) and a built-in one (profiles/*.json) are interchangeable.
 
 [Note: model times measured correction]
 Both time formulas are a physical model times measured factors:
@@ -24,7 +23,9 @@ import difflib
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -116,6 +117,22 @@ class LinkProfile:
         latency_s = cost.latency_s + self.latency_per_node_doubling_s * math.log2(nodes)
         bandwidth = cost.bus_bandwidth_bytes_per_s * min(ranks_per_node, self.rails)
         return (latency_s + bus_bytes / bandwidth) * cost.correction.at(bus_bytes)
+
+
+class HardwareModel(Protocol):
+    """What the cost model and the solver read of a device: a HardwareProfile, or a stand-in in a test."""
+
+    @property
+    def overlaps_communication(self) -> bool:
+        """Whether a collective can run while the device computes (HardwareProfile.overlaps_communication)."""
+
+    def compute_time_s(self, flops: float, bytes_moved: float, dtype: str = "float32", *, calls: int = 1,
+                       op: str = "") -> float:
+        """Time of `calls` equal ops that together do `flops` and move `bytes_moved`."""
+
+    def collective_time_s(self, kind: str, nbytes: float, group_size: int, *, in_step: bool = True,
+                          ranks_per_node: int = 0) -> float:
+        """Time of one collective of `kind` whose full buffer is `nbytes`, over `group_size` ranks."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -227,7 +244,7 @@ class HardwareProfile:
         return (link.time_s(kind, nbytes * factor, nodes=nodes, ranks_per_node=per_node)
                 + (link.in_step_wait_s if in_step else 0.0))
 
-    def _matmul_rate(self, dtype) -> MatmulRate:
+    def _matmul_rate(self, dtype: object) -> MatmulRate:
         name = str(dtype).removeprefix("torch.")
         if name not in self.matmul:
             raise HardwareError(f"hardware profile {self.name!r} has no matmul figures for {name}: it knows "
@@ -246,7 +263,7 @@ class HardwareProfile:
             schema = data.get("schema") if isinstance(data, dict) else None
             raise HardwareError(f"hardware profile schema {schema!r} is not {SCHEMA!r}: "
                                 "write it again with `shardplan calibrate -o profile.json`")
-        fields = _fields(cls, {key: value for key, value in data.items() if key != "schema"}, "")
+        fields = _fields(cls, {key: value for key, value in data.items() if key not in _NOT_FIELDS}, "")
         fields["matmul"] = {dtype: _parse_matmul(rate, f"matmul.{dtype}")
                             for dtype, rate in _object(fields["matmul"], "matmul").items()}
         if "op_time_factors" in fields:
@@ -257,9 +274,13 @@ class HardwareProfile:
         return cls(**fields)
 
 
+_NOT_FIELDS = ("schema", "sources")
+"""Keys of a profile's JSON that are not fields: its format, and where each figure comes from (for readers)."""
+
+
 # Parsing: explicit per class, so every error names the path of the bad field.
 
-def _object(data, where: str) -> dict:
+def _object(data: object, where: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise HardwareError(f"hardware profile field {where or 'top level'} must be a JSON object, "
                             f"got {type(data).__name__}: correct it, or write the profile again with "
@@ -267,7 +288,7 @@ def _object(data, where: str) -> dict:
     return data
 
 
-def _fields(cls, data, where: str) -> dict:
+def _fields(cls: type, data: object, where: str) -> dict[str, Any]:
     """The keys of `data` as keyword arguments of dataclass `cls`: none missing, none unknown."""
     data = _object(data, where)
     prefix = f"{where}." if where else ""
@@ -285,7 +306,7 @@ def _fields(cls, data, where: str) -> dict:
     return dict(data)
 
 
-def _parse_curve(data, where: str) -> SizeCurve:
+def _parse_curve(data: object, where: str) -> SizeCurve:
     points = _fields(SizeCurve, data, where)["points"]
     if not isinstance(points, list) or not points or not all(
             isinstance(point, list) and len(point) == 2 for point in points):
@@ -294,13 +315,13 @@ def _parse_curve(data, where: str) -> SizeCurve:
     return SizeCurve(points=tuple((point[0], point[1]) for point in points))
 
 
-def _parse_matmul(data, where: str) -> MatmulRate:
+def _parse_matmul(data: object, where: str) -> MatmulRate:
     fields = _fields(MatmulRate, data, where)
     fields["efficiency"] = _parse_curve(fields["efficiency"], f"{where}.efficiency")
     return MatmulRate(**fields)
 
 
-def _parse_link(data, where: str) -> LinkProfile:
+def _parse_link(data: object, where: str) -> LinkProfile:
     link = _fields(LinkProfile, data, where)
     costs = {}
     for kind, cost in _object(link["collectives"], f"{where}.collectives").items():
@@ -311,15 +332,15 @@ def _parse_link(data, where: str) -> LinkProfile:
     return LinkProfile(**dict(link, collectives=costs))
 
 
-def _is_non_negative(value) -> bool:
+def _is_non_negative(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
-def _is_positive(value) -> bool:
-    return _is_non_negative(value) and value > 0
+def _is_positive(value: object) -> bool:
+    return _is_non_negative(value) and value != 0
 
 
-def _figures(value, where: str):
+def _figures(value: object, where: str) -> Iterator[tuple[str, object]]:
     """(path, value) for every figure of a profile, which must be a positive number.
 
     Also checks the shape of curves, whose sizes must strictly increase.
@@ -347,137 +368,11 @@ _NOT_FIGURES = ("name", "source", "overlaps_communication", "in_step_wait_s", "l
 """Fields that are not positive figures (a wait, a latency step, a reserve may be 0: checked on their own)."""
 
 
-# Built-in profiles. float32 is what PyTorch runs by default (full FP32, not TF32:
-# torch.backends.cuda.matmul.allow_tf32 is False unless set_float32_matmul_precision("high")).
-#
-# Large cuBLAS GEMMs reach ~70-85% of the dense peak, small ones are latency-bound
-# (NVIDIA "Matrix Multiplication Background User's Guide", GEMM performance vs size);
-# this curve is that shape, not a measurement: calibrate for real figures.
-_GPU_MATMUL_EFFICIENCY = SizeCurve(points=((1e6, 0.01), (1e8, 0.15), (1e9, 0.45), (1e10, 0.7), (1e11, 0.8)))
-# The shortest CUDA kernel plus its launch: a few microseconds (order of magnitude, not a datasheet figure).
-_GPU_OP_OVERHEAD_S = 4e-6
-# FlashAttention-2 reaches about 35% of H100's dense BF16 peak (Shah et al. 2024, FlashAttention-3,
-# abstract and fig. 5-6) and 50-73% of A100's (Dao 2023, FlashAttention-2, abstract), against the
-# ~0.78 the matmul curve gives a call of its size: 2.2x the roofline on Hopper, 1.3x on Ampere,
-# forward and backward.
-# What a GPU process holds before any tensor: the CUDA context (~0.5 GiB with lazy module loading,
-# CUDA 12) and NCCL's buffers (NCCL_BUFFSIZE 4 MiB per channel, protocol and peer over a few
-# communicators: ~1 GiB); cuBLAS workspaces are MiBs. What is left the caching allocator hands out
-# with ~5% lost to fragmentation.
-_GPU_RUNTIME_RESERVED_BYTES = 1536 * 2**20
-_GPU_USABLE_FRACTION = 0.95
-_FLASH_ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward")
-_HOPPER_OP_TIME_FACTORS = {op: SizeCurve(points=((1.0, 2.2),)) for op in _FLASH_ATTENTION_OPS}
-_AMPERE_OP_TIME_FACTORS = {op: SizeCurve(points=((1.0, 1.3),)) for op in _FLASH_ATTENTION_OPS}
-
-
-def _gpu_matmul(fp32_flops_per_s: float, half_flops_per_s: float) -> dict[str, MatmulRate]:
-    return {"float32": MatmulRate(peak_flops_per_s=fp32_flops_per_s, efficiency=_GPU_MATMUL_EFFICIENCY),
-            "bfloat16": MatmulRate(peak_flops_per_s=half_flops_per_s, efficiency=_GPU_MATMUL_EFFICIENCY),
-            "float16": MatmulRate(peak_flops_per_s=half_flops_per_s, efficiency=_GPU_MATMUL_EFFICIENCY)}
-
-
-def _uniform_link(latency_s: float, bus_bandwidth_bytes_per_s: float, **link) -> LinkProfile:
-    cost = CollectiveCost(latency_s=latency_s, bus_bandwidth_bytes_per_s=bus_bandwidth_bytes_per_s)
-    return LinkProfile(collectives={kind: cost for kind in COLLECTIVES}, **link)
-
-
-# NCCL latency of a small collective: ~10-20 us within an NVLink node, ~30-50 us across
-# InfiniBand (nccl-tests small-message times, order of magnitude). Bus bandwidth: ~80% of
-# the per-direction line rate, what nccl-tests' busbw reaches for large messages.
-# Across nodes every GPU of a DGX / HGX node has its own NIC (rail-optimized: 8 rails), so a
-# group with all 8 GPUs of each node moves 8x one GPU's network bandwidth (the figure given).
-_GPU_RAILS = 8
-_A100_NVLINK = _uniform_link(15e-6, 240e9)      # NVLink 3: 600 GB/s total, 300 GB/s per direction
-# DGX A100: one 200 Gb/s HDR port (25 GB/s) per GPU; how its latency grows with nodes is not measured here.
-_HDR_INFINIBAND = _uniform_link(40e-6, 20e9, rails=_GPU_RAILS)
-_H100_NVLINK = _uniform_link(15e-6, 360e9)      # NVLink 4: 900 GB/s total, 450 GB/s per direction
-# 400 Gb/s (50 GB/s) per GPU: DGX H100's NDR InfiniBand port, AWS p5's 4 x 100 Gb/s EFA. Measured on
-# p5.48xlarge (nccl-tests all_reduce_perf, 2-32 nodes of 8 H100, 32 MiB-8 GiB buffers;
-# github.com/crazyguitar/aws-gpu-communication-benchmark, data/nccl_all_reduce.csv), least squares
-# of time = 0.24 ms x log2(nodes) + bus bytes / 358 GB/s (within -39%..+36% of every point): bus
-# bandwidth 358 GB/s a node of 8 GPUs, 44.8 GB/s a GPU (90% of line rate); the latency grows by
-# 0.24 ms each time the nodes double (a 32 MiB all-reduce takes 0.43 ms over 2 nodes, 1.0 ms over 32).
-# The fit's own intercept is ~0; 30 us is a small message's latency across nodes (order of magnitude).
-_HOPPER_NETWORK = _uniform_link(30e-6, 44.8e9, rails=_GPU_RAILS, latency_per_node_doubling_s=0.24e-3)
-_MIB = 2**20
-_CPU_LOOPBACK = LinkProfile(in_step_wait_s=2.3e-3, collectives={
-    "all_gather_into_tensor": CollectiveCost(latency_s=110e-6, bus_bandwidth_bytes_per_s=1.8e9, correction=SizeCurve(
-        points=((1.9e5, 1.0), (3.7e5, 0.72), (1.5e6, 0.74), (3e6, 1.04), (1.2e7, 1.6), (2.4e7, 3.1)))),
-    "reduce_scatter_tensor": CollectiveCost(latency_s=155e-6, bus_bandwidth_bytes_per_s=1.07e9, correction=SizeCurve(
-        points=((1.9e5, 0.82), (7.4e5, 0.61), (3e6, 1.2), (1.2e7, 1.8), (2.4e7, 2.3)))),
-    "all_reduce": CollectiveCost(latency_s=165e-6, bus_bandwidth_bytes_per_s=2.9e9, correction=SizeCurve(
-        points=((1.9e5, 0.82), (1.5e6, 0.67), (5.9e6, 1.0), (2.4e7, 1.47), (1e8, 1.55))))})
-_CPU_OP_TIME_FACTORS = {op: SizeCurve(points=points) for op, points in {
-    # (one call's roofline seconds, factor)
-    "mm": ((8.5e-5, 1.22), (3.2e-4, 1.12), (1.5e-3, 1.04), (5.7e-3, 1.0)),
-    "addmm": ((8.4e-5, 1.24), (3.5e-4, 1.1), (1.5e-3, 1.07), (5.7e-3, 1.0)),
-    "_scaled_dot_product_flash_attention_for_cpu": ((3.2e-4, 2.2), (2.1e-3, 1.3)),
-    "_scaled_dot_product_flash_attention_for_cpu_backward": ((8.1e-4, 1.7), (5.2e-3, 1.2)),
-    "convolution": ((1.5e-4, 2.8), (7.8e-4, 1.4)), "convolution_backward": ((1.5e-4, 1.9), (1.6e-3, 1.2)),
-    "gelu": ((4.7e-5, 3.05), (1.9e-4, 2.3)), "gelu_backward": ((7.1e-5, 3.1), (2.8e-4, 2.6)),
-    "native_layer_norm": ((4.7e-5, 1.9),), "native_layer_norm_backward": ((7.1e-5, 2.0),),
-    "native_batch_norm": ((6.3e-5, 7.7),), "native_batch_norm_backward": ((9.4e-5, 1.7),),
-    "_log_softmax": ((6.3e-5, 3.2), (2.5e-4, 3.0)), "_log_softmax_backward_data": ((4.7e-5, 1.3),),
-    "embedding": ((4.7e-5, 2.6),), "embedding_dense_backward": ((1.1e-4, 1.2),), "sum": ((7.6e-5, 1.9),),
-    "add": ((4.9e-5, 0.73), (1.9e-4, 0.78)), "relu": ((6.3e-5, 0.77), (1.3e-4, 0.87)),
-    "threshold_backward": ((9.4e-5, 0.67), (1.9e-4, 0.75)),
-}.items()}
-
-def _gpu_profile(name: str, memory_mib: int, fp32_flops_per_s: float, half_flops_per_s: float,
-                 memory_bandwidth_bytes_per_s: float, intra_node: LinkProfile, inter_node: LinkProfile,
-                 op_time_factors: dict[str, SizeCurve], source: str) -> HardwareProfile:
-    """A datasheet GPU of an 8-GPU node: what every built-in GPU profile shares, spelled once."""
-    return HardwareProfile(
-        name=name, device_memory_bytes=memory_mib * _MIB, matmul=_gpu_matmul(fp32_flops_per_s, half_flops_per_s),
-        memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s, op_overhead_s=_GPU_OP_OVERHEAD_S,
-        devices_per_node=8, intra_node=intra_node, inter_node=inter_node, op_time_factors=op_time_factors,
-        runtime_reserved_bytes=_GPU_RUNTIME_RESERVED_BYTES, usable_memory_fraction=_GPU_USABLE_FRACTION,
-        source=source)
-
-
-BUILTIN = {
-    # A100 SXM4 40GB datasheet: 40 GB HBM2 at 1,555 GB/s; FP32 19.5 TFLOP/s, BF16/FP16 tensor 312 TFLOP/s
-    # dense; 8 GPUs per DGX/HGX node. Memory as nvidia-smi reports it: 40,960 MiB.
-    "a100-40g": _gpu_profile(
-        "a100-40g", 40_960, 19.5e12, 312e12, 1.555e12, _A100_NVLINK, _HDR_INFINIBAND, _AMPERE_OP_TIME_FACTORS,
-        "NVIDIA A100 datasheet (SXM4 40GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
-    # A100 SXM4 80GB datasheet: 80 GB HBM2e at 2,039 GB/s; compute as the 40GB part. nvidia-smi: 81,920 MiB.
-    "a100-80g": _gpu_profile(
-        "a100-80g", 81_920, 19.5e12, 312e12, 2.039e12, _A100_NVLINK, _HDR_INFINIBAND, _AMPERE_OP_TIME_FACTORS,
-        "NVIDIA A100 datasheet (SXM4 80GB); links: NVLink 3 and HDR InfiniBand at ~80% of line rate"),
-    # H100 SXM5 datasheet: 80 GB HBM3 at 3.35 TB/s; FP32 67 TFLOP/s, BF16/FP16 tensor 989 TFLOP/s dense
-    # (1,979 is with sparsity). nvidia-smi: 81,559 MiB.
-    "h100-80g": _gpu_profile(
-        "h100-80g", 81_559, 67e12, 989e12, 3.35e12, _H100_NVLINK, _HOPPER_NETWORK, _HOPPER_OP_TIME_FACTORS,
-        "NVIDIA H100 datasheet (SXM5 80GB); links: NVLink 4 at ~80% of line rate, 400 Gb/s a GPU across nodes "
-        "as nccl-tests measured it on AWS p5"),
-    # H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s; compute as H100 SXM (same Hopper die and clocks).
-    # nvidia-smi: 143,771 MiB.
-    "h200": _gpu_profile(
-        "h200", 143_771, 67e12, 989e12, 4.8e12, _H100_NVLINK, _HOPPER_NETWORK, _HOPPER_OP_TIME_FACTORS,
-        "NVIDIA H200 datasheet (SXM 141GB); links: NVLink 4 at ~80% of line rate, 400 Gb/s a GPU across nodes "
-        "as nccl-tests measured it on AWS p5"),
-    # One CPU process per rank with 1 thread, gloo over loopback TCP: rounded from
-    # `shardplan calibrate --world-size 2` on this project's 2-core AMD EPYC (Zen 4, AVX-512 BF16)
-    # VM, torch 2.13, 2026-11-22, the machine quiet. Collectives: their own cost (ranks arriving
-    # together), slowing 2-3x past ~12 MB of bus bytes (the 32 MB last-level cache); gloo's
-    # reduce_scatter_tensor is an all_reduce plus a slice, slower still; in a step each waits
-    # ~2.3 ms more (calibrate.py, [Note: collectives in a step]). Kernels: 4.1 us fixed cost in
-    # a training step; op factors as measured, by one call's roofline time (GELU and norms are
-    # bound by arithmetic on one thread, not memory; op_factors.py, [Note: op time factors]).
-    # Calibrate for real figures.
-    "cpu-gloo": HardwareProfile(
-        name="cpu-gloo", device_memory_bytes=8 * 2**30,  # a conservative share of host memory per rank
-        overlaps_communication=False,
-        matmul={"float32": MatmulRate(peak_flops_per_s=99e9, efficiency=SizeCurve(points=((5e5, 0.95), (3e7, 1.0)))),
-                "bfloat16": MatmulRate(peak_flops_per_s=210e9, efficiency=SizeCurve(
-                    points=((5e5, 0.16), (4e6, 0.58), (3e7, 0.93), (3e8, 1.0))))},
-        memory_bandwidth_bytes_per_s=33e9, op_overhead_s=4.1e-6, devices_per_node=64,
-        intra_node=_CPU_LOOPBACK, inter_node=_CPU_LOOPBACK, op_time_factors=_CPU_OP_TIME_FACTORS,
-        source="rounded calibration of a 2-core CPU VM, 1 thread per rank, gloo over loopback; "
-               "inter_node copies intra_node (one machine)"),
-}
+PROFILES_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+"""The built-in profiles, one JSON file each, every figure with its source under "sources"."""
+BUILTIN = {name.removesuffix(".json"): HardwareProfile.from_json(read_text(os.path.join(PROFILES_DIR, name),
+                                                                           "hardware profile", HardwareError))
+           for name in sorted(os.listdir(PROFILES_DIR))}
 
 
 def get_hardware(spec: "str | os.PathLike | HardwareProfile") -> HardwareProfile:

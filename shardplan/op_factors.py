@@ -76,14 +76,14 @@ def time_op_calls_s(workloads: list, device: torch.device, rounds: int,
     `report` after each round."""
     if rounds < 1:
         raise HardwareError(f"timing op kinds needs at least 1 round, got {rounds}")
-    fastest = None
+    fastest: list[tuple[str, int, int, float]] = []
     for round_index in range(rounds + 1):  # the first round warms caches and allocators, and is not kept
         clock = _KernelClock(device)
         with clock:
             for entry in workloads:
                 entry.model(*entry.args, **entry.kwargs).backward()
                 entry.model.zero_grad(set_to_none=True)
-        if fastest is not None and [c[:3] for c in clock.calls] != [c[:3] for c in fastest]:
+        if round_index and [c[:3] for c in clock.calls] != [c[:3] for c in fastest]:
             raise HardwareError(f"round {round_index} of the op workloads ran {len(clock.calls)} kernels, not the "
                                 f"{len(fastest)} of the round before, or other ones: a workload is not deterministic")
         fastest = clock.calls if round_index <= 1 else [min(best, call, key=lambda c: c[3])

@@ -6,6 +6,7 @@ built from configs with random weights, never downloaded. Every entry returns
 inputs of one replica's batch. `device="meta"` builds it without memory.
 """
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -102,7 +103,7 @@ def gpt_units(n_layer: int) -> list[tuple[str, ...]]:
     >>> gpt_units(2)
     [('wte', 'wpe'), ('h.0',), ('h.1',), ('ln_f', 'lm_head')]
     """
-    return [("wte", "wpe")] + [(f"h.{i}",) for i in range(n_layer)] + [("ln_f", "lm_head")]
+    return [("wte", "wpe"), *((f"h.{i}",) for i in range(n_layer)), ("ln_f", "lm_head")]
 
 
 class ResidualMLP(nn.Module):
@@ -238,7 +239,7 @@ def hf_t5(n_layer: int = 2, d_model: int = 64, batch: int = 2, seq: int = 32, de
 
     config = transformers.T5Config(vocab_size=512, d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model,
                                    num_layers=n_layer, num_heads=4, dropout_rate=0.0, use_cache=False,
-                                   decoder_start_token_id=0, pad_token_id=0)
+                                   decoder_start_token_id=0, pad_token_id=0)  # type: ignore[call-arg]  # a **kwargs field
     with torch.device(device):
         model = transformers.T5ForConditionalGeneration(config)
         ids = torch.randint(0, config.vocab_size, (batch, seq))
@@ -266,7 +267,7 @@ def llama_70b(n_layer: int = 80, batch: int = 1, seq: int = 4096) -> ZooModel:
     return hf_llama(n_layer, 8192, 28672, 64, 8, 32000, batch, seq, device="meta")
 
 
-ZOO = {
+ZOO: dict[str, Callable[..., ZooModel]] = {
     "gpt": gpt,
     "mlp": residual_mlp,
     "cnn": residual_cnn,

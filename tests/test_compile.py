@@ -114,7 +114,7 @@ def test_a_skip_connection_crossing_a_stage_boundary_is_sent_too(chains):
     from shardplan.solver.search import boundary_bytes
 
     chain = chains["encoder-decoder"]
-    edges = chain.extra["skip_edges"]
+    edges = chain.skip_edges
     i, j = edges[0]
     crossing = boundary_bytes(chain.blocks, edges)
     assert crossing[j] == chain.blocks[j - 1].output_bytes + chain.blocks[i].output_bytes

@@ -1,14 +1,17 @@
 """HardwareProfile: the formulas on hand-made numbers, the JSON round trip, validation, lookup."""
 import dataclasses
+import functools
 import json
 import math
+import operator
+import os
 
 import pytest
 import torch
 
 from shardplan.errors import HardwareError
-from shardplan.hardware import (BUILTIN, COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate,
-                                SizeCurve, get_hardware, ring_factor)
+from shardplan.hardware import (BUILTIN, COLLECTIVES, PROFILES_DIR, CollectiveCost, HardwareProfile,
+                                LinkProfile, MatmulRate, SizeCurve, _figures, get_hardware, ring_factor)
 
 
 def make_profile(**changes) -> HardwareProfile:
@@ -174,6 +177,18 @@ def test_builtin_profiles_are_sane():
         assert profile.compute_time_s(1e12, 0, "bfloat16") <= profile.compute_time_s(1e12, 0, "float32")
     assert BUILTIN["h100-80g"].compute_time_s(1e15, 0, "bfloat16") > 1e15 / 989e12  # never faster than peak
 
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN))
+def test_builtin_figures_name_their_sources(name):
+    """Every figure of a built-in profile's file is covered by a "sources" entry for it or a field above it,
+    and every entry names a field the profile has."""
+    with open(os.path.join(PROFILES_DIR, f"{name}.json")) as file:
+        data = json.load(file)
+    for path, _ in _figures(BUILTIN[name], ""):
+        assert any(path == key or path.startswith(f"{key}.") for key in data["sources"]), f"{path} has no source"
+    for key in data["sources"]:
+        functools.reduce(operator.getitem, key.split("."), data)  # a KeyError names a source of no field
 
 def _edited(mutate) -> str:
     data = json.loads(make_profile().to_json())

@@ -47,7 +47,7 @@ def test_gpt_blocks_follow_its_modules():
     assert len({(b.param_bytes, b.fwd_flops, b.bwd_flops, b.saved_bytes) for b in layers}) == 1
     assert chain.blocks[-1].bwd_flops == 2 * chain.blocks[-1].fwd_flops  # a linear layer: input and weight grads
     assert all(b.input_bytes > 0 for b in chain.blocks[1:])
-    assert chain.extra["skip_edges"] == []
+    assert chain.skip_edges == ()
     # a layer's forward by op: 4 linear layers, attention, GELU, 2 norms, 2 residual adds
     assert {k.name: k.calls for k in layers[0].fwd_kinds} == {
         "addmm": 4, "_scaled_dot_product_flash_attention_for_cpu": 1, "gelu": 1, "native_layer_norm": 2, "add": 2}
@@ -70,7 +70,7 @@ def test_encoder_decoder_reports_the_branch():
     chain = analyze(entry.model, entry.args, entry.kwargs)
     last_encoder = [b.index for b in chain.blocks if b.name.startswith("encoder.")][-1]
     decoders = [b.index for b in chain.blocks if b.name.startswith("decoder.")]
-    assert (last_encoder, decoders[-1]) in chain.extra["skip_edges"]
+    assert (last_encoder, decoders[-1]) in chain.skip_edges
 
 
 def test_meta_model_is_analyzed_without_memory():

@@ -19,7 +19,7 @@ from shardplan.passes import analyze
 from shardplan.plan import Checkpoint, MixedPrecision, Plan, ShardStrategy, Stage
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
-from shardplan.runtime.stages import cut_stages
+from shardplan.runtime.stage_split import split_stages
 from shardplan.solver.space import resolve_rules
 
 from parity import TOLERANCE, assert_parity, spawn_world, train_next_to_reference
@@ -133,7 +133,7 @@ def test_stages_are_cut_from_the_graph_where_the_plan_says():
     ids = entry.args[0]
     plan = manual_plan(entry.model, MODELS["gpt"][1], dp=1, pp=2, micro_batches=2, example_inputs=(ids,),
                        example_kwargs={"labels": ids})
-    first, second = cut_stages(entry.model, plan, torch.device("cpu"))
+    first, second = split_stages(entry.model, plan, torch.device("cpu"))
     assert [call.unit for call in first.calls] == ["wte..wpe", "wte..wpe", "h.0", "h.1"]
     assert [call.unit for call in second.calls] == ["h.2", "h.3", "ln_f..lm_head", "ln_f..lm_head"]
     assert first.inbound == ("ids", "labels")
@@ -147,7 +147,7 @@ def test_stages_are_cut_from_the_graph_where_the_plan_says():
                                             Stage(index=1, units=tuple(u.name for u in plan.units if u is not
                                                                        plan.units[1]))))
     with pytest.raises(PlanError, match="stages do not follow the graph's order"):
-        cut_stages(entry.model, scrambled, torch.device("cpu"))
+        split_stages(entry.model, scrambled, torch.device("cpu"))
 
 
 def test_evaluate_prices_a_pipelined_plan_as_the_solver_did():
@@ -164,7 +164,7 @@ def test_evaluate_prices_a_pipelined_plan_as_the_solver_did():
 def test_tied_parameters_keep_their_blocks_on_one_stage():
     entry = zoo.hf_gpt2(batch=4, seq=16)  # the head reads the embedding's weight: no cut may fall between
     chain = analyze(entry.model, entry.args, entry.kwargs)
-    assert chain.extra["tied_edges"] == [(0, len(chain.blocks) - 1)]
+    assert chain.tied_edges == ((0, len(chain.blocks) - 1),)
     rules = resolve_rules(chain.blocks, None, ((1, 3),))
     assert [rule.may_start_stage for rule in rules] == [True, True, False, False, True]
     def share_of_fastest_peak(model_chain, share: float) -> int:

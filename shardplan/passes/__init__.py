@@ -1,12 +1,14 @@
 """The analysis passes, in the order they run, and `analyze`: model → BlockChain.
 
-Each pass reads the graph and writes node.meta["shardplan"]; none runs real
-kernels on real data.
+Each pass reads the graph and writes node.meta["shardplan"] (or rewrites its device
+constants); none runs real kernels on real data.
 """
-import functools
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+import torch.fx
 
 from ..capture import capture
 from ..chain import BlockChain, InputSpec
@@ -15,6 +17,35 @@ from .blocks import build_chain, fingerprint
 from .devices import retarget_device_pass
 from .execution import annotate_execution_pass
 from .ownership import annotate_ownership_pass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PassInputs:
+    """What the passes read besides the graph."""
+
+    device: torch.device = torch.device("cpu")
+    """Where the graph will run: capturing a model on the meta device bakes `meta` into it."""
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    """The example inputs the execution pass runs the graph on, as fake tensors."""
+
+
+PASSES: tuple[tuple[str, Callable[[torch.fx.GraphModule, PassInputs], None]], ...] = (
+    ("ownership", lambda gm, inputs: annotate_ownership_pass(gm)),
+    ("retarget_device", lambda gm, inputs: retarget_device_pass(gm, torch.device("meta"), inputs.device)),
+    ("execution", lambda gm, inputs: annotate_execution_pass(gm, inputs.args, inputs.kwargs)),
+)
+"""Every pass over a captured graph, in the order they run. Callers run a slice by name: the
+fingerprint needs ownership alone, a pipeline stage's graph runs through retarget_device, the
+analysis through execution (run_passes)."""
+
+
+def run_passes(gm: torch.fx.GraphModule, *, last: str, first: str = PASSES[0][0],
+               inputs: PassInputs = PassInputs()) -> None:
+    """Run the PASSES from the one named `first` through the one named `last` on `gm`, in order."""
+    names = [name for name, _ in PASSES]
+    for _, run in PASSES[names.index(first):names.index(last) + 1]:
+        run(gm, inputs)
 
 
 def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
@@ -29,13 +60,7 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     example_kwargs = dict(example_kwargs or {})
     start = time.perf_counter()
     captured = capture(model, example_inputs, example_kwargs, dynamic_dims)
-    passes = [
-        retarget_device_pass,
-        annotate_ownership_pass,
-        functools.partial(annotate_execution_pass, args=tuple(example_inputs), kwargs=example_kwargs),
-    ]
-    for annotate in passes:
-        annotate(captured.gm)
+    run_passes(captured.gm, last="execution", inputs=PassInputs(args=tuple(example_inputs), kwargs=example_kwargs))
     inputs = input_specs(example_inputs, example_kwargs, dynamic_dims)
     frozen = sorted(name for name, parameter in model.named_parameters() if not parameter.requires_grad)
     return build_chain(captured.gm, inputs, {"capture": captured.method, "model": type(model).__name__,
@@ -66,5 +91,5 @@ def fingerprint_of(model: torch.nn.Module, inputs: tuple[InputSpec, ...]) -> str
     made for another model.
     """
     captured = capture(model, *meta_inputs(inputs))
-    annotate_ownership_pass(captured.gm)
+    run_passes(captured.gm, last="ownership")
     return fingerprint(captured.gm)

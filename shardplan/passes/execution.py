@@ -18,6 +18,7 @@ runtime hands them to reduce-scatter: the gradient state is the cost model's
 to count, not the activations'.
 """
 import weakref
+from typing import cast
 
 import torch
 import torch.fx
@@ -118,7 +119,7 @@ def is_kernel(func) -> bool:
 class _Tally:
     """What the ops of one node's forward (or backward) did, by op name."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.kinds: dict[str, list[int]] = {}
         """Op name → [calls, FLOPs, bytes, weight bytes]."""
         self.selective_bytes = 0
@@ -194,7 +195,7 @@ def _shares_storage(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> 
 class _StorageIds:
     """Small stable integers for storages, in order of first sight (deterministic facts)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.ids: dict[StorageWeakRef, int] = {}
 
     def __call__(self, tensor: torch.Tensor) -> int:
@@ -318,7 +319,7 @@ class _FakeState:
         self.ignored.add(StorageWeakRef(fake.untyped_storage()))
         return fake
 
-    def tensor(self, target: str) -> torch.Tensor:
+    def tensor(self, target: str) -> torch.Tensor | torch.nn.Module:
         if target not in self.tensors:
             real = self.gm
             for attr in target.split("."):
@@ -351,4 +352,4 @@ def _loss_of(outputs) -> torch.Tensor:
     if not leaves:
         from ..errors import CaptureError
         raise CaptureError("the model's outputs do not depend on any parameter: nothing to train")
-    return sum(t.float().sum() for t in leaves)
+    return cast(torch.Tensor, sum(t.float().sum() for t in leaves))  # leaves is not empty: never 0

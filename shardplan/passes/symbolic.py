@@ -18,10 +18,9 @@ size instead.
 True
 """
 import dataclasses
-import functools
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -29,10 +28,8 @@ import torch
 from ..capture import capture
 from ..chain import Block, BlockChain, InputSpec, OpKind
 from ..errors import ShardplanError
+from . import PassInputs, input_specs, meta_inputs, run_passes
 from .blocks import build_chain
-from .devices import retarget_device_pass
-from .execution import annotate_execution_pass
-from .ownership import annotate_ownership_pass
 
 BLOCK_COSTS = ("fwd_flops", "bwd_flops", "saved_bytes", "input_bytes", "output_bytes",
                "fwd_transient_bytes", "bwd_transient_bytes", "fwd_memory_bytes", "bwd_memory_bytes", "selective_bytes",
@@ -66,8 +63,8 @@ class SymbolicChain:
             low, high = self.ranges[label]
             if not low <= size <= high:
                 raise ShardplanError(f"{label}={size} is outside the range the model accepts, [{low}, {high}]")
-        measured = self.measure(sizes) if self.inexact else None
-        values = {key: self._value(key, sizes, measured) for key in self.formulas}
+        measured = self.measure(sizes) if self.inexact else self.chain  # read at inexact keys alone
+        values: dict[str, Any] = {key: self._value(key, sizes, measured) for key in self.formulas}
 
         def kinds_at(block, phase: str) -> tuple[OpKind, ...]:
             if f"blocks[{block.index}].{phase}" in self.inexact:  # other ops run at other sizes
@@ -102,40 +99,33 @@ class SymbolicChain:
 
     @property
     def example_sizes(self) -> dict[str, int]:
-        return _sizes_of(self.chain.inputs, self._dims)
+        return _sizes_of(self.chain.inputs, self.chain.dynamic_dims)
 
-    @functools.cached_property
-    def _dims(self) -> dict[tuple[str, int], str]:
-        return self.chain.extra["dynamic_dims"]
-
-    def _value(self, key: str, sizes: dict[str, int], measured: BlockChain | None) -> int:
+    def _value(self, key: str, sizes: dict[str, int], measured: BlockChain) -> int:
         if key in self.inexact:
             return _read(measured, key)
         return int(self.formulas[key].subs({self.symbols[label]: size for label, size in sizes.items()}))
 
     def _inputs_at(self, sizes: dict[str, int]) -> tuple[InputSpec, ...]:
-        return _inputs_at(self.chain.inputs, self._dims, sizes)
+        return _inputs_at(self.chain.inputs, self.chain.dynamic_dims, sizes)
 
 
 def analyze_dynamic(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None,
                     dynamic_dims: dict[str, dict[int, str]]) -> SymbolicChain:
     """Analyze `model` with the dims in `dynamic_dims` ({input: {dim: label}}) kept symbolic."""
-    from . import input_specs, meta_inputs  # the package's, to spell inputs the same way analyze does
-
     example_kwargs = dict(example_kwargs or {})
     captured = capture(model, example_inputs, example_kwargs, dynamic_dims)
-    retarget_device_pass(captured.gm)
-    annotate_ownership_pass(captured.gm)
+    run_passes(captured.gm, last="retarget_device")
     dims = {(name, dim): label for name, spec in dynamic_dims.items() for dim, label in spec.items()}
     specs = input_specs(example_inputs, example_kwargs, dynamic_dims)
     ranges = _label_ranges(captured.dim_ranges, dims)
-    extra = {"capture": captured.method, "model": type(model).__name__, "dynamic_dims": dims}
+    extra = {"capture": captured.method, "model": type(model).__name__}
 
     def measure(sizes: dict[str, int]) -> BlockChain:
         inputs = _inputs_at(specs, dims, sizes)
         args, kwargs = meta_inputs(inputs)
-        annotate_execution_pass(captured.gm, args, kwargs)
-        return build_chain(captured.gm, inputs, extra)
+        run_passes(captured.gm, first="execution", last="execution", inputs=PassInputs(args=args, kwargs=kwargs))
+        return build_chain(captured.gm, inputs, extra, dims)
 
     example = _sizes_of(specs, dims)
     labels = sorted(example)
@@ -212,7 +202,7 @@ def _op_names(kinds: tuple[OpKind, ...]) -> tuple[tuple[str, int], ...]:
 
 def _read(chain: BlockChain, key: str) -> int:
     """The value at `key` (see _block_keys), or a chain-level cost by name."""
-    value = chain
+    value: Any = chain
     for part in key.split("."):
         name, _, index = part.partition("[")
         value = getattr(value, name)

@@ -4,10 +4,10 @@
     collectives.py   every torch.distributed call (all_gather, reduce_scatter, all_reduce, broadcast)
     unit.py          one unit's state machine: shard, gathered buffer, gradient reduction
     scheduler.py     when units are gathered, presented, released, prefetched and reduced
-    checkpointing.py activation checkpointing of a unit's modules (both backends)
+    activation_checkpoint.py  recomputing a unit's activations in backward (both backends)
     program.py       Program: step / micro-batches / loss / clip_grad_norm_, backend-independent
     sharded.py       backend="shardplan": building the units from the model and the plan
-    stages.py        a pipeline stage cut out of the captured graph, and the module that runs it
+    stage_split.py   the captured graph split into the plan's stages, and the module that runs one
     pipelined.py     backend="shardplan" with pp > 1: this rank's stage under a GPipe / 1F1B schedule
     fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)

@@ -17,7 +17,7 @@ from ..dtypes import torch_dtype
 from ..errors import PlanError, ShardplanError
 from ..plan import Plan
 from . import collectives
-from .checkpointing import checkpointed
+from .activation_checkpoint import checkpointed
 from .program import Program, grad_norm_term
 from .sharded import initialize_module
 

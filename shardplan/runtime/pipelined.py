@@ -1,7 +1,7 @@
 """backend="shardplan" with pp > 1: the plan's stages run by torch.distributed.pipelining.
 
 Rank r holds stage r // dp as replica r % dp (plan.Mesh). Its stage is cut out
-of the captured graph (see [Note: stage graphs] in stages.py); its units are
+of the captured graph (see [Note: stage graphs] in stage_split.py); its units are
 built as without pipelining, but sharded over the stage's data-parallel
 group; a GPipe or 1F1B schedule runs the stage and sends activations and
 their gradients to the neighbouring stages of the same replica.
@@ -28,11 +28,11 @@ from ..errors import PlanError, ShardplanError
 from ..passes.blocks import attribute_of
 from ..plan import Plan
 from . import collectives
-from .checkpointing import checkpointed
+from .activation_checkpoint import checkpointed
 from .program import check_batch, check_micro_batches, refuse_optimizers_over
 from .scheduler import Scheduler
 from .sharded import UnitProgram, build_units
-from .stages import BlockCall, StageGraph, StageModule, block_runner, cut_stages, put_meta_stand_ins
+from .stage_split import BlockCall, StageGraph, StageModule, block_runner, put_meta_stand_ins, split_stages
 
 
 def schedule_class(name: str):
@@ -53,7 +53,7 @@ class PipelinedProgram(UnitProgram):
 
         super().__init__(module, plan, loss_fn)
         self.groups = collectives.pipeline_groups(device.type, plan.mesh)
-        stages = cut_stages(module, plan, device)
+        stages = split_stages(module, plan, device)
         reads = _units_read(module, plan, stages)  # before the units replace the parameters
         self.graph = stages[self.groups.stage]
         specs = {unit.name: unit for unit in plan.units}

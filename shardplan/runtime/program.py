@@ -33,7 +33,7 @@ import contextlib
 import math
 import os
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn as nn
@@ -181,7 +181,8 @@ class Program:
         count = self.plan.schedule.num_micro_batches
         micro_batches = split_micro_batches(args, kwargs, count)
         with self._transaction(), torch.no_grad():
-            total = sum(self.loss(micro_args, micro_kwargs).float().cpu() for micro_args, micro_kwargs in micro_batches)
+            total = cast(torch.Tensor, sum(self.loss(micro_args, micro_kwargs).float().cpu()
+                                           for micro_args, micro_kwargs in micro_batches))  # count >= 1: never 0
             return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
 
     def loss(self, args: tuple, kwargs: dict) -> torch.Tensor:

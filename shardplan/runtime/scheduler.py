@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch.autograd import Variable
 
-from .checkpointing import outside_selective_checkpoint
+from .activation_checkpoint import outside_selective_checkpoint
 from .unit import FlatUnit, UnitState
 
 
@@ -43,7 +43,7 @@ class _Handle(NamedTuple):
     unit: FlatUnit
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int
+    offset: int | torch.SymInt
 
 
 class _GatherFlat(torch.autograd.Function):
@@ -84,7 +84,7 @@ class Scheduler:
         """Units in order of first activation in this forward pass (backward prefetches backwards along it)."""
         self._next: dict[FlatUnit, FlatUnit] = dict(zip(units, units[1:]))
         """Unit activated after each one in the previous forward pass (plan order before the first)."""
-        self._storages: dict[int, FlatUnit] = {}
+        self._storages: dict[int | None, FlatUnit] = {}
         """Storage address of each gathered FULL_SHARD buffer → its unit, for the pack hook."""
         self._reducing: FlatUnit | None = None
         self._callback_task: int | None = None

@@ -18,7 +18,7 @@ from ..dtypes import torch_dtype
 from ..errors import PlanError, ShardplanError
 from ..plan import Plan, StrategyTraits, Unit
 from . import collectives
-from .checkpointing import checkpointed
+from .activation_checkpoint import checkpointed
 from .flat_param import FlatLayout
 from .program import Program, grad_norm_term, refuse_optimizers_over
 from .scheduler import Scheduler

@@ -1,4 +1,4 @@
-"""Pipeline stages cut out of the captured graph (see [Note: stage graphs]).
+"""The captured graph split into the plan's pipeline stages (see [Note: stage graphs]); the solver chose the cuts.
 
 [Note: stage graphs] A stage cannot be cut out of the model's Python code, so
 it is cut out of its graph: the model is captured again at the shape of one
@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.fx
@@ -86,15 +86,13 @@ def micro_batch_inputs(inputs: tuple[InputSpec, ...], num_micro_batches: int) ->
                        if spec.shape else spec for spec in inputs)
 
 
-def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[StageGraph]:
-    """Capture `model` at one micro-batch and cut it into the stages of `plan`, to run on `device`.
+def split_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[StageGraph]:
+    """Capture `model` at one micro-batch and split its graph into the stages of `plan`, to run on `device`.
 
-    Every rank cuts every stage, so a plan that cannot run fails alike on all of them."""
+    Every rank splits out every stage, so a plan that cannot run fails alike on all of them."""
     from ..passes.blocks import block_modules, group_nodes
-    from ..passes.ownership import annotate_ownership_pass
 
     gm = _capture_micro_batch(model, plan, device)
-    annotate_ownership_pass(gm)
     groups = group_nodes(gm)
     units = _unit_of_blocks(plan, block_modules(groups))
     stage_of_unit = plan.stage_of_unit
@@ -115,7 +113,7 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
             calls[made_by[node.name]].append(_block_call(split, node, groups[block].name, units[block]))
         elif node.op == "call_function" and node.target is operator.getitem:
             made_by[node.name] = made_by[node.args[0].name]
-        reader = last if node.op == "output" else made_by.get(node.name)
+        reader = last if node.op == "output" else made_by.get(node.name, 0)  # nodes made by no stage read nothing
         for value in node.all_input_nodes:
             if value.op != "get_attr":
                 last_read_by[value.name] = max(last_read_by.get(value.name, 0), reader)
@@ -142,7 +140,7 @@ def cut_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Stage
 
 def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> torch.fx.GraphModule:
     from ..capture import capture
-    from ..passes.devices import retarget_device_pass
+    from ..passes import PassInputs, run_passes
 
     if not plan.inputs:
         raise PlanError("this plan records no input shapes (written by hand?): pipeline stages are cut from "
@@ -156,7 +154,7 @@ def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> 
     for node in gm.graph.find_nodes(op="call_module"):
         if str(node.target).startswith("_guards"):
             gm.graph.erase_node(node)  # re-checks input shapes, which Program.step has done
-    retarget_device_pass(gm, torch.device("meta"), device)  # the stand-ins capture `arange(device=meta)`
+    run_passes(gm, last="retarget_device", inputs=PassInputs(device=device))  # stand-ins capture `arange(device=meta)`
     return gm
 
 
@@ -179,7 +177,7 @@ def put_meta_stand_ins(model: nn.Module, chosen: Callable[[torch.Tensor], bool],
     parameters in `parameter_dtype`, if given), one per tensor so tied parameters stay tied; return
     (slots, name, original) for each replaced slot."""
     originals = []
-    stand_in: dict[int, torch.Tensor] = {}
+    stand_in: dict[int, Any] = {}  # a Parameter or a buffer, as the slot it fills holds
     for module in model.modules():
         for slots, is_parameter in ((module._parameters, True), (module._buffers, False)):
             if not (is_parameter or buffers):
@@ -217,10 +215,10 @@ def _block_call(split: torch.fx.GraphModule, node: torch.fx.Node, name: str, uni
     if node.kwargs:
         raise ShardplanError(f"block {name!r} was split with keyword arguments, which stages do not pass")
     arguments = tuple((value.op == "get_attr", str(value.target) if value.op == "get_attr" else value.name)
-                      for value in node.args)
+                      for value in cast(tuple[torch.fx.Node, ...], node.args))  # split_module passes nodes alone
     results = None
     if _returns_tuple(node):
-        by_index = {user.args[1]: user.name for user in node.users}
+        by_index: dict[Any, str] = {user.args[1]: user.name for user in node.users}
         results = tuple(by_index.get(index, "") for index in range(max(by_index) + 1))
     return BlockCall(name=name, unit=unit, partition=getattr(split, str(node.target)), arguments=arguments,
                      results=results, node=node.name)
@@ -254,7 +252,7 @@ def _examples(split: torch.fx.GraphModule, names: tuple[str, ...]) -> dict[str, 
 
 
 def _output_names(output: torch.fx.Node) -> tuple[str, ...]:
-    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    values: Any = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     if not all(isinstance(value, torch.fx.Node) for value in values):
         raise ShardplanError("the model returns values that are not tensors computed by the graph (constants or "
                              "None): the last pipeline stage can only return tensors; return only tensors, or "

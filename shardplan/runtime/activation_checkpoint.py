@@ -34,7 +34,7 @@ def checkpointed(forward: Callable, kind: Checkpoint) -> Callable:
     """`forward` recomputed in backward as `kind` says (non-reentrant torch.utils.checkpoint)."""
     if kind is Checkpoint.NONE:
         return forward
-    options = {"use_reentrant": False}
+    options: dict[str, object] = {"use_reentrant": False}
     if kind is Checkpoint.SELECTIVE:
         options["context_fn"] = _selective_contexts
 
