@@ -6,6 +6,7 @@ cuts stages and chooses units exactly (solver/stages.py, solver/chain_dp.py), an
 writes the decisions, the predicted terms and the reasoning into a Plan.
 """
 import dataclasses
+import os
 from dataclasses import dataclass, replace
 
 from . import cost
@@ -13,7 +14,7 @@ from .chain import BlockChain
 from .cost import evaluate_stage
 from .dtypes import dtype_name
 from .errors import InfeasibleError, PlanError, ShardplanError
-from .hardware import get_hardware
+from .hardware import HardwareProfile, get_hardware
 from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning,
                    Schedule, Stage, Unit)
 from .solver.chain_dp import ROUNDING
@@ -29,8 +30,8 @@ RUNNER_UPS = 4
 class PlanOptions:
     """What `compile` and `solve` are asked for besides the model and the world size (their keywords)."""
 
-    hardware: object = "h100-80g"
-    """A profile name (shardplan.hardware) or a profile."""
+    hardware: str | os.PathLike | HardwareProfile = "h100-80g"
+    """A built-in profile's name, a profile file, or a profile."""
     memory_budget: int | str | None = None
     """Bytes per rank, or a size such as "40GiB"; None: the profile's usable memory."""
     mixed_precision: MixedPrecision | None = None

@@ -84,6 +84,7 @@ from dataclasses import dataclass, field
 from .chain import Block, OpKind
 from .dtypes import FLOAT_DTYPES, dtype_bytes
 from .errors import ShardplanError
+from .hardware import HardwareModel
 from .plan import SELECTIVE_SAVED_OPS, Checkpoint, Decision
 
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}
@@ -125,8 +126,7 @@ CPU_MEMORY_BYTES_PER_S = 50e9
 class CostContext:
     """Everything about the step that is not a per-unit decision."""
 
-    hardware: object
-    """A HardwareProfile (anything with compute_time_s / collective_time_s / overlaps_communication)."""
+    hardware: HardwareModel
     dp: int
     num_micro_batches: int = 1
     in_flight: int = 1
@@ -454,12 +454,14 @@ def exposed_s(comm_s: float, window_s: float, prefetch: bool) -> float:
 
 def pair_exposed_s(prev: UnitCost | None, unit: UnitCost | None) -> ExposedTime:
     """Communication left exposed between adjacent units `prev` → `unit` (None at a chain end)."""
-    if prev is None:  # `unit` is first: its forward gather and its gradient reduction hide under nothing
+    if prev is None and unit is not None:  # `unit` is first: its forward gather and reduction hide under nothing
         per_step = unit.reduce_s if unit.reduce_per_step else 0.0
         per_mb = unit.gather_fwd_s + (0.0 if unit.reduce_per_step else unit.reduce_s)
         return ExposedTime(per_micro_batch_s=per_mb, per_step_s=per_step)
-    if unit is None:  # `prev` is last: its backward gather runs first in backward, unhidden
+    if unit is None and prev is not None:  # `prev` is last: its backward gather runs first in backward, unhidden
         return ExposedTime(per_micro_batch_s=prev.gather_bwd_s, per_step_s=0.0)
+    if prev is None or unit is None:
+        raise ValueError("pair_exposed_s needs at least one unit")
     per_mb = (exposed_s(unit.gather_fwd_s, prev.hide_fwd_s, prev.prefetch)
               + exposed_s(prev.gather_bwd_s, unit.hide_bwd_s, unit.prefetch))
     reduce = max(0.0, unit.reduce_s - prev.hide_bwd_s)
@@ -535,7 +537,8 @@ def _stage_time(units: list[UnitCost], ctx: CostContext, boundary_s: float) -> d
     compute_mb = sum(u.compute_fwd_s + u.compute_bwd_s for u in units)
     recompute_mb = sum(u.recompute_s for u in units)
     offload_mb = sum(u.offload_s for u in units)
-    pairs = [pair_exposed_s(p, u) for p, u in zip([None] + units, units + [None])]
+    chain: list[UnitCost | None] = [None, *units, None]
+    pairs = [pair_exposed_s(p, u) for p, u in zip(chain, chain[1:])]
     exposed_mb = sum(p.per_micro_batch_s for p in pairs) + boundary_s
     exposed_step = sum(p.per_step_s for p in pairs) + sum(u.post_step_gather_s for u in units)
     per_mb = compute_mb + recompute_mb + offload_mb + exposed_mb
