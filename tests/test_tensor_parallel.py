@@ -7,10 +7,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardplan import zoo
-from shardplan.errors import RuntimeMismatchError
+from shardplan.errors import PlanError, RuntimeMismatchError
 from shardplan.passes.tensor_parallel import TensorParallelLayout, tensor_parallel_candidates
 from shardplan.runtime import tensor_parallel
-from shardplan.runtime.collectives import all_reduce_max, all_reduce_mean, tensor_parallel_groups, wait
+from shardplan.runtime.collectives import (all_reduce_max, all_reduce_mean, tensor_parallel_groups,
+                                           tensor_parallel_mesh, wait)
+from shardplan.runtime.fsdp2 import apply_tensor_parallel_fsdp2, tensor_parallel_full_parameters
 from shardplan.runtime.tensor_parallel import (ParameterSlice, apply_tensor_parallel, gather_full_parameters,
                                                sequence_parallel_parameters, sum_sequence_parallel_gradients)
 
@@ -76,6 +78,22 @@ def test_indivisible_heads_are_explained(candidates):
     assert {r.name: r.reason for r in llama.rejected}["model.layers.0.self_attn"].startswith(
         "2 kv heads of model.layers.0.self_attn.k_proj, 2 kv heads of model.layers.0.self_attn.v_proj "
         "do not divide by tp=4")
+
+
+def test_sequence_parallelism_refuses_a_layer_with_a_whole_pair(candidates):
+    with pytest.raises(PlanError, match=r"^sequence parallelism would run 'model.layers.0.self_attn' on a shard "
+                                        r"of the sequence, but it stays whole over tp \(2 kv heads"):
+        candidates["llama"].layout(4, sequence_parallel=True)
+
+
+def test_a_tied_embedding_and_head_stay_whole_with_the_reason():
+    entry = MODELS["gpt"]()
+    entry.model.lm_head.weight = entry.model.wte.weight
+    layout = tensor_parallel_candidates(entry.model, entry.args, entry.kwargs).layout(2, vocab_parallel=True)
+    assert layout.vocab == ()
+    assert [(d.name, d.reason) for d in layout.deferred] == [
+        ("wte", "its table wte.weight is tied to lm_head: a tied embedding and head stay whole "
+                "(untie them to shard both over the vocabulary)")]
 
 
 class _MLP(nn.Module):
@@ -183,19 +201,18 @@ def train_tensor_parallel(rank: int, world: int, tp: int, cases: dict) -> dict:
         whole_size = sum(p.numel() for n, p in reference.named_parameters() if n in slices)
         results[case] = {"loss_error": errors[0].item(), "param_error": errors[1].item(), "sliced": len(slices),
                          "held_fraction": held / whole_size, "all_reduces": tp_reduces, "partial": partial}
-    return results | _refusals(groups.tensor_parallel, cases)
+    return results | (_refusals(groups.tensor_parallel, cases["gpt_sp"][1]) if "gpt_sp" in cases else {})
 
 
-def _refusals(group, cases: dict) -> dict:
+def _refusals(group, sequence_parallel: TensorParallelLayout) -> dict:
     """The messages of a layout for another degree and of a sequence tp does not divide."""
     found = {}
     try:
         apply_tensor_parallel(MODELS["gpt"]().model, TensorParallelLayout(degree=1, pairs=(), replicated=()), group)
     except RuntimeMismatchError as error:
         found["mismatch"] = str(error)
-    name, layout = cases["gpt_sp"]
-    model = MODELS[name]().model
-    apply_tensor_parallel(model, layout, group)
+    model = MODELS["gpt"]().model
+    apply_tensor_parallel(model, sequence_parallel, group)
     ids = torch.zeros(2, 7, dtype=torch.long)
     try:
         model(ids, labels=ids)
@@ -255,3 +272,54 @@ def test_vocab_parallel_embedding_and_head_train_like_one_process(tp2_results):
     # the embedding table and the head's weight join the sliced parameters; every sliced one is halved
     assert results["gpt_sp_vocab"]["sliced"] == 12 + 2 and results["llama_sp_vocab"]["sliced"] == 14 + 2
     assert results["gpt_sp_vocab"]["held_fraction"] == 0.5
+
+
+# dp 2 × tp 2 on 4 ranks: the eager runtime (gradients averaged over dp in the test) and the
+# torchtitan composition for backend="fsdp2" (DTensor tensor parallelism, fully_shard over dp)
+
+def train_fsdp2_tensor_parallel(rank: int, world: int, tp: int, cases: dict) -> dict:
+    """Each case (model name, layout) under apply_tensor_parallel_fsdp2 next to the whole model; the
+    loss is each dp replica's, averaged over dp (FSDP2 averages the gradients itself)."""
+    mesh = tensor_parallel_mesh("cpu", tp)
+    replica, replicas = rank // tp, world // tp
+    results = {}
+    for case, (name, layout) in cases.items():
+        torch.manual_seed(0)
+        entry = MODELS[name]()
+        reference, model = entry.model, copy.deepcopy(entry.model)
+        apply_tensor_parallel_fsdp2(model, layout, mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+        loss_error = 0.0
+        for whole in _batches(entry, replicas):
+            ids = whole.chunk(replicas)[replica]
+            loss, reference_loss = _loss(model(ids, labels=ids)), _loss(reference(whole, labels=whole))
+            loss.backward()
+            reference_loss.backward()
+            for each in (optimizer, reference_optimizer):
+                each.step()
+                each.zero_grad()
+            mean_loss = wait(all_reduce_mean(loss.detach().clone(), async_op=False,
+                                             group=mesh["dp"].get_group()))
+            loss_error = max(loss_error, abs(mean_loss.item() - reference_loss.item()))
+        full = tensor_parallel_full_parameters(model, layout)
+        param_error = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+        errors = all_reduce_max(torch.tensor([loss_error, param_error], dtype=torch.float64))
+        results[case] = {"loss_error": errors[0].item(), "param_error": errors[1].item()}
+    return results
+
+
+def train_dp2_tp2(rank: int, world: int, eager: dict, fsdp2: dict) -> dict:
+    return {"eager": train_tensor_parallel(rank, world, 2, eager),
+            "fsdp2": train_fsdp2_tensor_parallel(rank, world, 2, fsdp2)}
+
+
+def test_dp2_tp2_eager_and_fsdp2_train_like_one_process(candidates):
+    gpt = candidates["gpt"]
+    eager = {"gpt": ("gpt", gpt.layout(2)),
+             "gpt_sp_vocab": ("gpt", gpt.layout(2, sequence_parallel=True, vocab_parallel=True))}
+    fsdp2 = {"gpt": ("gpt", gpt.layout(2)),
+             "gpt_sp_vocab": ("gpt", gpt.layout(2, sequence_parallel=True, vocab_parallel=True))}
+    results = spawn_world(4, train_dp2_tp2, (eager, fsdp2))
+    _assert_parity(results["eager"], eager)
+    _assert_parity(results["fsdp2"], fsdp2)
