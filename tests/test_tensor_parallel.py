@@ -315,11 +315,11 @@ def train_dp2_tp2(rank: int, world: int, eager: dict, fsdp2: dict) -> dict:
 
 
 def test_dp2_tp2_eager_and_fsdp2_train_like_one_process(candidates):
-    gpt = candidates["gpt"]
-    eager = {"gpt": ("gpt", gpt.layout(2)),
-             "gpt_sp_vocab": ("gpt", gpt.layout(2, sequence_parallel=True, vocab_parallel=True))}
+    gpt, llama = candidates["gpt"], candidates["llama"]
+    eager = {"gpt_sp_vocab": ("gpt", gpt.layout(2, sequence_parallel=True, vocab_parallel=True))}
     fsdp2 = {"gpt": ("gpt", gpt.layout(2)),
-             "gpt_sp_vocab": ("gpt", gpt.layout(2, sequence_parallel=True, vocab_parallel=True))}
+             "gpt_sp_vocab": ("gpt", gpt.layout(2, sequence_parallel=True, vocab_parallel=True)),
+             "llama_sp_vocab": ("llama", llama.layout(2, sequence_parallel=True, vocab_parallel=True))}
     results = spawn_world(4, train_dp2_tp2, (eager, fsdp2))
     _assert_parity(results["eager"], eager)
     _assert_parity(results["fsdp2"], fsdp2)

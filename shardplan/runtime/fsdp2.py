@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
-                                               PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 from ..errors import PlanError, RuntimeMismatchError, ShardplanError
 from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabKind
@@ -24,7 +24,7 @@ from . import collectives
 from .checkpointing import checkpointed
 from .program import Program, grad_norm_term
 from .sharded import initialize_module
-from .tensor_parallel import ParameterSlice
+from .tensor_parallel import ParameterSlice, map_pair_input
 
 
 class Fsdp2Program(Program):
@@ -145,7 +145,7 @@ def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, 
     styles = {}
     for pair in layout.pairs:
         if sequence:
-            styles[pair.name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            styles[pair.name] = _GatherSequenceInput()
         for linear in pair.linears:
             if linear.style is Style.ROWWISE:
                 styles[linear.module] = RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate(),
@@ -209,3 +209,18 @@ class _ChunkedColwiseParallel(ColwiseParallel):
             module.register_parameter(attribute, nn.Parameter(
                 DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False),
                 requires_grad=parameter.requires_grad))
+
+
+class _GatherSequenceInput(ParallelStyle):
+    """A pair module's input, sharded along the sequence, redistributed whole (the all-gather) once
+    for all its column-parallel linears, whether the module is called with it positionally or by
+    keyword (PrepareModuleInput takes one or the other, fixed in advance)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def whole(x: torch.Tensor) -> torch.Tensor:
+            sharded = x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            return sharded.redistribute(device_mesh, [Replicate()])
+
+        module.register_forward_pre_hook(lambda _, args, kwargs: map_pair_input(args, kwargs, whole),
+                                         with_kwargs=True)
+        return module

@@ -248,11 +248,16 @@ def _gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _gather_pair_input(group: Group, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The pair module's input (its first tensor argument, positional or by keyword) gathered whole."""
+    return map_pair_input(args, kwargs, functools.partial(_gather_sequence, group=group))
+
+
+def map_pair_input(args: tuple, kwargs: dict, change) -> tuple[tuple, dict]:
+    """A pair module's arguments with its input (the first tensor argument, positional, else by
+    keyword, as LLaMA's decoder layer calls its attention) replaced by `change(input)`."""
     if args and isinstance(args[0], torch.Tensor):
-        return (_gather_sequence(args[0], group), *args[1:]), kwargs
+        return (change(args[0]), *args[1:]), kwargs
     name = next(key for key, value in kwargs.items() if isinstance(value, torch.Tensor))
-    return args, {**kwargs, name: _gather_sequence(kwargs[name], group)}
+    return args, {**kwargs, name: change(kwargs[name])}
 
 
 def _local_part(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
