@@ -236,15 +236,13 @@ _SEQUENCE = 1
 
 def _reduce_scatter_sequence(partial: torch.Tensor, group: Group) -> torch.Tensor:
     """g under sequence parallelism: the sum over the ranks, this rank's tokens kept."""
-    return _Exchange.apply(partial, functools.partial(reduce_scatter_sum_along, dim=_SEQUENCE, group=group),
-                           functools.partial(all_gather_along, dim=_SEQUENCE, group=group))
+    return _exchange(partial, reduce_scatter_sum_along, all_gather_along, _SEQUENCE, group)
 
 
 def _gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """f under sequence parallelism: the whole sequence from every rank's tokens; its gradient summed
     over the ranks and cut back to this rank's tokens."""
-    return _Exchange.apply(x, functools.partial(all_gather_along, dim=_SEQUENCE, group=group),
-                           functools.partial(reduce_scatter_sum_along, dim=_SEQUENCE, group=group))
+    return _exchange(x, all_gather_along, reduce_scatter_sum_along, _SEQUENCE, group)
 
 
 def _gather_pair_input(group: Group, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -252,8 +250,8 @@ def _gather_pair_input(group: Group, module: nn.Module, args: tuple, kwargs: dic
 
 
 def map_pair_input(args: tuple, kwargs: dict, change) -> tuple[tuple, dict]:
-    """A pair module's arguments with its input (the first tensor argument, positional, else by
-    keyword, as LLaMA's decoder layer calls its attention) replaced by `change(input)`."""
+    """A module's arguments (a pair's, a layer's) with its input (the first tensor argument,
+    positional, else by keyword, as LLaMA's decoder layer calls its attention) replaced by `change(input)`."""
     if args and isinstance(args[0], torch.Tensor):
         return (change(args[0]), *args[1:]), kwargs
     name = next(key for key, value in kwargs.items() if isinstance(value, torch.Tensor))
@@ -279,23 +277,21 @@ def _shard_sequence_between(model: nn.Module, layout: TensorParallelLayout, grou
                         "of another kind): make the layout with sequence_parallel=False")
     _, degree = group_world(group)
 
-    def enter(module: nn.Module, args: tuple) -> tuple:
-        x = args[0]
+    def shard(x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.shape[_SEQUENCE] % degree:
             raise RuntimeMismatchError(
                 f"sequence parallelism shards the sequence (dim {_SEQUENCE} of {tuple(x.shape)}) over tp={degree} "
                 f"ranks, which does not divide {x.shape[_SEQUENCE] if x.dim() > 1 else 'it'}: feed sequences "
                 f"of a multiple of {degree} tokens (pad them), or make the layout with sequence_parallel=False")
-        return (_Exchange.apply(x, functools.partial(_local_part, dim=_SEQUENCE, group=group),
-                                functools.partial(all_gather_along, dim=_SEQUENCE, group=group)), *args[1:])
+        return _exchange(x, _local_part, all_gather_along, _SEQUENCE, group)
 
     def leave(module: nn.Module, args: tuple, output):
         y = output if isinstance(output, torch.Tensor) else output[0]
-        whole = _Exchange.apply(y, functools.partial(all_gather_along, dim=_SEQUENCE, group=group),
-                                functools.partial(_local_part, dim=_SEQUENCE, group=group))
+        whole = _exchange(y, all_gather_along, _local_part, _SEQUENCE, group)
         return whole if isinstance(output, torch.Tensor) else (whole, *output[1:])
 
-    model.get_submodule(layers[0]).register_forward_pre_hook(enter)
+    model.get_submodule(layers[0]).register_forward_pre_hook(
+        lambda _, args, kwargs: map_pair_input(args, kwargs, shard), with_kwargs=True)
     model.get_submodule(layers[-1]).register_forward_hook(leave)
 
 
@@ -333,8 +329,13 @@ def _vocab_parallel_head(module: nn.Linear, group: Group, x: torch.Tensor) -> to
     backward every rank holds the same gradient of the whole logits (the loss ran on every rank)
     and keeps its own columns."""
     logits = F.linear(_CopyToTensorParallel.apply(x, group), module.weight, module.bias)
-    return _Exchange.apply(logits, functools.partial(all_gather_along, dim=-1, group=group),
-                           functools.partial(_local_part, dim=-1, group=group))
+    return _exchange(logits, all_gather_along, _local_part, -1, group)
+
+
+def _exchange(x: torch.Tensor, forward, backward, dim: int, group: Group) -> torch.Tensor:
+    """`forward(x, dim, group)` in forward, `backward(grad, dim, group)` in backward."""
+    return _Exchange.apply(x, functools.partial(forward, dim=dim, group=group),
+                           functools.partial(backward, dim=dim, group=group))
 
 
 class _Exchange(torch.autograd.Function):
