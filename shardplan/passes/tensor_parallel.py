@@ -15,8 +15,11 @@ them, a sum with a whole tensor, the loss) rejects it, and the reason is kept. W
 by the tp degree (heads, kv heads, widths) is read off the graph, so one search answers every
 degree: `TensorParallelCandidates.layout(degree)`.
 
-Embeddings (vocab-parallel) and the LM head (column-parallel over the vocabulary) are listed as
-candidates with their sizes; the runtime does not shard them yet.
+Embeddings (vocab-parallel) and the LM head (column-parallel over the vocabulary) are candidates
+with their sizes, sharded when the layout asks for it (`vocab_parallel=True`) and the degree
+divides them; a table tied to another module's weight stays whole, with the reason. Sequence
+parallelism (`sequence_parallel=True`) shards the activations between the pairs along the sequence:
+the layers holding the pairs are named by `TensorParallelLayout.sequence_layers`.
 
 >>> from shardplan import zoo
 >>> entry = zoo.gpt(zoo.GPTConfig(n_layer=1))
@@ -98,14 +101,23 @@ class Rejection:
     reason: str
 
 
+class VocabKind(str, enum.Enum):
+    EMBEDDING = "embedding"
+    """A token embedding table: each rank holds vocab / tp rows, looks up the ids it holds, and the
+    ranks' lookups are summed."""
+    HEAD = "head"
+    """The LM head: column-parallel over the vocabulary, its logits gathered before the model's loss."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class VocabCandidate:
     """An embedding table (rows) or the LM head (output features) that could shard over the vocabulary."""
 
     module: str
+    kind: VocabKind
     divisor: Divisor
-    needs: str
-    """What the runtime would need to shard it (not built yet)."""
+    tied: str | None = None
+    """Why it cannot shard (its weight is read elsewhere too); None when it can."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,8 +135,18 @@ class TensorParallelLayout:
     rejected: tuple[Rejection, ...] = ()
     """Pairs found in the graph that stay replicated, each with the reason."""
     deferred: tuple[Rejection, ...] = ()
-    """Embeddings and the LM head: whether their vocabulary divides by the degree, and what the
-    runtime lacks to shard them."""
+    """Embeddings and the LM head left whole, each with the reason (not asked for, indivisible, tied)."""
+    vocab: tuple[VocabCandidate, ...] = ()
+    """Embeddings and the LM head sharded over the vocabulary (only with vocab_parallel)."""
+    sequence_parallel: bool = False
+    """Activations between the pairs sharded along the sequence (dim 1) over the tp ranks."""
+
+    @property
+    def sequence_layers(self) -> tuple[str, ...]:
+        """The layers (each pair's parent module, in order) whose input and output, under sequence
+        parallelism, are sharded along the sequence: the sequence enters sharded at the first
+        one and is gathered after the last."""
+        return tuple(dict.fromkeys(pair.name.rpartition(".")[0] for pair in self.pairs))
 
     @property
     def styles(self) -> dict[str, str]:
@@ -143,25 +165,53 @@ class TensorParallelCandidates:
     modules: tuple[str, ...]
     """Every module holding parameters, in graph order."""
 
-    def layout(self, degree: int) -> TensorParallelLayout:
+    def layout(self, degree: int, *, sequence_parallel: bool = False,
+               vocab_parallel: bool = False) -> TensorParallelLayout:
         if degree < 1:
             raise PlanError(f"tensor-parallel degree is {degree}: it counts ranks, use 1 or more")
         refusals = {pair.name: pair.refusal(degree) for pair in self.pairs}
         applied = tuple(pair for pair in self.pairs if refusals[pair.name] is None)
-        sharded = {linear.module for pair in applied for linear in pair.linears}
-        return TensorParallelLayout(
+        rejected = self.rejected + tuple(Rejection(name=pair.name, reason=refusals[pair.name])
+                                         for pair in self.pairs if refusals[pair.name] is not None)
+        verdicts = {candidate.module: _vocab_verdict(candidate, degree, vocab_parallel) for candidate in self.vocab}
+        vocab = tuple(candidate for candidate in self.vocab if verdicts[candidate.module] is None)
+        sharded = {linear.module for pair in applied for linear in pair.linears} | {c.module for c in vocab}
+        layout = TensorParallelLayout(
             degree=degree, pairs=applied, replicated=tuple(m for m in self.modules if m not in sharded),
-            rejected=self.rejected + tuple(Rejection(name=pair.name, reason=refusals[pair.name])
-                                           for pair in self.pairs if refusals[pair.name] is not None),
-            deferred=tuple(Rejection(name=candidate.module, reason=_vocab_verdict(candidate, degree))
-                           for candidate in self.vocab))
+            rejected=rejected, vocab=vocab, sequence_parallel=sequence_parallel,
+            deferred=tuple(Rejection(name=module, reason=verdict) for module, verdict in verdicts.items()
+                           if verdict is not None))
+        if sequence_parallel:
+            _check_sequence_layers(layout)
+        return layout
 
 
-def _vocab_verdict(candidate: VocabCandidate, degree: int) -> str:
+def _vocab_verdict(candidate: VocabCandidate, degree: int, asked: bool) -> str | None:
+    """Why `candidate` stays whole (None: it shards)."""
     size, what = candidate.divisor.size, candidate.divisor.what
+    if candidate.tied:
+        return candidate.tied
     if size % degree:
         return f"{size} {what} do not divide by tp={degree}: it stays whole"
-    return f"{size} {what} divide by tp={degree}, but it stays whole: sharding it needs {candidate.needs}"
+    if not asked:
+        return f"{size} {what} divide by tp={degree}, but it stays whole: the layout was made without vocab_parallel"
+    return None
+
+
+def _check_sequence_layers(layout: TensorParallelLayout) -> None:
+    """Sequence parallelism runs whole layers on a shard of the sequence: each must hold its pairs
+    below itself (the pair gathers the sequence at its own input), and none may hold a pair left
+    whole, which would attend over one rank's tokens only."""
+    for pair in layout.pairs:
+        if "." not in pair.name:
+            raise PlanError(f"sequence parallelism needs pair {pair.name or '(the model)'!r} inside a layer "
+                            "module (attention or MLP inside a block): make the layout with sequence_parallel=False")
+    layers = layout.sequence_layers
+    for rejection in layout.rejected:
+        if any(rejection.name == layer or rejection.name.startswith(layer + ".") for layer in layers):
+            raise PlanError(f"sequence parallelism would run {rejection.name!r} on a shard of the sequence, but "
+                            f"it stays whole over tp ({rejection.reason}): make the layout with "
+                            "sequence_parallel=False, or choose a tp that shards it")
 
 
 def tensor_parallel_candidates(model: torch.nn.Module, example_inputs: tuple = (),
@@ -221,22 +271,30 @@ def _own_linears(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 
 def _embedding_candidates(gm: torch.fx.GraphModule) -> list[VocabCandidate]:
-    """Lookups of the model's inputs (token embeddings, not position tables) in a table of their own."""
+    """Lookups of the model's inputs (token embeddings, not position tables) in a table of their own;
+    a table another op reads too (an LM head tied to it) is listed with the reason it stays whole."""
+    readers: dict[str, set[str]] = {}
+    for node in gm.graph.nodes:
+        for name in facts(node).param_names:
+            readers.setdefault(name, set()).add(facts(node).module_path)
     found = {}
     for node in gm.graph.nodes:
         path, params = facts(node).module_path, facts(node).param_names
         if (node.target is aten.embedding.default and params == (f"{path}.weight",)
                 and node.args[1].op == "placeholder"):
             rows = _shape(node.args[0])[0]
-            found[path] = VocabCandidate(module=path, divisor=Divisor(size=rows, what=f"rows of {path}'s table"),
-                                         needs="a vocab-parallel lookup (mask the ids of other ranks, all-reduce)")
+            others = sorted(readers[params[0]] - {path})
+            tied = (f"its table {params[0]} is tied to {', '.join(others)}: a tied embedding and head stay "
+                    "whole (untie them to shard both over the vocabulary)") if others else None
+            found[path] = VocabCandidate(module=path, kind=VocabKind.EMBEDDING, tied=tied,
+                                         divisor=Divisor(size=rows, what=f"rows of {path}'s table"))
     return list(found.values())
 
 
 def _head_candidate(linear: torch.fx.Node) -> VocabCandidate:
     path = facts(linear).module_path
-    return VocabCandidate(module=path, divisor=Divisor(size=_shape(linear)[-1], what=f"output features of {path}"),
-                          needs="a vocab-parallel cross-entropy (or an all-gather of the logits)")
+    return VocabCandidate(module=path, kind=VocabKind.HEAD,
+                          divisor=Divisor(size=_shape(linear)[-1], what=f"output features of {path}"))
 
 
 def _common_parent(paths: list[str]) -> str:

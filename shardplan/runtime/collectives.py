@@ -357,3 +357,39 @@ def _sharded_tensor_without_deprecation_warnings():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
         yield
+
+
+def all_gather_along(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Every rank's `tensor` (same shape everywhere) concatenated along `dim` in rank order: a
+    sequence or vocabulary sharded over tensor parallelism, made whole (see [Note: groups of one])."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    output = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
+    dist.all_gather_single(output, moved, group=group)
+    return output.movedim(0, dim).contiguous()
+
+
+def reduce_scatter_sum_along(tensor: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """The sum of every rank's `tensor` over the ranks, keeping this rank's slice along `dim`
+    (which the group's size must divide): row-parallel partial products onto a sharded sequence."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0).contiguous()
+    output = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    dist.reduce_scatter_single(output, moved, op=dist.ReduceOp.SUM, group=group)
+    return output.movedim(0, dim).contiguous()
+
+
+def tensor_parallel_mesh(device_type: str, tp: int):
+    """The 2-D (dp, tp) DeviceMesh, tp innermost as in tensor_parallel_groups: DTensor's tensor
+    parallelism runs on mesh["tp"], FSDP2 shards over mesh["dp"]."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    size = dist.get_world_size()
+    if size % tp:
+        raise RuntimeMismatchError(f"tp={tp} does not divide the world of {size} ranks: choose a tp that "
+                                   f"divides {size}, or launch a multiple of {tp} ranks")
+    return init_device_mesh(device_type, (size // tp, tp), mesh_dim_names=("dp", "tp"))

@@ -12,14 +12,20 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 from ..dtypes import torch_dtype
-from ..errors import PlanError, ShardplanError
+from ..errors import PlanError, RuntimeMismatchError, ShardplanError
+from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabKind
 from ..plan import Plan
 from . import collectives
 from .activation_checkpoint import checkpointed
 from .program import Program, grad_norm_term
 from .sharded import initialize_module
+from .tensor_parallel import ParameterSlice, map_pair_input
 
 
 class Fsdp2Program(Program):
@@ -113,3 +119,109 @@ def _initialize(model: nn.Module, device: torch.device) -> None:
         if next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None) \
                 is not None:
             initialize_module(model, module)
+
+
+def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, mesh) -> None:
+    """The torchtitan composition: `layout` applied with DTensor on mesh["tp"] (parallelize_module:
+    ColwiseParallel / RowwiseParallel per pair, SequenceParallel on the layers' norms with
+    `layout.sequence_parallel`, vocab-parallel embedding and head with `layout.vocab`), then
+    fully_shard on mesh["dp"] for each layer holding pairs and for the root.
+
+    `mesh` is collectives.tensor_parallel_mesh(device_type, layout.degree). Every rank must hold the
+    same full parameters before the call. A fused projection (qkv) is colwise per chunk: its DTensor
+    is Shard(0) over the ranks' chunk slices, so its full_tensor() lists the chunks rank by rank
+    (`tensor_parallel_full_parameters` puts them back in the model's order).
+
+    [Note: DTensor sequence parallelism] With sequence_parallel the residual stream inside the layers
+    is a DTensor Shard(1) on the tp mesh: the first layer's input is cut there, each pair module's
+    input is redistributed to Replicate (the all-gather), each row-parallel linear's output to
+    Shard(1) (the reduce-scatter), the norms run on the shard as SequenceParallel (their parameters
+    Replicate DTensors, whose Partial gradients DTensor sums over tp itself: the eager runtime's
+    sum_sequence_parallel_gradients is not needed here), and the last layer's output is gathered
+    back into a plain tensor."""
+    if mesh["tp"].size() != layout.degree:
+        raise RuntimeMismatchError(f"the layout shards over tp={layout.degree} ranks, the mesh's tp dim has "
+                                   f"{mesh['tp'].size()}: make the layout for tp={mesh['tp'].size()}")
+    sequence = layout.sequence_parallel
+    styles = {}
+    for pair in layout.pairs:
+        if sequence:
+            styles[pair.name] = _GatherSequenceInput()
+        for linear in pair.linears:
+            if linear.style is Style.ROWWISE:
+                styles[linear.module] = RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate(),
+                                                        use_local_output=not sequence)
+            else:
+                styles[linear.module] = _ChunkedColwiseParallel(linear.chunks) if linear.chunks > 1 \
+                    else ColwiseParallel()
+    for candidate in layout.vocab:
+        styles[candidate.module] = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+                                    if candidate.kind is VocabKind.EMBEDDING else
+                                    ColwiseParallel(output_layouts=Replicate()))
+    if sequence:
+        layers = layout.sequence_layers
+        for module in layout.replicated:
+            if any(module.startswith(layer + ".") for layer in layers):
+                styles[module] = SequenceParallel()
+        enter = dict(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
+        leave = dict(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
+        if len(layers) == 1:
+            styles[layers[0]] = PrepareModuleInputOutput(**enter, **leave)
+        else:
+            styles[layers[0]] = PrepareModuleInput(**enter)
+            styles[layers[-1]] = PrepareModuleOutput(**leave)
+    parallelize_module(model, mesh["tp"], styles)
+    for layer in layout.sequence_layers:
+        fully_shard(model.get_submodule(layer), mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def tensor_parallel_full_parameters(model: nn.Module, layout: TensorParallelLayout) -> dict[str, torch.Tensor]:
+    """Every parameter of a model under apply_tensor_parallel_fsdp2, whole and in the model's order,
+    on every rank (fused projections' chunks put back from their rank-by-rank order)."""
+    fused = {f"{linear.module}.{name}": linear.chunks for pair in layout.pairs for linear in pair.linears
+             if linear.chunks > 1 for name in ("weight", "bias")}
+    full = {}
+    for name, parameter in model.named_parameters():
+        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+        if name in fused:
+            cut = ParameterSlice(full_shape=tuple(whole.shape), dim=0, chunks=fused[name], index=0,
+                                 degree=layout.degree)
+            whole = cut.assemble(whole.detach().chunk(layout.degree, dim=0))
+        full[name] = whole.detach()
+    return full
+
+
+class _ChunkedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel over a fused projection: each rank holds its slice of every chunk (q, k and v
+    heads of its own), where ColwiseParallel's contiguous Shard(0) would hand rank 0 all of q (and
+    half of k). Overrides ColwiseParallel's private _partition_linear_fn (torch 2.13)."""
+
+    def __init__(self, chunks: int):
+        super().__init__()
+        self.chunks = chunks
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        index, degree = device_mesh.get_local_rank(), device_mesh.size()
+        for attribute, parameter in list(module.named_parameters()):
+            cut = ParameterSlice(full_shape=tuple(parameter.shape), dim=0, chunks=self.chunks, index=index,
+                                 degree=degree)
+            local = cut.take(parameter.detach()).contiguous()
+            module.register_parameter(attribute, nn.Parameter(
+                DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False),
+                requires_grad=parameter.requires_grad))
+
+
+class _GatherSequenceInput(ParallelStyle):
+    """A pair module's input, sharded along the sequence, redistributed whole (the all-gather) once
+    for all its column-parallel linears, whether the module is called with it positionally or by
+    keyword (PrepareModuleInput takes one or the other, fixed in advance)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def whole(x: torch.Tensor) -> torch.Tensor:
+            sharded = x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            return sharded.redistribute(device_mesh, [Replicate()])
+
+        module.register_forward_pre_hook(lambda _, args, kwargs: map_pair_input(args, kwargs, whole),
+                                         with_kwargs=True)
+        return module

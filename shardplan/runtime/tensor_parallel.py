@@ -8,10 +8,27 @@ TensorParallelLayout's pairs (passes/tensor_parallel.py) and puts two collective
 - g after its row-parallel linears: in forward, the sum over the ranks of their partial products
   (each from its own slice of the input features); identity in backward.
 
+With `layout.sequence_parallel` (Megatron's sequence parallelism, nanotron's REDUCE_SCATTER mode),
+the activations between the pairs are sharded along the sequence (dim 1: [batch, seq, ...]), so
+the norms, residual sums and dropout of each layer run on 1/tp of the tokens:
+
+- the sequence enters sharded at the first layer (forward: this rank's slice; backward: all-gather)
+  and is gathered after the last one (forward: all-gather; backward: this rank's slice), so the
+  embeddings before and the head and loss after run whole, as without sequence parallelism;
+- f becomes an all-gather along the sequence at the pair module's input (reduce-scatter in
+  backward): the module (attention, MLP) runs on the whole sequence, shaping its tensors as usual;
+- g becomes a reduce-scatter along the sequence (all-gather in backward).
+The sequence length must divide by tp; see [Note: whole parameters under sequence parallelism].
+
+With `layout.vocab`, the token embedding holds vocab / tp rows (a rank looks up the ids in its
+rows, zeros the others, and g sums the ranks' lookups) and the LM head is column-parallel over the
+vocabulary, its logits gathered whole before the model's own loss: shardplan does not rewrite a
+model's loss, so every rank computes it over the full logits (a vocab-parallel cross-entropy,
+which never gathers them, is not built).
+
 Parameters stay plain tensors, not DTensors, so shardplan's flat-buffer units flatten them like
 any other: a unit over a sharded module holds this rank's slices (`ParameterSlice` says which part
-of the full parameter that is). Sequence parallelism is not done: activations between the pairs
-are whole on every tp rank (see [Note: whole parameters under tensor parallelism]).
+of the full parameter that is).
 
 The model's code runs unchanged, but it must not bake the full widths in: a rank's attention holds
 heads / tp heads, so it must reshape with the sizes of its tensors (`view(batch, seq, -1, head_dim)`,
@@ -25,6 +42,18 @@ on every rank, and in backward the same output gradients: g passes the same grad
 and f hands every rank the same summed input gradient. Their gradients are equal on every tp rank
 and need no reduction over tp; the data-parallel reduction runs over the ranks with the same tp
 index. (Dropout inside a pair would need per-rank random streams; the models here use none.)
+
+[Note: whole parameters under sequence parallelism] Inside the sequence-parallel layers a whole
+parameter (a norm's weight and bias, a row-parallel linear's bias, added after the reduce-scatter)
+sees only this rank's tokens, so its gradient is this rank's part of the sum over the sequence:
+`sequence_parallel_parameters(model, layout)` names them, and `sum_sequence_parallel_gradients`
+adds their gradients over the tp group, after backward and before the optimizer (and before any
+data-parallel reduction or gradient clipping; the order with the dp average does not matter, both
+are sums). A unit runtime that flattens gradients calls it on its tp group the same way. The
+sliced parameters need nothing: their pair gathered the whole sequence before using them. The
+parameters outside the layers (embeddings, final norm, head) see the whole sequence on every rank:
+equal gradients, as without sequence parallelism. (Dropout on the sharded sequence needs a random
+stream per tp rank, as Megatron forks it; the models here use none.)
 """
 import functools
 from collections.abc import Sequence
@@ -35,8 +64,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import PlanError, RuntimeMismatchError
-from ..passes.tensor_parallel import Style, TensorParallelLayout
-from .collectives import Group, all_gather, all_reduce_sum, group_world, wait
+from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabCandidate, VocabKind
+from .collectives import (Group, all_gather, all_gather_along, all_reduce_sum, group_world,
+                          reduce_scatter_sum_along, wait)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,8 +104,10 @@ class ParameterSlice:
 
 def apply_tensor_parallel(model: nn.Module, layout: TensorParallelLayout,
                           group: Group) -> dict[str, ParameterSlice]:
-    """Slice `model`'s pairs in place for this rank of `group`, put f and g around them, and return
-    the slice of every parameter this rank now holds a part of (the others stay whole).
+    """Slice `model`'s pairs (and, with `layout.vocab`, its embedding and head) in place for this rank
+    of `group`, put the collectives around them, and return the slice of every parameter this rank
+    now holds a part of (the others stay whole). With `layout.sequence_parallel`, call
+    `sum_sequence_parallel_gradients` after each backward.
 
     Every rank must hold the same full parameters before the call (same seed or same checkpoint)."""
     index, degree = group_world(group)
@@ -85,18 +117,50 @@ def apply_tensor_parallel(model: nn.Module, layout: TensorParallelLayout,
     slices = {}
     for pair in layout.pairs:
         pair_input = _PairInput(group)
+        if layout.sequence_parallel:
+            model.get_submodule(pair.name).register_forward_pre_hook(
+                functools.partial(_gather_pair_input, group), with_kwargs=True)
+            combine = functools.partial(_reduce_scatter_sequence, group=group)
+        else:
+            combine = functools.partial(_reduce_partial_products, pair_input)
         for linear in pair.linears:
             module = _linear(model, linear.module)
             if linear.style is Style.COLWISE:
                 slices |= _slice_parameters(module, linear.module, ("weight", "bias"), 0, linear.chunks, index, degree)
                 module.out_features //= degree
-                module.register_forward_pre_hook(pair_input.enter)
+                if not layout.sequence_parallel:
+                    module.register_forward_pre_hook(pair_input.enter)
             else:
                 slices |= _slice_parameters(module, linear.module, ("weight",), 1, 1, index, degree)
                 module.in_features //= degree
                 # nn.Linear adds its bias before g would sum it over the ranks: this forward adds it after
-                module.forward = functools.partial(_row_parallel_forward, module, pair_input)
+                module.forward = functools.partial(_row_parallel_forward, module, combine)
+    for candidate in layout.vocab:
+        slices |= _shard_vocabulary(model, candidate, group)
+    if layout.sequence_parallel:
+        _shard_sequence_between(model, layout, group)
     return slices
+
+
+def sequence_parallel_parameters(model: nn.Module, layout: TensorParallelLayout) -> tuple[str, ...]:
+    """The whole parameters that see only this rank's tokens under sequence parallelism, whose
+    gradients must be summed over tp (see [Note: whole parameters under sequence parallelism])."""
+    if not layout.sequence_parallel:
+        return ()
+    sliced = {f"{linear.module}.{name}" for pair in layout.pairs for linear in pair.linears
+              for name in (("weight", "bias") if linear.style is Style.COLWISE else ("weight",))}
+    return tuple(f"{layer}.{name}" for layer in layout.sequence_layers
+                 for name, _ in model.get_submodule(layer).named_parameters()
+                 if f"{layer}.{name}" not in sliced)
+
+
+def sum_sequence_parallel_gradients(model: nn.Module, names: Sequence[str], group: Group) -> None:
+    """Add up over `group` the gradients of `names` (from `sequence_parallel_parameters`), in place."""
+    parameters = dict(model.named_parameters())
+    for name in names:
+        grad = parameters[name].grad
+        if grad is not None:
+            all_reduce_sum(grad, group)
 
 
 def gather_full_parameters(model: nn.Module, slices: dict[str, ParameterSlice],
@@ -155,10 +219,137 @@ class _PairInput:
         self.entered = None
 
 
-def _row_parallel_forward(module: nn.Linear, pair_input: _PairInput, x: torch.Tensor) -> torch.Tensor:
-    pair_input.leave()
-    total = _ReduceFromTensorParallel.apply(F.linear(x, module.weight), pair_input.group)
+def _row_parallel_forward(module: nn.Linear, combine, x: torch.Tensor) -> torch.Tensor:
+    total = combine(F.linear(x, module.weight))
     return total if module.bias is None else total + module.bias
+
+
+def _reduce_partial_products(pair_input: _PairInput, partial: torch.Tensor) -> torch.Tensor:
+    """g: the pair's output whole on every rank."""
+    pair_input.leave()
+    return _ReduceFromTensorParallel.apply(partial, pair_input.group)
+
+
+_SEQUENCE = 1
+"""The sequence dim of the activations between layers: [batch, seq, hidden]."""
+
+
+def _reduce_scatter_sequence(partial: torch.Tensor, group: Group) -> torch.Tensor:
+    """g under sequence parallelism: the sum over the ranks, this rank's tokens kept."""
+    return _exchange(partial, reduce_scatter_sum_along, all_gather_along, _SEQUENCE, group)
+
+
+def _gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """f under sequence parallelism: the whole sequence from every rank's tokens; its gradient summed
+    over the ranks and cut back to this rank's tokens."""
+    return _exchange(x, all_gather_along, reduce_scatter_sum_along, _SEQUENCE, group)
+
+
+def _gather_pair_input(group: Group, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return map_pair_input(args, kwargs, functools.partial(_gather_sequence, group=group))
+
+
+def map_pair_input(args: tuple, kwargs: dict, change) -> tuple[tuple, dict]:
+    """A module's arguments (a pair's, a layer's) with its input (the first tensor argument,
+    positional, else by keyword, as LLaMA's decoder layer calls its attention) replaced by `change(input)`."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (change(args[0]), *args[1:]), kwargs
+    name = next(key for key, value in kwargs.items() if isinstance(value, torch.Tensor))
+    return args, {**kwargs, name: change(kwargs[name])}
+
+
+def _local_part(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    index, degree = group_world(group)
+    return x.chunk(degree, dim)[index].contiguous()
+
+
+def _shard_sequence_between(model: nn.Module, layout: TensorParallelLayout, group: Group) -> None:
+    """The sequence enters sharded at the first layer and leaves gathered after the last; every layer
+    of their container must be one of them (a layer between them sees the sharded sequence)."""
+    layers = layout.sequence_layers
+    container = layers[0].rpartition(".")[0]
+    children = tuple(f"{container}.{name}" if container else name
+                     for name, _ in model.get_submodule(container).named_children())
+    if children != layers:
+        missing = [child for child in children if child not in layers]
+        raise PlanError(f"sequence parallelism runs the layers {layers[0]}..{layers[-1]} on a shard of the "
+                        f"sequence, but {container or 'the model'} also holds {missing} (whole layers, or modules "
+                        "of another kind): make the layout with sequence_parallel=False")
+    _, degree = group_world(group)
+
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[_SEQUENCE] % degree:
+            raise RuntimeMismatchError(
+                f"sequence parallelism shards the sequence (dim {_SEQUENCE} of {tuple(x.shape)}) over tp={degree} "
+                f"ranks, which does not divide {x.shape[_SEQUENCE] if x.dim() > 1 else 'it'}: feed sequences "
+                f"of a multiple of {degree} tokens (pad them), or make the layout with sequence_parallel=False")
+        return _exchange(x, _local_part, all_gather_along, _SEQUENCE, group)
+
+    def leave(module: nn.Module, args: tuple, output):
+        y = output if isinstance(output, torch.Tensor) else output[0]
+        whole = _exchange(y, all_gather_along, _local_part, _SEQUENCE, group)
+        return whole if isinstance(output, torch.Tensor) else (whole, *output[1:])
+
+    model.get_submodule(layers[0]).register_forward_pre_hook(
+        lambda _, args, kwargs: map_pair_input(args, kwargs, shard), with_kwargs=True)
+    model.get_submodule(layers[-1]).register_forward_hook(leave)
+
+
+def _shard_vocabulary(model: nn.Module, candidate: VocabCandidate, group: Group) -> dict[str, ParameterSlice]:
+    index, degree = group_world(group)
+    module = model.get_submodule(candidate.module)
+    if candidate.kind is VocabKind.HEAD:
+        slices = _slice_parameters(_linear(model, candidate.module), candidate.module, ("weight", "bias"), 0, 1,
+                                   index, degree)
+        module.out_features //= degree
+        module.forward = functools.partial(_vocab_parallel_head, module, group)
+        return slices
+    if not isinstance(module, nn.Embedding) or module.max_norm is not None:
+        raise PlanError(f"the layout shards {candidate.module!r} as a token embedding, but it is not a plain "
+                        "nn.Embedding (no max_norm): make the layout without vocab_parallel")
+    slices = _slice_parameters(module, candidate.module, ("weight",), 0, 1, index, degree)
+    module.num_embeddings //= degree
+    module.forward = functools.partial(_vocab_parallel_lookup, module, index * module.num_embeddings, group)
+    return slices
+
+
+def _vocab_parallel_lookup(module: nn.Embedding, first: int, group: Group, ids: torch.Tensor) -> torch.Tensor:
+    """The rows of the ids this rank holds, zeros for the others, summed over the ranks (g)."""
+    local = ids - first
+    elsewhere = (local < 0) | (local >= module.num_embeddings)
+    padding = module.padding_idx
+    padding = padding - first if padding is not None and 0 <= padding - first < module.num_embeddings else None
+    rows = F.embedding(local.masked_fill(elsewhere, 0), module.weight, padding, None, 2.0,
+                       module.scale_grad_by_freq, module.sparse)
+    return _ReduceFromTensorParallel.apply(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0), group)
+
+
+def _vocab_parallel_head(module: nn.Linear, group: Group, x: torch.Tensor) -> torch.Tensor:
+    """Column-parallel logits over this rank's vocabulary, gathered whole for the model's loss; in
+    backward every rank holds the same gradient of the whole logits (the loss ran on every rank)
+    and keeps its own columns."""
+    logits = F.linear(_CopyToTensorParallel.apply(x, group), module.weight, module.bias)
+    return _exchange(logits, all_gather_along, _local_part, -1, group)
+
+
+def _exchange(x: torch.Tensor, forward, backward, dim: int, group: Group) -> torch.Tensor:
+    """`forward(x, dim, group)` in forward, `backward(grad, dim, group)` in backward."""
+    return _Exchange.apply(x, functools.partial(forward, dim=dim, group=group),
+                           functools.partial(backward, dim=dim, group=group))
+
+
+class _Exchange(torch.autograd.Function):
+    """A collective in forward whose backward is another (each a function of one tensor): the
+    sequence and vocabulary gathers and scatters."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward, backward) -> torch.Tensor:
+        ctx.backward_op = backward
+        return forward(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.backward_op(grad), None, None
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
