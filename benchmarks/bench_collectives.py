@@ -26,6 +26,7 @@ import torch
 
 from shardplan.calibrate import (CPU_SWEEP, IN_STEP, collective_probes, fit_profile, matmul_probe, measure_job,
                                  measure_steps, summary)
+from shardplan.dtypes import dtype_bytes
 from shardplan.hardware import COLLECTIVES, NO_CORRECTION, get_hardware, ring_factor
 from shardplan.runtime.launch import run_world
 
@@ -109,7 +110,7 @@ def matmul_table(profile, seconds: dict) -> None:
     print("\n| matmul (m, k, n) | dtype | GFLOP | predicted s | measured s | predicted/measured |")
     print("|---|---|---:|---:|---:|---:|")
     for dtype in DTYPES:
-        itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        itemsize = dtype_bytes(dtype)
         for m, k, n in MATMUL_SHAPES:
             flops = 2 * m * k * n
             predicted_s = profile.compute_time_s(flops, (m * k + k * n + m * n) * itemsize, dtype)

@@ -17,6 +17,7 @@ import time
 
 from shardplan.chain import Block, BlockChain, InputSpec
 from shardplan.compile import expert_defaults, solve
+from shardplan.dtypes import dtype_name
 from shardplan.errors import InfeasibleError
 from shardplan.hardware import get_hardware
 from shardplan.plan import MixedPrecision
@@ -78,14 +79,14 @@ def quality_table(world_size: int, hardware: str) -> None:
           f"{'+ckpt s':>11} {'ratio':>6}")
     for name in ZOO_MODELS:
         chain = analyzed(name)
+        dtype = dtype_name(chain.param_dtype)
         setting = Setting(world_size=world_size, batch_size=chain.inputs[0].shape[0],
-                          param_dtype=chain.param_dtype.removeprefix("torch."),
-                          reduce_dtype=chain.param_dtype.removeprefix("torch."))
+                          mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=dtype))
         (_, plain), (_, checkpointed) = expert_defaults(chain, setting, hw)
         for fraction in BUDGET_FRACTIONS:
             budget = int(plain.peak_bytes * fraction)
             try:
-                plan = solve(chain, world_size, hardware=hw, budget_bytes=budget)
+                plan = solve(chain, world_size, hardware=hw, memory_budget=budget)
             except InfeasibleError:
                 print(f"{name:<16} {format_bytes(budget):>11} {'infeasible':>11}")
                 continue
@@ -125,7 +126,7 @@ def replan_times(chain: BlockChain) -> None:
     for budget in ("70GiB", "50GiB", "40GiB"):
         start = time.perf_counter()
         try:
-            plan = solve(chain, 64, hardware="h100-80g", budget_bytes=budget, mixed_precision=BF16)
+            plan = solve(chain, 64, hardware="h100-80g", memory_budget=budget, mixed_precision=BF16)
             result = f"peak {format_bytes(plan.predicted.peak_bytes)}, step {plan.predicted.step_time_s:.3f} s"
         except InfeasibleError as error:
             result = f"InfeasibleError: {error}"

@@ -31,6 +31,7 @@ import scipy.optimize
 import torch
 import torch.distributed as dist
 
+from .dtypes import torch_dtype
 from .errors import HardwareError
 from .files import write_text_atomically
 from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
@@ -289,8 +290,8 @@ class Probe:
 
 def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Probe:
     """One (m x k) @ (k x n) matmul."""
-    a = torch.randn(m, k, dtype=getattr(torch, dtype), device=device)
-    b = torch.randn(k, n, dtype=getattr(torch, dtype), device=device)
+    a = torch.randn(m, k, dtype=torch_dtype(dtype), device=device)
+    b = torch.randn(k, n, dtype=torch_dtype(dtype), device=device)
     return Probe(call=lambda: torch.mm(a, b), loop=True)
 
 

@@ -5,14 +5,17 @@ chain to `solve`, which searches meshes, micro-batches and schedules (solver/sea
 cuts stages and chooses units exactly (solver/stages.py, solver/chain_dp.py), and
 writes the decisions, the predicted terms and the reasoning into a Plan.
 """
-from dataclasses import replace
+import dataclasses
+import os
+from dataclasses import dataclass, replace
 
 from . import cost
 from .chain import BlockChain
-from .cost import Decision, evaluate_stage
+from .cost import evaluate_stage
+from .dtypes import dtype_name
 from .errors import InfeasibleError, PlanError, ShardplanError
-from .hardware import get_hardware
-from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning,
+from .hardware import HardwareProfile, get_hardware
+from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning,
                    Schedule, Stage, Unit)
 from .solver.chain_dp import ROUNDING
 from .solver.search import Candidate, Configuration, Setting, boundary_time_s, context, search, smallest_peak
@@ -23,15 +26,29 @@ RUNNER_UPS = 4
 """Other configurations listed in Plan.reasoning, besides the expert defaults."""
 
 
-def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
-            hardware="h100-80g", memory_budget=None, mixed_precision: MixedPrecision | None = None,
-            optimizer: str = "adamw", allow_pipeline: bool = True, allow_offload: bool = False,
-            constraints: Constraints | None = None, space: SearchSpace | None = None) -> Plan:
-    """The fastest plan for training `model` on `world_size` ranks within the memory budget.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """What `compile` and `solve` are asked for besides the model and the world size (their keywords)."""
 
-    With `allow_pipeline` (the default) the search includes pipeline stages (pp > 1) and their
-    micro-batch counts and schedules; without, it plans data parallelism alone, and its
-    InfeasibleError says when a pipeline would fit.
+    hardware: str | os.PathLike | HardwareProfile = "h100-80g"
+    """A built-in profile's name, a profile file, or a profile."""
+    memory_budget: int | str | None = None
+    """Bytes per rank, or a size such as "40GiB"; None: the profile's usable memory."""
+    mixed_precision: MixedPrecision | None = None
+    """None: compute and reduce in the parameters' dtype."""
+    optimizer: str = "adamw"
+    allow_pipeline: bool = True
+    """Search pipeline stages (pp > 1) with their micro-batch counts and schedules; without, plan data
+    parallelism alone, and say in the InfeasibleError when a pipeline would fit."""
+    allow_offload: bool = False
+    constraints: Constraints | None = None
+    space: SearchSpace | None = None
+
+
+def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None,
+            **options) -> Plan:
+    """The fastest plan for training `model` on `world_size` ranks within the memory budget;
+    `options` are PlanOptions' fields.
 
     >>> from shardplan import zoo
     >>> entry = zoo.gpt()
@@ -43,28 +60,25 @@ def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: 
 
     _check_world_size(world_size)  # before the capture: a bad count is refused in moments
     chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
-    return solve(chain, world_size, hardware=hardware, budget_bytes=memory_budget, mixed_precision=mixed_precision,
-                 optimizer=optimizer, allow_pipeline=allow_pipeline, allow_offload=allow_offload,
-                 constraints=constraints, space=space, model_name=type(model).__name__)
+    return solve(chain, world_size, model_name=type(model).__name__, **options)
 
 
-def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_bytes=None,
-          mixed_precision: MixedPrecision | None = None, optimizer: str = "adamw", allow_pipeline: bool = True,
-          allow_offload: bool = False, constraints: Constraints | None = None, space: SearchSpace | None = None,
-          model_name: str = "") -> Plan:
-    """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch)."""
+def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options) -> Plan:
+    """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch); `options` are
+    PlanOptions' fields."""
     _check_world_size(world_size)
+    asked = PlanOptions(**options)
     if not chain.blocks:
         raise ShardplanError("the model has no blocks to plan: does its forward do anything?")
-    hw = get_hardware(hardware)
-    budget = hw.usable_memory_bytes if budget_bytes is None else parse_bytes(budget_bytes)
-    precision = mixed_precision or MixedPrecision(param_dtype=_dtype_name(chain.param_dtype),
-                                                  reduce_dtype=_dtype_name(chain.param_dtype))
-    space = replace(space or default_space(len(chain.blocks)), allow_offload=allow_offload)
-    setting = Setting(world_size=world_size, batch_size=_batch_size(chain), param_dtype=precision.param_dtype,
-                      reduce_dtype=precision.reduce_dtype, optimizer=optimizer, allow_pipeline=allow_pipeline,
+    hw = get_hardware(asked.hardware)
+    budget = hw.usable_memory_bytes if asked.memory_budget is None else parse_bytes(asked.memory_budget)
+    dtype = dtype_name(chain.param_dtype)
+    precision = asked.mixed_precision or MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
+    space = replace(asked.space or default_space(len(chain.blocks)), allow_offload=asked.allow_offload)
+    setting = Setting(world_size=world_size, batch_size=_batch_size(chain), mixed_precision=precision,
+                      optimizer=asked.optimizer, allow_pipeline=asked.allow_pipeline,
                       skip_edges=_edges(chain, "skip_edges"))
-    rules = _split_at_frozen(chain, resolve_rules(chain.blocks, constraints, _edges(chain, "tied_edges")))
+    rules = _split_at_frozen(chain, resolve_rules(chain.blocks, asked.constraints, _edges(chain, "tied_edges")))
     candidates = search(chain.blocks, rules, setting, hw, budget, space)
     if not candidates:
         raise InfeasibleError(_infeasible_message(chain, rules, setting, hw, budget, space))
@@ -72,10 +86,8 @@ def solve(chain: BlockChain, world_size: int, *, hardware="h100-80g", budget_byt
     units, stages = _units_and_stages(chain, best)
     return Plan(fingerprint=chain.fingerprint, model=model_name or str(chain.extra.get("model", "")),
                 world_size=world_size, hardware=hw.name, inputs=chain.inputs,
-                mesh=Mesh(dp_shard=best.configuration.dp, pp=best.configuration.pp),
-                schedule=Schedule(num_micro_batches=best.configuration.num_micro_batches,
-                                  name=best.configuration.schedule),
-                mixed_precision=precision, optimizer=optimizer, units=units, stages=stages,
+                mesh=best.configuration.mesh, schedule=best.configuration.schedule,
+                mixed_precision=precision, optimizer=asked.optimizer, units=units, stages=stages,
                 predicted=predict(chain, best, setting, hw),
                 reasoning=_reasoning(chain, best, candidates, rules, setting, hw, budget, space))
 
@@ -92,10 +104,6 @@ def default_space(n_blocks: int) -> SearchSpace:
     time grows with the square of the unit length. Prefetch is always on: turning it off
     only saves one unit's gathered parameters."""
     return SearchSpace(max_unit_blocks=4 if n_blocks <= 16 else 1, prefetch=(True,))
-
-
-def _dtype_name(dtype: str) -> str:
-    return dtype.removeprefix("torch.")
 
 
 def _edges(chain: BlockChain, kind: str) -> tuple[tuple[int, int], ...]:
@@ -150,7 +158,8 @@ def _stage_cost(chain: BlockChain, index: int, start: int, end: int, bounds: tup
 
 def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> Predicted:
     """The peak stage's memory terms and the slowest stage's time terms."""
-    return _predicted(chain, stage_costs(chain, candidate, setting, hw), candidate.configuration.dp, setting, hw)
+    costs = stage_costs(chain, candidate, setting, hw)
+    return _predicted(chain, costs, candidate.configuration.mesh.dp, setting, hw)
 
 
 def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
@@ -168,18 +177,15 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
     if owners != sorted(owners):
         raise PlanError("the plan's units do not follow the model's execution order: list them in that order")
     stage_of_unit = plan.stage_of_unit
-    setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain),
-                      param_dtype=plan.mixed_precision.param_dtype, reduce_dtype=plan.mixed_precision.reduce_dtype,
+    setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain), mixed_precision=plan.mixed_precision,
                       optimizer=plan.optimizer, skip_edges=_edges(chain, "skip_edges"))
-    configuration = Configuration(dp=plan.mesh.dp, pp=plan.mesh.pp, num_micro_batches=plan.schedule.num_micro_batches,
-                                  schedule=plan.schedule.name)
+    configuration = Configuration(mesh=plan.mesh, schedule=plan.schedule)
     steps = []
     for stage in range(plan.mesh.pp):
         blocks = [i for i, owner in enumerate(owners) if stage_of_unit[plan.units[owner].name] == stage]
         start, end = blocks[0], blocks[-1] + 1
         unit_starts = [i for i in blocks if i == start or owners[i] != owners[i - 1]]
-        decisions = tuple(Decision(strategy=unit.strategy, checkpoint=unit.checkpoint, offload=unit.offload,
-                                   prefetch=unit.prefetch) for unit in (plan.units[owners[i]] for i in unit_starts))
+        decisions = tuple(plan.units[owners[i]] for i in unit_starts)  # a Unit is its Decision
         steps.append(_stage_cost(chain, stage, start, end, tuple(i - start for i in unit_starts), decisions,
                                  setting, configuration, hw))
     return _predicted(chain, steps, plan.mesh.dp, setting, hw)
@@ -190,7 +196,8 @@ def _predicted(chain: BlockChain, costs: list[cost.StepCost], dp: int, setting: 
     slowest = max(costs, key=lambda c: c.step_time_s)
     samples_per_s = setting.batch_size * dp / slowest.step_time_s if slowest.step_time_s else 0.0
     # Peak FLOP/s is read from the profile's matmul table where it has one (MFU is for people only).
-    peak_flops = getattr(getattr(hw, "matmul", {}).get(setting.param_dtype), "peak_flops_per_s", 0.0)
+    matmul = getattr(hw, "matmul", {}).get(setting.mixed_precision.param_dtype)
+    peak_flops = getattr(matmul, "peak_flops_per_s", 0.0)
     model_flops = (chain.fwd_flops + chain.bwd_flops) * dp
     mfu = model_flops / (slowest.step_time_s * setting.world_size * peak_flops) if peak_flops and slowest.step_time_s else 0.0
     return Predicted(peak_bytes=peak.peak_bytes, step_time_s=slowest.step_time_s, memory_bytes=dict(peak.memory_bytes),
@@ -214,9 +221,9 @@ def _units_and_stages(chain: BlockChain, candidate: Candidate) -> tuple[tuple[Un
                 name = f"{name}#{start}"
             taken.add(name)
             names.append(name)
-            units.append(Unit(name=name, modules=tuple(m for b in blocks for m in (b.modules or (b.name,))),
-                              params=tuple(p for b in blocks for p in b.param_names), strategy=decision.strategy,
-                              checkpoint=decision.checkpoint, offload=decision.offload, prefetch=decision.prefetch))
+            modules = tuple(m for b in blocks for m in (b.modules or (b.name,)))
+            units.append(Unit(name=name, modules=modules, params=tuple(p for b in blocks for p in b.param_names),
+                              **dataclasses.asdict(decision)))
         stages.append(Stage(index=index, units=tuple(names)))
     return tuple(units), tuple(stages)
 
@@ -224,7 +231,7 @@ def _units_and_stages(chain: BlockChain, candidate: Candidate) -> tuple[tuple[Un
 def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, cost.StepCost]]:
     """What a person would write by hand: every block its own FULL_SHARD unit, dp = world,
     without and with full checkpointing (the baselines the solver must never lose to)."""
-    configuration = Configuration(dp=setting.world_size, pp=1, num_micro_batches=1, schedule="none")
+    configuration = Configuration(mesh=Mesh(dp_shard=setting.world_size), schedule=Schedule())
     ctx = context(setting, configuration, hw, 0)
     bounds = tuple(range(len(chain.blocks)))
     found = []

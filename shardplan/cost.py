@@ -14,13 +14,11 @@ into `num_micro_batches` (m) micro-batches, each carrying 1/m of every
 activation byte and FLOP (bytes are rounded up per micro-batch).
 
 Memory, by category (the peak is the largest of these events):
-- sharded_state: parameters + gradients + optimizer state kept between steps.
-  FULL_SHARD / SHARD_GRAD_OP: (param + grad + optimizer) / dp; SHARD_OPTIMIZER:
-  param + (grad + optimizer) / dp (its gradient is all-reduced in full, during
-  the unit's backward, then sliced); REPLICATE: all of it. Both replicated kinds
-  also hold a full gradient accumulator through the step when m > 1 (they
-  all-reduce once, on the last micro-batch). Offloaded units keep it
-  in CPU memory: 0 on the device. Gradients count for the whole step, as with
+- sharded_state: parameters + gradients + optimizer state kept between steps,
+  each whole or 1/dp as the strategy's traits (plan.StrategyTraits) shard it
+  (SHARD_OPTIMIZER: param + (grad + optimizer) / dp), plus a full gradient
+  accumulator through the step when m > 1 in units that all-reduce once per
+  step. Offloaded units keep it in CPU memory: 0 on the device. Gradients count for the whole step, as with
   zero_grad(set_to_none=False); freeing them between steps (set_to_none=True)
   lowers the real peak by up to their bytes. Gradients are in the parameters' capture dtype,
   the optimizer state is OPTIMIZER_STATE_BYTES_PER_PARAM (fp32).
@@ -62,13 +60,12 @@ Time, by component (per step):
   starts computing and hides under its compute (on hardware that overlaps
   communication with compute: not CPU ranks on gloo); without prefetch it is fully
   exposed; the first unit's forward gather and the last unit's backward gather
-  are exposed. Reduce-scatter (all-reduce for REPLICATE / SHARD_OPTIMIZER) of
-  a unit runs on its own stream and hides under the backward of the unit before
-  it; the first unit's is exposed. FULL_SHARD gathers in forward and again in
-  backward, SHARD_GRAD_OP only in forward; sharded units gather and
-  reduce-scatter every micro-batch; REPLICATE / SHARD_OPTIMIZER all-reduce
-  once per step (gradients accumulate locally), SHARD_OPTIMIZER all-gathers its
-  parameters after the optimizer step (exposed). Pipeline stages send the
+  are exposed. A unit's gradient reduction runs on its own stream and hides
+  under the backward of the unit before it; the first unit's is exposed. Units
+  that shard parameters gather every micro-batch, in forward and, when they
+  reshard after it, again in backward; gradients are reduce-scattered every
+  micro-batch or all-reduced once per step, and stepped slices of full
+  parameters all-gathered after the step (exposed), as the traits say. Pipeline stages send the
   boundary activation (forward) and its gradient (backward) per micro-batch.
 - offload: an offloaded shard is copied host→device before each gather and its
   gradient shard device→host after each reduce-scatter at OFFLOAD_BYTES_PER_S,
@@ -83,11 +80,12 @@ terms; the step time of a plan is that of its slowest stage.
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from .chain import Block, OpKind
+from .dtypes import FLOAT_DTYPES, dtype_bytes
 from .errors import ShardplanError
-from .plan import SELECTIVE_SAVED_OPS, Checkpoint, ShardStrategy
+from .hardware import HardwareModel
+from .plan import SELECTIVE_SAVED_OPS, Checkpoint, Decision
 
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}
 """fp32 state per parameter: Adam keeps two moments, SGD one momentum buffer."""
@@ -123,28 +121,12 @@ OFFLOAD_BYTES_PER_S = 25e9
 """Effective host↔device copy rate (PCIe Gen5 x16 at about 40% of line rate with pinned buffers)."""
 CPU_MEMORY_BYTES_PER_S = 50e9
 """Host memory bandwidth an offloaded optimizer step streams through."""
-DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-
-GATHERING = (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP)
-"""Strategies whose parameters are sharded and gathered before use."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Decision:
-    """What the solver chooses for one unit."""
-
-    strategy: ShardStrategy = ShardStrategy.FULL_SHARD
-    checkpoint: Checkpoint = Checkpoint.NONE
-    offload: bool = False
-    prefetch: bool = True
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CostContext:
     """Everything about the step that is not a per-unit decision."""
 
-    hardware: object
-    """A HardwareProfile (anything with compute_time_s / collective_time_s / overlaps_communication)."""
+    hardware: HardwareModel
     dp: int
     num_micro_batches: int = 1
     in_flight: int = 1
@@ -164,8 +146,8 @@ class CostContext:
             raise ShardplanError(f"unknown optimizer {self.optimizer!r}: use one of "
                                  f"{', '.join(sorted(OPTIMIZER_STATE_BYTES_PER_PARAM))}")
         for dtype in (self.param_dtype, self.reduce_dtype):
-            if dtype not in DTYPE_BYTES:
-                raise ShardplanError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(DTYPE_BYTES))}")
+            if dtype not in FLOAT_DTYPES:
+                raise ShardplanError(f"unknown dtype {dtype!r}: use one of {', '.join(sorted(FLOAT_DTYPES))}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -232,7 +214,7 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
         fwd = [kind_s(kind) for kind in block.fwd_kinds]
         selective = sum(s for kind, s in zip(block.fwd_kinds, fwd) if kind.name not in SELECTIVE_SAVED_OPS)
         return sum(fwd), sum(kind_s(kind) for kind in block.bwd_kinds), selective
-    moved = block.param_numel * DTYPE_BYTES[ctx.param_dtype] + _per_micro_batch(block.input_bytes + block.output_bytes,
+    moved = block.param_numel * dtype_bytes(ctx.param_dtype) + _per_micro_batch(block.input_bytes + block.output_bytes,
                                                                               ctx)
     fwd_memory_s = _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx)
     return (_arithmetic_s(hw, block.fwd_flops, moved, block.fwd_ops, ctx) + fwd_memory_s,
@@ -271,30 +253,58 @@ def _kept_bytes(block: Block, checkpoint: Checkpoint, ctx: CostContext) -> int:
     return _per_micro_batch(block.saved_bytes, ctx)
 
 
-def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -> UnitCost:
-    """The terms of one unit made of `blocks` (consecutive) under `decision`."""
-    hw, m, dp = ctx.hardware, ctx.num_micro_batches, ctx.dp
-    strategy, checkpoint = decision.strategy, decision.checkpoint
-    if decision.offload and strategy not in GATHERING:
-        raise ShardplanError(f"offload needs a sharded strategy, not {strategy.value}")
-    numel = sum(b.param_numel for b in blocks)
-    storage_bytes = sum(b.param_bytes for b in blocks)
-    optimizer_bytes = numel * OPTIMIZER_STATE_BYTES_PER_PARAM[ctx.optimizer]
-    param_bytes = numel * DTYPE_BYTES[ctx.param_dtype]
-    grad_bytes = numel * DTYPE_BYTES[ctx.reduce_dtype]
-    if strategy in GATHERING:
-        state_bytes = -(-(2 * storage_bytes + optimizer_bytes) // dp)
-    elif strategy is ShardStrategy.SHARD_OPTIMIZER:  # the gradient is all-reduced, then only a slice kept
-        state_bytes = storage_bytes + -(-(storage_bytes + optimizer_bytes) // dp)
-    else:
-        state_bytes = 2 * storage_bytes + optimizer_bytes
-    if strategy not in GATHERING and m > 1:  # [Note: gradient accumulation] in runtime/unit.py
-        state_bytes += grad_bytes
-    # over a single rank a gather returns the shard itself: only a cast to the compute dtype allocates
-    # ([Note: groups of one] in runtime/collectives.py)
-    copies = dp > 1 or param_bytes != storage_bytes or decision.offload  # an offloaded shard is copied in
-    gathered = param_bytes if strategy in GATHERING and copies else 0
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitSizes:
+    """A unit's parameters counted in the bytes each term below moves or keeps."""
 
+    numel: int
+    storage_bytes: int
+    """The parameters as stored (their capture dtype), which the optimizer steps."""
+    param_bytes: int
+    """The parameters in mixed precision's param_dtype: what a gather moves."""
+    grad_bytes: int
+    """The gradient in mixed precision's reduce_dtype: what a reduction moves."""
+    optimizer_bytes: int
+
+    @classmethod
+    def of(cls, blocks: tuple[Block, ...], ctx: CostContext) -> "UnitSizes":
+        numel = sum(b.param_numel for b in blocks)
+        return cls(numel=numel, storage_bytes=sum(b.param_bytes for b in blocks),
+                   param_bytes=numel * dtype_bytes(ctx.param_dtype), grad_bytes=numel * dtype_bytes(ctx.reduce_dtype),
+                   optimizer_bytes=numel * OPTIMIZER_STATE_BYTES_PER_PARAM[ctx.optimizer])
+
+
+def accumulates_grads(decision: Decision, ctx: CostContext) -> bool:
+    """Whether micro-batches' gradients are summed in a full buffer before one reduction per step
+    ([Note: gradient accumulation] in runtime/unit.py)."""
+    return not decision.traits.reduce_scatters_grads and ctx.num_micro_batches > 1
+
+
+def state_bytes(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> int:
+    """Parameters, gradient and optimizer state kept on the device between steps: each whole, or the
+    rank's 1/dp of it where the strategy shards it; none when offloaded."""
+    if decision.offload:
+        return 0
+    traits = decision.traits
+    params, rest = sizes.storage_bytes, sizes.storage_bytes + sizes.optimizer_bytes  # rest: gradient, optimizer
+    whole = (0 if traits.shards_params else params) + (0 if traits.shards_optimizer else rest)
+    sliced = (params if traits.shards_params else 0) + (rest if traits.shards_optimizer else 0)
+    accumulator = sizes.grad_bytes if accumulates_grads(decision, ctx) else 0
+    return whole + -(-sliced // ctx.dp) + accumulator
+
+
+def gathered_bytes(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> int:
+    """Unsharded parameters of a unit while gathered. Over a single rank a gather returns the shard
+    itself: only a cast to the compute dtype, or a copy in from the host, allocates
+    ([Note: groups of one] in runtime/collectives.py)."""
+    copies = ctx.dp > 1 or sizes.param_bytes != sizes.storage_bytes or decision.offload
+    return sizes.param_bytes if decision.traits.shards_params and copies else 0
+
+
+def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
+                  ctx: CostContext) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """(activations kept for backward, forward working set, backward working set) of one micro-batch;
+    a working set is (activations, transient) at its peak, above earlier units' holdings."""
     kept = [_kept_bytes(b, checkpoint, ctx) for b in blocks]
     fwd_working, bwd_working, running = (sum(kept), 0), (0, 0), 0
     for block, kept_bytes in zip(blocks, kept):
@@ -310,51 +320,81 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
             working = (running + kept_bytes, bwd_transient)
         bwd_working = max(bwd_working, working, key=sum)
         running += kept_bytes
+    return sum(kept), fwd_working, bwd_working
 
-    compute_fwd_s = compute_bwd_s = recompute_s = 0.0
-    overlap = hw.overlaps_communication
+
+def compute_s(blocks: tuple[Block, ...], sizes: UnitSizes, decision: Decision,
+              ctx: CostContext) -> tuple[float, float, float]:
+    """(forward, backward, recompute) seconds of one micro-batch. Each backward also assembles the
+    unit's flat gradient from its parameters' (a cat) and, in a unit that accumulates, adds it to
+    the accumulator ([Note: gradient accumulation] in runtime/unit.py)."""
+    fwd_total = bwd_total = recompute = 0.0
     for block in blocks:
         fwd_s, bwd_s, selective_s = _block_times_s(block, ctx)
-        compute_fwd_s += fwd_s
-        compute_bwd_s += bwd_s
-        recompute_s += {Checkpoint.FULL: fwd_s, Checkpoint.SELECTIVE: selective_s}.get(checkpoint, 0.0)
-    # each micro-batch's backward assembles the unit's flat gradient from its parameters' (a cat) and,
-    # in a replicated unit with micro-batches to come, adds it to the accumulator: see
-    # [Note: gradient accumulation] in runtime/unit.py
-    accumulates = strategy not in GATHERING and m > 1
-    compute_bwd_s += hw.compute_time_s(0, 2 * param_bytes + (3 * grad_bytes if accumulates else 0), "float32",
-                                       calls=1 + accumulates)
+        fwd_total += fwd_s
+        bwd_total += bwd_s
+        recompute += {Checkpoint.FULL: fwd_s, Checkpoint.SELECTIVE: selective_s}.get(decision.checkpoint, 0.0)
+    accumulates = accumulates_grads(decision, ctx)
+    bwd_total += ctx.hardware.compute_time_s(0, 2 * sizes.param_bytes + (3 * sizes.grad_bytes if accumulates else 0),
+                                             "float32", calls=1 + accumulates)
+    return fwd_total, bwd_total, recompute
 
-    gather_s = hw.collective_time_s("all_gather_into_tensor", param_bytes, dp) if gathered else 0.0
-    if strategy in GATHERING:
-        reduce_s = hw.collective_time_s("reduce_scatter_tensor", grad_bytes, dp)
-    else:
-        reduce_s = hw.collective_time_s("all_reduce", grad_bytes, dp)
-    post_step_gather_s = (hw.collective_time_s("all_gather_into_tensor", storage_bytes, dp)
-                          if strategy is ShardStrategy.SHARD_OPTIMIZER else 0.0)
+
+def gather_s(gathered: int, ctx: CostContext) -> float:
+    """One all-gather of a unit's parameters (none when nothing is gathered)."""
+    return ctx.hardware.collective_time_s("all_gather_into_tensor", gathered, ctx.dp) if gathered else 0.0
+
+
+def reduce_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float:
+    """One reduction of the gradient: a reduce-scatter, or an all-reduce (see StrategyTraits)."""
+    collective = "reduce_scatter_tensor" if decision.traits.reduce_scatters_grads else "all_reduce"
+    return ctx.hardware.collective_time_s(collective, sizes.grad_bytes, ctx.dp)
+
+
+def post_step_gather_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float:
+    """The all-gather of the stepped slices back into every rank's full parameters, once per step."""
+    if not decision.traits.gathers_after_step:
+        return 0.0
+    return ctx.hardware.collective_time_s("all_gather_into_tensor", sizes.storage_bytes, ctx.dp)
+
+
+def offload_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float:
+    """Per micro-batch host↔device copies of an offloaded shard: in before each gather, its gradient out."""
+    if not decision.offload:
+        return 0.0
+    gathers = 2 if decision.traits.reshard_after_forward else 1
+    return (gathers + 1) * -(-sizes.storage_bytes // ctx.dp) / OFFLOAD_BYTES_PER_S
+
+
+def optimizer_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float:
+    """The optimizer step over the rank's parameters: on the device, or from host memory when offloaded."""
     stepped = OPTIMIZER_STEPS[ctx.optimizer]
-    step_bytes = (numel if strategy is ShardStrategy.REPLICATE else -(-numel // dp)) * stepped.bytes_per_param
-    offload_s = 0.0
+    numel = -(-sizes.numel // ctx.dp) if decision.traits.shards_optimizer else sizes.numel
+    step_bytes = numel * stepped.bytes_per_param
     if decision.offload:
-        shard_bytes = -(-storage_bytes // dp)
-        gathers = 2 if strategy is ShardStrategy.FULL_SHARD else 1
-        offload_s = (gathers + 1) * shard_bytes / OFFLOAD_BYTES_PER_S
-        optimizer_s = step_bytes / CPU_MEMORY_BYTES_PER_S
-        state_bytes = 0
-    else:
-        optimizer_s = hw.compute_time_s(0, step_bytes, "float32", calls=stepped.kernels)
+        return step_bytes / CPU_MEMORY_BYTES_PER_S
+    return ctx.hardware.compute_time_s(0, step_bytes, "float32", calls=stepped.kernels)
+
+
+def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -> UnitCost:
+    """The terms of one unit made of `blocks` (consecutive) under `decision`."""
+    traits, sizes = decision.traits, UnitSizes.of(blocks, ctx)
+    gathered = gathered_bytes(sizes, decision, ctx)
+    activation_bytes, fwd_working, bwd_working = working_bytes(blocks, decision.checkpoint, ctx)
+    compute_fwd_s, compute_bwd_s, recompute_s = compute_s(blocks, sizes, decision, ctx)
+    gather = gather_s(gathered, ctx)
+    overlap = ctx.hardware.overlaps_communication
     return UnitCost(
-        state_bytes=state_bytes, activation_bytes=sum(kept), gathered_bytes=gathered,
-        gathered_fwd_bytes=gathered,
-        gathered_bwd_bytes=gathered if strategy is ShardStrategy.FULL_SHARD else 0,
-        kept_gathered_bytes=gathered if strategy is ShardStrategy.SHARD_GRAD_OP else 0,
-        grad_buffer_bytes=grad_bytes if strategy is not ShardStrategy.REPLICATE else 0,
+        state_bytes=state_bytes(sizes, decision, ctx), activation_bytes=activation_bytes, gathered_bytes=gathered,
+        gathered_fwd_bytes=gathered, gathered_bwd_bytes=gathered if traits.reshard_after_forward else 0,
+        kept_gathered_bytes=0 if traits.reshard_after_forward else gathered,
+        grad_buffer_bytes=sizes.grad_bytes if traits.shards_optimizer else 0,
         fwd_working=fwd_working, bwd_working=bwd_working,
         compute_fwd_s=compute_fwd_s, compute_bwd_s=compute_bwd_s, recompute_s=recompute_s,
-        gather_fwd_s=gather_s, gather_bwd_s=gather_s if strategy is ShardStrategy.FULL_SHARD else 0.0,
-        reduce_s=reduce_s, reduce_per_step=strategy not in GATHERING,
-        post_step_gather_s=post_step_gather_s, offload_s=offload_s, optimizer_s=optimizer_s,
-        prefetch=decision.prefetch,
+        gather_fwd_s=gather, gather_bwd_s=gather if traits.reshard_after_forward else 0.0,
+        reduce_s=reduce_s(sizes, decision, ctx), reduce_per_step=not traits.reduce_scatters_grads,
+        post_step_gather_s=post_step_gather_s(sizes, decision, ctx), offload_s=offload_s(sizes, decision, ctx),
+        optimizer_s=optimizer_s(sizes, decision, ctx), prefetch=decision.prefetch,
         hide_fwd_s=compute_fwd_s if overlap else 0.0,
         hide_bwd_s=compute_bwd_s + recompute_s if overlap else 0.0)
 
@@ -390,12 +430,10 @@ def own_peak_bytes(unit: UnitCost, ctx: CostContext, backward: bool) -> int:
 
 
 def prefetch_fwd_bytes(unit: UnitCost, nxt: UnitCost | None, ctx: CostContext) -> int:
-    """Extra bytes during `unit`'s forward: the next unit's params, when prefetched and not yet held.
-
-    `unit` may be a column view (attributes as arrays) of many units: the chain DP's batch form."""
-    if nxt is None or (ctx.in_flight > 1 and nxt.kept_gathered_bytes):
+    """Extra bytes during `unit`'s forward: the next unit's params, when prefetched and not yet held."""
+    if nxt is None or not unit.prefetch or (ctx.in_flight > 1 and nxt.kept_gathered_bytes):
         return 0
-    return unit.prefetch * nxt.gathered_fwd_bytes
+    return nxt.gathered_fwd_bytes
 
 
 def prefetch_bwd_bytes(unit: UnitCost, prev: UnitCost | None) -> int:
@@ -409,24 +447,24 @@ class ExposedTime:
     per_step_s: float
 
 
-def _hidden(comm_s, window_s, prefetch):
+def exposed_s(comm_s: float, window_s: float, prefetch: bool) -> float:
     """What of `comm_s` a prefetch leaves exposed past `window_s` of compute (all of it without)."""
-    return comm_s - prefetch * np.minimum(comm_s, window_s)
+    return comm_s - min(comm_s, window_s) if prefetch else comm_s
 
 
 def pair_exposed_s(prev: UnitCost | None, unit: UnitCost | None) -> ExposedTime:
-    """Communication left exposed between adjacent units `prev` → `unit` (None at a chain end).
-
-    `prev` may be a column view of many units (attributes as arrays): the chain DP's batch form."""
-    if prev is None:  # `unit` is first: its forward gather and its gradient reduction hide under nothing
+    """Communication left exposed between adjacent units `prev` → `unit` (None at a chain end)."""
+    if prev is None and unit is not None:  # `unit` is first: its forward gather and reduction hide under nothing
         per_step = unit.reduce_s if unit.reduce_per_step else 0.0
         per_mb = unit.gather_fwd_s + (0.0 if unit.reduce_per_step else unit.reduce_s)
         return ExposedTime(per_micro_batch_s=per_mb, per_step_s=per_step)
-    if unit is None:  # `prev` is last: its backward gather runs first in backward, unhidden
+    if unit is None and prev is not None:  # `prev` is last: its backward gather runs first in backward, unhidden
         return ExposedTime(per_micro_batch_s=prev.gather_bwd_s, per_step_s=0.0)
-    per_mb = (_hidden(unit.gather_fwd_s, prev.hide_fwd_s, prev.prefetch)
-              + _hidden(prev.gather_bwd_s, unit.hide_bwd_s, unit.prefetch))
-    reduce = np.maximum(0.0, unit.reduce_s - prev.hide_bwd_s)
+    if prev is None or unit is None:
+        raise ValueError("pair_exposed_s needs at least one unit")
+    per_mb = (exposed_s(unit.gather_fwd_s, prev.hide_fwd_s, prev.prefetch)
+              + exposed_s(prev.gather_bwd_s, unit.hide_bwd_s, unit.prefetch))
+    reduce = max(0.0, unit.reduce_s - prev.hide_bwd_s)
     if unit.reduce_per_step:
         return ExposedTime(per_micro_batch_s=per_mb, per_step_s=reduce)
     return ExposedTime(per_micro_batch_s=per_mb + reduce, per_step_s=0.0)
@@ -499,7 +537,8 @@ def _stage_time(units: list[UnitCost], ctx: CostContext, boundary_s: float) -> d
     compute_mb = sum(u.compute_fwd_s + u.compute_bwd_s for u in units)
     recompute_mb = sum(u.recompute_s for u in units)
     offload_mb = sum(u.offload_s for u in units)
-    pairs = [pair_exposed_s(p, u) for p, u in zip([None] + units, units + [None])]
+    chain: list[UnitCost | None] = [None, *units, None]
+    pairs = [pair_exposed_s(p, u) for p, u in zip(chain, chain[1:])]
     exposed_mb = sum(p.per_micro_batch_s for p in pairs) + boundary_s
     exposed_step = sum(p.per_step_s for p in pairs) + sum(u.post_step_gather_s for u in units)
     per_mb = compute_mb + recompute_mb + offload_mb + exposed_mb

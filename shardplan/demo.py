@@ -41,7 +41,7 @@ def plan_demo(world_size: int, hardware: HardwareProfile, memory_budget=None) ->
         budget = int(fastest.predicted.peak_bytes * TIGHT_BUDGET_SHARE)
     else:
         budget = parse_bytes(memory_budget)
-    plan = solve(chain, world_size, hardware=hardware, budget_bytes=budget, model_name="GPT")
+    plan = solve(chain, world_size, hardware=hardware, memory_budget=budget, model_name="GPT")
     return plan, budget
 
 

@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 
 from .chain import InputSpec
+from .dtypes import FLOAT_DTYPES, INPUT_DTYPES
 from .errors import PlanError
 from .files import parse_json, read_text, write_text_atomically
 
@@ -34,10 +35,6 @@ MAX_DIM = 2**31 - 1
 """The largest size of one input dim: what torch.export assumes of an unbounded dim."""
 MAX_INPUT_NUMEL = 2**40
 """The most elements one example input may hold (4 TiB of bytes at the least): more is a typo."""
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-"""dtypes parameters may be gathered, computed and reduced in, as torch spells them."""
-INPUT_DTYPES = FLOAT_DTYPES + ("bool", "uint8", "int8", "int16", "int32", "int64", "complex64", "complex128")
-"""dtypes an example input may have."""
 
 
 class ShardStrategy(str, enum.Enum):
@@ -53,6 +50,49 @@ class ShardStrategy(str, enum.Enum):
     each rank steps its slice of the optimizer state, parameters gathered after the step."""
     REPLICATE = "replicate"
     """DDP: everything replicated, gradients all-reduced."""
+
+    @property
+    def traits(self) -> "StrategyTraits":
+        return STRATEGY_TRAITS[self]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StrategyTraits:
+    """What a shard strategy does, as data: the cost model, the search space, plan validation and the
+    runtime read these and nothing else of a strategy, so a new strategy is one row of STRATEGY_TRAITS."""
+
+    shards_params: bool
+    """Parameters live as 1/dp shards between uses and are all-gathered before each use."""
+    reshard_after_forward: bool
+    """Gathered parameters are freed after forward and gathered again for backward (else kept until then)."""
+    reduce_scatters_grads: bool
+    """Each micro-batch's gradient is reduce-scattered; else gradients accumulate locally, in full, and
+    are all-reduced once per step ([Note: gradient accumulation] in runtime/unit.py)."""
+    shards_optimizer: bool
+    """Each rank steps only its 1/dp slice of the parameters, with the gradient and optimizer state of
+    that slice."""
+    may_offload: bool
+    """The rank's shard (and its optimizer state) may live in CPU memory between uses."""
+
+    @property
+    def gathers_after_step(self) -> bool:
+        """Full parameters kept on every rank but stepped in slices: the slices are all-gathered after a step."""
+        return self.shards_optimizer and not self.shards_params
+
+
+STRATEGY_TRAITS = {
+    ShardStrategy.FULL_SHARD: StrategyTraits(shards_params=True, reshard_after_forward=True,
+                                             reduce_scatters_grads=True, shards_optimizer=True, may_offload=True),
+    ShardStrategy.SHARD_GRAD_OP: StrategyTraits(shards_params=True, reshard_after_forward=False,
+                                                reduce_scatters_grads=True, shards_optimizer=True, may_offload=True),
+    ShardStrategy.SHARD_OPTIMIZER: StrategyTraits(shards_params=False, reshard_after_forward=False,
+                                                  reduce_scatters_grads=False, shards_optimizer=True,
+                                                  may_offload=False),
+    ShardStrategy.REPLICATE: StrategyTraits(shards_params=False, reshard_after_forward=False,
+                                            reduce_scatters_grads=False, shards_optimizer=False, may_offload=False),
+}
+"""Offload needs a sharded strategy: the runtime gathers an offloaded shard from the host before each use
+(runtime/sharded.py), which a rank keeping full parameters never does."""
 
 
 SELECTIVE_SAVED_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
@@ -74,15 +114,9 @@ class Checkpoint(str, enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Unit:
-    """One FSDP unit: a run of consecutive blocks whose parameters share one flat buffer."""
+class Decision:
+    """What is decided for one unit: the solver chooses these, the plan's Unit carries them."""
 
-    name: str
-    """The first and last module path, e.g. "h.3" or "h.3..h.5"."""
-    modules: tuple[str, ...]
-    """Module paths of the blocks in this unit, in execution order."""
-    params: tuple[str, ...]
-    """Parameter names (model.named_parameters()) in the unit's flat buffer, in order."""
     strategy: ShardStrategy = ShardStrategy.FULL_SHARD
     checkpoint: Checkpoint = Checkpoint.NONE
     offload: bool = False
@@ -91,15 +125,38 @@ class Unit:
     """Start the next unit's gather while this one computes."""
 
     def __post_init__(self):
+        self._check_offload("a unit")
+
+    @property
+    def traits(self) -> StrategyTraits:
+        return self.strategy.traits
+
+    def _check_offload(self, who: str) -> None:
+        if self.offload and not self.traits.may_offload:
+            allowed = " or ".join(s.value for s in ShardStrategy if s.traits.may_offload)
+            raise PlanError(f"{who} offloads with strategy {self.strategy.value}: offload needs a sharded "
+                            f"strategy ({allowed}); set offload to false")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Unit(Decision):
+    """One FSDP unit: a run of consecutive blocks whose parameters share one flat buffer, and its Decision."""
+
+    name: str
+    """The first and last module path, e.g. "h.3" or "h.3..h.5"."""
+    modules: tuple[str, ...]
+    """Module paths of the blocks in this unit, in execution order."""
+    params: tuple[str, ...]
+    """Parameter names (model.named_parameters()) in the unit's flat buffer, in order."""
+
+    def __post_init__(self):
         if not self.name or not self.modules:
             raise PlanError(f"unit {_shown(self.name)} has no name or no modules: every unit holds at least one block")
-        if self.offload and self.strategy not in (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP):
-            raise PlanError(f"unit {_shown(self.name)} offloads with strategy {self.strategy.value}: offload needs a "
-                            "sharded strategy (full_shard or shard_grad_op); set offload to false")
+        self._check_offload(f"unit {_shown(self.name)}")
 
     @property
     def reshard_after_forward(self) -> bool:
-        return self.strategy is ShardStrategy.FULL_SHARD
+        return self.traits.reshard_after_forward
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

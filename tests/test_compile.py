@@ -9,7 +9,8 @@ from shardplan import zoo
 from shardplan.compile import compile, default_space, expert_defaults, predict, solve
 from shardplan.errors import InfeasibleError, ShardplanError
 from shardplan.hardware import get_hardware
-from shardplan.plan import Checkpoint, Plan
+from shardplan.dtypes import dtype_name
+from shardplan.plan import Checkpoint, MixedPrecision, Plan
 from shardplan.sizes import parse_bytes
 from shardplan.solver.search import Setting, search
 from shardplan.solver.space import Constraints, resolve_rules
@@ -50,13 +51,14 @@ def test_compile_gives_a_valid_deterministic_plan_over_every_parameter():
 def test_never_slower_than_the_expert_defaults_at_equal_budget(chains, fraction):
     hw = get_hardware(HARDWARE)
     for name, chain in chains.items():
-        dtype = chain.param_dtype.removeprefix("torch.")
-        setting = Setting(world_size=WORLD, batch_size=chain.inputs[0].shape[0], param_dtype=dtype, reduce_dtype=dtype)
+        dtype = dtype_name(chain.param_dtype)
+        precision = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
+        setting = Setting(world_size=WORLD, batch_size=chain.inputs[0].shape[0], mixed_precision=precision)
         defaults = expert_defaults(chain, setting, hw)
         budget = int(defaults[0][1].peak_bytes * fraction)
         fitting = [step for _, step in defaults if step.peak_bytes <= budget]
         try:
-            plan = solve(chain, WORLD, hardware=hw, budget_bytes=budget)
+            plan = solve(chain, WORLD, hardware=hw, memory_budget=budget)
         except InfeasibleError:
             assert not fitting, name  # the defaults are in the search space: if one fits, a plan exists
             continue
@@ -68,26 +70,26 @@ def test_replanning_from_the_cached_chain_is_deterministic_and_respects_the_budg
     chain = chains["gpt"]
     loose = solve(chain, WORLD, hardware=HARDWARE)
     budget = loose.predicted.peak_bytes * 3 // 4
-    tight = solve(chain, WORLD, hardware=HARDWARE, budget_bytes=budget)
+    tight = solve(chain, WORLD, hardware=HARDWARE, memory_budget=budget)
     assert tight.predicted.peak_bytes <= budget
     assert tight.predicted.step_time_s >= loose.predicted.step_time_s
     assert tight.reasoning.binding_constraint.startswith("memory")
-    assert solve(chain, WORLD, hardware=HARDWARE, budget_bytes=budget).to_json() == tight.to_json()
+    assert solve(chain, WORLD, hardware=HARDWARE, memory_budget=budget).to_json() == tight.to_json()
     assert tight.diff(loose)
 
 
 def test_infeasible_names_the_smallest_budget_and_what_would_fit(chains):
     chain = chains["gpt"]
     with pytest.raises(InfeasibleError, match=r"no plan fits .* smallest peak any plan reaches .* GiB would fit") as caught:
-        solve(chain, 2, hardware=HARDWARE, budget_bytes=4096, allow_pipeline=False)
+        solve(chain, 2, hardware=HARDWARE, memory_budget=4096, allow_pipeline=False)
     assert "raise memory_budget" in str(caught.value)  # nothing at all fits 4 KiB
     # the smallest peak it names is the one: a budget just above it fits (with a plan that peaks no lower,
     # up to the message's 3-digit rounding), one just below does not
     smallest = parse_bytes(re.search(r"smallest peak any plan reaches is ([\d.]+ \w+)", str(caught.value)).group(1))
-    assert solve(chain, 2, hardware=HARDWARE, budget_bytes=int(smallest * 1.01),
+    assert solve(chain, 2, hardware=HARDWARE, memory_budget=int(smallest * 1.01),
                  allow_pipeline=False).predicted.peak_bytes >= smallest * 0.995
     with pytest.raises(InfeasibleError, match="it would fit with"):  # and names what would fit it
-        solve(chain, 2, hardware=HARDWARE, budget_bytes=int(smallest * 0.99), allow_pipeline=False)
+        solve(chain, 2, hardware=HARDWARE, memory_budget=int(smallest * 0.99), allow_pipeline=False)
 
 
 def test_constraints_reach_the_plan(chains):
@@ -104,7 +106,7 @@ def test_bad_arguments_are_refused(chains):
     with pytest.raises(ShardplanError, match="optimizer"):
         solve(chains["gpt"], 2, hardware=HARDWARE, optimizer="lion")
     with pytest.raises(ShardplanError, match="memory size"):
-        solve(chains["gpt"], 2, hardware=HARDWARE, budget_bytes="lots")
+        solve(chains["gpt"], 2, hardware=HARDWARE, memory_budget="lots")
 
 
 
@@ -125,9 +127,9 @@ def test_a_bound_within_rounding_of_a_plans_time_keeps_that_plan(chains):
     kept (it once turned a plan that fit into an InfeasibleError)."""
     hw = get_hardware(HARDWARE)
     for name, chain in chains.items():
-        dtype = chain.param_dtype.removeprefix("torch.")
-        setting = Setting(world_size=WORLD, batch_size=chain.inputs[0].shape[0], param_dtype=dtype,
-                          reduce_dtype=dtype)
+        dtype = dtype_name(chain.param_dtype)
+        precision = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
+        setting = Setting(world_size=WORLD, batch_size=chain.inputs[0].shape[0], mixed_precision=precision)
         rules, space = resolve_rules(chain.blocks, None), default_space(len(chain.blocks))
         best = search(chain.blocks, rules, setting, hw, hw.usable_memory_bytes, space)[0]
         walked_s = predict(chain, best, setting, hw).step_time_s

@@ -284,15 +284,51 @@ def test_a_block_without_flops_pays_only_its_memory_bound_ops():
 def test_pipeline_sends_cross_nodes_once_the_world_spans_them():
     """Neighbouring stages sit dp ranks apart: within one 8-GPU node a send rides NVLink, across
     nodes one GPU's NICs (44.8 GB/s) plus the latency of two nodes."""
+    from shardplan.plan import Mesh, Schedule
     from shardplan.solver.search import Configuration, Setting, boundary_times_s
 
     h100 = BUILTIN["h100-80g"]
     blocks = (block(0, inp=64 * MiB), block(1, inp=64 * MiB))
     sent = 2 * 64 * MiB  # a send of x bytes is priced as an all-gather of 2x over 2 ranks
     for world, link in ((8, h100.intra_node), (16, h100.inter_node)):
-        configuration = Configuration(dp=world // 2, pp=2, num_micro_batches=1, schedule="1f1b")
+        configuration = Configuration(mesh=Mesh(dp_shard=world // 2, pp=2), schedule=Schedule(name="1f1b"))
         cost = link.collectives["all_gather_into_tensor"]
         latency_s = cost.latency_s + link.latency_per_node_doubling_s * (world > 8)
         expected = latency_s + sent / 2 / cost.bus_bandwidth_bytes_per_s + link.in_step_wait_s
         assert boundary_times_s(blocks, Setting(world_size=world, batch_size=1), configuration, h100)[1] == (
             pytest.approx(expected))
+
+
+@pytest.mark.parametrize("strategy", list(ShardStrategy))
+def test_the_runtime_keeps_and_gathers_what_the_cost_model_counts(strategy):
+    """Both read the strategy's traits: what a rank keeps between steps (its parameters and the gradient
+    of the part it steps) and whether the unit is gathered before use."""
+    from shardplan.plan import Unit
+    from shardplan.runtime.flat_param import FlatLayout
+    from shardplan.runtime.sharded import _keep_slice
+    from shardplan.runtime.unit import FlatUnit
+
+    numel, dp = 1_000_000, 4
+    layout = FlatLayout.of("b0", [("b0.w", torch.zeros(numel))], dp)
+    shard, full = _keep_slice(strategy.traits, torch.zeros(numel), layout, 0, offload=False)
+    unit = FlatUnit(spec=Unit(name="b0", modules=("b0",), params=("b0.w",), strategy=strategy), layout=layout,
+                    shard=shard, full=full, slots=[], rank=0, compute_dtype=torch.float32,
+                    reduce_dtype=torch.float32, device=torch.device("cpu"))
+    kept_bytes = 4 * ((full if full is not None else shard).numel() + shard.numel())
+    predicted = unit_cost((block(numel=numel),), Decision(strategy=strategy), ctx(dp=dp, optimizer="none"))
+    assert predicted.state_bytes == kept_bytes
+    assert unit.sharded == (predicted.gathered_bytes > 0)
+
+
+@pytest.mark.parametrize("strategy", list(ShardStrategy))
+def test_offload_is_one_rule_for_plans_the_cost_model_and_the_search(strategy):
+    from shardplan.solver.space import BlockRule, SearchSpace
+
+    if strategy.traits.may_offload:
+        assert unit_cost((block(),), Decision(strategy=strategy, offload=True), ctx()).state_bytes == 0
+    else:
+        with pytest.raises(ShardplanError, match="offload needs a sharded strategy"):
+            Decision(strategy=strategy, offload=True)
+    searched = {d.strategy for d in SearchSpace(allow_offload=True).decisions((BlockRule(),)) if d.offload}
+    # the search leaves out offloading units kept gathered from forward to backward (space.py)
+    assert (strategy in searched) == (strategy.traits.may_offload and strategy.traits.reshard_after_forward)

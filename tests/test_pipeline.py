@@ -154,7 +154,7 @@ def test_evaluate_prices_a_pipelined_plan_as_the_solver_did():
     entry = zoo.gpt(batch=8)
     chain = analyze(entry.model, entry.args, entry.kwargs)
     data_parallel = solve(chain, 4, hardware="cpu-gloo", allow_pipeline=False)
-    plan = solve(chain, 4, hardware="cpu-gloo", budget_bytes=int(0.3 * data_parallel.predicted.peak_bytes))
+    plan = solve(chain, 4, hardware="cpu-gloo", memory_budget=int(0.3 * data_parallel.predicted.peak_bytes))
     assert plan.mesh.pp > 1
     predicted = evaluate(chain, plan, "cpu-gloo")
     assert (predicted.peak_bytes, predicted.time_s) == (plan.predicted.peak_bytes, plan.predicted.time_s)
@@ -174,10 +174,10 @@ def test_tied_parameters_keep_their_blocks_on_one_stage():
     # parallel (sharded further), and at half its peak nothing fits: no stage cut may part its tied weights
     gpt = zoo.gpt()
     gpt_chain = analyze(gpt.model, gpt.args, gpt.kwargs)
-    assert solve(gpt_chain, 2, hardware="cpu-gloo", budget_bytes=share_of_fastest_peak(gpt_chain, 0.65)).mesh.pp == 2
-    assert solve(chain, 2, hardware="cpu-gloo", budget_bytes=share_of_fastest_peak(chain, 0.65)).mesh.pp == 1
+    assert solve(gpt_chain, 2, hardware="cpu-gloo", memory_budget=share_of_fastest_peak(gpt_chain, 0.65)).mesh.pp == 2
+    assert solve(chain, 2, hardware="cpu-gloo", memory_budget=share_of_fastest_peak(chain, 0.65)).mesh.pp == 1
     with pytest.raises(InfeasibleError):
-        solve(chain, 2, hardware="cpu-gloo", budget_bytes=share_of_fastest_peak(chain, 0.5))
+        solve(chain, 2, hardware="cpu-gloo", memory_budget=share_of_fastest_peak(chain, 0.5))
 
 
 WORLD2_CASES = {

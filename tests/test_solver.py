@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from shardplan.chain import Block
 from shardplan.cost import CostContext, evaluate_stage
 from shardplan.hardware import get_hardware
-from shardplan.plan import Checkpoint, ShardStrategy
+from shardplan.plan import Checkpoint, Mesh, Schedule, ShardStrategy
 from shardplan.solver.brute_force import count_candidates, solve_chain_brute_force
 from shardplan.solver.chain_dp import ChainSolver, StageFloors, UnitCosts, _Front, _pareto
 from shardplan.solver.search import Configuration, Setting, boundary_time_s, context, solve_configuration
@@ -86,7 +86,7 @@ def test_stage_cuts_equal_brute_force_over_cuts(blocks, budget_bytes, m, pp):
                         checkpoints=(Checkpoint.NONE, Checkpoint.FULL), prefetch=(True,), max_unit_blocks=2)
     rules = resolve_rules(blocks, None)
     setting = Setting(world_size=pp * 2, batch_size=m)
-    configuration = Configuration(dp=2, pp=pp, num_micro_batches=m, schedule="1f1b")
+    configuration = Configuration(mesh=Mesh(dp_shard=2, pp=pp), schedule=Schedule(num_micro_batches=m, name="1f1b"))
     found = solve_configuration(blocks, rules, setting, configuration, H100, budget_bytes, space)
     costs = UnitCosts(blocks, rules, space, context(setting, configuration, H100, 0))
     time_floors = StageFloors(costs, budget_bytes)
@@ -181,7 +181,7 @@ def test_constraints_cut_stages_where_pinned():
     blocks = _uniform_blocks(6)
     rules = resolve_rules(blocks, Constraints(stage_boundary=(r"layers\.5$",)))
     setting = Setting(world_size=4, batch_size=4)
-    configuration = Configuration(dp=2, pp=2, num_micro_batches=4, schedule="1f1b")
+    configuration = Configuration(mesh=Mesh(dp_shard=2, pp=2), schedule=Schedule(num_micro_batches=4, name="1f1b"))
     found = solve_configuration(blocks, rules, setting, configuration, H100, 10**12, SearchSpace(prefetch=(True,)))
     assert [(c.start, c.end) for c in found.stages] == [(0, 5), (5, 6)]
     forbid = resolve_rules(blocks, Constraints(no_stage_boundary=(r"layers\.[1-5]$",)))

@@ -12,6 +12,7 @@ import torch.fx
 
 from ..capture import capture
 from ..chain import BlockChain, InputSpec
+from ..dtypes import dtype_name, torch_dtype
 from .blocks import build_chain, fingerprint
 from .devices import retarget_device_pass
 from .execution import annotate_execution_pass
@@ -71,14 +72,14 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
 def input_specs(args: tuple, kwargs: dict, dynamic_dims: dict | None = None) -> tuple[InputSpec, ...]:
     named = [(str(i), value) for i, value in enumerate(args)] + list(kwargs.items())
     dynamic_dims = dynamic_dims or {}
-    return tuple(InputSpec(name=name, shape=tuple(value.shape), dtype=str(value.dtype).removeprefix("torch."),
+    return tuple(InputSpec(name=name, shape=tuple(value.shape), dtype=dtype_name(value.dtype),
                            dynamic_dims=tuple(sorted(dynamic_dims.get(name, {}))))
                  for name, value in named if isinstance(value, torch.Tensor))
 
 
 def meta_inputs(inputs) -> tuple[tuple, dict]:
     """(args, kwargs) of meta tensors shaped as `inputs` (InputSpecs; positional ones are named "0", "1")."""
-    tensors = {spec.name: torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device="meta") for spec in inputs}
+    tensors = {spec.name: torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device="meta") for spec in inputs}
     return (tuple(t for name, t in tensors.items() if name.isdigit()),
             {name: t for name, t in tensors.items() if not name.isdigit()})
 

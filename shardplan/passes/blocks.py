@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from ..chain import Block, BlockChain, InputSpec, merge_op_kinds
+from ..dtypes import dtype_bytes
 from .facts import facts, is_compute
 
 _LAYER_INDEX = re.compile(r"^\d+$")
@@ -142,7 +143,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
     dtypes = sorted({str(p.dtype) for p in gm.parameters()})
     return BlockChain(blocks=tuple(blocks), fingerprint=fingerprint(gm), param_dtype=dtypes[0] if dtypes else "",
                       returned_bytes=facts(next(n for n in reversed(gm.graph.nodes) if n.op == "output")).out_bytes,
-                      inputs=inputs, input_bytes=sum(_numel(s.shape) * _itemsize(s.dtype) for s in inputs),
+                      inputs=inputs, input_bytes=sum(_numel(s.shape) * dtype_bytes(s.dtype) for s in inputs),
                       dynamic_dims=dynamic_dims or {}, **edges,
                       # **edges in extra too while compile._edges reads them there (until it reads the fields)
                       extra=dict(extra, nodes=len(gm.graph.nodes), **edges))
@@ -206,7 +207,3 @@ def _numel(shape) -> int:
     for size in shape:
         total *= size
     return total
-
-
-def _itemsize(dtype: str) -> int:
-    return getattr(torch, dtype.removeprefix("torch.")).itemsize

@@ -53,6 +53,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.nn as nn
 
+from ..dtypes import dtype_name, torch_dtype
 from ..errors import CheckpointError, RuntimeMismatchError, ShardplanError
 from ..files import parse_json, read_text
 from . import collectives
@@ -315,7 +316,7 @@ def _state_schema(states: dict[Holder, dict]) -> dict[str, dict]:
                                      "tensors and numbers; use an optimizer whose state is tensors")
             tensor = _as_tensor(value)
             entry = {"kind": "shaped" if tensor.dim() and tensor.shape == holder.parameter.shape else "scalar",
-                     "dtype": str(tensor.dtype).removeprefix("torch."), "python": not isinstance(value, torch.Tensor),
+                     "dtype": dtype_name(tensor.dtype), "python": not isinstance(value, torch.Tensor),
                      "on_param_device": tensor.device == holder.parameter.device}
             if schema.setdefault(key, entry) != entry:
                 raise ShardplanError(f"optimizer state {key!r} is {entry} for {holder.label} but "
@@ -363,9 +364,9 @@ def _fresh_state(held: list[Holder], optimizer: torch.optim.Optimizer, schema: d
                                  f"({holder.names[has.index(False)]!r}): put them in separate units")
         if all(has):
             states[holder] = {
-                key: torch.zeros_like(holder.parameter.detach(), dtype=getattr(torch, entry["dtype"]))
+                key: torch.zeros_like(holder.parameter.detach(), dtype=torch_dtype(entry["dtype"]))
                 if entry["kind"] == "shaped" else
-                torch.zeros((), dtype=getattr(torch, entry["dtype"]),
+                torch.zeros((), dtype=torch_dtype(entry["dtype"]),
                             device=holder.parameter.device if entry["on_param_device"] else "cpu")
                 for key, entry in schema.items()}
     return states
@@ -480,7 +481,7 @@ def _parameter_shapes(held: list[Holder]) -> dict[str, tuple[list[int], str]]:
 
 
 def _buffer_shapes(program) -> dict[str, tuple[list[int], str]]:
-    return {name[len("model."):]: (list(buffer.shape), str(buffer.dtype).removeprefix("torch."))
+    return {name[len("model."):]: (list(buffer.shape), dtype_name(buffer.dtype))
             for name, buffer in _buffer_entries(program.module).items()}
 
 

@@ -12,8 +12,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn as nn
 
+from ..dtypes import dtype_name
 from ..errors import ShardplanError
-from ..plan import ShardStrategy
 from . import collectives
 from .flat_param import FlatLayout
 from .unit import FlatUnit
@@ -68,7 +68,7 @@ def chunked_entry(local: torch.Tensor, numel: int, chunks: list[Chunk], rank: in
 
 
 class UnitHolder:
-    """A shardplan unit: one flat shard (or the whole buffer, REPLICATE) holding many parameters."""
+    """A shardplan unit: one flat shard (or the whole buffer, when stepped whole) holding many parameters."""
 
     def __init__(self, unit: FlatUnit):
         self.unit = unit
@@ -80,14 +80,14 @@ class UnitHolder:
         self.label = f"unit {unit.name!r}"
 
     def shapes(self) -> dict[str, tuple[list[int], str]]:
-        dtype = str(self.unit.layout.dtype).removeprefix("torch.")
+        dtype = dtype_name(self.unit.layout.dtype)
         return {name: (list(shape), dtype) for name, shape in zip(self.names, self.unit.layout.shapes)}
 
     def entries(self, local: torch.Tensor, key: Key) -> dict[str, torch.Tensor]:
         """One entry per parameter from `local`, a tensor shaped like the shard."""
         local = local.detach()
         layout = self.unit.layout
-        if self.unit.spec.strategy is ShardStrategy.REPLICATE:
+        if not self.unit.traits.shards_optimizer:  # the whole buffer, the same on every rank
             return {key(name): piece.reshape(-1) for name, piece in zip(self.names, layout.split(local))}
         group = self.unit.group  # chunks are placed on world ranks: a pipeline stage's group is not the world
         return {key(name): chunked_entry(local, layout.numels[index],
@@ -140,7 +140,7 @@ class DTensorHolder:
         self.label = f"parameter {name!r}"
 
     def shapes(self) -> dict[str, tuple[list[int], str]]:
-        return {self.names[0]: (list(self.parameter.shape), str(self.parameter.dtype).removeprefix("torch."))}
+        return {self.names[0]: (list(self.parameter.shape), dtype_name(self.parameter.dtype))}
 
     def entries(self, tensor: torch.Tensor, key: Key) -> dict[str, torch.Tensor]:
         """The entry of `tensor`, a DTensor placed like the parameter."""

@@ -17,9 +17,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from ..dtypes import torch_dtype
 from ..errors import PlanError, RuntimeMismatchError, ShardplanError
 from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabKind
-from ..plan import Plan, ShardStrategy
+from ..plan import Plan
 from . import collectives
 from .activation_checkpoint import checkpointed
 from .program import Program, grad_norm_term
@@ -31,8 +32,8 @@ class Fsdp2Program(Program):
     def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
         super().__init__(module, plan, loss_fn)
         mesh = collectives.device_mesh(device.type, plan.mesh.dp)
-        param_dtype = getattr(torch, plan.mixed_precision.param_dtype)
-        reduce_dtype = getattr(torch, plan.mixed_precision.reduce_dtype)
+        param_dtype = torch_dtype(plan.mixed_precision.param_dtype)
+        reduce_dtype = torch_dtype(plan.mixed_precision.reduce_dtype)
         precision = MixedPrecisionPolicy(param_dtype=None if param_dtype is torch.float32 else param_dtype,
                                          reduce_dtype=None if reduce_dtype is torch.float32 else reduce_dtype)
         tied = _tied_across_units(module, plan)
@@ -52,7 +53,7 @@ class Fsdp2Program(Program):
                 target.forward = checkpointed(target.forward, unit.checkpoint)
             offload = unit.offload and device.type != "cpu"  # on CPU the shard already lives in CPU memory
             fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh,
-                        reshard_after_forward=unit.strategy is ShardStrategy.FULL_SHARD, mp_policy=precision,
+                        reshard_after_forward=unit.reshard_after_forward, mp_policy=precision,
                         offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
         fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=precision)
         if on_meta:

@@ -40,6 +40,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
+from ..dtypes import dtype_name
 from ..errors import RuntimeMismatchError, ShardplanError
 from ..plan import Plan
 from . import collectives
@@ -271,7 +272,7 @@ def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
             raise RuntimeMismatchError(
                 f"input {spec.name!r} has shape {list(value.shape)}, the plan was made for {list(spec.shape)} "
                 "(one data-parallel replica's batch): pass batches of that shape, or re-plan for this one")
-        given = str(value.dtype).removeprefix("torch.")
+        given = dtype_name(value.dtype)
         if given != spec.dtype:
             raise RuntimeMismatchError(f"input {spec.name!r} is {given}, the plan was made for {spec.dtype}: "
                                        f"pass it as {spec.dtype} (.to(torch.{spec.dtype})), or re-plan for {given}")

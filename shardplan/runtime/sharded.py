@@ -14,8 +14,9 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..dtypes import torch_dtype
 from ..errors import PlanError, ShardplanError
-from ..plan import Plan, ShardStrategy, Unit
+from ..plan import Plan, StrategyTraits, Unit
 from . import collectives
 from .activation_checkpoint import checkpointed
 from .flat_param import FlatLayout
@@ -95,11 +96,9 @@ class UnitProgram(Program):
         raise NotImplementedError
 
     def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
-        # a REPLICATE unit's gradient is the same on every rank: counted once, not summed over ranks
-        sharded = [u.shard.grad for u in self.units if u.shard.grad is not None
-                   and u.spec.strategy is not ShardStrategy.REPLICATE]
-        replicated = [u.shard.grad for u in self.units if u.shard.grad is not None
-                      and u.spec.strategy is ShardStrategy.REPLICATE]
+        # a unit stepped whole on every rank has the same gradient there: counted once, not summed over ranks
+        sharded = [u.shard.grad for u in self.units if u.shard.grad is not None and u.traits.shards_optimizer]
+        replicated = [u.shard.grad for u in self.units if u.shard.grad is not None and not u.traits.shards_optimizer]
         return grad_norm_term(sharded, norm_type), grad_norm_term(replicated, norm_type)
 
 
@@ -140,8 +139,8 @@ def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device, *
             if parameter is not None:
                 slots_of.setdefault(id(parameter), []).append((module, attribute))
                 owners.setdefault(id(parameter), []).append(path)
-    compute_dtype = getattr(torch, plan.mixed_precision.param_dtype)
-    reduce_dtype = getattr(torch, plan.mixed_precision.reduce_dtype)
+    compute_dtype = torch_dtype(plan.mixed_precision.param_dtype)
+    reduce_dtype = torch_dtype(plan.mixed_precision.reduce_dtype)
     built = []
     for spec in plan.units if units is None else units:
         # slots are found by the original Parameter objects: materializing replaces them
@@ -159,7 +158,7 @@ def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device, *
         layout = FlatLayout.of(spec.name, list(zip(spec.params, parameters)), plan.mesh.dp)
         with torch.no_grad():
             flat = collectives.broadcast_(layout.flatten([p.detach().to(device) for p in parameters]), group)
-        shard, full = _keep_slice(spec.strategy, flat, layout, rank, spec.offload)
+        shard, full = _keep_slice(spec.traits, flat, layout, rank, spec.offload)
         shard.requires_grad_(trainable == {True})
         unit = FlatUnit(spec=spec, layout=layout, shard=shard, full=full, slots=slots, rank=rank,
                         compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, device=device, group=group)
@@ -177,16 +176,17 @@ def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device, *
     return built
 
 
-def _keep_slice(strategy: ShardStrategy, flat: torch.Tensor, layout: FlatLayout, rank: int,
+def _keep_slice(traits: StrategyTraits, flat: torch.Tensor, layout: FlatLayout, rank: int,
                 offload: bool) -> tuple[nn.Parameter, torch.Tensor | None]:
-    """(what the optimizer steps, the persistent full buffer it is a slice of, if any)."""
+    """(what the optimizer steps, the persistent full buffer it is a slice of, if any). Only a unit
+    whose traits may offload is offloaded (plan.Decision refuses the others)."""
     home = torch.device("cpu") if offload else flat.device
-    if strategy is ShardStrategy.REPLICATE:
-        return nn.Parameter(flat.to(home)), None
-    if strategy is ShardStrategy.SHARD_OPTIMIZER:
+    if traits.shards_params:
+        return nn.Parameter(flat[layout.shard_slice(rank)].to(home, copy=True)), None
+    if traits.shards_optimizer:
         full = flat.to(home)
         return nn.Parameter(full[layout.shard_slice(rank)]), full
-    return nn.Parameter(flat[layout.shard_slice(rank)].to(home, copy=True)), None
+    return nn.Parameter(flat.to(home)), None
 
 
 def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:

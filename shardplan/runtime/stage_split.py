@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 
 from ..chain import InputSpec
+from ..dtypes import torch_dtype
 from ..errors import PlanError, ShardplanError
 from ..passes.blocks import attribute_of
 from ..plan import Plan
@@ -144,7 +145,7 @@ def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> 
     if not plan.inputs:
         raise PlanError("this plan records no input shapes (written by hand?): pipeline stages are cut from "
                         "a capture at those shapes; make the plan with shardplan.compile")
-    with _stand_ins(model, getattr(torch, plan.mixed_precision.param_dtype)):
+    with _stand_ins(model, torch_dtype(plan.mixed_precision.param_dtype)):
         gm = capture(model, *micro_batch_inputs(plan.inputs, plan.schedule.num_micro_batches)).gm
     if not hasattr(gm, "_in_spec"):
         raise ShardplanError(f"torch.export could not capture {type(model).__name__} (only symbolic tracing "

@@ -1,15 +1,16 @@
 """One unit at run time: its shard, its full buffer when gathered, and its gradient reduction.
 
-The unit is a small state machine (UnitState). What "gathered" means depends
-on the strategy:
+The unit is a small state machine (UnitState). What "gathered" means follows
+the strategy's traits (plan.StrategyTraits), as the cost model's terms do:
 
-- FULL_SHARD, SHARD_GRAD_OP: the shard is 1/dp of the flat buffer; gathering
-  is an all_gather (in the compute dtype); the gradient is reduce-scattered.
-- SHARD_OPTIMIZER: every rank keeps the full fp32 buffer and the optimizer
-  steps only this rank's slice of it (`shard` is a view into `full`); the
-  gradient is all-reduced and sliced; after an optimizer step the slices are
-  all-gathered back into `full`, lazily, at the next use.
-- REPLICATE: `shard` is the whole buffer; the gradient is all-reduced.
+- shards_params (FULL_SHARD, SHARD_GRAD_OP): the shard is 1/dp of the flat
+  buffer; gathering is an all_gather (in the compute dtype). Otherwise every
+  rank keeps the whole buffer: with shards_optimizer (SHARD_OPTIMIZER) the
+  optimizer steps this rank's slice of it (`shard` is a view into `full`),
+  all-gathered back into `full`, lazily, at the next use after a step.
+- reduce_scatters_grads: the gradient is reduce-scattered every micro-batch;
+  otherwise it accumulates locally and is all-reduced once per step (and
+  sliced, when `shard` is a slice of `full`).
 
 [Note: presenting parameters] The modules keep their own code: their
 parameter slots (`module._parameters[name]`) hold views of the gathered
@@ -22,7 +23,7 @@ import enum
 import torch
 import torch.nn as nn
 
-from ..plan import ShardStrategy, Unit
+from ..plan import StrategyTraits, Unit
 from . import collectives
 from .collectives import Pending
 from .flat_param import FlatLayout
@@ -82,9 +83,13 @@ class FlatUnit:
         return self.spec.name
 
     @property
+    def traits(self) -> StrategyTraits:
+        return self.spec.traits
+
+    @property
     def sharded(self) -> bool:
         """Whether the parameters exist only as shards between uses (so using them needs an all_gather)."""
-        return self.spec.strategy in (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP)
+        return self.traits.shards_params
 
     @property
     def gathered_buffer_storage(self) -> int | None:
@@ -139,14 +144,15 @@ class FlatUnit:
     def reduce(self, grad_full: torch.Tensor, *, communicate: bool) -> None:
         """Take the gradient of the full buffer: accumulate it locally, or issue its reduction.
 
-        [Note: gradient accumulation] Sharded units (FULL_SHARD, SHARD_GRAD_OP) reduce-scatter
+        [Note: gradient accumulation] Units that reduce-scatter (FULL_SHARD, SHARD_GRAD_OP) do so
         every micro-batch into the sharded gradient: holding full gradients until the last one
         would cost each rank the whole model's gradient, more than micro-batching saves in
-        activations. Replicated units (SHARD_OPTIMIZER, REPLICATE) hold a full gradient anyway,
+        activations. Units that all-reduce (SHARD_OPTIMIZER, REPLICATE) hold a full gradient anyway,
         so micro-batches before the last only add into a full-size reduce-dtype accumulator and
         the last reduces the sum once. The cost model counts the same (shardplan.cost)."""
         grad = grad_full.to(self.reduce_dtype)
-        if not self.sharded and (self._accumulating or not communicate):
+        scatters = self.traits.reduce_scatters_grads
+        if not scatters and (self._accumulating or not communicate):
             if self._grad_accumulator is None:
                 self._grad_accumulator = torch.empty_like(grad)
             if self._accumulating:
@@ -157,7 +163,7 @@ class FlatUnit:
             if not communicate:
                 return
             grad = self._grad_accumulator
-        if self.sharded:
+        if scatters:
             self._pending_reduce = collectives.reduce_scatter_mean(grad, async_op=True, group=self.group)
         else:
             self._pending_reduce = collectives.all_reduce_mean(grad, async_op=True, group=self.group)
@@ -170,7 +176,7 @@ class FlatUnit:
         """Wait for the issued reduction and add its result into `shard.grad`."""
         reduced = collectives.wait(self._pending_reduce)
         self._pending_reduce = None
-        if self.spec.strategy is ShardStrategy.SHARD_OPTIMIZER:
+        if self.full is not None:  # reduced in full, stepped as `shard`, a slice of it
             reduced = reduced[self.layout.shard_slice(self.rank)]
         reduced = reduced.to(device=self.shard.device, dtype=self.shard.dtype)
         if self.shard.grad is None:  # a copy, not the accumulator or a view of the reduced buffer
@@ -194,8 +200,7 @@ class FlatUnit:
             if self.full is not None:
                 self.full.copy_(flat)
             else:
-                self.shard.copy_(flat if self.spec.strategy is ShardStrategy.REPLICATE
-                                 else flat[self.layout.shard_slice(self.rank)])
+                self.shard.copy_(flat[self.layout.shard_slice(self.rank)] if self.traits.shards_optimizer else flat)
         self._synced_version = self.shard._version
 
     def _compute_shard(self) -> torch.Tensor:

@@ -31,7 +31,8 @@ import numpy as np
 
 from .. import cost
 from ..chain import Block
-from ..cost import CostContext, Decision
+from ..cost import CostContext, UnitCost
+from ..plan import Decision
 from .space import BlockRule, SearchSpace
 
 
@@ -165,7 +166,8 @@ class _Front:
 @dataclass(slots=True)
 class _Columns:
     """Every state of a position with its last unit's terms as arrays, so that appending a unit
-    is one vectorized step over all of them (cost functions accept this view as `prev`)."""
+    is one vectorized step over all of them: the methods are cost.py's pair terms with this
+    view as the earlier unit, computed in the same order so both give the same bits."""
 
     front: _Front
     """parent_* here name the state itself: its key number and index at this position."""
@@ -175,6 +177,25 @@ class _Columns:
     hide_fwd_s: np.ndarray
     gather_bwd_s: np.ndarray
     hide_bwd_s: np.ndarray
+
+    def prefetch_fwd_bytes(self, nxt: UnitCost, ctx: CostContext) -> np.ndarray | int:
+        """cost.prefetch_fwd_bytes(each last unit, nxt)."""
+        if ctx.in_flight > 1 and nxt.kept_gathered_bytes:
+            return 0
+        return self.prefetch * nxt.gathered_fwd_bytes
+
+    def prefetch_bwd_bytes(self, nxt: UnitCost) -> np.ndarray | int:
+        """cost.prefetch_bwd_bytes(nxt, each last unit)."""
+        return self.gathered_bwd_bytes if nxt.prefetch else 0
+
+    def pair_time_s(self, nxt: UnitCost, ctx: CostContext) -> np.ndarray:
+        """cost.pair_time_s(each last unit, nxt)."""
+        per_mb = (nxt.gather_fwd_s - self.prefetch * np.minimum(nxt.gather_fwd_s, self.hide_fwd_s)
+                  + (self.gather_bwd_s - nxt.prefetch * np.minimum(self.gather_bwd_s, nxt.hide_bwd_s)))
+        reduce = np.maximum(0.0, nxt.reduce_s - self.hide_bwd_s)
+        if nxt.reduce_per_step:
+            return ctx.pipeline_factor * per_mb + reduce
+        return ctx.pipeline_factor * (per_mb + reduce)
 
 
 @dataclass(slots=True)
@@ -474,9 +495,9 @@ class ChainSolver:
         else:
             columns = self._columns(source, start)
             front = columns.front
-            rise = np.maximum(columns.rise_fwd_bytes + cost.prefetch_fwd_bytes(columns, v, ctx),
-                              v_bwd + cost.prefetch_bwd_bytes(v, columns))
-            step = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(columns, v, ctx)
+            rise = np.maximum(columns.rise_fwd_bytes + columns.prefetch_fwd_bytes(v, ctx),
+                              v_bwd + columns.prefetch_bwd_bytes(v))
+            step = 0.0 if self.minimize_memory else own_time + columns.pair_time_s(v, ctx)
         r = np.maximum(front.r, front.q + rise) + delta
         time_s, q = front.time_s + step, front.q + delta + held_v
         end = start + key[1]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .. import cost
 from ..cost import CostContext, evaluate_stage
-from ..plan import Schedule
+from ..plan import Mesh, MixedPrecision, Schedule
 from .chain_dp import ROUNDING, ChainSolver, StageFloors, UnitCosts
 from .space import BlockRule, SearchSpace
 from .stages import StageCut, cut_stages
@@ -34,8 +34,7 @@ class Setting:
     world_size: int
     batch_size: int
     """Samples in one replica's batch (the leading dim of the example inputs)."""
-    param_dtype: str = "float32"
-    reduce_dtype: str = "float32"
+    mixed_precision: MixedPrecision = MixedPrecision()
     optimizer: str = "adamw"
     allow_pipeline: bool = True
     max_pipeline_degree: int = 8
@@ -48,18 +47,17 @@ class Setting:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Configuration:
-    dp: int
-    pp: int
-    num_micro_batches: int
-    schedule: str
-    """"none" when pp == 1."""
+    """One point of the outer search: the plan's mesh and schedule."""
+
+    mesh: Mesh
+    schedule: Schedule
 
     def in_flight(self, stage: int) -> int:
-        return Schedule(num_micro_batches=self.num_micro_batches, name=self.schedule).in_flight(stage, self.pp)
+        return self.schedule.in_flight(stage, self.mesh.pp)
 
     def describe(self) -> str:
-        text = f"dp={self.dp} pp={self.pp} micro-batches={self.num_micro_batches}"
-        return text + (f" {self.schedule}" if self.pp > 1 else "")
+        text = f"dp={self.mesh.dp} pp={self.mesh.pp} micro-batches={self.schedule.num_micro_batches}"
+        return text + (f" {self.schedule.name}" if self.mesh.pp > 1 else "")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,14 +84,16 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
                 # but torch's Schedule1F1B, which the runtime runs, refuses it: not searched.
                 if schedule == "1f1b" and m < pp:
                     continue
-                found.append(Configuration(dp=world // pp, pp=pp, num_micro_batches=m, schedule=schedule))
+                found.append(Configuration(mesh=Mesh(dp_shard=world // pp, pp=pp),
+                                           schedule=Schedule(num_micro_batches=m, name=schedule)))
     return found
 
 
 def context(setting: Setting, configuration: Configuration, hardware, stage: int) -> CostContext:
-    return CostContext(hardware=hardware, dp=configuration.dp, num_micro_batches=configuration.num_micro_batches,
-                       in_flight=configuration.in_flight(stage), pipeline_degree=configuration.pp,
-                       param_dtype=setting.param_dtype, reduce_dtype=setting.reduce_dtype,
+    mesh, precision = configuration.mesh, setting.mixed_precision
+    return CostContext(hardware=hardware, dp=mesh.dp, num_micro_batches=configuration.schedule.num_micro_batches,
+                       in_flight=configuration.in_flight(stage), pipeline_degree=mesh.pp,
+                       param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
                        optimizer=setting.optimizer)
 
 
@@ -124,9 +124,9 @@ def boundary_times_s(blocks, setting: Setting, configuration: Configuration, har
     pipelined plans' step times read 0.72-0.96 of measured, with it 0.84-1.02: docs/benchmarks.md).
     Neighbouring stages sit dp ranks apart: once the world spans nodes, the slowest stage's sends
     cross them, one rank's links each side (ranks_per_node=1)."""
-    if configuration.pp == 1:
+    if configuration.mesh.pp == 1:
         return [0.0] * (len(blocks) + 1)
-    m, crossing = configuration.num_micro_batches, boundary_bytes(blocks, setting.skip_edges)
+    m, crossing = configuration.schedule.num_micro_batches, boundary_bytes(blocks, setting.skip_edges)
     spans_nodes = setting.world_size > getattr(hardware, "devices_per_node", setting.world_size)
     placement = {"ranks_per_node": 1} if spans_nodes else {}
     return [0.0] + [hardware.collective_time_s("all_gather_into_tensor", 2 * -(-nbytes // m), 2, **placement)
@@ -145,7 +145,7 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
                         time_bound_s: float = math.inf) -> Candidate | None:
     """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one);
     None when nothing fits the budget or nothing is as fast as `time_bound_s`."""
-    contexts = [context(setting, configuration, hardware, stage) for stage in range(configuration.pp)]
+    contexts = [context(setting, configuration, hardware, stage) for stage in range(configuration.mesh.pp)]
     costs = UnitCosts(blocks, rules, space, contexts[0])  # shared by the stages: see UnitCosts
     solvers: dict[int, ChainSolver] = {}
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
@@ -155,7 +155,7 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
         if ctx.in_flight not in solvers:
             solvers[ctx.in_flight] = ChainSolver(
                 blocks, rules, ctx, budget_bytes, space, minimize_memory=minimize_memory, time_bound_s=time_bound_s,
-                only_end=len(blocks) if configuration.pp == 1 else None, costs=costs)
+                only_end=len(blocks) if configuration.mesh.pp == 1 else None, costs=costs)
         solution = solvers[ctx.in_flight].solve(start, end)
         if solution is None:
             return None
@@ -164,7 +164,7 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
         return solution, solution.time_s + ctx.pipeline_factor * (times_s[start] + times_s[end])
 
     floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
-    cuts = cut_stages(rules, configuration.pp, stage_cost, floors.least,
+    cuts = cut_stages(rules, configuration.mesh.pp, stage_cost, floors.least,
                       budget_bytes if minimize_memory else time_bound_s)
     if cuts is None:
         return None
@@ -200,7 +200,7 @@ def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configur
                         budget_bytes: float, space: SearchSpace) -> float:
     """Step time of the fastest simple plan of this configuration that fits: stages cut evenly by
     compute, every block its own unit, one decision per stage; inf when none fits."""
-    n, pp = len(blocks), configuration.pp
+    n, pp = len(blocks), configuration.mesh.pp
     if not all(rule.may_start_unit for rule in rules) or any(r.must_start_stage for r in rules[1:]):
         return math.inf
     prefix = list(itertools.accumulate((b.fwd_flops + b.bwd_flops for b in blocks), initial=0))

@@ -5,15 +5,16 @@ per-block `BlockRule`s, so whatever restricts one restricts the other and the
 property test compares like with like. Restrictions by default:
 - a unit spans at most `max_unit_blocks` consecutive blocks (default 4): larger
   units only add gathered memory and give up overlap on a chain of similar blocks;
-- offload only with FULL_SHARD (ZeRO-3 with CPU offload, as FSDP's CPUOffload and ZeRO-Infinity),
-  only when allowed: SHARD_GRAD_OP keeps the gathered parameters on the device anyway.
+- offload only when allowed, and only with a strategy that may offload (StrategyTraits.may_offload) and
+  reshards after forward (ZeRO-3 with CPU offload, as FSDP's CPUOffload and ZeRO-Infinity): a unit
+  kept gathered from forward to backward (SHARD_GRAD_OP) holds its parameters on the device anyway.
+  Plans may name such a unit offloaded; the search leaves it out, so its plans stay as they were.
 """
 import re
 from dataclasses import dataclass
 
-from ..cost import Decision
 from ..errors import ShardplanError
-from ..plan import Checkpoint, ShardStrategy
+from ..plan import Checkpoint, Decision, ShardStrategy
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,8 +65,13 @@ class SearchSpace:
         checkpoints = [c for c in self.checkpoints if all(c in r.checkpoints for r in rules)]
         return tuple(Decision(strategy=s, checkpoint=c, offload=o, prefetch=p)
                      for s in strategies for c in checkpoints
-                     for o in ((False, True) if self.allow_offload and s is ShardStrategy.FULL_SHARD else (False,))
+                     for o in ((False, True) if self.allow_offload and self.searches_offload(s) else (False,))
                      for p in self.prefetch)
+
+    @staticmethod
+    def searches_offload(strategy: ShardStrategy) -> bool:
+        """Whether offloading units of `strategy` is searched (see the module's restrictions)."""
+        return strategy.traits.may_offload and strategy.traits.reshard_after_forward
 
 
 def _matches(block, patterns) -> bool:
