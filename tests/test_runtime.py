@@ -266,7 +266,7 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
     errors = results["errors"]
     assert errors["pp"][0] == "PlanError" and "no input shapes" in errors["pp"][1]
     assert errors["missing"][0] == "PlanError" and "in no unit" in errors["missing"][1]
-    assert errors["dp"][0] == "ShardplanError" and f"dp={world + 1}" in errors["dp"][1]
+    assert errors["dp"][0] == "ShardplanError" and f"dp_shard={world + 1}" in errors["dp"][1]
     assert errors["ranks_disagree"][0] == "RuntimeMismatchError"
     assert errors["backend"][0] == "ShardplanError" and "fsdp2" in errors["backend"][1]
     assert errors["fsdp2_tied"][0] == "ShardplanError" and "backend='shardplan'" in errors["fsdp2_tied"][1]
