@@ -79,7 +79,9 @@ def resume_across_meshes(rank: int, directory: str) -> dict:
 
     def program_on(mesh: dict):
         model = copy.deepcopy(entry.model)
-        program = parallelize(model, _plan(model, "llama", mesh, entry.args[0], strategies=STRATEGIES))
+        replicas = mesh["dp"] * mesh.get("dp_replicate", 1)
+        plan = _plan(model, "llama", mesh, batches[0].chunk(replicas)[0], strategies=STRATEGIES)
+        program = parallelize(model, plan)
         return program, torch.optim.AdamW(program.parameters(), **ADAMW)
 
     def train(program, optimizer, steps: list[torch.Tensor]) -> list[float]:
@@ -132,6 +134,9 @@ def refusals(rank: int) -> dict:
 CASES = {
     **{f"{model}_{mesh}": {"model": model, "mesh": MESHES[mesh], "strategies": STRATEGIES, "clip": 0.05}
        for model in MODELS for mesh in MESHES},
+    **{f"{model}_{mesh}_fsdp2": {"model": model, "mesh": MESHES[mesh], "strategies": STRATEGIES[:2], "clip": 0.05,
+                                 "backend": "fsdp2"}
+       for model, mesh in (("gpt", "tp2_dp2_sp_vocab"), ("llama", "tp2_dp2_sp_vocab"), ("llama", "hsdp2x2"))},
     "gpt_tp2_dp2_micro_batches_checkpointed": {"model": "gpt", "mesh": MESHES["tp2_dp2_sp_vocab"],
                                                "strategies": STRATEGIES[:2], "micro_batches": 2,
                                                "checkpoints": (Checkpoint.FULL, Checkpoint.SELECTIVE)},
@@ -161,7 +166,7 @@ def test_a_checkpoint_of_tp2_dp2_resumes_on_dp4_and_hsdp_with_the_same_losses(re
 
 def test_unsupported_meshes_and_foreign_layouts_are_refused(results):
     found = results["refusals"]
-    assert found["pipeline"] == ("the plan's mesh pp=2 tp=2 runs tensor parallelism inside pipeline stages, which "
+    assert found["pipeline"] == ("the plan's mesh pp=2 dp_shard=1 tp=2 runs tensor parallelism inside pipeline stages, which "
                                  "this version's runtime does not run yet: re-plan with tp=1 or pp=1")
     assert found["layout"].startswith("the plan slices other modules over tp than this model offers (1 differ, "
                                       "first: 'h.0.attn.qkv')")

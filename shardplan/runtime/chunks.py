@@ -8,6 +8,7 @@ and a tensor shaped like the holder's parameter (the parameter itself, or its
 Adam moments) becomes one DCP entry per parameter name.
 """
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -90,8 +91,10 @@ class UnitHolder:
         self.label = f"unit {unit.name!r}"
 
     def shapes(self) -> dict[str, tuple[list[int], str]]:
+        """Full shapes: a parameter tensor parallelism slices is saved whole."""
         dtype = dtype_name(self.unit.layout.dtype)
-        return {name: (list(shape), dtype) for name, shape in zip(self.names, self.unit.layout.shapes)}
+        return {name: (list(cut.full_shape if cut else shape), dtype)
+                for name, shape, cut in zip(self.names, self.unit.layout.shapes, self.unit.cuts)}
 
     def entries(self, local: torch.Tensor, key: Key, *, loading: bool = False) -> dict[str, torch.Tensor]:
         """One entry per parameter from `local`, a tensor shaped like the shard (see `_entries`)."""
@@ -112,7 +115,8 @@ class UnitHolder:
             if loading:
                 owner = functools.partial(_read_by, rank, mine, place.owner_rank)
             chunks = unit_chunks(layout, index, cut, sharded=sharded, owner=owner)
-            entries[key(name)] = chunked_entry(local, layout.numels[index], chunks, rank)
+            numel = math.prod(cut.full_shape) if cut else layout.numels[index]
+            entries[key(name)] = chunked_entry(local, numel, chunks, rank)
         return entries
 
     def staged(self) -> torch.Tensor:
@@ -147,22 +151,25 @@ class UnitHolder:
 class DTensorHolder:
     """An FSDP2 parameter: a DTensor sharded along dim 0 over the data-parallel ranks."""
 
-    def __init__(self, name: str, parameter: nn.Parameter, slots: list[tuple[nn.Module, str, int]]):
-        from torch.distributed.tensor import Shard
-
-        if tuple(parameter.placements) != (Shard(0),):
-            raise ShardplanError(f"parameter {name!r} is placed {parameter.placements}, not Shard(0) over one "
-                                 "data-parallel mesh: checkpoints of this layout need backend='shardplan'")
+    def __init__(self, name: str, parameter: nn.Parameter, slots: list[tuple[nn.Module, str, int]],
+                 program):
         self.parameter = parameter
         self.names = (name,)
         self.slots = slots
         self.label = f"parameter {name!r}"
+        self.program = program
 
     def shapes(self) -> dict[str, tuple[list[int], str]]:
         return {self.names[0]: (list(self.parameter.shape), dtype_name(self.parameter.dtype))}
 
     def entries(self, tensor: torch.Tensor, key: Key, *, loading: bool = False) -> dict[str, torch.Tensor]:
         """The entry of `tensor`, a DTensor placed like the parameter (every rank holds its own rows)."""
+        from torch.distributed.tensor import Shard
+
+        if tuple(self.parameter.placements) != (Shard(0),):
+            raise ShardplanError(f"{self.label} is placed {self.parameter.placements}, not Shard(0) over one "
+                                 "data-parallel mesh (HSDP, tensor parallelism): checkpoints of this layout need "
+                                 "backend='shardplan'")
         local = tensor.to_local().detach().reshape(-1)
         world = collectives.world()
         chunks = row_chunks(self.parameter.shape, world.size)
@@ -183,7 +190,9 @@ class DTensorHolder:
             self.parameter.copy_(staged)
 
     def gather(self) -> list[torch.Tensor]:
-        return [self.parameter.full_tensor().detach()]
+        from .fsdp2 import full_parameter
+
+        return [full_parameter(self.parameter, self.program.fused.get(self.names[0], 1), self.program.plan.mesh.tp)]
 
 
 def _read_by(rank: int, mine: tuple[int, int], owner_rank: Callable[[int, int], int], shard: int, tp: int) -> int:
@@ -205,5 +214,5 @@ def holders(program) -> list[Holder]:
         for attribute, parameter in module._parameters.items():
             if parameter is not None:
                 slots.setdefault(id(parameter), []).append((module, attribute, 0))
-    return [DTensorHolder(name, parameter, slots[id(parameter)])
+    return [DTensorHolder(name, parameter, slots[id(parameter)], program)
             for name, parameter in program.module.named_parameters()]
