@@ -34,7 +34,7 @@ class Fsdp2Program(Program):
         whole_mesh = collectives.device_mesh(device.type, plan.mesh)
         mesh = data_parallel_mesh(whole_mesh)
         self.fused: dict[str, int] = {}
-        """Fused projections' parameters under tensor parallelism: their chunks (see tensor_parallel_full_parameters)."""
+        """Fused projections' parameters sliced over tp: their chunks (see full_parameter)."""
         param_dtype = torch_dtype(plan.mixed_precision.param_dtype)
         reduce_dtype = torch_dtype(plan.mixed_precision.reduce_dtype)
         precision = MixedPrecisionPolicy(param_dtype=None if param_dtype is torch.float32 else param_dtype,
