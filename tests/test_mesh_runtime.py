@@ -1,7 +1,8 @@
 """The 4-D mesh at run time: tensor parallelism and replica groups (HSDP) composed with the units.
 
 One spawned world of 4 ranks runs every case (tp 2 × dp 2 and dp_replicate 2 × dp_shard 2 on the
-zoo GPT and a tiny Hugging Face LLaMA, each next to one process on the whole batch), then a
+zoo GPT and a tiny Hugging Face LLaMA, HSDP under a 2-stage pipeline, each next to one process on
+the whole batch), then a
 checkpoint saved on tp 2 × dp 2 resumed on dp 4 and on HSDP, which must continue the same losses.
 """
 import copy
@@ -138,6 +139,8 @@ CASES = {
     "gpt_tp2_dp2_sp_vocab_micro_batches_checkpointed": {
         "model": "gpt", "mesh": MESHES["tp2_dp2_sp_vocab"], "strategies": STRATEGIES, "micro_batches": 2,
         "checkpoints": (Checkpoint.FULL, Checkpoint.SELECTIVE), "clip": 0.05},
+    "gpt_pp2_hsdp2": {"model": "gpt", "mesh": dict(dp=1, dp_replicate=2, pp=2), "strategies": STRATEGIES,
+                      "micro_batches": 2, "clip": 0.05},
     # FSDP2 has no ZeRO-1 or DDP unit: the first two strategies
     **{f"{model}_{mesh}_fsdp2": {"model": model, "mesh": MESHES[mesh], "strategies": STRATEGIES[:2], "clip": 0.05,
                                  "backend": "fsdp2"}

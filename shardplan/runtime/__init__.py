@@ -1,15 +1,17 @@
 """The runtime: run a Plan on every rank (see the runtime section of DESIGN.md).
 
     flat_param.py    where each parameter sits in a unit's flat padded buffer
-    collectives.py   every torch.distributed call (all_gather, reduce_scatter, all_reduce, broadcast)
+    collectives.py   every torch.distributed call (all_gather, reduce_scatter, all_reduce, broadcast) and
+                     the process groups of the plan's mesh
     unit.py          one unit's state machine: shard, gathered buffer, gradient reduction
     scheduler.py     when units are gathered, presented, released, prefetched and reduced
     activation_checkpoint.py  recomputing a unit's activations in backward (both backends)
     program.py       Program: step / micro-batches / loss / clip_grad_norm_, backend-independent
-    sharded.py       backend="shardplan": building the units from the model and the plan
+    sharded.py       backend="shardplan": tensor parallelism, then the units over the local slices
+    tensor_parallel.py  Megatron-style slices of a TensorParallelLayout's pairs, on an eager model
     stage_split.py   the captured graph split into the plan's stages, and the module that runs one
     pipelined.py     backend="shardplan" with pp > 1: this rank's stage under a GPipe / 1F1B schedule
-    fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard
+    fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard (and DTensor TP)
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
     checkpoint.py    save / load (any plan, world size, backend) and export_full_state_dict
     chunks.py        which chunk of each flattened parameter a rank holds, for checkpoints

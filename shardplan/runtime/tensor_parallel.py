@@ -49,7 +49,8 @@ sees only this rank's tokens, so its gradient is this rank's part of the sum ove
 `sequence_parallel_parameters(model, layout)` names them, and `sum_sequence_parallel_gradients`
 adds their gradients over the tp group, after backward and before the optimizer (and before any
 data-parallel reduction or gradient clipping; the order with the dp average does not matter, both
-are sums). A unit runtime that flattens gradients calls it on its tp group the same way. The
+are sums). backend="shardplan" sums the same parameters on its units' flat gradients instead
+(unit.py, [Note: units on the mesh]). The
 sliced parameters need nothing: their pair gathered the whole sequence before using them. The
 parameters outside the layers (embeddings, final norm, head) see the whole sequence on every rank:
 equal gradients, as without sequence parallelism. (Dropout on the sharded sequence needs a random
