@@ -71,18 +71,18 @@ def run_case(rank: int, case: dict) -> dict:
 
 
 def resume_across_meshes(rank: int, directory: str) -> dict:
-    """Train LLaMA 2 steps on tp 2 × dp 2, save; resume on dp 4 and on HSDP 2 × 2 for 2 more steps each,
-    next to the same 4 steps in one run on tp 2 × dp 2: the losses after the resume must be the same."""
+    """Train LLaMA 2 steps on tp 2 × dp 2, save; resume on dp 4 and on HSDP 2 × 2 (both backends) for 2 more
+    steps each, next to the same 4 steps in one run on tp 2 × dp 2: the losses after the resume must be the same."""
     build, _ = MODELS["llama"]
     torch.manual_seed(0)
     entry = build(2)
     batches = _batches(entry, WORLD // 2, 4)
 
-    def program_on(mesh: dict):
+    def program_on(mesh: dict, backend: str = "shardplan"):
         model = copy.deepcopy(entry.model)
         replicas = mesh["dp"] * mesh.get("dp_replicate", 1)
         plan = _plan(model, "llama", mesh, batches[0].chunk(replicas)[0], strategies=STRATEGIES)
-        program = parallelize(model, plan)
+        program = parallelize(model, plan, backend=backend)
         return program, torch.optim.AdamW(program.parameters(), **ADAMW)
 
     def train(program, optimizer, steps: list[torch.Tensor]) -> list[float]:
@@ -101,8 +101,9 @@ def resume_across_meshes(rank: int, directory: str) -> dict:
     unbroken = train(program, optimizer, batches[2:])
     exported = program.export_full_state_dict()
     resumed = {}
-    for name, mesh in {"dp4": dict(dp=4), "hsdp2x2": MESHES["hsdp2x2"]}.items():
-        program, optimizer = program_on(mesh)
+    for name, (mesh, backend) in {"dp4": (dict(dp=4), "shardplan"), "hsdp2x2": (MESHES["hsdp2x2"], "shardplan"),
+                                  "hsdp2x2_fsdp2": (MESHES["hsdp2x2"], "fsdp2")}.items():
+        program, optimizer = program_on(mesh, backend)
         program.load(f"{directory}/step2", optimizer)
         resumed[name] = max(abs(a - b) for a, b in zip(train(program, optimizer, batches[2:]), unbroken))
     names = sorted(exported) if rank == 0 else []
@@ -163,8 +164,9 @@ def test_tp_and_hsdp_train_like_one_process(results):
     assert_parity(results["cases"], CASES)
 
 
-def test_a_checkpoint_of_tp2_dp2_resumes_on_dp4_and_hsdp_with_the_same_losses(results):
+def test_a_checkpoint_of_tp2_dp2_resumes_on_dp4_and_hsdp_on_both_backends_with_the_same_losses(results):
     resume = results["resume"]
+    assert set(resume["loss_error"]) == {"dp4", "hsdp2x2", "hsdp2x2_fsdp2"}
     assert all(error <= 1e-5 for error in resume["loss_error"].values()), resume["loss_error"]
     assert resume["exported_shapes"] == resume["model_shapes"]  # full names and shapes, not slices
 

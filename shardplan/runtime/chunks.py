@@ -163,21 +163,29 @@ class DTensorHolder:
         return {self.names[0]: (list(self.parameter.shape), dtype_name(self.parameter.dtype))}
 
     def entries(self, tensor: torch.Tensor, key: Key, *, loading: bool = False) -> dict[str, torch.Tensor]:
-        """The entry of `tensor`, a DTensor placed like the parameter (every rank holds its own rows)."""
-        from torch.distributed.tensor import Shard
+        """The entry of `tensor`, a DTensor placed like the parameter: rows sharded over dp_shard, written
+        by replica group 0 under HSDP (every replica group holds them again); loading, every rank reads
+        its own rows."""
+        from torch.distributed.tensor import Replicate, Shard
 
-        if tuple(self.parameter.placements) != (Shard(0),):
-            raise ShardplanError(f"{self.label} is placed {self.parameter.placements}, not Shard(0) over one "
-                                 "data-parallel mesh (HSDP, tensor parallelism): checkpoints of this layout need "
-                                 "backend='shardplan'")
+        placements = tuple(self.parameter.placements)
+        mesh = self.parameter.device_mesh
+        if placements not in ((Shard(0),), (Replicate(), Shard(0))):
+            raise ShardplanError(f"{self.label} is placed {placements}, not rows over the data-parallel ranks "
+                                 "(tensor parallelism): checkpoints of this layout need backend='shardplan'")
+        owners = mesh.mesh.reshape(-1, mesh.mesh.shape[-1])[0].tolist()  # replica group 0's ranks, by shard
+        shard = mesh.get_local_rank(len(placements) - 1)
+        rank = collectives.world().rank
+        if loading:
+            owners[shard] = rank
         local = tensor.to_local().detach().reshape(-1)
-        world = collectives.world()
-        chunks = row_chunks(self.parameter.shape, world.size)
-        mine = sum(chunk.numel for chunk in chunks if chunk.rank == world.rank)
-        if local.numel() != mine:
-            raise ShardplanError(f"{self.label}: FSDP2 holds {local.numel()} elements on rank {world.rank}, "
-                                 f"torch.chunk along dim 0 gives {mine}: use backend='shardplan' for checkpoints")
-        return {key(self.names[0]): chunked_entry(local, self.parameter.numel(), chunks, world.rank)}
+        rows = row_chunks(self.parameter.shape, len(owners))
+        held = sum(chunk.numel for chunk in rows if chunk.rank == shard)
+        if local.numel() != held:
+            raise ShardplanError(f"{self.label}: FSDP2 holds {local.numel()} elements on rank {rank}, "
+                                 f"torch.chunk along dim 0 gives {held}: use backend='shardplan' for checkpoints")
+        chunks = [chunk._replace(rank=owners[chunk.rank]) for chunk in rows]
+        return {key(self.names[0]): chunked_entry(local, self.parameter.numel(), chunks, rank)}
 
     def staged(self) -> torch.Tensor:
         return self.parameter.detach().clone()
