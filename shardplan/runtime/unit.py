@@ -57,6 +57,12 @@ class UnitPlace(NamedTuple):
     """The world rank that stands for (shard index, tp index) of this rank's stage: replica group 0's, which
     writes that part of the checkpoint and counts it in the gradient norm."""
 
+    @classmethod
+    def alone(cls) -> "UnitPlace":
+        """A unit held whole by one rank, outside any mesh (no collective runs over a group of one)."""
+        return cls(shard=None, shard_rank=0, replicate=None, data_parallel=None, tensor_parallel=None, replica=0,
+                   tp_index=0, owner_rank=lambda shard, tp: 0)
+
 
 def packed_in_place(flat: torch.Tensor, layout: FlatLayout, indices: tuple[int, ...],
                     collective: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -82,8 +88,8 @@ class UnitState(enum.Enum):
 class FlatUnit:
     def __init__(self, *, spec: Unit, layout: FlatLayout, shard: nn.Parameter, full: torch.Tensor | None,
                  slots: list[tuple[nn.Module, str, int]], place: UnitPlace, compute_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, device: torch.device, cuts: tuple[ParameterSlice | None, ...],
-                 partial: tuple[int, ...]):
+                 reduce_dtype: torch.dtype, device: torch.device,
+                 cuts: tuple[ParameterSlice | None, ...] | None = None, partial: tuple[int, ...] = ()):
         self.spec = spec
         self.layout = layout
         self.shard = shard
@@ -96,8 +102,8 @@ class FlatUnit:
         self.rank = place.shard_rank
         """This rank's index in `group`, which the unit is sharded over."""
         self.group = place.shard
-        self.cuts = cuts
-        """Per parameter (layout order): the slice of it this tp rank holds, None when it is whole."""
+        self.cuts = cuts if cuts is not None else (None,) * len(layout.names)
+        """Per parameter (layout order): the slice of it this tp rank holds, None when it is whole (default: all)."""
         self.partial = partial
         """Indices of the parameters whose gradients are partial over tp (sequence parallelism)."""
         self.compute_dtype = compute_dtype
