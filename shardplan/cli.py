@@ -188,6 +188,7 @@ def _explain(options) -> int:
 
     plan = load_plan(options.plan)
     console = Console()
+    console.print(report.setup_table(plan))
     console.print(report.units_table(plan))
     console.print(report.prediction_table(plan))
     if plan.reasoning.runner_ups:

@@ -11,6 +11,25 @@ STRATEGY_COLORS = {ShardStrategy.FULL_SHARD: "#4C72B0", ShardStrategy.SHARD_GRAD
 CHECKPOINT_HATCH = {Checkpoint.NONE: "", Checkpoint.FULL: "//", Checkpoint.SELECTIVE: ".."}
 
 
+def setup_table(plan: Plan) -> Table:
+    """What one step trains on and where: the mesh, the example inputs, the replica and global batch, micro-batches."""
+    table = Table(title=f"{plan.model}: the training step planned for {plan.world_size} ranks")
+    table.add_column("")
+    table.add_column("value")
+    mesh = plan.mesh
+    table.add_row("mesh", f"{mesh.describe()} (dp={mesh.dp} replicas, pp={mesh.pp} stages, tp={mesh.tp})")
+    for spec in plan.inputs:
+        table.add_row(f"input {spec.name}", f"{' x '.join(map(str, spec.shape)) or 'scalar'} {spec.dtype}")
+    replica = plan.inputs[0].shape[0] if plan.inputs and plan.inputs[0].shape else 1
+    table.add_row("batch per replica", f"{replica} (dim 0 of input {plan.inputs[0].name})" if plan.inputs else "1")
+    table.add_row("global batch", f"{mesh.dp * replica} = dp {mesh.dp} x {replica} per replica")
+    micro = plan.schedule.num_micro_batches
+    table.add_row("micro-batches", f"{micro} of {replica / micro:g} per replica; runs as {plan.schedule.runs_as(mesh.pp)}")
+    table.add_row("precision", f"params {plan.mixed_precision.param_dtype}, "
+                               f"grads reduced in {plan.mixed_precision.reduce_dtype}; optimizer {plan.optimizer}")
+    return table
+
+
 def units_table(plan: Plan) -> Table:
     table = Table(title=f"{plan.model}: {len(plan.units)} units, dp={plan.mesh.dp} pp={plan.mesh.pp}, "
                         f"{plan.schedule.num_micro_batches} micro-batch(es)")

@@ -15,6 +15,13 @@ from shardplan.cli import main
 SCHEMA = Path(__file__).parent.parent / "shardplan" / "schemas" / "plan.schema.json"
 
 
+def shardplan(*argv: str, **environment) -> subprocess.CompletedProcess:
+    """The installed `shardplan` command, as a user runs it."""
+    command = Path(sys.executable).with_name("shardplan")
+    return subprocess.run([str(command), *argv], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, **environment})
+
+
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     """Two plans of the zoo GPT: unconstrained, and under a tight budget."""
@@ -32,21 +39,20 @@ def test_plan_writes_json_that_validates_against_the_shipped_schema(plans, capsy
     assert load_plan(roomy).world_size == 8
 
 
-def test_explain_draws_real_pictures(plans, tmp_path, capsys):
+def test_explain_shows_shapes_batches_mesh_and_draws_real_pictures(plans, tmp_path):
     _, tight = plans
-    assert main(["explain", str(tight), "--pictures", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    run = shardplan("explain", str(tight), "--pictures", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    out, plan = run.stdout, load_plan(tight)
     assert "peak memory" in out and "binding" in out
+    assert f"{plan.mesh.describe()} (dp={plan.mesh.dp} replicas, pp={plan.mesh.pp} stages" in out
+    assert "4 x 32 int64" in out  # the zoo GPT's token ids: batch 4, sequence 32
+    assert f"{plan.mesh.dp * 4} = dp {plan.mesh.dp} x 4 per replica" in out
+    micro = plan.schedule.num_micro_batches
+    assert f"{micro} of {4 / micro:g} per replica" in out
     for name in ("units.png", "memory.png"):
         picture = (tmp_path / name).read_bytes()
         assert picture[:8] == b"\x89PNG\r\n\x1a\n" and len(picture) > 10_000
-
-
-def shardplan(*argv: str, **environment) -> subprocess.CompletedProcess:
-    """The installed `shardplan` command, as a user runs it."""
-    command = Path(sys.executable).with_name("shardplan")
-    return subprocess.run([str(command), *argv], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, **environment})
 
 
 def test_diff_names_what_changed_in_mib_and_ms_by_unit(plans):
