@@ -142,11 +142,12 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
     description = f"calibrating ({backend}, world {world_size})"
     on_terminal = progress and sys.stderr.isatty()
     total_steps = measure_steps(sweep.rounds, sweep)
-    if progress and not on_terminal:
+    if progress:
+        kept = f"; the profile measured so far is kept in {partial_path} as it goes" if partial_path else ""
         print(f"shardplan calibrate: {description}: {total_steps} steps ({sweep.rounds} rounds of "
               f"{len(sweep.matmul_sizes) * len(sweep.dtypes)} matmuls and {3 * len(sweep.collective_sizes_bytes)} "
-              f"collectives, then {sweep.rounds} rounds of training-step kernels); the time left follows each step",
-              file=sys.stderr, flush=True)
+              f"collectives, then {sweep.rounds} rounds of training-step kernels){kept}"
+              + ("" if on_terminal else "; the time left follows each step"), file=sys.stderr, flush=True)
     measurements, _ = run_world(_calibration_job, (sweep, progress and not on_terminal, partial_path),
                                 world_size=world_size, backend=backend, total_steps=total_steps,
                                 progress=on_terminal, description=description)
@@ -214,8 +215,6 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     if not os.access(folder, os.W_OK):  # fail now, not after minutes of measuring
         parser.error(f"cannot write {args.output}: folder {folder} does not exist or is not writable")
     partial = partial_path(args.output)
-    print(f"shardplan calibrate: the profile measured so far is kept in {partial} as it goes", file=sys.stderr,
-          flush=True)
     profile = calibrate(world_size=args.world_size, backend=args.backend, quick=args.quick, partial_path=partial)
     write_text_atomically(args.output, profile.to_json())
     if os.path.exists(partial):

@@ -225,7 +225,7 @@ def test_calibrate_off_a_terminal_prints_progress_with_time_left_and_a_kill_leav
         run.wait(timeout=30)
     text = "".join(lines)
     assert "Traceback" not in text, text
-    assert "the time left follows each step" in lines[1], text  # before any measuring: what it will do
+    assert "the time left follows each step" in lines[0] and "profile.partial.json" in lines[0], text  # up front
     assert "step 1 of 6 (round 1 of 3):" in text and "about" in text and "left" in text, text
     partial = get_hardware(tmp_path / "profile.partial.json")
     assert "PARTIAL: 2 of 3 rounds" in partial.source and partial.matmul["float32"].peak_flops_per_s > 0
