@@ -12,7 +12,7 @@ from rich.console import Console
 from .cost import OPTIMIZER_STEPS
 from .dtypes import FLOAT_DTYPES
 from .errors import ShardplanError
-from .plan import ShardStrategy
+from .plan import MixedPrecision, ShardStrategy
 
 EXAMPLES = {
     "plan": "shardplan plan gpt --world-size 8 --hardware h100-80g --memory-budget 40GiB -o plan.json\n"
@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="let the solver keep shards and their optimizer state in CPU memory (FSDP's CPUOffload)")
     plan.add_argument("--param-dtype", choices=FLOAT_DTYPES,
                       help="dtype parameters are gathered and computed in (FSDP's MixedPrecision param_dtype); "
-                           "default: the parameters' own")
+                           "default: float32 with --reduce-dtype, else the parameters' own. With either flag a "
+                           "Hugging Face config's model is built in float32 (fp32 master weights)")
     plan.add_argument("--reduce-dtype", choices=FLOAT_DTYPES,
                       help="dtype gradients are reduced in (MixedPrecision reduce_dtype); default: float32 with "
                            "--param-dtype, else the parameters' own")
@@ -126,9 +127,9 @@ def _plan(options) -> int:
     from .compile import compile as compile_plan
     from .model_spec import load_model
 
-    options_of_plan = plan_options(options)
+    options_of_plan = _plan_options(options)
     entry = load_model(options.spec, batch=options.batch, seq=options.seq,
-                       fp32_params=options.param_dtype is not None, warn=_warn)
+                       fp32_params=options_of_plan["mixed_precision"] is not None, warn=_warn)
     with Console(stderr=True).status(f"capturing and planning {options.spec} for {options.world_size} ranks"):
         plan = compile_plan(entry.model, options.world_size, entry.args, entry.kwargs, **options_of_plan)
     plan.save(options.output)
@@ -137,9 +138,8 @@ def _plan(options) -> int:
     return 0
 
 
-def plan_options(options) -> dict:
+def _plan_options(options) -> dict:
     """compile's keywords (PlanOptions' fields) from the plan command's flags."""
-    from .plan import MixedPrecision
     from .solver.space import Constraints
 
     precision = None
