@@ -18,7 +18,9 @@ EXAMPLES = {
     "plan": "shardplan plan gpt --world-size 8 --hardware h100-80g --memory-budget 40GiB -o plan.json\n"
             "  shardplan plan llama-7b --world-size 64 -o llama.json\n"
             "  shardplan plan config.json --batch 1 --seq 4096 --world-size 16   (a Hugging Face config)\n"
-            "  shardplan plan mypackage.models:build --world-size 4   (build() returns (model, args, kwargs))",
+            "  shardplan plan mypackage.models:build --world-size 4   (build() returns (model, args, kwargs))\n"
+            "  shardplan plan config.json --world-size 8 --param-dtype bfloat16 --reduce-dtype float32 "
+            "--wrap 'layers\\.\\d+$' --pin 'embed=replicate'",
     "explain": "shardplan explain plan.json --pictures plan-pictures/",
     "diff": "shardplan diff old.json new.json",
     "check": "shardplan check --baseline benchmarks/baseline.json\n"
