@@ -591,3 +591,40 @@ def test_row_chunks_follow_torch_chunk_along_dim_0():
     tensor = torch.arange(7 * 2).view(7, 2)
     pieces = tensor.chunk(3)
     assert [chunk.numel for chunk in row_chunks(tensor.shape, 3)] == [piece.numel() for piece in pieces]
+
+
+def running_statistics_run(rank: int, world: int, directory: str, backend: str) -> dict:
+    """Replicas train a CNN with BatchNorm on batches of their own, then save and export (rank 0's record)."""
+    torch.manual_seed(0)
+    entry = zoo.residual_cnn(batch=4)
+    plan = manual_plan(entry.model, [("stem",), ("layers.0", "layers.1", "layers.2"), ("head",)], dp=world)
+    program = parallelize(entry.model, plan, backend=backend)
+    generator = torch.Generator().manual_seed(rank)  # each replica its own images: its own statistics
+    images = torch.randn(4, 3, 16, 16, generator=generator) * (1 + rank)
+    program.step(images, entry.args[1])
+    mine = {name: buffer.detach().clone() for name, buffer in entry.model.named_buffers() if "running" in name}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    exported = program.export_full_state_dict()
+    program.save(os.path.join(directory, backend))
+    saved = {name: buffer.detach().clone() for name, buffer in entry.model.named_buffers() if "running" in name}
+    # plain lists: tensors would cross to the test process through shared memory the rank frees as it exits
+    return {"replicas": [{k: v.tolist() for k, v in replica.items()} for replica in gathered],
+            "exported": {k: v.tolist() for k, v in exported.items() if "running" in k},
+            "live": {k: v.tolist() for k, v in saved.items()}}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["shardplan", "fsdp2"])
+def test_batch_norm_statistics_are_the_replicas_mean_in_checkpoints_and_exports(tmp_path, backend):
+    record = spawn_world(2, running_statistics_run, (str(tmp_path), backend))
+    first, second = ({name: torch.tensor(values, dtype=torch.float64) for name, values in replica.items()}
+                     for replica in record["replicas"])
+    assert any(not torch.equal(first[name], second[name]) for name in first)  # the replicas did drift apart
+    for name in first:
+        mean = (first[name] + second[name]) / 2
+        for where in ("exported", "live"):
+            torch.testing.assert_close(torch.tensor(record[where][name], dtype=torch.float64), mean, rtol=1e-6,
+                                       atol=1e-7)
+    saved = json.loads((tmp_path / backend / "shardplan.json").read_text())
+    assert any("running_mean" in entry["name"] for entry in saved["buffers"])

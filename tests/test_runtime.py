@@ -193,6 +193,11 @@ def check_errors(rank: int, world: int) -> dict:
     except ShardplanError as error:
         errors["fsdp2_tied"] = [type(error).__name__, str(error)]
     model = build(world).model
+    try:  # FSDP2 would train the parameters in no unit in its root group, unplanned
+        parallelize(model, make_plan(model, groups[:-1], world, STRATEGIES, CHECKPOINTS), backend="fsdp2")
+    except ShardplanError as error:
+        errors["fsdp2_missing"] = [type(error).__name__, str(error)]
+    model = build(world).model
     try:
         parallelize(model, make_plan(model, groups, world, STRATEGIES, CHECKPOINTS), backend="nope")
     except ShardplanError as error:
@@ -268,6 +273,7 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
     errors = results["errors"]
     assert errors["pp"][0] == "PlanError" and "no input shapes" in errors["pp"][1]
     assert errors["missing"][0] == "PlanError" and "in no unit" in errors["missing"][1]
+    assert errors["fsdp2_missing"][0] == "PlanError" and "in no unit" in errors["fsdp2_missing"][1]
     assert errors["dp"][0] == "ShardplanError" and f"dp_shard={world + 1}" in errors["dp"][1]
     assert errors["ranks_disagree"][0] == "RuntimeMismatchError"
     assert errors["backend"][0] == "ShardplanError" and "fsdp2" in errors["backend"][1]

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..errors import ShardplanError
+from ..errors import PlanError, ShardplanError
 from ..plan import Plan
 from .manual import manual_plan
 from .collectives import shutdown
@@ -52,6 +52,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     collectives.check_same_on_all_ranks(plan.to_json(), "plans")
     _check_mesh(plan, world.size)
     _check_fingerprint(model, plan)
+    _check_coverage(plan, dict(model.named_parameters()))  # every backend: FSDP2 would train the rest unplanned
     device = torch.device(device) if device is not None else collectives.default_device()
     if backend == "shardplan" and plan.mesh.pp > 1:
         from .pipelined import PipelinedProgram
@@ -79,11 +80,26 @@ def _check_mesh(plan: Plan, world_size: int) -> None:
                              "which this version's runtime does not run yet: re-plan with tp=1 or pp=1")
 
 
+def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:
+    """Every parameter of the model in exactly one unit of the plan, and no other."""
+    listed = set()  # a parameter in two units is a PlanError when the Plan is built
+    for unit in plan.units:
+        for name in unit.params:
+            if name not in named:
+                raise PlanError(f"unit {unit.name!r} lists parameter {name!r}, which the model does not have: "
+                                "the plan was made for another model; re-plan with this one")
+            listed.add(name)
+    missing = sorted(set(named) - listed)
+    if missing:
+        raise PlanError(f"{len(missing)} parameters of the model are in no unit of the plan (first: {missing[:3]}): "
+                        "the plan is incomplete (its file was edited, or it was written by hand); add them to "
+                        "units, or re-plan with shardplan.compile")
+
+
 def _check_fingerprint(model: nn.Module, plan: Plan) -> None:
     """Refuse a plan made for another model: capture this one again from the plan's input shapes."""
     if not plan.inputs:  # a plan written by hand (manual_plan) records no capture
         return
-    from ..errors import PlanError
     from ..passes import fingerprint_of
 
     found = fingerprint_of(model, plan.inputs)

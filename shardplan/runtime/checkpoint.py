@@ -73,6 +73,7 @@ def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
 
     Call on every rank, between steps. See [Note: checkpoint format] and [Note: atomic save]."""
     directory = _agreed_path(path)
+    program.average_running_statistics()  # [Note: running statistics] in program.py
     held = holders(program)
     metadata = _metadata(program, held, optimizer)
     state = _agreed(lambda: _saved_entries(program, held, optimizer, metadata))
@@ -199,6 +200,7 @@ def export_full_state_dict(program, path: str | os.PathLike | None = None) -> di
     pp = 1), which it sends to rank 0, so no rank holds more than the full model on CPU plus one unit. The keys are `model.state_dict()`'s (tied names
     included, non-persistent buffers excluded), so the plain model's `load_state_dict` and
     Hugging Face's `save_pretrained(dir, state_dict=...)` accept it. Call on every rank."""
+    program.average_running_statistics()  # [Note: running statistics] in program.py
     slots = _state_dict_slots(program.module)
     key_of = {(id(module), attribute): key for key, module, attribute, kind in slots if kind == "parameter"}
     keep = program.keeps_export_copies

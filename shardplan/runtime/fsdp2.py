@@ -33,6 +33,8 @@ class Fsdp2Program(Program):
         super().__init__(module, plan, loss_fn)
         whole_mesh = collectives.device_mesh(device.type, plan.mesh)
         mesh = data_parallel_mesh(whole_mesh)
+        self._data_parallel = mesh._flatten("dp").get_group() if mesh.ndim > 1 else mesh.get_group()
+        """The replicas, for averaging running statistics (see [Note: running statistics] in program.py)."""
         self.fused: dict[str, int] = {}
         """Fused projections' parameters sliced over tp: their chunks (see full_parameter)."""
         param_dtype = torch_dtype(plan.mixed_precision.param_dtype)
@@ -68,6 +70,10 @@ class Fsdp2Program(Program):
 
     def __call__(self, *args, **kwargs) -> Any:
         return self.module(*args, **kwargs)
+
+    @property
+    def data_parallel_group(self) -> collectives.Group:
+        return self._data_parallel
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())

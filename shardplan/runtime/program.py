@@ -77,6 +77,31 @@ class Program:
         same on every rank)."""
         raise NotImplementedError
 
+    @property
+    def data_parallel_group(self) -> "collectives.Group":
+        """The ranks of this rank's stage and tp index that read different batches (the replicas)."""
+        raise NotImplementedError
+
+    def average_running_statistics(self) -> None:
+        """Average every norm layer's running statistics over the data-parallel replicas, in place.
+
+        [Note: running statistics] Each replica's BatchNorm (any torch _NormBase tracking running
+        statistics) updates its running mean and variance from its own batches, so replicas drift
+        apart; the runtime does not synchronize them during training (that is SyncBatchNorm's cost,
+        a collective per norm per forward). `save` and `export_full_state_dict` call this first:
+        what is written is the replicas' mean, on every rank alike, not one rank's. Other buffers
+        (rotary tables, counters) are the same on every replica and are left as they are."""
+        statistics = [buffer for module in self.module.modules()
+                      if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
+                      for buffer in (module.running_mean, module.running_var) if buffer is not None]
+        if not statistics:
+            return
+        flat = torch.cat([buffer.detach().reshape(-1).double() for buffer in statistics])
+        collectives.wait(collectives.all_reduce_mean(flat, async_op=False, group=self.data_parallel_group))
+        with torch.no_grad():
+            for buffer, mean in zip(statistics, flat.split([buffer.numel() for buffer in statistics])):
+                buffer.copy_(mean.view_as(buffer))
+
     # checkpoints (see [Note: checkpoint format] in checkpoint.py): the same format for both backends
 
     def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:

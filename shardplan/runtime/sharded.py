@@ -41,6 +41,10 @@ class UnitProgram(Program):
     def parameters(self) -> list[nn.Parameter]:
         return [unit.shard for unit in self.units]
 
+    @property
+    def data_parallel_group(self) -> collectives.Group:
+        return self.groups.data_parallel
+
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(unit name, this rank's flat shard of it)."""
         return [(unit.name, unit.shard) for unit in self.units]
@@ -163,7 +167,6 @@ def build_units(model: nn.Module, plan: Plan, device: torch.device, place: UnitP
     tp rank's slices (`cuts`, from apply_plan_tensor_parallel, as `partial`)."""
     cuts = cuts or {}
     named = dict(model.named_parameters())
-    _check_coverage(plan, named)
     slots_of: dict[int, list[tuple[nn.Module, str]]] = {}
     owners: dict[int, list[str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
@@ -225,21 +228,6 @@ def _keep_slice(traits: StrategyTraits, flat: torch.Tensor, layout: FlatLayout, 
         full = flat.to(home)
         return nn.Parameter(full[layout.shard_slice(rank)]), full
     return nn.Parameter(flat.to(home)), None
-
-
-def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:
-    listed = set()  # a parameter in two units is a PlanError when the Plan is built
-    for unit in plan.units:
-        for name in unit.params:
-            if name not in named:
-                raise PlanError(f"unit {unit.name!r} lists parameter {name!r}, which the model does not have: "
-                                "the plan was made for another model; re-plan with this one")
-            listed.add(name)
-    missing = sorted(set(named) - listed)
-    if missing:
-        raise PlanError(f"{len(missing)} parameters of the model are in no unit of the plan (first: {missing[:3]}): "
-                        "the plan is incomplete (its file was edited, or it was written by hand); add them to "
-                        "units, or re-plan with shardplan.compile")
 
 
 def _materialize(model: nn.Module, unit_name: str, owner_paths: list[str], device: torch.device) -> None:
