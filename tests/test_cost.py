@@ -27,7 +27,7 @@ class LinearHardware:
     def compute_time_s(self, flops, bytes_moved, dtype="float32", *, calls=1, op=""):
         return calls * 1e-6 + self.op_time_factors.get(op, 1.0) * max(flops / 1e12, bytes_moved / 1e11)
 
-    def collective_time_s(self, kind, nbytes, group_size):
+    def collective_time_s(self, kind, nbytes, group_size, *, ranks_per_node=0):
         factor = (group_size - 1) / group_size * (2 if kind == "all_reduce" else 1)
         return nbytes * factor / 1e9 if group_size > 1 else 0.0
 
