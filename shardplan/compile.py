@@ -18,8 +18,8 @@ from .hardware import HardwareProfile, get_hardware
 from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, KeptWhole, Mesh, MixedPrecision, Plan,
                    Predicted, Reasoning, Schedule, ShardedModule, Stage, TensorParallel, Unit)
 from .solver.chain_dp import ROUNDING
-from .solver.search import (Candidate, Configuration, Setting, boundary_time_s, context, search, smallest_peak,
-                            tensor_parallel_options)
+from .solver.search import (Candidate, Configuration, Setting, boundary_time_s, context, samples_per_step, search,
+                            smallest_peak, tensor_parallel_options)
 from .solver.space import BlockRule, Constraints, SearchSpace, resolve_rules
 from .sizes import format_bytes, parse_bytes
 
@@ -266,7 +266,10 @@ def _units_and_stages(chain: BlockChain, candidate: Candidate) -> tuple[tuple[Un
 
 def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, cost.StepCost]]:
     """What a person would write by hand: every block its own FULL_SHARD unit, dp = world,
-    without and with full checkpointing (the baselines the solver must never lose to)."""
+    without and with full checkpointing (the baselines the solver must never lose to); none where a
+    global batch does not split over the world's ranks."""
+    if setting.replica_batch(setting.world_size) % 1:
+        return []
     configuration = Configuration(mesh=Mesh(dp_shard=setting.world_size), schedule=Schedule())
     ctx = context(setting, configuration, hw, 0)
     bounds = tuple(range(len(chain.blocks)))
@@ -280,8 +283,10 @@ def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, 
 
 def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: int, space) -> Reasoning:
     share = best.peak_bytes / budget
-    faster = search(chain.blocks, rules, setting, hw, float("inf"), space, time_bound_s=best.step_time_s)
-    if faster and faster[0].step_time_s < best.step_time_s * (1 - ROUNDING):
+    per_sample = best.step_time_s / samples_per_step(setting, best.configuration)
+    faster = search(chain.blocks, rules, setting, hw, float("inf"), space, time_bound_s=per_sample)
+    if faster and (faster[0].step_time_s / samples_per_step(setting, faster[0].configuration)
+                   < per_sample * (1 - ROUNDING)):
         unconstrained = faster[0]
         binding = (f"memory: peak {format_bytes(best.peak_bytes)} is {share:.0%} of the budget; with no budget "
                    f"the step would take {unconstrained.step_time_s:.4g} s instead of {best.step_time_s:.4g} s "

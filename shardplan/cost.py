@@ -81,7 +81,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 
-from .chain import Block, OpKind
+from .chain import Block, OpKind, merge_op_kinds
 from .dtypes import FLOAT_DTYPES, dtype_bytes
 from .errors import ShardplanError
 from .hardware import HardwareModel
@@ -230,15 +230,24 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         return round((total - part) * rest_scale + part * scale / tp)
 
     def kinds(whole: tuple[OpKind, ...], part: tuple[OpKind, ...]) -> tuple[OpKind, ...]:
-        by_name = {kind.name: kind for kind in part}
+        """Each kind with its share of the sliced part of its name (a name may come in several kinds:
+        the part is spread over them in proportion)."""
+        totals, cuts = merge_op_kinds([whole]), {kind.name: kind for kind in merge_op_kinds([part])}
+        share = {total.name: ((cuts[total.name].flops / total.flops if total.flops else 0.0),
+                              (cuts[total.name].bytes - cuts[total.name].weight_bytes)
+                              / max(1, total.bytes - total.weight_bytes),
+                              cuts[total.name].weight_bytes / max(1, total.weight_bytes))
+                 for total in totals if total.name in cuts}
         found = []
         for kind in whole:
-            cut = by_name.get(kind.name, OpKind(name=kind.name, calls=0, flops=0, bytes=0))
-            rest_weights, cut_weights = kind.weight_bytes - cut.weight_bytes, cut.weight_bytes
-            found.append(OpKind(name=kind.name, calls=kind.calls, flops=split(kind.flops, cut.flops),
-                                bytes=split(kind.bytes - kind.weight_bytes, cut.bytes - cut_weights)
-                                + rest_weights + cut_weights // tp,
-                                weight_bytes=rest_weights + cut_weights // tp))
+            flops, moved, weights = share.get(kind.name, (0.0, 0.0, 0.0))
+            activations = kind.bytes - kind.weight_bytes
+            cut_weights = round(kind.weight_bytes * weights)
+            weight_bytes = kind.weight_bytes - cut_weights + cut_weights // tp
+            found.append(OpKind(name=kind.name, calls=kind.calls,
+                                flops=split(kind.flops, round(kind.flops * flops)),
+                                bytes=split(activations, round(activations * moved)) + weight_bytes,
+                                weight_bytes=weight_bytes))
         return tuple(found)
 
     cut_numel = parts.sliced_numel if parts else 0

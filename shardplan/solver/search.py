@@ -100,14 +100,19 @@ def tensor_parallel_options(blocks, world_size: int, max_degree: int) -> tuple[t
     return tuple(found)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def replica_groups(setting: Setting, dp: int, tp: int) -> tuple[int, ...]:
+    """dp_replicate to try over `dp` data-parallel ranks: 1 (every rank shards), and replica groups
+    of one node's worth of ranks (dp_shard × tp = setting.replica_group_ranks), whose gathers stay
+    inside the node. Groups of several nodes sit between the two (slower gathers than one node's, more
+    memory than all ranks'), and are not searched: a pruning, which keeps 1024 ranks in seconds."""
+    shard = setting.replica_group_ranks // tp if setting.replica_group_ranks >= tp else 0
+    return (1,) + ((dp // shard,) if shard and dp % shard == 0 and shard < dp else ())
 
 
 def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
     """Every mesh, micro-batch count and schedule to try, in a fixed order: tp among
-    setting.tensor_parallel, pp up to the blocks, dp_replicate where setting.replica_group_ranks
-    allows it, micro-batch counts dividing a replica's batch."""
+    setting.tensor_parallel, pp up to the blocks, dp_replicate among replica_groups, micro-batch
+    counts dividing a replica's batch."""
     world = setting.world_size
     found = []
     for tp, sequence_parallel in setting.tensor_parallel:
@@ -119,12 +124,8 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
             batch = setting.replica_batch(dp)
             if batch != int(batch) or batch < 1:
                 continue
-            micro = [m for m in _divisors(int(batch)) if m <= setting.max_micro_batches]
-            for replicas in _divisors(dp):
-                group = replicas == 1 or (setting.replica_group_ranks
-                                          and dp // replicas * tp % setting.replica_group_ranks == 0)
-                if not group:
-                    continue
+            micro = [m for m in range(1, min(int(batch), setting.max_micro_batches) + 1) if batch % m == 0]
+            for replicas in replica_groups(setting, dp, tp):
                 for m in micro:
                     for schedule in (SCHEDULES if pp > 1 else ("none",)):
                         # A plan may name 1F1B over fewer micro-batches than stages (fill-drain: Schedule.runs_as),
@@ -226,24 +227,33 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
                      peak_bytes=max(c.solution.peak_bytes for c in cuts))
 
 
+def samples_per_step(setting: Setting, configuration: Configuration) -> float:
+    """Samples one step of `configuration` trains: a replica's batch times the replicas."""
+    return setting.replica_batch(configuration.mesh.dp) * configuration.mesh.dp
+
+
 def search(blocks, rules, setting: Setting, hardware, budget_bytes: float, space: SearchSpace, *,
            time_bound_s: float = math.inf) -> list[Candidate]:
     """The best plan of every configuration within RUNNER_UP_SLACK of the fastest, fastest first
-    (ties: smaller peak, then configuration order).
+    (ties: smaller peak, then configuration order). Fastest per sample: meshes with fewer replicas
+    (tp, pp) train fewer samples a step unless a global batch is given, when every step trains the same.
 
     Configurations are solved in the order of their simplest plan's time, so that the first
     exact answers bound (and prune) the rest; the bound never cuts a plan that could win.
-    Plans slower than `time_bound_s` are not looked for."""
+    Plans slower than `time_bound_s` per sample are not looked for."""
     everything = configurations(setting, len(blocks))
-    guesses = ([uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space) for c in everything]
+    samples = [samples_per_step(setting, c) for c in everything]
+    guesses = ([uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space) / n
+                for c, n in zip(everything, samples)]
                if time_bound_s == math.inf else [math.inf] * len(everything))  # a given bound is tight enough
     found, bound = [], min(min(guesses, default=math.inf), time_bound_s)  # a simple plan reaches it: exact
     for order in sorted(range(len(everything)), key=lambda i: (guesses[i], i)):
         candidate = solve_configuration(blocks, rules, setting, everything[order], hardware, budget_bytes, space,
-                                        time_bound_s=bound)
+                                        time_bound_s=bound * samples[order])
         if candidate is not None:
-            found.append((candidate.step_time_s, candidate.peak_bytes, order, candidate))
-            bound = min(bound, candidate.step_time_s * RUNNER_UP_SLACK)
+            per_sample = candidate.step_time_s / samples[order]
+            found.append((per_sample, candidate.peak_bytes, order, candidate))
+            bound = min(bound, per_sample * RUNNER_UP_SLACK)
     # The same list whatever the solving order; with ROUNDING's slack, so that a winner equal to a
     # guess (the guess walked by evaluate_stage, the winner summed by the DP) is not lost to the last bit.
     found = [item for item in found if item[0] <= bound * (1 + ROUNDING)]
