@@ -3,11 +3,13 @@
     .venv/bin/python benchmarks/bench_published.py                   # ../shared/data/published-h100/runs.csv
     .venv/bin/python benchmarks/bench_published.py --data runs.csv --hardware h100-80g
 
-Every tp = 1 row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
+Every row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
 (the embedding, each decoder layer, the final norm with the LM head and the loss), ZeRO-0 as
 REPLICATE and ZeRO-1 as SHARD_OPTIMIZER, 1F1B over the gradient-accumulation micro-batches,
 parameters in bf16 and gradients reduced in fp32, no recomputation, stages cut as nanotron cuts
-them. `compile.evaluate` predicts each plan's step time and peak memory on the profile. Printed
+them, and tp > 1 as nanotron's TP in REDUCE_SCATTER mode (sequence parallel, vocab-parallel embedding
+and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each plan's step time and
+peak memory on the profile. Printed
 per model and GPU count: Kendall tau of predicted against measured tokens/s/GPU over the rows
 that ran, predicted / measured throughput (median, p10, p90), and the memory classification (the
 share of crashed rows predicted over the device's usable memory, the share of rows that ran
@@ -378,7 +380,7 @@ def _share(part: int, whole: int) -> str:
 
 
 def print_table(scores: list[GroupScore]) -> None:
-    print("| model | GPUs | rows (tp=1 planned) | ranked | Kendall tau | pred/meas median | p10 | p90 "
+    print("| model | GPUs | rows (planned) | ranked | Kendall tau | pred/meas median | p10 | p90 "
           "| crashed predicted over | ran predicted within |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in scores:
@@ -414,8 +416,7 @@ def main() -> None:
 
 
 def print_left_out(left_out: list[Outcome]) -> None:
-    """Every row that is not a plan with its reason; the tp > 1 rows, which all wait for one
-    feature, counted by tp degree."""
+    """Every row that is not a plan with its reason; the tp > 1 rows counted by tp degree and reason."""
     tensor_parallel: dict[tuple[int, str], int] = defaultdict(int)
     print(f"\n{len(left_out)} rows not expressible:")
     for outcome in left_out:

@@ -76,6 +76,23 @@ Time, by component (per step):
 - bubble: (pp - 1) × the stage's per-micro-batch time (GPipe and 1F1B alike).
 A stage's step time is (m + pp - 1) × its per-micro-batch time + its per-step
 terms; the step time of a plan is that of its slowest stage.
+
+The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
+- a block on a rank (on_rank, [Note: a block on a tp rank] in chain.py): activations and FLOPs × a
+  replica's batch / the captured batch (a global batch split over dp); over tp ranks, with
+  TensorParallelFacts f and t = tp where f.divides % t = 0: params = numel - f.sliced + f.sliced / t;
+  FLOPs, op bytes, saved = whole - sliced + sliced / t; with sequence parallelism in a sequence layer
+  all of them, and its input and output, / t (params as without). Every term above then reads
+  the rank's blocks.
+- tp exchanges, per micro-batch, exposed: Σ_blocks f.all_reduces × all_reduce(f.exchange_bytes /
+  m, t), or with sequence parallelism × (all_gather + reduce_scatter) of the same bytes, on the tp
+  group (consecutive ranks: one node while t ≤ its devices).
+- data-parallel groups: state shards over dp_shard (ctx.dp) only; gathers over dp_shard and
+  reduce-scatters over dp_shard, then (HSDP) an all-reduce of the 1/dp_shard shard over dp_replicate;
+  all-reducing strategies reduce over dp_shard × dp_replicate. A dp group's ranks stride by t, so
+  max(1, devices_per_node // t) of them share a node; a replica group strides by t × dp_shard.
+- pipeline sends: each rank sends its own (1/t under sequence parallelism) boundary activations,
+  across nodes once the world spans them (solver/search.py, boundary_times_s).
 """
 import math
 from dataclasses import dataclass, field, replace
