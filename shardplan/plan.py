@@ -13,6 +13,7 @@ import math
 import os
 import re
 import typing
+from typing import Any
 from dataclasses import dataclass, field
 
 from .chain import InputSpec
@@ -124,7 +125,7 @@ class Decision:
     prefetch: bool = True
     """Start the next unit's gather while this one computes."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self._check_offload("a unit")
 
     @property
@@ -149,7 +150,7 @@ class Unit(Decision):
     params: tuple[str, ...]
     """Parameter names (model.named_parameters()) in the unit's flat buffer, in order."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.name or not self.modules:
             raise PlanError(f"unit {_shown(self.name)} has no name or no modules: every unit holds at least one block")
         self._check_offload(f"unit {_shown(self.name)}")
@@ -195,7 +196,7 @@ class Mesh:
     """Ranks one tensor-parallel group slices each sharded module over (Plan.tensor_parallel)."""
     pp: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for dim in MESH_DIMS:
             if getattr(self, dim) < 1:
                 raise PlanError(f"mesh {dim}={getattr(self, dim)}: every mesh dimension is at least 1")
@@ -246,7 +247,7 @@ class ShardedModule:
     style: str
     """One of TENSOR_PARALLEL_STYLE."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not TENSOR_PARALLEL_STYLE.fullmatch(self.style):
             raise PlanError(f"module {_shown(self.path)} has tensor-parallel style {_shown(self.style)}: use colwise, "
                             "colwise_fused(n), rowwise, vocab_embedding or vocab_head")
@@ -281,7 +282,7 @@ class Schedule:
     name: str = "none"
     """"none" when pp == 1, else "gpipe" or "1f1b"."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.num_micro_batches < 1:
             raise PlanError(f"schedule has {self.num_micro_batches} micro-batches: at least 1")
         if self.name not in SCHEDULE_NAMES:
@@ -315,7 +316,7 @@ class MixedPrecision:
     reduce_dtype: str = "float32"
     """dtype of gradient reduction."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in FLOAT_DTYPES:
                 raise PlanError(f"mixed precision {name} {_shown(getattr(self, name))} is not a floating-point dtype "
@@ -375,7 +376,7 @@ class Plan:
     predicted: Predicted
     reasoning: Reasoning
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_plan(self)
 
     @property
@@ -492,7 +493,7 @@ def _check_plan(plan: Plan) -> None:
                         f"(stages list {_shown(in_order)}, units are {_shown([u.name for u in plan.units])})")
 
 
-def _check_inputs(inputs) -> None:
+def _check_inputs(inputs: tuple[InputSpec, ...]) -> None:
     _unique([spec.name for spec in inputs], "input name", "name each input once", where="two inputs")
     for spec in inputs:
         name = _shown(spec.name)
@@ -522,7 +523,7 @@ def _check_unicode(plan: Plan) -> None:
                         "(decode names as UTF-8)") from None
 
 
-def _shown(value, limit: int = 80) -> str:
+def _shown(value: object, limit: int = 80) -> str:
     """`repr(value)`, cut to `limit` characters: an error quotes what a file holds, which may be huge."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
@@ -561,7 +562,7 @@ def _validate_schema(data: dict) -> None:
                         f"({len(errors)} problem(s) in all; the file was edited or written by another version)")
 
 
-def _diff(old, new, where: str) -> list[str]:
+def _diff(old: Any, new: Any, where: str) -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         lines = []
         for key in sorted(set(old) | set(new)):
@@ -590,7 +591,8 @@ def _diff(old, new, where: str) -> list[str]:
     return []
 
 
-def _to_data(value):
+def _to_data(value: Any) -> Any:
+    """Plain JSON values (dicts, lists, strings, numbers) of a plan's dataclasses, enums and tuples."""
     if dataclasses.is_dataclass(value):
         return {f.name: _to_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
@@ -606,10 +608,10 @@ _type_hints = functools.cache(typing.get_type_hints)
 """A dataclass's field types, read once per class: a plan holds thousands of units."""
 
 
-def _from_data(kind, data, where: str):
+def _from_data(kind: Any, data: Any, where: str) -> Any:
     """Build `kind` (a type annotation) from parsed JSON, naming the path of any bad field."""
     origin = typing.get_origin(kind)
-    if dataclasses.is_dataclass(kind):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         if not isinstance(data, dict):
             raise PlanError(f"plan field {where} must be an object, got {type(data).__name__}")
         hints = _type_hints(kind)

@@ -24,7 +24,7 @@ def _run(command: list[str], cwd: Path) -> str:
 def test_train_gpt_under_torchrun(tmp_path):
     _run([sys.executable, "-m", "shardplan.cli", "plan", "gpt", "--world-size", "2", "--hardware", "cpu-gloo",
           "--no-pipeline", "-o", "plan.json"], tmp_path)
-    assert json.loads((tmp_path / "plan.json").read_text())["mesh"] == {"dp": 2, "pp": 1}
+    assert json.loads((tmp_path / "plan.json").read_text())["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "pp": 1, "tp": 1}
     out = _run(TORCHRUN + [str(ROOT / "examples" / "train_gpt.py"), "--plan", "plan.json", "--steps", "3"], tmp_path)
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0]
