@@ -308,7 +308,7 @@ def best_of_each_tp(chain, best: Candidate, candidates, rules, setting: Setting,
                     space) -> list[Candidate]:
     """The fastest plan of each tp degree searched other than the best's: from the candidates when
     one is among them, else searched at that degree alone."""
-    found = []
+    found: list[Candidate] = []
     for option in setting.tensor_parallel:
         if option[0] == best.configuration.mesh.tp:
             continue

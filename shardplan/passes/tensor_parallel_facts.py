@@ -32,9 +32,9 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
     found: dict[int, list[tuple[TensorParallelPair, list[torch.fx.Node]]]] = {}
     for pair in candidates.pairs:
         nodes = [node for node in block_of if _sliced_by(node, pair)]
-        blocks = {block_of[node] for node in nodes}
-        if len(blocks) == 1:  # a pair across blocks is left whole (a first cut)
-            found.setdefault(blocks.pop(), []).append((pair, nodes))
+        owners = {block_of[node] for node in nodes}
+        if len(owners) == 1:  # a pair across blocks is left whole (a first cut)
+            found.setdefault(owners.pop(), []).append((pair, nodes))
     layers = set(_layers(candidates.pairs))
     parameters = dict(gm.named_parameters())
     blocks = list(chain.blocks)
