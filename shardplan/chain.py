@@ -4,6 +4,7 @@ Plain data, no torch: a block is a run of graph nodes owned by one module (a
 transformer layer, the embedding, the head), with the totals the solver needs.
 Bytes are per data-parallel replica batch given at capture (example inputs).
 """
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,9 +77,28 @@ class TensorParallelFacts:
     """The activation one exchange moves whole (the hidden states of the replica batch)."""
     sharded: tuple[tuple[str, str], ...] = ()
     """(module path, style) of what the tp ranks slice (plan.TENSOR_PARALLEL_STYLE)."""
+    divisors: tuple[tuple[int, str], ...] = ()
+    """(size, what it counts) behind `divides`, e.g. (4, "heads of h.0.attn.qkv"): what a refusal names."""
 
     def slices_at(self, degree: int) -> bool:
         return degree > 1 and self.divides % degree == 0
+
+    def refusal(self, degree: int) -> str | None:
+        """Why the block stays whole over `degree` tp ranks (None when it slices)."""
+        if self.slices_at(degree) or degree == 1:
+            return None
+        return indivisible(self.divisors or ((self.divides, "sizes"),), degree, "this block")
+
+
+def indivisible(divisors: Iterable[tuple[int, str]], degree: int, subject: str) -> str | None:
+    """The sizes of `divisors` (size, what) that `degree` does not divide, as one line naming what would
+    shard (`subject`); None if it divides them all."""
+    divisors = tuple(divisors)
+    missed = [(size, what) for size, what in divisors if size % degree]
+    if not missed:
+        return None
+    sizes = ", ".join(f"{size} {what}" for size, what in missed)
+    return f"{sizes} do not divide by tp={degree}: tp must divide {math.gcd(*(s for s, _ in divisors))} to shard {subject}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -185,6 +185,7 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
     """What the cost model predicts for `plan`'s own decisions on `chain`, a plan written by hand
     (runtime.manual_plan) included: how predictions are checked against measurement."""
     hw = get_hardware(hardware or plan.hardware)
+    _check_tensor_parallel(chain, plan)
     unit_of = {param: index for index, unit in enumerate(plan.units) for param in unit.params}
     owners: list[int] = []
     for block in chain.blocks:
@@ -209,6 +210,17 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
         steps.append(_stage_cost(chain, stage, start, end, tuple(i - start for i in unit_starts), decisions,
                                  setting, configuration, hw))
     return _predicted(chain, steps, plan.mesh, setting, hw)
+
+
+def _check_tensor_parallel(chain: BlockChain, plan: Plan) -> None:
+    """A plan may slice a block's modules over tp only where the block's sizes divide by tp."""
+    tp, named = plan.mesh.tp, {m.path for m in plan.tensor_parallel.sharded}
+    for block in chain.blocks:
+        facts = block.tensor_parallel
+        refusal = facts.refusal(tp) if facts is not None else None
+        if refusal and named.intersection(path for path, _ in facts.sharded):  # type: ignore[union-attr]
+            raise PlanError(f"the plan slices {block.name!r} over tp={tp}, but {refusal}: choose such a tp, or "
+                            "list its modules as kept whole")
 
 
 def _predicted(chain: BlockChain, costs: list[cost.StepCost], mesh: Mesh, setting: Setting, hw) -> Predicted:
@@ -236,8 +248,7 @@ def tensor_parallel_section(chain: BlockChain, configuration: Configuration) -> 
     return TensorParallel(
         sequence_parallel=configuration.sequence_parallel,
         vocab_parallel=any(m.style.startswith("vocab") for m in sharded), sharded=sharded,
-        kept_whole=tuple(KeptWhole(module=b.name, reason=f"its sizes ({f.divides}) do not divide by tp={tp}")
-                         for b, f in facts if not f.slices_at(tp)))
+        kept_whole=tuple(KeptWhole(module=b.name, reason=str(f.refusal(tp))) for b, f in facts if not f.slices_at(tp)))
 
 
 def _unit_name(blocks) -> str:

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from shardplan import zoo
-from shardplan.compile import compile, default_space, expert_defaults, predict, solve, tensor_parallel_section
-from shardplan.errors import InfeasibleError, ShardplanError
+from shardplan.compile import (compile, default_space, evaluate, expert_defaults, predict, solve,
+                               tensor_parallel_section)
+from shardplan.errors import InfeasibleError, PlanError, ShardplanError
 from shardplan.hardware import get_hardware
 from shardplan.dtypes import dtype_name
 from shardplan.plan import Checkpoint, Mesh, MixedPrecision, Plan, Schedule
@@ -166,11 +167,27 @@ def test_blocks_whose_heads_do_not_divide_stay_whole_with_the_reason(chains):
     import dataclasses
 
     chain = chains["gpt"]
-    odd = dataclasses.replace(chain.blocks[3], tensor_parallel=dataclasses.replace(chain.blocks[3].tensor_parallel,
-                                                                                  divides=2))
+    odd = dataclasses.replace(chain.blocks[3], tensor_parallel=dataclasses.replace(
+        chain.blocks[3].tensor_parallel, divides=2, divisors=((2, "heads of h.1.attn.qkv"),)))
     chain = dataclasses.replace(chain, blocks=chain.blocks[:3] + (odd,) + chain.blocks[4:])
     section = tensor_parallel_section(chain, Configuration(mesh=Mesh(dp_shard=1, tp=4), schedule=Schedule()))
     assert [k.module for k in section.kept_whole] == [odd.name]
-    assert section.kept_whole[0].reason == "its sizes (2) do not divide by tp=4"
+    assert section.kept_whole[0].reason == ("2 heads of h.1.attn.qkv do not divide by tp=4: tp must divide 2 to "
+                                            "shard this block")  # the layout's reason, one line
     assert not any(m.path.startswith(odd.name + ".") for m in section.sharded)
     assert tensor_parallel_options(chain.blocks, 4, 4) == ((1, False), (2, True), (4, False))  # no sequence shard
+
+
+def test_a_plan_slicing_a_block_whose_heads_do_not_divide_is_refused_in_one_line(chains):
+    import dataclasses
+
+    chain = chains["gpt"]
+    plan = solve(chain, 4, hardware="cpu-gloo", max_tensor_parallel=4, memory_budget="1.3MiB")
+    assert plan.mesh.tp > 1
+    evaluate(chain, plan)  # as compiled: fine
+    three = dataclasses.replace(plan, world_size=plan.mesh.size // plan.mesh.tp * 3,
+                                mesh=dataclasses.replace(plan.mesh, tp=3))
+    with pytest.raises(PlanError, match=r"^the plan slices 'h\.0' over tp=3, but 4 heads of h\.0\.attn\.qkv, 256 output "
+                                        r"features of h\.0\.mlp\.fc do not divide by tp=3: tp must divide 4 to shard this block: choose such a tp, "
+                                        r"or list its modules as kept whole$"):
+        evaluate(chain, three)

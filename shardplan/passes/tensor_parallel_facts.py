@@ -44,6 +44,7 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
         bwd = merge_op_kinds(facts(node).bwd_kinds for node in nodes)
         blocks[index] = replace(blocks[index], tensor_parallel=TensorParallelFacts(
             divides=math.gcd(*(divisor.size for pair, _ in pairs for divisor in pair.divisors)),
+            divisors=tuple((divisor.size, divisor.what) for pair, _ in pairs for divisor in pair.divisors),
             sliced_numel=sum(_sliced_numel(parameters, pair) for pair, _ in pairs),
             fwd_kinds=fwd, bwd_kinds=bwd, sliced_fwd_flops=sum(k.flops for k in fwd),
             sliced_bwd_flops=sum(k.flops for k in bwd),
