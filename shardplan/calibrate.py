@@ -22,6 +22,7 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,12 +115,15 @@ class Measurements:
 
 
 def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int, ...] | None = None,
-              progress: bool = True, quick: bool = False) -> HardwareProfile:
+              progress: bool = True, quick: bool = False, partial_path: str | None = None) -> HardwareProfile:
     """Measure this machine with `world_size` ranks and fit a profile.
 
     `backend`: "gloo" (CPU) or "nccl" (GPUs); by default NCCL when CUDA is present.
     `sizes`: collective buffer sizes in bytes, instead of the sweep's 6 KB-380 MB.
+    `progress`: a bar on a terminal; otherwise (a log, CI) one line on stderr per round with the time left.
     `quick`: a few sizes and rounds, for tests (seconds, not minutes).
+    `partial_path`: after each round, the profile fitted so far is written there (atomically), so an
+    interrupted calibration leaves a usable, rougher profile.
 
     >>> profile = calibrate(world_size=2, quick=True)  # doctest: +SKIP
     >>> profile.collective_time_s("all_gather_into_tensor", 64 * 2**20, 2)  # doctest: +SKIP
@@ -135,10 +139,60 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
         sizes = _whole_shards(sweep.collective_sizes_bytes, world_size)
     sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(set(sizes))),
                                 in_step_sizes_bytes=_whole_shards(sweep.in_step_sizes_bytes, world_size))
-    measurements, _ = run_world(measure_job, (sweep.rounds, sweep), world_size=world_size, backend=backend,
-                                total_steps=measure_steps(sweep.rounds, sweep), progress=progress,
-                                description=f"calibrating ({backend}, world {world_size})")
+    description = f"calibrating ({backend}, world {world_size})"
+    on_terminal = progress and sys.stderr.isatty()
+    total_steps = measure_steps(sweep.rounds, sweep)
+    if progress:
+        kept = f"; the profile measured so far is kept in {partial_path} as it goes" if partial_path else ""
+        print(f"shardplan calibrate: {description}: {total_steps} steps ({sweep.rounds} rounds of "
+              f"{len(sweep.matmul_sizes) * len(sweep.dtypes)} matmuls and {3 * len(sweep.collective_sizes_bytes)} "
+              f"collectives, then {sweep.rounds} rounds of training-step kernels){kept}"
+              + ("" if on_terminal else "; the time left follows each step"), file=sys.stderr, flush=True)
+    measurements, _ = run_world(_calibration_job, (sweep, progress and not on_terminal, partial_path),
+                                world_size=world_size, backend=backend, total_steps=total_steps,
+                                progress=on_terminal, description=description)
     return fit_profile(measurements)
+
+
+def _calibration_job(device: torch.device, report, sweep: Sweep, lines: bool,
+                     partial_path: str | None) -> tuple[Measurements | None, dict]:
+    """Rank job: measure_job of `sweep`; on rank 0, a line per step on stderr when `lines`, and the
+    profile fitted so far written to `partial_path` after every round of probes."""
+    if dist.get_rank() == 0:
+        if lines:
+            report = _with_lines(report, measure_steps(sweep.rounds, sweep))
+        if partial_path:
+            return measure_job(device, report, sweep.rounds, sweep,
+                               partial=lambda m, done: _write_partial(partial_path, m, done, sweep.rounds))
+    return measure_job(device, report, sweep.rounds, sweep)
+
+
+def _with_lines(report, total_steps: int):
+    """`report`, also printing each step on stderr with the time spent and an estimate of the time left."""
+    start, done = time.perf_counter(), [0]
+
+    def report_and_print(text: str) -> None:
+        report(text)
+        done[0] += 1
+        spent = time.perf_counter() - start
+        left = spent / done[0] * (total_steps - done[0])
+        print(f"shardplan calibrate: step {done[0]} of {total_steps} ({text}): {_duration(spent)} spent, "
+              f"about {_duration(left)} left", file=sys.stderr, flush=True)
+    return report_and_print
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _write_partial(path: str, measurements: "Measurements", rounds_done: int, rounds: int) -> None:
+    """The profile of the probes' rounds so far (no op time factors yet), if they fit one yet."""
+    try:
+        profile = fit_profile(measurements)
+    except HardwareError:
+        return  # too few or too noisy timings so far: the next round tries again
+    note = f"; PARTIAL: {rounds_done} of {rounds} rounds of probes, no op time factors (calibration interrupted?)"
+    write_text_atomically(path, dataclasses.replace(profile, source=profile.source + note).to_json())
 
 
 def _whole_shards(sizes: tuple[int, ...], world_size: int) -> tuple[int, ...]:
@@ -155,14 +209,24 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="default: nccl when CUDA is present, else gloo")
     parser.add_argument("--quick", action="store_true", help="few sizes and rounds (seconds, rough figures)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.access(folder, os.W_OK):  # fail now, not after minutes of measuring
         parser.error(f"cannot write {args.output}: folder {folder} does not exist or is not writable")
-    profile = calibrate(world_size=args.world_size, backend=args.backend, quick=args.quick)
+    partial = partial_path(args.output)
+    profile = calibrate(world_size=args.world_size, backend=args.backend, quick=args.quick, partial_path=partial)
     write_text_atomically(args.output, profile.to_json())
+    if os.path.exists(partial):
+        os.remove(partial)
     print(f"wrote {args.output}: {summary(profile)}")
     return 0
+
+
+def partial_path(output: str) -> str:
+    """Where calibrate_main keeps the profile measured so far: beside `output`, e.g. profile.partial.json."""
+    stem, extension = os.path.splitext(output)
+    return f"{stem}.partial{extension or '.json'}"
 
 
 def summary(profile: HardwareProfile) -> str:
@@ -350,9 +414,10 @@ def _compute_lasting(seconds: float, device: torch.device) -> Callable[[], None]
     return compute
 
 
-def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda text: None) -> dict:
+def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda text: None,
+                  on_round=lambda figures, rounds_done: None) -> dict:
     """Seconds of one call of each probe, its `figure` of its timings over `rounds` interleaved rounds;
-    `report` after each round.
+    `report` after each round, and `on_round` with the figures of the rounds so far.
 
     All ranks start every timing together (a barrier before it), as ranks compute and communicate in training.
     """
@@ -374,6 +439,7 @@ def time_probes_s(probes: dict, device: torch.device, rounds: int, report=lambda
                     probe.call()
                 synchronize(device)
                 timings_s[key].append((time.perf_counter() - start) / loops[key])
+        on_round({key: probe.figure(timings_s[key]) for key, probe in probes.items()}, round_index + 1)
         report(f"round {round_index + 1} of {rounds}")
     return {key: probe.figure(timings_s[key]) for key, probe in probes.items()}
 
@@ -393,16 +459,22 @@ def _loop_count(call, device: torch.device, seconds: float = _MIN_TIMING_S) -> i
 
 
 def measure_job(device: torch.device, report, rounds: int, sweep: Sweep | None,
-                build_probes: "Callable[[torch.device], dict] | None" = None) -> tuple[Measurements | None, dict]:
+                build_probes: "Callable[[torch.device], dict] | None" = None,
+                partial: "Callable[[Measurements, int], None] | None" = None) -> tuple[Measurements | None, dict]:
     """Rank job (see run_world): the calibration of `sweep` and the probes of `build_probes`, in the same rounds.
 
     Returns the calibration's Measurements (None without a sweep) and the other probes' figures (seconds).
+    `partial(measurements, rounds_done)` hears the sweep's Measurements so far (without op calls) after each round.
     """
     probes = _calibration_probes(sweep, device) if sweep else {}
     extra = build_probes(device) if build_probes else {}
     every = probes | extra
     ordered = {key: every[key] for key in sorted(every, key=_timing_order)}
-    seconds = time_probes_s(ordered, device, rounds, report)
+
+    def on_round(figures: dict, rounds_done: int) -> None:
+        if sweep and partial:
+            partial(_measurements(sweep, figures, (), device), rounds_done)
+    seconds = time_probes_s(ordered, device, rounds, report, on_round)
     measurements = None
     if sweep:
         op_calls = time_op_calls_s(op_workloads(device), device, rounds, report)

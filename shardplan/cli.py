@@ -3,19 +3,24 @@
 Errors print on one line without a traceback and exit 2 (`--debug` shows the traceback).
 """
 import argparse
-import importlib
 import os
+import re
 import sys
 
 from rich.console import Console
 
+from .cost import OPTIMIZER_STEPS
+from .dtypes import FLOAT_DTYPES
 from .errors import ShardplanError
+from .plan import MixedPrecision, ShardStrategy
 
 EXAMPLES = {
     "plan": "shardplan plan gpt --world-size 8 --hardware h100-80g --memory-budget 40GiB -o plan.json\n"
             "  shardplan plan llama-7b --world-size 64 -o llama.json\n"
             "  shardplan plan config.json --batch 1 --seq 4096 --world-size 16   (a Hugging Face config)\n"
-            "  shardplan plan mypackage.models:build --world-size 4   (build() returns (model, args, kwargs))",
+            "  shardplan plan mypackage.models:build --world-size 4   (build() returns (model, args, kwargs))\n"
+            "  shardplan plan config.json --world-size 8 --param-dtype bfloat16 --reduce-dtype float32 "
+            "--wrap 'layers\\.\\d+$' --pin 'embed=replicate'",
     "explain": "shardplan explain plan.json --pictures plan-pictures/",
     "diff": "shardplan diff old.json new.json",
     "check": "shardplan check --baseline benchmarks/baseline.json\n"
@@ -71,7 +76,23 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq", type=int, help="sequence length")
     plan.add_argument("--no-pipeline", dest="allow_pipeline", action="store_false",
                       help="plan data parallelism only (pp = 1): no pipeline stages")
-    plan.add_argument("--allow-offload", action="store_true", help="let the solver offload shards to CPU")
+    plan.add_argument("--offload", "--allow-offload", dest="allow_offload", action="store_true",
+                      help="let the solver keep shards and their optimizer state in CPU memory (FSDP's CPUOffload)")
+    plan.add_argument("--param-dtype", choices=FLOAT_DTYPES,
+                      help="dtype parameters are gathered and computed in (FSDP's MixedPrecision param_dtype); "
+                           "default: float32 with --reduce-dtype, else the parameters' own. With either flag a "
+                           "Hugging Face config's model is built in float32 (fp32 master weights)")
+    plan.add_argument("--reduce-dtype", choices=FLOAT_DTYPES,
+                      help="dtype gradients are reduced in (MixedPrecision reduce_dtype); default: float32 with "
+                           "--param-dtype, else the parameters' own")
+    plan.add_argument("--optimizer", choices=sorted(OPTIMIZER_STEPS), default="adamw",
+                      help="the optimizer whose state and step are priced (default: adamw)")
+    plan.add_argument("--wrap", metavar="REGEX", action="append", default=[],
+                      help="a unit starts at each block whose module path matches (FSDP's auto_wrap_policy); "
+                           "repeatable")
+    plan.add_argument("--pin", metavar="REGEX=STRATEGY", action="append", default=[],
+                      help=f"the unit holding a matching block uses STRATEGY ({', '.join(s.value for s in ShardStrategy)}); "
+                           "repeatable")
     plan.add_argument("-o", "--output", default="plan.json")
 
     explain = command("explain", _explain, "Show a plan: units, predicted memory and time, and pictures.")
@@ -106,16 +127,61 @@ def _hardware_options(parser: argparse.ArgumentParser) -> None:
 
 def _plan(options) -> int:
     from .compile import compile as compile_plan
+    from .model_spec import load_model
 
-    entry = load_model(options.spec, batch=options.batch, seq=options.seq)
+    options_of_plan = _plan_options(options)
+    entry = load_model(options.spec, batch=options.batch, seq=options.seq,
+                       fp32_params=options_of_plan["mixed_precision"] is not None, warn=_warn)
     with Console(stderr=True).status(f"capturing and planning {options.spec} for {options.world_size} ranks"):
-        plan = compile_plan(entry.model, options.world_size, entry.args, entry.kwargs, hardware=options.hardware,
-                            memory_budget=options.memory_budget, allow_pipeline=options.allow_pipeline,
-                            allow_offload=options.allow_offload)
+        plan = compile_plan(entry.model, options.world_size, entry.args, entry.kwargs, **options_of_plan)
     plan.save(options.output)
     print(plan.summary())
     print(f"wrote {options.output}")
     return 0
+
+
+def _plan_options(options) -> dict:
+    """compile's keywords (PlanOptions' fields) from the plan command's flags."""
+    from .solver.space import Constraints
+
+    precision = None
+    if options.param_dtype or options.reduce_dtype:
+        precision = MixedPrecision(param_dtype=options.param_dtype or "float32",
+                                   reduce_dtype=options.reduce_dtype or "float32")
+    pins = tuple((_regex(pattern, "--pin"), (_strategy(strategy),))
+                 for pattern, strategy in (_pin(text) for text in options.pin))
+    wraps = tuple(_regex(pattern, "--wrap") for pattern in options.wrap)
+    constraints = Constraints(unit_boundary=wraps, strategy=pins) if wraps or pins else None
+    return {"hardware": options.hardware, "memory_budget": options.memory_budget, "mixed_precision": precision,
+            "optimizer": options.optimizer, "allow_pipeline": options.allow_pipeline,
+            "allow_offload": options.allow_offload, "constraints": constraints}
+
+
+def _pin(text: str) -> tuple[str, str]:
+    pattern, equals, strategy = text.rpartition("=")
+    if not equals or not pattern:
+        raise ShardplanError(f"--pin {text!r} is not REGEX=STRATEGY: write e.g. --pin 'layers\\.0$=replicate'")
+    return pattern, strategy
+
+
+def _strategy(name: str):
+    try:
+        return ShardStrategy(name)
+    except ValueError:
+        raise ShardplanError(f"--pin strategy {name!r} is unknown: use one of "
+                             f"{', '.join(s.value for s in ShardStrategy)}") from None
+
+
+def _regex(pattern: str, flag: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise ShardplanError(f"{flag} {pattern!r} is not a regular expression ({error}): fix or quote it") from None
+    return pattern
+
+
+def _warn(text: str) -> None:
+    print(f"shardplan: warning: {text}", file=sys.stderr)
 
 
 def _explain(options) -> int:
@@ -124,6 +190,7 @@ def _explain(options) -> int:
 
     plan = load_plan(options.plan)
     console = Console()
+    console.print(report.setup_table(plan))
     console.print(report.units_table(plan))
     console.print(report.prediction_table(plan))
     if plan.reasoning.runner_ups:
@@ -136,8 +203,9 @@ def _explain(options) -> int:
 
 def _diff(options) -> int:
     from .plan import load_plan
+    from .report import plan_changes
 
-    changes = load_plan(options.old).diff(load_plan(options.new))
+    changes = plan_changes(load_plan(options.old), load_plan(options.new))
     print("\n".join(changes) if changes else "the plans are the same")
     return 0
 
@@ -145,17 +213,22 @@ def _diff(options) -> int:
 def _check(options) -> int:
     from .quality import check_baseline
 
-    failures = check_baseline(options.baseline, tolerance=options.tolerance, update=options.update)
+    outcomes = check_baseline(options.baseline, tolerance=options.tolerance, update=options.update,
+                              report=lambda outcome: print(outcome.line(), flush=True), debug=options.debug)
+    failed = sum(1 for outcome in outcomes if outcome.failures)
+    print(f"{len(outcomes)} case(s): {len(outcomes) - failed} passed, {failed} failed"
+          + (f"; wrote {options.baseline}" if options.update else ""))
     if options.measure:
         from .accuracy import accuracy_table, measure_accuracy
         from .hardware import get_hardware
 
         rows = measure_accuracy(get_hardware(options.measure))
         Console().print(accuracy_table(rows, f"predicted ({options.measure}) vs measured, demo GPT, 2 CPU ranks"))
-        failures += [miss for row in rows for miss in row.misses()]
-    for failure in failures:
-        print(f"FAIL {failure}", file=sys.stderr)
-    return 1 if failures else 0
+        misses = [miss for row in rows for miss in row.misses()]
+        for miss in misses:
+            print(f"FAIL {miss}", file=sys.stderr)
+        failed += len(misses)
+    return 1 if failed else 0
 
 
 def _demo(options) -> int:
@@ -180,61 +253,6 @@ def _demo(options) -> int:
     console.print(table)
     console.print("loss by step: " + ", ".join(f"{loss:.3f}" for loss in measured.losses))
     return 0
-
-
-def load_model(spec: str, batch: int | None = None, seq: int | None = None):
-    """A zoo name, `package.module:factory`, or a Hugging Face config JSON → ZooModel."""
-    from . import zoo
-
-    sizes = {key: value for key, value in (("batch", batch), ("seq", seq)) if value is not None}
-    if spec in zoo.ZOO:
-        return zoo.build(spec, **sizes)
-    if spec.endswith(".json"):
-        return _hugging_face_from_config(spec, batch or 1, seq or 512)
-    if ":" in spec:
-        module_name, factory_name = spec.split(":", 1)
-        try:
-            factory = getattr(importlib.import_module(module_name), factory_name)
-        except (ImportError, AttributeError) as error:
-            raise ShardplanError(f"cannot load {spec!r}: {error}; write package.module:function, importable "
-                                 "from here (set PYTHONPATH)") from None
-        built = factory(**sizes)
-        return built if isinstance(built, zoo.ZooModel) else zoo.ZooModel(*built)
-    raise ShardplanError(f"unknown model {spec!r}: give a zoo name ({', '.join(zoo.ZOO)}), "
-                         "package.module:factory, or a Hugging Face config .json")
-
-
-def _hugging_face_from_config(path: str, batch: int, seq: int):
-    import torch
-    import transformers
-
-    from . import zoo
-
-    from .files import parse_json, read_text
-
-    fields = parse_json(read_text(path, "Hugging Face config"), f"Hugging Face config {path!r}")
-    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
-        raise ShardplanError(f"Hugging Face config {path!r} is not a JSON object with a \"model_type\" string: "
-                             "give the config.json saved with the model (config.save_pretrained)")
-    if fields["model_type"] not in transformers.CONFIG_MAPPING:
-        raise ShardplanError(f"Hugging Face config {path!r} has model_type {fields['model_type']!r}, which "
-                             f"transformers {transformers.__version__} does not know: fix it (e.g. 'llama', 'gpt2') "
-                             "or upgrade transformers")
-    try:
-        config = transformers.AutoConfig.for_model(**fields)
-    except Exception as error:  # transformers and huggingface_hub validate fields with errors of their own
-        raise ShardplanError(f"cannot read Hugging Face config {path!r}: {_summary(error)}: fix that field") from None
-    config.use_cache = False
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        ids = torch.zeros(batch, seq, dtype=torch.long)
-    return zoo.ZooModel(model, (ids,), {"labels": ids})
-
-
-def _summary(error: Exception) -> str:
-    """A library's error on one line, at most 300 characters."""
-    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
-    return text if len(text) <= 300 else text[:300] + "..."
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The CI gate on plan quality: re-plan a set of models and compare with a committed baseline.
 
 A case fails when its predicted step time or peak memory got worse than the
-baseline by more than the tolerance, or when planning it twice does not give
-byte-identical JSON. `update` rewrites the baseline with today's plans.
+baseline by more than the tolerance, when planning it twice does not give
+byte-identical JSON, when it has no recorded figures yet, or when it cannot be
+planned. `update` rewrites the baseline with today's plans.
 """
 import json
 import os
@@ -10,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import ShardplanError
 from .files import parse_json, read_text, write_text_atomically
+from .sizes import format_bytes
 
 SCHEMA = "shardplan.baseline/1"
 DEFAULT_TOLERANCE = 0.01
@@ -18,51 +20,93 @@ DEFAULT_TOLERANCE = 0.01
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Case:
     model: str
-    """A zoo name."""
+    """What `shardplan plan` takes: a zoo name, package.module:factory, or a Hugging Face config JSON
+    (a relative path is read from the baseline's folder)."""
     world_size: int
     hardware: str = "h100-80g"
     memory_budget: str | None = None
     step_time_s: float = 0.0
-    """Predicted at the last --update."""
+    """Predicted at the last --update (0: not recorded yet)."""
     peak_bytes: int = 0
 
 
-def check_baseline(path: str, tolerance: float | None = None, update: bool = False) -> list[str]:
-    """Failures, one line each (empty: the gate passes)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Outcome:
+    """One case checked: today's figures (None when it could not be planned) and why it fails."""
+
+    case: Case
+    now: Case | None
+    failures: tuple[str, ...]
+    """One line each, without the case's name."""
+
+    def line(self) -> str:
+        """PASS/FAIL, the case and its figures against the baseline's on one line; below it, indented, why it fails."""
+        figures = ""
+        if self.now is not None:
+            figures = (f": step {_against(self.now.step_time_s, self.case.step_time_s, _ms)}, "
+                       f"peak {_against(self.now.peak_bytes, self.case.peak_bytes, format_bytes)}")
+        return "\n    ".join([f"{'FAIL' if self.failures else 'PASS'} {_name(self.case)}{figures}", *self.failures])
+
+
+def check_baseline(path: str, tolerance: float | None = None, update: bool = False,
+                   report=lambda outcome: None, debug: bool = False) -> list[Outcome]:
+    """Every case's Outcome, each also given to `report` as soon as it is known; `debug`: a case that
+    cannot be planned raises instead of failing."""
     cases, saved_tolerance = _read(path)
     tolerance = saved_tolerance if tolerance is None else tolerance
-    failures, measured = [], []
+    outcomes = []
     for case in cases:
-        plan, again = _plan(case), _plan(case)
-        if plan.to_json() != again.to_json():
-            failures.append(f"{_name(case)}: planning twice gave different JSON (the solver is not deterministic)")
-        now = Case(model=case.model, world_size=case.world_size, hardware=case.hardware,
-                   memory_budget=case.memory_budget, step_time_s=plan.predicted.step_time_s,
-                   peak_bytes=plan.predicted.peak_bytes)
-        measured.append(now)
-        if not update:
-            failures += _regressions(case, now, tolerance)
+        outcome = _check(case, os.path.dirname(os.path.abspath(path)), tolerance, update, debug)
+        report(outcome)
+        outcomes.append(outcome)
     if update:
-        _write(path, measured, tolerance)
-    return failures
+        _write(path, [outcome.now or outcome.case for outcome in outcomes], tolerance)
+    return outcomes
+
+
+def _check(case: Case, folder: str, tolerance: float, update: bool, debug: bool) -> Outcome:
+    from .model_spec import summary
+
+    try:
+        plan, again = _plan(case, folder), _plan(case, folder)
+    except Exception as error:  # a gate reports every case: one that cannot be planned is one failure
+        if debug:
+            raise
+        cause = str(error) if isinstance(error, ShardplanError) else f"{type(error).__name__}: {summary(error)}"
+        return Outcome(case=case, now=None, failures=(f"cannot be planned: {cause}",))
+    failures = []
+    if plan.to_json() != again.to_json():
+        failures.append("planning twice gave different JSON (the solver is not deterministic)")
+    now = Case(model=case.model, world_size=case.world_size, hardware=case.hardware,
+               memory_budget=case.memory_budget, step_time_s=plan.predicted.step_time_s,
+               peak_bytes=plan.predicted.peak_bytes)
+    if not update:
+        failures += _regressions(case, now, tolerance)
+    return Outcome(case=case, now=now, failures=tuple(failures))
 
 
 def _regressions(old: Case, new: Case, tolerance: float) -> list[str]:
+    if not old.step_time_s or not old.peak_bytes:
+        return ["the baseline has no recorded figures for this case: run `shardplan check "
+                "--update` to record them, and commit the baseline"]
     failures = []
     for metric, before, after in (("step_time_s", old.step_time_s, new.step_time_s),
                                   ("peak_bytes", old.peak_bytes, new.peak_bytes)):
         if after > before * (1 + tolerance):
-            failures.append(f"{_name(old)}: predicted {metric} got worse: {before:.6g} -> {after:.6g} "
+            failures.append(f"predicted {metric} got worse: {before:.6g} -> {after:.6g} "
                             f"(+{after / before - 1:.2%}, tolerance {tolerance:.2%}); if this is intended, "
                             "run `shardplan check --update` and commit the baseline")
     return failures
 
 
-def _plan(case: Case):
-    from . import zoo
+def _plan(case: Case, folder: str):
     from .compile import compile as compile_plan
+    from .model_spec import load_model
 
-    entry = zoo.build(case.model)
+    spec = case.model
+    if spec.endswith(".json") and not os.path.isabs(spec):
+        spec = os.path.join(folder, spec)
+    entry = load_model(spec)
     return compile_plan(entry.model, case.world_size, entry.args, entry.kwargs, hardware=case.hardware,
                         memory_budget=case.memory_budget)
 
@@ -70,6 +114,17 @@ def _plan(case: Case):
 def _name(case: Case) -> str:
     budget = f", budget {case.memory_budget}" if case.memory_budget else ""
     return f"{case.model} at world {case.world_size} on {case.hardware}{budget}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _against(now: float, before: float, shown) -> str:
+    """`now` beside the baseline's `before`, with the relative change."""
+    if not before:
+        return f"{shown(now)} (baseline: not recorded)"
+    return f"{shown(now)} (baseline {shown(before)}, {now / before - 1:+.1%})"
 
 
 def _read(path: str) -> tuple[list[Case], float]:

@@ -200,3 +200,33 @@ def test_a_figure_is_the_fastest_or_the_mean_of_all_timings_and_the_work_before_
     seconds = run_world(_timing_job, world_size=1, backend="gloo", total_steps=2, progress=False)
     assert seconds["mean"] == pytest.approx(2e-3, abs=0.7e-3)
     assert seconds["fastest"] == pytest.approx(1e-3, abs=0.7e-3)  # the default figure: the fastest timing
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_calibrate_off_a_terminal_prints_progress_with_time_left_and_a_kill_leaves_a_partial_profile(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    output = tmp_path / "profile.json"
+    command = [str(Path(sys.executable).with_name("shardplan")), "calibrate", "--quick", "-o", str(output)]
+    run = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in run.stderr:
+            lines.append(line)
+            if " of " in line and "left" in line and line.split("step ")[1].startswith("2 "):
+                break
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)  # the command and its ranks, as a user's kill -9 of the group
+        run.wait(timeout=30)
+    text = "".join(lines)
+    assert "Traceback" not in text, text
+    assert "the time left follows each step" in lines[0] and "profile.partial.json" in lines[0], text  # up front
+    assert "step 1 of 6 (round 1 of 3):" in text and "about" in text and "left" in text, text
+    partial = get_hardware(tmp_path / "profile.partial.json")
+    assert "PARTIAL: 2 of 3 rounds" in partial.source and partial.matmul["float32"].peak_flops_per_s > 0
+    assert not output.exists()

@@ -24,6 +24,7 @@ from shardplan.plan import ShardStrategy
 from shardplan.runtime import checkpoint, manual_plan, parallelize
 from shardplan.runtime.chunks import Chunk, row_chunks, unit_chunks
 from shardplan.runtime.flat_param import FlatLayout
+from shardplan.runtime.tensor_parallel import ParameterSlice
 
 from parity import spawn_world
 
@@ -563,9 +564,24 @@ def test_unit_chunks_tile_each_parameter_exactly(numels, dp):
     shards = flat.chunk(dp)
     for index, whole in enumerate(layout.split(flat)):
         rebuilt = torch.full((numels[index],), -1.0)
-        for chunk in unit_chunks(layout, index):
+        for chunk in unit_chunks(layout, index, None, sharded=True, owner=lambda shard, tp: shard):
             rebuilt[chunk.offset:chunk.offset + chunk.numel] = shards[chunk.rank][chunk.start:chunk.start + chunk.numel]
         assert torch.equal(rebuilt, whole)
+
+
+@pytest.mark.parametrize("dim,chunks,sharded", [(0, 1, True), (0, 3, True), (1, 1, True), (1, 1, False)])
+def test_unit_chunks_of_tensor_parallel_slices_tile_the_full_parameter(dim, chunks, sharded):
+    """A parameter sliced over tp 2 next to a whole one in a unit over dp 3: every (shard, tp rank)'s
+    chunks put the full parameter back, in its full flattened order."""
+    full = torch.arange(6.0 * 12).view(6, 12)
+    cuts = [ParameterSlice(full_shape=(6, 12), dim=dim, chunks=chunks, index=tp, degree=2) for tp in range(2)]
+    layout = FlatLayout.of("unit", [("whole", torch.empty(5)), ("sliced", cuts[0].take(full))], 3)
+    flats = [layout.flatten([torch.zeros(5), cut.take(full)]) for cut in cuts]  # each tp rank's buffer
+    held = {(shard, tp): flats[tp].chunk(3)[shard] if sharded else flats[tp] for shard in range(3) for tp in range(2)}
+    rebuilt = torch.full((full.numel(),), -1.0)
+    for chunk in unit_chunks(layout, 1, cuts[0], sharded=sharded, owner=lambda shard, tp: (shard, tp)):
+        rebuilt[chunk.offset:chunk.offset + chunk.numel] = held[chunk.rank][chunk.start:chunk.start + chunk.numel]
+    assert torch.equal(rebuilt, full.flatten())
 
 
 def test_row_chunks_follow_torch_chunk_along_dim_0():

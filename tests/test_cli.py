@@ -1,5 +1,6 @@
 """The command line, run in-process on small zoo models."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +13,13 @@ from shardplan import load_plan
 from shardplan.cli import main
 
 SCHEMA = Path(__file__).parent.parent / "shardplan" / "schemas" / "plan.schema.json"
+
+
+def shardplan(*argv: str, **environment) -> subprocess.CompletedProcess:
+    """The installed `shardplan` command, as a user runs it."""
+    command = Path(sys.executable).with_name("shardplan")
+    return subprocess.run([str(command), *argv], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, **environment})
 
 
 @pytest.fixture(scope="module")
@@ -31,41 +39,105 @@ def test_plan_writes_json_that_validates_against_the_shipped_schema(plans, capsy
     assert load_plan(roomy).world_size == 8
 
 
-def test_explain_draws_real_pictures(plans, tmp_path, capsys):
+def test_explain_shows_shapes_batches_mesh_and_draws_real_pictures(plans, tmp_path):
     _, tight = plans
-    assert main(["explain", str(tight), "--pictures", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    run = shardplan("explain", str(tight), "--pictures", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    out, plan = run.stdout, load_plan(tight)
     assert "peak memory" in out and "binding" in out
+    assert f"{plan.mesh.describe()} (dp={plan.mesh.dp} replicas, pp={plan.mesh.pp} stages" in out
+    assert "4 x 32 int64" in out  # the zoo GPT's token ids: batch 4, sequence 32
+    assert f"{plan.mesh.dp * 4} = dp {plan.mesh.dp} x 4 per replica" in out
+    micro = plan.schedule.num_micro_batches
+    assert f"{micro} of {4 / micro:g} per replica" in out
     for name in ("units.png", "memory.png"):
         picture = (tmp_path / name).read_bytes()
         assert picture[:8] == b"\x89PNG\r\n\x1a\n" and len(picture) > 10_000
 
 
-def test_diff_names_what_changed(plans, capsys):
+def test_diff_names_what_changed_in_mib_and_ms_by_unit(plans):
     roomy, tight = plans
-    assert main(["diff", str(roomy), str(tight)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert any(line.startswith("predicted.peak_bytes: ") for line in lines), lines  # one change per line
+    run = shardplan("diff", str(roomy), str(tight))
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    peak = next(line for line in lines if line.startswith("peak memory: "))  # one change per line
+    assert peak.endswith("%)") and peak.count("MiB") == 2, peak
+    assert any(line.startswith("step time: ") and line.count(" ms") == 2 for line in lines), lines
+    assert any(line.startswith("unit h.") for line in lines), lines  # units named by their modules
     assert main(["diff", str(roomy), str(roomy)]) == 0
-    assert capsys.readouterr().out.strip() == "the plans are the same"
 
 
-def _baseline(tmp_path, **change) -> Path:
-    case = {"model": "mlp", "world_size": 2, "hardware": "cpu-gloo"}
+HUGGING_FACE_CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64,
+                       "n_positions": 512, "bos_token_id": 0, "eos_token_id": 0}
+
+
+def _baseline(tmp_path, cases: list[dict]) -> Path:
     path = tmp_path / "baseline.json"
-    path.write_text(json.dumps({"schema": "shardplan.baseline/1", "tolerance": 0.01, "cases": [case]}))
-    assert main(["check", "--baseline", str(path), "--update"]) == 0
-    data = json.loads(path.read_text())
-    data["cases"][0].update({key: data["cases"][0][key] * factor for key, factor in change.items()})
-    path.write_text(json.dumps(data))
+    path.write_text(json.dumps({"schema": "shardplan.baseline/1", "tolerance": 0.01, "cases": cases}))
     return path
 
 
 def test_check_passes_on_todays_plans_and_fails_on_a_better_baseline(tmp_path, capsys):
-    assert main(["check", "--baseline", str(_baseline(tmp_path))]) == 0
-    assert main(["check", "--baseline", str(_baseline(tmp_path, step_time_s=0.5))]) == 1
-    err = capsys.readouterr().err
-    assert "mlp at world 2" in err and "step_time_s got worse" in err
+    path = _baseline(tmp_path, [{"model": "mlp", "world_size": 2, "hardware": "cpu-gloo"}])
+    assert main(["check", "--baseline", str(path), "--update"]) == 0
+    assert main(["check", "--baseline", str(path)]) == 0
+    data = json.loads(path.read_text())
+    data["cases"][0]["step_time_s"] *= 0.5
+    path.write_text(json.dumps(data))
+    assert main(["check", "--baseline", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL mlp at world 2" in out and "step_time_s got worse" in out
+
+
+@pytest.mark.timeout(240)
+def test_check_gates_any_model_a_line_per_case_and_a_new_case_asks_for_update(tmp_path, monkeypatch, capsys):
+    """A zoo model, a Hugging Face config beside the baseline, and a package.module:factory, all new."""
+    (tmp_path / "config.json").write_text(json.dumps(HUGGING_FACE_CONFIG))
+    (tmp_path / "my_models.py").write_text("from shardplan import zoo\n\ndef build():\n    return zoo.build('mlp')\n")
+    cases = [{"model": model, "world_size": 2, "hardware": "cpu-gloo"}
+             for model in ("mlp", "config.json", "my_models:build")]
+    path = _baseline(tmp_path, cases)
+    new = shardplan("check", "--baseline", str(path), PYTHONPATH=str(tmp_path))
+    assert new.returncode == 1 and "Traceback" not in new.stderr + new.stdout, new.stderr
+    fails = [line for line in new.stdout.splitlines() if line.startswith("FAIL ")]
+    assert len(fails) == 3 and all("ms (baseline: not recorded)" in line for line in fails), new.stdout
+    assert new.stdout.count("run `shardplan check --update` to record them") == 3
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", "--baseline", str(path), "--update"]) == 0
+    capsys.readouterr()
+    assert main(["check", "--baseline", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" at ")[0] for line in lines[:3]] == ["PASS mlp", "PASS config.json", "PASS my_models:build"]
+    assert all("(baseline " in line and "+0.0%" in line for line in lines[:3]), lines
+    assert lines[-1] == "3 case(s): 3 passed, 0 failed"
+
+
+def test_plan_flags_reach_the_planner(tmp_path, capsys):
+    output = tmp_path / "plan.json"
+    run = shardplan("plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", "--no-pipeline",
+                    "--param-dtype", "bfloat16", "--reduce-dtype", "float32", "--optimizer", "sgd",
+                    "--wrap", r"layers\.2$", "--pin", r"layers\.0$=replicate", "-o", str(output))
+    assert run.returncode == 0, run.stderr
+    plan = load_plan(output)
+    assert (plan.mixed_precision.param_dtype, plan.mixed_precision.reduce_dtype) == ("bfloat16", "float32")
+    assert plan.optimizer == "sgd" and plan.mesh.pp == 1
+    assert any(unit.modules[0] == "layers.2" for unit in plan.units)
+    assert next(unit for unit in plan.units if "layers.0" in unit.modules).strategy.value == "replicate"
+    assert "use one of full_shard" in _refused(["plan", "mlp", "--world-size", "2", "--pin", "layers=sideways"], capsys)
+
+
+def test_a_bfloat16_hugging_face_config_warns_that_fp32_masters_are_dropped(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(HUGGING_FACE_CONFIG | {"torch_dtype": "bfloat16"}))
+    pure = shardplan("plan", str(config), "--world-size", "2", "--hardware", "cpu-gloo", "-o", str(tmp_path / "a.json"))
+    assert pure.returncode == 0, pure.stderr
+    assert "no fp32 master weights; to keep fp32 masters pass --param-dtype bfloat16 --reduce-dtype float32" \
+        in pure.stderr
+    assert "example input batch 1 x sequence 512 (pass --batch and --seq" in pure.stderr
+    assert main(["plan", str(config), "--world-size", "2", "--hardware", "cpu-gloo", "--batch", "2", "--seq", "64",
+                 "--param-dtype", "bfloat16", "-o", str(tmp_path / "b.json")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert load_plan(tmp_path / "b.json").mixed_precision.reduce_dtype == "float32"
 
 
 def test_errors_are_one_line_without_traceback():

@@ -306,13 +306,13 @@ def test_the_runtime_keeps_and_gathers_what_the_cost_model_counts(strategy):
     from shardplan.plan import Unit
     from shardplan.runtime.flat_param import FlatLayout
     from shardplan.runtime.sharded import _keep_slice
-    from shardplan.runtime.unit import FlatUnit
+    from shardplan.runtime.unit import FlatUnit, UnitPlace
 
     numel, dp = 1_000_000, 4
     layout = FlatLayout.of("b0", [("b0.w", torch.zeros(numel))], dp)
     shard, full = _keep_slice(strategy.traits, torch.zeros(numel), layout, 0, offload=False)
     unit = FlatUnit(spec=Unit(name="b0", modules=("b0",), params=("b0.w",), strategy=strategy), layout=layout,
-                    shard=shard, full=full, slots=[], rank=0, compute_dtype=torch.float32,
+                    shard=shard, full=full, slots=[], place=UnitPlace.alone(), compute_dtype=torch.float32,
                     reduce_dtype=torch.float32, device=torch.device("cpu"))
     kept_bytes = 4 * ((full if full is not None else shard).numel() + shard.numel())
     predicted = unit_cost((block(numel=numel),), Decision(strategy=strategy), ctx(dp=dp, optimizer="none"))

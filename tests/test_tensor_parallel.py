@@ -10,8 +10,8 @@ from shardplan import zoo
 from shardplan.errors import PlanError, RuntimeMismatchError
 from shardplan.passes.tensor_parallel import TensorParallelLayout, tensor_parallel_candidates
 from shardplan.runtime import tensor_parallel
-from shardplan.runtime.collectives import (all_reduce_max, all_reduce_mean, tensor_parallel_groups,
-                                           tensor_parallel_mesh, wait)
+from shardplan.plan import Mesh
+from shardplan.runtime.collectives import all_reduce_max, all_reduce_mean, device_mesh, mesh_groups, wait
 from shardplan.runtime.fsdp2 import apply_tensor_parallel_fsdp2, tensor_parallel_full_parameters
 from shardplan.runtime.tensor_parallel import (ParameterSlice, apply_tensor_parallel, gather_full_parameters,
                                                sequence_parallel_parameters, sum_sequence_parallel_gradients)
@@ -165,7 +165,7 @@ def train_tensor_parallel(rank: int, world: int, tp: int, cases: dict) -> dict:
     dp replica on its part of the whole batch, gradients averaged over dp by an all-reduce; the
     largest differences over every rank (each rank compares its own copy of the whole parameters),
     and the tp all-reduces of the last step."""
-    groups = tensor_parallel_groups("cpu", tp)
+    groups = mesh_groups("cpu", Mesh(dp_shard=world // tp, tp=tp))
     replica, replicas = rank // tp, world // tp
     calls = []
     tensor_parallel.all_reduce_sum = _counting_all_reduces(calls)
@@ -280,7 +280,7 @@ def test_vocab_parallel_embedding_and_head_train_like_one_process(tp2_results):
 def train_fsdp2_tensor_parallel(rank: int, world: int, tp: int, cases: dict) -> dict:
     """Each case (model name, layout) under apply_tensor_parallel_fsdp2 next to the whole model; the
     loss is each dp replica's, averaged over dp (FSDP2 averages the gradients itself)."""
-    mesh = tensor_parallel_mesh("cpu", tp)
+    mesh = device_mesh("cpu", Mesh(dp_shard=world // tp, tp=tp))
     replica, replicas = rank // tp, world // tp
     results = {}
     for case, (name, layout) in cases.items():
@@ -300,7 +300,7 @@ def train_fsdp2_tensor_parallel(rank: int, world: int, tp: int, cases: dict) -> 
                 each.step()
                 each.zero_grad()
             mean_loss = wait(all_reduce_mean(loss.detach().clone(), async_op=False,
-                                             group=mesh["dp"].get_group()))
+                                             group=mesh["dp_shard"].get_group()))
             loss_error = max(loss_error, abs(mean_loss.item() - reference_loss.item()))
         full = tensor_parallel_full_parameters(model, layout)
         param_error = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())

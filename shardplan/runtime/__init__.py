@@ -1,15 +1,17 @@
 """The runtime: run a Plan on every rank (see the runtime section of DESIGN.md).
 
     flat_param.py    where each parameter sits in a unit's flat padded buffer
-    collectives.py   every torch.distributed call (all_gather, reduce_scatter, all_reduce, broadcast)
+    collectives.py   every torch.distributed call (all_gather, reduce_scatter, all_reduce, broadcast) and
+                     the process groups of the plan's mesh
     unit.py          one unit's state machine: shard, gathered buffer, gradient reduction
     scheduler.py     when units are gathered, presented, released, prefetched and reduced
     activation_checkpoint.py  recomputing a unit's activations in backward (both backends)
     program.py       Program: step / micro-batches / loss / clip_grad_norm_, backend-independent
-    sharded.py       backend="shardplan": building the units from the model and the plan
+    sharded.py       backend="shardplan": tensor parallelism, then the units over the local slices
+    tensor_parallel.py  Megatron-style slices of a TensorParallelLayout's pairs, on an eager model
     stage_split.py   the captured graph split into the plan's stages, and the module that runs one
     pipelined.py     backend="shardplan" with pp > 1: this rank's stage under a GPipe / 1F1B schedule
-    fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard
+    fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard (and DTensor TP)
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
     checkpoint.py    save / load (any plan, world size, backend) and export_full_state_dict
     chunks.py        which chunk of each flattened parameter a rank holds, for checkpoints
@@ -71,11 +73,10 @@ def _check_mesh(plan: Plan, world_size: int) -> None:
     if mesh.size != world_size:
         raise ShardplanError(f"the plan is for {mesh.describe()} = {mesh.size} ranks but the process group has "
                              f"{world_size}: launch {mesh.size} ranks, or re-plan for world_size={world_size}")
-    # the planner prices these meshes; running them is the runtime's next step
-    if mesh.tp > 1 or mesh.dp_replicate > 1:
-        raise ShardplanError(f"the plan's mesh {mesh.describe()} uses tensor parallelism or replica groups (HSDP), "
-                             "which this version's runtime does not run yet: run a plan whose mesh has tp=1 and "
-                             "dp_replicate=1")
+    # a stage runs its captured graph at the full widths (stage_split.py), which tensor parallelism slices
+    if mesh.tp > 1 and mesh.pp > 1:
+        raise ShardplanError(f"the plan's mesh {mesh.describe()} runs tensor parallelism inside pipeline stages, "
+                             "which this version's runtime does not run yet: re-plan with tp=1 or pp=1")
 
 
 def _check_fingerprint(model: nn.Module, plan: Plan) -> None:

@@ -156,7 +156,7 @@ def _stage(program, held: list[Holder], optimizer: torch.optim.Optimizer | None,
     if optimizer is not None:
         saved = metadata["optimizer"]
         optimizer_state = _fresh_state(held, optimizer, saved["state"], saved["params_with_state"])
-        entries.update(_optimizer_entries(optimizer_state, saved["state"]))
+        entries.update(_optimizer_entries(optimizer_state, saved["state"], loading=True))
         hyperparameters = _restored_hyperparameters(optimizer, saved["param_groups"], directory / METADATA_FILE)
     return _Staged(parameters, buffers, optimizer_state, hyperparameters, entries, reader)
 
@@ -340,13 +340,14 @@ def _as_tensor(value) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
 
 
-def _optimizer_entries(states: dict[Holder, dict], schema: dict[str, dict]) -> dict[str, torch.Tensor]:
+def _optimizer_entries(states: dict[Holder, dict], schema: dict[str, dict], *,
+                       loading: bool = False) -> dict[str, torch.Tensor]:
     """`optim.<name>.<key>`: shaped state chunked like the parameter, scalar state whole per parameter."""
     entries = {}
     for holder, state in states.items():
         for key, value in state.items():
             if schema[key]["kind"] == "shaped":
-                entries.update(holder.entries(value, lambda name: f"optim.{name}.{key}"))
+                entries.update(holder.entries(value, lambda name: f"optim.{name}.{key}", loading=loading))
             else:
                 entries.update((f"optim.{name}.{key}", _as_tensor(value).clone()) for name in holder.names)
     return entries

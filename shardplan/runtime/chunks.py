@@ -7,6 +7,8 @@ parameter flattened to 1-D is held in contiguous chunks, one per rank at most,
 and a tensor shaped like the holder's parameter (the parameter itself, or its
 Adam moments) becomes one DCP entry per parameter name.
 """
+import functools
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -16,6 +18,7 @@ from ..dtypes import dtype_name
 from ..errors import ShardplanError
 from . import collectives
 from .flat_param import FlatLayout
+from .tensor_parallel import ParameterSlice
 from .unit import FlatUnit
 
 Key = Callable[[str], str]
@@ -33,15 +36,23 @@ class Chunk(NamedTuple):
     """First element of the piece in that rank's local tensor."""
 
 
-def unit_chunks(layout: FlatLayout, index: int) -> list[Chunk]:
-    """Every rank's piece of parameter `index`: the intersection of its range with each rank's slice."""
-    begin = sum(layout.numels[:index])
-    end = begin + layout.numels[index]
+def unit_chunks(layout: FlatLayout, index: int, cut: ParameterSlice | None, *, sharded: bool,
+                owner: Callable[[int, int], int]) -> list[Chunk]:
+    """Every holder's pieces of parameter `index`, by owner(shard index, tp index): for each tp index (0
+    alone for a whole parameter), the runs of its slice (ParameterSlice.runs) cut by each rank's shard of
+    the flat buffer (or by the whole buffer, shard index 0, when not `sharded`)."""
+    begin, _ = layout.span(index)
+    span = layout.shard_numel if sharded else layout.padded_numel
+    slices = [cut.of_rank(tp).runs() for tp in range(cut.degree)] if cut else [((0, 0, layout.numels[index]),)]
     chunks = []
-    for rank in range(layout.dp):
-        low, high = max(begin, rank * layout.shard_numel), min(end, (rank + 1) * layout.shard_numel)
-        if high > low:
-            chunks.append(Chunk(rank=rank, offset=low - begin, numel=high - low, start=low - rank * layout.shard_numel))
+    for tp, runs in enumerate(slices):
+        for shard in range(layout.dp if sharded else 1):
+            low, high = shard * span, (shard + 1) * span
+            for local, full, numel in runs:
+                start, end = max(begin + local, low), min(begin + local + numel, high)
+                if end > start:
+                    chunks.append(Chunk(rank=owner(shard, tp), offset=full + start - begin - local,
+                                        numel=end - start, start=start - low))
     return chunks
 
 
@@ -59,12 +70,12 @@ def row_chunks(shape: torch.Size, dp: int) -> list[Chunk]:
 
 
 def chunked_entry(local: torch.Tensor, numel: int, chunks: list[Chunk], rank: int) -> torch.Tensor:
-    """One parameter's DCP entry: this rank's piece of `local` (1-D), described with every rank's."""
+    """One parameter's DCP entry: this rank's pieces of `local` (1-D), described with every rank's."""
     if not chunks:  # an empty parameter: nothing to shard
         return local[:0]
-    mine = [chunk for chunk in chunks if chunk.rank == rank]
-    piece = local[mine[0].start:mine[0].start + mine[0].numel] if mine else local[:0]
-    return collectives.chunked_tensor(piece, numel, [(chunk.rank, chunk.offset, chunk.numel) for chunk in chunks])
+    pieces = [local[chunk.start:chunk.start + chunk.numel] for chunk in chunks if chunk.rank == rank]
+    return collectives.chunked_tensor(pieces, numel, [(chunk.rank, chunk.offset, chunk.numel) for chunk in chunks],
+                                      local)
 
 
 class UnitHolder:
@@ -80,21 +91,33 @@ class UnitHolder:
         self.label = f"unit {unit.name!r}"
 
     def shapes(self) -> dict[str, tuple[list[int], str]]:
+        """Full shapes: a parameter tensor parallelism slices is saved whole."""
         dtype = dtype_name(self.unit.layout.dtype)
-        return {name: (list(shape), dtype) for name, shape in zip(self.names, self.unit.layout.shapes)}
+        return {name: (list(cut.full_shape if cut else shape), dtype)
+                for name, shape, cut in zip(self.names, self.unit.layout.shapes, self.unit.cuts)}
 
-    def entries(self, local: torch.Tensor, key: Key) -> dict[str, torch.Tensor]:
-        """One entry per parameter from `local`, a tensor shaped like the shard."""
+    def entries(self, local: torch.Tensor, key: Key, *, loading: bool = False) -> dict[str, torch.Tensor]:
+        """One entry per parameter from `local`, a tensor shaped like the shard (see `_entries`)."""
+        return self._entries(local, key, sharded=self.unit.traits.shards_optimizer, loading=loading)
+
+    def _entries(self, local: torch.Tensor, key: Key, *, sharded: bool, loading: bool) -> dict[str, torch.Tensor]:
+        """One entry per parameter, under its full name and numel, from `local`: this rank's shard when
+        `sharded`, else the whole buffer. A part held on several ranks (by every replica group, by every tp
+        rank for a whole parameter) is written by one of them (UnitPlace.owner_rank); loading, every rank
+        reads its own part."""
         local = local.detach()
-        layout = self.unit.layout
-        if not self.unit.traits.shards_optimizer:  # the whole buffer, the same on every rank
-            return {key(name): piece.reshape(-1) for name, piece in zip(self.names, layout.split(local))}
-        group = self.unit.group  # chunks are placed on world ranks: a pipeline stage's group is not the world
-        return {key(name): chunked_entry(local, layout.numels[index],
-                                         [chunk._replace(rank=collectives.global_rank(group, chunk.rank))
-                                          for chunk in unit_chunks(layout, index)],
-                                         collectives.global_rank(group, self.unit.rank))
-                for index, name in enumerate(self.names)}
+        layout, place = self.unit.layout, self.unit.place
+        owner = place.owner_rank
+        rank = collectives.world().rank
+        entries = {}
+        for index, (name, cut) in enumerate(zip(self.names, self.unit.cuts)):
+            mine = (place.shard_rank if sharded else 0, place.tp_index if cut else 0)
+            if loading:
+                owner = functools.partial(_read_by, rank, mine, place.owner_rank)
+            chunks = unit_chunks(layout, index, cut, sharded=sharded, owner=owner)
+            numel = math.prod(cut.full_shape) if cut else layout.numels[index]
+            entries[key(name)] = chunked_entry(local, numel, chunks, rank)
+        return entries
 
     def staged(self) -> torch.Tensor:
         """A copy of what loading overwrites, for a load to fill before anything live changes (what no
@@ -105,9 +128,8 @@ class UnitHolder:
 
     def load_entries(self, staged: torch.Tensor, key: Key) -> dict[str, torch.Tensor]:
         """Where loading writes the parameters: into `staged`."""
-        if self.unit.full is None:
-            return self.entries(staged, key)
-        return {key(name): piece.reshape(-1) for name, piece in zip(self.names, self.unit.layout.split(staged))}
+        return self._entries(staged, key, sharded=self.unit.full is None and self.unit.traits.shards_optimizer,
+                             loading=True)
 
     def apply(self, staged: torch.Tensor) -> None:
         """Make a filled `staged` the parameters: the unit resharded, a loaded `full` current on every rank."""
@@ -121,50 +143,69 @@ class UnitHolder:
         return (self.unit.full if self.unit.full is not None else self.unit.shard).detach()
 
     def gather(self) -> list[torch.Tensor]:
-        """Every parameter whole (a collective for sharded units: call on every rank)."""
-        return self.unit.layout.split(self.unit.full_values())
+        """Every parameter whole (a collective for sharded units and sliced parameters: call on every rank)."""
+        return [cut.gather(local, self.unit.place.tensor_parallel) if cut else local
+                for local, cut in zip(self.unit.layout.split(self.unit.full_values()), self.unit.cuts)]
 
 
 class DTensorHolder:
     """An FSDP2 parameter: a DTensor sharded along dim 0 over the data-parallel ranks."""
 
-    def __init__(self, name: str, parameter: nn.Parameter, slots: list[tuple[nn.Module, str, int]]):
-        from torch.distributed.tensor import Shard
-
-        if tuple(parameter.placements) != (Shard(0),):
-            raise ShardplanError(f"parameter {name!r} is placed {parameter.placements}, not Shard(0) over one "
-                                 "data-parallel mesh: checkpoints of this layout need backend='shardplan'")
+    def __init__(self, name: str, parameter: nn.Parameter, slots: list[tuple[nn.Module, str, int]],
+                 program):
         self.parameter = parameter
         self.names = (name,)
         self.slots = slots
         self.label = f"parameter {name!r}"
+        self.program = program
 
     def shapes(self) -> dict[str, tuple[list[int], str]]:
         return {self.names[0]: (list(self.parameter.shape), dtype_name(self.parameter.dtype))}
 
-    def entries(self, tensor: torch.Tensor, key: Key) -> dict[str, torch.Tensor]:
-        """The entry of `tensor`, a DTensor placed like the parameter."""
+    def entries(self, tensor: torch.Tensor, key: Key, *, loading: bool = False) -> dict[str, torch.Tensor]:
+        """The entry of `tensor`, a DTensor placed like the parameter: rows sharded over dp_shard, written
+        by replica group 0 under HSDP (every replica group holds them again); loading, every rank reads
+        its own rows."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        placements = tuple(self.parameter.placements)
+        mesh = self.parameter.device_mesh
+        if placements not in ((Shard(0),), (Replicate(), Shard(0))):
+            raise ShardplanError(f"{self.label} is placed {placements}, not rows over the data-parallel ranks "
+                                 "(tensor parallelism): checkpoints of this layout need backend='shardplan'")
+        owners = mesh.mesh.reshape(-1, mesh.mesh.shape[-1])[0].tolist()  # replica group 0's ranks, by shard
+        shard = mesh.get_local_rank(len(placements) - 1)
+        rank = collectives.world().rank
+        if loading:
+            owners[shard] = rank
         local = tensor.to_local().detach().reshape(-1)
-        world = collectives.world()
-        chunks = row_chunks(self.parameter.shape, world.size)
-        mine = sum(chunk.numel for chunk in chunks if chunk.rank == world.rank)
-        if local.numel() != mine:
-            raise ShardplanError(f"{self.label}: FSDP2 holds {local.numel()} elements on rank {world.rank}, "
-                                 f"torch.chunk along dim 0 gives {mine}: use backend='shardplan' for checkpoints")
-        return {key(self.names[0]): chunked_entry(local, self.parameter.numel(), chunks, world.rank)}
+        rows = row_chunks(self.parameter.shape, len(owners))
+        held = sum(chunk.numel for chunk in rows if chunk.rank == shard)
+        if local.numel() != held:
+            raise ShardplanError(f"{self.label}: FSDP2 holds {local.numel()} elements on rank {rank}, "
+                                 f"torch.chunk along dim 0 gives {held}: use backend='shardplan' for checkpoints")
+        chunks = [chunk._replace(rank=owners[chunk.rank]) for chunk in rows]
+        return {key(self.names[0]): chunked_entry(local, self.parameter.numel(), chunks, rank)}
 
     def staged(self) -> torch.Tensor:
         return self.parameter.detach().clone()
 
     def load_entries(self, staged: torch.Tensor, key: Key) -> dict[str, torch.Tensor]:
-        return self.entries(staged, key)
+        return self.entries(staged, key, loading=True)
 
     def apply(self, staged: torch.Tensor) -> None:
         with torch.no_grad():
             self.parameter.copy_(staged)
 
     def gather(self) -> list[torch.Tensor]:
-        return [self.parameter.full_tensor().detach()]
+        from .fsdp2 import full_parameter
+
+        return [full_parameter(self.parameter, self.program.fused.get(self.names[0], 1), self.program.plan.mesh.tp)]
+
+
+def _read_by(rank: int, mine: tuple[int, int], owner_rank: Callable[[int, int], int], shard: int, tp: int) -> int:
+    """Loading: the part this rank holds is read by this rank, every other by its owner."""
+    return rank if (shard, tp) == mine else owner_rank(shard, tp)
 
 
 Holder = UnitHolder | DTensorHolder
@@ -181,5 +222,5 @@ def holders(program) -> list[Holder]:
         for attribute, parameter in module._parameters.items():
             if parameter is not None:
                 slots.setdefault(id(parameter), []).append((module, attribute, 0))
-    return [DTensorHolder(name, parameter, slots[id(parameter)])
+    return [DTensorHolder(name, parameter, slots[id(parameter)], program)
             for name, parameter in program.module.named_parameters()]

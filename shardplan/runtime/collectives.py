@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RuntimeMismatchError, ShardplanError
-from ..plan import Mesh
+from ..plan import MESH_DIMS, Mesh
 
 
 Group = dist.ProcessGroup | None
@@ -180,55 +180,45 @@ def _world_timeout():
     return dist.distributed_c10d.default_pg_timeout
 
 
-def device_mesh(device_type: str, dp: int):
-    """The 1-D data-parallel mesh FSDP2 shards over."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device_type, (dp,))
-
-
-class PipelineGroups(NamedTuple):
-    """This rank's place in the dp × pp mesh (rank = stage · dp + replica) and its two groups."""
-
-    stage: int
-    replica: int
-    data_parallel: dist.ProcessGroup
-    """The ranks holding this stage: its units shard over them."""
-    pipeline: dist.ProcessGroup
-    """The ranks of this replica, one per stage: activations flow between them."""
-
-
-def pipeline_groups(device_type: str, plan_mesh: Mesh) -> PipelineGroups:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device_type, (plan_mesh.pp, plan_mesh.dp), mesh_dim_names=("pp", "dp"))
-    rank = dist.get_rank()
-    return PipelineGroups(plan_mesh.stage_of(rank), plan_mesh.replica_of(rank), mesh.get_group("dp"),
-                          mesh.get_group("pp"))
-
-
-class TensorParallelGroups(NamedTuple):
-    """This rank's place in the dp × tp mesh (rank = replica · tp + tp index) and its two groups.
-
-    tp is the innermost axis, as Megatron-LM and torchtitan lay it out: a tp group is consecutive
-    ranks, so it stays inside a node, where its all-reduces (two per pair per step) find the fast links."""
-
-    index: int
-    """This rank's tp index: which slice of every tensor-parallel parameter it holds."""
-    tensor_parallel: dist.ProcessGroup
-    data_parallel: dist.ProcessGroup
-    """The ranks with this tp index: they hold the same slices and reduce their gradients together."""
-
-
-def tensor_parallel_groups(device_type: str, tp: int) -> TensorParallelGroups:
+def device_mesh(device_type: str, plan_mesh: Mesh):
+    """The plan's mesh as a DeviceMesh, dims named as plan.MESH_DIMS in the plan's rank layout ([Note:
+    rank layout]: init_device_mesh numbers ranks row-major, tp innermost). The one place the runtime
+    makes process groups for a plan: FSDP2 shards over mesh["dp_replicate", "dp_shard"] (HSDP) and
+    DTensor's tensor parallelism runs on mesh["tp"]; mesh_groups takes the groups of its dims."""
     from torch.distributed.device_mesh import init_device_mesh
 
     size = dist.get_world_size()
-    if size % tp:
-        raise RuntimeMismatchError(f"tp={tp} does not divide the world of {size} ranks: choose a tp that "
-                                   f"divides {size}, or launch a multiple of {tp} ranks")
-    mesh = init_device_mesh(device_type, (size // tp, tp), mesh_dim_names=("dp", "tp"))
-    return TensorParallelGroups(dist.get_rank() % tp, mesh.get_group("tp"), mesh.get_group("dp"))
+    if plan_mesh.size != size:
+        raise RuntimeMismatchError(f"the mesh {plan_mesh.describe()} is {plan_mesh.size} ranks, the world has "
+                                   f"{size}: launch {plan_mesh.size} ranks, or use a mesh of {size}")
+    return init_device_mesh(device_type, tuple(getattr(plan_mesh, dim) for dim in MESH_DIMS),
+                            mesh_dim_names=MESH_DIMS)
+
+
+class MeshGroups(NamedTuple):
+    """This rank's place in the plan's mesh and the process groups along its dimensions."""
+
+    coordinates: dict[str, int]
+    """This rank's index along each of plan.MESH_DIMS."""
+    tensor_parallel: dist.ProcessGroup
+    """Consecutive ranks: they slice the same replica's sharded modules."""
+    shard: dist.ProcessGroup
+    """Same stage, replica group and tp index: a unit's flat buffer is sharded over them."""
+    replicate: dist.ProcessGroup
+    """Same stage, shard and tp index: they hold the same shards and all-reduce their gradients (HSDP)."""
+    data_parallel: dist.ProcessGroup
+    """Same stage and tp index: every data-parallel replica of what this rank holds."""
+    pipeline: dist.ProcessGroup
+    """Same replica and tp index, one rank per stage: activations flow between them."""
+    mesh: object
+    """The DeviceMesh (device_mesh) the groups come from."""
+
+
+def mesh_groups(device_type: str, plan_mesh: Mesh) -> MeshGroups:
+    mesh = device_mesh(device_type, plan_mesh)
+    data_parallel = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # the ranks reading different batches
+    return MeshGroups(plan_mesh.coordinates(dist.get_rank()), mesh.get_group("tp"), mesh.get_group("dp_shard"),
+                      mesh.get_group("dp_replicate"), data_parallel.get_group(), mesh.get_group("pp"), mesh)
 
 
 def default_device() -> torch.device:
@@ -296,21 +286,22 @@ def broadcast_object(value, source_rank: int = 0):
     return box[0]
 
 
-def chunked_tensor(local: torch.Tensor, numel: int, chunks: list[tuple[int, int, int]]):
+def chunked_tensor(local: list[torch.Tensor], numel: int, chunks: list[tuple[int, int, int]], like: torch.Tensor):
     """A 1-D tensor of `numel` elements held in chunks over ranks, for torch.distributed.checkpoint.
 
-    `chunks` lists (rank, offset, numel) for every rank's chunk, the same list on every rank;
-    `local` is this rank's chunk (empty list entry means the rank holds none). The global layout
-    is known on every rank, so no communication is needed to describe it."""
+    `chunks` lists (rank, offset, numel) for every rank's chunk; `local` is this rank's chunks, in
+    the order `chunks` lists them (none when the rank holds none). The global layout is known on
+    every rank, so no communication is needed to describe it. `like` gives the dtype and device."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
     rank = dist.get_rank()
-    metadata = [ShardMetadata(shard_offsets=[offset], shard_sizes=[size], placement=f"rank:{owner}/{local.device}")
+    metadata = [ShardMetadata(shard_offsets=[offset], shard_sizes=[size], placement=f"rank:{owner}/{like.device}")
                 for owner, offset, size in chunks]
-    local_shards = [Shard(local, shard) for shard, (owner, _, _) in zip(metadata, chunks) if owner == rank]
-    properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+    mine = [shard for shard, (owner, _, _) in zip(metadata, chunks) if owner == rank]
+    local_shards = [Shard(piece, shard) for piece, shard in zip(local, mine, strict=True)]
+    properties = TensorProperties(dtype=like.dtype, layout=torch.strided, requires_grad=False,
                                   memory_format=torch.contiguous_format, pin_memory=False)
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         local_shards, ShardedTensorMetadata(metadata, torch.Size([numel]), properties))
@@ -381,15 +372,3 @@ def reduce_scatter_sum_along(tensor: torch.Tensor, dim: int, group: Group) -> to
     output = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
     dist.reduce_scatter_single(output, moved, op=dist.ReduceOp.SUM, group=group)
     return output.movedim(0, dim).contiguous()
-
-
-def tensor_parallel_mesh(device_type: str, tp: int):
-    """The 2-D (dp, tp) DeviceMesh, tp innermost as in tensor_parallel_groups: DTensor's tensor
-    parallelism runs on mesh["tp"], FSDP2 shards over mesh["dp"]."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    size = dist.get_world_size()
-    if size % tp:
-        raise RuntimeMismatchError(f"tp={tp} does not divide the world of {size} ranks: choose a tp that "
-                                   f"divides {size}, or launch a multiple of {tp} ranks")
-    return init_device_mesh(device_type, (size // tp, tp), mesh_dim_names=("dp", "tp"))

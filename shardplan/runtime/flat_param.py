@@ -49,6 +49,11 @@ class FlatLayout:
     def padding_numel(self) -> int:
         return self.padded_numel - sum(self.numels)
 
+    def span(self, index: int) -> tuple[int, int]:
+        """Where parameter `index` lies in the buffer: [begin, end)."""
+        begin = sum(self.numels[:index])
+        return begin, begin + self.numels[index]
+
     def shard_slice(self, rank: int) -> slice:
         return slice(rank * self.shard_numel, (rank + 1) * self.shard_numel)
 

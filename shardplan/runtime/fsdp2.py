@@ -25,13 +25,16 @@ from . import collectives
 from .activation_checkpoint import checkpointed
 from .program import Program, grad_norm_term
 from .sharded import initialize_module
-from .tensor_parallel import ParameterSlice, map_pair_input
+from .tensor_parallel import ParameterSlice, map_pair_input, plan_layout
 
 
 class Fsdp2Program(Program):
     def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
         super().__init__(module, plan, loss_fn)
-        mesh = collectives.device_mesh(device.type, plan.mesh.dp)
+        whole_mesh = collectives.device_mesh(device.type, plan.mesh)
+        mesh = data_parallel_mesh(whole_mesh)
+        self.fused: dict[str, int] = {}
+        """Fused projections' parameters sliced over tp: their chunks (see full_parameter)."""
         param_dtype = torch_dtype(plan.mixed_precision.param_dtype)
         reduce_dtype = torch_dtype(plan.mixed_precision.reduce_dtype)
         precision = MixedPrecisionPolicy(param_dtype=None if param_dtype is torch.float32 else param_dtype,
@@ -43,6 +46,10 @@ class Fsdp2Program(Program):
                                  "used), or put the tied modules in one unit")
         modules = dict(module.named_modules())
         on_meta = any(parameter.is_meta for parameter in module.parameters())
+        if plan.mesh.tp > 1:
+            layout = plan_layout(module, plan)
+            parallelize_tensor_parallel(module, layout, whole_mesh["tp"])
+            self.fused = _fused_chunks(layout)
         for unit in plan.units:
             missing = [path for path in unit.modules if path not in modules]
             if missing:
@@ -88,9 +95,15 @@ class Fsdp2Program(Program):
         self.module.set_requires_gradient_sync(enabled)
 
     def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
-        # every gradient is a Shard(0) DTensor over the one dp mesh: local parts are summed over ranks
-        local = [parameter.grad.to_local() for parameter in self.parameters() if parameter.grad is not None]
-        return grad_norm_term(local, norm_type), torch.zeros((), dtype=torch.float32)
+        grads = [parameter.grad for parameter in self.parameters() if parameter.grad is not None]
+        zero = torch.zeros((), dtype=torch.float32)
+        if self.plan.mesh.dp == self.plan.mesh.dp_shard and self.plan.mesh.tp == 1:
+            # every gradient a Shard(0) DTensor over the one dp mesh: local parts, summed over the ranks at once
+            return grad_norm_term([grad.to_local() for grad in grads], norm_type), zero
+        # replicas (HSDP) and tp ranks hold copies of some parts: DTensor makes each gradient's norm whole
+        norms = [torch.linalg.vector_norm(grad, norm_type) for grad in grads]
+        return zero, grad_norm_term([norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms],
+                                    norm_type)
 
 
 def _tied_across_units(model: nn.Module, plan: Plan) -> tuple[str, list[str]] | None:
@@ -121,14 +134,29 @@ def _initialize(model: nn.Module, device: torch.device) -> None:
             initialize_module(model, module)
 
 
-def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, mesh) -> None:
-    """The torchtitan composition: `layout` applied with DTensor on mesh["tp"] (parallelize_module:
-    ColwiseParallel / RowwiseParallel per pair, SequenceParallel on the layers' norms with
-    `layout.sequence_parallel`, vocab-parallel embedding and head with `layout.vocab`), then
-    fully_shard on mesh["dp"] for each layer holding pairs and for the root.
+def data_parallel_mesh(mesh):
+    """What FSDP2 shards over in collectives.device_mesh's `mesh`: 2-D (dp_replicate, dp_shard), HSDP, when
+    there are replica groups, else dp_shard."""
+    return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
 
-    `mesh` is collectives.tensor_parallel_mesh(device_type, layout.degree). Every rank must hold the
-    same full parameters before the call. A fused projection (qkv) is colwise per chunk: its DTensor
+
+def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, mesh) -> None:
+    """The torchtitan composition: parallelize_tensor_parallel on mesh["tp"], then fully_shard on the
+    data-parallel mesh for each layer holding pairs and for the root.
+
+    `mesh` is collectives.device_mesh(device_type, plan mesh); a plan runs as Fsdp2Program instead,
+    with its own units."""
+    parallelize_tensor_parallel(model, layout, mesh["tp"])
+    for layer in layout.sequence_layers:
+        fully_shard(model.get_submodule(layer), mesh=data_parallel_mesh(mesh))
+    fully_shard(model, mesh=data_parallel_mesh(mesh))
+
+
+def parallelize_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, mesh) -> None:
+    """`layout` applied with DTensor on the 1-D tp `mesh` (parallelize_module: ColwiseParallel /
+    RowwiseParallel per pair, SequenceParallel on the layers' norms with `layout.sequence_parallel`,
+    vocab-parallel embedding and head with `layout.vocab`). Every rank must hold the same full
+    parameters before the call. A fused projection (qkv) is colwise per chunk: its DTensor
     is Shard(0) over the ranks' chunk slices, so its full_tensor() lists the chunks rank by rank
     (`tensor_parallel_full_parameters` puts them back in the model's order).
 
@@ -139,9 +167,9 @@ def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, 
     Replicate DTensors, whose Partial gradients DTensor sums over tp itself: the eager runtime's
     sum_sequence_parallel_gradients is not needed here), and the last layer's output is gathered
     back into a plain tensor."""
-    if mesh["tp"].size() != layout.degree:
+    if mesh.size() != layout.degree:
         raise RuntimeMismatchError(f"the layout shards over tp={layout.degree} ranks, the mesh's tp dim has "
-                                   f"{mesh['tp'].size()}: make the layout for tp={mesh['tp'].size()}")
+                                   f"{mesh.size()}: make the layout for tp={mesh.size()}")
     sequence = layout.sequence_parallel
     styles = {}
     for pair in layout.pairs:
@@ -170,26 +198,30 @@ def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, 
         else:
             styles[layers[0]] = PrepareModuleInput(**enter)
             styles[layers[-1]] = PrepareModuleOutput(**leave)
-    parallelize_module(model, mesh["tp"], styles)
-    for layer in layout.sequence_layers:
-        fully_shard(model.get_submodule(layer), mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    parallelize_module(model, mesh, styles)
 
 
 def tensor_parallel_full_parameters(model: nn.Module, layout: TensorParallelLayout) -> dict[str, torch.Tensor]:
     """Every parameter of a model under apply_tensor_parallel_fsdp2, whole and in the model's order,
     on every rank (fused projections' chunks put back from their rank-by-rank order)."""
-    fused = {f"{linear.module}.{name}": linear.chunks for pair in layout.pairs for linear in pair.linears
-             if linear.chunks > 1 for name in ("weight", "bias")}
-    full = {}
-    for name, parameter in model.named_parameters():
-        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-        if name in fused:
-            cut = ParameterSlice(full_shape=tuple(whole.shape), dim=0, chunks=fused[name], index=0,
-                                 degree=layout.degree)
-            whole = cut.assemble(whole.detach().chunk(layout.degree, dim=0))
-        full[name] = whole.detach()
-    return full
+    fused = _fused_chunks(layout)
+    return {name: full_parameter(parameter, fused.get(name, 1), layout.degree)
+            for name, parameter in model.named_parameters()}
+
+
+def full_parameter(parameter: torch.Tensor, chunks: int, degree: int) -> torch.Tensor:
+    """A parameter whole (a collective for a DTensor): a fused projection of `chunks` chunks sliced over
+    `degree` tp ranks is put back from its rank-by-rank order (see _ChunkedColwiseParallel)."""
+    whole = (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter).detach()
+    if chunks == 1:
+        return whole
+    cut = ParameterSlice(full_shape=tuple(whole.shape), dim=0, chunks=chunks, index=0, degree=degree)
+    return cut.assemble(whole.chunk(degree, dim=0))
+
+
+def _fused_chunks(layout: TensorParallelLayout) -> dict[str, int]:
+    return {f"{linear.module}.{name}": linear.chunks for pair in layout.pairs for linear in pair.linears
+            if linear.chunks > 1 for name in ("weight", "bias")}
 
 
 class _ChunkedColwiseParallel(ColwiseParallel):

@@ -7,9 +7,12 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
+from ..errors import PlanError
 from ..passes import fingerprint_of, input_specs
-from ..plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage,
-                    Unit)
+from ..passes.tensor_parallel import tensor_parallel_candidates
+from ..plan import (Checkpoint, KeptWhole, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
+                    ShardStrategy, Stage, TensorParallel, Unit)
+from .tensor_parallel import sharded_modules
 
 
 def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
@@ -17,13 +20,19 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
                 checkpoints: Sequence[Checkpoint] = (Checkpoint.NONE,), offload: Sequence[bool] = (False,),
                 prefetch: Sequence[bool] = (True,), micro_batches: int = 1,
                 precision: MixedPrecision = MixedPrecision(), pp: int = 1, schedule: str = "gpipe",
-                example_inputs: tuple = (), example_kwargs: dict | None = None) -> Plan:
+                example_inputs: tuple = (), example_kwargs: dict | None = None, dp_replicate: int = 1,
+                tp: int = 1, sequence_parallel: bool = False, vocab_parallel: bool = False) -> Plan:
     """One unit per group of module paths; unit i takes decision i modulo each sequence's length.
 
     A unit's parameters are those under its modules, in model.named_parameters() order; with
     pp > 1 the units are cut into pp stages of counts as equal as can be, run by `schedule` ("gpipe" or "1f1b").
     Example inputs (one replica's batch) are recorded with the graph's fingerprint, as compile
-    records them: a pipelined plan needs them to cut its stages.
+    records them: a pipelined plan needs them to cut its stages, a tensor-parallel one to find its layout.
+
+    The mesh is pp × dp_replicate × dp × tp: `dp` ranks shard each unit (dp_shard), `dp_replicate`
+    groups of them hold the same shards (HSDP), and with tp > 1 the pairs the captured graph offers
+    at that degree are sliced over tp ranks (passes/tensor_parallel.py), with `sequence_parallel` and
+    `vocab_parallel` as its layout takes them.
 
     >>> plan = manual_plan(gpt, [("wte", "wpe"), ("h.0",), ("h.1",), ("ln_f", "lm_head")], dp=2)  # doctest: +SKIP
     """
@@ -40,9 +49,28 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
                                                                                (index + 1) * count // pp]))
                    for index in range(pp))
     inputs = input_specs(tuple(example_inputs), dict(example_kwargs or {}))
+    mesh = Mesh(dp_shard=dp, dp_replicate=dp_replicate, tp=tp, pp=pp)
     return Plan(fingerprint=fingerprint_of(model, inputs) if inputs else "manual", model=type(model).__name__,
-                world_size=dp * pp, hardware="unknown", inputs=inputs, mesh=Mesh(dp_shard=dp, pp=pp),
+                world_size=mesh.size, hardware="unknown", inputs=inputs, mesh=mesh,
+                tensor_parallel=_tensor_parallel(model, tp, sequence_parallel, vocab_parallel, example_inputs,
+                                                 example_kwargs),
                 schedule=Schedule(num_micro_batches=micro_batches, name="none" if pp == 1 else schedule),
                 mixed_precision=precision, units=tuple(units), stages=stages,
                 predicted=Predicted(peak_bytes=0, step_time_s=0.0),
                 reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"))
+
+
+def _tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool, vocab_parallel: bool,
+                     example_inputs: tuple, example_kwargs: dict | None) -> TensorParallel:
+    """What the captured graph slices over `tp` ranks, as a plan says it."""
+    if tp == 1:
+        return TensorParallel()
+    if not example_inputs and not example_kwargs:
+        raise PlanError(f"a plan with tp={tp} needs example_inputs: the tensor-parallel layout is found in the "
+                        "graph they capture")
+    layout = tensor_parallel_candidates(model, tuple(example_inputs), example_kwargs).layout(
+        tp, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+    return TensorParallel(sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+                          sharded=sharded_modules(layout),
+                          kept_whole=tuple(KeptWhole(module=kept.name, reason=kept.reason)
+                                           for kept in (*layout.rejected, *layout.deferred)))

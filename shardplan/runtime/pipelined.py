@@ -31,7 +31,7 @@ from . import collectives
 from .activation_checkpoint import checkpointed
 from .program import check_batch, check_micro_batches, refuse_optimizers_over
 from .scheduler import Scheduler
-from .sharded import UnitProgram, build_units
+from .sharded import UnitProgram, build_units, unit_place
 from .stage_split import BlockCall, StageGraph, StageModule, block_runner, put_meta_stand_ins, split_stages
 
 
@@ -52,13 +52,13 @@ class PipelinedProgram(UnitProgram):
         from torch.distributed.pipelining import PipelineStage
 
         super().__init__(module, plan, loss_fn)
-        self.groups = collectives.pipeline_groups(device.type, plan.mesh)
+        self.groups = collectives.mesh_groups(device.type, plan.mesh)
         stages = split_stages(module, plan, device)
         reads = _units_read(module, plan, stages)  # before the units replace the parameters
-        self.graph = stages[self.groups.stage]
+        self.graph = stages[self.groups.coordinates["pp"]]
         specs = {unit.name: unit for unit in plan.units}
         _drop_other_stages(module, plan, self.graph.index)
-        self.units = build_units(module, plan, self.groups.replica, device, group=self.groups.data_parallel,
+        self.units = build_units(module, plan, device, unit_place(plan.mesh, self.groups),
                                  units=tuple(specs[name] for name in plan.stages[self.graph.index].units))
         by_name = {unit.name: unit for unit in self.units}
         # the scheduler counts a unit's distinct module paths done (a module called twice counts once)
@@ -132,16 +132,6 @@ class PipelinedProgram(UnitProgram):
         loss = self.loss_of(output, target if self.loss_fn is not None else None)
         return loss / self.plan.schedule.num_micro_batches
 
-    def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
-        # sharded terms are summed over the whole world by clip_grad_norm_; a replicated unit's term is
-        # the same on its stage's ranks, so it is combined over the stages only
-        sharded, replicated = super()._grad_norm_terms(norm_type)
-        combine = collectives.all_reduce_max if norm_type == float("inf") else collectives.all_reduce_sum
-        return sharded, combine(replicated, self.groups.pipeline)
-
-    @property
-    def keeps_export_copies(self) -> bool:
-        return self.groups.replica == 0  # one rank of every stage
 
 
 def _units_read(model: nn.Module, plan: Plan, stages: list[StageGraph]) -> dict[str, list[str]]:

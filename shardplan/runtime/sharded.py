@@ -16,13 +16,15 @@ import torch.nn as nn
 
 from ..dtypes import torch_dtype
 from ..errors import PlanError, ShardplanError
-from ..plan import Plan, StrategyTraits, Unit
+from ..plan import Mesh, Plan, StrategyTraits, Unit
 from . import collectives
 from .activation_checkpoint import checkpointed
 from .flat_param import FlatLayout
 from .program import Program, grad_norm_term, refuse_optimizers_over
 from .scheduler import Scheduler
-from .unit import FlatUnit
+from .tensor_parallel import (ParameterSlice, apply_tensor_parallel, plan_layout,
+                              sequence_parallel_parameters)
+from .unit import FlatUnit, UnitPlace, packed_in_place
 
 
 class UnitProgram(Program):
@@ -31,6 +33,7 @@ class UnitProgram(Program):
 
     units: list[FlatUnit]
     """The units this rank holds a shard of."""
+    groups: collectives.MeshGroups
     scheduler: Scheduler
     _transactions = 0
     """Steps, evaluations and forwards begun: where a failure happened, to compare over ranks."""
@@ -96,10 +99,13 @@ class UnitProgram(Program):
         raise NotImplementedError
 
     def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
-        # a unit stepped whole on every rank has the same gradient there: counted once, not summed over ranks
-        sharded = [u.shard.grad for u in self.units if u.shard.grad is not None and u.traits.shards_optimizer]
-        replicated = [u.shard.grad for u in self.units if u.shard.grad is not None and not u.traits.shards_optimizer]
-        return grad_norm_term(sharded, norm_type), grad_norm_term(replicated, norm_type)
+        # each element counted on one rank of the world (FlatUnit.counted_gradients), summed over the world
+        counted = [grad for unit in self.units for grad in unit.counted_gradients()]
+        return grad_norm_term(counted, norm_type), torch.zeros((), dtype=torch.float32)
+
+    @property
+    def keeps_export_copies(self) -> bool:
+        return all(index == 0 for dim, index in self.groups.coordinates.items() if dim != "pp")  # one per stage
 
 
 class ShardedProgram(UnitProgram):
@@ -107,7 +113,10 @@ class ShardedProgram(UnitProgram):
 
     def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
         super().__init__(module, plan, loss_fn)
-        self.units = build_units(module, plan, collectives.world().rank, device)
+        self.groups = collectives.mesh_groups(device.type, plan.mesh)
+        cuts, partial = apply_plan_tensor_parallel(module, plan, self.groups.tensor_parallel)
+        self.units = build_units(module, plan, device, unit_place(plan.mesh, self.groups), cuts=cuts,
+                                 partial=partial)
         self.scheduler = Scheduler(self.units, {unit: len(set(unit.spec.modules)) for unit in self.units})
         _wrap_forwards(module, dict(module.named_modules()), self.units, self.scheduler)
         self._control = collectives.control_group()
@@ -126,10 +135,33 @@ class ShardedProgram(UnitProgram):
         return collectives.agree_after_failure([self._transactions, collectives.issued()], self._control)
 
 
-def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device, *,
-                units: tuple[Unit, ...] | None = None, group: collectives.Group = None) -> list[FlatUnit]:
-    """This rank's FlatUnits of `units` (default: all of the plan's), sharded over `group`, in which
-    this rank is `rank`."""
+def apply_plan_tensor_parallel(model: nn.Module, plan: Plan,
+                               group: collectives.Group) -> tuple[dict[str, ParameterSlice], tuple[str, ...]]:
+    """Slice `model` over its tp `group` as the plan says, before its units are built over the slices:
+    (the slice of each sliced parameter, the parameters whose gradients are partial over tp)."""
+    if plan.mesh.tp == 1:
+        return {}, ()
+    layout = plan_layout(model, plan)
+    return apply_tensor_parallel(model, layout, group), sequence_parallel_parameters(model, layout)
+
+
+def unit_place(mesh: Mesh, groups: collectives.MeshGroups) -> UnitPlace:
+    at = groups.coordinates
+
+    def owner_rank(shard: int, tp: int) -> int:
+        return sum(index * mesh.stride(dim) for dim, index in
+                   {**at, "dp_replicate": 0, "dp_shard": shard, "tp": tp}.items())
+    return UnitPlace(shard=groups.shard, shard_rank=at["dp_shard"], replicate=groups.replicate,
+                     data_parallel=groups.data_parallel, tensor_parallel=groups.tensor_parallel,
+                     replica=at["dp_replicate"], tp_index=at["tp"], owner_rank=owner_rank)
+
+
+def build_units(model: nn.Module, plan: Plan, device: torch.device, place: UnitPlace, *,
+                units: tuple[Unit, ...] | None = None, cuts: dict[str, ParameterSlice] | None = None,
+                partial: tuple[str, ...] = ()) -> list[FlatUnit]:
+    """This rank's FlatUnits of `units` (default: all of the plan's), at `place` in the mesh, over this
+    tp rank's slices (`cuts`, from apply_plan_tensor_parallel, as `partial`)."""
+    cuts = cuts or {}
     named = dict(model.named_parameters())
     _check_coverage(plan, named)
     slots_of: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -155,13 +187,19 @@ def build_units(model: nn.Module, plan: Plan, rank: int, device: torch.device, *
         if len(trainable) > 1:
             raise ShardplanError(f"unit {spec.name!r} mixes frozen and trainable parameters: one flat buffer has "
                                  "one requires_grad; put frozen parameters in units of their own")
-        layout = FlatLayout.of(spec.name, list(zip(spec.params, parameters)), plan.mesh.dp)
+        layout = FlatLayout.of(spec.name, list(zip(spec.params, parameters)), plan.mesh.dp_shard)
+        unit_cuts = tuple(cuts.get(name) for name in spec.params)
         with torch.no_grad():
-            flat = collectives.broadcast_(layout.flatten([p.detach().to(device) for p in parameters]), group)
-        shard, full = _keep_slice(spec.traits, flat, layout, rank, spec.offload)
+            flat = collectives.broadcast_(layout.flatten([p.detach().to(device) for p in parameters]),
+                                          place.data_parallel)
+            # the tp ranks' whole parameters are one parameter: tp index 0's values
+            packed_in_place(flat, layout, tuple(index for index, cut in enumerate(unit_cuts) if cut is None),
+                            lambda packed: collectives.broadcast_(packed, place.tensor_parallel))
+        shard, full = _keep_slice(spec.traits, flat, layout, place.shard_rank, spec.offload)
         shard.requires_grad_(trainable == {True})
-        unit = FlatUnit(spec=spec, layout=layout, shard=shard, full=full, slots=slots, rank=rank,
-                        compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, device=device, group=group)
+        unit = FlatUnit(spec=spec, layout=layout, shard=shard, full=full, slots=slots, place=place,
+                        compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, device=device, cuts=unit_cuts,
+                        partial=tuple(index for index, name in enumerate(spec.params) if name in partial))
         unit.release()  # the modules' own tensors give way to placeholders: only the shard stays
         built.append(unit)
     meta_buffer_owners = [path for path, module in model.named_modules()
@@ -249,7 +287,7 @@ def _wrap_forwards(model: nn.Module, modules: dict[str, nn.Module], units: list[
                 users.append(unit)
     for path, needed_units in needed.items():
         module = modules[path]
-        if "forward" in module.__dict__:
+        if hasattr(module.__dict__.get("forward"), "__wrapped__"):  # a Scheduler's (tensor parallelism's are partials)
             raise ShardplanError(f"module {path!r} was already parallelized (its forward is wrapped): "
                                  "call parallelize once per model")
         own = unit_of_module.get(path)

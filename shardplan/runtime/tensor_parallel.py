@@ -49,13 +49,16 @@ sees only this rank's tokens, so its gradient is this rank's part of the sum ove
 `sequence_parallel_parameters(model, layout)` names them, and `sum_sequence_parallel_gradients`
 adds their gradients over the tp group, after backward and before the optimizer (and before any
 data-parallel reduction or gradient clipping; the order with the dp average does not matter, both
-are sums). A unit runtime that flattens gradients calls it on its tp group the same way. The
+are sums). backend="shardplan" sums the same parameters on its units' flat gradients instead
+(unit.py, [Note: units on the mesh]). The
 sliced parameters need nothing: their pair gathered the whole sequence before using them. The
 parameters outside the layers (embeddings, final norm, head) see the whole sequence on every rank:
 equal gradients, as without sequence parallelism. (Dropout on the sharded sequence needs a random
 stream per tp rank, as Megatron forks it; the models here use none.)
 """
+import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,6 +68,7 @@ import torch.nn.functional as F
 
 from ..errors import PlanError, RuntimeMismatchError
 from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabCandidate, VocabKind
+from ..plan import Plan, ShardedModule
 from .collectives import (Group, all_gather, all_gather_along, all_reduce_sum, group_world,
                           reduce_scatter_sum_along, wait)
 
@@ -100,6 +104,26 @@ class ParameterSlice:
         return tuple((tuple((chunk * self.degree + self.index) * width if d == self.dim else 0
                             for d in range(len(self.full_shape))), sizes)
                      for chunk in range(self.chunks))
+
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        """(start in this rank's slice flattened, start in the full parameter flattened, numel) of each
+        contiguous run of the slice: one per fused chunk and per index of the dims before the sliced one
+        (a row-parallel weight's slice is one run per row)."""
+        size = self.full_shape[self.dim]
+        width = size // (self.chunks * self.degree)
+        inner = math.prod(self.full_shape[self.dim + 1:])
+        return tuple(((outer * self.chunks + chunk) * width * inner,
+                      (outer * size + (chunk * self.degree + self.index) * width) * inner, width * inner)
+                     for outer in range(math.prod(self.full_shape[:self.dim])) for chunk in range(self.chunks))
+
+    def of_rank(self, index: int) -> "ParameterSlice":
+        """The slice tp rank `index` holds."""
+        return dataclasses.replace(self, index=index)
+
+    def gather(self, local: torch.Tensor, group: Group) -> torch.Tensor:
+        """The full parameter from this rank's `local` slice and its peers' in `group` (a collective)."""
+        gathered = wait(all_gather(local.contiguous().flatten(), async_op=False, group=group))
+        return self.assemble(gathered.view(self.degree, *local.shape).unbind(0))
 
 
 def apply_tensor_parallel(model: nn.Module, layout: TensorParallelLayout,
@@ -166,14 +190,37 @@ def sum_sequence_parallel_gradients(model: nn.Module, names: Sequence[str], grou
 def gather_full_parameters(model: nn.Module, slices: dict[str, ParameterSlice],
                            group: Group) -> dict[str, torch.Tensor]:
     """Every parameter of `model`, whole, by name, on every rank of `group` (sliced ones gathered)."""
-    full = {}
-    for name, parameter in model.named_parameters():
-        local = parameter.detach()
-        if name in slices:
-            gathered = wait(all_gather(local.contiguous().flatten(), async_op=False, group=group))
-            local = slices[name].assemble(gathered.view(slices[name].degree, *local.shape).unbind(0))
-        full[name] = local
-    return full
+    return {name: slices[name].gather(parameter.detach(), group) if name in slices else parameter.detach()
+            for name, parameter in model.named_parameters()}
+
+
+def sharded_modules(layout: TensorParallelLayout) -> tuple[ShardedModule, ...]:
+    """What `layout` slices, as a plan lists it (Plan.tensor_parallel.sharded)."""
+    return (tuple(ShardedModule(path=path, style=style) for path, style in layout.styles.items())
+            + tuple(ShardedModule(path=candidate.module, style=f"vocab_{candidate.kind.value}")
+                    for candidate in layout.vocab))
+
+
+def plan_layout(model: nn.Module, plan: Plan) -> TensorParallelLayout:
+    """The layout `plan` was made with, found again in `model`'s captured graph at the plan's tp degree and
+    options; refused when it slices other modules than the plan lists."""
+    from ..passes import meta_inputs
+    from ..passes.tensor_parallel import tensor_parallel_candidates
+
+    options = plan.tensor_parallel
+    if not plan.inputs:
+        raise PlanError(f"the plan shards over tp={plan.mesh.tp} ranks but records no inputs to find the "
+                        "tensor-parallel layout with: make it with shardplan.compile, or manual_plan(..., "
+                        "example_inputs=...)")
+    layout = tensor_parallel_candidates(model, *meta_inputs(plan.inputs)).layout(
+        plan.mesh.tp, sequence_parallel=options.sequence_parallel, vocab_parallel=options.vocab_parallel)
+    found, listed = set(sharded_modules(layout)), set(options.sharded)
+    if found != listed:
+        differ = sorted(module.path for module in found ^ listed)
+        raise PlanError(f"the plan slices other modules over tp than this model offers ({len(differ)} differ, "
+                        f"first: {differ[0]!r}): it was made for another model or shardplan version; re-plan "
+                        "with shardplan.compile for this model")
+    return layout
 
 
 def _linear(model: nn.Module, path: str) -> nn.Linear:

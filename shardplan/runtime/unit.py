@@ -12,6 +12,15 @@ the strategy's traits (plan.StrategyTraits), as the cost model's terms do:
   otherwise it accumulates locally and is all-reduced once per step (and
   sliced, when `shard` is a slice of `full`).
 
+[Note: units on the mesh] A unit is sharded over its UnitPlace's `shard` group (FSDP's shard
+group) and holds this tp rank's slices of the parameters tensor parallelism cuts (`cuts`).
+Reduce-scattered gradients are then averaged over the `replicate` group (HSDP: the shard
+is the same on every replica group), all-reduced ones over the whole `data_parallel` group.
+Under sequence parallelism the gradients of the whole parameters inside the sharded layers
+(`partial`) are summed over tp on the flat gradient, before the data-parallel reduction
+(both are sums, so the order does not change the result; before, every such parameter is whole
+and contiguous in the flat gradient, and every replica reduces complete gradients).
+
 [Note: presenting parameters] The modules keep their own code: their
 parameter slots (`module._parameters[name]`) hold views of the gathered
 buffer while the unit is in use and meta-device placeholders of the right
@@ -19,6 +28,7 @@ shape and dtype otherwise, so a stray use outside the runtime's control fails
 loudly instead of reading stale memory.
 """
 import enum
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -27,6 +37,43 @@ from ..plan import StrategyTraits, Unit
 from . import collectives
 from .collectives import Pending
 from .flat_param import FlatLayout
+from .tensor_parallel import ParameterSlice
+
+
+class UnitPlace(NamedTuple):
+    """Where this rank's units sit in the plan's mesh (see [Note: units on the mesh])."""
+
+    shard: collectives.Group
+    """The ranks a unit's flat buffer is sharded over."""
+    shard_rank: int
+    """This rank's index in `shard`."""
+    replicate: collectives.Group
+    data_parallel: collectives.Group
+    tensor_parallel: collectives.Group
+    replica: int
+    """This rank's replica group (its dp_replicate index)."""
+    tp_index: int
+    owner_rank: Callable[[int, int], int]
+    """The world rank that stands for (shard index, tp index) of this rank's stage: replica group 0's, which
+    writes that part of the checkpoint and counts it in the gradient norm."""
+
+    @classmethod
+    def alone(cls) -> "UnitPlace":
+        """A unit held whole by one rank, outside any mesh (no collective runs over a group of one)."""
+        return cls(shard=None, shard_rank=0, replicate=None, data_parallel=None, tensor_parallel=None, replica=0,
+                   tp_index=0, owner_rank=lambda shard, tp: 0)
+
+
+def packed_in_place(flat: torch.Tensor, layout: FlatLayout, indices: tuple[int, ...],
+                    collective: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Apply `collective` to the parameters `indices` of `flat` at once (one message), in place."""
+    if not indices:
+        return
+    views = layout.split(flat)
+    pieces = [views[index] for index in indices]
+    packed = collective(torch.cat([piece.reshape(-1) for piece in pieces]))
+    for piece, result in zip(pieces, packed.split([piece.numel() for piece in pieces])):
+        piece.copy_(result.view_as(piece))
 
 
 class UnitState(enum.Enum):
@@ -40,8 +87,9 @@ class UnitState(enum.Enum):
 
 class FlatUnit:
     def __init__(self, *, spec: Unit, layout: FlatLayout, shard: nn.Parameter, full: torch.Tensor | None,
-                 slots: list[tuple[nn.Module, str, int]], rank: int, compute_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, device: torch.device, group: collectives.Group = None):
+                 slots: list[tuple[nn.Module, str, int]], place: UnitPlace, compute_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, device: torch.device,
+                 cuts: tuple[ParameterSlice | None, ...] | None = None, partial: tuple[int, ...] = ()):
         self.spec = spec
         self.layout = layout
         self.shard = shard
@@ -50,9 +98,14 @@ class FlatUnit:
         """SHARD_OPTIMIZER only: the persistent full buffer that `shard` is a slice of."""
         self.slots = slots
         """(module, attribute, index in layout) for every place a parameter is presented, ties included."""
-        self.rank = rank
+        self.place = place
+        self.rank = place.shard_rank
         """This rank's index in `group`, which the unit is sharded over."""
-        self.group = group
+        self.group = place.shard
+        self.cuts = cuts if cuts is not None else (None,) * len(layout.names)
+        """Per parameter (layout order): the slice of it this tp rank holds, None when it is whole (default: all)."""
+        self.partial = partial
+        """Indices of the parameters whose gradients are partial over tp (sequence parallelism)."""
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.device = device
@@ -163,10 +216,12 @@ class FlatUnit:
             if not communicate:
                 return
             grad = self._grad_accumulator
+        packed_in_place(grad, self.layout, self.partial,
+                        lambda packed: collectives.all_reduce_sum(packed, self.place.tensor_parallel))
         if scatters:
             self._pending_reduce = collectives.reduce_scatter_mean(grad, async_op=True, group=self.group)
         else:
-            self._pending_reduce = collectives.all_reduce_mean(grad, async_op=True, group=self.group)
+            self._pending_reduce = collectives.all_reduce_mean(grad, async_op=True, group=self.place.data_parallel)
 
     @property
     def reducing(self) -> bool:
@@ -176,6 +231,9 @@ class FlatUnit:
         """Wait for the issued reduction and add its result into `shard.grad`."""
         reduced = collectives.wait(self._pending_reduce)
         self._pending_reduce = None
+        if self.traits.reduce_scatters_grads:  # HSDP: the same shard on every replica group
+            reduced = collectives.wait(collectives.all_reduce_mean(reduced, async_op=False,
+                                                                   group=self.place.replicate))
         if self.full is not None:  # reduced in full, stepped as `shard`, a slice of it
             reduced = reduced[self.layout.shard_slice(self.rank)]
         reduced = reduced.to(device=self.shard.device, dtype=self.shard.dtype)
@@ -184,6 +242,25 @@ class FlatUnit:
                 else reduced
         else:
             self.shard.grad.add_(reduced)
+
+    def counted_gradients(self) -> list[torch.Tensor]:
+        """The parts of `shard.grad` this rank counts in a norm over the world, so that every element of
+        the model's gradient is counted once: replica group 0's, the first shard of a unit stepped whole,
+        and of a parameter whole on every tp rank, tp index 0's."""
+        grad = self.shard.grad
+        sharded = self.traits.shards_optimizer
+        if grad is None or self.place.replica or (not sharded and self.rank):
+            return []
+        if self.place.tp_index == 0:
+            return [grad]
+        low = self.rank * self.layout.shard_numel if sharded else 0
+        counted = []
+        for index, cut in enumerate(self.cuts):
+            begin, end = self.layout.span(index)
+            begin, end = max(begin - low, 0), min(end - low, grad.numel())
+            if cut is not None and end > begin:
+                counted.append(grad[begin:end])
+        return counted
 
     def full_values(self) -> torch.Tensor:
         """The full fp32 buffer (a collective for sharded units: call on every rank)."""
