@@ -191,3 +191,12 @@ def test_a_plan_slicing_a_block_whose_heads_do_not_divide_is_refused_in_one_line
                                         r"features of h\.0\.mlp\.fc do not divide by tp=3: tp must divide 4 to shard this block: choose such a tp, "
                                         r"or list its modules as kept whole$"):
         evaluate(chain, three)
+
+
+def test_a_compiled_tensor_parallel_section_is_the_layout_the_runtime_finds_again(chains):
+    from shardplan.runtime.tensor_parallel import plan_layout
+
+    entry = zoo.build("gpt")
+    plan = solve(chains["gpt"], 4, hardware="cpu-gloo", max_tensor_parallel=2, memory_budget="1.3MiB")
+    assert plan.mesh.tp == 2 and plan.tensor_parallel.sequence_parallel
+    assert len(plan_layout(entry.model, plan).pairs) == len(plan.tensor_parallel.sharded) // 2  # raises if they differ
