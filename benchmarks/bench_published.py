@@ -3,11 +3,13 @@
     .venv/bin/python benchmarks/bench_published.py                   # ../shared/data/published-h100/runs.csv
     .venv/bin/python benchmarks/bench_published.py --data runs.csv --hardware h100-80g
 
-Every tp = 1 row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
+Every row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
 (the embedding, each decoder layer, the final norm with the LM head and the loss), ZeRO-0 as
 REPLICATE and ZeRO-1 as SHARD_OPTIMIZER, 1F1B over the gradient-accumulation micro-batches,
 parameters in bf16 and gradients reduced in fp32, no recomputation, stages cut as nanotron cuts
-them. `compile.evaluate` predicts each plan's step time and peak memory on the profile. Printed
+them, and tp > 1 as nanotron's TP in REDUCE_SCATTER mode (sequence parallel, vocab-parallel embedding
+and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each plan's step time and
+peak memory on the profile. Printed
 per model and GPU count: Kendall tau of predicted against measured tokens/s/GPU over the rows
 that ran, predicted / measured throughput (median, p10, p90), and the memory classification (the
 share of crashed rows predicted over the device's usable memory, the share of rows that ran
@@ -27,9 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.stats import kendalltau
 
-from shardplan.chain import Block, BlockChain, InputSpec, OpKind
-from shardplan.compile import evaluate
+from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
+from shardplan.compile import evaluate, tensor_parallel_section
 from shardplan.hardware import get_hardware
+from shardplan.solver.search import Configuration
 from shardplan.plan import Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage, Unit
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
@@ -144,10 +147,20 @@ def _elementwise(name: str, calls: int, nbytes: int) -> OpKind:
     return OpKind(name=name, calls=calls, flops=0, bytes=nbytes)
 
 
+def _sliced(fwd_kinds: tuple[OpKind, ...], names: tuple[str, ...], **facts) -> TensorParallelFacts:
+    """The block's ops called `names` slice whole over the tp ranks (nanotron's column- and row-parallel
+    linears, the attention over a rank's heads, the vocab-parallel cross entropy)."""
+    fwd = tuple(kind for kind in fwd_kinds if kind.name in names)
+    bwd = tuple(kind for kind in _backward(fwd_kinds) if kind.name in names or kind.name.removesuffix("_backward")
+                in names)
+    return TensorParallelFacts(fwd_kinds=fwd, bwd_kinds=bwd, sliced_fwd_flops=sum(k.flops for k in fwd),
+                               sliced_bwd_flops=sum(k.flops for k in bwd), **facts)
+
+
 def _block(index: int, name: str, numel: int, fwd_kinds: tuple[OpKind, ...], *, saved: int, inp: int, out: int,
-           fwd_transient: int, bwd_transient: int) -> Block:
+           fwd_transient: int, bwd_transient: int, tensor_parallel: TensorParallelFacts) -> Block:
     bwd_kinds = _backward(fwd_kinds)
-    return Block(index=index, name=name, modules=(name,), param_names=(f"{name}.weight",), param_numel=numel,
+    return Block(tensor_parallel=tensor_parallel, index=index, name=name, modules=(name,), param_names=(f"{name}.weight",), param_numel=numel,
                  param_bytes=FP32_BYTES * numel, buffer_bytes=0,
                  fwd_flops=sum(k.flops for k in fwd_kinds), bwd_flops=sum(k.flops for k in bwd_kinds),
                  saved_bytes=saved, input_bytes=inp, output_bytes=out, fwd_transient_bytes=fwd_transient,
@@ -167,7 +180,15 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool)
     (4 V bytes a token: nanotron's cross entropy casts the logits to fp32 and saves exp(logits) /
     sum); while the loss runs, the bf16 logits (2 V) sit beside it. Tied weights are one parameter,
     held by the embedding's block, unless `pipelined`: nanotron then keeps the embedding on the
-    first stage and a copy on the last (the copies' gradient sync is not priced)."""
+    first stage and a copy on the last (the copies' gradient sync is not priced).
+
+    Over tp ranks (nanotron's TP in REDUCE_SCATTER mode: sequence parallel, vocab-parallel embedding
+    and head): a layer slices its linears (all but the norms' weights), matmuls and attention, and the
+    outputs of q, k, v, the attention and the MLP (4 h + 4 i of its 8 h + 4 i saved bytes a token;
+    the norms' 4 h divide too under sequence parallelism), with two pairs: four exchanges of the
+    hidden states a micro-batch. The embedding slices its table (one exchange: the forward's
+    reduce-scatter), the head its matmul and the loss over the vocabulary, with the logits (one
+    exchange: the norm's output gathered; the loss's all-reduces of a few bytes a token are left out)."""
     tokens, h, i, v = samples * seq_len, dims.hidden, dims.intermediate, dims.vocab
     stream = tokens * h * BF16_BYTES
     head_dim = h // dims.heads
@@ -182,20 +203,39 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool)
                    _elementwise("add", 2, 6 * stream), _elementwise("silu_mul", 2, 5 * tokens * i * BF16_BYTES))
     layer_saved = (8 * h + 4 * i) * tokens * BF16_BYTES
     logits = tokens * v
+    divides = math.gcd(dims.heads, dims.kv_heads, i)
     blocks = [_block(0, "model.embed_tokens", v * h, (_elementwise("embedding", 1, 2 * stream),),
-                     saved=tokens * 8, inp=tokens * 8, out=stream, fwd_transient=stream, bwd_transient=stream)]
+                     saved=tokens * 8, inp=tokens * 8, out=stream, fwd_transient=stream, bwd_transient=stream,
+                     tensor_parallel=TensorParallelFacts(divides=v, sliced_numel=v * h, all_reduces=1,
+                                                         exchange_bytes=stream,
+                                                         sharded=(("model.embed_tokens", "vocab_embedding"),)))]
+    layer_facts = [_sliced(layer_kinds, ("mm", "_scaled_dot_product_flash_attention"), divides=divides,
+                           sliced_numel=layer_numel - 2 * h, sliced_saved_bytes=(4 * h + 4 * i) * tokens * BF16_BYTES,
+                           sequence_layer=True, all_reduces=4, exchange_bytes=stream,
+                           sharded=tuple((f"model.layers.{n}.{module}", style) for module, style in LAYER_STYLES))
+                   for n in range(dims.layers)]
     blocks += [_block(1 + n, f"model.layers.{n}", layer_numel, layer_kinds, saved=layer_saved, inp=stream,
-                      out=stream, fwd_transient=2 * tokens * i * BF16_BYTES, bwd_transient=4 * tokens * i * BF16_BYTES)
+                      out=stream, fwd_transient=2 * tokens * i * BF16_BYTES, bwd_transient=4 * tokens * i * BF16_BYTES,
+                      tensor_parallel=layer_facts[n])
                for n in range(dims.layers)]
     head_kinds = (_elementwise("rms_norm", 1, 4 * stream), _matmul(tokens, h, v),
                   _elementwise("cross_entropy", 3, logits * (BF16_BYTES + 3 * FP32_BYTES)))
     head_numel = h if dims.tied and not pipelined else v * h + h
+    head_facts = _sliced(head_kinds, ("mm", "cross_entropy"), divides=v, sliced_numel=head_numel - h,
+                         sliced_saved_bytes=logits * FP32_BYTES, all_reduces=1, exchange_bytes=stream,
+                         sharded=(("lm_head", "vocab_head"),))
     blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, saved=2 * stream + logits * FP32_BYTES,
                          inp=stream, out=0, fwd_transient=logits * BF16_BYTES,
-                         bwd_transient=logits * BF16_BYTES + stream))
+                         bwd_transient=logits * BF16_BYTES + stream, tensor_parallel=head_facts))
     return BlockChain(blocks=tuple(blocks), fingerprint=f"llama-{dims.layers}x{h}", param_dtype="torch.float32",
                       inputs=(InputSpec(name="0", shape=(samples, seq_len), dtype="int64"),), input_bytes=tokens * 8,
                       extra={"model": "LlamaForCausalLM"})
+
+
+LAYER_STYLES = (("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"),
+                ("self_attn.o_proj", "rowwise"), ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"),
+                ("mlp.down_proj", "rowwise"))
+"""How a decoder layer's linears slice over tp (LLaMA's module names; nanotron fuses q/k/v and gate/up)."""
 
 
 def nanotron_stage_starts(dims: LlamaDims, pp: int) -> list[int]:
@@ -236,8 +276,11 @@ def plan_for(row: Row, chain: BlockChain, dims: LlamaDims) -> Plan:
     units = tuple(Unit(name=b.name, modules=b.modules, params=b.param_names, strategy=strategy) for b in chain.blocks)
     starts = nanotron_stage_starts(dims, row.pp) + [len(units)]
     stages = tuple(Stage(index=s, units=tuple(u.name for u in units[starts[s]:starts[s + 1]])) for s in range(row.pp))
-    return Plan(fingerprint=chain.fingerprint, model=row.model, world_size=row.dp * row.pp, hardware="h100-80g",
-                inputs=chain.inputs, mesh=Mesh(dp_shard=row.dp, pp=row.pp),
+    mesh = Mesh(dp_shard=row.dp, tp=row.tp, pp=row.pp)
+    return Plan(fingerprint=chain.fingerprint, model=row.model, world_size=mesh.size, hardware="h100-80g",
+                inputs=chain.inputs, mesh=mesh,
+                tensor_parallel=tensor_parallel_section(chain, Configuration(mesh=mesh, schedule=Schedule(),
+                                                                             sequence_parallel=True)),
                 schedule=Schedule(num_micro_batches=row.grad_accum, name="1f1b" if row.pp > 1 else "none"),
                 mixed_precision=BF16, units=units, stages=stages, predicted=Predicted(peak_bytes=0, step_time_s=0.0),
                 reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"))
@@ -247,11 +290,11 @@ def why_not_expressible(row: Row) -> str:
     """"" when the row can be planned, else the reason it cannot."""
     if row.model not in MODELS:
         return f"model {row.model!r} has no dimensions in MODELS"
-    if row.tp > 1:
-        return f"tensor parallelism (tp={row.tp}) is not modelled yet (the mesh issue)"
+    dims = MODELS[row.model]
+    if math.gcd(dims.heads, dims.kv_heads, dims.intermediate, dims.vocab) % row.tp:
+        return f"tp={row.tp} does not divide the heads, widths and vocabulary of {row.model}"
     if row.zero_stage not in ZERO_STAGES:
         return f"ZeRO stage {row.zero_stage} has no shardplan strategy here"
-    dims = MODELS[row.model]
     if row.pp > dims.layers + 2:
         return f"pp={row.pp} is more stages than the model's {dims.layers + 2} blocks"
     starts = nanotron_stage_starts(dims, row.pp)
@@ -337,7 +380,7 @@ def _share(part: int, whole: int) -> str:
 
 
 def print_table(scores: list[GroupScore]) -> None:
-    print("| model | GPUs | rows (tp=1 planned) | ranked | Kendall tau | pred/meas median | p10 | p90 "
+    print("| model | GPUs | rows (planned) | ranked | Kendall tau | pred/meas median | p10 | p90 "
           "| crashed predicted over | ran predicted within |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in scores:
@@ -373,8 +416,7 @@ def main() -> None:
 
 
 def print_left_out(left_out: list[Outcome]) -> None:
-    """Every row that is not a plan with its reason; the tp > 1 rows, which all wait for one
-    feature, counted by tp degree."""
+    """Every row that is not a plan with its reason; the tp > 1 rows counted by tp degree and reason."""
     tensor_parallel: dict[tuple[int, str], int] = defaultdict(int)
     print(f"\n{len(left_out)} rows not expressible:")
     for outcome in left_out:

@@ -15,7 +15,7 @@ with a new budget from the cached chain, against its target (1 s).
 import argparse
 import time
 
-from shardplan.chain import Block, BlockChain, InputSpec
+from shardplan.chain import Block, BlockChain, InputSpec, TensorParallelFacts
 from shardplan.compile import expert_defaults, solve
 from shardplan.dtypes import dtype_name
 from shardplan.errors import InfeasibleError
@@ -39,22 +39,33 @@ def llama_70b_chain(batch: int = 1, seq: int = 4096) -> BlockChain:
 
     Per layer: q, o 8192² + k, v 8192×1024 + gate, up, down 8192×28672 + 2 norms; FLOPs 2 × params
     × tokens + causal attention 4·s²·d; saved ≈ 20 fp32 activations of b·s·d (norm inputs, q/k/v,
-    attention output, MLP gate/up/activation, residual stream); transients of the attention and MLP."""
+    attention output, MLP gate/up/activation, residual stream); transients of the attention and MLP.
+    Over tp ranks (chain.TensorParallelFacts): a layer slices all but its norms, every FLOP and 14 of
+    its 20 saved activations (the norms' inputs and outputs and the residual stay whole), tp dividing
+    its 8 kv heads; the embedding and the head slice over the 32000-row vocabulary."""
     tokens, width, vocab = batch * seq, 8192, 32000
     stream = tokens * width * 4
     layer_numel = 2 * width * width + 2 * width * 1024 + 3 * width * 28672 + 2 * width
 
-    def block(index, name, numel, fwd, saved, transient):
+    def block(index, name, numel, fwd, saved, transient, facts):
         return Block(index=index, name=name, modules=(name,), param_names=(f"{name}.weight",), param_numel=numel,
                      param_bytes=4 * numel, buffer_bytes=0, fwd_flops=fwd, bwd_flops=2 * fwd, saved_bytes=saved,
                      input_bytes=stream if index else tokens * 8, output_bytes=stream, fwd_transient_bytes=transient,
-                     bwd_transient_bytes=2 * transient, first_node=name, last_node=name)
+                     bwd_transient_bytes=2 * transient, first_node=name, last_node=name, tensor_parallel=facts)
 
-    blocks = [block(0, "model.embed_tokens", vocab * width, 0, tokens * 8, stream)]
-    blocks += [block(i + 1, f"model.layers.{i}", layer_numel, 2 * layer_numel * tokens + 4 * seq * seq * width * batch,
-                     20 * stream, 8 * stream) for i in range(80)]
-    blocks.append(block(81, "lm_head", vocab * width + width, 2 * vocab * width * tokens,
-                        stream + tokens * vocab * 4, 2 * tokens * vocab * 4))
+    def sliced(divides, numel, fwd, saved, all_reduces, **more):
+        return TensorParallelFacts(divides=divides, sliced_numel=numel, sliced_fwd_flops=fwd, sliced_bwd_flops=2 * fwd,
+                                   sliced_saved_bytes=saved, all_reduces=all_reduces, exchange_bytes=stream, **more)
+
+    layer_fwd = 2 * layer_numel * tokens + 4 * seq * seq * width * batch
+    blocks = [block(0, "model.embed_tokens", vocab * width, 0, tokens * 8, stream,
+                    sliced(vocab, vocab * width, 0, 0, 1))]
+    blocks += [block(i + 1, f"model.layers.{i}", layer_numel, layer_fwd, 20 * stream, 8 * stream,
+                     sliced(8, layer_numel - 2 * width, layer_fwd, 14 * stream, 4, sequence_layer=True))
+               for i in range(80)]
+    head_fwd = 2 * vocab * width * tokens
+    blocks.append(block(81, "lm_head", vocab * width + width, head_fwd, stream + tokens * vocab * 4,
+                        2 * tokens * vocab * 4, sliced(vocab, vocab * width, head_fwd, tokens * vocab * 4, 1)))
     return BlockChain(blocks=tuple(blocks), fingerprint="llama-70b-shapes", param_dtype="torch.float32",
                       inputs=(InputSpec(name="0", shape=(batch, seq), dtype="int64"),), input_bytes=tokens * 8,
                       extra={"model": "LlamaForCausalLM"})
@@ -110,7 +121,7 @@ def solve_times(chain: BlockChain, title: str) -> None:
         start = time.perf_counter()
         try:
             plan = solve(chain, world, hardware="h100-80g", mixed_precision=BF16, allow_offload=offload)
-            result = (f"dp={plan.mesh.dp} pp={plan.mesh.pp}, {len(plan.units)} units, peak "
+            result = (f"{plan.mesh.describe()}, {len(plan.units)} units, peak "
                       f"{format_bytes(plan.predicted.peak_bytes)}, step {plan.predicted.step_time_s:.3f} s, "
                       f"MFU {plan.predicted.mfu:.1%}")
         except InfeasibleError as error:

@@ -4,6 +4,7 @@ Plain data, no torch: a block is a run of graph nodes owned by one module (a
 transformer layer, the embedding, the head), with the totals the solver needs.
 Bytes are per data-parallel replica batch given at capture (example inputs).
 """
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,66 @@ def merge_op_kinds(groups: Iterable[Iterable[OpKind]]) -> tuple[OpKind, ...]:
             total[3] += kind.weight_bytes
     return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes)
                  for name, (calls, flops, nbytes, weight_bytes) in sorted(totals.items()))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorParallelFacts:
+    """What of a block divides over the tp ranks, and the activations its tp ranks exchange.
+
+    [Note: a block on a tp rank] (cost.on_rank reads these): over tp ranks, the sliced parameters and
+    the sliced ops' FLOPs, bytes and outputs are 1/tp per rank and the rest stays whole (Megatron's
+    column- then row-parallel pairs: the linears' weights and matmuls, and the attention between
+    them, whose heads split). With sequence parallelism a layer between the pairs runs its norms,
+    residual adds and dropout on 1/tp of the sequence, so every activation byte, FLOP and memory-bound
+    op of the block divides and only its unsliced parameters stay whole (Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models", sec. 4.2.2: 34 sbh / t + 5 as²b / t).
+
+    Traffic: `all_reduces` all-reduces of `exchange_bytes` per replica batch without sequence
+    parallelism (a pair: one in forward, one in backward; a vocab-parallel embedding: one in forward;
+    the vocab-parallel head: one in backward); with it each becomes an all-gather and a
+    reduce-scatter of the same bytes (which a ring moves in the same time as the all-reduce)."""
+
+    divides: int
+    """tp must divide this for the block to slice (the gcd of its heads, kv heads, widths, vocabulary)."""
+    sliced_numel: int
+    """Parameters the tp ranks slice (the rest, norms and row-parallel biases, stay whole)."""
+    fwd_kinds: tuple[OpKind, ...] = ()
+    """Of the block's forward ops, the part that divides over tp (matmuls of sliced linears, attention)."""
+    bwd_kinds: tuple[OpKind, ...] = ()
+    sliced_fwd_flops: int = 0
+    """Of fwd_flops, what divides (the sum of fwd_kinds' FLOPs where the block has kinds)."""
+    sliced_bwd_flops: int = 0
+    sliced_saved_bytes: int = 0
+    """Of saved_bytes, the sliced ops' outputs (without sequence parallelism)."""
+    sequence_layer: bool = False
+    """A layer between the pairs: with sequence parallelism all its activations divide."""
+    all_reduces: int = 0
+    exchange_bytes: int = 0
+    """The activation one exchange moves whole (the hidden states of the replica batch)."""
+    sharded: tuple[tuple[str, str], ...] = ()
+    """(module path, style) of what the tp ranks slice (plan.TENSOR_PARALLEL_STYLE)."""
+    divisors: tuple[tuple[int, str], ...] = ()
+    """(size, what it counts) behind `divides`, e.g. (4, "heads of h.0.attn.qkv"): what a refusal names."""
+
+    def slices_at(self, degree: int) -> bool:
+        return degree > 1 and self.divides % degree == 0
+
+    def refusal(self, degree: int) -> str | None:
+        """Why the block stays whole over `degree` tp ranks (None when it slices)."""
+        if self.slices_at(degree) or degree == 1:
+            return None
+        return indivisible(self.divisors or ((self.divides, "sizes"),), degree, "this block")
+
+
+def indivisible(divisors: Iterable[tuple[int, str]], degree: int, subject: str) -> str | None:
+    """The sizes of `divisors` (size, what) that `degree` does not divide, as one line naming what would
+    shard (`subject`); None if it divides them all."""
+    divisors = tuple(divisors)
+    missed = [(size, what) for size, what in divisors if size % degree]
+    if not missed:
+        return None
+    sizes = ", ".join(f"{size} {what}" for size, what in missed)
+    return f"{sizes} do not divide by tp={degree}: tp must divide {math.gcd(*(s for s, _ in divisors))} to shard {subject}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,6 +152,8 @@ class Block:
     fwd_memory_bytes. Empty in a chain built by hand: the cost model then prices the totals."""
     bwd_kinds: tuple[OpKind, ...] = ()
     """The backward's ops by name, likewise."""
+    tensor_parallel: TensorParallelFacts | None = None
+    """What divides over tp ranks; None: the block stays whole on every tp rank."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -15,10 +15,11 @@ from .cost import evaluate_stage
 from .dtypes import dtype_name
 from .errors import InfeasibleError, PlanError, ShardplanError
 from .hardware import HardwareProfile, get_hardware
-from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning,
-                   Schedule, Stage, Unit)
+from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, KeptWhole, Mesh, MixedPrecision, Plan,
+                   Predicted, Reasoning, Schedule, ShardedModule, Stage, TensorParallel, Unit)
 from .solver.chain_dp import ROUNDING
-from .solver.search import Candidate, Configuration, Setting, boundary_time_s, context, search, smallest_peak
+from .solver.search import (Candidate, Configuration, Setting, boundary_time_s, context, samples_per_step, search,
+                            smallest_peak, tensor_parallel_options)
 from .solver.space import BlockRule, Constraints, SearchSpace, resolve_rules
 from .sizes import format_bytes, parse_bytes
 
@@ -43,6 +44,15 @@ class PlanOptions:
     allow_offload: bool = False
     constraints: Constraints | None = None
     space: SearchSpace | None = None
+    max_tensor_parallel: int | None = None
+    """The largest tp searched (among degrees dividing the world at which the chain's layout slices
+    something); None: a node's devices where the device overlaps communication with compute (GPUs),
+    1 on CPU ranks (gloo), where the tp ranks' exchanges take the cores the compute needs."""
+    allow_replica_groups: bool = True
+    """Search HSDP (dp_replicate > 1) where each replica group's dp_shard × tp ranks fill whole nodes."""
+    global_batch_size: int | None = None
+    """Samples per step over all replicas, split evenly over dp (meshes whose dp does not divide it are
+    not searched); None: every replica takes the chain's batch."""
 
 
 def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None,
@@ -75,9 +85,17 @@ def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options
     dtype = dtype_name(chain.param_dtype)
     precision = asked.mixed_precision or MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
     space = replace(asked.space or default_space(len(chain.blocks)), allow_offload=asked.allow_offload)
+    max_tp = asked.max_tensor_parallel
+    if max_tp is None:
+        max_tp = hw.devices_per_node if hw.overlaps_communication else 1
+    if max_tp > hw.devices_per_node:
+        raise ShardplanError(f"max_tensor_parallel={max_tp} would put tp groups across nodes of "
+                             f"{hw.devices_per_node} devices ({hw.name}): use at most {hw.devices_per_node}")
     setting = Setting(world_size=world_size, batch_size=_batch_size(chain), mixed_precision=precision,
                       optimizer=asked.optimizer, allow_pipeline=asked.allow_pipeline,
-                      skip_edges=_edges(chain, "skip_edges"))
+                      skip_edges=_edges(chain, "skip_edges"), global_batch_size=asked.global_batch_size,
+                      tensor_parallel=tensor_parallel_options(chain.blocks, world_size, max_tp),
+                      replica_group_ranks=hw.devices_per_node if asked.allow_replica_groups else 0)
     rules = _split_at_frozen(chain, resolve_rules(chain.blocks, asked.constraints, _edges(chain, "tied_edges")))
     candidates = search(chain.blocks, rules, setting, hw, budget, space)
     if not candidates:
@@ -87,6 +105,7 @@ def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options
     return Plan(fingerprint=chain.fingerprint, model=model_name or str(chain.extra.get("model", "")),
                 world_size=world_size, hardware=hw.name, inputs=chain.inputs,
                 mesh=best.configuration.mesh, schedule=best.configuration.schedule,
+                tensor_parallel=tensor_parallel_section(chain, best.configuration),
                 mixed_precision=precision, optimizer=asked.optimizer, units=units, stages=stages,
                 predicted=predict(chain, best, setting, hw),
                 reasoning=_reasoning(chain, best, candidates, rules, setting, hw, budget, space))
@@ -159,13 +178,14 @@ def _stage_cost(chain: BlockChain, index: int, start: int, end: int, bounds: tup
 def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> Predicted:
     """The peak stage's memory terms and the slowest stage's time terms."""
     costs = stage_costs(chain, candidate, setting, hw)
-    return _predicted(chain, costs, candidate.configuration.mesh.dp, setting, hw)
+    return _predicted(chain, costs, candidate.configuration.mesh, setting, hw)
 
 
 def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
     """What the cost model predicts for `plan`'s own decisions on `chain`, a plan written by hand
     (runtime.manual_plan) included: how predictions are checked against measurement."""
     hw = get_hardware(hardware or plan.hardware)
+    _check_tensor_parallel(chain, plan)
     unit_of = {param: index for index, unit in enumerate(plan.units) for param in unit.params}
     owners: list[int] = []
     for block in chain.blocks:
@@ -179,7 +199,8 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
     stage_of_unit = plan.stage_of_unit
     setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain), mixed_precision=plan.mixed_precision,
                       optimizer=plan.optimizer, skip_edges=_edges(chain, "skip_edges"))
-    configuration = Configuration(mesh=plan.mesh, schedule=plan.schedule)
+    configuration = Configuration(mesh=plan.mesh, schedule=plan.schedule,
+                                  sequence_parallel=plan.tensor_parallel.sequence_parallel)
     steps = []
     for stage in range(plan.mesh.pp):
         blocks = [i for i, owner in enumerate(owners) if stage_of_unit[plan.units[owner].name] == stage]
@@ -188,20 +209,46 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
         decisions = tuple(plan.units[owners[i]] for i in unit_starts)  # a Unit is its Decision
         steps.append(_stage_cost(chain, stage, start, end, tuple(i - start for i in unit_starts), decisions,
                                  setting, configuration, hw))
-    return _predicted(chain, steps, plan.mesh.dp, setting, hw)
+    return _predicted(chain, steps, plan.mesh, setting, hw)
 
 
-def _predicted(chain: BlockChain, costs: list[cost.StepCost], dp: int, setting: Setting, hw) -> Predicted:
+def _check_tensor_parallel(chain: BlockChain, plan: Plan) -> None:
+    """A plan may slice a block's modules over tp only where the block's sizes divide by tp."""
+    tp, named = plan.mesh.tp, {m.path for m in plan.tensor_parallel.sharded}
+    for block in chain.blocks:
+        facts = block.tensor_parallel
+        refusal = facts.refusal(tp) if facts is not None else None
+        if refusal and named.intersection(path for path, _ in facts.sharded):  # type: ignore[union-attr]
+            raise PlanError(f"the plan slices {block.name!r} over tp={tp}, but {refusal}: choose such a tp, or "
+                            "list its modules as kept whole")
+
+
+def _predicted(chain: BlockChain, costs: list[cost.StepCost], mesh: Mesh, setting: Setting, hw) -> Predicted:
     peak = max(costs, key=lambda c: c.peak_bytes)
     slowest = max(costs, key=lambda c: c.step_time_s)
-    samples_per_s = setting.batch_size * dp / slowest.step_time_s if slowest.step_time_s else 0.0
+    samples = setting.replica_batch(mesh.dp) * mesh.dp
+    samples_per_s = samples / slowest.step_time_s if slowest.step_time_s else 0.0
     # Peak FLOP/s is read from the profile's matmul table where it has one (MFU is for people only).
     matmul = getattr(hw, "matmul", {}).get(setting.mixed_precision.param_dtype)
     peak_flops = getattr(matmul, "peak_flops_per_s", 0.0)
-    model_flops = (chain.fwd_flops + chain.bwd_flops) * dp
+    model_flops = (chain.fwd_flops + chain.bwd_flops) * samples / setting.batch_size
     mfu = model_flops / (slowest.step_time_s * setting.world_size * peak_flops) if peak_flops and slowest.step_time_s else 0.0
     return Predicted(peak_bytes=peak.peak_bytes, step_time_s=slowest.step_time_s, memory_bytes=dict(peak.memory_bytes),
                      time_s=dict(slowest.time_s), samples_per_s=samples_per_s, mfu=mfu)
+
+
+def tensor_parallel_section(chain: BlockChain, configuration: Configuration) -> TensorParallel:
+    """What the plan's tp ranks slice (TensorParallelFacts.sharded of each block that slices at tp),
+    and the blocks that could slice and stay whole, with the reason."""
+    tp = configuration.mesh.tp
+    facts = [(b, b.tensor_parallel) for b in chain.blocks if b.tensor_parallel is not None]
+    if tp == 1:
+        return TensorParallel()
+    sharded = tuple(ShardedModule(path=path, style=style) for _, f in facts if f.slices_at(tp) for path, style in f.sharded)
+    return TensorParallel(
+        sequence_parallel=configuration.sequence_parallel,
+        vocab_parallel=any(m.style.startswith("vocab") for m in sharded), sharded=sharded,
+        kept_whole=tuple(KeptWhole(module=b.name, reason=str(f.refusal(tp))) for b, f in facts if not f.slices_at(tp)))
 
 
 def _unit_name(blocks) -> str:
@@ -230,7 +277,10 @@ def _units_and_stages(chain: BlockChain, candidate: Candidate) -> tuple[tuple[Un
 
 def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, cost.StepCost]]:
     """What a person would write by hand: every block its own FULL_SHARD unit, dp = world,
-    without and with full checkpointing (the baselines the solver must never lose to)."""
+    without and with full checkpointing (the baselines the solver must never lose to); none where a
+    global batch does not split over the world's ranks."""
+    if setting.replica_batch(setting.world_size) % 1:
+        return []
     configuration = Configuration(mesh=Mesh(dp_shard=setting.world_size), schedule=Schedule())
     ctx = context(setting, configuration, hw, 0)
     bounds = tuple(range(len(chain.blocks)))
@@ -244,21 +294,39 @@ def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, 
 
 def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: int, space) -> Reasoning:
     share = best.peak_bytes / budget
-    faster = search(chain.blocks, rules, setting, hw, float("inf"), space, time_bound_s=best.step_time_s)
-    if faster and faster[0].step_time_s < best.step_time_s * (1 - ROUNDING):
+    per_sample = best.step_time_s / samples_per_step(setting, best.configuration)
+    faster = search(chain.blocks, rules, setting, hw, float("inf"), space, time_bound_s=per_sample)
+    if faster and (faster[0].step_time_s / samples_per_step(setting, faster[0].configuration)
+                   < per_sample * (1 - ROUNDING)):
         unconstrained = faster[0]
         binding = (f"memory: peak {format_bytes(best.peak_bytes)} is {share:.0%} of the budget; with no budget "
                    f"the step would take {unconstrained.step_time_s:.4g} s instead of {best.step_time_s:.4g} s "
                    f"({unconstrained.configuration.describe()}, peak {format_bytes(unconstrained.peak_bytes)})")
     else:
         binding = f"none: the fastest plan fits (peak {format_bytes(best.peak_bytes)}, {share:.0%} of the budget)"
+    listed = candidates[1:1 + RUNNER_UPS]
+    listed += [c for c in best_of_each_tp(chain, best, candidates, rules, setting, hw, budget, space) if c not in listed]
     runner_ups = [Alternative(description=c.configuration.describe(), peak_bytes=c.peak_bytes,
-                              step_time_s=c.step_time_s) for c in candidates[1:1 + RUNNER_UPS]]
+                              step_time_s=c.step_time_s) for c in listed]
     for label, step in expert_defaults(chain, setting, hw):
         fits = "fits" if step.peak_bytes <= budget else "over budget"
         runner_ups.append(Alternative(description=f"{label} ({fits})", peak_bytes=step.peak_bytes,
                                       step_time_s=step.step_time_s))
     return Reasoning(budget_bytes=budget, binding_constraint=binding, runner_ups=tuple(runner_ups))
+
+
+def best_of_each_tp(chain, best: Candidate, candidates, rules, setting: Setting, hw, budget: int,
+                    space) -> list[Candidate]:
+    """The fastest plan of each tp degree searched other than the best's: from the candidates when
+    one is among them, else searched at that degree alone."""
+    found: list[Candidate] = []
+    for option in setting.tensor_parallel:
+        if option[0] == best.configuration.mesh.tp:
+            continue
+        mine = [c for c in candidates if c.configuration.mesh.tp == option[0]]
+        found += mine[:1] or search(chain.blocks, rules, replace(setting, tensor_parallel=(option,)), hw, budget,
+                                    space)[:1]
+    return found
 
 
 def _infeasible_message(chain, rules, setting: Setting, hw, budget: int, space: SearchSpace) -> str:

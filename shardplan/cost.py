@@ -76,12 +76,29 @@ Time, by component (per step):
 - bubble: (pp - 1) × the stage's per-micro-batch time (GPipe and 1F1B alike).
 A stage's step time is (m + pp - 1) × its per-micro-batch time + its per-step
 terms; the step time of a plan is that of its slowest stage.
+
+The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
+- a block on a rank (on_rank, [Note: a block on a tp rank] in chain.py): activations and FLOPs × a
+  replica's batch / the captured batch (a global batch split over dp); over tp ranks, with
+  TensorParallelFacts f and t = tp where f.divides % t = 0: params = numel - f.sliced + f.sliced / t;
+  FLOPs, op bytes, saved = whole - sliced + sliced / t; with sequence parallelism in a sequence layer
+  all of them, and its input and output, / t (params as without). Every term above then reads
+  the rank's blocks.
+- tp exchanges, per micro-batch, exposed: Σ_blocks f.all_reduces × all_reduce(f.exchange_bytes /
+  m, t), or with sequence parallelism × (all_gather + reduce_scatter) of the same bytes, on the tp
+  group (consecutive ranks: one node while t ≤ its devices).
+- data-parallel groups: state shards over dp_shard (ctx.dp) only; gathers over dp_shard and
+  reduce-scatters over dp_shard, then (HSDP) an all-reduce of the 1/dp_shard shard over dp_replicate;
+  all-reducing strategies reduce over dp_shard × dp_replicate. A dp group's ranks stride by t, so
+  max(1, devices_per_node // t) of them share a node; a replica group strides by t × dp_shard.
+- pipeline sends: each rank sends its own (1/t under sequence parallelism) boundary activations,
+  across nodes once the world spans them (solver/search.py, boundary_times_s).
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
-from .chain import Block, OpKind
+from .chain import Block, OpKind, merge_op_kinds
 from .dtypes import FLOAT_DTYPES, dtype_bytes
 from .errors import ShardplanError
 from .hardware import HardwareModel
@@ -128,6 +145,13 @@ class CostContext:
 
     hardware: HardwareModel
     dp: int
+    """Ranks a unit's state is sharded over and gathered from: the mesh's dp_shard."""
+    dp_replicate: int = 1
+    """Groups of `dp` ranks holding the same shards (HSDP), whose gradients are all-reduced across groups."""
+    tp: int = 1
+    sequence_parallel: bool = False
+    batch_scale: float = 1.0
+    """A replica's batch over the batch the chain was captured with: activations and FLOPs scale by it."""
     num_micro_batches: int = 1
     in_flight: int = 1
     """Micro-batches whose activations a rank of this stage holds at once."""
@@ -140,6 +164,13 @@ class CostContext:
     @property
     def pipeline_factor(self) -> int:
         return self.num_micro_batches + self.pipeline_degree - 1
+
+    def ranks_per_node(self, stride: int) -> int:
+        """Ranks of one group sharing a node when its members sit `stride` ranks apart ([Note: rank
+        layout] in plan.py): a node's devices // stride, at least 1; 0 (fills nodes) on a hardware
+        model without a node size."""
+        devices = getattr(self.hardware, "devices_per_node", 0)
+        return max(1, devices // stride) if devices else 0
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZER_STATE_BYTES_PER_PARAM:
@@ -184,6 +215,8 @@ class UnitCost:
     offload_s: float
     """Per micro-batch host↔device copies."""
     optimizer_s: float
+    tensor_parallel_s: float
+    """Per micro-batch exchanges of the tp ranks, exposed."""
     prefetch: bool
     hide_fwd_s: float
     """Forward compute that collectives issued beside it can hide under: compute_fwd_s, or 0 on
@@ -194,6 +227,78 @@ class UnitCost:
     @property
     def bwd_window_s(self) -> float:
         return self.compute_bwd_s + self.recompute_s
+
+
+def on_rank(block: Block, ctx: CostContext) -> Block:
+    """`block` as one rank runs it: a replica's batch (ctx.batch_scale of the captured one), and over
+    ctx.tp ranks what the block's TensorParallelFacts slice divided by tp ([Note: a block on a tp rank]
+    in chain.py). Transients and the memory-bound ops' bytes scale as the saved activations do (an
+    approximation: the analysis does not split them by op)."""
+    facts = block.tensor_parallel
+    sliced = facts is not None and facts.slices_at(ctx.tp)
+    if ctx.batch_scale == 1 and not sliced:
+        return block
+    scale, tp = ctx.batch_scale, ctx.tp if sliced else 1
+    everything = sliced and ctx.sequence_parallel and facts.sequence_layer  # type: ignore[union-attr]
+    rest_scale = scale / tp if everything else scale  # what the facts do not slice
+    parts = facts if sliced else None
+
+    def split(total: int, part: int) -> int:
+        return round((total - part) * rest_scale + part * scale / tp)
+
+    def kinds(whole: tuple[OpKind, ...], part: tuple[OpKind, ...]) -> tuple[OpKind, ...]:
+        """Each kind with its share of the sliced part of its name (a name may come in several kinds:
+        the part is spread over them in proportion)."""
+        totals, cuts = merge_op_kinds([whole]), {kind.name: kind for kind in merge_op_kinds([part])}
+        share = {total.name: ((cuts[total.name].flops / total.flops if total.flops else 0.0),
+                              (cuts[total.name].bytes - cuts[total.name].weight_bytes)
+                              / max(1, total.bytes - total.weight_bytes),
+                              cuts[total.name].weight_bytes / max(1, total.weight_bytes))
+                 for total in totals if total.name in cuts}
+        found = []
+        for kind in whole:
+            flops, moved, weights = share.get(kind.name, (0.0, 0.0, 0.0))
+            activations = kind.bytes - kind.weight_bytes
+            cut_weights = round(kind.weight_bytes * weights)
+            weight_bytes = kind.weight_bytes - cut_weights + cut_weights // tp
+            found.append(OpKind(name=kind.name, calls=kind.calls,
+                                flops=split(kind.flops, round(kind.flops * flops)),
+                                bytes=split(activations, round(activations * moved)) + weight_bytes,
+                                weight_bytes=weight_bytes))
+        return tuple(found)
+
+    cut_numel = parts.sliced_numel if parts else 0
+    numel = block.param_numel - cut_numel + -(-cut_numel // tp)
+    saved = split(block.saved_bytes, parts.sliced_saved_bytes if parts else 0)
+    ratio = saved / block.saved_bytes if block.saved_bytes else rest_scale
+    return replace(
+        block, param_numel=numel,
+        param_bytes=block.param_bytes * numel // block.param_numel if block.param_numel else block.param_bytes,
+        fwd_flops=split(block.fwd_flops, parts.sliced_fwd_flops if parts else 0),
+        bwd_flops=split(block.bwd_flops, parts.sliced_bwd_flops if parts else 0),
+        saved_bytes=saved, input_bytes=round(block.input_bytes * rest_scale),
+        output_bytes=round(block.output_bytes * rest_scale),
+        fwd_transient_bytes=round(block.fwd_transient_bytes * ratio),
+        bwd_transient_bytes=round(block.bwd_transient_bytes * ratio),
+        fwd_memory_bytes=round(block.fwd_memory_bytes * ratio), bwd_memory_bytes=round(block.bwd_memory_bytes * ratio),
+        selective_bytes=round(block.selective_bytes * ratio),
+        fwd_kinds=kinds(block.fwd_kinds, parts.fwd_kinds if parts else ()),
+        bwd_kinds=kinds(block.bwd_kinds, parts.bwd_kinds if parts else ()))
+
+
+def tensor_parallel_s(blocks: tuple[Block, ...], ctx: CostContext) -> float:
+    """The tp ranks' exchanges of one micro-batch ([Note: a block on a tp rank] in chain.py), on the tp
+    group: consecutive ranks, inside a node while tp divides its devices. Not hidden: the runtime
+    waits for each before the next op."""
+    total = 0.0
+    for block in blocks:
+        facts = block.tensor_parallel
+        if facts is None or not facts.slices_at(ctx.tp) or not facts.all_reduces:
+            continue
+        nbytes = -(-round(facts.exchange_bytes * ctx.batch_scale) // ctx.num_micro_batches)
+        kinds = ("all_gather_into_tensor", "reduce_scatter_tensor") if ctx.sequence_parallel else ("all_reduce",)
+        total += facts.all_reduces * sum(ctx.hardware.collective_time_s(kind, nbytes, ctx.tp) for kind in kinds)
+    return total
 
 
 def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]:
@@ -341,21 +446,33 @@ def compute_s(blocks: tuple[Block, ...], sizes: UnitSizes, decision: Decision,
 
 
 def gather_s(gathered: int, ctx: CostContext) -> float:
-    """One all-gather of a unit's parameters (none when nothing is gathered)."""
-    return ctx.hardware.collective_time_s("all_gather_into_tensor", gathered, ctx.dp) if gathered else 0.0
+    """One all-gather of a unit's parameters over its shard group (none when nothing is gathered)."""
+    if not gathered:
+        return 0.0
+    return ctx.hardware.collective_time_s("all_gather_into_tensor", gathered, ctx.dp,
+                                          ranks_per_node=ctx.ranks_per_node(ctx.tp))
 
 
 def reduce_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float:
-    """One reduction of the gradient: a reduce-scatter, or an all-reduce (see StrategyTraits)."""
-    collective = "reduce_scatter_tensor" if decision.traits.reduce_scatters_grads else "all_reduce"
-    return ctx.hardware.collective_time_s(collective, sizes.grad_bytes, ctx.dp)
+    """One reduction of the gradient (see StrategyTraits): a reduce-scatter over the shard group, then
+    (HSDP) an all-reduce of the rank's shard across the replica groups; or an all-reduce over every
+    data-parallel rank."""
+    hw = ctx.hardware
+    if not decision.traits.reduce_scatters_grads:
+        return hw.collective_time_s("all_reduce", sizes.grad_bytes, ctx.dp * ctx.dp_replicate,
+                                    ranks_per_node=ctx.ranks_per_node(ctx.tp))
+    return (hw.collective_time_s("reduce_scatter_tensor", sizes.grad_bytes, ctx.dp,
+                                 ranks_per_node=ctx.ranks_per_node(ctx.tp))
+            + hw.collective_time_s("all_reduce", -(-sizes.grad_bytes // ctx.dp), ctx.dp_replicate,
+                                   ranks_per_node=ctx.ranks_per_node(ctx.tp * ctx.dp)))
 
 
 def post_step_gather_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float:
     """The all-gather of the stepped slices back into every rank's full parameters, once per step."""
     if not decision.traits.gathers_after_step:
         return 0.0
-    return ctx.hardware.collective_time_s("all_gather_into_tensor", sizes.storage_bytes, ctx.dp)
+    return ctx.hardware.collective_time_s("all_gather_into_tensor", sizes.storage_bytes, ctx.dp,
+                                          ranks_per_node=ctx.ranks_per_node(ctx.tp))
 
 
 def offload_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float:
@@ -377,7 +494,8 @@ def optimizer_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float
 
 
 def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -> UnitCost:
-    """The terms of one unit made of `blocks` (consecutive) under `decision`."""
+    """The terms of one unit made of `blocks` (consecutive) under `decision`, on one rank (on_rank)."""
+    blocks = tuple(on_rank(block, ctx) for block in blocks)
     traits, sizes = decision.traits, UnitSizes.of(blocks, ctx)
     gathered = gathered_bytes(sizes, decision, ctx)
     activation_bytes, fwd_working, bwd_working = working_bytes(blocks, decision.checkpoint, ctx)
@@ -394,7 +512,8 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         gather_fwd_s=gather, gather_bwd_s=gather if traits.reshard_after_forward else 0.0,
         reduce_s=reduce_s(sizes, decision, ctx), reduce_per_step=not traits.reduce_scatters_grads,
         post_step_gather_s=post_step_gather_s(sizes, decision, ctx), offload_s=offload_s(sizes, decision, ctx),
-        optimizer_s=optimizer_s(sizes, decision, ctx), prefetch=decision.prefetch,
+        optimizer_s=optimizer_s(sizes, decision, ctx), tensor_parallel_s=tensor_parallel_s(blocks, ctx),
+        prefetch=decision.prefetch,
         hide_fwd_s=compute_fwd_s if overlap else 0.0,
         hide_bwd_s=compute_bwd_s + recompute_s if overlap else 0.0)
 
@@ -472,7 +591,7 @@ def pair_exposed_s(prev: UnitCost | None, unit: UnitCost | None) -> ExposedTime:
 
 def own_time_s(unit: UnitCost, ctx: CostContext) -> float:
     """A unit's own contribution to its stage's step time (everything but neighbour coupling)."""
-    per_mb = unit.compute_fwd_s + unit.bwd_window_s + unit.offload_s
+    per_mb = unit.compute_fwd_s + unit.bwd_window_s + unit.offload_s + unit.tensor_parallel_s
     return ctx.pipeline_factor * per_mb + unit.post_step_gather_s + unit.optimizer_s
 
 
@@ -539,7 +658,7 @@ def _stage_time(units: list[UnitCost], ctx: CostContext, boundary_s: float) -> d
     offload_mb = sum(u.offload_s for u in units)
     chain: list[UnitCost | None] = [None, *units, None]
     pairs = [pair_exposed_s(p, u) for p, u in zip(chain, chain[1:])]
-    exposed_mb = sum(p.per_micro_batch_s for p in pairs) + boundary_s
+    exposed_mb = sum(p.per_micro_batch_s for p in pairs) + sum(u.tensor_parallel_s for u in units) + boundary_s
     exposed_step = sum(p.per_step_s for p in pairs) + sum(u.post_step_gather_s for u in units)
     per_mb = compute_mb + recompute_mb + offload_mb + exposed_mb
     terms = {"compute": m * compute_mb, "recompute": m * recompute_mb,

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from shardplan import zoo
-from shardplan.compile import compile, default_space, expert_defaults, predict, solve
-from shardplan.errors import InfeasibleError, ShardplanError
+from shardplan.compile import (compile, default_space, evaluate, expert_defaults, predict, solve,
+                               tensor_parallel_section)
+from shardplan.errors import InfeasibleError, PlanError, ShardplanError
 from shardplan.hardware import get_hardware
 from shardplan.dtypes import dtype_name
-from shardplan.plan import Checkpoint, MixedPrecision, Plan
+from shardplan.plan import Checkpoint, Mesh, MixedPrecision, Plan, Schedule
 from shardplan.sizes import parse_bytes
-from shardplan.solver.search import Setting, search
+from shardplan.solver.search import Configuration, Setting, search, tensor_parallel_options
 from shardplan.solver.space import Constraints, resolve_rules
 
 WORLD = 8
@@ -137,3 +138,65 @@ def test_a_bound_within_rounding_of_a_plans_time_keeps_that_plan(chains):
         for bound_s in (walked_s, best.step_time_s * (1 - 1e-12)):
             again = search(chain.blocks, rules, setting, hw, hw.usable_memory_bytes, space, time_bound_s=bound_s)
             assert again and again[0].step_time_s == best.step_time_s, name
+
+
+def test_captured_layers_carry_their_tensor_parallel_facts_and_cpu_plans_keep_tp_1(chains):
+    chain = chains["gpt"]
+    layer = next(b for b in chain.blocks if b.name == "h.0")
+    facts = layer.tensor_parallel
+    n_embd = 64  # zoo.GPTConfig's width
+    assert facts.divides == 4 and facts.sequence_layer and facts.all_reduces == 4  # 4 heads, two pairs
+    assert dict(facts.sharded) == {"h.0.attn.qkv": "colwise_fused(3)", "h.0.attn.proj": "rowwise",
+                                   "h.0.mlp.fc": "colwise", "h.0.mlp.proj": "rowwise"}
+    # every parameter but the norms' and the row-parallel linears' biases
+    assert facts.sliced_numel == layer.param_numel - 4 * n_embd - 2 * n_embd
+    assert 0 < facts.sliced_fwd_flops < layer.fwd_flops
+    assert chain.blocks[0].tensor_parallel is None  # the embedding: vocab parallelism is not in the first cut
+    assert solve(chain, 4, hardware="cpu-gloo").mesh.tp == 1  # CPU ranks: tp only when asked
+    plan = solve(chain, 4, hardware="cpu-gloo", max_tensor_parallel=4, memory_budget="1.3MiB")
+    assert plan.mesh.tp > 1 and plan.tensor_parallel.sharded  # asked, and the budget needs it
+
+
+def test_tensor_parallel_across_nodes_is_refused_in_one_line(chains):
+    with pytest.raises(ShardplanError, match=r"^max_tensor_parallel=16 would put tp groups across nodes of 8 "
+                                             r"devices \(h100-80g\): use at most 8$"):
+        solve(chains["gpt"], 16, hardware="h100-80g", max_tensor_parallel=16)
+
+
+def test_blocks_whose_heads_do_not_divide_stay_whole_with_the_reason(chains):
+    import dataclasses
+
+    chain = chains["gpt"]
+    odd = dataclasses.replace(chain.blocks[3], tensor_parallel=dataclasses.replace(
+        chain.blocks[3].tensor_parallel, divides=2, divisors=((2, "heads of h.1.attn.qkv"),)))
+    chain = dataclasses.replace(chain, blocks=chain.blocks[:3] + (odd,) + chain.blocks[4:])
+    section = tensor_parallel_section(chain, Configuration(mesh=Mesh(dp_shard=1, tp=4), schedule=Schedule()))
+    assert [k.module for k in section.kept_whole] == [odd.name]
+    assert section.kept_whole[0].reason == ("2 heads of h.1.attn.qkv do not divide by tp=4: tp must divide 2 to "
+                                            "shard this block")  # the layout's reason, one line
+    assert not any(m.path.startswith(odd.name + ".") for m in section.sharded)
+    assert tensor_parallel_options(chain.blocks, 4, 4) == ((1, False), (2, True), (4, False))  # no sequence shard
+
+
+def test_a_plan_slicing_a_block_whose_heads_do_not_divide_is_refused_in_one_line(chains):
+    import dataclasses
+
+    chain = chains["gpt"]
+    plan = solve(chain, 4, hardware="cpu-gloo", max_tensor_parallel=4, memory_budget="1.3MiB")
+    assert plan.mesh.tp > 1
+    evaluate(chain, plan)  # as compiled: fine
+    three = dataclasses.replace(plan, world_size=plan.mesh.size // plan.mesh.tp * 3,
+                                mesh=dataclasses.replace(plan.mesh, tp=3))
+    with pytest.raises(PlanError, match=r"^the plan slices 'h\.0' over tp=3, but 4 heads of h\.0\.attn\.qkv, 256 output "
+                                        r"features of h\.0\.mlp\.fc do not divide by tp=3: tp must divide 4 to shard this block: choose such a tp, "
+                                        r"or list its modules as kept whole$"):
+        evaluate(chain, three)
+
+
+def test_a_compiled_tensor_parallel_section_is_the_layout_the_runtime_finds_again(chains):
+    from shardplan.runtime.tensor_parallel import plan_layout
+
+    entry = zoo.build("gpt")
+    plan = solve(chains["gpt"], 4, hardware="cpu-gloo", max_tensor_parallel=2, memory_budget="1.3MiB")
+    assert plan.mesh.tp == 2 and plan.tensor_parallel.sequence_parallel
+    assert len(plan_layout(entry.model, plan).pairs) == len(plan.tensor_parallel.sharded) // 2  # raises if they differ

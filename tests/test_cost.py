@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardplan.chain import Block, OpKind
+from shardplan.chain import Block, OpKind, TensorParallelFacts
 from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, OPTIMIZER_STEPS, SELECTIVE_KEEP_FRACTION, CostContext,
-                            Decision, evaluate_stage, pair_exposed_s, unit_cost)
+                            Decision, evaluate_stage, on_rank, pair_exposed_s, unit_cost)
 from shardplan.errors import ShardplanError
 from shardplan.hardware import BUILTIN, SizeCurve
 from shardplan.plan import Checkpoint, ShardStrategy
@@ -27,7 +27,7 @@ class LinearHardware:
     def compute_time_s(self, flops, bytes_moved, dtype="float32", *, calls=1, op=""):
         return calls * 1e-6 + self.op_time_factors.get(op, 1.0) * max(flops / 1e12, bytes_moved / 1e11)
 
-    def collective_time_s(self, kind, nbytes, group_size):
+    def collective_time_s(self, kind, nbytes, group_size, *, ranks_per_node=0):
         factor = (group_size - 1) / group_size * (2 if kind == "all_reduce" else 1)
         return nbytes * factor / 1e9 if group_size > 1 else 0.0
 
@@ -332,3 +332,61 @@ def test_offload_is_one_rule_for_plans_the_cost_model_and_the_search(strategy):
     searched = {d.strategy for d in SearchSpace(allow_offload=True).decisions((BlockRule(),)) if d.offload}
     # the search leaves out offloading units kept gathered from forward to backward (space.py)
     assert (strategy in searched) == (strategy.traits.may_offload and strategy.traits.reshard_after_forward)
+
+
+def tensor_parallel_block(**changes) -> Block:
+    """A layer of 1M parameters, 1000 of them whole (norms), 60% of its FLOPs and half its saved bytes in
+    the sliced linears and attention; two pairs exchanging 8 MiB a replica batch."""
+    facts = TensorParallelFacts(divides=8, sliced_numel=999_000, sliced_fwd_flops=6 * 10**11,
+                                sliced_bwd_flops=12 * 10**11, sliced_saved_bytes=32 * MiB, sequence_layer=True,
+                                all_reduces=4, exchange_bytes=8 * MiB)
+    return block(tensor_parallel=dataclasses.replace(facts, **changes))
+
+
+def test_a_block_on_a_tp_rank_divides_what_its_facts_slice():
+    whole = tensor_parallel_block()
+    assert on_rank(whole, ctx()) is whole  # tp = 1: the block as captured
+    rank = on_rank(whole, ctx(tp=4))
+    assert rank.param_numel == 1000 + 999_000 // 4
+    assert rank.fwd_flops == 4 * 10**11 + 6 * 10**11 // 4
+    assert rank.saved_bytes == 32 * MiB + 32 * MiB // 4  # the norms' activations stay whole
+    assert rank.input_bytes == whole.input_bytes
+    sequence = on_rank(whole, ctx(tp=4, sequence_parallel=True))  # Korthikanti et al.: everything divides
+    assert (sequence.saved_bytes, sequence.input_bytes, sequence.fwd_flops) == (16 * MiB, 2 * MiB, 10**12 // 4)
+    assert sequence.param_numel == rank.param_numel
+    assert on_rank(whole, ctx(tp=3)) is whole  # 3 does not divide its heads: it stays whole
+    half_batch = on_rank(whole, ctx(batch_scale=0.5))
+    assert (half_batch.saved_bytes, half_batch.fwd_flops, half_batch.param_numel) == (32 * MiB, 5 * 10**11, 10**6)
+
+
+def test_tp_exchanges_are_exposed_all_reduces_or_gathers_and_scatters_per_micro_batch():
+    b, group = tensor_parallel_block(), 4
+    ring = (group - 1) / group
+    plain = unit_cost((b,), Decision(), ctx(tp=group, num_micro_batches=2))
+    assert plain.tensor_parallel_s == pytest.approx(4 * (4 * MiB) * 2 * ring / 1e9)
+    sequence = unit_cost((b,), Decision(), ctx(tp=group, num_micro_batches=2, sequence_parallel=True))
+    assert sequence.tensor_parallel_s == pytest.approx(4 * 2 * (4 * MiB) * ring / 1e9)  # gather + scatter
+    alone = ctx(dp=1, tp=group, num_micro_batches=2)  # no data-parallel traffic: the exchanges are all
+    step = evaluate_stage((b,), (0,), (Decision(),), alone)
+    assert step.time_s["exposed_comm"] == pytest.approx(2 * unit_cost((b,), Decision(), alone).tensor_parallel_s)
+
+
+def test_hsdp_reduce_scatters_over_the_shard_group_then_all_reduces_the_shard_across_replicas():
+    b = block()
+    grad = 4 * 10**6
+    unit = unit_cost((b,), Decision(), ctx(dp=4, dp_replicate=2))
+    assert unit.reduce_s == pytest.approx(grad * 3 / 4 / 1e9 + (grad // 4) * 2 * 1 / 2 / 1e9)
+    assert unit.state_bytes == (4 + 4 + 8) * 10**6 // 4  # memory shards over dp_shard only
+    assert unit.gather_fwd_s == pytest.approx(grad * 3 / 4 / 1e9)
+    replicated = unit_cost((b,), Decision(strategy=ShardStrategy.REPLICATE), ctx(dp=4, dp_replicate=2))
+    assert replicated.reduce_s == pytest.approx(grad * 2 * 7 / 8 / 1e9)  # one all-reduce over all 8
+
+
+def test_data_parallel_groups_stride_by_tp_across_nodes():
+    h100 = BUILTIN["h100-80g"]
+    spread = unit_cost((block(),), Decision(), CostContext(hardware=h100, dp=16, tp=4))
+    packed = unit_cost((block(),), Decision(), CostContext(hardware=h100, dp=16))
+    # 16 ranks strided by 4: 2 a node over 8 nodes (rails: 2 links each) against 8 a node over 2 nodes
+    assert spread.gather_fwd_s == h100.collective_time_s("all_gather_into_tensor", 4 * 10**6, 16, ranks_per_node=2)
+    assert packed.gather_fwd_s == h100.collective_time_s("all_gather_into_tensor", 4 * 10**6, 16)
+    assert spread.gather_fwd_s > packed.gather_fwd_s

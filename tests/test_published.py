@@ -1,11 +1,13 @@
 """The GPU cost model against published H100 runs (benchmarks/bench_published.py) on a committed
 slice of the data set: 1B and 3B playbook runs at 16 GPUs (2 nodes) and 64 GPUs (8 nodes), tp = 1,
 pp <= 4. Fails when the ranking or the memory classification drops below what was recorded."""
+import dataclasses
 import importlib.util
 import os
 
 import pytest
 
+from shardplan.compile import solve
 from shardplan.hardware import get_hardware
 from shardplan.plan import Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, Stage, Unit
 
@@ -59,11 +61,43 @@ def test_nanotron_stage_cut_gives_the_lm_head_the_weight_of_layers(bench):
     assert bench.nanotron_stage_starts(dims, 8) == [0, 4, 7, 9, 12, 14, 16, 17]
 
 
-def test_tensor_parallel_rows_are_reported_not_planned(bench):
+def test_tensor_parallel_rows_are_plans_with_sequence_parallelism(bench):
     row = bench.Row(model="playbook-1B", n_gpus=16, dp=2, tp=2, pp=4, micro_batch_size=1, grad_accum=128,
                     seq_len=4096, zero_stage="1", status="ok", tokens_per_s_per_gpu=1.0, line=2)
-    (outcome,) = bench.predict([row], "h100-80g")
-    assert outcome.predicted is None and "tensor parallelism (tp=2)" in outcome.reason
+    (sliced, whole) = bench.predict([row, dataclasses.replace(row, n_gpus=8, tp=1)], "h100-80g")
+    assert sliced.reason == "" and sliced.predicted is not None
+    # each tp rank holds half of every sliced parameter (all but the norms), with its gradient and state
+    state = sliced.predicted.memory_bytes["sharded_state"] / whole.predicted.memory_bytes["sharded_state"]
+    assert 0.5 < state < 0.501
+    chain = bench.llama_chain(bench.MODELS["playbook-1B"], 128, 4096, pipelined=True)
+    plan = bench.plan_for(row, chain, bench.MODELS["playbook-1B"])
+    assert plan.mesh.tp == 2 and plan.tensor_parallel.sequence_parallel and plan.tensor_parallel.vocab_parallel
+    assert {m.path: m.style for m in plan.tensor_parallel.sharded}["model.layers.0.self_attn.o_proj"] == "rowwise"
+    odd = dataclasses.replace(row, model="oldbench-llama-1B")  # a 50257-row vocabulary
+    assert bench.why_not_expressible(odd) == "tp=2 does not divide the heads, widths and vocabulary of oldbench-llama-1B"
+
+
+@pytest.mark.parametrize("model, gpus, tensor_parallel", [
+    ("playbook-1B", 8, False), ("playbook-8B", 32, False),  # published: the fastest runs use tp = 1
+    ("playbook-3B", 512, True), ("playbook-8B", 512, True),  # published: tp wins (256 sequences do not fill 512)
+])
+def test_compile_picks_tensor_parallelism_where_the_published_runs_do(bench, model, gpus, tensor_parallel):
+    chain = bench.llama_chain(bench.MODELS[model], 1, 4096, pipelined=False)
+    plan = solve(chain, gpus, hardware="h100-80g", mixed_precision=bench.BF16, global_batch_size=256,
+                 allow_pipeline=False)
+    assert (plan.mesh.tp > 1) == tensor_parallel, plan.mesh.describe()
+    assert plan.tensor_parallel.sequence_parallel == tensor_parallel
+    described = [r.description for r in plan.reasoning.runner_ups]
+    assert any("tp=8" in d for d in described)  # the best plan of each tp degree is listed
+
+
+@pytest.mark.xfail(strict=True, reason="the cost model prices 128-256-rank FSDP 2.4-3.9x faster than measured "
+                   "(docs/benchmarks.md): it keeps tp = 1 where the published runs gain from tp 2-8")
+def test_compile_picks_tensor_parallelism_at_256_gpus(bench):
+    chain = bench.llama_chain(bench.MODELS["playbook-3B"], 1, 4096, pipelined=False)
+    plan = solve(chain, 256, hardware="h100-80g", mixed_precision=bench.BF16, global_batch_size=256,
+                 allow_pipeline=False)
+    assert plan.mesh.tp > 1
 
 
 def test_one_f_one_b_over_fewer_micro_batches_than_stages_is_a_plan_that_says_so():

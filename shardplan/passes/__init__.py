@@ -17,6 +17,7 @@ from .blocks import build_chain, fingerprint
 from .devices import retarget_device_pass
 from .execution import annotate_execution_pass
 from .ownership import annotate_ownership_pass
+from .tensor_parallel_facts import with_tensor_parallel_facts
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,10 +64,11 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     run_passes(captured.gm, last="execution", inputs=PassInputs(args=tuple(example_inputs), kwargs=example_kwargs))
     inputs = input_specs(example_inputs, example_kwargs, dynamic_dims)
     frozen = sorted(name for name, parameter in model.named_parameters() if not parameter.requires_grad)
-    return build_chain(captured.gm, inputs, {"capture": captured.method, "model": type(model).__name__,
-                                              "capture_s": round(captured.seconds, 3),
-                                              "analyze_s": round(time.perf_counter() - start, 3),
-                                              "frozen_params": frozen})
+    chain = build_chain(captured.gm, inputs, {"capture": captured.method, "model": type(model).__name__,
+                                               "capture_s": round(captured.seconds, 3),
+                                               "analyze_s": round(time.perf_counter() - start, 3),
+                                               "frozen_params": frozen})
+    return with_tensor_parallel_facts(captured.gm, chain)
 
 
 def input_specs(args: tuple, kwargs: dict, dynamic_dims: dict | None = None) -> tuple[InputSpec, ...]:

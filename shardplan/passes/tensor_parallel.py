@@ -27,7 +27,6 @@ the layers holding the pairs are named by `TensorParallelLayout.sequence_layers`
 {'h.0.attn.qkv': 'colwise_fused(3)', 'h.0.attn.proj': 'rowwise', 'h.0.mlp.fc': 'colwise', 'h.0.mlp.proj': 'rowwise'}
 """
 import enum
-import math
 import operator
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ import torch
 import torch.fx
 
 from ..capture import capture
+from ..chain import indivisible
 from ..errors import PlanError
 from .facts import facts
 from .ownership import annotate_ownership_pass
@@ -86,12 +86,7 @@ class TensorParallelPair:
 
     def refusal(self, degree: int) -> str | None:
         """Why the pair cannot shard over `degree` ranks (None when it can)."""
-        indivisible = [divisor for divisor in self.divisors if divisor.size % degree]
-        if not indivisible:
-            return None
-        sizes = ", ".join(f"{divisor.size} {divisor.what}" for divisor in indivisible)
-        largest = math.gcd(*(divisor.size for divisor in self.divisors))
-        return f"{sizes} do not divide by tp={degree}: tp must divide {largest} to shard this pair"
+        return indivisible(((divisor.size, divisor.what) for divisor in self.divisors), degree, "this pair")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -49,8 +49,9 @@ class ChainSolution:
 def block_signatures(blocks) -> tuple[int, ...]:
     """Identical blocks (same numbers, any name) share an id, so their unit costs are computed once."""
     ids: dict[Block, int] = {}
-    return tuple(ids.setdefault(replace(b, index=0, name="", modules=(), param_names=(), first_node="",
-                                                    last_node=""), len(ids)) for b in blocks)
+    return tuple(ids.setdefault(replace(b, index=0, name="", modules=(), param_names=(), first_node="", last_node="",
+                                        tensor_parallel=b.tensor_parallel and replace(b.tensor_parallel, sharded=())),
+                                len(ids)) for b in blocks)
 
 
 class UnitCosts:

@@ -1,4 +1,4 @@
-"""The outer enumeration: mesh (dp × pp), micro-batch count and pipeline schedule.
+"""The outer enumeration: mesh (pp × dp_replicate × dp_shard × tp), micro-batch count and pipeline schedule.
 
 For each configuration the stage cut (stages.py) and, inside each stage, the units and
 their decisions (chain_dp.py) are exact; this module tries every configuration and
@@ -43,6 +43,18 @@ class Setting:
     skip_edges: tuple[tuple[int, int], ...] = ()
     """(i, j): block j > i + 1 reads block i's output (T5's encoder output, LLaMA's rotary tables):
     a stage boundary between them sends that output too."""
+    global_batch_size: int | None = None
+    """Samples of one step over all replicas, each replica taking global / dp of them; None: every
+    replica takes the chain's batch (`batch_size`), whatever dp."""
+    tensor_parallel: tuple[tuple[int, bool], ...] = ((1, False),)
+    """(tp degree, sequence parallel) pairs to search: tensor_parallel_options."""
+    replica_group_ranks: int = 0
+    """dp_replicate > 1 only where a replica group's dp_shard × tp ranks are a multiple of this (a
+    node's devices); 0: no replica groups."""
+
+    def replica_batch(self, dp: int) -> float:
+        """Samples one replica takes per step."""
+        return self.global_batch_size / dp if self.global_batch_size else self.batch_size
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,12 +63,18 @@ class Configuration:
 
     mesh: Mesh
     schedule: Schedule
+    sequence_parallel: bool = False
 
     def in_flight(self, stage: int) -> int:
         return self.schedule.in_flight(stage, self.mesh.pp)
 
     def describe(self) -> str:
-        text = f"dp={self.mesh.dp} pp={self.mesh.pp} micro-batches={self.schedule.num_micro_batches}"
+        mesh = self.mesh
+        text = f"dp={mesh.dp} pp={mesh.pp} micro-batches={self.schedule.num_micro_batches}"
+        if mesh.tp > 1 or mesh.dp_replicate > 1:
+            text = (f"dp_shard={mesh.dp_shard}" + (f" dp_replicate={mesh.dp_replicate}" if mesh.dp_replicate > 1 else "")
+                    + (f" tp={mesh.tp}" + (" (sequence parallel)" if self.sequence_parallel else "") if mesh.tp > 1
+                       else "") + f" pp={mesh.pp} micro-batches={self.schedule.num_micro_batches}")
         return text + (f" {self.schedule.name}" if self.mesh.pp > 1 else "")
 
 
@@ -68,30 +86,65 @@ class Candidate:
     peak_bytes: int
 
 
-def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
-    """Every mesh, micro-batch count and schedule to try, in a fixed order."""
-    world = setting.world_size
-    micro = [m for m in range(1, min(setting.batch_size, setting.max_micro_batches) + 1)
-             if setting.batch_size % m == 0]
-    found = []
-    for pp in range(1, min(world, n_blocks) + 1):  # a stage holds a block at least: O(blocks), not O(ranks)
-        if world % pp or pp > n_blocks or (pp > 1 and (not setting.allow_pipeline
-                                                       or pp > setting.max_pipeline_degree)):
+def tensor_parallel_options(blocks, world_size: int, max_degree: int) -> tuple[tuple[int, bool], ...]:
+    """(tp, sequence parallel) to search: 1, and each degree up to `max_degree` dividing the world at
+    which some block slices (TensorParallelFacts.slices_at), with sequence parallelism where every
+    layer between the pairs slices at it (a layer left whole cannot run on a shard of the sequence)."""
+    found = [(1, False)]
+    for degree in range(2, min(max_degree, world_size) + 1):
+        facts = [b.tensor_parallel for b in blocks if b.tensor_parallel is not None]
+        if world_size % degree or not any(f.slices_at(degree) for f in facts):
             continue
-        for m in micro:
-            for schedule in (SCHEDULES if pp > 1 else ("none",)):
-                # A plan may name 1F1B over fewer micro-batches than stages (fill-drain: Schedule.runs_as),
-                # but torch's Schedule1F1B, which the runtime runs, refuses it: not searched.
-                if schedule == "1f1b" and m < pp:
-                    continue
-                found.append(Configuration(mesh=Mesh(dp_shard=world // pp, pp=pp),
-                                           schedule=Schedule(num_micro_batches=m, name=schedule)))
+        layers = [f for f in facts if f.sequence_layer]
+        found.append((degree, bool(layers) and all(f.slices_at(degree) for f in layers)))
+    return tuple(found)
+
+
+def replica_groups(setting: Setting, dp: int, tp: int) -> tuple[int, ...]:
+    """dp_replicate to try over `dp` data-parallel ranks: 1 (every rank shards), and replica groups
+    of one node's worth of ranks (dp_shard × tp = setting.replica_group_ranks), whose gathers stay
+    inside the node. Groups of several nodes sit between the two (slower gathers than one node's, more
+    memory than all ranks'), and are not searched: a pruning, which keeps 1024 ranks in seconds."""
+    shard = setting.replica_group_ranks // tp if setting.replica_group_ranks >= tp else 0
+    return (1,) + ((dp // shard,) if shard and dp % shard == 0 and shard < dp else ())
+
+
+def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
+    """Every mesh, micro-batch count and schedule to try, in a fixed order: tp among
+    setting.tensor_parallel, pp up to the blocks, dp_replicate among replica_groups, micro-batch
+    counts dividing a replica's batch."""
+    world = setting.world_size
+    found = []
+    for tp, sequence_parallel in setting.tensor_parallel:
+        for pp in range(1, min(world // tp, n_blocks) + 1):  # a stage holds a block at least: O(blocks), not O(ranks)
+            if (world // tp) % pp or pp > n_blocks or (pp > 1 and (not setting.allow_pipeline
+                                                                   or pp > setting.max_pipeline_degree)):
+                continue
+            dp = world // (tp * pp)
+            batch = setting.replica_batch(dp)
+            if batch != int(batch) or batch < 1:
+                continue
+            micro = [m for m in range(1, min(int(batch), setting.max_micro_batches) + 1) if batch % m == 0]
+            for replicas in replica_groups(setting, dp, tp):
+                for m in micro:
+                    for schedule in (SCHEDULES if pp > 1 else ("none",)):
+                        # A plan may name 1F1B over fewer micro-batches than stages (fill-drain: Schedule.runs_as),
+                        # but torch's Schedule1F1B, which the runtime runs, refuses it: not searched.
+                        if schedule == "1f1b" and m < pp:
+                            continue
+                        found.append(Configuration(
+                            mesh=Mesh(dp_shard=dp // replicas, dp_replicate=replicas, tp=tp, pp=pp),
+                            schedule=Schedule(num_micro_batches=m, name=schedule),
+                            sequence_parallel=sequence_parallel))
     return found
 
 
 def context(setting: Setting, configuration: Configuration, hardware, stage: int) -> CostContext:
     mesh, precision = configuration.mesh, setting.mixed_precision
-    return CostContext(hardware=hardware, dp=mesh.dp, num_micro_batches=configuration.schedule.num_micro_batches,
+    return CostContext(hardware=hardware, dp=mesh.dp_shard, dp_replicate=mesh.dp_replicate, tp=mesh.tp,
+                       sequence_parallel=configuration.sequence_parallel,
+                       batch_scale=setting.replica_batch(mesh.dp) / setting.batch_size,
+                       num_micro_batches=configuration.schedule.num_micro_batches,
                        in_flight=configuration.in_flight(stage), pipeline_degree=mesh.pp,
                        param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
                        optimizer=setting.optimizer)
@@ -122,11 +175,13 @@ def boundary_times_s(blocks, setting: Setting, configuration: Configuration, har
     (each rank receives x): the profile has no point-to-point figures. It includes the link's
     in-step wait: a send in a step waits for its peer as a collective does (without it the
     pipelined plans' step times read 0.72-0.96 of measured, with it 0.84-1.02: docs/benchmarks.md).
-    Neighbouring stages sit dp ranks apart: once the world spans nodes, the slowest stage's sends
+    Neighbouring stages sit dp · tp ranks apart (the activations each tp rank holds, 1/tp of them
+    under sequence parallelism, are what it sends: on_rank): once the world spans nodes, the slowest stage's sends
     cross them, one rank's links each side (ranks_per_node=1)."""
     if configuration.mesh.pp == 1:
         return [0.0] * (len(blocks) + 1)
-    m, crossing = configuration.schedule.num_micro_batches, boundary_bytes(blocks, setting.skip_edges)
+    ctx = context(setting, configuration, hardware, 0)
+    m, crossing = ctx.num_micro_batches, boundary_bytes([cost.on_rank(b, ctx) for b in blocks], setting.skip_edges)
     spans_nodes = setting.world_size > getattr(hardware, "devices_per_node", setting.world_size)
     placement = {"ranks_per_node": 1} if spans_nodes else {}
     return [0.0] + [hardware.collective_time_s("all_gather_into_tensor", 2 * -(-nbytes // m), 2, **placement)
@@ -172,24 +227,33 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
                      peak_bytes=max(c.solution.peak_bytes for c in cuts))
 
 
+def samples_per_step(setting: Setting, configuration: Configuration) -> float:
+    """Samples one step of `configuration` trains: a replica's batch times the replicas."""
+    return setting.replica_batch(configuration.mesh.dp) * configuration.mesh.dp
+
+
 def search(blocks, rules, setting: Setting, hardware, budget_bytes: float, space: SearchSpace, *,
            time_bound_s: float = math.inf) -> list[Candidate]:
     """The best plan of every configuration within RUNNER_UP_SLACK of the fastest, fastest first
-    (ties: smaller peak, then configuration order).
+    (ties: smaller peak, then configuration order). Fastest per sample: meshes with fewer replicas
+    (tp, pp) train fewer samples a step unless a global batch is given, when every step trains the same.
 
     Configurations are solved in the order of their simplest plan's time, so that the first
     exact answers bound (and prune) the rest; the bound never cuts a plan that could win.
-    Plans slower than `time_bound_s` are not looked for."""
+    Plans slower than `time_bound_s` per sample are not looked for."""
     everything = configurations(setting, len(blocks))
-    guesses = ([uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space) for c in everything]
+    samples = [samples_per_step(setting, c) for c in everything]
+    guesses = ([uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space) / n
+                for c, n in zip(everything, samples)]
                if time_bound_s == math.inf else [math.inf] * len(everything))  # a given bound is tight enough
     found, bound = [], min(min(guesses, default=math.inf), time_bound_s)  # a simple plan reaches it: exact
     for order in sorted(range(len(everything)), key=lambda i: (guesses[i], i)):
         candidate = solve_configuration(blocks, rules, setting, everything[order], hardware, budget_bytes, space,
-                                        time_bound_s=bound)
+                                        time_bound_s=bound * samples[order])
         if candidate is not None:
-            found.append((candidate.step_time_s, candidate.peak_bytes, order, candidate))
-            bound = min(bound, candidate.step_time_s * RUNNER_UP_SLACK)
+            per_sample = candidate.step_time_s / samples[order]
+            found.append((per_sample, candidate.peak_bytes, order, candidate))
+            bound = min(bound, per_sample * RUNNER_UP_SLACK)
     # The same list whatever the solving order; with ROUNDING's slack, so that a winner equal to a
     # guess (the guess walked by evaluate_stage, the winner summed by the DP) is not lost to the last bit.
     found = [item for item in found if item[0] <= bound * (1 + ROUNDING)]
