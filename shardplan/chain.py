@@ -179,6 +179,8 @@ class BlockChain:
     need the parameter on two stages."""
     dynamic_dims: dict[tuple[str, int], str] = field(default_factory=dict)
     """(input name, dim) → its label ("batch", "seq"): the dims a symbolic analysis kept dynamic."""
+    frozen_params: tuple[str, ...] = ()
+    """Parameters with requires_grad=False: a unit starts wherever blocks turn frozen or trainable."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts for reports (node count, capture method, seconds spent)."""
 

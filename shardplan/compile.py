@@ -93,10 +93,10 @@ def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options
                              f"{hw.devices_per_node} devices ({hw.name}): use at most {hw.devices_per_node}")
     setting = Setting(world_size=world_size, batch_size=_batch_size(chain), mixed_precision=precision,
                       optimizer=asked.optimizer, allow_pipeline=asked.allow_pipeline,
-                      skip_edges=_edges(chain, "skip_edges"), global_batch_size=asked.global_batch_size,
+                      skip_edges=chain.skip_edges, global_batch_size=asked.global_batch_size,
                       tensor_parallel=tensor_parallel_options(chain.blocks, world_size, max_tp),
                       replica_group_ranks=hw.devices_per_node if asked.allow_replica_groups else 0)
-    rules = _split_at_frozen(chain, resolve_rules(chain.blocks, asked.constraints, _edges(chain, "tied_edges")))
+    rules = _split_at_frozen(chain, resolve_rules(chain.blocks, asked.constraints, chain.tied_edges))
     candidates = search(chain.blocks, rules, setting, hw, budget, space)
     if not candidates:
         raise InfeasibleError(_infeasible_message(chain, rules, setting, hw, budget, space))
@@ -125,16 +125,11 @@ def default_space(n_blocks: int) -> SearchSpace:
     return SearchSpace(max_unit_blocks=4 if n_blocks <= 16 else 1, prefetch=(True,))
 
 
-def _edges(chain: BlockChain, kind: str) -> tuple[tuple[int, int], ...]:
-    """The analysis' skip_edges or tied_edges (a list of pairs) as tuples, as the frozen Setting holds them."""
-    return tuple(tuple(edge) for edge in chain.extra.get(kind, ()))
-
-
 def _split_at_frozen(chain: BlockChain, rules: tuple[BlockRule, ...]) -> tuple[BlockRule, ...]:
     """Start a unit wherever the blocks switch between frozen (requires_grad=False) and trainable
     parameters: a unit is one flat buffer with one requires_grad (runtime/sharded.py). A block without
     parameters joins either kind."""
-    frozen = set(chain.extra.get("frozen_params", ()))
+    frozen = set(chain.frozen_params)
     if not frozen:
         return rules
     split, previous = [], None
@@ -198,7 +193,7 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
         raise PlanError("the plan's units do not follow the model's execution order: list them in that order")
     stage_of_unit = plan.stage_of_unit
     setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain), mixed_precision=plan.mixed_precision,
-                      optimizer=plan.optimizer, skip_edges=_edges(chain, "skip_edges"))
+                      optimizer=plan.optimizer, skip_edges=chain.skip_edges)
     configuration = Configuration(mesh=plan.mesh, schedule=plan.schedule,
                                   sequence_parallel=plan.tensor_parallel.sequence_parallel)
     steps = []

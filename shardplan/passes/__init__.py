@@ -3,6 +3,7 @@
 Each pass reads the graph and writes node.meta["shardplan"] (or rewrites its device
 constants); none runs real kernels on real data.
 """
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -63,12 +64,11 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     captured = capture(model, example_inputs, example_kwargs, dynamic_dims)
     run_passes(captured.gm, last="execution", inputs=PassInputs(args=tuple(example_inputs), kwargs=example_kwargs))
     inputs = input_specs(example_inputs, example_kwargs, dynamic_dims)
-    frozen = sorted(name for name, parameter in model.named_parameters() if not parameter.requires_grad)
+    frozen = tuple(sorted(name for name, parameter in model.named_parameters() if not parameter.requires_grad))
     chain = build_chain(captured.gm, inputs, {"capture": captured.method, "model": type(model).__name__,
                                                "capture_s": round(captured.seconds, 3),
-                                               "analyze_s": round(time.perf_counter() - start, 3),
-                                               "frozen_params": frozen})
-    return with_tensor_parallel_facts(captured.gm, chain)
+                                               "analyze_s": round(time.perf_counter() - start, 3)})
+    return with_tensor_parallel_facts(captured.gm, dataclasses.replace(chain, frozen_params=frozen))
 
 
 def input_specs(args: tuple, kwargs: dict, dynamic_dims: dict | None = None) -> tuple[InputSpec, ...]:

@@ -138,15 +138,13 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             saved_bytes=sum(saved.values()), input_bytes=inputs_read, output_bytes=outputs_read,
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
             first_node=nodes[0].name, last_node=nodes[-1].name))
-    edges = {"skip_edges": tuple(sorted((i, j) for i, j in flow.edges if j > i + 1)),
-             "tied_edges": tuple(sorted(tied_edges))}
     dtypes = sorted({str(p.dtype) for p in gm.parameters()})
     return BlockChain(blocks=tuple(blocks), fingerprint=fingerprint(gm), param_dtype=dtypes[0] if dtypes else "",
                       returned_bytes=facts(next(n for n in reversed(gm.graph.nodes) if n.op == "output")).out_bytes,
                       inputs=inputs, input_bytes=sum(_numel(s.shape) * dtype_bytes(s.dtype) for s in inputs),
-                      dynamic_dims=dynamic_dims or {}, **edges,
-                      # **edges in extra too while compile._edges reads them there (until it reads the fields)
-                      extra=dict(extra, nodes=len(gm.graph.nodes), **edges))
+                      dynamic_dims=dynamic_dims or {}, extra=dict(extra, nodes=len(gm.graph.nodes)),
+                      skip_edges=tuple(sorted((i, j) for i, j in flow.edges if j > i + 1)),
+                      tied_edges=tuple(sorted(tied_edges)))
 
 
 def block_modules(groups: list[NodeGroup]) -> list[tuple[str, ...]]:

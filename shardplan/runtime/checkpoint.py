@@ -57,7 +57,7 @@ from ..dtypes import dtype_name, torch_dtype
 from ..errors import CheckpointError, RuntimeMismatchError, ShardplanError
 from ..files import parse_json, read_text
 from . import collectives
-from .chunks import Holder, holders
+from .chunks import Holder
 from .dcp_storage import DCP_METADATA_FILE, ManifestReader, RecordingWriter, one_line, read_dcp_metadata
 
 FORMAT = "shardplan.checkpoint/2"
@@ -74,7 +74,7 @@ def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
     Call on every rank, between steps. See [Note: checkpoint format] and [Note: atomic save]."""
     directory = _agreed_path(path)
     program.average_running_statistics()  # [Note: running statistics] in program.py
-    held = holders(program)
+    held = program.holders()
     metadata = _metadata(program, held, optimizer)
     state = _agreed(lambda: _saved_entries(program, held, optimizer, metadata))
     _on_rank_zero(lambda: _prepare_target(directory))
@@ -112,7 +112,7 @@ def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
     from the saving run's. See [Note: load as a transaction]."""
     agreed = _agreed_path(path)
     directory, metadata = _on_rank_zero(lambda: read_metadata(agreed))
-    held = holders(program)
+    held = program.holders()
     _check_model(program, held, metadata, directory)
     if optimizer is not None and metadata["optimizer"] is None:
         raise CheckpointError(f"the checkpoint at {directory} holds no optimizer state (it was saved without "
@@ -206,7 +206,7 @@ def export_full_state_dict(program, path: str | os.PathLike | None = None) -> di
     keep = program.keeps_export_copies
     pieces: dict[str, torch.Tensor] = {}
     """State dict key → the CPU copy; tied slots share one tensor, as in model.state_dict()."""
-    for holder in holders(program):
+    for holder in program.holders():
         wholes = holder.gather()
         if keep:
             copies = [whole.to("cpu", copy=True) for whole in wholes]

@@ -211,12 +211,8 @@ def _read_by(rank: int, mine: tuple[int, int], owner_rank: Callable[[int, int], 
 Holder = UnitHolder | DTensorHolder
 
 
-def holders(program) -> list[Holder]:
-    """The program's holders in a fixed order (the same on every rank)."""
-    from .sharded import UnitProgram
-
-    if isinstance(program, UnitProgram):
-        return [UnitHolder(unit) for unit in program.units]
+def dtensor_holders(program) -> list[DTensorHolder]:
+    """A program whose parameters are its modules' own (DTensors under FSDP2), in named_parameters order."""
     slots: dict[int, list[tuple[nn.Module, str, int]]] = {}
     for _, module in program.module.named_modules(remove_duplicate=False):
         for attribute, parameter in module._parameters.items():

@@ -23,6 +23,7 @@ from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabKind
 from ..plan import Plan
 from . import collectives
 from .activation_checkpoint import checkpointed
+from .chunks import Holder, dtensor_holders
 from .program import Program, grad_norm_term, refuse_optimizers_over
 from .sharded import initialize_module
 from .tensor_parallel import ParameterSlice, map_pair_input, plan_layout
@@ -75,6 +76,9 @@ class Fsdp2Program(Program):
     @property
     def data_parallel_group(self) -> collectives.Group:
         return self._data_parallel
+
+    def holders(self) -> list[Holder]:
+        return list(dtensor_holders(self))
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())

@@ -33,7 +33,7 @@ import contextlib
 import math
 import os
 import weakref
-from typing import Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 import torch.nn as nn
@@ -44,6 +44,9 @@ from ..dtypes import dtype_name
 from ..errors import RuntimeMismatchError, ShardplanError
 from ..plan import Plan
 from . import collectives
+
+if TYPE_CHECKING:  # chunks imports the units, which import this module
+    from .chunks import Holder
 
 
 class Program:
@@ -75,6 +78,10 @@ class Program:
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set every parameter from whole tensors by model name (as `export_full_state_dict` returns; the
         same on every rank)."""
+        raise NotImplementedError
+
+    def holders(self) -> "list[Holder]":
+        """What holds the parameters, for checkpoints (chunks.py), in an order every rank shares."""
         raise NotImplementedError
 
     @property

@@ -19,6 +19,7 @@ from ..errors import PlanError, ShardplanError
 from ..plan import Mesh, Plan, StrategyTraits, Unit
 from . import collectives
 from .activation_checkpoint import checkpointed
+from .chunks import Holder, UnitHolder
 from .flat_param import FlatLayout
 from .program import Program, grad_norm_term, refuse_optimizers_over
 from .scheduler import Scheduler
@@ -44,6 +45,9 @@ class UnitProgram(Program):
     @property
     def data_parallel_group(self) -> collectives.Group:
         return self.groups.data_parallel
+
+    def holders(self) -> list[Holder]:
+        return [UnitHolder(unit) for unit in self.units]
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(unit name, this rank's flat shard of it)."""

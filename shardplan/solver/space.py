@@ -83,7 +83,7 @@ def resolve_rules(blocks, constraints: Constraints | None,
                   tied_edges: tuple[tuple[int, int], ...] = ()) -> tuple[BlockRule, ...]:
     """One BlockRule per block; raises when the constraints contradict each other.
 
-    `tied_edges` (i, j): block j reads a parameter block i holds (BlockChain.extra["tied_edges"]); no
+    `tied_edges` (i, j): block j reads a parameter block i holds (BlockChain.tied_edges); no
     stage may start in i + 1 .. j, as a parameter lives on one stage."""
     constraints = constraints or Constraints()
     for pattern in (constraints.unit_boundary + constraints.no_unit_boundary + constraints.stage_boundary
