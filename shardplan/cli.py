@@ -223,7 +223,7 @@ def _check(options) -> int:
         from .hardware import get_hardware
 
         rows = measure_accuracy(get_hardware(options.measure))
-        Console().print(accuracy_table(rows, f"predicted ({options.measure}) vs measured, demo GPT, 2 CPU ranks"))
+        Console(width=120).print(accuracy_table(rows, f"predicted ({options.measure}) vs measured, demo GPT, 2 CPU ranks"))
         misses = [miss for row in rows for miss in row.misses()]
         for miss in misses:
             print(f"FAIL {miss}", file=sys.stderr)

@@ -172,6 +172,30 @@ def check_failed_pipelined_step(rank: int, world: int) -> str | None:
     return None
 
 
+def check_fsdp2_failed_step(rank: int, world: int) -> dict:
+    """backend="fsdp2": an optimizer over the replaced parameters raises; a failed step refuses every later
+    call (FSDP2's state cannot be read back), until a load."""
+    model = zoo.gpt(batch=2).model
+    before = torch.optim.SGD(model.parameters(), lr=0.1)  # built before parallelize: over what it replaces
+    plan = manual_plan(model, UNITS, dp=world)
+    program = parallelize(model, plan, backend="fsdp2")
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank))
+    program.step(ids, labels=ids)
+    found = {}
+    try:
+        before.step()
+    except ShardplanError as error:
+        found["optimizer"] = str(error)
+    _arm(model.h[1], "backward", on_call=1)["armed"] = True
+    with pytest.raises(Fault):
+        program.step(ids, labels=ids)
+    try:
+        program.step(ids, labels=ids)
+    except RuntimeMismatchError as error:
+        found["refusal"] = str(error)
+    return found
+
+
 def check_out_of_step(rank: int, world: int) -> dict:
     """Rank 0 fails in block 0's forward, rank 1 in block 1's, after one more gather: they must refuse."""
     model = zoo.gpt(batch=2).model
@@ -224,6 +248,7 @@ def _all_checks(rank: int, world: int, cases: dict, path: str) -> None:
     results["raw_backward"] = check_failed_raw_backward(rank, world)
     results["optimizer"] = check_optimizer_over_model_parameters(rank, world)
     results["pipelined"] = check_failed_pipelined_step(rank, world)
+    results["fsdp2"] = check_fsdp2_failed_step(rank, world)
     results["out_of_step"] = check_out_of_step(rank, world)  # last: the world is out of step after it
     if rank == 0:
         with open(path, "w") as file:
@@ -252,6 +277,8 @@ def test_failed_steps_recover_exactly_or_refuse(tmp_path):
     assert results["pipelined"] is not None and "program.load(" in results["pipelined"]
     assert results["optimizer"] == ("optimizer steps the model's original parameters, which parallelize "
                                     "replaced: build it over program.parameters()")
+    assert "program.parameters()" in results["fsdp2"].get("optimizer", "")
+    assert "program.load(" in results["fsdp2"].get("refusal", "")
     out_of_step = results["out_of_step"]
     assert out_of_step["states"] == ["sharded"]
     assert all(refusal is not None and "KeyboardInterrupt" in refusal and "program.load(" in refusal

@@ -23,7 +23,7 @@ from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabKind
 from ..plan import Plan
 from . import collectives
 from .activation_checkpoint import checkpointed
-from .program import Program, grad_norm_term
+from .program import Program, grad_norm_term, refuse_optimizers_over
 from .sharded import initialize_module
 from .tensor_parallel import ParameterSlice, map_pair_input, plan_layout
 
@@ -48,6 +48,7 @@ class Fsdp2Program(Program):
                                  "used), or put the tied modules in one unit")
         modules = dict(module.named_modules())
         on_meta = any(parameter.is_meta for parameter in module.parameters())
+        refuse_optimizers_over(list(module.parameters()))  # fully_shard replaces them with DTensors
         if plan.mesh.tp > 1:
             layout = plan_layout(module, plan)
             parallelize_tensor_parallel(module, layout, whole_mesh["tp"])

@@ -153,8 +153,15 @@ class Program:
     @contextlib.contextmanager
     def _transaction(self):
         """Run a step or an evaluation so that a failure leaves the program as it was (see [Note: failed
-        steps]); FSDP2 keeps its own state."""
-        yield
+        steps]). This default cannot see inside the backend's state (FSDP2's gathers, reductions and
+        hooks), so a failure leaves the program refusing every call until a checkpoint is loaded."""
+        try:
+            yield
+        except BaseException as error:
+            self.out_of_step = (f"a step failed ({type(error).__name__}) inside a backend whose state it may have "
+                                "left half-done: program.load(...) the last checkpoint (on every rank) rather "
+                                "than train on")
+            raise
 
     def check_in_step(self) -> None:
         """Refuse to run once a failed step left the ranks out of step (see [Note: failed steps])."""
