@@ -33,9 +33,9 @@ def test_train_gpt_under_torchrun(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_train_gpt_pipelined_from_meta_under_torchrun(tmp_path):
-    # 4 MiB a rank, under the 6 MiB data parallelism needs: the solver cuts stages
+    # 3 MiB a rank: there two stages train faster per sample than data parallelism does (it must recompute)
     _run([sys.executable, "-m", "shardplan.cli", "plan", "gpt", "--world-size", "2", "--hardware", "cpu-gloo",
-          "--memory-budget", "4MiB", "-o", "plan.json"], tmp_path)
+          "--memory-budget", "3MiB", "-o", "plan.json"], tmp_path)
     assert json.loads((tmp_path / "plan.json").read_text())["mesh"]["pp"] == 2
     out = _run(TORCHRUN + [str(ROOT / "examples" / "train_gpt.py"), "--plan", "plan.json", "--steps", "4"], tmp_path)
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
