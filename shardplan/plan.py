@@ -398,8 +398,9 @@ class Plan:
             raise PlanError(f"plan schema {_shown(schema)} is not supported by this shardplan (reads "
                             f"{', '.join(map(repr, READABLE_SCHEMAS))}): re-plan with this version, or install the "
                             "version that wrote it")
-        _validate_schema(_upgrade(data))
-        return _from_data(cls, _upgrade(data), "plan")
+        upgraded = _upgrade(data)
+        _validate_schema(upgraded)
+        return _from_data(cls, upgraded, "plan")
 
     def diff(self, other: "Plan") -> list[str]:
         """What changes from this plan to `other`, one readable line per difference ([] if equal)."""
@@ -445,7 +446,7 @@ def _upgrade(data: dict) -> dict:
         return data
     mesh = dict(data["mesh"])
     mesh["dp_shard"] = mesh.pop("dp", None)
-    return {**data, "schema": SCHEMA, "mesh": {"dp_replicate": 1, "tp": 1, **mesh}}
+    return {**data, "schema": SCHEMA, "mesh": {**mesh, "dp_replicate": 1, "tp": 1}}
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
@@ -466,7 +467,8 @@ def _check_plan(plan: Plan) -> None:
     if plan.mesh.size != plan.world_size:
         raise PlanError(f"mesh {plan.mesh.describe()} is {plan.mesh.size} ranks but world_size is {plan.world_size}: "
                         "make pp * dp_replicate * dp_shard * tp equal world_size")
-    if plan.mesh.tp == 1 and (plan.tensor_parallel.sharded or plan.tensor_parallel.sequence_parallel):
+    if plan.mesh.tp == 1 and (plan.tensor_parallel.sharded or plan.tensor_parallel.sequence_parallel
+                              or plan.tensor_parallel.vocab_parallel):
         raise PlanError("the plan slices modules over tensor-parallel ranks but its mesh has tp=1: set mesh.tp, "
                         "or drop tensor_parallel")
     _unique([m.path for m in plan.tensor_parallel.sharded], "tensor-parallel module", "list each sliced module once")

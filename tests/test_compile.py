@@ -153,8 +153,11 @@ def test_captured_layers_carry_their_tensor_parallel_facts_and_cpu_plans_keep_tp
     assert 0 < facts.sliced_fwd_flops < layer.fwd_flops
     assert chain.blocks[0].tensor_parallel is None  # the embedding: vocab parallelism is not in the first cut
     assert solve(chain, 4, hardware="cpu-gloo").mesh.tp == 1  # CPU ranks: tp only when asked
-    plan = solve(chain, 4, hardware="cpu-gloo", max_tensor_parallel=4, memory_budget="1.3MiB")
-    assert plan.mesh.tp > 1 and plan.tensor_parallel.sharded  # asked, and the budget needs it
+    # asked, without pipelines, and at a budget data parallelism alone cannot meet
+    with pytest.raises(InfeasibleError):
+        solve(chain, 4, hardware="cpu-gloo", allow_pipeline=False, memory_budget="1.5MiB")
+    plan = solve(chain, 4, hardware="cpu-gloo", max_tensor_parallel=4, allow_pipeline=False, memory_budget="1.5MiB")
+    assert plan.mesh.tp > 1 and plan.tensor_parallel.sharded
 
 
 def test_tensor_parallel_across_nodes_is_refused_in_one_line(chains):
@@ -182,7 +185,7 @@ def test_a_plan_slicing_a_block_whose_heads_do_not_divide_is_refused_in_one_line
     import dataclasses
 
     chain = chains["gpt"]
-    plan = solve(chain, 4, hardware="cpu-gloo", max_tensor_parallel=4, memory_budget="1.3MiB")
+    plan = solve(chain, 4, hardware="cpu-gloo", max_tensor_parallel=4, allow_pipeline=False, memory_budget="1.5MiB")
     assert plan.mesh.tp > 1
     evaluate(chain, plan)  # as compiled: fine
     three = dataclasses.replace(plan, world_size=plan.mesh.size // plan.mesh.tp * 3,
@@ -197,6 +200,18 @@ def test_a_compiled_tensor_parallel_section_is_the_layout_the_runtime_finds_agai
     from shardplan.runtime.tensor_parallel import plan_layout
 
     entry = zoo.build("gpt")
-    plan = solve(chains["gpt"], 4, hardware="cpu-gloo", max_tensor_parallel=2, memory_budget="1.3MiB")
+    plan = solve(chains["gpt"], 4, hardware="cpu-gloo", max_tensor_parallel=2, allow_pipeline=False,
+                memory_budget="1.5MiB")
     assert plan.mesh.tp == 2 and plan.tensor_parallel.sequence_parallel
     assert len(plan_layout(entry.model, plan).pairs) == len(plan.tensor_parallel.sharded) // 2  # raises if they differ
+
+
+def test_no_searched_mesh_runs_tensor_parallelism_inside_pipeline_stages():
+    """The runtime refuses tp > 1 with pp > 1 (stages run captured graphs at full width): the search
+    must not offer such meshes, even where their price would win."""
+    from shardplan.solver.search import Setting, configurations
+
+    setting = Setting(world_size=64, batch_size=64, tensor_parallel=((1, False), (2, False), (4, True)))
+    meshes = [configuration.mesh for configuration in configurations(setting, n_blocks=12)]
+    assert any(mesh.tp > 1 for mesh in meshes) and any(mesh.pp > 1 for mesh in meshes)
+    assert not [mesh for mesh in meshes if mesh.tp > 1 and mesh.pp > 1]

@@ -64,13 +64,18 @@ class UnitProgram(Program):
     def _set_gradient_sync(self, enabled: bool) -> None:
         self.scheduler.communicate = enabled
 
+    def check_in_step(self) -> None:
+        """Also abandon a loss.backward() of the program's own forward that raised outside `step` (see
+        [Note: failed steps]), before a step, a forward, a clip, a save or an export builds on it."""
+        if self.scheduler.backward_failed:
+            self._abandon("in a loss.backward() outside program.step")
+        super().check_in_step()
+
     @contextlib.contextmanager
     def _transaction(self):
         """See [Note: failed steps]: the step's gradients go to fresh `.grad` tensors, added to what `.grad`
         held before on success and dropped on failure."""
-        if self.scheduler.backward_failed:
-            self._abandon("in a loss.backward() outside program.step")
-            self.check_in_step()
+        self.check_in_step()
         self._transactions += 1
         before = [unit.shard.grad for unit in self.units]
         for unit in self.units:
