@@ -170,9 +170,12 @@ class DTensorHolder:
 
         placements = tuple(self.parameter.placements)
         mesh = self.parameter.device_mesh
-        if placements not in ((Shard(0),), (Replicate(), Shard(0))):
-            raise ShardplanError(f"{self.label} is placed {placements}, not rows over the data-parallel ranks "
-                                 "(tensor parallelism): checkpoints of this layout need backend='shardplan'")
+        # under tp > 1 a parameter left whole is held by every tp rank's replica group 0: refuse the plan
+        # as a whole, not only the sliced parameters, or the whole ones get a writer per tp rank
+        if self.program.plan.mesh.tp > 1 or placements not in ((Shard(0),), (Replicate(), Shard(0))):
+            raise ShardplanError(f"{self.label} is placed {placements} in a plan with tp={self.program.plan.mesh.tp}: "
+                                 "checkpoints of tensor-parallel plans on backend='fsdp2' are not written yet; "
+                                 "use backend='shardplan'")
         owners = mesh.mesh.reshape(-1, mesh.mesh.shape[-1])[0].tolist()  # replica group 0's ranks, by shard
         shard = mesh.get_local_rank(len(placements) - 1)
         rank = collectives.world().rank

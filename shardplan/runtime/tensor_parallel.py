@@ -130,8 +130,9 @@ def apply_tensor_parallel(model: nn.Module, layout: TensorParallelLayout,
                           group: Group) -> dict[str, ParameterSlice]:
     """Slice `model`'s pairs (and, with `layout.vocab`, its embedding and head) in place for this rank
     of `group`, put the collectives around them, and return the slice of every parameter this rank
-    now holds a part of (the others stay whole). With `layout.sequence_parallel`, call
-    `sum_sequence_parallel_gradients` after each backward.
+    now holds a part of (the others stay whole). With `layout.sequence_parallel`, the norms' and row
+    biases' gradients are partial sums: backend="shardplan" sums them over tp on its flat gradients
+    (unit.py); a caller training the bare model calls `sum_sequence_parallel_gradients` after each backward.
 
     Every rank must hold the same full parameters before the call (same seed or same checkpoint)."""
     index, degree = group_world(group)
