@@ -44,7 +44,7 @@ def test_gpt_pairs_attention_in_fused_chunks_and_the_mlp(candidates):
     assert [pair.name for pair in layout.pairs] == ["h.0.attn", "h.0.mlp", "h.1.attn", "h.1.mlp"]
     assert layout.replicated == ("wte", "wpe", "h.0.ln_1", "h.0.ln_2", "h.1.ln_1", "h.1.ln_2", "ln_f", "lm_head")
     assert layout.rejected == ()
-    assert {d.name: d.reason for d in layout.deferred} == {
+    assert {d.module: d.reason for d in layout.deferred} == {
         "wte": "256 rows of wte's table divide by tp=2, but it stays whole: the layout was made without vocab_parallel",
         "lm_head": "256 output features of lm_head divide by tp=2, but it stays whole: the layout was made "
                    "without vocab_parallel"}
@@ -71,11 +71,11 @@ def test_llama_pairs_q_k_v_with_o_and_gate_up_with_down(candidates):
 def test_indivisible_heads_are_explained(candidates):
     gpt = candidates["gpt"].layout(3)
     assert gpt.pairs == () and len(gpt.replicated) == 16
-    assert {r.name: r.reason for r in gpt.rejected}["h.0.attn"] == \
+    assert {r.module: r.reason for r in gpt.rejected}["h.0.attn"] == \
         "4 heads of h.0.attn.qkv do not divide by tp=3: tp must divide 4 to shard this pair"
     llama = candidates["llama"].layout(4)  # 4 query heads divide, the 2 kv heads do not; the MLP shards
     assert [pair.name for pair in llama.pairs] == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    assert {r.name: r.reason for r in llama.rejected}["model.layers.0.self_attn"].startswith(
+    assert {r.module: r.reason for r in llama.rejected}["model.layers.0.self_attn"].startswith(
         "2 kv heads of model.layers.0.self_attn.k_proj, 2 kv heads of model.layers.0.self_attn.v_proj "
         "do not divide by tp=4")
 
@@ -91,7 +91,7 @@ def test_a_tied_embedding_and_head_stay_whole_with_the_reason():
     entry.model.lm_head.weight = entry.model.wte.weight
     layout = tensor_parallel_candidates(entry.model, entry.args, entry.kwargs).layout(2, vocab_parallel=True)
     assert layout.vocab == ()
-    assert [(d.name, d.reason) for d in layout.deferred] == [
+    assert [(d.module, d.reason) for d in layout.deferred] == [
         ("wte", "its table wte.weight is tied to lm_head: a tied embedding and head stay whole "
                 "(untie them to shard both over the vocabulary)")]
 
@@ -123,7 +123,7 @@ class _NormFormer(nn.Module):
 def test_a_norm_over_the_sharded_features_refuses_the_pair():
     layout = tensor_parallel_candidates(_NormFormer(), (torch.randn(2, 8, 16),)).layout(2)
     assert layout.styles == {"plain.fc": "colwise", "plain.proj": "rowwise"}
-    assert [(r.name, r.reason) for r in layout.rejected] == [
+    assert [(r.module, r.reason) for r in layout.rejected] == [
         ("normed", "layer_norm (layer_norm in normed.norm) normalizes over the sharded features")]
 
 

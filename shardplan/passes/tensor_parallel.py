@@ -36,6 +36,7 @@ import torch.fx
 from ..capture import capture
 from ..chain import indivisible
 from ..errors import PlanError
+from ..plan import KeptWhole
 from .facts import facts
 from .ownership import annotate_ownership_pass
 
@@ -89,13 +90,6 @@ class TensorParallelPair:
         return indivisible(((divisor.size, divisor.what) for divisor in self.divisors), degree, "this pair")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Rejection:
-    name: str
-    """The module of what stays replicated over tp."""
-    reason: str
-
-
 class VocabKind(str, enum.Enum):
     EMBEDDING = "embedding"
     """A token embedding table: each rank holds vocab / tp rows, looks up the ids it holds, and the
@@ -127,9 +121,9 @@ class TensorParallelLayout:
     replicated: tuple[str, ...]
     """Modules with parameters every tp rank holds whole, in the model's order (the row-parallel
     linears' biases are whole too, though their modules are sharded)."""
-    rejected: tuple[Rejection, ...] = ()
+    rejected: tuple[KeptWhole, ...] = ()
     """Pairs found in the graph that stay replicated, each with the reason."""
-    deferred: tuple[Rejection, ...] = ()
+    deferred: tuple[KeptWhole, ...] = ()
     """Embeddings and the LM head left whole, each with the reason (not asked for, indivisible, tied)."""
     vocab: tuple[VocabCandidate, ...] = ()
     """Embeddings and the LM head sharded over the vocabulary (only with vocab_parallel)."""
@@ -154,7 +148,7 @@ class TensorParallelCandidates:
     """What the graph allows, whatever the degree: `layout(degree)` checks the sizes."""
 
     pairs: tuple[TensorParallelPair, ...]
-    rejected: tuple[Rejection, ...]
+    rejected: tuple[KeptWhole, ...]
     """Pairs the graph itself forbids (an op mixes their features), with the op that does."""
     vocab: tuple[VocabCandidate, ...]
     modules: tuple[str, ...]
@@ -166,7 +160,7 @@ class TensorParallelCandidates:
             raise PlanError(f"tensor-parallel degree is {degree}: it counts ranks, use 1 or more")
         refusals = {pair.name: pair.refusal(degree) for pair in self.pairs}
         applied = tuple(pair for pair in self.pairs if refusals[pair.name] is None)
-        rejected = self.rejected + tuple(Rejection(name=pair.name, reason=refusals[pair.name])
+        rejected = self.rejected + tuple(KeptWhole(module=pair.name, reason=refusals[pair.name])
                                          for pair in self.pairs if refusals[pair.name] is not None)
         verdicts = {candidate.module: _vocab_verdict(candidate, degree, vocab_parallel) for candidate in self.vocab}
         vocab = tuple(candidate for candidate in self.vocab if verdicts[candidate.module] is None)
@@ -174,7 +168,7 @@ class TensorParallelCandidates:
         layout = TensorParallelLayout(
             degree=degree, pairs=applied, replicated=tuple(m for m in self.modules if m not in sharded),
             rejected=rejected, vocab=vocab, sequence_parallel=sequence_parallel,
-            deferred=tuple(Rejection(name=module, reason=verdict) for module, verdict in verdicts.items()
+            deferred=tuple(KeptWhole(module=module, reason=verdict) for module, verdict in verdicts.items()
                            if verdict is not None))
         if sequence_parallel:
             _check_sequence_layers(layout)
@@ -203,8 +197,8 @@ def _check_sequence_layers(layout: TensorParallelLayout) -> None:
                             "module (attention or MLP inside a block): make the layout with sequence_parallel=False")
     layers = layout.sequence_layers
     for rejection in layout.rejected:
-        if any(rejection.name == layer or rejection.name.startswith(layer + ".") for layer in layers):
-            raise PlanError(f"sequence parallelism would run {rejection.name!r} on a shard of the sequence, but "
+        if any(rejection.module == layer or rejection.module.startswith(layer + ".") for layer in layers):
+            raise PlanError(f"sequence parallelism would run {rejection.module!r} on a shard of the sequence, but "
                             f"it stays whole over tp ({rejection.reason}): make the layout with "
                             "sequence_parallel=False, or choose a tp that shards it")
 
@@ -237,11 +231,11 @@ def find_tensor_parallel_pairs(gm: torch.fx.GraphModule) -> TensorParallelCandid
             if group.ending is _Ending.LOSS and list(group.columns.values()) == [1]:
                 heads.append(_head_candidate(next(iter(group.columns))))
             elif group.ending is _Ending.MIXED and not clash:
-                rejected.append(Rejection(name=name, reason=group.failure))
+                rejected.append(KeptWhole(module=name, reason=group.failure))
             continue
         if group.failure or clash:
             reason = group.failure or f"{clash[0]} is already sharded by another pair"
-            rejected.append(Rejection(name=name, reason=reason))
+            rejected.append(KeptWhole(module=name, reason=reason))
             continue
         used.update(modules)
         pairs.append(group.pair(name, order))

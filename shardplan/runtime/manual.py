@@ -10,7 +10,7 @@ import torch.nn as nn
 from ..errors import PlanError
 from ..passes import fingerprint_of, input_specs
 from ..passes.tensor_parallel import tensor_parallel_candidates
-from ..plan import (Checkpoint, KeptWhole, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
+from ..plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
                     ShardStrategy, Stage, TensorParallel, Unit)
 from .tensor_parallel import sharded_modules
 
@@ -72,5 +72,4 @@ def _tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool, vocab_p
         tp, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     return TensorParallel(sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
                           sharded=sharded_modules(layout),
-                          kept_whole=tuple(KeptWhole(module=kept.name, reason=kept.reason)
-                                           for kept in (*layout.rejected, *layout.deferred)))
+                          kept_whole=layout.rejected + layout.deferred)
