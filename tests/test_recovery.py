@@ -104,34 +104,44 @@ def run_fault_case(rank: int, world: int, case: dict) -> dict:
     return facts
 
 
-def check_failed_raw_backward(rank: int, world: int) -> bool:
-    """A loss.backward() of program(...) that raises, then zero_grad as in plain PyTorch: the next steps
-    train as if that batch was skipped."""
+def check_failed_raw_backward(rank: int, world: int, folder: str) -> dict[str, bool]:
+    """A loss.backward() of program(...) that raises, then (as in plain PyTorch) zero_grad, or first a clip
+    or a save that must not build on the half-reduced step: the next steps train as if that batch was
+    skipped, whatever came first."""
     torch.manual_seed(0)
     model = zoo.gpt(batch=2).model
     batches = [torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(10 * step + rank))
                for step in range(4)]
-    faulty = copy.deepcopy(model)
-    armed = _arm(faulty.h[1], "backward", on_call=1)
-    programs = [_program(faulty, world, ShardStrategy.FULL_SHARD, 1),
-                _program(copy.deepcopy(model), world, ShardStrategy.FULL_SHARD, 1)]
-    for program, skips in zip(programs, (False, True)):
+    after_failure = {"zero_grad": lambda program: None,
+                     "clip": lambda program: program.clip_grad_norm_(1.0),
+                     "save": lambda program: program.save(os.path.join(folder, "after_failed_backward"))}
+    expected = None
+    equal = {}
+    for name, action in (("skipped", None), *after_failure.items()):
+        faulty = copy.deepcopy(model)
+        armed = _arm(faulty.h[1], "backward", on_call=1)
+        program = _program(faulty, world, ShardStrategy.FULL_SHARD, 1)
         optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
         for index, ids in enumerate(batches):
             if index == 1:
-                if skips:
+                if action is None:
                     continue
                 armed["armed"] = True
                 loss = program(ids, labels=ids)
                 with pytest.raises(Fault):
                     loss.backward()
+                action(program)
                 optimizer.zero_grad()
                 continue
             program.step(ids, labels=ids)
             optimizer.step()
             optimizer.zero_grad()
-    state, expected = (program.export_full_state_dict() for program in programs)
-    return rank != 0 or all(torch.equal(state[name], expected[name]) for name in expected)
+        state = program.export_full_state_dict()
+        if action is None:
+            expected = state
+        else:
+            equal[name] = rank != 0 or all(torch.equal(state[key], expected[key]) for key in expected)
+    return equal
 
 
 def check_optimizer_over_model_parameters(rank: int, world: int) -> str | None:
@@ -245,7 +255,7 @@ def _one_rank_fails(rank: int, world: int, folder: str) -> None:
 
 def _all_checks(rank: int, world: int, cases: dict, path: str) -> None:
     results = {name: run_fault_case(rank, world, case) for name, case in cases.items()}
-    results["raw_backward"] = check_failed_raw_backward(rank, world)
+    results["raw_backward"] = check_failed_raw_backward(rank, world, os.path.dirname(path))
     results["optimizer"] = check_optimizer_over_model_parameters(rank, world)
     results["pipelined"] = check_failed_pipelined_step(rank, world)
     results["fsdp2"] = check_fsdp2_failed_step(rank, world)
@@ -273,7 +283,7 @@ def test_failed_steps_recover_exactly_or_refuse(tmp_path):
              if results[name] != {"states": ["sharded"], "out_of_step": None, "equal_losses": True,
                                   "equal_parameters": True}}
     assert not wrong, wrong
-    assert results["raw_backward"]
+    assert results["raw_backward"] == {"zero_grad": True, "clip": True, "save": True}
     assert results["pipelined"] is not None and "program.load(" in results["pipelined"]
     assert results["optimizer"] == ("optimizer steps the model's original parameters, which parallelize "
                                     "replaced: build it over program.parameters()")
