@@ -628,3 +628,24 @@ def test_batch_norm_statistics_are_the_replicas_mean_in_checkpoints_and_exports(
                                        atol=1e-7)
     saved = json.loads((tmp_path / backend / "shardplan.json").read_text())
     assert any("running_mean" in entry["name"] for entry in saved["buffers"])
+
+
+def fsdp2_tensor_parallel_save(rank: int, world: int, directory: str) -> dict:
+    model = zoo.gpt(batch=2).model
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    plan = manual_plan(model, zoo.gpt_units(zoo.GPTConfig().n_layer), dp=1, tp=world, example_inputs=(ids,),
+                       example_kwargs={"labels": ids})
+    program = parallelize(model, plan, backend="fsdp2")
+    program.step(ids, labels=ids)
+    try:
+        program.save(os.path.join(directory, "tp"))
+    except ShardplanError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+@pytest.mark.distributed
+def test_fsdp2_refuses_to_save_a_tensor_parallel_plan_and_writes_nothing(tmp_path):
+    record = spawn_world(2, fsdp2_tensor_parallel_save, (str(tmp_path),))
+    assert record["error"] is not None and "backend='shardplan'" in record["error"], record
+    assert not (tmp_path / "tp").exists() or not any((tmp_path / "tp").iterdir())
