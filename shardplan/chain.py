@@ -181,6 +181,8 @@ class BlockChain:
     """(input name, dim) → its label ("batch", "seq"): the dims a symbolic analysis kept dynamic."""
     frozen_params: tuple[str, ...] = ()
     """Parameters with requires_grad=False: a unit starts wherever blocks turn frozen or trainable."""
+    module_classes: dict[str, str] = field(default_factory=dict)
+    """Module path → class name for every block's modules: constraints match either."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts for reports (node count, capture method, seconds spent)."""
 

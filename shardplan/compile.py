@@ -20,7 +20,7 @@ from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, KeptWhole,
 from .solver.chain_dp import ROUNDING
 from .solver.search import (Candidate, Configuration, Setting, boundary_time_s, context, samples_per_step, search,
                             smallest_peak, tensor_parallel_options)
-from .solver.space import BlockRule, Constraints, SearchSpace, resolve_rules
+from .solver.space import BlockRule, Constraints, SearchSpace, constraint_patterns, resolve_rules
 from .sizes import format_bytes, parse_bytes
 
 RUNNER_UPS = 4
@@ -96,10 +96,11 @@ def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options
                       skip_edges=chain.skip_edges, global_batch_size=asked.global_batch_size,
                       tensor_parallel=tensor_parallel_options(chain.blocks, world_size, max_tp),
                       replica_group_ranks=hw.devices_per_node if asked.allow_replica_groups else 0)
-    rules = _split_at_frozen(chain, resolve_rules(chain.blocks, asked.constraints, chain.tied_edges))
+    rules = _rules(chain, asked.constraints)
     candidates = search(chain.blocks, rules, setting, hw, budget, space)
     if not candidates:
-        raise InfeasibleError(_infeasible_message(chain, rules, setting, hw, budget, space))
+        raise InfeasibleError(_constraints_blamed(chain, asked.constraints, setting, hw, budget, space)
+                              or _infeasible_message(chain, rules, setting, hw, budget, space))
     best = candidates[0]
     units, stages = _units_and_stages(chain, best)
     return Plan(fingerprint=chain.fingerprint, model=model_name or str(chain.extra.get("model", "")),
@@ -123,6 +124,10 @@ def default_space(n_blocks: int) -> SearchSpace:
     time grows with the square of the unit length. Prefetch is always on: turning it off
     only saves one unit's gathered parameters."""
     return SearchSpace(max_unit_blocks=4 if n_blocks <= 16 else 1, prefetch=(True,))
+
+
+def _rules(chain: BlockChain, constraints: Constraints | None) -> tuple[BlockRule, ...]:
+    return _split_at_frozen(chain, resolve_rules(chain.blocks, constraints, chain.tied_edges, chain.module_classes))
 
 
 def _split_at_frozen(chain: BlockChain, rules: tuple[BlockRule, ...]) -> tuple[BlockRule, ...]:
@@ -322,6 +327,21 @@ def best_of_each_tp(chain, best: Candidate, candidates, rules, setting: Setting,
         found += mine[:1] or search(chain.blocks, rules, replace(setting, tensor_parallel=(option,)), hw, budget,
                                     space)[:1]
     return found
+
+
+def _constraints_blamed(chain, constraints: Constraints | None, setting: Setting, hw, budget: int,
+                        space: SearchSpace) -> str | None:
+    """When the constraints alone make the plan infeasible, say which of them to relax."""
+    if constraints is None or not constraint_patterns(constraints):
+        return None
+    if smallest_peak(chain.blocks, _rules(chain, None), setting, hw, space, budget) is None:
+        return None
+    blamed = [f"{field.name}={getattr(constraints, field.name)!r}" for field in dataclasses.fields(constraints)
+              if getattr(constraints, field.name) and smallest_peak(
+                  chain.blocks, _rules(chain, replace(constraints, **{field.name: ()})), setting, hw, space,
+                  budget) is not None]
+    return (f"no plan fits {format_bytes(budget)} per rank at world_size={setting.world_size} under the constraints, "
+            "and one fits without them: relax " + (" or ".join(blamed) if blamed else "them (no one alone is to blame)"))
 
 
 def _infeasible_message(chain, rules, setting: Setting, hw, budget: int, space: SearchSpace) -> str:

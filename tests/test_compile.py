@@ -11,7 +11,7 @@ from shardplan.compile import (compile, default_space, evaluate, expert_defaults
 from shardplan.errors import InfeasibleError, PlanError, ShardplanError
 from shardplan.hardware import get_hardware
 from shardplan.dtypes import dtype_name
-from shardplan.plan import Checkpoint, Mesh, MixedPrecision, Plan, Schedule
+from shardplan.plan import Checkpoint, Mesh, MixedPrecision, Plan, Schedule, ShardStrategy
 from shardplan.sizes import parse_bytes
 from shardplan.solver.search import Configuration, Setting, search, tensor_parallel_options
 from shardplan.solver.space import Constraints, resolve_rules
@@ -99,6 +99,33 @@ def test_constraints_reach_the_plan(chains):
                  constraints=Constraints(unit_boundary=(r"^h\.2$",), checkpoint=((r"^h\.1$", (Checkpoint.FULL,)),)))
     assert any(u.modules[0] == "h.2" for u in plan.units)
     assert all(u.checkpoint is Checkpoint.FULL for u in plan.units if "h.1" in u.modules)
+
+
+def test_constraints_match_module_classes_and_refuse_patterns_that_match_nothing(chains):
+    chain = chains["gpt"]
+    assert chain.module_classes["h.0"] == "TransformerBlock"
+    plan = solve(chain, 2, hardware=HARDWARE, allow_pipeline=False,
+                 constraints=Constraints(unit_boundary=("TransformerBlock",)))
+    starts = {u.modules[0] for u in plan.units}
+    assert {"h.0", "h.1", "h.2", "h.3"} <= starts
+    with pytest.raises(ShardplanError, match=r"unit_boundary='LlamaDecoderLayer' matches no block.*"
+                                             r"h\.0 \(TransformerBlock\)"):
+        solve(chain, 2, hardware=HARDWARE, constraints=Constraints(unit_boundary=("LlamaDecoderLayer",)))
+
+
+def test_infeasibility_caused_by_constraints_names_them(chains):
+    chain = chains["gpt"]
+    replicated = Constraints(strategy=((r"^h\.", (ShardStrategy.REPLICATE,)),))
+    with pytest.raises(InfeasibleError, match=r"smallest peak any plan reaches is") as refused:
+        solve(chain, 2, hardware=HARDWARE, allow_pipeline=False, memory_budget=1)
+    with pytest.raises(InfeasibleError, match=r"smallest peak any plan reaches is ([0-9.]+) MiB") as pinned:
+        solve(chain, 2, hardware=HARDWARE, allow_pipeline=False, constraints=replicated, memory_budget=1)
+    least, least_replicated = (float(re.search(r"reaches is ([0-9.]+) MiB", str(error.value)).group(1))
+                               for error in (refused, pinned))
+    budget = f"{(least + least_replicated) / 2:.2f} MiB"
+    assert least < least_replicated
+    with pytest.raises(InfeasibleError, match=r"under the constraints, and one fits without them: relax strategy="):
+        solve(chain, 2, hardware=HARDWARE, allow_pipeline=False, constraints=replicated, memory_budget=budget)
 
 
 def test_bad_arguments_are_refused(chains):

@@ -68,7 +68,10 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     chain = build_chain(captured.gm, inputs, {"capture": captured.method, "model": type(model).__name__,
                                                "capture_s": round(captured.seconds, 3),
                                                "analyze_s": round(time.perf_counter() - start, 3)})
-    return with_tensor_parallel_facts(captured.gm, dataclasses.replace(chain, frozen_params=frozen))
+    classes = {path: type(module).__name__ for path, module in model.named_modules()
+               if any(path in block.modules for block in chain.blocks)}
+    return with_tensor_parallel_facts(captured.gm, dataclasses.replace(chain, frozen_params=frozen,
+                                                                       module_classes=classes))
 
 
 def input_specs(args: tuple, kwargs: dict, dynamic_dims: dict | None = None) -> tuple[InputSpec, ...]:

@@ -11,7 +11,8 @@ property test compares like with like. Restrictions by default:
   Plans may name such a unit offloaded; the search leaves it out, so its plans stay as they were.
 """
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from ..errors import ShardplanError
 from ..plan import Checkpoint, Decision, ShardStrategy
@@ -19,10 +20,11 @@ from ..plan import Checkpoint, Decision, ShardStrategy
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Constraints:
-    """What a user pins or forbids, by regular expressions searched in a block's module paths.
+    """What a user pins or forbids, by regular expressions searched in a block's module paths and classes.
 
-    A block matches a pattern when `re.search(pattern, path)` finds it in the block's name
-    or any of its module paths.
+    A block matches a pattern when `re.search(pattern, text)` finds it in the block's name, any of its
+    module paths, or any of those modules' class names ("LlamaDecoderLayer", as FSDP's
+    transformer_layer_cls names them). A pattern that matches no block is an error.
     """
 
     unit_boundary: tuple[str, ...] = ()
@@ -74,36 +76,39 @@ class SearchSpace:
         return strategy.traits.may_offload and strategy.traits.reshard_after_forward
 
 
-def _matches(block, patterns) -> bool:
-    paths = (block.name,) + tuple(block.modules)
-    return any(re.search(pattern, path) for pattern in patterns for path in paths)
+def _matches(block, patterns, classes: Mapping[str, str]) -> bool:
+    texts = (block.name,) + tuple(block.modules) + tuple(classes[m] for m in block.modules if m in classes)
+    return any(re.search(pattern, text) for pattern in patterns for text in texts)
 
 
-def resolve_rules(blocks, constraints: Constraints | None,
-                  tied_edges: tuple[tuple[int, int], ...] = ()) -> tuple[BlockRule, ...]:
-    """One BlockRule per block; raises when the constraints contradict each other.
+def resolve_rules(blocks, constraints: Constraints | None, tied_edges: tuple[tuple[int, int], ...] = (),
+                  classes: Mapping[str, str] | None = None) -> tuple[BlockRule, ...]:
+    """One BlockRule per block; raises when the constraints contradict each other or a pattern matches nothing.
 
     `tied_edges` (i, j): block j reads a parameter block i holds (BlockChain.tied_edges); no
-    stage may start in i + 1 .. j, as a parameter lives on one stage."""
+    stage may start in i + 1 .. j, as a parameter lives on one stage. `classes`: module path → class
+    name (BlockChain.module_classes)."""
     constraints = constraints or Constraints()
-    for pattern in (constraints.unit_boundary + constraints.no_unit_boundary + constraints.stage_boundary
-                    + constraints.no_stage_boundary
-                    + tuple(p for p, _ in constraints.checkpoint + constraints.strategy)):
+    classes = classes or {}
+    for field_name, pattern in constraint_patterns(constraints):
         try:
             re.compile(pattern)
         except re.error as error:
             raise ShardplanError(f"constraint pattern {pattern!r} is not a regular expression: {error}") from None
+        if not any(_matches(block, (pattern,), classes) for block in blocks):
+            raise ShardplanError(f"constraint {field_name}={pattern!r} matches no block, so it would change nothing: "
+                                 f"match one of the blocks' module paths or classes ({_block_names(blocks, classes)})")
     rules = []
     for i, block in enumerate(blocks):
-        must_unit = i == 0 or _matches(block, constraints.unit_boundary)
-        may_unit = i == 0 or not _matches(block, constraints.no_unit_boundary)
-        must_stage = i == 0 or _matches(block, constraints.stage_boundary)
+        must_unit = i == 0 or _matches(block, constraints.unit_boundary, classes)
+        may_unit = i == 0 or not _matches(block, constraints.no_unit_boundary, classes)
+        must_stage = i == 0 or _matches(block, constraints.stage_boundary, classes)
         tied = any(start < i <= end for start, end in tied_edges)
-        may_stage = i == 0 or not (_matches(block, constraints.no_stage_boundary) or tied)
+        may_stage = i == 0 or not (_matches(block, constraints.no_stage_boundary, classes) or tied)
         checkpoints = frozenset(Checkpoint).intersection(
-            *[allowed for pattern, allowed in constraints.checkpoint if _matches(block, (pattern,))])
+            *[allowed for pattern, allowed in constraints.checkpoint if _matches(block, (pattern,), classes)])
         strategies = frozenset(ShardStrategy).intersection(
-            *[allowed for pattern, allowed in constraints.strategy if _matches(block, (pattern,))])
+            *[allowed for pattern, allowed in constraints.strategy if _matches(block, (pattern,), classes)])
         if must_stage and tied:
             raise ShardplanError(f"a constraint pins a stage boundary at block {block.name!r}, inside a span of "
                                  "blocks sharing (tied) parameters, which must stay on one stage: remove the "
@@ -118,3 +123,14 @@ def resolve_rules(blocks, constraints: Constraints | None,
                                may_start_stage=may_stage, checkpoints=checkpoints, strategies=strategies))
     return tuple(rules)
 
+
+def constraint_patterns(constraints: Constraints) -> list[tuple[str, str]]:
+    """(field name, pattern) for every pattern the constraints hold."""
+    return [(field.name, entry[0] if isinstance(entry, tuple) else entry)
+            for field in fields(constraints) for entry in getattr(constraints, field.name)]
+
+
+def _block_names(blocks, classes: Mapping[str, str], shown: int = 6) -> str:
+    named = [f"{block.name or '<root>'} ({classes[block.name]})" if block.name in classes else block.name or "<root>"
+             for block in blocks]
+    return ", ".join(named[:shown]) + (f", ... {len(named) - shown} more" if len(named) > shown else "")
