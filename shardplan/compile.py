@@ -306,7 +306,9 @@ def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: i
         binding = f"none: the fastest plan fits (peak {format_bytes(best.peak_bytes)}, {share:.0%} of the budget)"
     listed = candidates[1:1 + RUNNER_UPS]
     listed += [c for c in best_of_each_tp(chain, best, candidates, rules, setting, hw, budget, space) if c not in listed]
-    runner_ups = [Alternative(description=c.configuration.describe(), peak_bytes=c.peak_bytes,
+    runner_ups = [Alternative(description=f"{c.configuration.describe()}, "
+                                          f"{samples_per_step(setting, c.configuration):g} samples a step",
+                              peak_bytes=c.peak_bytes,
                               step_time_s=c.step_time_s) for c in listed]
     for label, step in expert_defaults(chain, setting, hw):
         fits = "fits" if step.peak_bytes <= budget else "over budget"

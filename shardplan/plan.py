@@ -406,13 +406,22 @@ class Plan:
         """What changes from this plan to `other`, one readable line per difference ([] if equal)."""
         return _diff(_to_data(self), _to_data(other), "")
 
+    @property
+    def batch_per_replica(self) -> int:
+        """Samples one data-parallel replica takes a step: dim 0 of the first example input."""
+        return self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 1
+
     def summary(self) -> str:
         """Units, stages, predicted memory and time as a text table."""
         from .sizes import format_bytes
 
+        inputs = ", ".join(f"{spec.name} {' x '.join(map(str, spec.shape)) or 'scalar'} {spec.dtype}"
+                           for spec in self.inputs)
         lines = [f"plan for {self.model or 'model'} on {self.world_size} ranks of {self.hardware}: "
                  f"{self.mesh.describe()}, {self.schedule.runs_as(self.mesh.pp)}"
                  + f", params {self.mixed_precision.param_dtype}, grads reduced in {self.mixed_precision.reduce_dtype}",
+                 f"inputs per replica: {inputs or 'none'}; global batch {self.mesh.dp * self.batch_per_replica} "
+                 f"samples a step = dp {self.mesh.dp} x {self.batch_per_replica} per replica",
                  "", f"{'stage':>5}  {'unit':<32} {'strategy':<16} {'checkpoint':<10} {'offload':<7} {'params':>7}"]
         units = {unit.name: unit for unit in self.units}
         for stage in self.stages:

@@ -20,7 +20,7 @@ def setup_table(plan: Plan) -> Table:
     table.add_row("mesh", f"{mesh.describe()} (dp={mesh.dp} replicas, pp={mesh.pp} stages, tp={mesh.tp})")
     for spec in plan.inputs:
         table.add_row(f"input {spec.name}", f"{' x '.join(map(str, spec.shape)) or 'scalar'} {spec.dtype}")
-    replica = plan.inputs[0].shape[0] if plan.inputs and plan.inputs[0].shape else 1
+    replica = plan.batch_per_replica
     table.add_row("batch per replica", f"{replica} (dim 0 of input {plan.inputs[0].name})" if plan.inputs else "1")
     table.add_row("global batch", f"{mesh.dp * replica} = dp {mesh.dp} x {replica} per replica")
     micro = plan.schedule.num_micro_batches

@@ -5,6 +5,7 @@ backends, plus micro-batches, clipping, offload, meta init, ties, mixed precisio
 rank 0 writes one JSON record per case and the tests read them.
 """
 import copy
+import types
 import weakref
 
 import pytest
@@ -12,12 +13,13 @@ import torch
 import torch.distributed as dist
 
 from shardplan import zoo
+from shardplan.chain import InputSpec
 from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
 from shardplan.plan import Checkpoint, MixedPrecision, Plan, ShardStrategy
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.flat_param import FlatLayout
-from shardplan.runtime.program import split_micro_batches
+from shardplan.runtime.program import check_batch, split_micro_batches
 
 from parity import TOLERANCE, assert_parity, spawn_world, train_next_to_reference
 
@@ -53,15 +55,18 @@ def run_case(rank: int, world: int, case: dict) -> dict:
     torch.manual_seed(0)
     reference = build(world).model
     model = entry.model if case.get("meta") else copy.deepcopy(reference)
+    vocab, seq = reference.config.vocab_size, entry.args[0].shape[1]
+    # plans record one rank's input shapes only where a case asks: each costs a capture
+    planned = torch.zeros(case.get("planned_batch", 0), seq, dtype=torch.int64)
     plan = make_plan(model, groups, world, case["strategies"], case["checkpoints"],
                      micro_batches=case.get("micro_batches", 1), offload=case.get("offload", (False,)),
                      prefetch=case.get("prefetch", (True,)),
-                     precision=MixedPrecision(param_dtype=case.get("param_dtype", "float32")))
+                     precision=MixedPrecision(param_dtype=case.get("param_dtype", "float32")),
+                     **({"example_inputs": (planned,), "example_kwargs": {"labels": planned}} if len(planned) else {}))
     torch.manual_seed(0)  # meta init draws the same numbers as building on CPU did
     program = parallelize(model, plan, backend=case.get("backend", "shardplan"))
-    vocab, seq = reference.config.vocab_size, entry.args[0].shape[1]
-    batches = [torch.randint(0, vocab, (2 * world, seq), generator=torch.Generator().manual_seed(step))
-               for step in range(STEPS)]
+    batches = [torch.randint(0, vocab, (case.get("batch", 2) * world, seq),
+                             generator=torch.Generator().manual_seed(step)) for step in range(STEPS)]
     return train_next_to_reference(program, reference, [(ids.chunk(world)[rank], ids) for ids in batches],
                                    clip=case.get("clip"))
 
@@ -232,6 +237,10 @@ WORLD2_CASES = {
                                               "offload": (True, True, False, False),  # the sharded strategies offload
                                               "prefetch": (True, True, False)},
     "llama/mixed/micro_batches2/clip": {"model": "llama", **MIXED, "micro_batches": 2, "clip": 0.05},
+    # an epoch's last batch: 3 of the planned 4 samples a rank, in micro-batches of 2 and 1
+    "gpt/mixed/smaller_batch": {"model": "gpt", **MIXED, "micro_batches": 2, "planned_batch": 4, "batch": 3},
+    "fsdp2/gpt/smaller_batch": {"model": "gpt", **MIXED, "micro_batches": 2, "planned_batch": 4, "batch": 3,
+                                "backend": "fsdp2"},
     "gpt/meta_init": {"model": "gpt", **MIXED, "meta": True},
     "gpt/bfloat16": {"model": "gpt", **MIXED, "param_dtype": "bfloat16", "tolerance": 3e-2},
     "gpt2-tied/full_shard": {"model": "gpt2-tied", "strategies": (ShardStrategy.FULL_SHARD,),
@@ -311,10 +320,23 @@ def test_flat_layout_rejects_mixed_dtypes():
 def test_split_micro_batches_splits_every_batched_tensor():
     ids, scalar = torch.arange(8).view(4, 2), torch.tensor(3.0)
     parts = split_micro_batches((ids,), {"labels": ids, "scale": scalar, "flag": True}, 2)
-    assert [torch.equal(args[0], ids[2 * i:2 * i + 2]) for i, (args, _) in enumerate(parts)] == [True, True]
+    assert [torch.equal(args[0], ids[2 * i:2 * i + 2]) for i, (args, _, _) in enumerate(parts)] == [True, True]
     assert parts[1][1]["scale"] is scalar and parts[1][1]["flag"] is True
-    with pytest.raises(RuntimeMismatchError, match="divisible by 3"):
-        split_micro_batches((ids,), {}, 3)
+    assert [(args[0].shape[0], share) for args, _, share in split_micro_batches((ids[:3],), {}, 2)] == \
+        [(2, 2 / 3), (1, 1 / 3)]
+    assert [args[0].shape[0] for args, _, _ in split_micro_batches((ids[:1],), {}, 2)] == [1]
+    with pytest.raises(RuntimeMismatchError, match="one batch size"):
+        split_micro_batches((ids,), {"mask": ids[:2]}, 2)
+
+
+def test_batches_may_be_smaller_than_planned_along_dim_0_only():
+    plan = types.SimpleNamespace(inputs=(InputSpec(name="0", shape=(4, 8), dtype="int64"),))
+    check_batch(plan, (torch.zeros(3, 8, dtype=torch.int64),), {}, smaller_batch=True)
+    for shape in ((5, 8), (4, 7), (0, 8)):
+        with pytest.raises(RuntimeMismatchError, match=r"pass batches of that shape or smaller along dim 0"):
+            check_batch(plan, (torch.zeros(shape, dtype=torch.int64),), {}, smaller_batch=True)
+    with pytest.raises(RuntimeMismatchError, match=r"pass batches of that shape, or re-plan"):  # a pipeline's
+        check_batch(plan, (torch.zeros(3, 8, dtype=torch.int64),), {})
 
 
 def test_parallelize_needs_a_process_group():

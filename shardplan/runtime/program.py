@@ -189,40 +189,40 @@ class Program:
         return self.train(False)
 
     def step(self, *args, **kwargs) -> torch.Tensor:
-        """Forward and backward of this rank's batch; returns the loss averaged over micro-batches and ranks.
+        """Forward and backward of this rank's batch; returns the loss averaged over its samples and the ranks.
 
         Tensors of args and kwargs are split along dim 0 into the plan's micro-batches; gradients
-        are synchronized on the last one only (see [Note: gradient accumulation] in unit.py). A step
-        that raises leaves the program as it was (see [Note: failed steps])."""
+        are synchronized on the last one only (see [Note: gradient accumulation] in unit.py). A batch
+        may be smaller than planned along dim 0 (an epoch's last batch): see [Note: smaller batches].
+        A step that raises leaves the program as it was (see [Note: failed steps])."""
         self.check_in_step()
-        check_batch(self.plan, args, kwargs)
-        count = self.plan.schedule.num_micro_batches
-        micro_batches = split_micro_batches(args, kwargs, count)
+        check_batch(self.plan, args, kwargs, smaller_batch=True)
+        micro_batches = split_micro_batches(args, kwargs, self.plan.schedule.num_micro_batches)
         total = torch.zeros((), dtype=torch.float32)
         with self._transaction():
             try:
-                for index, (micro_args, micro_kwargs) in enumerate(micro_batches):
-                    self._set_gradient_sync(index == count - 1)
+                for index, (micro_args, micro_kwargs, share) in enumerate(micro_batches):
+                    self._set_gradient_sync(index == len(micro_batches) - 1)
                     loss = self.loss(micro_args, micro_kwargs)
-                    (loss / count).backward()
-                    total += loss.detach().float().cpu()
+                    (loss * share).backward()
+                    total += loss.detach().float().cpu() * share
             finally:
                 self._set_gradient_sync(True)
-            return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
+            return collectives.wait(collectives.all_reduce_mean(total, async_op=False))
 
     def evaluate(self, *args, **kwargs) -> torch.Tensor:
-        """The loss of this rank's batch without gradients (a validation step), averaged as `step` averages.
+        """The loss of this rank's batch without gradients (a validation step), averaged as `step` averages;
+        the batch may be smaller than planned along dim 0, as in `step`.
 
         >>> validation_loss = program.evaluate(ids, labels=ids)  # doctest: +SKIP
         """
         self.check_in_step()
-        check_batch(self.plan, args, kwargs)
-        count = self.plan.schedule.num_micro_batches
-        micro_batches = split_micro_batches(args, kwargs, count)
+        check_batch(self.plan, args, kwargs, smaller_batch=True)
+        micro_batches = split_micro_batches(args, kwargs, self.plan.schedule.num_micro_batches)
         with self._transaction(), torch.no_grad():
-            total = cast(torch.Tensor, sum(self.loss(micro_args, micro_kwargs).float().cpu()
-                                           for micro_args, micro_kwargs in micro_batches))  # count >= 1: never 0
-            return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
+            total = cast(torch.Tensor, sum(self.loss(micro_args, micro_kwargs).float().cpu() * share
+                                           for micro_args, micro_kwargs, share in micro_batches))
+            return collectives.wait(collectives.all_reduce_mean(total, async_op=False))
 
     def loss(self, args: tuple, kwargs: dict) -> torch.Tensor:
         args, target = self.split_target(args)
@@ -299,18 +299,22 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                              "build it over program.parameters()")
 
 
-def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
-    """Refuse a batch whose shapes (its dynamic dims may change) or dtypes differ from the plan's inputs."""
+def check_batch(plan: Plan, args: tuple, kwargs: dict, *, smaller_batch: bool = False) -> None:
+    """Refuse a batch whose shapes or dtypes differ from the plan's inputs: their dynamic dims may
+    change, and with `smaller_batch` dim 0 may be smaller than planned (see [Note: smaller batches])."""
     for spec in plan.inputs:
         value = args[int(spec.name)] if spec.name.isdigit() and int(spec.name) < len(args) else kwargs.get(spec.name)
         if not isinstance(value, torch.Tensor):
             raise RuntimeMismatchError(f"the plan was made with input {spec.name!r} of shape {list(spec.shape)}; "
                                        "this batch does not pass it: call step() as the model was planned")
         fixed = [dim for dim in range(len(spec.shape)) if dim not in spec.dynamic_dims]
-        if value.dim() != len(spec.shape) or any(value.shape[dim] != spec.shape[dim] for dim in fixed):
+        shrinks = smaller_batch and 0 in fixed and value.dim() > 0 and 0 < value.shape[0] <= spec.shape[0]
+        if value.dim() != len(spec.shape) or any(value.shape[dim] != spec.shape[dim]
+                                                 for dim in fixed if not (dim == 0 and shrinks)):
             raise RuntimeMismatchError(
                 f"input {spec.name!r} has shape {list(value.shape)}, the plan was made for {list(spec.shape)} "
-                "(one data-parallel replica's batch): pass batches of that shape, or re-plan for this one")
+                "(one data-parallel replica's batch): pass batches of that shape"
+                + (" or smaller along dim 0" if smaller_batch else "") + ", or re-plan for this one")
         given = dtype_name(value.dtype)
         if given != spec.dtype:
             raise RuntimeMismatchError(f"input {spec.name!r} is {given}, the plan was made for {spec.dtype}: "
@@ -327,12 +331,28 @@ def check_micro_batches(args: tuple, kwargs: dict, count: int) -> None:
                                    f"{count}, or re-plan with another num_micro_batches")
 
 
-def split_micro_batches(args: tuple, kwargs: dict, count: int) -> list[tuple[tuple, dict]]:
-    """Split every tensor of (args, kwargs) with a batch dim into `count` equal parts along dim 0."""
-    check_micro_batches(args, kwargs, count)
-    if count == 1:
-        return [(args, kwargs)]
+def split_micro_batches(args: tuple, kwargs: dict, count: int) -> list[tuple[tuple, dict, float]]:
+    """(args, kwargs, share of the batch) of each micro-batch: every tensor with a batch dim split along
+    dim 0 into `count` parts as equal as can be (fewer when the batch has fewer samples).
+
+    [Note: smaller batches]
+    A batch smaller than planned along dim 0 (an epoch's last, an evaluation batch) needs less memory
+    than the plan priced, so step and evaluate take it. Its micro-batches may then differ in size, so
+    each one's loss, a mean over its samples, is weighted by its share of the batch: the step's
+    gradient and loss are the batch's mean, as one forward over the whole batch gives. Ranks are
+    averaged with equal weights: give every rank the same batch size (DistributedSampler does)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    parts = [leaf.chunk(count) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * count
+    batch_sizes = sorted({leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0})
+    if count == 1:
+        return [(args, kwargs, 1.0)]
+    if len(batch_sizes) != 1:
+        raise RuntimeMismatchError(f"the plan splits each batch into {count} micro-batches along dim 0, but the "
+                                   f"inputs have batch sizes {batch_sizes}: give every batched input one batch size, "
+                                   "or re-plan with one micro-batch")
+    total = batch_sizes[0]
+    quotient, remainder = divmod(total, min(count, total))
+    sizes = [quotient + (index < remainder) for index in range(min(count, total))]
+    parts = [leaf.split(sizes) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * len(sizes)
              for leaf in leaves]
-    return [pytree.tree_unflatten([part[index] for part in parts], spec) for index in range(count)]
+    return [(*pytree.tree_unflatten([part[index] for part in parts], spec), size / total)
+            for index, size in enumerate(sizes)]
