@@ -178,7 +178,8 @@ def _stage_cost(chain: BlockChain, index: int, start: int, end: int, bounds: tup
 def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> Predicted:
     """The peak stage's memory terms and the slowest stage's time terms."""
     costs = stage_costs(chain, candidate, setting, hw)
-    return _predicted(chain, costs, candidate.configuration.mesh, setting, hw)
+    names = [unit.name for unit in _units_and_stages(chain, candidate)[0]]
+    return _predicted(chain, costs, names, candidate.configuration.mesh, setting, hw)
 
 
 def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
@@ -201,15 +202,16 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
                       optimizer=plan.optimizer, skip_edges=chain.skip_edges)
     configuration = Configuration(mesh=plan.mesh, schedule=plan.schedule,
                                   sequence_parallel=plan.tensor_parallel.sequence_parallel)
-    steps = []
+    steps, names = [], []
     for stage in range(plan.mesh.pp):
         blocks = [i for i, owner in enumerate(owners) if stage_of_unit[plan.units[owner].name] == stage]
         start, end = blocks[0], blocks[-1] + 1
         unit_starts = [i for i in blocks if i == start or owners[i] != owners[i - 1]]
         decisions = tuple(plan.units[owners[i]] for i in unit_starts)  # a Unit is its Decision
+        names += [unit.name for unit in decisions]
         steps.append(_stage_cost(chain, stage, start, end, tuple(i - start for i in unit_starts), decisions,
                                  setting, configuration, hw))
-    return _predicted(chain, steps, plan.mesh, setting, hw)
+    return _predicted(chain, steps, names, plan.mesh, setting, hw)
 
 
 def _check_tensor_parallel(chain: BlockChain, plan: Plan) -> None:
@@ -223,7 +225,8 @@ def _check_tensor_parallel(chain: BlockChain, plan: Plan) -> None:
                             "list its modules as kept whole")
 
 
-def _predicted(chain: BlockChain, costs: list[cost.StepCost], mesh: Mesh, setting: Setting, hw) -> Predicted:
+def _predicted(chain: BlockChain, costs: list[cost.StepCost], unit_names: list[str], mesh: Mesh, setting: Setting,
+               hw) -> Predicted:
     peak = max(costs, key=lambda c: c.peak_bytes)
     slowest = max(costs, key=lambda c: c.step_time_s)
     samples = setting.replica_batch(mesh.dp) * mesh.dp
@@ -234,7 +237,9 @@ def _predicted(chain: BlockChain, costs: list[cost.StepCost], mesh: Mesh, settin
     model_flops = (chain.fwd_flops + chain.bwd_flops) * samples / setting.batch_size
     mfu = model_flops / (slowest.step_time_s * setting.world_size * peak_flops) if peak_flops and slowest.step_time_s else 0.0
     return Predicted(peak_bytes=peak.peak_bytes, step_time_s=slowest.step_time_s, memory_bytes=dict(peak.memory_bytes),
-                     time_s=dict(slowest.time_s), samples_per_s=samples_per_s, mfu=mfu)
+                     time_s=dict(slowest.time_s), samples_per_s=samples_per_s, mfu=mfu,
+                     units=tuple(replace(unit, unit=name)
+                                 for name, unit in zip(unit_names, (u for c in costs for u in c.units), strict=True)))
 
 
 def tensor_parallel_section(chain: BlockChain, configuration: Configuration) -> TensorParallel:

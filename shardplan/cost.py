@@ -102,7 +102,7 @@ from .chain import Block, OpKind, merge_op_kinds
 from .dtypes import FLOAT_DTYPES, dtype_bytes
 from .errors import ShardplanError
 from .hardware import HardwareModel
-from .plan import SELECTIVE_SAVED_OPS, Checkpoint, Decision
+from .plan import SELECTIVE_SAVED_OPS, Checkpoint, Decision, UnitPrediction
 
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}
 """fp32 state per parameter: Adam keeps two moments, SGD one momentum buffer."""
@@ -612,6 +612,9 @@ class StepCost:
     """compute, recompute, exposed_comm, offload, optimizer, bubble."""
     peak_event: str = ""
     """Where the peak is, e.g. "backward of unit 3"."""
+    units: tuple[UnitPrediction, ...] = ()
+    """Each unit's memory at its forward's and its backward's peak, and its compute (unnamed: the
+    cost model knows blocks, the plan names the units)."""
 
 
 def evaluate_stage(blocks: tuple[Block, ...], bounds: tuple[int, ...], decisions: tuple[Decision, ...],
@@ -643,12 +646,18 @@ def evaluate_stage(blocks: tuple[Block, ...], bounds: tuple[int, ...], decisions
         acts, transient = u.bwd_working
         gathered = own_gathered_bytes(u, ctx) + u.grad_buffer_bytes + prefetch_bwd_bytes(u, prev)
         events.append((f"backward of unit {i}", held_acts + acts, held_gathered + gathered, transient))
+    always = state + never_resharded + other_micro_batches
+    forward_bytes = [always + sum(event[1:]) for event in events[:len(units)]]
+    backward_bytes = [always + sum(event[1:]) for event in reversed(events[len(units) + 1:])]
+    per_unit = tuple(UnitPrediction(unit="", forward_bytes=f, backward_bytes=b,
+                                    compute_s=float(u.compute_fwd_s + u.bwd_window_s))
+                     for u, f, b in zip(units, forward_bytes, backward_bytes))
     name, acts, gathered, transient = max(events, key=lambda e: e[1] + e[2] + e[3])
     memory = {"sharded_state": state, "gathered_params": gathered + never_resharded,
               "activations": acts + other_micro_batches, "transient": transient}
     time = _stage_time(units, ctx, boundary_s)
     return StepCost(peak_bytes=sum(memory.values()), memory_bytes=memory, step_time_s=float(sum(time.values())),
-                    time_s=time, peak_event=name)
+                    time_s=time, peak_event=name, units=per_unit)
 
 
 def _stage_time(units: list[UnitCost], ctx: CostContext, boundary_s: float) -> dict:

@@ -324,6 +324,19 @@ class MixedPrecision:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class UnitPrediction:
+    """One unit as the cost model walks its stage's step (per micro-batch): for reports and pictures."""
+
+    unit: str
+    forward_bytes: int
+    """Memory on the rank at the peak of the unit's forward: everything held then, not the unit's share."""
+    backward_bytes: int
+    """The same at the peak of its backward."""
+    compute_s: float
+    """Forward and backward compute, recomputation included."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Predicted:
     """What the cost model expects on one rank for one step (one replica batch)."""
 
@@ -335,6 +348,8 @@ class Predicted:
     """Step time by component: compute, recompute, exposed_comm, bubble."""
     samples_per_s: float = 0.0
     mfu: float = 0.0
+    units: tuple[UnitPrediction, ...] = ()
+    """Every unit, in the plan's order (each stage's units in its own step)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -137,49 +137,118 @@ def _ms(seconds: float) -> str:
 
 
 def draw(plan: Plan, folder: str) -> list[str]:
-    """Write the pictures of `plan` into `folder` as PNG; return their paths."""
+    """Write the pictures of `plan` into `folder` as PNG (units.png, memory.png); return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display is needed or wanted
+    os.makedirs(folder, exist_ok=True)
+    predicted = {unit.unit: unit for unit in plan.predicted.units}
+    return [_draw_units(plan, predicted, os.path.join(folder, "units.png")),
+            _draw_memory(plan, predicted, os.path.join(folder, "memory.png"))]
+
+
+MAX_LABELS = 14
+"""Unit names written on a picture at most: the widest units (units.png) or evenly spaced ones (memory.png)."""
+
+
+def _short(name: str) -> str:
+    """A module path's last two parts ("model.layers.7.mlp" -> "layers.7.mlp" keeps its meaning)."""
+    head, _, tail = name.partition("..")
+    parts = head.split(".")
+    short = ".".join(parts[-2:]) if len(parts) > 2 else head
+    return short + (f"..{'.'.join(tail.split('.')[-2:])}" if tail else "")
+
+
+def _draw_units(plan: Plan, predicted: dict, path: str) -> str:
+    """Each stage a row of its units, each as wide as its compute time (equal widths for a plan without
+    per-unit predictions): colour the strategy, hatch the checkpointing, a dashed edge the offload."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    os.makedirs(folder, exist_ok=True)
-    paths = []
+    units = {unit.name: unit for unit in plan.units}
+    timed = all(name in predicted for name in units)
+    figure, axis = plt.subplots(figsize=(10, 1.6 + 0.5 * len(plan.stages)))
+    for stage in plan.stages:
+        widths = [predicted[name].compute_s * 1e3 if timed else 1.0 for name in stage.units]
+        total = sum(widths) or 1.0
+        labelled = set(sorted(range(len(widths)), key=lambda i: -widths[i])[:MAX_LABELS])
+        left = 0.0
+        for index, (name, width) in enumerate(zip(stage.units, widths)):
+            unit = units[name]
+            axis.barh(stage.index, width, left=left, height=0.7, color=STRATEGY_COLORS[unit.strategy],
+                      hatch=CHECKPOINT_HATCH[unit.checkpoint],
+                      edgecolor="#DD8452" if unit.offload else "white",
+                      linestyle="--" if unit.offload else "-", linewidth=2 if unit.offload else 0.5)
+            if index in labelled and width / total > 0.03:
+                axis.text(left + width / 2, stage.index, _short(name), ha="center", va="center", color="white",
+                          fontsize=7, rotation=90 if width / total < 0.12 else 0, clip_on=True)
+            left += width
+    axis.set_yticks([s.index for s in plan.stages], [f"stage {s.index}" for s in plan.stages])
+    axis.invert_yaxis()
+    axis.set_xlabel("forward + backward compute per micro-batch (ms)" if timed else "unit, in execution order")
+    axis.set_title(f"{plan.model}: {len(plan.units)} units on {plan.mesh.describe()}; width: compute time")
+    legend = ([Patch(color=color, label=strategy.value) for strategy, color in STRATEGY_COLORS.items()]
+              + [Patch(facecolor="grey", hatch=hatch, label=f"checkpoint {mode.value}")
+                 for mode, hatch in CHECKPOINT_HATCH.items() if hatch]
+              + [Patch(facecolor="white", edgecolor="#DD8452", linestyle="--", linewidth=2, label="offloaded")])
+    axis.legend(handles=legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(figure, path)
 
-    figure, axis = plt.subplots(figsize=(8, 1.2 + 0.25 * len(plan.stages)))
-    stage_of = {unit: stage.index for stage in plan.stages for unit in stage.units}
-    for position, unit in enumerate(plan.units):
-        axis.barh(stage_of.get(unit.name, 0), 1, left=position, color=STRATEGY_COLORS[unit.strategy],
-                  hatch=CHECKPOINT_HATCH[unit.checkpoint], edgecolor="white")
-        axis.text(position + 0.5, stage_of.get(unit.name, 0), unit.name, ha="center", va="center",
-                  rotation=90 if len(plan.units) > 8 else 0, fontsize=7, color="white")
-    axis.set_yticks(range(len(plan.stages)), [f"stage {s.index}" for s in plan.stages])
-    axis.set_xlabel("unit, in execution order")
-    axis.set_title(f"{plan.model}: units and stages (colour: strategy, hatch: checkpointing)")
-    axis.legend(handles=[Patch(color=c, label=s.value) for s, c in STRATEGY_COLORS.items()]
-                + [Patch(facecolor="grey", hatch=h, label=f"checkpoint {k.value}") for k, h in CHECKPOINT_HATCH.items()
-                   if h], fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3)
-    paths.append(_save(figure, os.path.join(folder, "units.png")))
 
-    figure, axis = plt.subplots(figsize=(6, 4))
-    bottom = 0.0
-    for category, size in sorted(plan.predicted.memory_bytes.items()):
-        axis.bar(0, size / 2**30, bottom=bottom, label=category)
-        bottom += size / 2**30
-    axis.axhline(plan.reasoning.budget_bytes / 2**30, color="black", linestyle="--", label="budget")
-    axis.set_xticks([])
-    axis.set_ylabel("GiB per rank at the peak")
-    axis.set_title(f"predicted peak memory: {format_bytes(plan.predicted.peak_bytes)}")
-    axis.legend(fontsize=8)
-    paths.append(_save(figure, os.path.join(folder, "memory.png")))
-    return paths
+def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
+    """Memory on one rank over the step, each stage a line: the forward of every unit, then the backward
+    in reverse, against the budget; the peak named. A plan without per-unit predictions: its peak's terms."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(10, 4.5))
+    scale, unit_name = (2**30, "GiB") if plan.predicted.peak_bytes >= 2**30 else (2**20, "MiB")
+    budget = plan.reasoning.budget_bytes / scale
+    if not all(unit.name in predicted for unit in plan.units):
+        bottom = 0.0
+        for category, size in sorted(plan.predicted.memory_bytes.items()):
+            axis.bar(0, size / scale, bottom=bottom, label=category)
+            bottom += size / scale
+        axis.set_xticks([])
+        axis.set_ylabel(f"{unit_name} per rank at the peak")
+    else:
+        longest = max(len(stage.units) for stage in plan.stages)
+        for stage in plan.stages:
+            names = list(stage.units)
+            events = [(f"F {_short(name)}", predicted[name].forward_bytes) for name in names] + \
+                     [(f"B {_short(name)}", predicted[name].backward_bytes) for name in reversed(names)]
+            heights = [size / scale for _, size in events]
+            axis.step(range(len(events)), heights, where="mid", marker="o", markersize=3,
+                      label=f"stage {stage.index}" if len(plan.stages) > 1 else "predicted")
+            highest = max(range(len(events)), key=heights.__getitem__)
+            axis.annotate(f"peak {format_bytes(events[highest][1])}\n{events[highest][0]}",
+                          (highest, heights[highest]),
+                          textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7)
+        axis.axvspan(-0.5, longest - 0.5, color="#4C72B0", alpha=0.06, label="forward")
+        axis.axvspan(longest - 0.5, 2 * longest - 0.5, color="#C44E52", alpha=0.06, label="backward")
+        ticks = sorted(set(range(0, 2 * longest, max(1, -(-2 * longest // MAX_LABELS)))) | {2 * longest - 1})
+        # one stage: its units' names; several: a unit's position in its stage
+        names = [_short(name) for name in plan.stages[0].units] if len(plan.stages) == 1 else \
+            [f"unit {index}" for index in range(longest)]
+        labels = [f"F {name}" for name in names] + [f"B {name}" for name in reversed(names)]
+        axis.set_xticks(ticks, [labels[t] for t in ticks], rotation=45,
+                        ha="right", fontsize=7)
+        axis.set_ylabel(f"{unit_name} on the rank")
+    peak = plan.predicted.peak_bytes / scale
+    shown_budget = f"budget {format_bytes(plan.reasoning.budget_bytes)}"
+    if budget <= 2 * peak:  # a loose budget would flatten the step to the axis: name it instead
+        axis.axhline(budget, color="black", linestyle="--", label=shown_budget)
+    else:
+        axis.plot([], [], " ", label=f"{shown_budget} (off the chart: the peak uses {100 * peak / budget:.2g}%)")
+    axis.set_ylim(0, max(peak, budget if budget <= 2 * peak else 0) * 1.2)
+    axis.set_title(f"{plan.model}: predicted memory over one micro-batch's forward and backward "
+                   f"(peak {format_bytes(plan.predicted.peak_bytes)})")
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(figure, path)
 
 
 def _save(figure, path: str) -> str:
     import matplotlib.pyplot as plt
 
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, bbox_inches="tight")  # legends outside the axes included
     plt.close(figure)
     return path

@@ -128,6 +128,18 @@ def test_infeasibility_caused_by_constraints_names_them(chains):
         solve(chain, 2, hardware=HARDWARE, allow_pipeline=False, constraints=replicated, memory_budget=budget)
 
 
+def test_predictions_name_every_unit_with_its_memory_and_compute(chains):
+    plan = solve(chains["gpt"], 2, hardware=HARDWARE, allow_pipeline=False, memory_budget="4MiB")
+    units = plan.predicted.units
+    assert [u.unit for u in units] == [u.name for u in plan.units]
+    assert max(max(u.forward_bytes, u.backward_bytes) for u in units) <= plan.predicted.peak_bytes
+    assert min(u.forward_bytes for u in units) > 0
+    per_micro_batch = sum(u.compute_s for u in units)
+    assert math.isclose(per_micro_batch * plan.schedule.num_micro_batches,
+                        plan.predicted.time_s["compute"] + plan.predicted.time_s["recompute"], rel_tol=1e-9)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
 def test_bad_arguments_are_refused(chains):
     with pytest.raises(ShardplanError, match="world_size"):
         solve(chains["gpt"], 0, hardware=HARDWARE)

@@ -104,14 +104,18 @@ def check_loss_fn_and_loading(rank: int, world: int) -> dict:
     """A model returning predictions, with loss_fn; then loading whole weights into the shards."""
     torch.manual_seed(0)
     reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    errors = {}
+    errors, stats = {}, {}
     for backend in ("shardplan", "fsdp2"):
         model = copy.deepcopy(reference)
         plan = make_plan(model, [("0",), ("2",)], world, (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_OPTIMIZER),
                          CHECKPOINTS[:2])
         program = parallelize(model, plan, loss_fn=torch.nn.functional.mse_loss, backend=backend)
         x, y = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1)), torch.zeros(4 * world, 1)
+        before = program.last_step
         loss = program.step(x.chunk(world)[rank], y.chunk(world)[rank])
+        stats[backend] = {"before": before, "step_time_s": program.last_step.step_time_s,
+                          "peak_bytes": program.last_step.peak_bytes,
+                          "predicted": program.last_step.predicted_peak_bytes == plan.predicted.peak_bytes}
         expected = torch.nn.functional.mse_loss(reference(x), y)
         grads = torch.autograd.grad(expected, list(reference.parameters()))
         whole = {name: torch.randn(p.shape) for name, p in reference.named_parameters()}
@@ -124,7 +128,7 @@ def check_loss_fn_and_loading(rank: int, world: int) -> dict:
                            "load": max((loaded[name] - value).abs().max().item() for name, value in whole.items()),
                            "inf_norm": abs(float(program.clip_grad_norm_(1e9, norm_type=float("inf")))
                                            - max(float(g.abs().max()) for g in grads))}
-    return errors
+    return {"errors": errors, "stats": stats}
 
 
 def check_communication(rank: int, world: int) -> dict:
@@ -266,8 +270,11 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
     assert not reshard["h1_buffer_alive_after_forward"]  # saved tensors hold handles, not views
     assert reshard["after_backward"] == ["sharded"]
     assert all(padded == shard * world for shard, padded in zip(reshard["shard_numel"], reshard["padded_numel"]))
-    for backend, errors in results["loss_fn"].items():
+    for backend, errors in results["loss_fn"]["errors"].items():
         assert max(errors.values()) <= TOLERANCE, (backend, errors)
+    for backend, stats in results["loss_fn"]["stats"].items():  # CPU: no allocator counts the peak
+        assert stats["before"] is None and stats["step_time_s"] > 0 and stats["peak_bytes"] is None, (backend, stats)
+        assert stats["predicted"], (backend, stats)
     for backend, facts in results["meta_hf"].items():
         # initializer_range 0.02; ln(vocab 512) = 6.24 at initialization
         assert abs(facts["embedding_std"] - 0.02) < 2e-3 and facts["inv_freq_error"] == 0, (backend, facts)

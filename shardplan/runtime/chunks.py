@@ -9,7 +9,7 @@ Adam moments) becomes one DCP entry per parameter name.
 """
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,9 @@ from . import collectives
 from .flat_param import FlatLayout
 from .tensor_parallel import ParameterSlice
 from .unit import FlatUnit
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 Key = Callable[[str], str]
 """Parameter name → DCP entry name (`model.<name>`, `optim.<name>.exp_avg`)."""
@@ -153,7 +156,7 @@ class DTensorHolder:
 
     def __init__(self, name: str, parameter: nn.Parameter, slots: list[tuple[nn.Module, str, int]],
                  program):
-        self.parameter = parameter
+        self.parameter = cast("DTensor", parameter)
         self.names = (name,)
         self.slots = slots
         self.label = f"parameter {name!r}"
@@ -181,7 +184,7 @@ class DTensorHolder:
         rank = collectives.world().rank
         if loading:
             owners[shard] = rank
-        local = tensor.to_local().detach().reshape(-1)
+        local = cast("DTensor", tensor).to_local().detach().reshape(-1)
         rows = row_chunks(self.parameter.shape, len(owners))
         held = sum(chunk.numel for chunk in rows if chunk.rank == shard)
         if local.numel() != held:

@@ -87,7 +87,8 @@ def _rebuilt(loaded, sizes_bytes: dict[str, int]) -> Metadata:
     for fqn, entry in entries.items():
         for chunk in entry.chunks:
             _expect(MetadataIndex(fqn=fqn, offset=chunk.offsets) in storage, f"a chunk of {fqn!r} is stored nowhere")
-    return Metadata(state_dict_metadata=entries, storage_data=storage)
+    tensors_only: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {**entries}  # dict is invariant
+    return Metadata(state_dict_metadata=tensors_only, storage_data=storage)
 
 
 def _tensor_entry(fqn, entry) -> TensorStorageMetadata:
@@ -97,7 +98,7 @@ def _tensor_entry(fqn, entry) -> TensorStorageMetadata:
     _expect(type(properties) is TensorProperties and isinstance(properties.dtype, torch.dtype),
             f"entry {fqn!r} has no tensor dtype")
     _expect(type(entry.size) is torch.Size and min(entry.size, default=0) >= 0 and type(entry.chunks) is list
-            and entry.chunks, f"entry {fqn!r} has no size or chunks")
+            and bool(entry.chunks), f"entry {fqn!r} has no size or chunks")
     chunks = []
     for chunk in entry.chunks:
         _expect(type(chunk) is ChunkStorageMetadata and type(chunk.offsets) is torch.Size

@@ -32,7 +32,9 @@ A successful `program.load` ends the refusal.
 import contextlib
 import math
 import os
+import time
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
@@ -47,6 +49,19 @@ from . import collectives
 
 if TYPE_CHECKING:  # chunks imports the units, which import this module
     from .chunks import Holder
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepStats:
+    """What this rank's last `step` took, beside what the plan predicted for it."""
+
+    step_time_s: float
+    """Wall time of the step on this rank, to the loss averaged over the ranks (a synchronization)."""
+    peak_bytes: int | None
+    """Device memory allocated at the step's peak (CUDA's max_memory_allocated, reset as the step
+    begins); None on CPU, where no allocator counts it."""
+    predicted_step_time_s: float
+    predicted_peak_bytes: int
 
 
 class Program:
@@ -64,6 +79,8 @@ class Program:
         """loss_fn(output, target): then the last positional argument of `step` is the target."""
         self.out_of_step: str | None = None
         """Why every call now refuses (see [Note: failed steps]); None while the program can train."""
+        self.last_step: StepStats | None = None
+        """Time and peak memory of the last successful `step` (None before one): log it beside the plan's."""
 
     # what a backend provides
 
@@ -199,7 +216,7 @@ class Program:
         check_batch(self.plan, args, kwargs, smaller_batch=True)
         micro_batches = split_micro_batches(args, kwargs, self.plan.schedule.num_micro_batches)
         total = torch.zeros((), dtype=torch.float32)
-        with self._transaction():
+        with self._transaction(), self._recording_stats():
             try:
                 for index, (micro_args, micro_kwargs, share) in enumerate(micro_batches):
                     self._set_gradient_sync(index == len(micro_batches) - 1)
@@ -209,6 +226,19 @@ class Program:
             finally:
                 self._set_gradient_sync(True)
             return collectives.wait(collectives.all_reduce_mean(total, async_op=False))
+
+    @contextlib.contextmanager
+    def _recording_stats(self):
+        """Set `last_step` from the step run inside, when it succeeds."""
+        device = collectives.default_device()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        yield
+        self.last_step = StepStats(
+            step_time_s=time.perf_counter() - start, predicted_step_time_s=self.plan.predicted.step_time_s,
+            peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            predicted_peak_bytes=self.plan.predicted.peak_bytes)
 
     def evaluate(self, *args, **kwargs) -> torch.Tensor:
         """The loss of this rank's batch without gradients (a validation step), averaged as `step` averages;

@@ -9,7 +9,7 @@ module's own tensors are dropped. Then module forwards are wrapped so units
 are gathered where they are used (see [Note: unit choreography]).
 """
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn as nn
@@ -193,7 +193,7 @@ def build_units(model: nn.Module, plan: Plan, device: torch.device, place: UnitP
         if any(named[name].is_meta for name in spec.params):
             _materialize(model, spec.name, [owners[id(named[name])][0] for name in spec.params], device)
         first_slots = {index: (module, attribute) for module, attribute, index in reversed(slots)}
-        parameters = [module._parameters[attribute] for module, attribute in
+        parameters = [cast(nn.Parameter, module._parameters[attribute]) for module, attribute in
                       (first_slots[index] for index in range(len(spec.params)))]
         trainable = {parameter.requires_grad for parameter in parameters}
         if len(trainable) > 1:
@@ -260,8 +260,8 @@ def initialize_module(model: nn.Module, module: nn.Module) -> bool:
     with torch.no_grad():
         if init_weights is not None:
             init_weights(module)
-        elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
+        elif callable(reset := getattr(module, "reset_parameters", None)):
+            reset()
         else:
             return False
     return True

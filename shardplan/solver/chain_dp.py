@@ -121,7 +121,7 @@ class StageFloors:
         terms = block_terms(costs, ctx, len(costs.blocks))
         if minimize_memory:  # the stage's cost is its peak: one row, of bytes
             prices, allowances = np.zeros(1), np.zeros(1)
-            per_block = [[min(m for _, m in options)] for options in terms]
+            per_block: list[list[float]] = [[min(m for _, m in options)] for options in terms]
         else:
             prices = lagrange_prices(terms, budget_bytes)
             allowances = prices * (budget_bytes if math.isfinite(budget_bytes) else 0.0)
@@ -308,8 +308,8 @@ class ChainSolver:
         built = end  # shorter spans first, from the longest one built already: no deep recursion
         while built > start and self._span_id(start, built - 1) not in self.memo:
             built -= 1
-        for position in range(built, end):
-            self._position(start, position)
+        for shorter_end in range(built, end):
+            self._position(start, shorter_end)
         position = self._position(start, end)
         best = None
         for number, (key, front) in enumerate(zip(position.keys, position.fronts)):
@@ -492,7 +492,7 @@ class ChainSolver:
         own_time = 0.0 if self.minimize_memory else cost.own_time_s(v, ctx)
         if source.keys == [None]:
             front, rise = source.fronts[0], v_bwd
-            step = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(None, v, ctx)
+            step: float | np.ndarray = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(None, v, ctx)
         else:
             columns = self._columns(source, start)
             front = columns.front

@@ -158,7 +158,7 @@ def boundary_bytes(blocks, skip_edges) -> list[int]:
     past the cut. A block i read as late as block j crosses every cut in i + 2 .. j: summed
     over the cuts once, as running sums of where each such span starts and ends."""
     n = len(blocks)
-    last_reader = {}
+    last_reader: dict[int, int] = {}
     for i, j in skip_edges:
         last_reader[i] = max(last_reader.get(i, j), j)
     change = [0] * (n + 2)

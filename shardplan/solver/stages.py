@@ -97,8 +97,12 @@ def cut_stages(rules: tuple[BlockRule, ...], pp: int,
         return None
     cuts, start = [], 0
     for stage in range(pp):
-        end = best[(stage, start)][1]
-        solution, time_s = stage_cost(stage, start, end)
+        chosen = best[(stage, start)]
+        assert chosen is not None, "solve_from(0, 0) found a plan: every stage on its path has an end"
+        end = chosen[1]
+        found = stage_cost(stage, start, end)
+        assert found is not None, "the search costed this stage already"
+        solution, time_s = found
         cuts.append(StageCut(start=start, end=end, solution=solution, time_s=time_s))
         start = end
     return tuple(cuts)
