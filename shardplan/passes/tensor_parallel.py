@@ -27,6 +27,7 @@ the layers holding the pairs are named by `TensorParallelLayout.sequence_layers`
 {'h.0.attn.qkv': 'colwise_fused(3)', 'h.0.attn.proj': 'rowwise', 'h.0.mlp.fc': 'colwise', 'h.0.mlp.proj': 'rowwise'}
 """
 import enum
+from typing import Any, cast
 import operator
 from dataclasses import dataclass, field
 
@@ -160,8 +161,8 @@ class TensorParallelCandidates:
             raise PlanError(f"tensor-parallel degree is {degree}: it counts ranks, use 1 or more")
         refusals = {pair.name: pair.refusal(degree) for pair in self.pairs}
         applied = tuple(pair for pair in self.pairs if refusals[pair.name] is None)
-        rejected = self.rejected + tuple(KeptWhole(module=pair.name, reason=refusals[pair.name])
-                                         for pair in self.pairs if refusals[pair.name] is not None)
+        rejected = self.rejected + tuple(KeptWhole(module=pair.name, reason=reason)
+                                         for pair in self.pairs if (reason := refusals[pair.name]) is not None)
         verdicts = {candidate.module: _vocab_verdict(candidate, degree, vocab_parallel) for candidate in self.vocab}
         vocab = tuple(candidate for candidate in self.vocab if verdicts[candidate.module] is None)
         sharded = {linear.module for pair in applied for linear in pair.linears} | {c.module for c in vocab}
@@ -222,7 +223,7 @@ def find_tensor_parallel_pairs(gm: torch.fx.GraphModule) -> TensorParallelCandid
     flow = _Flow()
     for node in gm.graph.nodes:
         flow.visit(node, linears)
-    pairs, rejected, heads, used = [], [], [], set()
+    pairs, rejected, heads, used = [], [], [], set[str]()
     for group in flow.roots():
         modules = [facts(node).module_path for node in [*group.columns, *group.rows]]
         name = _common_parent(modules)
@@ -231,7 +232,7 @@ def find_tensor_parallel_pairs(gm: torch.fx.GraphModule) -> TensorParallelCandid
             if group.ending is _Ending.LOSS and list(group.columns.values()) == [1]:
                 heads.append(_head_candidate(next(iter(group.columns))))
             elif group.ending is _Ending.MIXED and not clash:
-                rejected.append(KeptWhole(module=name, reason=group.failure))
+                rejected.append(KeptWhole(module=name, reason=str(group.failure)))
             continue
         if group.failure or clash:
             reason = group.failure or f"{clash[0]} is already sharded by another pair"
@@ -348,7 +349,7 @@ class _Group:
             self.failure, self.ending = other.failure, other.ending
 
     def pair(self, name: str, order: dict[torch.fx.Node, int]) -> TensorParallelPair:
-        columns = sorted(self.columns, key=order.get)
+        columns = sorted(self.columns, key=order.__getitem__)
         most_heads = max(self.heads.values(), default=0)
         divisors = []
         for linear in columns:
@@ -364,14 +365,14 @@ class _Group:
         linears = [ShardedLinear(module=facts(n).module_path, style=Style.COLWISE, chunks=self.columns[n])
                    for n in columns]
         linears += [ShardedLinear(module=facts(n).module_path, style=Style.ROWWISE)
-                    for n in sorted(self.rows, key=order.get)]
+                    for n in sorted(self.rows, key=order.__getitem__)]
         return TensorParallelPair(name=name, linears=tuple(linears), divisors=tuple(divisors))
 
 
 class _Flow:
     """The sharded values met so far, and their groups (a union-find over the column linears)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.values: dict[torch.fx.Node, _Sharded] = {}
         self.groups: list[_Group] = []
         self.parent: list[int] = []
@@ -412,8 +413,9 @@ class _Flow:
             self.groups[group].ending = refused.ending
 
     def _end_at_linear(self, linear: torch.fx.Node, group: int) -> None:
-        value = self.values[linear.args[0]] if linear.args[0] in self.values else None
-        if value is None or value.dim != len(_shape(linear.args[0])) - 1:
+        features = cast(torch.fx.Node, linear.args[0])
+        value = self.values.get(features)
+        if value is None or value.dim != len(_shape(features)) - 1:
             self.groups[group].failure = (f"{facts(linear).module_path} reads the sharded features "
                                           "other than as its input features")
         else:
@@ -433,7 +435,8 @@ def _follow(node: torch.fx.Node, values: dict, group: _Group, group_index: int) 
     if name in _LOSSES:
         raise _Refused("computes the loss over the sharded features", _Ending.LOSS)
     if name in _VIEWS:
-        dim, heads = _view_dim(_shape(node.args[0]), _shape(node), values[node.args[0]].dim)
+        source = cast(torch.fx.Node, node.args[0])
+        dim, heads = _view_dim(_shape(source), _shape(node), values[source].dim)
         if heads:
             group.heads.setdefault(origin, heads)
         return _Sharded(group_index, dim, origin)
@@ -497,9 +500,10 @@ def _view_dim(source: tuple, target: tuple, dim: int) -> tuple[int, int | None]:
 def _split(node: torch.fx.Node, value: _Sharded, group: _Group, group_index: int) -> _Sharded:
     """A split along another dim keeps the sharded one; equal chunks of a linear's own output along
     the sharded dim are a fused projection's (qkv): each rank slices every chunk."""
-    ndim = len(_shape(node.args[0]))
-    default_dim = 0
-    split_dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default_dim)) % ndim
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
+    ndim = len(_shape(args[0]))
+    dim_argument: Any = args[2] if len(args) > 2 else node.kwargs.get("dim", 0)
+    split_dim = dim_argument % ndim
     if split_dim != value.dim:
         return _Sharded(group_index, value.dim, value.origin)
     pieces = {tuple(piece.shape) for piece in node.meta["val"]}
@@ -530,18 +534,21 @@ def _pointwise(node: torch.fx.Node, values: dict) -> int:
 
 
 def _transpose(node: torch.fx.Node, values: dict) -> int:
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
     ndim = len(_shape(node))
-    dim, first, second = values[node.args[0]].dim, node.args[1] % ndim, node.args[2] % ndim
+    dim, first, second = values[args[0]].dim, args[1] % ndim, args[2] % ndim
     return second if dim == first else first if dim == second else dim
 
 
 def _permute(node: torch.fx.Node, values: dict) -> int:
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
     ndim = len(_shape(node))
-    return [d % ndim for d in node.args[1]].index(values[node.args[0]].dim)
+    return [d % ndim for d in args[1]].index(values[args[0]].dim)
 
 
 def _expand(node: torch.fx.Node, values: dict) -> int:
-    source = node.args[0]
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
+    source = args[0]
     dim = values[source].dim + len(_shape(node)) - len(_shape(source))
     if _shape(node)[dim] != _shape(source)[values[source].dim]:
         raise _Refused("broadcasts the sharded dim")
@@ -549,43 +556,48 @@ def _expand(node: torch.fx.Node, values: dict) -> int:
 
 
 def _slice(node: torch.fx.Node, values: dict) -> int:
-    value = values[node.args[0]]
-    if node.args[1] % len(_shape(node)) == value.dim and _shape(node) != _shape(node.args[0]):
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
+    value = values[args[0]]
+    if args[1] % len(_shape(node)) == value.dim and _shape(node) != _shape(args[0]):
         raise _Refused("slices the sharded features")
     return value.dim
 
 
 def _select(node: torch.fx.Node, values: dict) -> int:
-    dim, selected = values[node.args[0]].dim, node.args[1] % len(_shape(node.args[0]))
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
+    dim, selected = values[args[0]].dim, args[1] % len(_shape(args[0]))
     if selected == dim:
         raise _Refused("selects one of the sharded features")
     return dim - (selected < dim)
 
 
 def _cat(node: torch.fx.Node, values: dict) -> int:
-    pieces = node.args[0]
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
+    pieces = args[0]
     if any(piece not in values for piece in pieces):
         raise _Refused("concatenates sharded features with whole ones")
     dims = {values[piece].dim for piece in pieces}
-    along = (node.args[1] if len(node.args) > 1 else 0) % len(_shape(node))
+    along = (args[1] if len(args) > 1 else 0) % len(_shape(node))
     if len(dims) != 1 or along in dims:
         raise _Refused("concatenates along the sharded dim")
     return dims.pop()
 
 
 def _softmax(node: torch.fx.Node, values: dict) -> int:
-    dim = values[node.args[0]].dim
-    if node.args[1] % len(_shape(node)) == dim:
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
+    dim = values[args[0]].dim
+    if args[1] % len(_shape(node)) == dim:
         raise _Refused("normalizes over the sharded features")
     return dim
 
 
 def _reduce(node: torch.fx.Node, values: dict) -> int:
     """sum / mean / amax over dims other than the sharded one."""
-    ndim, dim = len(_shape(node.args[0])), values[node.args[0]].dim
-    over = node.args[1] if len(node.args) > 1 and node.args[1] is not None else range(ndim)
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
+    ndim, dim = len(_shape(args[0])), values[args[0]].dim
+    over = args[1] if len(args) > 1 and args[1] is not None else range(ndim)
     over = {d % ndim for d in ([over] if isinstance(over, int) else over)}
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    keepdim = args[2] if len(args) > 2 else node.kwargs.get("keepdim", False)
     if dim in over:
         raise _Refused("reduces over the sharded features")
     return dim if keepdim else dim - sum(d < dim for d in over)
@@ -593,16 +605,18 @@ def _reduce(node: torch.fx.Node, values: dict) -> int:
 
 def _norm(node: torch.fx.Node, values: dict) -> int:
     """layer_norm / rms_norm over the trailing `normalized_shape` dims."""
-    if node.args[0] not in values or values[node.args[0]].dim >= len(_shape(node)) - len(node.args[1]):
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
+    if args[0] not in values or values[args[0]].dim >= len(_shape(node)) - len(args[1]):
         raise _Refused("normalizes over the sharded features")
-    return values[node.args[0]].dim
+    return values[args[0]].dim
 
 
 def _attention(node: torch.fx.Node, values: dict) -> int:
     """scaled_dot_product_attention over sharded heads: query, key and value all sharded along their
     heads dim; a mask sharded alike or broadcast over the heads."""
-    query, key, value = node.args[:3]
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
+    query, key, value = args[:3]
+    mask = args[3] if len(args) > 3 else node.kwargs.get("attn_mask")
     heads = len(_shape(node)) - 3
     if any(t not in values or values[t].dim != heads for t in (query, key, value)):
         raise _Refused("attends over query, key and value not all sharded along their heads")
@@ -616,7 +630,8 @@ def _attention(node: torch.fx.Node, values: dict) -> int:
 def _matmul(node: torch.fx.Node, values: dict) -> int:
     """A batched matmul (attention written by hand) whose sharded dim is a batch dim of both operands,
     or of one while the other broadcasts along it."""
-    operands = node.args[:2]
+    args: tuple[Any, ...] = node.args  # an ATen op's arguments: untyped in torch.fx
+    operands = args[:2]
     ndim = len(_shape(node))
     dims = {values[arg].dim for arg in operands if arg in values}
     if len(dims) != 1 or any(len(_shape(arg)) != ndim for arg in operands) or min(dims) >= ndim - 2:
