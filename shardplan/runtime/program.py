@@ -64,6 +64,9 @@ class Program:
         """loss_fn(output, target): then the last positional argument of `step` is the target."""
         self.out_of_step: str | None = None
         """Why every call now refuses (see [Note: failed steps]); None while the program can train."""
+        self.after_reduction: Callable[[], None] | None = None
+        """Called inside each `step` once its gradients are reduced, while `.grad` holds this step's alone
+        (AdaScale measures them there, in adascale.py)."""
 
     # what a backend provides
 
@@ -208,7 +211,12 @@ class Program:
                     total += loss.detach().float().cpu()
             finally:
                 self._set_gradient_sync(True)
+            self._gradients_reduced()
             return collectives.wait(collectives.all_reduce_mean(total / count, async_op=False))
+
+    def _gradients_reduced(self) -> None:
+        if self.after_reduction is not None:
+            self.after_reduction()
 
     def evaluate(self, *args, **kwargs) -> torch.Tensor:
         """The loss of this rank's batch without gradients (a validation step), averaged as `step` averages.
