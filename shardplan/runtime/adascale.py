@@ -45,6 +45,8 @@ class AdaScale:
     data-parallel replicas, so the base is one replica's batch). The wrapped optimizer keeps its
     own learning rates (a scheduler may change them); `step` multiplies them by each group's gain
     for the update only. Drive schedules by `progress`, the scale-invariant iteration count.
+    Parameter group i of every rank's optimizer is measured as one group: under a pipeline, each
+    stage's group i (build the stages' optimizers alike).
 
     >>> adascale = shardplan.AdaScale(torch.optim.SGD(program.parameters(), lr=0.1), program)  # doctest: +SKIP
     >>> loss = program.step(ids, labels=ids); adascale.step(); adascale.zero_grad()         # doctest: +SKIP
@@ -60,6 +62,10 @@ class AdaScale:
         if program.after_reduction is not None:
             raise ShardplanError("this program already measures its gradients for another AdaScale: make one "
                                  "AdaScale per program")
+        groups = len(optimizer.param_groups)
+        if not collectives.same_on_all_ranks([groups]):  # the per-group sums are all-reduced by index
+            raise ShardplanError(f"the optimizers on the ranks have different numbers of parameter groups (this "
+                                 f"rank's: {groups}): build every rank's optimizer (every stage's) with as many")
         self.optimizer = optimizer
         self.program = program
         group_of = {id(parameter): index for index, group in enumerate(optimizer.param_groups)
@@ -81,7 +87,6 @@ class AdaScale:
         inputs); kept over world changes, which re-derive `scale` from it (load_state_dict)."""
         self.smoothing = max(1 - self.samples / 1000, 0.0) if smoothing is None else smoothing
         """Weight of the past in the running averages (FairScale's default: less the more samples a step)."""
-        groups = len(optimizer.param_groups)
         self._averages = {name: [0.0] * groups for name in _AVERAGES}
         self._averages["sqr"] = [1.0] * groups  # gain 1 until a first measurement
         self.progress = 0.0
