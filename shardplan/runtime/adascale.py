@@ -75,13 +75,7 @@ class AdaScale:
         plan = program.plan
         self.samples = plan.mesh.dp * plan.schedule.num_micro_batches
         """Gradients averaged each step (see [Note: AdaScale's samples])."""
-        self.scale = float(plan.mesh.dp if scale is None else scale)
-        if not self.scale > 0:
-            raise ShardplanError(f"AdaScale's scale is {scale}: give the global batch over the base batch, > 0")
-        if self.samples == 1 and self.scale != 1:
-            raise ShardplanError(f"AdaScale at scale {self.scale} estimates the gradient's noise from several "
-                                 "gradients a step, and this plan averages one (dp=1, 1 micro-batch): plan "
-                                 "dp > 1 or micro-batches > 1, or use scale=1")
+        self.scale = self._checked(float(plan.mesh.dp if scale is None else scale))
         self.base_batch = global_batch(plan) / self.scale
         """The batch the learning rate was tuned for, in samples (in replicas when the plan records no
         inputs); kept over world changes, which re-derive `scale` from it (load_state_dict)."""
@@ -96,6 +90,15 @@ class AdaScale:
         for unit, _ in self._units:
             unit.local_square_norm = torch.zeros((), device=unit.device)
         program.after_reduction = self._measure
+
+    def _checked(self, scale: float) -> float:
+        if not scale > 0:
+            raise ShardplanError(f"AdaScale's scale is {scale}: give the global batch over the base batch, > 0")
+        if self.samples == 1 and scale != 1:
+            raise ShardplanError(f"AdaScale at scale {scale} estimates the gradient's noise from several "
+                                 "gradients a step, and this plan averages one (dp=1, 1 micro-batch): plan "
+                                 "dp > 1 or micro-batches > 1, or use scale=1")
+        return scale
 
     # the gain
 
@@ -180,8 +183,8 @@ class AdaScale:
         if saved != groups:
             raise ShardplanError(f"the AdaScale state has {saved} parameter groups, this optimizer {groups}: load "
                                  "it into an optimizer built with the same parameter groups")
+        self.scale = self._checked(global_batch(self.program.plan) / float(state["base_batch"]))
         self.base_batch = float(state["base_batch"])
-        self.scale = global_batch(self.program.plan) / self.base_batch
         self.progress = float(state["progress"])
         self._averages = {name: [float(value) for value in values] for name, values in state["averages"].items()}
 

@@ -206,14 +206,15 @@ class FlatUnit:
         would cost each rank the whole model's gradient, more than micro-batching saves in
         activations. Units that all-reduce (SHARD_OPTIMIZER, REPLICATE) hold a full gradient anyway,
         so micro-batches before the last only add into a full-size reduce-dtype accumulator and
-        the last reduces the sum once. The cost model counts the same (shardplan.cost)."""
+        the last reduces the sum once. The cost model counts the same (shardplan.cost). Measured for
+        AdaScale, every micro-batch's partial tp sums are completed before it is added (the sums commute)."""
         grad = grad_full.to(self.reduce_dtype)
         scatters = self.traits.reduce_scatters_grads
-        # a micro-batch's norm needs its partial tp sums complete: measured, every micro-batch is summed
-        summed_now = scatters or self.local_square_norm is not None
+        measured = self.local_square_norm is not None
+        summed_now = scatters or measured  # a micro-batch's norm needs its partial tp sums complete
         if summed_now:
             self._sum_partial_over_tp(grad)
-        if self.local_square_norm is not None:
+        if measured:
             for part in self._counted_over_tp(grad, 0):
                 self.local_square_norm += torch.linalg.vector_norm(part.float()) ** 2
         if not scatters and (self._accumulating or not communicate):
