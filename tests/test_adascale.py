@@ -129,7 +129,7 @@ def run_case(rank: int, case: dict) -> dict:
     """Train `case` with SGD under AdaScale next to Reference: every step's gains and estimates, both sides."""
     torch.manual_seed(0)
     reference = zoo.GPT(CONFIG)
-    dp, count = case["mesh"]["dp"], case["micro_batches"]
+    dp, count = case["mesh"].get("dp_replicate", 1) * case["mesh"]["dp"], case["micro_batches"]
     program = _program(copy.deepcopy(reference), case["mesh"], count, GLOBAL_BATCH // dp)
     if case.get("one_group"):
         groups, reference_groups = [{"params": program.parameters()}], [list(reference.parameters())]
