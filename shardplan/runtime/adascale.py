@@ -92,6 +92,7 @@ class AdaScale:
         program.after_reduction = self._measure
 
     def _checked(self, scale: float) -> float:
+        """`scale`, refused where no gain can be estimated for it."""
         if not scale > 0:
             raise ShardplanError(f"AdaScale's scale is {scale}: give the global batch over the base batch, > 0")
         if self.samples == 1 and scale != 1:
@@ -201,7 +202,7 @@ def estimate(local_square: float, reduced_square: float, samples: int, scale: fl
     Unbiased: E Σ‖g_i‖² = n(μ² + v) and E‖ḡ‖² = μ² + v/n for a sample's variance v, which is
     σ² n / S at the base batch. Clamped as FairScale clamps them.
 
-    >>> estimate(local_square=12.0, reduced_square=2.0, samples=4, scale=4.0)  # v = 1/3 a sample
+    >>> estimate(local_square=12.0, reduced_square=2.0, samples=4, scale=4.0)  # v = (12 - 4 × 2) / 3, S = n
     (1.3333333333333333, 1.6666666666666667)
     """
     variance = (local_square / samples - reduced_square) * scale / (samples - 1)
