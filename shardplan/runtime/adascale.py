@@ -26,6 +26,8 @@ partial sums are completed); ‖ḡ‖² on the reduced shards (FlatUnit.counted
 clip_grad_norm_ counts them). Both are summed over the world in one all-reduce of 2 × (parameter
 groups) numbers per step.
 """
+from typing import cast
+
 import torch
 
 from ..errors import ShardplanError
@@ -148,7 +150,7 @@ class AdaScale:
         groups = len(self.optimizer.param_groups)
         sums = torch.zeros(2 * groups, dtype=torch.float64)
         for unit, group in self._units:
-            sums[group] += unit.local_square_norm.double().cpu()
+            sums[group] += cast(torch.Tensor, unit.local_square_norm).double().cpu()  # set in __init__
             sums[groups + group] += grad_norm_term(unit.counted_gradients(), 2.0).double()
             unit.forget_local_norm()
         collectives.all_reduce_sum(sums)
