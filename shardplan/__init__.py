@@ -9,8 +9,9 @@ from .errors import (CaptureError, HardwareError, InfeasibleError, PlanError, Ru
 from .hardware import HardwareProfile, get_hardware
 from .plan import Checkpoint, MixedPrecision, Plan, ShardStrategy, load_plan
 from .runtime import Program, manual_plan, parallelize, shutdown
+from .runtime.adascale import AdaScale
 from .solver.space import Constraints, SearchSpace
 
-__all__ = ["capture", "compile", "solve", "parallelize", "shutdown", "Program", "manual_plan", "Constraints", "SearchSpace", "MixedPrecision", "Plan", "load_plan", "ShardStrategy", "Checkpoint", "HardwareProfile", "get_hardware",
+__all__ = ["capture", "compile", "solve", "parallelize", "shutdown", "Program", "AdaScale", "manual_plan", "Constraints", "SearchSpace", "MixedPrecision", "Plan", "load_plan", "ShardStrategy", "Checkpoint", "HardwareProfile", "get_hardware",
            "ShardplanError", "CaptureError", "InfeasibleError", "PlanError", "HardwareError",
            "RuntimeMismatchError"]

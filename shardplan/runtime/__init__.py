@@ -13,6 +13,7 @@
     pipelined.py     backend="shardplan" with pp > 1: this rank's stage under a GPipe / 1F1B schedule
     fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard (and DTensor TP)
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
+    adascale.py      AdaScale: the learning rate scaled by the gradient's noise, measured where units reduce
     checkpoint.py    save / load (any plan, world size, backend) and export_full_state_dict
     chunks.py        which chunk of each flattened parameter a rank holds, for checkpoints
     measure.py       peak tensor memory and step time of a training step on this rank

@@ -111,6 +111,8 @@ class PipelinedProgram(UnitProgram):
                 run(*inputs, target=target if last else None, losses=losses, return_outputs=False)
             finally:
                 self.scheduler.communicate = True
+            if torch.is_grad_enabled():  # a step, not an evaluation
+                self._gradients_reduced()
             mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
             return collectives.all_reduce_sum(mine) / self.plan.mesh.dp
 

@@ -44,6 +44,7 @@ from torch.utils import _pytree as pytree
 
 from ..dtypes import dtype_name
 from ..errors import RuntimeMismatchError, ShardplanError
+from ..chain import InputSpec
 from ..plan import Plan
 from . import collectives
 
@@ -81,6 +82,9 @@ class Program:
         """Why every call now refuses (see [Note: failed steps]); None while the program can train."""
         self.last_step: StepStats | None = None
         """Time and peak memory of the last successful `step` (None before one): log it beside the plan's."""
+        self.after_reduction: Callable[[bool], None] | None = None
+        """Called inside each `step` once its gradients are reduced, while `.grad` holds this step's alone,
+        with whether the step took the planned batch (AdaScale measures them there, in adascale.py)."""
 
     # what a backend provides
 
@@ -225,6 +229,9 @@ class Program:
                     total += loss.detach().float().cpu() * share
             finally:
                 self._set_gradient_sync(True)
+            self._gradients_reduced(planned=len(micro_batches) == self.plan.schedule.num_micro_batches
+                                    and all(share == micro_batches[0][2] for *_, share in micro_batches)
+                                    and not _smaller_than_planned(self.plan, args, kwargs))
             return collectives.wait(collectives.all_reduce_mean(total, async_op=False))
 
     @contextlib.contextmanager
@@ -239,6 +246,10 @@ class Program:
             step_time_s=time.perf_counter() - start, predicted_step_time_s=self.plan.predicted.step_time_s,
             peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             predicted_peak_bytes=self.plan.predicted.peak_bytes)
+
+    def _gradients_reduced(self, planned: bool = True) -> None:
+        if self.after_reduction is not None:
+            self.after_reduction(planned)
 
     def evaluate(self, *args, **kwargs) -> torch.Tensor:
         """The loss of this rank's batch without gradients (a validation step), averaged as `step` averages;
@@ -333,7 +344,7 @@ def check_batch(plan: Plan, args: tuple, kwargs: dict, *, smaller_batch: bool = 
     """Refuse a batch whose shapes or dtypes differ from the plan's inputs: their dynamic dims may
     change, and with `smaller_batch` dim 0 may be smaller than planned (see [Note: smaller batches])."""
     for spec in plan.inputs:
-        value = args[int(spec.name)] if spec.name.isdigit() and int(spec.name) < len(args) else kwargs.get(spec.name)
+        value = _input(spec, args, kwargs)
         if not isinstance(value, torch.Tensor):
             raise RuntimeMismatchError(f"the plan was made with input {spec.name!r} of shape {list(spec.shape)}; "
                                        "this batch does not pass it: call step() as the model was planned")
@@ -349,6 +360,19 @@ def check_batch(plan: Plan, args: tuple, kwargs: dict, *, smaller_batch: bool = 
         if given != spec.dtype:
             raise RuntimeMismatchError(f"input {spec.name!r} is {given}, the plan was made for {spec.dtype}: "
                                        f"pass it as {spec.dtype} (.to(torch.{spec.dtype})), or re-plan for {given}")
+
+
+def _input(spec: InputSpec, args: tuple, kwargs: dict) -> Any:
+    """The argument of step(...) the plan's input `spec` names (positional ones are named "0", "1", ...)."""
+    return args[int(spec.name)] if spec.name.isdigit() and int(spec.name) < len(args) else kwargs.get(spec.name)
+
+
+def _smaller_than_planned(plan: Plan, args: tuple, kwargs: dict) -> bool:
+    """Whether this batch has fewer samples than the plan's inputs (an epoch's last; see check_batch)."""
+    if not plan.inputs:
+        return False
+    value = _input(plan.inputs[0], args, kwargs)
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] < plan.batch_per_replica
 
 
 def check_micro_batches(args: tuple, kwargs: dict, count: int) -> None:

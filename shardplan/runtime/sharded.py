@@ -80,6 +80,7 @@ class UnitProgram(Program):
         before = [unit.shard.grad for unit in self.units]
         for unit in self.units:
             unit.shard.grad = None
+            unit.forget_local_norm()  # what a loss.backward() outside a step measured
         try:
             yield
         except BaseException as error:

@@ -125,6 +125,9 @@ class FlatUnit:
         """Whether the accumulator holds this step's earlier micro-batches."""
         self._pending_reduce: Pending | None = None
         """The gradient reduction issued in backward, waited on before the next one or at the end."""
+        self.local_square_norm: torch.Tensor | None = None
+        """Set by AdaScale (adascale.py), else None: Σ over micro-batches of the squared norm of this rank's
+        part of its replica's gradient before reduction (see [Note: AdaScale's samples] there)."""
         self._synced_version = shard._version
         """SHARD_OPTIMIZER: shard version when `full` was last gathered; a step bumps it."""
         self._placeholders = [torch.empty(layout.shapes[index], dtype=compute_dtype, device="meta",
@@ -191,6 +194,7 @@ class FlatUnit:
                 collectives.wait(pending)
         self._pending_gather = self._pending_reduce = None
         self._accumulating = False
+        self.forget_local_norm()
         self.state = UnitState.SHARDED  # nothing left to wait for: release() only puts placeholders back
         self.release()
 
@@ -202,9 +206,17 @@ class FlatUnit:
         would cost each rank the whole model's gradient, more than micro-batching saves in
         activations. Units that all-reduce (SHARD_OPTIMIZER, REPLICATE) hold a full gradient anyway,
         so micro-batches before the last only add into a full-size reduce-dtype accumulator and
-        the last reduces the sum once. The cost model counts the same (shardplan.cost)."""
+        the last reduces the sum once. The cost model counts the same (shardplan.cost). Measured for
+        AdaScale, every micro-batch's partial tp sums are completed before it is added (the sums commute)."""
         grad = grad_full.to(self.reduce_dtype)
         scatters = self.traits.reduce_scatters_grads
+        measured = self.local_square_norm is not None
+        summed_now = scatters or measured  # a micro-batch's norm needs its partial tp sums complete
+        if summed_now:
+            self._sum_partial_over_tp(grad)
+        if measured:
+            for part in self._counted_over_tp(grad, 0):
+                self.local_square_norm += torch.linalg.vector_norm(part.float()) ** 2
         if not scatters and (self._accumulating or not communicate):
             if self._grad_accumulator is None:
                 self._grad_accumulator = torch.empty_like(grad)
@@ -216,12 +228,21 @@ class FlatUnit:
             if not communicate:
                 return
             grad = self._grad_accumulator
-        packed_in_place(grad, self.layout, self.partial,
-                        lambda packed: collectives.all_reduce_sum(packed, self.place.tensor_parallel))
+        if not summed_now:
+            self._sum_partial_over_tp(grad)
         if scatters:
             self._pending_reduce = collectives.reduce_scatter_mean(grad, async_op=True, group=self.group)
         else:
             self._pending_reduce = collectives.all_reduce_mean(grad, async_op=True, group=self.place.data_parallel)
+
+    def _sum_partial_over_tp(self, grad: torch.Tensor) -> None:
+        packed_in_place(grad, self.layout, self.partial,
+                        lambda packed: collectives.all_reduce_sum(packed, self.place.tensor_parallel))
+
+    def forget_local_norm(self) -> None:
+        """Start `local_square_norm` over (a new step, or a failed one's measurements dropped)."""
+        if self.local_square_norm is not None:
+            self.local_square_norm.zero_()
 
     @property
     def reducing(self) -> bool:
@@ -251,15 +272,20 @@ class FlatUnit:
         sharded = self.traits.shards_optimizer
         if grad is None or self.place.replica or (not sharded and self.rank):
             return []
+        return self._counted_over_tp(grad, self.rank * self.layout.shard_numel if sharded else 0)
+
+    def _counted_over_tp(self, flat: torch.Tensor, low: int) -> list[torch.Tensor]:
+        """The parts of `flat` (the flat buffer's elements from `low` on) that this tp rank counts in a sum
+        over tp: all at tp index 0; elsewhere only the slices of parameters tp cuts, since a whole
+        parameter is the same on every tp rank."""
         if self.place.tp_index == 0:
-            return [grad]
-        low = self.rank * self.layout.shard_numel if sharded else 0
+            return [flat]
         counted = []
         for index, cut in enumerate(self.cuts):
             begin, end = self.layout.span(index)
-            begin, end = max(begin - low, 0), min(end - low, grad.numel())
+            begin, end = max(begin - low, 0), min(end - low, flat.numel())
             if cut is not None and end > begin:
-                counted.append(grad[begin:end])
+                counted.append(flat[begin:end])
         return counted
 
     def full_values(self) -> torch.Tensor:

@@ -1,0 +1,225 @@
+"""AdaScale (Johnson et al., ICML 2020): the learning rate scaled to the batch by the gradient's noise.
+
+A run at S times the base batch takes steps `gain` times the base learning rate, where
+gain = (σ² + μ²) / (σ²/S + μ²) lies between 1 (no noise: a bigger batch buys nothing) and S
+(all noise: S times the batch is S base steps). σ² is the trace of the gradient's covariance at
+the base batch, μ² the squared norm of the true gradient; both are estimated each step from
+the spread of the gradients that are averaged, and smoothed. FairScale's
+fairscale/optim/adascale.py is the reference: the same estimators, clamps, smoothing and
+debiased running averages, per parameter group.
+
+[Note: AdaScale's samples] The estimators need n independent gradients g_i and the squared norm
+of their mean ḡ. Here a sample is one micro-batch of one data-parallel replica, n = dp ×
+num_micro_batches, as FairScale counts each accumulated backward: a replica's micro-batches
+are drawn from the data as independently as the replicas' batches are. What is never done is
+to treat a micro-batch's *reduction* as a replica's: ḡ's norm is taken once per step, from the
+step's accumulated, averaged `.grad`. The replica's accumulated gradient cannot be the sample:
+units that reduce-scatter (ZeRO-2/3) do so every micro-batch, so a rank never holds its
+replica's sum, and holding it would cost the whole model's gradient per rank. Each micro-batch's
+gradient is that of loss / num_micro_batches (Program.step, the pipeline's loss), hence the
+num_micro_batches² below.
+
+Where the norms are taken, without gathering a gradient: Σ‖g_i‖² in FlatUnit.reduce, on the full
+unit gradient each rank holds before its reduction, each rank counting its replica's share (a tp
+rank its slices, tp index 0 the parameters whole on every tp rank, once sequence parallelism's
+partial sums are completed); ‖ḡ‖² on the reduced shards (FlatUnit.counted_gradients, as
+clip_grad_norm_ counts them). Both are summed over the world in one all-reduce of 2 × (parameter
+groups) numbers per step.
+"""
+from typing import cast
+
+import torch
+
+from ..errors import ShardplanError
+from ..plan import Plan
+from . import collectives
+from .program import Program, grad_norm_term
+from .sharded import UnitProgram
+
+VARIANCE_FLOOR = 1e-6
+"""FairScale's floor on the variance estimate: the gain stays defined when the noise measures ≤ 0."""
+
+
+class AdaScale:
+    """Scale `optimizer`'s learning rate by AdaScale's gain, from the gradients `program.step` reduces.
+
+    `scale` is the global batch over the base batch the learning rate was tuned for (default: the
+    data-parallel replicas, so the base is one replica's batch). The wrapped optimizer keeps its
+    own learning rates (a scheduler may change them); `step` multiplies them by each group's gain
+    for the update only. Drive schedules by `progress`, the scale-invariant iteration count.
+    Parameter group i of every rank's optimizer is measured as one group: under a pipeline, each
+    stage's group i (build the stages' optimizers alike).
+
+    >>> adascale = shardplan.AdaScale(torch.optim.SGD(program.parameters(), lr=0.1), program)  # doctest: +SKIP
+    >>> loss = program.step(ids, labels=ids); adascale.step(); adascale.zero_grad()         # doctest: +SKIP
+    >>> lr_schedule(adascale.progress)                                                       # doctest: +SKIP
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, program: Program, scale: float | None = None, *,
+                 smoothing: float | None = None):
+        if not isinstance(program, UnitProgram):
+            raise ShardplanError("AdaScale needs each replica's gradient before it is averaged, which "
+                                 f"{type(program).__name__} reduces inside FSDP2's own hooks: parallelize with "
+                                 "backend='shardplan'")
+        if program.after_reduction is not None:
+            raise ShardplanError("this program already measures its gradients for another AdaScale: make one "
+                                 "AdaScale per program")
+        groups = len(optimizer.param_groups)
+        if not collectives.same_on_all_ranks([groups]):  # the per-group sums are all-reduced by index
+            raise ShardplanError(f"the optimizers on the ranks have different numbers of parameter groups (this "
+                                 f"rank's: {groups}): build every rank's optimizer (every stage's) with as many")
+        self.optimizer = optimizer
+        self.program = program
+        group_of = {id(parameter): index for index, group in enumerate(optimizer.param_groups)
+                    for parameter in group["params"]}
+        self._units = [(unit, group_of[id(unit.shard)]) for unit in program.units if id(unit.shard) in group_of]
+        """This rank's units that the optimizer steps, with the index of their parameter group."""
+        plan = program.plan
+        self.samples = plan.mesh.dp * plan.schedule.num_micro_batches
+        """Gradients averaged each step (see [Note: AdaScale's samples])."""
+        self.scale = self._checked(float(plan.mesh.dp if scale is None else scale))
+        self.base_batch = global_batch(plan) / self.scale
+        """The batch the learning rate was tuned for, in samples (in replicas when the plan records no
+        inputs); kept over world changes, which re-derive `scale` from it (load_state_dict)."""
+        self.smoothing = max(1 - self.samples / 1000, 0.0) if smoothing is None else smoothing
+        """Weight of the past in the running averages (FairScale's default: less the more samples a step)."""
+        self._averages = {name: [0.0] * groups for name in _AVERAGES}
+        self._averages["sqr"] = [1.0] * groups  # gain 1 until a first measurement
+        self.progress = 0.0
+        """Σ gain over the steps taken: the iterations at the base batch they stand for (schedulers' clock)."""
+        self._measured = False
+        """Whether a program.step has measured gradients since the last optimizer step."""
+        for unit, _ in self._units:
+            unit.local_square_norm = torch.zeros((), device=unit.device)
+        program.after_reduction = self._measure
+
+    def _checked(self, scale: float) -> float:
+        """`scale`, refused where no gain can be estimated for it."""
+        if not scale > 0:
+            raise ShardplanError(f"AdaScale's scale is {scale}: give the global batch over the base batch, > 0")
+        if self.samples == 1 and scale != 1:
+            raise ShardplanError(f"AdaScale at scale {scale} estimates the gradient's noise from several "
+                                 "gradients a step, and this plan averages one (dp=1, 1 micro-batch): plan "
+                                 "dp > 1 or micro-batches > 1, or use scale=1")
+        return scale
+
+    # the gain
+
+    def gain(self, group: int | None = None) -> float:
+        """(σ² + μ²) / (σ²/S + μ²) of parameter group `group`, or of all groups together (None)."""
+        indices = range(len(self.optimizer.param_groups)) if group is None else [group]
+        variance = sum(self._averages["var"][index] for index in indices)
+        square = sum(self._averages["sqr"][index] for index in indices)
+        return (variance + square) / (variance / self.scale + square)
+
+    @property
+    def variance(self) -> list[float]:
+        """σ² per parameter group: the smoothed trace of the gradient's covariance at the base batch."""
+        return list(self._averages["var"])
+
+    @property
+    def square(self) -> list[float]:
+        """μ² per parameter group: the smoothed squared norm of the true gradient."""
+        return list(self._averages["sqr"])
+
+    def step(self, closure=None):
+        """The wrapped optimizer's step with each group's learning rate times its gain; advances `progress`."""
+        if not self._measured:
+            raise ShardplanError("AdaScale.step() found no program.step(...) since the last step: AdaScale "
+                                 "measures the gradients program.step reduces; train with program.step")
+        groups = self.optimizer.param_groups
+        rates = [group["lr"] for group in groups]
+        for index, group in enumerate(groups):
+            group["lr"] = rates[index] * self.gain(index)
+        try:
+            result = self.optimizer.step(closure)
+        finally:
+            for group, rate in zip(groups, rates):
+                group["lr"] = rate
+        self.progress += self.gain()
+        self._measured = False
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # measuring (see [Note: AdaScale's samples])
+
+    def _measure(self, planned: bool) -> None:
+        """Update the running averages from the step just reduced (on every rank: one all-reduce), unless
+        a rank's batch was smaller than planned (an epoch's last): its micro-batches are not samples of
+        the size the estimates are for, so that step keeps the averages (and gains) as they were."""
+        groups = len(self.optimizer.param_groups)
+        sums = torch.zeros(2 * groups + 1, dtype=torch.float64)
+        for unit, group in self._units:
+            sums[group] += cast(torch.Tensor, unit.local_square_norm).double().cpu()  # set in __init__
+            sums[groups + group] += grad_norm_term(unit.counted_gradients(), 2.0).double()
+            unit.forget_local_norm()
+        sums[-1] = 0.0 if planned else 1.0
+        collectives.all_reduce_sum(sums)
+        count = self.program.plan.schedule.num_micro_batches
+        self._measured = True
+        if self.samples == 1 or sums[-1] > 0:  # scale 1 (checked): the gain is 1 whatever the estimates
+            return
+        for group in range(groups):
+            variance, square = estimate(count ** 2 * sums[group].item(), sums[groups + group].item(),
+                                        self.samples, self.scale)
+            self._update("var", group, variance)
+            self._update("sqr", group, square)
+
+    def _update(self, name: str, group: int, value: float) -> None:
+        """FairScale's debiased exponential average (Adam's bias correction) of `name` in `group`."""
+        biased, weight = self._averages[name + "_biased"], self._averages[name + "_weight"]
+        biased[group] = self.smoothing * biased[group] + (1 - self.smoothing) * value
+        weight[group] = self.smoothing * weight[group] + (1 - self.smoothing)
+        self._averages[name][group] = biased[group] / weight[group]
+
+    # checkpoints
+
+    def state_dict(self) -> dict:
+        """Plain numbers (the same on every rank): the running averages, `progress` and the base batch."""
+        return {"base_batch": self.base_batch, "progress": self.progress,
+                "averages": {name: list(values) for name, values in self._averages.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict`'s numbers; the scale is re-derived for this program's global batch (a world
+        that grew or shrank since the save): scale = global batch / the saved base batch."""
+        groups = len(self.optimizer.param_groups)
+        saved = len(state["averages"]["var"])
+        if saved != groups:
+            raise ShardplanError(f"the AdaScale state has {saved} parameter groups, this optimizer {groups}: load "
+                                 "it into an optimizer built with the same parameter groups")
+        self.scale = self._checked(global_batch(self.program.plan) / float(state["base_batch"]))
+        self.base_batch = float(state["base_batch"])
+        self.progress = float(state["progress"])
+        self._averages = {name: [float(value) for value in values] for name, values in state["averages"].items()}
+
+
+_AVERAGES = ("var", "sqr", "var_biased", "sqr_biased", "var_weight", "sqr_weight")
+"""The running averages (var: σ², sqr: μ²) and their debiasing sums, one number per parameter group."""
+
+
+def estimate(local_square: float, reduced_square: float, samples: int, scale: float) -> tuple[float, float]:
+    """(σ², μ²) at the base batch from one step: `local_square` = Σ‖g_i‖² over `samples` gradients g_i,
+    `reduced_square` = ‖ḡ‖² of their mean, the global batch `scale` times the base (AdaScale's
+    Appendix B.3, as FairScale generalizes it to scale ≠ samples).
+
+    Unbiased: E Σ‖g_i‖² = n(μ² + v) and E‖ḡ‖² = μ² + v/n for a sample's variance v, which is
+    σ² n / S at the base batch. Clamped as FairScale clamps them.
+
+    >>> estimate(local_square=12.0, reduced_square=2.0, samples=4, scale=4.0)  # v = (12 - 4 × 2) / 3, S = n
+    (1.3333333333333333, 1.6666666666666667)
+    """
+    variance = (local_square / samples - reduced_square) * scale / (samples - 1)
+    square = reduced_square - variance / scale
+    return max(variance, VARIANCE_FLOOR), max(square, 0.0)
+
+
+def global_batch(plan: Plan) -> float:
+    """Samples a step averages over the world: dp × the replica batch the plan records (replicas alone
+    when it records none, as a plan written by hand without example inputs)."""
+    replica = plan.inputs[0].shape[0] if plan.inputs and plan.inputs[0].shape else 1
+    return float(plan.mesh.dp * replica)
+
+
+__all__ = ["AdaScale", "estimate"]
