@@ -228,6 +228,13 @@ class UnitCost:
     def bwd_window_s(self) -> float:
         return self.compute_bwd_s + self.recompute_s
 
+    @property
+    def free_bwd_s(self) -> float:
+        """Backward compute left to hide the previous unit's prefetched gather: one communication
+        stream runs the collectives in the order issued, and the next unit's reduction, issued as
+        this backward starts, goes first (priced as this unit's own, its neighbour's size)."""
+        return max(0.0, self.hide_bwd_s - (0.0 if self.reduce_per_step else self.reduce_s))
+
 
 def on_rank(block: Block, ctx: CostContext) -> Block:
     """`block` as one rank runs it: a replica's batch (ctx.batch_scale of the captured one), and over
@@ -582,7 +589,7 @@ def pair_exposed_s(prev: UnitCost | None, unit: UnitCost | None) -> ExposedTime:
     if prev is None or unit is None:
         raise ValueError("pair_exposed_s needs at least one unit")
     per_mb = (exposed_s(unit.gather_fwd_s, prev.hide_fwd_s, prev.prefetch)
-              + exposed_s(prev.gather_bwd_s, unit.hide_bwd_s, unit.prefetch))
+              + exposed_s(prev.gather_bwd_s, unit.free_bwd_s, unit.prefetch))
     reduce = max(0.0, unit.reduce_s - prev.hide_bwd_s)
     if unit.reduce_per_step:
         return ExposedTime(per_micro_batch_s=per_mb, per_step_s=reduce)
