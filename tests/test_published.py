@@ -52,6 +52,21 @@ def test_ranking_and_memory_side_hold_on_the_committed_rows(scores, group):
     assert score.ran_within == score.ran  # nothing that ran is predicted out of memory
 
 
+ALL_GATHER_ON_P5 = [  # nccl-tests all_gather_perf on p5.48xlarge, nodes of 8 H100: (nodes, MiB, measured algbw GB/s)
+    (2, 32, 140.06), (2, 2048, 350.49), (8, 32, 47.03), (8, 2048, 298.37), (32, 32, 12.43), (32, 512, 146.96),
+    (32, 2048, 263.80)]
+"""github.com/crazyguitar/aws-gpu-communication-benchmark, data/nccl_all_gather.csv (the profile's source)."""
+
+
+@pytest.mark.parametrize("nodes, mib, algbw", ALL_GATHER_ON_P5)
+def test_an_all_gather_across_nodes_pays_a_ring_latency_for_every_node(nodes, mib, algbw):
+    """A ring passes every node: 32 MiB take 0.23 ms over 2 nodes and 2.6 ms over 32 (the tree's latency
+    per doubling of nodes, which all-reduce keeps, read 1.3 ms there)."""
+    nbytes = mib * 2**20
+    predicted = get_hardware("h100-80g").collective_time_s("all_gather_into_tensor", nbytes, 8 * nodes, in_step=False)
+    assert 0.7 < predicted / (nbytes / (algbw * 1e9)) < 1.15
+
+
 def test_nanotron_stage_cut_gives_the_lm_head_the_weight_of_layers(bench):
     dims = bench.MODELS["playbook-1B"]  # a layer weighs 4 h^2 + 3 h i = 2^26, the head V h = 4 layers
     # a block goes to the current stage, which moves on once the running weight passes its share
