@@ -60,8 +60,11 @@ Time, by component (per step):
   starts computing and hides under its compute (on hardware that overlaps
   communication with compute: not CPU ranks on gloo); without prefetch it is fully
   exposed; the first unit's forward gather and the last unit's backward gather
-  are exposed. A unit's gradient reduction runs on its own stream and hides
-  under the backward of the unit before it; the first unit's is exposed. Units
+  are exposed. A unit's gradient reduction runs beside the compute and hides
+  under the backward of the unit before it; the first unit's is exposed. The
+  collectives share one communication stream, in the order issued: a backward
+  hides the prefetched gather only in what the reduction issued just before it
+  (the next unit's, priced at this unit's size) leaves (UnitCost.free_bwd_s). Units
   that shard parameters gather every micro-batch, in forward and, when they
   reshard after it, again in backward; gradients are reduce-scattered every
   micro-batch or all-reduced once per step, and stepped slices of full
