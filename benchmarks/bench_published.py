@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_published.py                   # ../shared/data/published-h100/runs.csv
     .venv/bin/python benchmarks/bench_published.py --data runs.csv --hardware h100-80g
+    .venv/bin/python benchmarks/bench_published.py --nanotron-zero1   # + nanotron's own ZeRO-1 step
 
 Every row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
 (the embedding, each decoder layer, the final norm with the LM head and the loss), ZeRO-0 as
@@ -306,7 +307,36 @@ def why_not_expressible(row: Row) -> str:
     return ""
 
 
-def predict(rows: list[Row], hardware: str) -> list[Outcome]:
+NANOTRON_TENSORS = {"embedding": 1, "layer": 6, "head": 2}
+"""Parameter tensors nanotron keeps per block: the embedding's table; a decoder layer's two norms, fused
+qkv_proj, o_proj, fused gate_up_proj and down_proj; the final norm and the LM head (tied: the table)."""
+
+
+def zero1_runtime_s(row: Row, chain: BlockChain, dims: LlamaDims, hw) -> float:
+    """What nanotron's ZeRO-1 step does beyond the plan's shard_optimizer, on the stage with the most
+    parameters. With fp32 gradient accumulation and ZeRO-1 the model is not wrapped in DDP (trainer.py,
+    `make_ddp`): after the last backward one all-reduce of the stage's whole fp32 gradient buffer runs,
+    blocking (gradient_accumulator.py, `sync_gradients_across_dp` with reduce_scatter=False: "too
+    memory hungry, instead we run all_reduce"); after the step `_all_gather_params` (optim/zero.py,
+    distributed.py `all_gather_coalesced`) gathers the bf16 parameters and copies every rank's slice of
+    every tensor back in place: dp x tensors copy kernels, each paying the profile's fixed cost per op."""
+    if row.zero_stage != "1" or row.dp == 1:
+        return 0.0
+    starts = nanotron_stage_starts(dims, row.pp) + [len(chain.blocks)]
+    stages = [chain.blocks[a:b] for a, b in zip(starts, starts[1:])]
+    blocks = max(stages, key=lambda stage: sum(b.param_numel for b in stage))
+    numel = sum(b.param_numel for b in blocks) // row.tp
+    tensors = sum(NANOTRON_TENSORS["embedding" if b.index == 0 else "head" if b.name == "lm_head" else "layer"]
+                  for b in blocks)
+    ranks_per_node = max(1, hw.devices_per_node // row.tp)
+    reduce_s = hw.collective_time_s("all_reduce", FP32_BYTES * numel, row.dp, ranks_per_node=ranks_per_node)
+    copies_s = hw.compute_time_s(0, 2 * BF16_BYTES * numel, "bfloat16", calls=row.dp * tensors)
+    return reduce_s + copies_s
+
+
+def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> list[Outcome]:
+    """Each row's plan priced on `hardware`; with `nanotron_zero1`, each ZeRO-1 row's step also pays
+    what nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s)."""
     hw = get_hardware(hardware)
     chains: dict[tuple, BlockChain] = {}
     outcomes = []
@@ -322,7 +352,8 @@ def predict(rows: list[Row], hardware: str) -> list[Outcome]:
             chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1)
         chain = chains[key]
         predicted = evaluate(chain, plan_for(row, chain, dims), hw)
-        tokens = samples * row.seq_len * row.dp / predicted.step_time_s / row.n_gpus
+        step_s = predicted.step_time_s + (zero1_runtime_s(row, chain, dims, hw) if nanotron_zero1 else 0.0)
+        tokens = samples * row.seq_len * row.dp / step_s / row.n_gpus
         outcomes.append(Outcome(row=row, predicted=predicted, tokens_per_s_per_gpu=tokens))
     return outcomes
 
@@ -405,10 +436,13 @@ def main() -> None:
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
     parser.add_argument("--hardware", default="h100-80g", help="built-in profile name or calibrated profile path")
     parser.add_argument("--model", action="append", help="only these models (repeatable)")
+    parser.add_argument("--nanotron-zero1", action="store_true",
+                        help="add nanotron's own ZeRO-1 step to its rows (blocking fp32 all-reduce, a copy kernel "
+                             "per rank and tensor after the gather): what shardplan's shard_optimizer does not do")
     args = parser.parse_args()
     rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
     hw = get_hardware(args.hardware)
-    outcomes = predict(rows, hw)
+    outcomes = predict(rows, hw, nanotron_zero1=args.nanotron_zero1)
     print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name} "
           f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
     print_table(score(outcomes, hw.usable_memory_bytes))

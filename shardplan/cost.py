@@ -60,8 +60,11 @@ Time, by component (per step):
   starts computing and hides under its compute (on hardware that overlaps
   communication with compute: not CPU ranks on gloo); without prefetch it is fully
   exposed; the first unit's forward gather and the last unit's backward gather
-  are exposed. A unit's gradient reduction runs on its own stream and hides
-  under the backward of the unit before it; the first unit's is exposed. Units
+  are exposed. A unit's gradient reduction runs beside the compute and hides
+  under the backward of the unit before it; the first unit's is exposed. The
+  collectives share one communication stream, in the order issued: a backward
+  hides the prefetched gather only in what the reduction issued just before it
+  (the next unit's, priced at this unit's size) leaves (UnitCost.free_bwd_s). Units
   that shard parameters gather every micro-batch, in forward and, when they
   reshard after it, again in backward; gradients are reduce-scattered every
   micro-batch or all-reduced once per step, and stepped slices of full
@@ -227,6 +230,13 @@ class UnitCost:
     @property
     def bwd_window_s(self) -> float:
         return self.compute_bwd_s + self.recompute_s
+
+    @property
+    def free_bwd_s(self) -> float:
+        """Backward compute left to hide the previous unit's prefetched gather: one communication
+        stream runs the collectives in the order issued, and the next unit's reduction, issued as
+        this backward starts, goes first (priced as this unit's own, its neighbour's size)."""
+        return max(0.0, self.hide_bwd_s - (0.0 if self.reduce_per_step else self.reduce_s))
 
 
 def on_rank(block: Block, ctx: CostContext) -> Block:
@@ -582,7 +592,7 @@ def pair_exposed_s(prev: UnitCost | None, unit: UnitCost | None) -> ExposedTime:
     if prev is None or unit is None:
         raise ValueError("pair_exposed_s needs at least one unit")
     per_mb = (exposed_s(unit.gather_fwd_s, prev.hide_fwd_s, prev.prefetch)
-              + exposed_s(prev.gather_bwd_s, unit.hide_bwd_s, unit.prefetch))
+              + exposed_s(prev.gather_bwd_s, unit.free_bwd_s, unit.prefetch))
     reduce = max(0.0, unit.reduce_s - prev.hide_bwd_s)
     if unit.reduce_per_step:
         return ExposedTime(per_micro_batch_s=per_mb, per_step_s=reduce)

@@ -33,6 +33,9 @@ from .errors import HardwareError
 from .files import parse_json, read_text
 
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+RING_ONLY = ("all_gather_into_tensor", "reduce_scatter_tensor")
+"""Kinds NCCL runs only as a ring (its tree algorithm is all-reduce's alone): their latency across
+nodes grows with every node the ring passes through (LinkProfile.ring_latency_per_node_s)."""
 SCHEMA = "shardplan.hardware/1"
 
 
@@ -108,13 +111,19 @@ class LinkProfile:
     its bus bytes at min(k, rails) x the collectives' bandwidth, which is then one rank's. 1 where
     a node's ranks share one link."""
     latency_per_node_doubling_s: float = 0.0
-    """Latency a collective adds each time the nodes it spans double (the inter-node steps of
-    NCCL's tree and ring phases): alpha = latency_s + this x log2(nodes). 0 within a node."""
+    """Latency an all-reduce adds each time the nodes it spans double (the inter-node steps of
+    NCCL's tree): alpha = latency_s + this x log2(nodes). 0 within a node."""
+    ring_latency_per_node_s: float = 0.0
+    """Latency a ring-only collective (RING_ONLY) adds for each node it spans beyond the first, in
+    place of latency_per_node_doubling_s: a ring's steps pass every node in turn, each hop across the
+    network a message's latency. 0 within a node."""
 
     def time_s(self, kind: str, bus_bytes: float, *, nodes: int = 1, ranks_per_node: int = 1) -> float:
         """One collective of `kind` moving `bus_bytes` over a group of `nodes` x `ranks_per_node` ranks."""
         cost = self.collectives[kind]
-        latency_s = cost.latency_s + self.latency_per_node_doubling_s * math.log2(nodes)
+        growth_s = (self.ring_latency_per_node_s * (nodes - 1) if kind in RING_ONLY and self.ring_latency_per_node_s
+                    else self.latency_per_node_doubling_s * math.log2(nodes))
+        latency_s = cost.latency_s + growth_s
         bandwidth = cost.bus_bandwidth_bytes_per_s * min(ranks_per_node, self.rails)
         return (latency_s + bus_bytes / bandwidth) * cost.correction.at(bus_bytes)
 
@@ -187,6 +196,8 @@ class HardwareProfile:
                              ("inter_node.in_step_wait_s", self.inter_node.in_step_wait_s),
                              ("intra_node.latency_per_node_doubling_s", self.intra_node.latency_per_node_doubling_s),
                              ("inter_node.latency_per_node_doubling_s", self.inter_node.latency_per_node_doubling_s),
+                             ("intra_node.ring_latency_per_node_s", self.intra_node.ring_latency_per_node_s),
+                             ("inter_node.ring_latency_per_node_s", self.inter_node.ring_latency_per_node_s),
                              ("runtime_reserved_bytes", self.runtime_reserved_bytes)):
             if not _is_non_negative(value):
                 raise HardwareError(f"hardware profile {self.name!r}: {where} is {value!r}, must be a finite "
@@ -364,7 +375,7 @@ def _figures(value: object, where: str) -> Iterator[tuple[str, object]]:
 
 
 _NOT_FIGURES = ("name", "source", "overlaps_communication", "in_step_wait_s", "latency_per_node_doubling_s",
-                "runtime_reserved_bytes")
+                "ring_latency_per_node_s", "runtime_reserved_bytes")
 """Fields that are not positive figures (a wait, a latency step, a reserve may be 0: checked on their own)."""
 
 

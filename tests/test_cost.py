@@ -283,7 +283,7 @@ def test_a_block_without_flops_pays_only_its_memory_bound_ops():
 
 def test_pipeline_sends_cross_nodes_once_the_world_spans_them():
     """Neighbouring stages sit dp ranks apart: within one 8-GPU node a send rides NVLink, across
-    nodes one GPU's NICs (44.8 GB/s) plus the latency of two nodes."""
+    nodes one GPU's NICs (44.8 GB/s) plus one hop of a ring across nodes."""
     from shardplan.plan import Mesh, Schedule
     from shardplan.solver.search import Configuration, Setting, boundary_times_s
 
@@ -293,7 +293,7 @@ def test_pipeline_sends_cross_nodes_once_the_world_spans_them():
     for world, link in ((8, h100.intra_node), (16, h100.inter_node)):
         configuration = Configuration(mesh=Mesh(dp_shard=world // 2, pp=2), schedule=Schedule(name="1f1b"))
         cost = link.collectives["all_gather_into_tensor"]
-        latency_s = cost.latency_s + link.latency_per_node_doubling_s * (world > 8)
+        latency_s = cost.latency_s + link.ring_latency_per_node_s * (world > 8)  # one hop of a ring
         expected = latency_s + sent / 2 / cost.bus_bandwidth_bytes_per_s + link.in_step_wait_s
         assert boundary_times_s(blocks, Setting(world_size=world, batch_size=1), configuration, h100)[1] == (
             pytest.approx(expected))

@@ -192,7 +192,7 @@ class _Columns:
     def pair_time_s(self, nxt: UnitCost, ctx: CostContext) -> np.ndarray:
         """cost.pair_time_s(each last unit, nxt)."""
         per_mb = (nxt.gather_fwd_s - self.prefetch * np.minimum(nxt.gather_fwd_s, self.hide_fwd_s)
-                  + (self.gather_bwd_s - nxt.prefetch * np.minimum(self.gather_bwd_s, nxt.hide_bwd_s)))
+                  + (self.gather_bwd_s - nxt.prefetch * np.minimum(self.gather_bwd_s, nxt.free_bwd_s)))
         reduce = np.maximum(0.0, nxt.reduce_s - self.hide_bwd_s)
         if nxt.reduce_per_step:
             return ctx.pipeline_factor * per_mb + reduce
