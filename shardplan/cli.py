@@ -73,6 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=int, required=True)
     _hardware_options(plan)
     plan.add_argument("--batch", type=int, help="sequences per data-parallel replica")
+    plan.add_argument("--global-batch", type=int, dest="global_batch_size",
+                      help="sequences per step over all replicas, whatever the mesh (default: --batch per replica, "
+                           "so meshes with fewer replicas train fewer); --batch is then the largest micro-batch tried")
+    plan.add_argument("--max-tp", type=int, dest="max_tensor_parallel",
+                      help="the largest tensor-parallel degree searched (default: a node's devices on GPUs, 1 on CPU)")
     plan.add_argument("--seq", type=int, help="sequence length")
     plan.add_argument("--no-pipeline", dest="allow_pipeline", action="store_false",
                       help="plan data parallelism only (pp = 1): no pipeline stages")
@@ -88,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", choices=sorted(OPTIMIZER_STEPS), default="adamw",
                       help="the optimizer whose state and step are priced (default: adamw)")
     plan.add_argument("--wrap", metavar="REGEX", action="append", default=[],
-                      help="a unit starts at each block whose module path matches (FSDP's auto_wrap_policy); "
-                           "repeatable")
+                      help="a unit starts at each block whose module path or class name matches (FSDP's "
+                           "auto_wrap_policy / transformer_layer_cls); repeatable")
     plan.add_argument("--pin", metavar="REGEX=STRATEGY", action="append", default=[],
                       help=f"the unit holding a matching block uses STRATEGY ({', '.join(s.value for s in ShardStrategy)}); "
                            "repeatable")
@@ -154,7 +159,8 @@ def _plan_options(options) -> dict:
     constraints = Constraints(unit_boundary=wraps, strategy=pins) if wraps or pins else None
     return {"hardware": options.hardware, "memory_budget": options.memory_budget, "mixed_precision": precision,
             "optimizer": options.optimizer, "allow_pipeline": options.allow_pipeline,
-            "allow_offload": options.allow_offload, "constraints": constraints}
+            "allow_offload": options.allow_offload, "constraints": constraints,
+            "global_batch_size": options.global_batch_size, "max_tensor_parallel": options.max_tensor_parallel}
 
 
 def _pin(text: str) -> tuple[str, str]:

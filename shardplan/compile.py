@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, replace
 
 from . import cost
-from .chain import BlockChain
+from .chain import BlockChain, InputSpec
 from .cost import evaluate_stage
 from .dtypes import dtype_name
 from .errors import InfeasibleError, PlanError, ShardplanError
@@ -66,11 +66,14 @@ def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: 
     >>> plan.mesh.dp * plan.mesh.pp
     8
     """
-    from .passes import analyze
+    from .passes import analyze, fingerprint_of
 
     _check_world_size(world_size)  # before the capture: a bad count is refused in moments
     chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
-    return solve(chain, world_size, model_name=type(model).__name__, **options)
+    plan = solve(chain, world_size, model_name=type(model).__name__, **options)
+    if plan.inputs != chain.inputs:  # a global batch split over the mesh's replicas: the graph of their shapes
+        plan = replace(plan, fingerprint=fingerprint_of(model, plan.inputs))
+    return plan
 
 
 def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options) -> Plan:
@@ -104,12 +107,22 @@ def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options
     best = candidates[0]
     units, stages = _units_and_stages(chain, best)
     return Plan(fingerprint=chain.fingerprint, model=model_name or str(chain.extra.get("model", "")),
-                world_size=world_size, hardware=hw.name, inputs=chain.inputs,
+                world_size=world_size, hardware=hw.name,
+                inputs=replica_inputs(chain, int(setting.replica_batch(best.configuration.mesh.dp))),
                 mesh=best.configuration.mesh, schedule=best.configuration.schedule,
                 tensor_parallel=tensor_parallel_section(chain, best.configuration),
                 mixed_precision=precision, optimizer=asked.optimizer, units=units, stages=stages,
                 predicted=predict(chain, best, setting, hw),
                 reasoning=_reasoning(chain, best, candidates, rules, setting, hw, budget, space))
+
+
+def replica_inputs(chain: BlockChain, replica_batch: int) -> tuple[InputSpec, ...]:
+    """The chain's example inputs with one replica's batch along dim 0 (the example's own without a
+    global batch). A plan `solve` makes from the chain alone keeps the chain's fingerprint, which
+    then names the example's shapes: `compile` fingerprints the replica's."""
+    batch = _batch_size(chain)
+    return tuple(replace(spec, shape=(replica_batch, *spec.shape[1:])) if spec.shape and spec.shape[0] == batch
+                 else spec for spec in chain.inputs)
 
 
 def _check_world_size(world_size) -> None:
@@ -199,7 +212,8 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
         raise PlanError("the plan's units do not follow the model's execution order: list them in that order")
     stage_of_unit = plan.stage_of_unit
     setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain), mixed_precision=plan.mixed_precision,
-                      optimizer=plan.optimizer, skip_edges=chain.skip_edges)
+                      optimizer=plan.optimizer, skip_edges=chain.skip_edges,
+                      global_batch_size=plan.mesh.dp * plan.batch_per_replica if plan.inputs else None)
     configuration = Configuration(mesh=plan.mesh, schedule=plan.schedule,
                                   sequence_parallel=plan.tensor_parallel.sequence_parallel)
     steps, names = [], []

@@ -116,9 +116,11 @@ def test_plan_flags_reach_the_planner(tmp_path, capsys):
     output = tmp_path / "plan.json"
     run = shardplan("plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", "--no-pipeline",
                     "--param-dtype", "bfloat16", "--reduce-dtype", "float32", "--optimizer", "sgd",
-                    "--wrap", r"layers\.2$", "--pin", r"layers\.0$=replicate", "-o", str(output))
+                    "--wrap", r"layers\.2$", "--pin", r"layers\.0$=replicate", "--global-batch", "4", "--max-tp", "1",
+                    "-o", str(output))
     assert run.returncode == 0, run.stderr
     plan = load_plan(output)
+    assert plan.mesh.dp * plan.batch_per_replica == 4
     assert (plan.mixed_precision.param_dtype, plan.mixed_precision.reduce_dtype) == ("bfloat16", "float32")
     assert plan.optimizer == "sgd" and plan.mesh.pp == 1
     assert any(unit.modules[0] == "layers.2" for unit in plan.units)

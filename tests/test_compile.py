@@ -140,6 +140,20 @@ def test_predictions_name_every_unit_with_its_memory_and_compute(chains):
     assert Plan.from_json(plan.to_json()) == plan
 
 
+def test_a_global_batch_is_split_over_the_replicas_in_the_plan_and_its_fingerprint():
+    from shardplan.passes import analyze, fingerprint_of
+
+    torch.set_num_threads(1)
+    entry = zoo.gpt()  # captured at 4 sequences a replica
+    plan = compile(entry.model, 4, entry.args, entry.kwargs, hardware=HARDWARE, global_batch_size=8,
+                   allow_pipeline=False)
+    assert plan.mesh.dp == 4 and [spec.shape for spec in plan.inputs] == [(2, 32), (2, 32)]
+    assert plan.batch_per_replica == 2 and "global batch 8 samples a step = dp 4 x 2" in plan.summary()
+    assert plan.fingerprint == fingerprint_of(entry.model, plan.inputs)
+    again = evaluate(analyze(entry.model, entry.args, entry.kwargs), plan)
+    assert again.peak_bytes == plan.predicted.peak_bytes and again.step_time_s == plan.predicted.step_time_s
+
+
 def test_bad_arguments_are_refused(chains):
     with pytest.raises(ShardplanError, match="world_size"):
         solve(chains["gpt"], 0, hardware=HARDWARE)
