@@ -167,8 +167,9 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
 
 def batch_sizes(options: ElasticOptions, world_size: int) -> tuple[int, int]:
     """(samples a step over every rank, samples a step on one rank) at `world_size`."""
-    if options.global_batch_size is None:
+    if options.replica_batch_size is not None:  # then global_batch_size is None (ElasticOptions checks)
         return options.replica_batch_size * world_size, options.replica_batch_size
+    assert options.global_batch_size is not None  # for mypy: ElasticOptions requires one of the two
     if options.global_batch_size % world_size:
         raise ShardplanError(f"the global batch of {options.global_batch_size} samples does not split over "
                              f"{world_size} ranks: give a global batch every world size the job may run at "
