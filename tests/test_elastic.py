@@ -25,6 +25,7 @@ from shardplan import zoo
 from shardplan.errors import CheckpointError, ShardplanError
 from shardplan.model_spec import load_model
 from shardplan.runtime import checkpoint, manual_plan, parallelize
+from shardplan.runtime.elastic import ElasticOptions, batch_sizes, latest_checkpoints
 from shardplan.runtime.launch import free_port
 from shardplan.sampler import ResumableSampler
 
@@ -63,6 +64,29 @@ def test_sampler_state_of_another_dataset_or_seed_is_refused():
             other.load_state_dict(saved)
     with pytest.raises(ShardplanError, match="divisible by 3"):
         ResumableSampler.replica_slice([1, 2, 3, 4], 0, 3)
+
+
+# what a start decides before it trains
+
+def test_the_global_batch_is_kept_or_scaled_as_asked():
+    kept = ElasticOptions(directory="run", steps=10, global_batch_size=12)
+    assert [batch_sizes(kept, world) for world in (1, 2, 3, 4)] == [(12, 12), (12, 6), (12, 4), (12, 3)]
+    with pytest.raises(ShardplanError, match="does not split over 5 ranks"):
+        batch_sizes(kept, 5)
+    scaled = ElasticOptions(directory="run", steps=10, replica_batch_size=3)
+    assert [batch_sizes(scaled, world) for world in (1, 5)] == [(3, 3), (15, 3)]
+    with pytest.raises(ShardplanError, match="exactly one of"):
+        ElasticOptions(directory="run", steps=10, global_batch_size=12, replica_batch_size=3)
+
+
+def test_only_finished_checkpoints_are_resumed_newest_first(tmp_path):
+    for name in ("step_00000004", "step_00000012", "step_00000016.partial", "step_00000008.old", "notes"):
+        (tmp_path / name).mkdir()
+    for name in ("step_00000004", "step_00000012"):
+        (tmp_path / name / checkpoint.METADATA_FILE).touch()
+    (tmp_path / "step_00000020").mkdir()  # no shardplan.json: a save never finished there
+    assert latest_checkpoints(tmp_path) == [(12, tmp_path / "step_00000012"), (8, tmp_path / "step_00000008"),
+                                            (4, tmp_path / "step_00000004")]
 
 
 # extra state in checkpoints

@@ -139,17 +139,7 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
     try:
         while state.step < options.steps and not stop.agreed():
             first_sample = state.sampler.consumed
-            mine = ResumableSampler.replica_slice(state.sampler.take(global_batch),
-                                                  plan.mesh.replica_of(world.rank), plan.mesh.dp)
-            args, kwargs = as_call(default_collate([dataset[index] for index in mine]))
-            losses.append(float(program.step(*args, **kwargs)))
-            if options.clip_grad_norm is not None:
-                program.clip_grad_norm_(options.clip_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if state.scheduler is not None:
-                state.scheduler.step()
-            state.step += 1
+            losses.append(_train_step(program, optimizer, state, dataset, global_batch, options.clip_grad_norm))
             journal.stepped(state.step, losses[-1], world.size, first_sample, global_batch, started)
             if state.step % options.checkpoint_every == 0 or state.step == options.steps:
                 _save(program, optimizer, state, Path(options.directory), journal)
@@ -163,6 +153,24 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
         del program, optimizer, state, model
         collectives.shutdown()  # see [Note: shutdown] in collectives.py
     return outcome
+
+
+def _train_step(program, optimizer: torch.optim.Optimizer, state: "_TrainingState", dataset, global_batch: int,
+                clip_grad_norm: float | None) -> float:
+    """One optimizer step on this rank's share of the stream's next global batch; its loss."""
+    mesh = program.plan.mesh
+    mine = ResumableSampler.replica_slice(state.sampler.take(global_batch),
+                                          mesh.replica_of(collectives.world().rank), mesh.dp)
+    args, kwargs = as_call(default_collate([dataset[index] for index in mine]))
+    loss = float(program.step(*args, **kwargs))
+    if clip_grad_norm is not None:
+        program.clip_grad_norm_(clip_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if state.scheduler is not None:
+        state.scheduler.step()
+    state.step += 1
+    return loss
 
 
 def batch_sizes(options: ElasticOptions, world_size: int) -> tuple[int, int]:
@@ -373,7 +381,8 @@ class _Journal:
         from ..report import plan_changes
 
         changes = plan_changes(old, new)
-        return ["plan changes: " + ("; ".join(changes) if changes else "none")]
+        return ["plan changes (as shardplan diff):"] + [f"  {change}" for change in changes] if changes else \
+            ["plan unchanged"]
 
     def stepped(self, step: int, loss: float, world_size: int, first_sample: int, global_batch: int,
                 started: float) -> None:
