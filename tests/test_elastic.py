@@ -159,6 +159,8 @@ def extras(tmp_path_factory) -> dict:
     return spawn_world(2, extras_run, (str(tmp_path_factory.mktemp("extras")),))
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
 def test_extra_state_round_trips_and_is_listed_in_the_manifest(extras):
     assert extras["loaded"] == (12, 7)
     metadata = extras["metadata"]
@@ -168,6 +170,8 @@ def test_extra_state_round_trips_and_is_listed_in_the_manifest(extras):
     assert extras["add_changed"]  # so the failing load below had something to undo
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
 def test_extra_state_refusals_name_the_cause_and_change_nothing(extras):
     assert "holds no extra state 'scheduler'" in extras["missing"]
     assert extras["unsafe"].startswith("CheckpointError: extra state 'bad'") and not extras["unsafe_written"]
@@ -261,6 +265,8 @@ def progress(directory: Path) -> dict:
         return {"step": 0, "world_size": 0}
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(600)  # its phases wait up to 150 s each: a loaded machine starts processes slowly
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
 def test_torchrun_elastic_run_grows_and_shrinks_replanning_with_the_losses_of_one_process(tmp_path):
     directory = tmp_path / "run"

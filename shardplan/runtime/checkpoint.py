@@ -48,15 +48,16 @@ under `extra` in `shardplan.json`; every rank loads it. A state must round-trip 
 `torch.load(weights_only=True)` (tensors, numbers, strings, lists, dicts), which save checks before
 anything is written, so loading runs no code from the checkpoint. Loading sets the extra objects
 after every rank has read and checked everything, just before the model: an object whose
-`load_state_dict` raises (on any rank) leaves every rank's model and optimizer as they were.
+`load_state_dict` raises (on any rank) leaves every rank's model and optimizer as they were (extra
+objects set before it keep what they loaded).
 """
 import functools
 import hashlib
 import io
 import json
-import re
 import math
 import os
+import re
 import shutil
 import stat
 from dataclasses import dataclass

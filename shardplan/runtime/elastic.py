@@ -13,7 +13,7 @@ one fails or a node joins, with as many nodes as came to the new rendezvous. Eac
    (those the last start finished after its last checkpoint, from `progress.json`) and where the
    time since the last step went;
 5. trains to `steps`, saving a checkpoint every `checkpoint_every` steps, at the end, and when any
-   rank got SIGTERM (the ranks agree on it after each step, one 1-element all-reduce), then returns.
+   rank got SIGTERM (the ranks agree on it before each step, one 1-element all-reduce), then returns.
 
 A rank that dies makes the others fail at their next collective (gloo sees the closed connection;
 otherwise at the process-group timeout), and torchrun restarts the survivors. A save cut short
