@@ -204,7 +204,9 @@ def start_node(directory: Path, port: int, host: bool, log: Path) -> subprocess.
     """One torchrun agent of one rank, in a rendezvous of 1 to 2 nodes."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
-               f"--rdzv-conf=is_host={int(host)},last_call_timeout=2", "--max-restarts=3", "--monitor-interval=0.2",
+               # a dead node leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt (5 x 3 s)
+               f"--rdzv-conf=is_host={int(host)},last_call_timeout=2,keep_alive_interval=1", "--max-restarts=3",
+               "--monitor-interval=0.2",
                "-m", "shardplan.cli", "train", "gpt", "elastic_data:paced_tokens", "--directory", str(directory),
                "--steps", str(STEPS), "--checkpoint-every", str(CHECKPOINT_EVERY), "--global-batch",
                str(GLOBAL_BATCH), "--hardware", "cpu-gloo", "--eps", str(ADAMW["eps"]), "--timeout", "60"]
