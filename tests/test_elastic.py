@@ -25,6 +25,7 @@ from shardplan import zoo
 from shardplan.errors import CheckpointError, ShardplanError
 from shardplan.model_spec import load_model
 from shardplan.runtime import checkpoint, manual_plan, parallelize
+from shardplan.runtime import elastic
 from shardplan.runtime.elastic import ElasticOptions, batch_sizes, latest_checkpoints
 from shardplan.runtime.launch import free_port
 from shardplan.sampler import ResumableSampler
@@ -150,7 +151,32 @@ def extras_run(rank: int, world: int, directory: str) -> dict:
     record["tampered"] = refusal(lambda: program.load(path, extra={"counter": Counter()}))
     program.save(Path(directory) / "plain")
     record["plain_metadata"] = checkpoint.read_metadata(Path(directory) / "plain")[1]
+    record.update(resumes(program, Path(directory) / "run"))
     record["add_changed"] = not any(torch.equal(a, b) for a, b in zip(before, changed))
+    return record
+
+
+def resumes(program, run: Path) -> dict:
+    """Which checkpoint an elastic start resumes when the newest, then every one, fails its checks."""
+    state = elastic._TrainingState(ResumableSampler(20, seed=1), None)
+    for step in (2, 4):
+        state.step = step
+        program.save(run / f"step_{step:08d}", extra=state.extras())
+    journal = elastic._Journal(run, None)
+
+    def tamper(step: int) -> None:
+        if torch.distributed.get_rank() == 0:
+            (run / f"step_{step:08d}" / "extra.progress.pt").write_bytes(b"damaged")
+        torch.distributed.barrier()
+
+    tamper(4)
+    record = {"fallback_step": elastic._resume(program, None, state, run, journal).step}
+    tamper(2)
+    try:
+        elastic._resume(program, None, state, run, journal)
+        record["none_loads"] = "none"
+    except CheckpointError as error:
+        record["none_loads"] = str(error)
     return record
 
 
@@ -177,6 +203,13 @@ def test_extra_state_refusals_name_the_cause_and_change_nothing(extras):
     assert extras["unsafe"].startswith("CheckpointError: extra state 'bad'") and not extras["unsafe_written"]
     assert extras["failing_load"] == "ValueError: refused" and extras["kept_after_failing_load"]
     assert extras["tampered"].startswith("CheckpointError: checkpoint file") and "extra.counter.pt" in extras["tampered"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_start_passes_over_a_damaged_newest_checkpoint_and_refuses_when_none_loads(extras):
+    assert extras["fallback_step"] == 2
+    assert extras["none_loads"].startswith("none of the 2 checkpoint(s)")
 
 
 # a torchrun elastic run: 1 rank, then 2, then 1

@@ -253,8 +253,10 @@ class _Resumed:
 
 
 def _resume(program, optimizer, state: _TrainingState, directory: Path, journal: "_Journal") -> _Resumed | None:
-    """Load the newest checkpoint that passes its checks (all or nothing on every rank); None when none."""
-    for step, path in on_rank_zero(lambda: latest_checkpoints(directory)):
+    """Load the newest checkpoint that passes its checks (all or nothing on every rank); None when there is
+    none. Raises when there are some and none loads: starting afresh would soon remove them."""
+    found = on_rank_zero(lambda: latest_checkpoints(directory))
+    for step, path in found:
         try:
             program.load(path, optimizer, extra=state.extras())
         except CheckpointError as error:  # raised on every rank alike, nothing applied
@@ -263,6 +265,9 @@ def _resume(program, optimizer, state: _TrainingState, directory: Path, journal:
         _, metadata = on_rank_zero(lambda: read_metadata(path))
         return _Resumed(step=step, plan=Plan.from_json(json.dumps(metadata["plan"])),
                         world_size=metadata["world_size"])
+    if found:
+        raise CheckpointError(f"none of the {len(found)} checkpoint(s) in {directory} loads (the log says why for "
+                              "each): mend or move them, or train in another directory")
     return None
 
 
