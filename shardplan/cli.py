@@ -28,7 +28,7 @@ EXAMPLES = {
              "  shardplan check --measure cpu-gloo   # predicted vs measured training on this machine",
     "calibrate": "shardplan calibrate -o profile.json --world-size 2",
     "demo": "shardplan demo --world-size 2 --steps 5",
-    "train": "torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 "
+    "train": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 "
              "--rdzv-id=run1 --max-restarts=3 --no-python \\\n"
              "      shardplan train gpt mypackage.data:tokens --directory run1 --steps 1000 --global-batch 64 "
              "--hardware cpu-gloo",
