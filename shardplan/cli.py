@@ -1,4 +1,4 @@
-"""The command line: shardplan plan | explain | diff | check | calibrate | demo.
+"""The command line: shardplan plan | explain | diff | check | calibrate | demo | train.
 
 Errors print on one line without a traceback and exit 2 (`--debug` shows the traceback).
 """
@@ -28,6 +28,10 @@ EXAMPLES = {
              "  shardplan check --measure cpu-gloo   # predicted vs measured training on this machine",
     "calibrate": "shardplan calibrate -o profile.json --world-size 2",
     "demo": "shardplan demo --world-size 2 --steps 5",
+    "train": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 "
+             "--rdzv-id=run1 --max-restarts=3 --no-python \\\n"
+             "      shardplan train gpt mypackage.data:tokens --directory run1 --steps 1000 --global-batch 64 "
+             "--hardware cpu-gloo",
 }
 
 
@@ -122,6 +126,27 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--hardware", help="a profile name or JSON path (default: a quick calibration here)")
     demo.add_argument("--memory-budget", help="bytes per rank, e.g. 300MiB (default: 60%% of the fastest plan's)")
+
+    train = command("train", _train, "Train under torchrun, elastic: on every (re)start re-plan for the world there "
+                                     "is and resume the newest checkpoint (run on every rank).")
+    train.add_argument("model", help="a zoo name, package.module:factory, or a Hugging Face config JSON; its "
+                                     "forward returns the loss")
+    train.add_argument("data", help="package.module:factory returning a dataset: len() and dataset[i], a tensor, a "
+                                    "tuple or a dict of tensors (the model's arguments, by position or name)")
+    train.add_argument("--directory", required=True, help="checkpoints, progress.json and events.jsonl")
+    train.add_argument("--steps", type=int, required=True, help="optimizer steps in all, over every restart")
+    batch = train.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--global-batch", type=int, help="samples a step, kept at every world size")
+    batch.add_argument("--batch", type=int, help="samples a step per rank: the global batch scales with the world")
+    train.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default: 100)")
+    train.add_argument("--seed", type=int, default=0, help="of the initialization and the sample order")
+    train.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default: 1e-3)")
+    train.add_argument("--eps", type=float, default=1e-8, help="AdamW's eps (default: 1e-8)")
+    train.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's weight decay (default: 0.01)")
+    train.add_argument("--clip", type=float, help="clip the gradients' global norm to this")
+    train.add_argument("--timeout", type=float, default=300.0,
+                       help="process-group timeout in seconds: how long ranks wait on a rank that died silently")
+    _hardware_options(train)
     return parser
 
 
@@ -259,6 +284,31 @@ def _demo(options) -> int:
     console.print(table)
     console.print("loss by step: " + ", ".join(f"{loss:.3f}" for loss in measured.losses))
     return 0
+
+
+def _train(options) -> int:
+    import importlib
+
+    import torch
+
+    from .model_spec import load_model
+    from .runtime.elastic import ElasticOptions, train
+
+    module_name, _, factory_name = options.data.partition(":")
+    try:
+        dataset = getattr(importlib.import_module(module_name), factory_name)()
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ShardplanError(f"cannot load the data {options.data!r} ({error}): write package.module:function, "
+                             "importable from here (set PYTHONPATH)") from None
+    elastic = ElasticOptions(directory=options.directory, steps=options.steps, global_batch_size=options.global_batch,
+                             replica_batch_size=options.batch, checkpoint_every=options.checkpoint_every,
+                             seed=options.seed, clip_grad_norm=options.clip, timeout_s=options.timeout,
+                             plan_options={"hardware": options.hardware, "memory_budget": options.memory_budget})
+    outcome = train(lambda: load_model(options.model, warn=_warn).model, dataset, elastic,
+                    optimizer_factory=lambda parameters: torch.optim.AdamW(
+                        parameters, lr=options.lr, eps=options.eps, weight_decay=options.weight_decay),
+                    log=lambda text: print(text, flush=True))
+    return 0 if outcome.step >= options.steps or outcome.stopped else 1
 
 
 if __name__ == "__main__":

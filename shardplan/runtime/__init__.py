@@ -18,6 +18,7 @@
     chunks.py        which chunk of each flattened parameter a rank holds, for checkpoints
     measure.py       peak tensor memory and step time of a training step on this rank
     launch.py        spawn a world of ranks on this machine and run a job on each (demo, calibration)
+    elastic.py       training under torchrun's elastic launch: re-plan and resume on every (re)start
 """
 from typing import Callable
 

@@ -12,7 +12,8 @@ chunks this rank's new shards cover, so a checkpoint saved at one world size
 and unit grouping loads into any other (DCP reads across chunk boundaries).
 `shardplan.json` holds the format version, the plan, the world size, the names,
 shapes and dtypes of parameters and buffers, the optimizer's state schema
-and hyperparameters, and the manifest: every other file's size and SHA-256.
+and hyperparameters, the names of extra stateful objects saved beside the model (see [Note:
+extra state]), and the manifest: every other file's size and SHA-256.
 It is written last, so a directory without it is not a checkpoint; it is read
 within files.py's bounds on size and depth and checked against
 schemas/checkpoint.schema.json. See [Note: trust model] in dcp_storage.py.
@@ -38,17 +39,30 @@ rank, before anything was applied, so every unit stays as it was on every
 rank. Only then are the copies put in place, with local copies that cannot
 disagree across ranks. The cost: a second copy of this rank's parameters and
 buffers while loading.
+
+[Note: extra state] `save(..., extra={"sampler": sampler})` keeps any object with `state_dict()` /
+`load_state_dict(state)` beside the model (a sampler, a step counter, an lr scheduler; DCP's
+"stateful objects"). Its state is the same on every rank (global training state, not a shard):
+rank 0's is written, as `extra.<name>.pt` in the checkpoint directory, listed in the manifest and
+under `extra` in `shardplan.json`; every rank loads it. A state must round-trip through
+`torch.load(weights_only=True)` (tensors, numbers, strings, lists, dicts), which save checks before
+anything is written, so loading runs no code from the checkpoint. Loading sets the extra objects
+after every rank has read and checked everything, just before the model: an object whose
+`load_state_dict` raises (on any rank) leaves every rank's model and optimizer as they were (extra
+objects set before it keep what they loaded).
 """
 import functools
 import hashlib
+import io
 import json
 import math
 import os
+import re
 import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, Protocol, TypeVar
 
 import torch
 import torch.nn as nn
@@ -65,18 +79,33 @@ FORMAT = "shardplan.checkpoint/2"
 METADATA_FILE = "shardplan.json"
 SCHEMA_PATH = Path(__file__).parent.parent / "schemas" / "checkpoint.schema.json"
 
+EXTRA_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
+"""An extra state's name: it names the file `extra.<name>.pt`."""
+
 T = TypeVar("T")
 
 
-def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Write `program`'s parameters, buffers and `optimizer`'s state to the directory `path`, atomically.
+class Stateful(Protocol):
+    """What `extra=` takes: torch.distributed.checkpoint's Stateful (a sampler, an lr scheduler...)."""
 
-    Call on every rank, between steps. See [Note: checkpoint format] and [Note: atomic save]."""
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+         extra: Mapping[str, Stateful] | None = None) -> None:
+    """Write `program`'s parameters, buffers, `optimizer`'s state and the `extra` objects' states to the
+    directory `path`, atomically.
+
+    Call on every rank, between steps. See [Note: checkpoint format], [Note: atomic save] and [Note:
+    extra state]."""
     directory = _agreed_path(path)
     program.average_running_statistics()  # [Note: running statistics] in program.py
     held = program.holders()
     metadata = _metadata(program, held, optimizer)
     state = _agreed(lambda: _saved_entries(program, held, optimizer, metadata))
+    extras = _agreed(lambda: _serialized_extras(extra or {}) if collectives.world().rank == 0 else {})
     _on_rank_zero(lambda: _prepare_target(directory))
     partial = _partial(directory)
     writer = RecordingWriter(os.fspath(partial))
@@ -87,7 +116,7 @@ def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
                               "cause and save again") from None
     written = writer.written + ([DCP_METADATA_FILE] if collectives.world().rank == 0 else [])  # DCP's coordinator's
     found = collectives.gather_object(_agreed(lambda: _described_files(partial, written)))
-    _on_rank_zero(lambda: _commit(directory, {**metadata, "files": _manifest(found)}))
+    _on_rank_zero(lambda: _commit(directory, metadata, _manifest(found), extras))
     # rank 0 leaves the broadcast as soon as it has sent: a script that ends with save() and
     # destroys the process group at once could tear gloo down under the other ranks' receive
     collectives.barrier()
@@ -104,12 +133,15 @@ def _saved_entries(program, held: list[Holder], optimizer: torch.optim.Optimizer
     return state
 
 
-def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Set `program`'s parameters, buffers and `optimizer`'s state from the checkpoint at `path`, all or nothing.
+def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+         extra: Mapping[str, Stateful] | None = None) -> None:
+    """Set `program`'s parameters, buffers, `optimizer`'s state and the `extra` objects' states from the
+    checkpoint at `path`, all or nothing.
 
     Call on every rank, with the optimizer built over `program.parameters()` (its state is
     replaced, its numeric hyperparameters restored). The plan, world size and backend may differ
-    from the saving run's. See [Note: load as a transaction]."""
+    from the saving run's. Extra states the checkpoint holds but `extra` does not name are left
+    unread. See [Note: load as a transaction] and [Note: extra state]."""
     agreed = _agreed_path(path)
     directory, metadata = _on_rank_zero(lambda: read_metadata(agreed))
     held = program.holders()
@@ -121,9 +153,13 @@ def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
         raise CheckpointError(f"the checkpoint at {directory} holds {metadata['optimizer']['type']} state; this "
                               f"optimizer is {type(optimizer).__name__}: build a {metadata['optimizer']['type']}, "
                               "or load with optimizer=None")
+    extra = dict(extra or {})
+    _check_extras_saved(extra, metadata, directory)
     _agreed(lambda: _verify_files(directory, metadata["files"]))
     staged = _agreed(lambda: _stage(program, held, optimizer, metadata, directory))
     optimizer_state = _agreed(lambda: _read(staged, metadata))
+    extra_states = _agreed(lambda: {name: _read_extra(directory, name) for name in extra})
+    _agreed(lambda: [extra[name].load_state_dict(state) for name, state in extra_states.items()])
     _apply(program, held, optimizer, staged, optimizer_state)
 
 
@@ -509,6 +545,49 @@ def _check_model(program, held: list[Holder], metadata: dict, directory: Path) -
                         "convert the names")
 
 
+# extra stateful objects (see [Note: extra state])
+
+def _extra_file(name: str) -> str:
+    return f"extra.{name}.pt"
+
+
+def _serialized_extras(extra: Mapping[str, Stateful]) -> dict[str, bytes]:
+    """Each extra object's state_dict(), torch.save'd, once it is known to load with weights_only."""
+    serialized = {}
+    for name, stateful in extra.items():
+        if not isinstance(name, str) or not EXTRA_NAME.fullmatch(name):
+            raise CheckpointError(f"extra state name {str(name)[:80]!r} cannot name a file: use 1-64 letters, "
+                                  "digits, '_' or '-' (e.g. 'sampler')")
+        buffer = io.BytesIO()
+        torch.save(stateful.state_dict(), buffer)
+        try:
+            torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+        except Exception as error:  # weights_only names the refused type in its own exception types
+            raise CheckpointError(f"extra state {name!r} ({type(stateful).__name__}.state_dict()) holds what a "
+                                  f"checkpoint cannot load without running code ({one_line(error)[:160]}): keep "
+                                  "it to tensors, numbers, strings, lists and dicts") from None
+        serialized[name] = buffer.getvalue()
+    return serialized
+
+
+def _check_extras_saved(extra: Mapping[str, Stateful], metadata: dict, directory: Path) -> None:
+    saved = metadata.get("extra", [])
+    missing = [name for name in extra if name not in saved or _extra_file(name) not in metadata["files"]]
+    if missing:
+        raise CheckpointError(f"the checkpoint at {directory} holds no extra state {missing[0]!r} (it holds "
+                              f"{saved or 'none'}): save it with extra={{{missing[0]!r}: ...}}, or load without it")
+
+
+def _read_extra(directory: Path, name: str) -> Any:
+    """An extra object's state, read without running code (its bytes were checked against the manifest)."""
+    file = directory / _extra_file(name)
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as error:  # torch.load raises many types on a crafted file; each becomes this one
+        raise CheckpointError(f"checkpoint file {file} cannot be read ({one_line(error)[:160]}): it is corrupt or "
+                              "was crafted; restore it from a copy, or save again") from None
+
+
 # the directory protocol (see [Note: atomic save])
 
 def _agreed_path(path: str | os.PathLike) -> Path:
@@ -633,8 +712,15 @@ def _verify_files(directory: Path, files: dict[str, dict]) -> None:
                                   f"checkpoint; restore {directory} from a copy, or save again")
 
 
-def _commit(directory: Path, metadata: dict) -> None:
+def _commit(directory: Path, metadata: dict, files: dict[str, dict], extras: dict[str, bytes]) -> None:
+    """Write the extra states and `shardplan.json`, last, into `<path>.partial`; swap it in."""
     partial = _partial(directory)
+    for name, data in extras.items():
+        (partial / _extra_file(name)).write_bytes(data)
+    files = {**files, **_described_files(partial, [_extra_file(name) for name in extras])}
+    metadata = {**metadata, "files": dict(sorted(files.items()))}
+    if extras:
+        metadata["extra"] = sorted(extras)
     temporary = partial / (METADATA_FILE + ".tmp")
     with open(temporary, "w") as handle:
         json.dump(metadata, handle, indent=1)

@@ -35,7 +35,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
 
 import torch
 import torch.nn as nn
@@ -49,6 +49,7 @@ from ..plan import Plan
 from . import collectives
 
 if TYPE_CHECKING:  # chunks imports the units, which import this module
+    from .checkpoint import Stateful
     from .chunks import Holder
 
 
@@ -132,27 +133,31 @@ class Program:
 
     # checkpoints (see [Note: checkpoint format] in checkpoint.py): the same format for both backends
 
-    def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Write parameters, buffers and the optimizer's state to the directory `path`, atomically.
+    def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+             extra: "Mapping[str, Stateful] | None" = None) -> None:
+        """Write parameters, buffers, the optimizer's state and `extra` objects' state_dict()s to the
+        directory `path`, atomically.
 
         Call on every rank. The checkpoint loads into any plan, world size and backend.
 
-        >>> program.save("ckpt/step_1000", optimizer)  # doctest: +SKIP
+        >>> program.save("ckpt/step_1000", optimizer, extra={"sampler": sampler})  # doctest: +SKIP
         """
         from . import checkpoint
 
         self.check_in_step()
-        checkpoint.save(self, path, optimizer)
+        checkpoint.save(self, path, optimizer, extra)
 
-    def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Restore what `save` wrote (resharding to this plan and world size); call on every rank.
+    def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+             extra: "Mapping[str, Stateful] | None" = None) -> None:
+        """Restore what `save` wrote (resharding to this plan and world size), and each `extra` object's
+        state (load_state_dict); call on every rank.
 
         >>> optimizer = torch.optim.AdamW(program.parameters(), lr=3e-4)  # doctest: +SKIP
-        >>> program.load("ckpt/step_1000", optimizer)                     # doctest: +SKIP
+        >>> program.load("ckpt/step_1000", optimizer, extra={"sampler": sampler})  # doctest: +SKIP
         """
         from . import checkpoint
 
-        checkpoint.load(self, path, optimizer)
+        checkpoint.load(self, path, optimizer, extra)
         self.out_of_step = None
 
     def export_full_state_dict(self, path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
