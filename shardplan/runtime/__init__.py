@@ -74,10 +74,6 @@ def _check_mesh(plan: Plan, world_size: int) -> None:
     if mesh.size != world_size:
         raise ShardplanError(f"the plan is for {mesh.describe()} = {mesh.size} ranks but the process group has "
                              f"{world_size}: launch {mesh.size} ranks, or re-plan for world_size={world_size}")
-    # a stage runs its captured graph at the full widths (stage_split.py), which tensor parallelism slices
-    if mesh.tp > 1 and mesh.pp > 1:
-        raise ShardplanError(f"the plan's mesh {mesh.describe()} runs tensor parallelism inside pipeline stages, "
-                             "which this version's runtime does not run yet: re-plan with tp=1 or pp=1")
 
 
 def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:
