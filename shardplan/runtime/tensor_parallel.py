@@ -30,6 +30,15 @@ Parameters stay plain tensors, not DTensors, so shardplan's flat-buffer units fl
 any other: a unit over a sharded module holds this rank's slices (`ParameterSlice` says which part
 of the full parameter that is).
 
+[Note: exchanges in captured graphs] Every collective above is one custom op,
+shardplan::tensor_parallel_exchange (a collective in forward, another in backward, along a dim,
+over a process group named by its name), not an autograd.Function: torch.export would trace
+through a Function's forward and lose its backward, while a custom op stays one node of the graph,
+with its autograd. So a capture of the sliced model (a pipeline stage's graph: [Note: tensor
+parallel stages] in pipelined.py) runs the same exchanges as the eager model. A custom op returns
+no view of its input: f's forward copies it, and g's forward sums a copy of the partial products
+(g's backward, the identity, passes the gradient on uncopied).
+
 The model's code runs unchanged, but it must not bake the full widths in: a rank's attention holds
 heads / tp heads, so it must reshape with the sizes of its tensors (`view(batch, seq, -1, head_dim)`,
 `reshape(batch, seq, -1)`), as the zoo GPT and Hugging Face's LLaMA do.
