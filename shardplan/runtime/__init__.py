@@ -10,7 +10,7 @@
     sharded.py       backend="shardplan": tensor parallelism, then the units over the local slices
     tensor_parallel.py  Megatron-style slices of a TensorParallelLayout's pairs, on an eager model
     stage_split.py   the captured graph split into the plan's stages, and the module that runs one
-    pipelined.py     backend="shardplan" with pp > 1: this rank's stage (tp-sliced with tp > 1) under a GPipe / 1F1B schedule
+    pipelined.py     backend="shardplan" with pp > 1: this rank's stage (tp-sliced if tp > 1) under GPipe / 1F1B
     fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard (and DTensor TP)
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
     checkpoint.py    save / load (any plan, world size, backend) and export_full_state_dict

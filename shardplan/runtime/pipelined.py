@@ -8,19 +8,18 @@ activations and their gradients to the neighbouring stages of the same replica
 and tp index.
 
 [Note: tensor parallel stages] With tp > 1 the model is sliced over this rank's
-tp group (the dp · tp ranks of one stage hold it as at pp = 1: tensor_parallel.py)
+tp group (tp consecutive ranks of one stage, as at pp = 1: tensor_parallel.py)
 before the stages are cut, so each stage runs the sliced model's graph: this
 rank's widths, and tensor parallelism's exchanges as nodes of it (a custom op
 that runs the collective over the tp group: [Note: exchanges in captured graphs]).
-Each tp rank sends to and receives from the tp rank of the same index on the
+Each tp rank sends to and receives from the rank of the same tp index on the
 neighbouring stages what its own graph holds at the cut: the whole residual
-stream without sequence parallelism (the same on every tp rank), and with it
-this rank's part of the sequence (the layers between the first and the last
-sequence-parallel layer run sharded, wherever a cut falls), so a cut sends
-1/tp of the activations. The embeddings (vocab-parallel, where the plan says)
-run on the first stage, the head on the last, whose logits are gathered whole
-before the model's own loss: every tp rank of the last stage computes the same
-loss.
+stream (the same on every tp rank), or, under sequence parallelism and at a cut
+between the first and the last sequence-parallel layer, this rank's part of the
+sequence: 1/tp of the activations, as the cost model prices a cut. The
+embeddings (vocab-parallel, where the plan says) run on the first stage, the
+head on the last, whose logits are gathered whole before the model's own loss:
+every tp rank of the last stage computes the same loss.
 
 [Note: pipelined step] `step` means what it means at pp == 1: the loss
 averaged over micro-batches and ranks, and gradients of that average. Each
