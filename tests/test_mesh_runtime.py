@@ -1,9 +1,9 @@
 """The 4-D mesh at run time: tensor parallelism and replica groups (HSDP) composed with the units.
 
-One spawned world of 4 ranks runs every case (tp 2 × dp 2 and dp_replicate 2 × dp_shard 2 on the
-zoo GPT and a tiny Hugging Face LLaMA, HSDP under a 2-stage pipeline, each next to one process on
-the whole batch), then a
-checkpoint saved on tp 2 × dp 2 resumed on dp 4 and on HSDP, which must continue the same losses.
+One spawned world of 4 ranks runs every case (tp 2 × dp 2, dp_replicate 2 × dp_shard 2 and tp 2 ×
+pp 2 on the zoo GPT and a tiny Hugging Face LLaMA, HSDP under a 2-stage pipeline, each next to one
+process on the whole batch), then a checkpoint saved on tp 2 × dp 2 resumed on dp 4 and on HSDP,
+and one saved on tp 2 × pp 2 resumed on tp 2 × dp 2 and dp 4, which must continue the same losses.
 """
 import copy
 import dataclasses
@@ -40,6 +40,8 @@ MESHES = {
     "tp2_dp2": dict(dp=2, tp=2),
     "tp2_dp2_sp_vocab": dict(dp=2, tp=2, sequence_parallel=True, vocab_parallel=True),
     "hsdp2x2": dict(dp=2, dp_replicate=2),
+    "tp2_pp2": dict(dp=1, tp=2, pp=2),
+    "tp2_pp2_sp_vocab": dict(dp=1, tp=2, pp=2, sequence_parallel=True, vocab_parallel=True),
 }
 
 
@@ -63,16 +65,24 @@ def run_case(rank: int, case: dict) -> dict:
     reference, model = entry.model, copy.deepcopy(entry.model)
     plan = _plan(model, case["model"], case["mesh"], entry.args[0], strategies=case["strategies"],
                  checkpoints=case.get("checkpoints", (Checkpoint.NONE,)),
-                 micro_batches=case.get("micro_batches", 1))
+                 micro_batches=case.get("micro_batches", 1), schedule=case.get("schedule", "gpipe"))
     program = parallelize(model, plan, backend=case.get("backend", "shardplan"))
     replicas, replica = plan.mesh.dp, plan.mesh.replica_of(rank)
     batches = [(ids.chunk(replicas)[replica], ids) for ids in _batches(entry, replicas, STEPS)]
     return train_next_to_reference(program, reference, batches, clip=case.get("clip"))
 
 
-def resume_across_meshes(rank: int, directory: str) -> dict:
-    """Train LLaMA 2 steps on tp 2 × dp 2, save; resume on dp 4 and on HSDP 2 × 2 (both backends) for 2 more
-    steps each, next to the same 4 steps in one run on tp 2 × dp 2: the losses after the resume must be the same."""
+RESUMES = {
+    "tp2_dp2": ("tp2_dp2_sp_vocab", {"dp4": (dict(dp=4), "shardplan"), "hsdp2x2": (MESHES["hsdp2x2"], "shardplan"),
+                                     "hsdp2x2_fsdp2": (MESHES["hsdp2x2"], "fsdp2")}),
+    "tp2_pp2": ("tp2_pp2_sp_vocab", {"tp2_dp2": (MESHES["tp2_dp2"], "shardplan"), "dp4": (dict(dp=4), "shardplan")}),
+}
+"""Per resume: the mesh the checkpoint is saved on (backend "shardplan") and the meshes and backends it resumes on."""
+
+
+def resume_across_meshes(rank: int, directory: str, saved_on: str, resumed_on: dict) -> dict:
+    """Train LLaMA 2 steps on MESHES[saved_on], save; resume on each of `resumed_on` for 2 more steps, next
+    to the same 4 steps in one run on `saved_on`: the losses after the resume must be the same."""
     build, _ = MODELS["llama"]
     torch.manual_seed(0)
     entry = build(2)
@@ -81,7 +91,8 @@ def resume_across_meshes(rank: int, directory: str) -> dict:
     def program_on(mesh: dict, backend: str = "shardplan"):
         model = copy.deepcopy(entry.model)
         replicas = mesh["dp"] * mesh.get("dp_replicate", 1)
-        plan = _plan(model, "llama", mesh, batches[0].chunk(replicas)[0], strategies=STRATEGIES)
+        plan = _plan(model, "llama", mesh, batches[0].chunk(replicas)[0], strategies=STRATEGIES,
+                     micro_batches=mesh.get("pp", 1))
         program = parallelize(model, plan, backend=backend)
         return program, torch.optim.AdamW(program.parameters(), **ADAMW)
 
@@ -95,16 +106,15 @@ def resume_across_meshes(rank: int, directory: str) -> dict:
             optimizer.zero_grad()
         return losses
 
-    program, optimizer = program_on(MESHES["tp2_dp2_sp_vocab"])
+    program, optimizer = program_on(MESHES[saved_on])
     train(program, optimizer, batches[:2])
-    program.save(f"{directory}/step2", optimizer)
+    program.save(f"{directory}/{saved_on}", optimizer)
     unbroken = train(program, optimizer, batches[2:])
     exported = program.export_full_state_dict()
     resumed = {}
-    for name, (mesh, backend) in {"dp4": (dict(dp=4), "shardplan"), "hsdp2x2": (MESHES["hsdp2x2"], "shardplan"),
-                                  "hsdp2x2_fsdp2": (MESHES["hsdp2x2"], "fsdp2")}.items():
+    for name, (mesh, backend) in resumed_on.items():
         program, optimizer = program_on(mesh, backend)
-        program.load(f"{directory}/step2", optimizer)
+        program.load(f"{directory}/{saved_on}", optimizer)
         resumed[name] = max(abs(a - b) for a, b in zip(train(program, optimizer, batches[2:]), unbroken))
     names = sorted(exported) if rank == 0 else []
     shapes = {name: list(exported[name].shape) for name in names}
@@ -113,16 +123,16 @@ def resume_across_meshes(rank: int, directory: str) -> dict:
 
 
 def refusals(rank: int) -> dict:
-    """tp inside pipeline stages, a plan whose sliced modules differ from what the model offers."""
+    """tp inside pipeline stages on backend fsdp2, a plan whose sliced modules differ from what the model offers."""
     found = {}
     build, groups = MODELS["gpt"]
     entry = build(2)
     plan = manual_plan(entry.model, groups, dp=1, tp=2, pp=2, example_inputs=entry.args,
                        example_kwargs=entry.kwargs)
     try:
-        parallelize(entry.model, plan)
+        parallelize(entry.model, plan, backend="fsdp2")
     except ShardplanError as error:
-        found["pipeline"] = str(error)
+        found["pipeline_fsdp2"] = str(error)
     plan = _plan(entry.model, "gpt", MESHES["tp2_dp2"], entry.args[0])
     edited = dataclasses.replace(plan, tensor_parallel=dataclasses.replace(
         plan.tensor_parallel, sharded=plan.tensor_parallel.sharded[1:]))
@@ -142,6 +152,12 @@ CASES = {
         "checkpoints": (Checkpoint.FULL, Checkpoint.SELECTIVE), "clip": 0.05},
     "gpt_pp2_hsdp2": {"model": "gpt", "mesh": dict(dp=1, dp_replicate=2, pp=2), "strategies": STRATEGIES,
                       "micro_batches": 2, "clip": 0.05},
+    # tp inside pipeline stages: 1F1B over checkpointed units on GPT, sequence and vocab parallel LLaMA
+    "gpt_tp2_pp2_1f1b_checkpointed": {"model": "gpt", "mesh": MESHES["tp2_pp2"], "strategies": STRATEGIES,
+                                      "micro_batches": 2, "schedule": "1f1b",
+                                      "checkpoints": (Checkpoint.FULL, Checkpoint.SELECTIVE), "clip": 0.05},
+    "llama_tp2_pp2_sp_vocab": {"model": "llama", "mesh": MESHES["tp2_pp2_sp_vocab"], "strategies": STRATEGIES,
+                               "micro_batches": 2, "clip": 0.05},
     # FSDP2 has no ZeRO-1 or DDP unit: the first two strategies
     **{f"{model}_{mesh}_fsdp2": {"model": model, "mesh": MESHES[mesh], "strategies": STRATEGIES[:2], "clip": 0.05,
                                  "backend": "fsdp2"}
@@ -151,7 +167,8 @@ CASES = {
 
 def run_world(rank: int, world: int, directory: str) -> dict:
     return {"cases": {name: run_case(rank, case) for name, case in CASES.items()},
-            "resume": resume_across_meshes(rank, directory), "refusals": refusals(rank)}
+            "resume": {saved: resume_across_meshes(rank, directory, *how) for saved, how in RESUMES.items()},
+            "refusals": refusals(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -164,16 +181,17 @@ def test_tp_and_hsdp_train_like_one_process(results):
     assert_parity(results["cases"], CASES)
 
 
-def test_a_checkpoint_of_tp2_dp2_resumes_on_dp4_and_hsdp_on_both_backends_with_the_same_losses(results):
-    resume = results["resume"]
-    assert set(resume["loss_error"]) == {"dp4", "hsdp2x2", "hsdp2x2_fsdp2"}
+@pytest.mark.parametrize("saved", RESUMES)
+def test_a_checkpoint_of_a_tp_mesh_resumes_on_other_meshes_and_backends_with_the_same_losses(results, saved):
+    resume = results["resume"][saved]
+    assert set(resume["loss_error"]) == set(RESUMES[saved][1])
     assert all(error <= 1e-5 for error in resume["loss_error"].values()), resume["loss_error"]
     assert resume["exported_shapes"] == resume["model_shapes"]  # full names and shapes, not slices
 
 
 def test_unsupported_meshes_and_foreign_layouts_are_refused(results):
     found = results["refusals"]
-    assert found["pipeline"] == ("the plan's mesh pp=2 dp_shard=1 tp=2 runs tensor parallelism inside pipeline "
-                                 "stages, which this version's runtime does not run yet: re-plan with tp=1 or pp=1")
+    assert found["pipeline_fsdp2"] == ("the plan pipelines over pp=2 stages, which backend='fsdp2' does not run: "
+                                       "use backend='shardplan', or re-plan with pp=1")
     assert found["layout"].startswith("the plan slices other modules over tp than this model offers (1 differ, "
                                       "first: 'h.0.attn.qkv')")

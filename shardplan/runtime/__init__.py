@@ -10,7 +10,7 @@
     sharded.py       backend="shardplan": tensor parallelism, then the units over the local slices
     tensor_parallel.py  Megatron-style slices of a TensorParallelLayout's pairs, on an eager model
     stage_split.py   the captured graph split into the plan's stages, and the module that runs one
-    pipelined.py     backend="shardplan" with pp > 1: this rank's stage under a GPipe / 1F1B schedule
+    pipelined.py     backend="shardplan" with pp > 1: this rank's stage (tp-sliced if tp > 1) under GPipe / 1F1B
     fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard (and DTensor TP)
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
     adascale.py      AdaScale: the learning rate scaled by the gradient's noise, measured where units reduce
@@ -76,10 +76,6 @@ def _check_mesh(plan: Plan, world_size: int) -> None:
     if mesh.size != world_size:
         raise ShardplanError(f"the plan is for {mesh.describe()} = {mesh.size} ranks but the process group has "
                              f"{world_size}: launch {mesh.size} ranks, or re-plan for world_size={world_size}")
-    # a stage runs its captured graph at the full widths (stage_split.py), which tensor parallelism slices
-    if mesh.tp > 1 and mesh.pp > 1:
-        raise ShardplanError(f"the plan's mesh {mesh.describe()} runs tensor parallelism inside pipeline stages, "
-                             "which this version's runtime does not run yet: re-plan with tp=1 or pp=1")
 
 
 def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:

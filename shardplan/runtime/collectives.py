@@ -67,6 +67,15 @@ def group_world(group: Group) -> World:
     return World(dist.get_rank(group), dist.get_world_size(group))
 
 
+def group_name(group: Group) -> str:
+    """The name `group_named` finds `group` by: how a captured graph's nodes name a group."""
+    return (dist.group.WORLD if group is None else group).group_name
+
+
+def group_named(name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
 def wait(pending: Pending) -> torch.Tensor:
     if pending.work is not None:
         pending.work.wait()

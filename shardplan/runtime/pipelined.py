@@ -1,10 +1,25 @@
 """backend="shardplan" with pp > 1: the plan's stages run by torch.distributed.pipelining.
 
-Rank r holds stage r // dp as replica r % dp (plan.Mesh). Its stage is cut out
-of the captured graph (see [Note: stage graphs] in stage_split.py); its units are
-built as without pipelining, but sharded over the stage's data-parallel
-group; a GPipe or 1F1B schedule runs the stage and sends activations and
-their gradients to the neighbouring stages of the same replica.
+Rank r holds stage r // (dp · tp) (plan.Mesh, [Note: rank layout]). Its stage is
+cut out of the captured graph (see [Note: stage graphs] in stage_split.py); its
+units are built as without pipelining, but sharded over the stage's
+data-parallel group; a GPipe or 1F1B schedule runs the stage and sends
+activations and their gradients to the neighbouring stages of the same replica
+and tp index.
+
+[Note: tensor parallel stages] With tp > 1 the model is sliced over this rank's
+tp group (tp consecutive ranks of one stage, as at pp = 1: tensor_parallel.py)
+before the stages are cut, so each stage runs the sliced model's graph: this
+rank's widths, and tensor parallelism's exchanges as nodes of it (a custom op
+that runs the collective over the tp group: [Note: exchanges in captured graphs]).
+Each tp rank sends to and receives from the rank of the same tp index on the
+neighbouring stages what its own graph holds at the cut: the whole residual
+stream (the same on every tp rank), or, under sequence parallelism and at a cut
+between the first and the last sequence-parallel layer, this rank's part of the
+sequence: 1/tp of the activations, as the cost model prices a cut. The
+embeddings (vocab-parallel, where the plan says) run on the first stage, the
+head on the last, whose logits are gathered whole before the model's own loss:
+every tp rank of the last stage computes the same loss.
 
 [Note: pipelined step] `step` means what it means at pp == 1: the loss
 averaged over micro-batches and ranks, and gradients of that average. Each
@@ -31,7 +46,7 @@ from . import collectives
 from .activation_checkpoint import checkpointed
 from .program import check_batch, check_micro_batches, refuse_optimizers_over
 from .scheduler import Scheduler
-from .sharded import UnitProgram, build_units, unit_place
+from .sharded import UnitProgram, apply_plan_tensor_parallel, build_units, unit_place
 from .stage_split import BlockCall, StageGraph, StageModule, block_runner, put_meta_stand_ins, split_stages
 
 
@@ -53,13 +68,16 @@ class PipelinedProgram(UnitProgram):
 
         super().__init__(module, plan, loss_fn)
         self.groups = collectives.mesh_groups(device.type, plan.mesh)
+        # sliced before the stages are cut: they run the sliced model's graph (see [Note: tensor parallel stages])
+        cuts, partial = apply_plan_tensor_parallel(module, plan, self.groups.tensor_parallel)
         stages = split_stages(module, plan, device)
         reads = _units_read(module, plan, stages)  # before the units replace the parameters
         self.graph = stages[self.groups.coordinates["pp"]]
         specs = {unit.name: unit for unit in plan.units}
         _drop_other_stages(module, plan, self.graph.index)
         self.units = build_units(module, plan, device, unit_place(plan.mesh, self.groups),
-                                 units=tuple(specs[name] for name in plan.stages[self.graph.index].units))
+                                 units=tuple(specs[name] for name in plan.stages[self.graph.index].units),
+                                 cuts=cuts, partial=partial)
         by_name = {unit.name: unit for unit in self.units}
         # the scheduler counts a unit's distinct module paths done (a module called twice counts once)
         self.scheduler = Scheduler(self.units, {unit: len({call.name for call in self.graph.calls
@@ -114,7 +132,8 @@ class PipelinedProgram(UnitProgram):
             if torch.is_grad_enabled():  # a step, not an evaluation
                 self._gradients_reduced()
             mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
-            return collectives.all_reduce_sum(mine) / self.plan.mesh.dp
+            # every tp rank of the last stage computed the same losses (the head's logits are whole)
+            return collectives.all_reduce_sum(mine) / (self.plan.mesh.dp * self.plan.mesh.tp)
 
     def _stopped_together(self) -> bool:
         # a stage that fails leaves its neighbours waiting on activations or gradients it never sends

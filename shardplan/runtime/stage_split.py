@@ -10,6 +10,10 @@ its stage, in graph order. Values that cross a cut are what a stage sends and
 the next receives: the residual stream, and any model input a later stage
 reads (labels), which the stages before it pass along.
 
+With tp > 1 the model captured is the one tensor parallelism sliced, so the graph
+holds this rank's widths and the tp exchanges as nodes ([Note: tensor parallel
+stages] in pipelined.py), and what crosses a cut is what this tp rank holds there.
+
 A partition takes its parameters as arguments; they are read from the model
 only when it runs, inside the scheduler's wrap, once its units have presented
 their gathered views. So a block is run as a module is without pipelining:

@@ -30,6 +30,15 @@ Parameters stay plain tensors, not DTensors, so shardplan's flat-buffer units fl
 any other: a unit over a sharded module holds this rank's slices (`ParameterSlice` says which part
 of the full parameter that is).
 
+[Note: exchanges in captured graphs] Every collective above is one custom op,
+shardplan::tensor_parallel_exchange (a collective in forward, another in backward, along a dim,
+over a process group named by its name), not an autograd.Function: torch.export would trace
+through a Function's forward and lose its backward, while a custom op stays one node of the graph,
+with its autograd. So a capture of the sliced model (a pipeline stage's graph: [Note: tensor
+parallel stages] in pipelined.py) runs the same exchanges as the eager model. A custom op returns
+no view of its input: f's forward copies it, and g's forward sums a copy of the partial products
+(g's backward, the identity, passes the gradient on uncopied).
+
 The model's code runs unchanged, but it must not bake the full widths in: a rank's attention holds
 heads / tp heads, so it must reshape with the sizes of its tensors (`view(batch, seq, -1, head_dim)`,
 `reshape(batch, seq, -1)`), as the zoo GPT and Hugging Face's LLaMA do.
@@ -69,8 +78,8 @@ import torch.nn.functional as F
 from ..errors import PlanError, RuntimeMismatchError
 from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabCandidate, VocabKind
 from ..plan import Plan, ShardedModule
-from .collectives import (Group, all_gather, all_gather_along, all_reduce_sum, group_world,
-                          reduce_scatter_sum_along, wait)
+from .collectives import (Group, all_gather, all_gather_along, all_reduce_sum, group_name, group_named,
+                          group_world, reduce_scatter_sum_along, wait)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -260,7 +269,7 @@ class _PairInput:
     def enter(self, module: nn.Module, args: tuple) -> tuple:
         x = args[0]
         if self.entered is None or self.entered[0] is not x:
-            self.entered = (x, _CopyToTensorParallel.apply(x, self.group))
+            self.entered = (x, _exchange(x, "copy", "sum", 0, self.group))
         return (self.entered[1], *args[1:])
 
     def leave(self) -> None:
@@ -275,7 +284,7 @@ def _row_parallel_forward(module: nn.Linear, combine, x: torch.Tensor) -> torch.
 def _reduce_partial_products(pair_input: _PairInput, partial: torch.Tensor) -> torch.Tensor:
     """g: the pair's output whole on every rank."""
     pair_input.leave()
-    return _ReduceFromTensorParallel.apply(partial, pair_input.group)
+    return _exchange(partial, "sum", "copy", 0, pair_input.group)
 
 
 _SEQUENCE = 1
@@ -284,13 +293,13 @@ _SEQUENCE = 1
 
 def _reduce_scatter_sequence(partial: torch.Tensor, group: Group) -> torch.Tensor:
     """g under sequence parallelism: the sum over the ranks, this rank's tokens kept."""
-    return _exchange(partial, reduce_scatter_sum_along, all_gather_along, _SEQUENCE, group)
+    return _exchange(partial, "scatter", "gather", _SEQUENCE, group)
 
 
 def _gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """f under sequence parallelism: the whole sequence from every rank's tokens; its gradient summed
     over the ranks and cut back to this rank's tokens."""
-    return _exchange(x, all_gather_along, reduce_scatter_sum_along, _SEQUENCE, group)
+    return _exchange(x, "gather", "scatter", _SEQUENCE, group)
 
 
 def _gather_pair_input(group: Group, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -304,11 +313,6 @@ def map_pair_input(args: tuple, kwargs: dict, change) -> tuple[tuple, dict]:
         return (change(args[0]), *args[1:]), kwargs
     name = next(key for key, value in kwargs.items() if isinstance(value, torch.Tensor))
     return args, {**kwargs, name: change(kwargs[name])}
-
-
-def _local_part(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    index, degree = group_world(group)
-    return x.chunk(degree, dim)[index].contiguous()
 
 
 def _shard_sequence_between(model: nn.Module, layout: TensorParallelLayout, group: Group) -> None:
@@ -331,11 +335,11 @@ def _shard_sequence_between(model: nn.Module, layout: TensorParallelLayout, grou
                 f"sequence parallelism shards the sequence (dim {_SEQUENCE} of {tuple(x.shape)}) over tp={degree} "
                 f"ranks, which does not divide {x.shape[_SEQUENCE] if x.dim() > 1 else 'it'}: feed sequences "
                 f"of a multiple of {degree} tokens (pad them), or make the layout with sequence_parallel=False")
-        return _exchange(x, _local_part, all_gather_along, _SEQUENCE, group)
+        return _exchange(x, "local", "gather", _SEQUENCE, group)
 
     def leave(module: nn.Module, args: tuple, output):
         y = output if isinstance(output, torch.Tensor) else output[0]
-        whole = _exchange(y, all_gather_along, _local_part, _SEQUENCE, group)
+        whole = _exchange(y, "gather", "local", _SEQUENCE, group)
         return whole if isinstance(output, torch.Tensor) else (whole, *output[1:])
 
     model.get_submodule(layers[0]).register_forward_pre_hook(
@@ -369,60 +373,68 @@ def _vocab_parallel_lookup(module: nn.Embedding, first: int, group: Group, ids: 
     padding = padding - first if padding is not None and 0 <= padding - first < module.num_embeddings else None
     rows = F.embedding(local.masked_fill(elsewhere, 0), module.weight, padding, None, 2.0,
                        module.scale_grad_by_freq, module.sparse)
-    return _ReduceFromTensorParallel.apply(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0), group)
+    return _exchange(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0), "sum", "copy", 0, group)
 
 
 def _vocab_parallel_head(module: nn.Linear, group: Group, x: torch.Tensor) -> torch.Tensor:
     """Column-parallel logits over this rank's vocabulary, gathered whole for the model's loss; in
     backward every rank holds the same gradient of the whole logits (the loss ran on every rank)
     and keeps its own columns."""
-    logits = F.linear(_CopyToTensorParallel.apply(x, group), module.weight, module.bias)
-    return _exchange(logits, all_gather_along, _local_part, -1, group)
+    logits = F.linear(_exchange(x, "copy", "sum", 0, group), module.weight, module.bias)
+    return _exchange(logits, "gather", "local", -1, group)
 
 
-def _exchange(x: torch.Tensor, forward, backward, dim: int, group: Group) -> torch.Tensor:
-    """`forward(x, dim, group)` in forward, `backward(grad, dim, group)` in backward."""
-    return _Exchange.apply(x, functools.partial(forward, dim=dim, group=group),
-                           functools.partial(backward, dim=dim, group=group))
+def _exchange(x: torch.Tensor, forward: str, backward: str, dim: int, group: Group) -> torch.Tensor:
+    """The collective `forward` (one of _COLLECTIVES) in forward, `backward` in backward (see [Note:
+    exchanges in captured graphs])."""
+    return torch.ops.shardplan.tensor_parallel_exchange(x, forward, backward, dim, group_name(group))
 
 
-class _Exchange(torch.autograd.Function):
-    """A collective in forward whose backward is another (each a function of one tensor): the
-    sequence and vocabulary gathers and scatters."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, forward, backward) -> torch.Tensor:
-        ctx.backward_op = backward
-        return forward(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.backward_op(grad), None, None
+def _copy(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
 
 
-class _CopyToTensorParallel(torch.autograd.Function):
-    """f: the whole input to every rank's column-parallel linears; its gradient summed over the ranks."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        # a copy: autograd may hand the same gradient tensor to other consumers of the input
-        return all_reduce_sum(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+def _sum(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    return all_reduce_sum(_copy(x, dim, group), group)
 
 
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """g: the row-parallel linear's partial products summed over the ranks; the gradient of the sum
-    is already whole on every rank."""
+def _local_part(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    index, degree = group_world(group)
+    return _copy(x.chunk(degree, dim)[index], dim, group)
 
-    @staticmethod
-    def forward(ctx, partial: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.mark_dirty(partial)  # summed in place: the linear's fresh output, which nothing else holds
-        return all_reduce_sum(partial, group)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
+_COLLECTIVES = {"copy": _copy, "sum": _sum, "gather": all_gather_along, "scatter": reduce_scatter_sum_along,
+                "local": _local_part}
+"""Each exchange's collective by name, (tensor, dim, group) → a new tensor: f is copy / sum, g sum /
+copy, the sequence and vocabulary exchanges gather, scatter and local (this rank's part) along `dim`.
+(Looked up when called, so a test may count the all-reduces through this module's all_reduce_sum.)"""
+
+_WIDTH = {"gather": lambda size, degree: size * degree, "scatter": lambda size, degree: size // degree,
+          "local": lambda size, degree: size // degree}
+"""How each collective changes the size of `dim` over `degree` ranks (the others keep it)."""
+
+
+@torch.library.custom_op("shardplan::tensor_parallel_exchange", mutates_args=())
+def _exchange_op(x: torch.Tensor, forward: str, backward: str, dim: int, group: str) -> torch.Tensor:
+    return _COLLECTIVES[forward](x, dim, group_named(group))
+
+
+@_exchange_op.register_fake
+def _exchange_shape(x: torch.Tensor, forward: str, backward: str, dim: int, group: str) -> torch.Tensor:
+    shape = list(x.shape)
+    if forward in _WIDTH:
+        shape[dim] = _WIDTH[forward](shape[dim], group_world(group_named(group)).size)
+    return x.new_empty(shape)
+
+
+def _remember_exchange(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    _, ctx.forward, ctx.backward, ctx.dim, ctx.group = inputs
+
+
+def _exchange_backward(ctx, grad: torch.Tensor):
+    # g's backward is the identity: the gradient itself, no copy (autograd may pass one tensor on)
+    back = grad if ctx.backward == "copy" else _exchange_op(grad, ctx.backward, ctx.forward, ctx.dim, ctx.group)
+    return back, None, None, None, None
+
+
+_exchange_op.register_autograd(_exchange_backward, setup_context=_remember_exchange)

@@ -120,8 +120,6 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
             if (world // tp) % pp or pp > n_blocks or (pp > 1 and (not setting.allow_pipeline
                                                                    or pp > setting.max_pipeline_degree)):
                 continue
-            if tp > 1 and pp > 1:  # priced (compile.evaluate), but the runtime runs no tp inside stages yet
-                continue
             dp = world // (tp * pp)
             batch = setting.replica_batch(dp)
             if batch != int(batch) or batch < 1:
