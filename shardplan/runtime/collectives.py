@@ -13,7 +13,7 @@ reduce dtype from overflowing.
 import contextlib
 import hashlib
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -69,11 +69,11 @@ def group_world(group: Group) -> World:
 
 def group_name(group: Group) -> str:
     """The name `group_named` finds `group` by: how a captured graph's nodes name a group."""
-    return (dist.group.WORLD if group is None else group).group_name
+    return cast(dist.ProcessGroup, dist.group.WORLD if group is None else group).group_name
 
 
 def group_named(name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(name)
+    return dist.distributed_c10d._resolve_process_group(cast(Any, name))  # a GroupName is a str at run time
 
 
 def wait(pending: Pending) -> torch.Tensor:
