@@ -148,7 +148,7 @@ def apply_tensor_parallel(model: nn.Module, layout: TensorParallelLayout,
     if degree != layout.degree:
         raise RuntimeMismatchError(f"the layout shards over tp={layout.degree} ranks, the tp group has {degree}: "
                                    f"make the layout for tp={degree}, or the group of {layout.degree} ranks")
-    slices = {}
+    slices: dict[str, ParameterSlice] = {}
     for pair in layout.pairs:
         pair_input = _PairInput(group)
         if layout.sequence_parallel:
@@ -168,7 +168,7 @@ def apply_tensor_parallel(model: nn.Module, layout: TensorParallelLayout,
                 slices |= _slice_parameters(module, linear.module, ("weight",), 1, 1, index, degree)
                 module.in_features //= degree
                 # nn.Linear adds its bias before g would sum it over the ranks: this forward adds it after
-                module.forward = functools.partial(_row_parallel_forward, module, combine)
+                module.forward = functools.partial(_row_parallel_forward, module, combine)  # type: ignore[method-assign]
     for candidate in layout.vocab:
         slices |= _shard_vocabulary(model, candidate, group)
     if layout.sequence_parallel:
@@ -351,17 +351,18 @@ def _shard_vocabulary(model: nn.Module, candidate: VocabCandidate, group: Group)
     index, degree = group_world(group)
     module = model.get_submodule(candidate.module)
     if candidate.kind is VocabKind.HEAD:
-        slices = _slice_parameters(_linear(model, candidate.module), candidate.module, ("weight", "bias"), 0, 1,
-                                   index, degree)
-        module.out_features //= degree
-        module.forward = functools.partial(_vocab_parallel_head, module, group)
+        head = _linear(model, candidate.module)
+        slices = _slice_parameters(head, candidate.module, ("weight", "bias"), 0, 1, index, degree)
+        head.out_features //= degree
+        head.forward = functools.partial(_vocab_parallel_head, head, group)  # type: ignore[method-assign]
         return slices
     if not isinstance(module, nn.Embedding) or module.max_norm is not None:
         raise PlanError(f"the layout shards {candidate.module!r} as a token embedding, but it is not a plain "
                         "nn.Embedding (no max_norm): make the layout without vocab_parallel")
     slices = _slice_parameters(module, candidate.module, ("weight",), 0, 1, index, degree)
     module.num_embeddings //= degree
-    module.forward = functools.partial(_vocab_parallel_lookup, module, index * module.num_embeddings, group)
+    module.forward = functools.partial(  # type: ignore[method-assign]
+        _vocab_parallel_lookup, module, index * module.num_embeddings, group)
     return slices
 
 

@@ -28,7 +28,7 @@ shape and dtype otherwise, so a stray use outside the runtime's control fails
 loudly instead of reading stale memory.
 """
 import enum
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, cast
 
 import torch
 import torch.nn as nn
@@ -160,27 +160,27 @@ class FlatUnit:
     def gathered(self) -> torch.Tensor:
         """The full buffer in the compute dtype, gathering (or waiting for a prefetch) if needed."""
         if self.state is UnitState.GATHERING:
-            self._buffer = collectives.wait(self._pending_gather)
+            self._buffer = collectives.wait(cast(collectives.Pending, self._pending_gather))  # GATHERING: in flight
             self._pending_gather = None
         elif self.state is UnitState.SHARDED:
             self._buffer = self._materialize()
         self.state = UnitState.GATHERED
-        return self._buffer
+        return cast(torch.Tensor, self._buffer)
 
     def present(self, gathered: torch.Tensor, epoch: int) -> None:
         """Put views of `gathered` (an autograd output) into the modules' parameter slots."""
         views = self.layout.split(gathered)
-        for module, attribute, index in self.slots:
-            module._parameters[attribute] = views[index]
+        for module, attribute, index in self.slots:  # plain views in the parameter slots, as FSDP1 puts them
+            module._parameters[attribute] = cast(nn.Parameter, views[index])
         self.views_epoch = epoch
 
     def release(self) -> None:
         """Drop the full buffer (reshard); the modules get placeholders back."""
         if self.state is UnitState.GATHERING:
-            collectives.wait(self._pending_gather)
+            collectives.wait(cast(collectives.Pending, self._pending_gather))
             self._pending_gather = None
         for (module, attribute, _), placeholder in zip(self.slots, self._placeholders):
-            module._parameters[attribute] = placeholder
+            module._parameters[attribute] = cast(nn.Parameter, placeholder)
         self._buffer = None
         self.views_epoch = -1
         self.state = UnitState.SHARDED
@@ -250,7 +250,7 @@ class FlatUnit:
 
     def finish_reduction(self) -> None:
         """Wait for the issued reduction and add its result into `shard.grad`."""
-        reduced = collectives.wait(self._pending_reduce)
+        reduced = collectives.wait(cast(collectives.Pending, self._pending_reduce))  # callers check `reducing`
         self._pending_reduce = None
         if self.traits.reduce_scatters_grads:  # HSDP: the same shard on every replica group
             reduced = collectives.wait(collectives.all_reduce_mean(reduced, async_op=False,
