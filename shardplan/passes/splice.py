@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 from ..repeats import Copy, RepeatedCapture, Representative
+from .export_names import name_as_export
 from .facts import KEY, NodeFacts, facts, is_compute
 from .ownership import stack_path
 
@@ -146,12 +147,16 @@ def splice_copies(gm: torch.fx.GraphModule, repeated: RepeatedCapture | None) ->
     earlier = {path: _storages_before(gm, nodes[0]) for path, nodes in rep_members.items()}
     copies = {copy.call: copy for copy in repeated.copies}
     backward_keys: dict[torch.fx.Node, tuple[int, int]] = {}
-    for node in [n for n in gm.graph.nodes if is_copy(n)]:
+    before = list(gm.graph.nodes)
+    spliced = {}
+    for node in [n for n in before if is_copy(n)]:
         copy = copies[node.args[1]]
         representative = repeated.representatives[copy.representative]
-        _splice_one(gm, node, copy, representative, rep_members[representative.path], by_name, get_attrs,
-                    earlier[representative.path], backward_keys)
+        spliced[node] = _splice_one(gm, node, copy, representative, rep_members[representative.path], by_name,
+                                    get_attrs, earlier[representative.path], backward_keys)
     _renumber_backward(gm, backward_keys)
+    state = {name for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]}
+    name_as_export(before, spliced, state)
 
 
 def _storages_before(gm: torch.fx.GraphModule, first: torch.fx.Node) -> set[int]:
@@ -165,7 +170,8 @@ def _storages_before(gm: torch.fx.GraphModule, first: torch.fx.Node) -> set[int]
 
 
 def _splice_one(gm, node, copy: Copy, representative: Representative, rep_members, by_name, get_attrs,
-                earlier: set[int], backward_keys) -> None:
+                earlier: set[int], backward_keys) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Splice one copy in place of `node`; its (new node, representative's node) pairs, in order."""
     rep_inputs = [by_name[name] for name in representative.inputs]
     env: dict[torch.fx.Node, torch.fx.Node] = dict(zip(rep_inputs, node.args[0]))
     rename = _renamer(representative.path, copy.path)
@@ -183,10 +189,12 @@ def _splice_one(gm, node, copy: Copy, representative: Representative, rep_member
     own_outputs = [by_name[name] for i, name in enumerate(representative.outputs) if i not in passed]
     getitems = {user.args[1]: user for user in node.users if user.target is operator.getitem}
     translate = _FactTranslation(copy, rep_members, rep_inputs, node, own_outputs, getitems, earlier, rename)
+    pairs = []
     with gm.graph.inserting_before(node):
         for member in rep_members:
             new = gm.graph.node_copy(member, mapped)
             env[member] = new
+            pairs.append((new, member))
             stack = member.meta.get("nn_module_stack")
             if stack:
                 new.meta["nn_module_stack"] = {key: (rename(path), kind) for key, (path, kind) in stack.items()}
@@ -198,6 +206,7 @@ def _splice_one(gm, node, copy: Copy, representative: Representative, rep_member
         getitem.replace_all_uses_with(env.get(own_outputs[index], own_outputs[index]))
         gm.graph.erase_node(getitem)
     gm.graph.erase_node(node)
+    return pairs
 
 
 def _renamer(old: str, new: str):
