@@ -18,11 +18,11 @@ before the stack (the embedding's output, which may be read again later); the la
 of what every block reads (a mask, the encoder's output: freed there in forward) and the first to
 send back a gradient for it (which the others add to).
 
-Not reused, traced as usual: a module whose parameters or buffers are shared with another module or
-that is reachable under two names (tied or shared layers), one holding batch norms in training (their
+Not reused, traced as usual: a module whose parameters or buffers are shared with another module (tied
+weights), one holding batch norms in training (their
 running statistics are written in place), a call with other non-tensor inputs than numbers, strings
-and None, a call returning a view of its input, or two outputs sharing storage. A module called twice
-makes the whole capture fall back to export's ordinary trace (capture.capture).
+and None, a call returning a view of its input, or two outputs sharing storage. A model holding a
+layer under two names (shared layers), or calling a block twice, is captured whole (capture.capture).
 """
 import contextlib
 import hashlib
@@ -144,11 +144,13 @@ def candidate_blocks(model: torch.nn.Module) -> dict[str, tuple]:
     paths: dict[int, list[str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         paths.setdefault(id(module), []).append(path)
+    if any(len(names) > 1 and any(map(_LAYER_INDEX_PART, ".".join(names).split("."))) for names in paths.values()):
+        return {}  # a layer under two names (shared layers): export's module paths there are not the model's
     keys: dict[str, tuple] = {}
     for path, module in model.named_modules():
         parts = path.split(".")
         numbered = [i for i, part in enumerate(parts) if _LAYER_INDEX_PART(part)]
-        if not numbered or numbered[0] != len(parts) - 1 or len(paths[id(module)]) > 1:
+        if not numbered or numbered[0] != len(parts) - 1:
             continue
         state = list(itertools.chain(module.named_parameters(path), module.named_buffers(path)))
         shared = any(owners[id(t)] != {name} for name, t in state)
