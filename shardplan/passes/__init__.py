@@ -107,13 +107,13 @@ def meta_inputs(inputs) -> tuple[tuple, dict]:
             {name: t for name, t in tensors.items() if not name.isdigit()})
 
 
-def fingerprint_of(model: torch.nn.Module, inputs: tuple[InputSpec, ...]) -> str:
+def fingerprint_of(model: torch.nn.Module, inputs: tuple[InputSpec, ...], reuse_blocks: bool = True) -> str:
     """The captured graph's fingerprint, from input shapes alone (as a plan records them).
 
     Capture only, no execution, each repeated block traced once (as `analyze` does): what
     `parallelize` runs on every rank to refuse a plan made for another model.
     """
-    captured, repeated = _capture(model, *meta_inputs(inputs), None, reuse_blocks=True)
+    captured, repeated = _capture(model, *meta_inputs(inputs), None, reuse_blocks)
     run_passes(captured.gm, last="ownership")
     run_passes(captured.gm, first="splice", last="splice", inputs=PassInputs(repeated=repeated))
     return fingerprint(captured.gm)
