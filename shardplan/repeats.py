@@ -299,23 +299,27 @@ class _OpHash(TorchDispatchMode):
     def __init__(self, origins: dict[int, str]):
         super().__init__()
         self.origins = origins
-        self.digest = hashlib.sha256()
-        self.ops = 0
+        self.ops: list[tuple] = []
+        """Per op: (op, its operands described, its outputs described); hashed once at the end."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.digest.update(repr((str(func), [self._describe(a) for a in pytree.tree_leaves((args, kwargs))])).encode())
-        for index, tensor in enumerate(pytree.tree_leaves(out)):
+        outputs = pytree.tree_leaves(out)
+        label = f"op{len(self.ops)}."
+        for index, tensor in enumerate(outputs):
             if isinstance(tensor, torch.Tensor):
-                self.origins[id(tensor)] = f"op{self.ops}.{index}"
-                self.digest.update(repr(self._describe(tensor)).encode())
-        self.ops += 1
+                self.origins[id(tensor)] = label + str(index)
+        self.ops.append((func, [self._describe(a) for a in pytree.tree_leaves((args, kwargs))],
+                         [self._describe(t) for t in outputs]))
         return out
 
     def _describe(self, value):
         if isinstance(value, torch.Tensor):
-            return (self.origins.get(id(value), "?"), tuple(value.shape), tuple(value.stride()), str(value.dtype))
-        return repr(value)
+            return (self.origins.get(id(value), "?"), tuple(value.shape), value.stride(), value.dtype)
+        return value
+
+    def hexdigest(self) -> str:
+        return hashlib.sha256(repr(self.ops).encode()).hexdigest()
 
 
 def _hashed_run(module: torch.nn.Module, leaves: list, tree) -> tuple[str, object, list[torch.Tensor]]:
@@ -333,7 +337,7 @@ def _hashed_run(module: torch.nn.Module, leaves: list, tree) -> tuple[str, objec
         hasher = _OpHash(origins)
         with hasher:
             result = torch.func.functional_call(module, state, args, kwargs)
-    return hasher.digest.hexdigest(), result, inputs
+    return hasher.hexdigest(), result, inputs
 
 
 def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
