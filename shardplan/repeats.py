@@ -195,6 +195,8 @@ def capture_repeated(model: torch.nn.Module, args: tuple, kwargs: dict) -> Repea
 def _calls_recorded(module: torch.nn.Module, path: str, key: tuple, session: _Session):
     """Route `module`'s calls through `_call` while the capture runs."""
     original = module.forward
+    own = module.__dict__.get("forward")
+    """An instance-level forward (a hook library's), put back after."""
 
     def forward(*args, **kwargs):
         return _call(module, original, path, key, session, args, kwargs)
@@ -202,9 +204,9 @@ def _calls_recorded(module: torch.nn.Module, path: str, key: tuple, session: _Se
     try:
         yield
     finally:
-        del module.forward  # the class's forward again (original was bound from it)
-        if original.__func__ is not type(module).forward:  # an instance-level forward (a hook library's)
-            module.forward = original
+        del module.forward
+        if own is not None:
+            module.forward = own
 
 
 def _call(module, original, path: str, key: tuple, session: _Session, args: tuple, kwargs: dict):
@@ -217,11 +219,11 @@ def _call(module, original, path: str, key: tuple, session: _Session, args: tupl
     leaves, tree = pytree.tree_flatten((args, kwargs))
     signature = _signature(leaves, tree)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if signature is None:
+        return original(*args, **kwargs)
     try:
-        digest, result, meta_inputs = _hashed_run(module, leaves, tree) if signature is not None else (None,) * 3
+        digest, result, meta_inputs = _hashed_run(module, leaves, tree)
     except Exception:  # a block that cannot run on the meta device is traced as usual
-        digest = None
-    if digest is None:
         return original(*args, **kwargs)
     out_leaves, out_tree = pytree.tree_flatten(result)
     passed = _passed_through([leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)], meta_inputs)
@@ -257,8 +259,8 @@ def _call(module, original, path: str, key: tuple, session: _Session, args: tupl
 def _signature(leaves: list, tree) -> tuple | None:
     """The inputs' shapes, strides, dtypes, requires_grad and which share storage, with the
     non-tensor values; None when a non-tensor input is not a plain value."""
-    storages: dict = {}
-    described = []
+    storages: dict[int, int] = {}
+    described: list[tuple] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             storage = storages.setdefault(leaf.untyped_storage()._cdata, len(storages))

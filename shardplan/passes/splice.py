@@ -109,15 +109,17 @@ class StandIn:
                           for node, sid in zip(self.outputs, output_ids) for value in [node.meta["val"]]))
 
 
-def _only_storage(node: torch.fx.Node) -> int | None:
+def _only_storage(node: torch.fx.Node) -> int:
+    """The storage id of a node's one tensor; -1 (no storage's) for a graph input, which has no facts."""
     outputs = facts(node).outputs
-    return outputs[0][0] if len(outputs) == 1 else None
+    return outputs[0][0] if len(outputs) == 1 else -1
 
 
 class _StandInFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, stand_in: StandIn, anchor, *inputs):
         boundary = stand_in.boundary
+        assert boundary is not None  # StandIn.__call__ read it
         outputs = []
         for shape, stride, offset, dtype, storage_bytes in boundary.outputs:
             storage = torch.empty(-(-storage_bytes // dtype.itemsize), dtype=dtype)
@@ -231,10 +233,10 @@ class _FactTranslation:
         computed = [facts(m) for m in rep_members if is_compute(m)]
         self.fwd_shift = facts(node).fwd_live_before_bytes - computed[0].fwd_live_before_bytes
         ran = [f for f in computed if f.bwd_order >= 0]
-        start = min(ran, key=lambda f: f.bwd_order) if ran else None
         own = facts(node)
-        self.backward = own.bwd_order >= 0 and start is not None
-        self.bwd_shift = own.bwd_live_before_bytes - start.bwd_live_before_bytes if self.backward else 0
+        self.backward = own.bwd_order >= 0 and bool(ran)
+        self.bwd_shift = (own.bwd_live_before_bytes - min(ran, key=lambda f: f.bwd_order).bwd_live_before_bytes
+                          if self.backward else 0)
         self.bwd_position = own.bwd_order
 
     def _map_storage(self, rep_node: torch.fx.Node, copy_node: torch.fx.Node) -> None:
@@ -266,6 +268,6 @@ def _renumber_backward(gm: torch.fx.GraphModule, copy_keys: dict[torch.fx.Node, 
     for node in gm.graph.nodes:
         if node not in keys and facts(node).bwd_order >= 0:
             keys[node] = (facts(node).bwd_order, -1)
-    for position, node in enumerate(sorted(keys, key=keys.get)):
+    for position, node in enumerate(sorted(keys, key=keys.__getitem__)):
         node.meta[KEY] = replace(facts(node), bwd_order=position)
 

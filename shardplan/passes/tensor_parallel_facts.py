@@ -40,7 +40,7 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
         linears = {linear.module for linear in pair.linears}
         near = {node for path, nodes in by_module.items() if path in linears or _inside(path, pair.name)
                 for node in nodes}
-        nodes = [node for node in sorted(near, key=position.get) if _sliced_by(node, pair)]
+        nodes = [node for node in sorted(near, key=position.__getitem__) if _sliced_by(node, pair)]
         owners = {block_of[node] for node in nodes}
         if len(owners) == 1:  # a pair across blocks is left whole (a first cut)
             found.setdefault(owners.pop(), []).append((pair, nodes))
