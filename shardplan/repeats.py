@@ -38,6 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .capture import Captured, export_program
 
 _LAYER_INDEX_PART = str.isdigit
+FEWEST_REUSED = 4
+"""Blocks of one structure needed before any is a copy: the first, the representative, the last are
+traced (see above). Fewer are captured as usual, at no extra cost."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,7 +138,7 @@ repeated_block.register_autograd(_backward, setup_context=_setup_context)
 
 def candidate_blocks(model: torch.nn.Module) -> dict[str, tuple]:
     """Block modules that may be reused, by path → their structural key (class, parameters, buffers),
-    in the model's order; only keys shared by two blocks or more are kept."""
+    in the model's order; only keys shared by FEWEST_REUSED blocks or more are kept."""
     owners: dict[int, set[str]] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         for name, tensor in itertools.chain(module.named_parameters(prefix, recurse=False, remove_duplicate=False),
@@ -161,7 +164,7 @@ def candidate_blocks(model: torch.nn.Module) -> dict[str, tuple]:
     counts: dict[tuple, int] = {}
     for key in keys.values():
         counts[key] = counts.get(key, 0) + 1
-    return {path: key for path, key in keys.items() if counts[key] > 1}
+    return {path: key for path, key in keys.items() if counts[key] >= FEWEST_REUSED}
 
 
 def capture_repeated(model: torch.nn.Module, args: tuple, kwargs: dict) -> RepeatedCapture | None:

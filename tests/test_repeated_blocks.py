@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from shardplan import zoo
 from shardplan.passes import analyze, fingerprint_of
+from shardplan.repeats import capture_repeated
 
 TIMINGS = ("capture_s", "analyze_s", "reused_blocks")
 
@@ -78,3 +79,9 @@ def test_shared_or_reentered_layers_are_traced_whole():
     chain = analyze(shared, (x,))
     assert chain.extra["reused_blocks"] == 0
     assert _without_timings(chain) == _without_timings(analyze(shared, (x,), reuse_blocks=False))
+
+
+@pytest.mark.parametrize("build", [zoo.residual_cnn, lambda: zoo.hf_llama(n_layer=3)])
+def test_a_model_without_enough_repeats_is_captured_once_as_before(build):
+    entry = build()
+    assert capture_repeated(entry.model, entry.args, entry.kwargs) is None  # no patched trace, no second export
