@@ -85,3 +85,14 @@ def test_shared_or_reentered_layers_are_traced_whole():
 def test_a_model_without_enough_repeats_is_captured_once_as_before(build):
     entry = build()
     assert capture_repeated(entry.model, entry.args, entry.kwargs) is None  # no patched trace, no second export
+
+
+def test_tensor_parallel_pairs_equal_those_of_a_whole_capture():
+    from shardplan.capture import capture
+    from shardplan.passes.ownership import annotate_ownership_pass
+    from shardplan.passes.tensor_parallel import find_tensor_parallel_pairs, tensor_parallel_candidates
+
+    entry = zoo.gpt(zoo.GPTConfig(n_layer=4))
+    whole = capture(entry.model, entry.args, entry.kwargs).gm
+    annotate_ownership_pass(whole)
+    assert tensor_parallel_candidates(entry.model, entry.args, entry.kwargs) == find_tensor_parallel_pairs(whole)

@@ -113,7 +113,14 @@ def fingerprint_of(model: torch.nn.Module, inputs: tuple[InputSpec, ...], reuse_
     Capture only, no execution, each repeated block traced once (as `analyze` does): what
     `parallelize` runs on every rank to refuse a plan made for another model.
     """
-    captured, repeated = _capture(model, *meta_inputs(inputs), None, reuse_blocks)
+    return fingerprint(structural_graph(model, *meta_inputs(inputs), reuse_blocks=reuse_blocks))
+
+
+def structural_graph(model: torch.nn.Module, args: tuple, kwargs: dict, reuse_blocks: bool = True) -> torch.fx.GraphModule:
+    """The whole-model graph with owners (module paths, parameters read) and no execution facts,
+    each repeated block traced once and spliced in for its copies: what the fingerprint and the
+    tensor-parallel layout read."""
+    captured, repeated = _capture(model, args, kwargs, None, reuse_blocks)
     run_passes(captured.gm, last="ownership")
     run_passes(captured.gm, first="splice", last="splice", inputs=PassInputs(repeated=repeated))
-    return fingerprint(captured.gm)
+    return captured.gm
