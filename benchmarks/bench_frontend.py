@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--skip-compile", action="store_true")
     options = parser.parse_args()
     torch.set_num_threads(1)
-    console = Console()
+    console = Console(width=200)  # the compile table's nine columns
     if not options.skip_accuracy:
         console.print(accuracy_table())
     console.print(speed_table(options.depths))
