@@ -1,16 +1,17 @@
 """Repeated blocks captured once: one torch.export of the model in which every copy of a block is one
-opaque call, and only the first block of each class of equal blocks is traced op by op.
+opaque call, and only the first, second and last block of each class of equal blocks are traced.
 
 A transformer's layers are one block repeated; tracing each costs export ~0.2 s at 7B shapes. Blocks
 are the modules the chain groups by (the first numbered element of a container: `model.layers.12`).
 Two calls are of one class when their modules have the same class, parameter and buffer names, shapes,
 dtypes and requires_grad, and their inputs the same shapes, strides, dtypes, requires_grad and
 non-tensor values. Structure alone cannot see an attribute that changes the computation (a layer
-index choosing a sliding window), so each call also runs once on export's fake tensors, untraced,
-under a mode that hashes every ATen op with its operands' origins, shapes and constants: equal
-hashes are the structural hash of the subgraph the call would capture. A call whose class was seen
-before becomes `shardplan::repeated_block`, whose fake kernel returns outputs shaped like that run's;
-passes/splice.py later puts a renamed copy of its representative's nodes (and facts) in its place.
+index choosing a sliding window), so each call also runs once, untraced, on meta tensors shaped as
+its inputs and state, under a mode that hashes every ATen op with its operands' origins, shapes and
+constants: equal hashes are the structural hash of the subgraph the call would capture. A call whose
+class has its representative becomes `shardplan::repeated_block`, whose fake kernel returns outputs
+shaped as the representative's; passes/splice.py later puts a renamed copy of the representative's
+nodes (and facts) in its place.
 
 The representative is a class's second call, and its first and last blocks are traced too: a block
 sees the model around it, and only those differ from the middle ones. The first reads what comes
@@ -19,9 +20,9 @@ of what every block reads (a mask, the encoder's output: freed there in forward)
 send back a gradient for it (which the others add to).
 
 Not reused, traced as usual: a module whose parameters or buffers are shared with another module (tied
-weights), one holding batch norms in training (their
-running statistics are written in place), a call with other non-tensor inputs than numbers, strings
-and None, a call returning a view of its input, or two outputs sharing storage. A model holding a
+weights), one holding batch norms in training (their running statistics are written in place), a call
+with other non-tensor inputs than numbers, strings and None, one that cannot run on the meta device,
+one returning a view of its input, or two outputs sharing storage. A model holding a
 layer under two names (shared layers), or calling a block twice, is captured whole (capture.capture).
 """
 import contextlib
