@@ -63,20 +63,27 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     'export'
     """
     example_kwargs = dict(example_kwargs or {})
-    # export fakifies real inputs itself; they only need to sit where the model does.
-    device = model_device(model)
-    args, kwargs = to_device((tuple(example_inputs), example_kwargs), device)
     start = time.perf_counter()
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False,
-                                       dynamic_shapes=_dynamic_shapes(model, args, kwargs, dynamic_dims))
+        return export_program(model, tuple(example_inputs), example_kwargs, dynamic_dims)
     except Exception as export_error:  # any failure inside export falls back to fx
+        args, kwargs = to_device((tuple(example_inputs), example_kwargs), model_device(model))
         try:
             gm = torch.fx.symbolic_trace(model, concrete_args=None)
             torch.fx.passes.shape_prop.ShapeProp(gm).propagate(*args, *kwargs.values())
             return Captured(gm, "symbolic_trace", time.perf_counter() - start)
         except Exception as trace_error:
             raise CaptureError(_explain(model, export_error, trace_error)) from export_error
+
+
+def export_program(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict,
+                   dynamic_dims: dict | None = None) -> Captured:
+    """torch.export (non-strict) alone; raises what export raises."""
+    # export fakifies real inputs itself; they only need to sit where the model does.
+    args, kwargs = to_device((example_inputs, example_kwargs), model_device(model))
+    start = time.perf_counter()
+    exported = torch.export.export(model, args, kwargs, strict=False,
+                                   dynamic_shapes=_dynamic_shapes(model, args, kwargs, dynamic_dims))
     return Captured(exported.module(), "export", time.perf_counter() - start,
                     _dim_ranges(exported, args, kwargs, dynamic_dims))
 

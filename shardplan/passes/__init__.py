@@ -11,13 +11,15 @@ from typing import Callable
 import torch
 import torch.fx
 
-from ..capture import capture
+from ..capture import Captured, capture
 from ..chain import BlockChain, InputSpec
 from ..dtypes import dtype_name, torch_dtype
+from ..repeats import RepeatedCapture, capture_repeated
 from .blocks import build_chain, fingerprint
 from .devices import retarget_device_pass
 from .execution import annotate_execution_pass
 from .ownership import annotate_ownership_pass
+from .splice import install_stand_ins, splice_copies
 from .tensor_parallel_facts import with_tensor_parallel_facts
 
 
@@ -30,16 +32,20 @@ class PassInputs:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     """The example inputs the execution pass runs the graph on, as fake tensors."""
+    repeated: RepeatedCapture | None = None
+    """The copies of repeated blocks the graph calls as one op each (repeats.py), if it was captured so."""
 
 
 PASSES: tuple[tuple[str, Callable[[torch.fx.GraphModule, PassInputs], None]], ...] = (
     ("ownership", lambda gm, inputs: annotate_ownership_pass(gm)),
     ("retarget_device", lambda gm, inputs: retarget_device_pass(gm, torch.device("meta"), inputs.device)),
+    ("stand_ins", lambda gm, inputs: install_stand_ins(gm, inputs.repeated)),
     ("execution", lambda gm, inputs: annotate_execution_pass(gm, inputs.args, inputs.kwargs)),
+    ("splice", lambda gm, inputs: splice_copies(gm, inputs.repeated)),
 )
-"""Every pass over a captured graph, in the order they run. Callers run a slice by name: the
-fingerprint needs ownership alone, a pipeline stage's graph runs through retarget_device, the
-analysis through execution (run_passes)."""
+"""Every pass over a captured graph, in the order they run. Callers run a slice by name: a pipeline
+stage's graph runs through retarget_device, the analysis through splice (run_passes); the
+fingerprint runs ownership and splice alone (without execution, the copies' facts are names only)."""
 
 
 def run_passes(gm: torch.fx.GraphModule, *, last: str, first: str = PASSES[0][0],
@@ -51,8 +57,11 @@ def run_passes(gm: torch.fx.GraphModule, *, last: str, first: str = PASSES[0][0]
 
 
 def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
-            dynamic_dims: dict | None = None) -> BlockChain:
+            dynamic_dims: dict | None = None, reuse_blocks: bool = True) -> BlockChain:
     """Capture `model` and reduce it to an annotated chain of blocks.
+
+    `reuse_blocks`: trace and run one block of each class of repeated blocks and stamp its facts on
+    the others (repeats.py, passes/splice.py); the chain is the one a full analysis gives.
 
     >>> from shardplan import zoo
     >>> entry = zoo.gpt()
@@ -61,17 +70,29 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     """
     example_kwargs = dict(example_kwargs or {})
     start = time.perf_counter()
-    captured = capture(model, example_inputs, example_kwargs, dynamic_dims)
-    run_passes(captured.gm, last="execution", inputs=PassInputs(args=tuple(example_inputs), kwargs=example_kwargs))
+    captured, repeated = _capture(model, tuple(example_inputs), example_kwargs, dynamic_dims, reuse_blocks)
+    run_passes(captured.gm, last="splice",
+               inputs=PassInputs(args=tuple(example_inputs), kwargs=example_kwargs, repeated=repeated))
     inputs = input_specs(example_inputs, example_kwargs, dynamic_dims)
     frozen = tuple(sorted(name for name, parameter in model.named_parameters() if not parameter.requires_grad))
     chain = build_chain(captured.gm, inputs, {"capture": captured.method, "model": type(model).__name__,
                                                "capture_s": round(captured.seconds, 3),
-                                               "analyze_s": round(time.perf_counter() - start, 3)})
-    classes = {path: type(module).__name__ for path, module in model.named_modules()
-               if any(path in block.modules for block in chain.blocks)}
+                                               "analyze_s": round(time.perf_counter() - start, 3),
+                                               "reused_blocks": len(repeated.copies) if repeated else 0})
+    in_blocks = {path for block in chain.blocks for path in block.modules}
+    classes = {path: type(module).__name__ for path, module in model.named_modules() if path in in_blocks}
     return with_tensor_parallel_facts(captured.gm, dataclasses.replace(chain, frozen_params=frozen,
                                                                        module_classes=classes))
+
+
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict | None,
+             reuse_blocks: bool) -> tuple[Captured, RepeatedCapture | None]:
+    """The model captured with its repeated blocks' copies as one op each where it has some (and
+    no dims are dynamic), else whole."""
+    repeated = capture_repeated(model, args, kwargs) if reuse_blocks and not dynamic_dims else None
+    if repeated is not None:
+        return repeated.captured, repeated
+    return capture(model, args, kwargs, dynamic_dims), None
 
 
 def input_specs(args: tuple, kwargs: dict, dynamic_dims: dict | None = None) -> tuple[InputSpec, ...]:
@@ -89,12 +110,20 @@ def meta_inputs(inputs) -> tuple[tuple, dict]:
             {name: t for name, t in tensors.items() if not name.isdigit()})
 
 
-def fingerprint_of(model: torch.nn.Module, inputs: tuple[InputSpec, ...]) -> str:
+def fingerprint_of(model: torch.nn.Module, inputs: tuple[InputSpec, ...], reuse_blocks: bool = True) -> str:
     """The captured graph's fingerprint, from input shapes alone (as a plan records them).
 
-    Capture only, no execution: what `parallelize` runs on every rank to refuse a plan
-    made for another model.
+    Capture only, no execution, each repeated block traced once (as `analyze` does): what
+    `parallelize` runs on every rank to refuse a plan made for another model.
     """
-    captured = capture(model, *meta_inputs(inputs))
+    return fingerprint(structural_graph(model, *meta_inputs(inputs), reuse_blocks=reuse_blocks))
+
+
+def structural_graph(model: torch.nn.Module, args: tuple, kwargs: dict, reuse_blocks: bool = True) -> torch.fx.GraphModule:
+    """The whole-model graph with owners (module paths, parameters read) and no execution facts,
+    each repeated block traced once and spliced in for its copies: what the fingerprint and the
+    tensor-parallel layout read."""
+    captured, repeated = _capture(model, args, kwargs, None, reuse_blocks)
     run_passes(captured.gm, last="ownership")
-    return fingerprint(captured.gm)
+    run_passes(captured.gm, first="splice", last="splice", inputs=PassInputs(repeated=repeated))
+    return captured.gm

@@ -14,6 +14,7 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from ..chain import Block, BlockChain, InputSpec, merge_op_kinds
 from ..dtypes import dtype_bytes
@@ -188,16 +189,36 @@ def _bwd_transient(nodes) -> int:
 
 
 def fingerprint(gm: torch.fx.GraphModule) -> str:
-    """Hash of the graph's ops, wiring, owning modules and tensor shapes: stable across runs and ranks."""
+    """Hash of the graph's ops, wiring, owning modules and tensor shapes: stable across runs and ranks.
+
+    Constant arguments are hashed too (devices aside). Wiring is hashed by position, not by node
+    name, and attributes other than parameters and
+    buffers (export's submodules and lifted constants, numbered by export) by kind: a graph spliced
+    from a representative block's copies (passes/splice.py) hashes as the whole-model export does."""
     digest = hashlib.sha256()
-    for node in gm.graph.nodes:
+    state = {name for name, _ in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]}
+    position: dict[torch.fx.Node, int] = {}
+    for index, node in enumerate(gm.graph.nodes):
+        position[node] = index
         value = node.meta.get("val")
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
-        digest.update(repr((node.op, str(node.target), facts(node).module_path,
-                            [a.name for a in node.all_input_nodes], shape)).encode())
+        target = node.target if node.op != "get_attr" or node.target in state else "attribute"
+        constants = [repr(value) for value in pytree.tree_leaves((node.args, node.kwargs)) if _hashed_constant(value)]
+        digest.update(repr((node.op, str(target), facts(node).module_path,
+                            [position[a] for a in node.all_input_nodes], shape, constants)).encode())
     for name, param in sorted(gm.named_parameters()):
         digest.update(repr((name, tuple(param.shape), str(param.dtype))).encode())
     return digest.hexdigest()[:16]
+
+
+_DEVICE_NAME = re.compile(r"^(cpu|meta|cuda|mps|xpu)(:\d+)?$")
+
+
+def _hashed_constant(value) -> bool:
+    """A constant argument the fingerprint hashes (a scale, an eps, a dim): not a node, and not a
+    device, which differs between the model planned on the meta device and the one run."""
+    return not isinstance(value, (torch.fx.Node, torch.device)) and not (
+        isinstance(value, str) and _DEVICE_NAME.match(value))
 
 
 def _numel(shape) -> int:

@@ -23,13 +23,16 @@ def annotate_ownership_pass(gm: torch.fx.GraphModule) -> None:
     canonical = canonical_names(gm)
     for node in gm.graph.nodes:
         if is_compute(node):
-            stack = node.meta.get("nn_module_stack") or {}
-            path = next(reversed(stack.values()))[0] if stack else ""
-            if node.op == "call_module":  # symbolic_trace keeps leaf modules as calls
-                path = node.target
+            path = _readable(node.target) if node.op == "call_module" else stack_path(node)  # symbolic_trace's leaves
             params = tuple(canonical[arg.target] for arg in node.all_input_nodes
                            if arg.op == "get_attr" and arg.target in canonical)
-            update_facts(node, module_path=_readable(path), param_names=params)
+            update_facts(node, module_path=path, param_names=params)
+
+
+def stack_path(node: torch.fx.Node) -> str:
+    """The innermost module on the node's nn_module_stack (torch.export's), dotted; "" at the model's root."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return _readable(next(reversed(stack.values()))[0]) if stack else ""
 
 
 def _readable(path: str) -> str:

@@ -34,12 +34,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..capture import capture
 from ..chain import indivisible
 from ..errors import PlanError
 from ..plan import KeptWhole
 from .facts import facts
-from .ownership import annotate_ownership_pass
 
 aten = torch.ops.aten
 
@@ -206,10 +204,10 @@ def _check_sequence_layers(layout: TensorParallelLayout) -> None:
 
 def tensor_parallel_candidates(model: torch.nn.Module, example_inputs: tuple = (),
                                example_kwargs: dict | None = None) -> TensorParallelCandidates:
-    """Capture `model` (static shapes) and find its tensor-parallel pairs."""
-    captured = capture(model, example_inputs, example_kwargs)
-    annotate_ownership_pass(captured.gm)
-    return find_tensor_parallel_pairs(captured.gm)
+    """Capture `model` (static shapes, each repeated block traced once) and find its tensor-parallel pairs."""
+    from . import structural_graph  # the package imports this module
+
+    return find_tensor_parallel_pairs(structural_graph(model, tuple(example_inputs), dict(example_kwargs or {})))
 
 
 def find_tensor_parallel_pairs(gm: torch.fx.GraphModule) -> TensorParallelCandidates:
