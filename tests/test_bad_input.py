@@ -1,4 +1,5 @@
 """Bad input and faults: each gets a clear error naming the cause and the fix, nothing hangs."""
+import dataclasses
 import datetime
 import json
 import os
@@ -37,11 +38,18 @@ def test_a_plan_for_another_model_is_refused(gpt_plan, world_of_one):
         parallelize(other.model, gpt_plan)
 
 
+def test_a_plan_fingerprinted_by_another_version_is_told_to_replan(gpt_plan, world_of_one):
+    entry = zoo.gpt()
+    unversioned = dataclasses.replace(gpt_plan, fingerprint=gpt_plan.fingerprint.partition("-")[2])
+    with pytest.raises(PlanError, match="computed by another version of shardplan.*re-plan"):
+        parallelize(entry.model, unversioned)
+
+
 def test_a_batch_of_another_shape_is_refused(gpt_plan, world_of_one):
     entry = zoo.gpt()
     program = parallelize(entry.model, gpt_plan)
-    ids = entry.args[0][:2]
-    with pytest.raises(RuntimeMismatchError, match=r"shape \[2, 32\], the plan was made for \[4, 32\]"):
+    ids = entry.args[0][:, :16]  # a batch may be smaller than planned (an epoch's last), a sequence not
+    with pytest.raises(RuntimeMismatchError, match=r"shape \[4, 16\], the plan was made for \[4, 32\]"):
         program.step(ids, labels=ids)
     assert torch.isfinite(program.step(*entry.args, **entry.kwargs))
 

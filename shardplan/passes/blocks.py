@@ -208,7 +208,12 @@ def fingerprint(gm: torch.fx.GraphModule) -> str:
                             [position[a] for a in node.all_input_nodes], shape, constants)).encode())
     for name, param in sorted(gm.named_parameters()):
         digest.update(repr((name, tuple(param.shape), str(param.dtype))).encode())
-    return digest.hexdigest()[:16]
+    return f"{FINGERPRINT_VERSION}-{digest.hexdigest()[:16]}"
+
+
+FINGERPRINT_VERSION = "g2"
+"""Names how `fingerprint` hashes: a plan whose fingerprint another version made (unprefixed: before
+positions and constants were hashed) is told to re-plan, not that it is for another model."""
 
 
 _DEVICE_NAME = re.compile(r"^(cpu|meta|cuda|mps|xpu)(:\d+)?$")

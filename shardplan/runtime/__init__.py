@@ -101,6 +101,10 @@ def _check_fingerprint(model: nn.Module, plan: Plan) -> None:
     from ..passes import fingerprint_of
 
     found = fingerprint_of(model, plan.inputs)
+    if not plan.fingerprint.startswith(found.partition("-")[0] + "-"):
+        raise PlanError(f"this plan's graph fingerprint {plan.fingerprint} was computed by another version of "
+                        "shardplan, which hashed graphs otherwise: re-plan with this version "
+                        "(shardplan plan ..., or shardplan.compile)")
     if found != plan.fingerprint:
         raise PlanError(f"this plan was made for another model: its graph fingerprint is {plan.fingerprint}, "
                         f"this {type(model).__name__} captures as {found} (with inputs "
