@@ -85,10 +85,14 @@ def sequences(successors: torch.Tensor, count: int, generator: torch.Generator) 
 
 
 def _train_rank(device, report, task: Task, runs: list[Run]) -> list[Outcome]:
-    return [_train(task, run, report) for run in runs]
+    outcomes = []
+    for run in runs:
+        outcomes.append(_train(task, run))
+        report(f"{run.name} at lr {run.lr:g}: {outcomes[-1].steps or '-'} steps")
+    return outcomes
 
 
-def _train(task: Task, run: Run, report) -> Outcome:
+def _train(task: Task, run: Run) -> Outcome:
     rank = world().rank
     torch.manual_seed(0)  # every run from the same initial model
     model = zoo.GPT(CONFIG)
@@ -100,23 +104,18 @@ def _train(task: Task, run: Run, report) -> Outcome:
     optimizer = torch.optim.SGD(program.parameters(), lr=run.lr, momentum=task.momentum)
     stepper = AdaScale(optimizer, program, scale=SCALE) if run.adascale else optimizer
     generator = torch.Generator().manual_seed(1)  # every run sees the same stream of data
-    loss = math.inf
-    for step in range(1, task.max_steps + 1):
+    loss, step, reached, diverged = math.inf, 0, False, False
+    while step < task.max_steps and not (reached or diverged):
+        step += 1
         walks = sequences(task.successors, run.batch, generator).chunk(DP)[rank]
         program.step(walks[:, :-1].contiguous(), labels=walks[:, 1:].contiguous())
         stepper.step()
         stepper.zero_grad()
-        if step % task.eval_every:
-            continue
-        loss = broadcast_object(_held_out_loss(program, reference, task.held_out))
-        gain = stepper.progress / step if run.adascale else None
-        report(f"{run.name}: step {step}, held-out loss {loss:.3f}")
-        if rank == 0: print("DBG", run.name, step, round(loss, 4), gain and round(gain, 3), flush=True)  # DBG
-        if not loss < 2 * math.log(CONFIG.vocab_size):  # NaN, or far above where it started
-            return Outcome(run, None, loss, gain, diverged=True)
-        if loss <= task.target:
-            return Outcome(run, step, loss, gain, diverged=False)
-    return Outcome(run, None, loss, stepper.progress / task.max_steps if run.adascale else None, diverged=False)
+        if step % task.eval_every == 0:
+            loss = broadcast_object(_held_out_loss(program, reference, task.held_out))
+            diverged = not loss < 2 * math.log(CONFIG.vocab_size)  # NaN, or far above where it started
+            reached = loss <= task.target
+    return Outcome(run, step if reached else None, loss, stepper.progress / step if run.adascale else None, diverged)
 
 
 def _held_out_loss(program, reference: torch.nn.Module, held_out: torch.Tensor) -> float | None:
@@ -129,16 +128,18 @@ def _held_out_loss(program, reference: torch.nn.Module, held_out: torch.Tensor) 
         return float(reference(held_out[:, :-1], labels=held_out[:, 1:]))
 
 
-def train(task: Task, runs: list[Run]) -> list[Outcome]:
-    return run_world(_train_rank, (task, runs), world_size=DP, backend="gloo", total_steps=0, progress=False)
+def train(task: Task, runs: list[Run], description: str = "", progress: bool = False) -> list[Outcome]:
+    """Each of `runs` trained to the target on DP gloo ranks; a bar advances a run at a time when `progress`."""
+    return run_world(_train_rank, (task, runs), world_size=DP, backend="gloo", total_steps=len(runs),
+                     progress=progress, description=description)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=2, help="the base batch B, in sequences (even)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.02, 0.04, 0.08],
+    parser.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.02, 0.04, 0.08, 0.16],
                         help="the learning rates swept at batch B")
-    parser.add_argument("--margin", type=float, default=0.35, help="the target: ln 4 + margin, in nats")
+    parser.add_argument("--margin", type=float, default=0.6, help="the target: ln 4 + margin, in nats")
     parser.add_argument("--max-steps", type=int, default=2000)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--momentum", type=float, default=0.9)
@@ -149,21 +150,21 @@ def main() -> None:
     task = Task(successors, held_out, math.log(SUCCESSORS) + args.margin, args.max_steps, args.eval_every,
                 args.momentum)
 
-    sweep = train(task, [Run(f"B={args.batch}, lr {lr:g}", args.batch, lr) for lr in args.lrs])
+    sweep = train(task, [Run("SGD", args.batch, lr) for lr in args.lrs], f"batch {args.batch}, lr sweep", True)
     reached = [outcome for outcome in sweep if outcome.steps is not None]
     if not reached:
         raise SystemExit(f"no learning rate in {args.lrs} reached the target {task.target:.3f} in "
                          f"{args.max_steps} steps at batch {args.batch}: raise --max-steps or --margin")
     tuned = min(reached, key=lambda outcome: outcome.steps)
     lr, big = tuned.run.lr, SCALE * args.batch
-    scaled = train(task, [Run(f"{big}, lr {lr:g}, AdaScale", big, lr, adascale=True, micro_batches=SCALE // DP),
-                          Run(f"{big}, lr {lr:g}", big, lr),
-                          Run(f"{big}, lr {SCALE * lr:g} (linear)", big, SCALE * lr)])
+    scaled = train(task, [Run(f"SGD + AdaScale(scale={SCALE})", big, lr, adascale=True, micro_batches=SCALE // DP),
+                          Run("SGD, B's lr", big, lr),
+                          Run(f"SGD, {SCALE}x B's lr (linear scaling)", big, SCALE * lr)], f"batch {big}", True)
     _print(task, sweep, tuned, scaled)
 
 
 def _print(task: Task, sweep: list[Outcome], tuned: Outcome, scaled: list[Outcome]) -> None:
-    console = Console()
+    console = Console(width=110)  # one line a row, in a log too
     console.print(f"target held-out loss {task.target:.4f} (ln {SUCCESSORS} = {math.log(SUCCESSORS):.4f} is the "
                   f"best possible), checked every {task.eval_every} steps, at most {task.max_steps} steps")
     table = Table(title="AdaScale convergence: steps to the target loss")
