@@ -1,17 +1,19 @@
 """AdaScale's convergence on CPU (issue 23): steps to a target loss at batch B, and at 4B without retuning.
 
-    .venv/bin/python benchmarks/bench_adascale.py
+    .venv/bin/python benchmarks/bench_adascale.py            # a few minutes on 2 cores
+    .venv/bin/python benchmarks/bench_adascale.py --seed 1   # another chain
 
-A small zoo GPT learns a fixed random Markov chain: each token is followed by one of 4 tokens
-drawn once per vocabulary entry, uniformly, so the best possible loss is ln 4 and a model near it
-sees mostly noise in its gradients (the regime where a bigger batch helps and AdaScale's gain
-approaches the scale). Every run starts from the same initial model and trains with plain SGD
-on 2 gloo ranks (dp 2, every unit FULL_SHARD) until the loss on a fixed held-out set of sequences
-reaches the target. First a sweep of learning rates at batch B picks the fastest (the "tuned"
-one); then, at 4B, the same learning rate under AdaScale(scale=4) (2 replicas × 2 micro-batches
-of B: the 4 samples its estimators compare), the same learning rate without it, and 4× the
-learning rate (the linear scaling rule). Step counts, not times: the machine's load does not
-change them.
+A small zoo GPT learns a fixed random Markov chain: each token is followed by one of 4 tokens,
+drawn once per vocabulary entry, equally likely, so the best possible loss is ln 4. At the base
+batch (2 walks of 8 tokens) the gradient is mostly noise: the regime where a bigger batch helps
+and AdaScale's gain nears its scale. Every run starts from the same model and data stream and
+trains with SGD (momentum 0.9, a constant learning rate) on 2 gloo ranks (dp 2, every unit
+FULL_SHARD) until the loss on fixed held-out walks, which rank 0 evaluates on the exported
+model every few steps, first reads at or below the target. First a sweep of learning rates at
+batch B picks the fastest (the "tuned" one); then, at 4B, that learning rate under
+AdaScale(scale=4) (2 replicas × 2 micro-batches of B: the 4 samples its estimators compare), that
+learning rate without it, and 4× it (the linear scaling rule). Step counts, not times: the
+machine's load does not change them (docs/benchmarks.md, "AdaScale convergence").
 """
 import argparse
 import math
