@@ -272,3 +272,22 @@ def test_refusals_name_the_fix(results):
                                    "micro-batches > 1, or use scale=1")
     assert found["unmeasured"].startswith("AdaScale.step() found no program.step(...)")
     assert found["fsdp2"].endswith("parallelize with backend='shardplan'")
+
+
+# the convergence benchmark's task (benchmarks/bench_adascale.py), briefly
+
+def test_where_the_gradient_is_mostly_noise_the_gain_nears_the_scale_and_trains_further():
+    """40 steps at 4 times the base batch on the benchmark's Markov chain, whose gradients at the base batch
+    are mostly noise: the gain measured is near the scale, as the closed form says of noise alone, and the
+    held-out loss ends well below plain SGD's at the same learning rate (AdaScale's steps are gain times
+    longer)."""
+    from benchmarks import bench_adascale as bench
+
+    successors = bench.markov_chain(0)
+    held_out = bench.sequences(successors, bench.EVAL_SEQUENCES, torch.Generator().manual_seed(1000))
+    task = bench.Task(successors, held_out, target=0.0, max_steps=40, eval_every=40, momentum=0.9)
+    batch = bench.SCALE * 2
+    adascale, plain = bench.train(task, [bench.Run("AdaScale", batch, 0.02, adascale=True, micro_batches=2),
+                                         bench.Run("SGD", batch, 0.02)])
+    assert 3.0 < adascale.gain <= bench.SCALE
+    assert adascale.loss < plain.loss - 0.3, (adascale.loss, plain.loss)
