@@ -89,9 +89,11 @@ def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep)
     for index, plan_json in enumerate(plan_jsons):
         torch.manual_seed(0)  # the same initial weights on every rank
         entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
-        generator = torch.Generator().manual_seed(1 + world().rank)  # each replica its own batch
+        plan = Plan.from_json(plan_json)
+        # each replica its own batch; the tp ranks of a replica read the same one
+        generator = torch.Generator().manual_seed(1 + plan.mesh.replica_of(world().rank))
         ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
-        program = parallelize(entry.model, Plan.from_json(plan_json), device=device)
+        program = parallelize(entry.model, plan, device=device)
         optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
         step = functools.partial(_train_step, program, optimizer, ids)
         step()  # warm-up: allocates the optimizer state, as every later step has it
