@@ -181,6 +181,7 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
     (runtime.manual_plan) included: how predictions are checked against measurement."""
     hw = get_hardware(hardware or plan.hardware)
     _check_tensor_parallel(chain, plan)
+    chain = _sliced_as_planned(chain, plan)
     unit_of = {param: index for index, unit in enumerate(plan.units) for param in unit.params}
     owners: list[int] = []
     for block in chain.blocks:
@@ -216,6 +217,15 @@ def _check_tensor_parallel(chain: BlockChain, plan: Plan) -> None:
         if refusal and named.intersection(path for path, _ in facts.sharded):  # type: ignore[union-attr]
             raise PlanError(f"the plan slices {block.name!r} over tp={tp}, but {refusal}: choose such a tp, or "
                             "list its modules as kept whole")
+
+
+def _sliced_as_planned(chain: BlockChain, plan: Plan) -> BlockChain:
+    """`chain` with tensor-parallel facts on the blocks whose modules the plan slices only: a block it
+    keeps whole (an embedding of a plan without vocab_parallel) is priced whole."""
+    named = {m.path for m in plan.tensor_parallel.sharded}
+    return replace(chain, blocks=tuple(
+        b if b.tensor_parallel is None or named.intersection(path for path, _ in b.tensor_parallel.sharded)
+        else replace(b, tensor_parallel=None) for b in chain.blocks))
 
 
 def _predicted(chain: BlockChain, costs: list[cost.StepCost], mesh: Mesh, setting: Setting, hw) -> Predicted:

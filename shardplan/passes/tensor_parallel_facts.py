@@ -10,8 +10,9 @@ and so are, under sequence parallelism, the inputs of the column-parallel linear
 The parameters sliced are the linears' weights and the column-parallel linears' biases.
 Approximations: the ops outside the pairs (norms, residual adds) count as whole unless sequence
 parallelism divides the whole layer; a pair's exchange moves the block's output bytes (its hidden
-states). Left out: vocab-parallel embeddings and heads, and pairs rejected by the graph (their
-layers are not marked for sequence parallelism).
+states). Embeddings and LM heads that may shard over the vocabulary (not tied) carry facts of their
+own (_vocab_facts), which a plan without vocab_parallel leaves unused (compile.evaluate). Left out:
+pairs rejected by the graph (their layers are not marked for sequence parallelism).
 """
 import math
 from dataclasses import replace
@@ -21,7 +22,7 @@ import torch.fx
 from ..chain import BlockChain, TensorParallelFacts, merge_op_kinds
 from .blocks import group_nodes
 from .facts import facts
-from .tensor_parallel import Style, TensorParallelPair, find_tensor_parallel_pairs
+from .tensor_parallel import Style, TensorParallelPair, VocabCandidate, VocabKind, find_tensor_parallel_pairs
 
 
 def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> BlockChain:
@@ -55,7 +56,40 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
             sequence_layer=bool(layers.intersection(blocks[index].modules)), all_reduces=2 * len(pairs),
             exchange_bytes=blocks[index].output_bytes,
             sharded=tuple((linear.module, linear.label) for pair, _ in pairs for linear in pair.linears)))
+    for candidate in candidates.vocab:
+        node = next((node for node in block_of if _looks_up_or_projects(node, candidate)), None)
+        if candidate.tied is None and node is not None and blocks[block_of[node]].tensor_parallel is None:
+            blocks[block_of[node]] = replace(blocks[block_of[node]],
+                                             tensor_parallel=_vocab_facts(node, candidate, parameters))
     return replace(chain, blocks=tuple(blocks))
+
+
+def _looks_up_or_projects(node: torch.fx.Node, candidate: VocabCandidate) -> bool:
+    """Whether `node` is the lookup of a token embedding or the matmul of an LM head."""
+    path = facts(node).module_path
+    return path == candidate.module and f"{path}.weight" in facts(node).param_names
+
+
+def _vocab_facts(node: torch.fx.Node, candidate: VocabCandidate, parameters: dict) -> TensorParallelFacts:
+    """A table or head sliced over the vocabulary (runtime/tensor_parallel.py): its weight is 1/tp per
+    rank. An embedding's lookups are summed over the ranks (an all-reduce of its output in forward)
+    and cost what a whole lookup does; a head's matmul is 1/tp and the gradient of its input is summed
+    (an all-reduce in backward), while its logits are gathered whole for the loss, which keeps them
+    (nothing saved divides; the gather itself is not priced)."""
+    embedding = candidate.kind is VocabKind.EMBEDDING
+    head_kinds = {} if embedding else dict(fwd_kinds=facts(node).fwd_kinds, bwd_kinds=facts(node).bwd_kinds,
+                                           sliced_fwd_flops=facts(node).fwd_flops,
+                                           sliced_bwd_flops=facts(node).bwd_flops)
+    return TensorParallelFacts(
+        divides=candidate.divisor.size, divisors=((candidate.divisor.size, candidate.divisor.what),),
+        sliced_numel=sum(parameters[name].numel() for name in (f"{candidate.module}.weight", f"{candidate.module}.bias")
+                         if name in parameters),
+        all_reduces=1, exchange_bytes=facts(node).out_bytes if embedding else _storage_bytes(node.all_input_nodes[0]),
+        sharded=((candidate.module, f"vocab_{candidate.kind.value}"),), **head_kinds)
+
+
+def _storage_bytes(node: torch.fx.Node) -> int:
+    return sum(size for _, size in facts(node).outputs)
 
 
 def _sliced_by(node: torch.fx.Node, pair: TensorParallelPair) -> bool:
