@@ -12,7 +12,8 @@ tests/test_predictions.py and `shardplan check --measure` hold every kind to MEM
 STEP_TIME_BAND; benchmarks/bench_estimates.py prints the same table against a fresh calibration.
 
 The mesh kinds (MESH_KINDS: tensor parallelism with and without sequence and vocabulary parallelism,
-tp × dp, HSDP) are measured the same way, one world per world size, each rank's batch its replica's.
+tp × dp, HSDP) are measured the same way, one world per world size, each rank's batch its replica's;
+tests/test_predictions.py holds them to the same bands, benchmarks/bench_mesh.py prints them.
 [Note: more ranks than cores] A world of more single-threaded ranks than the machine has cores (4 on
 CI's 2) shares them: its ranks run in lock-step (every layer ends in a collective), so each gets
 cores / ranks of a core and everything it does, compute and collectives alike, takes ranks / cores
@@ -39,7 +40,6 @@ MESH_KINDS = {
     "tp2": dict(tp=2),
     "tp2 vocab": dict(tp=2, vocab_parallel=True),
     "tp2 sp vocab": dict(tp=2, sequence_parallel=True, vocab_parallel=True),
-    "dp2 tp2": dict(dp=2, tp=2),
     "dp2 tp2 sp vocab": dict(dp=2, tp=2, sequence_parallel=True, vocab_parallel=True),
     "hsdp 2x2": dict(dp=2, dp_replicate=2),
 }
