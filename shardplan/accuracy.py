@@ -31,7 +31,7 @@ from rich.table import Table
 from . import zoo
 from .chain import BlockChain
 from .demo import DEMO_BATCH, DEMO_GPT
-from .hardware import HardwareProfile, LinkProfile
+from .hardware import HardwareProfile, LinkProfile, SizeCurve
 from .plan import Checkpoint, Plan, ShardStrategy
 from .sizes import format_bytes
 
@@ -107,7 +107,10 @@ def shared_cores(hardware: HardwareProfile, ranks: int, cores: int) -> HardwareP
                 for dtype, rate in hardware.matmul.items()},
         memory_bandwidth_bytes_per_s=hardware.memory_bandwidth_bytes_per_s * share,
         op_overhead_s=hardware.op_overhead_s / share, intra_node=link(hardware.intra_node),
-        inter_node=link(hardware.inter_node))
+        inter_node=link(hardware.inter_node),
+        # an op's factor is read off its curve by a call's roofline seconds, which are now 1 / share as long
+        op_time_factors={op: SizeCurve(points=tuple((seconds / share, factor) for seconds, factor in curve.points))
+                         for op, curve in hardware.op_time_factors.items()})
 
 
 def demo_chain_and_plans(world_size: int) -> tuple[BlockChain, list[Plan]]:

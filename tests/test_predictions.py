@@ -29,3 +29,18 @@ def test_every_mesh_kind_is_predicted_within_tolerance(capsys):
     rows = measure_mesh_accuracy(get_hardware("cpu-gloo"), rounds=3, progress=False)
     assert [row.kind for row in rows] == list(MESH_KINDS)
     _assert_within_tolerance(rows, "predicted vs measured, demo GPT, every mesh kind (cpu-gloo)", capsys)
+
+
+def test_ranks_sharing_cores_take_ranks_over_cores_times_as_long():
+    from shardplan.accuracy import shared_cores
+
+    cpu = get_hardware("cpu-gloo")
+    assert shared_cores(cpu, 2, 2) is cpu
+    shared = shared_cores(cpu, 4, 2)
+    # a matmul, a copy, a call of its fixed cost, and ops whose measured factor depends on a call's size
+    for flops, nbytes, op in ((1e8, 1e6, ""), (0, 4e6, ""), (1e3, 8, ""), (0, 4e6, "gelu"), (0, 4e4, "gelu")):
+        assert (shared.compute_time_s(flops, nbytes, calls=3, op=op)
+                == pytest.approx(2 * cpu.compute_time_s(flops, nbytes, calls=3, op=op)))
+    for nbytes in (4e3, 4e6, 4e8):  # across the correction curve: it is read at the same bus bytes
+        assert (shared.collective_time_s("all_reduce", nbytes, 2)
+                == pytest.approx(2 * cpu.collective_time_s("all_reduce", nbytes, 2)))
