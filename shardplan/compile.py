@@ -219,15 +219,6 @@ def _check_tensor_parallel(chain: BlockChain, plan: Plan) -> None:
                             "list its modules as kept whole")
 
 
-def _sliced_as_planned(chain: BlockChain, plan: Plan) -> BlockChain:
-    """`chain` with tensor-parallel facts on the blocks whose modules the plan slices only: a block it
-    keeps whole (an embedding of a plan without vocab_parallel) is priced whole."""
-    named = {m.path for m in plan.tensor_parallel.sharded}
-    return replace(chain, blocks=tuple(
-        b if b.tensor_parallel is None or named.intersection(path for path, _ in b.tensor_parallel.sharded)
-        else replace(b, tensor_parallel=None) for b in chain.blocks))
-
-
 def _predicted(chain: BlockChain, costs: list[cost.StepCost], mesh: Mesh, setting: Setting, hw) -> Predicted:
     peak = max(costs, key=lambda c: c.peak_bytes)
     slowest = max(costs, key=lambda c: c.step_time_s)
@@ -254,6 +245,15 @@ def tensor_parallel_section(chain: BlockChain, configuration: Configuration) -> 
         sequence_parallel=configuration.sequence_parallel,
         vocab_parallel=any(m.style.startswith("vocab") for m in sharded), sharded=sharded,
         kept_whole=tuple(KeptWhole(module=b.name, reason=str(f.refusal(tp))) for b, f in facts if not f.slices_at(tp)))
+
+
+def _sliced_as_planned(chain: BlockChain, plan: Plan) -> BlockChain:
+    """`chain` with tensor-parallel facts on the blocks whose modules the plan slices only: a block it
+    keeps whole (an embedding of a plan without vocab_parallel) is priced whole."""
+    named = {m.path for m in plan.tensor_parallel.sharded}
+    return replace(chain, blocks=tuple(
+        b if b.tensor_parallel is None or named.intersection(path for path, _ in b.tensor_parallel.sharded)
+        else replace(b, tensor_parallel=None) for b in chain.blocks))
 
 
 def _unit_name(blocks) -> str:
