@@ -5,8 +5,9 @@ Node by node: a block slices the matmuls of its pairs' linears and every op of a
 runs on the column-parallel features, from the column-parallel linear up to the row-parallel one
 (attention over the heads, the activation of an MLP, rotary embeddings of q and k), with their FLOPs
 and bytes; of what autograd saves for backward, the storages those ops output are sliced (the
-row-parallel linear's output is a whole-width partial sum, summed by its exchange, and stays whole),
-and so are, under sequence parallelism, the inputs of the column-parallel linears (gathered whole).
+row-parallel linear's output is a whole-width partial sum, summed by its exchange, and stays whole).
+The inputs of the column-parallel linears are counted apart (gathered_saved_bytes): under sequence
+parallelism the runtime saves them after gathering the sequence, whole.
 The parameters sliced are the linears' weights and the column-parallel linears' biases.
 Approximations: the ops outside the pairs (norms, residual adds) count as whole unless sequence
 parallelism divides the whole layer; a pair's exchange moves the block's output bytes (its hidden
