@@ -35,7 +35,7 @@ def main() -> None:
     measurements, measured = measure_by_world(plans, options.rounds, sweep=None if options.profile else CPU_SWEEP)
     hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)
     how = "saved profile" if options.profile else "calibrated in the same rounds"
-    console = Console()
+    console = Console(width=120)
     console.print(summary(hardware))
     console.print(f"{machine_cores()} cores, load average {os.getloadavg()[0]:.2f} at the end")
     for profile, words in ((hardware, how), (get_hardware("cpu-gloo"), "built-in cpu-gloo profile")):
