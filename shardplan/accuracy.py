@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from rich.table import Table
@@ -36,7 +37,7 @@ from .plan import Checkpoint, Plan, ShardStrategy
 from .sizes import format_bytes
 
 KINDS = tuple((strategy, checkpoint) for strategy in ShardStrategy for checkpoint in Checkpoint)
-MESH_KINDS = {
+MESH_KINDS: dict[str, dict[str, Any]] = {
     "tp2": dict(tp=2),
     "tp2 vocab": dict(tp=2, vocab_parallel=True),
     "tp2 sp vocab": dict(tp=2, sequence_parallel=True, vocab_parallel=True),

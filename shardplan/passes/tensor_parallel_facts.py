@@ -77,16 +77,15 @@ def _vocab_facts(node: torch.fx.Node, candidate: VocabCandidate, parameters: dic
     and cost what a whole lookup does; a head's matmul is 1/tp and the gradient of its input is summed
     (an all-reduce in backward), while its logits are gathered whole for the loss, which keeps them
     (nothing saved divides; the gather itself is not priced)."""
-    embedding = candidate.kind is VocabKind.EMBEDDING
-    head_kinds = {} if embedding else dict(fwd_kinds=facts(node).fwd_kinds, bwd_kinds=facts(node).bwd_kinds,
-                                           sliced_fwd_flops=facts(node).fwd_flops,
-                                           sliced_bwd_flops=facts(node).bwd_flops)
+    embedding, found = candidate.kind is VocabKind.EMBEDDING, facts(node)
     return TensorParallelFacts(
         divides=candidate.divisor.size, divisors=((candidate.divisor.size, candidate.divisor.what),),
         sliced_numel=sum(parameters[name].numel() for name in (f"{candidate.module}.weight", f"{candidate.module}.bias")
                          if name in parameters),
-        all_reduces=1, exchange_bytes=facts(node).out_bytes if embedding else _storage_bytes(node.all_input_nodes[0]),
-        sharded=((candidate.module, f"vocab_{candidate.kind.value}"),), **head_kinds)
+        fwd_kinds=() if embedding else found.fwd_kinds, bwd_kinds=() if embedding else found.bwd_kinds,
+        sliced_fwd_flops=0 if embedding else found.fwd_flops, sliced_bwd_flops=0 if embedding else found.bwd_flops,
+        all_reduces=1, exchange_bytes=found.out_bytes if embedding else _storage_bytes(node.all_input_nodes[0]),
+        sharded=((candidate.module, f"vocab_{candidate.kind.value}"),))
 
 
 def _storage_bytes(node: torch.fx.Node) -> int:
