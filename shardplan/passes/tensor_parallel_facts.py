@@ -58,10 +58,9 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
             exchange_bytes=blocks[index].output_bytes,
             sharded=tuple((linear.module, linear.label) for pair, _ in pairs for linear in pair.linears)))
     for candidate in candidates.vocab:
-        node = next((node for node in block_of if _looks_up_or_projects(node, candidate)), None)
-        if candidate.tied is None and node is not None and blocks[block_of[node]].tensor_parallel is None:
-            blocks[block_of[node]] = replace(blocks[block_of[node]],
-                                             tensor_parallel=_vocab_facts(node, candidate, parameters))
+        use = next((node for node in block_of if _looks_up_or_projects(node, candidate)), None)
+        if candidate.tied is None and use is not None and blocks[block_of[use]].tensor_parallel is None:
+            blocks[block_of[use]] = replace(blocks[block_of[use]], tensor_parallel=_vocab_facts(use, candidate, parameters))
     return replace(chain, blocks=tuple(blocks))
 
 
