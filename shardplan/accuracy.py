@@ -10,9 +10,21 @@ lengthens no plan more than another.
 
 tests/test_predictions.py and `shardplan check --measure` hold every kind to MEMORY_TOLERANCE and
 STEP_TIME_BAND; benchmarks/bench_estimates.py prints the same table against a fresh calibration.
+
+The mesh kinds (MESH_KINDS: tensor parallelism with and without sequence and vocabulary parallelism,
+tp × dp, HSDP) are measured the same way, one world per world size, each rank's batch its replica's;
+tests/test_predictions.py holds them to the same bands, benchmarks/bench_mesh.py prints them.
+[Note: more ranks than cores] A world of more single-threaded ranks than the machine has cores (4 on
+CI's 2) shares them: its ranks run in lock-step (every layer ends in a collective), so each gets
+cores / ranks of a core and everything it does, compute and collectives alike, takes ranks / cores
+times as long. Such a world's step time is priced on `shared_cores(profile, ranks, cores)`, the
+profile of a rank holding that share of a core; its memory is the same as on enough cores.
 """
+import dataclasses
 import functools
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from rich.table import Table
@@ -20,10 +32,19 @@ from rich.table import Table
 from . import zoo
 from .chain import BlockChain
 from .demo import DEMO_BATCH, DEMO_GPT
+from .hardware import HardwareProfile, LinkProfile, SizeCurve
 from .plan import Checkpoint, Plan, ShardStrategy
 from .sizes import format_bytes
 
 KINDS = tuple((strategy, checkpoint) for strategy in ShardStrategy for checkpoint in Checkpoint)
+MESH_KINDS: dict[str, dict[str, Any]] = {
+    "tp2": dict(tp=2),
+    "tp2 vocab": dict(tp=2, vocab_parallel=True),
+    "tp2 sp vocab": dict(tp=2, sequence_parallel=True, vocab_parallel=True),
+    "dp2 tp2 sp vocab": dict(dp=2, tp=2, sequence_parallel=True, vocab_parallel=True),
+    "hsdp 2x2": dict(dp=2, dp_replicate=2),
+}
+"""The 4-D mesh's kinds, as runtime.manual_plan's mesh arguments (dp: dp_shard), every unit FULL_SHARD."""
 MEMORY_TOLERANCE = 0.10
 """Largest |predicted / measured - 1| of peak memory: CPU memory is deterministic, so a miss is the model's."""
 STEP_TIME_BAND = (0.7, 1.3)
@@ -62,6 +83,37 @@ class Accuracy:
         return misses
 
 
+def machine_cores() -> int:
+    """Cores this process may run on (its affinity, which a container's CPU set narrows)."""
+    return len(os.sched_getaffinity(0))
+
+
+def shared_cores(hardware: HardwareProfile, ranks: int, cores: int) -> HardwareProfile:
+    """`hardware` as one of `ranks` lock-step ranks sharing `cores` cores sees it ([Note: more ranks than
+    cores]): every rate × cores / ranks, every fixed cost and wait × ranks / cores. `hardware` itself
+    when every rank has a core."""
+    if ranks <= cores:
+        return hardware
+    share = cores / ranks
+
+    def link(profile: LinkProfile) -> LinkProfile:
+        return dataclasses.replace(
+            profile, in_step_wait_s=profile.in_step_wait_s / share,
+            collectives={kind: dataclasses.replace(cost, latency_s=cost.latency_s / share,
+                                                   bus_bandwidth_bytes_per_s=cost.bus_bandwidth_bytes_per_s * share)
+                         for kind, cost in profile.collectives.items()})
+    return dataclasses.replace(
+        hardware, name=f"{hardware.name}, {ranks} ranks on {cores} cores",
+        matmul={dtype: dataclasses.replace(rate, peak_flops_per_s=rate.peak_flops_per_s * share)
+                for dtype, rate in hardware.matmul.items()},
+        memory_bandwidth_bytes_per_s=hardware.memory_bandwidth_bytes_per_s * share,
+        op_overhead_s=hardware.op_overhead_s / share, intra_node=link(hardware.intra_node),
+        inter_node=link(hardware.inter_node),
+        # an op's factor is read off its curve by a call's roofline seconds, which are now 1 / share as long
+        op_time_factors={op: SizeCurve(points=tuple((seconds / share, factor) for seconds, factor in curve.points))
+                         for op, curve in hardware.op_time_factors.items()})
+
+
 def demo_chain_and_plans(world_size: int) -> tuple[BlockChain, list[Plan]]:
     """The demo GPT's analysed chain and one hand-written plan per kind (one unit per block, as KINDS orders)."""
     from .passes import analyze
@@ -72,6 +124,19 @@ def demo_chain_and_plans(world_size: int) -> tuple[BlockChain, list[Plan]]:
     groups = zoo.gpt_units(DEMO_GPT.n_layer)
     return chain, [manual_plan(entry.model, groups, dp=world_size, strategies=(strategy,), checkpoints=(checkpoint,))
                    for strategy, checkpoint in KINDS]
+
+
+def demo_mesh_plans() -> tuple[BlockChain, dict[str, Plan]]:
+    """The demo GPT's analysed chain and a plan of every mesh kind (MESH_KINDS), one unit per block."""
+    from .passes import analyze
+    from .runtime.manual import manual_plan
+
+    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    groups = zoo.gpt_units(DEMO_GPT.n_layer)
+    return chain, {name: manual_plan(entry.model, groups, **{"dp": 1, **mesh}, example_inputs=entry.args,
+                                     example_kwargs=entry.kwargs)
+                   for name, mesh in MESH_KINDS.items()}
 
 
 def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep):
@@ -89,9 +154,11 @@ def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep)
     for index, plan_json in enumerate(plan_jsons):
         torch.manual_seed(0)  # the same initial weights on every rank
         entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
-        generator = torch.Generator().manual_seed(1 + world().rank)  # each replica its own batch
+        plan = Plan.from_json(plan_json)
+        # each replica its own batch; the tp ranks of a replica read the same one
+        generator = torch.Generator().manual_seed(1 + plan.mesh.replica_of(world().rank))
         ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
-        program = parallelize(entry.model, Plan.from_json(plan_json), device=device)
+        program = parallelize(entry.model, plan, device=device)
         optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
         step = functools.partial(_train_step, program, optimizer, ids)
         step()  # warm-up: allocates the optimizer state, as every later step has it
@@ -120,34 +187,65 @@ def measure_plans(plans: list[Plan], world_size: int, rounds: int, sweep=None, p
                      description="training steps" + (" and calibration" if sweep else ""))
 
 
-def compare(chain: BlockChain, plans: list[Plan], measured: list[tuple[int, float]], hardware) -> list[Accuracy]:
-    """Each plan's prediction on `hardware` beside what `measure_plans` measured."""
+def compare(chain: BlockChain, plans: list[Plan], measured: list[tuple[int, float]], hardware,
+            kinds: "list[str] | None" = None) -> list[Accuracy]:
+    """Each plan's prediction on `hardware` beside what `measure_plans` measured; `kinds` names the
+    plans (default: KINDS's). A world of more ranks than this machine's cores is priced on
+    shared_cores ([Note: more ranks than cores])."""
     from .compile import evaluate
 
     rows = []
-    for (strategy, checkpoint), plan, (peak_bytes, step_s) in zip(KINDS, plans, measured):
-        predicted = evaluate(chain, plan, hardware)
-        rows.append(Accuracy(kind=f"{strategy.value}/{checkpoint.value}", predicted_bytes=predicted.peak_bytes,
+    kinds = kinds or [f"{strategy.value}/{checkpoint.value}" for strategy, checkpoint in KINDS]
+    for kind, plan, (peak_bytes, step_s) in zip(kinds, plans, measured):
+        predicted = evaluate(chain, plan, shared_cores(hardware, plan.world_size, machine_cores()))
+        rows.append(Accuracy(kind=kind, predicted_bytes=predicted.peak_bytes,
                              measured_bytes=peak_bytes, predicted_s=predicted.step_time_s, measured_s=step_s))
     return rows
 
 
-def measure_accuracy(hardware, world_size: int = 2, rounds: int = 3, progress: bool = True) -> list[Accuracy]:
-    """Every plan kind of the demo GPT, predicted on `hardware` and measured on `world_size` CPU ranks.
+def measure_by_world(plans: list[Plan], rounds: int, progress: bool = True, sweep=None):
+    """`measure_plans` of every plan, in one world per world size, the calibration of `sweep` (None:
+    none) in the rounds of the smallest: (its Measurements or None, [(peak bytes, step s)] in `plans`' order)."""
+    measured: dict[int, tuple[int, float]] = {}
+    measurements = None
+    for world_size in sorted({plan.world_size for plan in plans}):
+        indices = [index for index, plan in enumerate(plans) if plan.world_size == world_size]
+        calibrated, found = measure_plans([plans[index] for index in indices], world_size, rounds,
+                                          None if measurements else sweep, progress=progress)
+        measurements = measurements or calibrated
+        measured.update(zip(indices, found))
+    return measurements, [measured[index] for index in range(len(plans))]
 
-    Kinds whose step time misses STEP_TIME_BAND are measured once more in a world of their own and keep
-    their faster time: a burst of other work on the machine lengthens one world's rounds, not the
-    model's cost (memory is measured once: it does not depend on the machine's load)."""
+
+def measure_accuracy(hardware, world_size: int = 2, rounds: int = 3, progress: bool = True) -> list[Accuracy]:
+    """Every plan kind of the demo GPT, predicted on `hardware` and measured on `world_size` CPU ranks."""
     chain, plans = demo_chain_and_plans(world_size)
     _, measured = measure_plans(plans, world_size, rounds, progress=progress)
-    rows = compare(chain, plans, measured, hardware)
+    return _again_where_slow(chain, plans, measured, hardware, None, rounds, progress)
+
+
+def measure_mesh_accuracy(hardware, rounds: int = 3, progress: bool = True) -> list[Accuracy]:
+    """Every mesh kind of the demo GPT (MESH_KINDS), predicted on `hardware` and measured on CPU ranks."""
+    chain, named = demo_mesh_plans()
+    plans = list(named.values())
+    _, measured = measure_by_world(plans, rounds, progress)
+    return _again_where_slow(chain, plans, measured, hardware, list(named), rounds, progress)
+
+
+def _again_where_slow(chain: BlockChain, plans: list[Plan], measured: list[tuple[int, float]], hardware,
+                      kinds: "list[str] | None", rounds: int, progress: bool) -> list[Accuracy]:
+    """The rows of `compare`, where kinds whose step time misses STEP_TIME_BAND were measured once more
+    in a world of their own and keep their faster time: a burst of other work on the machine lengthens
+    one world's rounds, not the model's cost (memory is measured once: it does not depend on the
+    machine's load)."""
+    rows = compare(chain, plans, measured, hardware, kinds)
     low, high = STEP_TIME_BAND
     again = [index for index, row in enumerate(rows) if not low <= row.time_ratio <= high]
     if again:
-        _, remeasured = measure_plans([plans[index] for index in again], world_size, rounds, progress=progress)
+        _, remeasured = measure_by_world([plans[index] for index in again], rounds, progress)
         for index, (_, step_s) in zip(again, remeasured):
             measured[index] = (measured[index][0], min(measured[index][1], step_s))
-        rows = compare(chain, plans, measured, hardware)
+        rows = compare(chain, plans, measured, hardware, kinds)
     return rows
 
 

@@ -51,7 +51,10 @@ class TensorParallelFacts:
     them, whose heads split). With sequence parallelism a layer between the pairs runs its norms,
     residual adds and dropout on 1/tp of the sequence, so every activation byte, FLOP and memory-bound
     op of the block divides and only its unsliced parameters stay whole (Korthikanti et al. 2022,
-    "Reducing Activation Recomputation in Large Transformer Models", sec. 4.2.2: 34 sbh / t + 5 as²b / t).
+    "Reducing Activation Recomputation in Large Transformer Models", sec. 4.2.2: 34 sbh / t + 5 as²b / t),
+    but for `gathered_saved_bytes`: the runtime gathers a pair's input along the sequence before its
+    column-parallel linears, which keep that whole input for backward (Megatron keeps the shard and
+    gathers it again in backward).
 
     Traffic: `all_reduces` all-reduces of `exchange_bytes` per replica batch without sequence
     parallelism (a pair: one in forward, one in backward; a vocab-parallel embedding: one in forward;
@@ -70,6 +73,9 @@ class TensorParallelFacts:
     sliced_bwd_flops: int = 0
     sliced_saved_bytes: int = 0
     """Of saved_bytes, the sliced ops' outputs (without sequence parallelism)."""
+    gathered_saved_bytes: int = 0
+    """Of saved_bytes, the inputs of the column-parallel linears: whole on every tp rank under
+    sequence parallelism too (they are saved after its all-gather)."""
     sequence_layer: bool = False
     """A layer between the pairs: with sequence parallelism all its activations divide."""
     all_reduces: int = 0

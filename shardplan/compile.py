@@ -200,6 +200,7 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
     (runtime.manual_plan) included: how predictions are checked against measurement."""
     hw = get_hardware(hardware or plan.hardware)
     _check_tensor_parallel(chain, plan)
+    chain = _sliced_as_planned(chain, plan)
     unit_of = {param: index for index, unit in enumerate(plan.units) for param in unit.params}
     owners: list[int] = []
     for block in chain.blocks:
@@ -268,6 +269,15 @@ def tensor_parallel_section(chain: BlockChain, configuration: Configuration) -> 
         sequence_parallel=configuration.sequence_parallel,
         vocab_parallel=any(m.style.startswith("vocab") for m in sharded), sharded=sharded,
         kept_whole=tuple(KeptWhole(module=b.name, reason=str(f.refusal(tp))) for b, f in facts if not f.slices_at(tp)))
+
+
+def _sliced_as_planned(chain: BlockChain, plan: Plan) -> BlockChain:
+    """`chain` with tensor-parallel facts on the blocks whose modules the plan slices only: a block it
+    keeps whole (an embedding of a plan without vocab_parallel) is priced whole."""
+    named = {m.path for m in plan.tensor_parallel.sharded}
+    return replace(chain, blocks=tuple(
+        b if b.tensor_parallel is None or named.intersection(path for path, _ in b.tensor_parallel.sharded)
+        else replace(b, tensor_parallel=None) for b in chain.blocks))
 
 
 def _unit_name(blocks) -> str:

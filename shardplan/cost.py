@@ -85,8 +85,9 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
   replica's batch / the captured batch (a global batch split over dp); over tp ranks, with
   TensorParallelFacts f and t = tp where f.divides % t = 0: params = numel - f.sliced + f.sliced / t;
   FLOPs, op bytes, saved = whole - sliced + sliced / t; with sequence parallelism in a sequence layer
-  all of them, and its input and output, / t (params as without). Every term above then reads
-  the rank's blocks.
+  all of them, and its input and output, / t (params as without), but for the pairs' inputs the
+  column-parallel linears keep after the all-gather (f.gathered_saved_bytes, whole). Every term
+  above then reads the rank's blocks.
 - tp exchanges, per micro-batch, exposed: Σ_blocks f.all_reduces × all_reduce(f.exchange_bytes /
   m, t), or with sequence parallelism × (all_gather + reduce_scatter) of the same bytes, on the tp
   group (consecutive ranks: one node while t ≤ its devices).
@@ -280,6 +281,8 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     cut_numel = parts.sliced_numel if parts else 0
     numel = block.param_numel - cut_numel + -(-cut_numel // tp)
     saved = split(block.saved_bytes, parts.sliced_saved_bytes if parts else 0)
+    if everything:  # the pairs' inputs are saved after sequence parallelism's all-gather: whole
+        saved += round(parts.gathered_saved_bytes * (scale - rest_scale))  # type: ignore[union-attr]
     ratio = saved / block.saved_bytes if block.saved_bytes else rest_scale
     return replace(
         block, param_numel=numel,

@@ -203,8 +203,13 @@ def test_captured_layers_carry_their_tensor_parallel_facts_and_cpu_plans_keep_tp
                                    "h.0.mlp.fc": "colwise", "h.0.mlp.proj": "rowwise"}
     # every parameter but the norms' and the row-parallel linears' biases
     assert facts.sliced_numel == layer.param_numel - 4 * n_embd - 2 * n_embd
-    assert 0 < facts.sliced_fwd_flops < layer.fwd_flops
-    assert chain.blocks[0].tensor_parallel is None  # the embedding: vocab parallelism is not in the first cut
+    assert facts.sliced_fwd_flops == layer.fwd_flops  # the norms' FLOPs are not counted: every counted op slices
+    # saved for backward: the qkv, attention, fc and GELU outputs slice (12 hidden states); the norms'
+    # outputs, the pairs' inputs, stay whole, under sequence parallelism too (gathered before the pair)
+    hidden = chain.inputs[0].shape[0] * chain.inputs[0].shape[1] * n_embd * 4
+    assert (facts.sliced_saved_bytes, facts.gathered_saved_bytes) == (12 * hidden, 2 * hidden)
+    assert chain.blocks[0].tensor_parallel.sharded == (("wte", "vocab_embedding"),)  # wpe is no vocabulary table
+    assert chain.blocks[-1].tensor_parallel.sharded == (("lm_head", "vocab_head"),)
     assert solve(chain, 4, hardware="cpu-gloo").mesh.tp == 1  # CPU ranks: tp only when asked
     # asked, without pipelines, and at a budget data parallelism alone cannot meet
     with pytest.raises(InfeasibleError):
@@ -243,9 +248,10 @@ def test_a_plan_slicing_a_block_whose_heads_do_not_divide_is_refused_in_one_line
     evaluate(chain, plan)  # as compiled: fine
     three = dataclasses.replace(plan, world_size=plan.mesh.size // plan.mesh.tp * 3,
                                 mesh=dataclasses.replace(plan.mesh, tp=3))
-    with pytest.raises(PlanError, match=r"^the plan slices 'h\.0' over tp=3, but 4 heads of h\.0\.attn\.qkv, 256 output "
-                                        r"features of h\.0\.mlp\.fc do not divide by tp=3: tp must divide 4 to shard this block: choose such a tp, "
-                                        r"or list its modules as kept whole$"):
+    # the first block it slices: the token table, over the vocabulary
+    with pytest.raises(PlanError, match=r"^the plan slices 'wte' over tp=3, but 256 rows of wte's table do not divide "
+                                        r"by tp=3: tp must divide 256 to shard this block: choose such a tp, or list its "
+                                        r"modules as kept whole$"):
         evaluate(chain, three)
 
 
@@ -255,8 +261,10 @@ def test_a_compiled_tensor_parallel_section_is_the_layout_the_runtime_finds_agai
     entry = zoo.build("gpt")
     plan = solve(chains["gpt"], 4, hardware="cpu-gloo", max_tensor_parallel=2, allow_pipeline=False,
                 memory_budget="1.5MiB")
-    assert plan.mesh.tp == 2 and plan.tensor_parallel.sequence_parallel
-    assert len(plan_layout(entry.model, plan).pairs) == len(plan.tensor_parallel.sharded) // 2  # raises if they differ
+    assert plan.mesh.tp == 2 and plan.tensor_parallel.sequence_parallel and plan.tensor_parallel.vocab_parallel
+    layout = plan_layout(entry.model, plan)  # raises if they differ
+    assert [c.module for c in layout.vocab] == ["wte", "lm_head"]
+    assert 2 * len(layout.pairs) + len(layout.vocab) == len(plan.tensor_parallel.sharded)
 
 
 def test_the_search_offers_tensor_parallelism_inside_pipeline_stages():

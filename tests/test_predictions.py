@@ -1,18 +1,46 @@
-"""The cost model against the runtime on this machine: every plan kind's predicted peak memory and
-step time beside what training with it measures (shardplan.accuracy), on the built-in cpu-gloo profile."""
+"""The cost model against the runtime on this machine: every plan kind's and every mesh kind's predicted
+peak memory and step time beside what training with it measures (shardplan.accuracy), on the built-in
+cpu-gloo profile."""
 import pytest
 
 from shardplan import get_hardware
-from shardplan.accuracy import KINDS, accuracy_table, measure_accuracy
+from shardplan.accuracy import KINDS, MESH_KINDS, accuracy_table, measure_accuracy, measure_mesh_accuracy
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_every_plan_kind_is_predicted_within_tolerance(capsys):
-    rows = measure_accuracy(get_hardware("cpu-gloo"), world_size=2, rounds=3, progress=False)
+def _assert_within_tolerance(rows, title: str, capsys) -> None:
     with capsys.disabled():  # the table either way: a pass shows the margins, a failure the culprit
         from rich.console import Console
-        Console(width=120).print(accuracy_table(rows, "predicted vs measured, demo GPT, 2 gloo ranks (cpu-gloo)"))
-    assert len(rows) == len(KINDS)
+        Console(width=120).print(accuracy_table(rows, title))
     misses = [miss for row in rows for miss in row.misses()]
     assert not misses, misses
+
+
+def test_every_plan_kind_is_predicted_within_tolerance(capsys):
+    rows = measure_accuracy(get_hardware("cpu-gloo"), world_size=2, rounds=3, progress=False)
+    assert len(rows) == len(KINDS)
+    _assert_within_tolerance(rows, "predicted vs measured, demo GPT, 2 gloo ranks (cpu-gloo)", capsys)
+
+
+def test_every_mesh_kind_is_predicted_within_tolerance(capsys):
+    """tp 2 (vocabulary and sequence parallel or not), dp 2 x tp 2, HSDP 2 x 2: 2 and 4 gloo ranks, a
+    world of more ranks than cores priced on the share of a core each rank gets (accuracy.shared_cores)."""
+    rows = measure_mesh_accuracy(get_hardware("cpu-gloo"), rounds=3, progress=False)
+    assert [row.kind for row in rows] == list(MESH_KINDS)
+    _assert_within_tolerance(rows, "predicted vs measured, demo GPT, every mesh kind (cpu-gloo)", capsys)
+
+
+def test_ranks_sharing_cores_take_ranks_over_cores_times_as_long():
+    from shardplan.accuracy import shared_cores
+
+    cpu = get_hardware("cpu-gloo")
+    assert shared_cores(cpu, 2, 2) is cpu
+    shared = shared_cores(cpu, 4, 2)
+    # a matmul, a copy, a call of its fixed cost, and ops whose measured factor depends on a call's size
+    for flops, nbytes, op in ((1e8, 1e6, ""), (0, 4e6, ""), (1e3, 8, ""), (0, 4e6, "gelu"), (0, 4e4, "gelu")):
+        assert (shared.compute_time_s(flops, nbytes, calls=3, op=op)
+                == pytest.approx(2 * cpu.compute_time_s(flops, nbytes, calls=3, op=op)))
+    for nbytes in (4e3, 4e6, 4e8):  # across the correction curve: it is read at the same bus bytes
+        assert (shared.collective_time_s("all_reduce", nbytes, 2)
+                == pytest.approx(2 * cpu.collective_time_s("all_reduce", nbytes, 2)))

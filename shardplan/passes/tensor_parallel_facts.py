@@ -1,14 +1,19 @@
 """The tensor-parallel facts of a captured chain's blocks (chain.TensorParallelFacts), from the pairs
 the graph offers (tensor_parallel.find_tensor_parallel_pairs).
 
-A first cut, node by node: a block slices the nodes of its pairs' linears (their matmuls) and the
-matmul-like ops inside a pair's module between them (attention over the heads), with their FLOPs,
-bytes and outputs kept for backward (NodeFacts.selective_bytes); the parameters sliced are the
-linears' weights and the column-parallel linears' biases. Approximations: every other op of the block
-(norms, rotary tables, elementwise ops between the linears, softmax of an unfused attention) counts
-as whole unless sequence parallelism divides the whole layer; a pair's exchange moves the block's
-output bytes (its hidden states). Left out: vocab-parallel embeddings and heads, and pairs rejected
-by the graph (their layers are not marked for sequence parallelism).
+Node by node: a block slices the matmuls of its pairs' linears and every op of a pair's module that
+runs on the column-parallel features, from the column-parallel linear up to the row-parallel one
+(attention over the heads, the activation of an MLP, rotary embeddings of q and k), with their FLOPs
+and bytes; of what autograd saves for backward, the storages those ops output are sliced (the
+row-parallel linear's output is a whole-width partial sum, summed by its exchange, and stays whole).
+The inputs of the column-parallel linears are counted apart (gathered_saved_bytes): under sequence
+parallelism the runtime saves them after gathering the sequence, whole.
+The parameters sliced are the linears' weights and the column-parallel linears' biases.
+Approximations: the ops outside the pairs (norms, residual adds) count as whole unless sequence
+parallelism divides the whole layer; a pair's exchange moves the block's output bytes (its hidden
+states). Embeddings and LM heads that may shard over the vocabulary (not tied) carry facts of their
+own (_vocab_facts), which a plan without vocab_parallel leaves unused (compile.evaluate). Left out:
+pairs rejected by the graph (their layers are not marked for sequence parallelism).
 """
 import math
 from dataclasses import replace
@@ -16,10 +21,9 @@ from dataclasses import replace
 import torch.fx
 
 from ..chain import BlockChain, TensorParallelFacts, merge_op_kinds
-from ..plan import SELECTIVE_SAVED_OPS
 from .blocks import group_nodes
 from .facts import facts
-from .tensor_parallel import Style, TensorParallelPair, find_tensor_parallel_pairs
+from .tensor_parallel import Style, TensorParallelPair, VocabCandidate, VocabKind, find_tensor_parallel_pairs
 
 
 def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> BlockChain:
@@ -57,10 +61,15 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
             sliced_numel=sum(_sliced_numel(parameters, pair) for pair, _ in pairs),
             fwd_kinds=fwd, bwd_kinds=bwd, sliced_fwd_flops=sum(k.flops for k in fwd),
             sliced_bwd_flops=sum(k.flops for k in bwd),
-            sliced_saved_bytes=sum(facts(node).selective_bytes for node in nodes),
+            sliced_saved_bytes=_sliced_saved_bytes(groups[index].nodes, pairs),
+            gathered_saved_bytes=_pair_input_saved_bytes(groups[index].nodes, pairs),
             sequence_layer=bool(layers.intersection(blocks[index].modules)), all_reduces=2 * len(pairs),
             exchange_bytes=blocks[index].output_bytes,
             sharded=tuple((linear.module, linear.label) for pair, _ in pairs for linear in pair.linears)))
+    for candidate in candidates.vocab:
+        use = next((node for node in block_of if _looks_up_or_projects(node, candidate)), None)
+        if candidate.tied is None and use is not None and blocks[block_of[use]].tensor_parallel is None:
+            blocks[block_of[use]] = replace(blocks[block_of[use]], tensor_parallel=_vocab_facts(use, candidate, parameters))
     return replace(chain, blocks=tuple(blocks))
 
 
@@ -68,13 +77,56 @@ def _inside(path: str, module: str) -> bool:
     return path == module or path.startswith(module + ".")
 
 
+def _looks_up_or_projects(node: torch.fx.Node, candidate: VocabCandidate) -> bool:
+    """Whether `node` is the lookup of a token embedding or the matmul of an LM head."""
+    path = facts(node).module_path
+    return path == candidate.module and f"{path}.weight" in facts(node).param_names
+
+
+def _vocab_facts(node: torch.fx.Node, candidate: VocabCandidate, parameters: dict) -> TensorParallelFacts:
+    """A table or head sliced over the vocabulary (runtime/tensor_parallel.py): its weight is 1/tp per
+    rank. An embedding's lookups are summed over the ranks (an all-reduce of its output in forward)
+    and cost what a whole lookup does; a head's matmul is 1/tp and the gradient of its input is summed
+    (an all-reduce in backward), while its logits are gathered whole for the loss, which keeps them
+    (nothing saved divides; the gather itself is not priced)."""
+    embedding, found = candidate.kind is VocabKind.EMBEDDING, facts(node)
+    return TensorParallelFacts(
+        divides=candidate.divisor.size, divisors=((candidate.divisor.size, candidate.divisor.what),),
+        sliced_numel=sum(parameters[name].numel() for name in (f"{candidate.module}.weight", f"{candidate.module}.bias")
+                         if name in parameters),
+        fwd_kinds=() if embedding else found.fwd_kinds, bwd_kinds=() if embedding else found.bwd_kinds,
+        sliced_fwd_flops=0 if embedding else found.fwd_flops, sliced_bwd_flops=0 if embedding else found.bwd_flops,
+        all_reduces=1, exchange_bytes=found.out_bytes if embedding else _storage_bytes(node.all_input_nodes[0]),
+        sharded=((candidate.module, f"vocab_{candidate.kind.value}"),))
+
+
+def _storage_bytes(node: torch.fx.Node) -> int:
+    return sum(size for _, size in facts(node).outputs)
+
+
 def _sliced_by(node: torch.fx.Node, pair: TensorParallelPair) -> bool:
-    """Whether `node` is a matmul of one of the pair's linears or a matmul-like op between them."""
+    """Whether `node` is a matmul of one of the pair's linears or runs on the features between them."""
     path = facts(node).module_path
     if any(path == linear.module for linear in pair.linears):
         return bool(facts(node).fwd_flops)
-    target = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-    return _inside(path, pair.name) and target in SELECTIVE_SAVED_OPS
+    return _on_sliced_features(node, pair)
+
+
+def _on_sliced_features(node: torch.fx.Node, pair: TensorParallelPair) -> bool:
+    """Whether `node` runs on (and outputs) the column-parallel features of `pair`: an op of the pair's
+    module that is not its row-parallel linear."""
+    path = facts(node).module_path
+    rowwise = {linear.module for linear in pair.linears if linear.style is Style.ROWWISE}
+    return _inside(path, pair.name) and path not in rowwise
+
+
+def _sliced_saved_bytes(block_nodes: list[torch.fx.Node], pairs) -> int:
+    """Bytes of what the block's ops save for backward that are outputs of ops on a pair's
+    column-parallel features (each storage once, as build_chain counts saved_bytes)."""
+    sliced = {storage for node in block_nodes for pair, _ in pairs if _on_sliced_features(node, pair)
+              for storage, _ in facts(node).outputs}
+    saved = {storage: size for node in block_nodes for storage, size in facts(node).saved}
+    return sum(size for storage, size in saved.items() if storage in sliced)
 
 
 def _sliced_numel(parameters: dict, pair: TensorParallelPair) -> int:
@@ -82,6 +134,16 @@ def _sliced_numel(parameters: dict, pair: TensorParallelPair) -> int:
     return sum(parameters[name].numel() for linear in pair.linears
                for name in (f"{linear.module}.weight", f"{linear.module}.bias")
                if name in parameters and (linear.style is Style.COLWISE or name.endswith(".weight")))
+
+
+def _pair_input_saved_bytes(block_nodes: list[torch.fx.Node], pairs) -> int:
+    """Bytes of what the block's ops save for backward that are inputs of a pair's column-parallel
+    linears (sequence parallelism gathers them whole; each storage once)."""
+    columns = {linear.module for pair, _ in pairs for linear in pair.linears if linear.style is not Style.ROWWISE}
+    inputs = {storage for node in block_nodes if facts(node).module_path in columns and facts(node).fwd_flops
+              for storage, _ in facts(node.all_input_nodes[0]).outputs}
+    saved = {storage: size for node in block_nodes for storage, size in facts(node).saved}
+    return sum(size for storage, size in saved.items() if storage in inputs)
 
 
 def _layers(pairs) -> list[str]:
