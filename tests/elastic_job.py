@@ -1,0 +1,196 @@
+"""A torchrun elastic job of one-rank nodes on this machine, run by `shardplan train`: what the elastic
+tests and the restart benchmark (benchmarks/bench_elastic.py) start, pace, kill and read back.
+
+Each node is a torchrun agent with one worker, so the world is the number of nodes in the rendezvous:
+starting nodes grows it, killing one (agent and worker, SIGKILL, as a machine failing) shrinks it.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import default_collate
+
+import elastic_data
+from shardplan.model_spec import load_model
+from shardplan.runtime.launch import free_port
+from shardplan.sampler import ResumableSampler
+
+ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}
+"""The CLI's AdamW with --eps 1e-6 (see parity.ADAMW on eps)."""
+START_TIMEOUT_S = 150.0
+"""How long a phase may wait for the job: a loaded machine starts processes slowly."""
+
+
+class Job:
+    """`shardplan train gpt elastic_data:paced_tokens` under torchrun --nnodes=`nnodes`, in `workdir`."""
+
+    def __init__(self, workdir: Path, *, nnodes: str, steps: int, checkpoint_every: int, global_batch: int):
+        self.workdir = workdir
+        self.directory = workdir / "run"
+        self.nnodes, self.steps, self.checkpoint_every, self.global_batch = nnodes, steps, checkpoint_every, global_batch
+        self.port = free_port()
+        self.nodes: list[subprocess.Popen] = []
+        """The nodes started and not killed, the rendezvous host first."""
+        self.logs: dict[int, Path] = {}
+        """Each node's torchrun output, by its agent's pid."""
+
+    def __enter__(self) -> "Job":
+        self.pace(True)  # slow steps until the test acts: the run is mid-way when it does
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for node in list(self.nodes):
+            if node.poll() is None:
+                self.kill(node)
+
+    def start(self, count: int) -> list[subprocess.Popen]:
+        """`count` more nodes, started together; the first node of the job hosts the rendezvous."""
+        started = []
+        for _ in range(count):
+            log = self.workdir / f"node{len(self.logs)}.log"
+            node = subprocess.Popen(self._command(host=not self.nodes), env=self._environment(), cwd=self.workdir,
+                                    stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+            self.logs[node.pid] = log
+            self.nodes.append(node)
+            started.append(node)
+        return started
+
+    def pace(self, slow: bool) -> None:
+        """Slow every sample read (elastic_data.SLOW) or let the job run at full speed."""
+        marker = self.workdir / elastic_data.SLOW
+        if slow:
+            marker.touch()
+        else:
+            marker.unlink(missing_ok=True)
+
+    def kill(self, node: subprocess.Popen) -> float:
+        """SIGKILL a node's agent and its workers, as a machine failing would; the time of the kill."""
+        workers = _children(node.pid)
+        killed = time.time()
+        os.killpg(node.pid, signal.SIGKILL)
+        for worker in workers:
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        node.wait(timeout=30)
+        self.nodes.remove(node)
+        return killed
+
+    def node_of_rank(self, rank: int) -> subprocess.Popen | None:
+        """The node whose worker is `rank` now (None between restarts)."""
+        for node in self.nodes:
+            for worker in _children(node.pid):
+                try:
+                    environment = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if f"RANK={rank}".encode() in environment:
+                    return node
+        return None
+
+    def finish(self) -> None:
+        """Let the job run to its last step and every node exit; raises with a node's log if one fails."""
+        self.pace(False)
+        for node in self.nodes:
+            code = node.wait(timeout=START_TIMEOUT_S)
+            assert code == 0, f"node exited {code}:\n" + self.logs[node.pid].read_text()[-3000:]
+
+    def wait_for(self, condition, what: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not condition():
+            if time.monotonic() > deadline or any(node.poll() is not None for node in self.nodes):
+                logs = "\n".join(f"--- {path.name}\n{path.read_text()[-1500:]}" for path in self.logs.values())
+                raise AssertionError(f"gave up waiting for {what}\n{logs}")
+            time.sleep(0.05)
+
+    def events(self) -> list[dict]:
+        path = self.directory / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    def starts(self) -> list[dict]:
+        return [event for event in self.events() if event["event"] == "start"]
+
+    def progress(self) -> dict:
+        try:
+            return json.loads((self.directory / "progress.json").read_text())
+        except (OSError, ValueError):  # not written yet, or replaced under us
+            return {"step": 0, "world_size": 0}
+
+    def running_past_a_checkpoint(self, world_size: int) -> bool:
+        """Whether the job runs on `world_size` ranks and has stepped past a checkpoint it wrote there."""
+        begun, now = self.starts(), self.progress()
+        return bool(begun) and begun[-1]["world_size"] == world_size == now["world_size"] and \
+            now["step"] > begun[-1].get("resumed_step", 0) + self.checkpoint_every
+
+    def _command(self, host: bool) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=elastic-test",
+                # a dead node leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt (1 x 3 s)
+                f"--rdzv-conf=is_host={int(host)},last_call_timeout=2,keep_alive_interval=1", "--max-restarts=3",
+                "--monitor-interval=0.2",
+                "-m", "shardplan.cli", "train", "gpt", "elastic_data:paced_tokens", "--directory", str(self.directory),
+                "--steps", str(self.steps), "--checkpoint-every", str(self.checkpoint_every), "--global-batch",
+                str(self.global_batch), "--hardware", "cpu-gloo", "--eps", str(ADAMW["eps"]), "--timeout", "60"]
+
+    @staticmethod
+    def _environment() -> dict[str, str]:
+        tests = str(Path(__file__).parent)
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
+                # torch 2.13's shared rendezvous store never gives a node joining a running job the master's
+                # address (the README's 'Elastic training'): both agents wait 60 s and fail
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                "OMP_NUM_THREADS": "1"}  # up to 4 ranks on 2 cores: one thread each keeps them from fighting
+
+
+def reference_losses(steps: int, global_batch: int) -> list[float]:
+    """One process, the whole global batch each step, the same samples, model and optimizer as the job's."""
+    torch.manual_seed(0)
+    model = load_model("gpt").model
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    data, sampler = elastic_data.tokens(), ResumableSampler(elastic_data.SAMPLES, seed=0)
+    losses = []
+    for _ in range(steps):
+        loss = model(**default_collate([data[index] for index in sampler.take(global_batch)]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def restart_breakdown(events: list[dict], killed: float) -> dict[str, float]:
+    """Where the seconds from a rank's kill (wall time `killed`) to the first step on the next plan went, from
+    rank 0's events.jsonl: rank 0 must survive the kill."""
+    after = [event for event in events if event["time"] >= killed]
+    failed = next(event for event in after if event["event"] == "failed")
+    start = next(event for event in after if event["event"] == "start")
+    first_step = next(event for event in after[after.index(start):] if event["event"] == "step")
+    in_train = {"process_group_s": start["rendezvous_s"], "analysis_s": start["analyze_s"],
+                "solve_s": start["solve_s"], "parallelize_s": start["parallelize_s"], "load_s": start["load_s"]}
+    process_started = start["started_at"] - start["startup_s"]
+    return {"detection_s": failed["time"] - killed,  # rank 0's next collective failed on the closed connection
+            # torchrun: the agents see their workers exit, stop them, meet in a new rendezvous round (once the
+            # dead node's heartbeats lapse and the last call passes) and start new workers
+            "torchrun_restart_s": process_started - failed["time"],
+            "startup_s": start["startup_s"],  # Python, importing torch and shardplan, the CLI, the dataset
+            **in_train,
+            "first_step_s": first_step["since_start_s"] - sum(in_train.values()),  # and building the model
+            "total_s": first_step["time"] - killed}
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's workers run in sessions of their own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
