@@ -4,8 +4,10 @@ tests and the restart benchmark (benchmarks/bench_elastic.py) start, pace, kill 
 Each node is a torchrun agent with one worker, so the world is the number of nodes in the rendezvous:
 starting nodes grows it, killing one (agent and worker, SIGKILL, as a machine failing) shrinks it.
 """
+import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,7 +84,14 @@ class Job:
         self.nodes.remove(node)
         return killed
 
-    def node_of_rank(self, rank: int) -> subprocess.Popen | None:
+    def kill_a_rank(self) -> float:
+        """SIGKILL the node of a rank other than 0 (whose events.jsonl the tests read) that does not host the
+        rendezvous (the job's store); the time of the kill."""
+        victim = next(node for rank in range(1, len(self.nodes))
+                      if (node := self._node_of_rank(rank)) is not None and node is not self.nodes[0])
+        return self.kill(victim)
+
+    def _node_of_rank(self, rank: int) -> subprocess.Popen | None:
         """The node whose worker is `rank` now (None between restarts)."""
         for node in self.nodes:
             for worker in _children(node.pid):
@@ -108,6 +117,9 @@ class Job:
                 logs = "\n".join(f"--- {path.name}\n{path.read_text()[-1500:]}" for path in self.logs.values())
                 raise AssertionError(f"gave up waiting for {what}\n{logs}")
             time.sleep(0.05)
+
+    def logs_text(self) -> list[str]:
+        return [path.read_text() for path in self.logs.values()]
 
     def events(self) -> list[dict]:
         path = self.directory / "events.jsonl"
@@ -148,6 +160,16 @@ class Job:
                 "OMP_NUM_THREADS": "1"}  # up to 4 ranks on 2 cores: one thread each keeps them from fighting
 
 
+def lose_one_of_four(job: Job) -> float:
+    """Start `job` on 4 nodes, SIGKILL one mid-run (after a checkpoint on 4 ranks) and let it finish on the
+    rest; the time of the kill."""
+    job.start(4)
+    job.wait_for(lambda: job.running_past_a_checkpoint(4), "steps on 4 ranks past a checkpoint")
+    killed = job.kill_a_rank()
+    job.finish()
+    return killed
+
+
 def reference_losses(steps: int, global_batch: int) -> list[float]:
     """One process, the whole global batch each step, the same samples, model and optimizer as the job's."""
     torch.manual_seed(0)
@@ -164,24 +186,33 @@ def reference_losses(steps: int, global_batch: int) -> list[float]:
     return losses
 
 
-def restart_breakdown(events: list[dict], killed: float) -> dict[str, float]:
+def restart_breakdown(events: list[dict], logs: list[str], killed: float) -> dict[str, float]:
     """Where the seconds from a rank's kill (wall time `killed`) to the first step on the next plan went, from
-    rank 0's events.jsonl: rank 0 must survive the kill."""
+    rank 0's events.jsonl (rank 0 must survive the kill) and the agents' `logs`."""
     after = [event for event in events if event["time"] >= killed]
     failed = next(event for event in after if event["event"] == "failed")
     start = next(event for event in after if event["event"] == "start")
     first_step = next(event for event in after[after.index(start):] if event["event"] == "step")
+    seen = min(time for log in logs for time in _worker_failures(log, killed) if time >= killed)
     in_train = {"process_group_s": start["rendezvous_s"], "analysis_s": start["analyze_s"],
                 "solve_s": start["solve_s"], "parallelize_s": start["parallelize_s"], "load_s": start["load_s"]}
-    process_started = start["started_at"] - start["startup_s"]
     return {"detection_s": failed["time"] - killed,  # rank 0's next collective failed on the closed connection
-            # torchrun: the agents see their workers exit, stop them, meet in a new rendezvous round (once the
-            # dead node's heartbeats lapse and the last call passes) and start new workers
-            "torchrun_restart_s": process_started - failed["time"],
+            "worker_exit_s": seen - failed["time"],  # the failed worker unwinds and exits; its agent notices
+            # the agents stop their other workers, meet in a new rendezvous round (once the dead node's heartbeats
+            # lapse and the last call passes) and start new workers
+            "rendezvous_s": start["started_at"] - start["startup_s"] - seen,
             "startup_s": start["startup_s"],  # Python, importing torch and shardplan, the CLI, the dataset
             **in_train,
             "first_step_s": first_step["since_start_s"] - sum(in_train.values()),  # and building the model
             "total_s": first_step["time"] - killed}
+
+
+def _worker_failures(log: str, near: float) -> list[float]:
+    """When an agent logged a worker's failure: its glog lines (`E1123 23:45:52.046000 pid file:line] failed
+    (exitcode: 1) ...`) give local time without the year, which `near` (a wall time) gives."""
+    year = time.localtime(near).tm_year
+    return [datetime.datetime.strptime(f"{year}{match[1]} {match[2]}", "%Y%m%d %H:%M:%S.%f").timestamp()
+            for match in re.finditer(r"^E(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*\] failed \(exitcode", log, re.MULTILINE)]
 
 
 def _children(pid: int) -> list[int]:

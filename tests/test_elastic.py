@@ -1,11 +1,11 @@
-"""Elastic training: the sample stream, extra state in checkpoints, and a torchrun elastic run that grows
-and shrinks.
+"""Elastic training: the sample stream, extra state in checkpoints, and torchrun elastic jobs that shrink
+and grow (tests/elastic_job.py runs them: one-rank nodes, each a torchrun agent).
 
-The torchrun test starts one node (one rank), adds a second (torchrun stops the worker with SIGTERM,
-which checkpoints, and restarts both on a world of 2, re-planned), then kills the second node with
-SIGKILL mid-run (the survivor fails at its next collective, torchrun restarts it on a world of 1,
-re-planned, from the last checkpoint). Every step's loss, replayed steps included, equals an
-uninterrupted one-process run's on the same samples to 1e-5.
+The shrink starts 4 nodes, kills one with SIGKILL mid-run (the others fail at their next collective,
+torchrun restarts them on a world of 3, re-planned, from the last checkpoint). The grow starts 2 nodes
+and adds 2 (torchrun stops the workers with SIGTERM, which checkpoints, and restarts them on a world of
+4, re-planned). In both, every step's loss, replayed steps included, equals an uninterrupted one-process
+run's on the same samples to 1e-5.
 """
 import sys
 from pathlib import Path
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_job import Job, reference_losses, restart_breakdown
+from elastic_job import Job, lose_one_of_four, reference_losses, restart_breakdown
 from parity import spawn_world
 from shardplan import zoo
 from shardplan.errors import CheckpointError, ShardplanError
@@ -232,13 +232,7 @@ def assert_one_stream_with_the_losses_of_one_process(found: list[dict], expected
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
 def test_a_4_rank_torchrun_job_loses_a_rank_to_sigkill_and_trains_on_3_replanned(tmp_path, expected_losses):
     with job(tmp_path) as running:
-        running.start(4)
-        running.wait_for(lambda: running.running_past_a_checkpoint(4), "steps on 4 ranks past a checkpoint")
-        # not rank 0's node (its log is the one read) nor the rendezvous host (the job's store)
-        victim = next(node for rank in (1, 2, 3)
-                      if (node := running.node_of_rank(rank)) is not None and node is not running.nodes[0])
-        killed = running.kill(victim)
-        running.finish()
+        killed = lose_one_of_four(running)
     found = running.events()
     begun = running.starts()
     assert [start["world_size"] for start in begun][-2:] == [4, 3], begun
@@ -250,7 +244,7 @@ def test_a_4_rank_torchrun_job_loses_a_rank_to_sigkill_and_trains_on_3_replanned
     assert shrunk["steps_lost"] == last_before_kill - shrunk["resumed_step"]
     failures = [event for event in found if event["event"] == "failed"]
     assert failures and failures[-1]["step"] == last_before_kill + 1  # rank 0 saw its next step fail
-    breakdown = restart_breakdown(found, killed)
+    breakdown = restart_breakdown(found, running.logs_text(), killed)
     parts = sum(seconds for name, seconds in breakdown.items() if name != "total_s")
     assert min(breakdown.values()) >= 0 and abs(parts - breakdown["total_s"]) < 0.5, breakdown
     assert_one_stream_with_the_losses_of_one_process(found, expected_losses)

@@ -11,12 +11,12 @@ one fails or a node joins, with as many nodes as came to the new rendezvous. Eac
    counter, the RNG and the lr scheduler as extra state ([Note: extra state] in checkpoint.py);
 4. logs the old and the new plan, the predicted step time of each, the global batch, the steps lost
    (those the last start finished after its last checkpoint, from `progress.json`) and where the
-   time since the last step went;
+   time since the last step went, from the process's start on;
 5. trains to `steps`, saving a checkpoint every `checkpoint_every` steps, at the end, and when any
    rank got SIGTERM (the ranks agree on it before each step, one 1-element all-reduce), then returns.
 
 A rank that dies makes the others fail at their next collective (gloo sees the closed connection;
-otherwise at the process-group timeout), and torchrun restarts the survivors. A save cut short
+otherwise at the process-group timeout; rank 0 logs the failed step), and torchrun restarts the survivors. A save cut short
 leaves `step_<n>.partial`, never a `step_<n>` ([Note: atomic save] in checkpoint.py), so what a
 restart loads is always finished and checked against its manifest.
 
