@@ -26,6 +26,8 @@ ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}
 """The CLI's AdamW with --eps 1e-6 (see parity.ADAMW on eps)."""
 START_TIMEOUT_S = 150.0
 """How long a phase may wait for the job: a loaded machine starts processes slowly."""
+PACE_S = 0.1
+"""Seconds a sample read takes while a test waits for the job (0.3 s a step on 4 ranks at a global batch of 12)."""
 
 
 class Job:
@@ -42,7 +44,7 @@ class Job:
         """Each node's torchrun output, by its agent's pid."""
 
     def __enter__(self) -> "Job":
-        self.pace(True)  # slow steps until the test acts: the run is mid-way when it does
+        self.pace(PACE_S)  # slow steps until the test acts: the run is mid-way when it does
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -62,13 +64,14 @@ class Job:
             started.append(node)
         return started
 
-    def pace(self, slow: bool) -> None:
-        """Slow every sample read (elastic_data.SLOW) or let the job run at full speed."""
+    def pace(self, read_s: float | None) -> None:
+        """Make every sample read take `read_s` seconds (elastic_data.SLOW), or (None) let the job run at full speed."""
         marker = self.workdir / elastic_data.SLOW
-        if slow:
-            marker.touch()
-        else:
+        if read_s is None:
             marker.unlink(missing_ok=True)
+        else:  # whole, as the readers see it
+            (self.workdir / "pace.tmp").write_text(str(read_s))
+            os.replace(self.workdir / "pace.tmp", marker)
 
     def kill(self, node: subprocess.Popen) -> float:
         """SIGKILL a node's agent and its workers, as a machine failing would; the time of the kill."""
@@ -105,7 +108,7 @@ class Job:
 
     def finish(self) -> None:
         """Let the job run to its last step and every node exit; raises with a node's log if one fails."""
-        self.pace(False)
+        self.pace(None)
         for node in self.nodes:
             code = node.wait(timeout=START_TIMEOUT_S)
             assert code == 0, f"node exited {code}:\n" + self.logs[node.pid].read_text()[-3000:]

@@ -258,6 +258,7 @@ def test_a_2_rank_torchrun_job_grows_to_4_replanned_losing_no_step(tmp_path, exp
         running.start(2)
         running.wait_for(lambda: running.progress()["world_size"] == 2 and running.progress()["step"] >= 2,
                          "steps on 2 ranks")
+        running.pace(0.5)  # 3 s a step on 2 ranks: the job is mid-way when the new nodes join, however slowly they start
         running.start(2)
         running.wait_for(lambda: running.progress()["world_size"] == 4, "a step on 4 ranks")
         running.finish()
