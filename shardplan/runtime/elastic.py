@@ -16,9 +16,9 @@ one fails or a node joins, with as many nodes as came to the new rendezvous. Eac
    rank got SIGTERM (the ranks agree on it before each step, one 1-element all-reduce), then returns.
 
 A rank that dies makes the others fail at their next collective (gloo sees the closed connection;
-otherwise at the process-group timeout; rank 0 logs the failed step), and torchrun restarts the survivors. A save cut short
-leaves `step_<n>.partial`, never a `step_<n>` ([Note: atomic save] in checkpoint.py), so what a
-restart loads is always finished and checked against its manifest.
+otherwise at the process-group timeout; rank 0 logs the failed step), and torchrun restarts the
+survivors. A save cut short leaves `step_<n>.partial`, never a `step_<n>` ([Note: atomic save] in
+checkpoint.py), so what a restart loads is always finished and checked against its manifest.
 
 The global batch: with `global_batch_size`, every step reads that many samples at every world size,
 each rank global / world of them (the solver then picks the micro-batches that fit); with
@@ -369,8 +369,8 @@ class _Journal:
             return
         predicted_ms = plan.predicted.step_time_s * 1e3
         fields: dict[str, Any] = {"event": "start", "started_at": started_at, "world_size": world_size,
-                                  "global_batch": global_batch,
-                                  "replica_batch": replica_batch, "mesh": plan.mesh.describe(),
+                                  "global_batch": global_batch, "replica_batch": replica_batch,
+                                  "mesh": plan.mesh.describe(),
                                   "micro_batches": plan.schedule.num_micro_batches,
                                   "predicted_step_s": plan.predicted.step_time_s,
                                   **{name: round(value, 3) for name, value in timings.items()}}
