@@ -52,17 +52,16 @@ class Job:
             if node.poll() is None:
                 self.kill(node)
 
-    def start(self, count: int) -> list[subprocess.Popen]:
-        """`count` more nodes, started together; the first node of the job hosts the rendezvous."""
-        started = []
+    def start(self, count: int) -> None:
+        """Start `count` more nodes together; the first node of the job hosts the rendezvous."""
         for _ in range(count):
             log = self.workdir / f"node{len(self.logs)}.log"
-            node = subprocess.Popen(self._command(host=not self.nodes), env=self._environment(), cwd=self.workdir,
-                                    stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+            with log.open("w") as output:  # the node has its own copy of the descriptor
+                node = subprocess.Popen(self._command(host=not self.nodes), env=self._environment(),
+                                        cwd=self.workdir, stdout=output, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
             self.logs[node.pid] = log
             self.nodes.append(node)
-            started.append(node)
-        return started
 
     def pace(self, read_s: float | None) -> None:
         """Make every sample read take `read_s` seconds (elastic_data.SLOW), or (None) let the job run at full speed."""
@@ -146,7 +145,7 @@ class Job:
     def _command(self, host: bool) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=elastic-test",
-                # a dead node leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt (1 x 3 s)
+                # a dead node leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt (1 s x 3)
                 f"--rdzv-conf=is_host={int(host)},last_call_timeout=2,keep_alive_interval=1", "--max-restarts=3",
                 "--monitor-interval=0.2",
                 "-m", "shardplan.cli", "train", "gpt", "elastic_data:paced_tokens", "--directory", str(self.directory),
@@ -196,7 +195,7 @@ def restart_breakdown(events: list[dict], logs: list[str], killed: float) -> dic
     failed = next(event for event in after if event["event"] == "failed")
     start = next(event for event in after if event["event"] == "start")
     first_step = next(event for event in after[after.index(start):] if event["event"] == "step")
-    seen = min(time for log in logs for time in _worker_failures(log, killed) if time >= killed)
+    seen = min(at for log in logs for at in _worker_failures(log, killed) if at >= killed)  # first agent to notice
     in_train = {"process_group_s": start["rendezvous_s"], "analysis_s": start["analyze_s"],
                 "solve_s": start["solve_s"], "parallelize_s": start["parallelize_s"], "load_s": start["load_s"]}
     return {"detection_s": failed["time"] - killed,  # rank 0's next collective failed on the closed connection
