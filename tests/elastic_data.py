@@ -9,8 +9,7 @@ from shardplan import zoo
 SAMPLES = 20
 """Not a multiple of the tests' global batch: steps straddle epochs."""
 SLOW = Path("elastic-data-slow")
-"""While a file of this name is in the working directory, every read of paced_tokens takes SLOW_READ_S."""
-SLOW_READ_S = 0.1
+"""While a file of this name is in the working directory, every read of paced_tokens takes the seconds it holds."""
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -26,8 +25,11 @@ class Tokens(torch.utils.data.Dataset):
         return SAMPLES
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if self.slow is not None and self.slow.exists():
-            time.sleep(SLOW_READ_S)
+        if self.slow is not None:
+            try:
+                time.sleep(float(self.slow.read_text()))
+            except OSError:  # no file: full speed
+                pass
         return {"ids": self.ids[index], "labels": self.ids[index]}
 
 
@@ -36,5 +38,5 @@ def tokens() -> Tokens:
 
 
 def paced_tokens() -> Tokens:
-    """Tokens a test can slow down (0.4 s a step at 4 samples a rank) while it acts on a run mid-way."""
+    """Tokens a test can slow down (SLOW) while it acts on a run mid-way."""
     return Tokens(slow=SLOW)

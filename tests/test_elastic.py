@@ -1,38 +1,28 @@
-"""Elastic training: the sample stream, extra state in checkpoints, and a torchrun elastic run that grows
-and shrinks.
+"""Elastic training: the sample stream, extra state in checkpoints, and torchrun elastic jobs that shrink
+and grow (tests/elastic_job.py runs them: one-rank nodes, each a torchrun agent).
 
-The torchrun test starts one node (one rank), adds a second (torchrun stops the worker with SIGTERM,
-which checkpoints, and restarts both on a world of 2, re-planned), then kills the second node with
-SIGKILL mid-run (the survivor fails at its next collective, torchrun restarts it on a world of 1,
-re-planned, from the last checkpoint). Every step's loss, replayed steps included, equals an
-uninterrupted one-process run's on the same samples to 1e-5.
+The shrink starts 4 nodes, kills one with SIGKILL mid-run (the others fail at their next collective,
+torchrun restarts them on a world of 3, re-planned, from the last checkpoint). The grow starts 2 nodes
+and adds 2 (torchrun stops the workers with SIGTERM, which checkpoints, and restarts them on a world of
+4, re-planned). In both, every step's loss, replayed steps included, equals an uninterrupted one-process
+run's on the same samples to 1e-5.
 """
-import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import default_collate
 
-import elastic_data
+from elastic_job import Job, lose_one_of_four, reference_losses, restart_breakdown
 from parity import spawn_world
 from shardplan import zoo
 from shardplan.errors import CheckpointError, ShardplanError
-from shardplan.model_spec import load_model
 from shardplan.runtime import checkpoint, manual_plan, parallelize
 from shardplan.runtime import elastic
 from shardplan.runtime.elastic import ElasticOptions, batch_sizes, latest_checkpoints
-from shardplan.runtime.launch import free_port
 from shardplan.sampler import ResumableSampler
 
 TOLERANCE = 1e-5
-ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}
-"""The CLI's AdamW with --eps 1e-6 (see parity.ADAMW on eps)."""
 
 
 # the sample stream
@@ -212,133 +202,72 @@ def test_a_start_passes_over_a_damaged_newest_checkpoint_and_refuses_when_none_l
     assert extras["none_loads"].startswith("none of the 2 checkpoint(s)")
 
 
-# a torchrun elastic run: 1 rank, then 2, then 1
+# torchrun elastic jobs: 4 ranks lose one, 2 ranks gain two
 
-GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 4, 40, 5
-
-
-def reference_losses(steps: int) -> list[float]:
-    """One process, the whole global batch each step, the same samples, model and optimizer as `shardplan train`."""
-    torch.manual_seed(0)
-    model = load_model("gpt").model
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    data, sampler = elastic_data.tokens(), ResumableSampler(elastic_data.SAMPLES, seed=0)
-    losses = []
-    for _ in range(steps):
-        loss = model(**default_collate([data[index] for index in sampler.take(GLOBAL_BATCH)]))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 12, 30, 4
+"""12 samples a step split over 4, 3 and 2 ranks; enough steps that a paced job is mid-way while a test acts."""
 
 
-def start_node(directory: Path, port: int, host: bool, log: Path) -> subprocess.Popen:
-    """One torchrun agent of one rank, in a rendezvous of 1 to 2 nodes."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
-               # a dead node leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt (5 x 3 s)
-               f"--rdzv-conf=is_host={int(host)},last_call_timeout=2,keep_alive_interval=1", "--max-restarts=3",
-               "--monitor-interval=0.2",
-               "-m", "shardplan.cli", "train", "gpt", "elastic_data:paced_tokens", "--directory", str(directory),
-               "--steps", str(STEPS), "--checkpoint-every", str(CHECKPOINT_EVERY), "--global-batch",
-               str(GLOBAL_BATCH), "--hardware", "cpu-gloo", "--eps", str(ADAMW["eps"]), "--timeout", "60"]
-    tests = str(Path(__file__).parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
-           # torch 2.13's shared rendezvous store never gives a node joining a running job the master's
-           # address (the README's 'Elastic training'): both agents wait 60 s and fail
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    return subprocess.Popen(command, env=env, cwd=log.parent, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+@pytest.fixture(scope="module")
+def expected_losses() -> list[float]:
+    return reference_losses(STEPS, GLOBAL_BATCH)
 
 
-def events(directory: Path) -> list[dict]:
-    path = directory / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+def job(tmp_path: Path) -> Job:
+    return Job(tmp_path, nnodes="2:4", steps=STEPS, checkpoint_every=CHECKPOINT_EVERY, global_batch=GLOBAL_BATCH)
 
 
-def wait_for(condition, what: str, nodes: list[subprocess.Popen], timeout_s: float = 150.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline or any(node.poll() is not None for node in nodes):
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.05)
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (torchrun's workers run in sessions of their own)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
-
-
-def kill_node(node: subprocess.Popen) -> None:
-    """SIGKILL a node's agent and its workers, as a machine failing would."""
-    workers = children(node.pid)
-    os.killpg(node.pid, signal.SIGKILL)
-    for worker in workers:
-        try:
-            os.kill(worker, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    node.wait()
-
-
-def starts(directory: Path) -> list[dict]:
-    return [event for event in events(directory) if event["event"] == "start"]
-
-
-def progress(directory: Path) -> dict:
-    try:
-        return json.loads((directory / "progress.json").read_text())
-    except (OSError, ValueError):  # not written yet, or replaced under us
-        return {"step": 0, "world_size": 0}
+def assert_one_stream_with_the_losses_of_one_process(found: list[dict], expected: list[float]) -> None:
+    """Every step, replayed ones included, reads the next samples of one stream (none twice, none skipped, at
+    every world size) and has the loss of an uninterrupted one-process run to TOLERANCE."""
+    steps = [event for event in found if event["event"] == "step"]
+    assert steps[-1]["step"] == STEPS
+    assert all(event["first_sample"] == (event["step"] - 1) * GLOBAL_BATCH for event in steps)
+    errors = [abs(event["loss"] - expected[event["step"] - 1]) for event in steps]
+    assert max(errors) <= TOLERANCE, max(errors)
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(600)  # its phases wait up to 150 s each: a loaded machine starts processes slowly
+@pytest.mark.timeout(400)  # its phases wait up to START_TIMEOUT_S each: a loaded machine starts processes slowly
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
-def test_torchrun_elastic_run_grows_and_shrinks_replanning_with_the_losses_of_one_process(tmp_path):
-    directory = tmp_path / "run"
-    port = free_port()
-    (tmp_path / elastic_data.SLOW).touch()  # slow steps until the kill: the run is mid-way when the test acts
-    first = start_node(directory, port, host=True, log=tmp_path / "first.log")
-    nodes = [first]
-    try:
-        wait_for(lambda: progress(directory)["step"] >= 2, "a first step on one rank", nodes)
-        second = start_node(directory, port, host=False, log=tmp_path / "second.log")
-        nodes.append(second)
-        wait_for(lambda: progress(directory)["world_size"] == 2 and progress(directory)["step"]
-                 > starts(directory)[-1].get("resumed_step", STEPS) + CHECKPOINT_EVERY, "steps on two ranks", nodes)
-        kill_node(second)
-        nodes.remove(second)
-        (tmp_path / elastic_data.SLOW).unlink()
-        assert first.wait(timeout=150) == 0, (tmp_path / "first.log").read_text()[-3000:]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                kill_node(node)
-    found = events(directory)
-    begun = starts(directory)
-    assert [start["world_size"] for start in begun] == [1, 2, 1], begun
-    grown, shrunk = begun[1], begun[2]
-    # the grow: torchrun's SIGTERM made the worker checkpoint its last step, so nothing was lost
-    assert grown["old_world_size"] == 1 and grown["steps_lost"] == 0
-    # the shrink: from the last periodic checkpoint on two ranks, the steps after it lost and replayed
+def test_a_4_rank_torchrun_job_loses_a_rank_to_sigkill_and_trains_on_3_replanned(tmp_path, expected_losses):
+    with job(tmp_path) as running:
+        killed = lose_one_of_four(running)
+    found = running.events()
+    begun = running.starts()
+    assert [start["world_size"] for start in begun][-2:] == [4, 3], begun
+    shrunk = begun[-1]
+    assert shrunk["mesh"] == "pp=1 dp_shard=3" and shrunk["old_mesh"] == "pp=1 dp_shard=4"
+    # from the last periodic checkpoint on 4 ranks, the steps after it lost and replayed
     last_before_kill = max(event["step"] for event in found[:found.index(shrunk)] if event["event"] == "step")
-    assert shrunk["old_world_size"] == 2 and shrunk["resumed_step"] % CHECKPOINT_EVERY == 0
-    assert shrunk["resumed_step"] > grown["resumed_step"]
+    assert shrunk["old_world_size"] == 4 and shrunk["resumed_step"] % CHECKPOINT_EVERY == 0
     assert shrunk["steps_lost"] == last_before_kill - shrunk["resumed_step"]
-    assert {"analyze_s", "solve_s", "load_s", "old_predicted_step_s", "predicted_step_s"} <= set(shrunk)
-    steps = [event for event in found if event["event"] == "step"]
-    assert steps[-1]["step"] == STEPS
-    # every step reads the next samples of one stream: none twice, none skipped, at every world size
-    assert all(event["first_sample"] == (event["step"] - 1) * GLOBAL_BATCH for event in steps)
-    expected = reference_losses(STEPS)
-    errors = [abs(event["loss"] - expected[event["step"] - 1]) for event in steps]
-    assert max(errors) <= TOLERANCE, max(errors)
+    failures = [event for event in found if event["event"] == "failed"]
+    assert failures and failures[-1]["step"] == last_before_kill + 1  # rank 0 saw its next step fail
+    breakdown = restart_breakdown(found, running.logs_text(), killed)
+    parts = sum(seconds for name, seconds in breakdown.items() if name != "total_s")
+    assert min(breakdown.values()) >= 0 and abs(parts - breakdown["total_s"]) < 0.5, breakdown
+    assert_one_stream_with_the_losses_of_one_process(found, expected_losses)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
+def test_a_2_rank_torchrun_job_grows_to_4_replanned_losing_no_step(tmp_path, expected_losses):
+    with job(tmp_path) as running:
+        running.start(2)
+        running.wait_for(lambda: running.progress()["world_size"] == 2 and running.progress()["step"] >= 2,
+                         "steps on 2 ranks")
+        running.pace(0.5)  # 3 s a step on 2 ranks: the job is mid-way when the new nodes join, however slowly they start
+        running.start(2)
+        running.wait_for(lambda: running.progress()["world_size"] == 4, "a step on 4 ranks")
+        running.finish()
+    found = running.events()
+    begun = running.starts()
+    sizes = [start["world_size"] for start in begun]
+    assert sizes[0] == 2 and sizes[-1] == 4 and sizes == sorted(sizes), begun
+    assert begun[-1]["mesh"] == "pp=1 dp_shard=4" and begun[-1]["replica_batch"] == GLOBAL_BATCH // 4
+    # torchrun's SIGTERM made the workers checkpoint their last step at each grow, so nothing was lost
+    assert all(start["steps_lost"] == 0 and start["resumed_step"] > 0 for start in begun[1:])
+    assert {"startup_s", "analyze_s", "solve_s", "load_s", "old_predicted_step_s", "predicted_step_s"} <= set(begun[-1])
+    assert_one_stream_with_the_losses_of_one_process(found, expected_losses)

@@ -11,14 +11,14 @@ one fails or a node joins, with as many nodes as came to the new rendezvous. Eac
    counter, the RNG and the lr scheduler as extra state ([Note: extra state] in checkpoint.py);
 4. logs the old and the new plan, the predicted step time of each, the global batch, the steps lost
    (those the last start finished after its last checkpoint, from `progress.json`) and where the
-   time since the last step went;
+   time since the last step went, from the process's start on;
 5. trains to `steps`, saving a checkpoint every `checkpoint_every` steps, at the end, and when any
    rank got SIGTERM (the ranks agree on it before each step, one 1-element all-reduce), then returns.
 
 A rank that dies makes the others fail at their next collective (gloo sees the closed connection;
-otherwise at the process-group timeout), and torchrun restarts the survivors. A save cut short
-leaves `step_<n>.partial`, never a `step_<n>` ([Note: atomic save] in checkpoint.py), so what a
-restart loads is always finished and checked against its manifest.
+otherwise at the process-group timeout; rank 0 logs the failed step), and torchrun restarts the
+survivors. A save cut short leaves `step_<n>.partial`, never a `step_<n>` ([Note: atomic save] in
+checkpoint.py), so what a restart loads is always finished and checked against its manifest.
 
 The global batch: with `global_batch_size`, every step reads that many samples at every world size,
 each rank global / world of them (the solver then picks the micro-batches that fit); with
@@ -118,9 +118,9 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
     >>> outcome = train(lambda: zoo.gpt().model, tokens,                        # doctest: +SKIP
     ...                 ElasticOptions(directory="run", steps=1000, global_batch_size=64))
     """
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     owns_group = _join(options.timeout_s)
-    timings = {"rendezvous_s": time.perf_counter() - started}
+    timings = {**_startup(started_at), "rendezvous_s": time.perf_counter() - started}
     world = collectives.world()
     journal = _Journal(Path(options.directory), log if world.rank == 0 else None)
     global_batch, replica_batch = batch_sizes(options, world.size)
@@ -133,7 +133,7 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
     state = _TrainingState(ResumableSampler(len(dataset), seed=options.seed),
                            scheduler_factory(optimizer) if scheduler_factory else None)
     resumed = _timed(timings, "load_s", lambda: _resume(program, optimizer, state, Path(options.directory), journal))
-    journal.started(plan, resumed, world.size, global_batch, replica_batch, timings)
+    journal.started(plan, resumed, world.size, global_batch, replica_batch, timings, started_at)
     stop = _Termination()
     losses: list[float] = []
     try:
@@ -146,6 +146,9 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
         stopped = state.step < options.steps
         if stopped and state.step % options.checkpoint_every:  # SIGTERM: keep what was trained
             _save(program, optimizer, state, Path(options.directory), journal)
+    except Exception as error:  # most often a rank died: when this one saw it starts the restart's timeline
+        journal.failed(state.step + 1, error)
+        raise
     finally:
         stop.restore()
     outcome = Outcome(step=state.step, losses=tuple(losses), stopped=stopped, plan=plan)
@@ -300,6 +303,17 @@ def _join(timeout_s: float) -> bool:
     return True
 
 
+def _startup(started_at: float) -> dict[str, float]:
+    """{"startup_s": seconds from this process's start to `started_at`} (Python, imports, the CLI), read from
+    /proc/self/stat on Linux; {} elsewhere."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, AttributeError, IndexError, ValueError):  # no /proc, or no CLOCK_BOOTTIME
+        return {}
+    return {"startup_s": max(0.0, age_s - (time.time() - started_at))}
+
+
 def _example_call(dataset, replica_batch: int) -> tuple[tuple, dict]:
     """A batch shaped as every step's on one rank, for the analysis (sample 0 repeated: shapes matter)."""
     return as_call(default_collate([dataset[0]] * replica_batch))
@@ -350,18 +364,20 @@ class _Journal:
         self._emit(text, {"event": "note", "text": text})
 
     def started(self, plan: Plan, resumed: _Resumed | None, world_size: int, global_batch: int, replica_batch: int,
-                timings: dict[str, float]) -> None:
+                timings: dict[str, float], started_at: float) -> None:
         if self.log is None:
             return
         predicted_ms = plan.predicted.step_time_s * 1e3
-        fields: dict[str, Any] = {"event": "start", "world_size": world_size, "global_batch": global_batch,
-                                  "replica_batch": replica_batch, "mesh": plan.mesh.describe(),
+        fields: dict[str, Any] = {"event": "start", "started_at": started_at, "world_size": world_size,
+                                  "global_batch": global_batch, "replica_batch": replica_batch,
+                                  "mesh": plan.mesh.describe(),
                                   "micro_batches": plan.schedule.num_micro_batches,
                                   "predicted_step_s": plan.predicted.step_time_s,
                                   **{name: round(value, 3) for name, value in timings.items()}}
+        startup = f"start-up {timings['startup_s']:.1f} s, " if "startup_s" in timings else ""
         lines = [f"world of {world_size} ranks: planned {plan.mesh.describe()}, "
                  f"{plan.schedule.num_micro_batches} micro-batch(es), predicted step {predicted_ms:.1f} ms "
-                 f"(rendezvous {timings['rendezvous_s']:.1f} s, analysis {timings['analyze_s']:.1f} s, solve "
+                 f"({startup}rendezvous {timings['rendezvous_s']:.1f} s, analysis {timings['analyze_s']:.1f} s, solve "
                  f"{timings['solve_s']:.1f} s, parallelize "
                  f"{timings['parallelize_s']:.1f} s, load {timings['load_s']:.1f} s)"]
         if resumed is None:
@@ -411,6 +427,10 @@ class _Journal:
         temporary = self.directory / (PROGRESS_FILE + ".tmp")
         temporary.write_text(json.dumps(progress))
         os.replace(temporary, self.directory / PROGRESS_FILE)
+
+    def failed(self, step: int, error: Exception) -> None:
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        self._emit(f"step {step} failed: {cause}", {"event": "failed", "step": step, "error": cause})
 
     def saved(self, step: int, seconds: float) -> None:
         self._emit(f"checkpoint at step {step} ({seconds:.1f} s)", {"event": "checkpoint", "step": step,
