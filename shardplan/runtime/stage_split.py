@@ -250,8 +250,8 @@ def _examples(split: torch.fx.GraphModule, names: tuple[str, ...]) -> dict[str, 
         if not isinstance(value, torch.Tensor):
             raise ShardplanError(f"a pipeline stage would send {name!r}, a {type(value).__name__}, to the next "
                                  "stage: only tensors cross stages; plan with pp=1 for this model")
-        examples[name] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta",
-                                             requires_grad=node.op != "placeholder" and value.is_floating_point())
+        examples[name] = torch.empty(value.shape, dtype=value.dtype, device="meta",  # sent contiguous
+                                     requires_grad=node.op != "placeholder" and value.is_floating_point())
     return examples
 
 
@@ -287,7 +287,8 @@ class StageModule(nn.Module):
                     values[call.node] = result
                 else:
                     values.update((name, value) for name, value in zip(call.results, result) if name)
-        return tuple(values[name] for name in self.graph.outbound)
+        # sends need contiguous tensors (a BERT head's residual arrives transposed)
+        return tuple(values[name].contiguous() for name in self.graph.outbound)
 
 
 def block_runner(call: BlockCall, model: nn.Module, constants: dict[str, torch.Tensor]) -> Callable:
