@@ -7,6 +7,7 @@ writes the decisions, the predicted terms and the reasoning into a Plan.
 """
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, replace
 
 from . import cost
@@ -70,10 +71,25 @@ def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: 
 
     _check_world_size(world_size)  # before the capture: a bad count is refused in moments
     chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
-    plan = solve(chain, world_size, model_name=type(model).__name__, **options)
+    plan = _with_unread_parameters(solve(chain, world_size, model_name=type(model).__name__, **options), model)
     if plan.inputs != chain.inputs:  # a global batch split over the mesh's replicas: the graph of their shapes
         plan = replace(plan, fingerprint=fingerprint_of(model, plan.inputs))
     return plan
+
+
+def _with_unread_parameters(plan: Plan, model) -> Plan:
+    """`plan` with the parameters the forward never reads (a bias a tie replaced, a table no input
+    selects) in its last unit, with a warning: the blocks hold only what the graph reads, and every
+    parameter must be in a unit for the runtime to hold, save and load it. They get no gradient."""
+    covered = {id(model.get_parameter(name)) for unit in plan.units for name in unit.params}
+    unread = tuple(name for name, parameter in model.named_parameters() if id(parameter) not in covered)
+    if not unread:
+        return plan
+    warnings.warn(f"{len(unread)} parameters are never read by the forward (first: {list(unread[:3])}): they stay "
+                  f"in unit {plan.units[-1].name!r} and get no gradient; delete them from the model to save their "
+                  "memory", stacklevel=3)
+    last = replace(plan.units[-1], params=plan.units[-1].params + unread)
+    return replace(plan, units=plan.units[:-1] + (last,))
 
 
 def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options) -> Plan:
