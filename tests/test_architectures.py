@@ -46,8 +46,18 @@ MODELS = {  # builder, each unit's modules (the chain's blocks; BERT's head hold
              [("bert.embeddings.word_embeddings", "bert.embeddings.token_type_embeddings",
                "bert.embeddings.position_embeddings", "bert.embeddings.LayerNorm"), ("bert.encoder.layer.0",),
               ("bert.encoder.layer.1",), ("cls.predictions.transform", "cls.predictions.decoder", "cls.predictions")]),
+    # encoder-decoder: the shared table feeds the encoder (stage 0), the decoder and the tied head (stage 1)
+    "t5-tied": (lambda: zoo.hf_t5(batch=BATCH, seq=SEQ),
+                [("shared", "encoder.embed_tokens"), ("encoder.block.0",), ("encoder.block.1",),
+                 ("encoder.final_layer_norm",), ("decoder.block.0",), ("decoder.block.1",),
+                 ("decoder.final_layer_norm", "lm_head")]),
+    # MoE routing: transformers picks histc's dtype by device type, so a stage must be captured on its device
+    "mixtral": (lambda: zoo.hf_mixtral(batch=BATCH, seq=SEQ),
+                [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
 }
-CASES = {f"{model}/{mode}": {"model": model, "mode": mode} for model in MODELS for mode in ("pp2", "fsdp2")}
+MODES = {"gpt2-tied": ("pp2", "fsdp2"), "opt-tied": ("pp2", "fsdp2"), "bert": ("pp2", "fsdp2"), "t5-tied": ("pp2",),
+         "mixtral": ("pp2",)}
+CASES = {f"{model}/{mode}": {"model": model, "mode": mode} for model, modes in MODES.items() for mode in modes}
 
 
 def _model(name: str) -> torch.nn.Module:

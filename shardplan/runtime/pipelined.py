@@ -57,7 +57,7 @@ from .program import check_batch, check_micro_batches, refuse_optimizers_over
 from .scheduler import Scheduler
 from .sharded import UnitProgram, apply_plan_tensor_parallel, build_units, unit_place
 from .unit import FlatUnit
-from .stage_split import BlockCall, StageGraph, StageModule, block_runner, put_meta_stand_ins, split_stages
+from .stage_split import BlockCall, StageGraph, StageModule, block_runner, put_stand_ins, split_stages
 
 
 def schedule_class(name: str):
@@ -232,6 +232,6 @@ def _drop_other_stages(model: nn.Module, plan: Plan, units: tuple[str, ...]) -> 
     their shapes)."""
     kept = {name for unit in plan.units if unit.name in units for name in unit.params}
     canonical = {id(parameter): name for name, parameter in model.named_parameters()}
-    dropped = put_meta_stand_ins(model, lambda parameter: not parameter.is_meta
+    dropped = put_stand_ins(model, lambda parameter: not parameter.is_meta
                                  and canonical[id(parameter)] not in kept)
     refuse_optimizers_over(original for _, _, original in dropped)
