@@ -7,18 +7,20 @@ must keep (see [Note: tied weights across stages] in runtime/pipelined.py). One 
 """
 import copy
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 
 from shardplan import zoo
-from shardplan.compile import solve
+from shardplan.compile import default_space, solve
 from shardplan.hardware import get_hardware
 from shardplan.passes import analyze
 from shardplan.plan import Mesh, Schedule
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
-from shardplan.solver.search import Configuration, Setting, tied_terms
+from shardplan.solver.search import Configuration, Setting, smallest_peak, tied_terms
+from shardplan.solver.space import resolve_rules
 
 from parity import assert_parity, spawn_world, train_next_to_reference
 
@@ -141,3 +143,17 @@ def test_the_solver_cuts_stages_between_tied_blocks_and_prices_the_copy():
     assert (owner.copy_bytes, reader.copy_bytes) == (0, 2 * table_bytes)  # the copy and its gradient
     assert owner.sync_s == reader.sync_s > 0
     assert tied_terms(chain.blocks, 0, n, setting, configuration, hardware) == (0, 0.0)
+
+
+def test_t5_pipelines_where_data_parallelism_does_not_fit():
+    """T5's shared table feeds its first and last blocks: with no cut allowed between tied blocks, no
+    budget could pipeline it; a copy priced into the stage's budget makes it the plan that fits."""
+    entry = zoo.hf_t5(batch=4, seq=16)
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    setting = Setting(world_size=2, batch_size=4, skip_edges=chain.skip_edges, tied_edges=chain.tied_edges)
+    rules, space, hardware = resolve_rules(chain.blocks, None), default_space(len(chain.blocks)), get_hardware("cpu-gloo")
+    least = smallest_peak(chain.blocks, rules, setting, hardware, space)
+    least_data_parallel = smallest_peak(chain.blocks, rules, replace(setting, allow_pipeline=False), hardware, space)
+    assert least < least_data_parallel
+    plan = solve(chain, 2, hardware="cpu-gloo", memory_budget=(least + least_data_parallel) // 2)
+    assert plan.mesh.pp == 2 and plan.predicted.peak_bytes <= (least + least_data_parallel) // 2

@@ -230,18 +230,19 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
     None when nothing fits the budget or nothing is as fast as `time_bound_s`."""
     contexts = [context(setting, configuration, hardware, stage) for stage in range(configuration.mesh.pp)]
     costs = UnitCosts(blocks, rules, space, contexts[0])  # shared by the stages: see UnitCosts
-    solvers: dict[int, ChainSolver] = {}
+    solvers: dict[tuple[int, int], ChainSolver] = {}
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
 
     def stage_cost(stage: int, start: int, end: int):
         ctx = contexts[stage]
-        if ctx.in_flight not in solvers:
-            solvers[ctx.in_flight] = ChainSolver(
-                blocks, rules, ctx, budget_bytes, space, minimize_memory=minimize_memory, time_bound_s=time_bound_s,
-                only_end=len(blocks) if configuration.mesh.pp == 1 else None, costs=costs)
-        solution = solvers[ctx.in_flight].solve(start, end)
         tied = tied_terms(blocks, start, end, setting, configuration, hardware)
-        if solution is None or solution.peak_bytes + tied.copy_bytes > budget_bytes:
+        key = (ctx.in_flight, tied.copy_bytes)  # the copies a stage holds leave its units less of the budget
+        if key not in solvers:
+            solvers[key] = ChainSolver(
+                blocks, rules, ctx, budget_bytes - tied.copy_bytes, space, minimize_memory=minimize_memory,
+                time_bound_s=time_bound_s, only_end=len(blocks) if configuration.mesh.pp == 1 else None, costs=costs)
+        solution = solvers[key].solve(start, end)
+        if solution is None:
             return None
         if minimize_memory:
             return solution, float(solution.peak_bytes + tied.copy_bytes)
@@ -253,7 +254,8 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
     if cuts is None:
         return None
     return Candidate(configuration=configuration, stages=cuts, step_time_s=max(c.time_s for c in cuts),
-                     peak_bytes=max(c.solution.peak_bytes for c in cuts))
+                     peak_bytes=max(c.solution.peak_bytes + tied_terms(blocks, c.start, c.end, setting, configuration,
+                                                                       hardware).copy_bytes for c in cuts))
 
 
 def samples_per_step(setting: Setting, configuration: Configuration) -> float:
