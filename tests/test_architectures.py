@@ -1,9 +1,10 @@
 """Hugging Face architectures from tiny configs, pipelined (pp = 2) and on backend="fsdp2", against one process.
 
-Each plan puts every block in a unit of its own, so the input embedding (stage 0) and the head
+Each plan puts the blocks in units of their own, so the input embedding (stage 0) and the head
 (stage 1) of a tied model sit on different stages, and in different units: the ties the runtime
 must keep (see [Note: tied weights across stages] in runtime/pipelined.py). One spawned world of
-2 gloo ranks runs every case; rank 0 returns the differences from the reference.
+2 gloo ranks runs every case (2 steps each); rank 0 returns the differences from the reference.
+The solver's side: a cut between tied blocks is allowed and priced, and T5 pipelines.
 """
 import copy
 import warnings
@@ -37,6 +38,14 @@ def _opt(batch: int, seq: int):
     return zoo._hf_causal_lm(config, batch, seq, "cpu")
 
 
+def _falcon(batch: int, seq: int):
+    import transformers
+
+    config = transformers.FalconConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=64)
+    return zoo._hf_causal_lm(config, batch, seq, "cpu")
+
+
 MODELS = {  # builder, each unit's modules (the chain's blocks; BERT's head holds its tied decoder bias)
     "gpt2-tied": (lambda: zoo.hf_gpt2(batch=BATCH, seq=SEQ),
                   [("transformer.wte",), ("transformer.wpe",), ("transformer.h.0",), ("transformer.h.1",),
@@ -56,9 +65,13 @@ MODELS = {  # builder, each unit's modules (the chain's blocks; BERT's head hold
     # MoE routing: transformers picks histc's dtype by device type, so a stage must be captured on its device
     "mixtral": (lambda: zoo.hf_mixtral(batch=BATCH, seq=SEQ),
                 [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
+    # multi-query attention indexes with a Python list, a constant export lifts: it must hold its values
+    "falcon-tied": (lambda: _falcon(BATCH, SEQ),
+                    [("transformer.word_embeddings",), ("transformer.h.0",), ("transformer.h.1",),
+                     ("transformer.ln_f", "lm_head")]),
 }
 MODES = {"gpt2-tied": ("pp2", "fsdp2"), "opt-tied": ("pp2", "fsdp2"), "bert": ("pp2", "fsdp2"), "t5-tied": ("pp2",),
-         "mixtral": ("pp2",)}
+         "mixtral": ("pp2",), "falcon-tied": ("pp2",)}
 CASES = {f"{model}/{mode}": {"model": model, "mode": mode} for model, modes in MODES.items() for mode in modes}
 
 
