@@ -56,8 +56,8 @@ from .activation_checkpoint import checkpointed
 from .program import check_batch, check_micro_batches, refuse_optimizers_over
 from .scheduler import Scheduler
 from .sharded import UnitProgram, apply_plan_tensor_parallel, build_units, unit_place
-from .unit import FlatUnit
 from .stage_split import BlockCall, StageGraph, StageModule, block_runner, put_stand_ins, split_stages
+from .unit import FlatUnit
 
 
 def schedule_class(name: str):
