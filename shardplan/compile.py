@@ -7,6 +7,7 @@ writes the decisions, the predicted terms and the reasoning into a Plan.
 """
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, replace
 
 from . import cost
@@ -19,7 +20,7 @@ from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, KeptWhole,
                    Predicted, Reasoning, Schedule, ShardedModule, Stage, TensorParallel, Unit)
 from .solver.chain_dp import ROUNDING
 from .solver.search import (Candidate, Configuration, Setting, boundary_time_s, context, samples_per_step, search,
-                            smallest_peak, tensor_parallel_options)
+                            smallest_peak, tensor_parallel_options, tied_terms)
 from .solver.space import BlockRule, Constraints, SearchSpace, constraint_patterns, resolve_rules
 from .sizes import format_bytes, parse_bytes
 
@@ -70,10 +71,25 @@ def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: 
 
     _check_world_size(world_size)  # before the capture: a bad count is refused in moments
     chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
-    plan = solve(chain, world_size, model_name=type(model).__name__, **options)
+    plan = _with_unread_parameters(solve(chain, world_size, model_name=type(model).__name__, **options), model)
     if plan.inputs != chain.inputs:  # a global batch split over the mesh's replicas: the graph of their shapes
         plan = replace(plan, fingerprint=fingerprint_of(model, plan.inputs))
     return plan
+
+
+def _with_unread_parameters(plan: Plan, model) -> Plan:
+    """`plan` with the parameters the forward never reads (a bias a tie replaced, a table no input
+    selects) in its last unit, with a warning: the blocks hold only what the graph reads, and every
+    parameter must be in a unit for the runtime to hold, save and load it. They get no gradient."""
+    covered = {id(model.get_parameter(name)) for unit in plan.units for name in unit.params}
+    unread = tuple(name for name, parameter in model.named_parameters() if id(parameter) not in covered)
+    if not unread:
+        return plan
+    warnings.warn(f"{len(unread)} parameters are never read by the forward (first: {list(unread[:3])}): they stay "
+                  f"in unit {plan.units[-1].name!r} and get no gradient; delete them from the model to save their "
+                  "memory", stacklevel=3)
+    last = replace(plan.units[-1], params=plan.units[-1].params + unread)
+    return replace(plan, units=plan.units[:-1] + (last,))
 
 
 def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options) -> Plan:
@@ -96,7 +112,8 @@ def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options
                              f"{hw.devices_per_node} devices ({hw.name}): use at most {hw.devices_per_node}")
     setting = Setting(world_size=world_size, batch_size=_batch_size(chain), mixed_precision=precision,
                       optimizer=asked.optimizer, allow_pipeline=asked.allow_pipeline,
-                      skip_edges=chain.skip_edges, global_batch_size=asked.global_batch_size,
+                      skip_edges=chain.skip_edges, tied_edges=chain.tied_edges,
+                      global_batch_size=asked.global_batch_size,
                       tensor_parallel=tensor_parallel_options(chain.blocks, world_size, max_tp),
                       replica_group_ranks=hw.devices_per_node if asked.allow_replica_groups else 0)
     rules = _rules(chain, asked.constraints)
@@ -140,7 +157,7 @@ def default_space(n_blocks: int) -> SearchSpace:
 
 
 def _rules(chain: BlockChain, constraints: Constraints | None) -> tuple[BlockRule, ...]:
-    return _split_at_frozen(chain, resolve_rules(chain.blocks, constraints, chain.tied_edges, chain.module_classes))
+    return _split_at_frozen(chain, resolve_rules(chain.blocks, constraints, chain.module_classes))
 
 
 def _split_at_frozen(chain: BlockChain, rules: tuple[BlockRule, ...]) -> tuple[BlockRule, ...]:
@@ -185,7 +202,8 @@ def _stage_cost(chain: BlockChain, index: int, start: int, end: int, bounds: tup
                 decisions: tuple[Decision, ...], setting: Setting, configuration: Configuration, hw) -> cost.StepCost:
     """Stage `index` (blocks start..end, units starting at `bounds` within it) walked event by event."""
     return evaluate_stage(chain.blocks[start:end], bounds, decisions, context(setting, configuration, hw, index),
-                          boundary_s=boundary_time_s(chain.blocks, start, end, setting, configuration, hw))
+                          boundary_s=boundary_time_s(chain.blocks, start, end, setting, configuration, hw),
+                          tied=tied_terms(chain.blocks, start, end, setting, configuration, hw))
 
 
 def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> Predicted:
@@ -213,7 +231,7 @@ def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
         raise PlanError("the plan's units do not follow the model's execution order: list them in that order")
     stage_of_unit = plan.stage_of_unit
     setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain), mixed_precision=plan.mixed_precision,
-                      optimizer=plan.optimizer, skip_edges=chain.skip_edges,
+                      optimizer=plan.optimizer, skip_edges=chain.skip_edges, tied_edges=chain.tied_edges,
                       global_batch_size=plan.mesh.dp * plan.batch_per_replica if plan.inputs else None)
     configuration = Configuration(mesh=plan.mesh, schedule=plan.schedule,
                                   sequence_parallel=plan.tensor_parallel.sequence_parallel)

@@ -631,15 +631,16 @@ class StepCost:
 
 
 def evaluate_stage(blocks: tuple[Block, ...], bounds: tuple[int, ...], decisions: tuple[Decision, ...],
-                   ctx: CostContext, *, boundary_s: float = 0.0) -> StepCost:
+                   ctx: CostContext, *, boundary_s: float = 0.0, tied=None) -> StepCost:
     """Walk the stage's events one by one and add up its step time.
 
     `bounds` are the block offsets where units start (first is 0); `boundary_s` is the
-    per-micro-batch pipeline send/receive time of this stage.
+    per-micro-batch pipeline send/receive time of this stage; `tied` what its ties to other
+    stages add (solver/search.py, TiedTerms): bytes held all step, and seconds once a step.
     """
     spans = list(zip(bounds, bounds[1:] + (len(blocks),)))
     units = [unit_cost(blocks[a:b], d, ctx) for (a, b), d in zip(spans, decisions)]
-    state = sum(u.state_bytes for u in units)
+    state = sum(u.state_bytes for u in units) + (tied.copy_bytes if tied else 0)
     other_micro_batches = sum((ctx.in_flight - 1) * u.activation_bytes for u in units)
     never_resharded = sum(u.kept_gathered_bytes for u in units) if ctx.in_flight > 1 else 0
     events = []  # (name, activations, gathered params and gradient buffers, transient)
@@ -669,6 +670,7 @@ def evaluate_stage(blocks: tuple[Block, ...], bounds: tuple[int, ...], decisions
     memory = {"sharded_state": state, "gathered_params": gathered + never_resharded,
               "activations": acts + other_micro_batches, "transient": transient}
     time = _stage_time(units, ctx, boundary_s)
+    time["exposed_comm"] += tied.sync_s if tied else 0.0
     return StepCost(peak_bytes=sum(memory.values()), memory_bytes=memory, step_time_s=float(sum(time.values())),
                     time_s=time, peak_event=name, units=per_unit)
 

@@ -6,6 +6,7 @@ rank 0 writes one JSON record per case and the tests read them.
 """
 import copy
 import types
+import warnings
 import weakref
 
 import pytest
@@ -197,10 +198,10 @@ def check_errors(rank: int, world: int) -> dict:
             errors[name] = [type(error).__name__, str(error)]
     tied_build, tied_groups = MODELS["gpt2-tied"]
     model = tied_build(world).model
-    try:
+    with warnings.catch_warnings(record=True) as caught:  # FSDP2 shards the tied units as one group
+        warnings.simplefilter("always")
         parallelize(model, make_plan(model, tied_groups, world, STRATEGIES, CHECKPOINTS), backend="fsdp2")
-    except ShardplanError as error:
-        errors["fsdp2_tied"] = [type(error).__name__, str(error)]
+    errors["fsdp2_tied"] = [str(warning.message) for warning in caught if "tied across units" in str(warning.message)]
     model = build(world).model
     try:  # FSDP2 would train the parameters in no unit in its root group, unplanned
         parallelize(model, make_plan(model, groups[:-1], world, STRATEGIES, CHECKPOINTS), backend="fsdp2")
@@ -293,7 +294,7 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
     assert errors["dp"][0] == "ShardplanError" and f"dp_shard={world + 1}" in errors["dp"][1]
     assert errors["ranks_disagree"][0] == "RuntimeMismatchError"
     assert errors["backend"][0] == "ShardplanError" and "fsdp2" in errors["backend"][1]
-    assert errors["fsdp2_tied"][0] == "ShardplanError" and "backend='shardplan'" in errors["fsdp2_tied"][1]
+    assert len(errors["fsdp2_tied"]) == 1 and "one group" in errors["fsdp2_tied"][0]
 
 
 @pytest.mark.distributed

@@ -79,13 +79,16 @@ def _check_mesh(plan: Plan, world_size: int) -> None:
 
 
 def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:
-    """Every parameter of the model in exactly one unit of the plan, and no other."""
+    """Every parameter of the model in exactly one unit of the plan, and no other (after _check_fingerprint:
+    a plan with recorded inputs is for this model's graph, so a mismatch is the plan's own)."""
+    source = ("the plan's file was edited, or it was made by an older shardplan" if plan.inputs
+              else "the plan was made for another model")
     listed = set()  # a parameter in two units is a PlanError when the Plan is built
     for unit in plan.units:
         for name in unit.params:
             if name not in named:
-                raise PlanError(f"unit {unit.name!r} lists parameter {name!r}, which the model does not have: "
-                                "the plan was made for another model; re-plan with this one")
+                raise PlanError(f"unit {unit.name!r} lists parameter {name!r}, which model.named_parameters() does "
+                                f"not list: {source}; re-plan with shardplan.compile for this model")
             listed.add(name)
     missing = sorted(set(named) - listed)
     if missing:

@@ -230,6 +230,26 @@ def mesh_groups(device_type: str, plan_mesh: Mesh) -> MeshGroups:
                       mesh.get_group("dp_replicate"), data_parallel.get_group(), mesh.get_group("pp"), mesh)
 
 
+def stages_group(plan_mesh: Mesh, stages: tuple[int, ...]) -> dist.ProcessGroup | None:
+    """The ranks of `stages` (sorted) that share this rank's replica and tp index, as a group (None when this
+    rank's stage is not among them). Every rank makes every such group, so call it on all ranks alike."""
+    step = plan_mesh.stride("pp")
+    mine = None
+    for first in range(stages[0] * step, (stages[0] + 1) * step):
+        ranks = [first + (stage - stages[0]) * step for stage in stages]
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def broadcast_from(tensor: torch.Tensor, source: int, group: Group) -> torch.Tensor:
+    """Overwrite `tensor` on every rank of `group` with world rank `source`'s values (in place)."""
+    _issue()
+    dist.broadcast(tensor, src=source, group=group)
+    return tensor
+
+
 def default_device() -> torch.device:
     """The current CUDA device when the process group runs NCCL, else CPU."""
     if dist.get_backend() == "nccl" and torch.cuda.is_available():

@@ -7,6 +7,7 @@ group. FSDP2 has no ZeRO-1 or DDP mode inside fully_shard: SHARD_OPTIMIZER and
 REPLICATE units run as SHARD_GRAD_OP (the same arithmetic, with gradients and
 optimizer state sharded too), which this backend states rather than hides.
 """
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -20,7 +21,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 from ..dtypes import torch_dtype
 from ..errors import PlanError, RuntimeMismatchError, ShardplanError
 from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabKind
-from ..plan import Plan
+from ..plan import Plan, Unit
 from . import collectives
 from .activation_checkpoint import checkpointed
 from .chunks import Holder, dtensor_holders
@@ -42,11 +43,6 @@ class Fsdp2Program(Program):
         reduce_dtype = torch_dtype(plan.mixed_precision.reduce_dtype)
         precision = MixedPrecisionPolicy(param_dtype=None if param_dtype is torch.float32 else param_dtype,
                                          reduce_dtype=None if reduce_dtype is torch.float32 else reduce_dtype)
-        tied = _tied_across_units(module, plan)
-        if tied:
-            raise ShardplanError(f"parameter {tied[0]!r} is tied across units {tied[1]}, which FSDP2 cannot "
-                                 "shard: use backend='shardplan' (it gathers the owning unit where the tie is "
-                                 "used), or put the tied modules in one unit")
         modules = dict(module.named_modules())
         on_meta = any(parameter.is_meta for parameter in module.parameters())
         refuse_optimizers_over(list(module.parameters()))  # fully_shard replaces them with DTensors
@@ -59,12 +55,14 @@ class Fsdp2Program(Program):
             if missing:
                 raise PlanError(f"unit {unit.name!r} names modules {missing} the model does not have: "
                                 "re-plan with this model")
-            targets = [modules[path] for path in unit.modules]
-            for target in targets:
-                target.forward = checkpointed(target.forward, unit.checkpoint)
-            offload = unit.offload and device.type != "cpu"  # on CPU the shard already lives in CPU memory
+            for path in unit.modules:
+                modules[path].forward = checkpointed(modules[path].forward, unit.checkpoint)
+        for units in _groups_of_ties(module, plan):
+            first = units[0]
+            targets = [modules[path] for unit in units for path in unit.modules]
+            offload = first.offload and device.type != "cpu"  # on CPU the shard already lives in CPU memory
             fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh,
-                        reshard_after_forward=unit.reshard_after_forward, mp_policy=precision,
+                        reshard_after_forward=first.reshard_after_forward, mp_policy=precision,
                         offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
         fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=precision)
         if on_meta:
@@ -117,8 +115,30 @@ class Fsdp2Program(Program):
                                     norm_type)
 
 
-def _tied_across_units(model: nn.Module, plan: Plan) -> tuple[str, list[str]] | None:
-    """(a parameter name, the units its owners belong to) for the first parameter shared across units."""
+def _groups_of_ties(model: nn.Module, plan: Plan) -> list[tuple[Unit, ...]]:
+    """The plan's units, those sharing a parameter (a head tied to the embedding) merged into one FSDP2
+    group with the first one's decisions, as torchtitan groups tied modules: FSDP2 shards a parameter in
+    one group. Warns with what merging changes."""
+    merged = {unit.name: [unit] for unit in plan.units}
+    for name, owners in _tied_across_units(model, plan):
+        if "(root)" in owners:
+            raise ShardplanError(f"parameter {name!r} is tied between units {owners[1:]} and modules of no unit, "
+                                 "which FSDP2 cannot shard: use backend='shardplan', or list those modules in the "
+                                 "unit")
+        into = merged[owners[0]]
+        for other in owners[1:]:
+            if merged[other] is not into:
+                into.extend(merged[other])
+                for unit in merged[other]:
+                    merged[unit.name] = into
+        warnings.warn(f"parameter {name!r} is tied across units {owners}: backend='fsdp2' shards them as one "
+                      f"group, gathered together with the first unit's decisions (the plan priced them apart; "
+                      "backend='shardplan' runs the plan as priced)", stacklevel=4)
+    return list({id(group): tuple(group) for group in merged.values()}.values())
+
+
+def _tied_across_units(model: nn.Module, plan: Plan) -> list[tuple[str, list[str]]]:
+    """(a parameter name, the units its owners belong to, in plan order) for each parameter shared across units."""
     unit_of_module = {path: unit.name for unit in plan.units for path in unit.modules}
 
     def unit_of(path: str) -> str:  # the unit of the nearest unit module at or above `path`
@@ -133,7 +153,9 @@ def _tied_across_units(model: nn.Module, plan: Plan) -> tuple[str, list[str]] | 
         for attribute, parameter in module._parameters.items():
             if parameter is not None:
                 owners.setdefault(id(parameter), (f"{path}.{attribute}".lstrip("."), set()))[1].add(unit_of(path))
-    return next(((name, sorted(units)) for name, units in owners.values() if len(units) > 1), None)
+    order = {unit.name: index for index, unit in enumerate(plan.units)}
+    return [(name, sorted(units, key=lambda unit: order.get(unit, -1))) for name, units in owners.values()
+            if len(units) > 1]
 
 
 def _initialize(model: nn.Module, device: torch.device) -> None:

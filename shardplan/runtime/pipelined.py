@@ -21,6 +21,15 @@ embeddings (vocab-parallel, where the plan says) run on the first stage, the
 head on the last, whose logits are gathered whole before the model's own loss:
 every tp rank of the last stage computes the same loss.
 
+[Note: tied weights across stages] A parameter two stages read (an LM head tied to the
+input embedding) lives in its plan unit on its own stage; each other stage reading it
+holds a copy of that unit, built from the same spec, so it is laid out and sharded alike
+(as Megatron-LM's embedding group). Each step, before the schedule runs, the owner's
+values are broadcast to the copies (a checkpoint loaded or an optimizer step changes only
+the owner); after backward the copies' sharded gradients are summed into the owner's over
+the ranks of those stages that share a replica and tp index. Only the owner is stepped,
+saved and counted in the gradient norm, so a checkpoint holds the weight once.
+
 [Note: pipelined step] `step` means what it means at pp == 1: the loss
 averaged over micro-batches and ranks, and gradients of that average. Each
 micro-batch's loss is divided by their number (so the schedule is told not to
@@ -32,7 +41,7 @@ failed steps] in program.py): every later call refuses.
 """
 import contextlib
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -47,7 +56,8 @@ from .activation_checkpoint import checkpointed
 from .program import check_batch, check_micro_batches, refuse_optimizers_over
 from .scheduler import Scheduler
 from .sharded import UnitProgram, apply_plan_tensor_parallel, build_units, unit_place
-from .stage_split import BlockCall, StageGraph, StageModule, block_runner, put_meta_stand_ins, split_stages
+from .stage_split import BlockCall, StageGraph, StageModule, block_runner, put_stand_ins, split_stages
+from .unit import FlatUnit
 
 
 def schedule_class(name: str):
@@ -73,15 +83,25 @@ class PipelinedProgram(UnitProgram):
         stages = split_stages(module, plan, device)
         reads = _units_read(module, plan, stages)  # before the units replace the parameters
         self.graph = stages[self.groups.coordinates["pp"]]
+        index = self.graph.index
         specs = {unit.name: unit for unit in plan.units}
-        _drop_other_stages(module, plan, self.graph.index)
-        self.units = build_units(module, plan, device, unit_place(plan.mesh, self.groups),
-                                 units=tuple(specs[name] for name in plan.stages[self.graph.index].units),
-                                 cuts=cuts, partial=partial)
-        by_name = {unit.name: unit for unit in self.units}
+        tied = _tied_stages(plan, stages, reads)
+        tie_groups = {name: collectives.stages_group(plan.mesh, holders) for name, holders in tied.items()}
+        own = plan.stages[index].units
+        copied = tuple(name for name, holders in tied.items() if index in holders and name not in own)
+        _drop_other_stages(module, plan, own + copied)
+        built = build_units(module, plan, device, unit_place(plan.mesh, self.groups),
+                            units=tuple(specs[name] for name in own + copied), cuts=cuts, partial=partial)
+        self.units = built[:len(own)]
+        step = plan.mesh.stride("pp")
+        self.ties = [_Tie(unit=unit, group=tie_groups[unit.name], is_copy=unit.name in copied,
+                          source=collectives.world().rank + (plan.stage_of_unit[unit.name] - index) * step)
+                     for unit in sorted(built, key=lambda unit: unit.name) if unit.name in tied]
+        """This rank's units of ties across stages (see [Note: tied weights across stages])."""
+        by_name = {unit.name: unit for unit in built}
         # the scheduler counts a unit's distinct module paths done (a module called twice counts once)
-        self.scheduler = Scheduler(self.units, {unit: len({call.name for call in self.graph.calls
-                                                           if call.unit == unit.name}) for unit in self.units})
+        self.scheduler = Scheduler(built, {unit: len({call.name for call in self.graph.calls
+                                                      if call.unit == unit.name}) for unit in built})
 
         def run_block(call: BlockCall) -> Callable:
             run = self.scheduler.wrap(block_runner(call, module, self.graph.constants),
@@ -125,15 +145,33 @@ class PipelinedProgram(UnitProgram):
         losses: list[torch.Tensor] = []
         self._forwards_this_step = 0
         with self._transaction():
+            self._copy_tied_values()
             try:
                 run(*inputs, target=target if last else None, losses=losses, return_outputs=False)
             finally:
                 self.scheduler.communicate = True
             if torch.is_grad_enabled():  # a step, not an evaluation
+                self._sum_tied_gradients()
                 self._gradients_reduced()
             mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
             # every tp rank of the last stage computed the same losses (the head's logits are whole)
             return collectives.all_reduce_sum(mine) / (self.plan.mesh.dp * self.plan.mesh.tp)
+
+    def _copy_tied_values(self) -> None:
+        """The owners' values into their copies on other stages (see [Note: tied weights across stages])."""
+        with torch.no_grad():
+            for tie in self.ties:
+                if tie.is_copy:
+                    tie.unit.shard.grad = None  # what a failed step left
+                collectives.broadcast_from(tie.unit.shard.detach(), tie.source, tie.group)
+
+    def _sum_tied_gradients(self) -> None:
+        """The copies' gradients summed into their owners' (see [Note: tied weights across stages])."""
+        for tie in self.ties:
+            shard = tie.unit.shard
+            grad = collectives.all_reduce_sum(shard.grad if shard.grad is not None else torch.zeros_like(shard),
+                                              tie.group)
+            shard.grad = None if tie.is_copy else grad
 
     def _stopped_together(self) -> bool:
         # a stage that fails leaves its neighbours waiting on activations or gradients it never sends
@@ -155,28 +193,45 @@ class PipelinedProgram(UnitProgram):
 
 
 
+class _Tie(NamedTuple):
+    """A unit of this rank that a tie across stages shares (see [Note: tied weights across stages])."""
+
+    unit: FlatUnit
+    group: collectives.Group
+    """The ranks of the stages holding the unit, of this rank's replica and tp index."""
+    source: int
+    """The world rank of the group holding the plan's unit, whose values the copies take."""
+    is_copy: bool
+
+
 def _units_read(model: nn.Module, plan: Plan, stages: list[StageGraph]) -> dict[str, list[str]]:
     """The units each block needs gathered: its own, and the owners of every parameter it reads (tied
-    weights), which must be on the block's stage."""
+    weights), which another stage may hold (see [Note: tied weights across stages])."""
     unit_of_param = {id(model.get_parameter(name)): unit.name for unit in plan.units for name in unit.params}
     reads = {}
-    for graph, call in ((graph, call) for graph in stages for call in graph.calls):
-        here = set(plan.stages[graph.index].units)
+    for call in (call for graph in stages for call in graph.calls):
         owners = [unit_of_param[id(value)] for value in map(functools.partial(attribute_of, model), call.attributes)
                   if id(value) in unit_of_param]
-        elsewhere = sorted(set(owners) - here)
-        if elsewhere:
-            raise PlanError(f"block {call.name!r} on stage {graph.index} reads parameters of unit(s) {elsewhere}, "
-                            "held by another stage (tied weights): keep the modules sharing parameters on one "
-                            "stage, or untie them")
         reads[call.node] = list(dict.fromkeys([call.unit] + owners))
     return reads
 
 
-def _drop_other_stages(model: nn.Module, plan: Plan, stage_index: int) -> None:
-    """Free the parameters of other stages, which this rank never reads (meta stand-ins keep their shapes)."""
-    kept = {name for unit in plan.units if unit.name in plan.stages[stage_index].units for name in unit.params}
+def _tied_stages(plan: Plan, stages: list[StageGraph], reads: dict[str, list[str]]) -> dict[str, tuple[int, ...]]:
+    """Each unit that a block of another stage reads → every stage holding it (its own and the readers'),
+    in name order (every rank makes the groups of ties in the same order)."""
+    holders: dict[str, set[int]] = {}
+    for graph, call in ((graph, call) for graph in stages for call in graph.calls):
+        for name in reads[call.node]:
+            if plan.stage_of_unit[name] != graph.index:
+                holders.setdefault(name, {plan.stage_of_unit[name]}).add(graph.index)
+    return {name: tuple(sorted(holders[name])) for name in sorted(holders)}
+
+
+def _drop_other_stages(model: nn.Module, plan: Plan, units: tuple[str, ...]) -> None:
+    """Free the parameters of units this rank does not hold, which it never reads (meta stand-ins keep
+    their shapes)."""
+    kept = {name for unit in plan.units if unit.name in units for name in unit.params}
     canonical = {id(parameter): name for name, parameter in model.named_parameters()}
-    dropped = put_meta_stand_ins(model, lambda parameter: not parameter.is_meta
+    dropped = put_stand_ins(model, lambda parameter: not parameter.is_meta
                                  and canonical[id(parameter)] not in kept)
     refuse_optimizers_over(original for _, _, original in dropped)

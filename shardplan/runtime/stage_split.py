@@ -2,9 +2,9 @@
 
 [Note: stage graphs] A stage cannot be cut out of the model's Python code, so
 it is cut out of its graph: the model is captured again at the shape of one
-micro-batch (from meta stand-ins of its tensors, parameters in the compute
-dtype, so the graph bakes the dtypes the runtime computes in and capturing
-allocates nothing), the graph is split into one partition per block (the blocks of
+micro-batch (from fake stand-ins of its tensors on the device it runs on,
+parameters in the compute dtype, so the graph bakes the dtypes and the device
+branches the runtime takes, and capturing allocates nothing), the graph is split into one partition per block (the blocks of
 the analysis, torch.fx split_module), and each rank runs the partitions of
 its stage, in graph order. Values that cross a cut are what a stage sends and
 the next receives: the residual stream, and any model input a later stage
@@ -149,7 +149,7 @@ def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> 
     if not plan.inputs:
         raise PlanError("this plan records no input shapes (written by hand?): pipeline stages are cut from "
                         "a capture at those shapes; make the plan with shardplan.compile")
-    with _stand_ins(model, torch_dtype(plan.mixed_precision.param_dtype)):
+    with _stand_ins(model, torch_dtype(plan.mixed_precision.param_dtype), device):
         gm = capture(model, *micro_batch_inputs(plan.inputs, plan.schedule.num_micro_batches)).gm
     if not hasattr(gm, "_in_spec"):
         raise ShardplanError(f"torch.export could not capture {type(model).__name__} (only symbolic tracing "
@@ -163,11 +163,16 @@ def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> 
 
 
 @contextlib.contextmanager
-def _stand_ins(model: nn.Module, compute_dtype: torch.dtype):
-    """The model's parameters and buffers replaced, for a capture, by meta tensors, the parameters in the
-    compute dtype: the graph then bakes the dtypes the runtime computes in (a Hugging Face model casts
-    to `x.dtype`, which capture writes down as a constant), and capturing allocates nothing."""
-    originals = put_meta_stand_ins(model, lambda value: True, buffers=True, parameter_dtype=compute_dtype)
+def _stand_ins(model: nn.Module, compute_dtype: torch.dtype, device: torch.device):
+    """The model's parameters and buffers replaced, for a capture, by fake tensors on `device`, the
+    parameters in the compute dtype: the graph then bakes the dtypes the runtime computes in (a Hugging
+    Face model casts to `x.dtype`, which capture writes down as a constant) and the branches the model
+    takes on the device it runs on (transformers' MoE routing picks histc's dtype by `device.type`; on
+    meta stand-ins it baked the CUDA branch, which fails on CPU), and capturing allocates nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    originals = put_stand_ins(model, lambda value: True, buffers=True, parameter_dtype=compute_dtype,
+                              fake=(FakeTensorMode(allow_non_fake_inputs=True), device))
     try:
         yield
     finally:
@@ -175,11 +180,13 @@ def _stand_ins(model: nn.Module, compute_dtype: torch.dtype):
             slots[name] = value
 
 
-def put_meta_stand_ins(model: nn.Module, chosen: Callable[[torch.Tensor], bool], *, buffers: bool = False,
-                       parameter_dtype: torch.dtype | None = None) -> list[tuple[dict, str, torch.Tensor]]:
+def put_stand_ins(model: nn.Module, chosen: Callable[[torch.Tensor], bool], *, buffers: bool = False,
+                  parameter_dtype: torch.dtype | None = None,
+                  fake: tuple[Any, torch.device] | None = None) -> list[tuple[dict, str, torch.Tensor]]:
     """Replace the `chosen` parameters (and buffers) of `model` by meta tensors of their shapes (floating
-    parameters in `parameter_dtype`, if given), one per tensor so tied parameters stay tied; return
-    (slots, name, original) for each replaced slot."""
+    parameters in `parameter_dtype`, if given), or by `fake` = (a FakeTensorMode, device)'s tensors on
+    that device, one per tensor so tied parameters stay tied; return (slots, name, original) for each
+    replaced slot."""
     originals = []
     stand_in: dict[int, Any] = {}  # a Parameter or a buffer, as the slot it fills holds
     for module in model.modules():
@@ -192,8 +199,10 @@ def put_meta_stand_ins(model: nn.Module, chosen: Callable[[torch.Tensor], bool],
                 originals.append((slots, name, value))
                 if id(value) not in stand_in:
                     floating = is_parameter and parameter_dtype is not None and value.is_floating_point()
-                    meta = torch.empty_like(value, device="meta", dtype=parameter_dtype if floating else value.dtype)
-                    stand_in[id(value)] = nn.Parameter(meta, value.requires_grad) if is_parameter else meta
+                    dtype = parameter_dtype if floating else value.dtype
+                    with fake[0] if fake else contextlib.nullcontext():
+                        empty = torch.empty(value.shape, dtype=dtype, device=fake[1] if fake else "meta")
+                    stand_in[id(value)] = nn.Parameter(empty, value.requires_grad) if is_parameter else empty
                 slots[name] = stand_in[id(value)]
     return originals
 
@@ -250,8 +259,8 @@ def _examples(split: torch.fx.GraphModule, names: tuple[str, ...]) -> dict[str, 
         if not isinstance(value, torch.Tensor):
             raise ShardplanError(f"a pipeline stage would send {name!r}, a {type(value).__name__}, to the next "
                                  "stage: only tensors cross stages; plan with pp=1 for this model")
-        examples[name] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta",
-                                             requires_grad=node.op != "placeholder" and value.is_floating_point())
+        examples[name] = torch.empty(value.shape, dtype=value.dtype, device="meta",  # sent contiguous
+                                     requires_grad=node.op != "placeholder" and value.is_floating_point())
     return examples
 
 
@@ -287,7 +296,8 @@ class StageModule(nn.Module):
                     values[call.node] = result
                 else:
                     values.update((name, value) for name, value in zip(call.results, result) if name)
-        return tuple(values[name] for name in self.graph.outbound)
+        # sends need contiguous tensors (a BERT head's residual arrives transposed)
+        return tuple(values[name].contiguous() for name in self.graph.outbound)
 
 
 def block_runner(call: BlockCall, model: nn.Module, constants: dict[str, torch.Tensor]) -> Callable:

@@ -8,6 +8,7 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .. import cost
 from ..cost import CostContext, evaluate_stage
@@ -43,6 +44,8 @@ class Setting:
     skip_edges: tuple[tuple[int, int], ...] = ()
     """(i, j): block j > i + 1 reads block i's output (T5's encoder output, LLaMA's rotary tables):
     a stage boundary between them sends that output too."""
+    tied_edges: tuple[tuple[int, int], ...] = ()
+    """(i, j): block j reads a parameter block i holds: a stage boundary between them costs tied_terms."""
     global_batch_size: int | None = None
     """Samples of one step over all replicas, each replica taking global / dp of them; None: every
     replica takes the chain's batch (`batch_size`), whatever dp."""
@@ -195,6 +198,31 @@ def boundary_time_s(blocks, start: int, end: int, setting: Setting, configuratio
     return times_s[start] + times_s[end]
 
 
+class TiedTerms(NamedTuple):
+    copy_bytes: int
+    """Held all step by the stage: copies of parameters another stage holds, with their gradients."""
+    sync_s: float
+    """Once a step: their values sent to the copies and the gradients summed back."""
+
+
+def tied_terms(blocks, start: int, end: int, setting: Setting, configuration: Configuration,
+               hardware) -> TiedTerms:
+    """What ties to other stages cost the stage blocks[start:end] (see [Note: tied weights across stages] in
+    runtime/pipelined.py): for each tie (i, j) it holds one end of, a broadcast of the parameters and an
+    all-reduce of their gradients between the two stages, each the owner's shard (block i's parameters in
+    fp32, as the optimizer steps them, over dp_shard); the stage of j keeps the copy and its gradient."""
+    copy_bytes, sync_s = 0, 0.0
+    for i, j in setting.tied_edges:
+        if (start <= i < end) == (start <= j < end):
+            continue
+        shard_bytes = -(-blocks[i].param_numel * 4 // configuration.mesh.dp_shard)
+        # the broadcast to one peer priced as a send is (boundary_times_s)
+        sync_s += hardware.collective_time_s("all_gather_into_tensor", 2 * shard_bytes, 2) + \
+            hardware.collective_time_s("all_reduce", shard_bytes, 2)
+        copy_bytes += 2 * shard_bytes if start <= j < end else 0
+    return TiedTerms(copy_bytes, sync_s)
+
+
 def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, configuration: Configuration,
                         hardware, budget_bytes: float, space: SearchSpace, *, minimize_memory: bool = False,
                         time_bound_s: float = math.inf) -> Candidate | None:
@@ -202,21 +230,23 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
     None when nothing fits the budget or nothing is as fast as `time_bound_s`."""
     contexts = [context(setting, configuration, hardware, stage) for stage in range(configuration.mesh.pp)]
     costs = UnitCosts(blocks, rules, space, contexts[0])  # shared by the stages: see UnitCosts
-    solvers: dict[int, ChainSolver] = {}
+    solvers: dict[tuple[int, int], ChainSolver] = {}
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
 
     def stage_cost(stage: int, start: int, end: int):
         ctx = contexts[stage]
-        if ctx.in_flight not in solvers:
-            solvers[ctx.in_flight] = ChainSolver(
-                blocks, rules, ctx, budget_bytes, space, minimize_memory=minimize_memory, time_bound_s=time_bound_s,
-                only_end=len(blocks) if configuration.mesh.pp == 1 else None, costs=costs)
-        solution = solvers[ctx.in_flight].solve(start, end)
+        tied = tied_terms(blocks, start, end, setting, configuration, hardware)
+        key = (ctx.in_flight, tied.copy_bytes)  # the copies a stage holds leave its units less of the budget
+        if key not in solvers:
+            solvers[key] = ChainSolver(
+                blocks, rules, ctx, budget_bytes - tied.copy_bytes, space, minimize_memory=minimize_memory,
+                time_bound_s=time_bound_s, only_end=len(blocks) if configuration.mesh.pp == 1 else None, costs=costs)
+        solution = solvers[key].solve(start, end)
         if solution is None:
             return None
         if minimize_memory:
-            return solution, float(solution.peak_bytes)
-        return solution, solution.time_s + ctx.pipeline_factor * (times_s[start] + times_s[end])
+            return solution, float(solution.peak_bytes + tied.copy_bytes)
+        return solution, solution.time_s + ctx.pipeline_factor * (times_s[start] + times_s[end]) + tied.sync_s
 
     floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
     cuts = cut_stages(rules, configuration.mesh.pp, stage_cost, floors.least,
@@ -224,7 +254,8 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
     if cuts is None:
         return None
     return Candidate(configuration=configuration, stages=cuts, step_time_s=max(c.time_s for c in cuts),
-                     peak_bytes=max(c.solution.peak_bytes for c in cuts))
+                     peak_bytes=max(c.solution.peak_bytes + tied_terms(blocks, c.start, c.end, setting, configuration,
+                                                                       hardware).copy_bytes for c in cuts))
 
 
 def samples_per_step(setting: Setting, configuration: Configuration) -> float:
@@ -292,7 +323,8 @@ def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configur
             if least_s * (1 - ROUNDING) > fastest:
                 break
             step = evaluate_stage(tuple(blocks[start:end]), tuple(range(end - start)), (decision,) * (end - start),
-                                  ctx, boundary_s=boundary_s)
+                                  ctx, boundary_s=boundary_s, tied=tied_terms(blocks, start, end, setting,
+                                                                              configuration, hardware))
             if step.peak_bytes <= budget_bytes:
                 fastest = min(fastest, step.step_time_s)
         worst = max(worst, fastest)

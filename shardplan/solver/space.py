@@ -81,13 +81,13 @@ def _matches(block, patterns, classes: Mapping[str, str]) -> bool:
     return any(re.search(pattern, text) for pattern in patterns for text in texts)
 
 
-def resolve_rules(blocks, constraints: Constraints | None, tied_edges: tuple[tuple[int, int], ...] = (),
+def resolve_rules(blocks, constraints: Constraints | None,
                   classes: Mapping[str, str] | None = None) -> tuple[BlockRule, ...]:
     """One BlockRule per block; raises when the constraints contradict each other or a pattern matches nothing.
 
-    `tied_edges` (i, j): block j reads a parameter block i holds (BlockChain.tied_edges); no
-    stage may start in i + 1 .. j, as a parameter lives on one stage. `classes`: module path → class
-    name (BlockChain.module_classes)."""
+    `classes`: module path → class name (BlockChain.module_classes). Tied parameters do not restrict
+    stage cuts: a stage reading another's parameter holds a copy, which the cost model prices
+    (solver/search.py, tied_terms)."""
     constraints = constraints or Constraints()
     classes = classes or {}
     for field_name, pattern in constraint_patterns(constraints):
@@ -103,16 +103,11 @@ def resolve_rules(blocks, constraints: Constraints | None, tied_edges: tuple[tup
         must_unit = i == 0 or _matches(block, constraints.unit_boundary, classes)
         may_unit = i == 0 or not _matches(block, constraints.no_unit_boundary, classes)
         must_stage = i == 0 or _matches(block, constraints.stage_boundary, classes)
-        tied = any(start < i <= end for start, end in tied_edges)
-        may_stage = i == 0 or not (_matches(block, constraints.no_stage_boundary, classes) or tied)
+        may_stage = i == 0 or not _matches(block, constraints.no_stage_boundary, classes)
         checkpoints = frozenset(Checkpoint).intersection(
             *[allowed for pattern, allowed in constraints.checkpoint if _matches(block, (pattern,), classes)])
         strategies = frozenset(ShardStrategy).intersection(
             *[allowed for pattern, allowed in constraints.strategy if _matches(block, (pattern,), classes)])
-        if must_stage and tied:
-            raise ShardplanError(f"a constraint pins a stage boundary at block {block.name!r}, inside a span of "
-                                 "blocks sharing (tied) parameters, which must stay on one stage: remove the "
-                                 "pattern, or untie the parameters")
         if must_unit and not may_unit or must_stage and not may_stage:
             raise ShardplanError(f"constraints both pin and forbid a boundary at block {block.name!r}: "
                                  "remove one of the two patterns")
