@@ -72,15 +72,20 @@ class Accuracy:
 
     def misses(self) -> list[str]:
         """One line per figure outside its accepted range."""
+        return self.memory_misses() + self.time_misses()
+
+    def memory_misses(self) -> list[str]:
+        if abs(self.memory_ratio - 1) <= MEMORY_TOLERANCE:
+            return []
+        return [f"{self.kind}: predicted peak memory is {self.memory_ratio:.2f}x the measured "
+                f"(accepted: within {MEMORY_TOLERANCE:.0%})"]
+
+    def time_misses(self) -> list[str]:
         low, high = STEP_TIME_BAND
-        misses = []
-        if abs(self.memory_ratio - 1) > MEMORY_TOLERANCE:
-            misses.append(f"{self.kind}: predicted peak memory is {self.memory_ratio:.2f}x the measured "
-                          f"(accepted: within {MEMORY_TOLERANCE:.0%})")
-        if not low <= self.time_ratio <= high:
-            misses.append(f"{self.kind}: predicted step time is {self.time_ratio:.2f}x the measured "
-                          f"(accepted: {low}-{high}); on a busy machine run it again, else recalibrate")
-        return misses
+        if low <= self.time_ratio <= high:
+            return []
+        return [f"{self.kind}: predicted step time is {self.time_ratio:.2f}x the measured "
+                f"(accepted: {low}-{high}); on a busy machine run it again, else recalibrate"]
 
 
 def machine_cores() -> int:

@@ -4,16 +4,17 @@ cpu-gloo profile."""
 import pytest
 
 from shardplan import get_hardware
-from shardplan.accuracy import KINDS, MESH_KINDS, accuracy_table, measure_accuracy, measure_mesh_accuracy
+from shardplan.accuracy import (KINDS, MESH_KINDS, accuracy_table, machine_cores, measure_accuracy,
+                                measure_mesh_accuracy)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _assert_within_tolerance(rows, title: str, capsys) -> None:
+def _assert_within_tolerance(rows, title: str, capsys, memory_only: frozenset[str] = frozenset()) -> None:
     with capsys.disabled():  # the table either way: a pass shows the margins, a failure the culprit
         from rich.console import Console
         Console(width=120).print(accuracy_table(rows, title))
-    misses = [miss for row in rows for miss in row.misses()]
+    misses = [miss for row in rows for miss in (row.memory_misses() if row.kind in memory_only else row.misses())]
     assert not misses, misses
 
 
@@ -25,10 +26,15 @@ def test_every_plan_kind_is_predicted_within_tolerance(capsys):
 
 def test_every_mesh_kind_is_predicted_within_tolerance(capsys):
     """tp 2 (vocabulary and sequence parallel or not), dp 2 x tp 2, HSDP 2 x 2: 2 and 4 gloo ranks, a
-    world of more ranks than cores priced on the share of a core each rank gets (accuracy.shared_cores)."""
+    world of more ranks than cores priced on the share of a core each rank gets (accuracy.shared_cores).
+    Such a world's step time is shown, not held: on one 2-core box it read 0.84-1.32 of the prediction
+    from run to run (docs/benchmarks.md, issue 14); its memory is held like every other kind's."""
     rows = measure_mesh_accuracy(get_hardware("cpu-gloo"), rounds=3, progress=False)
     assert [row.kind for row in rows] == list(MESH_KINDS)
-    _assert_within_tolerance(rows, "predicted vs measured, demo GPT, every mesh kind (cpu-gloo)", capsys)
+    crowded = frozenset(kind for kind, mesh in MESH_KINDS.items()
+                        if mesh.get("dp", 1) * mesh.get("dp_replicate", 1) * mesh.get("tp", 1) > machine_cores())
+    _assert_within_tolerance(rows, "predicted vs measured, demo GPT, every mesh kind (cpu-gloo)", capsys,
+                             memory_only=crowded)
 
 
 def test_ranks_sharing_cores_take_ranks_over_cores_times_as_long():
