@@ -125,7 +125,8 @@ class PipelinedProgram(UnitProgram):
 
     def step(self, *args, **kwargs) -> torch.Tensor:
         """As Program.step (see [Note: pipelined step]): call on every rank with its replica's batch."""
-        return self._run_schedule(self.schedule.step, args, kwargs)
+        with self._recording_stats():
+            return self._run_schedule(self.schedule.step, args, kwargs)
 
     def evaluate(self, *args, **kwargs) -> torch.Tensor:
         """As Program.evaluate: the schedule's forwards alone, without gradients."""
