@@ -62,7 +62,7 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, TypeVar
+from typing import Any, Callable, Mapping, Protocol, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -116,7 +116,8 @@ def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
                               "cause and save again") from None
     written = writer.written + ([DCP_METADATA_FILE] if collectives.world().rank == 0 else [])  # DCP's coordinator's
     found = collectives.gather_object(_agreed(lambda: _described_files(partial, written)))
-    _on_rank_zero(lambda: _commit(directory, metadata, _manifest(found), extras))
+    # gather_object's list on rank 0, the one rank that commits
+    _on_rank_zero(lambda: _commit(directory, metadata, _manifest(cast(list[dict], found)), extras))
     # rank 0 leaves the broadcast as soon as it has sent: a script that ends with save() and
     # destroys the process group at once could tear gloo down under the other ranks' receive
     collectives.barrier()
@@ -159,7 +160,7 @@ def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
     staged = _agreed(lambda: _stage(program, held, optimizer, metadata, directory))
     optimizer_state = _agreed(lambda: _read(staged, metadata))
     extra_states = _agreed(lambda: {name: _read_extra(directory, name) for name in extra})
-    _agreed(lambda: [extra[name].load_state_dict(state) for name, state in extra_states.items()])
+    _agreed(lambda: _load_extras(extra, extra_states))
     _apply(program, held, optimizer, staged, optimizer_state)
 
 
@@ -255,7 +256,7 @@ def export_full_state_dict(program, path: str | os.PathLike | None = None) -> di
         pieces.update(found or {})
     state = {}
     for key, module, attribute, kind in slots:
-        state[key] = pieces[key] if kind == "parameter" else module._buffers[attribute].detach().to("cpu", copy=True)
+        state[key] = pieces[key] if kind == "parameter" else module.get_buffer(attribute).detach().to("cpu", copy=True)
     if path is not None:
         torch.save(state, path)
     return state
@@ -315,7 +316,7 @@ def _model_key(name: str) -> str:
 
 
 def _buffer_entries(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {f"model.{name}": owner._buffers[attribute]
+    return {f"model.{name}": owner.get_buffer(attribute)
             for name, owner, attribute, kind in _state_dict_slots(module) if kind == "buffer"}
 
 
@@ -415,6 +416,8 @@ def _finished_state(states: dict[Holder, dict], loaded: dict[str, torch.Tensor],
                     saved: dict | None) -> dict[Holder, dict]:
     """The loaded state as the optimizer keeps it: scalar state from its per-parameter copies, Python numbers
     where the saving optimizer had them."""
+    if saved is None:  # loaded without an optimizer: no states
+        return {}
     finished = {}
     for holder, state in states.items():
         finished[holder] = dict(state)
@@ -578,6 +581,11 @@ def _check_extras_saved(extra: Mapping[str, Stateful], metadata: dict, directory
                               f"{saved or 'none'}): save it with extra={{{missing[0]!r}: ...}}, or load without it")
 
 
+def _load_extras(extra: Mapping[str, Stateful], states: dict[str, Any]) -> None:
+    for name, state in states.items():
+        extra[name].load_state_dict(state)
+
+
 def _read_extra(directory: Path, name: str) -> Any:
     """An extra object's state, read without running code (its bytes were checked against the manifest)."""
     file = directory / _extra_file(name)
@@ -627,10 +635,11 @@ def _on_rank_zero(action: Callable[[], T]) -> T:
 def _agreed(action: Callable[[], T]) -> T:
     """Run `action` on every rank and give this rank's result, or raise on every rank if it failed on any: a
     failing rank its own error, the others the lowest failing rank's (see [Note: load as a transaction])."""
+    failure: Exception | None = None
     try:
-        result, failure = action(), None
+        result = action()
     except Exception as error:  # re-raised below, on every rank
-        result, failure = None, error
+        failure = error
     shared = failure if failure is None or isinstance(failure, ShardplanError) else RuntimeError(one_line(failure))
     found = [error for error in collectives.all_gather_object(shared) if error is not None]
     if failure is not None:
