@@ -62,7 +62,7 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -73,6 +73,9 @@ from ..files import parse_json, read_text
 from . import collectives
 from .chunks import Holder
 from .dcp_storage import DCP_METADATA_FILE, ManifestReader, RecordingWriter, one_line, read_dcp_metadata
+
+if TYPE_CHECKING:  # program.py imports this module where its methods save and load
+    from .program import Program
 
 FORMAT = "shardplan.checkpoint/2"
 """/2: with the manifest of file checksums."""
@@ -93,7 +96,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+def save(program: "Program", path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
          extra: Mapping[str, Stateful] | None = None) -> None:
     """Write `program`'s parameters, buffers, `optimizer`'s state and the `extra` objects' states to the
     directory `path`, atomically.
@@ -123,7 +126,7 @@ def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
     collectives.barrier()
 
 
-def _saved_entries(program, held: list[Holder], optimizer: torch.optim.Optimizer | None,
+def _saved_entries(program: "Program", held: list[Holder], optimizer: torch.optim.Optimizer | None,
                    metadata: dict) -> dict[str, torch.Tensor]:
     state = {}
     for holder in held:
@@ -134,7 +137,7 @@ def _saved_entries(program, held: list[Holder], optimizer: torch.optim.Optimizer
     return state
 
 
-def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+def load(program: "Program", path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
          extra: Mapping[str, Stateful] | None = None) -> None:
     """Set `program`'s parameters, buffers, `optimizer`'s state and the `extra` objects' states from the
     checkpoint at `path`, all or nothing.
@@ -180,7 +183,7 @@ class _Staged:
     reader: ManifestReader
 
 
-def _stage(program, held: list[Holder], optimizer: torch.optim.Optimizer | None, metadata: dict,
+def _stage(program: "Program", held: list[Holder], optimizer: torch.optim.Optimizer | None, metadata: dict,
            directory: Path) -> _Staged:
     sizes_bytes = {name: found["bytes"] for name, found in metadata["files"].items()}
     reader = ManifestReader(os.fspath(directory), read_dcp_metadata(directory / DCP_METADATA_FILE, sizes_bytes))
@@ -209,7 +212,7 @@ def _read(staged: _Staged, metadata: dict) -> dict[Holder, dict]:
     return _finished_state(staged.optimizer_state, staged.entries, metadata["optimizer"])
 
 
-def _apply(program, held: list[Holder], optimizer: torch.optim.Optimizer | None, staged: _Staged,
+def _apply(program: "Program", held: list[Holder], optimizer: torch.optim.Optimizer | None, staged: _Staged,
            optimizer_state: dict[Holder, dict]) -> None:
     """Put what every rank read in place: local copies only, so the ranks cannot come out different."""
     for holder, parameter in zip(held, staged.parameters):
@@ -230,7 +233,7 @@ def _apply(program, held: list[Holder], optimizer: torch.optim.Optimizer | None,
                 group[key] = value
 
 
-def export_full_state_dict(program, path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
+def export_full_state_dict(program: "Program", path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
     """The whole model's state dict, on CPU, on rank 0 (other ranks get {}); `torch.save`d to `path` if given.
 
     Units are gathered one at a time and one rank per pipeline stage keeps a copy (rank 0 alone at
@@ -373,7 +376,7 @@ def _merged_schema(schemas: list[dict[str, dict]]) -> dict[str, dict]:
     return merged
 
 
-def _as_tensor(value) -> torch.Tensor:
+def _as_tensor(value: torch.Tensor | float) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach()
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
@@ -488,10 +491,10 @@ def _to_json(value: Any) -> Any:
 
 # metadata and the model check
 
-def _metadata(program, held: list[Holder], optimizer: torch.optim.Optimizer | None) -> dict:
+def _metadata(program: "Program", held: list[Holder], optimizer: torch.optim.Optimizer | None) -> dict:
     optimizer_metadata = None
     if optimizer is not None:
-        def mine():
+        def mine() -> tuple[dict[str, dict], list[str]]:
             states = _state_of(held, optimizer)
             return _state_schema(states), [name for holder, state in states.items() if state for name in holder.names]
 
@@ -522,7 +525,7 @@ def _parameter_shapes(held: list[Holder]) -> dict[str, tuple[list[int], str]]:
     return shapes
 
 
-def _buffer_shapes(program) -> dict[str, tuple[list[int], str]]:
+def _buffer_shapes(program: "Program") -> dict[str, tuple[list[int], str]]:
     return {name[len("model."):]: (list(buffer.shape), dtype_name(buffer.dtype))
             for name, buffer in _buffer_entries(program.module).items()}
 
@@ -531,7 +534,7 @@ def _described(shapes: dict[str, tuple[list[int], str]]) -> list[dict]:
     return [{"name": name, "shape": shape, "dtype": dtype} for name, (shape, dtype) in shapes.items()]
 
 
-def _check_model(program, held: list[Holder], metadata: dict, directory: Path) -> None:
+def _check_model(program: "Program", held: list[Holder], metadata: dict, directory: Path) -> None:
     """Refuse a checkpoint of another model, naming the first differences."""
     problems = []
     for what, mine in (("parameter", _parameter_shapes(held)), ("buffer", _buffer_shapes(program))):

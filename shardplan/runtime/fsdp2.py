@@ -69,7 +69,7 @@ class Fsdp2Program(Program):
         if on_meta:
             _initialize(module, device)
 
-    def __call__(self, *args, **kwargs) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @property
@@ -82,7 +82,7 @@ class Fsdp2Program(Program):
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
 
-    def evaluate(self, *args, **kwargs) -> torch.Tensor:
+    def evaluate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         try:
             return super().evaluate(*args, **kwargs)
         finally:
@@ -169,13 +169,13 @@ def _initialize(model: nn.Module, device: torch.device) -> None:
             initialize_module(model, module)
 
 
-def data_parallel_mesh(mesh):
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """What FSDP2 shards over in collectives.device_mesh's `mesh`: 2-D (dp_replicate, dp_shard), HSDP, when
     there are replica groups, else dp_shard."""
     return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
 
 
-def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, mesh) -> None:
+def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, mesh: DeviceMesh) -> None:
     """The torchtitan composition: parallelize_tensor_parallel on mesh["tp"], then fully_shard on the
     data-parallel mesh for each layer holding pairs and for the root.
 
@@ -187,7 +187,7 @@ def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, 
     fully_shard(model, mesh=data_parallel_mesh(mesh))
 
 
-def parallelize_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, mesh) -> None:
+def parallelize_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, mesh: DeviceMesh) -> None:
     """`layout` applied with DTensor on the 1-D tp `mesh` (parallelize_module: ColwiseParallel /
     RowwiseParallel per pair, SequenceParallel on the layers' norms with `layout.sequence_parallel`,
     vocab-parallel embedding and head with `layout.vocab`). Every rank must hold the same full
@@ -270,7 +270,7 @@ class _ChunkedColwiseParallel(ColwiseParallel):
         super().__init__()
         self.chunks = chunks
 
-    def _partition_linear_fn(self, name, module, device_mesh):
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         index, degree = device_mesh.get_local_rank(), device_mesh.size()
         for attribute, parameter in list(module.named_parameters()):
             cut = ParameterSlice(full_shape=tuple(parameter.shape), dim=0, chunks=self.chunks, index=index,
@@ -286,7 +286,7 @@ class _GatherSequenceInput(ParallelStyle):
     for all its column-parallel linears, whether the module is called with it positionally or by
     keyword (PrepareModuleInput takes one or the other, fixed in advance)."""
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def whole(x: torch.Tensor) -> torch.Tensor:
             sharded = x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
             return sharded.redistribute(device_mesh, [Replicate()])
