@@ -9,6 +9,7 @@ parameter's name once, about 70 bytes: a 70B-parameter Llama's plan is about 60 
 import json
 import os
 import tempfile
+from typing import Any, NoReturn
 
 from .errors import ShardplanError
 
@@ -34,7 +35,7 @@ def read_text(path: str | os.PathLike, what: str, error: type[ShardplanError] = 
                     "kind of file") from None
 
 
-def parse_json(text: str, what: str, error: type[ShardplanError] = ShardplanError):
+def parse_json(text: str, what: str, error: type[ShardplanError] = ShardplanError) -> Any:
     """`text` parsed as strict JSON: no NaN or Infinity, no key twice in one object, nested at most
     MAX_JSON_DEPTH deep."""
     if len(text) > MAX_FILE_BYTES:
@@ -57,7 +58,7 @@ def _too_deep(what: str) -> str:
             "it is corrupt or another kind of file")
 
 
-def _refuse_constant(name: str):
+def _refuse_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number: write a finite number")
 
 
@@ -69,7 +70,7 @@ def _object_without_repeats(pairs: list[tuple[str, object]]) -> dict:
     return data
 
 
-def _depth_exceeds(data, limit: int) -> bool:
+def _depth_exceeds(data: object, limit: int) -> bool:
     """Whether lists and objects nest more than `limit` deep (walked without recursion)."""
     level = [data]
     for _ in range(limit):

@@ -62,7 +62,7 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -73,6 +73,9 @@ from ..files import parse_json, read_text
 from . import collectives
 from .chunks import Holder
 from .dcp_storage import DCP_METADATA_FILE, ManifestReader, RecordingWriter, one_line, read_dcp_metadata
+
+if TYPE_CHECKING:  # program.py imports this module where its methods save and load
+    from .program import Program
 
 FORMAT = "shardplan.checkpoint/2"
 """/2: with the manifest of file checksums."""
@@ -93,7 +96,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+def save(program: "Program", path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
          extra: Mapping[str, Stateful] | None = None) -> None:
     """Write `program`'s parameters, buffers, `optimizer`'s state and the `extra` objects' states to the
     directory `path`, atomically.
@@ -116,13 +119,14 @@ def save(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
                               "cause and save again") from None
     written = writer.written + ([DCP_METADATA_FILE] if collectives.world().rank == 0 else [])  # DCP's coordinator's
     found = collectives.gather_object(_agreed(lambda: _described_files(partial, written)))
-    _on_rank_zero(lambda: _commit(directory, metadata, _manifest(found), extras))
+    # gather_object's list on rank 0, the one rank that commits
+    _on_rank_zero(lambda: _commit(directory, metadata, _manifest(cast(list[dict], found)), extras))
     # rank 0 leaves the broadcast as soon as it has sent: a script that ends with save() and
     # destroys the process group at once could tear gloo down under the other ranks' receive
     collectives.barrier()
 
 
-def _saved_entries(program, held: list[Holder], optimizer: torch.optim.Optimizer | None,
+def _saved_entries(program: "Program", held: list[Holder], optimizer: torch.optim.Optimizer | None,
                    metadata: dict) -> dict[str, torch.Tensor]:
     state = {}
     for holder in held:
@@ -133,7 +137,7 @@ def _saved_entries(program, held: list[Holder], optimizer: torch.optim.Optimizer
     return state
 
 
-def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+def load(program: "Program", path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
          extra: Mapping[str, Stateful] | None = None) -> None:
     """Set `program`'s parameters, buffers, `optimizer`'s state and the `extra` objects' states from the
     checkpoint at `path`, all or nothing.
@@ -159,7 +163,7 @@ def load(program, path: str | os.PathLike, optimizer: torch.optim.Optimizer | No
     staged = _agreed(lambda: _stage(program, held, optimizer, metadata, directory))
     optimizer_state = _agreed(lambda: _read(staged, metadata))
     extra_states = _agreed(lambda: {name: _read_extra(directory, name) for name in extra})
-    _agreed(lambda: [extra[name].load_state_dict(state) for name, state in extra_states.items()])
+    _agreed(lambda: _load_extras(extra, extra_states))
     _apply(program, held, optimizer, staged, optimizer_state)
 
 
@@ -179,7 +183,7 @@ class _Staged:
     reader: ManifestReader
 
 
-def _stage(program, held: list[Holder], optimizer: torch.optim.Optimizer | None, metadata: dict,
+def _stage(program: "Program", held: list[Holder], optimizer: torch.optim.Optimizer | None, metadata: dict,
            directory: Path) -> _Staged:
     sizes_bytes = {name: found["bytes"] for name, found in metadata["files"].items()}
     reader = ManifestReader(os.fspath(directory), read_dcp_metadata(directory / DCP_METADATA_FILE, sizes_bytes))
@@ -208,7 +212,7 @@ def _read(staged: _Staged, metadata: dict) -> dict[Holder, dict]:
     return _finished_state(staged.optimizer_state, staged.entries, metadata["optimizer"])
 
 
-def _apply(program, held: list[Holder], optimizer: torch.optim.Optimizer | None, staged: _Staged,
+def _apply(program: "Program", held: list[Holder], optimizer: torch.optim.Optimizer | None, staged: _Staged,
            optimizer_state: dict[Holder, dict]) -> None:
     """Put what every rank read in place: local copies only, so the ranks cannot come out different."""
     for holder, parameter in zip(held, staged.parameters):
@@ -229,7 +233,7 @@ def _apply(program, held: list[Holder], optimizer: torch.optim.Optimizer | None,
                 group[key] = value
 
 
-def export_full_state_dict(program, path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
+def export_full_state_dict(program: "Program", path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
     """The whole model's state dict, on CPU, on rank 0 (other ranks get {}); `torch.save`d to `path` if given.
 
     Units are gathered one at a time and one rank per pipeline stage keeps a copy (rank 0 alone at
@@ -255,7 +259,7 @@ def export_full_state_dict(program, path: str | os.PathLike | None = None) -> di
         pieces.update(found or {})
     state = {}
     for key, module, attribute, kind in slots:
-        state[key] = pieces[key] if kind == "parameter" else module._buffers[attribute].detach().to("cpu", copy=True)
+        state[key] = pieces[key] if kind == "parameter" else module.get_buffer(attribute).detach().to("cpu", copy=True)
     if path is not None:
         torch.save(state, path)
     return state
@@ -315,7 +319,7 @@ def _model_key(name: str) -> str:
 
 
 def _buffer_entries(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {f"model.{name}": owner._buffers[attribute]
+    return {f"model.{name}": owner.get_buffer(attribute)
             for name, owner, attribute, kind in _state_dict_slots(module) if kind == "buffer"}
 
 
@@ -372,7 +376,7 @@ def _merged_schema(schemas: list[dict[str, dict]]) -> dict[str, dict]:
     return merged
 
 
-def _as_tensor(value) -> torch.Tensor:
+def _as_tensor(value: torch.Tensor | float) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach()
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
@@ -415,6 +419,8 @@ def _finished_state(states: dict[Holder, dict], loaded: dict[str, torch.Tensor],
                     saved: dict | None) -> dict[Holder, dict]:
     """The loaded state as the optimizer keeps it: scalar state from its per-parameter copies, Python numbers
     where the saving optimizer had them."""
+    if saved is None:  # loaded without an optimizer: no states
+        return {}
     finished = {}
     for holder, state in states.items():
         finished[holder] = dict(state)
@@ -485,10 +491,10 @@ def _to_json(value: Any) -> Any:
 
 # metadata and the model check
 
-def _metadata(program, held: list[Holder], optimizer: torch.optim.Optimizer | None) -> dict:
+def _metadata(program: "Program", held: list[Holder], optimizer: torch.optim.Optimizer | None) -> dict:
     optimizer_metadata = None
     if optimizer is not None:
-        def mine():
+        def mine() -> tuple[dict[str, dict], list[str]]:
             states = _state_of(held, optimizer)
             return _state_schema(states), [name for holder, state in states.items() if state for name in holder.names]
 
@@ -519,7 +525,7 @@ def _parameter_shapes(held: list[Holder]) -> dict[str, tuple[list[int], str]]:
     return shapes
 
 
-def _buffer_shapes(program) -> dict[str, tuple[list[int], str]]:
+def _buffer_shapes(program: "Program") -> dict[str, tuple[list[int], str]]:
     return {name[len("model."):]: (list(buffer.shape), dtype_name(buffer.dtype))
             for name, buffer in _buffer_entries(program.module).items()}
 
@@ -528,7 +534,7 @@ def _described(shapes: dict[str, tuple[list[int], str]]) -> list[dict]:
     return [{"name": name, "shape": shape, "dtype": dtype} for name, (shape, dtype) in shapes.items()]
 
 
-def _check_model(program, held: list[Holder], metadata: dict, directory: Path) -> None:
+def _check_model(program: "Program", held: list[Holder], metadata: dict, directory: Path) -> None:
     """Refuse a checkpoint of another model, naming the first differences."""
     problems = []
     for what, mine in (("parameter", _parameter_shapes(held)), ("buffer", _buffer_shapes(program))):
@@ -576,6 +582,11 @@ def _check_extras_saved(extra: Mapping[str, Stateful], metadata: dict, directory
     if missing:
         raise CheckpointError(f"the checkpoint at {directory} holds no extra state {missing[0]!r} (it holds "
                               f"{saved or 'none'}): save it with extra={{{missing[0]!r}: ...}}, or load without it")
+
+
+def _load_extras(extra: Mapping[str, Stateful], states: dict[str, Any]) -> None:
+    for name, state in states.items():
+        extra[name].load_state_dict(state)
 
 
 def _read_extra(directory: Path, name: str) -> Any:
@@ -627,10 +638,11 @@ def _on_rank_zero(action: Callable[[], T]) -> T:
 def _agreed(action: Callable[[], T]) -> T:
     """Run `action` on every rank and give this rank's result, or raise on every rank if it failed on any: a
     failing rank its own error, the others the lowest failing rank's (see [Note: load as a transaction])."""
+    failure: Exception | None = None
     try:
-        result, failure = action(), None
+        result = action()
     except Exception as error:  # re-raised below, on every rank
-        result, failure = None, error
+        failure = error
     shared = failure if failure is None or isinstance(failure, ShardplanError) else RuntimeError(one_line(failure))
     found = [error for error in collectives.all_gather_object(shared) if error is not None]
     if failure is not None:

@@ -11,9 +11,10 @@ group size before a SUM reduction; dividing first also keeps a low-precision
 reduce dtype from overflowing.
 """
 import contextlib
+import datetime
 import hashlib
 import warnings
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,12 @@ import torch.distributed as dist
 from ..errors import RuntimeMismatchError, ShardplanError
 from ..plan import MESH_DIMS, Mesh
 
+if TYPE_CHECKING:  # for annotations only: the functions import these modules where they use them
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
+    from torch.distributed.device_mesh import DeviceMesh
+
+T = TypeVar("T")
 
 Group = dist.ProcessGroup | None
 """A process group; None is the whole world."""
@@ -178,9 +185,9 @@ def agree_after_failure(values: list[int], group: dist.ProcessGroup) -> bool:
         return False
 
 
-def _world_timeout():
+def _world_timeout() -> datetime.timedelta:
     """The timeout the world's process group was made with (init_process_group's `timeout`)."""
-    world_group = dist.group.WORLD
+    world_group = cast(dist.ProcessGroup, dist.group.WORLD)  # None only before init_process_group
     for device_type in ("cpu", "cuda"):
         try:
             return world_group._get_backend(torch.device(device_type)).options._timeout
@@ -189,7 +196,7 @@ def _world_timeout():
     return dist.distributed_c10d.default_pg_timeout
 
 
-def device_mesh(device_type: str, plan_mesh: Mesh):
+def device_mesh(device_type: str, plan_mesh: Mesh) -> "DeviceMesh":
     """The plan's mesh as a DeviceMesh, dims named as plan.MESH_DIMS in the plan's rank layout ([Note:
     rank layout]: init_device_mesh numbers ranks row-major, tp innermost). The one place the runtime
     makes process groups for a plan: FSDP2 shards over mesh["dp_replicate", "dp_shard"] (HSDP) and
@@ -219,7 +226,7 @@ class MeshGroups(NamedTuple):
     """Same stage and tp index: every data-parallel replica of what this rank holds."""
     pipeline: dist.ProcessGroup
     """Same replica and tp index, one rank per stage: activations flow between them."""
-    mesh: object
+    mesh: "DeviceMesh"
     """The DeviceMesh (device_mesh) the groups come from."""
 
 
@@ -280,21 +287,21 @@ def shutdown() -> None:
     dist.destroy_process_group()
 
 
-def all_gather_object(value) -> list:
+def all_gather_object(value: T) -> list[T]:
     """Every rank's picklable `value`, in rank order, on every rank."""
     if dist.get_world_size() == 1:
         return [value]
-    found = [None] * dist.get_world_size()
+    found: list[Any] = [None] * dist.get_world_size()
     _issue()
     dist.all_gather_object(found, value)
     return found
 
 
-def gather_object(value) -> list | None:
+def gather_object(value: T) -> list[T] | None:
     """Every rank's picklable `value`, in rank order, on rank 0 (None elsewhere)."""
     if dist.get_world_size() == 1:
         return [value]
-    found = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    found: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     _issue()
     dist.gather_object(value, found, dst=0)
     return found
@@ -305,7 +312,7 @@ def global_rank(group: Group, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def broadcast_object(value, source_rank: int = 0):
+def broadcast_object(value: T, source_rank: int = 0) -> T:
     """`source_rank`'s picklable `value` on every rank (so every rank can raise the same error)."""
     if dist.get_world_size() == 1:
         return value
@@ -315,7 +322,8 @@ def broadcast_object(value, source_rank: int = 0):
     return box[0]
 
 
-def chunked_tensor(local: list[torch.Tensor], numel: int, chunks: list[tuple[int, int, int]], like: torch.Tensor):
+def chunked_tensor(local: list[torch.Tensor], numel: int, chunks: list[tuple[int, int, int]],
+                   like: torch.Tensor) -> "ShardedTensor":
     """A 1-D tensor of `numel` elements held in chunks over ranks, for torch.distributed.checkpoint.
 
     `chunks` lists (rank, offset, numel) for every rank's chunk; `local` is this rank's chunks, in
@@ -336,7 +344,7 @@ def chunked_tensor(local: list[torch.Tensor], numel: int, chunks: list[tuple[int
         local_shards, ShardedTensorMetadata(metadata, torch.Size([numel]), properties))
 
 
-def save_checkpoint(state: dict, writer) -> None:
+def save_checkpoint(state: dict, writer: "StorageWriter") -> None:
     """Every rank writes its chunks of `state` (plain tensors: one rank writes each) through `writer`.
 
     DCP reports a failure on any rank as a CheckpointException on every rank: a BaseException, which
@@ -348,7 +356,7 @@ def save_checkpoint(state: dict, writer) -> None:
         dcp.save(state, storage_writer=writer)
 
 
-def load_checkpoint(state: dict, reader) -> None:
+def load_checkpoint(state: dict, reader: "StorageReader") -> None:
     """Fill `state`'s tensors in place with the chunks this rank holds, whatever chunks were saved; a
     failure as in save_checkpoint."""
     import torch.distributed.checkpoint as dcp
@@ -358,7 +366,7 @@ def load_checkpoint(state: dict, reader) -> None:
 
 
 @contextlib.contextmanager
-def _first_failure():
+def _first_failure() -> Iterator[None]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -370,7 +378,7 @@ def _first_failure():
 
 
 @contextlib.contextmanager
-def _sharded_tensor_without_deprecation_warnings():
+def _sharded_tensor_without_deprecation_warnings() -> Iterator[None]:
     """ShardedTensor is deprecated as a compute type in favour of DTensor, but it is the only type
     DCP reads and writes at arbitrary chunk offsets (a DTensor shards evenly along dims); DCP
     warns each time it touches one, hundreds of times per checkpoint."""

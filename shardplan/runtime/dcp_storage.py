@@ -16,6 +16,7 @@ the files can write the manifest too.
 import io
 import pickle
 import pathlib
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -23,6 +24,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    StorageMeta, TensorProperties, TensorStorageMetadata,
                                                    _MEM_FORMAT_ENCODING)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from ..errors import CheckpointError
 
@@ -42,7 +46,7 @@ class _MetadataUnpickler(pickle._Unpickler):
     """Python's own unpickler, not the C one: the C one sizes its memo by the largest index a file names,
     so four flipped bytes ask for gigabytes and a minute of zeroing; this one keeps its memo in a dict."""
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> Any:
         if module == "torch.distributed.checkpoint.metadata" and name in _METADATA_CLASSES:
             return _METADATA_CLASSES[name]
         if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
@@ -73,7 +77,7 @@ def read_dcp_metadata(file: pathlib.Path, sizes_bytes: dict[str, int]) -> Metada
                               "checkpoint is corrupt or was crafted; restore it from a copy, or save again") from None
 
 
-def _rebuilt(loaded, sizes_bytes: dict[str, int]) -> Metadata:
+def _rebuilt(loaded: Any, sizes_bytes: dict[str, int]) -> Metadata:
     """Fresh metadata holding only tensor entries whose chunks tile them and lie in the listed files."""
     _expect(type(loaded) is Metadata, "its top object is not DCP Metadata")
     _expect(type(loaded.state_dict_metadata) is dict and type(loaded.storage_data) is dict,
@@ -91,7 +95,7 @@ def _rebuilt(loaded, sizes_bytes: dict[str, int]) -> Metadata:
     return Metadata(state_dict_metadata=tensors_only, storage_data=storage)
 
 
-def _tensor_entry(fqn, entry) -> TensorStorageMetadata:
+def _tensor_entry(fqn: Any, entry: Any) -> TensorStorageMetadata:
     _expect(type(fqn) is str, "an entry's name is not a string")
     _expect(type(entry) is TensorStorageMetadata, f"entry {fqn!r} is not a tensor (shardplan stores only tensors)")
     properties = entry.properties
@@ -124,7 +128,7 @@ def _tiles(size: torch.Size, chunks: list[ChunkStorageMetadata]) -> bool:
     return end == size[0]
 
 
-def _storage_info(fqn: str, info, sizes_bytes: dict[str, int]) -> _StorageInfo:
+def _storage_info(fqn: str, info: Any, sizes_bytes: dict[str, int]) -> _StorageInfo:
     _expect(type(info) is _StorageInfo and type(info.relative_path) is str and info.relative_path in sizes_bytes
             and info.relative_path != DCP_METADATA_FILE, f"{fqn!r} is stored outside the checkpoint's listed files")
     _expect(type(info.offset) is int and type(info.length) is int and 0 <= info.offset
@@ -159,14 +163,14 @@ class ManifestReader(FileSystemReader):
     def read_metadata(self) -> Metadata:
         return self._metadata
 
-    def read_data(self, plan, planner) -> torch.futures.Future:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         try:
             return super().read_data(plan, planner)
         except Exception as error:  # DCP reports it from every rank; say which file
             raise CheckpointError(f"{self._reading} holds no tensor data where its metadata says "
                                   f"({one_line(error)})") from None
 
-    def _slice_file(self, file, sinfo: _StorageInfo):
+    def _slice_file(self, file: IO[bytes], sinfo: _StorageInfo) -> IO[bytes]:
         self._reading = sinfo.relative_path
         return super()._slice_file(file, sinfo)
 
@@ -178,7 +182,7 @@ class RecordingWriter(FileSystemWriter):
         super().__init__(path)
         self.written: list[str] = []
 
-    def write_data(self, plan, planner) -> torch.futures.Future:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future = super().write_data(plan, planner)
         self.written = sorted({result.storage_data.relative_path for result in future.value()})
         return future

@@ -8,10 +8,11 @@ REPLICATE units run as SHARD_GRAD_OP (the same arithmetic, with gradients and
 optimizer state sharded too), which this backend states rather than hides.
 """
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
@@ -64,11 +65,11 @@ class Fsdp2Program(Program):
             fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh,
                         reshard_after_forward=first.reshard_after_forward, mp_policy=precision,
                         offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
-        fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=precision)
+        self._root = fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=precision)
         if on_meta:
             _initialize(module, device)
 
-    def __call__(self, *args, **kwargs) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @property
@@ -81,7 +82,7 @@ class Fsdp2Program(Program):
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
 
-    def evaluate(self, *args, **kwargs) -> torch.Tensor:
+    def evaluate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         try:
             return super().evaluate(*args, **kwargs)
         finally:
@@ -98,17 +99,18 @@ class Fsdp2Program(Program):
                 if name not in state:
                     raise ShardplanError(f"the state dict lacks parameter {name!r}: load one saved from this model")
                 whole = state[name].to(parameter.device, parameter.dtype)
-                parameter.copy_(distribute_tensor(whole, parameter.device_mesh, parameter.placements))
+                sharded = cast(DTensor, parameter)  # fully_shard made every parameter a DTensor
+                parameter.copy_(distribute_tensor(whole, sharded.device_mesh, sharded.placements))
 
     def _set_gradient_sync(self, enabled: bool) -> None:
-        self.module.set_requires_gradient_sync(enabled)
+        self._root.set_requires_gradient_sync(enabled)
 
     def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
         grads = [parameter.grad for parameter in self.parameters() if parameter.grad is not None]
         zero = torch.zeros((), dtype=torch.float32)
         if self.plan.mesh.dp == self.plan.mesh.dp_shard and self.plan.mesh.tp == 1:
             # every gradient a Shard(0) DTensor over the one dp mesh: local parts, summed over the ranks at once
-            return grad_norm_term([grad.to_local() for grad in grads], norm_type), zero
+            return grad_norm_term([cast(DTensor, grad).to_local() for grad in grads], norm_type), zero
         # replicas (HSDP) and tp ranks hold copies of some parts: DTensor makes each gradient's norm whole
         norms = [torch.linalg.vector_norm(grad, norm_type) for grad in grads]
         return zero, grad_norm_term([norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms],
@@ -167,13 +169,13 @@ def _initialize(model: nn.Module, device: torch.device) -> None:
             initialize_module(model, module)
 
 
-def data_parallel_mesh(mesh):
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """What FSDP2 shards over in collectives.device_mesh's `mesh`: 2-D (dp_replicate, dp_shard), HSDP, when
     there are replica groups, else dp_shard."""
     return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
 
 
-def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, mesh) -> None:
+def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, mesh: DeviceMesh) -> None:
     """The torchtitan composition: parallelize_tensor_parallel on mesh["tp"], then fully_shard on the
     data-parallel mesh for each layer holding pairs and for the root.
 
@@ -185,7 +187,7 @@ def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, 
     fully_shard(model, mesh=data_parallel_mesh(mesh))
 
 
-def parallelize_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, mesh) -> None:
+def parallelize_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, mesh: DeviceMesh) -> None:
     """`layout` applied with DTensor on the 1-D tp `mesh` (parallelize_module: ColwiseParallel /
     RowwiseParallel per pair, SequenceParallel on the layers' norms with `layout.sequence_parallel`,
     vocab-parallel embedding and head with `layout.vocab`). Every rank must hold the same full
@@ -204,7 +206,7 @@ def parallelize_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, 
         raise RuntimeMismatchError(f"the layout shards over tp={layout.degree} ranks, the mesh's tp dim has "
                                    f"{mesh.size()}: make the layout for tp={mesh.size()}")
     sequence = layout.sequence_parallel
-    styles = {}
+    styles: dict[str, ParallelStyle] = {}
     for pair in layout.pairs:
         if sequence:
             styles[pair.name] = _GatherSequenceInput()
@@ -224,13 +226,15 @@ def parallelize_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, 
         for module in layout.replicated:
             if any(module.startswith(layer + ".") for layer in layers):
                 styles[module] = SequenceParallel()
-        enter = dict(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
-        leave = dict(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
+        whole, cut = (Replicate(),), (Shard(1),)
         if len(layers) == 1:
-            styles[layers[0]] = PrepareModuleInputOutput(**enter, **leave)
+            styles[layers[0]] = PrepareModuleInputOutput(input_layouts=whole, desired_input_layouts=cut,
+                                                         output_layouts=cut, desired_output_layouts=whole,
+                                                         use_local_output=True)
         else:
-            styles[layers[0]] = PrepareModuleInput(**enter)
-            styles[layers[-1]] = PrepareModuleOutput(**leave)
+            styles[layers[0]] = PrepareModuleInput(input_layouts=whole, desired_input_layouts=cut)
+            styles[layers[-1]] = PrepareModuleOutput(output_layouts=cut, desired_output_layouts=whole,
+                                                     use_local_output=True)
     parallelize_module(model, mesh, styles)
 
 
@@ -266,7 +270,7 @@ class _ChunkedColwiseParallel(ColwiseParallel):
         super().__init__()
         self.chunks = chunks
 
-    def _partition_linear_fn(self, name, module, device_mesh):
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         index, degree = device_mesh.get_local_rank(), device_mesh.size()
         for attribute, parameter in list(module.named_parameters()):
             cut = ParameterSlice(full_shape=tuple(parameter.shape), dim=0, chunks=self.chunks, index=index,
@@ -282,7 +286,7 @@ class _GatherSequenceInput(ParallelStyle):
     for all its column-parallel linears, whether the module is called with it positionally or by
     keyword (PrepareModuleInput takes one or the other, fixed in advance)."""
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def whole(x: torch.Tensor) -> torch.Tensor:
             sharded = x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
             return sharded.redistribute(device_mesh, [Replicate()])

@@ -35,7 +35,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, cast
 
 import torch
 import torch.nn as nn
@@ -89,7 +89,7 @@ class Program:
 
     # what a backend provides
 
-    def __call__(self, *args, **kwargs) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward on this rank's data, sharded as planned (pp == 1)."""
         raise NotImplementedError
 
@@ -179,12 +179,12 @@ class Program:
     def _set_gradient_sync(self, enabled: bool) -> None:
         raise NotImplementedError
 
-    def _forward(self, *args, **kwargs) -> Any:
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward inside a step (a backend whose __call__ guards the step's state overrides it)."""
         return self(*args, **kwargs)
 
     @contextlib.contextmanager
-    def _transaction(self):
+    def _transaction(self) -> Iterator[None]:
         """Run a step or an evaluation so that a failure leaves the program as it was (see [Note: failed
         steps]). This default cannot see inside the backend's state (FSDP2's gathers, reductions and
         hooks), so a failure leaves the program refusing every call until a checkpoint is loaded."""
@@ -214,7 +214,7 @@ class Program:
     def eval(self) -> "Program":
         return self.train(False)
 
-    def step(self, *args, **kwargs) -> torch.Tensor:
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of this rank's batch; returns the loss averaged over its samples and the ranks.
 
         Tensors of args and kwargs are split along dim 0 into the plan's micro-batches; gradients
@@ -240,7 +240,7 @@ class Program:
             return collectives.wait(collectives.all_reduce_mean(total, async_op=False))
 
     @contextlib.contextmanager
-    def _recording_stats(self):
+    def _recording_stats(self) -> Iterator[None]:
         """Set `last_step` from the step run inside, when it succeeds."""
         device = collectives.default_device()
         if device.type == "cuda":
@@ -256,7 +256,7 @@ class Program:
         if self.after_reduction is not None:
             self.after_reduction(planned)
 
-    def evaluate(self, *args, **kwargs) -> torch.Tensor:
+    def evaluate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The loss of this rank's batch without gradients (a validation step), averaged as `step` averages;
         the batch may be smaller than planned along dim 0, as in `step`.
 
@@ -328,7 +328,7 @@ id, reused, is never mistaken for one of them. Process-wide, as torch's optimize
 _optimizer_hook = None
 
 
-def refuse_optimizers_over(tensors) -> None:
+def refuse_optimizers_over(tensors: Iterable[torch.Tensor]) -> None:
     """Make any optimizer stepping one of `tensors` raise at its step instead of training nothing."""
     global _optimizer_hook
     for tensor in tensors:
@@ -337,7 +337,7 @@ def refuse_optimizers_over(tensors) -> None:
         _optimizer_hook = register_optimizer_step_pre_hook(_refuse_replaced)
 
 
-def _refuse_replaced(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+def _refuse_replaced(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     # an error, not a warning: such a step never trains, and a warning scrolls by in a long run's log
     if any(_replaced.get(id(parameter)) is parameter for group in optimizer.param_groups
            for parameter in group["params"]):

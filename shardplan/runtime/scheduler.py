@@ -30,7 +30,7 @@ gathered buffer stays alive between forward and backward.
 """
 import contextlib
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch.autograd import Variable
@@ -49,8 +49,8 @@ class _Handle(NamedTuple):
 class _GatherFlat(torch.autograd.Function):
     """shard → the unit's full buffer; in backward, hands the buffer's gradient to the scheduler."""
 
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, unit: FlatUnit, scheduler: "Scheduler") -> torch.Tensor:
+    @staticmethod  # ctx: Any, as autograd's context takes whatever attributes forward sets on it
+    def forward(ctx: Any, shard: torch.Tensor, unit: FlatUnit, scheduler: "Scheduler") -> torch.Tensor:
         # decided now, not in backward: a pipeline schedule runs forwards of later micro-batches
         # before the backward of earlier ones
         ctx.unit, ctx.scheduler, ctx.communicate = unit, scheduler, scheduler.communicate
@@ -58,7 +58,7 @@ class _GatherFlat(torch.autograd.Function):
         return buffer.view_as(buffer)
 
     @staticmethod
-    def backward(ctx, grad_full: torch.Tensor):
+    def backward(ctx: Any, grad_full: torch.Tensor) -> tuple[None, None, None]:
         ctx.scheduler.unit_backward_done(ctx.unit, grad_full, communicate=ctx.communicate)
         return None, None, None
 
@@ -93,7 +93,7 @@ class Scheduler:
     # forward pass boundaries
 
     @contextlib.contextmanager
-    def forward_pass(self):
+    def forward_pass(self) -> Iterator[None]:
         """One forward pass of the model (or of a pipeline stage, for one micro-batch).
 
         One that raises is not ended here: releasing would wait for gathers a peer may never issue
@@ -122,7 +122,7 @@ class Scheduler:
              own_unit: FlatUnit | None) -> Callable:
         """`forward` with `units` activated around it; `own_unit` is the unit `path` is a module of."""
         @functools.wraps(forward)
-        def run(*args, **kwargs):
+        def run(*args: Any, **kwargs: Any) -> Any:
             for unit in units:
                 self._enter(unit)
             try:
@@ -172,7 +172,7 @@ class Scheduler:
 
     # saved tensors (see [Note: saved handles])
 
-    def _pack(self, tensor: torch.Tensor):
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Handle:
         if not self._storages or tensor.device.type == "meta":
             return tensor
         unit = self._storages.get(tensor.untyped_storage().data_ptr())
@@ -180,7 +180,7 @@ class Scheduler:
             return tensor
         return _Handle(unit, tensor.size(), tensor.stride(), tensor.storage_offset())
 
-    def _unpack(self, packed):
+    def _unpack(self, packed: torch.Tensor | _Handle) -> torch.Tensor:
         if not isinstance(packed, _Handle):
             return packed
         unit = packed.unit

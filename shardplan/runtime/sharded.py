@@ -9,7 +9,7 @@ module's own tensors are dropped. Then module forwards are wrapped so units
 are gathered where they are used (see [Note: unit choreography]).
 """
 import contextlib
-from typing import Any, Callable, cast
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.nn as nn
@@ -72,7 +72,7 @@ class UnitProgram(Program):
         super().check_in_step()
 
     @contextlib.contextmanager
-    def _transaction(self):
+    def _transaction(self) -> Iterator[None]:
         """See [Note: failed steps]: the step's gradients go to fresh `.grad` tensors, added to what `.grad`
         held before on success and dropped on failure."""
         self.check_in_step()
@@ -136,12 +136,12 @@ class ShardedProgram(UnitProgram):
         self._control = collectives.control_group()
         """Where ranks compare where a failed step stopped (see [Note: failed steps])."""
 
-    def __call__(self, *args, **kwargs) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.check_in_step()
         with self._transaction():
             return self._forward(*args, **kwargs)
 
-    def _forward(self, *args, **kwargs) -> Any:
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         with self.scheduler.forward_pass():
             return self.module(*args, **kwargs)
 
