@@ -42,7 +42,9 @@ def test_a_plan_fingerprinted_by_another_version_is_told_to_replan(gpt_plan, wor
     entry = zoo.gpt()
     unversioned = dataclasses.replace(gpt_plan, fingerprint=gpt_plan.fingerprint.partition("-")[2])
     with pytest.raises(PlanError, match="computed by another version of shardplan.*re-plan"):
-        parallelize(entry.model, unversioned)
+        parallelize(entry.model, unversioned, verify_graph=True)
+    with pytest.raises(PlanError, match="computed by another version of shardplan.*re-plan"):
+        parallelize(entry.model, dataclasses.replace(unversioned, signature=""))  # a format-2 plan
 
 
 def test_a_batch_of_another_shape_is_refused(gpt_plan, world_of_one):

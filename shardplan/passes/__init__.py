@@ -15,6 +15,7 @@ from ..capture import Captured, capture
 from ..chain import BlockChain, InputSpec
 from ..dtypes import dtype_name, torch_dtype
 from ..repeats import RepeatedCapture, capture_repeated
+from ..signature import model_signature
 from .blocks import build_chain, fingerprint
 from .devices import retarget_device_pass
 from .execution import annotate_execution_pass
@@ -82,7 +83,8 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     in_blocks = {path for block in chain.blocks for path in block.modules}
     classes = {path: type(module).__name__ for path, module in model.named_modules() if path in in_blocks}
     return with_tensor_parallel_facts(captured.gm, dataclasses.replace(chain, frozen_params=frozen,
-                                                                       module_classes=classes))
+                                                                       module_classes=classes,
+                                                                       signature=model_signature(model)))
 
 
 def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict | None,
