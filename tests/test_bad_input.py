@@ -17,21 +17,6 @@ from shardplan.sizes import parse_bytes
 from shardplan.runtime.launch import free_port
 
 
-@pytest.fixture(scope="module")
-def gpt_plan() -> Plan:
-    entry = zoo.gpt()
-    return compile(entry.model, 1, entry.args, entry.kwargs, hardware="cpu-gloo")
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    """A one-rank gloo world in this process: enough for parallelize's own checks."""
-    port = free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_a_plan_for_another_model_is_refused(gpt_plan, world_of_one):
     other = zoo.gpt(zoo.GPTConfig(n_layer=5))
     with pytest.raises(PlanError, match="made for another model.*re-plan"):

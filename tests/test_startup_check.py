@@ -4,30 +4,13 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from shardplan import PlanError, compile, parallelize, zoo
-from shardplan.runtime.launch import free_port
+from shardplan import PlanError, parallelize, zoo
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.model_check import check_model
 from shardplan.runtime.tensor_parallel import plan_layout
 from shardplan.signature import model_signature
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    """A one-rank gloo world in this process: enough for parallelize's own checks."""
-    port = free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def gpt_plan():
-    entry = zoo.gpt()
-    return compile(entry.model, 1, entry.args, entry.kwargs, hardware="cpu-gloo")
 
 
 @pytest.fixture
