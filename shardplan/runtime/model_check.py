@@ -3,13 +3,14 @@
 [Note: start-up check] A plan records two facts of the model it was made for: the structural
 signature (module classes, parameter and buffer names, shapes, dtypes, requires_grad;
 signature.py) and the fingerprint of its captured graph (passes/blocks.py). The signature is read
-in milliseconds; the fingerprint needs a torch.export capture of the model, seconds on a small
-model, more on a deep one, on every rank. So `parallelize` checks the signature,
-and the graph only where it is captured anyway: with tp > 1 the layout is found in the graph of the
-plan's input shapes (tensor_parallel.plan_layout), which is the graph the fingerprint hashes. A
-pipeline's stages are cut from another capture (one micro-batch, the compute dtype), which does not
-hash as the plan's graph. A plan without a signature (format 2, or a chain built by hand) and a
-caller who asks (`verify_graph=True`: the same parameters, another forward) get the capture.
+in milliseconds; the fingerprint needs a torch.export capture of the model on every rank, seconds
+on a small model and more on a deep one. So `parallelize` checks the signature, and the graph
+only where it is captured anyway: with tp > 1 the layout is found in the graph of the plan's
+input shapes (tensor_parallel.plan_layout), which is the graph the fingerprint hashes. A
+pipeline's stages are cut from another capture (one micro-batch, the compute dtype), which does
+not hash as the plan's graph. A plan without a signature (format 2, or from a chain built by
+hand) and a caller who asks (`verify_graph=True`: the same parameters, another forward) get the
+capture.
 """
 import torch.fx
 import torch.nn as nn
