@@ -10,7 +10,8 @@ against MemTracker on a real CPU forward. Speed: LLaMA-7B shapes (seq 4096) on
 the meta device, each repeated layer analyzed (full) or one per class with its facts stamped on the
 others (reuse); time per layer shows whether growth is linear. Compile: capture + analysis +
 solve, per world, with and without reuse side by side (the chains are checked equal), a re-plan
-from the cached chain, and parallelize's fingerprint check (its capture of the model).
+from the cached chain, and parallelize's check that a plan is for the model: by the model's signature (the
+default) and by the graph (verify_graph=True: a capture, the fingerprint of which is compared).
 """
 import argparse
 import dataclasses
@@ -27,6 +28,7 @@ from shardplan.passes import analyze, fingerprint_of
 from shardplan.passes.execution import flop_counter
 from shardplan.plan import MixedPrecision
 from shardplan.runtime.measure import forward_activation_bytes
+from shardplan.signature import model_signature
 
 BF16 = MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
 WORLDS = ((8, True), (64, False), (1024, False))
@@ -95,7 +97,7 @@ def compile_table() -> Table:
                         "device; seconds wall / CPU")
     for column in ("model", "blocks", "reuse", "analyze", *(f"compile, world {w}{' (offload)' if o else ''}"
                                                            for w, o in WORLDS),
-                   "re-plan (solve) CPU s", "fingerprint check"):
+                   "re-plan (solve) CPU s", "start-up check: signature ms CPU; graph"):
         table.add_column(column, justify="right")
     for name, build in (("LLaMA-7B", zoo.llama_7b), ("LLaMA-70B", zoo.llama_70b)):
         entry = build()
@@ -109,11 +111,13 @@ def compile_table() -> Table:
                 _, wall_s, cpu_s = timed(lambda: plan_or_none(chain, world, offload))
                 solve_cpu_s.append(cpu_s)
                 cells.append(seconds(analyze_wall_s + wall_s, analyze_cpu_s + cpu_s))
+            _, _, signature_cpu_s = timed(lambda: model_signature(entry.model))
             _, fingerprint_wall_s, fingerprint_cpu_s = timed(
                 lambda: fingerprint_of(entry.model, chain.inputs, reuse_blocks=reuse))
             table.add_row(name, str(len(chain.blocks)), f"{chain.extra['reused_blocks']} copies" if reuse else "no",
                           seconds(analyze_wall_s, analyze_cpu_s), *cells,
-                          f"{min(solve_cpu_s):.2f}-{max(solve_cpu_s):.2f}", seconds(fingerprint_wall_s, fingerprint_cpu_s))
+                          f"{min(solve_cpu_s):.2f}-{max(solve_cpu_s):.2f}",
+                          f"{signature_cpu_s * 1e3:.0f}; {seconds(fingerprint_wall_s, fingerprint_cpu_s)}")
         assert chains[0] == chains[1], f"{name}: the chain with block reuse differs from the full analysis"
     return table
 

@@ -169,6 +169,9 @@ class BlockChain:
     blocks: tuple[Block, ...]
     fingerprint: str
     """Hash of the captured graph's structure and parameter shapes: a plan for another model fails."""
+    signature: str = ""
+    """The model's structural signature (signature.py): what parallelize checks without a capture;
+    empty in a chain built by hand, whose plans are checked by the fingerprint."""
     param_dtype: str
     """dtype of the parameters at capture, e.g. "torch.float32"."""
     inputs: tuple["InputSpec", ...]

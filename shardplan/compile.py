@@ -123,8 +123,8 @@ def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options
                               or _infeasible_message(chain, rules, setting, hw, budget, space))
     best = candidates[0]
     units, stages = _units_and_stages(chain, best)
-    return Plan(fingerprint=chain.fingerprint, model=model_name or str(chain.extra.get("model", "")),
-                world_size=world_size, hardware=hw.name,
+    return Plan(fingerprint=chain.fingerprint, signature=chain.signature,
+                model=model_name or str(chain.extra.get("model", "")), world_size=world_size, hardware=hw.name,
                 inputs=replica_inputs(chain, int(setting.replica_batch(best.configuration.mesh.dp))),
                 mesh=best.configuration.mesh, schedule=best.configuration.schedule,
                 tensor_parallel=tensor_parallel_section(chain, best.configuration),

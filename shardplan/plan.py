@@ -21,9 +21,10 @@ from .dtypes import FLOAT_DTYPES, INPUT_DTYPES
 from .errors import PlanError
 from .files import parse_json, read_text, write_text_atomically
 
-SCHEMA = "shardplan.plan/2"
-READABLE_SCHEMAS = ("shardplan.plan/1", SCHEMA)
-"""Plan formats this version reads: format 1 (mesh dp × pp) is upgraded on load (_upgrade)."""
+SCHEMA = "shardplan.plan/3"
+READABLE_SCHEMAS = ("shardplan.plan/1", "shardplan.plan/2", SCHEMA)
+"""Plan formats this version reads, upgraded on load (_upgrade): format 1 (mesh dp × pp), format 2
+(no structural signature: parallelize checks such a plan by capturing the model)."""
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
 """JSON Schema of the plan file, shipped in the package; from_json validates against it."""
 SCHEDULE_NAMES = ("none", "gpipe", "1f1b")
@@ -376,6 +377,9 @@ class Plan:
     schema: str = SCHEMA
     fingerprint: str
     """Fingerprint of the captured graph (BlockChain.fingerprint)."""
+    signature: str = ""
+    """The model's structural signature (signature.py), which parallelize checks without capturing the
+    model; empty in a plan of format 2 or built by hand, which the fingerprint checks instead."""
     model: str
     """The model's class name, for people."""
     world_size: int
@@ -464,13 +468,14 @@ class Plan:
 
 
 def _upgrade(data: dict) -> dict:
-    """A format-1 plan (mesh dp × pp, no tensor parallelism) as format 2 says it: its dp ranks shard
-    every unit, one replica group, tp = 1; the same ranks do the same work ([Note: rank layout])."""
-    if data.get("schema") != "shardplan.plan/1" or not isinstance(data.get("mesh"), dict):
-        return data
-    mesh = dict(data["mesh"])
-    mesh["dp_shard"] = mesh.pop("dp", None)
-    return {**data, "schema": SCHEMA, "mesh": {**mesh, "dp_replicate": 1, "tp": 1}}
+    """An older plan as this format says it. Format 1 (mesh dp × pp, no tensor parallelism): its dp
+    ranks shard every unit, one replica group, tp = 1; the same ranks do the same work ([Note: rank
+    layout]). Formats 1 and 2 record no signature, which is left empty."""
+    if data.get("schema") == "shardplan.plan/1" and isinstance(data.get("mesh"), dict):
+        mesh = dict(data["mesh"])
+        mesh["dp_shard"] = mesh.pop("dp", None)
+        data = {**data, "mesh": {**mesh, "dp_replicate": 1, "tp": 1}}
+    return {**data, "schema": SCHEMA}
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -17,21 +17,6 @@ from shardplan.sizes import parse_bytes
 from shardplan.runtime.launch import free_port
 
 
-@pytest.fixture(scope="module")
-def gpt_plan() -> Plan:
-    entry = zoo.gpt()
-    return compile(entry.model, 1, entry.args, entry.kwargs, hardware="cpu-gloo")
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    """A one-rank gloo world in this process: enough for parallelize's own checks."""
-    port = free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_a_plan_for_another_model_is_refused(gpt_plan, world_of_one):
     other = zoo.gpt(zoo.GPTConfig(n_layer=5))
     with pytest.raises(PlanError, match="made for another model.*re-plan"):
@@ -42,7 +27,9 @@ def test_a_plan_fingerprinted_by_another_version_is_told_to_replan(gpt_plan, wor
     entry = zoo.gpt()
     unversioned = dataclasses.replace(gpt_plan, fingerprint=gpt_plan.fingerprint.partition("-")[2])
     with pytest.raises(PlanError, match="computed by another version of shardplan.*re-plan"):
-        parallelize(entry.model, unversioned)
+        parallelize(entry.model, unversioned, verify_graph=True)
+    with pytest.raises(PlanError, match="computed by another version of shardplan.*re-plan"):
+        parallelize(entry.model, dataclasses.replace(unversioned, signature=""))  # a format-2 plan
 
 
 def test_a_batch_of_another_shape_is_refused(gpt_plan, world_of_one):

@@ -8,9 +8,9 @@ import pytest
 
 from shardplan.chain import InputSpec
 from shardplan.errors import PlanError, ShardplanError
-from shardplan.plan import (FLOAT_DTYPES, INPUT_DTYPES, MAX_WORLD_SIZE, SCHEMA_PATH, Checkpoint, Mesh, MixedPrecision,
-                            Plan, Predicted, Reasoning, Schedule, ShardedModule, ShardStrategy, Stage, TensorParallel,
-                            Unit, load_plan)
+from shardplan.plan import (FLOAT_DTYPES, INPUT_DTYPES, MAX_WORLD_SIZE, SCHEMA, SCHEMA_PATH, Checkpoint, Mesh,
+                            MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardedModule, ShardStrategy, Stage,
+                            TensorParallel, Unit, load_plan)
 
 
 def unit(name: str, params=None, **changes) -> Unit:
@@ -86,7 +86,15 @@ def test_a_format_1_plan_loads_as_its_dp_ranks_sharding_every_unit():
     del data["tensor_parallel"]
     data.update(schema="shardplan.plan/1", mesh={"dp": 2, "pp": 2})
     loaded = Plan.from_json(json.dumps(data))
-    assert loaded.mesh == Mesh(dp_shard=2, pp=2) and loaded.schema == "shardplan.plan/2"
+    assert loaded.mesh == Mesh(dp_shard=2, pp=2) and loaded.schema == SCHEMA
+
+
+def test_a_format_2_plan_loads_without_a_signature_and_saves_as_this_format():
+    data = json.loads(plan(signature="s1-0123456789abcdef").to_json())
+    del data["signature"]
+    data.update(schema="shardplan.plan/2")
+    loaded = Plan.from_json(json.dumps(data))
+    assert loaded == plan() and loaded.signature == "" and json.loads(loaded.to_json())["schema"] == SCHEMA
 
 
 def test_unit_and_mesh_invariants():
@@ -119,7 +127,7 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
     with pytest.raises(PlanError, match="truncated"):
         Plan.from_json(text[: len(text) // 2])
     with pytest.raises(PlanError, match="not supported"):
-        Plan.from_json(text.replace("shardplan.plan/2", "shardplan.plan/9"))
+        Plan.from_json(text.replace(SCHEMA, "shardplan.plan/9"))
     with pytest.raises(PlanError, match="cannot read"):
         load_plan(tmp_path / "missing.json")
 

@@ -15,6 +15,7 @@ from ..capture import Captured, capture
 from ..chain import BlockChain, InputSpec
 from ..dtypes import dtype_name, torch_dtype
 from ..repeats import RepeatedCapture, capture_repeated
+from ..signature import model_signature
 from .blocks import build_chain, fingerprint
 from .devices import retarget_device_pass
 from .execution import annotate_execution_pass
@@ -70,6 +71,7 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     """
     example_kwargs = dict(example_kwargs or {})
     start = time.perf_counter()
+    signature = model_signature(model)  # before the capture runs forward: the model as parallelize will get it
     captured, repeated = _capture(model, tuple(example_inputs), example_kwargs, dynamic_dims, reuse_blocks)
     run_passes(captured.gm, last="splice",
                inputs=PassInputs(args=tuple(example_inputs), kwargs=example_kwargs, repeated=repeated))
@@ -82,7 +84,8 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     in_blocks = {path for block in chain.blocks for path in block.modules}
     classes = {path: type(module).__name__ for path, module in model.named_modules() if path in in_blocks}
     return with_tensor_parallel_facts(captured.gm, dataclasses.replace(chain, frozen_params=frozen,
-                                                                       module_classes=classes))
+                                                                       module_classes=classes,
+                                                                       signature=signature))
 
 
 def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict | None,
@@ -113,8 +116,9 @@ def meta_inputs(inputs) -> tuple[tuple, dict]:
 def fingerprint_of(model: torch.nn.Module, inputs: tuple[InputSpec, ...], reuse_blocks: bool = True) -> str:
     """The captured graph's fingerprint, from input shapes alone (as a plan records them).
 
-    Capture only, no execution, each repeated block traced once (as `analyze` does): what
-    `parallelize` runs on every rank to refuse a plan made for another model.
+    Capture only, no execution, each repeated block traced once (as `analyze` does): what a plan
+    records, and what `parallelize` compares where it captures the model (see [Note: start-up check]
+    in runtime/model_check.py).
     """
     return fingerprint(structural_graph(model, *meta_inputs(inputs), reuse_blocks=reuse_blocks))
 

@@ -13,6 +13,7 @@
     pipelined.py     backend="shardplan" with pp > 1: this rank's stage (tp-sliced if tp > 1) under GPipe / 1F1B
     fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard (and DTensor TP)
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
+    model_check.py   whether a plan is for this model: its structural signature, its graph where captured
     adascale.py      AdaScale: the learning rate scaled by the gradient's noise, measured where units reduce
     checkpoint.py    save / load (any plan, world size, backend) and export_full_state_dict
     chunks.py        which chunk of each flattened parameter a rank holds, for checkpoints
@@ -28,6 +29,7 @@ import torch.nn as nn
 from ..errors import PlanError, ShardplanError
 from ..plan import Plan
 from .manual import manual_plan
+from .model_check import check_model
 from .collectives import shutdown
 from .program import Program
 
@@ -35,13 +37,18 @@ BACKENDS = ("shardplan", "fsdp2")
 
 
 def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None, backend: str = "shardplan",
-                device: torch.device | str | None = None) -> Program:
+                device: torch.device | str | None = None, verify_graph: bool = False) -> Program:
     """Shard `model` as `plan` says and return the Program that trains it; call on every rank.
 
     Call after torch.distributed.init_process_group, with the same plan on every rank. The model
     may live on the meta device: each unit is then initialized by its modules' reset_parameters()
     and only this rank's shard is kept. `device` defaults to the current CUDA device under NCCL,
     else CPU.
+
+    A plan made for another model is refused by its structural signature (module classes, parameter
+    names, shapes, dtypes); `verify_graph=True` also captures the model (torch.export, seconds) and
+    compares the graph's fingerprint, which refuses the same parameters computed another way. With
+    tp > 1 the graph is captured for the layout anyway and always compared.
 
     >>> program = parallelize(model, plan)                          # doctest: +SKIP
     >>> optimizer = torch.optim.AdamW(program.parameters(), lr=3e-4)  # doctest: +SKIP
@@ -53,7 +60,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     world = collectives.world()  # first: without a process group, this is the error to give
     collectives.check_same_on_all_ranks(plan.to_json(), "plans")
     _check_mesh(plan, world.size)
-    _check_fingerprint(model, plan)
+    check_model(model, plan, verify_graph=verify_graph)
     _check_coverage(plan, dict(model.named_parameters()))  # every backend: FSDP2 would train the rest unplanned
     device = torch.device(device) if device is not None else collectives.default_device()
     if backend == "shardplan" and plan.mesh.pp > 1:
@@ -79,9 +86,9 @@ def _check_mesh(plan: Plan, world_size: int) -> None:
 
 
 def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:
-    """Every parameter of the model in exactly one unit of the plan, and no other (after _check_fingerprint:
-    a plan with recorded inputs is for this model's graph, so a mismatch is the plan's own)."""
-    source = ("the plan's file was edited, or it was made by an older shardplan" if plan.inputs
+    """Every parameter of the model in exactly one unit of the plan, and no other (after check_model: a
+    plan with a signature or recorded inputs is for this model, so a mismatch is the plan's own)."""
+    source = ("the plan's file was edited, or it was made by an older shardplan" if plan.signature or plan.inputs
               else "the plan was made for another model")
     listed = set()  # a parameter in two units is a PlanError when the Plan is built
     for unit in plan.units:
@@ -95,24 +102,6 @@ def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:
         raise PlanError(f"{len(missing)} parameters of the model are in no unit of the plan (first: {missing[:3]}): "
                         "the plan is incomplete (its file was edited, or it was written by hand); add them to "
                         "units, or re-plan with shardplan.compile")
-
-
-def _check_fingerprint(model: nn.Module, plan: Plan) -> None:
-    """Refuse a plan made for another model: capture this one again from the plan's input shapes."""
-    if not plan.inputs:  # a plan written by hand (manual_plan) records no capture
-        return
-    from ..passes import fingerprint_of
-
-    found = fingerprint_of(model, plan.inputs)
-    if not plan.fingerprint.startswith(found.partition("-")[0] + "-"):
-        raise PlanError(f"this plan's graph fingerprint {plan.fingerprint} was computed by another version of "
-                        "shardplan, which hashed graphs otherwise: re-plan with this version "
-                        "(shardplan plan ..., or shardplan.compile)")
-    if found != plan.fingerprint:
-        raise PlanError(f"this plan was made for another model: its graph fingerprint is {plan.fingerprint}, "
-                        f"this {type(model).__name__} captures as {found} (with inputs "
-                        f"{', '.join(f'{i.name}{list(i.shape)}' for i in plan.inputs)}): re-plan with "
-                        "shardplan.compile(model, ...) for this model")
 
 
 __all__ = ["parallelize", "shutdown", "manual_plan", "Program", "BACKENDS"]

@@ -59,9 +59,12 @@ class FlatLayout:
 
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """The whole padded buffer from the parameters' values (a new tensor)."""
-        flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=tensors[0].device if tensors else "cpu")
+        # empty, not zeros: the copies write every element but the padding, and zeroing first was one
+        # more pass over the model at start-up
+        flat = torch.empty(self.padded_numel, dtype=self.dtype, device=tensors[0].device if tensors else "cpu")
         for piece, tensor in zip(self.split(flat), tensors, strict=True):
             piece.copy_(tensor)
+        flat[self.padded_numel - self.padding_numel:].zero_()
         return flat
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:

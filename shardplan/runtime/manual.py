@@ -12,6 +12,7 @@ from ..passes import fingerprint_of, input_specs
 from ..passes.tensor_parallel import tensor_parallel_candidates
 from ..plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
                     ShardStrategy, Stage, TensorParallel, Unit)
+from ..signature import model_signature
 from .tensor_parallel import sharded_modules
 
 
@@ -28,6 +29,8 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
     pp > 1 the units are cut into pp stages of counts as equal as can be, run by `schedule` ("gpipe" or "1f1b").
     Example inputs (one replica's batch) are recorded with the graph's fingerprint, as compile
     records them: a pipelined plan needs them to cut its stages, a tensor-parallel one to find its layout.
+    The model's structural signature is recorded with or without them: parallelize refuses the plan
+    for a model of other modules or parameters.
 
     The mesh is pp × dp_replicate × dp × tp: `dp` ranks shard each unit (dp_shard), `dp_replicate`
     groups of them hold the same shards (HSDP), and with tp > 1 the pairs the captured graph offers
@@ -50,7 +53,8 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
                    for index in range(pp))
     inputs = input_specs(tuple(example_inputs), dict(example_kwargs or {}))
     mesh = Mesh(dp_shard=dp, dp_replicate=dp_replicate, tp=tp, pp=pp)
-    return Plan(fingerprint=fingerprint_of(model, inputs) if inputs else "manual", model=type(model).__name__,
+    return Plan(fingerprint=fingerprint_of(model, inputs) if inputs else "manual", signature=model_signature(model),
+                model=type(model).__name__,
                 world_size=mesh.size, hardware="unknown", inputs=inputs, mesh=mesh,
                 tensor_parallel=_tensor_parallel(model, tp, sequence_parallel, vocab_parallel, example_inputs,
                                                  example_kwargs),

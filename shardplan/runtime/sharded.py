@@ -205,9 +205,9 @@ def build_units(model: nn.Module, plan: Plan, device: torch.device, place: UnitP
         with torch.no_grad():
             flat = collectives.broadcast_(layout.flatten([p.detach().to(device) for p in parameters]),
                                           place.data_parallel)
-            # the tp ranks' whole parameters are one parameter: tp index 0's values
-            packed_in_place(flat, layout, tuple(index for index, cut in enumerate(unit_cuts) if cut is None),
-                            lambda packed: collectives.broadcast_(packed, place.tensor_parallel))
+            if plan.mesh.tp > 1:  # the tp ranks' whole parameters are one parameter: tp index 0's values
+                packed_in_place(flat, layout, tuple(index for index, cut in enumerate(unit_cuts) if cut is None),
+                                lambda packed: collectives.broadcast_(packed, place.tensor_parallel))
         shard, full = _keep_slice(spec.traits, flat, layout, place.shard_rank, spec.offload)
         shard.requires_grad_(trainable == {True})
         unit = FlatUnit(spec=spec, layout=layout, shard=shard, full=full, slots=slots, place=place,

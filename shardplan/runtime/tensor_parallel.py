@@ -213,16 +213,18 @@ def sharded_modules(layout: TensorParallelLayout) -> tuple[ShardedModule, ...]:
 
 def plan_layout(model: nn.Module, plan: Plan) -> TensorParallelLayout:
     """The layout `plan` was made with, found again in `model`'s captured graph at the plan's tp degree and
-    options; refused when it slices other modules than the plan lists."""
-    from ..passes import meta_inputs
-    from ..passes.tensor_parallel import tensor_parallel_candidates
+    options; refused when the graph is not the plan's, or slices other modules than the plan lists."""
+    from ..passes.tensor_parallel import find_tensor_parallel_pairs
+    from .model_check import check_graph, plan_graph
 
     options = plan.tensor_parallel
     if not plan.inputs:
         raise PlanError(f"the plan shards over tp={plan.mesh.tp} ranks but records no inputs to find the "
                         "tensor-parallel layout with: make it with shardplan.compile, or manual_plan(..., "
                         "example_inputs=...)")
-    layout = tensor_parallel_candidates(model, *meta_inputs(plan.inputs)).layout(
+    graph = plan_graph(model, plan)
+    check_graph(model, plan, graph)  # the capture the layout needs checks the plan's graph too (parallelize skips it)
+    layout = find_tensor_parallel_pairs(graph).layout(
         plan.mesh.tp, sequence_parallel=options.sequence_parallel, vocab_parallel=options.vocab_parallel)
     found, listed = set(sharded_modules(layout)), set(options.sharded)
     if found != listed:
