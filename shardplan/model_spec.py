@@ -2,6 +2,7 @@
 Hugging Face config JSON, built into a ZooModel (the model and its example inputs)."""
 import importlib
 
+from .dtypes import dtype_name
 from .errors import ShardplanError
 
 HUGGING_FACE_DEFAULT_BATCH, HUGGING_FACE_DEFAULT_SEQ = 1, 512
@@ -62,7 +63,7 @@ def _hugging_face_from_config(path: str, batch: int | None, seq: int | None, fp3
     else:
         dtype = _config_dtype(fields) or torch.get_default_dtype()
         if dtype in (torch.bfloat16, torch.float16):
-            name = str(dtype).removeprefix("torch.")
+            name = dtype_name(dtype)
             warn(f"{path} says torch_dtype {name}: parameters, gradients and their reduction all in {name}, "
                  f"no fp32 master weights; to keep fp32 masters pass --param-dtype {name} --reduce-dtype float32")
     with torch.device("meta"):

@@ -18,7 +18,7 @@ from ..dtypes import dtype_name
 from ..errors import ShardplanError
 from . import collectives
 from .flat_param import FlatLayout
-from .tensor_parallel import ParameterSlice
+from .tensor_parallel import ParameterSlice, full_parameter
 from .unit import FlatUnit
 
 if TYPE_CHECKING:
@@ -204,8 +204,6 @@ class DTensorHolder:
             self.parameter.copy_(staged)
 
     def gather(self) -> list[torch.Tensor]:
-        from .fsdp2 import full_parameter
-
         return [full_parameter(self.parameter, self.program.fused.get(self.names[0], 1), self.program.plan.mesh.tp)]
 
 

@@ -28,7 +28,7 @@ from .activation_checkpoint import checkpointed
 from .chunks import Holder, dtensor_holders
 from .program import Program, grad_norm_term, refuse_optimizers_over
 from .sharded import initialize_module
-from .tensor_parallel import ParameterSlice, map_pair_input, plan_layout
+from .tensor_parallel import ParameterSlice, full_parameter, map_pair_input, plan_layout
 
 
 class Fsdp2Program(Program):
@@ -244,16 +244,6 @@ def tensor_parallel_full_parameters(model: nn.Module, layout: TensorParallelLayo
     fused = _fused_chunks(layout)
     return {name: full_parameter(parameter, fused.get(name, 1), layout.degree)
             for name, parameter in model.named_parameters()}
-
-
-def full_parameter(parameter: torch.Tensor, chunks: int, degree: int) -> torch.Tensor:
-    """A parameter whole (a collective for a DTensor): a fused projection of `chunks` chunks sliced over
-    `degree` tp ranks is put back from its rank-by-rank order (see _ChunkedColwiseParallel)."""
-    whole = (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter).detach()
-    if chunks == 1:
-        return whole
-    cut = ParameterSlice(full_shape=tuple(whole.shape), dim=0, chunks=chunks, index=0, degree=degree)
-    return cut.assemble(whole.chunk(degree, dim=0))
 
 
 def _fused_chunks(layout: TensorParallelLayout) -> dict[str, int]:

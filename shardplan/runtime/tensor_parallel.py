@@ -74,6 +74,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from ..errors import PlanError, RuntimeMismatchError
 from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabCandidate, VocabKind
@@ -441,3 +442,13 @@ def _exchange_backward(ctx, grad: torch.Tensor):
 
 
 _exchange_op.register_autograd(_exchange_backward, setup_context=_remember_exchange)
+
+
+def full_parameter(parameter: torch.Tensor, chunks: int, degree: int) -> torch.Tensor:
+    """A parameter whole (a collective for a DTensor): a fused projection of `chunks` chunks sliced over
+    `degree` tp ranks is put back from its rank-by-rank order (see fsdp2._ChunkedColwiseParallel)."""
+    whole = (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter).detach()
+    if chunks == 1:
+        return whole
+    cut = ParameterSlice(full_shape=tuple(whole.shape), dim=0, chunks=chunks, index=0, degree=degree)
+    return cut.assemble(whole.chunk(degree, dim=0))
