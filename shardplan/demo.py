@@ -19,6 +19,10 @@ DEMO_BATCH = 8
 """Sequences per data-parallel replica."""
 TIGHT_BUDGET_SHARE = 0.6
 """Default budget: this share of what the fastest data-parallel plan needs, so the solver must trade."""
+DEMO_CALIBRATION = "medium"
+"""Without --hardware the demo calibrates this machine so (calibrate.sweep_for). The quick mode's op
+factors of long calls read a loaded machine's load (the fastest of 3 rounds), which steered the plan to
+small pipelined calls and its prediction to 0.70 of measured (docs/benchmarks.md, "The demo")."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,9 +104,9 @@ def comparison_rows(plan: Plan, measured: Measured) -> list[tuple[str, str, str,
 
 
 def resolve_hardware(spec: str | None, world_size: int, progress: bool = True) -> HardwareProfile:
-    """A named or saved profile; by default, a quick calibration of this machine."""
+    """A named or saved profile; by default, a medium calibration of this machine (see DEMO_CALIBRATION)."""
     if spec is not None:
         return get_hardware(spec)
     from .calibrate import calibrate
 
-    return calibrate(world_size=max(world_size, 2), quick=True, progress=progress)
+    return calibrate(world_size=max(world_size, 2), mode=DEMO_CALIBRATION, progress=progress)
