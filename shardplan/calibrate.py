@@ -233,8 +233,12 @@ def _whole_shards(sizes: tuple[int, ...], world_size: int) -> tuple[int, ...]:
 
 def calibrate_main(argv: list[str] | None = None) -> int:
     """`shardplan calibrate [-o profile.json] [--world-size N] [--backend gloo|nccl] [--mode quick|medium|full]`."""
+    from .cli import EXAMPLES
+
     parser = argparse.ArgumentParser(prog="shardplan calibrate",
-                                     description="Measure this machine and write a hardware profile.")
+                                     description="Measure this machine and write a hardware profile.",
+                                     epilog="examples:\n  " + EXAMPLES["calibrate"],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-o", "--output", default="profile.json", help="where to write the profile JSON")
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn on this machine")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
