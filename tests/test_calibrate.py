@@ -112,6 +112,13 @@ def test_fit_op_factors_by_band_of_roofline_time_over_the_calls_long_enough_to_t
                       "mm": ((pytest.approx(2e9 / 1e11), pytest.approx(1.1)),),
                       "copy_": ((pytest.approx(4 * MIB / 20e9), 1e-3),)}
     assert fit_op_factors(profile, [("add", 0, 64, 1e-5)], bare_s) == {}  # none long enough: roofline stands
+    # a larger matmul slowed 3x by other processes takes a smaller one's rate; a GELU may slow with size
+    loaded = fit_op_factors(profile, [("mm", 2e9, 12 * MIB, bare_s + 1.2 * 2e9 / 1e11),  # at the peak's sizes
+                                      ("mm", 2e10, 48 * MIB, bare_s + 3.6 * 2e10 / 1e11),
+                                      ("gelu", 0, 2 * MIB, bare_s + 2 * 2 * MIB / 20e9),
+                                      ("gelu", 0, 16 * MIB, bare_s + 3 * 16 * MIB / 20e9)], bare_s)
+    assert [factor for _, factor in loaded["mm"].points] == pytest.approx([1.2, 1.2])
+    assert [factor for _, factor in loaded["gelu"].points] == pytest.approx([2.0, 3.0])
     # two calls in one band make one point: their summed time over their summed roofline, at their mean
     one_band = fit_op_factors(profile, [("gelu", 0, 5 * MIB, bare_s + 2 * 5 * MIB / 20e9),
                                         ("gelu", 0, 6 * MIB, bare_s + 4 * 6 * MIB / 20e9)], bare_s)
