@@ -304,6 +304,7 @@ def _demo(options) -> int:
     for row in demo.comparison_rows(plan, measured):
         table.add_row(*row)
     console.print(table)
+    console.print(demo.load_note(measured), markup=False)
     console.print("loss by step: " + ", ".join(f"{loss:.3f}" for loss in measured.losses))
     return 0
 

@@ -187,9 +187,18 @@ def test_every_command_has_help_with_examples(capsys):
 def test_demo_plans_trains_and_compares(capsys):
     assert main(["demo", "--world-size", "2", "--steps", "1", "--hardware", "cpu-gloo"]) == 0
     out = capsys.readouterr().out
-    assert "peak memory per rank" in out and "predicted / measured" in out
+    assert "peak memory per rank" in out and "predicted / measured" in out and "step time (fastest of 1)" in out
+    assert "load average" in out  # what a step-time ratio on a shared machine is read against
     losses = [float(x) for x in out.split("loss by step:")[1].split(",")]
     assert len(losses) == 3 and losses[-1] < losses[0]  # warm-up, measured step, timed step
+
+
+def test_the_demo_compares_the_fastest_step_as_the_calibration_keeps_the_fastest_round():
+    from shardplan.demo import Measured, load_note
+
+    measured = Measured(peak_bytes=1, step_times_s=(0.5, 0.3, 0.4), losses=())
+    assert measured.step_time_s == 0.3 and measured.mean_step_time_s == pytest.approx(0.4)
+    assert load_note(measured).startswith("step times 500, 300, 400 ms (mean 400.0 ms); load average ")
 
 
 def _refused(argv: list[str], capsys) -> str:
