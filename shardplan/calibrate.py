@@ -94,8 +94,8 @@ demo GPT's units gather 4-8 MB), where the full sweep's last sizes take most of 
 _MEDIUM_ROUNDS = 5
 _TYPICAL_DURATION = {"quick": "typically under a minute", "medium": "typically 1-2 minutes",
                      "full": "typically 3-5 minutes"}
-"""What each mode took on a quiet 2-core CPU at world 2, start-up included (docs/benchmarks.md); a
-machine busy with other work takes longer, and the time left follows each step."""
+"""What each mode took at world 2 on a 2-core CPU shared with other work (load 8-17), start-up
+included: 43-54 s, 76 s, 236 s (docs/benchmarks.md, "The demo"); the time left follows each step."""
 MODES = tuple(_TYPICAL_DURATION)
 
 
