@@ -92,16 +92,17 @@ _MEDIUM_LARGEST_BYTES = 48 * _MIB
 """Medium mode's largest collective: past a model's largest unit of the sizes it is meant for (the
 demo GPT's units gather 4-8 MB), where the full sweep's last sizes take most of its time."""
 _MEDIUM_ROUNDS = 5
-_TYPICAL_DURATION = {"quick": "typically under a minute", "medium": "typically 1-2 minutes",
-                     "full": "typically 3-5 minutes"}
-"""What each mode took at world 2 on a 2-core CPU shared with other work (load 8-17), start-up
-included: 43-54 s, 76 s, 236 s (docs/benchmarks.md, "The demo"); the time left follows each step."""
+_TYPICAL_DURATION = {"quick": "typically under a minute", "medium": "typically 20 s to 1.5 minutes",
+                     "full": "typically 2-5 minutes"}
+"""What each mode took at world 2 on 2 CPU cores, start-up included: quick 43-54 s, medium 76 s and
+full 236 s with other work on the cores (load 8-17), medium 15-20 s with the cores to itself
+(docs/benchmarks.md, "The demo"); the time left follows each step."""
 MODES = tuple(_TYPICAL_DURATION)
 
 
 def sweep_for(mode: str, backend: str) -> Sweep:
     """What a calibration of `mode` measures on `backend`: quick (seconds of measuring, for tests),
-    medium (about a minute all told on 2 CPU cores) or full (minutes).
+    medium (under a minute all told on 2 CPU cores) or full (minutes).
 
     Medium is the full sweep less its largest matmul and its collectives past _MEDIUM_LARGEST_BYTES,
     in half the rounds: every figure a step-time prediction of a small model reads (matmul rates up to
@@ -175,9 +176,10 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
     total_steps = measure_steps(sweep.rounds, sweep)
     if progress:
         kept = f"; the profile measured so far is kept in {partial_path} as it goes" if partial_path else ""
+        matmuls, collectives = len(sweep.matmul_sizes) * len(sweep.dtypes), 3 * len(sweep.collective_sizes_bytes)
         print(f"shardplan calibrate: {description}, {_TYPICAL_DURATION[mode]}: {total_steps} steps "
-              f"({sweep.rounds} rounds of {len(sweep.matmul_sizes) * len(sweep.dtypes)} matmuls and {3 * len(sweep.collective_sizes_bytes)} "
-              f"collectives, then {sweep.rounds} rounds of training-step kernels){kept}"
+              f"({sweep.rounds} rounds of {matmuls} matmuls and {collectives} collectives, then {sweep.rounds} rounds "
+              f"of training-step kernels){kept}"
               + ("" if on_terminal else "; the time left follows each step"), file=sys.stderr, flush=True)
     measurements, _ = run_world(_calibration_job, (sweep, progress and not on_terminal, partial_path),
                                 world_size=world_size, backend=backend, total_steps=total_steps,
@@ -246,7 +248,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--mode", choices=MODES, default="full",
                       help="quick: every figure roughly, for tests; medium: what a small model's step time reads "
-                           "(matmuls to n=1024, collectives to 48 MB, 5 rounds; about a minute on 2 cores); "
+                           "(matmuls to n=1024, collectives to 48 MB, 5 rounds; under a minute on 2 idle cores); "
                            "full: the whole sweep (default)")
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick", help="--mode quick")
     mode.add_argument("--medium", dest="mode", action="store_const", const="medium", help="--mode medium")

@@ -28,7 +28,7 @@ EXAMPLES = {
              "  shardplan check --baseline benchmarks/baseline.json --update\n"
              "  shardplan check --measure cpu-gloo   # predicted vs measured training on this machine",
     "calibrate": "shardplan calibrate -o profile.json --world-size 2\n"
-                 "  shardplan calibrate --medium -o profile.json   # about a minute: what a small model's step reads",
+                 "  shardplan calibrate --medium -o profile.json   # under a minute: what a small model's step reads",
     "demo": "shardplan demo --world-size 2 --steps 5\n"
             "  shardplan calibrate --medium -o profile.json && shardplan demo --hardware profile.json",
     "train": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 "
@@ -131,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = command("demo", _demo, "Plan a GPT and train it with the plan on CPU ranks; compare with the prediction.")
     demo.add_argument("--world-size", type=int, default=2)
     demo.add_argument("--steps", type=int, default=5)
-    demo.add_argument("--hardware", help="a profile name or JSON path (default: a medium calibration here, 1-2 minutes)")
+    demo.add_argument("--hardware", help="a profile name or JSON path (default: a medium calibration here, 20 s to 1.5 minutes)")
     demo.add_argument("--memory-budget", help="bytes per rank, e.g. 300MiB (default: 60%% of the fastest plan's)")
 
     train = command("train", _train, "Train under torchrun, elastic: on every (re)start re-plan for the world there "

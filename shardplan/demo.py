@@ -22,7 +22,7 @@ TIGHT_BUDGET_SHARE = 0.6
 """Default budget: this share of what the fastest data-parallel plan needs, so the solver must trade."""
 DEMO_CALIBRATION = "medium"
 """Without --hardware the demo calibrates this machine so (calibrate.sweep_for): medium times every
-matmul and collective size the demo can plan, in 1-2 minutes on 2 cores (quick stops at n = 256)."""
+matmul and collective size the demo can plan, in 20 s on 2 idle cores (quick stops at n = 256)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

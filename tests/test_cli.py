@@ -244,3 +244,13 @@ def test_bad_hugging_face_configs_are_refused(config, message, tmp_path, capsys)
 @pytest.mark.timeout(60)
 def test_explain_reads_within_bounds(capsys):
     assert "larger than 16 MiB" in _refused(["explain", "/dev/zero"], capsys)
+
+
+@pytest.mark.parametrize("argv", [["calibrate", "--world-size", "1"], ["plan", "no-such-model", "--world-size", "2"]])
+def test_debug_shows_the_traceback_of_an_error_that_prints_one_line_without_it(argv, tmp_path, capsys):
+    from shardplan.errors import ShardplanError
+
+    argv = [*argv, "-o", str(tmp_path / "out.json")]
+    assert main(argv) == 2 and "Traceback" not in capsys.readouterr().err
+    with pytest.raises(ShardplanError):
+        main([*argv, "--debug"])
