@@ -86,11 +86,10 @@ GPU_SWEEP = Sweep(matmul_sizes=(2048, 4096, 8192, 16384), dtypes=("float32", "bf
 QUICK_SWEEP = Sweep(matmul_sizes=(64, 256), dtypes=("float32", "bfloat16"),
                     collective_sizes_bytes=_ALL_SIZES_BYTES[::6], in_step_sizes_bytes=_ALL_SIZES_BYTES[6:7], rounds=3,
                     copy_bytes=64 * _MIB)
-"""For tests: every kind of figure, roughly. Its op factors of long calls take the fastest of 3 rounds,
-which a loaded machine slows in every round, and its matmuls stop at n = 256."""
+"""For tests: every kind of figure, roughly: matmuls stop at n = 256, every figure the fastest of 3 rounds."""
 _MEDIUM_LARGEST_BYTES = 48 * _MIB
-"""Medium mode's largest collective: past a model's largest unit of the sizes it is meant for (the
-demo GPT's units gather 4-8 MB), where the full sweep's last sizes take most of its time."""
+"""Medium mode's largest collective: above a whole small model's parameters (the demo GPT's 21 MB,
+its units 4-8 MB); the full sweep's larger sizes take most of its time."""
 _MEDIUM_ROUNDS = 5
 _TYPICAL_DURATION = {"quick": "typically under a minute", "medium": "typically 20 s to 1.5 minutes",
                      "full": "typically 2-5 minutes"}
