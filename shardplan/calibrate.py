@@ -86,6 +86,37 @@ GPU_SWEEP = Sweep(matmul_sizes=(2048, 4096, 8192, 16384), dtypes=("float32", "bf
 QUICK_SWEEP = Sweep(matmul_sizes=(64, 256), dtypes=("float32", "bfloat16"),
                     collective_sizes_bytes=_ALL_SIZES_BYTES[::6], in_step_sizes_bytes=_ALL_SIZES_BYTES[6:7], rounds=3,
                     copy_bytes=64 * _MIB)
+"""For tests: every kind of figure, roughly: matmuls stop at n = 256, every figure the fastest of 3 rounds."""
+_MEDIUM_LARGEST_BYTES = 48 * _MIB
+"""Medium mode's largest collective: above a whole small model's parameters (the demo GPT's 21 MB,
+its units 4-8 MB); the full sweep's larger sizes take most of its time."""
+_MEDIUM_ROUNDS = 5
+_TYPICAL_DURATION = {"quick": "typically under a minute", "medium": "typically 20 s to 1.5 minutes",
+                     "full": "typically 2-5 minutes"}
+"""What each mode took at world 2 on 2 CPU cores, start-up included: quick 43-54 s, medium 76 s and
+full 236 s with other work on the cores (load 8-17), medium 15-20 s with the cores to itself
+(docs/benchmarks.md, "The demo"); the time left follows each step."""
+MODES = tuple(_TYPICAL_DURATION)
+
+
+def sweep_for(mode: str, backend: str) -> Sweep:
+    """What a calibration of `mode` measures on `backend`: quick (seconds of measuring, for tests),
+    medium (under a minute all told on 2 CPU cores) or full (minutes).
+
+    Medium is the full sweep less its largest matmul and its collectives past _MEDIUM_LARGEST_BYTES,
+    in half the rounds: every figure a step-time prediction of a small model reads (matmul rates up to
+    n = 1024 on CPU, every collective size up to 48 MB, all three in-step sizes, the copy past the
+    caches, every op workload), and enough rounds that the fastest of them is the machine's."""
+    full = GPU_SWEEP if backend == "nccl" else CPU_SWEEP
+    if mode == "full":
+        return full
+    if mode == "medium":
+        return dataclasses.replace(full, matmul_sizes=full.matmul_sizes[:-1], rounds=_MEDIUM_ROUNDS,
+                                   collective_sizes_bytes=tuple(size for size in full.collective_sizes_bytes
+                                                                if size <= _MEDIUM_LARGEST_BYTES))
+    if mode == "quick":
+        return QUICK_SWEEP
+    raise HardwareError(f"unknown calibration mode {mode!r}: use one of {', '.join(MODES)}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,21 +146,21 @@ class Measurements:
 
 
 def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int, ...] | None = None,
-              progress: bool = True, quick: bool = False, partial_path: str | None = None) -> HardwareProfile:
+              progress: bool = True, mode: str = "full", partial_path: str | None = None) -> HardwareProfile:
     """Measure this machine with `world_size` ranks and fit a profile.
 
     `backend`: "gloo" (CPU) or "nccl" (GPUs); by default NCCL when CUDA is present.
     `sizes`: collective buffer sizes in bytes, instead of the sweep's 6 KB-380 MB.
     `progress`: a bar on a terminal; otherwise (a log, CI) one line on stderr per round with the time left.
-    `quick`: a few sizes and rounds, for tests (seconds, not minutes).
+    `mode`: "quick", "medium" or "full" (see sweep_for).
     `partial_path`: after each round, the profile fitted so far is written there (atomically), so an
     interrupted calibration leaves a usable, rougher profile.
 
-    >>> profile = calibrate(world_size=2, quick=True)  # doctest: +SKIP
+    >>> profile = calibrate(world_size=2, mode="quick")  # doctest: +SKIP
     >>> profile.collective_time_s("all_gather_into_tensor", 64 * 2**20, 2)  # doctest: +SKIP
     """
     backend = _choose_backend(backend, world_size)
-    sweep = QUICK_SWEEP if quick else GPU_SWEEP if backend == "nccl" else CPU_SWEEP
+    sweep = sweep_for(mode, backend)
     if sizes is not None:
         unfit = [size for size in sizes if size <= 0 or size % (4 * world_size)]
         if unfit:
@@ -139,14 +170,15 @@ def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int,
         sizes = _whole_shards(sweep.collective_sizes_bytes, world_size)
     sweep = dataclasses.replace(sweep, collective_sizes_bytes=tuple(sorted(set(sizes))),
                                 in_step_sizes_bytes=_whole_shards(sweep.in_step_sizes_bytes, world_size))
-    description = f"calibrating ({backend}, world {world_size})"
+    description = f"calibrating ({mode}, {backend}, world {world_size})"
     on_terminal = progress and sys.stderr.isatty()
     total_steps = measure_steps(sweep.rounds, sweep)
     if progress:
         kept = f"; the profile measured so far is kept in {partial_path} as it goes" if partial_path else ""
-        print(f"shardplan calibrate: {description}: {total_steps} steps ({sweep.rounds} rounds of "
-              f"{len(sweep.matmul_sizes) * len(sweep.dtypes)} matmuls and {3 * len(sweep.collective_sizes_bytes)} "
-              f"collectives, then {sweep.rounds} rounds of training-step kernels){kept}"
+        matmuls, collectives = len(sweep.matmul_sizes) * len(sweep.dtypes), 3 * len(sweep.collective_sizes_bytes)
+        print(f"shardplan calibrate: {description}, {_TYPICAL_DURATION[mode]}: {total_steps} steps "
+              f"({sweep.rounds} rounds of {matmuls} matmuls and {collectives} collectives, then {sweep.rounds} rounds "
+              f"of training-step kernels){kept}"
               + ("" if on_terminal else "; the time left follows each step"), file=sys.stderr, flush=True)
     measurements, _ = run_world(_calibration_job, (sweep, progress and not on_terminal, partial_path),
                                 world_size=world_size, backend=backend, total_steps=total_steps,
@@ -201,21 +233,31 @@ def _whole_shards(sizes: tuple[int, ...], world_size: int) -> tuple[int, ...]:
 
 
 def calibrate_main(argv: list[str] | None = None) -> int:
-    """`shardplan calibrate [-o profile.json] [--world-size N] [--backend gloo|nccl] [--quick]`."""
+    """`shardplan calibrate [-o profile.json] [--world-size N] [--backend gloo|nccl] [--mode quick|medium|full]`."""
+    from .cli import EXAMPLES
+
     parser = argparse.ArgumentParser(prog="shardplan calibrate",
-                                     description="Measure this machine and write a hardware profile.")
+                                     description="Measure this machine and write a hardware profile.",
+                                     epilog="examples:\n  " + EXAMPLES["calibrate"],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-o", "--output", default="profile.json", help="where to write the profile JSON")
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn on this machine")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="default: nccl when CUDA is present, else gloo")
-    parser.add_argument("--quick", action="store_true", help="few sizes and rounds (seconds, rough figures)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--mode", choices=MODES, default="full",
+                      help="quick: every figure roughly, for tests; medium: what a small model's step time reads "
+                           "(matmuls to n=1024, collectives to 48 MB, 5 rounds; under a minute on 2 idle cores); "
+                           "full: the whole sweep (default)")
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick", help="--mode quick")
+    mode.add_argument("--medium", dest="mode", action="store_const", const="medium", help="--mode medium")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.access(folder, os.W_OK):  # fail now, not after minutes of measuring
         parser.error(f"cannot write {args.output}: folder {folder} does not exist or is not writable")
     partial = partial_path(args.output)
-    profile = calibrate(world_size=args.world_size, backend=args.backend, quick=args.quick, partial_path=partial)
+    profile = calibrate(world_size=args.world_size, backend=args.backend, mode=args.mode, partial_path=partial)
     write_text_atomically(args.output, profile.to_json())
     if os.path.exists(partial):
         os.remove(partial)

@@ -3,6 +3,7 @@
 Errors print on one line without a traceback and exit 2 (`--debug` shows the traceback).
 """
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -26,8 +27,10 @@ EXAMPLES = {
     "check": "shardplan check --baseline benchmarks/baseline.json\n"
              "  shardplan check --baseline benchmarks/baseline.json --update\n"
              "  shardplan check --measure cpu-gloo   # predicted vs measured training on this machine",
-    "calibrate": "shardplan calibrate -o profile.json --world-size 2",
-    "demo": "shardplan demo --world-size 2 --steps 5",
+    "calibrate": "shardplan calibrate -o profile.json --world-size 2\n"
+                 "  shardplan calibrate --medium -o profile.json   # under a minute: what a small model's step reads",
+    "demo": "shardplan demo --world-size 2 --steps 5\n"
+            "  shardplan calibrate --medium -o profile.json && shardplan demo --hardware profile.json",
     "train": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 "
              "--rdzv-id=run1 --max-restarts=3 --no-python \\\n"
              "      shardplan train gpt mypackage.data:tokens --directory run1 --steps 1000 --global-batch 64 "
@@ -82,7 +85,11 @@ def _parser() -> argparse.ArgumentParser:
                            "so meshes with fewer replicas train fewer); --batch is then the largest micro-batch tried")
     plan.add_argument("--max-tp", type=int, dest="max_tensor_parallel",
                       help="the largest tensor-parallel degree searched (default: a node's devices on GPUs, 1 on CPU)")
-    plan.add_argument("--seq", type=int, help="sequence length")
+    plan.add_argument("--seq", "--seq-len", type=int, dest="seq", help="sequence length")
+    plan.add_argument("--headroom", type=float, metavar="FRACTION",
+                      help="share of the device's usable memory (past the runtime's reserve) kept free below the "
+                           "default budget (default: the profile's, 5%% on GPU profiles, 10%% on CPU); not with "
+                           "--memory-budget, which is used to the byte")
     plan.add_argument("--no-pipeline", dest="allow_pipeline", action="store_false",
                       help="plan data parallelism only (pp = 1): no pipeline stages")
     plan.add_argument("--offload", "--allow-offload", dest="allow_offload", action="store_true",
@@ -124,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = command("demo", _demo, "Plan a GPT and train it with the plan on CPU ranks; compare with the prediction.")
     demo.add_argument("--world-size", type=int, default=2)
     demo.add_argument("--steps", type=int, default=5)
-    demo.add_argument("--hardware", help="a profile name or JSON path (default: a quick calibration here)")
+    demo.add_argument("--hardware", help="a profile name or JSON path (default: a medium calibration here, 20 s to 1.5 minutes)")
     demo.add_argument("--memory-budget", help="bytes per rank, e.g. 300MiB (default: 60%% of the fastest plan's)")
 
     train = command("train", _train, "Train under torchrun, elastic: on every (re)start re-plan for the world there "
@@ -182,10 +189,24 @@ def _plan_options(options) -> dict:
                  for pattern, strategy in (_pin(text) for text in options.pin))
     wraps = tuple(_regex(pattern, "--wrap") for pattern in options.wrap)
     constraints = Constraints(unit_boundary=wraps, strategy=pins) if wraps or pins else None
-    return {"hardware": options.hardware, "memory_budget": options.memory_budget, "mixed_precision": precision,
+    return {"hardware": _with_headroom(options), "memory_budget": options.memory_budget, "mixed_precision": precision,
             "optimizer": options.optimizer, "allow_pipeline": options.allow_pipeline,
             "allow_offload": options.allow_offload, "constraints": constraints,
             "global_batch_size": options.global_batch_size, "max_tensor_parallel": options.max_tensor_parallel}
+
+
+def _with_headroom(options):
+    """The --hardware profile, its usable memory share 1 - --headroom when that is given."""
+    if options.headroom is None:
+        return options.hardware
+    from .hardware import get_hardware
+
+    if options.memory_budget is not None:
+        raise ShardplanError("--headroom shapes the default budget, --memory-budget replaces it: pass one of them")
+    if not 0 <= options.headroom < 1:
+        raise ShardplanError(f"--headroom {options.headroom} is not a share of memory: pass a number from 0 to "
+                             "below 1, e.g. 0.1 to keep 10% free")
+    return dataclasses.replace(get_hardware(options.hardware), usable_memory_fraction=1 - options.headroom)
 
 
 def _pin(text: str) -> tuple[str, str]:
@@ -224,6 +245,7 @@ def _explain(options) -> int:
     console.print(report.setup_table(plan))
     console.print(report.units_table(plan))
     console.print(report.prediction_table(plan))
+    console.print(f"binding constraint: {plan.reasoning.binding_constraint}", markup=False)
     if plan.reasoning.runner_ups:
         console.print(report.runner_ups_table(plan))
     folder = options.pictures or os.path.splitext(options.plan)[0] + "-pictures"
@@ -282,6 +304,7 @@ def _demo(options) -> int:
     for row in demo.comparison_rows(plan, measured):
         table.add_row(*row)
     console.print(table)
+    console.print(demo.load_note(measured), markup=False)
     console.print("loss by step: " + ", ".join(f"{loss:.3f}" for loss in measured.losses))
     return 0
 

@@ -100,18 +100,34 @@ def fit_op_factors(profile: HardwareProfile, op_calls, kernel_overhead_s: float)
     over the calls in each factor-of-2 band of roofline time, measured seconds (less a bare call's
     fixed cost) over roofline seconds, at the band's mean roofline time. Calls the roofline prices
     under _FACTOR_MIN_OVERHEADS fixed costs are left out: their time is mostly fixed cost and timer
-    noise, which would read as a factor of hundreds on their few bytes."""
+    noise, which would read as a factor of hundreds on their few bytes.
+
+    An op with FLOPs (a matmul, attention) runs a larger call as tiles of a smaller one, so its
+    seconds per FLOP never rise with size: a band slower per FLOP than a smaller band takes that
+    band's rate. A call longer than a scheduler's time slice is slowed by other processes in every
+    round on a loaded machine: here mm calls of 1.4-10 ms read 1.7-4.6x their roofline at load
+    8-25 on 2 cores, 1.0-1.07x on a quiet one (docs/benchmarks.md, "The demo")."""
     bands: dict[str, dict[int, list[float]]] = {}
     for name, flops, nbytes, seconds in op_calls:
         roofline_s = profile.compute_time_s(flops, nbytes) - profile.op_overhead_s
         if roofline_s >= _FACTOR_MIN_OVERHEADS * profile.op_overhead_s:
-            band = bands.setdefault(name, {}).setdefault(math.floor(math.log2(roofline_s)), [0.0, 0.0, 0])
+            band = bands.setdefault(name, {}).setdefault(math.floor(math.log2(roofline_s)), [0.0, 0.0, 0, 0])
             band[0] += max(seconds - kernel_overhead_s, 0.0)
             band[1] += roofline_s
             band[2] += 1
-    return {name: SizeCurve(points=tuple((roofline_s / count, max(measured_s / roofline_s, _SMALLEST_FACTOR))
-                                         for _, (measured_s, roofline_s, count) in sorted(by_band.items())))
-            for name, by_band in sorted(bands.items())}
+            band[3] += flops
+    return {name: SizeCurve(points=_factor_points(by_band)) for name, by_band in sorted(bands.items())}
+
+
+def _factor_points(by_band: dict[int, list[float]]) -> tuple[tuple[float, float], ...]:
+    """(mean roofline seconds, factor) of each band, by size; seconds per FLOP never rising (see fit_op_factors)."""
+    points, fastest_s_per_flop = [], math.inf
+    for _, (measured_s, roofline_s, count, flops) in sorted(by_band.items()):
+        if flops:
+            fastest_s_per_flop = min(fastest_s_per_flop, measured_s / flops)
+            measured_s = fastest_s_per_flop * flops
+        points.append((roofline_s / count, max(measured_s / roofline_s, _SMALLEST_FACTOR)))
+    return tuple(points)
 
 
 _FACTOR_MIN_OVERHEADS = 10

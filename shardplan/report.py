@@ -44,8 +44,9 @@ def units_table(plan: Plan) -> Table:
 
 def prediction_table(plan: Plan) -> Table:
     predicted = plan.predicted
-    table = Table(title=f"predicted per rank on {plan.hardware} (budget {format_bytes(plan.reasoning.budget_bytes)}; "
-                        f"binding: {plan.reasoning.binding_constraint})")
+    # the binding constraint is a sentence: a title wraps it into a column as narrow as the table, so
+    # explain prints it on a line of its own
+    table = Table(title=f"predicted per rank on {plan.hardware} (budget {format_bytes(plan.reasoning.budget_bytes)})")
     table.add_column("term")
     table.add_column("value", justify="right")
     table.add_row("[b]peak memory[/b]", f"[b]{format_bytes(predicted.peak_bytes)}[/b]")
@@ -222,7 +223,8 @@ def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
             highest = max(range(len(events)), key=heights.__getitem__)
             axis.annotate(f"peak {format_bytes(events[highest][1])}\n{events[highest][0]}",
                           (highest, heights[highest]),
-                          textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7)
+                          textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7,
+                          bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
         axis.axvspan(-0.5, longest - 0.5, color="#4C72B0", alpha=0.06, label="forward")
         axis.axvspan(longest - 0.5, 2 * longest - 0.5, color="#C44E52", alpha=0.06, label="backward")
         ticks = sorted(set(range(0, 2 * longest, max(1, -(-2 * longest // MAX_LABELS)))) | {2 * longest - 1})

@@ -112,6 +112,13 @@ def test_fit_op_factors_by_band_of_roofline_time_over_the_calls_long_enough_to_t
                       "mm": ((pytest.approx(2e9 / 1e11), pytest.approx(1.1)),),
                       "copy_": ((pytest.approx(4 * MIB / 20e9), 1e-3),)}
     assert fit_op_factors(profile, [("add", 0, 64, 1e-5)], bare_s) == {}  # none long enough: roofline stands
+    # a larger matmul slowed 3x by other processes takes a smaller one's rate; a GELU may slow with size
+    loaded = fit_op_factors(profile, [("mm", 2e9, 12 * MIB, bare_s + 1.2 * 2e9 / 1e11),  # at the peak's sizes
+                                      ("mm", 2e10, 48 * MIB, bare_s + 3.6 * 2e10 / 1e11),
+                                      ("gelu", 0, 2 * MIB, bare_s + 2 * 2 * MIB / 20e9),
+                                      ("gelu", 0, 16 * MIB, bare_s + 3 * 16 * MIB / 20e9)], bare_s)
+    assert [factor for _, factor in loaded["mm"].points] == pytest.approx([1.2, 1.2])
+    assert [factor for _, factor in loaded["gelu"].points] == pytest.approx([2.0, 3.0])
     # two calls in one band make one point: their summed time over their summed roofline, at their mean
     one_band = fit_op_factors(profile, [("gelu", 0, 5 * MIB, bare_s + 2 * 5 * MIB / 20e9),
                                         ("gelu", 0, 6 * MIB, bare_s + 4 * 6 * MIB / 20e9)], bare_s)
@@ -149,6 +156,44 @@ def test_calibrate_rejects_impossible_worlds():
         calibrate(world_size=1)
     with pytest.raises(HardwareError, match="needs 2 GPUs, this machine has 0: pass --backend gloo"):
         calibrate(world_size=2, backend="nccl")
+
+
+MATMULS = ("mm", "addmm", "bmm")
+
+
+def test_the_medium_sweep_times_every_matmul_and_collective_size_the_demo_can_plan():
+    """The demo GPT at its whole replica batch (one micro-batch: its largest calls) and as one unit
+    (its largest gather): medium times sizes up to both, on CPU and GPU, in more rounds than quick."""
+    from shardplan import demo
+    from shardplan.calibrate import sweep_for
+    from shardplan.passes import analyze
+
+    entry = zoo.gpt(demo.DEMO_GPT, batch=demo.DEMO_BATCH)
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    largest_call_flops = max(kind.flops // kind.calls for block in chain.blocks
+                             for kind in block.fwd_kinds + block.bwd_kinds if kind.name in MATMULS)
+    model_bytes = sum(block.param_bytes for block in chain.blocks)
+    medium, quick, full = (sweep_for(mode, "gloo") for mode in ("medium", "quick", "full"))
+    assert 2 * max(medium.matmul_sizes) ** 3 >= largest_call_flops > 2 * max(quick.matmul_sizes) ** 3
+    assert max(medium.collective_sizes_bytes) >= model_bytes
+    assert medium.in_step_sizes_bytes == full.in_step_sizes_bytes and medium.copy_bytes == full.copy_bytes
+    assert quick.rounds < medium.rounds < full.rounds
+    assert max(medium.collective_sizes_bytes) < max(full.collective_sizes_bytes)  # what makes full take minutes
+    assert min(sweep_for("medium", "nccl").matmul_sizes) >= 2048  # a GPU's smaller matmuls time the launch
+    with pytest.raises(HardwareError, match="unknown calibration mode 'slow': use one of quick, medium, full"):
+        sweep_for("slow", "gloo")
+
+
+@pytest.mark.parametrize("flags, mode", [([], "full"), (["--quick"], "quick"), (["--medium"], "medium"),
+                                         (["--mode", "medium"], "medium")])
+def test_calibrate_flags_choose_the_mode(flags, mode, tmp_path, monkeypatch):
+    import shardplan.calibrate as calibration
+
+    chosen = []
+    monkeypatch.setattr(calibration, "calibrate", lambda **options: chosen.append(options["mode"]) or
+                        get_hardware("cpu-gloo"))
+    assert calibrate_main([*flags, "-o", str(tmp_path / "profile.json")]) == 0
+    assert chosen == [mode]
 
 
 @pytest.mark.slow
@@ -226,6 +271,7 @@ def test_calibrate_off_a_terminal_prints_progress_with_time_left_and_a_kill_leav
     text = "".join(lines)
     assert "Traceback" not in text, text
     assert "the time left follows each step" in lines[0] and "profile.partial.json" in lines[0], text  # up front
+    assert "calibrating (quick, gloo, world 2), typically under a minute" in lines[0], text
     assert "step 1 of 6 (round 1 of 3):" in text and "about" in text and "left" in text, text
     partial = get_hardware(tmp_path / "profile.partial.json")
     assert "PARTIAL: 2 of 3 rounds" in partial.source and partial.matmul["float32"].peak_flops_per_s > 0

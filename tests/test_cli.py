@@ -44,7 +44,8 @@ def test_explain_shows_shapes_batches_mesh_and_draws_real_pictures(plans, tmp_pa
     run = shardplan("explain", str(tight), "--pictures", str(tmp_path))
     assert run.returncode == 0, run.stderr
     out, plan = run.stdout, load_plan(tight)
-    assert "peak memory" in out and "binding" in out
+    assert "peak memory" in out
+    assert f"binding constraint: {plan.reasoning.binding_constraint}" in " ".join(out.split())  # a sentence, not a column
     assert f"{plan.mesh.describe()} (dp={plan.mesh.dp} replicas, pp={plan.mesh.pp} stages" in out
     assert "4 x 32 int64" in out  # the zoo GPT's token ids: batch 4, sequence 32
     assert f"{plan.mesh.dp * 4} = dp {plan.mesh.dp} x 4 per replica" in out
@@ -136,10 +137,28 @@ def test_a_bfloat16_hugging_face_config_warns_that_fp32_masters_are_dropped(tmp_
     assert "no fp32 master weights; to keep fp32 masters pass --param-dtype bfloat16 --reduce-dtype float32" \
         in pure.stderr
     assert "example input batch 1 x sequence 512 (pass --batch and --seq" in pure.stderr
-    assert main(["plan", str(config), "--world-size", "2", "--hardware", "cpu-gloo", "--batch", "2", "--seq", "64",
+    assert main(["plan", str(config), "--world-size", "2", "--hardware", "cpu-gloo", "--batch", "2", "--seq-len", "64",
                  "--param-dtype", "bfloat16", "-o", str(tmp_path / "b.json")]) == 0
     assert "warning" not in capsys.readouterr().err
-    assert load_plan(tmp_path / "b.json").mixed_precision.reduce_dtype == "float32"
+    mixed = load_plan(tmp_path / "b.json")
+    assert mixed.mixed_precision.reduce_dtype == "float32" and mixed.inputs[0].shape[-1] == 64
+
+
+def test_headroom_keeps_a_share_of_the_memory_free_below_the_default_budget(tmp_path, capsys):
+    from shardplan.hardware import get_hardware
+
+    profile = get_hardware("cpu-gloo")  # no runtime reserve: the budget is a share of the device's memory
+    budgets = {}
+    for headroom in (None, "0.5"):
+        output = tmp_path / f"{headroom}.json"
+        assert main(["plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", "-o", str(output)]
+                    + (["--headroom", headroom] if headroom else [])) == 0
+        budgets[headroom] = load_plan(output).reasoning.budget_bytes
+    assert budgets == {None: int(profile.device_memory_bytes * profile.usable_memory_fraction),
+                       "0.5": int(profile.device_memory_bytes * 0.5)}
+    both = ["plan", "mlp", "--world-size", "2", "--headroom", "0.1", "--memory-budget", "1GiB"]
+    assert "pass one of them" in _refused(both, capsys)
+    assert "from 0 to below 1" in _refused(["plan", "mlp", "--world-size", "2", "--headroom", "10"], capsys)
 
 
 def test_errors_are_one_line_without_traceback():
@@ -156,7 +175,7 @@ def test_unknown_model_names_the_choices(capsys):
 
 
 def test_every_command_has_help_with_examples(capsys):
-    for command in ("plan", "explain", "diff", "check", "demo"):
+    for command in ("plan", "explain", "diff", "check", "calibrate", "demo", "train"):
         with pytest.raises(SystemExit) as done:
             main([command, "--help"])
         assert done.value.code == 0
@@ -168,9 +187,18 @@ def test_every_command_has_help_with_examples(capsys):
 def test_demo_plans_trains_and_compares(capsys):
     assert main(["demo", "--world-size", "2", "--steps", "1", "--hardware", "cpu-gloo"]) == 0
     out = capsys.readouterr().out
-    assert "peak memory per rank" in out and "predicted / measured" in out
+    assert "peak memory per rank" in out and "predicted / measured" in out and "step time (fastest of 1)" in out
+    assert "load average" in out  # what a step-time ratio on a shared machine is read against
     losses = [float(x) for x in out.split("loss by step:")[1].split(",")]
     assert len(losses) == 3 and losses[-1] < losses[0]  # warm-up, measured step, timed step
+
+
+def test_the_demo_compares_the_fastest_step_as_the_calibration_keeps_the_fastest_round():
+    from shardplan.demo import Measured, load_note
+
+    measured = Measured(peak_bytes=1, step_times_s=(0.5, 0.3, 0.4), losses=())
+    assert measured.step_time_s == 0.3 and measured.mean_step_time_s == pytest.approx(0.4)
+    assert load_note(measured).startswith("step times 500, 300, 400 ms (mean 400.0 ms); load average ")
 
 
 def _refused(argv: list[str], capsys) -> str:
@@ -216,3 +244,13 @@ def test_bad_hugging_face_configs_are_refused(config, message, tmp_path, capsys)
 @pytest.mark.timeout(60)
 def test_explain_reads_within_bounds(capsys):
     assert "larger than 16 MiB" in _refused(["explain", "/dev/zero"], capsys)
+
+
+@pytest.mark.parametrize("argv", [["calibrate", "--world-size", "1"], ["plan", "no-such-model", "--world-size", "2"]])
+def test_debug_shows_the_traceback_of_an_error_that_prints_one_line_without_it(argv, tmp_path, capsys):
+    from shardplan.errors import ShardplanError
+
+    argv = [*argv, "-o", str(tmp_path / "out.json")]
+    assert main(argv) == 2 and "Traceback" not in capsys.readouterr().err
+    with pytest.raises(ShardplanError):
+        main([*argv, "--debug"])
