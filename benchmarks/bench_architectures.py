@@ -6,10 +6,11 @@ compiled and trained on 2 gloo ranks against one eager process.
 
 Per architecture, one spawned world of 2 ranks:
 - compile: `shardplan.compile` for world 2 on the cpu-gloo profile, data parallelism alone, a unit per
-  block (so tied blocks sit in different units, the case the runtimes must keep);
+  block (so tied blocks sit in different units, the case the runtimes must keep; tests/test_architectures.py
+  compiled);
 - dp 2: that plan on backend "shardplan", each rank half the batch;
 - pp 2: the same units cut into 2 stages of as many units each (GPipe, 2 micro-batches), each rank the
-  whole batch;
+  whole batch (pipelined there);
 - fsdp2: the compiled plan on backend "fsdp2" (which merges tied units, with a warning).
 Each trains 2 AdamW steps with gradient clipping next to one eager process on the whole batch
 (tests/parity.py); a mode passes when the loss, the clipped gradient norm (relative) and every
@@ -18,7 +19,6 @@ the error's first line.
 """
 import argparse
 import copy
-import dataclasses
 import os
 import sys
 import time
@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from parity import TOLERANCE, spawn_world, train_next_to_reference  # noqa: E402
+from test_architectures import compiled, pipelined  # noqa: E402
 from shardplan import zoo  # noqa: E402
 from shardplan.errors import ShardplanError  # noqa: E402
 
@@ -47,34 +48,6 @@ def _batches(vocab: int) -> list[torch.Tensor]:
             for step in range(STEPS)]
 
 
-def _compiled(name: str, rank: int):
-    """The plan `compile` makes for half the batch on each of 2 ranks, data parallel, a unit per block."""
-    from shardplan.compile import compile
-    from shardplan.solver.space import SearchSpace
-
-    entry = _entry(name)
-    half = _batches(entry.model.config.vocab_size)[0].chunk(2)[rank]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the parameters a tie leaves unread
-        return compile(entry.model, 2, (half,), {"labels": half}, hardware="cpu-gloo", allow_pipeline=False,
-                       space=SearchSpace(max_unit_blocks=1))
-
-
-def pipelined(plan, model):
-    """`plan`'s units cut into 2 stages of as many units each, every rank the whole batch."""
-    from shardplan.passes import fingerprint_of
-    from shardplan.plan import Mesh, Schedule, Stage
-
-    names = [unit.name for unit in plan.units]
-    half = len(names) // 2
-    inputs = tuple(dataclasses.replace(spec, shape=(BATCH, *spec.shape[1:])) for spec in plan.inputs)
-    return dataclasses.replace(plan, mesh=Mesh(pp=2, dp_shard=1), world_size=2, inputs=inputs,
-                               fingerprint=fingerprint_of(model, inputs),
-                               schedule=Schedule(num_micro_batches=2, name="gpipe"),
-                               stages=(Stage(index=0, units=tuple(names[:half])),
-                                       Stage(index=1, units=tuple(names[half:]))))
-
-
 def _train(name: str, plan, mode: str, rank: int) -> float | None:
     """The largest difference from one process (None off rank 0)."""
     from shardplan.runtime import parallelize
@@ -82,7 +55,7 @@ def _train(name: str, plan, mode: str, rank: int) -> float | None:
     reference = _entry(name).model
     model = copy.deepcopy(reference)
     if mode == "pp 2":
-        plan = pipelined(plan, model)
+        plan = pipelined(plan, model, BATCH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fsdp2 says it merges the tied units
         program = parallelize(model, plan, backend="fsdp2" if mode == "fsdp2" else "shardplan")
@@ -103,7 +76,8 @@ def _architecture(rank: int, world: int, name: str) -> dict:
     cells: dict[str, float | str | None] = {}
     start = time.perf_counter()
     try:
-        plan = _compiled(name, rank)
+        model = _entry(name).model
+        plan = compiled(model, _batches(model.config.vocab_size)[0])
         cells["compile"] = f"{len(plan.units)} units"
     except Exception as error:  # noqa: BLE001 (a cell of the table)
         return {mode: _first_line(error) for mode in MODES} | {"seconds": time.perf_counter() - start}
