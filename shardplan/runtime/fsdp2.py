@@ -7,8 +7,8 @@ group. FSDP2 has no ZeRO-1 or DDP mode inside fully_shard: SHARD_OPTIMIZER and
 REPLICATE units run as SHARD_GRAD_OP (the same arithmetic, with gradients and
 optimizer state sharded too), which this backend states rather than hides.
 """
+import dataclasses
 import warnings
-from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -130,12 +130,12 @@ def _groups_of_ties(model: nn.Module, plan: Plan) -> list[tuple[Unit, ...]]:
                 into.extend(merged[other])
                 for unit in merged[other]:
                     merged[unit.name] = into
-        into[0] = replace(into[0], modules=into[0].modules + tuple(path for path in loose
-                                                                   if path not in into[0].modules))
-        warnings.warn(f"parameter {name!r} is tied across units {owners}" + (f" and modules {loose} of no unit"
-                                                                             if loose else "")
-                      + ": backend='fsdp2' shards them as one group, gathered together with the first unit's "
-                      "decisions (the plan priced them apart; backend='shardplan' runs the plan as priced)",
+        joining = tuple(path for path in loose if path not in into[0].modules)
+        into[0] = dataclasses.replace(into[0], modules=into[0].modules + joining)
+        beside = f" and modules {loose} of no unit" if loose else ""
+        warnings.warn(f"parameter {name!r} is tied across units {owners}{beside}: backend='fsdp2' shards them as "
+                      "one group, gathered together with the first unit's decisions (the plan priced them apart; "
+                      "backend='shardplan' runs the plan as priced)",
                       stacklevel=4)
     groups = list({id(group): tuple(group) for group in merged.values()}.values())
     return sorted(groups, key=lambda group: _modules_below(group, groups))
