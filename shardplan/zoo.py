@@ -257,6 +257,81 @@ def hf_mixtral(n_layer: int = 2, d_model: int = 64, batch: int = 2, seq: int = 3
     return _hf_causal_lm(config, batch, seq, device)
 
 
+_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+"""The fields most Hugging Face decoder configs share, at test size (token ids inside the vocabulary)."""
+_DECODER = {name: value for name, value in _TINY.items() if name != "num_key_value_heads"}
+_GPT_NAMES = dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_MOE = dict(_TINY, moe_intermediate_size=64, num_experts_per_tok=2)
+
+HF_ARCHITECTURES: dict[str, tuple[str, dict, str]] = {
+    "llama": ("LlamaConfig", _TINY, "AutoModelForCausalLM"),
+    "mistral": ("MistralConfig", _TINY, "AutoModelForCausalLM"),
+    "qwen2": ("Qwen2Config", _TINY, "AutoModelForCausalLM"),
+    "qwen3": ("Qwen3Config", _TINY, "AutoModelForCausalLM"),
+    "phi": ("PhiConfig", _TINY, "AutoModelForCausalLM"),
+    "phi3": ("Phi3Config", _TINY, "AutoModelForCausalLM"),
+    "gemma": ("GemmaConfig", dict(_TINY, head_dim=16), "AutoModelForCausalLM"),
+    "gemma2": ("Gemma2Config", dict(_TINY, head_dim=16, sliding_window=8), "AutoModelForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", dict(_TINY, head_dim=16, sliding_window=8), "AutoModelForCausalLM"),
+    "gpt2": ("GPT2Config", dict(_GPT_NAMES, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+             "AutoModelForCausalLM"),
+    "gpt-neox": ("GPTNeoXConfig", dict(_DECODER, hidden_dropout=0.0), "AutoModelForCausalLM"),
+    "gpt-j": ("GPTJConfig", dict(_GPT_NAMES, n_positions=64, rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0,
+                                 attn_pdrop=0.0), "AutoModelForCausalLM"),
+    "opt": ("OPTConfig", dict(_DECODER, ffn_dim=128, word_embed_proj_dim=64, dropout=0.0), "AutoModelForCausalLM"),
+    "bloom": ("BloomConfig", dict(vocab_size=512, hidden_size=64, n_layer=2, n_head=4, bos_token_id=1,
+                                  eos_token_id=2, pad_token_id=0), "AutoModelForCausalLM"),
+    "falcon": ("FalconConfig", dict(_DECODER, hidden_dropout=0.0), "AutoModelForCausalLM"),
+    "mixtral": ("MixtralConfig", dict(_TINY, num_local_experts=4, num_experts_per_tok=2), "AutoModelForCausalLM"),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(_MOE, num_experts=4, shared_expert_intermediate_size=64),
+                  "AutoModelForCausalLM"),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(_MOE, num_experts=4), "AutoModelForCausalLM"),
+    "deepseek-v3": ("DeepseekV3Config", dict(_MOE, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                                             first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32,
+                                             kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+                    "AutoModelForCausalLM"),
+    "olmo": ("OlmoConfig", _TINY, "AutoModelForCausalLM"),
+    "olmo2": ("Olmo2Config", _TINY, "AutoModelForCausalLM"),
+    "stablelm": ("StableLmConfig", _TINY, "AutoModelForCausalLM"),
+    "starcoder2": ("Starcoder2Config", dict(_TINY, tie_word_embeddings=True), "AutoModelForCausalLM"),
+    "cohere": ("CohereConfig", _TINY, "AutoModelForCausalLM"),
+    "granite": ("GraniteConfig", _TINY, "AutoModelForCausalLM"),
+    "bert": ("BertConfig", dict(_DECODER, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+             "BertForMaskedLM"),
+    "roberta": ("RobertaConfig", dict(_DECODER, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                      pad_token_id=1), "RobertaForMaskedLM"),
+    "t5": ("T5Config", dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
+                            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1), "T5ForConditionalGeneration"),
+    "bart": ("BartConfig", dict(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+                                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                decoder_ffn_dim=128, max_position_embeddings=64, dropout=0.0, bos_token_id=0,
+                                pad_token_id=1, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2),
+             "BartForConditionalGeneration"),
+}
+"""Tiny configs of the Hugging Face architectures issue 16 checks: name → (config class, its fields, the
+model class, by transformers' names). Ties are each architecture's default. Dropout is off: a replica
+would draw other masks than one process does."""
+
+
+def hf_architecture(name: str, batch: int = 2, seq: int = 16, device="cpu") -> ZooModel:
+    """A HF_ARCHITECTURES model with random weights and token inputs that are also its labels; a
+    ShardplanError when the installed transformers lacks the architecture."""
+    import transformers
+
+    config_class, fields, model_class = HF_ARCHITECTURES[name]
+    if not hasattr(transformers, config_class):
+        from .errors import ShardplanError
+        raise ShardplanError(f"transformers {transformers.__version__} has no {config_class} ({name}): "
+                             "install a version that does")
+    config = getattr(transformers, config_class)(use_cache=False, **fields)  # export cannot capture a KV cache
+    builder = getattr(transformers, model_class)
+    with torch.device(device):
+        model = builder.from_config(config) if model_class.startswith("Auto") else builder(config)
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+    return ZooModel(model, (ids,), {"labels": ids})
+
+
 def llama_7b(n_layer: int = 32, batch: int = 1, seq: int = 4096) -> ZooModel:
     """LLaMA-7B shapes on the meta device (no memory): for planning benchmarks."""
     return hf_llama(n_layer, 4096, 11008, 32, 32, 32000, batch, seq, device="meta")

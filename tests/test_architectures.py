@@ -2,9 +2,12 @@
 
 Each plan puts the blocks in units of their own, so the input embedding (stage 0) and the head
 (stage 1) of a tied model sit on different stages, and in different units: the ties the runtime
-must keep (see [Note: tied weights across stages] in runtime/pipelined.py). One spawned world of
-2 gloo ranks runs every case (2 steps each); rank 0 returns the differences from the reference.
-The solver's side: a cut between tied blocks is allowed and priced, and T5 pipelines.
+must keep (see [Note: tied weights across stages] in runtime/pipelined.py). Most plans are written
+by hand; RoBERTa's and BART's are compile's (made once, here), whose units leave a module holding a
+tied parameter (RoBERTa's `lm_head`, BART's `model.shared`) in no unit, which fsdp2 must group with
+the tie. One spawned world of 2 gloo ranks runs every case (2 steps each); rank 0 returns the
+differences from the reference. The solver's side: a cut between tied blocks is allowed and priced,
+and T5 pipelines. benchmarks/bench_architectures.py runs every architecture of zoo.HF_ARCHITECTURES.
 """
 import copy
 import warnings
@@ -14,14 +17,14 @@ import pytest
 import torch
 
 from shardplan import zoo
-from shardplan.compile import default_space, solve
+from shardplan.compile import compile, default_space, solve
 from shardplan.hardware import get_hardware
-from shardplan.passes import analyze
-from shardplan.plan import Mesh, Schedule
+from shardplan.passes import analyze, fingerprint_of
+from shardplan.plan import Mesh, Plan, Schedule, Stage
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
 from shardplan.solver.search import Configuration, Setting, smallest_peak, tied_terms
-from shardplan.solver.space import resolve_rules
+from shardplan.solver.space import SearchSpace, resolve_rules
 
 from parity import assert_parity, spawn_world, train_next_to_reference
 
@@ -69,9 +72,17 @@ MODELS = {  # builder, each unit's modules (the chain's blocks; BERT's head hold
     "falcon-tied": (lambda: _falcon(BATCH, SEQ),
                     [("transformer.word_embeddings",), ("transformer.h.0",), ("transformer.h.1",),
                      ("transformer.ln_f", "lm_head")]),
+    # MoE routing by expert groups, a shared expert, a dense first layer, latent attention
+    "deepseek-v3": (lambda: zoo.hf_architecture("deepseek-v3", batch=BATCH, seq=SEQ),
+                    [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
+    # compile's units (None): the loose `lm_head` holds the decoder's bias and contains two other units
+    "roberta": (lambda: zoo.hf_architecture("roberta", batch=BATCH, seq=SEQ), None),
+    # encoder-decoder, compile's units: the loose `model.shared` is tied to three units on both stages
+    "bart": (lambda: zoo.hf_architecture("bart", batch=BATCH, seq=SEQ), None),
 }
 MODES = {"gpt2-tied": ("pp2", "fsdp2"), "opt-tied": ("pp2", "fsdp2"), "bert": ("pp2", "fsdp2"), "t5-tied": ("pp2",),
-         "mixtral": ("pp2",), "falcon-tied": ("pp2",)}
+         "mixtral": ("pp2",), "falcon-tied": ("pp2",), "deepseek-v3": ("pp2",), "roberta": ("fsdp2",),
+         "bart": ("pp2", "fsdp2")}
 CASES = {f"{model}/{mode}": {"model": model, "mode": mode} for model, modes in MODES.items() for mode in modes}
 
 
@@ -85,18 +96,50 @@ def _batches(vocab: int) -> list[torch.Tensor]:
             for step in range(STEPS)]
 
 
-def _plan(model: torch.nn.Module, name: str, pp: int, rank: int):
+def compiled(model: torch.nn.Module, ids: torch.Tensor) -> Plan:
+    """compile's plan for 2 ranks each given half of `ids`: data parallel, a unit per block."""
+    half = ids.chunk(2)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the parameters a tie leaves unread
+        return compile(model, 2, (half,), {"labels": half}, hardware="cpu-gloo", allow_pipeline=False,
+                       space=SearchSpace(max_unit_blocks=1))
+
+
+def pipelined(plan: Plan, model: torch.nn.Module, batch: int) -> Plan:
+    """`plan`'s units cut into 2 stages of as many units each (GPipe, 2 micro-batches), each rank `batch` samples."""
+    names = [unit.name for unit in plan.units]
+    inputs = tuple(replace(spec, shape=(batch, *spec.shape[1:])) for spec in plan.inputs)
+    return replace(plan, mesh=Mesh(pp=2, dp_shard=1), inputs=inputs, fingerprint=fingerprint_of(model, inputs),
+                   schedule=Schedule(num_micro_batches=2, name="gpipe"),
+                   stages=(Stage(index=0, units=tuple(names[:len(names) // 2])),
+                           Stage(index=1, units=tuple(names[len(names) // 2:]))))
+
+
+def _plan(model: torch.nn.Module, name: str, pp: int, rank: int, plans: dict[str, str]) -> Plan:
+    if name in plans:
+        plan = Plan.from_json(plans[name])
+        return pipelined(plan, model, BATCH) if pp == 2 else plan
     ids = _batches(model.config.vocab_size)[0]
     mine = ids if pp == 2 else ids.chunk(2)[rank]
     return manual_plan(model, MODELS[name][1], dp=2 // pp, pp=pp, micro_batches=2 if pp == 2 else 1,
                        example_inputs=(mine,), example_kwargs={"labels": mine})
 
 
-def run_case(rank: int, case: dict) -> dict:
+def compiled_plans() -> dict[str, str]:
+    """The JSON of compile's plan of each model that uses one (a capture is seconds: made once, not per rank)."""
+    plans = {}
+    for name, (_, units) in MODELS.items():
+        if units is None:
+            model = _model(name)
+            plans[name] = compiled(model, _batches(model.config.vocab_size)[0]).to_json()
+    return plans
+
+
+def run_case(rank: int, case: dict, plans: dict[str, str]) -> dict:
     reference = _model(case["model"])
     model = copy.deepcopy(reference)
     pp = 2 if case["mode"] == "pp2" else 1
-    plan = _plan(model, case["model"], pp, rank)
+    plan = _plan(model, case["model"], pp, rank, plans)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fsdp2 says it merges the tied units
         program = parallelize(model, plan, backend="fsdp2" if case["mode"] == "fsdp2" else "shardplan")
@@ -108,7 +151,7 @@ def run_case(rank: int, case: dict) -> dict:
 def round_trip(rank: int, directory: str) -> float | None:
     """A tied pp = 2 plan's checkpoint loaded into a dp = 2 plan: the largest difference of their exports."""
     trained = _model("gpt2-tied")
-    program = parallelize(trained, _plan(trained, "gpt2-tied", 2, rank))
+    program = parallelize(trained, _plan(trained, "gpt2-tied", 2, rank, {}))
     ids = _batches(trained.config.vocab_size)[0]
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-2)
     program.step(ids, labels=ids)
@@ -116,7 +159,7 @@ def round_trip(rank: int, directory: str) -> float | None:
     program.save(directory, optimizer)
     saved = program.export_full_state_dict()
     fresh = _model("gpt2-tied")
-    loaded = parallelize(fresh, _plan(fresh, "gpt2-tied", 1, rank))
+    loaded = parallelize(fresh, _plan(fresh, "gpt2-tied", 1, rank, {}))
     loaded.load(directory, torch.optim.AdamW(loaded.parameters(), lr=1e-2))
     state = loaded.export_full_state_dict()
     if rank:
@@ -126,15 +169,15 @@ def round_trip(rank: int, directory: str) -> float | None:
     return max((saved[name] - state[name]).abs().max().item() for name in state)
 
 
-def _all_cases(rank: int, world: int, directory: str) -> dict:
-    results = {name: run_case(rank, case) for name, case in CASES.items()}
+def _all_cases(rank: int, world: int, directory: str, plans: dict[str, str]) -> dict:
+    results = {name: run_case(rank, case, plans) for name, case in CASES.items()}
     results["round_trip"] = round_trip(rank, directory)
     return results
 
 
 @pytest.mark.timeout(600)
 def test_architectures_pipeline_and_fsdp2_match_one_process(tmp_path):
-    results = spawn_world(2, _all_cases, (str(tmp_path / "ckpt"),))
+    results = spawn_world(2, _all_cases, (str(tmp_path / "ckpt"), compiled_plans()))
     assert_parity(results, {name: {"clip": True} for name in CASES})
     assert results["round_trip"] == 0.0
 

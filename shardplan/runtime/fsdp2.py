@@ -7,6 +7,7 @@ group. FSDP2 has no ZeRO-1 or DDP mode inside fully_shard: SHARD_OPTIMIZER and
 REPLICATE units run as SHARD_GRAD_OP (the same arithmetic, with gradients and
 optimizer state sharded too), which this backend states rather than hides.
 """
+import dataclasses
 import warnings
 from typing import Any, Callable, cast
 
@@ -120,44 +121,61 @@ class Fsdp2Program(Program):
 def _groups_of_ties(model: nn.Module, plan: Plan) -> list[tuple[Unit, ...]]:
     """The plan's units, those sharing a parameter (a head tied to the embedding) merged into one FSDP2
     group with the first one's decisions, as torchtitan groups tied modules: FSDP2 shards a parameter in
-    one group. Warns with what merging changes."""
+    one group. Modules of no unit holding a tied parameter (RoBERTa's `lm_head` holds its decoder's bias,
+    BART's `model.shared` the embedding) join the group, as modules of its first unit. Warns with what
+    merging changes."""
     merged = {unit.name: [unit] for unit in plan.units}
-    for name, owners in _tied_across_units(model, plan):
-        if "(root)" in owners:
-            raise ShardplanError(f"parameter {name!r} is tied between units {owners[1:]} and modules of no unit, "
-                                 "which FSDP2 cannot shard: use backend='shardplan', or list those modules in the "
-                                 "unit")
+    for name, owners, loose in _tied_across_units(model, plan):
         into = merged[owners[0]]
         for other in owners[1:]:
             if merged[other] is not into:
                 into.extend(merged[other])
                 for unit in merged[other]:
                     merged[unit.name] = into
-        warnings.warn(f"parameter {name!r} is tied across units {owners}: backend='fsdp2' shards them as one "
-                      f"group, gathered together with the first unit's decisions (the plan priced them apart; "
-                      "backend='shardplan' runs the plan as priced)", stacklevel=4)
-    return list({id(group): tuple(group) for group in merged.values()}.values())
+        joining = tuple(path for path in loose if path not in into[0].modules)
+        into[0] = dataclasses.replace(into[0], modules=into[0].modules + joining)
+        beside = f" and modules {loose} of no unit" if loose else ""
+        warnings.warn(f"parameter {name!r} is tied across units {owners}{beside}: backend='fsdp2' shards them as "
+                      "one group, gathered together with the first unit's decisions (the plan priced them apart; "
+                      "backend='shardplan' runs the plan as priced)",
+                      stacklevel=4)
+    groups = list({id(group): tuple(group) for group in merged.values()}.values())
+    return sorted(groups, key=lambda group: _modules_below(group, groups))
 
 
-def _tied_across_units(model: nn.Module, plan: Plan) -> list[tuple[str, list[str]]]:
-    """(a parameter name, the units its owners belong to, in plan order) for each parameter shared across units."""
+def _modules_below(group: tuple[Unit, ...], groups: list[tuple[Unit, ...]]) -> int:
+    """How many modules of the other groups lie below `group`'s modules: sharding groups in that order
+    shards a module (a loose `lm_head` a tie joined) after the units inside it, as fully_shard needs."""
+    mine = [path for unit in group for path in unit.modules]
+    return sum(any(path.startswith(above + ".") for above in mine)
+               for other in groups if other is not group for unit in other for path in unit.modules)
+
+
+def _tied_across_units(model: nn.Module, plan: Plan) -> list[tuple[str, list[str], list[str]]]:
+    """(a parameter name, the units its owners belong to in plan order, the paths of its owners in no
+    unit) for each parameter shared across units, or between a unit and modules of none."""
     unit_of_module = {path: unit.name for unit in plan.units for path in unit.modules}
 
-    def unit_of(path: str) -> str:  # the unit of the nearest unit module at or above `path`
+    def unit_of(path: str) -> str | None:  # the unit of the nearest unit module at or above `path`
         parts = path.split(".") if path else []
         for length in range(len(parts), -1, -1):
             if ".".join(parts[:length]) in unit_of_module:
                 return unit_of_module[".".join(parts[:length])]
-        return "(root)"
+        return None
 
-    owners: dict[int, tuple[str, set[str]]] = {}
+    owners: dict[int, tuple[str, set[str], list[str]]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         for attribute, parameter in module._parameters.items():
             if parameter is not None:
-                owners.setdefault(id(parameter), (f"{path}.{attribute}".lstrip("."), set()))[1].add(unit_of(path))
+                name, units, loose = owners.setdefault(id(parameter), (f"{path}.{attribute}".lstrip("."), set(), []))
+                unit = unit_of(path)
+                if unit is None:
+                    loose.append(path)
+                else:
+                    units.add(unit)
     order = {unit.name: index for index, unit in enumerate(plan.units)}
-    return [(name, sorted(units, key=lambda unit: order.get(unit, -1))) for name, units in owners.values()
-            if len(units) > 1]
+    return [(name, sorted(units, key=order.__getitem__), loose) for name, units, loose in owners.values()
+            if units and len(units) + len(loose) > 1]
 
 
 def _initialize(model: nn.Module, device: torch.device) -> None:
