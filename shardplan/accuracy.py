@@ -132,13 +132,30 @@ class Workload:
         return zoo.build(self.name, **dict(self.options))
 
     def units(self, chain: BlockChain) -> list[tuple[str, ...]]:
-        """Modules of each unit: the demo GPT's by hand (zoo.gpt_units), else one unit per block of the chain."""
+        """Modules of each unit: the demo GPT's by hand (zoo.gpt_units), else one unit per block of the
+        chain, with the module holding each parameter it reads under a tied name (T5's `shared`, BERT's
+        `cls.predictions` and its bias); a unit whose added module holds the previous unit's joins it."""
         if self.name == "gpt":
             return zoo.gpt_units(len([block for block in chain.blocks if block.name.startswith("h.")]))
-        return [tuple(block.modules) for block in chain.blocks]
+        units: list[tuple[str, ...]] = []
+        for block in chain.blocks:
+            owners = (name.rpartition(".")[0] for name in block.param_names)
+            modules = block.modules + tuple(dict.fromkeys(owner for owner in owners if not _under(owner, block.modules)))
+            if units and any(_under(module, modules) for module in units[-1]):
+                modules = units.pop() + modules
+            units.append(modules)
+        return units
+
+
+def _under(module: str, ancestors: tuple[str, ...]) -> bool:
+    return any(module == ancestor or module.startswith(ancestor + ".") for ancestor in ancestors)
 
 
 DEMO_WORKLOAD = Workload(name="gpt", options=(("config", DEMO_GPT), ("batch", DEMO_BATCH)))
+_HF_SIZE = (("n_layer", 2), ("d_model", 128), ("batch", 4), ("seq", 64))
+HF_WORKLOADS = {name: Workload(name=name, options=_HF_SIZE + extra) for name, extra in (
+    ("hf-llama", (("ffn", 344),)), ("hf-mixtral", ()), ("hf-gpt2", ()), ("hf-bert", ()), ("hf-t5", ()))}
+"""Hugging Face architectures from tiny configs (issue 22): each rank's batch 4 x 64 tokens."""
 
 
 def demo_chain_and_plans(world_size: int, workload: Workload = DEMO_WORKLOAD) -> tuple[BlockChain, list[Plan]]:
