@@ -99,10 +99,11 @@ def eager_branches():
     than it runs: it never skips the causal mask while exporting, and it cannot tell that a batch is
     unpacked (position ids counting up from 0 in every row, a check on the data, which fake tensors
     lack), so it materializes a 4-D mask, and with a mask, repeats the key and value heads of grouped
-    query attention before SDPA (three more saved tensors a layer). A training step on token ids runs
-    SDPA with `is_causal` and no mask: this makes export trace that branch, so the analysis prices
-    the program the runtime executes, and pipeline stages run it. Models not built by transformers
-    trace as they would anyway."""
+    query attention before SDPA (three more saved tensors a layer). A training step on token ids
+    without an attention mask runs SDPA with no mask (`is_causal` in a decoder): this makes export
+    trace that branch, so the analysis prices the program the runtime executes, and pipeline stages
+    run it. A batch that passes its own attention mask or packed position ids still traces as
+    before; models not built by transformers trace as they would anyway."""
     masking = sys.modules.get("transformers.masking_utils")
     if masking is None:
         yield
