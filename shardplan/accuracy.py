@@ -11,6 +11,10 @@ lengthens no plan more than another.
 tests/test_predictions.py and `shardplan check --measure` hold every kind to MEMORY_TOLERANCE and
 STEP_TIME_BAND; benchmarks/bench_estimates.py prints the same table against a fresh calibration.
 
+The same plan kinds run on other models (a Workload: a zoo entry at one size, one unit per block of
+its chain): HF_WORKLOADS are the Hugging Face architectures of issue 22, which
+benchmarks/bench_hf_memory.py prints and tests/test_hf_predictions.py holds to ±5% memory.
+
 The mesh kinds (MESH_KINDS: tensor parallelism with and without sequence and vocabulary parallelism,
 tp × dp, HSDP) are measured the same way, one world per world size, each rank's batch its replica's;
 tests/test_predictions.py holds them to the same bands, benchmarks/bench_mesh.py prints them.
@@ -201,7 +205,8 @@ def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep,
         plan = Plan.from_json(plan_json)
         # each replica its own batch; the tp ranks of a replica read the same one
         generator = torch.Generator().manual_seed(1 + plan.mesh.replica_of(world().rank))
-        ids = torch.randint(0, entry.model.config.vocab_size, entry.args[0].shape, generator=generator)
+        vocab_size = getattr(entry.model, "config").vocab_size  # the zoo's GPT and Hugging Face models keep one
+        ids = torch.randint(0, vocab_size, entry.args[0].shape, generator=generator)
         program = parallelize(entry.model, plan, device=device)
         optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
         step = functools.partial(_train_step, program, optimizer, ids)
