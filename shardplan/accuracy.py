@@ -11,6 +11,10 @@ lengthens no plan more than another.
 tests/test_predictions.py and `shardplan check --measure` hold every kind to MEMORY_TOLERANCE and
 STEP_TIME_BAND; benchmarks/bench_estimates.py prints the same table against a fresh calibration.
 
+The same plan kinds run on other models (a Workload: a zoo entry at one size, one unit per block of
+its chain): HF_WORKLOADS are the Hugging Face architectures of issue 22, which
+benchmarks/bench_hf_memory.py prints and tests/test_hf_predictions.py holds to ±5% memory.
+
 The mesh kinds (MESH_KINDS: tensor parallelism with and without sequence and vocabulary parallelism,
 tp × dp, HSDP) are measured the same way, one world per world size, each rank's batch its replica's;
 tests/test_predictions.py holds them to the same bands, benchmarks/bench_mesh.py prints them.
@@ -119,14 +123,53 @@ def shared_cores(hardware: HardwareProfile, ranks: int, cores: int) -> HardwareP
                          for op, curve in hardware.op_time_factors.items()})
 
 
-def demo_chain_and_plans(world_size: int) -> tuple[BlockChain, list[Plan]]:
-    """The demo GPT's analysed chain and one hand-written plan per kind (one unit per block, as KINDS orders)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """A zoo model at one size, as every rank builds it to train and the planner to analyse."""
+
+    name: str
+    """Its zoo name (zoo.ZOO)."""
+    options: tuple[tuple[str, Any], ...] = ()
+    """Keyword arguments of its zoo builder (one replica's batch among them)."""
+
+    def build(self) -> zoo.ZooModel:
+        return zoo.build(self.name, **dict(self.options))
+
+    def units(self, chain: BlockChain) -> list[tuple[str, ...]]:
+        """Modules of each unit: the demo GPT's by hand (zoo.gpt_units), else one unit per block of the
+        chain, with the module holding each parameter it reads under a tied name (T5's `shared`, BERT's
+        `cls.predictions` and its bias); a unit whose added module holds the previous unit's joins it."""
+        if self.name == "gpt":
+            return zoo.gpt_units(len([block for block in chain.blocks if block.name.startswith("h.")]))
+        units: list[tuple[str, ...]] = []
+        for block in chain.blocks:
+            owners = (name.rpartition(".")[0] for name in block.param_names)
+            modules = block.modules + tuple(dict.fromkeys(owner for owner in owners if not _under(owner, block.modules)))
+            if units and any(_under(module, modules) for module in units[-1]):
+                modules = units.pop() + modules
+            units.append(modules)
+        return units
+
+
+def _under(module: str, ancestors: tuple[str, ...]) -> bool:
+    return any(module == ancestor or module.startswith(ancestor + ".") for ancestor in ancestors)
+
+
+DEMO_WORKLOAD = Workload(name="gpt", options=(("config", DEMO_GPT), ("batch", DEMO_BATCH)))
+_HF_SIZE = (("n_layer", 2), ("d_model", 128), ("batch", 4), ("seq", 64))
+HF_WORKLOADS = {name: Workload(name=name, options=_HF_SIZE + extra) for name, extra in (
+    ("hf-llama", (("ffn", 344),)), ("hf-mixtral", ()), ("hf-gpt2", ()), ("hf-bert", ()), ("hf-t5", ()))}
+"""Hugging Face architectures from tiny configs (issue 22): each rank's batch 4 x 64 tokens."""
+
+
+def demo_chain_and_plans(world_size: int, workload: Workload = DEMO_WORKLOAD) -> tuple[BlockChain, list[Plan]]:
+    """`workload`'s analysed chain and one hand-written plan per kind (one unit per block, as KINDS orders)."""
     from .passes import analyze
     from .runtime.manual import manual_plan
 
-    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    entry = workload.build()
     chain = analyze(entry.model, entry.args, entry.kwargs)
-    groups = zoo.gpt_units(DEMO_GPT.n_layer)
+    groups = workload.units(chain)
     return chain, [manual_plan(entry.model, groups, dp=world_size, strategies=(strategy,), checkpoints=(checkpoint,))
                    for strategy, checkpoint in KINDS]
 
@@ -144,7 +187,7 @@ def demo_mesh_plans() -> tuple[BlockChain, dict[str, Plan]]:
                    for name, mesh in MESH_KINDS.items()}
 
 
-def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep):
+def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep, workload: Workload = DEMO_WORKLOAD):
     """Rank job (see runtime.launch.run_world): every plan's peak memory by MemTracker and its training
     step timed in the same interleaved rounds as the calibration of `sweep` (None: no calibration).
 
@@ -158,11 +201,12 @@ def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep)
     probes, peaks = {}, []
     for index, plan_json in enumerate(plan_jsons):
         torch.manual_seed(0)  # the same initial weights on every rank
-        entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+        entry = workload.build()
         plan = Plan.from_json(plan_json)
         # each replica its own batch; the tp ranks of a replica read the same one
         generator = torch.Generator().manual_seed(1 + plan.mesh.replica_of(world().rank))
-        ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
+        vocab_size = getattr(entry.model, "config").vocab_size  # the zoo's GPT and Hugging Face models keep one
+        ids = torch.randint(0, vocab_size, entry.args[0].shape, generator=generator)
         program = parallelize(entry.model, plan, device=device)
         optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
         step = functools.partial(_train_step, program, optimizer, ids)
@@ -182,12 +226,14 @@ def _train_step(program, optimizer, ids) -> None:
     optimizer.zero_grad(set_to_none=False)
 
 
-def measure_plans(plans: list[Plan], world_size: int, rounds: int, sweep=None, progress: bool = True):
+def measure_plans(plans: list[Plan], world_size: int, rounds: int, sweep=None, progress: bool = True,
+                  workload: Workload = DEMO_WORKLOAD):
     """`measure_plans_job` on `world_size` spawned gloo ranks: (Measurements or None, [(peak bytes, step s)])."""
     from .calibrate import measure_steps
     from .runtime.launch import run_world
 
-    return run_world(measure_plans_job, ([plan.to_json() for plan in plans], rounds, sweep), world_size=world_size,
+    return run_world(measure_plans_job, ([plan.to_json() for plan in plans], rounds, sweep, workload),
+                     world_size=world_size,
                      backend="gloo", total_steps=measure_steps(rounds, sweep), progress=progress,
                      description="training steps" + (" and calibration" if sweep else ""))
 
@@ -208,7 +254,8 @@ def compare(chain: BlockChain, plans: list[Plan], measured: list[tuple[int, floa
     return rows
 
 
-def measure_by_world(plans: list[Plan], rounds: int, progress: bool = True, sweep=None):
+def measure_by_world(plans: list[Plan], rounds: int, progress: bool = True, sweep=None,
+                     workload: Workload = DEMO_WORKLOAD):
     """`measure_plans` of every plan, in one world per world size, the calibration of `sweep` (None:
     none) in the rounds of the smallest: (its Measurements or None, [(peak bytes, step s)] in `plans`' order)."""
     measured: dict[int, tuple[int, float]] = {}
@@ -216,17 +263,18 @@ def measure_by_world(plans: list[Plan], rounds: int, progress: bool = True, swee
     for world_size in sorted({plan.world_size for plan in plans}):
         indices = [index for index, plan in enumerate(plans) if plan.world_size == world_size]
         calibrated, found = measure_plans([plans[index] for index in indices], world_size, rounds,
-                                          None if measurements else sweep, progress=progress)
+                                          None if measurements else sweep, progress=progress, workload=workload)
         measurements = measurements or calibrated
         measured.update(zip(indices, found))
     return measurements, [measured[index] for index in range(len(plans))]
 
 
-def measure_accuracy(hardware, world_size: int = 2, rounds: int = 3, progress: bool = True) -> list[Accuracy]:
-    """Every plan kind of the demo GPT, predicted on `hardware` and measured on `world_size` CPU ranks."""
-    chain, plans = demo_chain_and_plans(world_size)
-    _, measured = measure_plans(plans, world_size, rounds, progress=progress)
-    return _again_where_slow(chain, plans, measured, hardware, None, rounds, progress)
+def measure_accuracy(hardware, world_size: int = 2, rounds: int = 3, progress: bool = True,
+                     workload: Workload = DEMO_WORKLOAD) -> list[Accuracy]:
+    """Every plan kind of `workload` (the demo GPT), predicted on `hardware` and measured on `world_size` CPU ranks."""
+    chain, plans = demo_chain_and_plans(world_size, workload)
+    _, measured = measure_plans(plans, world_size, rounds, progress=progress, workload=workload)
+    return _again_where_slow(chain, plans, measured, hardware, None, rounds, progress, workload)
 
 
 def measure_mesh_accuracy(hardware, rounds: int = 3, progress: bool = True) -> list[Accuracy]:
@@ -238,7 +286,8 @@ def measure_mesh_accuracy(hardware, rounds: int = 3, progress: bool = True) -> l
 
 
 def _again_where_slow(chain: BlockChain, plans: list[Plan], measured: list[tuple[int, float]], hardware,
-                      kinds: "list[str] | None", rounds: int, progress: bool) -> list[Accuracy]:
+                      kinds: "list[str] | None", rounds: int, progress: bool,
+                      workload: Workload = DEMO_WORKLOAD) -> list[Accuracy]:
     """The rows of `compare`, where kinds whose step time misses STEP_TIME_BAND were measured once more
     in a world of their own and keep their faster time: a burst of other work on the machine lengthens
     one world's rounds, not the model's cost (memory is measured once: it does not depend on the
@@ -247,7 +296,7 @@ def _again_where_slow(chain: BlockChain, plans: list[Plan], measured: list[tuple
     low, high = STEP_TIME_BAND
     again = [index for index, row in enumerate(rows) if not low <= row.time_ratio <= high]
     if again:
-        _, remeasured = measure_by_world([plans[index] for index in again], rounds, progress)
+        _, remeasured = measure_by_world([plans[index] for index in again], rounds, progress, workload=workload)
         for index, (_, step_s) in zip(again, remeasured):
             measured[index] = (measured[index][0], min(measured[index][1], step_s))
         rows = compare(chain, plans, measured, hardware, kinds)

@@ -6,6 +6,8 @@ torch.fx.symbolic_trace is the fallback for models export rejects but fx can
 trace. Capture never runs real kernels on real data: inputs are turned into
 meta tensors first, so a 70B-parameter model captures on a laptop.
 """
+import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -82,10 +84,37 @@ def export_program(model: torch.nn.Module, example_inputs: tuple, example_kwargs
     # export fakifies real inputs itself; they only need to sit where the model does.
     args, kwargs = to_device((example_inputs, example_kwargs), model_device(model))
     start = time.perf_counter()
-    exported = torch.export.export(model, args, kwargs, strict=False,
-                                   dynamic_shapes=_dynamic_shapes(model, args, kwargs, dynamic_dims))
+    with eager_branches():
+        exported = torch.export.export(model, args, kwargs, strict=False,
+                                       dynamic_shapes=_dynamic_shapes(model, args, kwargs, dynamic_dims))
     return Captured(exported.module(), "export", time.perf_counter() - start,
                     _dim_ranges(exported, args, kwargs, dynamic_dims))
+
+
+@contextlib.contextmanager
+def eager_branches():
+    """Hugging Face's attention masks built as an eager training step builds them, while export traces.
+
+    [Note: capture takes the eager branches] transformers builds a different program under export
+    than it runs: it never skips the causal mask while exporting, and it cannot tell that a batch is
+    unpacked (position ids counting up from 0 in every row, a check on the data, which fake tensors
+    lack), so it materializes a 4-D mask, and with a mask, repeats the key and value heads of grouped
+    query attention before SDPA (three more saved tensors a layer). A training step on token ids
+    without an attention mask runs SDPA with no mask (`is_causal` in a decoder): this makes export
+    trace that branch, so the analysis prices the program the runtime executes, and pipeline stages
+    run it. A batch that passes its own attention mask or packed position ids still traces as
+    before; models not built by transformers trace as they would anyway."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None:
+        yield
+        return
+    exporting, packed = masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices
+    masking.is_torchdynamo_exporting = lambda: False
+    masking.find_packed_sequence_indices = lambda position_ids: None  # one sequence per row, as eager finds
+    try:
+        yield
+    finally:
+        masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices = exporting, packed
 
 
 def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict | None):
