@@ -9,9 +9,9 @@ meta tensors first, so a 70B-parameter model captures on a laptop.
 import contextlib
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
-import sympy
 import torch
 import torch.fx
 
@@ -24,8 +24,6 @@ class Captured:
     method: str
     """"export" or "symbolic_trace"."""
     seconds: float
-    dim_ranges: dict = field(default_factory=dict)
-    """(input name, dim) → (smallest, largest) size export allows, for the dims marked dynamic."""
 
 
 def to_device(value, device: torch.device):
@@ -52,12 +50,8 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
-            dynamic_dims: dict | None = None) -> Captured:
+def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> Captured:
     """Capture `model` into an ATen-level GraphModule.
-
-    `dynamic_dims` maps an input name (positional index as str, or keyword) to
-    {dim: name}, e.g. {"0": {0: "batch"}}; those dims stay symbolic in the graph.
 
     >>> from shardplan import zoo
     >>> entry = zoo.gpt()
@@ -67,7 +61,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     example_kwargs = dict(example_kwargs or {})
     start = time.perf_counter()
     try:
-        return export_program(model, tuple(example_inputs), example_kwargs, dynamic_dims)
+        return export_program(model, tuple(example_inputs), example_kwargs)
     except Exception as export_error:  # any failure inside export falls back to fx
         args, kwargs = to_device((tuple(example_inputs), example_kwargs), model_device(model))
         try:
@@ -78,21 +72,18 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
             raise CaptureError(_explain(model, export_error, trace_error)) from export_error
 
 
-def export_program(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict,
-                   dynamic_dims: dict | None = None) -> Captured:
+def export_program(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict) -> Captured:
     """torch.export (non-strict) alone; raises what export raises."""
     # export fakifies real inputs itself; they only need to sit where the model does.
     args, kwargs = to_device((example_inputs, example_kwargs), model_device(model))
     start = time.perf_counter()
     with eager_branches():
-        exported = torch.export.export(model, args, kwargs, strict=False,
-                                       dynamic_shapes=_dynamic_shapes(model, args, kwargs, dynamic_dims))
-    return Captured(exported.module(), "export", time.perf_counter() - start,
-                    _dim_ranges(exported, args, kwargs, dynamic_dims))
+        exported = torch.export.export(model, args, kwargs, strict=False)
+    return Captured(exported.module(), "export", time.perf_counter() - start)
 
 
 @contextlib.contextmanager
-def eager_branches():
+def eager_branches() -> Iterator[None]:
     """Hugging Face's attention masks built as an eager training step builds them, while export traces.
 
     [Note: capture takes the eager branches] transformers builds a different program under export
@@ -105,8 +96,8 @@ def eager_branches():
     run it. A batch that passes its own attention mask or packed position ids still traces as
     before; models not built by transformers trace as they would anyway."""
     masking = sys.modules.get("transformers.masking_utils")
-    if masking is None:
-        yield
+    if not all(hasattr(masking, name) for name in ("is_torchdynamo_exporting", "find_packed_sequence_indices")):
+        yield  # not a transformers model, or a transformers whose masks this does not know
         return
     exporting, packed = masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices
     masking.is_torchdynamo_exporting = lambda: False
@@ -115,47 +106,6 @@ def eager_branches():
         yield
     finally:
         masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices = exporting, packed
-
-
-def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict | None):
-    """export's dynamic_shapes, keyed by forward's parameter names.
-
-    Dims are `Dim.AUTO`: export infers their ranges and which dims are equal
-    (batch of ids and labels), instead of failing on a range the user did not state.
-    """
-    if not dynamic_dims:
-        return None
-    import inspect
-
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    names = list(bound.arguments)
-    shapes: dict[str, dict | None] = {name: None for name in names}
-    for key, dims in dynamic_dims.items():
-        name = names[int(key)] if key.isdigit() else key
-        if name not in shapes:
-            raise CaptureError(f"dynamic_dims names input {key!r}, but forward takes {names}")
-        shapes[name] = {dim: torch.export.Dim.AUTO for dim in dims}
-    return shapes
-
-
-def _dim_ranges(exported, args: tuple, kwargs: dict, dynamic_dims: dict | None) -> dict:
-    """Size ranges of the dynamic dims, read off export's range constraints (one tensor per input)."""
-    if not dynamic_dims:
-        return {}
-    names = [str(i) for i in range(len(args))] + list(kwargs)
-    user_inputs = set(exported.graph_signature.user_inputs)
-    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
-    ranges = {}
-    for name, node in zip(names, placeholders):
-        for dim in dynamic_dims.get(name, {}):
-            size = node.meta["val"].shape[dim]
-            if isinstance(size, torch.SymInt):
-                bounds = exported.range_constraints[size.node.expr]
-                upper = int(bounds.upper) if isinstance(bounds.upper, sympy.Integer) else 2**31 - 1  # unbounded
-                ranges[(name, dim)] = (int(bounds.lower), upper)
-            else:  # export found the dim cannot change (the model fixes it)
-                ranges[(name, dim)] = (int(size), int(size))
-    return ranges
 
 
 def _explain(model: torch.nn.Module, export_error: Exception, trace_error: Exception) -> str:

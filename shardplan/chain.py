@@ -186,8 +186,6 @@ class BlockChain:
     tied_edges: tuple[tuple[int, int], ...] = ()
     """(i, j): block j reads a parameter block i holds (tied weights): a stage cut between them would
     need the parameter on two stages."""
-    dynamic_dims: dict[tuple[str, int], str] = field(default_factory=dict)
-    """(input name, dim) → its label ("batch", "seq"): the dims a symbolic analysis kept dynamic."""
     frozen_params: tuple[str, ...] = ()
     """Parameters with requires_grad=False: a unit starts wherever blocks turn frozen or trainable."""
     module_classes: dict[str, str] = field(default_factory=dict)

@@ -117,7 +117,8 @@ def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options
                       tensor_parallel=tensor_parallel_options(chain.blocks, world_size, max_tp),
                       replica_group_ranks=hw.devices_per_node if asked.allow_replica_groups else 0)
     rules = _rules(chain, asked.constraints)
-    candidates = search(chain.blocks, rules, setting, hw, budget, space)
+    guesses: dict = {}  # the searches below try the same configurations
+    candidates = search(chain.blocks, rules, setting, hw, budget, space, guesses=guesses)
     if not candidates:
         raise InfeasibleError(_constraints_blamed(chain, asked.constraints, setting, hw, budget, space)
                               or _infeasible_message(chain, rules, setting, hw, budget, space))
@@ -130,7 +131,7 @@ def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options
                 tensor_parallel=tensor_parallel_section(chain, best.configuration),
                 mixed_precision=precision, optimizer=asked.optimizer, units=units, stages=stages,
                 predicted=predict(chain, best, setting, hw),
-                reasoning=_reasoning(chain, best, candidates, rules, setting, hw, budget, space))
+                reasoning=_reasoning(chain, best, candidates, rules, setting, hw, budget, space, guesses))
 
 
 def replica_inputs(chain: BlockChain, replica_batch: int) -> tuple[InputSpec, ...]:
@@ -339,7 +340,8 @@ def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, 
     return found
 
 
-def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: int, space) -> Reasoning:
+def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: int, space,
+               guesses: dict | None = None) -> Reasoning:
     share = best.peak_bytes / budget
     per_sample = best.step_time_s / samples_per_step(setting, best.configuration)
     faster = search(chain.blocks, rules, setting, hw, float("inf"), space, time_bound_s=per_sample)
@@ -352,7 +354,8 @@ def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: i
     else:
         binding = f"none: the fastest plan fits (peak {format_bytes(best.peak_bytes)}, {share:.0%} of the budget)"
     listed = candidates[1:1 + RUNNER_UPS]
-    listed += [c for c in best_of_each_tp(chain, best, candidates, rules, setting, hw, budget, space) if c not in listed]
+    listed += [c for c in best_of_each_tp(chain, best, candidates, rules, setting, hw, budget, space, guesses)
+               if c not in listed]
     runner_ups = [Alternative(description=f"{c.configuration.describe()}, "
                                           f"{samples_per_step(setting, c.configuration):g} samples a step",
                               peak_bytes=c.peak_bytes,
@@ -365,7 +368,7 @@ def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: i
 
 
 def best_of_each_tp(chain, best: Candidate, candidates, rules, setting: Setting, hw, budget: int,
-                    space) -> list[Candidate]:
+                    space, guesses: dict | None = None) -> list[Candidate]:
     """The fastest plan of each tp degree searched other than the best's: from the candidates when
     one is among them, else searched at that degree alone."""
     found: list[Candidate] = []
@@ -374,7 +377,7 @@ def best_of_each_tp(chain, best: Candidate, candidates, rules, setting: Setting,
             continue
         mine = [c for c in candidates if c.configuration.mesh.tp == option[0]]
         found += mine[:1] or search(chain.blocks, rules, replace(setting, tensor_parallel=(option,)), hw, budget,
-                                    space)[:1]
+                                    space, guesses=guesses)[:1]
     return found
 
 

@@ -1,4 +1,5 @@
 """The solvers against brute force on the same decision space and cost model, and constraints."""
+import dataclasses
 import itertools
 import math
 
@@ -7,12 +8,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from shardplan.chain import Block
+from shardplan.chain import Block, TensorParallelFacts
 from shardplan.cost import CostContext, evaluate_stage
 from shardplan.hardware import get_hardware
 from shardplan.plan import Checkpoint, Mesh, Schedule, ShardStrategy
 from shardplan.solver.brute_force import count_candidates, solve_chain_brute_force
-from shardplan.solver.chain_dp import ChainSolver, StageFloors, UnitCosts, _Front, _pareto
+from shardplan.solver.chain_dp import ChainSolver, StageFloors, UnitCosts, _Front, _pareto, block_signatures
 from shardplan.solver.search import Configuration, Setting, boundary_time_s, context, solve_configuration
 from shardplan.solver.space import Constraints, SearchSpace, resolve_rules
 from shardplan.solver.stages import cut_stages
@@ -204,3 +205,15 @@ def test_identical_layers_share_work_and_give_the_same_answer_as_distinct_names(
     blocks = _uniform_blocks(12)
     renamed = _uniform_blocks(12, names=[f"x{i}" for i in range(12)])
     assert _solve(blocks, None, budget_bytes=6 * 10**9) == _solve(renamed, None, budget_bytes=6 * 10**9)
+
+
+def test_layers_whose_tensor_parallel_facts_name_their_own_modules_share_unit_costs():
+    # An analyzed chain's facts list each layer's linears and the sizes tp must divide by name; the
+    # names cost nothing, so 80 equal layers must cost once, not 80 times.
+    blocks = tuple(dataclasses.replace(b, tensor_parallel=TensorParallelFacts(
+        divides=8, sliced_numel=10**7, sharded=((f"{b.name}.q_proj", "colwise"),),
+        divisors=((8, f"kv heads of {b.name}.k_proj"),))) for b in _uniform_blocks(4))
+    assert len(set(block_signatures(blocks))) == 1
+    other = dataclasses.replace(blocks[0], tensor_parallel=dataclasses.replace(blocks[0].tensor_parallel,
+                                                                               divisors=((4, "heads"),)))
+    assert block_signatures((blocks[0], other)) == (0, 1)  # a size is a fact, not a name

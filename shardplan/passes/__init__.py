@@ -58,7 +58,7 @@ def run_passes(gm: torch.fx.GraphModule, *, last: str, first: str = PASSES[0][0]
 
 
 def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
-            dynamic_dims: dict | None = None, reuse_blocks: bool = True) -> BlockChain:
+            reuse_blocks: bool = True) -> BlockChain:
     """Capture `model` and reduce it to an annotated chain of blocks.
 
     `reuse_blocks`: trace and run one block of each class of repeated blocks and stamp its facts on
@@ -72,10 +72,10 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     example_kwargs = dict(example_kwargs or {})
     start = time.perf_counter()
     signature = model_signature(model)  # before the capture runs forward: the model as parallelize will get it
-    captured, repeated = _capture(model, tuple(example_inputs), example_kwargs, dynamic_dims, reuse_blocks)
+    captured, repeated = _capture(model, tuple(example_inputs), example_kwargs, reuse_blocks)
     run_passes(captured.gm, last="splice",
                inputs=PassInputs(args=tuple(example_inputs), kwargs=example_kwargs, repeated=repeated))
-    inputs = input_specs(example_inputs, example_kwargs, dynamic_dims)
+    inputs = input_specs(example_inputs, example_kwargs)
     frozen = tuple(sorted(name for name, parameter in model.named_parameters() if not parameter.requires_grad))
     chain = build_chain(captured.gm, inputs, {"capture": captured.method, "model": type(model).__name__,
                                                "capture_s": round(captured.seconds, 3),
@@ -88,21 +88,18 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
                                                                        signature=signature))
 
 
-def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_dims: dict | None,
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict,
              reuse_blocks: bool) -> tuple[Captured, RepeatedCapture | None]:
-    """The model captured with its repeated blocks' copies as one op each where it has some (and
-    no dims are dynamic), else whole."""
-    repeated = capture_repeated(model, args, kwargs) if reuse_blocks and not dynamic_dims else None
+    """The model captured with its repeated blocks' copies as one op each where it has some, else whole."""
+    repeated = capture_repeated(model, args, kwargs) if reuse_blocks else None
     if repeated is not None:
         return repeated.captured, repeated
-    return capture(model, args, kwargs, dynamic_dims), None
+    return capture(model, args, kwargs), None
 
 
-def input_specs(args: tuple, kwargs: dict, dynamic_dims: dict | None = None) -> tuple[InputSpec, ...]:
+def input_specs(args: tuple, kwargs: dict) -> tuple[InputSpec, ...]:
     named = [(str(i), value) for i, value in enumerate(args)] + list(kwargs.items())
-    dynamic_dims = dynamic_dims or {}
-    return tuple(InputSpec(name=name, shape=tuple(value.shape), dtype=dtype_name(value.dtype),
-                           dynamic_dims=tuple(sorted(dynamic_dims.get(name, {}))))
+    return tuple(InputSpec(name=name, shape=tuple(value.shape), dtype=dtype_name(value.dtype))
                  for name, value in named if isinstance(value, torch.Tensor))
 
 
@@ -127,7 +124,7 @@ def structural_graph(model: torch.nn.Module, args: tuple, kwargs: dict, reuse_bl
     """The whole-model graph with owners (module paths, parameters read) and no execution facts,
     each repeated block traced once and spliced in for its copies: what the fingerprint and the
     tensor-parallel layout read."""
-    captured, repeated = _capture(model, args, kwargs, None, reuse_blocks)
+    captured, repeated = _capture(model, args, kwargs, reuse_blocks)
     run_passes(captured.gm, last="ownership")
     run_passes(captured.gm, first="splice", last="splice", inputs=PassInputs(repeated=repeated))
     return captured.gm

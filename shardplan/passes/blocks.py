@@ -94,8 +94,7 @@ def _absorb(into: NodeGroup, group: NodeGroup, before: bool = False) -> None:
     into.modules[:] = list(dict.fromkeys(modules))
 
 
-def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: dict[str, Any],
-                dynamic_dims: dict[tuple[str, int], str] | None = None) -> BlockChain:
+def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: dict[str, Any]) -> BlockChain:
     """The BlockChain of an annotated graph (run the ownership and execution passes first)."""
     groups = group_nodes(gm)
     param_names = {name for name, _ in gm.named_parameters()}
@@ -143,7 +142,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
     return BlockChain(blocks=tuple(blocks), fingerprint=fingerprint(gm), param_dtype=dtypes[0] if dtypes else "",
                       returned_bytes=facts(next(n for n in reversed(gm.graph.nodes) if n.op == "output")).out_bytes,
                       inputs=inputs, input_bytes=sum(_numel(s.shape) * dtype_bytes(s.dtype) for s in inputs),
-                      dynamic_dims=dynamic_dims or {}, extra=dict(extra, nodes=len(gm.graph.nodes)),
+                      extra=dict(extra, nodes=len(gm.graph.nodes)),
                       skip_edges=tuple(sorted((i, j) for i, j in flow.edges if j > i + 1)),
                       tied_edges=tuple(sorted(tied_edges)))
 

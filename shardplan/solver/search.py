@@ -264,21 +264,27 @@ def samples_per_step(setting: Setting, configuration: Configuration) -> float:
 
 
 def search(blocks, rules, setting: Setting, hardware, budget_bytes: float, space: SearchSpace, *,
-           time_bound_s: float = math.inf) -> list[Candidate]:
+           time_bound_s: float = math.inf, guesses: dict | None = None) -> list[Candidate]:
     """The best plan of every configuration within RUNNER_UP_SLACK of the fastest, fastest first
     (ties: smaller peak, then configuration order). Fastest per sample: meshes with fewer replicas
     (tp, pp) train fewer samples a step unless a global batch is given, when every step trains the same.
 
     Configurations are solved in the order of their simplest plan's time, so that the first
     exact answers bound (and prune) the rest; the bound never cuts a plan that could win.
-    Plans slower than `time_bound_s` per sample are not looked for."""
+    Plans slower than `time_bound_s` per sample are not looked for. `guesses`: configuration →
+    its simple plan's step time (uniform_plan_time_s), kept across searches of the same blocks,
+    rules, budget and space (those of other tp options included), each walked once."""
     everything = configurations(setting, len(blocks))
     samples = [samples_per_step(setting, c) for c in everything]
-    guesses = ([uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space) / n
-                for c, n in zip(everything, samples)]
+    known = {} if guesses is None else guesses
+    if time_bound_s == math.inf:
+        for c in everything:
+            if c not in known:
+                known[c] = uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space)
+    guess_s = ([known[c] / n for c, n in zip(everything, samples)]
                if time_bound_s == math.inf else [math.inf] * len(everything))  # a given bound is tight enough
-    found, bound = [], min(min(guesses, default=math.inf), time_bound_s)  # a simple plan reaches it: exact
-    for order in sorted(range(len(everything)), key=lambda i: (guesses[i], i)):
+    found, bound = [], min(min(guess_s, default=math.inf), time_bound_s)  # a simple plan reaches it: exact
+    for order in sorted(range(len(everything)), key=lambda i: (guess_s[i], i)):
         candidate = solve_configuration(blocks, rules, setting, everything[order], hardware, budget_bytes, space,
                                         time_bound_s=bound * samples[order])
         if candidate is not None:
