@@ -10,6 +10,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +96,7 @@ def eager_branches() -> Iterator[None]:
     trace that branch, so the analysis prices the program the runtime executes, and pipeline stages
     run it. A batch that passes its own attention mask or packed position ids still traces as
     before; models not built by transformers trace as they would anyway."""
-    masking = sys.modules.get("transformers.masking_utils")
+    masking: Any = sys.modules.get("transformers.masking_utils")  # its functions are swapped: typed loosely
     if not all(hasattr(masking, name) for name in ("is_torchdynamo_exporting", "find_packed_sequence_indices")):
         yield  # not a transformers model, or a transformers whose masks this does not know
         return
