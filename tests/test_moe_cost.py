@@ -26,7 +26,7 @@ def _analytic_forward_flops(config) -> int:
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = hidden // heads
     projections = 2 * TOKENS * hidden * (2 * hidden + 2 * config.num_key_value_heads * head_dim)  # q, o; k, v
-    attention = 2 * 2 * BATCH * heads * SEQ * SEQ * head_dim  # scores and their product with v, uncausal as torch counts
+    attention = 2 * 2 * BATCH * heads * SEQ * SEQ * head_dim  # scores, their product with v; torch counts no mask
     experts = getattr(config, "num_local_experts", None) or config.num_experts
     router = 2 * TOKENS * hidden * experts
     shared = getattr(config, "shared_expert_intermediate_size", 0)
