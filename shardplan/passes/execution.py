@@ -86,7 +86,8 @@ def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     """2·M·N·K summed over the groups, which split one dimension of a 2-D operand (the routed rows,
     sorted by expert, for the forward of a mixture of experts). The sum over the groups is the whole
     dimension, so the offsets' values, unknown under fake tensors, are not needed: every row is priced
-    as routed, as transformers routes every token to its top-k experts (no capacity drops them)."""
+    as routed, as transformers routes every token to its top-k experts (no capacity drops them; only
+    expert parallelism's rows for other ranks' experts, past the last offset, would be overpriced)."""
     if len(a_shape) == 3 and len(b_shape) == 2:  # the groups split b's columns: out is (M, all columns)
         return 2 * out_shape[0] * out_shape[1] * a_shape[-1]
     return 2 * math.prod(a_shape) * b_shape[-1]  # a's rows are every group's (or G batches of them)
@@ -116,8 +117,7 @@ def op_flops(func, args: tuple, kwargs: dict | None, out) -> int:
     """FLOPs of one op by torch's formula (or EXTRA_FLOP_FORMULAS), 0 for an op without one:
     what FlopCounterMode counts for an op it need not decompose."""
     formula = flop_registry.get(func.overloadpacket)
-    extra = EXTRA_FLOP_FORMULAS.get(f"{func.namespace}::{func.overloadpacket.__name__}")
-    if formula is None and extra is not None:
+    if formula is None and (extra := EXTRA_FLOP_FORMULAS.get(f"{func.namespace}::{func.overloadpacket.__name__}")):
         formula = shape_wrapper(extra)
     return 0 if formula is None else formula(*args, **(kwargs or {}), out_val=out)
 
@@ -125,7 +125,7 @@ def op_flops(func, args: tuple, kwargs: dict | None, out) -> int:
 def flop_counter() -> FlopCounterMode:
     """FlopCounterMode with EXTRA_FLOP_FORMULAS: what the analysis counts, for checks against eager.
     transformers' ops join once transformers has registered them (a model of it was built)."""
-    packets = {}
+    packets: dict = {}
     for name, formula in EXTRA_FLOP_FORMULAS.items():
         namespace, op = name.split("::")
         packet = getattr(getattr(torch.ops, namespace), op, None)
