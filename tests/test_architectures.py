@@ -72,6 +72,9 @@ MODELS = {  # builder, each unit's modules (the chain's blocks; BERT's head hold
     "falcon-tied": (lambda: _falcon(BATCH, SEQ),
                     [("transformer.word_embeddings",), ("transformer.h.0",), ("transformer.h.1",),
                      ("transformer.ln_f", "lm_head")]),
+    # MoE routing with a gated shared expert beside the routed ones
+    "qwen2-moe": (lambda: zoo.hf_architecture("qwen2-moe", batch=BATCH, seq=SEQ),
+                  [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
     # MoE routing by expert groups, a shared expert, a dense first layer, latent attention
     "deepseek-v3": (lambda: zoo.hf_architecture("deepseek-v3", batch=BATCH, seq=SEQ),
                     [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
@@ -81,8 +84,8 @@ MODELS = {  # builder, each unit's modules (the chain's blocks; BERT's head hold
     "bart": (lambda: zoo.hf_architecture("bart", batch=BATCH, seq=SEQ), None),
 }
 MODES = {"gpt2-tied": ("pp2", "fsdp2"), "opt-tied": ("pp2", "fsdp2"), "bert": ("pp2", "fsdp2"), "t5-tied": ("pp2",),
-         "mixtral": ("pp2",), "falcon-tied": ("pp2",), "deepseek-v3": ("pp2",), "roberta": ("fsdp2",),
-         "bart": ("pp2", "fsdp2")}
+         "mixtral": ("pp2",), "falcon-tied": ("pp2",), "qwen2-moe": ("pp2",), "deepseek-v3": ("pp2",),
+         "roberta": ("fsdp2",), "bart": ("pp2", "fsdp2")}
 CASES = {f"{model}/{mode}": {"model": model, "mode": mode} for model, modes in MODES.items() for mode in modes}
 
 

@@ -17,6 +17,7 @@ Parameter gradients are dropped as soon as they are accumulated, as a sharded
 runtime hands them to reduce-scatter: the gradient state is the cost model's
 to count, not the activations'.
 """
+import math
 import weakref
 from typing import cast
 
@@ -81,28 +82,56 @@ def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """2·M·N·K summed over the groups, which split one dimension of a 2-D operand (the routed rows,
+    sorted by expert, for the forward of a mixture of experts). The sum over the groups is the whole
+    dimension, so the offsets' values, unknown under fake tensors, are not needed: every row is priced
+    as routed, as transformers routes every token to its top-k experts (no capacity drops them; only
+    expert parallelism's rows for other ranks' experts, past the last offset, would be overpriced)."""
+    if len(a_shape) == 3 and len(b_shape) == 2:  # the groups split b's columns: out is (M, all columns)
+        return 2 * out_shape[0] * out_shape[1] * a_shape[-1]
+    return 2 * math.prod(a_shape) * b_shape[-1]  # a's rows are every group's (or G batches of them)
+
+
+def _grouped_mm_fallback_backward_flops(input_shape, weight_shape, offs_shape, grad_out_shape, *args, out_shape=None,
+                                        **kwargs) -> int:
+    return 2 * _grouped_mm_flops(input_shape, weight_shape)  # the input's gradient and the weight's
+
+
 _aten = torch.ops.aten
 EXTRA_FLOP_FORMULAS = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+    "aten::_scaled_dot_product_flash_attention_for_cpu": _cpu_attention_flops,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_attention_backward_flops,
+    "aten::_grouped_mm": _grouped_mm_flops,
+    "transformers::grouped_mm_fallback": _grouped_mm_flops,
+    "transformers::grouped_mm_fallback_backward": _grouped_mm_fallback_backward_flops,
 }
-"""FLOP formulas torch's FlopCounterMode lacks (2.13): the attention kernels eager CPU runs, counted
-as torch counts their CUDA twins. Without them a CPU transformer's attention had no FLOPs and was
-priced as a memory-bound op, ~5x faster than it runs."""
+"""FLOP formulas torch's FlopCounterMode lacks (2.13), by qualified op name: the attention kernels
+eager CPU runs, counted as torch counts their CUDA twins (without them a CPU transformer's attention
+had no FLOPs and was priced as a memory-bound op, ~5x faster than it runs); the grouped matmuls of
+routed experts, which transformers 5 runs eagerly as `_grouped_mm` and, captured by export (float32),
+as its own custom ops (without them every expert matmul, forward and backward, counted 0 FLOPs)."""
 
 
 def op_flops(func, args: tuple, kwargs: dict | None, out) -> int:
     """FLOPs of one op by torch's formula (or EXTRA_FLOP_FORMULAS), 0 for an op without one:
     what FlopCounterMode counts for an op it need not decompose."""
     formula = flop_registry.get(func.overloadpacket)
-    if formula is None and func.overloadpacket in EXTRA_FLOP_FORMULAS:
-        formula = shape_wrapper(EXTRA_FLOP_FORMULAS[func.overloadpacket])
+    if formula is None and (extra := EXTRA_FLOP_FORMULAS.get(f"{func.namespace}::{func.overloadpacket.__name__}")):
+        formula = shape_wrapper(extra)
     return 0 if formula is None else formula(*args, **(kwargs or {}), out_val=out)
 
 
 def flop_counter() -> FlopCounterMode:
-    """FlopCounterMode with EXTRA_FLOP_FORMULAS: what the analysis counts, for checks against eager."""
-    return FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+    """FlopCounterMode with EXTRA_FLOP_FORMULAS: what the analysis counts, for checks against eager.
+    transformers' ops join once transformers has registered them (a model of it was built)."""
+    packets: dict = {}
+    for name, formula in EXTRA_FLOP_FORMULAS.items():
+        namespace, op = name.split("::")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:
+            packets[packet] = formula
+    return FlopCounterMode(display=False, custom_mapping=packets)
 
 
 GATHER_OPS = {_aten.embedding: 0, _aten.index_select: 0, _aten.gather: 0}
