@@ -3,7 +3,7 @@ import os
 
 from rich.table import Table
 
-from .plan import Checkpoint, Plan, ShardStrategy
+from .plan import Checkpoint, Plan, ShardStrategy, input_label, input_shape
 from .sizes import format_bytes
 
 STRATEGY_COLORS = {ShardStrategy.FULL_SHARD: "#4C72B0", ShardStrategy.SHARD_GRAD_OP: "#55A868",
@@ -19,9 +19,9 @@ def setup_table(plan: Plan) -> Table:
     mesh = plan.mesh
     table.add_row("mesh", f"{mesh.describe()} (dp={mesh.dp} replicas, pp={mesh.pp} stages, tp={mesh.tp})")
     for spec in plan.inputs:
-        table.add_row(f"input {spec.name}", f"{' x '.join(map(str, spec.shape)) or 'scalar'} {spec.dtype}")
+        table.add_row(input_label(spec), input_shape(spec))
     replica = plan.batch_per_replica
-    table.add_row("batch per replica", f"{replica} (dim 0 of input {plan.inputs[0].name})" if plan.inputs else "1")
+    table.add_row("batch per replica", f"{replica} (dim 0 of {input_label(plan.inputs[0])})" if plan.inputs else "1")
     table.add_row("global batch", f"{mesh.dp * replica} = dp {mesh.dp} x {replica} per replica")
     micro = plan.schedule.num_micro_batches
     table.add_row("micro-batches", f"{micro} of {replica / micro:g} per replica; runs as {plan.schedule.runs_as(mesh.pp)}")
