@@ -291,3 +291,15 @@ def test_debug_shows_the_traceback_of_an_error_that_prints_one_line_without_it(a
     assert main(argv) == 2 and "Traceback" not in capsys.readouterr().err
     with pytest.raises(ShardplanError):
         main([*argv, "--debug"])
+
+
+def test_the_readme_maps_each_fsdp_habit_to_its_shardplan_spelling():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme[readme.index("| FSDP habit | shardplan |"):]
+    rows = table[:table.index("\n\n")].splitlines()
+    for habit in ("auto_wrap_policy", "transformer_layer_cls", "MixedPrecision", "CPUOffload", "no_sync",
+                  "clip_grad_norm_", "SHARDED_STATE_DICT", "FULL_STATE_DICT", "activation_checkpointing",
+                  "torch.cuda.memory_stats"):
+        spelling = next((row.split(" | ")[1] for row in rows if habit in row.split(" | ")[0]), "")
+        assert spelling.count("`") >= 2, habit  # a row whose second cell spells it in code
+
