@@ -9,6 +9,7 @@ from .sizes import format_bytes
 STRATEGY_COLORS = {ShardStrategy.FULL_SHARD: "#4C72B0", ShardStrategy.SHARD_GRAD_OP: "#55A868",
                    ShardStrategy.SHARD_OPTIMIZER: "#C44E52", ShardStrategy.REPLICATE: "#8172B2"}
 CHECKPOINT_HATCH = {Checkpoint.NONE: "", Checkpoint.FULL: "//", Checkpoint.SELECTIVE: ".."}
+OFFLOAD_COLOR = "#DD8452"
 
 
 def setup_table(plan: Plan) -> Table:
@@ -178,7 +179,7 @@ def _draw_units(plan: Plan, predicted: dict, path: str) -> str:
             unit = units[name]
             axis.barh(stage.index, width, left=left, height=0.7, color=STRATEGY_COLORS[unit.strategy],
                       hatch=CHECKPOINT_HATCH[unit.checkpoint],
-                      edgecolor="#DD8452" if unit.offload else "white",
+                      edgecolor=OFFLOAD_COLOR if unit.offload else "white",
                       linestyle="--" if unit.offload else "-", linewidth=2 if unit.offload else 0.5)
             if index in labelled and width / total > 0.03:
                 axis.text(left + width / 2, stage.index, _short(name), ha="center", va="center", color="white",
@@ -191,19 +192,23 @@ def _draw_units(plan: Plan, predicted: dict, path: str) -> str:
     legend = ([Patch(color=color, label=strategy.value) for strategy, color in STRATEGY_COLORS.items()]
               + [Patch(facecolor="grey", hatch=hatch, label=f"checkpoint {mode.value}")
                  for mode, hatch in CHECKPOINT_HATCH.items() if hatch]
-              + [Patch(facecolor="white", edgecolor="#DD8452", linestyle="--", linewidth=2, label="offloaded")])
+              + [Patch(facecolor="white", edgecolor=OFFLOAD_COLOR, linestyle="--", linewidth=2, label="offloaded")])
     axis.legend(handles=legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(figure, path)
 
 
 def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
     """Memory on one rank over the step, each stage a line: the forward of every unit, then the backward
-    in reverse, against the budget; the peak named. A plan without per-unit predictions: its peak's terms."""
+    in reverse, against the budget; the peak named; an offloaded unit's events hatched (its state is in
+    host memory, not under the line). A plan without per-unit predictions: its peak's terms."""
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(10, 4.5))
     scale, unit_name = (2**30, "GiB") if plan.predicted.peak_bytes >= 2**30 else (2**20, "MiB")
     budget = plan.reasoning.budget_bytes / scale
+    offloaded = {unit.name for unit in plan.units if unit.offload}
+    offload_label = (f"offloaded ({len(offloaded)} of {len(plan.units)} units):\nparameter, gradient and "
+                     "optimizer\nshards in host memory")
     if not all(unit.name in predicted for unit in plan.units):
         bottom = 0.0
         for category, size in sorted(plan.predicted.memory_bytes.items()):
@@ -211,6 +216,8 @@ def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
             bottom += size / scale
         axis.set_xticks([])
         axis.set_ylabel(f"{unit_name} per rank at the peak")
+        if offloaded:
+            axis.plot([], [], " ", label=offload_label)
     else:
         longest = max(len(stage.units) for stage in plan.stages)
         for stage in plan.stages:
@@ -218,8 +225,13 @@ def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
             events = [(f"F {_short(name)}", predicted[name].forward_bytes) for name in names] + \
                      [(f"B {_short(name)}", predicted[name].backward_bytes) for name in reversed(names)]
             heights = [size / scale for _, size in events]
-            axis.step(range(len(events)), heights, where="mid", marker="o", markersize=3,
-                      label=f"stage {stage.index}" if len(plan.stages) > 1 else "predicted")
+            line, = axis.step(range(len(events)), heights, where="mid", marker="o", markersize=3,
+                              label=f"stage {stage.index}" if len(plan.stages) > 1 else "predicted")
+            spots = [x for x, name in enumerate(names + names[::-1]) if name in offloaded]
+            if spots:
+                axis.bar(spots, [heights[x] for x in spots], width=1.0, fill=False, hatch="//",
+                         edgecolor=OFFLOAD_COLOR if len(plan.stages) == 1 else line.get_color(), linewidth=0,
+                         label=offload_label if offload_label not in axis.get_legend_handles_labels()[1] else None)
             highest = max(range(len(events)), key=heights.__getitem__)
             axis.annotate(f"peak {format_bytes(events[highest][1])}\n{events[highest][0]}",
                           (highest, heights[highest]),
