@@ -225,16 +225,18 @@ def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
             events = [(f"F {_short(name)}", predicted[name].forward_bytes) for name in names] + \
                      [(f"B {_short(name)}", predicted[name].backward_bytes) for name in reversed(names)]
             heights = [size / scale for _, size in events]
-            line, = axis.step(range(len(events)), heights, where="mid", marker="o", markersize=3,
+            # unit k's forward at k, its backward at 2 * longest - 1 - k: a shorter stage's under their ticks
+            xs = list(range(len(names))) + [2 * longest - 1 - k for k in reversed(range(len(names)))]
+            line, = axis.step(xs, heights, where="mid", marker="o", markersize=3,
                               label=f"stage {stage.index}" if len(plan.stages) > 1 else "predicted")
-            spots = [x for x, name in enumerate(names + names[::-1]) if name in offloaded]
+            spots = [i for i, name in enumerate(names + names[::-1]) if name in offloaded]
             if spots:
-                axis.bar(spots, [heights[x] for x in spots], width=1.0, fill=False, hatch="//",
+                axis.bar([xs[i] for i in spots], [heights[i] for i in spots], width=1.0, fill=False, hatch="//",
                          edgecolor=OFFLOAD_COLOR if len(plan.stages) == 1 else line.get_color(), linewidth=0,
                          label=offload_label if offload_label not in axis.get_legend_handles_labels()[1] else None)
             highest = max(range(len(events)), key=heights.__getitem__)
             axis.annotate(f"peak {format_bytes(events[highest][1])}\n{events[highest][0]}",
-                          (highest, heights[highest]),
+                          (xs[highest], heights[highest]),
                           textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7,
                           bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
         axis.axvspan(-0.5, longest - 0.5, color="#4C72B0", alpha=0.06, label="forward")
