@@ -13,7 +13,7 @@ from rich.console import Console
 from .cost import OPTIMIZER_STEPS
 from .dtypes import FLOAT_DTYPES
 from .errors import ShardplanError
-from .plan import MixedPrecision, ShardStrategy
+from .plan import Checkpoint, MixedPrecision, ShardStrategy
 
 EXAMPLES = {
     "plan": "shardplan plan gpt --world-size 8 --hardware h100-80g --memory-budget 40GiB -o plan.json\n"
@@ -106,9 +106,22 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--wrap", metavar="REGEX", action="append", default=[],
                       help="a unit starts at each block whose module path or class name matches (FSDP's "
                            "auto_wrap_policy / transformer_layer_cls); repeatable")
-    plan.add_argument("--pin", metavar="REGEX=STRATEGY", action="append", default=[],
-                      help=f"the unit holding a matching block uses STRATEGY ({', '.join(s.value for s in ShardStrategy)}); "
-                           "repeatable")
+    plan.add_argument("--no-wrap", metavar="REGEX", action="append", default=[],
+                      help="no unit starts at a matching block: it joins the unit of the block before; repeatable")
+    plan.add_argument("--pin", metavar="REGEX=STRATEGY[,STRATEGY]", action="append", default=[],
+                      help=f"the unit holding a matching block uses one of these strategies "
+                           f"({', '.join(s.value for s in ShardStrategy)}); repeatable")
+    plan.add_argument("--checkpoint", metavar="REGEX=MODE[,MODE]", action="append", default=[],
+                      help=f"the unit holding a matching block checkpoints its activations in one of these modes "
+                           f"({', '.join(c.value for c in Checkpoint)}); repeatable")
+    plan.add_argument("--stage-cut", metavar="REGEX", action="append", default=[],
+                      help="a pipeline stage starts at each matching block (when the plan has pp > 1); repeatable")
+    plan.add_argument("--no-stage-cut", metavar="REGEX", action="append", default=[],
+                      help="no pipeline stage starts at a matching block; repeatable")
+    plan.add_argument("--max-unit-blocks", type=int, metavar="N",
+                      help="the most blocks one unit holds (default: 4 on chains of up to 16 blocks, else 1)")
+    plan.add_argument("--no-replica-groups", dest="allow_replica_groups", action="store_false",
+                      help="shard every unit over all data-parallel ranks: no HSDP replica groups")
     plan.add_argument("-o", "--output", default="plan.json")
 
     explain = command("explain", _explain, "Show a plan: units, predicted memory and time, and pictures.")
@@ -179,20 +192,28 @@ def _plan(options) -> int:
 
 def _plan_options(options) -> dict:
     """compile's keywords (PlanOptions' fields) from the plan command's flags."""
-    from .solver.space import Constraints
-
     precision = None
     if options.param_dtype or options.reduce_dtype:
         precision = MixedPrecision(param_dtype=options.param_dtype or "float32",
                                    reduce_dtype=options.reduce_dtype or "float32")
-    pins = tuple((_regex(pattern, "--pin"), (_strategy(strategy),))
-                 for pattern, strategy in (_pin(text) for text in options.pin))
-    wraps = tuple(_regex(pattern, "--wrap") for pattern in options.wrap)
-    constraints = Constraints(unit_boundary=wraps, strategy=pins) if wraps or pins else None
     return {"hardware": _with_headroom(options), "memory_budget": options.memory_budget, "mixed_precision": precision,
             "optimizer": options.optimizer, "allow_pipeline": options.allow_pipeline,
-            "allow_offload": options.allow_offload, "constraints": constraints,
+            "allow_offload": options.allow_offload, "constraints": _constraints(options),
+            "max_unit_blocks": options.max_unit_blocks, "allow_replica_groups": options.allow_replica_groups,
             "global_batch_size": options.global_batch_size, "max_tensor_parallel": options.max_tensor_parallel}
+
+
+def _constraints(options):
+    """Constraints from the plan command's pattern flags; None without any."""
+    from .solver.space import Constraints
+
+    constraints = Constraints(unit_boundary=_regexes(options.wrap, "--wrap"),
+                              no_unit_boundary=_regexes(options.no_wrap, "--no-wrap"),
+                              strategy=_pins(options.pin, "--pin", ShardStrategy, "strategy"),
+                              checkpoint=_pins(options.checkpoint, "--checkpoint", Checkpoint, "mode"),
+                              stage_boundary=_regexes(options.stage_cut, "--stage-cut"),
+                              no_stage_boundary=_regexes(options.no_stage_cut, "--no-stage-cut"))
+    return None if constraints == Constraints() else constraints
 
 
 def _with_headroom(options):
@@ -209,19 +230,28 @@ def _with_headroom(options):
     return dataclasses.replace(get_hardware(options.hardware), usable_memory_fraction=1 - options.headroom)
 
 
-def _pin(text: str) -> tuple[str, str]:
-    pattern, equals, strategy = text.rpartition("=")
-    if not equals or not pattern:
-        raise ShardplanError(f"--pin {text!r} is not REGEX=STRATEGY: write e.g. --pin 'layers\\.0$=replicate'")
-    return pattern, strategy
+def _pins(texts: list[str], flag: str, kind, noun: str) -> tuple:
+    """(pattern, allowed members of the enum `kind`) for each REGEX=NAME[,NAME] of `flag`; `noun` names a member."""
+    pins = []
+    for text in texts:
+        pattern, equals, names = text.rpartition("=")
+        if not equals or not pattern:
+            raise ShardplanError(f"{flag} {text!r} is not REGEX={noun.upper()}: write e.g. "
+                                 f"{flag} 'layers\\.0$={next(iter(kind)).value}'")
+        pins.append((_regex(pattern, flag), tuple(_member(kind, name, f"{flag} {noun}") for name in names.split(","))))
+    return tuple(pins)
 
 
-def _strategy(name: str):
+def _member(kind, name: str, what: str):
     try:
-        return ShardStrategy(name)
+        return kind(name)
     except ValueError:
-        raise ShardplanError(f"--pin strategy {name!r} is unknown: use one of "
-                             f"{', '.join(s.value for s in ShardStrategy)}") from None
+        raise ShardplanError(f"{what} {name!r} is unknown: use one of "
+                             f"{', '.join(member.value for member in kind)}") from None
+
+
+def _regexes(patterns: list[str], flag: str) -> tuple[str, ...]:
+    return tuple(_regex(pattern, flag) for pattern in patterns)
 
 
 def _regex(pattern: str, flag: str) -> str:

@@ -45,6 +45,8 @@ class PlanOptions:
     allow_offload: bool = False
     constraints: Constraints | None = None
     space: SearchSpace | None = None
+    max_unit_blocks: int | None = None
+    """The most blocks one unit holds; None: the space's (default_space's: 4 on short chains, 1 past 16 blocks)."""
     max_tensor_parallel: int | None = None
     """The largest tp searched (among degrees dividing the world at which the chain's layout slices
     something); None: a node's devices where the device overlaps communication with compute (GPUs),
@@ -104,6 +106,10 @@ def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options
     dtype = dtype_name(chain.param_dtype)
     precision = asked.mixed_precision or MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
     space = replace(asked.space or default_space(len(chain.blocks)), allow_offload=asked.allow_offload)
+    if asked.max_unit_blocks is not None:
+        if asked.max_unit_blocks < 1:
+            raise ShardplanError(f"max_unit_blocks={asked.max_unit_blocks} leaves units no blocks: give 1 or more")
+        space = replace(space, max_unit_blocks=asked.max_unit_blocks)
     max_tp = asked.max_tensor_parallel
     if max_tp is None:
         max_tp = hw.devices_per_node if hw.overlaps_communication else 1

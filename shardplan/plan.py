@@ -434,8 +434,7 @@ class Plan:
         """Units, stages, predicted memory and time as a text table."""
         from .sizes import format_bytes
 
-        inputs = ", ".join(f"{spec.name} {' x '.join(map(str, spec.shape)) or 'scalar'} {spec.dtype}"
-                           for spec in self.inputs)
+        inputs = ", ".join(f"{input_label(spec)}: {input_shape(spec)}" for spec in self.inputs)
         lines = [f"plan for {self.model or 'model'} on {self.world_size} ranks of {self.hardware}: "
                  f"{self.mesh.describe()}, {self.schedule.runs_as(self.mesh.pp)}"
                  + f", params {self.mixed_precision.param_dtype}, grads reduced in {self.mixed_precision.reduce_dtype}",
@@ -465,6 +464,16 @@ class Plan:
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a crash mid-write leaves any previous file intact."""
         write_text_atomically(path, self.to_json())
+
+
+def input_label(spec: InputSpec) -> str:
+    """How people name an example input: "input 0" by its position, or its keyword ("labels")."""
+    return f"input {spec.name}" if spec.name.isdigit() else spec.name
+
+
+def input_shape(spec: InputSpec) -> str:
+    """An example input's shape and dtype: "8 x 128 int64"."""
+    return f"{' x '.join(map(str, spec.shape)) or 'scalar'} {spec.dtype}"
 
 
 def _upgrade(data: dict) -> dict:

@@ -3,12 +3,13 @@ import os
 
 from rich.table import Table
 
-from .plan import Checkpoint, Plan, ShardStrategy
+from .plan import Checkpoint, Plan, ShardStrategy, input_label, input_shape
 from .sizes import format_bytes
 
 STRATEGY_COLORS = {ShardStrategy.FULL_SHARD: "#4C72B0", ShardStrategy.SHARD_GRAD_OP: "#55A868",
                    ShardStrategy.SHARD_OPTIMIZER: "#C44E52", ShardStrategy.REPLICATE: "#8172B2"}
 CHECKPOINT_HATCH = {Checkpoint.NONE: "", Checkpoint.FULL: "//", Checkpoint.SELECTIVE: ".."}
+OFFLOAD_COLOR = "#DD8452"
 
 
 def setup_table(plan: Plan) -> Table:
@@ -19,9 +20,9 @@ def setup_table(plan: Plan) -> Table:
     mesh = plan.mesh
     table.add_row("mesh", f"{mesh.describe()} (dp={mesh.dp} replicas, pp={mesh.pp} stages, tp={mesh.tp})")
     for spec in plan.inputs:
-        table.add_row(f"input {spec.name}", f"{' x '.join(map(str, spec.shape)) or 'scalar'} {spec.dtype}")
+        table.add_row(input_label(spec), input_shape(spec))
     replica = plan.batch_per_replica
-    table.add_row("batch per replica", f"{replica} (dim 0 of input {plan.inputs[0].name})" if plan.inputs else "1")
+    table.add_row("batch per replica", f"{replica} (dim 0 of {input_label(plan.inputs[0])})" if plan.inputs else "1")
     table.add_row("global batch", f"{mesh.dp * replica} = dp {mesh.dp} x {replica} per replica")
     micro = plan.schedule.num_micro_batches
     table.add_row("micro-batches", f"{micro} of {replica / micro:g} per replica; runs as {plan.schedule.runs_as(mesh.pp)}")
@@ -178,7 +179,7 @@ def _draw_units(plan: Plan, predicted: dict, path: str) -> str:
             unit = units[name]
             axis.barh(stage.index, width, left=left, height=0.7, color=STRATEGY_COLORS[unit.strategy],
                       hatch=CHECKPOINT_HATCH[unit.checkpoint],
-                      edgecolor="#DD8452" if unit.offload else "white",
+                      edgecolor=OFFLOAD_COLOR if unit.offload else "white",
                       linestyle="--" if unit.offload else "-", linewidth=2 if unit.offload else 0.5)
             if index in labelled and width / total > 0.03:
                 axis.text(left + width / 2, stage.index, _short(name), ha="center", va="center", color="white",
@@ -191,19 +192,23 @@ def _draw_units(plan: Plan, predicted: dict, path: str) -> str:
     legend = ([Patch(color=color, label=strategy.value) for strategy, color in STRATEGY_COLORS.items()]
               + [Patch(facecolor="grey", hatch=hatch, label=f"checkpoint {mode.value}")
                  for mode, hatch in CHECKPOINT_HATCH.items() if hatch]
-              + [Patch(facecolor="white", edgecolor="#DD8452", linestyle="--", linewidth=2, label="offloaded")])
+              + [Patch(facecolor="white", edgecolor=OFFLOAD_COLOR, linestyle="--", linewidth=2, label="offloaded")])
     axis.legend(handles=legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(figure, path)
 
 
 def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
     """Memory on one rank over the step, each stage a line: the forward of every unit, then the backward
-    in reverse, against the budget; the peak named. A plan without per-unit predictions: its peak's terms."""
+    in reverse, against the budget; the peak named; an offloaded unit's events hatched (its state is in
+    host memory, not under the line). A plan without per-unit predictions: its peak's terms."""
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(10, 4.5))
     scale, unit_name = (2**30, "GiB") if plan.predicted.peak_bytes >= 2**30 else (2**20, "MiB")
     budget = plan.reasoning.budget_bytes / scale
+    offloaded = {unit.name for unit in plan.units if unit.offload}
+    offload_label = (f"offloaded ({len(offloaded)} of {len(plan.units)} units):\nparameter, gradient and "
+                     "optimizer\nshards in host memory")
     if not all(unit.name in predicted for unit in plan.units):
         bottom = 0.0
         for category, size in sorted(plan.predicted.memory_bytes.items()):
@@ -211,6 +216,8 @@ def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
             bottom += size / scale
         axis.set_xticks([])
         axis.set_ylabel(f"{unit_name} per rank at the peak")
+        if offloaded:
+            axis.plot([], [], " ", label=offload_label)
     else:
         longest = max(len(stage.units) for stage in plan.stages)
         for stage in plan.stages:
@@ -218,11 +225,18 @@ def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
             events = [(f"F {_short(name)}", predicted[name].forward_bytes) for name in names] + \
                      [(f"B {_short(name)}", predicted[name].backward_bytes) for name in reversed(names)]
             heights = [size / scale for _, size in events]
-            axis.step(range(len(events)), heights, where="mid", marker="o", markersize=3,
-                      label=f"stage {stage.index}" if len(plan.stages) > 1 else "predicted")
+            # unit k's forward at k, its backward at 2 * longest - 1 - k: a shorter stage's under their ticks
+            xs = list(range(len(names))) + [2 * longest - 1 - k for k in reversed(range(len(names)))]
+            line, = axis.step(xs, heights, where="mid", marker="o", markersize=3,
+                              label=f"stage {stage.index}" if len(plan.stages) > 1 else "predicted")
+            spots = [i for i, name in enumerate(names + names[::-1]) if name in offloaded]
+            if spots:
+                axis.bar([xs[i] for i in spots], [heights[i] for i in spots], width=1.0, fill=False, hatch="//",
+                         edgecolor=OFFLOAD_COLOR if len(plan.stages) == 1 else line.get_color(), linewidth=0,
+                         label=offload_label if offload_label not in axis.get_legend_handles_labels()[1] else None)
             highest = max(range(len(events)), key=heights.__getitem__)
             axis.annotate(f"peak {format_bytes(events[highest][1])}\n{events[highest][0]}",
-                          (highest, heights[highest]),
+                          (xs[highest], heights[highest]),
                           textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7,
                           bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
         axis.axvspan(-0.5, longest - 0.5, color="#4C72B0", alpha=0.06, label="forward")

@@ -122,11 +122,48 @@ def test_plan_flags_reach_the_planner(tmp_path, capsys):
     assert run.returncode == 0, run.stderr
     plan = load_plan(output)
     assert plan.mesh.dp * plan.batch_per_replica == 4
+    assert f"inputs per replica: input 0: {plan.batch_per_replica} x 64 float32, input 1: {plan.batch_per_replica} " \
+           "float32;" in run.stdout  # positional inputs named by their position
     assert (plan.mixed_precision.param_dtype, plan.mixed_precision.reduce_dtype) == ("bfloat16", "float32")
     assert plan.optimizer == "sgd" and plan.mesh.pp == 1
     assert any(unit.modules[0] == "layers.2" for unit in plan.units)
     assert next(unit for unit in plan.units if "layers.0" in unit.modules).strategy.value == "replicate"
     assert "use one of full_shard" in _refused(["plan", "mlp", "--world-size", "2", "--pin", "layers=sideways"], capsys)
+
+
+def test_every_constraint_and_the_unit_size_have_a_flag(tmp_path):
+    output = tmp_path / "plan.json"
+    run = shardplan("plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", "--no-wrap", r"layers\.1$",
+                    "--checkpoint", r"layers\.2$=full", "--pin", r"layers\.3$=full_shard,shard_grad_op",
+                    "--max-unit-blocks", "2", "--no-replica-groups", "-o", str(output))
+    assert run.returncode == 0, run.stderr
+    units = load_plan(output).units
+    assert ("layers.0", "layers.1") in [unit.modules for unit in units]  # no unit may start at layers.1
+    assert all(len(unit.modules) <= 2 for unit in units)
+    assert next(unit for unit in units if "layers.2" in unit.modules).checkpoint.value == "full"
+    assert next(unit for unit in units if "layers.3" in unit.modules).strategy.value in ("full_shard", "shard_grad_op")
+
+
+def test_stage_cut_flags_and_replica_groups_reach_the_planners_options():
+    from shardplan.cli import _parser, _plan_options
+    from shardplan.solver.space import Constraints
+
+    options = _parser().parse_args(["plan", "mlp", "--world-size", "4", "--stage-cut", r"layers\.2$",
+                                    "--no-stage-cut", r"layers\.1$", "--no-replica-groups"])
+    planned = _plan_options(options)
+    assert planned["constraints"] == Constraints(stage_boundary=(r"layers\.2$",), no_stage_boundary=(r"layers\.1$",))
+    assert planned["allow_replica_groups"] is False and planned["max_unit_blocks"] is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--checkpoint", "layers=sometimes"], "--checkpoint mode 'sometimes' is unknown: use one of none, full, selective"),
+    (["--checkpoint", "layers"], "is not REGEX=MODE"),
+    (["--no-wrap", "("], "--no-wrap '(' is not a regular expression"),
+    (["--stage-cut", "no-such-block"], "matches no block"),
+    (["--max-unit-blocks", "0"], "max_unit_blocks=0 leaves units no blocks"),
+])
+def test_constraint_flags_refuse_bad_values_in_one_line(flags, message, capsys):
+    assert message in _refused(["plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", *flags], capsys)
 
 
 def test_a_bfloat16_hugging_face_config_warns_that_fp32_masters_are_dropped(tmp_path, capsys):
@@ -254,3 +291,15 @@ def test_debug_shows_the_traceback_of_an_error_that_prints_one_line_without_it(a
     assert main(argv) == 2 and "Traceback" not in capsys.readouterr().err
     with pytest.raises(ShardplanError):
         main([*argv, "--debug"])
+
+
+def test_the_readme_maps_each_fsdp_habit_to_its_shardplan_spelling():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme[readme.index("| FSDP habit | shardplan |"):]
+    rows = table[:table.index("\n\n")].splitlines()
+    for habit in ("auto_wrap_policy", "transformer_layer_cls", "MixedPrecision", "CPUOffload", "no_sync",
+                  "clip_grad_norm_", "SHARDED_STATE_DICT", "FULL_STATE_DICT", "activation_checkpointing",
+                  "torch.cuda.memory_stats"):
+        spelling = next((row.split(" | ")[1] for row in rows if habit in row.split(" | ")[0]), "")
+        assert spelling.count("`") >= 2, habit  # a row whose second cell spells it in code
+
