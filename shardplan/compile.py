@@ -6,16 +6,19 @@ cuts stages and chooses units exactly (solver/stages.py, solver/chain_dp.py), an
 writes the decisions, the predicted terms and the reasoning into a Plan.
 """
 import dataclasses
+import difflib
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, ParamSpec, Protocol, cast
 
 from . import cost
-from .chain import BlockChain, InputSpec
+from .chain import Block, BlockChain, InputSpec
 from .cost import evaluate_stage
 from .dtypes import dtype_name
 from .errors import InfeasibleError, PlanError, ShardplanError
-from .hardware import HardwareProfile, get_hardware
+from .hardware import HardwareModel, HardwareProfile, get_hardware
 from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, KeptWhole, Mesh, MixedPrecision, Plan,
                    Predicted, Reasoning, Schedule, ShardedModule, Stage, TensorParallel, Unit)
 from .solver.chain_dp import ROUNDING
@@ -58,8 +61,46 @@ class PlanOptions:
     not searched); None: every replica takes the chain's batch."""
 
 
-def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None,
-            **options) -> Plan:
+    @classmethod
+    def of(cls, keywords: dict[str, Any]) -> "PlanOptions":
+        """The options `compile` / `solve` were called with; a keyword that is no field is refused in one line."""
+        known = [field.name for field in dataclasses.fields(cls)]
+        unknown = [name for name in keywords if name not in known]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], known, n=1)
+            raise ShardplanError(f"unknown option {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                                 + f": the options are {', '.join(known)}")
+        return cls(**keywords)
+
+
+P = ParamSpec("P")
+
+
+class _Compile(Protocol[P]):
+    """`compile`'s signature with PlanOptions' fields as its keywords, for the type checker."""
+
+    def __call__(self, model: Any, world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None,
+                 *args: P.args, **options: P.kwargs) -> Plan: ...
+
+
+class _Solve(Protocol[P]):
+    """`solve`'s signature with PlanOptions' fields as its keywords, for the type checker."""
+
+    def __call__(self, chain: BlockChain, world_size: int, model_name: str = "",
+                 *args: P.args, **options: P.kwargs) -> Plan: ...
+
+
+def _compile_keywords(options: Callable[P, PlanOptions]) -> Callable[[Callable[..., Plan]], _Compile[P]]:
+    return lambda function: cast(_Compile[P], function)
+
+
+def _solve_keywords(options: Callable[P, PlanOptions]) -> Callable[[Callable[..., Plan]], _Solve[P]]:
+    return lambda function: cast(_Solve[P], function)
+
+
+@_compile_keywords(PlanOptions)  # the keywords are PlanOptions' fields: a misspelt one is a type error
+def compile(model: Any, world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None,
+            **options: Any) -> Plan:
     """The fastest plan for training `model` on `world_size` ranks within the memory budget;
     `options` are PlanOptions' fields.
 
@@ -71,7 +112,8 @@ def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: 
     """
     from .passes import analyze, fingerprint_of
 
-    _check_world_size(world_size)  # before the capture: a bad count is refused in moments
+    _check_world_size(world_size)  # before the capture: a bad count or keyword is refused in moments
+    PlanOptions.of(options)
     chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
     plan = _with_unread_parameters(solve(chain, world_size, model_name=type(model).__name__, **options), model)
     if plan.inputs != chain.inputs:  # a global batch split over the mesh's replicas: the graph of their shapes
@@ -94,11 +136,12 @@ def _with_unread_parameters(plan: Plan, model) -> Plan:
     return replace(plan, units=plan.units[:-1] + (last,))
 
 
-def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options) -> Plan:
+@_solve_keywords(PlanOptions)
+def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: Any) -> Plan:
     """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch); `options` are
     PlanOptions' fields."""
     _check_world_size(world_size)
-    asked = PlanOptions(**options)
+    asked = PlanOptions.of(options)
     if not chain.blocks:
         raise ShardplanError("the model has no blocks to plan: does its forward do anything?")
     hw = get_hardware(asked.hardware)
