@@ -6,16 +6,19 @@ cuts stages and chooses units exactly (solver/stages.py, solver/chain_dp.py), an
 writes the decisions, the predicted terms and the reasoning into a Plan.
 """
 import dataclasses
+import difflib
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, cast
 
 from . import cost
-from .chain import BlockChain, InputSpec
+from .chain import Block, BlockChain, InputSpec
 from .cost import evaluate_stage
 from .dtypes import dtype_name
 from .errors import InfeasibleError, PlanError, ShardplanError
-from .hardware import HardwareProfile, get_hardware
+from .hardware import HardwareModel, HardwareProfile, get_hardware
 from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, KeptWhole, Mesh, MixedPrecision, Plan,
                    Predicted, Reasoning, Schedule, ShardedModule, Stage, TensorParallel, Unit)
 from .solver.chain_dp import ROUNDING
@@ -23,6 +26,9 @@ from .solver.search import (Candidate, Configuration, Setting, boundary_time_s, 
                             smallest_peak, tensor_parallel_options, tied_terms)
 from .solver.space import BlockRule, Constraints, SearchSpace, constraint_patterns, resolve_rules
 from .sizes import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from torch import nn
 
 RUNNER_UPS = 4
 """Other configurations listed in Plan.reasoning, besides the expert defaults."""
@@ -58,8 +64,46 @@ class PlanOptions:
     not searched); None: every replica takes the chain's batch."""
 
 
-def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None,
-            **options) -> Plan:
+    @classmethod
+    def of(cls, keywords: dict[str, Any]) -> "PlanOptions":
+        """The options `compile` / `solve` were called with; a keyword that is no field is refused in one line."""
+        known = [field.name for field in dataclasses.fields(cls)]
+        unknown = [name for name in keywords if name not in known]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], known, n=1)
+            raise ShardplanError(f"unknown option {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                                 + f": the options are {', '.join(known)}")
+        return cls(**keywords)
+
+
+P = ParamSpec("P")
+
+
+class _Compile(Protocol[P]):
+    """`compile`'s signature with PlanOptions' fields as its keywords, for the type checker."""
+
+    def __call__(self, model: "nn.Module", world_size: int, example_inputs: tuple = (),
+                 example_kwargs: dict | None = None, *args: P.args, **options: P.kwargs) -> Plan: ...
+
+
+class _Solve(Protocol[P]):
+    """`solve`'s signature with PlanOptions' fields as its keywords, for the type checker."""
+
+    def __call__(self, chain: BlockChain, world_size: int, model_name: str = "",
+                 *args: P.args, **options: P.kwargs) -> Plan: ...
+
+
+def _compile_keywords(options: Callable[P, PlanOptions]) -> Callable[[Callable[..., Plan]], _Compile[P]]:
+    return lambda function: cast(_Compile[P], function)
+
+
+def _solve_keywords(options: Callable[P, PlanOptions]) -> Callable[[Callable[..., Plan]], _Solve[P]]:
+    return lambda function: cast(_Solve[P], function)
+
+
+@_compile_keywords(PlanOptions)  # the keywords are PlanOptions' fields: a misspelt one is a type error
+def compile(model: "nn.Module", world_size: int, example_inputs: tuple = (), example_kwargs: dict | None = None,
+            **options: Any) -> Plan:
     """The fastest plan for training `model` on `world_size` ranks within the memory budget;
     `options` are PlanOptions' fields.
 
@@ -71,7 +115,8 @@ def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: 
     """
     from .passes import analyze, fingerprint_of
 
-    _check_world_size(world_size)  # before the capture: a bad count is refused in moments
+    _check_world_size(world_size)  # before the capture: a bad count or keyword is refused in moments
+    PlanOptions.of(options)
     chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
     plan = _with_unread_parameters(solve(chain, world_size, model_name=type(model).__name__, **options), model)
     if plan.inputs != chain.inputs:  # a global batch split over the mesh's replicas: the graph of their shapes
@@ -79,7 +124,7 @@ def compile(model, world_size: int, example_inputs: tuple = (), example_kwargs: 
     return plan
 
 
-def _with_unread_parameters(plan: Plan, model) -> Plan:
+def _with_unread_parameters(plan: Plan, model: "nn.Module") -> Plan:
     """`plan` with the parameters the forward never reads (a bias a tie replaced, a table no input
     selects) in its last unit, with a warning: the blocks hold only what the graph reads, and every
     parameter must be in a unit for the runtime to hold, save and load it. They get no gradient."""
@@ -94,11 +139,12 @@ def _with_unread_parameters(plan: Plan, model) -> Plan:
     return replace(plan, units=plan.units[:-1] + (last,))
 
 
-def solve(chain: BlockChain, world_size: int, *, model_name: str = "", **options) -> Plan:
+@_solve_keywords(PlanOptions)
+def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: Any) -> Plan:
     """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch); `options` are
     PlanOptions' fields."""
     _check_world_size(world_size)
-    asked = PlanOptions(**options)
+    asked = PlanOptions.of(options)
     if not chain.blocks:
         raise ShardplanError("the model has no blocks to plan: does its forward do anything?")
     hw = get_hardware(asked.hardware)
@@ -149,7 +195,7 @@ def replica_inputs(chain: BlockChain, replica_batch: int) -> tuple[InputSpec, ..
                  else spec for spec in chain.inputs)
 
 
-def _check_world_size(world_size) -> None:
+def _check_world_size(world_size: object) -> None:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ShardplanError(f"world_size must be a whole number of ranks from 1 to {MAX_WORLD_SIZE}, "
                              f"got {world_size!r}: give the number of ranks you launch")
@@ -198,7 +244,7 @@ def _batch_size(chain: BlockChain) -> int:
     return chain.inputs[0].shape[0] if chain.inputs and chain.inputs[0].shape else 1
 
 
-def stage_costs(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> list[cost.StepCost]:
+def stage_costs(chain: BlockChain, candidate: Candidate, setting: Setting, hw: HardwareModel) -> list[cost.StepCost]:
     """Every stage's StepCost, walked event by event (cost.evaluate_stage)."""
     return [_stage_cost(chain, index, cut.start, cut.end, tuple(b - cut.start for b in cut.solution.bounds),
                         cut.solution.decisions, setting, candidate.configuration, hw)
@@ -206,21 +252,22 @@ def stage_costs(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -
 
 
 def _stage_cost(chain: BlockChain, index: int, start: int, end: int, bounds: tuple[int, ...],
-                decisions: tuple[Decision, ...], setting: Setting, configuration: Configuration, hw) -> cost.StepCost:
+                decisions: tuple[Decision, ...], setting: Setting, configuration: Configuration,
+                hw: HardwareModel) -> cost.StepCost:
     """Stage `index` (blocks start..end, units starting at `bounds` within it) walked event by event."""
     return evaluate_stage(chain.blocks[start:end], bounds, decisions, context(setting, configuration, hw, index),
                           boundary_s=boundary_time_s(chain.blocks, start, end, setting, configuration, hw),
                           tied=tied_terms(chain.blocks, start, end, setting, configuration, hw))
 
 
-def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw) -> Predicted:
+def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw: HardwareModel) -> Predicted:
     """The peak stage's memory terms and the slowest stage's time terms."""
     costs = stage_costs(chain, candidate, setting, hw)
     names = [unit.name for unit in _units_and_stages(chain, candidate)[0]]
     return _predicted(chain, costs, names, candidate.configuration.mesh, setting, hw)
 
 
-def evaluate(chain: BlockChain, plan: Plan, hardware=None) -> Predicted:
+def evaluate(chain: BlockChain, plan: Plan, hardware: str | os.PathLike | HardwareProfile | None = None) -> Predicted:
     """What the cost model predicts for `plan`'s own decisions on `chain`, a plan written by hand
     (runtime.manual_plan) included: how predictions are checked against measurement."""
     hw = get_hardware(hardware or plan.hardware)
@@ -266,7 +313,7 @@ def _check_tensor_parallel(chain: BlockChain, plan: Plan) -> None:
 
 
 def _predicted(chain: BlockChain, costs: list[cost.StepCost], unit_names: list[str], mesh: Mesh, setting: Setting,
-               hw) -> Predicted:
+               hw: HardwareModel) -> Predicted:
     peak = max(costs, key=lambda c: c.peak_bytes)
     slowest = max(costs, key=lambda c: c.step_time_s)
     samples = setting.replica_batch(mesh.dp) * mesh.dp
@@ -305,7 +352,7 @@ def _sliced_as_planned(chain: BlockChain, plan: Plan) -> BlockChain:
         else replace(b, tensor_parallel=None) for b in chain.blocks))
 
 
-def _unit_name(blocks) -> str:
+def _unit_name(blocks: Sequence[Block]) -> str:
     first, last = blocks[0].name or "<root>", blocks[-1].name or "<root>"
     return first if len(blocks) == 1 else f"{first}..{last}"
 
@@ -329,7 +376,7 @@ def _units_and_stages(chain: BlockChain, candidate: Candidate) -> tuple[tuple[Un
     return tuple(units), tuple(stages)
 
 
-def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, cost.StepCost]]:
+def expert_defaults(chain: BlockChain, setting: Setting, hw: HardwareModel) -> list[tuple[str, cost.StepCost]]:
     """What a person would write by hand: every block its own FULL_SHARD unit, dp = world,
     without and with full checkpointing (the baselines the solver must never lose to); none where a
     global batch does not split over the world's ranks."""
@@ -346,7 +393,8 @@ def expert_defaults(chain: BlockChain, setting: Setting, hw) -> list[tuple[str, 
     return found
 
 
-def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: int, space,
+def _reasoning(chain: BlockChain, best: Candidate, candidates: list[Candidate], rules: tuple[BlockRule, ...],
+               setting: Setting, hw: HardwareModel, budget: int, space: SearchSpace,
                guesses: dict | None = None) -> Reasoning:
     share = best.peak_bytes / budget
     per_sample = best.step_time_s / samples_per_step(setting, best.configuration)
@@ -373,8 +421,9 @@ def _reasoning(chain, best: Candidate, candidates, rules, setting, hw, budget: i
     return Reasoning(budget_bytes=budget, binding_constraint=binding, runner_ups=tuple(runner_ups))
 
 
-def best_of_each_tp(chain, best: Candidate, candidates, rules, setting: Setting, hw, budget: int,
-                    space, guesses: dict | None = None) -> list[Candidate]:
+def best_of_each_tp(chain: BlockChain, best: Candidate, candidates: list[Candidate], rules: tuple[BlockRule, ...],
+                    setting: Setting, hw: HardwareModel, budget: int, space: SearchSpace,
+                    guesses: dict | None = None) -> list[Candidate]:
     """The fastest plan of each tp degree searched other than the best's: from the candidates when
     one is among them, else searched at that degree alone."""
     found: list[Candidate] = []
@@ -387,8 +436,8 @@ def best_of_each_tp(chain, best: Candidate, candidates, rules, setting: Setting,
     return found
 
 
-def _constraints_blamed(chain, constraints: Constraints | None, setting: Setting, hw, budget: int,
-                        space: SearchSpace) -> str | None:
+def _constraints_blamed(chain: BlockChain, constraints: Constraints | None, setting: Setting, hw: HardwareModel,
+                        budget: int, space: SearchSpace) -> str | None:
     """When the constraints alone make the plan infeasible, say which of them to relax."""
     if constraints is None or not constraint_patterns(constraints):
         return None
@@ -402,7 +451,8 @@ def _constraints_blamed(chain, constraints: Constraints | None, setting: Setting
             "and one fits without them: relax " + (" or ".join(blamed) if blamed else "them (no one alone is to blame)"))
 
 
-def _infeasible_message(chain, rules, setting: Setting, hw, budget: int, space: SearchSpace) -> str:
+def _infeasible_message(chain: BlockChain, rules: tuple[BlockRule, ...], setting: Setting, hw: HardwareModel,
+                        budget: int, space: SearchSpace) -> str:
     """Name the smallest budget that fits and each option that would make the plan fit."""
     least = smallest_peak(chain.blocks, rules, setting, hw, space)
     head = (f"no plan fits {format_bytes(budget)} per rank at world_size={setting.world_size}"

@@ -341,7 +341,7 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
             fwd_memory_s)
 
 
-def _memory_bound_s(hw, memory_bytes: int, ops: int, ctx: CostContext) -> float:
+def _memory_bound_s(hw: HardwareModel, memory_bytes: int, ops: int, ctx: CostContext) -> float:
     """A hand-built block's memory-bound ops for one micro-batch: each pays a fixed cost and streams
     its bytes. Blocks built without op counts cost nothing here."""
     if ops == 0:
@@ -349,7 +349,7 @@ def _memory_bound_s(hw, memory_bytes: int, ops: int, ctx: CostContext) -> float:
     return hw.compute_time_s(0, _per_micro_batch(memory_bytes, ctx), ctx.param_dtype, calls=ops)
 
 
-def _arithmetic_s(hw, flops: int, moved_bytes: int, ops: int, ctx: CostContext) -> float:
+def _arithmetic_s(hw: HardwareModel, flops: int, moved_bytes: int, ops: int, ctx: CostContext) -> float:
     """A hand-built block's FLOP-counted ops for one micro-batch, by roofline over the bytes they
     stream. A block without any whose ops were counted (an embedding, a norm) pays nothing here."""
     if flops == 0 and ops:

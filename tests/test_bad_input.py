@@ -63,6 +63,15 @@ def test_world_size_must_be_a_whole_number_of_ranks_within_the_ceiling(world_siz
         compile(entry.model, world_size, entry.args, entry.kwargs)
 
 
+def test_a_misspelt_option_is_refused_naming_the_options():
+    entry = zoo.residual_mlp()
+    expected = r"unknown option 'memory_bugdet' \(did you mean 'memory_budget'\?\): the options are hardware, memory_budget"
+    with pytest.raises(ShardplanError, match=expected):
+        compile(entry.model, 2, entry.args, entry.kwargs, memory_bugdet="1GiB")  # type: ignore[call-arg]
+    with pytest.raises(ShardplanError, match=expected):
+        solve(analyze(entry.model, entry.args, entry.kwargs), 2, memory_bugdet="1GiB")  # type: ignore[call-arg]
+
+
 @pytest.mark.timeout(30)
 def test_the_largest_world_plans_in_moments():
     entry = zoo.residual_mlp()

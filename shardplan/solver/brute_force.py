@@ -4,13 +4,15 @@ It shares nothing with the DPs but the SearchSpace and the rules: each candidate
 is scored by cost.evaluate_stage, which walks the events one by one.
 """
 import itertools
+from collections.abc import Iterator, Sequence
 
+from ..chain import Block
 from ..cost import CostContext, evaluate_stage
 from .chain_dp import ChainSolution
 from .space import BlockRule, SearchSpace
 
 
-def unit_partitions(rules: tuple[BlockRule, ...], space: SearchSpace):
+def unit_partitions(rules: tuple[BlockRule, ...], space: SearchSpace) -> Iterator[tuple[int, ...]]:
     """Every tuple of unit start offsets allowed by the rules and max_unit_blocks."""
     n = len(rules)
     for cuts in itertools.product((False, True), repeat=n - 1):
@@ -25,7 +27,7 @@ def unit_partitions(rules: tuple[BlockRule, ...], space: SearchSpace):
         yield bounds
 
 
-def count_candidates(rules, space: SearchSpace) -> int:
+def count_candidates(rules: tuple[BlockRule, ...], space: SearchSpace) -> int:
     total = 0
     for bounds in unit_partitions(rules, space):
         ends = bounds[1:] + (len(rules),)
@@ -36,8 +38,8 @@ def count_candidates(rules, space: SearchSpace) -> int:
     return total
 
 
-def solve_chain_brute_force(blocks, rules, ctx: CostContext, budget_bytes: float,
-                            space: SearchSpace) -> ChainSolution | None:
+def solve_chain_brute_force(blocks: Sequence[Block], rules: tuple[BlockRule, ...], ctx: CostContext,
+                            budget_bytes: float, space: SearchSpace) -> ChainSolution | None:
     """The fastest plan of the whole chain within budget (ties: smaller peak, then first found)."""
     best = None
     for bounds in unit_partitions(rules, space):

@@ -25,6 +25,7 @@ The decision space and its documented restrictions are in space.py; brute_force.
 the same space and tests/test_solver.py checks gap 0 on random chains.
 """
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -46,7 +47,7 @@ class ChainSolution:
     peak_bytes: int
 
 
-def block_signatures(blocks) -> tuple[int, ...]:
+def block_signatures(blocks: Sequence[Block]) -> tuple[int, ...]:
     """Identical blocks (same numbers, any name) share an id, so their unit costs are computed once."""
     ids: dict[Block, int] = {}
     return tuple(ids.setdefault(replace(b, index=0, name="", modules=(), param_names=(), first_node="", last_node="",
@@ -65,7 +66,7 @@ class UnitCosts:
 
     unit_cost does not read ctx.in_flight, so the stages of a configuration share one."""
 
-    def __init__(self, blocks, rules: tuple[BlockRule, ...], space: SearchSpace, ctx: CostContext):
+    def __init__(self, blocks: Sequence[Block], rules: tuple[BlockRule, ...], space: SearchSpace, ctx: CostContext):
         self.blocks, self.rules, self.space, self.ctx = tuple(blocks), rules, space, ctx
         self.signatures = block_signatures(self.blocks)
         self.memo: dict = {}
@@ -293,7 +294,7 @@ class ChainSolver:
     layers every start shares them, which is what makes pipeline stage costs cheap.
     """
 
-    def __init__(self, blocks, rules: tuple[BlockRule, ...], ctx: CostContext, budget_bytes: float,
+    def __init__(self, blocks: Sequence[Block], rules: tuple[BlockRule, ...], ctx: CostContext, budget_bytes: float,
                  space: SearchSpace, *, minimize_memory: bool = False, time_bound_s: float = math.inf,
                  only_end: int | None = None, costs: UnitCosts | None = None):
         self.blocks, self.rules, self.ctx, self.space = tuple(blocks), rules, ctx, space
@@ -496,7 +497,7 @@ class ChainSolver:
             front.parent_source = np.repeat(np.arange(len(units)), sizes)
             front.parent_index = np.concatenate([np.arange(size) for size in sizes])
 
-            def column(values, dtype):
+            def column(values: list, dtype: type) -> np.ndarray:
                 return np.repeat(np.array(values, dtype=dtype), sizes)
 
             position.columns = _Columns(
@@ -508,7 +509,7 @@ class ChainSolver:
                 hide_bwd_s=column([u.hide_bwd_s for u in units], float))
         return position.columns
 
-    def _extend(self, source: _Position, start: int, key) -> _Front:
+    def _extend(self, source: _Position, start: int, key: tuple[int, int, Decision]) -> _Front:
         """Append unit `key` to every state of `source`; drop what is already over budget."""
         ctx = self.ctx
         v = self.costs(start + key[0], start + key[1], key[2])

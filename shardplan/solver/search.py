@@ -7,13 +7,16 @@ ranks the results. Plain data in, plain data out.
 import bisect
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from .. import cost
+from ..chain import Block
 from ..cost import CostContext, evaluate_stage
+from ..hardware import HardwareModel
 from ..plan import Mesh, MixedPrecision, Schedule
-from .chain_dp import ROUNDING, ChainSolver, StageFloors, UnitCosts
+from .chain_dp import ROUNDING, ChainSolution, ChainSolver, StageFloors, UnitCosts
 from .space import BlockRule, SearchSpace
 from .stages import StageCut, cut_stages
 
@@ -89,7 +92,7 @@ class Candidate:
     peak_bytes: int
 
 
-def tensor_parallel_options(blocks, world_size: int, max_degree: int) -> tuple[tuple[int, bool], ...]:
+def tensor_parallel_options(blocks: Sequence[Block], world_size: int, max_degree: int) -> tuple[tuple[int, bool], ...]:
     """(tp, sequence parallel) to search: 1, and each degree up to `max_degree` dividing the world at
     which some block slices (TensorParallelFacts.slices_at), with sequence parallelism where every
     layer between the pairs slices at it (a layer left whole cannot run on a shard of the sequence)."""
@@ -142,7 +145,7 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
     return found
 
 
-def context(setting: Setting, configuration: Configuration, hardware, stage: int) -> CostContext:
+def context(setting: Setting, configuration: Configuration, hardware: HardwareModel, stage: int) -> CostContext:
     mesh, precision = configuration.mesh, setting.mixed_precision
     return CostContext(hardware=hardware, dp=mesh.dp_shard, dp_replicate=mesh.dp_replicate, tp=mesh.tp,
                        sequence_parallel=configuration.sequence_parallel,
@@ -153,7 +156,7 @@ def context(setting: Setting, configuration: Configuration, hardware, stage: int
                        optimizer=setting.optimizer)
 
 
-def boundary_bytes(blocks, skip_edges) -> list[int]:
+def boundary_bytes(blocks: Sequence[Block], skip_edges: Sequence[tuple[int, int]]) -> list[int]:
     """Activation bytes crossing a stage boundary at each cut (before block `cut`, 0 < cut < n;
     0 at both ends): the previous block's output and the output of every earlier block read
     past the cut. A block i read as late as block j crosses every cut in i + 2 .. j: summed
@@ -171,7 +174,8 @@ def boundary_bytes(blocks, skip_edges) -> list[int]:
     return [0] + [blocks[cut - 1].output_bytes + skipping[cut] for cut in range(1, n)] + [0]
 
 
-def boundary_times_s(blocks, setting: Setting, configuration: Configuration, hardware) -> list[float]:
+def boundary_times_s(blocks: Sequence[Block], setting: Setting, configuration: Configuration,
+                     hardware: HardwareModel) -> list[float]:
     """Per-micro-batch pipeline traffic of a boundary at each cut (0 at both ends): the stages on
     either side each pay it once, one sending the activations forward, the other their gradient
     back. A send of x bytes between two ranks is priced as an all-gather of 2x bytes over 2 ranks
@@ -186,13 +190,14 @@ def boundary_times_s(blocks, setting: Setting, configuration: Configuration, har
     ctx = context(setting, configuration, hardware, 0)
     m, crossing = ctx.num_micro_batches, boundary_bytes([cost.on_rank(b, ctx) for b in blocks], setting.skip_edges)
     spans_nodes = setting.world_size > getattr(hardware, "devices_per_node", setting.world_size)
-    placement = {"ranks_per_node": 1} if spans_nodes else {}
-    return [0.0] + [hardware.collective_time_s("all_gather_into_tensor", 2 * -(-nbytes // m), 2, **placement)
+    ranks_per_node = 1 if spans_nodes else 0  # 0: the group fills nodes (CostContext.ranks_per_node)
+    return [0.0] + [hardware.collective_time_s("all_gather_into_tensor", 2 * -(-nbytes // m), 2,
+                                               ranks_per_node=ranks_per_node)
                     for nbytes in crossing[1:-1]] + [0.0]
 
 
-def boundary_time_s(blocks, start: int, end: int, setting: Setting, configuration: Configuration,
-                    hardware) -> float:
+def boundary_time_s(blocks: Sequence[Block], start: int, end: int, setting: Setting, configuration: Configuration,
+                    hardware: HardwareModel) -> float:
     """Per-micro-batch pipeline traffic of the stage blocks[start:end] (see boundary_times_s)."""
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
     return times_s[start] + times_s[end]
@@ -205,8 +210,8 @@ class TiedTerms(NamedTuple):
     """Once a step: their values sent to the copies and the gradients summed back."""
 
 
-def tied_terms(blocks, start: int, end: int, setting: Setting, configuration: Configuration,
-               hardware) -> TiedTerms:
+def tied_terms(blocks: Sequence[Block], start: int, end: int, setting: Setting, configuration: Configuration,
+               hardware: HardwareModel) -> TiedTerms:
     """What ties to other stages cost the stage blocks[start:end] (see [Note: tied weights across stages] in
     runtime/pipelined.py): for each tie (i, j) it holds one end of, a broadcast of the parameters and an
     all-reduce of their gradients between the two stages, each the owner's shard (block i's parameters in
@@ -223,8 +228,9 @@ def tied_terms(blocks, start: int, end: int, setting: Setting, configuration: Co
     return TiedTerms(copy_bytes, sync_s)
 
 
-def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, configuration: Configuration,
-                        hardware, budget_bytes: float, space: SearchSpace, *, minimize_memory: bool = False,
+def solve_configuration(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting,
+                        configuration: Configuration, hardware: HardwareModel, budget_bytes: float, space: SearchSpace,
+                        *, minimize_memory: bool = False,
                         time_bound_s: float = math.inf) -> Candidate | None:
     """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one);
     None when nothing fits the budget or nothing is as fast as `time_bound_s`."""
@@ -233,7 +239,7 @@ def solve_configuration(blocks, rules: tuple[BlockRule, ...], setting: Setting, 
     solvers: dict[tuple[int, int], ChainSolver] = {}
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
 
-    def stage_cost(stage: int, start: int, end: int):
+    def stage_cost(stage: int, start: int, end: int) -> tuple[ChainSolution, float] | None:
         ctx = contexts[stage]
         tied = tied_terms(blocks, start, end, setting, configuration, hardware)
         key = (ctx.in_flight, tied.copy_bytes)  # the copies a stage holds leave its units less of the budget
@@ -263,7 +269,8 @@ def samples_per_step(setting: Setting, configuration: Configuration) -> float:
     return setting.replica_batch(configuration.mesh.dp) * configuration.mesh.dp
 
 
-def search(blocks, rules, setting: Setting, hardware, budget_bytes: float, space: SearchSpace, *,
+def search(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting, hardware: HardwareModel,
+           budget_bytes: float, space: SearchSpace, *,
            time_bound_s: float = math.inf, guesses: dict | None = None) -> list[Candidate]:
     """The best plan of every configuration within RUNNER_UP_SLACK of the fastest, fastest first
     (ties: smaller peak, then configuration order). Fastest per sample: meshes with fewer replicas
@@ -297,7 +304,8 @@ def search(blocks, rules, setting: Setting, hardware, budget_bytes: float, space
     return [c for *_, c in sorted(found, key=lambda item: item[:3])]
 
 
-def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configuration, hardware,
+def uniform_plan_time_s(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting,
+                        configuration: Configuration, hardware: HardwareModel,
                         budget_bytes: float, space: SearchSpace) -> float:
     """Step time of the fastest simple plan of this configuration that fits: stages cut evenly by
     compute, every block its own unit, one decision per stage; inf when none fits."""
@@ -337,8 +345,8 @@ def uniform_plan_time_s(blocks, rules, setting: Setting, configuration: Configur
     return worst
 
 
-def smallest_peak(blocks, rules, setting: Setting, hardware, space: SearchSpace,
-                  budget_bytes: float = math.inf) -> int | None:
+def smallest_peak(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting, hardware: HardwareModel,
+                  space: SearchSpace, budget_bytes: float = math.inf) -> int | None:
     """The least peak memory per rank any configuration reaches (the budget that would just fit),
     or None when none reaches `budget_bytes`. Deepest pipelines first: they usually need the
     least, and each answer bounds (prunes) the next search exactly."""

@@ -11,9 +11,10 @@ property test compares like with like. Restrictions by default:
   Plans may name such a unit offloaded; the search leaves it out, so its plans stay as they were.
 """
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from ..chain import Block
 from ..errors import ShardplanError
 from ..plan import Checkpoint, Decision, ShardStrategy
 
@@ -76,12 +77,12 @@ class SearchSpace:
         return strategy.traits.may_offload and strategy.traits.reshard_after_forward
 
 
-def _matches(block, patterns, classes: Mapping[str, str]) -> bool:
+def _matches(block: Block, patterns: Iterable[str], classes: Mapping[str, str]) -> bool:
     texts = (block.name,) + tuple(block.modules) + tuple(classes[m] for m in block.modules if m in classes)
     return any(re.search(pattern, text) for pattern in patterns for text in texts)
 
 
-def resolve_rules(blocks, constraints: Constraints | None,
+def resolve_rules(blocks: Sequence[Block], constraints: Constraints | None,
                   classes: Mapping[str, str] | None = None) -> tuple[BlockRule, ...]:
     """One BlockRule per block; raises when the constraints contradict each other or a pattern matches nothing.
 
@@ -125,7 +126,7 @@ def constraint_patterns(constraints: Constraints) -> list[tuple[str, str]]:
             for field in fields(constraints) for entry in getattr(constraints, field.name)]
 
 
-def _block_names(blocks, classes: Mapping[str, str], shown: int = 6) -> str:
+def _block_names(blocks: Sequence[Block], classes: Mapping[str, str], shown: int = 6) -> str:
     named = [f"{block.name or '<root>'} ({classes[block.name]})" if block.name in classes else block.name or "<root>"
              for block in blocks]
     return ", ".join(named[:shown]) + (f", ... {len(named) - shown} more" if len(named) > shown else "")
