@@ -19,6 +19,9 @@ CI's 2) shares them: its ranks run in lock-step (every layer ends in a collectiv
 cores / ranks of a core and everything it does, compute and collectives alike, takes ranks / cores
 times as long. Such a world's step time is priced on `shared_cores(profile, ranks, cores)`, the
 profile of a rank holding that share of a core; its memory is the same as on enough cores.
+
+The pipelined kinds (PIPELINE_KINDS: pp 2, GPipe and 1F1B) are held per stage: each rank's peak
+memory against its stage's prediction (measure_pipeline_accuracy; memory only).
 """
 import dataclasses
 import functools
