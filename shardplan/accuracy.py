@@ -23,9 +23,13 @@ CI's 2) shares them: its ranks run in lock-step (every layer ends in a collectiv
 cores / ranks of a core and everything it does, compute and collectives alike, takes ranks / cores
 times as long. Such a world's step time is priced on `shared_cores(profile, ranks, cores)`, the
 profile of a rank holding that share of a core; its memory is the same as on enough cores.
+
+The pipelined kinds (PIPELINE_KINDS: pp 2, GPipe and 1F1B) are held per stage: each rank's peak
+memory against its stage's prediction (measure_pipeline_accuracy; memory only).
 """
 import dataclasses
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -312,3 +316,70 @@ def accuracy_table(rows: list[Accuracy], title: str) -> Table:
                       f"{row.memory_ratio:.2f}", f"{row.predicted_s * 1e3:.0f}", f"{row.measured_s * 1e3:.0f}",
                       f"{row.time_ratio:.2f}")
     return table
+
+
+PIPELINE_KINDS: dict[str, dict[str, Any]] = {
+    "pp2 gpipe m4": dict(schedule="gpipe", micro_batches=4, checkpoints=(Checkpoint.NONE,)),
+    "pp2 gpipe m2 selective": dict(schedule="gpipe", micro_batches=2, checkpoints=(Checkpoint.SELECTIVE,)),
+    "pp2 1f1b m8": dict(schedule="1f1b", micro_batches=8, checkpoints=(Checkpoint.NONE,)),
+    "pp2 1f1b m4 full": dict(schedule="1f1b", micro_batches=4, checkpoints=(Checkpoint.FULL,)),
+}
+"""Pipelined kinds of the demo GPT: 2 stages of one rank each (dp 1), every unit FULL_SHARD (at dp 1 it
+gathers nothing), as runtime.manual_plan's arguments. The demo's tight budget picks such a plan."""
+
+
+def demo_pipeline_plans() -> tuple[BlockChain, dict[str, Plan]]:
+    """The demo GPT's analysed chain and a plan of every pipelined kind (PIPELINE_KINDS), one unit per block."""
+    from .passes import analyze
+    from .runtime.manual import manual_plan
+
+    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    groups = zoo.gpt_units(DEMO_GPT.n_layer)
+    return chain, {name: manual_plan(entry.model, groups, dp=1, pp=2, strategies=(ShardStrategy.FULL_SHARD,),
+                                     example_inputs=entry.args, example_kwargs=entry.kwargs, **kind)
+                   for name, kind in PIPELINE_KINDS.items()}
+
+
+def stage_peaks_job(device, report, plan_jsons: list[str]) -> list[list[int]]:
+    """Rank job: every plan's peak memory (MemTracker) on each rank, after a warm-up step. Only units that
+    reduce-scatter: MemTracker does not see what lives before the step unless told, and a replicated
+    unit's gradient accumulator (kept between steps) is first touched after a pipelined step's peak."""
+    from .runtime import parallelize
+    from .runtime.collectives import all_gather_object
+    from .runtime.measure import peak_step_bytes
+
+    peaks = []
+    for plan_json in plan_jsons:
+        torch.manual_seed(0)  # the same initial weights on every rank
+        entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+        ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=torch.Generator().manual_seed(1))
+        program = parallelize(entry.model, Plan.from_json(plan_json), device=device)
+        optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
+        step = functools.partial(_train_step, program, optimizer, ids)
+        step()  # warm-up: allocates the optimizer state, as every later step has it
+        grads = [p.grad for p in program.parameters() if p.grad is not None]  # kept between steps
+        peaks.append(all_gather_object(peak_step_bytes(step, entry.model, optimizer, *program.parameters(), *grads)))
+        report("plan")
+    return peaks
+
+
+def measure_pipeline_accuracy(hardware, progress: bool = True) -> list[Accuracy]:
+    """Every pipelined kind of the demo GPT (PIPELINE_KINDS): each stage's peak memory predicted on
+    `hardware` beside its rank's measured one (a row per stage, "kind/stage i"); step time is not
+    measured (NaN: bench_pipeline.py times pipelines)."""
+    from .compile import evaluate
+    from .runtime.launch import run_world
+
+    chain, named = demo_pipeline_plans()
+    measured = run_world(stage_peaks_job, ([plan.to_json() for plan in named.values()],), world_size=2,
+                         backend="gloo", total_steps=len(named), progress=progress, description="pipelined steps")
+    rows = []
+    for (kind, plan), peaks in zip(named.items(), measured):
+        units = evaluate(chain, plan, hardware).units  # each stage's peak is one of its units' forward or backward events
+        for stage, peak in enumerate(peaks):
+            predicted = max(max(unit.forward_bytes, unit.backward_bytes) for unit in units
+                            if plan.stage_of_unit[unit.unit] == stage)
+            rows.append(Accuracy(kind=f"{kind}/stage {stage}", predicted_bytes=predicted, measured_bytes=peak,
+                                 predicted_s=math.nan, measured_s=math.nan))
+    return rows

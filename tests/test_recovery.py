@@ -65,9 +65,10 @@ def _arm(block: torch.nn.Module, where: str, on_call: int):
     return state
 
 
-def _train(program, batches, fail_at: int | None, armed: dict | None) -> list[float]:
+def _train(program, batches, fail_at: int | None, armed: dict | None, set_to_none: bool = True) -> list[float]:
     """Steps over `batches`, pairs of (ids, whether the optimizer steps after it: gradients accumulate
-    over steps in between), the step at `fail_at` failing; returns the losses of the steps that ran."""
+    over steps in between), the step at `fail_at` failing; returns the losses of the steps that ran.
+    `set_to_none=False` zeroes `.grad` in place: the next step takes its gradients into it."""
     optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
     losses = []
     for index, (ids, optimizer_steps) in enumerate(batches):
@@ -81,7 +82,7 @@ def _train(program, batches, fail_at: int | None, armed: dict | None) -> list[fl
         losses.append(float(program.step(ids, labels=ids)))
         if optimizer_steps:
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=set_to_none)
     return losses
 
 
@@ -94,10 +95,12 @@ def run_fault_case(rank: int, world: int, case: dict) -> dict:
     faulty = copy.deepcopy(model)
     armed = _arm(faulty.h[1], case["where"], on_call=case["micro_batches"])  # the step's last micro-batch
     program = _program(faulty, world, case["strategy"], case["micro_batches"])
-    losses = _train(program, batches, fail_at=2, armed=armed)
+    fail_at, set_to_none = case.get("fail_at", 2), case.get("set_to_none", True)
+    losses = _train(program, batches, fail_at=fail_at, armed=armed, set_to_none=set_to_none)
     facts = {"states": sorted({unit.state.value for unit in program.units}), "out_of_step": program.out_of_step}
     skipping = _program(copy.deepcopy(model), world, case["strategy"], case["micro_batches"])
-    expected_losses = _train(skipping, batches[:2] + batches[3:], fail_at=None, armed=None)
+    expected_losses = _train(skipping, batches[:fail_at] + batches[fail_at + 1:], fail_at=None, armed=None,
+                             set_to_none=set_to_none)
     state, expected = program.export_full_state_dict(), skipping.export_full_state_dict()
     facts["equal_losses"] = losses == expected_losses
     facts["equal_parameters"] = rank != 0 or all(torch.equal(state[name], expected[name]) for name in expected)
@@ -271,6 +274,10 @@ def _all_checks(rank: int, world: int, cases: dict, path: str) -> None:
 CASES = {f"{strategy.value}/m{micro_batches}/{where}": {"strategy": strategy, "micro_batches": micro_batches,
                                                          "where": where}
          for strategy in ShardStrategy for micro_batches in (1, 2) for where in ("forward", "backward")}
+CASES.update({f"{strategy.value}/m2/backward/zeroed grad": {
+    "strategy": strategy, "micro_batches": 2, "where": "backward", "set_to_none": False, "fail_at": 1}
+    for strategy in (ShardStrategy.FULL_SHARD, ShardStrategy.REPLICATE)})
+"""A step failing right after zero_grad(set_to_none=False): it took its gradients into the zeroed `.grad`."""
 
 
 @pytest.mark.distributed

@@ -9,11 +9,12 @@ forward, the gradient-sync switch, the local parameters and the norm.
 exception: out of memory, Ctrl-C, a hook) is abandoned as a transaction: the
 program is left as if it never ran, or, where that cannot be known, refuses
 every later call until the ranks restart from a checkpoint. Gradients the
-step reduces go to fresh `.grad` tensors; what `.grad` held before (None after
-`zero_grad`, or gradients accumulated over earlier steps) is set aside and
-added back when the step succeeds, put back alone when it fails (so a `.grad`
-kept over the step, as `zero_grad(set_to_none=False)` keeps it, costs one more
-gradient's memory during the step; None costs nothing). The ranks
+step reduces go to fresh `.grad` tensors; what `.grad` held before (gradients
+accumulated over earlier steps) is set aside and added back when the step
+succeeds, put back alone when it fails. A `.grad` of zeros (as
+`zero_grad(set_to_none=False)` leaves it) takes the step's gradients in place
+and is zeroed again on failure: no second gradient's memory, which the cost
+model does not count (nor None's, after `zero_grad()`). The ranks
 then compare where they stopped on a group of their own, which the step's
 collectives never use (collectives.control_group): if every rank has issued
 the same number of collectives, each one in flight has its partners, so it is

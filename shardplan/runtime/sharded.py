@@ -74,23 +74,28 @@ class UnitProgram(Program):
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
         """See [Note: failed steps]: the step's gradients go to fresh `.grad` tensors, added to what `.grad`
-        held before on success and dropped on failure."""
+        held before on success and dropped on failure; a `.grad` of zeros takes them in place and is
+        zeroed again on failure, which restores it as well without a second gradient's memory."""
         self.check_in_step()
         self._transactions += 1
         before = [unit.shard.grad for unit in self.units]
-        for unit in self.units:
-            unit.shard.grad = None
+        zeroed = [grad is not None and not bool(grad.any()) for grad in before]
+        for unit, in_place in zip(self.units, zeroed):
+            if not in_place:
+                unit.shard.grad = None
             unit.forget_local_norm()  # what a loss.backward() outside a step measured
         try:
             yield
         except BaseException as error:
-            for unit, grad in zip(self.units, before):
+            for unit, grad, in_place in zip(self.units, before, zeroed):
+                if in_place:
+                    cast(torch.Tensor, grad).zero_()
                 unit.shard.grad = grad
             self._abandon(type(error).__name__)
             raise
         for unit, grad in zip(self.units, before):
             if grad is not None:
-                if unit.shard.grad is not None:
+                if unit.shard.grad is not None and unit.shard.grad is not grad:
                     grad.add_(unit.shard.grad)
                 unit.shard.grad = grad
 

@@ -234,6 +234,8 @@ class FlatUnit:
             self._pending_reduce = collectives.reduce_scatter_mean(grad, async_op=True, group=self.group)
         else:
             self._pending_reduce = collectives.all_reduce_mean(grad, async_op=True, group=self.place.data_parallel)
+        if self._pending_reduce.work is None:  # a group of one: done, and the full gradient need not wait
+            self.finish_reduction()
 
     def _sum_partial_over_tp(self, grad: torch.Tensor) -> None:
         packed_in_place(grad, self.layout, self.partial,
