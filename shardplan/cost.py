@@ -106,7 +106,7 @@ from .chain import Block, OpKind, merge_op_kinds
 from .dtypes import FLOAT_DTYPES, dtype_bytes
 from .errors import ShardplanError
 from .hardware import HardwareModel
-from .plan import SELECTIVE_SAVED_OPS, Checkpoint, Decision, UnitPrediction
+from .plan import Checkpoint, Decision, UnitPrediction, kept_by_selective
 
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}
 """fp32 state per parameter: Adam keeps two moments, SGD one momentum buffer."""
@@ -330,7 +330,7 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
             return hw.compute_time_s(kind.flops / ctx.num_micro_batches, moved, ctx.param_dtype, calls=kind.calls,
                                      op=kind.name)
         fwd = [kind_s(kind) for kind in block.fwd_kinds]
-        selective = sum(s for kind, s in zip(block.fwd_kinds, fwd) if kind.name not in SELECTIVE_SAVED_OPS)
+        selective = sum(s for kind, s in zip(block.fwd_kinds, fwd) if not kept_by_selective(kind.name))
         return sum(fwd), sum(kind_s(kind) for kind in block.bwd_kinds), selective
     moved = block.param_numel * dtype_bytes(ctx.param_dtype) + _per_micro_batch(block.input_bytes + block.output_bytes,
                                                                               ctx)

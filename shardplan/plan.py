@@ -97,12 +97,24 @@ STRATEGY_TRAITS = {
 (runtime/sharded.py), which a rank keeping full parameters never does."""
 
 
-SELECTIVE_SAVED_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+SELECTIVE_SAVED_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_product_flash_attention_for_cpu",
                        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                        "_scaled_dot_product_cudnn_attention")
-"""ATen ops whose outputs SELECTIVE checkpointing keeps: the matmul-like ones, costly to recompute
-and few; every elementwise op, norm and activation between them is recomputed. The runtime keeps
-exactly these, and the analysis counts exactly these."""
+"""ATen ops whose outputs SELECTIVE checkpointing keeps: the matmul-like ones (a mixture of experts'
+grouped matmuls among them), costly to recompute and few; every elementwise op, norm and activation
+between them is recomputed. The runtime keeps exactly these, and the analysis counts exactly these
+(an op of the captured graph under the name of the ATen op it stands for, SELECTIVE_STAND_INS)."""
+
+SELECTIVE_STAND_INS = {"grouped_mm_fallback": "_grouped_mm"}
+"""Ops of a captured graph → the ATen op of SELECTIVE_SAVED_OPS the eager runtime runs for them.
+transformers 5 runs routed experts eagerly as `_grouped_mm` but, traced by torch.export (float32),
+as its own `grouped_mm_fallback` custom op: the same matmul, so the analysis and the cost model
+must take it as kept where the runtime keeps `_grouped_mm`."""
+
+
+def kept_by_selective(op_name: str) -> bool:
+    """Whether SELECTIVE checkpointing keeps the outputs of the op the analysis named `op_name`."""
+    return SELECTIVE_STAND_INS.get(op_name, op_name) in SELECTIVE_SAVED_OPS
 
 
 class Checkpoint(str, enum.Enum):

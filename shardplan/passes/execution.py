@@ -31,7 +31,7 @@ from torch.utils.flop_counter import (FlopCounterMode, flop_registry, sdpa_backw
                                       shape_wrapper)
 
 from ..chain import OpKind
-from ..plan import SELECTIVE_SAVED_OPS
+from ..plan import kept_by_selective
 from .facts import update_facts
 
 
@@ -183,7 +183,7 @@ class _OpTally(TorchDispatchMode):
         if tally is None or not is_kernel(func):
             return out
         name = func.overloadpacket.__name__
-        if name in SELECTIVE_SAVED_OPS:
+        if kept_by_selective(name):
             tally.selective_bytes += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out)
                                          if isinstance(t, torch.Tensor))
         kind = tally.kinds.setdefault(name, [0, 0, 0, 0])
