@@ -122,6 +122,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="the most blocks one unit holds (default: 4 on chains of up to 16 blocks, else 1)")
     plan.add_argument("--no-replica-groups", dest="allow_replica_groups", action="store_false",
                       help="shard every unit over all data-parallel ranks: no HSDP replica groups")
+    plan.add_argument("--no-reasoning", dest="explain", action="store_false",
+                      help="skip the runner-ups and the binding constraint (most of a solve's time): the same plan")
     plan.add_argument("-o", "--output", default="plan.json")
 
     explain = command("explain", _explain, "Show a plan: units, predicted memory and time, and pictures.")
@@ -200,7 +202,8 @@ def _plan_options(options) -> dict:
             "optimizer": options.optimizer, "allow_pipeline": options.allow_pipeline,
             "allow_offload": options.allow_offload, "constraints": _constraints(options),
             "max_unit_blocks": options.max_unit_blocks, "allow_replica_groups": options.allow_replica_groups,
-            "global_batch_size": options.global_batch_size, "max_tensor_parallel": options.max_tensor_parallel}
+            "global_batch_size": options.global_batch_size, "max_tensor_parallel": options.max_tensor_parallel,
+            "explain": options.explain}
 
 
 def _constraints(options):

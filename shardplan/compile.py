@@ -62,6 +62,10 @@ class PlanOptions:
     global_batch_size: int | None = None
     """Samples per step over all replicas, split evenly over dp (meshes whose dp does not divide it are
     not searched); None: every replica takes the chain's batch."""
+    explain: bool = True
+    """Write the reasoning: the binding constraint (a second search without the budget) and the
+    runner-ups (the best plan of every other tp degree). Those searches are most of a solve's time;
+    a re-plan in a loop (a budget sweep, a CI gate) that wants only the plan passes False."""
 
 
     @classmethod
@@ -183,7 +187,9 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
                 tensor_parallel=tensor_parallel_section(chain, best.configuration),
                 mixed_precision=precision, optimizer=asked.optimizer, units=units, stages=stages,
                 predicted=predict(chain, best, setting, hw),
-                reasoning=_reasoning(chain, best, candidates, rules, setting, hw, budget, space, guesses))
+                reasoning=(_reasoning(chain, best, candidates, rules, setting, hw, budget, space, guesses)
+                           if asked.explain else Reasoning(budget_bytes=budget, binding_constraint="not computed "
+                                                           "(explain=False)")))
 
 
 def replica_inputs(chain: BlockChain, replica_batch: int) -> tuple[InputSpec, ...]:

@@ -149,10 +149,11 @@ def test_stage_cut_flags_and_replica_groups_reach_the_planners_options():
     from shardplan.solver.space import Constraints
 
     options = _parser().parse_args(["plan", "mlp", "--world-size", "4", "--stage-cut", r"layers\.2$",
-                                    "--no-stage-cut", r"layers\.1$", "--no-replica-groups"])
+                                    "--no-stage-cut", r"layers\.1$", "--no-replica-groups", "--no-reasoning"])
     planned = _plan_options(options)
     assert planned["constraints"] == Constraints(stage_boundary=(r"layers\.2$",), no_stage_boundary=(r"layers\.1$",))
     assert planned["allow_replica_groups"] is False and planned["max_unit_blocks"] is None
+    assert planned["explain"] is False
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -79,6 +79,17 @@ def test_replanning_from_the_cached_chain_is_deterministic_and_respects_the_budg
     assert tight.diff(loose)
 
 
+def test_a_replan_without_reasoning_is_the_same_plan(chains):
+    import dataclasses
+
+    for hardware in (HARDWARE, "h100-80g"):
+        explained = solve(chains["gpt"], WORLD, hardware=hardware, memory_budget="6MiB")
+        bare = solve(chains["gpt"], WORLD, hardware=hardware, memory_budget="6MiB", explain=False)
+        assert explained.reasoning.runner_ups and not bare.reasoning.runner_ups
+        assert "explain=False" in bare.reasoning.binding_constraint
+        assert dataclasses.replace(bare, reasoning=explained.reasoning).to_json() == explained.to_json()
+
+
 def test_infeasible_names_the_smallest_budget_and_what_would_fit(chains):
     chain = chains["gpt"]
     with pytest.raises(InfeasibleError, match=r"no plan fits .* smallest peak any plan reaches .* GiB would fit") as caught:
