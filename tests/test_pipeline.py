@@ -196,10 +196,13 @@ def test_pipeline_world2_matches_one_process():
 
 @pytest.mark.timeout(120)
 def test_pipeline_steps_batches_smaller_than_planned():
-    # the planned 4 samples, then 2 (an epoch's last batch), then 4 again: the schedule made for 2 re-uses the
-    # stage's units; the evaluation at the end runs the first batch, at 2
+    # planned at 4 samples a replica, stepped at 2 (an epoch's last batch), 4, 2...: the schedule made for 2
+    # re-uses the stage's units; the evaluation at the end runs the first batch, at 2. Llama's stages also
+    # send its rotary tables, (1, T, d) at every batch size
     cases = {"gpt/1f1b/m2/smaller": {"model": "gpt", "schedule": "1f1b", "micro_batches": 2, **MIXED, "clip": 0.05,
-                                     "replica_batches": (2, 4, 2, 4)}}
+                                     "replica_batches": (2, 4, 2, 4)},
+             "llama/gpipe/m2/smaller": {"model": "llama", "schedule": "gpipe", "micro_batches": 2, **MIXED,
+                                        "replica_batches": (2, 4, 2)}}
     assert_parity(spawn_world(2, _run_cases, (cases,)), cases)
 
 

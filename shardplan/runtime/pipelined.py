@@ -38,6 +38,19 @@ is the last micro-batch, decided when its forward runs (scheduler._GatherFlat):
 the schedule interleaves forwards and backwards of different micro-batches.
 A step that fails on any stage leaves the ranks out of step (see [Note:
 failed steps] in program.py): every later call refuses.
+
+[Note: smaller pipelined batches] A batch smaller than planned along dim 0 (an
+epoch's last, an evaluation batch) is taken when it splits into the plan's
+number of equal micro-batches, so each micro-batch's loss is still divided by
+their number (see [Note: smaller batches] in program.py for pp == 1, where
+they may differ). The stages cannot run it as planned: the captured graph
+bakes the micro-batch's sizes into its reshapes, and what crosses a cut need
+not scale with the batch (a Llama's rotary tables are (1, T, d)). So the first
+step at a new batch size captures the model again at its micro-batch and cuts
+this rank's stage out of it (about as long as the capture at start-up: 0.3 s
+for the tests' GPT and Llama), and a second schedule runs it over the same
+units: no parameter is copied, and only that schedule's receive buffers are
+new. Every rank of a step must pass the same batch size, as they must at pp == 1.
 """
 import contextlib
 import functools
@@ -131,7 +144,8 @@ class PipelinedProgram(UnitProgram):
         pipelined batches])."""
         if batch not in self._schedules:
             graph = split_stages(self.module, self.plan, self._device, batch)[self.graph.index]
-            if [(call.node, call.unit) for call in graph.calls] != [(call.node, call.unit) for call in self.graph.calls]:
+            if [(call.node, call.unit) for call in graph.calls] != [(call.node, call.unit)
+                                                                    for call in self.graph.calls]:
                 raise ShardplanError(f"the model captured at {batch} samples splits into other blocks than at the "
                                      f"planned {self.plan.batch_per_replica}: pass batches of the planned size, or "
                                      "plan with pp=1")

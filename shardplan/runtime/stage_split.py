@@ -97,7 +97,8 @@ def split_stages(model: nn.Module, plan: Plan, device: torch.device, batch: int 
     Every rank splits out every stage, so a plan that cannot run fails alike on all of them."""
     from ..passes.blocks import block_modules, group_nodes
 
-    gm = _capture_micro_batch(model, plan, device, (batch or plan.batch_per_replica) // plan.schedule.num_micro_batches)
+    micro_batch = (batch or plan.batch_per_replica) // plan.schedule.num_micro_batches
+    gm = _capture_micro_batch(model, plan, device, micro_batch)
     groups = group_nodes(gm)
     units = _unit_of_blocks(plan, block_modules(groups))
     stage_of_unit = plan.stage_of_unit
@@ -143,7 +144,8 @@ def split_stages(model: nn.Module, plan: Plan, device: torch.device, batch: int 
     return stages
 
 
-def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device, micro_batch: int) -> torch.fx.GraphModule:
+def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device,
+                         micro_batch: int) -> torch.fx.GraphModule:
     from ..capture import capture
     from ..passes import PassInputs, run_passes
 
