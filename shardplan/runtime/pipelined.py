@@ -172,7 +172,8 @@ class PipelinedProgram(UnitProgram):
         args, target = self.split_target(args)
         count = self.plan.schedule.num_micro_batches
         check_micro_batches(args, kwargs, count)
-        run = getattr(self._schedule_for(_batch_size(args, kwargs)), method)
+        batch = _batch_size(args, kwargs)
+        run = getattr(self._schedule_for(batch), method)
         first, last = self.graph.index == 0, self.graph.index == self.plan.mesh.pp - 1
         inputs = fx_pytree.tree_flatten_spec((args, kwargs), self.graph.input_spec) if first else ()
         if last and target is None:  # the schedule computes a loss only given a target to split
@@ -187,7 +188,7 @@ class PipelinedProgram(UnitProgram):
                 self.scheduler.communicate = True
             if torch.is_grad_enabled():  # a step, not an evaluation
                 self._sum_tied_gradients()
-                self._gradients_reduced()
+                self._gradients_reduced(planned=batch == self.plan.batch_per_replica)  # as Program.step says
             mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
             # every tp rank of the last stage computed the same losses (the head's logits are whole)
             return collectives.all_reduce_sum(mine) / (self.plan.mesh.dp * self.plan.mesh.tp)
