@@ -38,6 +38,19 @@ is the last micro-batch, decided when its forward runs (scheduler._GatherFlat):
 the schedule interleaves forwards and backwards of different micro-batches.
 A step that fails on any stage leaves the ranks out of step (see [Note:
 failed steps] in program.py): every later call refuses.
+
+[Note: smaller pipelined batches] A batch smaller than planned along dim 0 (an
+epoch's last, an evaluation batch) is taken when it splits into the plan's
+number of equal micro-batches, so each micro-batch's loss is still divided by
+their number (see [Note: smaller batches] in program.py for pp == 1, where
+they may differ). The stages cannot run it as planned: the captured graph
+bakes the micro-batch's sizes into its reshapes, and what crosses a cut need
+not scale with the batch (a Llama's rotary tables are (1, T, d)). So the first
+step at a new batch size captures the model again at its micro-batch and cuts
+this rank's stage out of it (about as long as the capture at start-up: 0.3 s
+for the tests' GPT and Llama), and a second schedule runs it over the same
+units: no parameter is copied, and only that schedule's receive buffers are
+new. Every rank of a step must pass the same batch size, as they must at pp == 1.
 """
 import contextlib
 import functools
@@ -74,8 +87,6 @@ class PipelinedProgram(UnitProgram):
     """The units of this rank's stage, sharded over the stage's dp group, run by a pipeline schedule."""
 
     def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
-        from torch.distributed.pipelining import PipelineStage
-
         super().__init__(module, plan, loss_fn)
         self.groups = collectives.mesh_groups(device.type, plan.mesh)
         # sliced before the stages are cut: they run the sliced model's graph (see [Note: tensor parallel stages])
@@ -98,26 +109,48 @@ class PipelinedProgram(UnitProgram):
                           source=collectives.world().rank + (plan.stage_of_unit[unit.name] - index) * step)
                      for unit in sorted(built, key=lambda unit: unit.name) if unit.name in tied]
         """This rank's units of ties across stages (see [Note: tied weights across stages])."""
-        by_name = {unit.name: unit for unit in built}
+        self._by_name = {unit.name: unit for unit in built}
+        self._reads = reads
+        self._device = device
         # the scheduler counts a unit's distinct module paths done (a module called twice counts once)
         self.scheduler = Scheduler(built, {unit: len({call.name for call in self.graph.calls
                                                       if call.unit == unit.name}) for unit in built})
+        self._forwards_this_step = 0
+        self._schedules = {plan.batch_per_replica: self._schedule(self.graph)}
+        """This rank's torch.distributed.pipelining schedule for each replica batch size stepped, its stage
+        cut from a capture at that size (see [Note: smaller pipelined batches])."""
+
+    def _schedule(self, graph: StageGraph):
+        """A schedule running this rank's stage, `graph`, over the units built at start-up."""
+        from torch.distributed.pipelining import PipelineStage
+
+        specs = {unit.name: unit for unit in self.plan.units}
 
         def run_block(call: BlockCall) -> Callable:
-            run = self.scheduler.wrap(block_runner(call, module, self.graph.constants),
-                                      tuple(by_name[name] for name in reads[call.node]), call.name,
-                                      by_name[call.unit])
+            run = self.scheduler.wrap(block_runner(call, self.module, graph.constants),
+                                      tuple(self._by_name[name] for name in self._reads[call.node]), call.name,
+                                      self._by_name[call.unit])
             return checkpointed(run, specs[call.unit].checkpoint)
-        self._forwards_this_step = 0
-        examples = self.graph.examples
-        self.stage = PipelineStage(StageModule(self.graph, run_block, self._micro_batch_forward),
-                                   self.graph.index, plan.mesh.pp, device, group=self.groups.pipeline,
-                                   input_args=tuple(examples[name] for name in self.graph.inbound),
-                                   output_args=tuple(examples[name] for name in self.graph.outbound))
-        """This rank's torch.distributed.pipelining stage."""
-        self.schedule = schedule_class(plan.schedule.name)(
-            self.stage, n_microbatches=plan.schedule.num_micro_batches, loss_fn=self._micro_batch_loss,
+        stage = PipelineStage(StageModule(graph, run_block, self._micro_batch_forward), graph.index,
+                              self.plan.mesh.pp, self._device, group=self.groups.pipeline,
+                              input_args=tuple(graph.examples[name] for name in graph.inbound),
+                              output_args=tuple(graph.examples[name] for name in graph.outbound))
+        return schedule_class(self.plan.schedule.name)(
+            stage, n_microbatches=self.plan.schedule.num_micro_batches, loss_fn=self._micro_batch_loss,
             scale_grads=False)
+
+    def _schedule_for(self, batch: int):
+        """The schedule for a replica batch of `batch` samples, made at its first step (see [Note: smaller
+        pipelined batches])."""
+        if batch not in self._schedules:
+            graph = split_stages(self.module, self.plan, self._device, batch)[self.graph.index]
+            if [(call.node, call.unit) for call in graph.calls] != [(call.node, call.unit)
+                                                                    for call in self.graph.calls]:
+                raise ShardplanError(f"the model captured at {batch} samples splits into other blocks than at the "
+                                     f"planned {self.plan.batch_per_replica}: pass batches of the planned size, or "
+                                     "plan with pp=1")
+            self._schedules[batch] = self._schedule(graph)
+        return self._schedules[batch]
 
     def __call__(self, *args, **kwargs) -> Any:
         raise ShardplanError("a pipelined program runs whole training steps, each stage on its own ranks: call "
@@ -126,19 +159,21 @@ class PipelinedProgram(UnitProgram):
     def step(self, *args, **kwargs) -> torch.Tensor:
         """As Program.step (see [Note: pipelined step]): call on every rank with its replica's batch."""
         with self._recording_stats():
-            return self._run_schedule(self.schedule.step, args, kwargs)
+            return self._run_schedule("step", args, kwargs)
 
     def evaluate(self, *args, **kwargs) -> torch.Tensor:
         """As Program.evaluate: the schedule's forwards alone, without gradients."""
         with torch.no_grad():
-            return self._run_schedule(self.schedule.eval, args, kwargs)
+            return self._run_schedule("eval", args, kwargs)
 
-    def _run_schedule(self, run: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    def _run_schedule(self, method: str, args: tuple, kwargs: dict) -> torch.Tensor:
         self.check_in_step()
-        check_batch(self.plan, args, kwargs)
+        check_batch(self.plan, args, kwargs, smaller_batch=True)
         args, target = self.split_target(args)
         count = self.plan.schedule.num_micro_batches
         check_micro_batches(args, kwargs, count)
+        batch = _batch_size(args, kwargs)
+        run = getattr(self._schedule_for(batch), method)
         first, last = self.graph.index == 0, self.graph.index == self.plan.mesh.pp - 1
         inputs = fx_pytree.tree_flatten_spec((args, kwargs), self.graph.input_spec) if first else ()
         if last and target is None:  # the schedule computes a loss only given a target to split
@@ -153,7 +188,7 @@ class PipelinedProgram(UnitProgram):
                 self.scheduler.communicate = True
             if torch.is_grad_enabled():  # a step, not an evaluation
                 self._sum_tied_gradients()
-                self._gradients_reduced()
+                self._gradients_reduced(planned=batch == self.plan.batch_per_replica)  # as Program.step says
             mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
             # every tp rank of the last stage computed the same losses (the head's logits are whole)
             return collectives.all_reduce_sum(mine) / (self.plan.mesh.dp * self.plan.mesh.tp)
@@ -192,6 +227,12 @@ class PipelinedProgram(UnitProgram):
         loss = self.loss_of(output, target if self.loss_fn is not None else None)
         return loss / self.plan.schedule.num_micro_batches
 
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    """Dim 0 of the batch's tensors (check_micro_batches made it one)."""
+    return next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
+                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0)
 
 
 class _Tie(NamedTuple):

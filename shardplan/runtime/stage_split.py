@@ -82,21 +82,23 @@ class StageGraph:
     """How the last stage's outputs unflatten into what the model returns."""
 
 
-def micro_batch_inputs(inputs: tuple[InputSpec, ...], num_micro_batches: int) -> tuple[tuple, dict]:
-    """Meta tensors shaped like one micro-batch of the plan's inputs (dim 0 divided)."""
+def micro_batch_inputs(inputs: tuple[InputSpec, ...], micro_batch: int) -> tuple[tuple, dict]:
+    """Meta tensors shaped like one micro-batch of `micro_batch` samples of the plan's inputs (dim 0)."""
     from ..passes import meta_inputs
 
-    return meta_inputs(dataclasses.replace(spec, shape=(spec.shape[0] // num_micro_batches, *spec.shape[1:]))
-                       if spec.shape else spec for spec in inputs)
+    return meta_inputs(dataclasses.replace(spec, shape=(micro_batch, *spec.shape[1:])) if spec.shape else spec
+                       for spec in inputs)
 
 
-def split_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[StageGraph]:
-    """Capture `model` at one micro-batch and split its graph into the stages of `plan`, to run on `device`.
+def split_stages(model: nn.Module, plan: Plan, device: torch.device, batch: int | None = None) -> list[StageGraph]:
+    """Capture `model` at one micro-batch of a replica's `batch` (the planned one if None) and split its graph
+    into the stages of `plan`, to run on `device`.
 
     Every rank splits out every stage, so a plan that cannot run fails alike on all of them."""
     from ..passes.blocks import block_modules, group_nodes
 
-    gm = _capture_micro_batch(model, plan, device)
+    micro_batch = (batch or plan.batch_per_replica) // plan.schedule.num_micro_batches
+    gm = _capture_micro_batch(model, plan, device, micro_batch)
     groups = group_nodes(gm)
     units = _unit_of_blocks(plan, block_modules(groups))
     stage_of_unit = plan.stage_of_unit
@@ -142,7 +144,8 @@ def split_stages(model: nn.Module, plan: Plan, device: torch.device) -> list[Sta
     return stages
 
 
-def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> torch.fx.GraphModule:
+def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device,
+                         micro_batch: int) -> torch.fx.GraphModule:
     from ..capture import capture
     from ..passes import PassInputs, run_passes
 
@@ -150,7 +153,7 @@ def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device) -> 
         raise PlanError("this plan records no input shapes (written by hand?): pipeline stages are cut from "
                         "a capture at those shapes; make the plan with shardplan.compile")
     with _stand_ins(model, torch_dtype(plan.mixed_precision.param_dtype), device):
-        gm = capture(model, *micro_batch_inputs(plan.inputs, plan.schedule.num_micro_batches)).gm
+        gm = capture(model, *micro_batch_inputs(plan.inputs, micro_batch)).gm
     if not hasattr(gm, "_in_spec"):
         raise ShardplanError(f"torch.export could not capture {type(model).__name__} (only symbolic tracing "
                              "could), and pipeline stages are cut from an exported graph: make the model "
