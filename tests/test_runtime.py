@@ -339,12 +339,10 @@ def test_split_micro_batches_splits_every_batched_tensor():
 
 def test_batches_may_be_smaller_than_planned_along_dim_0_only():
     plan = types.SimpleNamespace(inputs=(InputSpec(name="0", shape=(4, 8), dtype="int64"),))
-    check_batch(plan, (torch.zeros(3, 8, dtype=torch.int64),), {}, smaller_batch=True)
+    check_batch(plan, (torch.zeros(3, 8, dtype=torch.int64),), {})
     for shape in ((5, 8), (4, 7), (0, 8)):
         with pytest.raises(RuntimeMismatchError, match=r"pass batches of that shape or smaller along dim 0"):
-            check_batch(plan, (torch.zeros(shape, dtype=torch.int64),), {}, smaller_batch=True)
-    with pytest.raises(RuntimeMismatchError, match=r"pass batches of that shape, or re-plan"):  # a pipeline's
-        check_batch(plan, (torch.zeros(3, 8, dtype=torch.int64),), {})
+            check_batch(plan, (torch.zeros(shape, dtype=torch.int64),), {})
 
 
 def test_parallelize_needs_a_process_group():

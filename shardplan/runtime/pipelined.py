@@ -168,7 +168,7 @@ class PipelinedProgram(UnitProgram):
 
     def _run_schedule(self, method: str, args: tuple, kwargs: dict) -> torch.Tensor:
         self.check_in_step()
-        check_batch(self.plan, args, kwargs, smaller_batch=True)
+        check_batch(self.plan, args, kwargs)
         args, target = self.split_target(args)
         count = self.plan.schedule.num_micro_batches
         check_micro_batches(args, kwargs, count)

@@ -223,7 +223,7 @@ class Program:
         may be smaller than planned along dim 0 (an epoch's last batch): see [Note: smaller batches].
         A step that raises leaves the program as it was (see [Note: failed steps])."""
         self.check_in_step()
-        check_batch(self.plan, args, kwargs, smaller_batch=True)
+        check_batch(self.plan, args, kwargs)
         micro_batches = split_micro_batches(args, kwargs, self.plan.schedule.num_micro_batches)
         total = torch.zeros((), dtype=torch.float32)
         with self._transaction(), self._recording_stats():
@@ -264,7 +264,7 @@ class Program:
         >>> validation_loss = program.evaluate(ids, labels=ids)  # doctest: +SKIP
         """
         self.check_in_step()
-        check_batch(self.plan, args, kwargs, smaller_batch=True)
+        check_batch(self.plan, args, kwargs)
         micro_batches = split_micro_batches(args, kwargs, self.plan.schedule.num_micro_batches)
         with self._transaction(), torch.no_grad():
             total = cast(torch.Tensor, sum(self.loss(micro_args, micro_kwargs).float().cpu() * share
@@ -346,22 +346,22 @@ def _refuse_replaced(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kw
                              "build it over program.parameters()")
 
 
-def check_batch(plan: Plan, args: tuple, kwargs: dict, *, smaller_batch: bool = False) -> None:
+def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
     """Refuse a batch whose shapes or dtypes differ from the plan's inputs: their dynamic dims may
-    change, and with `smaller_batch` dim 0 may be smaller than planned (see [Note: smaller batches])."""
+    change, and dim 0 may be smaller than planned (see [Note: smaller batches])."""
     for spec in plan.inputs:
         value = _input(spec, args, kwargs)
         if not isinstance(value, torch.Tensor):
             raise RuntimeMismatchError(f"the plan was made with input {spec.name!r} of shape {list(spec.shape)}; "
                                        "this batch does not pass it: call step() as the model was planned")
         fixed = [dim for dim in range(len(spec.shape)) if dim not in spec.dynamic_dims]
-        shrinks = smaller_batch and 0 in fixed and value.dim() > 0 and 0 < value.shape[0] <= spec.shape[0]
+        shrinks = 0 in fixed and value.dim() > 0 and 0 < value.shape[0] <= spec.shape[0]
         if value.dim() != len(spec.shape) or any(value.shape[dim] != spec.shape[dim]
                                                  for dim in fixed if not (dim == 0 and shrinks)):
             raise RuntimeMismatchError(
                 f"input {spec.name!r} has shape {list(value.shape)}, the plan was made for {list(spec.shape)} "
-                "(one data-parallel replica's batch): pass batches of that shape"
-                + (" or smaller along dim 0" if smaller_batch else "") + ", or re-plan for this one")
+                "(one data-parallel replica's batch): pass batches of that shape or smaller along dim 0, "
+                "or re-plan for this one")
         given = dtype_name(value.dtype)
         if given != spec.dtype:
             raise RuntimeMismatchError(f"input {spec.name!r} is {given}, the plan was made for {spec.dtype}: "
