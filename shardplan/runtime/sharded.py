@@ -79,7 +79,7 @@ class UnitProgram(Program):
         self.check_in_step()
         self._transactions += 1
         before = [unit.shard.grad for unit in self.units]
-        zeroed = [grad is not None and not bool(grad.any()) for grad in before]
+        zeroed = _all_zeros(before)
         for unit, in_place in zip(self.units, zeroed):
             if not in_place:
                 unit.shard.grad = None
@@ -296,3 +296,14 @@ def _wrap_forwards(model: nn.Module, modules: dict[str, nn.Module], units: list[
         own = unit_of_module.get(path)
         forward = scheduler.wrap(module.forward, tuple(needed_units), path, own)
         module.forward = checkpointed(forward, own.spec.checkpoint) if own is not None else forward
+
+
+def _all_zeros(grads: list[torch.Tensor | None]) -> list[bool]:
+    """Which gradients exist and hold only zeros, read back in one transfer per device (one device
+    sync a step, not one a unit; offloaded units keep theirs on the host)."""
+    nonzero: dict[int, bool] = {}
+    for device in {grad.device for grad in grads if grad is not None}:
+        mine = [index for index, grad in enumerate(grads) if grad is not None and grad.device == device]
+        flags = torch.stack([cast(torch.Tensor, grads[index]).any() for index in mine]).tolist()
+        nonzero.update(zip(mine, flags))
+    return [grads[index] is not None and not nonzero[index] for index in range(len(grads))]
