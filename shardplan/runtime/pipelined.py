@@ -230,7 +230,8 @@ class PipelinedProgram(UnitProgram):
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:
-    """Dim 0 of the batch's tensors (check_micro_batches made it one)."""
+    """Dim 0 of the batch's first tensor that has one (check_micro_batches made them all equal when the
+    plan splits the batch into micro-batches)."""
     return next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
                 if isinstance(leaf, torch.Tensor) and leaf.dim() > 0)
 
