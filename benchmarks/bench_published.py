@@ -21,11 +21,11 @@ no torch, no capture, so the whole data set is evaluated in seconds.
 """
 import argparse
 import csv
+import dataclasses
 import math
 import os
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
 
 import numpy as np
 from scipy.stats import kendalltau
@@ -48,7 +48,7 @@ CRASHED = ("crashed_or_oom", "oom", "oom (inferred")
 BF16_BYTES, FP32_BYTES = 2, 4
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class LlamaDims:
     """A LLaMA-style decoder as nanotron builds it (model_configs.md of the data set)."""
 
@@ -76,7 +76,7 @@ MODELS = {
 }
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Row:
     """One configuration of the data set, as far as the cost model reads it."""
 
@@ -107,7 +107,7 @@ class Row:
                 f"ga={self.grad_accum} zero={self.zero_stage} ({self.status.split(' ')[0]}, line {self.line})")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Outcome:
     row: Row
     predicted: Predicted | None = None
@@ -287,13 +287,20 @@ def plan_for(row: Row, chain: BlockChain, dims: LlamaDims) -> Plan:
                 reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"))
 
 
+def as_run(dims: LlamaDims, tp: int) -> LlamaDims:
+    """`dims` as nanotron builds them over `tp` ranks: it pads the vocabulary with dummy rows to a
+    multiple of tp (trainer.py `init_model`, helpers.py `_vocab_size_with_padding`; its
+    make_vocab_size_divisible_by is 1 in these runs), so the embedding and the head slice evenly."""
+    return dataclasses.replace(dims, vocab=-(-dims.vocab // tp) * tp)
+
+
 def why_not_expressible(row: Row) -> str:
     """"" when the row can be planned, else the reason it cannot."""
     if row.model not in MODELS:
         return f"model {row.model!r} has no dimensions in MODELS"
     dims = MODELS[row.model]
-    if math.gcd(dims.heads, dims.kv_heads, dims.intermediate, dims.vocab) % row.tp:
-        return f"tp={row.tp} does not divide the heads, widths and vocabulary of {row.model}"
+    if math.gcd(dims.heads, dims.kv_heads, dims.intermediate) % row.tp:
+        return f"tp={row.tp} does not divide the heads and widths of {row.model}"
     if row.zero_stage not in ZERO_STAGES:
         return f"ZeRO stage {row.zero_stage} has no shardplan strategy here"
     if row.pp > dims.layers + 2:
@@ -345,9 +352,9 @@ def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> 
         if reason:
             outcomes.append(Outcome(row=row, reason=reason))
             continue
-        dims = MODELS[row.model]
+        dims = as_run(MODELS[row.model], row.tp)
         samples = row.micro_batch_size * row.grad_accum
-        key = (row.model, samples, row.seq_len, row.pp > 1)
+        key = (dims, samples, row.seq_len, row.pp > 1)
         if key not in chains:
             chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1)
         chain = chains[key]
@@ -358,7 +365,7 @@ def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> 
     return outcomes
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class GroupScore:
     """One model at one GPU count."""
 

@@ -140,8 +140,11 @@ def test_tensor_parallel_rows_are_plans_with_sequence_parallelism(bench):
     plan = bench.plan_for(row, chain, bench.MODELS["playbook-1B"])
     assert plan.mesh.tp == 2 and plan.tensor_parallel.sequence_parallel and plan.tensor_parallel.vocab_parallel
     assert {m.path: m.style for m in plan.tensor_parallel.sharded}["model.layers.0.self_attn.o_proj"] == "rowwise"
-    odd = dataclasses.replace(row, model="oldbench-llama-1B")  # a 50257-row vocabulary
-    assert bench.why_not_expressible(odd) == "tp=2 does not divide the heads, widths and vocabulary of oldbench-llama-1B"
+    odd = dataclasses.replace(row, model="oldbench-llama-1B")  # a 50257-row vocabulary, padded as nanotron does
+    assert bench.why_not_expressible(odd) == "" and bench.as_run(bench.MODELS[odd.model], 4).vocab == 50260
+    (padded,) = bench.predict([odd], "h100-80g")
+    assert padded.predicted is not None
+    assert bench.why_not_expressible(dataclasses.replace(row, tp=64)) == "tp=64 does not divide the heads and widths of playbook-1B"
 
 
 @pytest.mark.parametrize("model, gpus, tensor_parallel", [
