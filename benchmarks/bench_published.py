@@ -32,6 +32,7 @@ from scipy.stats import kendalltau
 
 from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
 from shardplan.compile import evaluate, tensor_parallel_section
+from shardplan.cost import OPTIMIZER_STATE_BYTES_PER_PARAM
 from shardplan.hardware import get_hardware
 from shardplan.solver.search import Configuration
 from shardplan.plan import Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage, Unit
@@ -93,6 +94,10 @@ class Row:
     tokens_per_s_per_gpu: float | None
     line: int
     """Line in the CSV file (the header is line 1)."""
+    reported_gib: float | None = None
+    """The playbook's memory of the row: rank 0's torch.cuda.max_memory_reserved() in GiB (the "Mem Res"
+    column of nanotron's benchmark CSV, helpers.py lines 610 and 674 at e24d2483), which holds what the
+    caching allocator reserved, used or not."""
 
     @property
     def ran(self) -> bool:
@@ -112,6 +117,8 @@ class Outcome:
     row: Row
     predicted: Predicted | None = None
     tokens_per_s_per_gpu: float = 0.0
+    after_pipeline_bytes: int = 0
+    """What the rank holds after the pipeline, at its largest (after_pipeline): the playbook's "Mem Alloc"."""
     reason: str = ""
     """Why the row cannot be expressed as a plan ("" when it can)."""
 
@@ -122,7 +129,7 @@ def read_rows(path: str) -> list[Row]:
                     micro_batch_size=int(r["mbz"]), grad_accum=int(r["grad_accum"]), seq_len=int(r["seq_len"]),
                     zero_stage=r["zero_stage"], status=r["status"],
                     tokens_per_s_per_gpu=float(r["tokens_per_sec_per_gpu"]) if r["tokens_per_sec_per_gpu"] else None,
-                    line=line)
+                    line=line, reported_gib=float(r["reported_gpu_mem_GB"]) if r.get("reported_gpu_mem_GB") else None)
                 for line, r in enumerate(csv.DictReader(handle), start=2)]
 
 
@@ -170,26 +177,42 @@ def _block(index: int, name: str, numel: int, fwd_kinds: tuple[OpKind, ...], *, 
                  fwd_kinds=fwd_kinds, bwd_kinds=bwd_kinds)
 
 
-def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool) -> BlockChain:
+def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
+                sequence_sharded_norm: bool = False) -> BlockChain:
     """The chain of a LLaMA decoder over `samples` sequences (one replica's batch), fp32 master
     parameters computed in bf16, flash attention, the loss in fp32 over the whole vocabulary.
 
     Per layer and token, in bf16 (2 bytes): saved for backward are both norms' inputs and outputs
-    (4 h), q, k, v after rotary and the attention output (4 h; the output is o_proj's input), the
-    MLP's gate and up outputs, SiLU(gate) and their product (4 i): 2 (8 h + 4 i) bytes. The head
+    (4 h), what flash attention keeps of q, k, v after rotary and its output (the output is o_proj's
+    input), the MLP's gate and up outputs, SiLU(gate) and their product (4 i). nanotron's attention
+    (models/llama.py at e24d2483) keeps more of q, k, v than their own bytes: with as many kv heads as
+    heads it permutes the fused qkv output into one contiguous [3, b, s, heads, d] tensor (lines
+    469-473), copies k and v out of it into a new [b, s, 2, heads, d] tensor for rotary (cat, then
+    permute and contiguous: lines 655-657), rotates q in place (flash_attn's RotaryEmbedding with kv
+    given) and hands flash attention q as a view of the first tensor and k, v as views of the second
+    (line 660): flash attention saves those views, so the whole qkv tensor (h + 2 kv) and the kv copy
+    (2 kv) stay for backward, 2 h + 4 kv with the output; with fewer kv heads q, k and v are
+    separate copies (lines 449-467) and it keeps q, the kv copy and the output, 2 h + 2 kv. The head
     keeps the final norm's input and output and the loss's fp32 softmax over the vocabulary
     (4 V bytes a token: nanotron's cross entropy casts the logits to fp32 and saves exp(logits) /
-    sum); while the loss runs, the bf16 logits (2 V) sit beside it. Tied weights are one parameter,
+    sum, tensor_parallel/functional.py lines 43-85). While the loss runs the fp32 logits it reads
+    sit beside that softmax: the cast_to_fp32 block's output (line 909) is held by
+    LlamaForTraining.forward's `sharded_logits` until the loss returns (lines 1013-1021), the bf16
+    logits are dropped when forward_with_hidden_states returns; the head's forward reaches 2 x 4 V
+    bytes a token above what it started with. Tied weights are one parameter,
     held by the embedding's block, unless `pipelined`: nanotron then keeps the embedding on the
     first stage and a copy on the last (the copies' gradient sync is not priced).
 
     Over tp ranks (nanotron's TP in REDUCE_SCATTER mode: sequence parallel, vocab-parallel embedding
     and head): a layer slices its linears (all but the norms' weights), matmuls and attention, and the
-    outputs of q, k, v, the attention and the MLP (4 h + 4 i of its 8 h + 4 i saved bytes a token;
-    the norms' 4 h divide too under sequence parallelism), with two pairs: four exchanges of the
+    outputs of q, k, v, the attention and the MLP (all of its saved bytes a token but the norms' 4 h;
+    those divide too under sequence parallelism), with two pairs: four exchanges of the
     hidden states a micro-batch. The embedding slices its table (one exchange: the forward's
     reduce-scatter), the head its matmul and the loss over the vocabulary, with the logits (one
-    exchange: the norm's output gathered; the loss's all-reduces of a few bytes a token are left out)."""
+    exchange: the norm's output gathered; the loss's all-reduces of a few bytes a token are left out).
+    With `sequence_sharded_norm` the final norm divides too, its input and output and its time: nanotron
+    runs it on the last layer's reduce-scattered output, a 1/tp slice of the sequence (line 905), and
+    its LM head saves that slice, not the gathered input (tp_recompute_allgather, true by default)."""
     tokens, h, i, v = samples * seq_len, dims.hidden, dims.intermediate, dims.vocab
     stream = tokens * h * BF16_BYTES
     head_dim = h // dims.heads
@@ -202,7 +225,8 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool)
                    _matmul(tokens, i, h),
                    _elementwise("rms_norm", 2, 4 * stream), _elementwise("rotary", 2, 2 * stream + 2 * tokens * kv * 2),
                    _elementwise("add", 2, 6 * stream), _elementwise("silu_mul", 2, 5 * tokens * i * BF16_BYTES))
-    layer_saved = (8 * h + 4 * i) * tokens * BF16_BYTES
+    attention_saved = 2 * h + (4 if dims.kv_heads == dims.heads else 2) * kv
+    layer_saved = (4 * h + attention_saved + 4 * i) * tokens * BF16_BYTES
     logits = tokens * v
     divides = math.gcd(dims.heads, dims.kv_heads, i)
     blocks = [_block(0, "model.embed_tokens", v * h, (_elementwise("embedding", 1, 2 * stream),),
@@ -211,7 +235,7 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool)
                                                          exchange_bytes=stream,
                                                          sharded=(("model.embed_tokens", "vocab_embedding"),)))]
     layer_facts = [_sliced(layer_kinds, ("mm", "_scaled_dot_product_flash_attention"), divides=divides,
-                           sliced_numel=layer_numel - 2 * h, sliced_saved_bytes=(4 * h + 4 * i) * tokens * BF16_BYTES,
+                           sliced_numel=layer_numel - 2 * h, sliced_saved_bytes=(attention_saved + 4 * i) * tokens * BF16_BYTES,
                            sequence_layer=True, all_reduces=4, exchange_bytes=stream,
                            sharded=tuple((f"model.layers.{n}.{module}", style) for module, style in LAYER_STYLES))
                    for n in range(dims.layers)]
@@ -222,11 +246,13 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool)
     head_kinds = (_elementwise("rms_norm", 1, 4 * stream), _matmul(tokens, h, v),
                   _elementwise("cross_entropy", 3, logits * (BF16_BYTES + 3 * FP32_BYTES)))
     head_numel = h if dims.tied and not pipelined else v * h + h
-    head_facts = _sliced(head_kinds, ("mm", "cross_entropy"), divides=v, sliced_numel=head_numel - h,
-                         sliced_saved_bytes=logits * FP32_BYTES, all_reduces=1, exchange_bytes=stream,
-                         sharded=(("lm_head", "vocab_head"),))
-    blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, saved=2 * stream + logits * FP32_BYTES,
-                         inp=stream, out=0, fwd_transient=logits * BF16_BYTES,
+    norm = 2 * stream  # the final norm's input and output
+    head_facts = _sliced(head_kinds, ("mm", "cross_entropy") + (("rms_norm",) if sequence_sharded_norm else ()),
+                         divides=v, sliced_numel=head_numel - h,
+                         sliced_saved_bytes=logits * FP32_BYTES + (norm if sequence_sharded_norm else 0),
+                         all_reduces=1, exchange_bytes=stream, sharded=(("lm_head", "vocab_head"),))
+    blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, saved=norm + logits * FP32_BYTES,
+                         inp=stream, out=0, fwd_transient=norm + 2 * logits * FP32_BYTES,
                          bwd_transient=logits * BF16_BYTES + stream, tensor_parallel=head_facts))
     return BlockChain(blocks=tuple(blocks), fingerprint=f"llama-{dims.layers}x{h}", param_dtype="torch.float32",
                       inputs=(InputSpec(name="0", shape=(samples, seq_len), dtype="int64"),), input_bytes=tokens * 8,
@@ -341,9 +367,88 @@ def zero1_runtime_s(row: Row, chain: BlockChain, dims: LlamaDims, hw) -> float:
     return reduce_s + copies_s
 
 
+ADAM_BYTES = OPTIMIZER_STATE_BYTES_PER_PARAM["adamw"]
+
+
+def plan_state_per_param(row: Row) -> float:
+    """Bytes a parameter of the rank costs the plan between steps ([Note: the cost model] in cost.py):
+    its fp32 copy whole, its fp32 gradient and AdamW state whole (replicate) or 1/dp (shard_optimizer),
+    and an fp32 accumulator when the step has more than one micro-batch."""
+    shards = 1 if row.zero_stage == "0" else row.dp
+    return FP32_BYTES + (FP32_BYTES + ADAM_BYTES) / shards + (FP32_BYTES if row.grad_accum > 1 else 0)
+
+
+def nanotron_state_per_param(row: Row) -> float:
+    """Bytes a parameter of the rank costs nanotron between steps, at e24d2483 with accumulate_grad_in_fp32
+    (the playbook's config): the bf16 model parameter, an fp32 gradient accumulator over every parameter at
+    any number of micro-batches (optim/gradient_accumulator.py line 173, built for all of the model's
+    parameters also under ZeRO-1: helpers.py lines 365-367), and the fp32 master copy with AdamW's two
+    fp32 moments (line 95, the accumulator's copy of the parameters the rank steps: all of them at ZeRO-0,
+    1/dp at ZeRO-1). At ZeRO-0 with dp > 1 the model is wrapped in DDP (trainer.py line 786: not at
+    ZeRO-1 with fp32 accumulation), whose gradient buckets hold a bf16 gradient of every parameter.
+    Checked against the playbook's own "Mem Alloc" column (the peak after the pipeline, where only this
+    state and nanotron's buffers are left: see the docs): within 0.1 GiB at ZeRO-0 and ZeRO-1."""
+    if row.zero_stage == "0":
+        return BF16_BYTES + FP32_BYTES + FP32_BYTES + ADAM_BYTES + (BF16_BYTES if row.dp > 1 else 0)
+    return BF16_BYTES + FP32_BYTES + (FP32_BYTES + ADAM_BYTES) / row.dp
+
+
+def memory_buffer_bytes(row: Row, dims: LlamaDims) -> int:
+    """What nanotron's MemoryBuffer (parallel/utils.py lines 14-28 at e24d2483) holds on a tp > 1 rank of a
+    playbook row: one tensor per name for the whole run, grown to the largest request, never freed. Two
+    names are asked for, each the micro-batch's whole sequence x hidden in bf16, whole on every tp rank:
+    "allgather", where the column-parallel linears gather their sequence-sharded input in forward and
+    again in backward (tensor_parallel/functional.py lines 153-156 and 286-288; tp_recompute_allgather is
+    true by default, config/parallelism_config.py line 37, and the playbook's config leaves it), and
+    "allgather2", where the async row-parallel linear gathers its output gradient in backward (lines
+    491-493; tp_linear_async_communication is on in REDUCE_SCATTER mode, scripts/scaling_benchmarks.py
+    line 88). Both are live at the step's peak from the second step on, on every stage (each holds a
+    column- and a row-parallel linear). oldbench's runs (July 2024, async communication off) ran code from
+    around the buffers' introduction (2024-07-17): none counted there."""
+    if row.tp == 1 or not row.model.startswith("playbook-"):
+        return 0
+    return 2 * row.micro_batch_size * row.seq_len * dims.hidden * BF16_BYTES
+
+
+def zero1_gather_per_param(row: Row) -> float:
+    """Bytes a parameter of the rank costs while nanotron's ZeRO-1 gathers the stepped bf16 parameters after
+    the optimizer's step (optim/zero.py `_all_gather_params`, lines 217-247; distributed.py
+    `all_gather_coalesced`, lines 201-206): the slices of each rank flattened into one buffer per rank (the
+    whole bf16 model), torch's all_gather of a list into one flat tensor of its own before it copies into
+    them (the whole model again), and the rank's own slice flattened. Nothing at ZeRO-0 (DDP reduced the
+    gradients in the backward; the optimizer steps in place)."""
+    return 2 * BF16_BYTES + BF16_BYTES / row.dp if row.zero_stage == "1" and row.dp > 1 else 0.0
+
+
+def after_pipeline(plan: Predicted, row: Row, dims: LlamaDims) -> dict[str, int]:
+    """What a rank of nanotron holds once the pipeline is done and the activations are gone, at its largest:
+    nanotron's state for the parameters of the plan's peak stage (read back from the plan's state), its
+    all-gather buffers and, at ZeRO-1, the gather of the stepped parameters. The playbook's "Mem Alloc"
+    column measures exactly this: at the measured step the trainer resets the peak right after the
+    pipeline (trainer.py line 498, logging.py `log_memory` line 259) and rank 0 writes
+    max_memory_allocated when the step is done (helpers.py lines 609 and 674)."""
+    params = plan.memory_bytes["sharded_state"] / plan_state_per_param(row)  # the stage's parameters on a rank
+    return {"sharded_state": round(params * nanotron_state_per_param(row)),
+            "memory_buffer": memory_buffer_bytes(row, dims),
+            "parameter_gather": round(params * zero1_gather_per_param(row))}
+
+
+def as_nanotron_holds(plan: Predicted, row: Row, dims: LlamaDims) -> Predicted:
+    """The plan's peak with what nanotron holds beside the activations in place of the plan's state, on the
+    plan's peak stage (a stage close behind it is not re-checked): nanotron's state (its bf16 parameters
+    are whole, so the plan's gathered bf16 copies go) and its all-gather buffers; or, where it is larger,
+    the step after the pipeline (after_pipeline)."""
+    after = after_pipeline(plan, row, dims)
+    during = {**plan.memory_bytes, "sharded_state": after["sharded_state"], "gathered_params": 0,
+              "memory_buffer": after["memory_buffer"]}
+    memory = max(during, after, key=lambda held: sum(held.values()))
+    return dataclasses.replace(plan, peak_bytes=sum(memory.values()), memory_bytes=memory)
+
+
 def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> list[Outcome]:
-    """Each row's plan priced on `hardware`; with `nanotron_zero1`, each ZeRO-1 row's step also pays
-    what nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s)."""
+    """Each row's plan priced on `hardware`, its peak memory as nanotron holds it (as_nanotron_holds); with
+    `nanotron_zero1`, each ZeRO-1 row's step also pays what nanotron's ZeRO-1 does beyond the plan
+    (zero1_runtime_s)."""
     hw = get_hardware(hardware)
     chains: dict[tuple, BlockChain] = {}
     outcomes = []
@@ -356,12 +461,14 @@ def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> 
         samples = row.micro_batch_size * row.grad_accum
         key = (dims, samples, row.seq_len, row.pp > 1)
         if key not in chains:
-            chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1)
+            chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1, sequence_sharded_norm=True)
         chain = chains[key]
-        predicted = evaluate(chain, plan_for(row, chain, dims), hw)
+        plan = evaluate(chain, plan_for(row, chain, dims), hw)
+        predicted = as_nanotron_holds(plan, row, dims)
         step_s = predicted.step_time_s + (zero1_runtime_s(row, chain, dims, hw) if nanotron_zero1 else 0.0)
         tokens = samples * row.seq_len * row.dp / step_s / row.n_gpus
-        outcomes.append(Outcome(row=row, predicted=predicted, tokens_per_s_per_gpu=tokens))
+        outcomes.append(Outcome(row=row, predicted=predicted, tokens_per_s_per_gpu=tokens,
+                                after_pipeline_bytes=sum(after_pipeline(plan, row, dims).values())))
     return outcomes
 
 
@@ -438,6 +545,28 @@ def print_table(scores: list[GroupScore]) -> None:
               f"{_share(sum(s.ran_within for s in mine), sum(s.ran for s in mine))} |")
 
 
+TP_DEGREES = (1, 2, 4, 8, 16, 32)
+
+
+def memory_ratios(outcomes: list[Outcome]) -> dict[tuple[str, bool, int], float]:
+    """Median predicted peak / reported memory of the rows that ran, by (model, pp > 1, tp). The reported
+    memory is rank 0's, the first stage's; the predicted peak is the plan's peak stage's."""
+    groups: dict[tuple[str, bool, int], list[float]] = defaultdict(list)
+    for o in outcomes:
+        if o.predicted is not None and o.row.ran and o.row.reported_gib:
+            groups[o.row.model, o.row.pp > 1, o.row.tp].append(o.predicted.peak_bytes / 2**30 / o.row.reported_gib)
+    return {key: statistics.median(ratios) for key, ratios in groups.items()}
+
+
+def print_memory_ratios(ratios: dict[tuple[str, bool, int], float]) -> None:
+    print("\nPredicted peak / reported memory (GiB reserved by rank 0), median of the rows that ran:\n")
+    print("| model | pp | " + " | ".join(f"tp {tp}" for tp in TP_DEGREES) + " |")
+    print("|---|---|" + "---:|" * len(TP_DEGREES))
+    for model, pipelined in sorted({(m, p) for m, p, _ in ratios}):
+        cells = (f"{ratios[model, pipelined, tp]:.2f}" if (model, pipelined, tp) in ratios else "-" for tp in TP_DEGREES)
+        print(f"| {model} | {'> 1' if pipelined else '1'} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
@@ -453,6 +582,7 @@ def main() -> None:
     print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name} "
           f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
     print_table(score(outcomes, hw.usable_memory_bytes))
+    print_memory_ratios(memory_ratios(outcomes))
     print_left_out([o for o in outcomes if o.reason])
 
 
