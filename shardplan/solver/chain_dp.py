@@ -4,15 +4,17 @@
 Every memory event of a stage (cost.evaluate_stage) is
     Σ_all units base_bytes + Σ_units before the event's unit held_bytes + a local term,
 where the local term of unit k depends only on k and its neighbours (the prefetched
-unit's params). So scanning units left to right, after placing unit U a partial plan
-is summarized by
+unit's params; in backward, also the next unit's reduction in flight). So scanning units
+left to right, after placing unit U a partial plan is summarized by
     Q = Σ base_bytes so far + Σ held_bytes so far (U included),
     R = the largest event finished so far (U's backward included, U's forward not yet:
         it depends on whether the next unit is prefetched) + Σ base_bytes so far,
     T = step time so far (U's own terms and the exposure of every pair up to U),
-keyed by U itself (its span and decision), which is all the next unit couples to.
-Appending V adds base_bytes(V) to every event (R and Q), closes U's forward event and
-adds V's backward event. The final peak and time are non-decreasing in R, Q and T,
+keyed by U itself (its span and decision) and by what U's backward holds of the unit before
+it (its params prefetched): U's backward event is then Q + a constant of the key, so the next
+unit V can add V's reduction in flight to it. Appending V adds base_bytes(V) to every event
+(R and Q), closes U's forward event, adds V's backward event and U's backward event with V's
+reduction in flight. The final peak and time are non-decreasing in R, Q and T,
 so within a key only the Pareto-minimal (T, R, Q) states can lead to an optimum:
 the DP keeps exactly those (and drops states already over budget), which makes it
 exact for the cost model, not a heuristic. Further cuts, each exact:
@@ -179,6 +181,9 @@ class _Columns:
     front: _Front
     """parent_* here name the state itself: its key number and index at this position."""
     rise_fwd_bytes: np.ndarray
+    rise_bwd_bytes: np.ndarray
+    """How far the last unit's backward event stands above Q, before the next unit's reduction
+    in flight is added to it."""
     prefetch: np.ndarray
     gathered_bwd_bytes: np.ndarray
     hide_fwd_s: np.ndarray
@@ -413,7 +418,7 @@ class ChainSolver:
     def _safe_margin_bytes(self) -> int:
         """An upper bound on what any continuation adds to a state's peak, anywhere in the chain:
         every block's largest base + held bytes, plus the largest working set of any unit with
-        its neighbour's gathered params (see `_drop_slower_than_safe`)."""
+        its neighbours' gathered params and reduction in flight (see `_drop_slower_than_safe`)."""
         n, ctx, space = len(self.blocks), self.ctx, self.space
         spans: dict[tuple, tuple[int, int]] = {}  # identical spans (blocks and rules) counted once
         for a in range(n):
@@ -422,7 +427,7 @@ class ChainSolver:
         units = [self.costs(a, b, d) for a, b in spans.values() for d in self.costs.decisions(a, b)]
         if not units:
             return 0
-        gathered = max(u.gathered_bytes for u in units)
+        gathered = max(u.gathered_bytes for u in units) + max(u.reducing_bytes for u in units)
         rise = max(max(cost.own_peak_bytes(u, ctx, backward=True), self._rise_fwd(u)) for u in units)
         most: dict[tuple, int] = {}  # per block signature: its largest base + held bytes
         for i in range(n):
@@ -476,9 +481,11 @@ class ChainSolver:
                 continue
             for decision in self.costs.decisions(first, end):
                 key = (first - start, end - start, decision)
-                chunk = self._extend(source, start, key)
-                if len(chunk.time_s):
-                    candidates[key] = chunk
+                chunk, prefetched = self._extend(source, start, key)
+                for held in np.unique(prefetched):  # one key per bytes of the unit before it prefetched
+                    part = chunk if np.isscalar(prefetched) else chunk.take(np.flatnonzero(prefetched == held))
+                    if len(part.time_s):
+                        candidates[key + (int(held),)] = part
         for key, front in candidates.items():
             # Raise R to Q + the least rise any continuation adds: states differing only below
             # that level behave the same in every future, so the Pareto step merges them (exact).
@@ -502,6 +509,8 @@ class ChainSolver:
 
             position.columns = _Columns(
                 front=front, rise_fwd_bytes=column([self._rise_fwd(u) for u in units], np.int64),
+                rise_bwd_bytes=column([cost.own_peak_bytes(u, self.ctx, backward=True) - cost.held_bytes(u, self.ctx)
+                                       + key[3] for u, key in zip(units, position.keys)], np.int64),
                 prefetch=column([u.prefetch for u in units], bool),
                 gathered_bwd_bytes=column([u.gathered_bwd_bytes for u in units], np.int64),
                 hide_fwd_s=column([u.hide_fwd_s for u in units], float),
@@ -509,21 +518,24 @@ class ChainSolver:
                 hide_bwd_s=column([u.hide_bwd_s for u in units], float))
         return position.columns
 
-    def _extend(self, source: _Position, start: int, key: tuple[int, int, Decision]) -> _Front:
-        """Append unit `key` to every state of `source`; drop what is already over budget."""
+    def _extend(self, source: _Position, start: int,
+                key: tuple[int, int, Decision]) -> tuple[_Front, np.ndarray | int]:
+        """Append unit `key` to every state of `source`; drop what is already over budget. Also returns
+        what the new unit's backward holds of the unit before it (its prefetch), per state kept."""
         ctx = self.ctx
         v = self.costs(start + key[0], start + key[1], key[2])
         delta, held_v = cost.base_bytes(v, ctx), cost.held_bytes(v, ctx)
         v_bwd = cost.own_peak_bytes(v, ctx, backward=True)
         own_time = 0.0 if self.minimize_memory else cost.own_time_s(v, ctx)
         if source.keys == [None]:
-            front, rise = source.fronts[0], v_bwd
+            front, rise, prefetched = source.fronts[0], v_bwd, 0
             step: float | np.ndarray = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(None, v, ctx)
         else:
             columns = self._columns(source, start)
-            front = columns.front
-            rise = np.maximum(columns.rise_fwd_bytes + columns.prefetch_fwd_bytes(v, ctx),
-                              v_bwd + columns.prefetch_bwd_bytes(v))
+            front, prefetched = columns.front, columns.prefetch_bwd_bytes(v)
+            rise = np.maximum(np.maximum(columns.rise_fwd_bytes + columns.prefetch_fwd_bytes(v, ctx),
+                                         v_bwd + prefetched),
+                              columns.rise_bwd_bytes + cost.in_flight_bwd_bytes(v))
             step = 0.0 if self.minimize_memory else own_time + columns.pair_time_s(v, ctx)
         r = np.maximum(front.r, front.q + rise) + delta
         time_s, q = front.time_s + step, front.q + delta + held_v
@@ -532,5 +544,6 @@ class ChainSolver:
         if math.isfinite(self.budget_bytes):  # without a budget only the plain compute bound (λ = 0) is there
             to_come_s = to_come_s + self.prices[:, None] * np.minimum(q - self.budget_bytes, 0)
         fits = np.flatnonzero((r <= self.budget_bytes) & (time_s + to_come_s.max(axis=0) <= self.time_bound_s))
-        return _Front(time_s=time_s[fits], r=r[fits], q=q[fits],
-                      parent_source=front.parent_source[fits], parent_index=front.parent_index[fits])
+        return (_Front(time_s=time_s[fits], r=r[fits], q=q[fits],
+                       parent_source=front.parent_source[fits], parent_index=front.parent_index[fits]),
+                prefetched if np.isscalar(prefetched) else prefetched[fits])
