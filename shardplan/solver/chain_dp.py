@@ -29,6 +29,7 @@ the same space and tests/test_solver.py checks gap 0 on random chains.
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
 import numpy as np
 
@@ -186,6 +187,8 @@ class _Columns:
     in flight is added to it."""
     prefetch: np.ndarray
     gathered_bwd_bytes: np.ndarray
+    gathered_bwd_values: tuple[int, ...]
+    """The distinct values of gathered_bwd_bytes."""
     hide_fwd_s: np.ndarray
     gather_bwd_s: np.ndarray
     hide_bwd_s: np.ndarray
@@ -482,10 +485,9 @@ class ChainSolver:
             for decision in self.costs.decisions(first, end):
                 key = (first - start, end - start, decision)
                 chunk, prefetched = self._extend(source, start, key)
-                for held in np.unique(prefetched):  # one key per bytes of the unit before it prefetched
-                    part = chunk if np.isscalar(prefetched) else chunk.take(np.flatnonzero(prefetched == held))
+                for held, part in self._by_prefetched(source, chunk, prefetched):
                     if len(part.time_s):
-                        candidates[key + (int(held),)] = part
+                        candidates[key + (held,)] = part
         for key, front in candidates.items():
             # Raise R to Q + the least rise any continuation adds: states differing only below
             # that level behave the same in every future, so the Pareto step merges them (exact).
@@ -495,6 +497,17 @@ class ChainSolver:
             keys.append(key)
             fronts.append(_pareto(front))
         return _Position(keys=keys, fronts=fronts)
+
+    @staticmethod
+    def _by_prefetched(source: _Position, chunk: _Front, prefetched: np.ndarray | int) -> list[tuple[int, _Front]]:
+        """`chunk` split by what the new unit's backward holds of the unit before it (the key's last
+        part): a scalar is one value for every state, else one of the source's units' values."""
+        if np.isscalar(prefetched):
+            return [(int(prefetched), chunk)]
+        values = cast(_Columns, source.columns).gathered_bwd_values
+        if len(values) == 1:
+            return [(values[0], chunk)]
+        return [(held, chunk.take(np.flatnonzero(prefetched == held))) for held in values]
 
     def _columns(self, position: _Position, start: int) -> _Columns:
         if position.columns is None:
@@ -513,6 +526,7 @@ class ChainSolver:
                                        + key[3] for u, key in zip(units, position.keys)], np.int64),
                 prefetch=column([u.prefetch for u in units], bool),
                 gathered_bwd_bytes=column([u.gathered_bwd_bytes for u in units], np.int64),
+                gathered_bwd_values=tuple(sorted({u.gathered_bwd_bytes for u in units})),
                 hide_fwd_s=column([u.hide_fwd_s for u in units], float),
                 gather_bwd_s=column([u.gather_bwd_s for u in units], float),
                 hide_bwd_s=column([u.hide_bwd_s for u in units], float))
