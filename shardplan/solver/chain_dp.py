@@ -368,32 +368,36 @@ class ChainSolver:
         return ChainSolution(bounds=tuple(reversed(bounds)), decisions=tuple(reversed(decisions)),
                              time_s=time_s, peak_bytes=peak)
 
-    def _least_rise(self, first: int, end: int, decision: Decision) -> int:
-        """The least that any continuation of a state whose last unit is blocks[first:end] adds above Q.
+    def _least_rise(self, first: int, end: int, decision: Decision, prefetched: int) -> int:
+        """The least that any continuation of a state whose last unit is blocks[first:end] (holding
+        `prefetched` bytes of the unit before it in its backward) adds above Q.
 
         The end of the chain adds the unit's forward rise; the next unit V adds the larger of
-        that (plus V's prefetched params) and V's backward working set (plus this unit's params
-        prefetched). Without `only_end` the blocks after `end` are unknown (memoized fronts are
-        shared by every span with the same blocks), so only the first bound holds. Memoized on
-        the signatures of the blocks it reads: in a run of identical layers it is computed once."""
+        that (plus V's prefetched params), V's backward working set (plus this unit's params
+        prefetched) and this unit's backward beside V's reduction in flight. Without `only_end`
+        the blocks after `end` are unknown (memoized fronts are shared by every span with the same
+        blocks), so only the first bound holds. Memoized on the signatures of the blocks it reads:
+        in a run of identical layers it is computed once."""
         last = end if self.only_end is None or end == self.only_end else min(
             self.only_end, end + self.space.max_unit_blocks)
-        key = (self.signatures[first:last], end - first, last == end, decision)
+        key = (self.signatures[first:last], end - first, last == end, decision, prefetched)
         if key not in self.least_rises:
-            self.least_rises[key] = self._least_rise_of(first, end, last, decision)
+            self.least_rises[key] = self._least_rise_of(first, end, last, decision, prefetched)
         return self.least_rises[key]
 
-    def _least_rise_of(self, first: int, end: int, last: int, decision: Decision) -> int:
+    def _least_rise_of(self, first: int, end: int, last: int, decision: Decision, prefetched: int) -> int:
         u = self.costs(first, end, decision)
         rise_fwd = self._rise_fwd(u)
         if last == end:
             return rise_fwd
         ctx, least = self.ctx, None
+        rise_bwd = cost.own_peak_bytes(u, ctx, backward=True) - cost.held_bytes(u, ctx) + prefetched
         for after in range(end + 1, last + 1):
             for following in self.costs.decisions(end, after):
                 v = self.costs(end, after, following)
                 rise = max(rise_fwd + cost.prefetch_fwd_bytes(u, v, ctx),
-                           cost.own_peak_bytes(v, ctx, backward=True) + cost.prefetch_bwd_bytes(v, u))
+                           cost.own_peak_bytes(v, ctx, backward=True) + cost.prefetch_bwd_bytes(v, u),
+                           rise_bwd + cost.in_flight_bwd_bytes(v))
                 least = rise if least is None else min(least, rise)
         return rise_fwd if least is None else least
 
@@ -491,7 +495,7 @@ class ChainSolver:
         for key, front in candidates.items():
             # Raise R to Q + the least rise any continuation adds: states differing only below
             # that level behave the same in every future, so the Pareto step merges them (exact).
-            front.r = np.maximum(front.r, front.q + self._least_rise(start + key[0], start + key[1], key[2]))
+            front.r = np.maximum(front.r, front.q + self._least_rise(start + key[0], start + key[1], key[2], key[3]))
             if self.safe_margin_bytes is not None:
                 front = self._drop_slower_than_safe(front)
             keys.append(key)
