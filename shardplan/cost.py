@@ -24,9 +24,8 @@ Memory, by category (the peak is the largest of these events):
   the optimizer state is OPTIMIZER_STATE_BYTES_PER_PARAM (fp32).
 - gathered_params: unsharded parameters (param dtype of mixed precision; none
   at dp = 1 unless cast to it or copied in from the host) of the unit computing, of the unit it
-  prefetches, of SHARD_GRAD_OP units between their forward and backward, plus
-  the unsharded gradient of a sharded unit during its backward (reduce dtype)
-  before it is reduce-scattered.
+  prefetches, of SHARD_GRAD_OP units between their forward and backward, plus gradients
+  ([Note: gradients in backward]).
 - activations: what each finished block keeps for backward (saved_bytes; for
   FULL checkpointing its input_bytes; for SELECTIVE a SELECTIVE_KEEP_FRACTION of
   saved_bytes), for the micro-batches in flight: 1 (pp == 1), m (GPipe), or
@@ -37,8 +36,23 @@ Memory, by category (the peak is the largest of these events):
 Events: the forward of each unit (held activations of earlier units + this
 unit's gathered params + the prefetched next unit's + its forward working set),
 the end of forward, and the backward of each unit k (activations of units before
-k + unit k's backward working set and recompute + gathered params and gradient of
-unit k + the prefetched unit k-1 + SHARD_GRAD_OP units still gathered).
+k + the larger of unit k's backward working set and recompute, and its gradient as
+it is assembled + gathered params of unit k + the prefetched unit k-1 + SHARD_GRAD_OP
+units still gathered + the reduction of unit k+1 in flight).
+
+[Note: gradients in backward] What the runtime (runtime/scheduler.py, unit.py) allocates for
+gradients in a unit's backward, beside the `.grad` kept between steps (sharded_state):
+- autograd holds each parameter's gradient until the unit's last one is made, then concatenates
+  them into the flat gradient (its `_GatherFlat` backward; cast to the reduce dtype if that
+  differs): the parameters' gradients and the flat one at once, at the end of the backward, when
+  its working set is spent (measured: a layer's activation gradients are freed by then, and at
+  the working set's peak few of its parameters' gradients exist). So the backward event takes
+  the larger of the two (UnitCost.grad_assembly_bytes), not their sum.
+- the flat gradient is then reduced asynchronously, and the reduction is finished (its result
+  added into `.grad`) only when the next unit's backward ends: through the backward of unit k,
+  unit k+1's flat gradient (and a reduce-scatter's output shard) stays allocated
+  (UnitCost.reducing_bytes). None over a group of one (finished when issued), nor for a unit that
+  all-reduces its step's accumulator (m > 1: that buffer is sharded_state).
 
 Time, by component (per step):
 - compute: each op kind of the block (Block.fwd_kinds / bwd_kinds: an ATen op's
@@ -201,8 +215,12 @@ class UnitCost:
     """What a prefetch of this unit's backward gather allocates (FULL_SHARD only)."""
     kept_gathered_bytes: int
     """SHARD_GRAD_OP: stays gathered from forward to backward."""
-    grad_buffer_bytes: int
-    """Unsharded gradient of a sharded unit during its backward, before its reduce-scatter."""
+    grad_assembly_bytes: int
+    """The parameters' gradients beside the flat gradient they are concatenated into, at the end of
+    the unit's backward ([Note: gradients in backward])."""
+    reducing_bytes: int
+    """What the unit's gradient reduction holds while in flight, through the backward of the unit
+    before it ([Note: gradients in backward])."""
     fwd_working: tuple[int, int]
     """(activations, transient) of the unit's forward at its peak, above earlier units' holdings."""
     bwd_working: tuple[int, int]
@@ -419,6 +437,23 @@ def gathered_bytes(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> in
     return sizes.param_bytes if decision.traits.shards_params and copies else 0
 
 
+def grad_assembly_bytes(sizes: UnitSizes) -> int:
+    """The parameters' gradients (param dtype) and the flat gradient they are concatenated into, or
+    its cast to the reduce dtype, whichever is larger ([Note: gradients in backward])."""
+    return sizes.param_bytes + max(sizes.param_bytes, sizes.grad_bytes)
+
+
+def reducing_bytes(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> int:
+    """What the unit's reduction holds in flight ([Note: gradients in backward]): its flat gradient,
+    and the shard a reduce-scatter writes; none where the reduction is finished when issued (a group
+    of one) or reduces the step's accumulator (counted in state_bytes)."""
+    if decision.traits.reduce_scatters_grads:
+        return sizes.grad_bytes + -(-sizes.grad_bytes // ctx.dp) if ctx.dp > 1 else 0
+    if accumulates_grads(decision, ctx) or ctx.dp * ctx.dp_replicate == 1:
+        return 0
+    return sizes.grad_bytes
+
+
 def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
                   ctx: CostContext) -> tuple[int, tuple[int, int], tuple[int, int]]:
     """(activations kept for backward, forward working set, backward working set) of one micro-batch;
@@ -519,7 +554,7 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         state_bytes=state_bytes(sizes, decision, ctx), activation_bytes=activation_bytes, gathered_bytes=gathered,
         gathered_fwd_bytes=gathered, gathered_bwd_bytes=gathered if traits.reshard_after_forward else 0,
         kept_gathered_bytes=0 if traits.reshard_after_forward else gathered,
-        grad_buffer_bytes=sizes.grad_bytes if traits.shards_optimizer else 0,
+        grad_assembly_bytes=grad_assembly_bytes(sizes), reducing_bytes=reducing_bytes(sizes, decision, ctx),
         fwd_working=fwd_working, bwd_working=bwd_working,
         compute_fwd_s=compute_fwd_s, compute_bwd_s=compute_bwd_s, recompute_s=recompute_s,
         gather_fwd_s=gather, gather_bwd_s=gather if traits.reshard_after_forward else 0.0,
@@ -555,9 +590,10 @@ def own_gathered_bytes(unit: UnitCost, ctx: CostContext) -> int:
 
 
 def own_peak_bytes(unit: UnitCost, ctx: CostContext, backward: bool) -> int:
-    """A unit's whole working set while it runs (params, gradient buffer, activations, transient)."""
+    """A unit's whole working set while it runs (params; activations and transient, or in backward
+    its gradient as it is assembled where that is larger: [Note: gradients in backward])."""
     if backward:
-        return own_gathered_bytes(unit, ctx) + unit.grad_buffer_bytes + sum(unit.bwd_working)
+        return own_gathered_bytes(unit, ctx) + max(sum(unit.bwd_working), unit.grad_assembly_bytes)
     return own_gathered_bytes(unit, ctx) + sum(unit.fwd_working)
 
 
@@ -571,6 +607,11 @@ def prefetch_fwd_bytes(unit: UnitCost, nxt: UnitCost | None, ctx: CostContext) -
 def prefetch_bwd_bytes(unit: UnitCost, prev: UnitCost | None) -> int:
     """Extra bytes during `unit`'s backward: the previous unit's params gathered again early."""
     return prev.gathered_bwd_bytes if prev is not None and unit.prefetch else 0
+
+
+def in_flight_bwd_bytes(nxt: UnitCost | None) -> int:
+    """Extra bytes during a unit's backward: the next unit's reduction, still in flight."""
+    return nxt.reducing_bytes if nxt is not None else 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -654,11 +695,13 @@ def evaluate_stage(blocks: tuple[Block, ...], bounds: tuple[int, ...], decisions
         held_gathered += held_bytes(u, ctx) - u.activation_bytes
     events.append(("end of forward", held_acts, held_gathered, 0))
     for i in reversed(range(len(units))):
-        u, prev = units[i], units[i - 1] if i else None
+        u, prev, nxt = units[i], units[i - 1] if i else None, units[i + 1] if i + 1 < len(units) else None
         held_acts -= u.activation_bytes
         held_gathered -= held_bytes(u, ctx) - u.activation_bytes
         acts, transient = u.bwd_working
-        gathered = own_gathered_bytes(u, ctx) + u.grad_buffer_bytes + prefetch_bwd_bytes(u, prev)
+        gathered = own_gathered_bytes(u, ctx) + prefetch_bwd_bytes(u, prev) + in_flight_bwd_bytes(nxt)
+        if u.grad_assembly_bytes > acts + transient:  # the peak is where its gradient is assembled
+            acts, transient, gathered = 0, 0, gathered + u.grad_assembly_bytes
         events.append((f"backward of unit {i}", held_acts + acts, held_gathered + gathered, transient))
     always = state + never_resharded + other_micro_batches
     forward_bytes = [always + sum(event[1:]) for event in events[:len(units)]]

@@ -157,13 +157,45 @@ def test_peak_of_a_two_unit_stage_is_the_backward_of_the_last_unit():
     step = evaluate_stage(blocks, (0, 1), (Decision(), Decision()), ctx(dp=4))
     state = 2 * (16 * 10**6 // 4)
     params = 4 * 10**6
-    # backward of unit 1: unit 0's activations + unit 1's params, gradient, activations and
-    # backward transient + unit 0's params prefetched for its backward.
-    expected = state + 64 * MiB + params + params + 64 * MiB + 32 * MiB + params
+    # backward of unit 1: unit 0's activations + unit 1's params, activations and backward transient
+    # (its gradient is assembled after them, in less) + unit 0's params prefetched for its backward.
+    expected = state + 64 * MiB + params + 64 * MiB + 32 * MiB + params
     assert step.peak_bytes == expected
     assert step.peak_event == "backward of unit 1"
-    assert step.memory_bytes == {"sharded_state": state, "gathered_params": 3 * params,
+    assert step.memory_bytes == {"sharded_state": state, "gathered_params": 2 * params,
                                  "activations": 128 * MiB, "transient": 32 * MiB}
+
+
+@pytest.mark.parametrize("strategy, dp, micro_batches, in_flight", [
+    (ShardStrategy.FULL_SHARD, 4, 1, 4 * 10**6 + 10**6),  # the flat gradient and the shard it is scattered to
+    (ShardStrategy.FULL_SHARD, 4, 2, 4 * 10**6 + 10**6),  # reduce-scattered every micro-batch
+    (ShardStrategy.REPLICATE, 4, 1, 4 * 10**6),  # all-reduced in place
+    (ShardStrategy.REPLICATE, 4, 2, 0),  # the step's accumulator is all-reduced: sharded_state
+    (ShardStrategy.SHARD_OPTIMIZER, 4, 1, 4 * 10**6),
+    (ShardStrategy.REPLICATE, 1, 1, 0),  # a group of one: finished when issued
+])
+def test_the_backward_of_a_unit_holds_the_next_units_reduction_in_flight(strategy, dp, micro_batches, in_flight):
+    """The runtime finishes unit k+1's reduction when unit k's backward ends (runtime/scheduler.py):
+    unit 0's backward, the peak here (its transient dwarfs the rest), holds unit 1's gradient."""
+    blocks = (block(0, saved=0, bwd_transient=256 * MiB), block(1, saved=0))
+    decisions = (Decision(strategy=strategy, prefetch=False),) * 2
+    context = ctx(dp=dp, num_micro_batches=micro_batches)
+    step = evaluate_stage(blocks, (0, 1), decisions, context)
+    alone = evaluate_stage(blocks[:1], (0,), decisions[:1], context)
+    unit = unit_cost(blocks[1:], decisions[1], context)
+    assert step.peak_event == "backward of unit 0"
+    assert step.peak_bytes - alone.peak_bytes == unit.state_bytes + in_flight
+
+
+def test_a_units_backward_peaks_where_its_gradient_is_assembled_when_that_is_larger():
+    """Beside few activations, the parameters' gradients and the flat gradient concatenated from
+    them (both at once, at the end of the backward) are the unit's peak."""
+    numel = 64 * MiB // 4
+    step = evaluate_stage((block(0, numel=numel, saved=MiB, inp=MiB, fwd_transient=MiB, bwd_transient=MiB),),
+                          (0,), (Decision(strategy=ShardStrategy.REPLICATE),), ctx(dp=2))
+    state = (4 + 4 + 8) * numel
+    assert step.peak_event == "backward of unit 0"
+    assert step.peak_bytes == state + 2 * 4 * numel
 
 
 def test_step_time_is_the_sum_of_its_components_and_the_bubble_follows_the_schedule():

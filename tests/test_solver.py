@@ -12,7 +12,7 @@ from shardplan.chain import Block, TensorParallelFacts
 from shardplan.cost import CostContext, evaluate_stage
 from shardplan.hardware import get_hardware
 from shardplan.plan import Checkpoint, Mesh, Schedule, ShardStrategy
-from shardplan.solver.brute_force import count_candidates, solve_chain_brute_force
+from shardplan.solver.brute_force import count_candidates, solve_chain_brute_force, unit_partitions
 from shardplan.solver.chain_dp import ChainSolver, StageFloors, UnitCosts, _Front, _pareto, block_signatures
 from shardplan.solver.search import Configuration, Setting, boundary_time_s, context, solve_configuration
 from shardplan.solver.space import Constraints, SearchSpace, resolve_rules
@@ -217,3 +217,31 @@ def test_layers_whose_tensor_parallel_facts_name_their_own_modules_share_unit_co
     other = dataclasses.replace(blocks[0], tensor_parallel=dataclasses.replace(blocks[0].tensor_parallel,
                                                                                divisors=((4, "heads"),)))
     assert block_signatures((blocks[0], other)) == (0, 1)  # a size is a fact, not a name
+
+
+def test_dp_prices_the_backward_with_the_prefetched_unit_before_and_the_reduction_after():
+    """A unit's backward holds the unit before it (prefetched) and the next unit's reduction in flight
+    (cost.in_flight_bwd_bytes): three units in one event, which the DP's key carries (the prefetched
+    bytes). Every plan is walked once; budgets at plans' own peaks decide which ones fit."""
+    sizes = (10**6, 2 * 10**8, 3 * 10**7, 2 * 10**8, 10**6, 3 * 10**7)
+    blocks = tuple(Block(index=i, name=f"layers.{i}", modules=(f"layers.{i}",), param_names=(f"layers.{i}.w",),
+                         param_numel=numel, param_bytes=4 * numel, buffer_bytes=0, fwd_flops=10**12,
+                         bwd_flops=2 * 10**12, saved_bytes=10**8, input_bytes=10**6, output_bytes=10**6,
+                         fwd_transient_bytes=10**8, bwd_transient_bytes=(i % 3) * 10**9, first_node="a",
+                         last_node="b") for i, numel in enumerate(sizes))
+    space = SearchSpace(strategies=(ShardStrategy.FULL_SHARD, ShardStrategy.REPLICATE), checkpoints=(Checkpoint.NONE,),
+                        prefetch=(True, False), max_unit_blocks=2)
+    rules = resolve_rules(blocks, None)
+    ctx = CostContext(hardware=H100, dp=8)
+    plans = []  # (peak, time) of every plan
+    for bounds in unit_partitions(rules, space):
+        ends = bounds[1:] + (len(blocks),)
+        for decisions in itertools.product(*(space.decisions(rules[a:b]) for a, b in zip(bounds, ends))):
+            step = evaluate_stage(blocks, bounds, decisions, ctx)
+            plans.append((step.peak_bytes, step.step_time_s))
+    peaks = sorted({peak for peak, _ in plans})
+    for budget_bytes in peaks[::max(1, len(peaks) // 40)]:
+        found = ChainSolver(blocks, rules, ctx, budget_bytes, space).solve(0, len(blocks))
+        assert found is not None
+        assert evaluate_stage(blocks, found.bounds, found.decisions, ctx).peak_bytes == found.peak_bytes <= budget_bytes
+        assert math.isclose(found.time_s, min(time_s for peak, time_s in plans if peak <= budget_bytes), rel_tol=1e-9)

@@ -4,15 +4,17 @@
 Every memory event of a stage (cost.evaluate_stage) is
     Σ_all units base_bytes + Σ_units before the event's unit held_bytes + a local term,
 where the local term of unit k depends only on k and its neighbours (the prefetched
-unit's params). So scanning units left to right, after placing unit U a partial plan
-is summarized by
+unit's params; in backward, also the next unit's reduction in flight). So scanning units
+left to right, after placing unit U a partial plan is summarized by
     Q = Σ base_bytes so far + Σ held_bytes so far (U included),
     R = the largest event finished so far (U's backward included, U's forward not yet:
         it depends on whether the next unit is prefetched) + Σ base_bytes so far,
     T = step time so far (U's own terms and the exposure of every pair up to U),
-keyed by U itself (its span and decision), which is all the next unit couples to.
-Appending V adds base_bytes(V) to every event (R and Q), closes U's forward event and
-adds V's backward event. The final peak and time are non-decreasing in R, Q and T,
+keyed by U itself (its span and decision) and by what U's backward holds of the unit before
+it (its params prefetched): U's backward event is then Q + a constant of the key, so the next
+unit V can add V's reduction in flight to it. Appending V adds base_bytes(V) to every event
+(R and Q), closes U's forward event, adds V's backward event and U's backward event with V's
+reduction in flight. The final peak and time are non-decreasing in R, Q and T,
 so within a key only the Pareto-minimal (T, R, Q) states can lead to an optimum:
 the DP keeps exactly those (and drops states already over budget), which makes it
 exact for the cost model, not a heuristic. Further cuts, each exact:
@@ -27,6 +29,7 @@ the same space and tests/test_solver.py checks gap 0 on random chains.
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
 import numpy as np
 
@@ -179,8 +182,13 @@ class _Columns:
     front: _Front
     """parent_* here name the state itself: its key number and index at this position."""
     rise_fwd_bytes: np.ndarray
+    rise_bwd_bytes: np.ndarray
+    """How far the last unit's backward event stands above Q, before the next unit's reduction
+    in flight is added to it."""
     prefetch: np.ndarray
     gathered_bwd_bytes: np.ndarray
+    gathered_bwd_values: tuple[int, ...]
+    """The distinct values of gathered_bwd_bytes."""
     hide_fwd_s: np.ndarray
     gather_bwd_s: np.ndarray
     hide_bwd_s: np.ndarray
@@ -360,32 +368,36 @@ class ChainSolver:
         return ChainSolution(bounds=tuple(reversed(bounds)), decisions=tuple(reversed(decisions)),
                              time_s=time_s, peak_bytes=peak)
 
-    def _least_rise(self, first: int, end: int, decision: Decision) -> int:
-        """The least that any continuation of a state whose last unit is blocks[first:end] adds above Q.
+    def _least_rise(self, first: int, end: int, decision: Decision, prefetched: int) -> int:
+        """The least that any continuation of a state whose last unit is blocks[first:end] (holding
+        `prefetched` bytes of the unit before it in its backward) adds above Q.
 
         The end of the chain adds the unit's forward rise; the next unit V adds the larger of
-        that (plus V's prefetched params) and V's backward working set (plus this unit's params
-        prefetched). Without `only_end` the blocks after `end` are unknown (memoized fronts are
-        shared by every span with the same blocks), so only the first bound holds. Memoized on
-        the signatures of the blocks it reads: in a run of identical layers it is computed once."""
+        that (plus V's prefetched params), V's backward working set (plus this unit's params
+        prefetched) and this unit's backward beside V's reduction in flight. Without `only_end`
+        the blocks after `end` are unknown (memoized fronts are shared by every span with the same
+        blocks), so only the first bound holds. Memoized on the signatures of the blocks it reads:
+        in a run of identical layers it is computed once."""
         last = end if self.only_end is None or end == self.only_end else min(
             self.only_end, end + self.space.max_unit_blocks)
-        key = (self.signatures[first:last], end - first, last == end, decision)
+        key = (self.signatures[first:last], end - first, last == end, decision, prefetched)
         if key not in self.least_rises:
-            self.least_rises[key] = self._least_rise_of(first, end, last, decision)
+            self.least_rises[key] = self._least_rise_of(first, end, last, decision, prefetched)
         return self.least_rises[key]
 
-    def _least_rise_of(self, first: int, end: int, last: int, decision: Decision) -> int:
+    def _least_rise_of(self, first: int, end: int, last: int, decision: Decision, prefetched: int) -> int:
         u = self.costs(first, end, decision)
         rise_fwd = self._rise_fwd(u)
         if last == end:
             return rise_fwd
         ctx, least = self.ctx, None
+        rise_bwd = cost.own_peak_bytes(u, ctx, backward=True) - cost.held_bytes(u, ctx) + prefetched
         for after in range(end + 1, last + 1):
             for following in self.costs.decisions(end, after):
                 v = self.costs(end, after, following)
                 rise = max(rise_fwd + cost.prefetch_fwd_bytes(u, v, ctx),
-                           cost.own_peak_bytes(v, ctx, backward=True) + cost.prefetch_bwd_bytes(v, u))
+                           cost.own_peak_bytes(v, ctx, backward=True) + cost.prefetch_bwd_bytes(v, u),
+                           rise_bwd + cost.in_flight_bwd_bytes(v))
                 least = rise if least is None else min(least, rise)
         return rise_fwd if least is None else least
 
@@ -413,7 +425,7 @@ class ChainSolver:
     def _safe_margin_bytes(self) -> int:
         """An upper bound on what any continuation adds to a state's peak, anywhere in the chain:
         every block's largest base + held bytes, plus the largest working set of any unit with
-        its neighbour's gathered params (see `_drop_slower_than_safe`)."""
+        its neighbours' gathered params and reduction in flight (see `_drop_slower_than_safe`)."""
         n, ctx, space = len(self.blocks), self.ctx, self.space
         spans: dict[tuple, tuple[int, int]] = {}  # identical spans (blocks and rules) counted once
         for a in range(n):
@@ -422,7 +434,7 @@ class ChainSolver:
         units = [self.costs(a, b, d) for a, b in spans.values() for d in self.costs.decisions(a, b)]
         if not units:
             return 0
-        gathered = max(u.gathered_bytes for u in units)
+        gathered = max(u.gathered_bytes for u in units) + max(u.reducing_bytes for u in units)
         rise = max(max(cost.own_peak_bytes(u, ctx, backward=True), self._rise_fwd(u)) for u in units)
         most: dict[tuple, int] = {}  # per block signature: its largest base + held bytes
         for i in range(n):
@@ -476,18 +488,30 @@ class ChainSolver:
                 continue
             for decision in self.costs.decisions(first, end):
                 key = (first - start, end - start, decision)
-                chunk = self._extend(source, start, key)
-                if len(chunk.time_s):
-                    candidates[key] = chunk
+                chunk, prefetched = self._extend(source, start, key)
+                for held, part in self._by_prefetched(source, chunk, prefetched):
+                    if len(part.time_s):
+                        candidates[key + (held,)] = part
         for key, front in candidates.items():
             # Raise R to Q + the least rise any continuation adds: states differing only below
             # that level behave the same in every future, so the Pareto step merges them (exact).
-            front.r = np.maximum(front.r, front.q + self._least_rise(start + key[0], start + key[1], key[2]))
+            front.r = np.maximum(front.r, front.q + self._least_rise(start + key[0], start + key[1], key[2], key[3]))
             if self.safe_margin_bytes is not None:
                 front = self._drop_slower_than_safe(front)
             keys.append(key)
             fronts.append(_pareto(front))
         return _Position(keys=keys, fronts=fronts)
+
+    @staticmethod
+    def _by_prefetched(source: _Position, chunk: _Front, prefetched: np.ndarray | int) -> list[tuple[int, _Front]]:
+        """`chunk` split by what the new unit's backward holds of the unit before it (the key's last
+        part): a scalar is one value for every state, else one of the source's units' values."""
+        if np.isscalar(prefetched):
+            return [(int(prefetched), chunk)]
+        values = cast(_Columns, source.columns).gathered_bwd_values
+        if len(values) == 1:
+            return [(values[0], chunk)]
+        return [(held, chunk.take(np.flatnonzero(prefetched == held))) for held in values]
 
     def _columns(self, position: _Position, start: int) -> _Columns:
         if position.columns is None:
@@ -502,28 +526,34 @@ class ChainSolver:
 
             position.columns = _Columns(
                 front=front, rise_fwd_bytes=column([self._rise_fwd(u) for u in units], np.int64),
+                rise_bwd_bytes=column([cost.own_peak_bytes(u, self.ctx, backward=True) - cost.held_bytes(u, self.ctx)
+                                       + key[3] for u, key in zip(units, position.keys)], np.int64),
                 prefetch=column([u.prefetch for u in units], bool),
                 gathered_bwd_bytes=column([u.gathered_bwd_bytes for u in units], np.int64),
+                gathered_bwd_values=tuple(sorted({u.gathered_bwd_bytes for u in units})),
                 hide_fwd_s=column([u.hide_fwd_s for u in units], float),
                 gather_bwd_s=column([u.gather_bwd_s for u in units], float),
                 hide_bwd_s=column([u.hide_bwd_s for u in units], float))
         return position.columns
 
-    def _extend(self, source: _Position, start: int, key: tuple[int, int, Decision]) -> _Front:
-        """Append unit `key` to every state of `source`; drop what is already over budget."""
+    def _extend(self, source: _Position, start: int,
+                key: tuple[int, int, Decision]) -> tuple[_Front, np.ndarray | int]:
+        """Append unit `key` to every state of `source`; drop what is already over budget. Also returns
+        what the new unit's backward holds of the unit before it (its prefetch), per state kept."""
         ctx = self.ctx
         v = self.costs(start + key[0], start + key[1], key[2])
         delta, held_v = cost.base_bytes(v, ctx), cost.held_bytes(v, ctx)
         v_bwd = cost.own_peak_bytes(v, ctx, backward=True)
         own_time = 0.0 if self.minimize_memory else cost.own_time_s(v, ctx)
         if source.keys == [None]:
-            front, rise = source.fronts[0], v_bwd
+            front, rise, prefetched = source.fronts[0], v_bwd, 0
             step: float | np.ndarray = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(None, v, ctx)
         else:
             columns = self._columns(source, start)
-            front = columns.front
-            rise = np.maximum(columns.rise_fwd_bytes + columns.prefetch_fwd_bytes(v, ctx),
-                              v_bwd + columns.prefetch_bwd_bytes(v))
+            front, prefetched = columns.front, columns.prefetch_bwd_bytes(v)
+            rise = np.maximum(np.maximum(columns.rise_fwd_bytes + columns.prefetch_fwd_bytes(v, ctx),
+                                         v_bwd + prefetched),
+                              columns.rise_bwd_bytes + cost.in_flight_bwd_bytes(v))
             step = 0.0 if self.minimize_memory else own_time + columns.pair_time_s(v, ctx)
         r = np.maximum(front.r, front.q + rise) + delta
         time_s, q = front.time_s + step, front.q + delta + held_v
@@ -532,5 +562,6 @@ class ChainSolver:
         if math.isfinite(self.budget_bytes):  # without a budget only the plain compute bound (λ = 0) is there
             to_come_s = to_come_s + self.prices[:, None] * np.minimum(q - self.budget_bytes, 0)
         fits = np.flatnonzero((r <= self.budget_bytes) & (time_s + to_come_s.max(axis=0) <= self.time_bound_s))
-        return _Front(time_s=time_s[fits], r=r[fits], q=q[fits],
-                      parent_source=front.parent_source[fits], parent_index=front.parent_index[fits])
+        return (_Front(time_s=time_s[fits], r=r[fits], q=q[fits],
+                       parent_source=front.parent_source[fits], parent_index=front.parent_index[fits]),
+                prefetched if np.isscalar(prefetched) else prefetched[fits])
