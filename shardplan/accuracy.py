@@ -120,7 +120,8 @@ def shared_cores(hardware: HardwareProfile, ranks: int, cores: int) -> HardwareP
         matmul={dtype: dataclasses.replace(rate, peak_flops_per_s=rate.peak_flops_per_s * share)
                 for dtype, rate in hardware.matmul.items()},
         memory_bandwidth_bytes_per_s=hardware.memory_bandwidth_bytes_per_s * share,
-        op_overhead_s=hardware.op_overhead_s / share, intra_node=link(hardware.intra_node),
+        op_overhead_s=hardware.op_overhead_s / share, selective_op_overhead_s=hardware.selective_op_overhead_s / share,
+        intra_node=link(hardware.intra_node),
         inter_node=link(hardware.inter_node),
         # an op's factor is read off its curve by a call's roofline seconds, which are now 1 / share as long
         op_time_factors={op: SizeCurve(points=tuple((seconds / share, factor) for seconds, factor in curve.points))
