@@ -4,7 +4,7 @@ Every figure is the fastest of several rounds (see [Note: the fastest of interle
 - square matmuls over a sweep of sizes, per dtype: the peak and the efficiency curve;
 - a copy far larger than the caches: memory bandwidth; one-element ops, forward and backward:
   the fixed cost of a kernel in a training step (a bare call's, without autograd, is taken out
-  of the timed matmuls and ops); a layer's kinds of op on tiny tensors with and without selective
+  of the timed matmuls and ops); a tiny transformer layer with and without selective
   checkpointing: what its dispatch modes add to each op ([Note: selective checkpointing's modes]);
 - every kernel of a training step of a few models: each ATen op's time over its roofline
   ([Note: op time factors]);
@@ -578,7 +578,7 @@ def training_op_probe(device: torch.device) -> Probe:
 # 3 ms more on a 30 ms forward and backward, of which the re-run ops' own time is 0.9 ms), ten
 # times a kernel's fixed cost in a training step; the modes' cost depends on the op (a linear's
 # arguments and kept outputs cost more than a one-element multiply's, 20 us an op in a chain of
-# those), so the probe is a transformer layer (the zoo GPT's, on tiny tensors: 31 ops, 35 us each
+# those), so the probe is a transformer layer (the zoo GPT's, on tiny tensors: 32 ops, 35 us each
 # here; a tiny Llama layer's read 26), forward and backward with and without selective
 # checkpointing. The difference, less the re-run of the ops it does not keep (each a bare call's
 # fixed cost), over the ops the forward dispatched, is the profile's selective_op_overhead_s.
