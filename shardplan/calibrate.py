@@ -64,7 +64,7 @@ class Sweep:
     in_step_sizes_bytes: tuple[int, ...]
     """Sizes also timed inside a step, after compute ([Note: collectives in a step])."""
     rounds: int
-    """Rounds: timings of every probe, of which the fastest is kept (in a step: the fastest round's mean)."""
+    """Rounds: timings of every probe, of which the fastest is kept (in a step: the mean of all)."""
     copy_bytes: int
     """Buffer of the bandwidth copy: far beyond the last-level cache."""
 
@@ -376,7 +376,7 @@ def fit_collective(points: "list[tuple[float, float]]") -> CollectiveCost:
 #
 # [Note: the fastest of interleaved rounds]
 # Every figure is the fastest timing over several rounds, not their median; a compute timing is the
-# mean of a loop of calls (collectives in a step are the exception: the mean of a round's timings, see
+# mean of a loop of calls (collectives in a step are the exception: the mean of every timing, see
 # [Note: collectives in a step]). On a shared machine other
 # processes only ever add time, and by how much depends on their load at that moment: runs of
 # this calibration at load 5 on 2 cores gave medians up to 2x apart, the fastest times
@@ -397,8 +397,8 @@ class Probe:
     """Timings a round takes of this probe."""
     figure: Callable[[list[float]], float] = min
     """The probe's figure from all its timings, every round's: the fastest (a cost of its own, which
-    other work only lengthens), or the fastest round's mean (a cost whose spread is the thing
-    measured: collectives in a step)."""
+    other work only lengthens), or their mean (a cost whose spread is the thing measured: collectives
+    in a step)."""
     before: Callable[[], object] | None = None
     """Untimed work every timing starts with, after the ranks' barrier (see [Note: collectives in a step])."""
 
@@ -418,12 +418,9 @@ def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Pr
 # took 0.3 ms back to back and, after 2 ms of compute, a median of 0.75 ms, with a quarter of the
 # timings at 3-5 ms (a scheduler time slice): a heavy tail no single size's figure reproduces
 # from one calibration to the next. So a few sizes are also timed after _COMPUTE_BEFORE_S of
-# matmuls on every rank, 8 timings a round, and the mean of the fastest round's less the fitted own
-# cost is the link's in_step_wait_s, a latency the cost model adds to each collective (and pipeline
-# send) of a step (whole-step predictions check it: docs/benchmarks.md). A round's mean keeps the
-# tail a step meets; the fastest round, as a step's time is its fastest round, keeps other work on
-# the machine out: the mean of every round read 1.1-8.0 ms a collective in runs at load 8-18 on 2
-# cores, moving a step of 21 collectives by up to 1.4x while its fastest round moved 10-20%.
+# matmuls on every rank, 8 timings a round, and the mean of all of them less the fitted own cost
+# is the link's in_step_wait_s, a latency the cost model adds to each collective (and pipeline
+# send) of a step (whole-step predictions check it: docs/benchmarks.md).
 _COMPUTE_BEFORE_S = 2e-3
 """Compute before each in-step collective timing: about one transformer layer's forward on a CPU rank."""
 
@@ -436,7 +433,7 @@ def collective_probes(points: "list[tuple[str, int]]", device: torch.device, *,
 
     Collectives under 32 MiB are timed several times a round (up to 8): they are cheap, and the more
     timings the less one moment of the scheduler's jitter weighs (the figure is the fastest timing).
-    In a step every size is timed _IN_STEP_TIMINGS times a round, and the figure is the fastest round's mean.
+    In a step every size is timed _IN_STEP_TIMINGS times a round, and the figure is the mean of all.
     """
     world_size = dist.get_world_size()
     for kind, nbytes in points:
@@ -448,14 +445,8 @@ def collective_probes(points: "list[tuple[str, int]]", device: torch.device, *,
     return {(IN_STEP, kind, nbytes) if in_step else (kind, nbytes): Probe(
                 call=_collective_call(kind, full[:nbytes // 4], shard[:nbytes // 4 // world_size]), loop=False,
                 timings_per_round=_IN_STEP_TIMINGS if in_step else min(8, max(1, 32 * _MIB // nbytes)),
-                before=compute, figure=fastest_round_mean if in_step else min)
+                before=compute, figure=statistics.fmean if in_step else min)
             for kind, nbytes in points}
-
-
-def fastest_round_mean(timings: list[float]) -> float:
-    """The smallest mean of a round's _IN_STEP_TIMINGS timings (`timings` in the order taken)."""
-    return min(statistics.fmean(timings[start:start + _IN_STEP_TIMINGS])
-               for start in range(0, len(timings), _IN_STEP_TIMINGS))
 
 
 _IN_STEP_TIMINGS = 8
