@@ -187,7 +187,7 @@ class HardwareProfile:
     selective_op_overhead_s: float = 0.0
     """Fixed cost selective checkpointing adds to each op a block's forward dispatches, views
     included (Block.fwd_dispatches): its dispatch modes, in Python, see every op in forward and
-    again in recompute (calibrate.py, selective_op_probe). 0: not measured."""
+    again in recompute (calibrate.py, [Note: selective checkpointing's modes]). 0: not measured."""
 
     def __post_init__(self) -> None:
         for where, value in _figures(self, ""):

@@ -154,7 +154,7 @@ class _Tally:
         self.selective_bytes = 0
         """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
         self.dispatches = 0
-        """Ops dispatched, views and metadata queries included."""
+        """Ops dispatched, views included (metadata queries not)."""
 
     def op_kinds(self) -> tuple[OpKind, ...]:
         return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes)
