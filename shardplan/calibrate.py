@@ -599,7 +599,7 @@ def _selective_probe_layer(device: torch.device) -> tuple[torch.nn.Module, torch
     config = zoo.GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        layer = zoo.gpt(config, batch=1, device=device).model.h[0]
+        layer = zoo.TransformerBlock(config).to(device)
         return layer, torch.randn(1, config.seq_len, config.d_model, device=device, requires_grad=True)
 
 
@@ -644,10 +644,10 @@ def _calibration_probes(sweep: Sweep, device: torch.device) -> dict:
     probes["op"] = training_op_probe(device)
     one = torch.ones(1, device=device)
     probes["bare op"] = Probe(call=lambda: one + one, loop=True)
-    probes |= selective_op_probes(device)
     points = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.collective_sizes_bytes]
     in_step = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.in_step_sizes_bytes]
-    return probes | collective_probes(points, device) | collective_probes(in_step, device, in_step=True)
+    return (probes | selective_op_probes(device) | collective_probes(points, device)
+            | collective_probes(in_step, device, in_step=True))
 
 
 def _measurements(sweep: Sweep, seconds: dict, op_calls: tuple, device: torch.device) -> Measurements:
