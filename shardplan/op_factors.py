@@ -116,16 +116,7 @@ def fit_op_factors(profile: HardwareProfile, op_calls, kernel_overhead_s: float)
             band[1] += roofline_s
             band[2] += 1
             band[3] += flops
-    factors = {name: SizeCurve(points=_factor_points(by_band)) for name, by_band in sorted(bands.items())}
-    return factors | {name: factors[kin] for name, kin in FACTOR_STAND_INS.items()
-                      if name not in factors and kin in factors}
-
-
-FACTOR_STAND_INS = {"_grouped_mm": "mm", "grouped_mm_fallback": "mm", "grouped_mm_fallback_backward": "mm"}
-"""Ops no op workload runs that are another op at heart, and take its factor: a grouped matmul (a
-mixture of experts' routed experts; transformers' stand-in for it under export, and its backward)
-multiplies each group as an mm does. Without a factor it would be priced at the square matmuls'
-peak, which the calibration times warm in a loop, while mm in a training step runs at 1.0-1.2x it."""
+    return {name: SizeCurve(points=_factor_points(by_band)) for name, by_band in sorted(bands.items())}
 
 
 def _factor_points(by_band: dict[int, list[float]]) -> tuple[tuple[float, float], ...]:
