@@ -1,14 +1,19 @@
 """Predicted vs measured on Hugging Face architectures: every plan kind's peak memory and step time.
 
-    .venv/bin/python benchmarks/bench_hf_memory.py                     # every architecture
-    .venv/bin/python benchmarks/bench_hf_memory.py --models hf-llama hf-t5
+    .venv/bin/python benchmarks/bench_hf_memory.py                     # every architecture, calibrating
+    .venv/bin/python benchmarks/bench_hf_memory.py --models hf-llama hf-t5 --profile cpu-gloo
 
-Each of shardplan.accuracy.HF_WORKLOADS (Llama, Mixtral, GPT-2, BERT, T5 from tiny configs, random
-weights) under a hand-written plan of every strategy x checkpoint kind, one unit per block of the
-analysed chain, trained with AdamW on 2 CPU ranks (gloo), gradients kept between steps; peak memory
-is MemTracker's over a step after a warm-up step (the largest over the ranks), time a whole training
-step of rank 0, the fastest of interleaved rounds, a kind outside the time band measured once more;
-prediction is compile.evaluate on the built-in cpu-gloo profile (shardplan.accuracy).
+Each of shardplan.accuracy.HF_WORKLOADS (Llama, Mixtral, GPT-2, BERT, T5, random weights) under a
+hand-written plan of every strategy x checkpoint kind, one unit per block of the analysed chain,
+trained with AdamW on 2 CPU ranks (gloo), gradients kept between steps; peak memory is MemTracker's
+over a step after a warm-up step (the largest over the ranks), time a whole training step of rank 0,
+the fastest of interleaved rounds; prediction is compile.evaluate (shardplan.accuracy).
+
+By default each architecture's steps are timed in the same interleaved rounds as a calibration of
+`--mode` (medium: what `shardplan calibrate --medium` measures), and predicted on the profile fitted
+from it, as a user predicts after calibrating their machine; the fastest round is kept on both sides,
+so other work on the machine lengthens neither more than the other ([Note: the fastest of interleaved
+rounds] in shardplan/calibrate.py). `--profile` predicts on a saved or built-in profile instead.
 """
 import argparse
 import os
@@ -17,20 +22,36 @@ import torch
 from rich.console import Console
 
 from shardplan import get_hardware
-from shardplan.accuracy import HF_WORKLOADS, accuracy_table, measure_accuracy
+from shardplan.accuracy import HF_WORKLOADS, accuracy_table, compare, demo_chain_and_plans, measure_plans
+from shardplan.calibrate import MODES, fit_profile, summary, sweep_for
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(HF_WORKLOADS), choices=list(HF_WORKLOADS))
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds of every plan's step; the fastest is kept")
+    parser.add_argument("--profile", help="a profile JSON or built-in name (cpu-gloo); default: calibrate in the "
+                                          "same rounds as the training steps")
+    parser.add_argument("--mode", choices=MODES, default="medium", help="calibration mode without --profile")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed rounds of every plan's step, the fastest kept (default: the mode's, or 3)")
     options = parser.parse_args()
     torch.set_num_threads(1)
     console = Console(width=120)
+    sweep = None if options.profile else sweep_for(options.mode, "gloo")
+    rounds = options.rounds or (sweep.rounds if sweep else 3)
     ratios = []
     for name in options.models:
-        rows = measure_accuracy(get_hardware("cpu-gloo"), rounds=options.rounds, workload=HF_WORKLOADS[name])
-        console.print(accuracy_table(rows, f"{name}: predicted (cpu-gloo) vs measured, 2 gloo ranks"))
+        workload = HF_WORKLOADS[name]
+        chain, plans = demo_chain_and_plans(2, workload)
+        load = os.getloadavg()[0]
+        measurements, measured = measure_plans(plans, 2, rounds, sweep, workload=workload)
+        hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)
+        if sweep:
+            console.print(summary(hardware))
+        rows = compare(chain, plans, measured, hardware)
+        how = options.profile or f"{options.mode} calibration in the same rounds"
+        console.print(accuracy_table(rows, f"{name}: predicted ({how}) vs measured, 2 gloo ranks, "
+                                           f"load average {load:.1f}-{os.getloadavg()[0]:.1f}"))
         ratios += [(row.memory_ratio, row.time_ratio) for row in rows]
     memory, time = zip(*ratios)
     console.print(f"memory predicted/measured {min(memory):.2f}-{max(memory):.2f}, "

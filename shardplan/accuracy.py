@@ -120,7 +120,8 @@ def shared_cores(hardware: HardwareProfile, ranks: int, cores: int) -> HardwareP
         matmul={dtype: dataclasses.replace(rate, peak_flops_per_s=rate.peak_flops_per_s * share)
                 for dtype, rate in hardware.matmul.items()},
         memory_bandwidth_bytes_per_s=hardware.memory_bandwidth_bytes_per_s * share,
-        op_overhead_s=hardware.op_overhead_s / share, intra_node=link(hardware.intra_node),
+        op_overhead_s=hardware.op_overhead_s / share, selective_op_overhead_s=hardware.selective_op_overhead_s / share,
+        intra_node=link(hardware.intra_node),
         inter_node=link(hardware.inter_node),
         # an op's factor is read off its curve by a call's roofline seconds, which are now 1 / share as long
         op_time_factors={op: SizeCurve(points=tuple((seconds / share, factor) for seconds, factor in curve.points))
@@ -160,10 +161,12 @@ def _under(module: str, ancestors: tuple[str, ...]) -> bool:
 
 
 DEMO_WORKLOAD = Workload(name="gpt", options=(("config", DEMO_GPT), ("batch", DEMO_BATCH)))
-_HF_SIZE = (("n_layer", 2), ("d_model", 128), ("batch", 4), ("seq", 64))
+_HF_SIZE = (("n_layer", 4), ("d_model", 256), ("batch", 4), ("seq", 128))
 HF_WORKLOADS = {name: Workload(name=name, options=_HF_SIZE + extra) for name, extra in (
-    ("hf-llama", (("ffn", 344),)), ("hf-mixtral", ()), ("hf-gpt2", ()), ("hf-bert", ()), ("hf-t5", ()))}
-"""Hugging Face architectures from tiny configs (issue 22): each rank's batch 4 x 64 tokens."""
+    ("hf-llama", (("ffn", 688), ("vocab", 2048))), ("hf-mixtral", ()), ("hf-gpt2", ()), ("hf-bert", ()),
+    ("hf-t5", ()))}
+"""Hugging Face architectures at the size of issue 22's example (4 layers, hidden 256; Llama with 4
+query and 2 kv heads and a vocabulary of 2048), each rank's batch 4 x 128 tokens."""
 
 
 def demo_chain_and_plans(world_size: int, workload: Workload = DEMO_WORKLOAD) -> tuple[BlockChain, list[Plan]]:

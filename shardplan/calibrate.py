@@ -4,7 +4,8 @@ Every figure is the fastest of several rounds (see [Note: the fastest of interle
 - square matmuls over a sweep of sizes, per dtype: the peak and the efficiency curve;
 - a copy far larger than the caches: memory bandwidth; one-element ops, forward and backward:
   the fixed cost of a kernel in a training step (a bare call's, without autograd, is taken out
-  of the timed matmuls and ops);
+  of the timed matmuls and ops); a tiny transformer layer with and without selective
+  checkpointing: what its dispatch modes add to each op ([Note: selective checkpointing's modes]);
 - every kernel of a training step of a few models: each ATen op's time over its roofline
   ([Note: op time factors]);
 - all_gather_into_tensor, reduce_scatter_tensor and all_reduce over 6 KB-380 MB, the ranks
@@ -19,6 +20,7 @@ it. Rank 0 reports its timings; the parent process shows progress and fits the p
 import argparse
 import dataclasses
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -31,6 +33,7 @@ import numpy as np
 import scipy.optimize
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .dtypes import torch_dtype
 from .errors import HardwareError
@@ -38,6 +41,7 @@ from .files import write_text_atomically
 from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
                        ring_factor)
 from .op_factors import fit_op_factors, op_workloads, time_op_calls_s
+from .plan import Checkpoint, kept_by_selective
 from .runtime.launch import run_world
 from .runtime.measure import synchronize
 
@@ -143,6 +147,9 @@ class Measurements:
     """The same at a few sizes, each timing after compute ([Note: collectives in a step])."""
     op_calls: tuple[tuple[str, int, int, float], ...]
     """Every kernel of one training step of each op workload: (op name, FLOPs, bytes, fastest seconds)."""
+    selective_op_overhead_s: float = 0.0
+    """What selective checkpointing adds to each op a forward dispatches ([Note: selective
+    checkpointing's modes]); 0: not measured."""
 
 
 def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int, ...] | None = None,
@@ -277,7 +284,8 @@ def summary(profile: HardwareProfile) -> str:
     for dtype, rate in sorted(profile.matmul.items()):
         lines.append(f"  matmul {dtype}: peak {rate.peak_flops_per_s / 1e9:.1f} GFLOP/s")
     lines.append(f"  memory: {profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
-                 f"op overhead {profile.op_overhead_s * 1e6:.2f} us")
+                 f"op overhead {profile.op_overhead_s * 1e6:.2f} us, "
+                 f"selective checkpointing {profile.selective_op_overhead_s * 1e6:.2f} us an op")
     if profile.op_time_factors:
         examples = [f"{name} {_factor_range(profile.op_time_factors[name])}" for name in _SUMMARY_OPS
                     if name in profile.op_time_factors]
@@ -313,7 +321,8 @@ def fit_profile(m: Measurements) -> HardwareProfile:
         device_memory_bytes=m.device_memory_bytes,
         matmul={dtype: fit_matmul(points, m.kernel_overhead_s) for dtype, points in m.matmul_s.items()},
         memory_bandwidth_bytes_per_s=2 * m.copy_bytes / m.copy_s,  # a copy reads and writes every byte
-        op_overhead_s=m.op_overhead_s, devices_per_node=m.devices_per_node, overlaps_communication=not on_cpu,
+        op_overhead_s=m.op_overhead_s, selective_op_overhead_s=m.selective_op_overhead_s,
+        devices_per_node=m.devices_per_node, overlaps_communication=not on_cpu,
         intra_node=link, inter_node=link,
         source=(f"shardplan calibrate on {m.device_name}, {datetime.date.today().isoformat()}, "
                 f"torch {torch.__version__}, {m.backend} world {m.world_size}; {how}"
@@ -560,6 +569,72 @@ def training_op_probe(device: torch.device) -> Probe:
     return Probe(call=call, loop=True)
 
 
+# [Note: selective checkpointing's modes]
+# Selective checkpointing (torch.utils.checkpoint's create_selective_checkpoint_contexts, as
+# runtime/activation_checkpoint.py runs it) wraps a block's forward in a Python dispatch mode that
+# asks its policy about every op and stores the outputs it keeps, and its recompute in another that
+# hands them back: every op the forward dispatches, views included, passes through Python twice.
+# On a CPU rank that took about 40 us an op in a Llama layer of 4 x 128 tokens, hidden 256 (74 ops:
+# 3 ms more on a 30 ms forward and backward, of which the re-run ops' own time is 0.9 ms), ten
+# times a kernel's fixed cost in a training step; the modes' cost depends on the op (a linear's
+# arguments and kept outputs cost more than a one-element multiply's, 20 us an op in a chain of
+# those), so the probe is a transformer layer (the zoo GPT's, on tiny tensors: 32 ops, 35 us each
+# here; a tiny Llama layer's read 26), forward and backward with and without selective
+# checkpointing. The difference, less the re-run of the ops it does not keep (each a bare call's
+# fixed cost), over the ops the forward dispatched, is the profile's selective_op_overhead_s.
+def selective_op_probes(device: torch.device) -> dict[str, Probe]:
+    """A tiny transformer layer forward and backward with ("selective") and without ("selective plain")
+    selective checkpointing ([Note: selective checkpointing's modes])."""
+    from .runtime.activation_checkpoint import checkpointed
+
+    layer, x = _selective_probe_layer(device)
+    selective = checkpointed(layer.forward, Checkpoint.SELECTIVE)
+    return {"selective": Probe(call=lambda: selective(x).sum().backward(), loop=True),
+            "selective plain": Probe(call=lambda: layer(x).sum().backward(), loop=True)}
+
+
+def _selective_probe_layer(device: torch.device) -> tuple[torch.nn.Module, torch.Tensor]:
+    from . import zoo
+
+    config = zoo.GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layer = zoo.TransformerBlock(config).to(device)
+        return layer, torch.randn(1, config.seq_len, config.d_model, device=device, requires_grad=True)
+
+
+class _OpCount(TorchDispatchMode):
+    """Ops dispatched (metadata queries not counted, as the analysis counts Block.fwd_dispatches) and
+    kernels selective checkpointing re-runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dispatches = self.rerun = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "prim":
+            self.dispatches += 1
+            self.rerun += not func.is_view and not kept_by_selective(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@functools.cache
+def _selective_probe_ops() -> tuple[int, int]:
+    """(ops dispatched, kernels re-run) by one forward of the probe's layer."""
+    layer, x = _selective_probe_layer(torch.device("cpu"))
+    count = _OpCount()
+    with count:
+        layer(x)
+    return count.dispatches, count.rerun
+
+
+def selective_op_overhead_s(seconds: dict) -> float:
+    """The profile's selective_op_overhead_s from the probes' figures ([Note: selective checkpointing's modes])."""
+    dispatches, rerun = _selective_probe_ops()
+    extra_s = seconds["selective"] - seconds["selective plain"] - rerun * seconds["bare op"]
+    return max(0.0, extra_s / dispatches)
+
+
 def _calibration_probes(sweep: Sweep, device: torch.device) -> dict:
     probes: dict[tuple | str, Probe] = {("matmul", dtype, n, n, n): matmul_probe(n, n, n, dtype, device)
               for dtype in sweep.dtypes for n in sweep.matmul_sizes}
@@ -571,7 +646,8 @@ def _calibration_probes(sweep: Sweep, device: torch.device) -> dict:
     probes["bare op"] = Probe(call=lambda: one + one, loop=True)
     points = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.collective_sizes_bytes]
     in_step = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.in_step_sizes_bytes]
-    return probes | collective_probes(points, device) | collective_probes(in_step, device, in_step=True)
+    return (probes | selective_op_probes(device) | collective_probes(points, device)
+            | collective_probes(in_step, device, in_step=True))
 
 
 def _measurements(sweep: Sweep, seconds: dict, op_calls: tuple, device: torch.device) -> Measurements:
@@ -587,6 +663,7 @@ def _measurements(sweep: Sweep, seconds: dict, op_calls: tuple, device: torch.de
                   for dtype in sweep.dtypes},
         copy_bytes=sweep.copy_bytes, copy_s=seconds["copy"], op_overhead_s=seconds["op"] / _TRAINING_OP_KERNELS,
         kernel_overhead_s=seconds["bare op"],
+        selective_op_overhead_s=selective_op_overhead_s(seconds),
         collective_s={kind: tuple((nbytes, seconds[kind, nbytes]) for nbytes in sweep.collective_sizes_bytes)
                       for kind in COLLECTIVES},
         in_step_collective_s={kind: tuple((nbytes, seconds[IN_STEP, kind, nbytes])

@@ -150,6 +150,9 @@ class Block:
     fwd_ops: int = 0
     """Kernels the forward runs (views not counted): each pays a fixed launch / dispatch cost."""
     bwd_ops: int = 0
+    fwd_dispatches: int = 0
+    """Ops the forward dispatches, views included (metadata queries not): each passes through every
+    dispatch mode around it (selective checkpointing's, in forward and in recompute)."""
     selective_bytes: int = 0
     """Output bytes of the block's matmul-like ops (plan.SELECTIVE_SAVED_OPS): what selective
     checkpointing keeps besides the block's input."""

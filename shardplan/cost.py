@@ -67,7 +67,8 @@ Time, by component (per step):
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
   every forward op but the matmul-like ones whose outputs it kept
   (plan.SELECTIVE_SAVED_OPS; a hand-built block: its memory-bound ops), priced as
-  in compute.
+  in compute, and its dispatch modes add the profile's selective_op_overhead_s to
+  every op the forward dispatches (Block.fwd_dispatches).
 - exposed_comm: collectives not hidden by compute, each with the in-step wait
   the profile adds (hardware.py). The all-gather of the next
   unit (unit i+1 in forward, i-1 in backward) is issued when a prefetching unit
@@ -338,7 +339,9 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
     Each op kind the analysis counted pays its calls' fixed cost plus the factor the profile
     measured for it times its roofline time (per micro-batch: 1/m of its FLOPs and activation
     bytes, all of its parameter bytes); selective checkpointing re-runs every forward op but the
-    matmul-like ones it keeps (SELECTIVE_SAVED_OPS).
+    matmul-like ones it keeps (SELECTIVE_SAVED_OPS), and its dispatch modes cost each op the
+    forward dispatches a fixed cost of their own (views included; they see it in forward and in
+    recompute: 30-60 us an op on a CPU rank, ten times a kernel's).
     A chain built by hand has only totals: its FLOP-counted ops are priced together by roofline
     over the parameters and the block's input and output, its memory-bound ops by their bytes."""
     hw = ctx.hardware
@@ -348,7 +351,8 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
             return hw.compute_time_s(kind.flops / ctx.num_micro_batches, moved, ctx.param_dtype, calls=kind.calls,
                                      op=kind.name)
         fwd = [kind_s(kind) for kind in block.fwd_kinds]
-        selective = sum(s for kind, s in zip(block.fwd_kinds, fwd) if not kept_by_selective(kind.name))
+        selective = (sum(s for kind, s in zip(block.fwd_kinds, fwd) if not kept_by_selective(kind.name))
+                     + block.fwd_dispatches * hw.selective_op_overhead_s)
         return sum(fwd), sum(kind_s(kind) for kind in block.bwd_kinds), selective
     moved = block.param_numel * dtype_bytes(ctx.param_dtype) + _per_micro_batch(block.input_bytes + block.output_bytes,
                                                                               ctx)

@@ -139,6 +139,11 @@ class HardwareModel(Protocol):
                        op: str = "") -> float:
         """Time of `calls` equal ops that together do `flops` and move `bytes_moved`."""
 
+    @property
+    def selective_op_overhead_s(self) -> float:
+        """What selective checkpointing adds to each op a block's forward dispatches
+        (HardwareProfile.selective_op_overhead_s)."""
+
     def collective_time_s(self, kind: str, nbytes: float, group_size: int, *, in_step: bool = True,
                           ranks_per_node: int = 0) -> float:
         """Time of one collective of `kind` whose full buffer is `nbytes`, over `group_size` ranks."""
@@ -179,6 +184,10 @@ class HardwareProfile:
     priced at its roofline (1). Small calls run further from it: a GELU of 50 us by roofline took
     3.1x its memory time here, one of 190 us 2.3x. Read at the call's roofline in the compute dtype,
     though fitted in float32 (a limit)."""
+    selective_op_overhead_s: float = 0.0
+    """Fixed cost selective checkpointing adds to each op a block's forward dispatches, views
+    included (Block.fwd_dispatches): its dispatch modes, in Python, see every op in forward and
+    again in recompute (calibrate.py, [Note: selective checkpointing's modes]). 0: not measured."""
 
     def __post_init__(self) -> None:
         for where, value in _figures(self, ""):
@@ -198,7 +207,8 @@ class HardwareProfile:
                              ("inter_node.latency_per_node_doubling_s", self.inter_node.latency_per_node_doubling_s),
                              ("intra_node.ring_latency_per_node_s", self.intra_node.ring_latency_per_node_s),
                              ("inter_node.ring_latency_per_node_s", self.inter_node.ring_latency_per_node_s),
-                             ("runtime_reserved_bytes", self.runtime_reserved_bytes)):
+                             ("runtime_reserved_bytes", self.runtime_reserved_bytes),
+                             ("selective_op_overhead_s", self.selective_op_overhead_s)):
             if not _is_non_negative(value):
                 raise HardwareError(f"hardware profile {self.name!r}: {where} is {value!r}, must be a finite "
                                     "number, 0 or more")
@@ -375,8 +385,9 @@ def _figures(value: object, where: str) -> Iterator[tuple[str, object]]:
 
 
 _NOT_FIGURES = ("name", "source", "overlaps_communication", "in_step_wait_s", "latency_per_node_doubling_s",
-                "ring_latency_per_node_s", "runtime_reserved_bytes")
-"""Fields that are not positive figures (a wait, a latency step, a reserve may be 0: checked on their own)."""
+                "ring_latency_per_node_s", "runtime_reserved_bytes", "selective_op_overhead_s")
+"""Fields that are not positive figures (a wait, a latency step, a reserve, a cost not measured may be 0:
+checked on their own)."""
 
 
 PROFILES_DIR = os.path.join(os.path.dirname(__file__), "profiles")

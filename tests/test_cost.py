@@ -24,6 +24,8 @@ class LinearHardware:
 
     op_time_factors = {"gelu": 3.0}
 
+    selective_op_overhead_s = 0.0
+
     def compute_time_s(self, flops, bytes_moved, dtype="float32", *, calls=1, op=""):
         return calls * 1e-6 + self.op_time_factors.get(op, 1.0) * max(flops / 1e12, bytes_moved / 1e11)
 

@@ -132,7 +132,8 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             fwd_flops=sum(facts(n).fwd_flops for n in nodes),
             bwd_flops=sum(facts(n).bwd_flops for n in nodes),
             **{name: sum(getattr(facts(n), name) for n in nodes)
-               for name in ("fwd_memory_bytes", "bwd_memory_bytes", "fwd_ops", "bwd_ops", "selective_bytes")},
+               for name in ("fwd_memory_bytes", "bwd_memory_bytes", "fwd_ops", "bwd_ops", "fwd_dispatches",
+                            "selective_bytes")},
             fwd_kinds=merge_op_kinds(facts(n).fwd_kinds for n in nodes),
             bwd_kinds=merge_op_kinds(facts(n).bwd_kinds for n in nodes),
             saved_bytes=sum(saved.values()), input_bytes=inputs_read, output_bytes=outputs_read,

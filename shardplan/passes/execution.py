@@ -153,6 +153,8 @@ class _Tally:
         """Op name → [calls, FLOPs, bytes, weight bytes]."""
         self.selective_bytes = 0
         """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
+        self.dispatches = 0
+        """Ops dispatched, views included (metadata queries not)."""
 
     def op_kinds(self) -> tuple[OpKind, ...]:
         return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes)
@@ -163,8 +165,9 @@ class _Tally:
         changes = {f"{phase}_kinds": kinds, f"{phase}_flops": sum(k.flops for k in kinds),
                    f"{phase}_memory_bytes": sum(k.bytes for k in kinds if not k.flops),
                    f"{phase}_ops": sum(k.calls for k in kinds)}
-        if phase == "fwd":  # what selective checkpointing keeps is made in forward
+        if phase == "fwd":  # what selective checkpointing keeps and re-runs is made in forward
             changes["selective_bytes"] = self.selective_bytes
+            changes["fwd_dispatches"] = self.dispatches
         return changes
 
 
@@ -180,6 +183,8 @@ class _OpTally(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tally = self.tally
+        if tally is not None and func.namespace != "prim":  # prim: the fake tensors' own queries
+            tally.dispatches += 1
         if tally is None or not is_kernel(func):
             return out
         name = func.overloadpacket.__name__

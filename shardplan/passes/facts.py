@@ -31,6 +31,8 @@ class NodeFacts:
     fwd_ops: int = 0
     """Ops (kernels) the node runs, views not counted."""
     bwd_ops: int = 0
+    fwd_dispatches: int = 0
+    """Ops the node's forward dispatches, views included (metadata queries not)."""
     fwd_kinds: tuple[OpKind, ...] = ()
     """The forward's kernels by op name (the totals above, broken down)."""
     bwd_kinds: tuple[OpKind, ...] = ()
