@@ -70,8 +70,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         from .sharded import ShardedProgram
         return ShardedProgram(model, plan, loss_fn, device)
     if backend == "fsdp2" and plan.mesh.pp > 1:
-        raise ShardplanError(f"the plan pipelines over pp={plan.mesh.pp} stages, which backend='fsdp2' does not "
-                             "run: use backend='shardplan', or re-plan with pp=1")
+        from .fsdp2 import Fsdp2PipelinedProgram
+        return Fsdp2PipelinedProgram(model, plan, loss_fn, device)
     if backend == "fsdp2":
         from .fsdp2 import Fsdp2Program
         return Fsdp2Program(model, plan, loss_fn, device)
