@@ -35,6 +35,15 @@ CASES = {
     "llama_dp2_pp2_gpipe": {"model": "llama", "mesh": dict(dp=2, pp=2), "schedule": "gpipe", "micro_batches": 2,
                             "strategies": (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
                             "checkpoints": (Checkpoint.FULL, Checkpoint.NONE), "clip": 0.05},
+    "gpt_tp2_pp2_1f1b": {"model": "gpt", "mesh": dict(dp=1, tp=2, pp=2), "schedule": "1f1b", "micro_batches": 2,
+                         "strategies": (ShardStrategy.FULL_SHARD,), "clip": 0.05},
+    # sequence parallel norms see half the tokens: their gradients are summed over tp after FSDP2 reduces them
+    "llama_tp2_pp2_sp_vocab": {"model": "llama", "mesh": dict(dp=1, tp=2, pp=2, sequence_parallel=True,
+                                                              vocab_parallel=True),
+                               "schedule": "gpipe", "micro_batches": 2, "strategies": (ShardStrategy.FULL_SHARD,),
+                               "clip": 0.05},
+    "gpt_hsdp2_pp2": {"model": "gpt", "mesh": dict(dp=1, dp_replicate=2, pp=2), "schedule": "1f1b",
+                      "micro_batches": 2, "strategies": (ShardStrategy.FULL_SHARD,), "clip": 0.05},
 }
 
 
@@ -44,16 +53,18 @@ def run_case(rank: int, case: dict) -> dict:
     torch.manual_seed(0)
     entry = build(4)
     reference, model = entry.model, copy.deepcopy(entry.model)
-    replicas = WORLD // case["mesh"]["pp"]
+    replicas = case["mesh"]["dp"] * case["mesh"].get("dp_replicate", 1)
     batch, seq = entry.args[0].shape
     batches = [torch.randint(0, reference.config.vocab_size, (batch * replicas, seq),
                              generator=torch.Generator().manual_seed(step)) for step in range(STEPS)]
-    mine = [ids.chunk(replicas)[rank % replicas] for ids in batches]
-    plan = manual_plan(model, units, example_inputs=(mine[0],), example_kwargs={"labels": mine[0]}, **case["mesh"],
+    example = batches[0].chunk(replicas)[0]
+    plan = manual_plan(model, units, example_inputs=(example,), example_kwargs={"labels": example}, **case["mesh"],
                        strategies=case["strategies"], checkpoints=case.get("checkpoints", (Checkpoint.NONE,)),
                        micro_batches=case["micro_batches"], schedule=case["schedule"])
     program = parallelize(model, plan, backend="fsdp2")
-    return train_next_to_reference(program, reference, list(zip(mine, batches)), clip=case.get("clip"))
+    replica = plan.mesh.replica_of(rank)
+    return train_next_to_reference(program, reference, [(ids.chunk(replicas)[replica], ids) for ids in batches],
+                                   clip=case.get("clip"))
 
 
 def run_world(rank: int, world: int) -> dict:

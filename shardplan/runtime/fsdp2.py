@@ -23,16 +23,16 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from ..dtypes import torch_dtype
+from ..dtypes import dtype_name, torch_dtype
 from ..errors import PlanError, RuntimeMismatchError, ShardplanError
 from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabKind
 from ..plan import Plan, Unit
 from . import collectives
 from .activation_checkpoint import checkpointed
-from .chunks import Holder, dtensor_holders
+from .chunks import DTensorHolder, Holder, dtensor_holders
 from .pipelined import StagedProgram, drop_other_stages, tied_stages, units_read
 from .program import Program, grad_norm_term, refuse_optimizers_over
-from .sharded import initialize_module
+from .sharded import apply_plan_tensor_parallel, initialize_module
 from .stage_split import BlockCall, StageGraph, StageModule, block_runner, run_blocks, split_stages
 from .tensor_parallel import ParameterSlice, full_parameter, map_pair_input, plan_layout
 
@@ -68,6 +68,8 @@ class Fsdp2Program(Program):
         """The replicas, for averaging running statistics (see [Note: running statistics] in program.py)."""
         self.fused: dict[str, int] = {}
         """Fused projections' parameters sliced over tp: their chunks (see full_parameter)."""
+        self._sliced: dict[str, ParameterSlice] = {}
+        """Parameters backend="shardplan"'s tensor parallelism sliced (a pipelined stage's: [Note: FSDP2 stages])."""
         param_dtype = torch_dtype(self.plan.mixed_precision.param_dtype)
         reduce_dtype = torch_dtype(self.plan.mixed_precision.reduce_dtype)
         self._precision = MixedPrecisionPolicy(
@@ -127,17 +129,24 @@ class Fsdp2Program(Program):
         self._root.set_requires_gradient_sync(enabled)
 
     def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
-        grads = [parameter.grad for parameter in self.parameters() if parameter.grad is not None]
+        # every gradient a DTensor: its local parts summed over the world at once, each divided by the number
+        # of ranks holding it again (replica groups; tp ranks, for a parameter tensor parallelism left whole)
+        terms = [grad_norm_term([grad.to_local()], norm_type) / (1 if math.isinf(norm_type) else
+                                                                  self._copies(name, grad))
+                 for name, grad in ((name, cast(DTensor, parameter.grad)) for name, parameter
+                                    in self._named_parameters() if parameter.grad is not None)]
         zero = torch.zeros((), dtype=torch.float32)
-        if self.plan.mesh.tp == 1:
-            # every gradient a Shard(0) DTensor over the dp mesh, held again by each replica group (HSDP): local
-            # parts, summed over the ranks at once
-            local = grad_norm_term([cast(DTensor, grad).to_local() for grad in grads], norm_type)
-            return (local if math.isinf(norm_type) else local / self.plan.mesh.dp_replicate), zero
-        # tp ranks hold copies of some parts: DTensor makes each gradient's norm whole
-        norms = [torch.linalg.vector_norm(grad, norm_type) for grad in grads]
-        return zero, grad_norm_term([norm.full_tensor() if isinstance(norm, DTensor) else norm for norm in norms],
-                                    norm_type)
+        if not terms:
+            return zero, zero
+        return (torch.stack(terms).max() if math.isinf(norm_type) else torch.stack(terms).sum()), zero
+
+    def _copies(self, name: str, grad: DTensor) -> int:
+        """How many ranks hold this rank's part of parameter `name`'s gradient `grad`."""
+        mesh = grad.device_mesh
+        replicated = math.prod(mesh.size(dim) for dim, placement in enumerate(grad.placements)
+                               if placement.is_replicate())
+        over_tp = "tp" in (mesh.mesh_dim_names or ()) or name in self._sliced
+        return replicated * (1 if over_tp else self.plan.mesh.tp)
 
 
 class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
@@ -148,9 +157,9 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
         whole_mesh = self._meshes(device)
         self._pipeline = whole_mesh.get_group("pp")
         self._device = device
-        if plan.mesh.tp > 1:
-            raise ShardplanError(f"the plan runs tp={plan.mesh.tp} inside pipeline stages, which backend='fsdp2' "
-                                 "does not run: use backend='shardplan', or re-plan with tp=1")
+        self._tensor_parallel = whole_mesh.get_group("tp")
+        # sliced before the stages are cut, as backend="shardplan" slices them (see [Note: FSDP2 stages])
+        self._sliced, self._partial = apply_plan_tensor_parallel(module, plan, self._tensor_parallel)
         stages = split_stages(module, plan, device)
         self.graph = stages[plan.mesh.coordinates(collectives.world().rank)["pp"]]
         tied = tied_stages(plan, stages, units_read(module, plan, stages))
@@ -187,6 +196,19 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
     def _fsdp_modules(self) -> list[FSDPModule]:
         return [module for module in self._root.modules() if isinstance(module, FSDPModule)]
 
+    def holders(self) -> list[Holder]:
+        return [_SlicedHolder(holder, self._sliced[holder.names[0]], self._tensor_parallel)
+                if holder.names[0] in self._sliced else holder for holder in super().holders()]
+
+    def _gradients_done(self, planned: bool) -> None:
+        # whole parameters that saw this tp rank's tokens alone (sequence parallelism): their gradients summed
+        parameters = dict(self._named_parameters())  # this stage's
+        for name in self._partial:
+            grad = parameters[name].grad if name in parameters else None
+            if grad is not None:
+                collectives.all_reduce_sum(cast(DTensor, grad).to_local(), self._tensor_parallel)
+        super()._gradients_done(planned)
+
     def _stage_module(self, graph: StageGraph, batch: int) -> nn.Module:
         specs = {unit.name: unit for unit in self.plan.units}
 
@@ -201,6 +223,22 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
     def _running(self, batch: int):
         self._root.batch = batch
         yield
+
+
+class _SlicedHolder(DTensorHolder):
+    """An FSDP2 parameter that a stage's tensor parallelism sliced: its slice sharded over dp, gathered whole
+    over tp too."""
+
+    def __init__(self, holder: DTensorHolder, cut: ParameterSlice, group: collectives.Group):
+        super().__init__(holder.names[0], holder.parameter, holder.slots, holder.program)
+        self.cut = cut
+        self.group = group
+
+    def shapes(self) -> dict[str, tuple[list[int], str]]:
+        return {self.names[0]: (list(self.cut.full_shape), dtype_name(self.parameter.dtype))}
+
+    def gather(self) -> list[torch.Tensor]:
+        return [self.cut.gather(local, self.group) for local in super().gather()]
 
 
 class _UnitGroup(nn.Module):
