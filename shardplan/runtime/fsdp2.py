@@ -6,6 +6,31 @@ modules is one group); parameters owned by no unit module go to the root's
 group. FSDP2 has no ZeRO-1 or DDP mode inside fully_shard: SHARD_OPTIMIZER and
 REPLICATE units run as SHARD_GRAD_OP (the same arithmetic, with gradients and
 optimizer state sharded too), which this backend states rather than hides.
+
+[Note: FSDP2 stages] With pp > 1 this backend is torchtitan's composition on
+the stages backend="shardplan" runs: this rank's stage is cut out of the
+captured graph (stage_split.py) and run by the plan's GPipe or 1F1B schedule
+(pipelined.StagedProgram, shared by both backends, so `step` and smaller
+batches mean the same: [Note: pipelined step], [Note: smaller pipelined
+batches]). A stage runs its blocks' graph partitions, not its modules'
+forwards, so fully_shard is applied to a _UnitGroup per unit (per units
+sharing a parameter) holding the unit's modules, and each run of consecutive
+blocks of one unit is that group's forward: FSDP2's own hooks gather the unit
+before its blocks, reshard it after them as the unit decides, and gather it
+again for their backward (and for recomputing them, inside the group's
+forward, where the unit checkpoints). The groups sit under one _StageRoot,
+the module the schedule runs, so FSDP2 sees the stage as one model and the
+schedule drives its gradient accumulation: gradients stay unreduced through
+every micro-batch's backward and are reduce-scattered (all-reduced over
+replica groups, HSDP) once after the last. With tp > 1 the model is sliced
+over the stage's tp group by backend="shardplan"'s tensor parallelism before
+the cut (tensor_parallel.py; [Note: tensor parallel stages] in pipelined.py),
+not by parallelize_module: DTensor's styles act in the hooks of the modules
+they wrap, which a graph partition never calls, while the sliced model's graph
+holds tp's exchanges as nodes. FSDP2 then shards the slices over dp; whole
+parameters that see one tp rank's tokens (sequence parallelism) have their
+gradients summed over tp after the reduction. A unit that blocks of another
+stage read (a head tied to the embedding) is refused.
 """
 import contextlib
 import dataclasses
@@ -266,7 +291,11 @@ class _StageRoot(nn.Module):
         """The replica batch size running."""
 
     def forward(self, *inbound: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.stages[self.batch](*inbound)
+        with warnings.catch_warnings():
+            # a group returning a view (a block's reshape) would lose FSDP2's gather for backward only under an
+            # in-place op on it, and the captured graph, functional, has none
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            return self.stages[self.batch](*inbound)
 
 
 def _group_modules(units: tuple[Unit, ...], modules: dict[str, nn.Module]) -> list[str]:

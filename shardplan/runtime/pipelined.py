@@ -1,11 +1,12 @@
-"""backend="shardplan" with pp > 1: the plan's stages run by torch.distributed.pipelining.
+"""pp > 1: the plan's stages run by torch.distributed.pipelining, on either backend.
 
 Rank r holds stage r // (dp · tp) (plan.Mesh, [Note: rank layout]). Its stage is
-cut out of the captured graph (see [Note: stage graphs] in stage_split.py); its
-units are built as without pipelining, but sharded over the stage's
-data-parallel group; a GPipe or 1F1B schedule runs the stage and sends
-activations and their gradients to the neighbouring stages of the same replica
-and tp index.
+cut out of the captured graph (see [Note: stage graphs] in stage_split.py); a
+GPipe or 1F1B schedule runs the stage and sends activations and their gradients
+to the neighbouring stages of the same replica and tp index (StagedProgram, for
+both backends). On backend="shardplan" (PipelinedProgram) the stage's units are
+built as without pipelining, but sharded over the stage's data-parallel group;
+backend="fsdp2" shards them with fully_shard ([Note: FSDP2 stages] in fsdp2.py).
 
 [Note: tensor parallel stages] With tp > 1 the model is sliced over this rank's
 tp group (tp consecutive ranks of one stage, as at pp = 1: tensor_parallel.py)
