@@ -30,7 +30,11 @@ they wrap, which a graph partition never calls, while the sliced model's graph
 holds tp's exchanges as nodes. FSDP2 then shards the slices over dp; whole
 parameters that see one tp rank's tokens (sequence parallelism) have their
 gradients summed over tp after the reduction. A unit that blocks of another
-stage read (a head tied to the embedding) is refused.
+stage read (a head tied to the embedding) is copied there as on backend
+"shardplan" ([Note: tied weights across stages] in pipelined.py): on the
+reading stage its copy joins the reading unit's group (FSDP2 gathers a tied
+parameter in one group), its shards take the owner's values before each step
+and give their gradients to the owner's after it.
 """
 import contextlib
 import dataclasses
@@ -55,7 +59,7 @@ from ..plan import Plan, Unit
 from . import collectives
 from .activation_checkpoint import checkpointed
 from .chunks import DTensorHolder, Holder, dtensor_holders
-from .pipelined import StagedProgram, drop_other_stages, tied_stages, units_read
+from .pipelined import StagedProgram, copied_units, drop_other_stages, make_ties, tied_stages, units_read
 from .program import Program, grad_norm_term, refuse_optimizers_over
 from .sharded import apply_plan_tensor_parallel, initialize_module
 from .stage_split import BlockCall, StageGraph, StageModule, block_runner, run_blocks, split_stages
@@ -188,12 +192,9 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
         stages = split_stages(module, plan, device)
         self.graph = stages[plan.mesh.coordinates(collectives.world().rank)["pp"]]
         tied = tied_stages(plan, stages, units_read(module, plan, stages))
-        if tied:
-            raise ShardplanError(f"units {list(tied)} are read by blocks of other pipeline stages (tied weights), "
-                                 "which backend='fsdp2' does not share across stages: use backend='shardplan', or "
-                                 "re-plan with the tied modules in one stage")
+        copied = copied_units(plan, tied, self.graph.index)
         specs = {unit.name: unit for unit in plan.units}
-        own = tuple(specs[name] for name in plan.stages[self.graph.index].units)
+        own = tuple(specs[name] for name in plan.stages[self.graph.index].units + copied)
         modules = dict(module.named_modules())
         on_meta = any(parameter.is_meta for parameter in module.parameters())
         drop_other_stages(module, plan, tuple(unit.name for unit in own))
@@ -211,12 +212,17 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
                                  reshard_after_forward=False, mp_policy=self._precision)
         if on_meta:
             _initialize(module, list(self._root.groups), device)
+        self._copied = {id(module.get_parameter(name)) for unit in copied for name in specs[unit].params}
+        """This rank's copies of other stages' units (see [Note: tied weights across stages] in pipelined.py)."""
+        self.ties = make_ties(plan, tied, self.graph.index,
+                              lambda unit: tuple(module.get_parameter(name) for name in specs[unit].params))
         self._start_schedules()
 
     __call__ = StagedProgram.__call__
 
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(name, parameter) for name, parameter in self.module.named_parameters() if not parameter.is_meta]
+        return [(name, parameter) for name, parameter in self.module.named_parameters()
+                if not parameter.is_meta and id(parameter) not in self._copied]
 
     def _fsdp_modules(self) -> list[FSDPModule]:
         return [module for module in self._root.modules() if isinstance(module, FSDPModule)]
@@ -247,7 +253,8 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
     @contextlib.contextmanager
     def _running(self, batch: int):
         self._root.batch = batch
-        yield
+        with super()._running(batch):
+            yield
 
 
 class _SlicedHolder(DTensorHolder):

@@ -72,7 +72,6 @@ from .scheduler import Scheduler
 from .sharded import UnitProgram, apply_plan_tensor_parallel, build_units, unit_place
 from .stage_split import (BlockCall, StageGraph, StageModule, block_runner, put_stand_ins, run_blocks,
                           split_stages)
-from .unit import FlatUnit
 
 
 def schedule_class(name: str):
@@ -106,14 +105,36 @@ class StagedProgram(Program):
         """The module running `graph`, this rank's stage at a replica batch of `batch` samples."""
         raise NotImplementedError
 
+    ties: "list[_Tie]" = []
+    """This rank's part of each tie across stages it holds (see [Note: tied weights across stages])."""
+
     @contextlib.contextmanager
     def _running(self, batch: int):
         """The context the schedule for `batch` runs in."""
+        self._copy_tied_values()
         yield
 
     def _gradients_done(self, planned: bool) -> None:
         """After a step's schedule: the gradients complete (`planned`: the step took the planned batch)."""
+        self._sum_tied_gradients()
         self._gradients_reduced(planned)
+
+    def _copy_tied_values(self) -> None:
+        """The owners' values into their copies on other stages (see [Note: tied weights across stages])."""
+        with torch.no_grad():
+            for tie in self.ties:
+                for parameter in tie.parameters:
+                    if tie.is_copy:
+                        parameter.grad = None  # what a failed step left
+                    collectives.broadcast_from(_local(parameter.detach()), tie.source, tie.group)
+
+    def _sum_tied_gradients(self) -> None:
+        """The copies' gradients summed into their owners' (see [Note: tied weights across stages])."""
+        for tie in self.ties:
+            for parameter in tie.parameters:
+                grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+                collectives.all_reduce_sum(_local(grad), tie.group)
+                parameter.grad = None if tie.is_copy else grad
 
     def _schedule(self, graph: StageGraph, batch: int):
         """A schedule running this rank's stage, `graph`, over the parameters built at start-up."""
@@ -201,19 +222,14 @@ class PipelinedProgram(StagedProgram, UnitProgram):
         index = self.graph.index
         specs = {unit.name: unit for unit in plan.units}
         tied = tied_stages(plan, stages, reads)
-        tie_groups = {name: collectives.stages_group(plan.mesh, holders) for name, holders in tied.items()}
         own = plan.stages[index].units
-        copied = tuple(name for name, holders in tied.items() if index in holders and name not in own)
+        copied = copied_units(plan, tied, index)
         drop_other_stages(module, plan, own + copied)
         built = build_units(module, plan, device, unit_place(plan.mesh, self.groups),
                             units=tuple(specs[name] for name in own + copied), cuts=cuts, partial=partial)
         self.units = built[:len(own)]
-        step = plan.mesh.stride("pp")
-        self.ties = [_Tie(unit=unit, group=tie_groups[unit.name], is_copy=unit.name in copied,
-                          source=collectives.world().rank + (plan.stage_of_unit[unit.name] - index) * step)
-                     for unit in sorted(built, key=lambda unit: unit.name) if unit.name in tied]
-        """This rank's units of ties across stages (see [Note: tied weights across stages])."""
         self._by_name = {unit.name: unit for unit in built}
+        self.ties = make_ties(plan, tied, index, lambda name: (self._by_name[name].shard,))
         self._reads = reads
         self._device = device
         # the scheduler counts a unit's distinct module paths done (a module called twice counts once)
@@ -238,31 +254,11 @@ class PipelinedProgram(StagedProgram, UnitProgram):
     @contextlib.contextmanager
     def _running(self, batch: int):
         self._forwards_this_step = 0
-        self._copy_tied_values()
         try:
-            yield
+            with super()._running(batch):
+                yield
         finally:
             self.scheduler.communicate = True
-
-    def _gradients_done(self, planned: bool) -> None:
-        self._sum_tied_gradients()
-        super()._gradients_done(planned)
-
-    def _copy_tied_values(self) -> None:
-        """The owners' values into their copies on other stages (see [Note: tied weights across stages])."""
-        with torch.no_grad():
-            for tie in self.ties:
-                if tie.is_copy:
-                    tie.unit.shard.grad = None  # what a failed step left
-                collectives.broadcast_from(tie.unit.shard.detach(), tie.source, tie.group)
-
-    def _sum_tied_gradients(self) -> None:
-        """The copies' gradients summed into their owners' (see [Note: tied weights across stages])."""
-        for tie in self.ties:
-            shard = tie.unit.shard
-            grad = collectives.all_reduce_sum(shard.grad if shard.grad is not None else torch.zeros_like(shard),
-                                              tie.group)
-            shard.grad = None if tie.is_copy else grad
 
     def _stopped_together(self) -> bool:
         # a stage that fails leaves its neighbours waiting on activations or gradients it never sends
@@ -288,12 +284,37 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
 class _Tie(NamedTuple):
     """A unit of this rank that a tie across stages shares (see [Note: tied weights across stages])."""
 
-    unit: FlatUnit
+    parameters: tuple[nn.Parameter, ...]
+    """What this rank holds of the unit: its flat shard (backend="shardplan"), its parameters' shards (fsdp2)."""
     group: collectives.Group
     """The ranks of the stages holding the unit, of this rank's replica and tp index."""
     source: int
     """The world rank of the group holding the plan's unit, whose values the copies take."""
     is_copy: bool
+
+
+def copied_units(plan: Plan, tied: dict[str, tuple[int, ...]], index: int) -> tuple[str, ...]:
+    """The units of other stages that stage `index` holds a copy of (`tied`: from tied_stages)."""
+    own = plan.stages[index].units
+    return tuple(name for name, holders in tied.items() if index in holders and name not in own)
+
+
+def make_ties(plan: Plan, tied: dict[str, tuple[int, ...]], index: int,
+              held: Callable[[str], tuple[nn.Parameter, ...]]) -> "list[_Tie]":
+    """Stage `index`'s ties (`tied`: from tied_stages), each with what `held(unit)` says this rank holds of
+    the unit; makes every tie's group, so call it on every rank alike."""
+    groups = {name: collectives.stages_group(plan.mesh, holders) for name, holders in tied.items()}
+    step = plan.mesh.stride("pp")
+    return [_Tie(parameters=held(name), group=groups[name], is_copy=name not in plan.stages[index].units,
+                 source=collectives.world().rank + (plan.stage_of_unit[name] - index) * step)
+            for name in sorted(tied) if index in tied[name]]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor` (a DTensor's local shard, which writes reach)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def units_read(model: nn.Module, plan: Plan, stages: list[StageGraph]) -> dict[str, list[str]]:
