@@ -13,28 +13,20 @@ import tempfile
 import pytest
 import torch
 
-from shardplan import zoo
 from shardplan.plan import Checkpoint, ShardStrategy
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
 
 from parity import ADAMW, assert_parity, spawn_world, train_next_to_reference
+from test_mesh_runtime import MODELS as MESH_MODELS
+from test_pipeline import MODELS as PIPELINE_MODELS
 
 STEPS = 2
 WORLD = 4
 
-MODELS = {
-    "gpt": (lambda batch: zoo.gpt(zoo.GPTConfig(n_layer=2), batch=batch),
-            [("wte", "wpe"), ("h.0",), ("h.1",), ("ln_f", "lm_head")]),
-    "llama": (lambda batch: zoo.hf_llama(n_layer=2, d_model=64, ffn=128, heads=4, kv_heads=2, vocab=128,
-                                         batch=batch, seq=16),
-              [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
-}
-"""Per model: its builder (batch size → zoo entry) and its units."""
-MODELS["gpt2-tied"] = (lambda batch: zoo.hf_gpt2(batch=batch, seq=16),
-                       [("transformer.wte", "transformer.wpe"), ("transformer.h.0",), ("transformer.h.1",),
-                        ("transformer.ln_f", "lm_head")])
-"""GPT-2, its head tied to its embedding: at pp 2 the two sit on different stages."""
+MODELS = {**MESH_MODELS, "gpt2-tied": PIPELINE_MODELS["gpt2-tied"]}
+"""Per model: its builder (batch size → zoo entry) and its units; GPT-2's head is tied to its embedding,
+which at pp 2 sit on different stages."""
 
 CASES = {
     # the second step takes 2 samples a replica where 4 were planned (an epoch's last batch)

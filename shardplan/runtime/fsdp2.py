@@ -194,14 +194,14 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
         tied = tied_stages(plan, stages, units_read(module, plan, stages))
         copied = copied_units(plan, tied, self.graph.index)
         specs = {unit.name: unit for unit in plan.units}
-        own = tuple(specs[name] for name in plan.stages[self.graph.index].units + copied)
+        held_here = tuple(specs[name] for name in plan.stages[self.graph.index].units + copied)
         modules = dict(module.named_modules())
         on_meta = any(parameter.is_meta for parameter in module.parameters())
-        drop_other_stages(module, plan, tuple(unit.name for unit in own))
+        drop_other_stages(module, plan, tuple(unit.name for unit in held_here))
         refuse_optimizers_over(list(module.parameters()))  # fully_shard replaces this stage's with DTensors
         self._groups: dict[str, _UnitGroup] = {}
         """Each unit of this stage → the FSDP2 group its blocks run in."""
-        for units in _groups_of_ties(module, own):
+        for units in _groups_of_ties(module, held_here):
             group = _UnitGroup([modules[path] for path in _group_modules(units, modules)])
             held = {id(module.get_parameter(name)) for unit in units for name in unit.params}
             # a unit module above another unit's keeps its own parameters only

@@ -59,6 +59,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
@@ -95,6 +96,8 @@ class StagedProgram(Program):
     _device: torch.device
     _pipeline: collectives.Group
     """This rank's replica and tp index on every stage: activations flow between them."""
+    ties: "list[_Tie]" = []
+    """This rank's part of each tie across stages it holds (see [Note: tied weights across stages])."""
 
     def _start_schedules(self) -> None:
         self._schedules = {self.plan.batch_per_replica: self._schedule(self.graph, self.plan.batch_per_replica)}
@@ -104,9 +107,6 @@ class StagedProgram(Program):
     def _stage_module(self, graph: StageGraph, batch: int) -> nn.Module:
         """The module running `graph`, this rank's stage at a replica batch of `batch` samples."""
         raise NotImplementedError
-
-    ties: "list[_Tie]" = []
-    """This rank's part of each tie across stages it holds (see [Note: tied weights across stages])."""
 
     @contextlib.contextmanager
     def _running(self, batch: int):
@@ -312,8 +312,6 @@ def make_ties(plan: Plan, tied: dict[str, tuple[int, ...]], index: int,
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of `tensor` (a DTensor's local shard, which writes reach)."""
-    from torch.distributed.tensor import DTensor
-
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
