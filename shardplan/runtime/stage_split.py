@@ -18,7 +18,8 @@ A partition takes its parameters as arguments; they are read from the model
 only when it runs, inside the scheduler's wrap, once its units have presented
 their gathered views. So a block is run as a module is without pipelining:
 gathered, prefetched, released and checkpointed the same way, and a stage's
-units shard over its data-parallel group unchanged.
+units shard over its data-parallel group unchanged. On backend="fsdp2" a unit's
+consecutive blocks run as its FSDP2 group's forward ([Note: FSDP2 stages] in fsdp2.py).
 """
 import contextlib
 import dataclasses
