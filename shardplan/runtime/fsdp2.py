@@ -41,7 +41,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Any, Callable, cast
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.nn as nn
@@ -67,6 +67,11 @@ from .tensor_parallel import ParameterSlice, full_parameter, map_pair_input, pla
 
 
 class Fsdp2Program(Program):
+    fused: dict[str, int]
+    """Fused projections' parameters sliced over tp: their chunks (see full_parameter)."""
+    _sliced: dict[str, ParameterSlice]
+    """Parameters backend="shardplan"'s tensor parallelism sliced (a pipelined stage's: [Note: FSDP2 stages])."""
+
     def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
         super().__init__(module, plan, loss_fn)
         whole_mesh = self._meshes(device)
@@ -95,10 +100,8 @@ class Fsdp2Program(Program):
         self._data_parallel = self._mesh._flatten("dp").get_group() if self._mesh.ndim > 1 \
             else self._mesh.get_group()
         """The replicas, for averaging running statistics (see [Note: running statistics] in program.py)."""
-        self.fused: dict[str, int] = {}
-        """Fused projections' parameters sliced over tp: their chunks (see full_parameter)."""
-        self._sliced: dict[str, ParameterSlice] = {}
-        """Parameters backend="shardplan"'s tensor parallelism sliced (a pipelined stage's: [Note: FSDP2 stages])."""
+        self.fused = {}
+        self._sliced = {}
         param_dtype = torch_dtype(self.plan.mixed_precision.param_dtype)
         reduce_dtype = torch_dtype(self.plan.mixed_precision.reduce_dtype)
         self._precision = MixedPrecisionPolicy(
@@ -182,7 +185,7 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
     """backend="fsdp2" with pp > 1, the torchtitan composition (see [Note: FSDP2 stages])."""
 
     def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
-        Program.__init__(self, module, plan, loss_fn)
+        Program.__init__(self, module, plan, loss_fn)  # not Fsdp2Program's, which shards the whole model
         whole_mesh = self._meshes(device)
         self._pipeline = whole_mesh.get_group("pp")
         self._device = device
@@ -208,10 +211,11 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
             others = {parameter for parameter in group.parameters() if id(parameter) not in held}
             self._shard(group, units[0], device, ignored_params=others or None)
             self._groups.update((unit.name, group) for unit in units)
-        self._root = fully_shard(_StageRoot(list(dict.fromkeys(self._groups.values()))), mesh=self._mesh,
-                                 reshard_after_forward=False, mp_policy=self._precision)
+        self._stage_root = _StageRoot(list(dict.fromkeys(self._groups.values())))
+        self._root = fully_shard(self._stage_root, mesh=self._mesh, reshard_after_forward=False,
+                                 mp_policy=self._precision)
         if on_meta:
-            _initialize(module, list(self._root.groups), device)
+            _initialize(module, list(self._stage_root.groups), device)
         self._copied = {id(module.get_parameter(name)) for unit in copied for name in specs[unit].params}
         """This rank's copies of other stages' units (see [Note: tied weights across stages] in pipelined.py)."""
         self.ties = make_ties(plan, tied, self.graph.index,
@@ -225,10 +229,10 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
                 if not parameter.is_meta and id(parameter) not in self._copied]
 
     def _fsdp_modules(self) -> list[FSDPModule]:
-        return [module for module in self._root.modules() if isinstance(module, FSDPModule)]
+        return [module for module in self._stage_root.modules() if isinstance(module, FSDPModule)]
 
     def holders(self) -> list[Holder]:
-        return [_SlicedHolder(holder, self._sliced[holder.names[0]], self._tensor_parallel)
+        return [_SlicedHolder(cast(DTensorHolder, holder), self._sliced[holder.names[0]], self._tensor_parallel)
                 if holder.names[0] in self._sliced else holder for holder in super().holders()]
 
     def _gradients_done(self, planned: bool) -> None:
@@ -247,12 +251,12 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
             run = functools.partial(run_blocks, [(call, block_runner(call, self.module, graph.constants))
                                                  for call in calls])
             return functools.partial(self._groups[calls[0].unit], checkpointed(run, specs[calls[0].unit].checkpoint))
-        self._root.stages[batch] = StageModule(graph, run_segment, contextlib.nullcontext)
-        return self._root
+        self._stage_root.stages[batch] = StageModule(graph, run_segment, contextlib.nullcontext)
+        return self._stage_root
 
     @contextlib.contextmanager
-    def _running(self, batch: int):
-        self._root.batch = batch
+    def _running(self, batch: int) -> Iterator[None]:
+        self._stage_root.batch = batch
         with super()._running(batch):
             yield
 
@@ -262,7 +266,7 @@ class _SlicedHolder(DTensorHolder):
     over tp too."""
 
     def __init__(self, holder: DTensorHolder, cut: ParameterSlice, group: collectives.Group):
-        super().__init__(holder.names[0], holder.parameter, holder.slots, holder.program)
+        super().__init__(holder.names[0], cast(nn.Parameter, holder.parameter), holder.slots, holder.program)
         self.cut = cut
         self.group = group
 
