@@ -32,9 +32,10 @@ CASES = {
     # the second step takes 2 samples a replica where 4 were planned (an epoch's last batch)
     "gpt_dp2_pp2_1f1b_smaller": {"model": "gpt", "mesh": dict(dp=2, pp=2), "schedule": "1f1b", "micro_batches": 2,
                                  "strategies": (ShardStrategy.FULL_SHARD,), "clip": 0.05, "replica_batches": (4, 2)},
+    # checkpointed units recompute inside their FSDP2 group's forward, gathered by its pre-backward hook
     "llama_dp2_pp2_gpipe": {"model": "llama", "mesh": dict(dp=2, pp=2), "schedule": "gpipe", "micro_batches": 2,
                             "strategies": (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
-                            "checkpoints": (Checkpoint.FULL, Checkpoint.NONE), "clip": 0.05},
+                            "checkpoints": (Checkpoint.SELECTIVE, Checkpoint.FULL), "clip": 0.05},
     # sequence parallel norms see half the tokens: their gradients are summed over tp after FSDP2 reduces them
     "gpt_tp2_pp2_sp_vocab": {"model": "gpt", "mesh": dict(dp=1, tp=2, pp=2, sequence_parallel=True,
                                                           vocab_parallel=True),
