@@ -3,6 +3,7 @@ compiled and trained on 2 gloo ranks against one eager process.
 
     .venv/bin/python benchmarks/bench_architectures.py                 # all 29 (several minutes on 2 cores)
     .venv/bin/python benchmarks/bench_architectures.py mixtral bart    # some
+    .venv/bin/python benchmarks/bench_architectures.py --pp-backend fsdp2 llama gpt2   # pp 2 on backend "fsdp2"
 
 Per architecture, one spawned world of 2 ranks:
 - compile: `shardplan.compile` for world 2 on the cpu-gloo profile, data parallelism alone, a unit per
@@ -10,7 +11,7 @@ Per architecture, one spawned world of 2 ranks:
   compiled);
 - dp 2: that plan on backend "shardplan", each rank half the batch;
 - pp 2: the same units cut into 2 stages of as many units each (GPipe, 2 micro-batches), each rank the
-  whole batch (pipelined there);
+  whole batch (pipelined there), on backend "shardplan" (or the one --pp-backend names);
 - fsdp2: the compiled plan on backend "fsdp2" (which merges tied units, with a warning).
 Each trains 2 AdamW steps with gradient clipping next to one eager process on the whole batch
 (tests/parity.py); a mode passes when the loss, the clipped gradient norm (relative) and every
@@ -48,7 +49,7 @@ def _batches(vocab: int) -> list[torch.Tensor]:
             for step in range(STEPS)]
 
 
-def _train(name: str, plan, mode: str, rank: int) -> float | None:
+def _train(name: str, plan, mode: str, rank: int, pp_backend: str) -> float | None:
     """The largest difference from one process (None off rank 0)."""
     from shardplan.runtime import parallelize
 
@@ -58,7 +59,7 @@ def _train(name: str, plan, mode: str, rank: int) -> float | None:
         plan = pipelined(plan, model, BATCH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fsdp2 says it merges the tied units
-        program = parallelize(model, plan, backend="fsdp2" if mode == "fsdp2" else "shardplan")
+        program = parallelize(model, plan, backend={"fsdp2": "fsdp2", "pp 2": pp_backend}.get(mode, "shardplan"))
     whole = _batches(reference.config.vocab_size)
     mine = whole if mode == "pp 2" else [ids.chunk(2)[rank] for ids in whole]
     errors = train_next_to_reference(program, reference, list(zip(mine, whole)), clip=CLIP)
@@ -70,7 +71,7 @@ def _first_line(error: BaseException) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def _architecture(rank: int, world: int, name: str) -> dict:
+def _architecture(rank: int, world: int, name: str, pp_backend: str) -> dict:
     """mode → the largest difference, or the error's first line; every rank runs every mode."""
     warnings.simplefilter("ignore")  # transformers' and torch's, on every model
     cells: dict[str, float | str | None] = {}
@@ -83,7 +84,7 @@ def _architecture(rank: int, world: int, name: str) -> dict:
         return {mode: _first_line(error) for mode in MODES} | {"seconds": time.perf_counter() - start}
     for mode in MODES[1:]:
         try:
-            cells[mode] = _train(name, plan, mode, rank)
+            cells[mode] = _train(name, plan, mode, rank, pp_backend)
         except Exception as error:  # noqa: BLE001
             cells[mode] = _first_line(error)
     return cells | {"seconds": time.perf_counter() - start}
@@ -100,9 +101,14 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"of {', '.join(zoo.HF_ARCHITECTURES)} (default: all)")
-    names = parser.parse_args().names or list(zoo.HF_ARCHITECTURES)
+    parser.add_argument("--pp-backend", choices=("shardplan", "fsdp2"), default="shardplan",
+                        help="the backend the pp 2 column runs on")
+    options = parser.parse_args()
+    names = options.names or list(zoo.HF_ARCHITECTURES)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, 2 gloo ranks, batch {BATCH} x "
-          f"{SEQ} tokens, {STEPS} steps, clip {CLIP}; a cell: the largest difference from one process "
+          f"{SEQ} tokens, {STEPS} steps, clip {CLIP}"
+          f"{'' if options.pp_backend == 'shardplan' else f', pp 2 on backend {options.pp_backend!r}'}; a cell: "
+          "the largest difference from one process "
           f"(pass: <= {TOLERANCE:.0e}), or the error\n")
     print("| architecture | " + " | ".join(MODES) + " | s |")
     print("|---|" + "---|" * len(MODES) + "---:|")
@@ -110,7 +116,7 @@ def main() -> None:
     for name in names:
         try:
             zoo.hf_architecture(name, batch=1, seq=1, device="meta")
-            cells = spawn_world(2, _architecture, (name,))
+            cells = spawn_world(2, _architecture, (name, options.pp_backend))
         except ShardplanError as error:  # not in this transformers
             cells = {mode: _first_line(error) for mode in MODES} | {"seconds": 0.0}
         except Exception as error:  # noqa: BLE001 (a rank died: the world's error)

@@ -10,8 +10,10 @@
     sharded.py       backend="shardplan": tensor parallelism, then the units over the local slices
     tensor_parallel.py  Megatron-style slices of a TensorParallelLayout's pairs, on an eager model
     stage_split.py   the captured graph split into the plan's stages, and the module that runs one
-    pipelined.py     backend="shardplan" with pp > 1: this rank's stage (tp-sliced if tp > 1) under GPipe / 1F1B
-    fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard (and DTensor TP)
+    pipelined.py     pp > 1: this rank's stage under GPipe / 1F1B (both backends); backend="shardplan"'s units
+                     of the stage (tp-sliced if tp > 1)
+    fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard (and DTensor TP),
+                     pipelined plans as torchtitan composes them
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
     model_check.py   whether a plan is for this model: its structural signature, its graph where captured
     adascale.py      AdaScale: the learning rate scaled by the gradient's noise, measured where units reduce
@@ -70,8 +72,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         from .sharded import ShardedProgram
         return ShardedProgram(model, plan, loss_fn, device)
     if backend == "fsdp2" and plan.mesh.pp > 1:
-        raise ShardplanError(f"the plan pipelines over pp={plan.mesh.pp} stages, which backend='fsdp2' does not "
-                             "run: use backend='shardplan', or re-plan with pp=1")
+        from .fsdp2 import Fsdp2PipelinedProgram
+        return Fsdp2PipelinedProgram(model, plan, loss_fn, device)
     if backend == "fsdp2":
         from .fsdp2 import Fsdp2Program
         return Fsdp2Program(model, plan, loss_fn, device)

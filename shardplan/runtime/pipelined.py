@@ -1,11 +1,12 @@
-"""backend="shardplan" with pp > 1: the plan's stages run by torch.distributed.pipelining.
+"""pp > 1: the plan's stages run by torch.distributed.pipelining, on either backend.
 
 Rank r holds stage r // (dp · tp) (plan.Mesh, [Note: rank layout]). Its stage is
-cut out of the captured graph (see [Note: stage graphs] in stage_split.py); its
-units are built as without pipelining, but sharded over the stage's
-data-parallel group; a GPipe or 1F1B schedule runs the stage and sends
-activations and their gradients to the neighbouring stages of the same replica
-and tp index.
+cut out of the captured graph (see [Note: stage graphs] in stage_split.py); a
+GPipe or 1F1B schedule runs the stage and sends activations and their gradients
+to the neighbouring stages of the same replica and tp index (StagedProgram, for
+both backends). On backend="shardplan" (PipelinedProgram) the stage's units are
+built as without pipelining, but sharded over the stage's data-parallel group;
+backend="fsdp2" shards them with fully_shard ([Note: FSDP2 stages] in fsdp2.py).
 
 [Note: tensor parallel stages] With tp > 1 the model is sliced over this rank's
 tp group (tp consecutive ranks of one stage, as at pp = 1: tensor_parallel.py)
@@ -58,6 +59,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
@@ -66,11 +68,11 @@ from ..passes.blocks import attribute_of
 from ..plan import Plan
 from . import collectives
 from .activation_checkpoint import checkpointed
-from .program import check_batch, check_micro_batches, refuse_optimizers_over
+from .program import Program, check_batch, check_micro_batches, refuse_optimizers_over
 from .scheduler import Scheduler
 from .sharded import UnitProgram, apply_plan_tensor_parallel, build_units, unit_place
-from .stage_split import BlockCall, StageGraph, StageModule, block_runner, put_stand_ins, split_stages
-from .unit import FlatUnit
+from .stage_split import (BlockCall, StageGraph, StageModule, block_runner, put_stand_ins, run_blocks,
+                          split_stages)
 
 
 def schedule_class(name: str):
@@ -83,57 +85,63 @@ def schedule_class(name: str):
     return classes[name]
 
 
-class PipelinedProgram(UnitProgram):
-    """The units of this rank's stage, sharded over the stage's dp group, run by a pipeline schedule."""
+class StagedProgram(Program):
+    """What a pipelined program is on either backend: this rank's stage, cut from the captured graph, run
+    by a GPipe or 1F1B schedule of torch.distributed.pipelining, one schedule per replica batch size
+    stepped (see [Note: pipelined step] and [Note: smaller pipelined batches]). A backend supplies the
+    module the schedule runs and what happens around a schedule's run."""
 
-    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
-        super().__init__(module, plan, loss_fn)
-        self.groups = collectives.mesh_groups(device.type, plan.mesh)
-        # sliced before the stages are cut: they run the sliced model's graph (see [Note: tensor parallel stages])
-        cuts, partial = apply_plan_tensor_parallel(module, plan, self.groups.tensor_parallel)
-        stages = split_stages(module, plan, device)
-        reads = _units_read(module, plan, stages)  # before the units replace the parameters
-        self.graph = stages[self.groups.coordinates["pp"]]
-        index = self.graph.index
-        specs = {unit.name: unit for unit in plan.units}
-        tied = _tied_stages(plan, stages, reads)
-        tie_groups = {name: collectives.stages_group(plan.mesh, holders) for name, holders in tied.items()}
-        own = plan.stages[index].units
-        copied = tuple(name for name, holders in tied.items() if index in holders and name not in own)
-        _drop_other_stages(module, plan, own + copied)
-        built = build_units(module, plan, device, unit_place(plan.mesh, self.groups),
-                            units=tuple(specs[name] for name in own + copied), cuts=cuts, partial=partial)
-        self.units = built[:len(own)]
-        step = plan.mesh.stride("pp")
-        self.ties = [_Tie(unit=unit, group=tie_groups[unit.name], is_copy=unit.name in copied,
-                          source=collectives.world().rank + (plan.stage_of_unit[unit.name] - index) * step)
-                     for unit in sorted(built, key=lambda unit: unit.name) if unit.name in tied]
-        """This rank's units of ties across stages (see [Note: tied weights across stages])."""
-        self._by_name = {unit.name: unit for unit in built}
-        self._reads = reads
-        self._device = device
-        # the scheduler counts a unit's distinct module paths done (a module called twice counts once)
-        self.scheduler = Scheduler(built, {unit: len({call.name for call in self.graph.calls
-                                                      if call.unit == unit.name}) for unit in built})
-        self._forwards_this_step = 0
-        self._schedules = {plan.batch_per_replica: self._schedule(self.graph)}
+    graph: StageGraph
+    """This rank's stage at the planned batch."""
+    _device: torch.device
+    _pipeline: collectives.Group
+    """This rank's replica and tp index on every stage: activations flow between them."""
+    ties: "list[_Tie]" = []
+    """This rank's part of each tie across stages it holds (see [Note: tied weights across stages])."""
+
+    def _start_schedules(self) -> None:
+        self._schedules = {self.plan.batch_per_replica: self._schedule(self.graph, self.plan.batch_per_replica)}
         """This rank's torch.distributed.pipelining schedule for each replica batch size stepped, its stage
         cut from a capture at that size (see [Note: smaller pipelined batches])."""
 
-    def _schedule(self, graph: StageGraph):
-        """A schedule running this rank's stage, `graph`, over the units built at start-up."""
+    def _stage_module(self, graph: StageGraph, batch: int) -> nn.Module:
+        """The module running `graph`, this rank's stage at a replica batch of `batch` samples."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _running(self, batch: int):
+        """The context the schedule for `batch` runs in."""
+        self._copy_tied_values()
+        yield
+
+    def _gradients_done(self, planned: bool) -> None:
+        """After a step's schedule: the gradients complete (`planned`: the step took the planned batch)."""
+        self._sum_tied_gradients()
+        self._gradients_reduced(planned)
+
+    def _copy_tied_values(self) -> None:
+        """The owners' values into their copies on other stages (see [Note: tied weights across stages])."""
+        with torch.no_grad():
+            for tie in self.ties:
+                for parameter in tie.parameters:
+                    if tie.is_copy:
+                        parameter.grad = None  # what a failed step left
+                    collectives.broadcast_from(_local(parameter.detach()), tie.source, tie.group)
+
+    def _sum_tied_gradients(self) -> None:
+        """The copies' gradients summed into their owners' (see [Note: tied weights across stages])."""
+        for tie in self.ties:
+            for parameter in tie.parameters:
+                grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+                collectives.all_reduce_sum(_local(grad), tie.group)
+                parameter.grad = None if tie.is_copy else grad
+
+    def _schedule(self, graph: StageGraph, batch: int):
+        """A schedule running this rank's stage, `graph`, over the parameters built at start-up."""
         from torch.distributed.pipelining import PipelineStage
 
-        specs = {unit.name: unit for unit in self.plan.units}
-
-        def run_block(call: BlockCall) -> Callable:
-            run = self.scheduler.wrap(block_runner(call, self.module, graph.constants),
-                                      tuple(self._by_name[name] for name in self._reads[call.node]), call.name,
-                                      self._by_name[call.unit])
-            return checkpointed(run, specs[call.unit].checkpoint)
-        stage = PipelineStage(StageModule(graph, run_block, self._micro_batch_forward), graph.index,
-                              self.plan.mesh.pp, self._device, group=self.groups.pipeline,
-                              input_args=tuple(graph.examples[name] for name in graph.inbound),
+        stage = PipelineStage(self._stage_module(graph, batch), graph.index, self.plan.mesh.pp, self._device,
+                              group=self._pipeline, input_args=tuple(graph.examples[name] for name in graph.inbound),
                               output_args=tuple(graph.examples[name] for name in graph.outbound))
         return schedule_class(self.plan.schedule.name)(
             stage, n_microbatches=self.plan.schedule.num_micro_batches, loss_fn=self._micro_batch_loss,
@@ -149,8 +157,13 @@ class PipelinedProgram(UnitProgram):
                 raise ShardplanError(f"the model captured at {batch} samples splits into other blocks than at the "
                                      f"planned {self.plan.batch_per_replica}: pass batches of the planned size, or "
                                      "plan with pp=1")
-            self._schedules[batch] = self._schedule(graph)
+            self._schedules[batch] = self._schedule(graph, batch)
         return self._schedules[batch]
+
+    @property
+    def keeps_export_copies(self) -> bool:
+        return all(index == 0 for dim, index in self.plan.mesh.coordinates(collectives.world().rank).items()
+                   if dim != "pp")  # one per stage
 
     def __call__(self, *args, **kwargs) -> Any:
         raise ShardplanError("a pipelined program runs whole training steps, each stage on its own ranks: call "
@@ -179,35 +192,73 @@ class PipelinedProgram(UnitProgram):
         if last and target is None:  # the schedule computes a loss only given a target to split
             target = torch.zeros(count)
         losses: list[torch.Tensor] = []
-        self._forwards_this_step = 0
         with self._transaction():
-            self._copy_tied_values()
-            try:
+            with self._running(batch):
                 run(*inputs, target=target if last else None, losses=losses, return_outputs=False)
-            finally:
-                self.scheduler.communicate = True
             if torch.is_grad_enabled():  # a step, not an evaluation
-                self._sum_tied_gradients()
-                self._gradients_reduced(planned=batch == self.plan.batch_per_replica)  # as Program.step says
+                self._gradients_done(planned=batch == self.plan.batch_per_replica)  # as Program.step says
             mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
             # every tp rank of the last stage computed the same losses (the head's logits are whole)
             return collectives.all_reduce_sum(mine) / (self.plan.mesh.dp * self.plan.mesh.tp)
 
-    def _copy_tied_values(self) -> None:
-        """The owners' values into their copies on other stages (see [Note: tied weights across stages])."""
-        with torch.no_grad():
-            for tie in self.ties:
-                if tie.is_copy:
-                    tie.unit.shard.grad = None  # what a failed step left
-                collectives.broadcast_from(tie.unit.shard.detach(), tie.source, tie.group)
+    def _micro_batch_loss(self, outputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor:
+        output = pytree.tree_unflatten(list(outputs), self.graph.output_spec)
+        loss = self.loss_of(output, target if self.loss_fn is not None else None)
+        return loss / self.plan.schedule.num_micro_batches
 
-    def _sum_tied_gradients(self) -> None:
-        """The copies' gradients summed into their owners' (see [Note: tied weights across stages])."""
-        for tie in self.ties:
-            shard = tie.unit.shard
-            grad = collectives.all_reduce_sum(shard.grad if shard.grad is not None else torch.zeros_like(shard),
-                                              tie.group)
-            shard.grad = None if tie.is_copy else grad
+
+class PipelinedProgram(StagedProgram, UnitProgram):
+    """The units of this rank's stage, sharded over the stage's dp group, run by a pipeline schedule."""
+
+    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
+        super().__init__(module, plan, loss_fn)
+        self.groups = collectives.mesh_groups(device.type, plan.mesh)
+        self._pipeline = self.groups.pipeline
+        # sliced before the stages are cut: they run the sliced model's graph (see [Note: tensor parallel stages])
+        cuts, partial = apply_plan_tensor_parallel(module, plan, self.groups.tensor_parallel)
+        stages = split_stages(module, plan, device)
+        reads = units_read(module, plan, stages)  # before the units replace the parameters
+        self.graph = stages[self.groups.coordinates["pp"]]
+        index = self.graph.index
+        specs = {unit.name: unit for unit in plan.units}
+        tied = tied_stages(plan, stages, reads)
+        own = plan.stages[index].units
+        copied = copied_units(plan, tied, index)
+        drop_other_stages(module, plan, own + copied)
+        built = build_units(module, plan, device, unit_place(plan.mesh, self.groups),
+                            units=tuple(specs[name] for name in own + copied), cuts=cuts, partial=partial)
+        self.units = built[:len(own)]
+        self._by_name = {unit.name: unit for unit in built}
+        self.ties = make_ties(plan, tied, index, lambda name: (self._by_name[name].shard,))
+        self._reads = reads
+        self._device = device
+        # the scheduler counts a unit's distinct module paths done (a module called twice counts once)
+        self.scheduler = Scheduler(built, {unit: len({call.name for call in self.graph.calls
+                                                      if call.unit == unit.name}) for unit in built})
+        self._forwards_this_step = 0
+        self._start_schedules()
+
+    def _stage_module(self, graph: StageGraph, batch: int) -> nn.Module:
+        specs = {unit.name: unit for unit in self.plan.units}
+
+        def run_block(call: BlockCall) -> Callable:
+            run = self.scheduler.wrap(block_runner(call, self.module, graph.constants),
+                                      tuple(self._by_name[name] for name in self._reads[call.node]), call.name,
+                                      self._by_name[call.unit])
+            return checkpointed(run, specs[call.unit].checkpoint)
+
+        def run_segment(calls: tuple[BlockCall, ...]) -> Callable[[dict], dict]:
+            return functools.partial(run_blocks, [(call, run_block(call)) for call in calls])
+        return StageModule(graph, run_segment, self._micro_batch_forward)
+
+    @contextlib.contextmanager
+    def _running(self, batch: int):
+        self._forwards_this_step = 0
+        try:
+            with super()._running(batch):
+                yield
+        finally:
+            self.scheduler.communicate = True
 
     def _stopped_together(self) -> bool:
         # a stage that fails leaves its neighbours waiting on activations or gradients it never sends
@@ -222,12 +273,6 @@ class PipelinedProgram(UnitProgram):
         with self.scheduler.forward_pass():
             yield
 
-    def _micro_batch_loss(self, outputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor:
-        output = pytree.tree_unflatten(list(outputs), self.graph.output_spec)
-        loss = self.loss_of(output, target if self.loss_fn is not None else None)
-        return loss / self.plan.schedule.num_micro_batches
-
-
 
 def _batch_size(args: tuple, kwargs: dict) -> int:
     """Dim 0 of the batch's first tensor that has one (check_micro_batches made them all equal when the
@@ -239,7 +284,8 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
 class _Tie(NamedTuple):
     """A unit of this rank that a tie across stages shares (see [Note: tied weights across stages])."""
 
-    unit: FlatUnit
+    parameters: tuple[nn.Parameter, ...]
+    """What this rank holds of the unit: its flat shard (backend="shardplan"), its parameters' shards (fsdp2)."""
     group: collectives.Group
     """The ranks of the stages holding the unit, of this rank's replica and tp index."""
     source: int
@@ -247,7 +293,29 @@ class _Tie(NamedTuple):
     is_copy: bool
 
 
-def _units_read(model: nn.Module, plan: Plan, stages: list[StageGraph]) -> dict[str, list[str]]:
+def copied_units(plan: Plan, tied: dict[str, tuple[int, ...]], index: int) -> tuple[str, ...]:
+    """The units of other stages that stage `index` holds a copy of (`tied`: from tied_stages)."""
+    own = plan.stages[index].units
+    return tuple(name for name, holders in tied.items() if index in holders and name not in own)
+
+
+def make_ties(plan: Plan, tied: dict[str, tuple[int, ...]], index: int,
+              held: Callable[[str], tuple[nn.Parameter, ...]]) -> "list[_Tie]":
+    """Stage `index`'s ties (`tied`: from tied_stages), each with what `held(unit)` says this rank holds of
+    the unit; makes every tie's group, so call it on every rank alike."""
+    groups = {name: collectives.stages_group(plan.mesh, holders) for name, holders in tied.items()}
+    step = plan.mesh.stride("pp")
+    return [_Tie(parameters=held(name), group=groups[name], is_copy=name not in plan.stages[index].units,
+                 source=collectives.world().rank + (plan.stage_of_unit[name] - index) * step)
+            for name in sorted(tied) if index in tied[name]]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor` (a DTensor's local shard, which writes reach)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def units_read(model: nn.Module, plan: Plan, stages: list[StageGraph]) -> dict[str, list[str]]:
     """The units each block needs gathered: its own, and the owners of every parameter it reads (tied
     weights), which another stage may hold (see [Note: tied weights across stages])."""
     unit_of_param = {id(model.get_parameter(name)): unit.name for unit in plan.units for name in unit.params}
@@ -259,7 +327,7 @@ def _units_read(model: nn.Module, plan: Plan, stages: list[StageGraph]) -> dict[
     return reads
 
 
-def _tied_stages(plan: Plan, stages: list[StageGraph], reads: dict[str, list[str]]) -> dict[str, tuple[int, ...]]:
+def tied_stages(plan: Plan, stages: list[StageGraph], reads: dict[str, list[str]]) -> dict[str, tuple[int, ...]]:
     """Each unit that a block of another stage reads → every stage holding it (its own and the readers'),
     in name order (every rank makes the groups of ties in the same order)."""
     holders: dict[str, set[int]] = {}
@@ -270,7 +338,7 @@ def _tied_stages(plan: Plan, stages: list[StageGraph], reads: dict[str, list[str
     return {name: tuple(sorted(holders[name])) for name in sorted(holders)}
 
 
-def _drop_other_stages(model: nn.Module, plan: Plan, units: tuple[str, ...]) -> None:
+def drop_other_stages(model: nn.Module, plan: Plan, units: tuple[str, ...]) -> None:
     """Free the parameters of units this rank does not hold, which it never reads (meta stand-ins keep
     their shapes)."""
     kept = {name for unit in plan.units if unit.name in units for name in unit.params}

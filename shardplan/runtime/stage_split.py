@@ -18,7 +18,8 @@ A partition takes its parameters as arguments; they are read from the model
 only when it runs, inside the scheduler's wrap, once its units have presented
 their gathered views. So a block is run as a module is without pipelining:
 gathered, prefetched, released and checkpointed the same way, and a stage's
-units shard over its data-parallel group unchanged.
+units shard over its data-parallel group unchanged. On backend="fsdp2" a unit's
+consecutive blocks run as its FSDP2 group's forward ([Note: FSDP2 stages] in fsdp2.py).
 """
 import contextlib
 import dataclasses
@@ -279,28 +280,55 @@ def _output_names(output: torch.fx.Node) -> tuple[str, ...]:
 class StageModule(nn.Module):
     """The forward of one pipeline stage: its blocks in graph order, inbound values in, outbound out.
 
-    `run_block(call)` gives the callable that runs one block from its activation arguments (the
-    runtime wraps it with unit gathering and checkpointing); `forward_pass()` is the context one
-    micro-batch's forward runs in."""
+    The blocks run in segments, each the consecutive blocks of one unit: `run_segment(calls)` gives the
+    callable that runs a segment from the values it reads, by name, and returns those it makes (the
+    runtime wraps its blocks with unit gathering and checkpointing, or calls the unit's FSDP2 module);
+    `forward_pass()` is the context one micro-batch's forward runs in."""
 
-    def __init__(self, graph: StageGraph, run_block: Callable[[BlockCall], Callable],
+    def __init__(self, graph: StageGraph, run_segment: Callable[[tuple[BlockCall, ...]], Callable[[dict], dict]],
                  forward_pass: Callable[[], contextlib.AbstractContextManager]):
         super().__init__()
         self.graph = graph
-        self._runs = [(call, run_block(call)) for call in graph.calls]
+        self._runs = [(_segment_reads(segment), run_segment(segment)) for segment in unit_segments(graph.calls)]
         self._forward_pass = forward_pass
 
     def forward(self, *inbound: torch.Tensor) -> tuple[torch.Tensor, ...]:
         values = dict(zip(self.graph.inbound, inbound))
         with self._forward_pass():
-            for call, run in self._runs:
-                result = run(*(values[name] for is_attribute, name in call.arguments if not is_attribute))
-                if call.results is None:
-                    values[call.node] = result
-                else:
-                    values.update((name, value) for name, value in zip(call.results, result) if name)
+            for reads, run in self._runs:
+                values.update(run({name: values[name] for name in reads}))
         # sends need contiguous tensors (a BERT head's residual arrives transposed)
         return tuple(values[name].contiguous() for name in self.graph.outbound)
+
+
+def unit_segments(calls: tuple[BlockCall, ...]) -> list[tuple[BlockCall, ...]]:
+    """`calls` cut into runs of consecutive blocks of one unit."""
+    segments: list[list[BlockCall]] = []
+    for call in calls:
+        if segments and segments[-1][0].unit == call.unit:
+            segments[-1].append(call)
+        else:
+            segments.append([call])
+    return [tuple(segment) for segment in segments]
+
+
+def _segment_reads(segment: tuple[BlockCall, ...]) -> tuple[str, ...]:
+    """The values a segment's blocks read that none of them makes."""
+    made = {name for call in segment for name in (call.results or (call.node,))}
+    return tuple(dict.fromkeys(name for call in segment for is_attribute, name in call.arguments
+                               if not is_attribute and name not in made))
+
+
+def run_blocks(runs: list[tuple[BlockCall, Callable]], values: dict[str, Any]) -> dict[str, Any]:
+    """Run each (call, runner) of a segment in order on `values`, by name; return the values they make."""
+    known, made = dict(values), {}
+    for call, run in runs:
+        result = run(*(known[name] for is_attribute, name in call.arguments if not is_attribute))
+        new = {call.node: result} if call.results is None else {name: value for name, value
+                                                                in zip(call.results, result) if name}
+        known.update(new)
+        made.update(new)
+    return made
 
 
 def block_runner(call: BlockCall, model: nn.Module, constants: dict[str, torch.Tensor]) -> Callable:
