@@ -190,12 +190,13 @@ def test_the_solver_cuts_stages_between_tied_blocks_and_prices_the_copy():
     chain = analyze(entry.model, entry.args, entry.kwargs)
     n = len(chain.blocks)
     assert chain.tied_edges == ((0, n - 1),)
-    fastest = solve(chain, 2, hardware="cpu-gloo")
-    plan = solve(chain, 2, hardware="cpu-gloo", memory_budget=int(0.5 * fastest.predicted.peak_bytes))
+    setting = Setting(world_size=2, batch_size=4, skip_edges=chain.skip_edges, tied_edges=chain.tied_edges)
+    rules, space, hardware = resolve_rules(chain.blocks, None), default_space(n), get_hardware("cpu-gloo")
+    least = smallest_peak(chain.blocks, rules, setting, hardware, space)
+    least_data_parallel = smallest_peak(chain.blocks, rules, replace(setting, allow_pipeline=False), hardware, space)
+    plan = solve(chain, 2, hardware="cpu-gloo", memory_budget=(least + least_data_parallel) // 2)
     assert plan.mesh.pp == 2  # before, nothing fit: no cut could part the tied blocks
-    setting = Setting(world_size=2, batch_size=4, tied_edges=chain.tied_edges)
     configuration = Configuration(mesh=Mesh(pp=2, dp_shard=1), schedule=Schedule())
-    hardware = get_hardware("cpu-gloo")
     owner, reader = (tied_terms(chain.blocks, start, end, setting, configuration, hardware)
                      for start, end in ((0, 2), (2, n)))
     table_bytes = 4 * chain.blocks[0].param_numel

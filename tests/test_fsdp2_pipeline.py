@@ -3,7 +3,7 @@ exactly like one process on the whole batch.
 
 One spawned world of 4 ranks runs every case (dp 2 × pp 2 with 1F1B on the zoo GPT, stepping a batch
 smaller than planned too; GPipe on a tiny Hugging Face LLaMA; tp 2 × pp 2 with sequence and vocab
-parallelism; GPT-2 with its tied head and embedding on different stages; HSDP inside the stages), and
+parallelism on both; GPT-2 with its tied head and embedding on different stages; HSDP inside the stages), and
 a checkpoint saved on dp 2 × pp 2 resumed on backend "shardplan" at dp 4 and back; rank 0 returns the
 records the tests read.
 """
@@ -41,6 +41,10 @@ CASES = {
                                                           vocab_parallel=True),
                              "schedule": "1f1b", "micro_batches": 2, "strategies": (ShardStrategy.FULL_SHARD,),
                              "clip": 0.05},
+    "llama_tp2_pp2_sp_vocab": {"model": "llama", "mesh": dict(dp=1, tp=2, pp=2, sequence_parallel=True,
+                                                              vocab_parallel=True),
+                               "schedule": "1f1b", "micro_batches": 2, "strategies": (ShardStrategy.FULL_SHARD,),
+                               "clip": 0.05},
     # the head's stage holds a copy of the embedding's unit, in the head's FSDP2 group
     "gpt2-tied_dp2_pp2": {"model": "gpt2-tied", "mesh": dict(dp=2, pp=2), "schedule": "1f1b", "micro_batches": 2,
                           "strategies": (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP), "clip": 0.05},
