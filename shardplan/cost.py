@@ -50,9 +50,16 @@ gradients in a unit's backward, beside the `.grad` kept between steps (sharded_s
   the larger of the two (UnitCost.grad_assembly_bytes), not their sum.
 - the flat gradient is then reduced asynchronously, and the reduction is finished (its result
   added into `.grad`) only when the next unit's backward ends: through the backward of unit k,
-  unit k+1's flat gradient (and a reduce-scatter's output shard) stays allocated
-  (UnitCost.reducing_bytes). None over a group of one (finished when issued), nor for a unit that
-  all-reduces its step's accumulator (m > 1: that buffer is sharded_state).
+  unit k+1's reduction stays allocated (UnitCost.reducing_bytes). What of it depends on when the
+  collective runs. Beside the compute (overlaps_communication: NCCL, whose async collectives keep
+  their input until the wait), a reduce-scatter holds the flat gradient and the shard it writes.
+  Where collectives take the compute's cores (CPU ranks on gloo), the time model runs each one
+  exposed, before the compute goes on, and so does the memory model: gloo drops a collective's
+  input when it completes, so through unit k's backward only the shard waits (measured at the
+  peak, a layer's backward: Mixtral's full_shard/full held the shard, not the 6.8 MiB flat
+  gradient). An all-reduce writes in place:
+  the flat gradient either way. None over a group of one (finished when issued), nor for a unit
+  that all-reduces its step's accumulator (m > 1: that buffer is sharded_state).
 
 Time, by component (per step):
 - compute: each op kind of the block (Block.fwd_kinds / bwd_kinds: an ATen op's
@@ -448,11 +455,15 @@ def grad_assembly_bytes(sizes: UnitSizes) -> int:
 
 
 def reducing_bytes(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> int:
-    """What the unit's reduction holds in flight ([Note: gradients in backward]): its flat gradient,
-    and the shard a reduce-scatter writes; none where the reduction is finished when issued (a group
-    of one) or reduces the step's accumulator (counted in state_bytes)."""
+    """What the unit's reduction holds until it is finished ([Note: gradients in backward]): the shard
+    a reduce-scatter writes, and its flat gradient where the collective runs beside the compute; an
+    all-reduce's flat gradient; none where the reduction is finished when issued (a group of one) or
+    reduces the step's accumulator (counted in state_bytes)."""
     if decision.traits.reduce_scatters_grads:
-        return sizes.grad_bytes + -(-sizes.grad_bytes // ctx.dp) if ctx.dp > 1 else 0
+        if ctx.dp == 1:
+            return 0
+        shard = -(-sizes.grad_bytes // ctx.dp)
+        return shard + (sizes.grad_bytes if ctx.hardware.overlaps_communication else 0)
     if accumulates_grads(decision, ctx) or ctx.dp * ctx.dp_replicate == 1:
         return 0
     return sizes.grad_bytes

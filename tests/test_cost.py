@@ -168,20 +168,26 @@ def test_peak_of_a_two_unit_stage_is_the_backward_of_the_last_unit():
                                  "activations": 128 * MiB, "transient": 32 * MiB}
 
 
-@pytest.mark.parametrize("strategy, dp, micro_batches, in_flight", [
-    (ShardStrategy.FULL_SHARD, 4, 1, 4 * 10**6 + 10**6),  # the flat gradient and the shard it is scattered to
-    (ShardStrategy.FULL_SHARD, 4, 2, 4 * 10**6 + 10**6),  # reduce-scattered every micro-batch
-    (ShardStrategy.REPLICATE, 4, 1, 4 * 10**6),  # all-reduced in place
-    (ShardStrategy.REPLICATE, 4, 2, 0),  # the step's accumulator is all-reduced: sharded_state
-    (ShardStrategy.SHARD_OPTIMIZER, 4, 1, 4 * 10**6),
-    (ShardStrategy.REPLICATE, 1, 1, 0),  # a group of one: finished when issued
+@pytest.mark.parametrize("strategy, dp, micro_batches, hardware, in_flight", [
+    (ShardStrategy.FULL_SHARD, 4, 1, LinearHardware, 4 * 10**6 + 10**6),  # the flat gradient and its shard
+    (ShardStrategy.FULL_SHARD, 4, 2, LinearHardware, 4 * 10**6 + 10**6),  # reduce-scattered every micro-batch
+    (ShardStrategy.REPLICATE, 4, 1, LinearHardware, 4 * 10**6),  # all-reduced in place
+    (ShardStrategy.REPLICATE, 4, 2, LinearHardware, 0),  # the step's accumulator is all-reduced: sharded_state
+    (ShardStrategy.SHARD_OPTIMIZER, 4, 1, LinearHardware, 4 * 10**6),
+    (ShardStrategy.REPLICATE, 1, 1, LinearHardware, 0),  # a group of one: finished when issued
+    # collectives that take the compute's cores have run before it goes on: the scattered gradient is
+    # freed, the shard it wrote waits to be added into `.grad`; an all-reduce writes in place
+    (ShardStrategy.FULL_SHARD, 4, 1, CoresSharedHardware, 10**6),
+    (ShardStrategy.SHARD_GRAD_OP, 4, 1, CoresSharedHardware, 10**6),
+    (ShardStrategy.REPLICATE, 4, 1, CoresSharedHardware, 4 * 10**6),
 ])
-def test_the_backward_of_a_unit_holds_the_next_units_reduction_in_flight(strategy, dp, micro_batches, in_flight):
+def test_the_backward_of_a_unit_holds_the_next_units_reduction_in_flight(strategy, dp, micro_batches, hardware,
+                                                                          in_flight):
     """The runtime finishes unit k+1's reduction when unit k's backward ends (runtime/scheduler.py):
     unit 0's backward, the peak here (its transient dwarfs the rest), holds unit 1's gradient."""
     blocks = (block(0, saved=0, bwd_transient=256 * MiB), block(1, saved=0))
     decisions = (Decision(strategy=strategy, prefetch=False),) * 2
-    context = ctx(dp=dp, num_micro_batches=micro_batches)
+    context = CostContext(hardware=hardware(), dp=dp, num_micro_batches=micro_batches)
     step = evaluate_stage(blocks, (0, 1), decisions, context)
     alone = evaluate_stage(blocks[:1], (0,), decisions[:1], context)
     unit = unit_cost(blocks[1:], decisions[1], context)

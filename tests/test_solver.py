@@ -19,6 +19,8 @@ from shardplan.solver.space import Constraints, SearchSpace, resolve_rules
 from shardplan.solver.stages import cut_stages
 
 H100 = get_hardware("h100-80g")
+CPU_GLOO = get_hardware("cpu-gloo")
+"""Its collectives take the compute's cores: exposed, and a reduce-scatter in flight holds only its shard."""
 MAX_CANDIDATES = 3000
 """Brute-force plans per example: keeps the property test near a minute on two cores."""
 
@@ -52,8 +54,9 @@ def spaces(draw):
 @st.composite
 def contexts(draw):
     m = draw(st.sampled_from([1, 2, 4]))
-    return CostContext(hardware=H100, dp=draw(st.sampled_from([1, 2, 8, 64])), num_micro_batches=m,
-                       in_flight=draw(st.integers(1, m)), pipeline_degree=draw(st.sampled_from([1, 2])),
+    return CostContext(hardware=draw(st.sampled_from([H100, CPU_GLOO])), dp=draw(st.sampled_from([1, 2, 8, 64])),
+                       num_micro_batches=m, in_flight=draw(st.integers(1, m)),
+                       pipeline_degree=draw(st.sampled_from([1, 2])),
                        param_dtype=draw(st.sampled_from(["float32", "bfloat16"])))
 
 
