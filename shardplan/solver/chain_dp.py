@@ -506,8 +506,8 @@ class ChainSolver:
     def _by_prefetched(source: _Position, chunk: _Front, prefetched: np.ndarray | int) -> list[tuple[int, _Front]]:
         """`chunk` split by what the new unit's backward holds of the unit before it (the key's last
         part): a scalar is one value for every state, else one of the source's units' values."""
-        if np.isscalar(prefetched):
-            return [(int(prefetched), chunk)]
+        if not isinstance(prefetched, np.ndarray):
+            return [(prefetched, chunk)]
         values = cast(_Columns, source.columns).gathered_bwd_values
         if len(values) == 1:
             return [(values[0], chunk)]
@@ -545,6 +545,7 @@ class ChainSolver:
         delta, held_v = cost.base_bytes(v, ctx), cost.held_bytes(v, ctx)
         v_bwd = cost.own_peak_bytes(v, ctx, backward=True)
         own_time = 0.0 if self.minimize_memory else cost.own_time_s(v, ctx)
+        prefetched: np.ndarray | int
         if source.keys == [None]:
             front, rise, prefetched = source.fronts[0], v_bwd, 0
             step: float | np.ndarray = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(None, v, ctx)
@@ -564,4 +565,4 @@ class ChainSolver:
         fits = np.flatnonzero((r <= self.budget_bytes) & (time_s + to_come_s.max(axis=0) <= self.time_bound_s))
         return (_Front(time_s=time_s[fits], r=r[fits], q=q[fits],
                        parent_source=front.parent_source[fits], parent_index=front.parent_index[fits]),
-                prefetched if np.isscalar(prefetched) else prefetched[fits])
+                prefetched[fits] if isinstance(prefetched, np.ndarray) else prefetched)
