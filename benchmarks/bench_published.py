@@ -567,6 +567,32 @@ def print_memory_ratios(ratios: dict[tuple[str, bool, int], float]) -> None:
         print(f"| {model} | {'> 1' if pipelined else '1'} | " + " | ".join(cells) + " |")
 
 
+def crashed_within(outcomes: list[Outcome], usable_bytes: int) -> dict[str, dict[str, int]]:
+    """Per model, the crashed rows predicted within the device, by what the same configuration (GPUs, dp,
+    tp, pp, ZeRO stage) did at other micro-batch sizes: ran at the same or a larger one (so the crash was
+    not out of memory), ran only at smaller ones (likely out of memory: the model's miss), or never ran."""
+    def configuration(row: Row) -> tuple:
+        return row.model, row.n_gpus, row.dp, row.tp, row.pp, row.zero_stage
+    ran: dict[tuple, list[int]] = defaultdict(list)
+    for o in outcomes:
+        if o.row.ran:
+            ran[configuration(o.row)].append(o.row.micro_batch_size)
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for o in outcomes:
+        if o.row.crashed and o.predicted is not None and o.predicted.peak_bytes <= usable_bytes:
+            sizes = ran[configuration(o.row)]
+            kind = ("never ran" if not sizes else "ran at the same or a larger micro-batch"
+                    if max(sizes) >= o.row.micro_batch_size else "ran only at smaller micro-batches")
+            counts[o.row.model][kind] += 1
+    return counts
+
+
+def print_crashed_within(counts: dict[str, dict[str, int]]) -> None:
+    print("\nCrashed rows predicted within the device, by what their configuration did at other micro-batches:")
+    for model, kinds in sorted(counts.items()):
+        print(f"  {model}: " + ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items())))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
@@ -583,6 +609,7 @@ def main() -> None:
           f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
     print_table(score(outcomes, hw.usable_memory_bytes))
     print_memory_ratios(memory_ratios(outcomes))
+    print_crashed_within(crashed_within(outcomes, hw.usable_memory_bytes))
     print_left_out([o for o in outcomes if o.reason])
 
 

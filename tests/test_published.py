@@ -227,3 +227,17 @@ def test_one_f_one_b_over_fewer_micro_batches_than_stages_is_a_plan_that_says_so
     # stages 0-1 hold both micro-batches (fill-drain), the last ones alternate as 1F1B does
     assert [plan.schedule.in_flight(stage, 4) for stage in range(4)] == [2, 2, 2, 1]
     assert [Schedule(num_micro_batches=2, name="gpipe").in_flight(stage, 4) for stage in range(4)] == [2] * 4
+
+
+def test_crashed_rows_within_the_device_are_told_apart_by_what_their_configuration_did(bench):
+    row = bench.Row(model="playbook-1B", n_gpus=8, dp=8, tp=1, pp=1, micro_batch_size=4, grad_accum=8,
+                    seq_len=4096, zero_stage="1", status="crashed_or_oom", tokens_per_s_per_gpu=None, line=2)
+    within, over = Predicted(peak_bytes=10, step_time_s=1.0), Predicted(peak_bytes=1000, step_time_s=1.0)
+    ran = dict(status="ok", tokens_per_s_per_gpu=1.0)
+    outcomes = [bench.Outcome(row=row, predicted=within),  # ran only at 2 sequences: likely out of memory
+                bench.Outcome(row=dataclasses.replace(row, micro_batch_size=2, **ran), predicted=within),
+                bench.Outcome(row=dataclasses.replace(row, micro_batch_size=1), predicted=within),  # ran at 2
+                bench.Outcome(row=dataclasses.replace(row, zero_stage="0"), predicted=within),  # never ran
+                bench.Outcome(row=dataclasses.replace(row, micro_batch_size=8), predicted=over)]  # over: not counted
+    assert bench.crashed_within(outcomes, usable_bytes=100) == {"playbook-1B": {
+        "ran only at smaller micro-batches": 1, "ran at the same or a larger micro-batch": 1, "never ran": 1}}
