@@ -41,6 +41,7 @@ from .files import write_text_atomically
 from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
                        ring_factor)
 from .op_factors import fit_op_factors, op_workloads, time_op_calls_s
+from .passes.execution import is_dispatch, is_kernel
 from .plan import Checkpoint, kept_by_selective
 from .runtime.launch import run_world
 from .runtime.measure import synchronize
@@ -612,9 +613,9 @@ class _OpCount(TorchDispatchMode):
         self.dispatches = self.rerun = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace != "prim":
+        if is_dispatch(func):
             self.dispatches += 1
-            self.rerun += not func.is_view and not kept_by_selective(func.overloadpacket.__name__)
+            self.rerun += is_kernel(func) and not kept_by_selective(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
 

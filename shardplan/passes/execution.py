@@ -139,10 +139,15 @@ GATHER_OPS = {_aten.embedding: 0, _aten.index_select: 0, _aten.gather: 0}
 it gathers, as many bytes as it writes, not its whole table."""
 
 
+def is_dispatch(func) -> bool:
+    """Whether an op a mode sees is one the model dispatched: not a metadata query (`prim` ops such as
+    tensor.device, which modes see for fake tensors' own queries too)."""
+    return func.namespace != "prim"
+
+
 def is_kernel(func) -> bool:
-    """Whether a dispatched op runs a kernel: not a view, not a metadata query (`prim` ops such as
-    tensor.device, which modes see but no kernel runs for)."""
-    return not func.is_view and func.namespace != "prim"
+    """Whether a dispatched op runs a kernel: not a view, not a metadata query."""
+    return not func.is_view and is_dispatch(func)
 
 
 class _Tally:
@@ -183,7 +188,7 @@ class _OpTally(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tally = self.tally
-        if tally is not None and func.namespace != "prim":  # prim: the fake tensors' own queries
+        if tally is not None and is_dispatch(func):
             tally.dispatches += 1
         if tally is None or not is_kernel(func):
             return out
