@@ -367,6 +367,50 @@ def zero1_runtime_s(row: Row, chain: BlockChain, dims: LlamaDims, hw) -> float:
     return reduce_s + copies_s
 
 
+NANOTRON_HOST_CALLS = {"layer": 270, "embedding": 20, "head": 60, "boundary": 90}
+"""ATen calls nanotron's host dispatches a micro-batch (read from its code at 2411b022, which matches e24d2483 on
+these paths; no profiler): a decoder layer's forward ~105 (models/llama.py 437-481, 675-759: fused qkv and
+gate_up column linears with their async all-gather, MemoryBuffer views, the qkv permute and kv copy, flash rotary,
+cu_seqlens rebuilt in every layer, flash_attn_varlen_func, the row linears' reduce-scatter), its backward ~135
+(tensor_parallel/functional.py 384-461 and 590-695: the recomputed all-gather, two matmuls, waits and views a
+linear) and ~30 for the fp32 accumulation, which after every micro-batch's backward loops in Python over the
+rank's parameters, 6 a layer, adding each bf16 gradient into its fp32 buffer (optim/gradient_accumulator.py
+206-240); the embedding's masked lookup and reduce-scatter; the final norm, the vocab-parallel head and the
+sharded cross entropy with its three all-reduces (functional.py 31-107, llama.py 976-1000); and a stage
+boundary's p2p: each of the two tensors that cross it forward and the one that comes back is three messages
+(metadata, shape, data), its metadata built from CPU tensors and read back as CUDA scalars
+(pipeline_parallel/p2p.py 207-356)."""
+
+NANOTRON_TRITON_LAUNCHES = {"layer": 8, "embedding": 0, "head": 2, "boundary": 0}
+"""Triton kernels a micro-batch launches: TritonRMSNorm (flash_attn's layer_norm_fn) and flash_attn's rotary,
+forward and backward, two of each a layer; the final norm."""
+
+TRITON_LAUNCH_S = 50e-6
+"""Host time of one launch through Triton 2's Python launcher, which the playbook's environment (torch 2.1)
+shipped: ~40 us with few arguments to ~62 us with many (github.com/triton-lang/triton/pull/3503), 42-55 us on
+Triton's CI (pull/1431)."""
+
+
+def nanotron_host_s(row: Row, chain: BlockChain, dims: LlamaDims, hw) -> float:
+    """Host time of one micro-batch on nanotron's busiest stage: the ATen calls it dispatches at the profile's
+    fixed cost of an op and its Triton launches at TRITON_LAUNCH_S. The host runs ahead of the GPU within a
+    micro-batch but not across them once pipelined (every receive reads its metadata back on the host, every
+    send copies it in from the host: p2p.py 220-287), and without a pipeline it can run ahead only as fast as
+    it dispatches: either way a step is never shorter than (micro-batches + stages - 1) of these."""
+    starts = nanotron_stage_starts(dims, row.pp) + [len(chain.blocks)]
+
+    def kind(block) -> str:
+        return "embedding" if block.index == 0 else "head" if block.name == "lm_head" else "layer"
+
+    def stage_s(blocks, boundaries: int) -> float:
+        kinds = [kind(b) for b in blocks] + ["boundary"] * boundaries
+        return sum(NANOTRON_HOST_CALLS[k] * hw.op_overhead_s + NANOTRON_TRITON_LAUNCHES[k] * TRITON_LAUNCH_S
+                   for k in kinds)
+
+    return max(stage_s(chain.blocks[a:b], (s > 0) + (s < row.pp - 1))
+               for s, (a, b) in enumerate(zip(starts, starts[1:])))
+
+
 ADAM_BYTES = OPTIMIZER_STATE_BYTES_PER_PARAM["adamw"]
 
 
@@ -465,7 +509,9 @@ def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> 
         chain = chains[key]
         plan = evaluate(chain, plan_for(row, chain, dims), hw)
         predicted = as_nanotron_holds(plan, row, dims)
-        step_s = predicted.step_time_s + (zero1_runtime_s(row, chain, dims, hw) if nanotron_zero1 else 0.0)
+        host_bound_s = (row.grad_accum + row.pp - 1) * nanotron_host_s(row, chain, dims, hw) + plan.time_s["optimizer"]
+        step_s = (max(predicted.step_time_s, host_bound_s)
+                  + (zero1_runtime_s(row, chain, dims, hw) if nanotron_zero1 else 0.0))
         tokens = samples * row.seq_len * row.dp / step_s / row.n_gpus
         outcomes.append(Outcome(row=row, predicted=predicted, tokens_per_s_per_gpu=tokens,
                                 after_pipeline_bytes=sum(after_pipeline(plan, row, dims).values())))
