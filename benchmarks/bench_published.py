@@ -10,7 +10,8 @@ REPLICATE and ZeRO-1 as SHARD_OPTIMIZER, 1F1B over the gradient-accumulation mic
 parameters in bf16 and gradients reduced in fp32, no recomputation, stages cut as nanotron cuts
 them, and tp > 1 as nanotron's TP in REDUCE_SCATTER mode (sequence parallel, vocab-parallel embedding
 and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each plan's step time and
-peak memory on the profile. Printed
+peak memory on the profile; the step is then bounded below by what nanotron's host dispatches
+(nanotron_host_s) and the memory swapped for what nanotron holds (as_nanotron_holds). Printed
 per model and GPU count: Kendall tau of predicted against measured tokens/s/GPU over the rows
 that ran, predicted / measured throughput (median, p10, p90), and the memory classification (the
 share of crashed rows predicted over the device's usable memory, the share of rows that ran
