@@ -630,22 +630,71 @@ def test_batch_norm_statistics_are_the_replicas_mean_in_checkpoints_and_exports(
     assert any("running_mean" in entry["name"] for entry in saved["buffers"])
 
 
-def fsdp2_tensor_parallel_save(rank: int, world: int, directory: str) -> dict:
-    model = zoo.gpt(batch=2).model
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    plan = manual_plan(model, zoo.gpt_units(zoo.GPTConfig().n_layer), dp=1, tp=world, example_inputs=(ids,),
-                       example_kwargs={"labels": ids})
-    program = parallelize(model, plan, backend="fsdp2")
-    program.step(ids, labels=ids)
-    try:
-        program.save(os.path.join(directory, "tp"))
-    except ShardplanError as error:
-        return {"error": str(error)}
-    return {"error": None}
+def tensor_parallel_plan(**mesh):
+    """The GPT's plan over 4 ranks with tp 2: dp 2 (sharding), or the mesh `mesh` gives."""
+    model = zoo.gpt().model
+    example = batch(0, 0, 2)
+    return manual_plan(model, zoo.gpt_units(zoo.GPTConfig().n_layer), tp=2, example_inputs=(example,),
+                       example_kwargs={"labels": example}, **({"dp": 2} | mesh))
+
+
+def tensor_parallel_program(plan, backend: str):
+    torch.manual_seed(0)
+    program = parallelize(zoo.gpt().model, plan, backend=backend)
+    return program, torch.optim.AdamW(program.parameters(), **ADAMW)
+
+
+def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
+    """fsdp2 tp 2 × dp 2 trains 5 steps, saving after step 3; shardplan dp 4 and fsdp2 tp 2 × dp 2 resume that
+    checkpoint; shardplan tp 2 × dp 2 resumes it for a step and saves, which fsdp2 tp 2 × HSDP 2 resumes.
+    Per resuming case: its losses after step 3, loaded_error (the export right after each load against the
+    saving program's at its save) and state_error (the final export against the uninterrupted run's), None
+    off rank 0, which alone holds an export."""
+    def difference(state: dict, reference: dict) -> float | None:
+        return max_difference(state, reference) if state else None
+
+    plan = tensor_parallel_plan()
+    replica = plan.mesh.replica_of(rank)
+    program, optimizer = tensor_parallel_program(plan, "fsdp2")
+    losses = train(program, optimizer, range(SAVE_AFTER), replica, 2)
+    program.save(directory / "fsdp2-tp", optimizer)
+    saved = program.export_full_state_dict()
+    results: dict = {"uninterrupted": losses + train(program, optimizer, range(SAVE_AFTER, STEPS), replica, 2)}
+    final = program.export_full_state_dict()
+    for name, (program, optimizer), (mine, dp) in (
+            ("shardplan dp 4", build(rank, world), (rank, world)),
+            ("fsdp2 tp 2 × dp 2", tensor_parallel_program(plan, "fsdp2"), (replica, 2))):
+        program.load(directory / "fsdp2-tp", optimizer)
+        loaded = program.export_full_state_dict()
+        results[name] = {"losses": train(program, optimizer, range(SAVE_AFTER, STEPS), mine, dp),
+                         "loaded_error": difference(loaded, saved),
+                         "state_error": difference(program.export_full_state_dict(), final)}
+    program, optimizer = tensor_parallel_program(plan, "shardplan")
+    program.load(directory / "fsdp2-tp", optimizer)
+    loaded_errors = [difference(program.export_full_state_dict(), saved)]
+    losses = train(program, optimizer, range(SAVE_AFTER, SAVE_AFTER + 1), replica, 2)
+    program.save(directory / "shardplan-tp", optimizer)
+    saved = program.export_full_state_dict()
+    hybrid = tensor_parallel_plan(dp=1, dp_replicate=2)
+    program, optimizer = tensor_parallel_program(hybrid, "fsdp2")
+    program.load(directory / "shardplan-tp", optimizer)
+    loaded_errors.append(difference(program.export_full_state_dict(), saved))
+    losses += train(program, optimizer, range(SAVE_AFTER + 1, STEPS), hybrid.mesh.replica_of(rank), 2)
+    results["shardplan tp 2 × dp 2, then fsdp2 tp 2 × HSDP 2"] = {
+        "losses": losses, "loaded_error": None if None in loaded_errors else max(loaded_errors),
+        "state_error": difference(program.export_full_state_dict(), final)}
+    return results
 
 
 @pytest.mark.distributed
-def test_fsdp2_refuses_to_save_a_tensor_parallel_plan_and_writes_nothing(tmp_path):
-    record = spawn_world(2, fsdp2_tensor_parallel_save, (str(tmp_path),))
-    assert record["error"] is not None and "backend='shardplan'" in record["error"], record
-    assert not (tmp_path / "tp").exists() or not any((tmp_path / "tp").iterdir())
+@pytest.mark.timeout(300)
+def test_fsdp2_tensor_parallel_checkpoints_resume_on_other_meshes_and_backends(tmp_path):
+    results = spawn_world(4, tensor_parallel_checkpoints, (tmp_path,))
+    expected = results.pop("uninterrupted")[SAVE_AFTER:]
+    for name, resumed in results.items():
+        assert resumed["losses"] == pytest.approx(expected, abs=1e-5), name
+        assert resumed["loaded_error"] == 0.0, name  # every parameter bit-equal to the saving program's
+        assert resumed["state_error"] < 1e-5, name
+    metadata = json.loads((tmp_path / "fsdp2-tp" / checkpoint.METADATA_FILE).read_text())
+    shapes = {entry["name"]: entry["shape"] for entry in metadata["parameters"]}
+    assert shapes["h.0.attn.qkv.weight"] == [192, 64] and shapes["h.0.mlp.proj.weight"] == [64, 256]
