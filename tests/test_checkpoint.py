@@ -6,6 +6,7 @@ uninterrupted run: world 2 resumes it exactly, worlds 4 and 1 (other unit groupi
 mixes, and FSDP2 at world 4) continue its losses. A world-1 process dies mid-save for real. Each
 spawned world runs all its cases and returns rank 0's record, which the tests read.
 """
+import functools
 import hashlib
 import json
 import os
@@ -630,59 +631,77 @@ def test_batch_norm_statistics_are_the_replicas_mean_in_checkpoints_and_exports(
     assert any("running_mean" in entry["name"] for entry in saved["buffers"])
 
 
-def tensor_parallel_plan(**mesh):
-    """The GPT's plan over 4 ranks with tp 2: dp 2 (sharding), or the mesh `mesh` gives."""
-    model = zoo.gpt().model
-    example = batch(0, 0, 2)
-    return manual_plan(model, zoo.gpt_units(zoo.GPTConfig().n_layer), tp=2, example_inputs=(example,),
-                       example_kwargs={"labels": example}, **({"dp": 2} | mesh))
+def tensor_parallel_plan(dp: int, **options):
+    """The GPT's plan over 4 ranks with tp 2, `dp` ranks sharding each unit, the rest as `options` say."""
+    example = batch(0, 0, dp * options.get("dp_replicate", 1))  # one replica's batch
+    return manual_plan(zoo.gpt().model, zoo.gpt_units(zoo.GPTConfig().n_layer), dp=dp, tp=2,
+                       example_inputs=(example,), example_kwargs={"labels": example}, **options)
 
 
-def tensor_parallel_program(plan, backend: str):
+def tensor_parallel_program(plan, backend: str, rank: int) -> tuple:
+    """(a program of `plan` on `backend` from seed 0, its optimizer, this rank's replica, the replicas)."""
     torch.manual_seed(0)
     program = parallelize(zoo.gpt().model, plan, backend=backend)
-    return program, torch.optim.AdamW(program.parameters(), **ADAMW)
+    return (program, torch.optim.AdamW(program.parameters(), **ADAMW), plan.mesh.replica_of(rank), plan.mesh.dp)
 
 
 def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
-    """fsdp2 tp 2 × dp 2 trains 5 steps, saving after step 3; shardplan dp 4 and fsdp2 tp 2 × dp 2 resume that
-    checkpoint; shardplan tp 2 × dp 2 resumes it for a step and saves, which fsdp2 tp 2 × HSDP 2 resumes.
-    Per resuming case: its losses after step 3, loaded_error (the export right after each load against the
-    saving program's at its save) and state_error (the final export against the uninterrupted run's), None
-    off rank 0, which alone holds an export."""
+    """fsdp2 tp 2 × dp 2 trains 5 steps, saving after step 3. From that checkpoint: shardplan dp 4 and fsdp2
+    tp 2 × dp 2 resume; shardplan tp 2 × dp 2 takes a step and saves, which fsdp2 tp 2 × HSDP 2 resumes;
+    fsdp2 tp 2 × pp 2 resumes and saves at the end, which shardplan dp 4 loads. Per case: its losses after
+    step 3, loaded_error (each load's export against the saving program's at its save: the largest) and
+    state_error (its final state against the uninterrupted run's), both None off rank 0, which alone holds
+    an export."""
     def difference(state: dict, reference: dict) -> float | None:
         return max_difference(state, reference) if state else None
 
-    plan = tensor_parallel_plan()
-    replica = plan.mesh.replica_of(rank)
-    program, optimizer = tensor_parallel_program(plan, "fsdp2")
-    losses = train(program, optimizer, range(SAVE_AFTER), replica, 2)
-    program.save(directory / "fsdp2-tp", optimizer)
-    saved = program.export_full_state_dict()
-    results: dict = {"uninterrupted": losses + train(program, optimizer, range(SAVE_AFTER, STEPS), replica, 2)}
-    final = program.export_full_state_dict()
-    for name, (program, optimizer), (mine, dp) in (
-            ("shardplan dp 4", build(rank, world), (rank, world)),
-            ("fsdp2 tp 2 × dp 2", tensor_parallel_program(plan, "fsdp2"), (replica, 2))):
-        program.load(directory / "fsdp2-tp", optimizer)
+    def resumed(program, optimizer, replica: int, replicas: int, *, path: str, saved: dict,
+                steps: range) -> tuple[list[float], float | None]:
+        """Load the checkpoint `path`, whose saving program exported `saved`, and train `steps`: (the losses,
+        the loaded export's difference from `saved`)."""
+        program.load(directory / path, optimizer)
         loaded = program.export_full_state_dict()
-        results[name] = {"losses": train(program, optimizer, range(SAVE_AFTER, STEPS), mine, dp),
-                         "loaded_error": difference(loaded, saved),
-                         "state_error": difference(program.export_full_state_dict(), final)}
-    program, optimizer = tensor_parallel_program(plan, "shardplan")
-    program.load(directory / "fsdp2-tp", optimizer)
-    loaded_errors = [difference(program.export_full_state_dict(), saved)]
-    losses = train(program, optimizer, range(SAVE_AFTER, SAVE_AFTER + 1), replica, 2)
+        return train(program, optimizer, steps, replica, replicas), difference(loaded, saved)
+
+    def record(state: dict, losses: list[float], *loaded_errors: float | None) -> dict:
+        return {"losses": losses, "loaded_error": None if None in loaded_errors else max(loaded_errors),
+                "state_error": difference(state, final)}
+
+    sharded = tensor_parallel_plan(dp=2)
+    program, optimizer, replica, replicas = tensor_parallel_program(sharded, "fsdp2", rank)
+    uninterrupted = train(program, optimizer, range(SAVE_AFTER), replica, replicas)
+    program.save(directory / "fsdp2-tp", optimizer)
+    at_save = program.export_full_state_dict()
+    uninterrupted += train(program, optimizer, range(SAVE_AFTER, STEPS), replica, replicas)
+    final = program.export_full_state_dict()
+    results: dict = {"uninterrupted": uninterrupted}
+    resume = functools.partial(resumed, path="fsdp2-tp", saved=at_save, steps=range(SAVE_AFTER, STEPS))
+
+    program, optimizer = build(rank, world)
+    losses, loaded_error = resume(program, optimizer, rank, world)
+    results["shardplan dp 4"] = record(program.export_full_state_dict(), losses, loaded_error)
+
+    program, *rest = tensor_parallel_program(sharded, "fsdp2", rank)
+    losses, loaded_error = resume(program, *rest)
+    results["fsdp2 tp 2 × dp 2"] = record(program.export_full_state_dict(), losses, loaded_error)
+
+    program, optimizer, *rest = tensor_parallel_program(sharded, "shardplan", rank)
+    losses, loaded_error = resume(program, optimizer, *rest, steps=range(SAVE_AFTER, SAVE_AFTER + 1))
     program.save(directory / "shardplan-tp", optimizer)
-    saved = program.export_full_state_dict()
-    hybrid = tensor_parallel_plan(dp=1, dp_replicate=2)
-    program, optimizer = tensor_parallel_program(hybrid, "fsdp2")
-    program.load(directory / "shardplan-tp", optimizer)
-    loaded_errors.append(difference(program.export_full_state_dict(), saved))
-    losses += train(program, optimizer, range(SAVE_AFTER + 1, STEPS), hybrid.mesh.replica_of(rank), 2)
-    results["shardplan tp 2 × dp 2, then fsdp2 tp 2 × HSDP 2"] = {
-        "losses": losses, "loaded_error": None if None in loaded_errors else max(loaded_errors),
-        "state_error": difference(program.export_full_state_dict(), final)}
+    at_step = program.export_full_state_dict()
+    program, *rest = tensor_parallel_program(tensor_parallel_plan(dp=1, dp_replicate=2), "fsdp2", rank)
+    more, hybrid_error = resumed(program, *rest, path="shardplan-tp", saved=at_step,
+                                 steps=range(SAVE_AFTER + 1, STEPS))
+    results["shardplan tp 2 × dp 2, then fsdp2 tp 2 × HSDP 2"] = record(
+        program.export_full_state_dict(), losses + more, loaded_error, hybrid_error)
+
+    pipelined = tensor_parallel_plan(dp=1, pp=2, micro_batches=2, schedule="1f1b")
+    program, optimizer, *rest = tensor_parallel_program(pipelined, "fsdp2", rank)
+    losses, loaded_error = resume(program, optimizer, *rest)
+    program.save(directory / "fsdp2-tp-pp", optimizer)
+    at_end = program.export_full_state_dict()
+    _, reloaded_error = resumed(*build(rank, world), rank, world, path="fsdp2-tp-pp", saved=at_end, steps=range(0))
+    results["fsdp2 tp 2 × pp 2, then shardplan dp 4"] = record(at_end, losses, loaded_error, reloaded_error)
     return results
 
 
@@ -691,6 +710,7 @@ def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
 def test_fsdp2_tensor_parallel_checkpoints_resume_on_other_meshes_and_backends(tmp_path):
     results = spawn_world(4, tensor_parallel_checkpoints, (tmp_path,))
     expected = results.pop("uninterrupted")[SAVE_AFTER:]
+    assert len(results) == 4
     for name, resumed in results.items():
         assert resumed["losses"] == pytest.approx(expected, abs=1e-5), name
         assert resumed["loaded_error"] == 0.0, name  # every parameter bit-equal to the saving program's
