@@ -647,7 +647,7 @@ def tensor_parallel_program(plan, backend: str, rank: int) -> tuple:
 
 def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
     """fsdp2 tp 2 × dp 2 trains 5 steps, saving after step 3. From that checkpoint: shardplan dp 4 and fsdp2
-    tp 2 × dp 2 resume; shardplan tp 2 × dp 2 takes a step and saves, which fsdp2 tp 2 × HSDP 2 resumes;
+    tp 2 × dp 2 with sequence and vocab parallelism resume; shardplan tp 2 × dp 2 takes a step and saves, which fsdp2 tp 2 × HSDP 2 resumes;
     fsdp2 tp 2 × pp 2 resumes and saves at the end, which shardplan dp 4 loads. Per case: its losses after
     step 3, loaded_error (each load's export against the saving program's at its save: the largest) and
     state_error (its final state against the uninterrupted run's), both None off rank 0, which alone holds
@@ -681,9 +681,11 @@ def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
     losses, loaded_error = resume(program, optimizer, rank, world)
     results["shardplan dp 4"] = record(program.export_full_state_dict(), losses, loaded_error)
 
-    program, *rest = tensor_parallel_program(sharded, "fsdp2", rank)
+    program, *rest = tensor_parallel_program(tensor_parallel_plan(dp=2, sequence_parallel=True, vocab_parallel=True),
+                                             "fsdp2", rank)
     losses, loaded_error = resume(program, *rest)
-    results["fsdp2 tp 2 × dp 2"] = record(program.export_full_state_dict(), losses, loaded_error)
+    results["fsdp2 tp 2 × dp 2, sequence and vocab parallel"] = record(program.export_full_state_dict(), losses,
+                                                                       loaded_error)
 
     program, optimizer, *rest = tensor_parallel_program(sharded, "shardplan", rank)
     losses, loaded_error = resume(program, optimizer, *rest, steps=range(SAVE_AFTER, SAVE_AFTER + 1))
