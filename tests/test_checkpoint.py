@@ -18,12 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardplan import zoo
 from shardplan.errors import CheckpointError, RuntimeMismatchError, ShardplanError
 from shardplan.plan import ShardStrategy
 from shardplan.runtime import checkpoint, manual_plan, parallelize
-from shardplan.runtime.chunks import Chunk, row_chunks, unit_chunks
+from shardplan.runtime.chunks import Chunk, DTensorHolder, row_chunks, unit_chunks
 from shardplan.runtime.flat_param import FlatLayout
 from shardplan.runtime.tensor_parallel import ParameterSlice
 
@@ -274,6 +276,11 @@ def errors(rank: int, world: int, directory: Path) -> dict:
     for name in ("missing", "corrupt", "future", "nowhere"):
         expect(found, name, lambda: program.load(directory / name, optimizer))
     expect(found, "other_optimizer", lambda: program.load(directory / "ckpt", torch.optim.SGD(program.parameters())))
+    # an FSDP2 parameter sharded along another dim than FSDP2's own: its pieces are no rows
+    columns = distribute_tensor(torch.zeros(4, 6), init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",)),
+                                [Shard(1)])
+    holder = DTensorHolder("columns", torch.nn.Parameter(columns), [], program, None)
+    expect(found, "placement", lambda: holder.entries(holder.parameter, lambda name: f"model.{name}"))
     return found
 
 
@@ -512,6 +519,8 @@ def test_bad_checkpoints_are_refused_with_the_reason(runs):
     assert found["future"][0] == "CheckpointError" and "'shardplan.checkpoint/3'" in found["future"][1]
     assert found["nowhere"][0] == "CheckpointError" and "no checkpoint at" in found["nowhere"][1]
     assert found["other_optimizer"][0] == "CheckpointError" and "holds AdamW state" in found["other_optimizer"][1]
+    assert found["placement"][0] == "ShardplanError" and "placed (Shard(dim=1),) over mesh dims ('dp_shard',)" \
+        in found["placement"][1]
     assert issubclass(CheckpointError, ShardplanError)
 
 
@@ -647,11 +656,11 @@ def tensor_parallel_program(plan, backend: str, rank: int) -> tuple:
 
 def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
     """fsdp2 tp 2 × dp 2 trains 5 steps, saving after step 3. From that checkpoint: shardplan dp 4 and fsdp2
-    tp 2 × dp 2 with sequence and vocab parallelism resume; shardplan tp 2 × dp 2 takes a step and saves, which fsdp2 tp 2 × HSDP 2 resumes;
-    fsdp2 tp 2 × pp 2 resumes and saves at the end, which shardplan dp 4 loads. Per case: its losses after
-    step 3, loaded_error (each load's export against the saving program's at its save: the largest) and
-    state_error (its final state against the uninterrupted run's), both None off rank 0, which alone holds
-    an export."""
+    tp 2 × dp 2 with sequence and vocab parallelism resume; shardplan tp 2 × dp 2 takes a step and saves,
+    which fsdp2 tp 2 × HSDP 2 resumes; fsdp2 tp 2 × pp 2 resumes and saves at the end, which shardplan dp 4
+    loads. Per case: its losses after step 3, loaded_error (each load's export against the saving program's
+    at its save: the largest) and state_error (its final state against the uninterrupted run's), both None
+    off rank 0, which alone holds an export."""
     def difference(state: dict, reference: dict) -> float | None:
         return max_difference(state, reference) if state else None
 

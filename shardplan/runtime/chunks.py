@@ -2,10 +2,12 @@
 
 A Holder is one tensor an optimizer steps and the parameters in it: a
 shardplan unit (one flat shard, many parameters, cut anywhere by the rank
-slices) or an FSDP2 parameter (a DTensor sharded along dim 0). Either way a
-parameter flattened to 1-D is held in contiguous chunks, one per rank at most,
-and a tensor shaped like the holder's parameter (the parameter itself, or its
-Adam moments) becomes one DCP entry per parameter name.
+slices) or an FSDP2 parameter (a DTensor sharded along dim 0). Either way it
+holds the flattened parameter, or under tp > 1 this tp rank's slice of it, in
+contiguous pieces, one per rank at most; a slice's piece lies in the full
+parameter as runs (ParameterSlice.runs), so each rank contributes one chunk per
+run its piece meets. A tensor shaped like the holder's parameter (the parameter
+itself, or its Adam moments) becomes one DCP entry per parameter name.
 """
 import functools
 import math
@@ -47,11 +49,12 @@ def unit_chunks(layout: FlatLayout, index: int, cut: ParameterSlice | None, *, s
     the flat buffer (or by the whole buffer, shard index 0, when not `sharded`)."""
     begin, _ = layout.span(index)
     span = layout.shard_numel if sharded else layout.padded_numel
-    shards = [(shard, shard * span - begin, (shard + 1) * span - begin) for shard in range(layout.dp if sharded else 1)]
-    return sliced_chunks(shards, _runs(cut, layout.numels[index]), owner)
+    shards = [(shard, shard * span - begin, (shard + 1) * span - begin)
+              for shard in range(layout.dp if sharded else 1)]
+    return _sliced_chunks(shards, _runs(cut, layout.numels[index]), owner)
 
 
-def sliced_chunks(shards: list[tuple[int, int, int]], slices: list[tuple[tuple[int, int, int], ...]],
+def _sliced_chunks(shards: list[tuple[int, int, int]], slices: list[tuple[tuple[int, int, int], ...]],
                   owner: Callable[[int, int], int]) -> list[Chunk]:
     """Every holder's pieces of one parameter: for each tp index, the runs of its slice (`slices`, from
     `_runs`) cut by each (shard index, low, high), the part of the flattened slice a shard holds, its local
@@ -215,7 +218,7 @@ class DTensorHolder:
             raise ShardplanError(f"{self.label}: FSDP2 holds {local.numel()} elements on rank {rank}, "
                                  f"torch.chunk along dim 0 gives {held}: use backend='shardplan' for checkpoints")
         shards = [(chunk.rank, chunk.offset, chunk.offset + chunk.numel) for chunk in rows]
-        chunks = sliced_chunks(shards, _runs(self.cut, held_shape.numel()), owner)
+        chunks = _sliced_chunks(shards, _runs(self.cut, held_shape.numel()), owner)
         return {key(self.names[0]): chunked_entry(local, math.prod(full_shape), chunks, rank)}
 
     def _check_placements(self) -> None:
