@@ -6,6 +6,7 @@ uninterrupted run: world 2 resumes it exactly, worlds 4 and 1 (other unit groupi
 mixes, and FSDP2 at world 4) continue its losses. A world-1 process dies mid-save for real. Each
 spawned world runs all its cases and returns rank 0's record, which the tests read.
 """
+import functools
 import hashlib
 import json
 import os
@@ -17,12 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardplan import zoo
 from shardplan.errors import CheckpointError, RuntimeMismatchError, ShardplanError
 from shardplan.plan import ShardStrategy
 from shardplan.runtime import checkpoint, manual_plan, parallelize
-from shardplan.runtime.chunks import Chunk, row_chunks, unit_chunks
+from shardplan.runtime.chunks import Chunk, DTensorHolder, row_chunks, unit_chunks
 from shardplan.runtime.flat_param import FlatLayout
 from shardplan.runtime.tensor_parallel import ParameterSlice
 
@@ -273,6 +276,11 @@ def errors(rank: int, world: int, directory: Path) -> dict:
     for name in ("missing", "corrupt", "future", "nowhere"):
         expect(found, name, lambda: program.load(directory / name, optimizer))
     expect(found, "other_optimizer", lambda: program.load(directory / "ckpt", torch.optim.SGD(program.parameters())))
+    # an FSDP2 parameter sharded along another dim than FSDP2's own: its pieces are no rows
+    columns = distribute_tensor(torch.zeros(4, 6), init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",)),
+                                [Shard(1)])
+    holder = DTensorHolder("columns", torch.nn.Parameter(columns), [], program, None)
+    expect(found, "placement", lambda: holder.entries(holder.parameter, lambda name: f"model.{name}"))
     return found
 
 
@@ -511,6 +519,8 @@ def test_bad_checkpoints_are_refused_with_the_reason(runs):
     assert found["future"][0] == "CheckpointError" and "'shardplan.checkpoint/3'" in found["future"][1]
     assert found["nowhere"][0] == "CheckpointError" and "no checkpoint at" in found["nowhere"][1]
     assert found["other_optimizer"][0] == "CheckpointError" and "holds AdamW state" in found["other_optimizer"][1]
+    assert found["placement"][0] == "ShardplanError" and "placed (Shard(dim=1),) over mesh dims ('dp_shard',)" \
+        in found["placement"][1]
     assert issubclass(CheckpointError, ShardplanError)
 
 
@@ -630,22 +640,92 @@ def test_batch_norm_statistics_are_the_replicas_mean_in_checkpoints_and_exports(
     assert any("running_mean" in entry["name"] for entry in saved["buffers"])
 
 
-def fsdp2_tensor_parallel_save(rank: int, world: int, directory: str) -> dict:
-    model = zoo.gpt(batch=2).model
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    plan = manual_plan(model, zoo.gpt_units(zoo.GPTConfig().n_layer), dp=1, tp=world, example_inputs=(ids,),
-                       example_kwargs={"labels": ids})
-    program = parallelize(model, plan, backend="fsdp2")
-    program.step(ids, labels=ids)
-    try:
-        program.save(os.path.join(directory, "tp"))
-    except ShardplanError as error:
-        return {"error": str(error)}
-    return {"error": None}
+def tensor_parallel_plan(dp: int, **options):
+    """The GPT's plan over 4 ranks with tp 2, `dp` ranks sharding each unit, the rest as `options` say."""
+    example = batch(0, 0, dp * options.get("dp_replicate", 1))  # one replica's batch
+    return manual_plan(zoo.gpt().model, zoo.gpt_units(zoo.GPTConfig().n_layer), dp=dp, tp=2,
+                       example_inputs=(example,), example_kwargs={"labels": example}, **options)
+
+
+def tensor_parallel_program(plan, backend: str, rank: int) -> tuple:
+    """(a program of `plan` on `backend` from seed 0, its optimizer, this rank's replica, the replicas)."""
+    torch.manual_seed(0)
+    program = parallelize(zoo.gpt().model, plan, backend=backend)
+    return (program, torch.optim.AdamW(program.parameters(), **ADAMW), plan.mesh.replica_of(rank), plan.mesh.dp)
+
+
+def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
+    """fsdp2 tp 2 × dp 2 trains 5 steps, saving after step 3. From that checkpoint: shardplan dp 4 and fsdp2
+    tp 2 × dp 2 with sequence and vocab parallelism resume; shardplan tp 2 × dp 2 takes a step and saves,
+    which fsdp2 tp 2 × HSDP 2 resumes; fsdp2 tp 2 × pp 2 resumes and saves at the end, which shardplan dp 4
+    loads. Per case: its losses after step 3, loaded_error (each load's export against the saving program's
+    at its save: the largest) and state_error (its final state against the uninterrupted run's), both None
+    off rank 0, which alone holds an export."""
+    def difference(state: dict, reference: dict) -> float | None:
+        return max_difference(state, reference) if state else None
+
+    def resumed(program, optimizer, replica: int, replicas: int, *, path: str, saved: dict,
+                steps: range) -> tuple[list[float], float | None]:
+        """Load the checkpoint `path`, whose saving program exported `saved`, and train `steps`: (the losses,
+        the loaded export's difference from `saved`)."""
+        program.load(directory / path, optimizer)
+        loaded = program.export_full_state_dict()
+        return train(program, optimizer, steps, replica, replicas), difference(loaded, saved)
+
+    def record(state: dict, losses: list[float], *loaded_errors: float | None) -> dict:
+        return {"losses": losses, "loaded_error": None if None in loaded_errors else max(loaded_errors),
+                "state_error": difference(state, final)}
+
+    sharded = tensor_parallel_plan(dp=2)
+    program, optimizer, replica, replicas = tensor_parallel_program(sharded, "fsdp2", rank)
+    uninterrupted = train(program, optimizer, range(SAVE_AFTER), replica, replicas)
+    program.save(directory / "fsdp2-tp", optimizer)
+    at_save = program.export_full_state_dict()
+    uninterrupted += train(program, optimizer, range(SAVE_AFTER, STEPS), replica, replicas)
+    final = program.export_full_state_dict()
+    results: dict = {"uninterrupted": uninterrupted}
+    resume = functools.partial(resumed, path="fsdp2-tp", saved=at_save, steps=range(SAVE_AFTER, STEPS))
+
+    program, optimizer = build(rank, world)
+    losses, loaded_error = resume(program, optimizer, rank, world)
+    results["shardplan dp 4"] = record(program.export_full_state_dict(), losses, loaded_error)
+
+    program, *rest = tensor_parallel_program(tensor_parallel_plan(dp=2, sequence_parallel=True, vocab_parallel=True),
+                                             "fsdp2", rank)
+    losses, loaded_error = resume(program, *rest)
+    results["fsdp2 tp 2 × dp 2, sequence and vocab parallel"] = record(program.export_full_state_dict(), losses,
+                                                                       loaded_error)
+
+    program, optimizer, *rest = tensor_parallel_program(sharded, "shardplan", rank)
+    losses, loaded_error = resume(program, optimizer, *rest, steps=range(SAVE_AFTER, SAVE_AFTER + 1))
+    program.save(directory / "shardplan-tp", optimizer)
+    at_step = program.export_full_state_dict()
+    program, *rest = tensor_parallel_program(tensor_parallel_plan(dp=1, dp_replicate=2), "fsdp2", rank)
+    more, hybrid_error = resumed(program, *rest, path="shardplan-tp", saved=at_step,
+                                 steps=range(SAVE_AFTER + 1, STEPS))
+    results["shardplan tp 2 × dp 2, then fsdp2 tp 2 × HSDP 2"] = record(
+        program.export_full_state_dict(), losses + more, loaded_error, hybrid_error)
+
+    pipelined = tensor_parallel_plan(dp=1, pp=2, micro_batches=2, schedule="1f1b")
+    program, optimizer, *rest = tensor_parallel_program(pipelined, "fsdp2", rank)
+    losses, loaded_error = resume(program, optimizer, *rest)
+    program.save(directory / "fsdp2-tp-pp", optimizer)
+    at_end = program.export_full_state_dict()
+    _, reloaded_error = resumed(*build(rank, world), rank, world, path="fsdp2-tp-pp", saved=at_end, steps=range(0))
+    results["fsdp2 tp 2 × pp 2, then shardplan dp 4"] = record(at_end, losses, loaded_error, reloaded_error)
+    return results
 
 
 @pytest.mark.distributed
-def test_fsdp2_refuses_to_save_a_tensor_parallel_plan_and_writes_nothing(tmp_path):
-    record = spawn_world(2, fsdp2_tensor_parallel_save, (str(tmp_path),))
-    assert record["error"] is not None and "backend='shardplan'" in record["error"], record
-    assert not (tmp_path / "tp").exists() or not any((tmp_path / "tp").iterdir())
+@pytest.mark.timeout(300)
+def test_fsdp2_tensor_parallel_checkpoints_resume_on_other_meshes_and_backends(tmp_path):
+    results = spawn_world(4, tensor_parallel_checkpoints, (tmp_path,))
+    expected = results.pop("uninterrupted")[SAVE_AFTER:]
+    assert len(results) == 4
+    for name, resumed in results.items():
+        assert resumed["losses"] == pytest.approx(expected, abs=1e-5), name
+        assert resumed["loaded_error"] == 0.0, name  # every parameter bit-equal to the saving program's
+        assert resumed["state_error"] < 1e-5, name
+    metadata = json.loads((tmp_path / "fsdp2-tp" / checkpoint.METADATA_FILE).read_text())
+    shapes = {entry["name"]: entry["shape"] for entry in metadata["parameters"]}
+    assert shapes["h.0.attn.qkv.weight"] == [192, 64] and shapes["h.0.mlp.proj.weight"] == [64, 256]

@@ -5,7 +5,9 @@ torch.distributed.checkpoint (DCP) plus `shardplan.json`. Every parameter is
 stored as one flattened 1-D tensor under `model.<name>`, whatever unit, plan,
 world size or backend held it: each rank contributes the chunk of it that its
 flat shard covers (padding excluded; an FSDP2 rank its rows), a REPLICATE unit
-the whole tensor (DCP writes one copy); see chunks.py. Optimizer state shaped like the shard is stored the same way under
+the whole tensor (DCP writes one copy); see chunks.py. A parameter tensor
+parallelism slices is stored whole as well: each tp rank's chunks are the runs
+of its slice in the full parameter, cut by its flat shard or FSDP2 rows. Optimizer state shaped like the shard is stored the same way under
 `optim.<name>.<key>`; scalar state (Adam's step) as one tensor per parameter.
 Persistent buffers are `model.<name>` too. Loading asks DCP for exactly the
 chunks this rank's new shards cover, so a checkpoint saved at one world size

@@ -2,10 +2,12 @@
 
 A Holder is one tensor an optimizer steps and the parameters in it: a
 shardplan unit (one flat shard, many parameters, cut anywhere by the rank
-slices) or an FSDP2 parameter (a DTensor sharded along dim 0). Either way a
-parameter flattened to 1-D is held in contiguous chunks, one per rank at most,
-and a tensor shaped like the holder's parameter (the parameter itself, or its
-Adam moments) becomes one DCP entry per parameter name.
+slices) or an FSDP2 parameter (a DTensor sharded along dim 0). Either way it
+holds the flattened parameter, or under tp > 1 this tp rank's slice of it, in
+contiguous pieces, one per rank at most; a slice's piece lies in the full
+parameter as runs (ParameterSlice.runs), so each rank contributes one chunk per
+run its piece meets. A tensor shaped like the holder's parameter (the parameter
+itself, or its Adam moments) becomes one DCP entry per parameter name.
 """
 import functools
 import math
@@ -16,6 +18,7 @@ import torch.nn as nn
 
 from ..dtypes import dtype_name
 from ..errors import ShardplanError
+from ..plan import Mesh
 from . import collectives
 from .flat_param import FlatLayout
 from .tensor_parallel import ParameterSlice, full_parameter
@@ -46,17 +49,40 @@ def unit_chunks(layout: FlatLayout, index: int, cut: ParameterSlice | None, *, s
     the flat buffer (or by the whole buffer, shard index 0, when not `sharded`)."""
     begin, _ = layout.span(index)
     span = layout.shard_numel if sharded else layout.padded_numel
-    slices = [cut.of_rank(tp).runs() for tp in range(cut.degree)] if cut else [((0, 0, layout.numels[index]),)]
+    shards = [(shard, shard * span - begin, (shard + 1) * span - begin)
+              for shard in range(layout.dp if sharded else 1)]
+    return _sliced_chunks(shards, _runs(cut, layout.numels[index]), owner)
+
+
+def _sliced_chunks(shards: list[tuple[int, int, int]], slices: list[tuple[tuple[int, int, int], ...]],
+                  owner: Callable[[int, int], int]) -> list[Chunk]:
+    """Every holder's pieces of one parameter: for each tp index, the runs of its slice (`slices`, from
+    `_runs`) cut by each (shard index, low, high), the part of the flattened slice a shard holds, its local
+    tensor beginning at `low` (which may lie before the parameter: a flat buffer's other parameters)."""
     chunks = []
     for tp, runs in enumerate(slices):
-        for shard in range(layout.dp if sharded else 1):
-            low, high = shard * span, (shard + 1) * span
+        for shard, low, high in shards:
             for local, full, numel in runs:
-                start, end = max(begin + local, low), min(begin + local + numel, high)
+                start, end = max(local, low), min(local + numel, high)
                 if end > start:
-                    chunks.append(Chunk(rank=owner(shard, tp), offset=full + start - begin - local,
-                                        numel=end - start, start=start - low))
+                    chunks.append(Chunk(rank=owner(shard, tp), offset=full + start - local, numel=end - start,
+                                        start=start - low))
     return chunks
+
+
+def _runs(cut: ParameterSlice | None, numel: int) -> list[tuple[tuple[int, int, int], ...]]:
+    """Each tp index's runs of a parameter (ParameterSlice.runs): one run at tp index 0 alone when it is
+    whole (every tp rank holds it again)."""
+    return [cut.of_rank(tp).runs() for tp in range(cut.degree)] if cut else [((0, 0, numel),)]
+
+
+def replica_zero_owner(mesh: Mesh, coordinates: dict[str, int]) -> Callable[[int, int], int]:
+    """(shard index, tp index) → the world rank that stands for that part of what the stage at `coordinates`
+    holds: replica group 0's, which writes it in a checkpoint and counts it in the gradient norm."""
+    def owner_rank(shard: int, tp: int) -> int:
+        return sum(index * mesh.stride(dim) for dim, index in
+                   {**coordinates, "dp_replicate": 0, "dp_shard": shard, "tp": tp}.items())
+    return owner_rank
 
 
 def row_chunks(shape: torch.Size, dp: int) -> list[Chunk]:
@@ -152,46 +178,65 @@ class UnitHolder:
 
 
 class DTensorHolder:
-    """An FSDP2 parameter: a DTensor sharded along dim 0 over the data-parallel ranks."""
+    """An FSDP2 parameter: a DTensor whose rows FSDP2 shards over dp_shard (and replicates over dp_replicate,
+    HSDP), of the whole parameter or, under tp > 1, of this tp rank's slice of it (`cut`)."""
 
     def __init__(self, name: str, parameter: nn.Parameter, slots: list[tuple[nn.Module, str, int]],
-                 program):
+                 program, cut: ParameterSlice | None):
         self.parameter = cast("DTensor", parameter)
         self.names = (name,)
         self.slots = slots
         self.label = f"parameter {name!r}"
         self.program = program
+        self.cut = cut
+        mesh = program.plan.mesh
+        at = mesh.coordinates(collectives.world().rank)
+        self.owner_rank = replica_zero_owner(mesh, at)
+        self.mine = (at["dp_shard"], at["tp"] if cut else 0)
+        """The (shard index, tp index) of the part this rank holds, as `owner_rank` takes them."""
 
     def shapes(self) -> dict[str, tuple[list[int], str]]:
-        return {self.names[0]: (list(self.parameter.shape), dtype_name(self.parameter.dtype))}
+        """Full shapes: a parameter tensor parallelism slices is saved whole."""
+        return {self.names[0]: (list(self.cut.full_shape if self.cut else self.parameter.shape),
+                                dtype_name(self.parameter.dtype))}
 
     def entries(self, tensor: torch.Tensor, key: Key, *, loading: bool = False) -> dict[str, torch.Tensor]:
-        """The entry of `tensor`, a DTensor placed like the parameter: rows sharded over dp_shard, written
-        by replica group 0 under HSDP (every replica group holds them again); loading, every rank reads
-        its own rows."""
-        from torch.distributed.tensor import Replicate, Shard
-
-        placements = tuple(self.parameter.placements)
-        mesh = self.parameter.device_mesh
-        # under tp > 1 a parameter left whole is held by every tp rank's replica group 0: refuse the plan
-        # as a whole, not only the sliced parameters, or the whole ones get a writer per tp rank
-        if self.program.plan.mesh.tp > 1 or placements not in ((Shard(0),), (Replicate(), Shard(0))):
-            raise ShardplanError(f"{self.label} is placed {placements} in a plan with tp={self.program.plan.mesh.tp}: "
-                                 "checkpoints of tensor-parallel plans on backend='fsdp2' are not written yet; "
-                                 "use backend='shardplan'")
-        owners = mesh.mesh.reshape(-1, mesh.mesh.shape[-1])[0].tolist()  # replica group 0's ranks, by shard
-        shard = mesh.get_local_rank(len(placements) - 1)
+        """The entry of `tensor`, a DTensor placed like the parameter: each tp rank's slice (the whole
+        parameter at tp index 0 alone, though every tp rank holds it) cut into the rows each shard holds,
+        through the slice's runs in the full parameter; written by replica group 0 (every replica group
+        holds them again); loading, every rank reads its own part."""
+        self._check_placements()
         rank = collectives.world().rank
-        if loading:
-            owners[shard] = rank
+        owner = functools.partial(_read_by, rank, self.mine, self.owner_rank) if loading else self.owner_rank
         local = cast("DTensor", tensor).to_local().detach().reshape(-1)
-        rows = row_chunks(self.parameter.shape, len(owners))
-        held = sum(chunk.numel for chunk in rows if chunk.rank == shard)
+        full_shape = self.cut.full_shape if self.cut else tuple(self.parameter.shape)
+        held_shape = torch.Size(size // self.cut.degree if self.cut and dim == self.cut.dim else size
+                                for dim, size in enumerate(full_shape))  # this tp rank's slice, whole over dp
+        rows = row_chunks(held_shape, self.program.plan.mesh.dp_shard)
+        held = sum(chunk.numel for chunk in rows if chunk.rank == self.mine[0])
         if local.numel() != held:
             raise ShardplanError(f"{self.label}: FSDP2 holds {local.numel()} elements on rank {rank}, "
                                  f"torch.chunk along dim 0 gives {held}: use backend='shardplan' for checkpoints")
-        chunks = [chunk._replace(rank=owners[chunk.rank]) for chunk in rows]
-        return {key(self.names[0]): chunked_entry(local, self.parameter.numel(), chunks, rank)}
+        shards = [(chunk.rank, chunk.offset, chunk.offset + chunk.numel) for chunk in rows]
+        chunks = _sliced_chunks(shards, _runs(self.cut, held_shape.numel()), owner)
+        return {key(self.names[0]): chunked_entry(local, math.prod(full_shape), chunks, rank)}
+
+    def _check_placements(self) -> None:
+        """Refuse a placement `entries` cannot describe: rows sharded over dp_shard (strided over the tp
+        slices where FSDP2 shards a tensor-parallel DTensor), replicated over dp_replicate, and over tp
+        sliced along the cut's dim or replicated."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's dp placement over a tp slice
+
+        expected = {"dp_replicate": (Replicate(),),
+                    "dp_shard": (Shard(0), _StridedShard(0, split_factor=self.program.plan.mesh.tp)),
+                    "tp": (Shard(self.cut.dim) if self.cut else Replicate(),)}
+        names = self.parameter.device_mesh.mesh_dim_names or ()
+        placements = tuple(self.parameter.placements)
+        if len(names) != len(placements) or not all(placement in expected.get(name, ())
+                                                    for name, placement in zip(names, placements)):
+            raise ShardplanError(f"{self.label} is placed {placements} over mesh dims {names}, which checkpoints "
+                                 "cannot describe (dp_shard rows, tp slices): use backend='shardplan'")
 
     def staged(self) -> torch.Tensor:
         return self.parameter.detach().clone()
@@ -215,12 +260,13 @@ def _read_by(rank: int, mine: tuple[int, int], owner_rank: Callable[[int, int], 
 Holder = UnitHolder | DTensorHolder
 
 
-def dtensor_holders(program) -> list[DTensorHolder]:
-    """A program whose parameters are its modules' own (DTensors under FSDP2), in named_parameters order."""
+def dtensor_holders(program, cuts: dict[str, ParameterSlice]) -> list[DTensorHolder]:
+    """A program whose parameters are its modules' own (DTensors under FSDP2), in named_parameters order;
+    `cuts`: the slice of each parameter tensor parallelism sliced."""
     slots: dict[int, list[tuple[nn.Module, str, int]]] = {}
     for _, module in program.module.named_modules(remove_duplicate=False):
         for attribute, parameter in module._parameters.items():
             if parameter is not None:
                 slots.setdefault(id(parameter), []).append((module, attribute, 0))
-    return [DTensorHolder(name, parameter, slots[id(parameter)], program)
+    return [DTensorHolder(name, parameter, slots[id(parameter)], program, cuts.get(name))
             for name, parameter in program.module.named_parameters()]

@@ -52,7 +52,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from ..dtypes import dtype_name, torch_dtype
+from ..dtypes import torch_dtype
 from ..errors import PlanError, RuntimeMismatchError, ShardplanError
 from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabKind
 from ..plan import Plan, Unit
@@ -82,6 +82,7 @@ class Fsdp2Program(Program):
             layout = plan_layout(module, plan)
             parallelize_tensor_parallel(module, layout, whole_mesh["tp"])
             self.fused = _fused_chunks(layout)
+            self._sliced = _dtensor_slices(module, self.fused)
         for unit in plan.units:
             for path in _unit_modules(unit, modules):
                 modules[path].forward = checkpointed(modules[path].forward, unit.checkpoint)
@@ -130,7 +131,7 @@ class Fsdp2Program(Program):
 
     def holders(self) -> list[Holder]:
         names = {name for name, _ in self._named_parameters()}
-        return [holder for holder in dtensor_holders(self) if holder.names[0] in names]
+        return [holder for holder in dtensor_holders(self, self._sliced) if holder.names[0] in names]
 
     def parameters(self) -> list[nn.Parameter]:
         return [parameter for _, parameter in self._named_parameters()]
@@ -232,7 +233,7 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
         return [module for module in self._stage_root.modules() if isinstance(module, FSDPModule)]
 
     def holders(self) -> list[Holder]:
-        return [_SlicedHolder(cast(DTensorHolder, holder), self._sliced[holder.names[0]], self._tensor_parallel)
+        return [_SlicedHolder(cast(DTensorHolder, holder), self._tensor_parallel)
                 if holder.names[0] in self._sliced else holder for holder in super().holders()]
 
     def _gradients_done(self, planned: bool) -> None:
@@ -265,16 +266,13 @@ class _SlicedHolder(DTensorHolder):
     """An FSDP2 parameter that a stage's tensor parallelism sliced: its slice sharded over dp, gathered whole
     over tp too."""
 
-    def __init__(self, holder: DTensorHolder, cut: ParameterSlice, group: collectives.Group):
-        super().__init__(holder.names[0], cast(nn.Parameter, holder.parameter), holder.slots, holder.program)
-        self.cut = cut
+    def __init__(self, holder: DTensorHolder, group: collectives.Group):
+        super().__init__(holder.names[0], cast(nn.Parameter, holder.parameter), holder.slots, holder.program,
+                         holder.cut)
         self.group = group
 
-    def shapes(self) -> dict[str, tuple[list[int], str]]:
-        return {self.names[0]: (list(self.cut.full_shape), dtype_name(self.parameter.dtype))}
-
     def gather(self) -> list[torch.Tensor]:
-        return [self.cut.gather(local, self.group) for local in super().gather()]
+        return [cast(ParameterSlice, self.cut).gather(local, self.group) for local in super().gather()]
 
 
 class _UnitGroup(nn.Module):
@@ -472,6 +470,15 @@ def tensor_parallel_full_parameters(model: nn.Module, layout: TensorParallelLayo
     fused = _fused_chunks(layout)
     return {name: full_parameter(parameter, fused.get(name, 1), layout.degree)
             for name, parameter in model.named_parameters()}
+
+
+def _dtensor_slices(model: nn.Module, fused: dict[str, int]) -> dict[str, ParameterSlice]:
+    """The slice this tp rank holds of each parameter parallelize_tensor_parallel sharded (a DTensor Shard
+    over tp; fused projections by their `fused` chunks), as backend="shardplan"'s tensor parallelism says it."""
+    return {name: ParameterSlice(full_shape=tuple(parameter.shape), dim=placement.dim, chunks=fused.get(name, 1),
+                                 index=parameter.device_mesh.get_local_rank(), degree=parameter.device_mesh.size())
+            for name, parameter in model.named_parameters() if isinstance(parameter, DTensor)
+            for placement in parameter.placements if isinstance(placement, Shard)}
 
 
 def _fused_chunks(layout: TensorParallelLayout) -> dict[str, int]:

@@ -19,7 +19,7 @@ from ..errors import PlanError, ShardplanError
 from ..plan import Mesh, Plan, StrategyTraits, Unit
 from . import collectives
 from .activation_checkpoint import checkpointed
-from .chunks import Holder, UnitHolder
+from .chunks import Holder, UnitHolder, replica_zero_owner
 from .flat_param import FlatLayout
 from .program import Program, grad_norm_term, refuse_optimizers_over
 from .scheduler import Scheduler
@@ -166,13 +166,9 @@ def apply_plan_tensor_parallel(model: nn.Module, plan: Plan,
 
 def unit_place(mesh: Mesh, groups: collectives.MeshGroups) -> UnitPlace:
     at = groups.coordinates
-
-    def owner_rank(shard: int, tp: int) -> int:
-        return sum(index * mesh.stride(dim) for dim, index in
-                   {**at, "dp_replicate": 0, "dp_shard": shard, "tp": tp}.items())
     return UnitPlace(shard=groups.shard, shard_rank=at["dp_shard"], replicate=groups.replicate,
                      data_parallel=groups.data_parallel, tensor_parallel=groups.tensor_parallel,
-                     replica=at["dp_replicate"], tp_index=at["tp"], owner_rank=owner_rank)
+                     replica=at["dp_replicate"], tp_index=at["tp"], owner_rank=replica_zero_owner(mesh, at))
 
 
 def build_units(model: nn.Module, plan: Plan, device: torch.device, place: UnitPlace, *,
