@@ -7,13 +7,14 @@ about a second to import.
 (Schedule.runs_as): stage s warms up with min(m, pp - s) forwards, so the stages with pp - s >= m run every
 forward, then every backward (fill-drain), the later ones alternate, and stage s holds min(m, pp - s)
 micro-batches' activations (Schedule.in_flight, which the solver prices). torch's Schedule1F1B computes
-exactly that warm-up, but its __init__ refuses m < pp since pytorch/pytorch#144702, which guarded a hang
-at m = 1 (pytorch/torchtitan#775; the maintainers say the schedule is not restricted in theory). At m = 1
-stage 0's first point-to-point op is a send fused with a receive (the warm-up's last send waits for the
-first backward's receive), and under NCCL the first batch_isend_irecv of a group needs every rank of it.
-So m = 1 runs ScheduleGPipe, whose order is then 1F1B's on every stage (one forward, one backward), with
-the sends and receives each on their own; 2 <= m < pp runs Schedule1F1B's own steps without the refusal
-(stage 0 warms up with m >= 2 forwards: its first op is a plain send); m >= pp runs Schedule1F1B itself.
+exactly that warm-up, but its __init__ refuses m < pp since pytorch/pytorch#144702, only to guard
+against a hang at m = 1 (pytorch/torchtitan#775; "it should not be a restriction", its author says there).
+The likely cause: at m = 1 stage 0's first point-to-point op is a send fused with a receive (the
+warm-up's last send waits for the first backward's receive), and under NCCL the first batch_isend_irecv
+of a group needs every rank of it. So m = 1 runs ScheduleGPipe, whose order is then 1F1B's on every
+stage (one forward, one backward), with the sends and receives each on their own; 2 <= m < pp runs
+Schedule1F1B's own steps without the refusal (stage 0 warms up with m >= 2 forwards: its first op is a
+plain send); m >= pp runs Schedule1F1B itself. Tested with gloo (tests/test_pipeline.py), not NCCL.
 """
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
