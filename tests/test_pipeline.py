@@ -3,7 +3,8 @@
 One spawned world per world size (pp 2 at world 2; pp 2 × dp 2 at world 4) runs a grid of
 cases (schedules × strategies × checkpointing × micro-batches, a Hugging Face model, loss_fn,
 a plan the solver chose because pure FSDP did not fit) and the errors; rank 0 returns one
-record per case and the tests read them.
+record per case and the tests read them. A world of pp 4 runs 1F1B over fewer micro-batches
+than stages, and reports what each stage ran and held.
 """
 import contextlib
 import copy
