@@ -310,13 +310,14 @@ class Schedule:
 
     def runs_as(self, pp: int) -> str:
         """What the schedule does over `pp` stages, in words. 1F1B with fewer micro-batches than
-        stages (as nanotron and Megatron run it) degrades to fill-drain: the first pp - m stages
-        run every forward, then every backward, the later ones still alternate; its step takes
-        (m + pp - 1) micro-batch times, as GPipe's does, and holds fewer activations late."""
+        stages (as nanotron, Megatron and the runtime run it) degrades to fill-drain: the stages
+        whose warm-up takes every micro-batch (pp - stage >= m: stages 0..pp - m) run every forward,
+        then every backward, the later ones still alternate; its step takes (m + pp - 1)
+        micro-batch times, as GPipe's does, and holds fewer activations late (in_flight)."""
         m = self.num_micro_batches
         words = f"{m} micro-batch(es)" + (f", {self.name}" if pp > 1 else "")
         if pp > 1 and self.name == "1f1b" and m < pp:
-            words += f" (fewer micro-batches than the {pp} stages: fill-drain on stages 0..{pp - m - 1})"
+            words += f" (fewer micro-batches than the {pp} stages: fill-drain on stages 0..{pp - m})"
         return words
 
 

@@ -3,20 +3,24 @@
 One spawned world per world size (pp 2 at world 2; pp 2 × dp 2 at world 4) runs a grid of
 cases (schedules × strategies × checkpointing × micro-batches, a Hugging Face model, loss_fn,
 a plan the solver chose because pure FSDP did not fit) and the errors; rank 0 returns one
-record per case and the tests read them.
+record per case and the tests read them. A world of pp 4 runs 1F1B over fewer micro-batches
+than stages, and reports what each stage ran and held.
 """
+import contextlib
 import copy
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardplan import compile as compile_plan
 from shardplan import zoo
 from shardplan.compile import evaluate, solve
 from shardplan.errors import InfeasibleError, PlanError, ShardplanError
 from shardplan.passes import analyze
-from shardplan.plan import Checkpoint, MixedPrecision, Plan, ShardStrategy, Stage
+from shardplan.plan import Checkpoint, MixedPrecision, Plan, Schedule, ShardStrategy, Stage
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.stage_split import split_stages
@@ -58,7 +62,7 @@ def run_case(rank: int, world: int, case: dict) -> dict:
                                 checkpoints=case["checkpoints"], example_inputs=(mine,),
                                 example_kwargs={"labels": mine},
                                 precision=MixedPrecision(param_dtype=case.get("param_dtype", "float32")))
-    return train_next_to_reference(parallelize(model, plan), reference,
+    return train_next_to_reference(parallelize(model, plan, backend=case.get("backend", "shardplan")), reference,
                                    [(ids.chunk(dp)[rank % dp], ids) for ids in batches], clip=case.get("clip"))
 
 
@@ -101,6 +105,43 @@ def check_errors(rank: int, world: int) -> dict:
     program = parallelize(entry.model, plan)
     attempt("forward_alone", lambda: program(ids, labels=ids))
     return errors
+
+
+@contextlib.contextmanager
+def stage_work():
+    """What this rank's stage does in its training steps (not evaluations): "F" for each micro-batch's forward,
+    "B" for each backward, in order, and the most micro-batches whose activations it held at once (torch's
+    PipelineStage keeps a micro-batch's inputs and outputs in fwd_cache from its forward to its backward)."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    work = {"order": "", "held": 0}
+    forward, backward = _PipelineStageBase.forward_one_chunk, _PipelineStageBase.backward_one_chunk
+
+    def counted_forward(stage, *args, **kwargs):
+        output = forward(stage, *args, **kwargs)
+        if stage.has_backward:
+            work["order"] += "F"
+            work["held"] = max(work["held"], len(stage.fwd_cache))
+        return output
+
+    def counted_backward(stage, *args, **kwargs):
+        if stage.has_backward:  # an evaluation's schedule calls it too, to do nothing
+            work["order"] += "B"
+        return backward(stage, *args, **kwargs)
+    with mock.patch.multiple(_PipelineStageBase, forward_one_chunk=counted_forward,
+                             backward_one_chunk=counted_backward):
+        yield work
+
+
+def _run_cases_with_stage_work(rank: int, world: int, cases: dict) -> dict:
+    """_run_cases, each case's record with "stages": every rank's stage_work, by rank."""
+    results = {}
+    for name, case in cases.items():
+        with stage_work() as work:
+            results[name] = run_case(rank, world, case)
+        results[name]["stages"] = [None] * world
+        dist.all_gather_object(results[name]["stages"], work)
+    return results
 
 
 def _run_cases(rank: int, world: int, cases: dict) -> dict:
@@ -209,3 +250,32 @@ def test_pipeline_world4_pp2_dp2_matches_one_process():
     results = spawn_world(4, _all_checks, (WORLD4_CASES,))
     assert_parity(results, WORLD4_CASES)
     assert results["loss_fn"]["error"] <= TOLERANCE and results["loss_fn"]["timed"]
+
+
+FEWER_MICRO_BATCHES_THAN_STAGES = {
+    "gpt/1f1b/m1/pp4": {"model": "gpt", "schedule": "1f1b", "micro_batches": 1, "pp": 4, **MIXED},
+    "gpt/1f1b/m2/pp4": {"model": "gpt", "schedule": "1f1b", "micro_batches": 2, "pp": 4, **MIXED, "clip": 0.05},
+    "gpt/1f1b/m3/pp4": {"model": "gpt", "schedule": "1f1b", "micro_batches": 3, "pp": 4, **MIXED,
+                        "replica_batch": 3},
+    "gpt/1f1b/m2/pp4/fsdp2": {"model": "gpt", "schedule": "1f1b", "micro_batches": 2, "pp": 4,
+                              "strategies": (ShardStrategy.FULL_SHARD,), "checkpoints": (Checkpoint.NONE,),
+                              "backend": "fsdp2"},
+}
+"""1F1B over fewer micro-batches than its 4 stages (see [Note: 1F1B over fewer micro-batches than stages])."""
+
+
+@pytest.mark.timeout(300)
+def test_one_f_one_b_over_fewer_micro_batches_than_stages_matches_one_process_as_priced():
+    cases = {name: dict(case, replica_batches=(case.get("replica_batch", REPLICA_BATCH),) * 2)
+             for name, case in FEWER_MICRO_BATCHES_THAN_STAGES.items()}
+    results = spawn_world(4, _run_cases_with_stage_work, (cases,))
+    assert_parity(results, cases)
+    for name, case in cases.items():
+        schedule = Schedule(num_micro_batches=case["micro_batches"], name="1f1b")
+        m, steps = schedule.num_micro_batches, len(case["replica_batches"])
+        for stage, work in enumerate(results[name]["stages"]):
+            # warm-up forwards, then a backward and a forward each, then the last backwards: stages with
+            # pp - stage >= m run fill-drain, and each holds the micro-batches the cost model prices
+            warm_up = schedule.in_flight(stage, 4)
+            assert work["order"] == ("F" * warm_up + "BF" * (m - warm_up) + "B" * warm_up) * steps, (name, stage)
+            assert work["held"] == warm_up == min(m, 4 - stage), (name, stage)

@@ -14,7 +14,7 @@ from shardplan.hardware import get_hardware
 from shardplan.plan import Checkpoint, Mesh, Schedule, ShardStrategy
 from shardplan.solver.brute_force import count_candidates, solve_chain_brute_force, unit_partitions
 from shardplan.solver.chain_dp import ChainSolver, StageFloors, UnitCosts, _Front, _pareto, block_signatures
-from shardplan.solver.search import Configuration, Setting, boundary_time_s, context, solve_configuration
+from shardplan.solver.search import Configuration, Setting, boundary_time_s, context, search, solve_configuration
 from shardplan.solver.space import Constraints, SearchSpace, resolve_rules
 from shardplan.solver.stages import cut_stages
 
@@ -248,3 +248,27 @@ def test_dp_prices_the_backward_with_the_prefetched_unit_before_and_the_reductio
         assert found is not None
         assert evaluate_stage(blocks, found.bounds, found.decisions, ctx).peak_bytes == found.peak_bytes <= budget_bytes
         assert math.isclose(found.time_s, min(time_s for peak, time_s in plans if peak <= budget_bytes), rel_tol=1e-9)
+
+
+def test_pipelines_over_fewer_micro_batches_than_stages_are_searched_and_priced_as_they_run():
+    """1F1B over fewer micro-batches than stages runs (runtime/pipeline_schedules.py): the search offers it, and
+    prices each stage's activations as the runtime holds them (test_pipeline), min(m, pp - stage) micro-batches."""
+    blocks = _uniform_blocks(8)
+    rules = resolve_rules(blocks, None)
+    space = SearchSpace(checkpoints=(Checkpoint.NONE,), prefetch=(True,))
+    # one sample a replica: data parallelism holds every block's activations, a pipeline a stage's
+    one_sample = Setting(world_size=4, batch_size=1)
+    assert search(blocks, rules, dataclasses.replace(one_sample, allow_pipeline=False), H100, 4 * 10**9, space) == []
+    found = [c.configuration for c in search(blocks, rules, one_sample, H100, 4 * 10**9, space)]
+    assert [(c.mesh.pp, c.schedule) for c in found[:1]] == [(4, Schedule(num_micro_batches=1, name="1f1b"))]
+    # two micro-batches over four stages: the last stage holds one under 1F1B, both under GPipe, in the same time
+    two_samples = Setting(world_size=4, batch_size=2)
+    one_f_one_b, gpipe = (Configuration(mesh=Mesh(dp_shard=1, pp=4), schedule=Schedule(num_micro_batches=2, name=name))
+                          for name in ("1f1b", "gpipe"))
+    last = solve_configuration(blocks, rules, two_samples, one_f_one_b, H100, math.inf, space).stages[-1]
+    walked = {c.schedule.name: evaluate_stage(blocks[last.start:], tuple(b - last.start for b in last.solution.bounds),
+                                              last.solution.decisions, context(two_samples, c, H100, 3))
+              for c in (one_f_one_b, gpipe)}
+    assert walked["1f1b"].peak_bytes == last.solution.peak_bytes
+    assert walked["1f1b"].peak_bytes + blocks[-1].saved_bytes <= walked["gpipe"].peak_bytes
+    assert walked["1f1b"].step_time_s == walked["gpipe"].step_time_s

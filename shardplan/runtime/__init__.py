@@ -12,6 +12,7 @@
     stage_split.py   the captured graph split into the plan's stages, and the module that runs one
     pipelined.py     pp > 1: this rank's stage under GPipe / 1F1B (both backends); backend="shardplan"'s units
                      of the stage (tp-sliced if tp > 1)
+    pipeline_schedules.py  torch's GPipe / 1F1B as a plan names them (1F1B over fewer micro-batches than stages)
     fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard (and DTensor TP),
                      pipelined plans as torchtitan composes them
     manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)

@@ -75,14 +75,15 @@ from .stage_split import (BlockCall, StageGraph, StageModule, block_runner, put_
                           split_stages)
 
 
-def schedule_class(name: str):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+def schedule_class(name: str) -> Callable:
+    """What makes schedule `name`, called as torch.distributed.pipelining's schedule classes are: 1F1B over
+    any number of micro-batches (see [Note: 1F1B over fewer micro-batches than stages] in pipeline_schedules.py)."""
+    from .pipeline_schedules import SCHEDULES
 
-    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-    if name not in classes:
+    if name not in SCHEDULES:
         raise PlanError(f"the plan pipelines with schedule {name!r}: a plan with pp > 1 runs one of "
-                        f"{', '.join(classes)}; re-plan with shardplan.compile")
-    return classes[name]
+                        f"{', '.join(SCHEDULES)}; re-plan with shardplan.compile")
+    return SCHEDULES[name]
 
 
 class StagedProgram(Program):

@@ -22,8 +22,10 @@ from .stages import StageCut, cut_stages
 
 SCHEDULES = ("1f1b",)
 """Schedules searched. GPipe is left out: in the cost model it takes the time of 1F1B with more
-micro-batches in flight (m instead of min(m, pp - stage)), so it never wins; a plan may still
-name it (Configuration.in_flight prices it)."""
+micro-batches in flight (m instead of min(m, pp - stage)), so it never wins, at any micro-batch count:
+1F1B over fewer micro-batches than stages runs too (fill-drain on the early stages: Schedule.runs_as,
+[Note: 1F1B over fewer micro-batches than stages] in runtime/pipeline_schedules.py). A plan may still
+name GPipe (Configuration.in_flight prices it)."""
 
 
 RUNNER_UP_SLACK = 1.25
@@ -134,10 +136,6 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
             for replicas in replica_groups(setting, dp, tp):
                 for m in micro:
                     for schedule in (SCHEDULES if pp > 1 else ("none",)):
-                        # A plan may name 1F1B over fewer micro-batches than stages (fill-drain: Schedule.runs_as),
-                        # but torch's Schedule1F1B, which the runtime runs, refuses it: not searched.
-                        if schedule == "1f1b" and m < pp:
-                            continue
                         found.append(Configuration(
                             mesh=Mesh(dp_shard=dp // replicas, dp_replicate=replicas, tp=tp, pp=pp),
                             schedule=Schedule(num_micro_batches=m, name=schedule),
