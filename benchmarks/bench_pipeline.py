@@ -34,7 +34,7 @@ from shardplan.sizes import format_bytes
 
 GROUPS = zoo.gpt_units(DEMO_GPT.n_layer)
 CONFIGURATIONS = [(1, "none", 1)] + [(2, "gpipe", m) for m in (1, 2, 4, 8)] + [(2, "1f1b", m) for m in (2, 4, 8)]
-"""(pp, schedule, micro-batches); 1F1B needs a micro-batch per stage."""
+"""(pp, schedule, micro-batches); 1F1B over one micro-batch runs as GPipe, so it starts at two."""
 
 
 def demo_plan(world_size: int, pp: int, schedule: str, micro_batches: int):
