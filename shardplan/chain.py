@@ -134,7 +134,9 @@ class Block:
 
     A tensor saved by several blocks is counted in the first; parameters are not counted."""
     input_bytes: int
-    """Bytes of the activations this block reads from earlier blocks: what a checkpointed block keeps."""
+    """Bytes of the activations this block reads from earlier blocks: what a checkpointed block keeps.
+
+    A tensor several blocks read (an encoder's output, a position bias) is counted in the first."""
     output_bytes: int
     """Bytes of the activations later blocks read from this block."""
     fwd_transient_bytes: int

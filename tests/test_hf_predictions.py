@@ -29,6 +29,17 @@ def test_capture_traces_the_attention_eager_training_runs():
     assert masking.find_packed_sequence_indices is packed  # transformers is left as it was
 
 
+def test_a_tensor_several_blocks_read_is_kept_once_under_checkpointing():
+    from shardplan.passes import analyze
+
+    entry = zoo.hf_t5(n_layer=3, batch=2, seq=32)
+    blocks = {block.name: block for block in analyze(entry.model, entry.args, entry.kwargs).blocks}
+    hidden, bias = 2 * 32 * 64 * 4, 4 * 32 * 32 * 4  # fp32 hidden states, one attention's position bias
+    # the first decoder layer reads its hidden states and the encoder's output, and makes the two biases
+    # every later layer reads: one tensor each, kept by the first layer that reads it (full checkpointing)
+    assert [blocks[f"decoder.block.{i}"].input_bytes for i in range(3)] == [2 * hidden, hidden + 2 * bias, hidden]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf-llama", "hf-mixtral", "hf-bert"])
