@@ -40,6 +40,18 @@ def test_a_tensor_several_blocks_read_is_kept_once_under_checkpointing():
     assert [blocks[f"decoder.block.{i}"].input_bytes for i in range(3)] == [2 * hidden, hidden + 2 * bias, hidden]
 
 
+def test_routed_experts_are_counted_as_the_matmuls_they_run():
+    from shardplan.passes import analyze
+
+    entry = zoo.hf_mixtral()  # 4 experts, top-2
+    layer = next(block for block in analyze(entry.model, entry.args, entry.kwargs).blocks
+                 if block.name == "model.layers.0")
+    # forward: q, k, v, o and the router, then one mm per expert for each of the 2 grouped matmuls;
+    # backward: two of each (the input's gradient and the weight's), as eager CPU runs them
+    assert [(kind.name, kind.calls) for kind in layer.fwd_kinds if "mm" in kind.name] == [("mm", 5 + 2 * 4)]
+    assert [(kind.name, kind.calls) for kind in layer.bwd_kinds if "mm" in kind.name] == [("mm", 2 * (5 + 2 * 4))]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf-llama", "hf-mixtral", "hf-bert"])
