@@ -145,14 +145,14 @@ class Workload:
     def units(self, chain: BlockChain) -> list[tuple[str, ...]]:
         """Modules of each unit: the demo GPT's by hand (zoo.gpt_units), else one unit per block of the
         chain, with the module holding each parameter it reads under a tied name (T5's `shared`, BERT's
-        `cls.predictions` and its bias); a unit whose added module holds the previous unit's joins it."""
+        `cls.predictions` and its bias); a unit whose added module holds earlier units' modules joins them."""
         if self.name == "gpt":
             return zoo.gpt_units(len([block for block in chain.blocks if block.name.startswith("h.")]))
         units: list[tuple[str, ...]] = []
         for block in chain.blocks:
             owners = (name.rpartition(".")[0] for name in block.param_names)
             modules = block.modules + tuple(dict.fromkeys(owner for owner in owners if not _under(owner, block.modules)))
-            if units and any(_under(module, modules) for module in units[-1]):
+            while units and any(_under(module, modules) for module in units[-1]):
                 modules = units.pop() + modules
             units.append(modules)
         return units
