@@ -129,6 +129,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
         for arg in {arg for n in nodes for arg in n.all_input_nodes if arg in block_of and block_of[arg] < index}:
             flow.add_edge(block_of[arg], index)
         outputs_read = _storages(n for n in nodes if any(block_of.get(u, index) > index for u in n.users))
+        kept_by_selective = {sid for n in nodes for sid in facts(n).selective_outputs} | set(earlier_outputs)
         blocks.append(Block(
             index=index, name=name, modules=modules_of[index],
             param_names=tuple(p for p in reads if p in param_names),
@@ -143,6 +144,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             fwd_kinds=merge_op_kinds(facts(n).fwd_kinds for n in nodes),
             bwd_kinds=merge_op_kinds(facts(n).bwd_kinds for n in nodes),
             saved_bytes=sum(saved.values()), input_bytes=inputs_read, output_bytes=outputs_read,
+            selective_saved_bytes=sum(size for sid, size in saved.items() if sid in kept_by_selective),
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
             first_node=nodes[0].name, last_node=nodes[-1].name))
     dtypes = sorted({str(p.dtype) for p in gm.parameters()})

@@ -167,6 +167,8 @@ class _Tally:
         self.kinds: dict[str, list[int]] = {}
         """Op name → [calls, FLOPs, bytes, weight bytes]."""
         self.selective_bytes = 0
+        self.selective_storages: set[StorageWeakRef] = set()
+        """Output storages of those ops (not the tensors: holding them would keep them live)."""
         """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
         self.dispatches = 0
         """Ops dispatched, views included (metadata queries not)."""
@@ -206,6 +208,8 @@ class _OpTally(TorchDispatchMode):
         if kept_by_selective(name):
             tally.selective_bytes += sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out)
                                          if isinstance(t, torch.Tensor))
+            tally.selective_storages.update(StorageWeakRef(t.untyped_storage()) for t in pytree.tree_leaves(out)
+                                            if isinstance(t, torch.Tensor))
         matmuls = GROUPED_MATMULS.get(name)
         kind = tally.kinds.setdefault("mm" if matmuls else name, [0, 0, 0, 0])
         kind[0] += matmuls * args[2].shape[0] if matmuls else 1
@@ -342,7 +346,8 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
                     grad_fn_owner.setdefault(tensor.grad_fn, node)
             outputs = {storage_id(t): t.untyped_storage().nbytes()
                        for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)}
-            update_facts(node, **tally.tally.facts("fwd"),
+            kept = sorted(storage_id.ids[ref] for ref in tally.tally.selective_storages if ref in storage_id.ids)
+            update_facts(node, **tally.tally.facts("fwd"), selective_outputs=tuple(kept),
                          outputs=tuple(sorted(outputs.items())),
                          out_bytes=max(live.live_bytes - live_before, 0),
                          fwd_live_before_bytes=live_before, fwd_peak_live_bytes=live.peak_bytes,
