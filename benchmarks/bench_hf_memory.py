@@ -2,12 +2,16 @@
 
     .venv/bin/python benchmarks/bench_hf_memory.py                     # every architecture, calibrating
     .venv/bin/python benchmarks/bench_hf_memory.py --models hf-llama hf-t5 --profile cpu-gloo
+    .venv/bin/python benchmarks/bench_hf_memory.py --models --extra   # architectures of no table, same size
 
 Each of shardplan.accuracy.HF_WORKLOADS (Llama, Mixtral, GPT-2, BERT, T5, random weights) under a
 hand-written plan of every strategy x checkpoint kind, one unit per block of the analysed chain,
 trained with AdamW on 2 CPU ranks (gloo), gradients kept between steps; peak memory is MemTracker's
 over a step after a warm-up step (the largest over the ranks), time a whole training step of rank 0,
-the fastest of interleaved rounds; prediction is compile.evaluate (shardplan.accuracy).
+the fastest of interleaved rounds; prediction is compile.evaluate (shardplan.accuracy). `--extra` (or
+a name of zoo.HF_ARCHITECTURES in `--models`) runs other architectures at the same size
+(accuracy.HF_OTHER_ARCHITECTURES, hf_architecture_workload): Qwen2, Phi-3, Gemma, GPT-NeoX, OPT, BART,
+Falcon, StarCoder2.
 
 By default each architecture's steps are timed in the same interleaved rounds as a calibration of
 `--mode` (medium: what `shardplan calibrate --medium` measures), and predicted on the profile fitted
@@ -21,14 +25,17 @@ import os
 import torch
 from rich.console import Console
 
-from shardplan import get_hardware
-from shardplan.accuracy import HF_WORKLOADS, accuracy_table, compare, demo_chain_and_plans, measure_plans
+from shardplan import get_hardware, zoo
+from shardplan.accuracy import (HF_OTHER_ARCHITECTURES, HF_WORKLOADS, accuracy_table, compare, demo_chain_and_plans,
+                                hf_architecture_workload, measure_plans)
 from shardplan.calibrate import MODES, fit_profile, summary, sweep_for
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(HF_WORKLOADS), choices=list(HF_WORKLOADS))
+    parser.add_argument("--models", nargs="*", default=list(HF_WORKLOADS),
+                        choices=list(HF_WORKLOADS) + list(zoo.HF_ARCHITECTURES))
+    parser.add_argument("--extra", action="store_true", help="also every architecture of HF_OTHER_ARCHITECTURES")
     parser.add_argument("--profile", help="a profile JSON or built-in name (cpu-gloo); default: calibrate in the "
                                           "same rounds as the training steps")
     parser.add_argument("--mode", choices=MODES, default="medium", help="calibration mode without --profile")
@@ -39,9 +46,9 @@ def main() -> None:
     console = Console(width=120)
     sweep = None if options.profile else sweep_for(options.mode, "gloo")
     rounds = options.rounds or (sweep.rounds if sweep else 3)
-    ratios = []
-    for name in options.models:
-        workload = HF_WORKLOADS[name]
+    spans = []
+    for name in options.models + list(HF_OTHER_ARCHITECTURES if options.extra else ()):
+        workload = HF_WORKLOADS[name] if name in HF_WORKLOADS else hf_architecture_workload(name)
         chain, plans = demo_chain_and_plans(2, workload)
         load = os.getloadavg()[0]
         measurements, measured = measure_plans(plans, 2, rounds, sweep, workload=workload)
@@ -52,8 +59,13 @@ def main() -> None:
         how = options.profile or f"{options.mode} calibration in the same rounds"
         console.print(accuracy_table(rows, f"{name}: predicted ({how}) vs measured, 2 gloo ranks, "
                                            f"load average {load:.1f}-{os.getloadavg()[0]:.1f}"))
-        ratios += [(row.memory_ratio, row.time_ratio) for row in rows]
-    memory, time = zip(*ratios)
+        spans.append((name, rows))
+    for name, rows in spans:
+        memory, time = [row.memory_ratio for row in rows], [row.time_ratio for row in rows]
+        misses = [row.kind for row in rows if not (0.95 <= row.memory_ratio <= 1.05 and 0.85 <= row.time_ratio <= 1.15)]
+        console.print(f"{name}: memory {min(memory):.2f}-{max(memory):.2f}, step time {min(time):.2f}-{max(time):.2f}; "
+                      f"outside 0.95-1.05 / 0.85-1.15: {', '.join(misses) or '-'}")
+    memory, time = zip(*((row.memory_ratio, row.time_ratio) for _, rows in spans for row in rows))
     console.print(f"memory predicted/measured {min(memory):.2f}-{max(memory):.2f}, "
                   f"step time {min(time):.2f}-{max(time):.2f}; load average {os.getloadavg()[0]:.2f} at the end")
 

@@ -138,19 +138,21 @@ class Workload:
     """Keyword arguments of its zoo builder (one replica's batch among them)."""
 
     def build(self) -> zoo.ZooModel:
+        if self.name in zoo.HF_ARCHITECTURES:
+            return zoo.hf_architecture(self.name, **dict(self.options))
         return zoo.build(self.name, **dict(self.options))
 
     def units(self, chain: BlockChain) -> list[tuple[str, ...]]:
         """Modules of each unit: the demo GPT's by hand (zoo.gpt_units), else one unit per block of the
         chain, with the module holding each parameter it reads under a tied name (T5's `shared`, BERT's
-        `cls.predictions` and its bias); a unit whose added module holds the previous unit's joins it."""
+        `cls.predictions` and its bias); a unit whose added module holds earlier units' modules joins them."""
         if self.name == "gpt":
             return zoo.gpt_units(len([block for block in chain.blocks if block.name.startswith("h.")]))
         units: list[tuple[str, ...]] = []
         for block in chain.blocks:
             owners = (name.rpartition(".")[0] for name in block.param_names)
             modules = block.modules + tuple(dict.fromkeys(owner for owner in owners if not _under(owner, block.modules)))
-            if units and any(_under(module, modules) for module in units[-1]):
+            while units and any(_under(module, modules) for module in units[-1]):
                 modules = units.pop() + modules
             units.append(modules)
         return units
@@ -167,6 +169,30 @@ HF_WORKLOADS = {name: Workload(name=name, options=_HF_SIZE + extra) for name, ex
     ("hf-t5", ()))}
 """Hugging Face architectures at the size of issue 22's example (4 layers, hidden 256; Llama with 4
 query and 2 kv heads and a vocabulary of 2048), each rank's batch 4 x 128 tokens."""
+HF_OTHER_ARCHITECTURES = ("qwen2", "phi3", "gemma", "gpt-neox", "opt", "bart", "falcon", "starcoder2")
+"""Architectures of zoo.HF_ARCHITECTURES beside HF_WORKLOADS' five (biased GQA, fused projections, GeGLU
+with its own head width, a parallel residual, learned positions, an encoder-decoder of another layout,
+multi-query attention, a biased MLP with tied embeddings), which bench_hf_memory.py --extra measures
+at the same size (hf_architecture_workload)."""
+_WIDTH_FIELDS = ("hidden_size", "n_embd", "d_model", "intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim",
+                 "decoder_ffn_dim", "word_embed_proj_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "head_dim", "d_kv", "rotary_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                 "qk_nope_head_dim", "v_head_dim")
+_DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers")
+_POSITION_FIELDS = ("max_position_embeddings", "n_positions")
+
+
+def hf_architecture_workload(architecture: str) -> Workload:
+    """zoo.HF_ARCHITECTURES' `architecture` at HF_WORKLOADS' size: every width of its tiny config scaled
+    as its hidden size goes to 256 (head counts and vocabulary kept), 4 layers (of each stack), positions
+    for the 128 tokens of each rank's batch of 4."""
+    _, tiny, _ = zoo.HF_ARCHITECTURES[architecture]
+    (_, layers), (_, width), (_, batch), (_, seq) = _HF_SIZE
+    scale = width // next(tiny[name] for name in _WIDTH_FIELDS if name in tiny)  # the first widths name the hidden size
+    fields = {name: value * scale for name, value in tiny.items() if name in _WIDTH_FIELDS}
+    fields |= {name: layers for name in tiny if name in _DEPTH_FIELDS}
+    fields |= {name: max(value, seq) for name, value in tiny.items() if name in _POSITION_FIELDS}
+    return Workload(name=architecture, options=(("batch", batch), ("seq", seq), *sorted(fields.items())))
 
 
 def demo_chain_and_plans(world_size: int, workload: Workload = DEMO_WORKLOAD) -> tuple[BlockChain, list[Plan]]:

@@ -78,7 +78,7 @@ def export_program(model: torch.nn.Module, example_inputs: tuple, example_kwargs
     # export fakifies real inputs itself; they only need to sit where the model does.
     args, kwargs = to_device((example_inputs, example_kwargs), model_device(model))
     start = time.perf_counter()
-    with eager_branches():
+    with eager_branches(), tagged_autograd_functions(), torch.fx.traceback.preserve_node_meta():
         exported = torch.export.export(model, args, kwargs, strict=False)
     return Captured(exported.module(), "export", time.perf_counter() - start)
 
@@ -107,6 +107,36 @@ def eager_branches() -> Iterator[None]:
         yield
     finally:
         masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices = exporting, packed
+
+
+AUTOGRAD_FUNCTION = "autograd_function"
+"""node.meta["custom"] key of the nodes one call of a model's own torch.autograd.Function traced into:
+(its class, the call's number, its arguments with each tensor as its (shape, dtype))."""
+
+
+@contextlib.contextmanager
+def tagged_autograd_functions() -> Iterator[None]:
+    """Every call of a torch.autograd.Function defined outside torch tags the nodes its forward traces
+    into (AUTOGRAD_FUNCTION; export must preserve node meta). Export inlines the forward's ops, and
+    the ops' own autograd would keep their intermediates; eager runs the Function, which keeps what
+    its forward saves and runs its own backward (BLOOM's GeLU keeps its input, not the five
+    intermediates of its tanh approximation): passes/execution.py runs each tagged call as the Function."""
+    original = torch.autograd.Function.__dict__["apply"]
+    calls = iter(range(sys.maxsize))
+
+    def apply(cls, *args, **kwargs):
+        if cls.__module__.split(".")[0] == "torch" or kwargs or not all(
+                isinstance(arg, (torch.Tensor, int, float, bool, str, type(None))) for arg in args):
+            return original.__func__(cls, *args, **kwargs)
+        spec = tuple((tuple(arg.shape), arg.dtype) if isinstance(arg, torch.Tensor) else arg for arg in args)
+        with torch.fx.traceback.annotate({AUTOGRAD_FUNCTION: (cls, next(calls), spec)}):
+            return original.__func__(cls, *args)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original  # type: ignore[method-assign]
 
 
 def _explain(model: torch.nn.Module, export_error: Exception, trace_error: Exception) -> str:

@@ -134,7 +134,9 @@ class Block:
 
     A tensor saved by several blocks is counted in the first; parameters are not counted."""
     input_bytes: int
-    """Bytes of the activations this block reads from earlier blocks: what a checkpointed block keeps."""
+    """Bytes of the activations this block reads from earlier blocks: what a checkpointed block keeps.
+
+    A tensor several blocks read (an encoder's output, a position bias) is counted in the first."""
     output_bytes: int
     """Bytes of the activations later blocks read from this block."""
     fwd_transient_bytes: int
@@ -156,6 +158,10 @@ class Block:
     selective_bytes: int = 0
     """Output bytes of the block's matmul-like ops (plan.SELECTIVE_SAVED_OPS): what selective
     checkpointing keeps besides the block's input."""
+    selective_saved_bytes: int = 0
+    """Of saved_bytes, those selective checkpointing keeps anyway (the block's inputs and matmul-like
+    outputs that autograd saves): the rest is recomputed. A kept output autograd does not save (a
+    head's logits, which the loss's log-softmax reads) is held besides saved_bytes."""
     fwd_kinds: tuple[OpKind, ...] = ()
     """The forward's ops by name; they add up to fwd_flops, fwd_ops and (the FLOP-less ones)
     fwd_memory_bytes. Empty in a chain built by hand: the cost model then prices the totals."""

@@ -321,6 +321,7 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         bwd_transient_bytes=round(block.bwd_transient_bytes * ratio),
         fwd_memory_bytes=round(block.fwd_memory_bytes * ratio), bwd_memory_bytes=round(block.bwd_memory_bytes * ratio),
         selective_bytes=round(block.selective_bytes * ratio),
+        selective_saved_bytes=round(block.selective_saved_bytes * ratio),
         fwd_kinds=kinds(block.fwd_kinds, parts.fwd_kinds if parts else ()),
         bwd_kinds=kinds(block.bwd_kinds, parts.bwd_kinds if parts else ()))
 
@@ -483,12 +484,22 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
         if checkpoint is Checkpoint.FULL:  # recompute from the kept input, then the block's backward
             working = (running + kept_bytes, max(fwd_transient, saved + bwd_transient))
         elif checkpoint is Checkpoint.SELECTIVE:  # dropped bytes come back before the backward
-            working = (running + kept_bytes, saved - kept_bytes + bwd_transient)
+            working = (running + kept_bytes, _recomputed_by_selective(block, saved, kept_bytes, ctx) + bwd_transient)
         else:
             working = (running + kept_bytes, bwd_transient)
         bwd_working = max(bwd_working, working, key=sum)
         running += kept_bytes
     return sum(kept), fwd_working, bwd_working
+
+
+def _recomputed_by_selective(block: Block, saved: int, kept: int, ctx: CostContext) -> int:
+    """What a selectively checkpointed block's recompute brings back before its backward: its saved bytes
+    but those it kept (Block.selective_saved_bytes). It keeps some outputs autograd does not save (a
+    head's logits, which only the loss's log-softmax reads: 4 MiB beside the saved ones at Llama's
+    loss), so its kept bytes are not all saved ones. A block built by hand: what it did not keep."""
+    if block.selective_bytes:
+        return saved - _per_micro_batch(block.selective_saved_bytes, ctx)
+    return saved - kept
 
 
 def compute_s(blocks: tuple[Block, ...], sizes: UnitSizes, decision: Decision,

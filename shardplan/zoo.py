@@ -314,17 +314,18 @@ model class, by transformers' names). Ties are each architecture's default. Drop
 would draw other masks than one process does."""
 
 
-def hf_architecture(name: str, batch: int = 2, seq: int = 16, device="cpu") -> ZooModel:
-    """A HF_ARCHITECTURES model with random weights and token inputs that are also its labels; a
-    ShardplanError when the installed transformers lacks the architecture."""
+def hf_architecture(name: str, batch: int = 2, seq: int = 16, device="cpu", **fields) -> ZooModel:
+    """A HF_ARCHITECTURES model with random weights and token inputs that are also its labels, `fields`
+    replacing its tiny config's (another size); a ShardplanError when the installed transformers lacks
+    the architecture."""
     import transformers
 
-    config_class, fields, model_class = HF_ARCHITECTURES[name]
+    config_class, tiny, model_class = HF_ARCHITECTURES[name]
     if not hasattr(transformers, config_class):
         from .errors import ShardplanError
         raise ShardplanError(f"transformers {transformers.__version__} has no {config_class} ({name}): "
                              "install a version that does")
-    config = getattr(transformers, config_class)(use_cache=False, **fields)  # export cannot capture a KV cache
+    config = getattr(transformers, config_class)(use_cache=False, **{**tiny, **fields})  # export cannot capture a KV cache
     builder = getattr(transformers, model_class)
     with torch.device(device):
         model = builder.from_config(config) if model_class.startswith("Auto") else builder(config)

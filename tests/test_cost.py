@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardplan.chain import Block, OpKind, TensorParallelFacts
 from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, OPTIMIZER_STEPS, SELECTIVE_KEEP_FRACTION, CostContext,
-                            Decision, evaluate_stage, on_rank, pair_exposed_s, unit_cost)
+                            Decision, evaluate_stage, on_rank, pair_exposed_s, unit_cost, working_bytes)
 from shardplan.errors import ShardplanError
 from shardplan.hardware import BUILTIN, SizeCurve
 from shardplan.plan import Checkpoint, ShardStrategy
@@ -430,3 +430,13 @@ def test_data_parallel_groups_stride_by_tp_across_nodes():
     assert spread.gather_fwd_s == h100.collective_time_s("all_gather_into_tensor", 4 * 10**6, 16, ranks_per_node=2)
     assert packed.gather_fwd_s == h100.collective_time_s("all_gather_into_tensor", 4 * 10**6, 16)
     assert spread.gather_fwd_s > packed.gather_fwd_s
+
+
+def test_selective_recomputes_the_saved_bytes_it_did_not_keep():
+    # a head: it keeps its input (saved by its matmul) and its logits, which autograd does not save (the
+    # loss's log-softmax saves its own output): its backward holds the logits besides every saved byte
+    head = block(saved=5 * MiB, inp=1 * MiB, fwd_transient=0, bwd_transient=8 * MiB,
+                 selective_bytes=4 * MiB, selective_saved_bytes=1 * MiB)
+    kept, _, backward = working_bytes((head,), Checkpoint.SELECTIVE, ctx())
+    assert kept == 5 * MiB
+    assert backward == (5 * MiB, 4 * MiB + 8 * MiB)  # the log-softmax's 4 MiB recomputed (or never dropped)

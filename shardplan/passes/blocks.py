@@ -106,6 +106,8 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
     """(i, j): block j reads a parameter block i holds (tied weights): a stage cut between them would
     need the parameter on two stages."""
     seen_saved: set[int] = set()
+    read_before: set[int] = set()
+    """Storages earlier blocks read from blocks before them."""
     flow = nx.DiGraph()
     flow.add_nodes_from(range(len(groups)))
     blocks = []
@@ -118,11 +120,16 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
         tensors = {p: attribute_of(gm, p) for p in reads}
         saved = {sid: size for n in nodes for sid, size in facts(n).saved if sid not in seen_saved}
         seen_saved.update(saved)
-        inputs_read = _storages(arg for n in nodes for arg in n.all_input_nodes
-                                if arg in block_of and block_of[arg] < index)
+        # an input an earlier block read too is one tensor, kept by that block when both are checkpointed
+        # (an encoder's output read by every decoder layer, a position bias): count it there
+        earlier_outputs = _outputs(arg for n in nodes for arg in n.all_input_nodes
+                                   if arg in block_of and block_of[arg] < index)
+        inputs_read = sum(size for sid, size in earlier_outputs.items() if sid not in read_before)
+        read_before.update(earlier_outputs)
         for arg in {arg for n in nodes for arg in n.all_input_nodes if arg in block_of and block_of[arg] < index}:
             flow.add_edge(block_of[arg], index)
         outputs_read = _storages(n for n in nodes if any(block_of.get(u, index) > index for u in n.users))
+        kept_by_selective = {sid for n in nodes for sid in facts(n).selective_outputs} | set(earlier_outputs)
         blocks.append(Block(
             index=index, name=name, modules=modules_of[index],
             param_names=tuple(p for p in reads if p in param_names),
@@ -137,6 +144,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             fwd_kinds=merge_op_kinds(facts(n).fwd_kinds for n in nodes),
             bwd_kinds=merge_op_kinds(facts(n).bwd_kinds for n in nodes),
             saved_bytes=sum(saved.values()), input_bytes=inputs_read, output_bytes=outputs_read,
+            selective_saved_bytes=sum(size for sid, size in saved.items() if sid in kept_by_selective),
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
             first_node=nodes[0].name, last_node=nodes[-1].name))
     dtypes = sorted({str(p.dtype) for p in gm.parameters()})
@@ -172,7 +180,12 @@ def attribute_of(module: torch.nn.Module, target: str) -> Any:
 
 def _storages(nodes) -> int:
     """Bytes of the distinct storages behind these nodes' outputs (views of one tensor count once)."""
-    return sum(dict(output for node in nodes for output in facts(node).outputs).values())
+    return sum(_outputs(nodes).values())
+
+
+def _outputs(nodes) -> dict[int, int]:
+    """The distinct storages behind these nodes' outputs: id -> bytes."""
+    return dict(output for node in nodes for output in facts(node).outputs)
 
 
 def _fwd_transient(nodes) -> int:

@@ -28,6 +28,8 @@ class NodeFacts:
     bwd_memory_bytes: int = 0
     selective_bytes: int = 0
     """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
+    selective_outputs: tuple[int, ...] = ()
+    """Storage ids of those outputs."""
     fwd_ops: int = 0
     """Ops (kernels) the node runs, views not counted."""
     bwd_ops: int = 0

@@ -254,6 +254,7 @@ class _FactTranslation:
             rep, module_path=self.rename(rep.module_path), param_names=tuple(map(self.rename, rep.param_names)),
             outputs=tuple((self.storage(sid), size) for sid, size in rep.outputs),
             saved=tuple((self.storage(sid), size) for sid, size in rep.saved),
+            selective_outputs=tuple(self.storage(sid) for sid in rep.selective_outputs),
             fwd_live_before_bytes=rep.fwd_live_before_bytes + self.fwd_shift,
             fwd_peak_live_bytes=rep.fwd_peak_live_bytes + self.fwd_shift,
             bwd_order=rep.bwd_order if ran else -1,
