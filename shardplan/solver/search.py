@@ -278,8 +278,34 @@ def search(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setti
     exact answers bound (and prune) the rest; the bound never cuts a plan that could win.
     Plans slower than `time_bound_s` per sample are not looked for. `guesses`: configuration →
     its simple plan's step time (uniform_plan_time_s), kept across searches of the same blocks,
-    rules, budget and space (those of other tp options included), each walked once."""
+    rules, budget and space (those of other tp options included), each walked once.
+
+    Pipelines over fewer micro-batches than stages are searched only when no other configuration
+    has a plan (starved_pipeline): the memory's last resort."""
     everything = configurations(setting, len(blocks))
+    for starved in (False, True):
+        found = _search_among([c for c in everything if starved_pipeline(c) == starved], blocks, rules, setting,
+                              hardware, budget_bytes, space, time_bound_s=time_bound_s, guesses=guesses)
+        if found:
+            return found
+    return []
+
+
+def starved_pipeline(configuration: Configuration) -> bool:
+    """A pipeline over fewer micro-batches than stages: each stage idles (pp - 1) / (m + pp - 1) of its step,
+    half or more, where m = pp micro-batches of the same batch hold the first stage's activations no larger
+    (it keeps all of them either way) and idle less. Where a replica's batch does not split so (one sequence)
+    it is what makes a model fit at all, and its stages' fixed costs are fewer; the search takes these
+    configurations only when nothing else fits, which keeps a solve in seconds (70B shapes at world 1024
+    would try four times the configurations) at the price of those fixed costs on a CPU (the zoo's
+    encoder-decoder at world 2 plans 23% faster over one micro-batch than over two, within its budget)."""
+    return configuration.mesh.pp > 1 and configuration.schedule.num_micro_batches < configuration.mesh.pp
+
+
+def _search_among(everything: list[Configuration], blocks: Sequence[Block], rules: tuple[BlockRule, ...],
+                  setting: Setting, hardware: HardwareModel, budget_bytes: float, space: SearchSpace, *,
+                  time_bound_s: float, guesses: dict | None) -> list[Candidate]:
+    """search over `everything`."""
     samples = [samples_per_step(setting, c) for c in everything]
     known = {} if guesses is None else guesses
     if time_bound_s == math.inf:
