@@ -640,6 +640,67 @@ def print_crashed_within(counts: dict[str, dict[str, int]]) -> None:
         print(f"  {model}: " + ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items())))
 
 
+SLOW_MODE_S = 0.5
+"""Seconds a micro-batch past which a pipelined row is in the data's slow mode (print_what_rows_show)."""
+
+
+def step_s(row: Row) -> float:
+    """A row's measured step: the global batch's tokens over the cluster's tokens/s."""
+    return row.micro_batch_size * row.grad_accum * row.seq_len * row.dp / row.tokens_per_s_per_gpu / row.n_gpus
+
+
+def busiest_stage_layers(row: Row) -> float:
+    """Decoder layers' worth of weight on the row's busiest stage as nanotron cuts it (the LM head weighs
+    V h, i.e. V h / (4 h^2 + 3 h i) layers)."""
+    dims = MODELS[row.model]
+    h = dims.hidden
+    weights = [0.0] + [1.0] * dims.layers + [dims.vocab * h / (4 * h * h + 3 * h * dims.intermediate)]
+    starts = nanotron_stage_starts(dims, row.pp) + [len(weights)]
+    return max(sum(weights[a:b]) for a, b in zip(starts, starts[1:]))
+
+
+def twin_ratios(rows: list[Row]) -> list[float]:
+    """Throughput ratio (faster / slower) of each pair of rows that ran and differ only in the ZeRO stage."""
+    twins: dict[tuple, list[float]] = defaultdict(list)
+    for row in rows:
+        if row.ran and row.tokens_per_s_per_gpu:
+            twins[dataclasses.replace(row, zero_stage="", status="", tokens_per_s_per_gpu=None, line=0,
+                                      reported_gib=None)].append(row.tokens_per_s_per_gpu)
+    return [max(pair) / min(pair) for pair in twins.values() if len(pair) == 2]
+
+
+def layer_ms(rows: list[Row]) -> dict[tuple[str, str, int], float]:
+    """Median ms a layer of the busiest stage takes a micro-batch of one sequence, by (model, where, tp):
+    `where` is pp = 1, pp > 1 on one node, or pp > 1 over several nodes (nanotron lays pp outermost, so
+    a boundary then crosses nodes). A micro-batch is the step over
+    (micro-batches + stages - 1); rows in the slow mode (over SLOW_MODE_S a micro-batch) are left out."""
+    groups: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+    for row in rows:
+        if not (row.ran and row.tokens_per_s_per_gpu and row.micro_batch_size == 1 and row.model in MODELS
+                and not why_not_expressible(row)):
+            continue
+        per_micro_batch = step_s(row) / (row.grad_accum + row.pp - 1)
+        if row.pp > 1 and per_micro_batch > SLOW_MODE_S:
+            continue
+        where = "pp = 1" if row.pp == 1 else "pp > 1, across nodes" if row.n_gpus > 8 else "pp > 1, one node"
+        groups[row.model, where, row.tp].append(1e3 * per_micro_batch / busiest_stage_layers(row))
+    return {key: statistics.median(values) for key, values in groups.items()}
+
+
+def print_what_rows_show(rows: list[Row]) -> None:
+    """What the measurements show that no configuration term prices (docs: issue 15)."""
+    ratios = twin_ratios(rows)
+    print(f"\nRows that differ only in the ZeRO stage: {sum(r > 2 for r in ratios)} of {len(ratios)} pairs differ "
+          f"more than 2x in throughput (at most {max(ratios, default=1):.0f}x)")
+    ms = layer_ms(rows)
+    print("\nms a layer of the busiest stage takes a micro-batch of one sequence, median (slow mode left out):\n")
+    print("| model | pipeline | " + " | ".join(f"tp {tp}" for tp in TP_DEGREES) + " |")
+    print("|---|---|" + "---:|" * len(TP_DEGREES))
+    for model, where in sorted({(m, w) for m, w, _ in ms}):
+        cells = (f"{ms[model, where, tp]:.1f}" if (model, where, tp) in ms else "-" for tp in TP_DEGREES)
+        print(f"| {model} | {where} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
@@ -657,6 +718,7 @@ def main() -> None:
     print_table(score(outcomes, hw.usable_memory_bytes))
     print_memory_ratios(memory_ratios(outcomes))
     print_crashed_within(crashed_within(outcomes, hw.usable_memory_bytes))
+    print_what_rows_show(rows)
     print_left_out([o for o in outcomes if o.reason])
 
 

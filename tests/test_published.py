@@ -254,3 +254,19 @@ def test_a_step_of_small_tensor_parallel_micro_batches_is_bound_by_nanotrons_hos
     device_only = 256 * 4096 / outcome.predicted.step_time_s / 8
     assert device_only / measured > 2
     assert 1 < outcome.tokens_per_s_per_gpu / measured < 1.5
+
+
+def test_what_the_rows_show_pairs_zero_twins_and_times_a_layer_where_its_pipeline_runs(bench):
+    row = bench.Row(model="playbook-1B", n_gpus=16, dp=2, tp=4, pp=2, micro_batch_size=1, grad_accum=128,
+                    seq_len=4096, zero_stage="0", status="ok", tokens_per_s_per_gpu=10000.0, line=2)
+    twin = dataclasses.replace(row, zero_stage="1", tokens_per_s_per_gpu=4000.0, line=3)
+    lone = dataclasses.replace(row, grad_accum=64, dp=4, n_gpus=32, line=4)
+    assert bench.twin_ratios([row, twin, lone]) == [2.5]
+    # one sequence of 4096 tokens over 128 + 1 micro-batches; the busiest stage holds 11 layers' weight
+    per_layer_ms = 1e3 * 128 * 4096 * 2 / 10000.0 / 16 / 129 / bench.busiest_stage_layers(row)
+    single_node = dataclasses.replace(row, n_gpus=8, dp=1)
+    found = bench.layer_ms([row, single_node])
+    assert found[("playbook-1B", "pp > 1, across nodes", 4)] == pytest.approx(per_layer_ms)
+    assert set(found) == {("playbook-1B", "pp > 1, across nodes", 4), ("playbook-1B", "pp > 1, one node", 4)}
+    slow = dataclasses.replace(row, tokens_per_s_per_gpu=10.0)  # seconds a micro-batch: the slow mode
+    assert bench.layer_ms([slow]) == {}
