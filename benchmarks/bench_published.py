@@ -607,11 +607,17 @@ def memory_ratios(outcomes: list[Outcome]) -> dict[tuple[str, bool, int], float]
 
 def print_memory_ratios(ratios: dict[tuple[str, bool, int], float]) -> None:
     print("\nPredicted peak / reported memory (GiB reserved by rank 0), median of the rows that ran:\n")
-    print("| model | pp | " + " | ".join(f"tp {tp}" for tp in TP_DEGREES) + " |")
+    print_by_tp({(model, "> 1" if pipelined else "1", tp): ratio for (model, pipelined, tp), ratio in ratios.items()},
+                "pp", "{:.2f}")
+
+
+def print_by_tp(values: dict[tuple[str, str, int], float], label: str, shown: str) -> None:
+    """A markdown table of `values` by (model, `label`'s value) in rows and tp in columns."""
+    print(f"| model | {label} | " + " | ".join(f"tp {tp}" for tp in TP_DEGREES) + " |")
     print("|---|---|" + "---:|" * len(TP_DEGREES))
-    for model, pipelined in sorted({(m, p) for m, p, _ in ratios}):
-        cells = (f"{ratios[model, pipelined, tp]:.2f}" if (model, pipelined, tp) in ratios else "-" for tp in TP_DEGREES)
-        print(f"| {model} | {'> 1' if pipelined else '1'} | " + " | ".join(cells) + " |")
+    for model, kind in sorted({(m, k) for m, k, _ in values}):
+        cells = (shown.format(values[model, kind, tp]) if (model, kind, tp) in values else "-" for tp in TP_DEGREES)
+        print(f"| {model} | {kind} | " + " | ".join(cells) + " |")
 
 
 def crashed_within(outcomes: list[Outcome], usable_bytes: int) -> dict[str, dict[str, int]]:
@@ -692,13 +698,8 @@ def print_what_rows_show(rows: list[Row]) -> None:
     ratios = twin_ratios(rows)
     print(f"\nRows that differ only in the ZeRO stage: {sum(r > 2 for r in ratios)} of {len(ratios)} pairs differ "
           f"more than 2x in throughput (at most {max(ratios, default=1):.0f}x)")
-    ms = layer_ms(rows)
     print("\nms a layer of the busiest stage takes a micro-batch of one sequence, median (slow mode left out):\n")
-    print("| model | pipeline | " + " | ".join(f"tp {tp}" for tp in TP_DEGREES) + " |")
-    print("|---|---|" + "---:|" * len(TP_DEGREES))
-    for model, where in sorted({(m, w) for m, w, _ in ms}):
-        cells = (f"{ms[model, where, tp]:.1f}" if (model, where, tp) in ms else "-" for tp in TP_DEGREES)
-        print(f"| {model} | {where} | " + " | ".join(cells) + " |")
+    print_by_tp(layer_ms(rows), "pipeline", "{:.1f}")
 
 
 def main() -> None:
