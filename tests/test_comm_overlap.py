@@ -11,7 +11,7 @@ MS = 1e-3
 
 
 def unit(*, gather_s: float = 0.0, reduce_s: float = 0.0, window_s: float = 6 * MS,
-         reduce_per_step: bool = False) -> UnitCost:
+         reduce_per_step: bool = False, contention: float = 0.0) -> UnitCost:
     """A unit with `window_s` of backward compute whose collectives take the times given."""
     return UnitCost(state_bytes=0, activation_bytes=0, gathered_bytes=0, gathered_fwd_bytes=0, gathered_bwd_bytes=0,
                     kept_gathered_bytes=0, grad_assembly_bytes=0, reducing_bytes=0, fwd_working=(0, 0),
@@ -19,7 +19,7 @@ def unit(*, gather_s: float = 0.0, reduce_s: float = 0.0, window_s: float = 6 * 
                     compute_fwd_s=window_s / 2, compute_bwd_s=window_s, recompute_s=0.0, gather_fwd_s=0.0,
                     gather_bwd_s=gather_s, reduce_s=reduce_s, reduce_per_step=reduce_per_step,
                     post_step_gather_s=0.0, offload_s=0.0, optimizer_s=0.0, tensor_parallel_s=0.0, prefetch=True,
-                    hide_fwd_s=window_s / 2, hide_bwd_s=window_s)
+                    hide_fwd_s=window_s / 2, hide_bwd_s=window_s, contention=contention)
 
 
 def test_a_backward_hides_the_gather_only_in_what_the_reduction_before_it_leaves():
