@@ -92,6 +92,12 @@ Time, by component (per step):
   micro-batch or all-reduced once per step, and stepped slices of full
   parameters all-gathered after the step (exposed), as the traits say. Pipeline stages send the
   boundary activation (forward) and its gradient (backward) per micro-batch.
+  [Note: collectives beside the compute] A collective running beside the compute takes the
+  hardware's collective_compute_share of its rate (NCCL holds an SM per channel and streams
+  through the same memory): compute of w seconds beside collectives of c seconds ends after
+  max(c, w + share × c), so only (1 - share) × c can hide and share × c shows even when the
+  collectives fit (UnitCost.contention; the window left after a reduction, free_bwd_s, is what
+  the slowed compute has not done by then).
 - offload: an offloaded shard is copied host→device before each gather and its
   gradient shard device→host after each reduce-scatter at OFFLOAD_BYTES_PER_S,
   not overlapped.

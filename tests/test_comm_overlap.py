@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from shardplan.cost import UnitCost, pair_exposed_s
+from shardplan.hardware import get_hardware
 
 MS = 1e-3
 
@@ -41,3 +42,22 @@ def test_a_reduction_once_a_step_leaves_every_micro_batch_its_whole_window():
     assert busy.free_bwd_s == 0.0
     # prev's gather shows whole; of the reduction, what prev's 6 ms of backward do not hide
     assert pair_exposed_s(prev, busy).per_micro_batch_s == pytest.approx(3 * MS + 3 * MS)
+
+
+def test_a_collective_beside_the_compute_takes_its_share_of_the_compute():
+    """While a collective runs, the compute beside it runs at 1 - share of its rate (NCCL's SMs and memory
+    traffic): a window of w seconds of compute beside c seconds of collectives takes max(c, w + share x c)."""
+    share = get_hardware("h100-80g").collective_compute_share
+    assert share == pytest.approx(1 - 1 / 1.189, abs=1e-3)  # compute 18.9% slower beside a collective
+    # a 4 ms reduction beside 6 ms of backward: it fits, yet the compute loses share x 4 ms
+    prev, layer = unit(reduce_s=4 * MS, contention=share), unit(reduce_s=4 * MS, contention=share)
+    assert pair_exposed_s(prev, layer).per_micro_batch_s == pytest.approx(share * 4 * MS)
+    # one that outlasts the slowed compute shows as before: 9 ms against 6 ms
+    assert pair_exposed_s(prev, unit(reduce_s=9 * MS, contention=share)).per_micro_batch_s == pytest.approx(3 * MS)
+    # the reduction, then the gather on the same stream: the gather has what the slowed compute has left
+    prev, layer = unit(gather_s=1 * MS, contention=share), unit(reduce_s=4 * MS, contention=share)
+    assert layer.free_bwd_s == pytest.approx(6 * MS - (1 - share) * 4 * MS)
+    assert pair_exposed_s(prev, layer).per_micro_batch_s == pytest.approx(share * 5 * MS)
+    # a gather not prefetched runs alone, the compute waiting: its own time, no share
+    waiting = dataclasses.replace(layer, prefetch=False)
+    assert pair_exposed_s(prev, waiting).per_micro_batch_s == pytest.approx(1 * MS + share * 4 * MS)
