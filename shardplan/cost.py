@@ -92,6 +92,12 @@ Time, by component (per step):
   micro-batch or all-reduced once per step, and stepped slices of full
   parameters all-gathered after the step (exposed), as the traits say. Pipeline stages send the
   boundary activation (forward) and its gradient (backward) per micro-batch.
+  [Note: collectives beside the compute] A collective running beside the compute takes the
+  hardware's collective_compute_share of its rate (NCCL holds an SM per channel and streams
+  through the same memory): compute of w seconds beside collectives of c seconds ends after
+  max(c, w + share × c), so only (1 - share) × c can hide and share × c shows even when the
+  collectives fit (UnitCost.contention; the window left after a reduction, free_bwd_s, is what
+  the slowed compute has not done by then).
 - offload: an offloaded shard is copied host→device before each gather and its
   gradient shard device→host after each reduce-scatter at OFFLOAD_BYTES_PER_S,
   not overlapped.
@@ -253,6 +259,9 @@ class UnitCost:
     hardware whose collectives take the cores the compute needs (overlaps_communication)."""
     hide_bwd_s: float
     """The same for the backward (recompute included)."""
+    contention: float
+    """Share of a collective's time the compute beside it loses (HardwareProfile.collective_compute_share;
+    0 where nothing overlaps): only the rest of the collective can hide ([Note: collectives beside the compute])."""
 
     @property
     def bwd_window_s(self) -> float:
@@ -263,7 +272,7 @@ class UnitCost:
         """Backward compute left to hide the previous unit's prefetched gather: one communication
         stream runs the collectives in the order issued, and the next unit's reduction, issued as
         this backward starts, goes first (priced as this unit's own, its neighbour's size)."""
-        return max(0.0, self.hide_bwd_s - (0.0 if self.reduce_per_step else self.reduce_s))
+        return max(0.0, self.hide_bwd_s - (0.0 if self.reduce_per_step else self.reduce_s * (1 - self.contention)))
 
 
 def on_rank(block: Block, ctx: CostContext) -> Block:
@@ -589,7 +598,8 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         optimizer_s=optimizer_s(sizes, decision, ctx), tensor_parallel_s=tensor_parallel_s(blocks, ctx),
         prefetch=decision.prefetch,
         hide_fwd_s=compute_fwd_s if overlap else 0.0,
-        hide_bwd_s=compute_bwd_s + recompute_s if overlap else 0.0)
+        hide_bwd_s=compute_bwd_s + recompute_s if overlap else 0.0,
+        contention=getattr(ctx.hardware, "collective_compute_share", 0.0) if overlap else 0.0)
 
 
 def base_bytes(unit: UnitCost, ctx: CostContext) -> int:
@@ -646,9 +656,10 @@ class ExposedTime:
     per_step_s: float
 
 
-def exposed_s(comm_s: float, window_s: float, prefetch: bool) -> float:
-    """What of `comm_s` a prefetch leaves exposed past `window_s` of compute (all of it without)."""
-    return comm_s - min(comm_s, window_s) if prefetch else comm_s
+def exposed_s(comm_s: float, window_s: float, prefetch: bool, contention: float) -> float:
+    """What of `comm_s` a prefetch leaves exposed past `window_s` of compute (all of it without): at least
+    the `contention` share of it that the compute beside it loses ([Note: collectives beside the compute])."""
+    return comm_s - min(comm_s * (1 - contention), window_s) if prefetch else comm_s
 
 
 def pair_exposed_s(prev: UnitCost | None, unit: UnitCost | None) -> ExposedTime:
@@ -661,9 +672,9 @@ def pair_exposed_s(prev: UnitCost | None, unit: UnitCost | None) -> ExposedTime:
         return ExposedTime(per_micro_batch_s=prev.gather_bwd_s, per_step_s=0.0)
     if prev is None or unit is None:
         raise ValueError("pair_exposed_s needs at least one unit")
-    per_mb = (exposed_s(unit.gather_fwd_s, prev.hide_fwd_s, prev.prefetch)
-              + exposed_s(prev.gather_bwd_s, unit.free_bwd_s, unit.prefetch))
-    reduce = max(0.0, unit.reduce_s - prev.hide_bwd_s)
+    per_mb = (exposed_s(unit.gather_fwd_s, prev.hide_fwd_s, prev.prefetch, prev.contention)
+              + exposed_s(prev.gather_bwd_s, unit.free_bwd_s, unit.prefetch, unit.contention))
+    reduce = exposed_s(unit.reduce_s, prev.hide_bwd_s, True, prev.contention)
     if unit.reduce_per_step:
         return ExposedTime(per_micro_batch_s=per_mb, per_step_s=reduce)
     return ExposedTime(per_micro_batch_s=per_mb + reduce, per_step_s=0.0)

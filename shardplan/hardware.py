@@ -140,6 +140,11 @@ class HardwareModel(Protocol):
         """Time of `calls` equal ops that together do `flops` and move `bytes_moved`."""
 
     @property
+    def collective_compute_share(self) -> float:
+        """Share of the compute rate a collective takes while it runs beside the compute
+        (HardwareProfile.collective_compute_share)."""
+
+    @property
     def selective_op_overhead_s(self) -> float:
         """What selective checkpointing adds to each op a block's forward dispatches
         (HardwareProfile.selective_op_overhead_s)."""
@@ -174,6 +179,10 @@ class HardwareProfile:
     """Whether a collective can run while the device computes. GPUs: yes (NCCL kernels on their
     own stream). CPU ranks on gloo: no, the transfers take the cores the compute needs, so the
     cost model hides no communication under compute."""
+    collective_compute_share: float = 0.0
+    """Share of the device's compute rate a collective takes while it runs beside the compute: NCCL's
+    kernels hold an SM for each channel and stream through the same memory, so compute overlapped
+    with a collective of c seconds loses this x c seconds (below 1). 0: not measured."""
     intra_node: LinkProfile
     inter_node: LinkProfile
     source: str
@@ -198,6 +207,10 @@ class HardwareProfile:
         if not isinstance(self.overlaps_communication, bool):
             raise HardwareError(f"hardware profile {self.name!r}: overlaps_communication is "
                                 f"{self.overlaps_communication!r}, must be true or false")
+        if not _is_non_negative(self.collective_compute_share) or self.collective_compute_share >= 1:
+            raise HardwareError(f"hardware profile {self.name!r}: collective_compute_share is "
+                                f"{self.collective_compute_share!r}, must be 0 or more and below 1: it is the share of "
+                                "the compute rate a collective beside it takes")
         if self.usable_memory_fraction > 1:
             raise HardwareError(f"hardware profile {self.name!r}: usable_memory_fraction is "
                                 f"{self.usable_memory_fraction}, must be at most 1: it is a share of device memory")
@@ -384,8 +397,8 @@ def _figures(value: object, where: str) -> Iterator[tuple[str, object]]:
         yield where, value
 
 
-_NOT_FIGURES = ("name", "source", "overlaps_communication", "in_step_wait_s", "latency_per_node_doubling_s",
-                "ring_latency_per_node_s", "runtime_reserved_bytes", "selective_op_overhead_s")
+_NOT_FIGURES = ("name", "source", "overlaps_communication", "collective_compute_share", "in_step_wait_s",
+                "latency_per_node_doubling_s", "ring_latency_per_node_s", "runtime_reserved_bytes", "selective_op_overhead_s")
 """Fields that are not positive figures (a wait, a latency step, a reserve, a cost not measured may be 0:
 checked on their own)."""
 

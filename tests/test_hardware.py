@@ -224,6 +224,8 @@ def _edited(mutate) -> str:
     (lambda d: d.update(op_time_factors={"gelu": 2.5}), ["op_time_factors.gelu must be a JSON object"]),
     (lambda d: d.update(op_time_factors=[2.0]), ["op_time_factors must be a JSON object"]),
     (lambda d: d["intra_node"].update(in_step_wait_s=-1e-3), ["intra_node.in_step_wait_s is -0.001", "0 or more"]),
+    (lambda d: d.update(collective_compute_share=1.0), ["collective_compute_share is 1.0", "below 1"]),
+    (lambda d: d.update(collective_compute_share=-0.1), ["collective_compute_share is -0.1", "0 or more"]),
 ])
 def test_validation_errors(mutate, fragments):
     with pytest.raises(HardwareError) as error:

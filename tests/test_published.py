@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = os.path.join(HERE, "data", "published_h100_rows.csv")
 RECORDED = {  # (model, GPUs): (Kendall tau, crashed rows predicted over, rows that ran predicted within)
     ("playbook-1B", 16): (0.71, 9, 9),
-    ("playbook-1B", 64): (0.50, 1, 13),
+    ("playbook-1B", 64): (0.48, 1, 13),
     ("playbook-3B", 16): (0.60, 10, 9),
     ("playbook-3B", 64): (0.64, 6, 8),
 }
@@ -27,7 +27,10 @@ pairs that close; the whole data set's groups at 16 GPUs rose, 1B +0.75 to +0.78
 all-gathers across nodes, pipeline sends included (before it +0.72 / +0.49 / +0.78 / +0.64; before the
 cross-node link model +0.06 / -0.03 / +0.00 / -0.79; before the host's ~10 us an op, +0.78 / +0.49 /
 +0.78 / +0.57: one of the 36 pairs of 1B at 16 GPUs flipped, while that whole group of the data set
-rose from +0.69 to +0.75); a little slack below each tau for float noise, none on the counts."""
+rose from +0.69 to +0.75); +0.78 / +0.49 / +0.78 / +0.64 since a collective beside the compute takes a share of
+its rate (collective_compute_share): of 1B's 78 pairs at 64 GPUs one flipped, a run measured at 3.3k tokens/s
+(6x below its neighbours) against one at 19.3k, predicted 0.03% apart before; a little slack below each tau for
+float noise, none on the counts."""
 
 
 @pytest.fixture(scope="module")
@@ -202,10 +205,12 @@ def test_compile_picks_tensor_parallelism_where_the_published_runs_do(bench, mod
     assert any("tp=8" in d for d in described)  # the best plan of each tp degree is listed
 
 
-@pytest.mark.xfail(strict=True, reason="shardplan's ZeRO-2 over 256 ranks (one collective a layer, ring latencies "
-                   "across 32 nodes) is priced 0.235 s against 0.241 s for tp 2 with HSDP: nanotron's ZeRO-1, which "
-                   "lost to tp there, pays a blocking fp32 all-reduce and dp x tensors copies that shardplan's "
-                   "runtime does not (docs/benchmarks.md)")
+@pytest.mark.xfail(strict=True, reason="tp inside a node leaves each node's data-parallel traffic as it is (8 rails "
+                   "carry tp=1's rings, 8/tp rails each of tp's groups), so tp=1 with HSDP (dp_shard 8 x dp_replicate "
+                   "32) is priced 0.245 s against 0.249 s for tp 2 with HSDP, whose exchanges add 21 ms: nanotron's "
+                   "ZeRO-1, which lost to tp there, pays a blocking fp32 all-reduce and dp x tensors copies that "
+                   "shardplan's runtime does not; with them the model ranks its tp 4 > 2 > 1 as measured "
+                   "(docs/benchmarks.md)")
 def test_compile_picks_tensor_parallelism_at_256_gpus(bench):
     chain = bench.llama_chain(bench.MODELS["playbook-3B"], 1, 4096, pipelined=False)
     plan = solve(chain, 256, hardware="h100-80g", mixed_precision=bench.BF16, global_batch_size=256,

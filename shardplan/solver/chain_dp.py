@@ -205,9 +205,10 @@ class _Columns:
 
     def pair_time_s(self, nxt: UnitCost, ctx: CostContext) -> np.ndarray:
         """cost.pair_time_s(each last unit, nxt)."""
-        per_mb = (nxt.gather_fwd_s - self.prefetch * np.minimum(nxt.gather_fwd_s, self.hide_fwd_s)
-                  + (self.gather_bwd_s - nxt.prefetch * np.minimum(self.gather_bwd_s, nxt.free_bwd_s)))
-        reduce = np.maximum(0.0, nxt.reduce_s - self.hide_bwd_s)
+        hideable = 1 - nxt.contention  # every unit of a stage has its hardware's contention
+        per_mb = (nxt.gather_fwd_s - self.prefetch * np.minimum(nxt.gather_fwd_s * hideable, self.hide_fwd_s)
+                  + (self.gather_bwd_s - nxt.prefetch * np.minimum(self.gather_bwd_s * hideable, nxt.free_bwd_s)))
+        reduce = nxt.reduce_s - np.minimum(nxt.reduce_s * hideable, self.hide_bwd_s)
         if nxt.reduce_per_step:
             return ctx.pipeline_factor * per_mb + reduce
         return ctx.pipeline_factor * (per_mb + reduce)
