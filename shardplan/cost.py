@@ -599,7 +599,7 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         prefetch=decision.prefetch,
         hide_fwd_s=compute_fwd_s if overlap else 0.0,
         hide_bwd_s=compute_bwd_s + recompute_s if overlap else 0.0,
-        contention=getattr(ctx.hardware, "collective_compute_share", 0.0) if overlap else 0.0)
+        contention=ctx.hardware.collective_compute_share if overlap else 0.0)
 
 
 def base_bytes(unit: UnitCost, ctx: CostContext) -> int:
