@@ -79,6 +79,35 @@ MODELS = {
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class NanotronCode:
+    """What the nanotron a campaign ran keeps for backward beyond llama_chain's activations. The playbook
+    (December 2024, tp_linear_async_communication on, tp_recompute_allgather true) keeps neither; oldbench
+    (nanotron main of early July 2024, f1adf520, async communication off: model_configs.md) keeps both."""
+
+    saves_gathered_input: bool = False
+    """In REDUCE_SCATTER mode without async communication a column-parallel linear all-gathers its
+    sequence-sharded input with `differentiable_all_gather` and calls F.linear on the result, which autograd
+    saves: the whole T x h input of qkv_proj, gate_up_proj and the LM head on every tp rank
+    (tensor_parallel/functional.py `column_linear`, lines 352-359 at f1adf520). Recomputing the gather in
+    backward (tp_recompute_allgather) came on 2024-07-17 (1e02a9ce)."""
+    o_proj_input_copy: bool = False
+    """o_proj's input is the attention output viewed [seq, batch, heads x d] by a transpose (models/llama.py,
+    CausalSelfAttention.forward), which is not contiguous once a micro-batch holds more than one sequence.
+    F.linear without bias runs at::matmul, which folds a 3-D input into 2-D with reshape, a copy here, and
+    the mm it records saves that copy for the weight's gradient: a second copy of the attention output
+    beside the one flash attention saves. The non-async row_linear calls F.linear under autograd
+    (functional.py lines 463-483 at f1adf520); the async one (the playbook's) calls it inside its own
+    autograd.Function, which saves the view."""
+
+
+def nanotron_code(row: "Row") -> NanotronCode:
+    """The code of `row`'s campaign, as far as the memory reads it."""
+    if row.model.startswith("oldbench-"):
+        return NanotronCode(saves_gathered_input=True, o_proj_input_copy=row.micro_batch_size > 1)
+    return NanotronCode()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Row:
     """One configuration of the data set, as far as the cost model reads it."""
 
@@ -179,7 +208,7 @@ def _block(index: int, name: str, numel: int, fwd_kinds: tuple[OpKind, ...], *, 
 
 
 def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
-                sequence_sharded_norm: bool = False) -> BlockChain:
+                sequence_sharded_norm: bool = False, code: "NanotronCode | None" = None) -> BlockChain:
     """The chain of a LLaMA decoder over `samples` sequences (one replica's batch), fp32 master
     parameters computed in bf16, flash attention, the loss in fp32 over the whole vocabulary.
 
@@ -213,7 +242,10 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     exchange: the norm's output gathered; the loss's all-reduces of a few bytes a token are left out).
     With `sequence_sharded_norm` the final norm divides too, its input and output and its time: nanotron
     runs it on the last layer's reduce-scattered output, a 1/tp slice of the sequence (line 905), and
-    its LM head saves that slice, not the gathered input (tp_recompute_allgather, true by default)."""
+    its LM head saves that slice, not the gathered input (tp_recompute_allgather, true by default).
+
+    `code` is what an older nanotron keeps beyond that (NanotronCode; None: the playbook's code)."""
+    code = code or NanotronCode()
     tokens, h, i, v = samples * seq_len, dims.hidden, dims.intermediate, dims.vocab
     stream = tokens * h * BF16_BYTES
     head_dim = h // dims.heads
@@ -226,7 +258,7 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
                    _matmul(tokens, i, h),
                    _elementwise("rms_norm", 2, 4 * stream), _elementwise("rotary", 2, 2 * stream + 2 * tokens * kv * 2),
                    _elementwise("add", 2, 6 * stream), _elementwise("silu_mul", 2, 5 * tokens * i * BF16_BYTES))
-    attention_saved = 2 * h + (4 if dims.kv_heads == dims.heads else 2) * kv
+    attention_saved = 2 * h + (4 if dims.kv_heads == dims.heads else 2) * kv + (h if code.o_proj_input_copy else 0)
     layer_saved = (4 * h + attention_saved + 4 * i) * tokens * BF16_BYTES
     logits = tokens * v
     divides = math.gcd(dims.heads, dims.kv_heads, i)
@@ -238,6 +270,7 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     layer_facts = [_sliced(layer_kinds, ("mm", "_scaled_dot_product_flash_attention"), divides=divides,
                            sliced_numel=layer_numel - 2 * h, sliced_saved_bytes=(attention_saved + 4 * i) * tokens * BF16_BYTES,
                            sequence_layer=True, all_reduces=4, exchange_bytes=stream,
+                           gathered_saved_bytes=2 * stream if code.saves_gathered_input else 0,
                            sharded=tuple((f"model.layers.{n}.{module}", style) for module, style in LAYER_STYLES))
                    for n in range(dims.layers)]
     blocks += [_block(1 + n, f"model.layers.{n}", layer_numel, layer_kinds, saved=layer_saved, inp=stream,
@@ -250,7 +283,8 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     norm = 2 * stream  # the final norm's input and output
     head_facts = _sliced(head_kinds, ("mm", "cross_entropy") + (("rms_norm",) if sequence_sharded_norm else ()),
                          divides=v, sliced_numel=head_numel - h,
-                         sliced_saved_bytes=logits * FP32_BYTES + (norm if sequence_sharded_norm else 0),
+                         sliced_saved_bytes=logits * FP32_BYTES + (norm // (2 if code.saves_gathered_input else 1)
+                                                                   if sequence_sharded_norm else 0),
                          all_reduces=1, exchange_bytes=stream, sharded=(("lm_head", "vocab_head"),))
     blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, saved=norm + logits * FP32_BYTES,
                          inp=stream, out=0, fwd_transient=norm + 2 * logits * FP32_BYTES,
@@ -504,9 +538,11 @@ def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> 
             continue
         dims = as_run(MODELS[row.model], row.tp)
         samples = row.micro_batch_size * row.grad_accum
-        key = (dims, samples, row.seq_len, row.pp > 1)
+        code = nanotron_code(row)
+        key = (dims, samples, row.seq_len, row.pp > 1, code)
         if key not in chains:
-            chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1, sequence_sharded_norm=True)
+            chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1, sequence_sharded_norm=True,
+                                      code=code)
         chain = chains[key]
         plan = evaluate(chain, plan_for(row, chain, dims), hw)
         predicted = as_nanotron_holds(plan, row, dims)
