@@ -676,6 +676,49 @@ def crashed_within(outcomes: list[Outcome], usable_bytes: int) -> dict[str, dict
     return counts
 
 
+PLAYBOOK_WIDTHS = {"2048": "playbook-1B", "3072": "playbook-3B", "4096": "playbook-8B", "8192": "playbook-80B"}
+"""hidden_size in nanotron's benchmark CSV -> the playbook model of runs.csv."""
+
+
+def nanotron_statuses(path: str) -> dict[tuple, set[str]]:
+    """The statuses nanotron's own benchmark CSV gives each configuration of a playbook model, keyed as
+    configuration_key keys a row: Success, OOM (its `oom_error` column: the run's log holds an out-of-memory
+    error) or Other (any other failure, oom_error false). The playbook's figure reads this CSV
+    (scripts/scaling_benchmarks.py line 484 at e24d2483, which re-runs whatever is neither Success nor OOM);
+    a public copy: github.com/eyao600/Rapid-LLM, validation_scripts/huggingface_data/bench_final2_mfu2.csv."""
+    statuses: dict[tuple, set[str]] = defaultdict(set)
+    with open(path, newline="") as handle:
+        for r in csv.DictReader(handle):
+            if r["hidden_size"] in PLAYBOOK_WIDTHS:
+                statuses[PLAYBOOK_WIDTHS[r["hidden_size"]], int(r["dp"]), int(r["tp"]), int(r["pp"]), int(r["mbs"]),
+                         int(float(r["batch_accum"])), r["zero_stage"]].add(r["status"])
+    return statuses
+
+
+def configuration_key(row: Row) -> tuple:
+    return row.model, row.dp, row.tp, row.pp, row.micro_batch_size, row.grad_accum, row.zero_stage
+
+
+def crashed_by_nanotron_status(outcomes: list[Outcome], usable_bytes: int,
+                               statuses: dict[tuple, set[str]]) -> dict[tuple[str, str], tuple[int, int]]:
+    """Per (model, what nanotron's CSV says of the crash: "OOM" if any attempt ran out of memory, else
+    "other failure"), the crashed rows predicted over the device and all of them."""
+    counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for o in outcomes:
+        if o.row.crashed and o.predicted is not None and o.row.model.startswith("playbook-"):
+            found = statuses.get(configuration_key(o.row), set())
+            kind = "OOM" if "OOM" in found else "other failure" if found else "not in the CSV"
+            counts[o.row.model, kind][0] += o.predicted.peak_bytes > usable_bytes
+            counts[o.row.model, kind][1] += 1
+    return {key: (over, total) for key, (over, total) in counts.items()}
+
+
+def print_crashed_by_nanotron_status(counts: dict[tuple[str, str], tuple[int, int]]) -> None:
+    print("\nCrashed rows predicted over the device, by what nanotron's benchmark CSV says of the crash:")
+    for (model, kind), (over, total) in sorted(counts.items()):
+        print(f"  {model}, {kind}: {_share(over, total)}")
+
+
 def print_crashed_within(counts: dict[str, dict[str, int]]) -> None:
     print("\nCrashed rows predicted within the device, by what their configuration did at other micro-batches:")
     for model, kinds in sorted(counts.items()):
@@ -743,6 +786,8 @@ def main() -> None:
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
     parser.add_argument("--hardware", default="h100-80g", help="built-in profile name or calibrated profile path")
     parser.add_argument("--model", action="append", help="only these models (repeatable)")
+    parser.add_argument("--nanotron-csv", help="nanotron's own benchmark CSV (bench_final2_mfu2.csv): split the "
+                        "crashed rows by the status it gives them (OOM or another failure)")
     parser.add_argument("--nanotron-zero1", action="store_true",
                         help="add nanotron's own ZeRO-1 step to its rows (blocking fp32 all-reduce, a copy kernel "
                              "per rank and tensor after the gather): what shardplan's shard_optimizer does not do")
@@ -755,6 +800,9 @@ def main() -> None:
     print_table(score(outcomes, hw.usable_memory_bytes))
     print_memory_ratios(memory_ratios(outcomes))
     print_crashed_within(crashed_within(outcomes, hw.usable_memory_bytes))
+    if args.nanotron_csv:
+        print_crashed_by_nanotron_status(crashed_by_nanotron_status(outcomes, hw.usable_memory_bytes,
+                                                                    nanotron_statuses(args.nanotron_csv)))
     print_what_rows_show(rows)
     print_left_out([o for o in outcomes if o.reason])
 

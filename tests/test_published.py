@@ -288,3 +288,22 @@ def test_oldbench_peak_allocated_is_what_its_nanotron_keeps(bench, dp, tp, pp, m
     (outcome,) = bench.predict([row], get_hardware("h100-80g"))
     assert outcome.predicted.peak_bytes / 2**20 == pytest.approx(allocated_mib, rel=0.02)
     assert bench.nanotron_code(dataclasses.replace(row, model="playbook-1B")) == bench.NanotronCode()
+
+
+def test_crashed_rows_are_split_by_what_nanotrons_own_csv_says_of_them(bench, tmp_path):
+    nanotron_csv = tmp_path / "bench.csv"
+    nanotron_csv.write_text("hidden_size,dp,tp,pp,mbs,batch_accum,zero_stage,status\n"
+                            "2048,8,1,1,4,8.0,1,OOM\n2048,8,1,1,4,8.0,1,Other\n"  # two attempts, one out of memory
+                            "2048,8,1,1,2,16.0,1,Other\n3072,8,1,1,4,8.0,1,Success\n")
+    row = bench.Row(model="playbook-1B", n_gpus=8, dp=8, tp=1, pp=1, micro_batch_size=4, grad_accum=8,
+                    seq_len=4096, zero_stage="1", status="crashed_or_oom", tokens_per_s_per_gpu=None, line=2)
+    within, over = Predicted(peak_bytes=10, step_time_s=1.0), Predicted(peak_bytes=1000, step_time_s=1.0)
+    outcomes = [bench.Outcome(row=row, predicted=over),
+                bench.Outcome(row=dataclasses.replace(row, micro_batch_size=2, grad_accum=16), predicted=within),
+                bench.Outcome(row=dataclasses.replace(row, micro_batch_size=1, grad_accum=32), predicted=within),
+                bench.Outcome(row=dataclasses.replace(row, status="ok"), predicted=within)]  # ran: not counted
+    statuses = bench.nanotron_statuses(str(nanotron_csv))
+    assert statuses[("playbook-3B", 8, 1, 1, 4, 8, "1")] == {"Success"}
+    assert bench.crashed_by_nanotron_status(outcomes, 100, statuses) == {
+        ("playbook-1B", "OOM"): (1, 1), ("playbook-1B", "other failure"): (0, 1),
+        ("playbook-1B", "not in the CSV"): (0, 1)}
