@@ -128,6 +128,9 @@ class Row:
     """The playbook's memory of the row: rank 0's torch.cuda.max_memory_reserved() in GiB (the "Mem Res"
     column of nanotron's benchmark CSV, helpers.py lines 610 and 674 at e24d2483), which holds what the
     caching allocator reserved, used or not."""
+    allocated_gib: float | None = None
+    """old_bench's memory of the row: the step's peak allocated memory of the one rank its log parser read
+    (runs.csv peak_allocated_MiB, in GiB; model_configs.md: a lower bound on the busiest rank's)."""
 
     @property
     def ran(self) -> bool:
@@ -159,7 +162,8 @@ def read_rows(path: str) -> list[Row]:
                     micro_batch_size=int(r["mbz"]), grad_accum=int(r["grad_accum"]), seq_len=int(r["seq_len"]),
                     zero_stage=r["zero_stage"], status=r["status"],
                     tokens_per_s_per_gpu=float(r["tokens_per_sec_per_gpu"]) if r["tokens_per_sec_per_gpu"] else None,
-                    line=line, reported_gib=float(r["reported_gpu_mem_GB"]) if r.get("reported_gpu_mem_GB") else None)
+                    line=line, reported_gib=float(r["reported_gpu_mem_GB"]) if r.get("reported_gpu_mem_GB") else None,
+                    allocated_gib=float(r["peak_allocated_MiB"]) / 1024 if r.get("peak_allocated_MiB") else None)
                 for line, r in enumerate(csv.DictReader(handle), start=2)]
 
 
@@ -641,6 +645,22 @@ def memory_ratios(outcomes: list[Outcome]) -> dict[tuple[str, bool, int], float]
     return {key: statistics.median(ratios) for key, ratios in groups.items()}
 
 
+def allocated_ratios(outcomes: list[Outcome]) -> dict[int, list[float]]:
+    """Predicted peak / the measured peak allocated memory (old_bench's rows that logged it), by tp."""
+    groups: dict[int, list[float]] = defaultdict(list)
+    for o in outcomes:
+        if o.predicted is not None and o.row.ran and o.row.allocated_gib:
+            groups[o.row.tp].append(o.predicted.peak_bytes / 2**30 / o.row.allocated_gib)
+    return {tp: sorted(ratios) for tp, ratios in sorted(groups.items())}
+
+
+def print_allocated_ratios(ratios: dict[int, list[float]]) -> None:
+    print("\nPredicted peak / measured peak allocated (old_bench's log), rows that ran:")
+    for tp, found in ratios.items():
+        print(f"  tp {tp}: median {statistics.median(found):.2f} ({found[0]:.2f}-{found[-1]:.2f}), "
+              f"within 5%: {sum(abs(r - 1) <= 0.05 for r in found)}/{len(found)}")
+
+
 def print_memory_ratios(ratios: dict[tuple[str, bool, int], float]) -> None:
     print("\nPredicted peak / reported memory (GiB reserved by rank 0), median of the rows that ran:\n")
     print_by_tp({(model, "> 1" if pipelined else "1", tp): ratio for (model, pipelined, tp), ratio in ratios.items()},
@@ -750,7 +770,7 @@ def twin_ratios(rows: list[Row]) -> list[float]:
     for row in rows:
         if row.ran and row.tokens_per_s_per_gpu:
             twins[dataclasses.replace(row, zero_stage="", status="", tokens_per_s_per_gpu=None, line=0,
-                                      reported_gib=None)].append(row.tokens_per_s_per_gpu)
+                                      reported_gib=None, allocated_gib=None)].append(row.tokens_per_s_per_gpu)
     return [max(pair) / min(pair) for pair in twins.values() if len(pair) == 2]
 
 
@@ -799,6 +819,7 @@ def main() -> None:
           f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
     print_table(score(outcomes, hw.usable_memory_bytes))
     print_memory_ratios(memory_ratios(outcomes))
+    print_allocated_ratios(allocated_ratios(outcomes))
     print_crashed_within(crashed_within(outcomes, hw.usable_memory_bytes))
     if args.nanotron_csv:
         print_crashed_by_nanotron_status(crashed_by_nanotron_status(outcomes, hw.usable_memory_bytes,

@@ -284,9 +284,10 @@ def test_oldbench_peak_allocated_is_what_its_nanotron_keeps(bench, dp, tp, pp, m
     a micro-batch at tp 1 was within 2% before too: no copy, no gather)."""
     row = bench.Row(model="oldbench-llama-1B", n_gpus=dp * tp * pp, dp=dp, tp=tp, pp=pp,
                     micro_batch_size=micro_batch_size, grad_accum=grad_accum, seq_len=4096, zero_stage="1",
-                    status="completed", tokens_per_s_per_gpu=1.0, line=0)
+                    status="completed", tokens_per_s_per_gpu=1.0, line=0, allocated_gib=allocated_mib / 1024)
     (outcome,) = bench.predict([row], get_hardware("h100-80g"))
     assert outcome.predicted.peak_bytes / 2**20 == pytest.approx(allocated_mib, rel=0.02)
+    assert bench.allocated_ratios([outcome]) == {tp: [pytest.approx(1, rel=0.02)]}
     assert bench.nanotron_code(dataclasses.replace(row, model="playbook-1B")) == bench.NanotronCode()
 
 
