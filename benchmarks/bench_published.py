@@ -661,6 +661,40 @@ def print_allocated_ratios(ratios: dict[int, list[float]]) -> None:
               f"within 5%: {sum(abs(r - 1) <= 0.05 for r in found)}/{len(found)}")
 
 
+FAST, SLOW = 0.8, 0.5
+"""A row's throughput over the best of its group (model, tp, micro-batch size) above which it counts as fast, below
+which as slow (reservation_by_speed)."""
+
+
+def reservation_by_speed(outcomes: list[Outcome]) -> dict[str, list[float]]:
+    """Reported (reserved) / predicted peak of the pp = 1, tp > 1 rows that ran, split by how fast each ran
+    against the best row of its (model, tp, micro-batch size) group: "fast" (over FAST of it), "slow" (under
+    SLOW). A rank's program in such a group differs only in its optimizer state (priced), so what a row
+    reserves beyond it that follows the speed is the caching allocator's, not a tensor of the program."""
+    groups: dict[tuple, list[Outcome]] = defaultdict(list)
+    for o in outcomes:
+        row = o.row
+        if o.predicted is not None and row.ran and row.reported_gib and row.tokens_per_s_per_gpu and row.pp == 1 \
+                and row.tp > 1:
+            groups[row.model, row.tp, row.micro_batch_size].append(o)
+    found: dict[str, list[float]] = {"fast": [], "slow": []}
+    for members in (m for m in groups.values() if len(m) > 1):
+        best = max(o.row.tokens_per_s_per_gpu for o in members)
+        for o in members:
+            speed = o.row.tokens_per_s_per_gpu / best
+            if speed > FAST or speed < SLOW:
+                found["fast" if speed > FAST else "slow"].append(o.row.reported_gib * 2**30 / o.predicted.peak_bytes)
+    return found
+
+
+def print_reservation_by_speed(found: dict[str, list[float]]) -> None:
+    bounds = {"fast": f"over {FAST:.0%}", "slow": f"under {SLOW:.0%}"}
+    print("\nReported / predicted at pp = 1 and tp > 1, median, by throughput against the best row of the same "
+          "model, tp and micro-batch size: " + ", ".join(
+              f"{kind} ({bounds[kind]}) {statistics.median(ratios):.2f} ({len(ratios)} rows)"
+              for kind, ratios in found.items() if ratios))
+
+
 def print_memory_ratios(ratios: dict[tuple[str, bool, int], float]) -> None:
     print("\nPredicted peak / reported memory (GiB reserved by rank 0), median of the rows that ran:\n")
     print_by_tp({(model, "> 1" if pipelined else "1", tp): ratio for (model, pipelined, tp), ratio in ratios.items()},
@@ -820,6 +854,7 @@ def main() -> None:
     print_table(score(outcomes, hw.usable_memory_bytes))
     print_memory_ratios(memory_ratios(outcomes))
     print_allocated_ratios(allocated_ratios(outcomes))
+    print_reservation_by_speed(reservation_by_speed(outcomes))
     print_crashed_within(crashed_within(outcomes, hw.usable_memory_bytes))
     if args.nanotron_csv:
         print_crashed_by_nanotron_status(crashed_by_nanotron_status(outcomes, hw.usable_memory_bytes,

@@ -308,3 +308,16 @@ def test_crashed_rows_are_split_by_what_nanotrons_own_csv_says_of_them(bench, tm
     assert bench.crashed_by_nanotron_status(outcomes, 100, statuses) == {
         ("playbook-1B", "OOM"): (1, 1), ("playbook-1B", "other failure"): (0, 1),
         ("playbook-1B", "not in the CSV"): (0, 1)}
+
+
+def test_reservation_is_split_by_how_fast_each_row_ran_against_its_group(bench):
+    row = bench.Row(model="playbook-1B", n_gpus=16, dp=2, tp=8, pp=1, micro_batch_size=16, grad_accum=8,
+                    seq_len=4096, zero_stage="0", status="ok", tokens_per_s_per_gpu=20000.0, line=2, reported_gib=40.0)
+    predicted = Predicted(peak_bytes=25 * 2**30, step_time_s=1.0)
+    outcomes = [bench.Outcome(row=row, predicted=predicted),  # the group's best: fast, 40 / 25
+                bench.Outcome(row=dataclasses.replace(row, dp=4, tokens_per_s_per_gpu=8000.0, reported_gib=26.0),
+                              predicted=predicted),  # 0.4 of the best: slow
+                bench.Outcome(row=dataclasses.replace(row, dp=8, tokens_per_s_per_gpu=14000.0), predicted=predicted),
+                bench.Outcome(row=dataclasses.replace(row, micro_batch_size=8), predicted=predicted),  # alone
+                bench.Outcome(row=dataclasses.replace(row, pp=2, dp=1), predicted=predicted)]  # pipelined
+    assert bench.reservation_by_speed(outcomes) == {"fast": [1.6], "slow": [1.04]}
