@@ -285,10 +285,11 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
                   _elementwise("cross_entropy", 3, logits * (BF16_BYTES + 3 * FP32_BYTES)))
     head_numel = h if dims.tied and not pipelined else v * h + h
     norm = 2 * stream  # the final norm's input and output
+    # of the norm, what a rank keeps of a 1/tp slice of the sequence: its input, and its output unless the LM
+    # head keeps that output gathered
+    sliced_norm = (stream if code.saves_gathered_input else norm) if sequence_sharded_norm else 0
     head_facts = _sliced(head_kinds, ("mm", "cross_entropy") + (("rms_norm",) if sequence_sharded_norm else ()),
-                         divides=v, sliced_numel=head_numel - h,
-                         sliced_saved_bytes=logits * FP32_BYTES + (norm // (2 if code.saves_gathered_input else 1)
-                                                                   if sequence_sharded_norm else 0),
+                         divides=v, sliced_numel=head_numel - h, sliced_saved_bytes=logits * FP32_BYTES + sliced_norm,
                          all_reduces=1, exchange_bytes=stream, sharded=(("lm_head", "vocab_head"),))
     blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, saved=norm + logits * FP32_BYTES,
                          inp=stream, out=0, fwd_transient=norm + 2 * logits * FP32_BYTES,
