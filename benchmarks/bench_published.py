@@ -670,8 +670,9 @@ which as slow (reservation_by_speed)."""
 def reservation_by_speed(outcomes: list[Outcome]) -> dict[str, list[float]]:
     """Reported (reserved) / predicted peak of the pp = 1, tp > 1 rows that ran, split by how fast each ran
     against the best row of its (model, tp, micro-batch size) group: "fast" (over FAST of it), "slow" (under
-    SLOW). A rank's program in such a group differs only in its optimizer state (priced), so what a row
-    reserves beyond it that follows the speed is the caching allocator's, not a tensor of the program."""
+    SLOW). A rank in such a group runs the same micro-batch (its optimizer state, priced, and its number of
+    micro-batches differ), so what a row reserves beyond the prediction that follows the speed is the caching
+    allocator's, not a tensor of the program."""
     groups: dict[tuple, list[Outcome]] = defaultdict(list)
     for o in outcomes:
         row = o.row
