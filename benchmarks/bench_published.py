@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_published.py                   # ../shared/data/published-h100/runs.csv
     .venv/bin/python benchmarks/bench_published.py --data runs.csv --hardware h100-80g
     .venv/bin/python benchmarks/bench_published.py --nanotron-zero1   # + nanotron's own ZeRO-1 step
+    .venv/bin/python benchmarks/bench_published.py --nanotron-csv bench_final2_mfu2.csv  # crashes by its status
 
 Every row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
 (the embedding, each decoder layer, the final norm with the LM head and the loss), ZeRO-0 as
@@ -11,11 +12,12 @@ parameters in bf16 and gradients reduced in fp32, no recomputation, stages cut a
 them, and tp > 1 as nanotron's TP in REDUCE_SCATTER mode (sequence parallel, vocab-parallel embedding
 and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each plan's step time and
 peak memory on the profile; the step is then bounded below by what nanotron's host dispatches
-(nanotron_host_s) and the memory swapped for what nanotron holds (as_nanotron_holds). Printed
-per model and GPU count: Kendall tau of predicted against measured tokens/s/GPU over the rows
-that ran, predicted / measured throughput (median, p10, p90), and the memory classification (the
-share of crashed rows predicted over the device's usable memory, the share of rows that ran
-predicted within it); then the rows that cannot be expressed, each with its reason.
+(nanotron_host_s) and the memory swapped for what nanotron holds (as_nanotron_holds; what the older code
+of old_bench keeps beyond it: NanotronCode). Printed per model and GPU count: Kendall tau of predicted
+against measured tokens/s/GPU over the rows that ran, predicted / measured throughput (median, p10, p90),
+and the memory classification (the share of crashed rows predicted over the device's usable memory, the
+share of rows that ran predicted within it); then the memory against what the rows measured and the rows
+that cannot be expressed, each with its reason.
 
 The LLaMA chains are built by hand from the model dimensions (model_configs.md of the data set):
 no torch, no capture, so the whole data set is evaluated in seconds.
