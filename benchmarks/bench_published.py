@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_published.py                   # ../shared/data/published-h100/runs.csv
     .venv/bin/python benchmarks/bench_published.py --data runs.csv --hardware h100-80g
     .venv/bin/python benchmarks/bench_published.py --nanotron-zero1   # + nanotron's own ZeRO-1 step
+    .venv/bin/python benchmarks/bench_published.py --nanotron-csv bench_final2_mfu2.csv  # crashes by its status
 
 Every row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
 (the embedding, each decoder layer, the final norm with the LM head and the loss), ZeRO-0 as
@@ -11,11 +12,12 @@ parameters in bf16 and gradients reduced in fp32, no recomputation, stages cut a
 them, and tp > 1 as nanotron's TP in REDUCE_SCATTER mode (sequence parallel, vocab-parallel embedding
 and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each plan's step time and
 peak memory on the profile; the step is then bounded below by what nanotron's host dispatches
-(nanotron_host_s) and the memory swapped for what nanotron holds (as_nanotron_holds). Printed
-per model and GPU count: Kendall tau of predicted against measured tokens/s/GPU over the rows
-that ran, predicted / measured throughput (median, p10, p90), and the memory classification (the
-share of crashed rows predicted over the device's usable memory, the share of rows that ran
-predicted within it); then the rows that cannot be expressed, each with its reason.
+(nanotron_host_s) and the memory swapped for what nanotron holds (as_nanotron_holds; what the older code
+of old_bench keeps beyond it: NanotronCode). Printed per model and GPU count: Kendall tau of predicted
+against measured tokens/s/GPU over the rows that ran, predicted / measured throughput (median, p10, p90),
+and the memory classification (the share of crashed rows predicted over the device's usable memory, the
+share of rows that ran predicted within it); then the memory against what the rows measured and the rows
+that cannot be expressed, each with its reason.
 
 The LLaMA chains are built by hand from the model dimensions (model_configs.md of the data set):
 no torch, no capture, so the whole data set is evaluated in seconds.
@@ -79,6 +81,35 @@ MODELS = {
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class NanotronCode:
+    """What the nanotron a campaign ran keeps for backward beyond llama_chain's activations. The playbook
+    (December 2024, tp_linear_async_communication on, tp_recompute_allgather true) keeps neither; oldbench
+    (nanotron main of early July 2024, f1adf520, async communication off: model_configs.md) keeps both."""
+
+    saves_gathered_input: bool = False
+    """In REDUCE_SCATTER mode without async communication a column-parallel linear all-gathers its
+    sequence-sharded input with `differentiable_all_gather` and calls F.linear on the result, which autograd
+    saves: the whole T x h input of qkv_proj, gate_up_proj and the LM head on every tp rank
+    (tensor_parallel/functional.py `column_linear`, lines 352-359 at f1adf520). Recomputing the gather in
+    backward (tp_recompute_allgather) came on 2024-07-17 (1e02a9ce)."""
+    o_proj_input_copy: bool = False
+    """o_proj's input is the attention output viewed [seq, batch, heads x d] by a transpose (models/llama.py,
+    CausalSelfAttention.forward), which is not contiguous once a micro-batch holds more than one sequence.
+    F.linear without bias runs at::matmul, which folds a 3-D input into 2-D with reshape, a copy here, and
+    the mm it records saves that copy for the weight's gradient: a second copy of the attention output
+    beside the one flash attention saves. The non-async row_linear calls F.linear under autograd
+    (functional.py lines 463-483 at f1adf520); the async one (the playbook's) calls it inside its own
+    autograd.Function, which saves the view."""
+
+
+def nanotron_code(row: "Row") -> NanotronCode:
+    """The code of `row`'s campaign, as far as the memory reads it."""
+    if row.model.startswith("oldbench-"):
+        return NanotronCode(saves_gathered_input=True, o_proj_input_copy=row.micro_batch_size > 1)
+    return NanotronCode()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Row:
     """One configuration of the data set, as far as the cost model reads it."""
 
@@ -99,6 +130,9 @@ class Row:
     """The playbook's memory of the row: rank 0's torch.cuda.max_memory_reserved() in GiB (the "Mem Res"
     column of nanotron's benchmark CSV, helpers.py lines 610 and 674 at e24d2483), which holds what the
     caching allocator reserved, used or not."""
+    allocated_gib: float | None = None
+    """old_bench's memory of the row: the step's peak allocated memory of the one rank its log parser read
+    (runs.csv peak_allocated_MiB, in GiB; model_configs.md: a lower bound on the busiest rank's)."""
 
     @property
     def ran(self) -> bool:
@@ -130,7 +164,8 @@ def read_rows(path: str) -> list[Row]:
                     micro_batch_size=int(r["mbz"]), grad_accum=int(r["grad_accum"]), seq_len=int(r["seq_len"]),
                     zero_stage=r["zero_stage"], status=r["status"],
                     tokens_per_s_per_gpu=float(r["tokens_per_sec_per_gpu"]) if r["tokens_per_sec_per_gpu"] else None,
-                    line=line, reported_gib=float(r["reported_gpu_mem_GB"]) if r.get("reported_gpu_mem_GB") else None)
+                    line=line, reported_gib=float(r["reported_gpu_mem_GB"]) if r.get("reported_gpu_mem_GB") else None,
+                    allocated_gib=float(r["peak_allocated_MiB"]) / 1024 if r.get("peak_allocated_MiB") else None)
                 for line, r in enumerate(csv.DictReader(handle), start=2)]
 
 
@@ -179,7 +214,7 @@ def _block(index: int, name: str, numel: int, fwd_kinds: tuple[OpKind, ...], *, 
 
 
 def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
-                sequence_sharded_norm: bool = False) -> BlockChain:
+                sequence_sharded_norm: bool = False, code: "NanotronCode | None" = None) -> BlockChain:
     """The chain of a LLaMA decoder over `samples` sequences (one replica's batch), fp32 master
     parameters computed in bf16, flash attention, the loss in fp32 over the whole vocabulary.
 
@@ -213,7 +248,10 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     exchange: the norm's output gathered; the loss's all-reduces of a few bytes a token are left out).
     With `sequence_sharded_norm` the final norm divides too, its input and output and its time: nanotron
     runs it on the last layer's reduce-scattered output, a 1/tp slice of the sequence (line 905), and
-    its LM head saves that slice, not the gathered input (tp_recompute_allgather, true by default)."""
+    its LM head saves that slice, not the gathered input (tp_recompute_allgather, true by default).
+
+    `code` is what an older nanotron keeps beyond that (NanotronCode; None: the playbook's code)."""
+    code = code or NanotronCode()
     tokens, h, i, v = samples * seq_len, dims.hidden, dims.intermediate, dims.vocab
     stream = tokens * h * BF16_BYTES
     head_dim = h // dims.heads
@@ -226,7 +264,7 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
                    _matmul(tokens, i, h),
                    _elementwise("rms_norm", 2, 4 * stream), _elementwise("rotary", 2, 2 * stream + 2 * tokens * kv * 2),
                    _elementwise("add", 2, 6 * stream), _elementwise("silu_mul", 2, 5 * tokens * i * BF16_BYTES))
-    attention_saved = 2 * h + (4 if dims.kv_heads == dims.heads else 2) * kv
+    attention_saved = 2 * h + (4 if dims.kv_heads == dims.heads else 2) * kv + (h if code.o_proj_input_copy else 0)
     layer_saved = (4 * h + attention_saved + 4 * i) * tokens * BF16_BYTES
     logits = tokens * v
     divides = math.gcd(dims.heads, dims.kv_heads, i)
@@ -238,6 +276,7 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     layer_facts = [_sliced(layer_kinds, ("mm", "_scaled_dot_product_flash_attention"), divides=divides,
                            sliced_numel=layer_numel - 2 * h, sliced_saved_bytes=(attention_saved + 4 * i) * tokens * BF16_BYTES,
                            sequence_layer=True, all_reduces=4, exchange_bytes=stream,
+                           gathered_saved_bytes=2 * stream if code.saves_gathered_input else 0,
                            sharded=tuple((f"model.layers.{n}.{module}", style) for module, style in LAYER_STYLES))
                    for n in range(dims.layers)]
     blocks += [_block(1 + n, f"model.layers.{n}", layer_numel, layer_kinds, saved=layer_saved, inp=stream,
@@ -248,9 +287,11 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
                   _elementwise("cross_entropy", 3, logits * (BF16_BYTES + 3 * FP32_BYTES)))
     head_numel = h if dims.tied and not pipelined else v * h + h
     norm = 2 * stream  # the final norm's input and output
+    # of the norm, what a rank keeps of a 1/tp slice of the sequence: its input, and its output unless the LM
+    # head keeps that output gathered
+    sliced_norm = (stream if code.saves_gathered_input else norm) if sequence_sharded_norm else 0
     head_facts = _sliced(head_kinds, ("mm", "cross_entropy") + (("rms_norm",) if sequence_sharded_norm else ()),
-                         divides=v, sliced_numel=head_numel - h,
-                         sliced_saved_bytes=logits * FP32_BYTES + (norm if sequence_sharded_norm else 0),
+                         divides=v, sliced_numel=head_numel - h, sliced_saved_bytes=logits * FP32_BYTES + sliced_norm,
                          all_reduces=1, exchange_bytes=stream, sharded=(("lm_head", "vocab_head"),))
     blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, saved=norm + logits * FP32_BYTES,
                          inp=stream, out=0, fwd_transient=norm + 2 * logits * FP32_BYTES,
@@ -504,9 +545,11 @@ def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> 
             continue
         dims = as_run(MODELS[row.model], row.tp)
         samples = row.micro_batch_size * row.grad_accum
-        key = (dims, samples, row.seq_len, row.pp > 1)
+        code = nanotron_code(row)
+        key = (dims, samples, row.seq_len, row.pp > 1, code)
         if key not in chains:
-            chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1, sequence_sharded_norm=True)
+            chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1, sequence_sharded_norm=True,
+                                      code=code)
         chain = chains[key]
         plan = evaluate(chain, plan_for(row, chain, dims), hw)
         predicted = as_nanotron_holds(plan, row, dims)
@@ -605,6 +648,57 @@ def memory_ratios(outcomes: list[Outcome]) -> dict[tuple[str, bool, int], float]
     return {key: statistics.median(ratios) for key, ratios in groups.items()}
 
 
+def allocated_ratios(outcomes: list[Outcome]) -> dict[int, list[float]]:
+    """Predicted peak / the measured peak allocated memory (old_bench's rows that logged it), by tp."""
+    groups: dict[int, list[float]] = defaultdict(list)
+    for o in outcomes:
+        if o.predicted is not None and o.row.ran and o.row.allocated_gib:
+            groups[o.row.tp].append(o.predicted.peak_bytes / 2**30 / o.row.allocated_gib)
+    return {tp: sorted(ratios) for tp, ratios in sorted(groups.items())}
+
+
+def print_allocated_ratios(ratios: dict[int, list[float]]) -> None:
+    print("\nPredicted peak / measured peak allocated (old_bench's log), rows that ran:")
+    for tp, found in ratios.items():
+        print(f"  tp {tp}: median {statistics.median(found):.2f} ({found[0]:.2f}-{found[-1]:.2f}), "
+              f"within 5%: {sum(abs(r - 1) <= 0.05 for r in found)}/{len(found)}")
+
+
+FAST, SLOW = 0.8, 0.5
+"""A row's throughput over the best of its group (model, tp, micro-batch size) above which it counts as fast, below
+which as slow (reservation_by_speed)."""
+
+
+def reservation_by_speed(outcomes: list[Outcome]) -> dict[str, list[float]]:
+    """Reported (reserved) / predicted peak of the pp = 1, tp > 1 rows that ran, split by how fast each ran
+    against the best row of its (model, tp, micro-batch size) group: "fast" (over FAST of it), "slow" (under
+    SLOW). A rank in such a group runs the same micro-batch (its optimizer state, priced, and its number of
+    micro-batches differ), so what a row reserves beyond the prediction that follows the speed is the caching
+    allocator's, not a tensor of the program."""
+    groups: dict[tuple, list[Outcome]] = defaultdict(list)
+    for o in outcomes:
+        row = o.row
+        if o.predicted is not None and row.ran and row.reported_gib and row.tokens_per_s_per_gpu and row.pp == 1 \
+                and row.tp > 1:
+            groups[row.model, row.tp, row.micro_batch_size].append(o)
+    found: dict[str, list[float]] = {"fast": [], "slow": []}
+    for members in (m for m in groups.values() if len(m) > 1):
+        best = max(o.row.tokens_per_s_per_gpu for o in members)
+        for o in members:
+            speed = o.row.tokens_per_s_per_gpu / best
+            if speed > FAST or speed < SLOW:
+                found["fast" if speed > FAST else "slow"].append(o.row.reported_gib * 2**30 / o.predicted.peak_bytes)
+    return found
+
+
+def print_reservation_by_speed(found: dict[str, list[float]]) -> None:
+    bounds = {"fast": f"over {FAST:.0%}", "slow": f"under {SLOW:.0%}"}
+    print("\nReported / predicted at pp = 1 and tp > 1, median, by throughput against the best row of the same "
+          "model, tp and micro-batch size: " + ", ".join(
+              f"{kind} ({bounds[kind]}) {statistics.median(ratios):.2f} ({len(ratios)} rows)"
+              for kind, ratios in found.items() if ratios))
+
+
 def print_memory_ratios(ratios: dict[tuple[str, bool, int], float]) -> None:
     print("\nPredicted peak / reported memory (GiB reserved by rank 0), median of the rows that ran:\n")
     print_by_tp({(model, "> 1" if pipelined else "1", tp): ratio for (model, pipelined, tp), ratio in ratios.items()},
@@ -640,6 +734,49 @@ def crashed_within(outcomes: list[Outcome], usable_bytes: int) -> dict[str, dict
     return counts
 
 
+PLAYBOOK_WIDTHS = {"2048": "playbook-1B", "3072": "playbook-3B", "4096": "playbook-8B", "8192": "playbook-80B"}
+"""hidden_size in nanotron's benchmark CSV -> the playbook model of runs.csv."""
+
+
+def nanotron_statuses(path: str) -> dict[tuple, set[str]]:
+    """The statuses nanotron's own benchmark CSV gives each configuration of a playbook model, keyed as
+    configuration_key keys a row: Success, OOM (its `oom_error` column: the run's log holds an out-of-memory
+    error) or Other (any other failure, oom_error false). The playbook's figure reads this CSV
+    (scripts/scaling_benchmarks.py line 484 at e24d2483, which re-runs whatever is neither Success nor OOM);
+    a public copy: github.com/eyao600/Rapid-LLM, validation_scripts/huggingface_data/bench_final2_mfu2.csv."""
+    statuses: dict[tuple, set[str]] = defaultdict(set)
+    with open(path, newline="") as handle:
+        for r in csv.DictReader(handle):
+            if r["hidden_size"] in PLAYBOOK_WIDTHS:
+                statuses[PLAYBOOK_WIDTHS[r["hidden_size"]], int(r["dp"]), int(r["tp"]), int(r["pp"]), int(r["mbs"]),
+                         int(float(r["batch_accum"])), r["zero_stage"]].add(r["status"])
+    return statuses
+
+
+def configuration_key(row: Row) -> tuple:
+    return row.model, row.dp, row.tp, row.pp, row.micro_batch_size, row.grad_accum, row.zero_stage
+
+
+def crashed_by_nanotron_status(outcomes: list[Outcome], usable_bytes: int,
+                               statuses: dict[tuple, set[str]]) -> dict[tuple[str, str], tuple[int, int]]:
+    """Per (model, what nanotron's CSV says of the crash: "OOM" if any attempt ran out of memory, else
+    "other failure"), the crashed rows predicted over the device and all of them."""
+    counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for o in outcomes:
+        if o.row.crashed and o.predicted is not None and o.row.model.startswith("playbook-"):
+            found = statuses.get(configuration_key(o.row), set())
+            kind = "OOM" if "OOM" in found else "other failure" if found else "not in the CSV"
+            counts[o.row.model, kind][0] += o.predicted.peak_bytes > usable_bytes
+            counts[o.row.model, kind][1] += 1
+    return {key: (over, total) for key, (over, total) in counts.items()}
+
+
+def print_crashed_by_nanotron_status(counts: dict[tuple[str, str], tuple[int, int]]) -> None:
+    print("\nCrashed rows predicted over the device, by what nanotron's benchmark CSV says of the crash:")
+    for (model, kind), (over, total) in sorted(counts.items()):
+        print(f"  {model}, {kind}: {_share(over, total)}")
+
+
 def print_crashed_within(counts: dict[str, dict[str, int]]) -> None:
     print("\nCrashed rows predicted within the device, by what their configuration did at other micro-batches:")
     for model, kinds in sorted(counts.items()):
@@ -671,7 +808,7 @@ def twin_ratios(rows: list[Row]) -> list[float]:
     for row in rows:
         if row.ran and row.tokens_per_s_per_gpu:
             twins[dataclasses.replace(row, zero_stage="", status="", tokens_per_s_per_gpu=None, line=0,
-                                      reported_gib=None)].append(row.tokens_per_s_per_gpu)
+                                      reported_gib=None, allocated_gib=None)].append(row.tokens_per_s_per_gpu)
     return [max(pair) / min(pair) for pair in twins.values() if len(pair) == 2]
 
 
@@ -707,6 +844,8 @@ def main() -> None:
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
     parser.add_argument("--hardware", default="h100-80g", help="built-in profile name or calibrated profile path")
     parser.add_argument("--model", action="append", help="only these models (repeatable)")
+    parser.add_argument("--nanotron-csv", help="nanotron's own benchmark CSV (bench_final2_mfu2.csv): split the "
+                        "crashed rows by the status it gives them (OOM or another failure)")
     parser.add_argument("--nanotron-zero1", action="store_true",
                         help="add nanotron's own ZeRO-1 step to its rows (blocking fp32 all-reduce, a copy kernel "
                              "per rank and tensor after the gather): what shardplan's shard_optimizer does not do")
@@ -718,7 +857,12 @@ def main() -> None:
           f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
     print_table(score(outcomes, hw.usable_memory_bytes))
     print_memory_ratios(memory_ratios(outcomes))
+    print_allocated_ratios(allocated_ratios(outcomes))
+    print_reservation_by_speed(reservation_by_speed(outcomes))
     print_crashed_within(crashed_within(outcomes, hw.usable_memory_bytes))
+    if args.nanotron_csv:
+        print_crashed_by_nanotron_status(crashed_by_nanotron_status(outcomes, hw.usable_memory_bytes,
+                                                                    nanotron_statuses(args.nanotron_csv)))
     print_what_rows_show(rows)
     print_left_out([o for o in outcomes if o.reason])
 
