@@ -117,11 +117,17 @@ class LinkProfile:
     """Latency a ring-only collective (RING_ONLY) adds for each node it spans beyond the first, in
     place of latency_per_node_doubling_s: a ring's steps pass every node in turn, each hop across the
     network a message's latency. 0 within a node."""
+    ring_latency_per_local_rank_s: float = 0.0
+    """What each further rank of the group on a node adds to ring_latency_per_node_s: inside a node the
+    ring takes a step from rank to rank before it leaves for the next node (NCCL's ring latency is
+    intra-node steps x their latency + network steps x theirs, src/graph/tuning.cc), so a group with
+    fewer ranks on each node (tp > 1, a pipeline's point-to-point pair) waits fewer steps. 0 within a node."""
 
     def time_s(self, kind: str, bus_bytes: float, *, nodes: int = 1, ranks_per_node: int = 1) -> float:
         """One collective of `kind` moving `bus_bytes` over a group of `nodes` x `ranks_per_node` ranks."""
         cost = self.collectives[kind]
-        growth_s = (self.ring_latency_per_node_s * (nodes - 1) if kind in RING_ONLY and self.ring_latency_per_node_s
+        ring_per_node_s = self.ring_latency_per_node_s + self.ring_latency_per_local_rank_s * (ranks_per_node - 1)
+        growth_s = (ring_per_node_s * (nodes - 1) if kind in RING_ONLY and self.ring_latency_per_node_s
                     else self.latency_per_node_doubling_s * math.log2(nodes))
         latency_s = cost.latency_s + growth_s
         bandwidth = cost.bus_bandwidth_bytes_per_s * min(ranks_per_node, self.rails)
@@ -220,6 +226,8 @@ class HardwareProfile:
                              ("inter_node.latency_per_node_doubling_s", self.inter_node.latency_per_node_doubling_s),
                              ("intra_node.ring_latency_per_node_s", self.intra_node.ring_latency_per_node_s),
                              ("inter_node.ring_latency_per_node_s", self.inter_node.ring_latency_per_node_s),
+                             ("intra_node.ring_latency_per_local_rank_s", self.intra_node.ring_latency_per_local_rank_s),
+                             ("inter_node.ring_latency_per_local_rank_s", self.inter_node.ring_latency_per_local_rank_s),
                              ("runtime_reserved_bytes", self.runtime_reserved_bytes),
                              ("selective_op_overhead_s", self.selective_op_overhead_s)):
             if not _is_non_negative(value):
@@ -398,7 +406,8 @@ def _figures(value: object, where: str) -> Iterator[tuple[str, object]]:
 
 
 _NOT_FIGURES = ("name", "source", "overlaps_communication", "collective_compute_share", "in_step_wait_s",
-                "latency_per_node_doubling_s", "ring_latency_per_node_s", "runtime_reserved_bytes", "selective_op_overhead_s")
+                "latency_per_node_doubling_s", "ring_latency_per_node_s", "ring_latency_per_local_rank_s",
+                "runtime_reserved_bytes", "selective_op_overhead_s")
 """Fields that are not positive figures (a wait, a latency step, a reserve, a cost not measured may be 0:
 checked on their own)."""
 

@@ -94,6 +94,22 @@ def test_a_group_across_nodes_moves_its_bytes_over_the_rails_its_ranks_bring():
     assert profile.collective_time_s("all_gather_into_tensor", 8e8, 4) == pytest.approx(1e-4 + 8e8 * 0.75 / 1e9)
 
 
+def test_a_ring_across_nodes_waits_a_step_for_each_of_its_ranks_on_a_node():
+    """NCCL's ring latency: a network hop per node and an NVLink step per further rank of the group on it. A
+    group of 4 ranks a node (tp 2 beside it) over 32 nodes waits 3 steps a node fewer than one of 8; a
+    pipeline's send (one rank a node) only the hop. The h100 figures keep the 79 us a node measured at 8."""
+    link = BUILTIN["h100-80g"].inter_node
+    cost = link.collectives["all_gather_into_tensor"]
+    assert link.time_s("all_gather_into_tensor", 0.0, nodes=32, ranks_per_node=8) == pytest.approx(
+        cost.latency_s + 31 * 79e-6, rel=1e-3)
+    assert link.time_s("all_gather_into_tensor", 0.0, nodes=32, ranks_per_node=4) == pytest.approx(
+        cost.latency_s + 31 * (29.3e-6 + 3 * 7.1e-6))
+    assert link.time_s("all_gather_into_tensor", 0.0, nodes=2, ranks_per_node=1) == pytest.approx(cost.latency_s + 29.3e-6)
+    # all-reduce runs as NCCL's tree: its latency per doubling of nodes is what was measured with 8 ranks a node
+    assert link.time_s("all_reduce", 0.0, nodes=32, ranks_per_node=4) == link.time_s("all_reduce", 0.0, nodes=32,
+                                                                                       ranks_per_node=8)
+
+
 def test_links_without_rails_price_a_group_across_nodes_as_before():
     """rails 1 and no latency growth (the defaults, the CPU profile): the plain alpha-beta of the link."""
     profile = make_profile()
@@ -216,6 +232,8 @@ def _edited(mutate) -> str:
     (lambda d: d["inter_node"].update(latency_per_node_doubling_s=-1e-3),
      ["inter_node.latency_per_node_doubling_s is -0.001", "0 or more"]),
     (lambda d: d["inter_node"].update(rails=0), ["inter_node.rails is 0", "positive"]),
+    (lambda d: d["inter_node"].update(ring_latency_per_local_rank_s=-1e-6),
+     ["inter_node.ring_latency_per_local_rank_s is -1e-06", "0 or more"]),
     (lambda d: d.update(peak_flops=1e12), ["unknown field peak_flops"]),
     (lambda d: d.update(schema="shardplan.hardware/0"), ["schema 'shardplan.hardware/0'"]),
     (lambda d: d.update(matmul=[]), ["matmul must be a JSON object"]),
