@@ -20,6 +20,7 @@ so other work on the machine lengthens neither more than the other ([Note: the f
 rounds] in shardplan/calibrate.py). `--profile` predicts on a saved or built-in profile instead.
 """
 import argparse
+import json
 import os
 
 import torch
@@ -41,6 +42,9 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, default="medium", help="calibration mode without --profile")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds of every plan's step, the fastest kept (default: the mode's, or 3)")
+    parser.add_argument("--keep", metavar="FOLDER", help="write each architecture's profile (<name>.profile.json) "
+                                                         "and measured peaks and step times (<name>.measured.json) "
+                                                         "there, to price the same runs on other code")
     options = parser.parse_args()
     torch.set_num_threads(1)
     console = Console(width=120)
@@ -55,6 +59,12 @@ def main() -> None:
         hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)
         if sweep:
             console.print(summary(hardware))
+        if options.keep:
+            os.makedirs(options.keep, exist_ok=True)
+            with open(os.path.join(options.keep, f"{name}.profile.json"), "w") as handle:
+                handle.write(hardware.to_json())
+            with open(os.path.join(options.keep, f"{name}.measured.json"), "w") as handle:
+                json.dump(measured, handle)
         rows = compare(chain, plans, measured, hardware)
         how = options.profile or f"{options.mode} calibration in the same rounds"
         console.print(accuracy_table(rows, f"{name}: predicted ({how}) vs measured, 2 gloo ranks, "
