@@ -4,6 +4,7 @@ Measured by `shardplan calibrate` (calibrate.py runs `time_op_calls_s` on every 
 probes) and fitted into HardwareProfile.op_time_factors by `fit_op_factors`.
 """
 import dataclasses
+import functools
 import math
 import time
 
@@ -45,8 +46,34 @@ def op_workloads(device: torch.device) -> list[zoo.ZooModel]:
                 zoo.gpt(dataclasses.replace(gpt, seq_len=128), batch=1, device=device),  # a micro-batch's small calls
                 zoo.residual_mlp(width=1024, depth=2, batch=512, device=device),
                 zoo.residual_cnn(batch=16, size=32, device=device),
-                zoo.encoder_decoder(batch=8, seq=128, device=device)]
+                zoo.encoder_decoder(batch=8, seq=128, device=device),
+                *(pointwise_ops(rows, device) for rows in (128, 512))]
 
+
+class PointwiseOps(torch.nn.Module):
+    """The transcendental ops of transformer layers the zoo's models do not run, forward and backward,
+    each on the same input: tanh (GPT-2's and BLOOM's GELU, written out), sigmoid, SiLU (a gated MLP's),
+    exp and a softmax (a router's). The roofline prices an op by its bytes, but these are bound by
+    their arithmetic on a CPU core: a tanh of 512 x 1024 floats took 1.05 ms here where the copy
+    bandwidth moves its 4 MB in 80 us, so GPT-2's four layers' tanh, priced without a factor, ran
+    4 ms longer than predicted, 8 ms under selective checkpointing, which runs it again. Few other
+    kernels (a scale, the sums, backward's adds of the input's gradients) join the ops' factors
+    of the models, whose tensors come cold from the op before (these stay in cache)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.scale
+        return sum(op(y).sum() for op in (torch.tanh, torch.sigmoid, torch.nn.functional.silu, torch.exp,
+                                           functools.partial(torch.softmax, dim=-1)))
+
+
+def pointwise_ops(rows: int, device: torch.device, width: int = 1024) -> zoo.ZooModel:
+    """PointwiseOps on `rows` x `width` floats: calls of 0.5-2 MB, as a layer's activations."""
+    with torch.device(device):
+        return zoo.ZooModel(PointwiseOps(width), (torch.randn(rows, width),), {})
 
 
 # [Note: the step's own kernels]
