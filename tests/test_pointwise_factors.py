@@ -5,7 +5,7 @@ import torch
 from shardplan import get_hardware
 from shardplan.op_factors import fit_op_factors, op_workloads, time_op_calls_s
 
-TRANSCENDENTAL = {"tanh", "tanh_backward", "sigmoid", "sigmoid_backward", "silu", "silu_backward", "exp", "_softmax",
+TRANSCENDENTAL = {"tanh", "tanh_backward", "sigmoid", "sigmoid_backward", "silu", "silu_backward", "_softmax",
                   "_softmax_backward_data"}
 
 
