@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/bench_hf_memory.py                     # every architecture, calibrating
     .venv/bin/python benchmarks/bench_hf_memory.py --models hf-llama hf-t5 --profile cpu-gloo
     .venv/bin/python benchmarks/bench_hf_memory.py --models --extra   # architectures of no table, same size
+    .venv/bin/python benchmarks/bench_hf_memory.py --keep runs        # and write each profile and measurement
+    PYTHONPATH=old .venv/bin/python benchmarks/bench_hf_memory.py --price runs   # those runs on old code
 
 Each of shardplan.accuracy.HF_WORKLOADS (Llama, Mixtral, GPT-2, BERT, T5, random weights) under a
 hand-written plan of every strategy x checkpoint kind, one unit per block of the analysed chain,
@@ -20,6 +22,8 @@ so other work on the machine lengthens neither more than the other ([Note: the f
 rounds] in shardplan/calibrate.py). `--profile` predicts on a saved or built-in profile instead.
 """
 import argparse
+import dataclasses
+import json
 import os
 
 import torch
@@ -29,6 +33,7 @@ from shardplan import get_hardware, zoo
 from shardplan.accuracy import (HF_OTHER_ARCHITECTURES, HF_WORKLOADS, accuracy_table, compare, demo_chain_and_plans,
                                 hf_architecture_workload, measure_plans)
 from shardplan.calibrate import MODES, fit_profile, summary, sweep_for
+from shardplan.hardware import HardwareProfile
 
 
 def main() -> None:
@@ -41,22 +46,40 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, default="medium", help="calibration mode without --profile")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds of every plan's step, the fastest kept (default: the mode's, or 3)")
+    parser.add_argument("--keep", metavar="FOLDER", help="write each architecture's profile (<name>.profile.json) "
+                                                         "and measured peaks and step times (<name>.measured.json) "
+                                                         "there, to price the same runs on other code")
+    parser.add_argument("--price", metavar="FOLDER", help="measure nothing: price the runs --keep wrote there "
+                                                          "on this code (its profiles and measurements)")
+    parser.add_argument("--factors-like", metavar="PROFILE", help="with --price: keep only the op time factors "
+                                                                  "PROFILE has, as a calibration of the code that "
+                                                                  "wrote PROFILE would fit")
     options = parser.parse_args()
     torch.set_num_threads(1)
     console = Console(width=120)
-    sweep = None if options.profile else sweep_for(options.mode, "gloo")
+    sweep = None if options.profile or options.price else sweep_for(options.mode, "gloo")
     rounds = options.rounds or (sweep.rounds if sweep else 3)
     spans = []
     for name in options.models + list(HF_OTHER_ARCHITECTURES if options.extra else ()):
         workload = HF_WORKLOADS[name] if name in HF_WORKLOADS else hf_architecture_workload(name)
         chain, plans = demo_chain_and_plans(2, workload)
         load = os.getloadavg()[0]
-        measurements, measured = measure_plans(plans, 2, rounds, sweep, workload=workload)
-        hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)
+        if options.price:
+            hardware, measured = kept_run(options.price, name, options.factors_like)
+        else:
+            measurements, measured = measure_plans(plans, 2, rounds, sweep, workload=workload)
+            hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)
         if sweep:
             console.print(summary(hardware))
+        if options.keep:
+            os.makedirs(options.keep, exist_ok=True)
+            with open(os.path.join(options.keep, f"{name}.profile.json"), "w") as handle:
+                handle.write(hardware.to_json())
+            with open(os.path.join(options.keep, f"{name}.measured.json"), "w") as handle:
+                json.dump(measured, handle)
         rows = compare(chain, plans, measured, hardware)
-        how = options.profile or f"{options.mode} calibration in the same rounds"
+        how = (f"the runs kept in {options.price}" if options.price
+               else options.profile or f"{options.mode} calibration in the same rounds")
         console.print(accuracy_table(rows, f"{name}: predicted ({how}) vs measured, 2 gloo ranks, "
                                            f"load average {load:.1f}-{os.getloadavg()[0]:.1f}"))
         spans.append((name, rows))
@@ -68,6 +91,20 @@ def main() -> None:
     memory, time = zip(*((row.memory_ratio, row.time_ratio) for _, rows in spans for row in rows))
     console.print(f"memory predicted/measured {min(memory):.2f}-{max(memory):.2f}, "
                   f"step time {min(time):.2f}-{max(time):.2f}; load average {os.getloadavg()[0]:.2f} at the end")
+
+
+def kept_run(folder: str, name: str, factors_like: str | None) -> tuple[HardwareProfile, list[tuple[int, float]]]:
+    """The profile and measurements --keep wrote for `name`; the profile's op time factors only of the
+    ops `factors_like` (a profile) has factors for, when given."""
+    with open(os.path.join(folder, f"{name}.profile.json")) as handle:
+        hardware = HardwareProfile.from_json(handle.read())
+    with open(os.path.join(folder, f"{name}.measured.json")) as handle:
+        measured = [(peak, seconds) for peak, seconds in json.load(handle)]
+    if factors_like:
+        ops = get_hardware(factors_like).op_time_factors
+        hardware = dataclasses.replace(hardware, op_time_factors={op: factor for op, factor
+                                                                  in hardware.op_time_factors.items() if op in ops})
+    return hardware, measured
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from .errors import HardwareError
 from .files import write_text_atomically
 from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
                        ring_factor)
-from .op_factors import fit_op_factors, op_workloads, time_op_calls_s
+from .op_factors import fit_op_factors, op_workloads, time_op_calls_s, training_step_kernels
 from .passes.execution import is_dispatch, is_kernel
 from .plan import Checkpoint, kept_by_selective
 from .runtime.launch import run_world
@@ -529,7 +529,9 @@ def measure_job(device: torch.device, report, rounds: int, sweep: Sweep | None,
     seconds = time_probes_s(ordered, device, rounds, report, on_round)
     measurements = None
     if sweep:
-        op_calls = time_op_calls_s(op_workloads(device), device, rounds, report)
+        workloads = op_workloads(device)
+        op_calls = time_op_calls_s(workloads, device, rounds, report,
+                                   steps=[training_step_kernels(entry.model) for entry in workloads])
         measurements = _measurements(sweep, seconds, op_calls, device)
     return measurements, {key: seconds[key] for key in extra}
 

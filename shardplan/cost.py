@@ -101,9 +101,10 @@ Time, by component (per step):
 - offload: an offloaded shard is copied host→device before each gather and its
   gradient shard device→host after each reduce-scatter at OFFLOAD_BYTES_PER_S,
   not overlapped.
-- optimizer: the step and zero_grad stream the rank's shard of parameters, gradients and
-  optimizer state (OPTIMIZER_STEPS: 92 bytes per parameter for AdamW, not just the state's 16
-  read and written once): memory bound, plus each kernel's fixed cost.
+- optimizer: the runtime's check of the kept gradients (GRADIENT_CHECK), then the step and
+  zero_grad stream the rank's shard of parameters, gradients and optimizer state (OPTIMIZER_STEPS:
+  92 bytes per parameter for AdamW, not just the state's 16 read and written once): memory bound,
+  each kernel at its op's measured factor, plus its fixed cost.
 - bubble: (pp - 1) × the stage's per-micro-batch time (GPipe and 1F1B alike).
 A stage's step time is (m + pp - 1) × its per-micro-batch time + its per-step
 terms; the step time of a plan is that of its slowest stage.
@@ -142,26 +143,39 @@ OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerStep:
-    """What `optimizer.step(); optimizer.zero_grad(set_to_none=False)` streams per fp32 parameter it steps."""
+    """The kernels `optimizer.step(); optimizer.zero_grad(set_to_none=False)` runs over each flat shard
+    of fp32 parameters it steps (the runtime gives the optimizer one shard per unit)."""
 
-    bytes_per_param: int
-    """Read plus written, each kernel reading its inputs and writing its outputs once (an in-place op
-    reads and writes its tensor)."""
-    kernels: int
-    """Elementwise kernels per parameter tensor (the runtime gives the optimizer one flat shard per unit)."""
+    ops: tuple[tuple[str, int], ...]
+    """Each elementwise kernel: its ATen op (as the op time factors name it) and the bytes it reads
+    plus writes per parameter, each kernel reading its inputs and writing its outputs once (an
+    in-place op reads and writes its tensor)."""
+
+    @property
+    def bytes_per_param(self) -> int:
+        return sum(nbytes for _, nbytes in self.ops)
+
+    @property
+    def kernels(self) -> int:
+        return len(self.ops)
 
 
+_ADAM = (("lerp_", 12), ("mul_", 8), ("addcmul_", 16), ("sqrt", 8), ("div", 8), ("add_", 8), ("addcdiv_", 16))
+_ZERO_GRAD = (("zero_", 8),)
 OPTIMIZER_STEPS = {
-    # torch's single-tensor AdamW (CPU's default): param.mul_ 8, exp_avg.lerp_ 12, exp_avg_sq.mul_ 8
-    # and .addcmul_ 16, sqrt 8, div 8, add_ 8, param.addcdiv_ 16 = 84; zero_grad's fill_ 8.
-    "adamw": OptimizerStep(bytes_per_param=84 + 8, kernels=8 + 1),
-    "adam": OptimizerStep(bytes_per_param=76 + 8, kernels=7 + 1),  # AdamW without the decay's param.mul_
-    # SGD with momentum: buf.mul_ 8, buf.add_(grad) 12, param.add_(buf) 12.
-    "sgd": OptimizerStep(bytes_per_param=32 + 8, kernels=3 + 1),
-    "none": OptimizerStep(bytes_per_param=0, kernels=0),
+    # torch's single-tensor Adam (CPU's default): exp_avg.lerp_, exp_avg_sq.mul_ and .addcmul_,
+    # its sqrt, div and add_ (a fresh denominator), param.addcdiv_; AdamW first decays param.mul_.
+    "adamw": OptimizerStep(ops=(("mul_", 8),) + _ADAM + _ZERO_GRAD),
+    "adam": OptimizerStep(ops=_ADAM + _ZERO_GRAD),
+    # SGD with momentum: buf.mul_ and .add_(grad), param.add_(buf).
+    "sgd": OptimizerStep(ops=(("mul_", 8), ("add_", 12), ("add_", 12)) + _ZERO_GRAD),
+    "none": OptimizerStep(ops=()),
 }
 """Counted by running each optimizer's step under the analysis's byte rule (passes/execution.py, moved_bytes);
 tests/test_cost.py checks them the same way against torch.optim."""
+GRADIENT_CHECK = ("any", 4)
+"""What the runtime reads of each unit's kept gradient at a step's start (runtime/sharded.py, _all_zeros):
+one `any` over it, 4 bytes a float32 parameter."""
 SELECTIVE_KEEP_FRACTION = 0.5
 """Share of saved_bytes selective checkpointing keeps in a block the analysis did not measure
 (Block.selective_bytes is 0: a chain built by hand): the matmul outputs of a transformer layer
@@ -567,13 +581,15 @@ def offload_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float:
 
 
 def optimizer_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float:
-    """The optimizer step over the rank's parameters: on the device, or from host memory when offloaded."""
+    """The optimizer step over the rank's parameters: on the device, each kernel of OPTIMIZER_STEPS over
+    the unit's shard at its op's measured factor ([Note: the step's own kernels] in op_factors.py),
+    after the runtime's check of its kept gradient (GRADIENT_CHECK); or from host memory when offloaded."""
     stepped = OPTIMIZER_STEPS[ctx.optimizer]
     numel = -(-sizes.numel // ctx.dp) if decision.traits.shards_optimizer else sizes.numel
-    step_bytes = numel * stepped.bytes_per_param
     if decision.offload:
-        return step_bytes / CPU_MEMORY_BYTES_PER_S
-    return ctx.hardware.compute_time_s(0, step_bytes, "float32", calls=stepped.kernels)
+        return numel * stepped.bytes_per_param / CPU_MEMORY_BYTES_PER_S
+    return sum(ctx.hardware.compute_time_s(0, numel * nbytes, "float32", op=op)
+               for op, nbytes in (GRADIENT_CHECK,) + stepped.ops)
 
 
 def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -> UnitCost:

@@ -4,6 +4,7 @@ Measured by `shardplan calibrate` (calibrate.py runs `time_op_calls_s` on every 
 probes) and fitted into HardwareProfile.op_time_factors by `fit_op_factors`.
 """
 import dataclasses
+import functools
 import math
 import time
 
@@ -13,8 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import zoo
 from .errors import HardwareError
 from .hardware import HardwareProfile, SizeCurve
+from .passes.blocks import block_name
 from .passes.execution import is_kernel, moved_bytes, op_flops
 from .runtime.measure import synchronize
+from .runtime.sharded import _all_zeros as all_zeros
 
 # [Note: op time factors]
 # The roofline prices an op by its FLOPs and bytes alone. On a CPU thread many ops run well below
@@ -43,8 +46,79 @@ def op_workloads(device: torch.device) -> list[zoo.ZooModel]:
                 zoo.gpt(dataclasses.replace(gpt, seq_len=128), batch=1, device=device),  # a micro-batch's small calls
                 zoo.residual_mlp(width=1024, depth=2, batch=512, device=device),
                 zoo.residual_cnn(batch=16, size=32, device=device),
-                zoo.encoder_decoder(batch=8, seq=128, device=device)]
+                zoo.encoder_decoder(batch=8, seq=128, device=device),
+                *(pointwise_ops(rows, device) for rows in (128, 512))]
 
+
+class PointwiseOps(torch.nn.Module):
+    """The transcendental ops of transformer layers the zoo's models do not run, forward and backward,
+    each on the same input: tanh (GPT-2's and BLOOM's GELU, written out), sigmoid, SiLU (a gated MLP's)
+    and a softmax (a router's). The roofline prices an op by its bytes, but these are bound by their
+    arithmetic on a CPU core: a tanh of 512 x 1024 floats took 1.05 ms here where the copy bandwidth
+    moves its 4 MB in 80 us, so GPT-2's four layers' tanh, priced without a factor, ran 4 ms longer
+    than predicted, 8 ms under selective checkpointing, which runs it again. No other op runs at
+    the input's size but an add of a bias, the sums and backward's adds of the input's gradients (as
+    `add`, of which the models' steps hold many more): the tensors here stay in cache, where the
+    models' come cold from the op before, and a `mul` (exp's backward, a scale) measured here read
+    at half the factor of the models' own."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.bias
+        return sum(op(y).sum() for op in (torch.tanh, torch.sigmoid, torch.nn.functional.silu,
+                                           functools.partial(torch.softmax, dim=-1)))
+
+
+def pointwise_ops(rows: int, device: torch.device, width: int = 1024) -> zoo.ZooModel:
+    """PointwiseOps on `rows` x `width` floats: calls of 0.5-2 MB, as a layer's activations."""
+    with torch.device(device):
+        return zoo.ZooModel(PointwiseOps(width), (torch.randn(rows, width),), {})
+
+
+# [Note: the step's own kernels]
+# Past backward, a training step runs kernels over every parameter the rank holds: the runtime's
+# check of the gradients kept between steps (runtime/sharded.py, _all_zeros: `any` over each
+# unit's gradient) and the optimizer's step and zero_grad, each one kernel per flat shard (the
+# runtime gives the optimizer one shard per unit). These stream megabytes a call with little
+# arithmetic, and run far from the copy bandwidth, each by its own factor: on 2 ranks of this CPU
+# AdamW over Mixtral's units (1.8M parameters a shard) took 1.4-2x the copy bandwidth's time
+# (`sqrt` and `div` write fresh tensors of a shard each, whose pages the allocator hands back and
+# takes again), and `any` 6x. So the calibration runs them too, on one flat shard per block of each
+# op workload (a layer's parameters, an embedding's: 0.1-1.8M), after the workload's backward as
+# in training, and they are fitted into op factors by name like the model's ops; the cost model
+# prices OPTIMIZER_STEPS' kernels and the check by those names (cost.optimizer_s).
+
+def step_shards(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Flat float32 parameters, one per block of `model` (a layer of a layer container, else a
+    top-level module: passes.blocks.block_name), with zero gradients: what the runtime gives the
+    optimizer for a plan of one unit per block."""
+    sizes: dict[str, int] = {}
+    for name, parameter in model.named_parameters():
+        block = block_name(name.rpartition(".")[0], 1)
+        sizes[block] = sizes.get(block, 0) + parameter.numel()
+    shards = [torch.nn.Parameter(torch.zeros(numel, device=parameter.device)) for numel in sizes.values()]
+    for shard in shards:
+        shard.grad = torch.zeros_like(shard)
+    return shards
+
+
+def training_step_kernels(model: torch.nn.Module):
+    """A callable running the step's own kernels ([Note: the step's own kernels]) over `model`'s
+    step_shards: the runtime's gradient check, AdamW's step (torch's default for the device) and
+    zero_grad. The gradients stay zero, as zero_grad leaves them for the next step's check; the
+    elementwise kernels take as long on zeros."""
+    shards = step_shards(model)
+    optimizer = torch.optim.AdamW(shards, lr=1e-3)
+
+    def step() -> None:
+        all_zeros([shard.grad for shard in shards])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    step()  # the first step makes the optimizer's state: other kernels than every later step's
+    return step
 
 class _KernelClock(TorchDispatchMode):
     """Records every kernel's (op name, FLOPs, bytes, seconds), in order (views and metadata
@@ -69,20 +143,23 @@ class _KernelClock(TorchDispatchMode):
         return out
 
 
-def time_op_calls_s(workloads: list, device: torch.device, rounds: int,
-                    report=lambda text: None) -> tuple[tuple[str, int, int, float], ...]:
+def time_op_calls_s(workloads: list, device: torch.device, rounds: int, report=lambda text: None,
+                    steps: list | None = None) -> tuple[tuple[str, int, int, float], ...]:
     """Every kernel of one training step of each workload: (op name, FLOPs, bytes, seconds), the
     seconds the fastest of `rounds` rounds (a step runs the same kernels in the same order);
-    `report` after each round."""
+    `report` after each round. `steps`: a callable per workload run after its backward (its
+    training_step_kernels), whose kernels are timed as well."""
     if rounds < 1:
         raise HardwareError(f"timing op kinds needs at least 1 round, got {rounds}")
     fastest: list[tuple[str, int, int, float]] = []
     for round_index in range(rounds + 1):  # the first round warms caches and allocators, and is not kept
         clock = _KernelClock(device)
         with clock:
-            for entry in workloads:
+            for index, entry in enumerate(workloads):
                 entry.model(*entry.args, **entry.kwargs).backward()
                 entry.model.zero_grad(set_to_none=True)
+                if steps:
+                    steps[index]()
         if round_index and [c[:3] for c in clock.calls] != [c[:3] for c in fastest]:
             raise HardwareError(f"round {round_index} of the op workloads ran {len(clock.calls)} kernels, not the "
                                 f"{len(fastest)} of the round before, or other ones: a workload is not deterministic")
