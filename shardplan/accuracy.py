@@ -191,7 +191,8 @@ def hf_architecture_workload(architecture: str) -> Workload:
     scale = width // next(tiny[name] for name in _WIDTH_FIELDS if name in tiny)  # the first widths name the hidden size
     fields = {name: value * scale for name, value in tiny.items() if name in _WIDTH_FIELDS}
     fields |= {name: layers for name in tiny if name in _DEPTH_FIELDS}
-    fields |= {name: max(value, seq) for name, value in tiny.items() if name in _POSITION_FIELDS}
+    # RoBERTa counts positions from padding_idx + 1: two more than the tokens
+    fields |= {name: max(value, seq + 2) for name, value in tiny.items() if name in _POSITION_FIELDS}
     return Workload(name=architecture, options=(("batch", batch), ("seq", seq), *sorted(fields.items())))
 
 
