@@ -404,7 +404,7 @@ def _reasoning(chain: BlockChain, best: Candidate, candidates: list[Candidate], 
                guesses: dict | None = None) -> Reasoning:
     share = best.peak_bytes / budget
     per_sample = best.step_time_s / samples_per_step(setting, best.configuration)
-    faster = search(chain.blocks, rules, setting, hw, float("inf"), space, time_bound_s=per_sample)
+    faster = search(chain.blocks, rules, setting, hw, float("inf"), space, time_bound_s=per_sample, runner_ups=False)
     if faster and (faster[0].step_time_s / samples_per_step(setting, faster[0].configuration)
                    < per_sample * (1 - ROUNDING)):
         unconstrained = faster[0]
@@ -438,7 +438,7 @@ def best_of_each_tp(chain: BlockChain, best: Candidate, candidates: list[Candida
             continue
         mine = [c for c in candidates if c.configuration.mesh.tp == option[0]]
         found += mine[:1] or search(chain.blocks, rules, replace(setting, tensor_parallel=(option,)), hw, budget,
-                                    space, guesses=guesses)[:1]
+                                    space, guesses=guesses, runner_ups=False)[:1]
     return found
 
 

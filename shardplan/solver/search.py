@@ -269,10 +269,13 @@ def samples_per_step(setting: Setting, configuration: Configuration) -> float:
 
 def search(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting, hardware: HardwareModel,
            budget_bytes: float, space: SearchSpace, *,
-           time_bound_s: float = math.inf, guesses: dict | None = None) -> list[Candidate]:
+           time_bound_s: float = math.inf, guesses: dict | None = None,
+           runner_ups: bool = True) -> list[Candidate]:
     """The best plan of every configuration within RUNNER_UP_SLACK of the fastest, fastest first
     (ties: smaller peak, then configuration order). Fastest per sample: meshes with fewer replicas
     (tp, pp) train fewer samples a step unless a global batch is given, when every step trains the same.
+    `runner_ups=False`: only the plans as fast as the fastest (the same first), so that each plan
+    found bounds the rest by its own time, not RUNNER_UP_SLACK above it (for callers that take [0]).
 
     Configurations are solved in the order of their simplest plan's time, so that the first
     exact answers bound (and prune) the rest; the bound never cuts a plan that could win.
@@ -285,7 +288,8 @@ def search(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setti
     everything = configurations(setting, len(blocks))
     for starved in (False, True):
         found = _search_among([c for c in everything if starved_pipeline(c) == starved], blocks, rules, setting,
-                              hardware, budget_bytes, space, time_bound_s=time_bound_s, guesses=guesses)
+                              hardware, budget_bytes, space, time_bound_s=time_bound_s, guesses=guesses,
+                              slack=RUNNER_UP_SLACK if runner_ups else 1.0)
         if found:
             return found
     return []
@@ -304,8 +308,8 @@ def starved_pipeline(configuration: Configuration) -> bool:
 
 def _search_among(everything: list[Configuration], blocks: Sequence[Block], rules: tuple[BlockRule, ...],
                   setting: Setting, hardware: HardwareModel, budget_bytes: float, space: SearchSpace, *,
-                  time_bound_s: float, guesses: dict | None) -> list[Candidate]:
-    """search over `everything`."""
+                  time_bound_s: float, guesses: dict | None, slack: float) -> list[Candidate]:
+    """search over `everything`, keeping the plans within `slack` of the fastest."""
     samples = [samples_per_step(setting, c) for c in everything]
     known = {} if guesses is None else guesses
     if time_bound_s == math.inf:
@@ -321,7 +325,7 @@ def _search_among(everything: list[Configuration], blocks: Sequence[Block], rule
         if candidate is not None:
             per_sample = candidate.step_time_s / samples[order]
             found.append((per_sample, candidate.peak_bytes, order, candidate))
-            bound = min(bound, per_sample * RUNNER_UP_SLACK)
+            bound = min(bound, per_sample * slack)
     # The same list whatever the solving order; with ROUNDING's slack, so that a winner equal to a
     # guess (the guess walked by evaluate_stage, the winner summed by the DP) is not lost to the last bit.
     found = [item for item in found if item[0] <= bound * (1 + ROUNDING)]
