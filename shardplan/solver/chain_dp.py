@@ -69,9 +69,11 @@ class UnitCosts:
 
     unit_cost does not read ctx.in_flight, so the stages of a configuration share one."""
 
-    def __init__(self, blocks: Sequence[Block], rules: tuple[BlockRule, ...], space: SearchSpace, ctx: CostContext):
+    def __init__(self, blocks: Sequence[Block], rules: tuple[BlockRule, ...], space: SearchSpace, ctx: CostContext,
+                 signatures: tuple[int, ...] | None = None):
         self.blocks, self.rules, self.space, self.ctx = tuple(blocks), rules, space, ctx
-        self.signatures = block_signatures(self.blocks)
+        self.signatures = block_signatures(self.blocks) if signatures is None else signatures
+        """block_signatures(blocks), which the caller may have already."""
         self.memo: dict = {}
         self.allowed: dict[tuple[int, int], tuple[Decision, ...]] = {}
 
@@ -99,13 +101,26 @@ def block_terms(costs: UnitCosts, ctx: CostContext, count: int) -> list[list[tup
     recompute (the rest is not additive over a unit's blocks); memory is its base + held bytes
     as a unit of one block, less one byte for the rounding a unit's blocks share."""
     pf = ctx.pipeline_factor
-    terms = []
+    terms, known = [], {}
     for j in range(count):
-        units = [costs(j, j + 1, d) for d in costs.decisions(j, j + 1)]
-        terms.append([(cost.own_time_s(u, ctx) if costs.space.max_unit_blocks == 1
-                       else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
-                       max(0, cost.end_of_forward_bytes(u, ctx) - 1)) for u in units])
+        key = (costs.signatures[j], costs.rules[j])  # identical blocks with the same rules: one list, shared
+        if key not in known:
+            units = [costs(j, j + 1, d) for d in costs.decisions(j, j + 1)]
+            known[key] = [(cost.own_time_s(u, ctx) if costs.space.max_unit_blocks == 1
+                           else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
+                           max(0, cost.end_of_forward_bytes(u, ctx) - 1)) for u in units]
+        terms.append(known[key])
     return terms
+
+
+def priced_terms(terms: list[list[tuple[float, int]]], prices: np.ndarray) -> list[list[float]]:
+    """For each block, min over its decisions of t + λ m at each price λ; a list of terms that
+    blocks share (block_terms) is priced once."""
+    rows: dict[int, list[float]] = {}
+    for options in terms:
+        if id(options) not in rows:
+            rows[id(options)] = [min(t + price * m for t, m in options) for price in prices]
+    return [rows[id(options)] for options in terms]
 
 
 def lagrange_prices(terms: list[list[tuple[float, int]]], budget_bytes: float) -> np.ndarray:
@@ -134,7 +149,7 @@ class StageFloors:
         else:
             prices = lagrange_prices(terms, budget_bytes)
             allowances = prices * (budget_bytes if math.isfinite(budget_bytes) else 0.0)
-            per_block = [[min(t + price * m for t, m in options) for price in prices] for options in terms]
+            per_block = priced_terms(terms, prices)
         self.sums = np.zeros((len(prices), len(costs.blocks) + 1))
         for j, row in enumerate(per_block):
             self.sums[:, j + 1] = self.sums[:, j] + row
@@ -415,8 +430,9 @@ class ChainSolver:
         terms = block_terms(self.costs, self.ctx, self.only_end)
         prices = lagrange_prices(terms, self.budget_bytes)
         sums = np.zeros((len(prices), n + 1))
+        per_block = priced_terms(terms, prices)
         for j in reversed(range(self.only_end)):
-            sums[:, j] = sums[:, j + 1] + [min(t + price * m for t, m in terms[j]) for price in prices]
+            sums[:, j] = sums[:, j + 1] + per_block[j]
         return prices, sums
 
     def _rise_fwd(self, u: cost.UnitCost) -> int:
