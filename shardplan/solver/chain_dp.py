@@ -190,9 +190,10 @@ class _Front:
 
 @dataclass(slots=True)
 class _Columns:
-    """Every state of a position with its last unit's terms as arrays, so that appending a unit
-    is one vectorized step over all of them: the methods are cost.py's pair terms with this
-    view as the earlier unit, computed in the same order so both give the same bits."""
+    """Every state of a position, and each key's last unit's terms as arrays, so that appending a
+    unit is one vectorized step over all of them: the methods are cost.py's pair terms with this
+    view as the earlier unit, computed in the same order so both give the same bits; per key, as
+    a key's states share its last unit (`front.parent_source` picks a state's)."""
 
     front: _Front
     """parent_* here name the state itself: its key number and index at this position."""
@@ -268,9 +269,10 @@ def _beaten(stair_r: np.ndarray, stair_q: np.ndarray, r: np.ndarray, q: np.ndarr
 
 
 def _witnessed(front: _Front, order: np.ndarray) -> np.ndarray:
-    """`order` (states in (T, R, Q) order) less the states that the earlier state of least Q, or
-    of least R, beats or equals in both R and Q: an O(n) first strike, exact as every strike is;
-    most states go here, as most are beaten by the leanest earlier state."""
+    """`order` (states in time order, equal times in the input's order) less the states that the
+    earlier state of least Q, or of least R, beats or equals in both R and Q: an O(n) first strike,
+    exact as every strike is (an earlier state is no slower, and of equal states the first); most
+    states go here, as most are beaten by the leanest earlier state."""
     r, q = front.r[order], front.q[order]
     at = np.arange(len(order))
     struck = np.zeros(len(order), bool)
@@ -287,10 +289,13 @@ def _pareto(front: _Front) -> _Front:
     In (T, R, Q) order a state is beaten iff an earlier one is at least as good in R and Q. So
     states are taken a chunk at a time: each is checked against the earlier ones of its chunk,
     and what the chunk keeps joins the staircase of kept (R, Q) points, which strikes out every
-    later state it beats at once (a binary search each); most states go in the first strikes."""
+    later state it beats at once (a binary search each). Most states go in a first strike in time
+    order alone (`_witnessed`), cheap as a front arrives in runs sorted by time (each source key's
+    states); only what it leaves is sorted by (T, R, Q), from the input's order so that ties stay in it."""
     if len(front.time_s) < 2:
         return front
-    pool = _witnessed(front, np.lexsort((front.q, front.r, front.time_s)))
+    pool = np.sort(_witnessed(front, np.argsort(front.time_s, kind="stable")))
+    pool = pool[np.lexsort((front.q[pool], front.r[pool], front.time_s[pool]))]
     stair_r = stair_q = np.zeros(0, np.int64)
     keep = []
     while len(pool):
@@ -537,20 +542,17 @@ class ChainSolver:
             front = _concat(position.fronts)
             front.parent_source = np.repeat(np.arange(len(units)), sizes)
             front.parent_index = np.concatenate([np.arange(size) for size in sizes])
-
-            def column(values: list, dtype: type) -> np.ndarray:
-                return np.repeat(np.array(values, dtype=dtype), sizes)
-
             position.columns = _Columns(
-                front=front, rise_fwd_bytes=column([self._rise_fwd(u) for u in units], np.int64),
-                rise_bwd_bytes=column([cost.own_peak_bytes(u, self.ctx, backward=True) - cost.held_bytes(u, self.ctx)
-                                       + key[3] for u, key in zip(units, position.keys)], np.int64),
-                prefetch=column([u.prefetch for u in units], bool),
-                gathered_bwd_bytes=column([u.gathered_bwd_bytes for u in units], np.int64),
+                front=front, rise_fwd_bytes=np.array([self._rise_fwd(u) for u in units], np.int64),
+                rise_bwd_bytes=np.array([cost.own_peak_bytes(u, self.ctx, backward=True)
+                                         - cost.held_bytes(u, self.ctx) + key[3]
+                                         for u, key in zip(units, position.keys)], np.int64),
+                prefetch=np.array([u.prefetch for u in units], bool),
+                gathered_bwd_bytes=np.array([u.gathered_bwd_bytes for u in units], np.int64),
                 gathered_bwd_values=tuple(sorted({u.gathered_bwd_bytes for u in units})),
-                hide_fwd_s=column([u.hide_fwd_s for u in units], float),
-                gather_bwd_s=column([u.gather_bwd_s for u in units], float),
-                hide_bwd_s=column([u.hide_bwd_s for u in units], float))
+                hide_fwd_s=np.array([u.hide_fwd_s for u in units], float),
+                gather_bwd_s=np.array([u.gather_bwd_s for u in units], float),
+                hide_bwd_s=np.array([u.hide_bwd_s for u in units], float))
         return position.columns
 
     def _extend(self, source: _Position, start: int,
@@ -568,17 +570,22 @@ class ChainSolver:
             step: float | np.ndarray = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(None, v, ctx)
         else:
             columns = self._columns(source, start)
-            front, prefetched = columns.front, columns.prefetch_bwd_bytes(v)
+            front, key_of = columns.front, columns.front.parent_source
+            held_before = columns.prefetch_bwd_bytes(v)
             rise = np.maximum(np.maximum(columns.rise_fwd_bytes + columns.prefetch_fwd_bytes(v, ctx),
-                                         v_bwd + prefetched),
-                              columns.rise_bwd_bytes + cost.in_flight_bwd_bytes(v))
-            step = 0.0 if self.minimize_memory else own_time + columns.pair_time_s(v, ctx)
+                                         v_bwd + held_before),
+                              columns.rise_bwd_bytes + cost.in_flight_bwd_bytes(v))[key_of]
+            prefetched = held_before[key_of] if isinstance(held_before, np.ndarray) else held_before
+            step = 0.0 if self.minimize_memory else (own_time + columns.pair_time_s(v, ctx))[key_of]
         r = np.maximum(front.r, front.q + rise) + delta
         time_s, q = front.time_s + step, front.q + delta + held_v
         end = start + key[1]
         to_come_s = self.time_to_end_s[:, end, None]
         if math.isfinite(self.budget_bytes):  # without a budget only the plain compute bound (λ = 0) is there
-            to_come_s = to_come_s + self.prices[:, None] * np.minimum(q - self.budget_bytes, 0)
+            # summed in place: adding the column into a new (prices × states) array took ten times as long
+            priced = self.prices[:, None] * np.minimum(q - self.budget_bytes, 0)
+            priced += to_come_s
+            to_come_s = priced
         fits = np.flatnonzero((r <= self.budget_bytes) & (time_s + to_come_s.max(axis=0) <= self.time_bound_s))
         return (_Front(time_s=time_s[fits], r=r[fits], q=q[fits],
                        parent_source=front.parent_source[fits], parent_index=front.parent_index[fits]),
