@@ -13,8 +13,10 @@ from shardplan.cost import CostContext, evaluate_stage
 from shardplan.hardware import get_hardware
 from shardplan.plan import Checkpoint, Mesh, Schedule, ShardStrategy
 from shardplan.solver.brute_force import count_candidates, solve_chain_brute_force, unit_partitions
-from shardplan.solver.chain_dp import ChainSolver, StageFloors, UnitCosts, _Front, _pareto, block_signatures
-from shardplan.solver.search import Configuration, Setting, boundary_time_s, context, search, solve_configuration
+from shardplan.solver.chain_dp import (_PARETO_CHUNK, ChainSolver, StageFloors, UnitCosts, _Front, _pareto,
+                                       block_signatures)
+from shardplan.solver.search import (Configuration, Setting, boundary_time_s, context, samples_per_step, search,
+                                     solve_configuration)
 from shardplan.solver.space import Constraints, SearchSpace, resolve_rules
 from shardplan.solver.stages import cut_stages
 
@@ -125,8 +127,14 @@ def test_stage_cuts_equal_brute_force_over_cuts(blocks, budget_bytes, m, pp):
 
 
 @settings(max_examples=200, deadline=None)
-@given(points=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 4)), max_size=300))
-def test_pareto_keeps_exactly_the_states_no_other_beats(points):
+@given(points=st.one_of(
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 4)), max_size=_PARETO_CHUNK),
+    # past one chunk, large fronts take a first strike in time order alone
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 4)), min_size=_PARETO_CHUNK + 1,
+             max_size=300)), runs=st.booleans())
+def test_pareto_keeps_exactly_the_states_no_other_beats(points, runs):
+    if runs:  # as the DP hands fronts over: runs sorted by time, each a source key's states
+        points = sorted(points[:len(points) // 2]) + sorted(points[len(points) // 2:])
     time_s, r, q = (np.array([p[k] for p in points], dtype=dtype) for k, dtype in ((0, float), (1, np.int64),
                                                                                     (2, np.int64)))
     indices = np.arange(len(points))
@@ -135,7 +143,25 @@ def test_pareto_keeps_exactly_the_states_no_other_beats(points):
     expected = [i for i, p in enumerate(points)
                 if not any(o != p and all(a <= b for a, b in zip(o, p)) or (o == p and j < i)
                            for j, o in enumerate(points))]
-    assert sorted(kept.tolist()) == expected
+    # in (T, R, Q) order, equal states in input order: the order the DP's parent indices and ties follow
+    assert kept.tolist() == sorted(expected, key=lambda i: (points[i], i))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(blocks=blocks_strategy(max_blocks=6), budget_bytes=st.sampled_from([8 * 10**9, 3 * 10**10]),
+       global_batch=st.sampled_from([None, 16]))
+def test_a_search_for_the_fastest_plan_alone_finds_the_same_first_plan(blocks, budget_bytes, global_batch):
+    """runner_ups=False bounds each configuration by the fastest plan found so far, not RUNNER_UP_SLACK
+    above it (compile's reasoning takes only the first): the same first plan, only as fast ones after it."""
+    space = SearchSpace(strategies=(ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
+                        checkpoints=(Checkpoint.NONE, Checkpoint.FULL), prefetch=(True,), max_unit_blocks=2)
+    rules = resolve_rules(blocks, None)
+    setting = Setting(world_size=8, batch_size=4, global_batch_size=global_batch)
+    everything = search(blocks, rules, setting, H100, budget_bytes, space)
+    fastest = search(blocks, rules, setting, H100, budget_bytes, space, runner_ups=False)
+    assert fastest[:1] == everything[:1]
+    per_sample = [c.step_time_s / samples_per_step(setting, c.configuration) for c in fastest]
+    assert all(math.isclose(s, per_sample[0], rel_tol=1e-9) for s in per_sample)
 
 
 def test_min_max_cut_on_hand_costs():

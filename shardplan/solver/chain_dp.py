@@ -289,13 +289,16 @@ def _pareto(front: _Front) -> _Front:
     In (T, R, Q) order a state is beaten iff an earlier one is at least as good in R and Q. So
     states are taken a chunk at a time: each is checked against the earlier ones of its chunk,
     and what the chunk keeps joins the staircase of kept (R, Q) points, which strikes out every
-    later state it beats at once (a binary search each). Most states go in a first strike in time
-    order alone (`_witnessed`), cheap as a front arrives in runs sorted by time (each source key's
-    states); only what it leaves is sorted by (T, R, Q), from the input's order so that ties stay in it."""
+    later state it beats at once (a binary search each). On large fronts most states go in a first
+    strike in time order alone (`_witnessed`), cheap as a front arrives in runs sorted by time (each
+    source key's states); only what it leaves is sorted by (T, R, Q), equal states still in input order."""
     if len(front.time_s) < 2:
         return front
-    pool = np.sort(_witnessed(front, np.argsort(front.time_s, kind="stable")))
-    pool = pool[np.lexsort((front.q[pool], front.r[pool], front.time_s[pool]))]
+    if len(front.time_s) <= _PARETO_CHUNK:  # one chunk: a first strike would cost more than it saves
+        pool = np.lexsort((front.q, front.r, front.time_s))
+    else:
+        pool = _witnessed(front, np.argsort(front.time_s, kind="stable"))
+        pool = pool[np.lexsort((front.q[pool], front.r[pool], front.time_s[pool]))]
     stair_r = stair_q = np.zeros(0, np.int64)
     keep = []
     while len(pool):

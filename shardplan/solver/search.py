@@ -408,11 +408,12 @@ def smallest_peak(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting
     """The least peak memory per rank any configuration reaches (the budget that would just fit),
     or None when none reaches `budget_bytes`. Deepest pipelines first: they usually need the
     least, and each answer bounds (prunes) the next search exactly."""
-    best = None
+    best, memo = None, SearchMemo()
     for configuration in reversed(configurations(setting, len(blocks))):
         bound = budget_bytes if best is None else best
         candidate = solve_configuration(blocks, rules, setting, configuration, hardware, bound, space,
-                                        minimize_memory=True)
+                                        minimize_memory=True,
+                                        costs=memo.costs(blocks, rules, setting, configuration, hardware, space))
         if candidate is not None and (best is None or candidate.peak_bytes < best):
             best = candidate.peak_bytes
     return best
