@@ -83,6 +83,26 @@ def test_chain_dp_equals_brute_force(blocks, space, ctx, budget_bytes):
     assert math.isclose(found.time_s, expected.time_s, rel_tol=1e-9)  # gap 0 (up to float summation order)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(blocks=blocks_strategy(max_blocks=5), ctx=contexts(), prefetch=st.sampled_from([(True,), (False,), (True, False)]),
+       budget_bytes=st.sampled_from([2 * 10**9, 8 * 10**9, 10**12]))
+def test_time_floors_with_exposed_communication_stay_below_the_best_plan(blocks, ctx, prefetch, budget_bytes):
+    """Over units of one block the floors count each unit's least exposed communication (least_exposed_s):
+    the stage cut's floor and the DP's bound on the time to come never exceed the best plan's time."""
+    space = SearchSpace(strategies=(ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP, ShardStrategy.REPLICATE),
+                        checkpoints=(Checkpoint.NONE, Checkpoint.FULL), prefetch=prefetch, max_unit_blocks=1)
+    rules = resolve_rules(blocks, None)
+    assume(count_candidates(rules, space) <= MAX_CANDIDATES)
+    best = solve_chain_brute_force(blocks, rules, ctx, budget_bytes, space)
+    assume(best is not None)
+    slack = 1 + 1e-9  # the same times summed in another order
+    assert StageFloors(UnitCosts(blocks, rules, space, ctx), budget_bytes).least(0, len(blocks)) <= best.time_s * slack
+    solver = ChainSolver(blocks, rules, ctx, budget_bytes, space, time_bound_s=best.time_s, only_end=len(blocks))
+    allowances = solver.prices * budget_bytes  # the bound from block 0, nothing held yet (Q = 0)
+    assert (solver.time_to_end_s[:, 0] - allowances).max() <= best.time_s * slack
+    assert math.isclose(solver.solve(0, len(blocks)).time_s, best.time_s, rel_tol=1e-9)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
 @given(blocks=blocks_strategy(max_blocks=6), budget_bytes=st.sampled_from([8 * 10**9, 3 * 10**10]),
        m=st.sampled_from([1, 2, 4]), pp=st.sampled_from([2, 3]))

@@ -97,20 +97,31 @@ def block_terms(costs: UnitCosts, ctx: CostContext, count: int) -> list[list[tup
     each decision it may take, whatever units it joins (the terms of a Lagrangian relaxation of
     the stage's memory budget: a stage's Σ memory is within budget at its end of forward).
 
-    Time is the block's own unit time when units are single blocks, else only its compute and
-    recompute (the rest is not additive over a unit's blocks); memory is its base + held bytes
-    as a unit of one block, less one byte for the rounding a unit's blocks share."""
+    Time is the block's own unit time and the least its collectives leave exposed (least_exposed_s)
+    when units are single blocks, else only its compute and recompute (the rest is not additive over
+    a unit's blocks); memory is its base + held bytes as a unit of one block, less one byte for the
+    rounding a unit's blocks share."""
     pf = ctx.pipeline_factor
     terms, known = [], {}
     for j in range(count):
         key = (costs.signatures[j], costs.rules[j])  # identical blocks with the same rules: one list, shared
         if key not in known:
             units = [costs(j, j + 1, d) for d in costs.decisions(j, j + 1)]
-            known[key] = [(cost.own_time_s(u, ctx) if costs.space.max_unit_blocks == 1
+            known[key] = [(cost.own_time_s(u, ctx) + least_exposed_s(u, ctx) if costs.space.max_unit_blocks == 1
                            else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
                            max(0, cost.end_of_forward_bytes(u, ctx) - 1)) for u in units]
         terms.append(known[key])
     return terms
+
+
+def least_exposed_s(u: UnitCost, ctx: CostContext) -> float:
+    """At least what a unit's own collectives leave exposed in its stage's step, whatever its neighbours:
+    the pair terms (cost.pair_exposed_s) hide at most 1 - contention of its forward gather (behind the unit
+    before), of its backward gather (behind the unit after) and of its reduction, and hide none of them at a
+    chain end. Counted a hair low (1e-12), so that float rounding never lifts it above what the pairs sum to."""
+    share = u.contention * (1 - 1e-12)
+    return share * (ctx.pipeline_factor * (u.gather_fwd_s + u.gather_bwd_s)
+                    + (1 if u.reduce_per_step else ctx.pipeline_factor) * u.reduce_s)
 
 
 def priced_terms(terms: list[list[tuple[float, int]]], prices: np.ndarray) -> list[list[float]]:
