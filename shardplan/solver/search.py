@@ -262,10 +262,14 @@ def solve_configuration(blocks: Sequence[Block], rules: tuple[BlockRule, ...], s
     costs = costs or UnitCosts(blocks, rules, space, contexts[0])  # shared by the stages: see UnitCosts
     solvers: dict[tuple[int, int], ChainSolver] = {}
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
+    floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
+    least_peak = floors if minimize_memory else StageFloors(costs, budget_bytes, minimize_memory=True)
 
     def stage_cost(stage: int, start: int, end: int) -> tuple[ChainSolution, float] | None:
         ctx = contexts[stage]
         tied = tied_terms(blocks, start, end, setting, configuration, hardware)
+        if least_peak.least(start, end) > budget_bytes - tied.copy_bytes:  # no plan of the span fits: no DP
+            return None
         key = (ctx.in_flight, tied.copy_bytes)  # the copies a stage holds leave its units less of the budget
         if key not in solvers:
             solvers[key] = ChainSolver(
@@ -278,7 +282,6 @@ def solve_configuration(blocks: Sequence[Block], rules: tuple[BlockRule, ...], s
             return solution, float(solution.peak_bytes + tied.copy_bytes)
         return solution, solution.time_s + ctx.pipeline_factor * (times_s[start] + times_s[end]) + tied.sync_s
 
-    floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
     cuts = cut_stages(rules, configuration.mesh.pp, stage_cost, floors.least,
                       budget_bytes if minimize_memory else time_bound_s)
     if cuts is None:
