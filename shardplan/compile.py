@@ -22,8 +22,8 @@ from .hardware import HardwareModel, HardwareProfile, get_hardware
 from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, KeptWhole, Mesh, MixedPrecision, Plan,
                    Predicted, Reasoning, Schedule, ShardedModule, Stage, TensorParallel, Unit)
 from .solver.chain_dp import ROUNDING
-from .solver.search import (Candidate, Configuration, Setting, boundary_time_s, context, samples_per_step, search,
-                            smallest_peak, tensor_parallel_options, tied_terms)
+from .solver.search import (Candidate, Configuration, SearchMemo, Setting, boundary_time_s, context, samples_per_step,
+                            search, smallest_peak, tensor_parallel_options, tied_terms)
 from .solver.space import BlockRule, Constraints, SearchSpace, constraint_patterns, resolve_rules
 from .sizes import format_bytes, parse_bytes
 
@@ -173,8 +173,8 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
                       tensor_parallel=tensor_parallel_options(chain.blocks, world_size, max_tp),
                       replica_group_ranks=hw.devices_per_node if asked.allow_replica_groups else 0)
     rules = _rules(chain, asked.constraints)
-    guesses: dict = {}  # the searches below try the same configurations
-    candidates = search(chain.blocks, rules, setting, hw, budget, space, guesses=guesses)
+    memo = SearchMemo()  # the searches below try the same configurations
+    candidates = search(chain.blocks, rules, setting, hw, budget, space, memo=memo)
     if not candidates:
         raise InfeasibleError(_constraints_blamed(chain, asked.constraints, setting, hw, budget, space)
                               or _infeasible_message(chain, rules, setting, hw, budget, space))
@@ -187,7 +187,7 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
                 tensor_parallel=tensor_parallel_section(chain, best.configuration),
                 mixed_precision=precision, optimizer=asked.optimizer, units=units, stages=stages,
                 predicted=predict(chain, best, setting, hw),
-                reasoning=(_reasoning(chain, best, candidates, rules, setting, hw, budget, space, guesses)
+                reasoning=(_reasoning(chain, best, candidates, rules, setting, hw, budget, space, memo)
                            if asked.explain else Reasoning(budget_bytes=budget, binding_constraint="not computed "
                                                            "(explain=False)")))
 
@@ -401,10 +401,11 @@ def expert_defaults(chain: BlockChain, setting: Setting, hw: HardwareModel) -> l
 
 def _reasoning(chain: BlockChain, best: Candidate, candidates: list[Candidate], rules: tuple[BlockRule, ...],
                setting: Setting, hw: HardwareModel, budget: int, space: SearchSpace,
-               guesses: dict | None = None) -> Reasoning:
+               memo: SearchMemo | None = None) -> Reasoning:
     share = best.peak_bytes / budget
     per_sample = best.step_time_s / samples_per_step(setting, best.configuration)
-    faster = search(chain.blocks, rules, setting, hw, float("inf"), space, time_bound_s=per_sample)
+    faster = search(chain.blocks, rules, setting, hw, float("inf"), space, time_bound_s=per_sample, memo=memo,
+                    runner_ups=False)
     if faster and (faster[0].step_time_s / samples_per_step(setting, faster[0].configuration)
                    < per_sample * (1 - ROUNDING)):
         unconstrained = faster[0]
@@ -414,7 +415,7 @@ def _reasoning(chain: BlockChain, best: Candidate, candidates: list[Candidate], 
     else:
         binding = f"none: the fastest plan fits (peak {format_bytes(best.peak_bytes)}, {share:.0%} of the budget)"
     listed = candidates[1:1 + RUNNER_UPS]
-    listed += [c for c in best_of_each_tp(chain, best, candidates, rules, setting, hw, budget, space, guesses)
+    listed += [c for c in best_of_each_tp(chain, best, candidates, rules, setting, hw, budget, space, memo)
                if c not in listed]
     runner_ups = [Alternative(description=f"{c.configuration.describe()}, "
                                           f"{samples_per_step(setting, c.configuration):g} samples a step",
@@ -429,7 +430,7 @@ def _reasoning(chain: BlockChain, best: Candidate, candidates: list[Candidate], 
 
 def best_of_each_tp(chain: BlockChain, best: Candidate, candidates: list[Candidate], rules: tuple[BlockRule, ...],
                     setting: Setting, hw: HardwareModel, budget: int, space: SearchSpace,
-                    guesses: dict | None = None) -> list[Candidate]:
+                    memo: SearchMemo | None = None) -> list[Candidate]:
     """The fastest plan of each tp degree searched other than the best's: from the candidates when
     one is among them, else searched at that degree alone."""
     found: list[Candidate] = []
@@ -438,7 +439,7 @@ def best_of_each_tp(chain: BlockChain, best: Candidate, candidates: list[Candida
             continue
         mine = [c for c in candidates if c.configuration.mesh.tp == option[0]]
         found += mine[:1] or search(chain.blocks, rules, replace(setting, tensor_parallel=(option,)), hw, budget,
-                                    space, guesses=guesses)[:1]
+                                    space, memo=memo, runner_ups=False)[:1]
     return found
 
 

@@ -725,15 +725,18 @@ class StepCost:
 
 
 def evaluate_stage(blocks: tuple[Block, ...], bounds: tuple[int, ...], decisions: tuple[Decision, ...],
-                   ctx: CostContext, *, boundary_s: float = 0.0, tied=None) -> StepCost:
+                   ctx: CostContext, *, boundary_s: float = 0.0, tied=None,
+                   units: list[UnitCost] | None = None) -> StepCost:
     """Walk the stage's events one by one and add up its step time.
 
     `bounds` are the block offsets where units start (first is 0); `boundary_s` is the
     per-micro-batch pipeline send/receive time of this stage; `tied` what its ties to other
-    stages add (solver/search.py, TiedTerms): bytes held all step, and seconds once a step.
+    stages add (solver/search.py, TiedTerms): bytes held all step, and seconds once a step;
+    `units` the units' unit_cost, where the caller has them already (the solver memoizes them).
     """
-    spans = list(zip(bounds, bounds[1:] + (len(blocks),)))
-    units = [unit_cost(blocks[a:b], d, ctx) for (a, b), d in zip(spans, decisions)]
+    if units is None:
+        spans = list(zip(bounds, bounds[1:] + (len(blocks),)))
+        units = [unit_cost(blocks[a:b], d, ctx) for (a, b), d in zip(spans, decisions)]
     state = sum(u.state_bytes for u in units) + (tied.copy_bytes if tied else 0)
     other_micro_batches = sum((ctx.in_flight - 1) * u.activation_bytes for u in units)
     never_resharded = sum(u.kept_gathered_bytes for u in units) if ctx.in_flight > 1 else 0

@@ -13,8 +13,10 @@ from shardplan.cost import CostContext, evaluate_stage
 from shardplan.hardware import get_hardware
 from shardplan.plan import Checkpoint, Mesh, Schedule, ShardStrategy
 from shardplan.solver.brute_force import count_candidates, solve_chain_brute_force, unit_partitions
-from shardplan.solver.chain_dp import ChainSolver, StageFloors, UnitCosts, _Front, _pareto, block_signatures
-from shardplan.solver.search import Configuration, Setting, boundary_time_s, context, search, solve_configuration
+from shardplan.solver.chain_dp import (_PARETO_CHUNK, ChainSolver, StageFloors, UnitCosts, _Front, _pareto,
+                                       block_signatures)
+from shardplan.solver.search import (Configuration, Setting, boundary_time_s, context, samples_per_step, search,
+                                     solve_configuration)
 from shardplan.solver.space import Constraints, SearchSpace, resolve_rules
 from shardplan.solver.stages import cut_stages
 
@@ -81,6 +83,26 @@ def test_chain_dp_equals_brute_force(blocks, space, ctx, budget_bytes):
     assert math.isclose(found.time_s, expected.time_s, rel_tol=1e-9)  # gap 0 (up to float summation order)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(blocks=blocks_strategy(max_blocks=5), ctx=contexts(), prefetch=st.sampled_from([(True,), (False,), (True, False)]),
+       budget_bytes=st.sampled_from([2 * 10**9, 8 * 10**9, 10**12]))
+def test_time_floors_with_exposed_communication_stay_below_the_best_plan(blocks, ctx, prefetch, budget_bytes):
+    """Over units of one block the floors count each unit's least exposed communication (least_exposed_s):
+    the stage cut's floor and the DP's bound on the time to come never exceed the best plan's time."""
+    space = SearchSpace(strategies=(ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP, ShardStrategy.REPLICATE),
+                        checkpoints=(Checkpoint.NONE, Checkpoint.FULL), prefetch=prefetch, max_unit_blocks=1)
+    rules = resolve_rules(blocks, None)
+    assume(count_candidates(rules, space) <= MAX_CANDIDATES)
+    best = solve_chain_brute_force(blocks, rules, ctx, budget_bytes, space)
+    assume(best is not None)
+    slack = 1 + 1e-9  # the same times summed in another order
+    assert StageFloors(UnitCosts(blocks, rules, space, ctx), budget_bytes).least(0, len(blocks)) <= best.time_s * slack
+    solver = ChainSolver(blocks, rules, ctx, budget_bytes, space, time_bound_s=best.time_s, only_end=len(blocks))
+    allowances = solver.prices * budget_bytes  # the bound from block 0, nothing held yet (Q = 0)
+    assert (solver.time_to_end_s[:, 0] - allowances).max() <= best.time_s * slack
+    assert math.isclose(solver.solve(0, len(blocks)).time_s, best.time_s, rel_tol=1e-9)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
 @given(blocks=blocks_strategy(max_blocks=6), budget_bytes=st.sampled_from([8 * 10**9, 3 * 10**10]),
        m=st.sampled_from([1, 2, 4]), pp=st.sampled_from([2, 3]))
@@ -125,8 +147,14 @@ def test_stage_cuts_equal_brute_force_over_cuts(blocks, budget_bytes, m, pp):
 
 
 @settings(max_examples=200, deadline=None)
-@given(points=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 4)), max_size=300))
-def test_pareto_keeps_exactly_the_states_no_other_beats(points):
+@given(points=st.one_of(
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 4)), max_size=_PARETO_CHUNK),
+    # past one chunk, large fronts take a first strike in time order alone
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 4)), min_size=_PARETO_CHUNK + 1,
+             max_size=300)), runs=st.booleans())
+def test_pareto_keeps_exactly_the_states_no_other_beats(points, runs):
+    if runs:  # as the DP hands fronts over: runs sorted by time, each a source key's states
+        points = sorted(points[:len(points) // 2]) + sorted(points[len(points) // 2:])
     time_s, r, q = (np.array([p[k] for p in points], dtype=dtype) for k, dtype in ((0, float), (1, np.int64),
                                                                                     (2, np.int64)))
     indices = np.arange(len(points))
@@ -135,7 +163,25 @@ def test_pareto_keeps_exactly_the_states_no_other_beats(points):
     expected = [i for i, p in enumerate(points)
                 if not any(o != p and all(a <= b for a, b in zip(o, p)) or (o == p and j < i)
                            for j, o in enumerate(points))]
-    assert sorted(kept.tolist()) == expected
+    # in (T, R, Q) order, equal states in input order: the order the DP's parent indices and ties follow
+    assert kept.tolist() == sorted(expected, key=lambda i: (points[i], i))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(blocks=blocks_strategy(max_blocks=6), budget_bytes=st.sampled_from([8 * 10**9, 3 * 10**10]),
+       global_batch=st.sampled_from([None, 16]))
+def test_a_search_for_the_fastest_plan_alone_finds_the_same_first_plan(blocks, budget_bytes, global_batch):
+    """runner_ups=False bounds each configuration by the fastest plan found so far, not RUNNER_UP_SLACK
+    above it (compile's reasoning takes only the first): the same first plan, only as fast ones after it."""
+    space = SearchSpace(strategies=(ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
+                        checkpoints=(Checkpoint.NONE, Checkpoint.FULL), prefetch=(True,), max_unit_blocks=2)
+    rules = resolve_rules(blocks, None)
+    setting = Setting(world_size=8, batch_size=4, global_batch_size=global_batch)
+    everything = search(blocks, rules, setting, H100, budget_bytes, space)
+    fastest = search(blocks, rules, setting, H100, budget_bytes, space, runner_ups=False)
+    assert fastest[:1] == everything[:1]
+    per_sample = [c.step_time_s / samples_per_step(setting, c.configuration) for c in fastest]
+    assert all(math.isclose(s, per_sample[0], rel_tol=1e-9) for s in per_sample)
 
 
 def test_min_max_cut_on_hand_costs():

@@ -69,9 +69,11 @@ class UnitCosts:
 
     unit_cost does not read ctx.in_flight, so the stages of a configuration share one."""
 
-    def __init__(self, blocks: Sequence[Block], rules: tuple[BlockRule, ...], space: SearchSpace, ctx: CostContext):
+    def __init__(self, blocks: Sequence[Block], rules: tuple[BlockRule, ...], space: SearchSpace, ctx: CostContext,
+                 signatures: tuple[int, ...] | None = None):
         self.blocks, self.rules, self.space, self.ctx = tuple(blocks), rules, space, ctx
-        self.signatures = block_signatures(self.blocks)
+        self.signatures = block_signatures(self.blocks) if signatures is None else signatures
+        """block_signatures(blocks), which the caller may have already."""
         self.memo: dict = {}
         self.allowed: dict[tuple[int, int], tuple[Decision, ...]] = {}
 
@@ -95,17 +97,41 @@ def block_terms(costs: UnitCosts, ctx: CostContext, count: int) -> list[list[tup
     each decision it may take, whatever units it joins (the terms of a Lagrangian relaxation of
     the stage's memory budget: a stage's Σ memory is within budget at its end of forward).
 
-    Time is the block's own unit time when units are single blocks, else only its compute and
-    recompute (the rest is not additive over a unit's blocks); memory is its base + held bytes
-    as a unit of one block, less one byte for the rounding a unit's blocks share."""
+    Time is the block's own unit time and the least its collectives leave exposed (least_exposed_s)
+    when units are single blocks, else only its compute and recompute (the rest is not additive over
+    a unit's blocks); memory is its base + held bytes as a unit of one block, less one byte for the
+    rounding a unit's blocks share."""
     pf = ctx.pipeline_factor
-    terms = []
+    terms, known = [], {}
     for j in range(count):
-        units = [costs(j, j + 1, d) for d in costs.decisions(j, j + 1)]
-        terms.append([(cost.own_time_s(u, ctx) if costs.space.max_unit_blocks == 1
-                       else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
-                       max(0, cost.end_of_forward_bytes(u, ctx) - 1)) for u in units])
+        key = (costs.signatures[j], costs.rules[j])  # identical blocks with the same rules: one list, shared
+        if key not in known:
+            units = [costs(j, j + 1, d) for d in costs.decisions(j, j + 1)]
+            known[key] = [(cost.own_time_s(u, ctx) + least_exposed_s(u, ctx) if costs.space.max_unit_blocks == 1
+                           else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
+                           max(0, cost.end_of_forward_bytes(u, ctx) - 1)) for u in units]
+        terms.append(known[key])
     return terms
+
+
+def least_exposed_s(u: UnitCost, ctx: CostContext) -> float:
+    """At least what a unit's own collectives leave exposed in its stage's step, whatever its neighbours:
+    the pair terms (cost.pair_exposed_s) hide at most 1 - contention of its forward gather (behind the unit
+    before), of its backward gather (behind the unit after) and of its reduction, and hide none of them at a
+    chain end. Counted a hair low (1e-12), so that float rounding never lifts it above what the pairs sum to."""
+    share = u.contention * (1 - 1e-12)
+    return share * (ctx.pipeline_factor * (u.gather_fwd_s + u.gather_bwd_s)
+                    + (1 if u.reduce_per_step else ctx.pipeline_factor) * u.reduce_s)
+
+
+def priced_terms(terms: list[list[tuple[float, int]]], prices: np.ndarray) -> list[list[float]]:
+    """For each block, min over its decisions of t + λ m at each price λ; a list of terms that
+    blocks share (block_terms) is priced once."""
+    rows: dict[int, list[float]] = {}
+    for options in terms:
+        if id(options) not in rows:
+            rows[id(options)] = [min(t + price * m for t, m in options) for price in prices]
+    return [rows[id(options)] for options in terms]
 
 
 def lagrange_prices(terms: list[list[tuple[float, int]]], budget_bytes: float) -> np.ndarray:
@@ -134,7 +160,7 @@ class StageFloors:
         else:
             prices = lagrange_prices(terms, budget_bytes)
             allowances = prices * (budget_bytes if math.isfinite(budget_bytes) else 0.0)
-            per_block = [[min(t + price * m for t, m in options) for price in prices] for options in terms]
+            per_block = priced_terms(terms, prices)
         self.sums = np.zeros((len(prices), len(costs.blocks) + 1))
         for j, row in enumerate(per_block):
             self.sums[:, j + 1] = self.sums[:, j] + row
@@ -175,9 +201,10 @@ class _Front:
 
 @dataclass(slots=True)
 class _Columns:
-    """Every state of a position with its last unit's terms as arrays, so that appending a unit
-    is one vectorized step over all of them: the methods are cost.py's pair terms with this
-    view as the earlier unit, computed in the same order so both give the same bits."""
+    """Every state of a position, and each key's last unit's terms as arrays, so that appending a
+    unit is one vectorized step over all of them: the methods are cost.py's pair terms with this
+    view as the earlier unit, computed in the same order so both give the same bits; per key, as
+    a key's states share its last unit (`front.parent_source` picks a state's)."""
 
     front: _Front
     """parent_* here name the state itself: its key number and index at this position."""
@@ -253,9 +280,10 @@ def _beaten(stair_r: np.ndarray, stair_q: np.ndarray, r: np.ndarray, q: np.ndarr
 
 
 def _witnessed(front: _Front, order: np.ndarray) -> np.ndarray:
-    """`order` (states in (T, R, Q) order) less the states that the earlier state of least Q, or
-    of least R, beats or equals in both R and Q: an O(n) first strike, exact as every strike is;
-    most states go here, as most are beaten by the leanest earlier state."""
+    """`order` (states in time order, equal times in the input's order) less the states that the
+    earlier state of least Q, or of least R, beats or equals in both R and Q: an O(n) first strike,
+    exact as every strike is (an earlier state is no slower, and of equal states the first); most
+    states go here, as most are beaten by the leanest earlier state."""
     r, q = front.r[order], front.q[order]
     at = np.arange(len(order))
     struck = np.zeros(len(order), bool)
@@ -272,10 +300,16 @@ def _pareto(front: _Front) -> _Front:
     In (T, R, Q) order a state is beaten iff an earlier one is at least as good in R and Q. So
     states are taken a chunk at a time: each is checked against the earlier ones of its chunk,
     and what the chunk keeps joins the staircase of kept (R, Q) points, which strikes out every
-    later state it beats at once (a binary search each); most states go in the first strikes."""
+    later state it beats at once (a binary search each). On large fronts most states go in a first
+    strike in time order alone (`_witnessed`), cheap as a front arrives in runs sorted by time (each
+    source key's states); only what it leaves is sorted by (T, R, Q), equal states still in input order."""
     if len(front.time_s) < 2:
         return front
-    pool = _witnessed(front, np.lexsort((front.q, front.r, front.time_s)))
+    if len(front.time_s) <= _PARETO_CHUNK:  # one chunk: a first strike would cost more than it saves
+        pool = np.lexsort((front.q, front.r, front.time_s))
+    else:
+        pool = _witnessed(front, np.argsort(front.time_s, kind="stable"))
+        pool = pool[np.lexsort((front.q[pool], front.r[pool], front.time_s[pool]))]
     stair_r = stair_q = np.zeros(0, np.int64)
     keep = []
     while len(pool):
@@ -415,8 +449,9 @@ class ChainSolver:
         terms = block_terms(self.costs, self.ctx, self.only_end)
         prices = lagrange_prices(terms, self.budget_bytes)
         sums = np.zeros((len(prices), n + 1))
+        per_block = priced_terms(terms, prices)
         for j in reversed(range(self.only_end)):
-            sums[:, j] = sums[:, j + 1] + [min(t + price * m for t, m in terms[j]) for price in prices]
+            sums[:, j] = sums[:, j + 1] + per_block[j]
         return prices, sums
 
     def _rise_fwd(self, u: cost.UnitCost) -> int:
@@ -521,20 +556,17 @@ class ChainSolver:
             front = _concat(position.fronts)
             front.parent_source = np.repeat(np.arange(len(units)), sizes)
             front.parent_index = np.concatenate([np.arange(size) for size in sizes])
-
-            def column(values: list, dtype: type) -> np.ndarray:
-                return np.repeat(np.array(values, dtype=dtype), sizes)
-
             position.columns = _Columns(
-                front=front, rise_fwd_bytes=column([self._rise_fwd(u) for u in units], np.int64),
-                rise_bwd_bytes=column([cost.own_peak_bytes(u, self.ctx, backward=True) - cost.held_bytes(u, self.ctx)
-                                       + key[3] for u, key in zip(units, position.keys)], np.int64),
-                prefetch=column([u.prefetch for u in units], bool),
-                gathered_bwd_bytes=column([u.gathered_bwd_bytes for u in units], np.int64),
+                front=front, rise_fwd_bytes=np.array([self._rise_fwd(u) for u in units], np.int64),
+                rise_bwd_bytes=np.array([cost.own_peak_bytes(u, self.ctx, backward=True)
+                                         - cost.held_bytes(u, self.ctx) + key[3]
+                                         for u, key in zip(units, position.keys)], np.int64),
+                prefetch=np.array([u.prefetch for u in units], bool),
+                gathered_bwd_bytes=np.array([u.gathered_bwd_bytes for u in units], np.int64),
                 gathered_bwd_values=tuple(sorted({u.gathered_bwd_bytes for u in units})),
-                hide_fwd_s=column([u.hide_fwd_s for u in units], float),
-                gather_bwd_s=column([u.gather_bwd_s for u in units], float),
-                hide_bwd_s=column([u.hide_bwd_s for u in units], float))
+                hide_fwd_s=np.array([u.hide_fwd_s for u in units], float),
+                gather_bwd_s=np.array([u.gather_bwd_s for u in units], float),
+                hide_bwd_s=np.array([u.hide_bwd_s for u in units], float))
         return position.columns
 
     def _extend(self, source: _Position, start: int,
@@ -552,17 +584,22 @@ class ChainSolver:
             step: float | np.ndarray = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(None, v, ctx)
         else:
             columns = self._columns(source, start)
-            front, prefetched = columns.front, columns.prefetch_bwd_bytes(v)
+            front, key_of = columns.front, columns.front.parent_source
+            held_before = columns.prefetch_bwd_bytes(v)
             rise = np.maximum(np.maximum(columns.rise_fwd_bytes + columns.prefetch_fwd_bytes(v, ctx),
-                                         v_bwd + prefetched),
-                              columns.rise_bwd_bytes + cost.in_flight_bwd_bytes(v))
-            step = 0.0 if self.minimize_memory else own_time + columns.pair_time_s(v, ctx)
+                                         v_bwd + held_before),
+                              columns.rise_bwd_bytes + cost.in_flight_bwd_bytes(v))[key_of]
+            prefetched = held_before[key_of] if isinstance(held_before, np.ndarray) else held_before
+            step = 0.0 if self.minimize_memory else (own_time + columns.pair_time_s(v, ctx))[key_of]
         r = np.maximum(front.r, front.q + rise) + delta
         time_s, q = front.time_s + step, front.q + delta + held_v
         end = start + key[1]
         to_come_s = self.time_to_end_s[:, end, None]
         if math.isfinite(self.budget_bytes):  # without a budget only the plain compute bound (λ = 0) is there
-            to_come_s = to_come_s + self.prices[:, None] * np.minimum(q - self.budget_bytes, 0)
+            # summed in place: adding the column into a new (prices × states) array took ten times as long
+            priced = self.prices[:, None] * np.minimum(q - self.budget_bytes, 0)
+            priced += to_come_s
+            to_come_s = priced
         fits = np.flatnonzero((r <= self.budget_bytes) & (time_s + to_come_s.max(axis=0) <= self.time_bound_s))
         return (_Front(time_s=time_s[fits], r=r[fits], q=q[fits],
                        parent_source=front.parent_source[fits], parent_index=front.parent_index[fits]),

@@ -8,7 +8,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .. import cost
@@ -16,7 +16,7 @@ from ..chain import Block
 from ..cost import CostContext, evaluate_stage
 from ..hardware import HardwareModel
 from ..plan import Mesh, MixedPrecision, Schedule
-from .chain_dp import ROUNDING, ChainSolution, ChainSolver, StageFloors, UnitCosts
+from .chain_dp import ROUNDING, ChainSolution, ChainSolver, StageFloors, UnitCosts, block_signatures
 from .space import BlockRule, SearchSpace
 from .stages import StageCut, cut_stages
 
@@ -92,6 +92,31 @@ class Candidate:
     stages: tuple[StageCut, ...]
     step_time_s: float
     peak_bytes: int
+
+
+@dataclass(slots=True)
+class SearchMemo:
+    """What searches of one chain share when they take the same rules, space, hardware and step (their
+    Settings differing at most in tensor_parallel): compile's searches of one solve. Configurations
+    come back across them (the best of each tp degree searches the main search's again)."""
+
+    guesses: dict[Configuration, float] = field(default_factory=dict)
+    """Each configuration's simple plan's step time (uniform_plan_time_s), walked once: for searches
+    of one budget (a search given a time bound neither reads nor writes them)."""
+    unit_costs: dict[Configuration, UnitCosts] = field(default_factory=dict)
+    """Each configuration's UnitCosts, priced once (they do not depend on the budget)."""
+    signatures: tuple[int, ...] | None = None
+    """block_signatures of the chain."""
+
+    def costs(self, blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting,
+              configuration: Configuration, hardware: HardwareModel, space: SearchSpace) -> UnitCosts:
+        found = self.unit_costs.get(configuration)
+        if found is None:
+            if self.signatures is None:
+                self.signatures = block_signatures(blocks)
+            found = self.unit_costs[configuration] = UnitCosts(
+                blocks, rules, space, context(setting, configuration, hardware, 0), self.signatures)
+        return found
 
 
 def tensor_parallel_options(blocks: Sequence[Block], world_size: int, max_degree: int) -> tuple[tuple[int, bool], ...]:
@@ -228,18 +253,23 @@ def tied_terms(blocks: Sequence[Block], start: int, end: int, setting: Setting, 
 
 def solve_configuration(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting,
                         configuration: Configuration, hardware: HardwareModel, budget_bytes: float, space: SearchSpace,
-                        *, minimize_memory: bool = False,
-                        time_bound_s: float = math.inf) -> Candidate | None:
+                        *, minimize_memory: bool = False, time_bound_s: float = math.inf,
+                        costs: UnitCosts | None = None) -> Candidate | None:
     """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one);
-    None when nothing fits the budget or nothing is as fast as `time_bound_s`."""
+    None when nothing fits the budget or nothing is as fast as `time_bound_s`. `costs`: its
+    UnitCosts, where the caller keeps them (SearchMemo)."""
     contexts = [context(setting, configuration, hardware, stage) for stage in range(configuration.mesh.pp)]
-    costs = UnitCosts(blocks, rules, space, contexts[0])  # shared by the stages: see UnitCosts
+    costs = costs or UnitCosts(blocks, rules, space, contexts[0])  # shared by the stages: see UnitCosts
     solvers: dict[tuple[int, int], ChainSolver] = {}
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
+    floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
+    least_peak = floors if minimize_memory else StageFloors(costs, budget_bytes, minimize_memory=True)
 
     def stage_cost(stage: int, start: int, end: int) -> tuple[ChainSolution, float] | None:
         ctx = contexts[stage]
         tied = tied_terms(blocks, start, end, setting, configuration, hardware)
+        if least_peak.least(start, end) > budget_bytes - tied.copy_bytes:  # no plan of the span fits: no DP
+            return None
         key = (ctx.in_flight, tied.copy_bytes)  # the copies a stage holds leave its units less of the budget
         if key not in solvers:
             solvers[key] = ChainSolver(
@@ -252,7 +282,6 @@ def solve_configuration(blocks: Sequence[Block], rules: tuple[BlockRule, ...], s
             return solution, float(solution.peak_bytes + tied.copy_bytes)
         return solution, solution.time_s + ctx.pipeline_factor * (times_s[start] + times_s[end]) + tied.sync_s
 
-    floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
     cuts = cut_stages(rules, configuration.mesh.pp, stage_cost, floors.least,
                       budget_bytes if minimize_memory else time_bound_s)
     if cuts is None:
@@ -269,23 +298,26 @@ def samples_per_step(setting: Setting, configuration: Configuration) -> float:
 
 def search(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting, hardware: HardwareModel,
            budget_bytes: float, space: SearchSpace, *,
-           time_bound_s: float = math.inf, guesses: dict | None = None) -> list[Candidate]:
+           time_bound_s: float = math.inf, memo: SearchMemo | None = None,
+           runner_ups: bool = True) -> list[Candidate]:
     """The best plan of every configuration within RUNNER_UP_SLACK of the fastest, fastest first
     (ties: smaller peak, then configuration order). Fastest per sample: meshes with fewer replicas
     (tp, pp) train fewer samples a step unless a global batch is given, when every step trains the same.
+    `runner_ups=False`: only the plans as fast as the fastest (the same first), so that each plan
+    found bounds the rest by its own time, not RUNNER_UP_SLACK above it (for callers that take [0]).
 
     Configurations are solved in the order of their simplest plan's time, so that the first
     exact answers bound (and prune) the rest; the bound never cuts a plan that could win.
-    Plans slower than `time_bound_s` per sample are not looked for. `guesses`: configuration →
-    its simple plan's step time (uniform_plan_time_s), kept across searches of the same blocks,
-    rules, budget and space (those of other tp options included), each walked once.
+    Plans slower than `time_bound_s` per sample are not looked for. `memo`: what searches of the
+    same blocks, rules, space and budget share (SearchMemo; those of other tp options included).
 
     Pipelines over fewer micro-batches than stages are searched only when no other configuration
     has a plan (starved_pipeline): the memory's last resort."""
     everything = configurations(setting, len(blocks))
     for starved in (False, True):
         found = _search_among([c for c in everything if starved_pipeline(c) == starved], blocks, rules, setting,
-                              hardware, budget_bytes, space, time_bound_s=time_bound_s, guesses=guesses)
+                              hardware, budget_bytes, space, time_bound_s=time_bound_s, memo=memo or SearchMemo(),
+                              slack=RUNNER_UP_SLACK if runner_ups else 1.0)
         if found:
             return found
     return []
@@ -304,24 +336,27 @@ def starved_pipeline(configuration: Configuration) -> bool:
 
 def _search_among(everything: list[Configuration], blocks: Sequence[Block], rules: tuple[BlockRule, ...],
                   setting: Setting, hardware: HardwareModel, budget_bytes: float, space: SearchSpace, *,
-                  time_bound_s: float, guesses: dict | None) -> list[Candidate]:
-    """search over `everything`."""
+                  time_bound_s: float, memo: SearchMemo, slack: float) -> list[Candidate]:
+    """search over `everything`, keeping the plans within `slack` of the fastest."""
     samples = [samples_per_step(setting, c) for c in everything]
-    known = {} if guesses is None else guesses
+    known = memo.guesses
     if time_bound_s == math.inf:
         for c in everything:
             if c not in known:
-                known[c] = uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space)
+                known[c] = uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space,
+                                               costs=memo.costs(blocks, rules, setting, c, hardware, space))
     guess_s = ([known[c] / n for c, n in zip(everything, samples)]
                if time_bound_s == math.inf else [math.inf] * len(everything))  # a given bound is tight enough
     found, bound = [], min(min(guess_s, default=math.inf), time_bound_s)  # a simple plan reaches it: exact
     for order in sorted(range(len(everything)), key=lambda i: (guess_s[i], i)):
-        candidate = solve_configuration(blocks, rules, setting, everything[order], hardware, budget_bytes, space,
-                                        time_bound_s=bound * samples[order])
+        configuration = everything[order]
+        candidate = solve_configuration(blocks, rules, setting, configuration, hardware, budget_bytes, space,
+                                        time_bound_s=bound * samples[order],
+                                        costs=memo.costs(blocks, rules, setting, configuration, hardware, space))
         if candidate is not None:
             per_sample = candidate.step_time_s / samples[order]
             found.append((per_sample, candidate.peak_bytes, order, candidate))
-            bound = min(bound, per_sample * RUNNER_UP_SLACK)
+            bound = min(bound, per_sample * slack)
     # The same list whatever the solving order; with ROUNDING's slack, so that a winner equal to a
     # guess (the guess walked by evaluate_stage, the winner summed by the DP) is not lost to the last bit.
     found = [item for item in found if item[0] <= bound * (1 + ROUNDING)]
@@ -330,9 +365,10 @@ def _search_among(everything: list[Configuration], blocks: Sequence[Block], rule
 
 def uniform_plan_time_s(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting,
                         configuration: Configuration, hardware: HardwareModel,
-                        budget_bytes: float, space: SearchSpace) -> float:
+                        budget_bytes: float, space: SearchSpace, costs: UnitCosts | None = None) -> float:
     """Step time of the fastest simple plan of this configuration that fits: stages cut evenly by
-    compute, every block its own unit, one decision per stage; inf when none fits."""
+    compute, every block its own unit, one decision per stage; inf when none fits. `costs` as in
+    solve_configuration."""
     n, pp = len(blocks), configuration.mesh.pp
     if not all(rule.may_start_unit for rule in rules) or any(r.must_start_stage for r in rules[1:]):
         return math.inf
@@ -344,11 +380,11 @@ def uniform_plan_time_s(blocks: Sequence[Block], rules: tuple[BlockRule, ...], s
     edges.append(n)
     if any(not rules[e].may_start_stage for e in edges[1:-1]):
         return math.inf
-    costs = UnitCosts(blocks, rules, space, context(setting, configuration, hardware, 0))
-    worst = 0.0
+    costs = costs or UnitCosts(blocks, rules, space, context(setting, configuration, hardware, 0))
+    times_s, worst = boundary_times_s(blocks, setting, configuration, hardware), 0.0
     for stage, (start, end) in enumerate(zip(edges, edges[1:])):
         ctx = context(setting, configuration, hardware, stage)
-        boundary_s = boundary_time_s(blocks, start, end, setting, configuration, hardware)
+        boundary_s = times_s[start] + times_s[end]
         # Walking the stage is what costs: decisions whose units' own times already lose to the
         # fastest so far, or whose end of forward (Σ base + held bytes) is over budget, are not.
         options = []
@@ -362,7 +398,8 @@ def uniform_plan_time_s(blocks: Sequence[Block], rules: tuple[BlockRule, ...], s
                 break
             step = evaluate_stage(tuple(blocks[start:end]), tuple(range(end - start)), (decision,) * (end - start),
                                   ctx, boundary_s=boundary_s, tied=tied_terms(blocks, start, end, setting,
-                                                                              configuration, hardware))
+                                                                              configuration, hardware),
+                                  units=[costs(j, j + 1, decision) for j in range(start, end)])
             if step.peak_bytes <= budget_bytes:
                 fastest = min(fastest, step.step_time_s)
         worst = max(worst, fastest)
@@ -374,11 +411,12 @@ def smallest_peak(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting
     """The least peak memory per rank any configuration reaches (the budget that would just fit),
     or None when none reaches `budget_bytes`. Deepest pipelines first: they usually need the
     least, and each answer bounds (prunes) the next search exactly."""
-    best = None
+    best, memo = None, SearchMemo()
     for configuration in reversed(configurations(setting, len(blocks))):
         bound = budget_bytes if best is None else best
         candidate = solve_configuration(blocks, rules, setting, configuration, hardware, bound, space,
-                                        minimize_memory=True)
+                                        minimize_memory=True,
+                                        costs=memo.costs(blocks, rules, setting, configuration, hardware, space))
         if candidate is not None and (best is None or candidate.peak_bytes < best):
             best = candidate.peak_bytes
     return best
