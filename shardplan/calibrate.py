@@ -329,7 +329,10 @@ def fit_profile(m: Measurements) -> HardwareProfile:
                 f"torch {torch.__version__}, {m.backend} world {m.world_size}; {how}"
                 "inter_node copies intra_node (measured on one machine)"))
     profile = dataclasses.replace(profile, op_time_factors=fit_op_factors(profile, m.op_calls, m.kernel_overhead_s))
-    return dataclasses.replace(profile, op_fixed_costs_s=fit_op_fixed_costs(profile, m.op_calls, m.kernel_overhead_s))
+    # A GPU's clock synchronizes after each call, which a step does not: its small calls would read the
+    # synchronization as their fixed cost, where a step queues them behind the kernels before.
+    fixed_costs = fit_op_fixed_costs(profile, m.op_calls, m.kernel_overhead_s) if on_cpu else {}
+    return dataclasses.replace(profile, op_fixed_costs_s=fixed_costs)
 
 
 def fit_matmul(points: "list[tuple[float, float]] | tuple", kernel_overhead_s: float) -> MatmulRate:

@@ -203,7 +203,7 @@ class HardwareProfile:
     """Fixed cost of one call of an ATen op by name, in place of op_overhead_s, where a calibration
     timed the op's small calls ([Note: op fixed costs] in op_factors.py): a router's sort or topk
     took 24-33 us a call here, a one-element multiply (op_overhead_s) 3-4 us. An op not listed
-    costs op_overhead_s."""
+    costs op_overhead_s; calibrations on CPU ranks fit them, GPU ones none."""
     selective_op_overhead_s: float = 0.0
     """Fixed cost selective checkpointing adds to each op a block's forward dispatches, views
     included (Block.fwd_dispatches): its dispatch modes, in Python, see every op in forward and

@@ -28,7 +28,10 @@ def test_fit_takes_each_ops_small_calls_beyond_a_bare_call_and_its_roofline():
              ("_unsafe_view", 0, 0, 5e-6)]                      # no bytes: no kernel the cost model prices
     fixed = fit_op_fixed_costs(profile, calls, BARE_S)
     assert fixed == {"sort": pytest.approx(5e-6 + 30e-6), "gelu": pytest.approx(5e-6 + 6e-6)}
-    assert fit_profile(dataclasses.replace(hand_made_measurements(), op_calls=tuple(calls))).op_fixed_costs_s == fixed
+    measured = dataclasses.replace(hand_made_measurements(), op_calls=tuple(calls))
+    assert fit_profile(measured).op_fixed_costs_s == fixed
+    # a GPU's clock synchronizes after each call, which a step does not: no fixed costs from it
+    assert fit_profile(dataclasses.replace(measured, backend="nccl")).op_fixed_costs_s == {}
 
 
 def test_an_ops_fixed_cost_replaces_the_kernels_for_each_call():
