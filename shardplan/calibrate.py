@@ -40,7 +40,7 @@ from .errors import HardwareError
 from .files import write_text_atomically
 from .hardware import (COLLECTIVES, CollectiveCost, HardwareProfile, LinkProfile, MatmulRate, SizeCurve,
                        ring_factor)
-from .op_factors import fit_op_factors, op_workloads, time_op_calls_s, training_step_kernels
+from .op_factors import fit_op_factors, fit_op_fixed_costs, op_workloads, time_op_calls_s, training_step_kernels
 from .passes.execution import is_dispatch, is_kernel
 from .plan import Checkpoint, kept_by_selective
 from .runtime.launch import run_world
@@ -328,7 +328,11 @@ def fit_profile(m: Measurements) -> HardwareProfile:
         source=(f"shardplan calibrate on {m.device_name}, {datetime.date.today().isoformat()}, "
                 f"torch {torch.__version__}, {m.backend} world {m.world_size}; {how}"
                 "inter_node copies intra_node (measured on one machine)"))
-    return dataclasses.replace(profile, op_time_factors=fit_op_factors(profile, m.op_calls, m.kernel_overhead_s))
+    profile = dataclasses.replace(profile, op_time_factors=fit_op_factors(profile, m.op_calls, m.kernel_overhead_s))
+    # A GPU's clock synchronizes after each call, which a step does not: its small calls would read the
+    # synchronization as their fixed cost, where a step queues them behind the kernels before.
+    fixed_costs = fit_op_fixed_costs(profile, m.op_calls, m.kernel_overhead_s) if on_cpu else {}
+    return dataclasses.replace(profile, op_fixed_costs_s=fixed_costs)
 
 
 def fit_matmul(points: "list[tuple[float, float]] | tuple", kernel_overhead_s: float) -> MatmulRate:

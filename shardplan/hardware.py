@@ -199,6 +199,11 @@ class HardwareProfile:
     priced at its roofline (1). Small calls run further from it: a GELU of 50 us by roofline took
     3.1x its memory time here, one of 190 us 2.3x. Read at the call's roofline in the compute dtype,
     though fitted in float32 (a limit)."""
+    op_fixed_costs_s: dict[str, float] = field(default_factory=dict)
+    """Fixed cost of one call of an ATen op by name, in place of op_overhead_s, where a calibration
+    timed the op's small calls ([Note: op fixed costs] in op_factors.py): a router's sort or topk
+    took 24-33 us a call here, a one-element multiply (op_overhead_s) 3-4 us. An op not listed
+    costs op_overhead_s; calibrations on CPU ranks fit them, GPU ones none."""
     selective_op_overhead_s: float = 0.0
     """Fixed cost selective checkpointing adds to each op a block's forward dispatches, views
     included (Block.fwd_dispatches): its dispatch modes, in Python, see every op in forward and
@@ -255,7 +260,8 @@ class HardwareProfile:
 
         Roofline: the slower of arithmetic (at the efficiency of one call's size) and memory
         traffic, times the op's measured factor (`op` names it, as ATen does: "gelu"), plus the
-        fixed cost of each op. `dtype` is a name ("bfloat16") or a torch.dtype.
+        fixed cost of each call (the op's own where measured, else op_overhead_s). `dtype` is a
+        name ("bfloat16") or a torch.dtype.
         """
         if flops <= 0 and bytes_moved <= 0:
             return 0.0
@@ -266,7 +272,7 @@ class HardwareProfile:
         memory_s = bytes_moved / self.memory_bandwidth_bytes_per_s
         roofline_s = max(arithmetic_s, memory_s)
         factor = self.op_time_factors[op].at(roofline_s / calls) if op in self.op_time_factors else 1.0
-        return calls * self.op_overhead_s + factor * roofline_s
+        return calls * self.op_fixed_costs_s.get(op, self.op_overhead_s) + factor * roofline_s
 
     def collective_time_s(self, kind: str, nbytes: float, group_size: int, *, in_step: bool = True,
                           ranks_per_node: int = 0) -> float:

@@ -47,7 +47,8 @@ def op_workloads(device: torch.device) -> list[zoo.ZooModel]:
                 zoo.residual_mlp(width=1024, depth=2, batch=512, device=device),
                 zoo.residual_cnn(batch=16, size=32, device=device),
                 zoo.encoder_decoder(batch=8, seq=128, device=device),
-                *(pointwise_ops(rows, device) for rows in (128, 512))]
+                *(pointwise_ops(rows, device) for rows in (128, 512)),
+                routing_ops(device)]
 
 
 class PointwiseOps(torch.nn.Module):
@@ -76,6 +77,36 @@ def pointwise_ops(rows: int, device: torch.device, width: int = 1024) -> zoo.Zoo
     """PointwiseOps on `rows` x `width` floats: calls of 0.5-2 MB, as a layer's activations."""
     with torch.device(device):
         return zoo.ZooModel(PointwiseOps(width), (torch.randn(rows, width),), {})
+
+
+class RoutingOps(torch.nn.Module):
+    """A mixture of experts' routing, forward and backward, as transformers' MoE layers run it: a
+    softmax over the experts, topk, the tokens sorted and counted by expert (sort, histc, cumsum),
+    gathered (index) and scattered back weighted (index_put), a one-hot mask (scatter). Its calls
+    are small, so what they measure is each op's fixed cost ([Note: op fixed costs]), which for
+    these runs 5-10 times a one-element multiply's."""
+
+    def __init__(self, width: int, experts: int):
+        super().__init__()
+        self.router = torch.nn.Linear(width, experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts = self.router.out_features
+        probs = torch.softmax(self.router(x), dim=-1)
+        weights, chosen = probs.topk(2, dim=-1)
+        order = chosen.flatten().argsort()
+        offsets = torch.histc(chosen.float(), bins=experts, min=0, max=experts - 1).cumsum(0)
+        rows = torch.arange(chosen.numel(), device=x.device)[order] // chosen.shape[-1]
+        routed = x[rows] * weights.flatten()[order, None]
+        combined = torch.zeros_like(x).index_put((rows,), routed, accumulate=True)
+        mask = torch.zeros_like(probs).scatter(-1, chosen, 1.0)
+        return combined.sum() + (mask * probs).sum() + offsets[-1] * 0
+
+
+def routing_ops(device: torch.device, tokens: int = 128, width: int = 64, experts: int = 8) -> zoo.ZooModel:
+    """RoutingOps of `tokens` rows over `experts` experts: calls of a few kB, all fixed cost."""
+    with torch.device(device):
+        return zoo.ZooModel(RoutingOps(width, experts), (torch.randn(tokens, width),), {})
 
 
 # [Note: the step's own kernels]
@@ -196,6 +227,33 @@ def fit_op_factors(profile: HardwareProfile, op_calls, kernel_overhead_s: float)
     return {name: SizeCurve(points=_factor_points(by_band)) for name, by_band in sorted(bands.items())}
 
 
+# [Note: op fixed costs]
+# op_overhead_s is the fixed cost of a one-element multiply in a training step (dispatch, autograd's
+# node, the kernel's start). Other ops cost more before they move a byte: a sort, a topk, a histc or
+# a softmax over a router's few experts allocates several outputs and sets up its loops. In one
+# process at load 2, a Mixtral router's calls (its softmax, sort, histc, topk, index_put, arange)
+# took 19-37 us each where the model priced 3-4 (roofline under 1 us). So the fit takes each op's
+# calls the roofline prices under _FIXED_COST_MAX_OVERHEADS fixed costs (their time is fixed cost):
+# the op's fixed cost is op_overhead_s plus their mean time beyond a bare call's fixed cost and their
+# factor x roofline. Ops with FLOPs are left out: a small matmul runs at the efficiency its size
+# reads on the matmul sweep (MatmulRate.efficiency), which prices its fixed cost already. Ops that
+# read at op_overhead_s or below keep it (a one-element multiply is the
+# cheapest call a step has); an op no workload runs small keeps it too, a limit for ops of no workload.
+
+def fit_op_fixed_costs(profile: HardwareProfile, op_calls, kernel_overhead_s: float) -> dict[str, float]:
+    """Per op name, the fixed cost of a call where it measured above `profile`'s op_overhead_s ([Note:
+    op fixed costs]). `profile` carries the fitted op factors and no fixed costs of its own."""
+    excess: dict[str, list[float]] = {}
+    for name, flops, nbytes, seconds in op_calls:
+        if flops > 0 or nbytes <= 0:
+            continue  # a matmul's small calls run at its rate's efficiency at their size; no bytes: not priced
+        kernel_s = profile.compute_time_s(flops, nbytes, op=name) - profile.op_overhead_s
+        if kernel_s < _FIXED_COST_MAX_OVERHEADS * profile.op_overhead_s:
+            excess.setdefault(name, []).append(seconds - kernel_overhead_s - kernel_s)
+    means = {name: sum(values) / len(values) for name, values in sorted(excess.items())}
+    return {name: profile.op_overhead_s + mean for name, mean in means.items() if mean > 0}
+
+
 def _factor_points(by_band: dict[int, list[float]]) -> tuple[tuple[float, float], ...]:
     """(mean roofline seconds, factor) of each band, by size; seconds per FLOP never rising (see fit_op_factors)."""
     points, fastest_s_per_flop = [], math.inf
@@ -209,5 +267,7 @@ def _factor_points(by_band: dict[int, list[float]]) -> tuple[tuple[float, float]
 
 _FACTOR_MIN_OVERHEADS = 10
 """Calls priced under this many fixed costs by the roofline do not enter a factor."""
+_FIXED_COST_MAX_OVERHEADS = 2
+"""Calls priced under this many fixed costs by the roofline are what an op's fixed cost is fitted on."""
 _SMALLEST_FACTOR = 1e-3
 """A floor: a factor of 0 (an op timed under a bare call's fixed cost) would be rejected by profiles."""
