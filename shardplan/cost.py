@@ -174,7 +174,7 @@ OPTIMIZER_STEPS = {
 """Counted by running each optimizer's step under the analysis's byte rule (passes/execution.py, moved_bytes);
 tests/test_cost.py checks them the same way against torch.optim."""
 GRADIENT_CHECK = ("any", 4)
-"""What the runtime reads of each unit's kept gradient at a step's start (runtime/sharded.py, _all_zeros):
+"""What the runtime reads of each unit's kept gradient at a step's start (runtime/sharded.py, all_zeros):
 one `any` over it, 4 bytes a float32 parameter."""
 SELECTIVE_KEEP_FRACTION = 0.5
 """Share of saved_bytes selective checkpointing keeps in a block the analysis did not measure

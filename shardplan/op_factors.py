@@ -17,7 +17,7 @@ from .hardware import HardwareProfile, SizeCurve
 from .passes.blocks import block_name
 from .passes.execution import is_kernel, moved_bytes, op_flops
 from .runtime.measure import synchronize
-from .runtime.sharded import _all_zeros as all_zeros
+from .runtime.sharded import all_zeros
 
 # [Note: op time factors]
 # The roofline prices an op by its FLOPs and bytes alone. On a CPU thread many ops run well below
@@ -69,8 +69,8 @@ class PointwiseOps(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x + self.bias
-        return sum(op(y).sum() for op in (torch.tanh, torch.sigmoid, torch.nn.functional.silu,
-                                           functools.partial(torch.softmax, dim=-1)))
+        return functools.reduce(torch.add, (op(y).sum() for op in (torch.tanh, torch.sigmoid, torch.nn.functional.silu,
+                                                                    functools.partial(torch.softmax, dim=-1))))
 
 
 def pointwise_ops(rows: int, device: torch.device, width: int = 1024) -> zoo.ZooModel:
@@ -111,7 +111,7 @@ def routing_ops(device: torch.device, tokens: int = 128, width: int = 64, expert
 
 # [Note: the step's own kernels]
 # Past backward, a training step runs kernels over every parameter the rank holds: the runtime's
-# check of the gradients kept between steps (runtime/sharded.py, _all_zeros: `any` over each
+# check of the gradients kept between steps (runtime/sharded.py, all_zeros: `any` over each
 # unit's gradient) and the optimizer's step and zero_grad, each one kernel per flat shard (the
 # runtime gives the optimizer one shard per unit). These stream megabytes a call with little
 # arithmetic, and run far from the copy bandwidth, each by its own factor: on 2 ranks of this CPU
@@ -150,6 +150,7 @@ def training_step_kernels(model: torch.nn.Module):
         optimizer.zero_grad(set_to_none=False)
     step()  # the first step makes the optimizer's state: other kernels than every later step's
     return step
+
 
 class _KernelClock(TorchDispatchMode):
     """Records every kernel's (op name, FLOPs, bytes, seconds), in order (views and metadata

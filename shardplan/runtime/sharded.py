@@ -79,7 +79,7 @@ class UnitProgram(Program):
         self.check_in_step()
         self._transactions += 1
         before = [unit.shard.grad for unit in self.units]
-        zeroed = _all_zeros(before)
+        zeroed = all_zeros(before)
         for unit, in_place in zip(self.units, zeroed):
             if not in_place:
                 unit.shard.grad = None
@@ -294,7 +294,7 @@ def _wrap_forwards(model: nn.Module, modules: dict[str, nn.Module], units: list[
         module.forward = checkpointed(forward, own.spec.checkpoint) if own is not None else forward
 
 
-def _all_zeros(grads: list[torch.Tensor | None]) -> list[bool]:
+def all_zeros(grads: list[torch.Tensor | None]) -> list[bool]:
     """Which gradients exist and hold only zeros, read back in one transfer per device (one device
     sync a step, not one a unit; offloaded units keep theirs on the host)."""
     nonzero: dict[int, bool] = {}
