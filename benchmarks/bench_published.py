@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_published.py                   # ../shared/data/published-h100/runs.csv
     .venv/bin/python benchmarks/bench_published.py --data runs.csv --hardware h100-80g
     .venv/bin/python benchmarks/bench_published.py --nanotron-zero1   # + nanotron's own ZeRO-1 step
+    .venv/bin/python benchmarks/bench_published.py --picks            # what compile picks on the published shapes
     .venv/bin/python benchmarks/bench_published.py --nanotron-csv bench_final2_mfu2.csv  # crashes by its status
 
 Every row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
@@ -34,7 +35,7 @@ import numpy as np
 from scipy.stats import kendalltau
 
 from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
-from shardplan.compile import evaluate, tensor_parallel_section
+from shardplan.compile import evaluate, solve, tensor_parallel_section
 from shardplan.cost import OPTIMIZER_STATE_BYTES_PER_PARAM
 from shardplan.hardware import get_hardware
 from shardplan.solver.search import Configuration
@@ -846,10 +847,16 @@ def main() -> None:
     parser.add_argument("--model", action="append", help="only these models (repeatable)")
     parser.add_argument("--nanotron-csv", help="nanotron's own benchmark CSV (bench_final2_mfu2.csv): split the "
                         "crashed rows by the status it gives them (OOM or another failure)")
+    parser.add_argument("--picks", action="store_true",
+                        help="only what compile picks on the published shapes (1B/3B/8B at 8-512 GPUs, 256 sequences "
+                             "a step) and the best step of each tp degree")
     parser.add_argument("--nanotron-zero1", action="store_true",
                         help="add nanotron's own ZeRO-1 step to its rows (blocking fp32 all-reduce, a copy kernel "
                              "per rank and tensor after the gather): what shardplan's shard_optimizer does not do")
     args = parser.parse_args()
+    if args.picks:
+        print_tensor_parallel_picks(args.hardware)
+        return
     rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
     hw = get_hardware(args.hardware)
     outcomes = predict(rows, hw, nanotron_zero1=args.nanotron_zero1)
@@ -865,6 +872,24 @@ def main() -> None:
                                                                     nanotron_statuses(args.nanotron_csv)))
     print_what_rows_show(rows)
     print_left_out([o for o in outcomes if o.reason])
+
+
+PICK_SHAPES = [(model, gpus) for gpus in (8, 32, 128, 256, 512) for model in ("playbook-1B", "playbook-3B", "playbook-8B")]
+"""The (model, GPU count) cells where the published runs say whether tensor parallelism wins (issue 14)."""
+
+
+def print_tensor_parallel_picks(hardware: str) -> None:
+    """What compile picks for one sequence of 4096 a rank and 256 sequences a step (tests/test_published.py pins
+    the picks), with the step time of the best plan of each tp degree its reasoning lists."""
+    print(f"compile on {hardware}, 256 sequences of 4096 a step, no pipelines: step s of its pick; of the best plan "
+          "at tp 2 / 4 / 8")
+    for model, gpus in PICK_SHAPES:
+        plan = solve(llama_chain(MODELS[model], 1, 4096, pipelined=False), gpus, hardware=hardware,
+                     mixed_precision=BF16, global_batch_size=256, allow_pipeline=False)
+        by_tp = {alt.description: alt.step_time_s for alt in plan.reasoning.runner_ups}
+        best = [next((f"{t:.3f}" for d, t in by_tp.items() if f"tp={tp} " in d), "-") for tp in (2, 4, 8)]
+        print(f"  {model} {gpus:>3} GPUs: {plan.mesh.describe()} {plan.predicted.step_time_s:.3f} s; "
+              f"{' / '.join(best)}")
 
 
 def print_left_out(left_out: list[Outcome]) -> None:

@@ -209,7 +209,7 @@ def test_compile_picks_tensor_parallelism_where_the_published_runs_do(bench, mod
 @pytest.mark.xfail(strict=True, reason="tp inside a node leaves each node's data-parallel traffic as it is (8 rails "
                    "carry tp=1's rings, 8/tp rails each of tp's groups); what tp saves is a ring's steps between the "
                    "ranks of a node, which at 16 nodes, or 8B's longer compute, does not pay for its exchanges: 3B at "
-                   "128 0.373 s against tp 2's 0.405, 8B at 128 0.747 against 0.794, at 256 0.432 against 0.445. "
+                   "128 0.373 s against tp 2's 0.405, 8B at 128 0.748 against 0.795, at 256 0.432 against 0.446. "
                    "nanotron's ZeRO-1, which lost to tp there, pays a blocking fp32 all-reduce and dp x tensors copies "
                    "that shardplan's runtime does not (docs/benchmarks.md)")
 @pytest.mark.parametrize("model, gpus", [("playbook-3B", 128), ("playbook-8B", 128), ("playbook-8B", 256)])
