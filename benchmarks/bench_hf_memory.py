@@ -55,6 +55,8 @@ def main() -> None:
                                                                   "PROFILE has, as a calibration of the code that "
                                                                   "wrote PROFILE would fit")
     options = parser.parse_args()
+    if options.factors_like and not options.price:
+        parser.error("--factors-like prices kept runs: give --price FOLDER too")
     torch.set_num_threads(1)
     console = Console(width=120)
     sweep = None if options.profile or options.price else sweep_for(options.mode, "gloo")

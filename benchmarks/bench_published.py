@@ -215,7 +215,7 @@ def _block(index: int, name: str, numel: int, fwd_kinds: tuple[OpKind, ...], *, 
 
 
 def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
-                sequence_sharded_norm: bool = False, code: "NanotronCode | None" = None) -> BlockChain:
+                sequence_sharded_norm: bool = False, code: NanotronCode = NanotronCode()) -> BlockChain:
     """The chain of a LLaMA decoder over `samples` sequences (one replica's batch), fp32 master
     parameters computed in bf16, flash attention, the loss in fp32 over the whole vocabulary.
 
@@ -251,8 +251,7 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     runs it on the last layer's reduce-scattered output, a 1/tp slice of the sequence (line 905), and
     its LM head saves that slice, not the gathered input (tp_recompute_allgather, true by default).
 
-    `code` is what an older nanotron keeps beyond that (NanotronCode; None: the playbook's code)."""
-    code = code or NanotronCode()
+    `code` is what an older nanotron keeps beyond that (NanotronCode; by default the playbook's code)."""
     tokens, h, i, v = samples * seq_len, dims.hidden, dims.intermediate, dims.vocab
     stream = tokens * h * BF16_BYTES
     head_dim = h // dims.heads
@@ -880,14 +879,15 @@ PICK_SHAPES = [(model, gpus) for gpus in (8, 32, 128, 256, 512) for model in ("p
 
 def print_tensor_parallel_picks(hardware: str) -> None:
     """What compile picks for one sequence of 4096 a rank and 256 sequences a step (tests/test_published.py pins
-    the picks), with the step time of the best plan of each tp degree its reasoning lists."""
+    the picks), with the step time of the best plan of each tp degree (the pick's own, or its reasoning's)."""
     print(f"compile on {hardware}, 256 sequences of 4096 a step, no pipelines: step s of its pick; of the best plan "
           "at tp 2 / 4 / 8")
     for model, gpus in PICK_SHAPES:
         plan = solve(llama_chain(MODELS[model], 1, 4096, pipelined=False), gpus, hardware=hardware,
                      mixed_precision=BF16, global_batch_size=256, allow_pipeline=False)
         by_tp = {alt.description: alt.step_time_s for alt in plan.reasoning.runner_ups}
-        best = [next((f"{t:.3f}" for d, t in by_tp.items() if f"tp={tp} " in d), "-") for tp in (2, 4, 8)]
+        best = [f"{plan.predicted.step_time_s:.3f}" if tp == plan.mesh.tp else
+                next((f"{t:.3f}" for d, t in by_tp.items() if f"tp={tp} " in d), "-") for tp in (2, 4, 8)]
         print(f"  {model} {gpus:>3} GPUs: {plan.mesh.describe()} {plan.predicted.step_time_s:.3f} s; "
               f"{' / '.join(best)}")
 

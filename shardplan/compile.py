@@ -401,7 +401,7 @@ def expert_defaults(chain: BlockChain, setting: Setting, hw: HardwareModel) -> l
 
 def _reasoning(chain: BlockChain, best: Candidate, candidates: list[Candidate], rules: tuple[BlockRule, ...],
                setting: Setting, hw: HardwareModel, budget: int, space: SearchSpace,
-               memo: SearchMemo | None = None) -> Reasoning:
+               memo: SearchMemo) -> Reasoning:
     share = best.peak_bytes / budget
     per_sample = best.step_time_s / samples_per_step(setting, best.configuration)
     faster = search(chain.blocks, rules, setting, hw, float("inf"), space, time_bound_s=per_sample, memo=memo,
@@ -430,7 +430,7 @@ def _reasoning(chain: BlockChain, best: Candidate, candidates: list[Candidate], 
 
 def best_of_each_tp(chain: BlockChain, best: Candidate, candidates: list[Candidate], rules: tuple[BlockRule, ...],
                     setting: Setting, hw: HardwareModel, budget: int, space: SearchSpace,
-                    memo: SearchMemo | None = None) -> list[Candidate]:
+                    memo: SearchMemo) -> list[Candidate]:
     """The fastest plan of each tp degree searched other than the best's: from the candidates when
     one is among them, else searched at that degree alone."""
     found: list[Candidate] = []

@@ -138,11 +138,11 @@ def step_shards(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def training_step_kernels(model: torch.nn.Module):
     """A callable running the step's own kernels ([Note: the step's own kernels]) over `model`'s
-    step_shards: the runtime's gradient check, AdamW's step (torch's default for the device) and
+    step_shards: the runtime's gradient check, AdamW's single-tensor step (the kernels cost.OPTIMIZER_STEPS names) and
     zero_grad. The gradients stay zero, as zero_grad leaves them for the next step's check; the
     elementwise kernels take as long on zeros."""
     shards = step_shards(model)
-    optimizer = torch.optim.AdamW(shards, lr=1e-3)
+    optimizer = torch.optim.AdamW(shards, lr=1e-3, foreach=False)
 
     def step() -> None:
         all_zeros([shard.grad for shard in shards])

@@ -295,7 +295,6 @@ def test_oldbench_peak_allocated_is_what_its_nanotron_keeps(bench, dp, tp, pp, m
     (outcome,) = bench.predict([row], get_hardware("h100-80g"))
     assert outcome.predicted.peak_bytes / 2**20 == pytest.approx(allocated_mib, rel=0.02)
     assert bench.allocated_ratios([outcome]) == {tp: [pytest.approx(1, rel=0.02)]}
-    assert bench.nanotron_code(dataclasses.replace(row, model="playbook-1B")) == bench.NanotronCode()
 
 
 def test_crashed_rows_are_split_by_what_nanotrons_own_csv_says_of_them(bench, tmp_path):

@@ -259,7 +259,7 @@ def solve_configuration(blocks: Sequence[Block], rules: tuple[BlockRule, ...], s
     None when nothing fits the budget or nothing is as fast as `time_bound_s`. `costs`: its
     UnitCosts, where the caller keeps them (SearchMemo)."""
     contexts = [context(setting, configuration, hardware, stage) for stage in range(configuration.mesh.pp)]
-    costs = costs or UnitCosts(blocks, rules, space, contexts[0])  # shared by the stages: see UnitCosts
+    costs = costs if costs is not None else UnitCosts(blocks, rules, space, contexts[0])  # shared by the stages: see UnitCosts
     solvers: dict[tuple[int, int], ChainSolver] = {}
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
     floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
@@ -309,7 +309,7 @@ def search(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setti
     Configurations are solved in the order of their simplest plan's time, so that the first
     exact answers bound (and prune) the rest; the bound never cuts a plan that could win.
     Plans slower than `time_bound_s` per sample are not looked for. `memo`: what searches of the
-    same blocks, rules, space and budget share (SearchMemo; those of other tp options included).
+    same blocks, rules and space share (see SearchMemo; those of other tp options included).
 
     Pipelines over fewer micro-batches than stages are searched only when no other configuration
     has a plan (starved_pipeline): the memory's last resort."""
@@ -365,10 +365,10 @@ def _search_among(everything: list[Configuration], blocks: Sequence[Block], rule
 
 def uniform_plan_time_s(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting,
                         configuration: Configuration, hardware: HardwareModel,
-                        budget_bytes: float, space: SearchSpace, costs: UnitCosts | None = None) -> float:
+                        budget_bytes: float, space: SearchSpace, costs: UnitCosts) -> float:
     """Step time of the fastest simple plan of this configuration that fits: stages cut evenly by
-    compute, every block its own unit, one decision per stage; inf when none fits. `costs` as in
-    solve_configuration."""
+    compute, every block its own unit, one decision per stage; inf when none fits. `costs`: the
+    configuration's UnitCosts (SearchMemo)."""
     n, pp = len(blocks), configuration.mesh.pp
     if not all(rule.may_start_unit for rule in rules) or any(r.must_start_stage for r in rules[1:]):
         return math.inf
@@ -380,7 +380,6 @@ def uniform_plan_time_s(blocks: Sequence[Block], rules: tuple[BlockRule, ...], s
     edges.append(n)
     if any(not rules[e].may_start_stage for e in edges[1:-1]):
         return math.inf
-    costs = costs or UnitCosts(blocks, rules, space, context(setting, configuration, hardware, 0))
     times_s, worst = boundary_times_s(blocks, setting, configuration, hardware), 0.0
     for stage, (start, end) in enumerate(zip(edges, edges[1:])):
         ctx = context(setting, configuration, hardware, stage)
