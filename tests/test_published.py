@@ -327,3 +327,19 @@ def test_reservation_is_split_by_how_fast_each_row_ran_against_its_group(bench):
                 bench.Outcome(row=dataclasses.replace(row, micro_batch_size=8), predicted=predicted),  # alone
                 bench.Outcome(row=dataclasses.replace(row, pp=2, dp=1), predicted=predicted)]  # pipelined
     assert bench.reservation_by_speed(outcomes) == {"fast": [1.6], "slow": [1.04]}
+
+
+@pytest.mark.parametrize("model, gpus, tensor_parallel", [
+    ("playbook-1B", 8, False), ("playbook-3B", 32, False),  # published: tp = 1 fastest
+    ("playbook-8B", 128, True),  # no tp = 1 plan fits: ZeRO-1 without recomputation needs 89.9 GiB a rank
+    ("playbook-3B", 256, True), ("playbook-8B", 256, True),  # tp ahead by 9% and 7%
+    ("playbook-3B", 512, True),
+])
+def test_among_the_plans_nanotron_runs_compile_picks_tensor_parallelism_where_its_runs_did(bench, model, gpus,
+                                                                                           tensor_parallel):
+    chain = bench.llama_chain(bench.MODELS[model], 1, 4096, pipelined=False)
+    plan = solve(chain, gpus, hardware="h100-80g", mixed_precision=bench.BF16, global_batch_size=256,
+                 allow_pipeline=False, **bench.nanotron_options(chain))
+    assert (plan.mesh.tp > 1) == tensor_parallel, plan.mesh.describe()
+    assert {u.strategy for u in plan.units} <= set(bench.ZERO_STAGES.values()) and plan.mesh.dp_replicate == 1
+    assert {u.checkpoint.value for u in plan.units} == {"none"}
