@@ -31,6 +31,7 @@ import math
 import os
 import statistics
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 from scipy.stats import kendalltau
@@ -882,7 +883,7 @@ PICK_SHAPES = [(model, gpus) for gpus in (8, 32, 128, 256, 512) for model in ("p
 """The (model, GPU count) cells where the published runs say whether tensor parallelism wins (issue 14)."""
 
 
-def nanotron_options(chain: BlockChain) -> dict:
+def nanotron_options(chain: BlockChain) -> dict[str, Any]:
     """solve's options that leave only the plans nanotron runs: its ZeRO stages (ZERO_STAGES) over all its dp
     ranks (no replica groups), no recomputation (the published runs set none)."""
     space = dataclasses.replace(default_space(len(chain.blocks)), strategies=tuple(ZERO_STAGES.values()),
@@ -898,7 +899,9 @@ def print_tensor_parallel_picks(hardware: str, nanotron_space: bool = False) -> 
           "at tp 1 / 2 / 4 / 8")
     for model, gpus in PICK_SHAPES:
         chain = llama_chain(MODELS[model], 1, 4096, pipelined=False)
-        for label, options in [("", {})] + ([("  nanotron's plans:", nanotron_options(chain))] if nanotron_space else []):
+        spaces: list[tuple[str, dict[str, Any]]] = [("", {})]
+        spaces += [("  nanotron's plans:", nanotron_options(chain))] if nanotron_space else []
+        for label, options in spaces:
             plan = solve(chain, gpus, hardware=hardware, mixed_precision=BF16, global_batch_size=256,
                          allow_pipeline=False, **options)
             by_tp = {alt.description: alt.step_time_s for alt in plan.reasoning.runner_ups
