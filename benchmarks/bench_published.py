@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_published.py --data runs.csv --hardware h100-80g
     .venv/bin/python benchmarks/bench_published.py --nanotron-zero1   # + nanotron's own ZeRO-1 step
     .venv/bin/python benchmarks/bench_published.py --picks            # what compile picks on the published shapes
+    .venv/bin/python benchmarks/bench_published.py --picks --nanotron-space  # and among the plans nanotron runs
     .venv/bin/python benchmarks/bench_published.py --nanotron-csv bench_final2_mfu2.csv  # crashes by its status
 
 Every row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
@@ -30,16 +31,18 @@ import math
 import os
 import statistics
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 from scipy.stats import kendalltau
 
 from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
-from shardplan.compile import evaluate, solve, tensor_parallel_section
+from shardplan.compile import default_space, evaluate, solve, tensor_parallel_section
 from shardplan.cost import OPTIMIZER_STATE_BYTES_PER_PARAM
 from shardplan.hardware import get_hardware
 from shardplan.solver.search import Configuration
-from shardplan.plan import Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage, Unit
+from shardplan.plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy,
+                           Stage, Unit)
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                             "published-h100", "runs.csv")
@@ -849,12 +852,15 @@ def main() -> None:
     parser.add_argument("--picks", action="store_true",
                         help="only what compile picks on the published shapes (1B/3B/8B at 8-512 GPUs, 256 sequences "
                              "a step) and the best step of each tp degree")
+    parser.add_argument("--nanotron-space", action="store_true",
+                        help="with --picks: each shape's pick again among the plans nanotron runs (ZeRO-0/1 over all "
+                             "its dp ranks, no recomputation)")
     parser.add_argument("--nanotron-zero1", action="store_true",
                         help="add nanotron's own ZeRO-1 step to its rows (blocking fp32 all-reduce, a copy kernel "
                              "per rank and tensor after the gather): what shardplan's shard_optimizer does not do")
     args = parser.parse_args()
     if args.picks:
-        print_tensor_parallel_picks(args.hardware)
+        print_tensor_parallel_picks(args.hardware, nanotron_space=args.nanotron_space)
         return
     rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
     hw = get_hardware(args.hardware)
@@ -877,19 +883,34 @@ PICK_SHAPES = [(model, gpus) for gpus in (8, 32, 128, 256, 512) for model in ("p
 """The (model, GPU count) cells where the published runs say whether tensor parallelism wins (issue 14)."""
 
 
-def print_tensor_parallel_picks(hardware: str) -> None:
+def nanotron_options(chain: BlockChain) -> dict[str, Any]:
+    """solve's options that leave only the plans nanotron runs: its ZeRO stages (ZERO_STAGES) over all its dp
+    ranks (no replica groups), no recomputation (the published runs set none)."""
+    space = dataclasses.replace(default_space(len(chain.blocks)), strategies=tuple(ZERO_STAGES.values()),
+                                checkpoints=(Checkpoint.NONE,))
+    return {"space": space, "allow_replica_groups": False}
+
+
+def print_tensor_parallel_picks(hardware: str, nanotron_space: bool = False) -> None:
     """What compile picks for one sequence of 4096 a rank and 256 sequences a step (tests/test_published.py pins
-    the picks), with the step time of the best plan of each tp degree (the pick's own, or its reasoning's)."""
+    the picks), with the step time of the best plan of each tp degree (the pick's own, or its reasoning's; "-"
+    where none fits); with `nanotron_space`, each shape's pick among nanotron's plans too."""
     print(f"compile on {hardware}, 256 sequences of 4096 a step, no pipelines: step s of its pick; of the best plan "
-          "at tp 2 / 4 / 8")
+          "at tp 1 / 2 / 4 / 8")
     for model, gpus in PICK_SHAPES:
-        plan = solve(llama_chain(MODELS[model], 1, 4096, pipelined=False), gpus, hardware=hardware,
-                     mixed_precision=BF16, global_batch_size=256, allow_pipeline=False)
-        by_tp = {alt.description: alt.step_time_s for alt in plan.reasoning.runner_ups}
-        best = [f"{plan.predicted.step_time_s:.3f}" if tp == plan.mesh.tp else
-                next((f"{t:.3f}" for d, t in by_tp.items() if f"tp={tp} " in d), "-") for tp in (2, 4, 8)]
-        print(f"  {model} {gpus:>3} GPUs: {plan.mesh.describe()} {plan.predicted.step_time_s:.3f} s; "
-              f"{' / '.join(best)}")
+        chain = llama_chain(MODELS[model], 1, 4096, pipelined=False)
+        spaces: list[tuple[str, dict[str, Any]]] = [("", {})]
+        spaces += [("  nanotron's plans:", nanotron_options(chain))] if nanotron_space else []
+        for label, options in spaces:
+            plan = solve(chain, gpus, hardware=hardware, mixed_precision=BF16, global_batch_size=256,
+                         allow_pipeline=False, **options)
+            by_tp = {alt.description: alt.step_time_s for alt in plan.reasoning.runner_ups
+                     if not alt.description.startswith("expert default")}
+            best = [f"{plan.predicted.step_time_s:.3f}" if tp == plan.mesh.tp else
+                    next((f"{t:.3f}" for d, t in by_tp.items() if (f"tp={tp} " in d if tp > 1 else "tp=" not in d)),
+                         "-") for tp in (1, 2, 4, 8)]
+            print(f"  {label or f'{model} {gpus:>3} GPUs:'} {plan.mesh.describe()} {plan.predicted.step_time_s:.3f} s; "
+                  f"{' / '.join(best)}")
 
 
 def print_left_out(left_out: list[Outcome]) -> None:
