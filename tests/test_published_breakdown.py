@@ -1,22 +1,9 @@
 """benchmarks/bench_published.py --breakdown: the single-node budget it prints is what the cost model prices."""
-import importlib.util
-import os
-
 import pytest
 
 from shardplan.cost import CostContext, _block_times_s
 from shardplan.hardware import get_hardware
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_published", os.path.join(HERE, "..", "benchmarks", "bench_published.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from test_published import bench  # noqa: F401 (the fixture: benchmarks/bench_published.py as a module)
 
 
 @pytest.mark.parametrize("model", ["playbook-1B", "playbook-3B"])
