@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_published.py --nanotron-zero1   # + nanotron's own ZeRO-1 step
     .venv/bin/python benchmarks/bench_published.py --picks            # what compile picks on the published shapes
     .venv/bin/python benchmarks/bench_published.py --picks --nanotron-space  # and among the plans nanotron runs
+    .venv/bin/python benchmarks/bench_published.py --breakdown        # a layer's op kinds as priced, one node's rows
     .venv/bin/python benchmarks/bench_published.py --nanotron-csv bench_final2_mfu2.csv  # crashes by its status
 
 Every row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
@@ -842,6 +843,55 @@ def print_what_rows_show(rows: list[Row]) -> None:
     print_by_tp(layer_ms(rows), "pipeline", "{:.1f}")
 
 
+def op_breakdown(dims: LlamaDims, hw) -> dict[str, list[tuple[str, float, float, float]]]:
+    """What the profile prices of one sequence of 4096 tokens on one rank at tp = 1, forward and backward, for a
+    decoder layer and for the head (the final norm, the LM head and the fp32 loss): per op kind its seconds, FLOPs
+    and bytes, as cost.py prices a micro-batch of one sequence (each call's fixed cost and its factor included)."""
+    chain = llama_chain(dims, 1, 4096, pipelined=False)
+    found: dict[str, list[tuple[str, float, float, float]]] = {}
+    for block in (chain.blocks[1], chain.blocks[-1]):
+        merged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        for kind in block.fwd_kinds + block.bwd_kinds:
+            seconds = hw.compute_time_s(kind.flops, kind.bytes, "bfloat16", calls=kind.calls, op=kind.name)
+            name = "mm" if kind.name == "mm" else kind.name.removesuffix("_backward")
+            for i, value in enumerate((seconds, kind.flops, kind.bytes)):
+                merged[name][i] += value
+        found["head" if block.name == "lm_head" else "layer"] = [(name, *values) for name, values in merged.items()]
+    return found
+
+
+def per_sequence_s(rows: list[Row], model: str, hw) -> dict[int, tuple[float, float]]:
+    """(measured, predicted) seconds a rank takes a sequence in the one-node rows of `model` at tp = pp = 1, by
+    micro-batch size (the fastest measured row of each): what op_breakdown's layers and head, with the
+    per-micro-batch and per-step terms, add up to."""
+    found: dict[int, tuple[float, float]] = {}
+    single = [r for r in rows if r.model == model and r.n_gpus == 8 and r.tp == r.pp == 1 and r.ran
+              and r.tokens_per_s_per_gpu]
+    for outcome in predict(single, hw):
+        row = outcome.row
+        sequences = row.micro_batch_size * row.grad_accum
+        seconds = (step_s(row) / sequences, step_s(dataclasses.replace(
+            row, tokens_per_s_per_gpu=outcome.tokens_per_s_per_gpu)) / sequences)
+        found[row.micro_batch_size] = min(seconds, found.get(row.micro_batch_size, (math.inf, 0.0)))
+    return dict(sorted(found.items()))
+
+
+def print_op_breakdown(rows: list[Row], hw) -> None:
+    """The single-node budget (docs: issue 15): each op kind of a layer and of the head as priced, with the rate
+    it implies, beside what the published one-node rows took a sequence."""
+    for model in ("playbook-1B", "playbook-3B"):
+        dims = MODELS[model]
+        print(f"\n{model} on {hw.name}, one sequence of 4096 tokens, tp = 1, forward + backward:")
+        for part, kinds in op_breakdown(dims, hw).items():
+            for name, seconds, flops, nbytes in kinds:
+                rate = f"{flops / seconds / 1e12:.0f} TFLOP/s" if flops else f"{nbytes / seconds / 1e12:.2f} TB/s"
+                print(f"  {part} {name}: {seconds * 1e3:.3f} ms ({rate})")
+            print(f"  {part}: {sum(k[1] for k in kinds) * 1e3:.2f} ms")
+        print("  a sequence on 8 GPUs at tp = pp = 1, measured / predicted, by micro-batch size: " + ", ".join(
+            f"{mbs}: {measured * 1e3:.1f} / {predicted * 1e3:.1f} ms"
+            for mbs, (measured, predicted) in per_sequence_s(rows, model, hw).items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
@@ -858,12 +908,18 @@ def main() -> None:
     parser.add_argument("--nanotron-zero1", action="store_true",
                         help="add nanotron's own ZeRO-1 step to its rows (blocking fp32 all-reduce, a copy kernel "
                              "per rank and tensor after the gather): what shardplan's shard_optimizer does not do")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="only the single-node budget: each op kind of a layer and of the head as priced, beside "
+                             "what the one-node tp = pp = 1 rows took a sequence")
     args = parser.parse_args()
     if args.picks:
         print_tensor_parallel_picks(args.hardware, nanotron_space=args.nanotron_space)
         return
     rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
     hw = get_hardware(args.hardware)
+    if args.breakdown:
+        print_op_breakdown(rows, hw)
+        return
     outcomes = predict(rows, hw, nanotron_zero1=args.nanotron_zero1)
     print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name} "
           f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")

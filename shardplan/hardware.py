@@ -5,7 +5,8 @@ The cost model reads a profile only through `HardwareModel`, so a calibrated pro
 
 [Note: model times measured correction]
 Both time formulas are a physical model times measured factors:
-- an op: roofline of peak FLOP/s x efficiency(FLOPs per call) against memory bandwidth,
+- an op: roofline of peak FLOP/s x efficiency(FLOPs per call) x the share of it sustained at the
+  power limit against memory bandwidth,
   times the factor measured for that op by name, read off its curve by one call's roofline
   seconds (a GELU on one CPU thread is bound by its arithmetic, not by memory);
 - a collective: alpha + bus bytes / bandwidth (alpha-beta, fitted by least squares),
@@ -79,6 +80,11 @@ class MatmulRate:
     """Dense matmul FLOP/s: the datasheet peak, or the best a calibration measured."""
     efficiency: SizeCurve
     """Share of the peak one call reaches, by its FLOP count (small matmuls cannot fill the device)."""
+    sustained_share: float = 1.0
+    """Share of the efficiency curve's rate the device keeps up through a training step: a curve timed in
+    short runs (a microbenchmark's GEMMs at the boost clock) overstates what a GPU computing for seconds at
+    its power limit sustains, whose clock falls. 1 where the curve was timed sustained (a calibration on
+    this machine) or nothing was measured."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -225,6 +231,11 @@ class HardwareProfile:
         if self.usable_memory_fraction > 1:
             raise HardwareError(f"hardware profile {self.name!r}: usable_memory_fraction is "
                                 f"{self.usable_memory_fraction}, must be at most 1: it is a share of device memory")
+        for dtype, rate in self.matmul.items():
+            if rate.sustained_share > 1:
+                raise HardwareError(f"hardware profile {self.name!r}: matmul.{dtype}.sustained_share is "
+                                    f"{rate.sustained_share}, must be at most 1: it is the share of the measured "
+                                    "rate a step sustains")
         for where, value in (("intra_node.in_step_wait_s", self.intra_node.in_step_wait_s),
                              ("inter_node.in_step_wait_s", self.inter_node.in_step_wait_s),
                              ("intra_node.latency_per_node_doubling_s", self.intra_node.latency_per_node_doubling_s),
@@ -268,7 +279,7 @@ class HardwareProfile:
         arithmetic_s = 0.0
         if flops > 0:
             rate = self._matmul_rate(dtype)
-            arithmetic_s = flops / (rate.peak_flops_per_s * rate.efficiency.at(flops / calls))
+            arithmetic_s = flops / (rate.peak_flops_per_s * rate.efficiency.at(flops / calls) * rate.sustained_share)
         memory_s = bytes_moved / self.memory_bandwidth_bytes_per_s
         roofline_s = max(arithmetic_s, memory_s)
         factor = self.op_time_factors[op].at(roofline_s / calls) if op in self.op_time_factors else 1.0

@@ -163,6 +163,27 @@ def test_compute_time_op_factor_scales_the_roofline_not_the_fixed_cost():
     assert profile.compute_time_s(0, 1e9, op="add") == profile.compute_time_s(0, 1e9) == pytest.approx(1e-5 + 1e-2)
 
 
+def test_a_step_sustains_its_share_of_the_measured_matmul_rate():
+    """Only the arithmetic slows at the power limit: the fixed cost and memory-bound ops do not."""
+    sustained = make_profile(matmul={"float32": MatmulRate(peak_flops_per_s=1e12, efficiency=SizeCurve(
+        points=((1e6, 0.1), (1e10, 0.9))), sustained_share=0.5)})
+    assert sustained.compute_time_s(1e10, 1e3) == pytest.approx(1e-5 + 1e10 / (1e12 * 0.9 * 0.5))
+    assert sustained.compute_time_s(1e6, 1e9) == make_profile().compute_time_s(1e6, 1e9)
+
+
+def test_an_h100_step_runs_a_4096_cube_matmul_at_its_sustained_rate():
+    """A 4096^3 bf16 matmul: 781 TFLOP/s in a burst at 1980 MHz, 743 held at the 700 W limit (ml-engineering's
+    mamf-finder); XLA's table, the profile's curve, has the burst figure (783)."""
+    flops = 2 * 4096**3
+    for name in ("h100-80g", "h200"):
+        hw = get_hardware(name)
+        burst = dataclasses.replace(hw, matmul={dtype: dataclasses.replace(rate, sustained_share=1.0)
+                                                for dtype, rate in hw.matmul.items()})
+        step_s, burst_s = (profile.compute_time_s(flops, 3 * 2 * 4096**2, "bfloat16") - profile.op_overhead_s
+                           for profile in (hw, burst))
+        assert burst_s / step_s == pytest.approx(743 / 781, abs=0.005)
+
+
 def test_usable_memory():
     assert make_profile().usable_memory_bytes == int(10 * 2**30 * 0.8)
     # the runtime's own memory (CUDA context, NCCL buffers) comes off before the allocator's share
@@ -244,6 +265,10 @@ def _edited(mutate) -> str:
     (lambda d: d["intra_node"].update(in_step_wait_s=-1e-3), ["intra_node.in_step_wait_s is -0.001", "0 or more"]),
     (lambda d: d.update(collective_compute_share=1.0), ["collective_compute_share is 1.0", "below 1"]),
     (lambda d: d.update(collective_compute_share=-0.1), ["collective_compute_share is -0.1", "0 or more"]),
+    (lambda d: d["matmul"]["float32"].update(sustained_share=1.2), ["matmul.float32.sustained_share is 1.2",
+                                                                   "at most 1"]),
+    (lambda d: d["matmul"]["float32"].update(sustained_share=0), ["matmul.float32.sustained_share is 0",
+                                                                 "positive"]),
 ])
 def test_validation_errors(mutate, fragments):
     with pytest.raises(HardwareError) as error:
@@ -256,6 +281,14 @@ def test_a_profile_written_before_op_factors_loads_without_them():
     data = json.loads(make_profile(op_time_factors={"gelu": SizeCurve(points=((1e-4, 2.5),))}).to_json())
     data.pop("op_time_factors")
     assert HardwareProfile.from_json(json.dumps(data)) == make_profile()
+
+
+def test_a_profile_written_before_sustained_shares_computes_at_its_measured_rate():
+    data = json.loads(make_profile().to_json())
+    for rate in data["matmul"].values():
+        rate.pop("sustained_share")
+    assert HardwareProfile.from_json(json.dumps(data)) == make_profile()
+    assert make_profile().matmul["float32"].sustained_share == 1.0
 
 
 def test_validation_on_construction():

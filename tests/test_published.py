@@ -139,11 +139,12 @@ GEMMS_ON_H100 = [  # XLA's sm_90 matmul table, bf16: (b, m, n, k, measured TFLOP
 @pytest.mark.parametrize("b, m, n, k, measured_tflops", GEMMS_ON_H100)
 def test_a_matmul_runs_at_the_rate_cublas_measured_at_its_size(b, m, n, k, measured_tflops):
     """A tensor-parallel slice's GEMM (1e9-1e10 FLOPs) runs at 25-50% of the peak, not the 45-70% the
-    generic curve read; a large one at ~80%."""
+    generic curve read; a large one at ~80%, in a burst (a step sustains matmul.sustained_share of it)."""
     hw = get_hardware("h100-80g")
     flops = 2 * b * m * n * k
     seconds = hw.compute_time_s(flops, 2 * b * (m * k + k * n + m * n), "bfloat16") - hw.op_overhead_s
-    assert 0.75 < (flops / seconds) / (measured_tflops * 1e12) < 1.3
+    burst = flops / seconds / hw.matmul["bfloat16"].sustained_share
+    assert 0.75 < burst / (measured_tflops * 1e12) < 1.3
 
 
 @pytest.mark.parametrize("model, gpus, micro_batch_size, measured", [
