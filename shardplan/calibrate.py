@@ -649,14 +649,15 @@ def selective_op_overhead_s(seconds: dict) -> float:
 
 # [Note: views' fixed cost]
 # A view (view, transpose, expand, permute, a split's pieces) runs no kernel, so the cost model's op
-# kinds price it nothing; on a CPU rank each still costs the host about what a one-element multiply
-# does (2.5 us here in one process): Python's call, the dispatcher, autograd's view tracking, and in
-# backward a view of its gradient. T5 dispatches 311 of them a forward beside 525 kernels (Llama
-# 125 beside 210), and full checkpointing dispatches them again. So the calibration times a chain of
-# _VIEW_PROBE_LENGTH transposes of a tiny leaf forward and backward, with and without the chain; the
-# difference over its dispatches, one each way a transpose, is the profile's view_overhead_s, which
-# the cost model charges each dispatch no op kind prices (cost.unpriced_dispatches) in forward, in
-# backward and in recompute.
+# kinds price it nothing; on a CPU rank each still costs the host, forward and backward, what a
+# one-element multiply's kernel does (2.5 us here in one process): Python's call, the dispatcher,
+# autograd's view tracking, and in backward a view of its gradient. T5 dispatches 311 of them a
+# forward beside 525 kernels (Llama 125 beside 210), and full checkpointing dispatches them again.
+# So the calibration times a chain of _VIEW_PROBE_LENGTH transposes of a tiny leaf forward and
+# backward, with and without the chain; the difference over its dispatches, one each way a
+# transpose, is the profile's view_overhead_s (1.2-1.3 us on 2 ranks here), which the cost model
+# charges each dispatch no op kind prices (cost.unpriced_dispatches) in forward, in backward and in
+# recompute.
 _VIEW_PROBE_LENGTH = 32
 
 

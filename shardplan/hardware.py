@@ -216,8 +216,8 @@ class HardwareProfile:
     """Fixed cost of one dispatch that runs no kernel the compute prices: a view (transpose, view,
     expand) or an op that moves nothing (_unsafe_view). Each costs the host its dispatch and
     autograd's view tracking, and its backward dispatches a view again (calibrate.py, [Note: views'
-    fixed cost]): 2.5 us a dispatch here, as much as a one-element multiply, where T5 dispatches 311
-    of them a forward. 0: not measured (the built-in profiles; on a GPU, the host runs ahead of the kernels)."""
+    fixed cost]): 1.2-1.3 us a dispatch on 2 CPU ranks here, where T5 dispatches 311 views a forward.
+    0: not measured (the built-in profiles; on a GPU, the host runs ahead of the kernels)."""
 
     def __post_init__(self) -> None:
         for where, value in _figures(self, ""):

@@ -1,6 +1,7 @@
 """What T5's step held beside its priced kernels (issue 22): views' dispatches, priced nothing, cost the host
-about a one-element multiply each ([Note: views' fixed cost] in calibrate.py), and attention with a learned
-bias runs `_safe_softmax` and bmm, which no op workload ran (op_factors.BiasedAttention)."""
+about a one-element multiply's kernel each, forward and backward ([Note: views' fixed cost] in calibrate.py),
+and attention with a learned bias runs `_safe_softmax` and bmm, which no op workload ran
+(op_factors.BiasedAttention)."""
 import dataclasses
 import json
 import time
@@ -69,9 +70,8 @@ def test_profiles_of_earlier_calibrations_load_without_it_and_a_negative_one_is_
         HardwareProfile.from_json(json.dumps(data))
 
 
-def test_a_view_costs_the_host_more_than_a_bare_kernel_call_here():
-    """Fastest of rounds, so a loaded machine only narrows the margin (2.5 us a dispatch against a bare
-    call's 0.8 on the project's CPU)."""
+def test_a_views_dispatch_costs_the_host_about_a_bare_kernel_call_here():
+    """Fastest of rounds (1.25 us a dispatch against a bare call's 0.8 on the project's CPU, one process)."""
     probes = view_probes(torch.device("cpu"))
     one = torch.ones(1)
     seconds = {}
@@ -84,7 +84,7 @@ def test_a_view_costs_the_host_more_than_a_bare_kernel_call_here():
                 call()
             fastest = min(fastest, (time.perf_counter() - start) / 200)
         seconds[key] = fastest
-    assert view_overhead_s(seconds) > 1.2 * seconds["bare"]
+    assert view_overhead_s(seconds) > 0.5 * seconds["bare"]
 
 
 def test_the_calibration_prices_a_biased_attentions_safe_softmax_by_its_arithmetic():
@@ -92,6 +92,6 @@ def test_the_calibration_prices_a_biased_attentions_safe_softmax_by_its_arithmet
     calls = time_op_calls_s([biased_attention(device)], device, rounds=2)
     assert {"_safe_softmax", "bmm"} <= {name for name, *_ in calls}
     factors = fit_op_factors(get_hardware("cpu-gloo"), calls, kernel_overhead_s=1e-6)
-    # bound by its exp, as a softmax: 8-9x its bytes' time on the project's CPU
+    # bound by its exp, as a softmax: 9-10x its bytes' time on the project's CPU
     assert min(factor for _, factor in factors["_safe_softmax"].points) > 2.5
     assert "bmm" in factors
