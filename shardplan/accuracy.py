@@ -121,6 +121,7 @@ def shared_cores(hardware: HardwareProfile, ranks: int, cores: int) -> HardwareP
                 for dtype, rate in hardware.matmul.items()},
         memory_bandwidth_bytes_per_s=hardware.memory_bandwidth_bytes_per_s * share,
         op_overhead_s=hardware.op_overhead_s / share, selective_op_overhead_s=hardware.selective_op_overhead_s / share,
+        view_overhead_s=hardware.view_overhead_s / share,
         op_fixed_costs_s={op: seconds / share for op, seconds in hardware.op_fixed_costs_s.items()},
         intra_node=link(hardware.intra_node),
         inter_node=link(hardware.inter_node),

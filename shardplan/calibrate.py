@@ -6,6 +6,7 @@ Every figure is the fastest of several rounds (see [Note: the fastest of interle
   the fixed cost of a kernel in a training step (a bare call's, without autograd, is taken out
   of the timed matmuls and ops); a tiny transformer layer with and without selective
   checkpointing: what its dispatch modes add to each op ([Note: selective checkpointing's modes]);
+  a chain of views forward and backward: a view's fixed cost ([Note: views' fixed cost]);
 - every kernel of a training step of a few models: each ATen op's time over its roofline
   ([Note: op time factors]);
 - all_gather_into_tensor, reduce_scatter_tensor and all_reduce over 6 KB-380 MB, the ranks
@@ -151,6 +152,8 @@ class Measurements:
     selective_op_overhead_s: float = 0.0
     """What selective checkpointing adds to each op a forward dispatches ([Note: selective
     checkpointing's modes]); 0: not measured."""
+    view_overhead_s: float = 0.0
+    """Fixed cost of a view's dispatch in a training step ([Note: views' fixed cost]); 0: not measured."""
 
 
 def calibrate(world_size: int = 2, backend: str | None = None, sizes: tuple[int, ...] | None = None,
@@ -285,7 +288,7 @@ def summary(profile: HardwareProfile) -> str:
     for dtype, rate in sorted(profile.matmul.items()):
         lines.append(f"  matmul {dtype}: peak {rate.peak_flops_per_s / 1e9:.1f} GFLOP/s")
     lines.append(f"  memory: {profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
-                 f"op overhead {profile.op_overhead_s * 1e6:.2f} us, "
+                 f"op overhead {profile.op_overhead_s * 1e6:.2f} us, view {profile.view_overhead_s * 1e6:.2f} us, "
                  f"selective checkpointing {profile.selective_op_overhead_s * 1e6:.2f} us an op")
     if profile.op_time_factors:
         examples = [f"{name} {_factor_range(profile.op_time_factors[name])}" for name in _SUMMARY_OPS
@@ -330,9 +333,11 @@ def fit_profile(m: Measurements) -> HardwareProfile:
                 "inter_node copies intra_node (measured on one machine)"))
     profile = dataclasses.replace(profile, op_time_factors=fit_op_factors(profile, m.op_calls, m.kernel_overhead_s))
     # A GPU's clock synchronizes after each call, which a step does not: its small calls would read the
-    # synchronization as their fixed cost, where a step queues them behind the kernels before.
+    # synchronization as their fixed cost, where a step queues them behind the kernels before. Nor do
+    # views cost a GPU's step time: the host dispatches them while the device runs the kernels before.
     fixed_costs = fit_op_fixed_costs(profile, m.op_calls, m.kernel_overhead_s) if on_cpu else {}
-    return dataclasses.replace(profile, op_fixed_costs_s=fixed_costs)
+    return dataclasses.replace(profile, op_fixed_costs_s=fixed_costs,
+                               view_overhead_s=m.view_overhead_s if on_cpu else 0.0)
 
 
 def fit_matmul(points: "list[tuple[float, float]] | tuple", kernel_overhead_s: float) -> MatmulRate:
@@ -642,6 +647,38 @@ def selective_op_overhead_s(seconds: dict) -> float:
     return max(0.0, extra_s / dispatches)
 
 
+# [Note: views' fixed cost]
+# A view (view, transpose, expand, permute, a split's pieces) runs no kernel, so the cost model's op
+# kinds price it nothing; on a CPU rank each still costs the host, forward and backward, what a
+# one-element multiply's kernel does (2.5 us here in one process): Python's call, the dispatcher,
+# autograd's view tracking, and in backward a view of its gradient. T5 dispatches 311 of them a
+# forward beside 525 kernels (Llama 125 beside 210), and full checkpointing dispatches them again.
+# So the calibration times a chain of _VIEW_PROBE_LENGTH transposes of a tiny leaf forward and
+# backward, with and without the chain; the difference over its dispatches, one each way a
+# transpose, is the profile's view_overhead_s (1.2-1.3 us on 2 ranks here), which the cost model
+# charges each dispatch no op kind prices (cost.unpriced_dispatches) in forward, in backward and in
+# recompute.
+_VIEW_PROBE_LENGTH = 32
+
+
+def view_probes(device: torch.device) -> dict[str, Probe]:
+    """A tiny leaf's sum, forward and backward, after ("views") and without ("views plain") a chain of
+    _VIEW_PROBE_LENGTH transposes ([Note: views' fixed cost])."""
+    leaf = torch.ones(2, 2, device=device, requires_grad=True)
+
+    def views() -> None:
+        value = leaf
+        for _ in range(_VIEW_PROBE_LENGTH):
+            value = value.t()
+        value.sum().backward()
+    return {"views": Probe(call=views, loop=True), "views plain": Probe(call=lambda: leaf.sum().backward(), loop=True)}
+
+
+def view_overhead_s(seconds: dict) -> float:
+    """The profile's view_overhead_s from the probes' figures: one view dispatch, forward or backward."""
+    return max(0.0, (seconds["views"] - seconds["views plain"]) / (2 * _VIEW_PROBE_LENGTH))
+
+
 def _calibration_probes(sweep: Sweep, device: torch.device) -> dict:
     probes: dict[tuple | str, Probe] = {("matmul", dtype, n, n, n): matmul_probe(n, n, n, dtype, device)
               for dtype in sweep.dtypes for n in sweep.matmul_sizes}
@@ -653,7 +690,7 @@ def _calibration_probes(sweep: Sweep, device: torch.device) -> dict:
     probes["bare op"] = Probe(call=lambda: one + one, loop=True)
     points = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.collective_sizes_bytes]
     in_step = [(kind, nbytes) for kind in COLLECTIVES for nbytes in sweep.in_step_sizes_bytes]
-    return (probes | selective_op_probes(device) | collective_probes(points, device)
+    return (probes | selective_op_probes(device) | view_probes(device) | collective_probes(points, device)
             | collective_probes(in_step, device, in_step=True))
 
 
@@ -670,7 +707,7 @@ def _measurements(sweep: Sweep, seconds: dict, op_calls: tuple, device: torch.de
                   for dtype in sweep.dtypes},
         copy_bytes=sweep.copy_bytes, copy_s=seconds["copy"], op_overhead_s=seconds["op"] / _TRAINING_OP_KERNELS,
         kernel_overhead_s=seconds["bare op"],
-        selective_op_overhead_s=selective_op_overhead_s(seconds),
+        selective_op_overhead_s=selective_op_overhead_s(seconds), view_overhead_s=view_overhead_s(seconds),
         collective_s={kind: tuple((nbytes, seconds[kind, nbytes]) for nbytes in sweep.collective_sizes_bytes)
                       for kind in COLLECTIVES},
         in_step_collective_s={kind: tuple((nbytes, seconds[IN_STEP, kind, nbytes])

@@ -76,6 +76,8 @@ Time, by component (per step):
   (plan.SELECTIVE_SAVED_OPS; a hand-built block: its memory-bound ops), priced as
   in compute, and its dispatch modes add the profile's selective_op_overhead_s to
   every op the forward dispatches (Block.fwd_dispatches).
+- views: each dispatch no op kind prices (a view; cost.unpriced_dispatches) costs the profile's
+  view_overhead_s in forward, again in backward (autograd's view of its gradient) and in any recompute.
 - exposed_comm: collectives not hidden by compute, each with the in-step wait
   the profile adds (hardware.py). The all-gather of the next
   unit (unit i+1 in forward, i-1 in backward) is issued when a prefetching unit
@@ -372,7 +374,8 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
     bytes, all of its parameter bytes); selective checkpointing re-runs every forward op but the
     matmul-like ones it keeps (SELECTIVE_SAVED_OPS), and its dispatch modes cost each op the
     forward dispatches a fixed cost of their own (views included; they see it in forward and in
-    recompute: 30-60 us an op on a CPU rank, ten times a kernel's).
+    recompute: 30-60 us an op on a CPU rank, ten times a kernel's). Views cost their own fixed cost
+    in forward, backward and any recompute (unpriced_dispatches).
     A chain built by hand has only totals: its FLOP-counted ops are priced together by roofline
     over the parameters and the block's input and output, its memory-bound ops by their bytes."""
     hw = ctx.hardware
@@ -382,9 +385,10 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
             return hw.compute_time_s(kind.flops / ctx.num_micro_batches, moved, ctx.param_dtype, calls=kind.calls,
                                      op=kind.name)
         fwd = [kind_s(kind) for kind in block.fwd_kinds]
+        views_s = unpriced_dispatches(block) * hw.view_overhead_s
         selective = (sum(s for kind, s in zip(block.fwd_kinds, fwd) if not kept_by_selective(kind.name))
-                     + block.fwd_dispatches * hw.selective_op_overhead_s)
-        return sum(fwd), sum(kind_s(kind) for kind in block.bwd_kinds), selective
+                     + views_s + block.fwd_dispatches * hw.selective_op_overhead_s)
+        return sum(fwd) + views_s, sum(kind_s(kind) for kind in block.bwd_kinds) + views_s, selective
     moved = block.param_numel * dtype_bytes(ctx.param_dtype) + _per_micro_batch(block.input_bytes + block.output_bytes,
                                                                               ctx)
     fwd_memory_s = _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx)
@@ -392,6 +396,13 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
             _arithmetic_s(hw, block.bwd_flops, 2 * moved, block.bwd_ops, ctx)
             + _memory_bound_s(hw, block.bwd_memory_bytes, block.bwd_ops, ctx),
             fwd_memory_s)
+
+
+def unpriced_dispatches(block: Block) -> int:
+    """Ops the block's forward dispatches that no op kind prices: views, and ops that move nothing
+    (_unsafe_view). Each costs the profile's view_overhead_s in forward, and again in backward,
+    where autograd dispatches a view of its gradient ([Note: views' fixed cost] in calibrate.py)."""
+    return max(0, block.fwd_dispatches - sum(kind.calls for kind in block.fwd_kinds if kind.flops or kind.bytes))
 
 
 def _memory_bound_s(hw: HardwareModel, memory_bytes: int, ops: int, ctx: CostContext) -> float:

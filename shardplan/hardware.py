@@ -161,6 +161,10 @@ class HardwareModel(Protocol):
         """What selective checkpointing adds to each op a block's forward dispatches
         (HardwareProfile.selective_op_overhead_s)."""
 
+    @property
+    def view_overhead_s(self) -> float:
+        """Fixed cost of a dispatch that runs no priced kernel, a view (HardwareProfile.view_overhead_s)."""
+
     def collective_time_s(self, kind: str, nbytes: float, group_size: int, *, in_step: bool = True,
                           ranks_per_node: int = 0) -> float:
         """Time of one collective of `kind` whose full buffer is `nbytes`, over `group_size` ranks."""
@@ -214,6 +218,12 @@ class HardwareProfile:
     """Fixed cost selective checkpointing adds to each op a block's forward dispatches, views
     included (Block.fwd_dispatches): its dispatch modes, in Python, see every op in forward and
     again in recompute (calibrate.py, [Note: selective checkpointing's modes]). 0: not measured."""
+    view_overhead_s: float = 0.0
+    """Fixed cost of one dispatch that runs no kernel the compute prices: a view (transpose, view,
+    expand) or an op that moves nothing (_unsafe_view). Each costs the host its dispatch and
+    autograd's view tracking, and its backward dispatches a view again (calibrate.py, [Note: views'
+    fixed cost]): 1.2-1.3 us a dispatch on 2 CPU ranks here, where T5 dispatches 311 views a forward.
+    0: not measured (the built-in profiles; on a GPU, the host runs ahead of the kernels)."""
 
     def __post_init__(self) -> None:
         for where, value in _figures(self, ""):
@@ -245,7 +255,8 @@ class HardwareProfile:
                              ("intra_node.ring_latency_per_local_rank_s", self.intra_node.ring_latency_per_local_rank_s),
                              ("inter_node.ring_latency_per_local_rank_s", self.inter_node.ring_latency_per_local_rank_s),
                              ("runtime_reserved_bytes", self.runtime_reserved_bytes),
-                             ("selective_op_overhead_s", self.selective_op_overhead_s)):
+                             ("selective_op_overhead_s", self.selective_op_overhead_s),
+                             ("view_overhead_s", self.view_overhead_s)):
             if not _is_non_negative(value):
                 raise HardwareError(f"hardware profile {self.name!r}: {where} is {value!r}, must be a finite "
                                     "number, 0 or more")
@@ -424,7 +435,7 @@ def _figures(value: object, where: str) -> Iterator[tuple[str, object]]:
 
 _NOT_FIGURES = ("name", "source", "overlaps_communication", "collective_compute_share", "in_step_wait_s",
                 "latency_per_node_doubling_s", "ring_latency_per_node_s", "ring_latency_per_local_rank_s",
-                "runtime_reserved_bytes", "selective_op_overhead_s")
+                "runtime_reserved_bytes", "selective_op_overhead_s", "view_overhead_s")
 """Fields that are not positive figures (a wait, a latency step, a reserve, a cost not measured may be 0:
 checked on their own)."""
 

@@ -48,7 +48,7 @@ def op_workloads(device: torch.device) -> list[zoo.ZooModel]:
                 zoo.residual_cnn(batch=16, size=32, device=device),
                 zoo.encoder_decoder(batch=8, seq=128, device=device),
                 *(pointwise_ops(rows, device) for rows in (128, 512)),
-                routing_ops(device)]
+                routing_ops(device), biased_attention(device)]
 
 
 class PointwiseOps(torch.nn.Module):
@@ -107,6 +107,36 @@ def routing_ops(device: torch.device, tokens: int = 128, width: int = 64, expert
     """RoutingOps of `tokens` rows over `experts` experts: calls of a few kB, all fixed cost."""
     with torch.device(device):
         return zoo.ZooModel(RoutingOps(width, experts), (torch.randn(tokens, width),), {})
+
+
+class BiasedAttention(torch.nn.Module):
+    """Attention with a learned additive bias on its scores (T5's relative position bias), forward and
+    backward. A mask that needs a gradient takes scaled_dot_product_attention's math path: scores by
+    bmm, a `_safe_softmax` (a softmax that zeroes fully masked rows: isneginf, all, where, one call),
+    bmm again. No other workload runs those two. In T5's 2-rank step `_safe_softmax` took 390 us a
+    call where its bytes price 42 (it is bound by its exp, as a softmax is), and bmm 12% over the
+    matmul rate of its size: 8 ms a step under full checkpointing, unpriced. The bias has the
+    scores' whole shape, so its add is an add of equal shapes, as the models' others are."""
+
+    def __init__(self, width: int, heads: int, batch: int, seq: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width, bias=False)
+        self.bias = torch.nn.Parameter(torch.zeros(batch, heads, seq, seq))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).sum()
+
+
+def biased_attention(device: torch.device, batch: int = 2, seq: int = 256, width: int = 256,
+                     heads: int = 4) -> zoo.ZooModel:
+    """BiasedAttention of `batch` x `seq` tokens, heads of 64: scores of 2 MB, as a small model's
+    attention. With heads of 32 the 2-rank calibrations read bmm at 1.27-1.34x the matmul rate, with
+    heads of 64 at 1.07-1.17x; T5's, of 64, ran at 1.12-1.14x in its step."""
+    with torch.device(device):
+        return zoo.ZooModel(BiasedAttention(width, heads, batch, seq), (torch.randn(batch, seq, width),), {})
 
 
 # [Note: the step's own kernels]

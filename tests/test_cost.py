@@ -26,6 +26,8 @@ class LinearHardware:
 
     selective_op_overhead_s = 0.0
 
+    view_overhead_s = 0.0
+
     collective_compute_share = 0.0
 
     def compute_time_s(self, flops, bytes_moved, dtype="float32", *, calls=1, op=""):
