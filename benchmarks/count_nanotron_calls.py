@@ -197,9 +197,13 @@ def build(tp: int, zero: int):
         for param in model.parameters():
             param.normal_(0, 0.02)
     named = list(model.get_named_params_with_correct_tied())
-    accumulator = FP32GradientAccumulator(named_parameters=named, grad_buckets_named_params=named)
-    if zero:  # what ZeRO-1 at dp 1 gives the accumulator: each parameter's whole range (helpers.py line 404)
-        accumulator.assign_param_offsets({name: {0: (0, p.numel())} for name, p in named}, dp_rank=0)
+    if not zero:
+        return model, FP32GradientAccumulator(named_parameters=named), context, parallelism.pp_engine
+    # ZeRO-1 at dp 1 as helpers.py lines 363-404 build it: the optimizer's parameters are flat slices (the
+    # whole of each here), every parameter keeps its gradient buffer, and the accumulator gets the offsets
+    accumulator = FP32GradientAccumulator(named_parameters=[(name, p.view(-1)) for name, p in named],
+                                          grad_buckets_named_params=named)
+    accumulator.assign_param_offsets({name: {0: (0, p.numel())} for name, p in named}, dp_rank=0)
     return model, accumulator, context, parallelism.pp_engine
 
 
