@@ -413,7 +413,7 @@ def zero1_runtime_s(row: Row, chain: BlockChain, dims: LlamaDims, hw) -> float:
     return reduce_s + copies_s
 
 
-NANOTRON_HOST_CALLS = {"layer": 270, "embedding": 20, "head": 60, "boundary": 90}
+NANOTRON_HOST_CALLS = {"layer": 220, "embedding": 23, "head": 101, "boundary": 90}
 """ATen calls nanotron's host dispatches a micro-batch (read from its code at 2411b022, which matches e24d2483 on
 these paths; no profiler): a decoder layer's forward ~105 (models/llama.py 437-481, 675-759: fused qkv and
 gate_up column linears with their async all-gather, MemoryBuffer views, the qkv permute and kv copy, flash rotary,

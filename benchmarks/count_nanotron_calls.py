@@ -58,23 +58,22 @@ def extract(mirror: str, ref: str, path: str, into: str) -> None:
 
 
 class Counting:
-    """The TorchDispatchMode's bookkeeping: which block and phase an op belongs to, and whether a stub's own
-    work is running (not counted)."""
+    """The TorchDispatchMode's bookkeeping: which block and phase an op belongs to, and whether it counts."""
 
     def __init__(self):
         self.ops: Counter = Counter()
         self.launches: Counter = Counter()
         self.where = ("engine", "forward")
-        self.micro_batch = -1
-        self.paused = False
+        self.on = False
 
     def launch(self, kind: str, count: int = 1) -> None:
-        if self.micro_batch == COUNTED_MICRO_BATCH:
+        if self.on:
             self.launches[self.where + (kind,)] += count
 
 
-COUNTED_MICRO_BATCH = 1
 COUNT = Counting()
+MICRO_BATCHES = 2
+"""A step's micro-batches; the second step is counted (the first builds caches and buffers) and divided."""
 
 
 def kind_of(func) -> str:
@@ -166,14 +165,14 @@ def dispatch_counter():
 
     class Dispatched(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if COUNT.micro_batch == COUNTED_MICRO_BATCH and not COUNT.paused:
+            if COUNT.on:
                 COUNT.ops[COUNT.where + (kind_of(func), func.name())] += 1
             return func(*args, **(kwargs or {}))
 
     return OnCpu(), Dispatched()
 
 
-def build(tp: int, zero: int):
+def build(tp: int, pp: int, zero: int):
     import torch
     from nanotron.config import LlamaConfig, ParallelismArgs
     from nanotron.models import build_model
@@ -187,9 +186,9 @@ def build(tp: int, zero: int):
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
                          num_hidden_layers=LAYERS, vocab_size=256, max_position_embeddings=SEQ, rms_norm_eps=1e-5,
                          tie_word_embeddings=True)
-    parallelism = ParallelismArgs(dp=1, pp=1, tp=tp, pp_engine=OneForwardOneBackwardPipelineEngine(),
+    parallelism = ParallelismArgs(dp=1, pp=pp, tp=tp, pp_engine=OneForwardOneBackwardPipelineEngine(),
                                   tp_mode=TensorParallelLinearMode.REDUCE_SCATTER, tp_linear_async_communication=True)
-    context = ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_size=1)
+    context = ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=1)
     model = build_model(model_builder=lambda: LlamaForTraining(config, context, parallelism), parallel_context=context,
                         dtype=torch.bfloat16, device=torch.device("cpu"))
     mark_tied_parameters(model=model, parallel_context=context, parallel_config=parallelism)
@@ -207,14 +206,31 @@ def build(tp: int, zero: int):
     return model, accumulator, context, parallelism.pp_engine
 
 
-def instrument(model, accumulator, engine) -> None:
+def tagged(fn, block: str):
+    """`fn` with its ops counted as `block`'s, in the phase it runs in."""
+    def run(*args, **kwargs):
+        where = COUNT.where
+        COUNT.where = (block, where[1])
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            COUNT.where = where
+    return run
+
+
+def instrument(model, accumulator, engine) -> int:
     """Tag every op with its block and phase: forward by module hooks, backward by a hook on each block's
     output gradient (the engine runs a block's nodes once its output's gradient is complete, block by
-    block), the accumulation by the parameter it adds."""
+    block), the accumulation by the parameter it adds, a stage boundary by nanotron's pipeline functions.
+    Returns the rank's decoder layers."""
+    from nanotron.parallel.pipeline_parallel import block as pipeline_block
+    from nanotron.parallel.pipeline_parallel import functional, p2p
+
     blocks = [("embedding", model.model.token_position_embeddings)]
     blocks += [("layer", layer) for layer in model.model.decoder]
     blocks += [("head", b) for b in (model.model.final_layer_norm, model.model.lm_head, model.model.cast_to_fp32,
                                      model.loss)]
+    blocks = [(kind, block) for kind, block in blocks if hasattr(block, "pp_block")]  # this rank's stage
 
     for kind, block in blocks:
         def enter(module, args, kwargs, kind=kind):
@@ -223,17 +239,21 @@ def instrument(model, accumulator, engine) -> None:
         def leave(module, args, kwargs, output, kind=kind):
             COUNT.where = ("engine", "forward")
             for tensor in output.values():
-                if hasattr(tensor, "requires_grad") and tensor.requires_grad:
+                if getattr(tensor, "requires_grad", False):
                     tensor.register_hook(lambda grad, kind=kind: COUNT.__setattr__("where", (kind, "backward")))
 
         block.register_forward_pre_hook(enter, with_kwargs=True)
         block.register_forward_hook(leave, with_kwargs=True)
 
-    forward, backward, accumulate = engine.forward, engine.backward, accumulator._accumulate_grad
+    for name in ("send_to_pipeline_state_buffer", "recv_from_pipeline_state_buffer"):
+        setattr(pipeline_block, name, tagged(getattr(functional, name), "boundary"))
+    for function in (functional.SendTensorToPipelineBuffer, functional.SendTensorWithoutGradientToPipelineBuffer,
+                     functional.RecvTensorFromPipelineBuffer):
+        function.backward = staticmethod(tagged(function.backward, "boundary"))
+    for name in ("send_tensors", "recv_tensors"):
+        setattr(p2p.P2P, name, tagged(getattr(p2p.P2P, name), "boundary"))
 
-    def counted_forward(*args, **kwargs):
-        COUNT.micro_batch += 1
-        return forward(*args, **kwargs)
+    backward, accumulate = engine.backward, accumulator._accumulate_grad
 
     def counted_backward(*args, **kwargs):
         COUNT.where = ("engine", "backward")
@@ -244,35 +264,43 @@ def instrument(model, accumulator, engine) -> None:
                        "accumulation")
         return accumulate(name=name, half_param=half_param)
 
-    engine.forward, engine.backward, accumulator._accumulate_grad = (counted_forward, counted_backward,
-                                                                     counted_accumulate)
+    engine.backward, accumulator._accumulate_grad = counted_backward, counted_accumulate
+    return sum(kind == "layer" for kind, _ in blocks)
 
 
-def count(rank: int, world: int, port: int, tp: int, zero: int, src: str) -> tuple[Counter, Counter]:
+def count(rank: int, world: int, port: int, tp: int, pp: int, zero: int, src: str) -> tuple[Counter, Counter, int]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
     sys.path.insert(0, src)
     install_stubs()
     import torch
     import torch.distributed as dist
+    from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     on_cpu, dispatched = dispatch_counter()
     with on_cpu:
-        model, accumulator, context, engine = build(tp, zero)
-        instrument(model, accumulator, engine)
+        model, accumulator, context, engine = build(tp, pp, zero)
+        layers = instrument(model, accumulator, engine)
         ids = torch.randint(0, 256, (MICRO_BATCH_SIZE, SEQ))
         mask = torch.ones(MICRO_BATCH_SIZE, SEQ, dtype=torch.bool)
-        batch = [{"input_ids": ids, "input_mask": mask, "label_ids": ids, "label_mask": mask}] * 2
+        first, last = model.model.token_position_embeddings.rank, model.loss.rank
+        stage = dist.get_rank(context.pp_pg)
+        inputs = {"input_ids": ids, "input_mask": mask} if stage == first else {
+            "input_ids": TensorPointer(first), "input_mask": TensorPointer(first)}
+        labels = {"label_ids": ids, "label_mask": mask} if stage == last else {
+            "label_ids": TensorPointer(last), "label_mask": TensorPointer(last)}
         with dispatched:
-            engine.train_batch_iter(model=model, pg=context.pp_pg, batch=batch, nb_microbatches=len(batch),
-                                    grad_accumulator=accumulator)
+            for step in range(2):
+                COUNT.on = step == 1
+                engine.train_batch_iter(model=model, pg=context.pp_pg, batch=[inputs | labels] * MICRO_BATCHES,
+                                        nb_microbatches=MICRO_BATCHES, grad_accumulator=accumulator)
     dist.destroy_process_group()
-    return COUNT.ops, COUNT.launches
+    return COUNT.ops, COUNT.launches, layers
 
 
-def run_rank(rank, world, port, tp, zero, src, results):
-    results[rank] = count(rank, world, port, tp, zero, src)
+def run_rank(rank, world, port, tp, pp, zero, src, results):
+    results[rank] = count(rank, world, port, tp, pp, zero, src)
 
 
 def free_port() -> int:
@@ -281,8 +309,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def report(ops: Counter, launches: Counter, show_ops: bool) -> None:
-    per_layer = {"layer": LAYERS}
+def report(ops: Counter, launches: Counter, layers: int, show_ops: bool) -> None:
     table = defaultdict(Counter)
     for (block, phase, kind, _), n in ops.items():
         table[(block, phase)][kind] += n
@@ -291,21 +318,26 @@ def report(ops: Counter, launches: Counter, show_ops: bool) -> None:
     kinds = ("kernel", "view", "allocation", "collective", "triton", "flash-attn")
     print(f"| block | phase | ATen calls | {' | '.join(kinds)} |")
     print("|---|---|---:|" + "---:|" * len(kinds))
+    totals = Counter()
     for (block, phase), row in sorted(table.items()):
-        scale = per_layer.get(block, 1)
-        aten = sum(row[k] for k in kinds[:4])
-        print(f"| {block}{' (a layer)' if scale > 1 else ''} | {phase} | {aten / scale:g} | "
-              + " | ".join(f"{row[k] / scale:g}" for k in kinds) + " |")
+        per = MICRO_BATCHES * (layers if block == "layer" else 1)
+        aten = sum(row[k] for k in kinds[:4]) / per
+        totals[block] += aten
+        print(f"| {block}{' (a layer)' if block == 'layer' else ''} | {phase} | {aten:g} | "
+              + " | ".join(f"{row[k] / per:g}" for k in kinds) + " |")
+    print("ATen calls a micro-batch: " + ", ".join(f"{block} {n:g}" for block, n in sorted(totals.items())))
     if show_ops:
         for phase in ("forward", "backward", "accumulation"):
-            names = Counter({name: n / LAYERS for (b, p, _, name), n in ops.items() if b == "layer" and p == phase})
-            print(f"\na layer's {phase}: " + ", ".join(f"{name.split('::')[1]} {n:g}"
-                                                     for name, n in names.most_common()))
+            names = Counter({name: n / layers / MICRO_BATCHES for (b, p, _, name), n in ops.items()
+                             if b == "layer" and p == phase})
+            print(f"a layer's {phase}: " + ", ".join(f"{name.split('::')[1]} {n:g}"
+                                                    for name, n in names.most_common()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--zero", type=int, choices=(0, 1), default=0)
     parser.add_argument("--ops", action="store_true", help="list a layer's ops by name")
     parser.add_argument("--nanotron", default=NANOTRON_MIRROR)
@@ -318,20 +350,21 @@ def main() -> None:
             print(f"skipped: no git mirror at {mirror} (fetch github.com/huggingface/nanotron and "
                   "Dao-AILab/flash-attention there, or pass --nanotron / --flash-attn)")
             return
+    world = args.tp * args.pp
     with tempfile.TemporaryDirectory(prefix="nanotron-") as tmp:
         extract(args.nanotron, args.commit, "src", tmp)
         extract(args.flash_attn, args.flash_attn_tag, "flash_attn", os.path.join(tmp, "src"))
         src = os.path.join(tmp, "src")
-        if args.tp == 1:
-            results = {0: count(0, 1, free_port(), 1, args.zero, src)}
+        if world == 1:
+            results = {0: count(0, 1, free_port(), 1, 1, args.zero, src)}
         else:
             import torch.multiprocessing as mp
             results = mp.Manager().dict()
-            mp.spawn(run_rank, args=(args.tp, free_port(), args.tp, args.zero, src, results), nprocs=args.tp)
-    print(f"nanotron {args.commit}, flash-attn {args.flash_attn_tag}: one micro-batch, tp {args.tp}, "
-          f"ZeRO-{args.zero}, {LAYERS} layers (a layer's row is their mean)")
+            mp.spawn(run_rank, args=(world, free_port(), args.tp, args.pp, args.zero, src, results), nprocs=world)
+    print(f"nanotron {args.commit}, flash-attn {args.flash_attn_tag}: tp {args.tp}, pp {args.pp}, ZeRO-{args.zero}, "
+          f"{LAYERS} layers, {MICRO_BATCHES} micro-batches a step, the second step counted; per micro-batch")
     for rank in sorted(results):
-        print(f"\ntp rank {rank}:")
+        print(f"\nrank {rank} (tp rank {rank % args.tp}, stage {rank // args.tp}):")
         report(*results[rank], args.ops)
 
 
