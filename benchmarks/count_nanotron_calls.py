@@ -192,6 +192,7 @@ def build(tp: int, pp: int, zero: int):
     model = build_model(model_builder=lambda: LlamaForTraining(config, context, parallelism), parallel_context=context,
                         dtype=torch.bfloat16, device=torch.device("cpu"))
     mark_tied_parameters(model=model, parallel_context=context, parallel_config=parallelism)
+    model.model.p2p.device = torch.device("cpu")  # used in backward too, where OnCpu is not in force
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.02)
