@@ -2,14 +2,16 @@
 
     .venv/bin/python benchmarks/count_nanotron_calls.py                  # tp 1, ZeRO-0, the data's commit
     .venv/bin/python benchmarks/count_nanotron_calls.py --tp 2 --zero 1  # two gloo ranks, both printed
-    .venv/bin/python benchmarks/count_nanotron_calls.py --ops            # and every op of a layer by name
+    .venv/bin/python benchmarks/count_nanotron_calls.py --pp 2           # two stages: a boundary's calls
+    .venv/bin/python benchmarks/count_nanotron_calls.py --ops --time     # every op of a layer; its host time here
 
 bench_published.py prices nanotron's host (NANOTRON_HOST_CALLS) from these counts. The code run is the
 playbook's: nanotron at e24d2483 (`git archive` from a local mirror of github.com/huggingface/nanotron)
 with the Python of flash-attn v2.5.8 (nanotron's pyproject asks for >=2.5.0,<2.7.0; mirror of
 github.com/Dao-AILab/flash-attention), a LlamaForTraining in bf16 with the tied embedding, ParallelContext
 on gloo, TP in REDUCE_SCATTER mode with async communication (scripts/scaling_benchmarks.py line 88), the
-1F1B engine and the FP32GradientAccumulator, two micro-batches a step; the second is counted.
+1F1B engine and the FP32GradientAccumulator; the second step is counted (the first builds caches and
+buffers) and divided by its micro-batches.
 
 Every ATen op that reaches the dispatcher below autograd is counted with a TorchDispatchMode: the forward's,
 the ones the autograd engine runs for the backward (its nodes' formulas and nanotron's custom Functions), and
@@ -39,6 +41,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import types
 from collections import Counter, defaultdict
 
@@ -172,7 +175,7 @@ def dispatch_counter():
     return OnCpu(), Dispatched()
 
 
-def build(tp: int, pp: int, zero: int):
+def build(tp: int, pp: int, zero: int, layers: int = LAYERS):
     import torch
     from nanotron.config import LlamaConfig, ParallelismArgs
     from nanotron.models import build_model
@@ -184,7 +187,7 @@ def build(tp: int, pp: int, zero: int):
     from nanotron.trainer import mark_tied_parameters
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
-                         num_hidden_layers=LAYERS, vocab_size=256, max_position_embeddings=SEQ, rms_norm_eps=1e-5,
+                         num_hidden_layers=layers, vocab_size=256, max_position_embeddings=SEQ, rms_norm_eps=1e-5,
                          tie_word_embeddings=True)
     parallelism = ParallelismArgs(dp=1, pp=pp, tp=tp, pp_engine=OneForwardOneBackwardPipelineEngine(),
                                   tp_mode=TensorParallelLinearMode.REDUCE_SCATTER, tp_linear_async_communication=True)
@@ -269,35 +272,70 @@ def instrument(model, accumulator, engine) -> int:
     return sum(kind == "layer" for kind, _ in blocks)
 
 
-def count(rank: int, world: int, port: int, tp: int, pp: int, zero: int, src: str) -> tuple[Counter, Counter, int]:
+def count(rank: int, world: int, port: int, tp: int, pp: int, zero: int, src: str, timed: bool = False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
     sys.path.insert(0, src)
     install_stubs()
     import torch
     import torch.distributed as dist
-    from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     on_cpu, dispatched = dispatch_counter()
     with on_cpu:
         model, accumulator, context, engine = build(tp, pp, zero)
         layers = instrument(model, accumulator, engine)
-        ids = torch.randint(0, 256, (MICRO_BATCH_SIZE, SEQ))
-        mask = torch.ones(MICRO_BATCH_SIZE, SEQ, dtype=torch.bool)
-        first, last = model.model.token_position_embeddings.rank, model.loss.rank
-        stage = dist.get_rank(context.pp_pg)
-        inputs = {"input_ids": ids, "input_mask": mask} if stage == first else {
-            "input_ids": TensorPointer(first), "input_mask": TensorPointer(first)}
-        labels = {"label_ids": ids, "label_mask": mask} if stage == last else {
-            "label_ids": TensorPointer(last), "label_mask": TensorPointer(last)}
+        batch = micro_batches(model, context)
         with dispatched:
             for step in range(2):
                 COUNT.on = step == 1
-                engine.train_batch_iter(model=model, pg=context.pp_pg, batch=[inputs | labels] * MICRO_BATCHES,
-                                        nb_microbatches=MICRO_BATCHES, grad_accumulator=accumulator)
+                train_step(model, accumulator, context, engine, batch)
+        ms_a_layer = time_a_layer(on_cpu, zero) if timed else None
     dist.destroy_process_group()
-    return COUNT.ops, COUNT.launches, layers
+    return COUNT.ops, COUNT.launches, layers, ms_a_layer
+
+
+def micro_batches(model, context) -> list[dict]:
+    """A step's MICRO_BATCHES micro-batches, data only where its stage reads it."""
+    import torch
+    import torch.distributed as dist
+    from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+
+    ids = torch.randint(0, 256, (MICRO_BATCH_SIZE, SEQ))
+    mask = torch.ones(MICRO_BATCH_SIZE, SEQ, dtype=torch.bool)
+    first, last = model.model.token_position_embeddings.rank, model.loss.rank
+    stage = dist.get_rank(context.pp_pg)
+    inputs = {"input_ids": ids, "input_mask": mask} if stage == first else {
+        "input_ids": TensorPointer(first), "input_mask": TensorPointer(first)}
+    labels = {"label_ids": ids, "label_mask": mask} if stage == last else {
+        "label_ids": TensorPointer(last), "label_mask": TensorPointer(last)}
+    return [inputs | labels] * MICRO_BATCHES
+
+
+def train_step(model, accumulator, context, engine, batch: list[dict]) -> None:
+    COUNT.where = ("engine", "forward")
+    engine.train_batch_iter(model=model, pg=context.pp_pg, batch=batch, nb_microbatches=len(batch),
+                            grad_accumulator=accumulator)
+
+
+def time_a_layer(on_cpu, zero: int) -> float:
+    """Milliseconds a decoder layer's micro-batch (forward, backward, accumulation) takes on this CPU, counting
+    off: the difference between a model of LAYERS and one of 5 x LAYERS layers, best of 5 steps each. The
+    stubbed kernels cost nothing and the real ones run on tiny tensors, so this is nearly all host."""
+    import torch
+    torch.set_num_threads(1)
+    best = {}
+    for layers in (LAYERS, 5 * LAYERS):
+        with on_cpu:
+            model, accumulator, context, engine = build(1, 1, zero, layers)
+            batch = micro_batches(model, context)
+        rounds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            train_step(model, accumulator, context, engine, batch)
+            rounds.append((time.perf_counter() - start) / MICRO_BATCHES)
+        best[layers] = min(rounds)
+    return (best[5 * LAYERS] - best[LAYERS]) / (4 * LAYERS) * 1e3
 
 
 def run_rank(rank, world, port, tp, pp, zero, src, results):
@@ -310,7 +348,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def report(ops: Counter, launches: Counter, layers: int, show_ops: bool) -> None:
+def report(ops: Counter, launches: Counter, layers: int, ms_a_layer, show_ops: bool) -> None:
     table = defaultdict(Counter)
     for (block, phase, kind, _), n in ops.items():
         table[(block, phase)][kind] += n
@@ -327,6 +365,9 @@ def report(ops: Counter, launches: Counter, layers: int, show_ops: bool) -> None
         print(f"| {block}{' (a layer)' if block == 'layer' else ''} | {phase} | {aten:g} | "
               + " | ".join(f"{row[k] / per:g}" for k in kinds) + " |")
     print("ATen calls a micro-batch: " + ", ".join(f"{block} {n:g}" for block, n in sorted(totals.items())))
+    if ms_a_layer is not None:
+        print(f"a layer's micro-batch on this CPU, counting off: {ms_a_layer:.3f} ms, "
+              f"{ms_a_layer * 1e3 / totals['layer']:.1f} us an ATen call")
     if show_ops:
         for phase in ("forward", "backward", "accumulation"):
             names = Counter({name: n / layers / MICRO_BATCHES for (b, p, _, name), n in ops.items()
@@ -341,6 +382,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--zero", type=int, choices=(0, 1), default=0)
     parser.add_argument("--ops", action="store_true", help="list a layer's ops by name")
+    parser.add_argument("--time", action="store_true", help="and time a layer's micro-batch here (tp = pp = 1)")
     parser.add_argument("--nanotron", default=NANOTRON_MIRROR)
     parser.add_argument("--commit", default=NANOTRON_COMMIT)
     parser.add_argument("--flash-attn", default=FLASH_ATTN_MIRROR)
@@ -357,7 +399,7 @@ def main() -> None:
         extract(args.flash_attn, args.flash_attn_tag, "flash_attn", os.path.join(tmp, "src"))
         src = os.path.join(tmp, "src")
         if world == 1:
-            results = {0: count(0, 1, free_port(), 1, 1, args.zero, src)}
+            results = {0: count(0, 1, free_port(), 1, 1, args.zero, src, args.time)}
         else:
             import torch.multiprocessing as mp
             results = mp.Manager().dict()
