@@ -422,9 +422,9 @@ decoder layer 99 forward, 115 in the autograd engine's backward and 6 for the fp
 parameter; ZeRO-1 adds a view and a slice a parameter, 18); the embedding 23; the final norm, the head, the
 sharded cross entropy and the engine's loss scaling 101; a stage boundary 47 (its send and its receive, forward
 and backward, metadata included). tp = 1 dispatches fewer (a layer 144, the embedding 8, the head 79) and tp = 2
-204 a layer (no rank computes both a before- and an after-shard); counting them apart moves no mean or lowest tau by more than 0.01. About
-60% of a layer's calls are views and allocations, which launch nothing on a GPU: each is priced at the
-profile's op cost all the same."""
+204 a layer (no rank computes both a before- and an after-shard); counting them apart moves no mean or lowest
+tau by more than 0.01. About 70% of a layer's calls are views and allocations, which launch nothing on a GPU:
+each is priced at the profile's op cost all the same."""
 
 NANOTRON_TRITON_LAUNCHES = {"layer": 8, "embedding": 0, "head": 2, "boundary": 0}
 """Triton kernels a micro-batch launches: TritonRMSNorm (flash_attn's layer_norm_fn) and flash_attn's rotary,
