@@ -102,8 +102,7 @@ def install_stubs() -> None:
         return mod
 
     class Kernel:
-        def __init__(self, fn):
-            self.fn = fn
+        """A @triton.jit function: `kernel[grid](...)` launches nothing and counts one launch."""
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: COUNT.launch("triton")
@@ -114,12 +113,12 @@ def install_stubs() -> None:
 
     language = Language("triton.language")
     sys.modules["triton.language"] = language
-    module("triton", jit=lambda fn=None, **kw: Kernel(fn) if fn else Kernel,
+    module("triton", jit=lambda fn=None, **kw: Kernel() if fn else (lambda fn: Kernel()),
            autotune=lambda *a, **kw: (lambda kernel: kernel), heuristics=lambda *a, **kw: (lambda kernel: kernel),
            Config=lambda *a, **kw: None, cdiv=lambda a, b: -(-a // b),
            next_power_of_2=lambda n: 1 << max(0, (n - 1).bit_length()), language=language)
 
-    def varlen_fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi, max_seqlen_q, *args):
+    def varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi, max_seqlen_q, *args):
         out = torch.empty_like(q)
         softmax_lse = torch.empty((len(cu_seqlens_q) - 1, q.shape[1], max_seqlen_q), dtype=torch.float32)
         rng_state = torch.empty((2,), dtype=torch.int64)
