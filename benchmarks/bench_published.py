@@ -413,23 +413,22 @@ def zero1_runtime_s(row: Row, chain: BlockChain, dims: LlamaDims, hw) -> float:
     return reduce_s + copies_s
 
 
-NANOTRON_HOST_CALLS = {"layer": 270, "embedding": 20, "head": 60, "boundary": 90}
-"""ATen calls nanotron's host dispatches a micro-batch (read from its code at 2411b022, which matches e24d2483 on
-these paths; no profiler): a decoder layer's forward ~105 (models/llama.py 437-481, 675-759: fused qkv and
-gate_up column linears with their async all-gather, MemoryBuffer views, the qkv permute and kv copy, flash rotary,
-cu_seqlens rebuilt in every layer, flash_attn_varlen_func, the row linears' reduce-scatter), its backward ~135
-(tensor_parallel/functional.py 384-461 and 590-695: the recomputed all-gather, two matmuls, waits and views a
-linear) and ~30 for the fp32 accumulation, which after every micro-batch's backward loops in Python over the
-rank's parameters, 6 a layer, adding each bf16 gradient into its fp32 buffer (optim/gradient_accumulator.py
-206-240); the embedding's masked lookup and reduce-scatter; the final norm, the vocab-parallel head and the
-sharded cross entropy with its three all-reduces (functional.py 31-107, llama.py 976-1000); and a stage
-boundary's p2p: each of the two tensors that cross it forward and the one that comes back is three messages
-(metadata, shape, data), its metadata built from CPU tensors and read back as CUDA scalars
-(pipeline_parallel/p2p.py 207-356)."""
+NANOTRON_HOST_CALLS = {"layer": 220, "embedding": 23, "head": 101, "boundary": 47}
+"""ATen calls nanotron's host dispatches a micro-batch, counted by executing its code (e24d2483, the playbook's
+commit, with flash-attn v2.5.8's Python) on CPU under a TorchDispatchMode: `benchmarks/count_nanotron_calls.py
+--tp 4` (and `--pp 2` for a boundary); only Triton's and flash-attn's CUDA kernels are stubbed, with the ATen
+calls flash-attn's C++ makes around them. On the busiest rank (a middle tp rank, ZeRO-0), per micro-batch: a
+decoder layer 99 forward, 115 in the autograd engine's backward and 6 for the fp32 accumulation (one add_ a
+parameter; ZeRO-1 adds a view and a slice a parameter, 18); the embedding 23; the final norm, the head, the
+sharded cross entropy and the engine's loss scaling 101; a stage boundary 47 (its send and its receive, forward
+and backward, metadata included). tp = 1 dispatches fewer (a layer 144, the embedding 8, the head 79) and tp = 2
+204 a layer (no rank computes both a before- and an after-shard); counting them apart moves no mean or lowest
+tau by more than 0.01. About 70% of a layer's calls are views and allocations, which launch nothing on a GPU:
+each is priced at the profile's op cost all the same."""
 
 NANOTRON_TRITON_LAUNCHES = {"layer": 8, "embedding": 0, "head": 2, "boundary": 0}
 """Triton kernels a micro-batch launches: TritonRMSNorm (flash_attn's layer_norm_fn) and flash_attn's rotary,
-forward and backward, two of each a layer; the final norm."""
+forward and backward, two of each a layer; the final norm (counted by the same script)."""
 
 TRITON_LAUNCH_S = 50e-6
 """Host time of one launch through Triton 2's Python launcher, which the playbook's environment (torch 2.1)
