@@ -911,6 +911,8 @@ def main() -> None:
                         help="only the single-node budget: each op kind of a layer and of the head as priced, beside "
                              "what the one-node tp = pp = 1 rows took a sequence")
     args = parser.parse_args()
+    if args.nanotron_space and not args.picks:
+        parser.error("--nanotron-space narrows --picks: give both")
     if args.picks:
         print_tensor_parallel_picks(args.hardware, nanotron_space=args.nanotron_space)
         return

@@ -263,9 +263,12 @@ def instrument(model, accumulator, engine) -> int:
         return backward(*args, **kwargs)
 
     def counted_accumulate(name, half_param):
-        COUNT.where = ("embedding" if "token_embedding" in name else "layer" if ".decoder." in name else "head",
-                       "accumulation")
-        return accumulate(name=name, half_param=half_param)
+        where, COUNT.where = COUNT.where, (
+            "embedding" if "token_embedding" in name else "layer" if ".decoder." in name else "head", "accumulation")
+        try:
+            return accumulate(name=name, half_param=half_param)
+        finally:
+            COUNT.where = where
 
     engine.backward, accumulator._accumulate_grad = counted_backward, counted_accumulate
     return sum(kind == "layer" for kind, _ in blocks)
@@ -289,6 +292,7 @@ def count(rank: int, world: int, port: int, tp: int, pp: int, zero: int, src: st
             for step in range(2):
                 COUNT.on = step == 1
                 train_step(model, accumulator, context, engine, batch)
+            COUNT.on = False  # time_a_layer's steps are not counted
         ms_a_layer = time_a_layer(on_cpu, zero) if timed else None
     dist.destroy_process_group()
     return COUNT.ops, COUNT.launches, layers, ms_a_layer
@@ -387,6 +391,8 @@ def main() -> None:
     parser.add_argument("--flash-attn", default=FLASH_ATTN_MIRROR)
     parser.add_argument("--flash-attn-tag", default=FLASH_ATTN_TAG)
     args = parser.parse_args()
+    if args.time and args.tp * args.pp > 1:
+        parser.error("--time times one rank's layer: give it without --tp / --pp")
     for mirror in (args.nanotron, args.flash_attn):
         if not os.path.isdir(mirror):
             print(f"skipped: no git mirror at {mirror} (fetch github.com/huggingface/nanotron and "

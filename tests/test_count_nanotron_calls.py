@@ -11,13 +11,14 @@ from test_published import bench  # noqa: F401 (the fixture: benchmarks/bench_pu
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "count_nanotron_calls.py")
 MIRRORS = ("/work/.mirror/huggingface+nanotron/repo", "/work/.mirror/Dao-AILab+flash-attention/repo")
 
-pytestmark = pytest.mark.skipif(not all(os.path.isdir(m) for m in MIRRORS),
-                                reason="no local git mirror of nanotron or flash-attention")
+pytestmark = [pytest.mark.skipif(not all(os.path.isdir(m) for m in MIRRORS),
+                                 reason="no local git mirror of nanotron or flash-attention"),
+              pytest.mark.distributed, pytest.mark.slow]
 
 
 def counted(*args: str) -> list[dict[str, float]]:
     """Each rank's ATen calls a micro-batch by block, as the script prints them."""
-    out = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=240,
                          check=True).stdout
     prefix = "ATen calls a micro-batch: "
     return [{block: float(n) for block, n in (part.split() for part in line[len(prefix):].split(", "))}
