@@ -39,7 +39,7 @@ from scipy.stats import kendalltau
 
 from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
 from shardplan.compile import default_space, evaluate, solve, tensor_parallel_section
-from shardplan.cost import OPTIMIZER_STATE_BYTES_PER_PARAM
+from shardplan.cost import OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, kind_time_s, unpriced_dispatches
 from shardplan.hardware import get_hardware
 from shardplan.solver.search import Configuration
 from shardplan.plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy,
@@ -847,14 +847,15 @@ def op_breakdown(dims: LlamaDims, hw) -> dict[str, list[tuple[str, float, float,
     decoder layer and for the head (the final norm, the LM head and the fp32 loss): per op kind its seconds, FLOPs
     and bytes, as cost.py prices a micro-batch of one sequence (each call's fixed cost and its factor included)."""
     chain = llama_chain(dims, 1, 4096, pipelined=False)
+    ctx = CostContext(hardware=hw, dp=1, param_dtype="bfloat16")
     found: dict[str, list[tuple[str, float, float, float]]] = {}
     for block in (chain.blocks[1], chain.blocks[-1]):
         merged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
         for kind in block.fwd_kinds + block.bwd_kinds:
-            seconds = hw.compute_time_s(kind.flops, kind.bytes, "bfloat16", calls=kind.calls, op=kind.name)
-            name = "mm" if kind.name == "mm" else kind.name.removesuffix("_backward")
-            for i, value in enumerate((seconds, kind.flops, kind.bytes)):
-                merged[name][i] += value
+            for i, value in enumerate((kind_time_s(kind, ctx), kind.flops, kind.bytes)):
+                merged[kind.name.removesuffix("_backward")][i] += value
+        if hw.view_overhead_s:  # forward and backward
+            merged["views"][0] += 2 * unpriced_dispatches(block) * hw.view_overhead_s
         found["head" if block.name == "lm_head" else "layer"] = [(name, *values) for name, values in merged.items()]
     return found
 

@@ -380,15 +380,11 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
     over the parameters and the block's input and output, its memory-bound ops by their bytes."""
     hw = ctx.hardware
     if block.fwd_kinds or block.bwd_kinds:
-        def kind_s(kind: OpKind) -> float:
-            moved = kind.weight_bytes + _per_micro_batch(kind.bytes - kind.weight_bytes, ctx)
-            return hw.compute_time_s(kind.flops / ctx.num_micro_batches, moved, ctx.param_dtype, calls=kind.calls,
-                                     op=kind.name)
-        fwd = [kind_s(kind) for kind in block.fwd_kinds]
+        fwd = [kind_time_s(kind, ctx) for kind in block.fwd_kinds]
         views_s = unpriced_dispatches(block) * hw.view_overhead_s
         selective = (sum(s for kind, s in zip(block.fwd_kinds, fwd) if not kept_by_selective(kind.name))
                      + views_s + block.fwd_dispatches * hw.selective_op_overhead_s)
-        return sum(fwd) + views_s, sum(kind_s(kind) for kind in block.bwd_kinds) + views_s, selective
+        return sum(fwd) + views_s, sum(kind_time_s(kind, ctx) for kind in block.bwd_kinds) + views_s, selective
     moved = block.param_numel * dtype_bytes(ctx.param_dtype) + _per_micro_batch(block.input_bytes + block.output_bytes,
                                                                               ctx)
     fwd_memory_s = _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx)
@@ -396,6 +392,14 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
             _arithmetic_s(hw, block.bwd_flops, 2 * moved, block.bwd_ops, ctx)
             + _memory_bound_s(hw, block.bwd_memory_bytes, block.bwd_ops, ctx),
             fwd_memory_s)
+
+
+def kind_time_s(kind: OpKind, ctx: CostContext) -> float:
+    """Seconds of one op kind's calls for one micro-batch: 1/m of its FLOPs and activation bytes, all of its
+    parameter bytes, at the factor and fixed cost the profile measured for it."""
+    moved = kind.weight_bytes + _per_micro_batch(kind.bytes - kind.weight_bytes, ctx)
+    return ctx.hardware.compute_time_s(kind.flops / ctx.num_micro_batches, moved, ctx.param_dtype, calls=kind.calls,
+                                       op=kind.name)
 
 
 def unpriced_dispatches(block: Block) -> int:

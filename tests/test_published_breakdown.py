@@ -1,4 +1,6 @@
 """benchmarks/bench_published.py --breakdown: the single-node budget it prints is what the cost model prices."""
+import dataclasses
+
 import pytest
 
 from shardplan.cost import CostContext, _block_times_s
@@ -23,8 +25,8 @@ def test_a_layers_op_kinds_add_up_to_what_the_cost_model_prices_it(bench, model)
 def test_a_sequence_measured_and_predicted_comes_from_the_one_node_rows(bench):
     row = bench.Row(model="playbook-1B", n_gpus=8, dp=8, tp=1, pp=1, micro_batch_size=2, grad_accum=16, seq_len=4096,
                     zero_stage="0", status="ok", tokens_per_s_per_gpu=40150.0, line=0)
-    elsewhere = [bench.dataclasses.replace(row, n_gpus=16, dp=16, grad_accum=8),
-                 bench.dataclasses.replace(row, tp=2, dp=4, grad_accum=32)]
+    elsewhere = [dataclasses.replace(row, n_gpus=16, dp=16, grad_accum=8),
+                 dataclasses.replace(row, tp=2, dp=4, grad_accum=32)]
     hw = get_hardware("h100-80g")
     found = bench.per_sequence_s([row] + elsewhere, "playbook-1B", hw)
     (outcome,) = bench.predict([row], hw)
