@@ -655,7 +655,7 @@ def selective_op_overhead_s(seconds: dict) -> float:
 # forward beside 525 kernels (Llama 125 beside 210), and full checkpointing dispatches them again.
 # So the calibration times a chain of _VIEW_PROBE_LENGTH transposes of a tiny leaf forward and
 # backward, with and without the chain; the difference over its dispatches, one each way a
-# transpose, is the profile's view_overhead_s (1.2-1.3 us on 2 ranks here), which the cost model
+# transpose, is the profile's view_overhead_s (1.2-1.5 us on 2 ranks here), which the cost model
 # charges each dispatch no op kind prices (cost.unpriced_dispatches) in forward, in backward and in
 # recompute.
 _VIEW_PROBE_LENGTH = 32

@@ -83,8 +83,9 @@ class MatmulRate:
     sustained_share: float = 1.0
     """Share of the efficiency curve's rate the device keeps up through a training step: a curve timed in
     short runs (a microbenchmark's GEMMs at the boost clock) overstates what a GPU computing for seconds at
-    its power limit sustains, whose clock falls. 1 where the curve was timed sustained (a calibration on
-    this machine) or nothing was measured."""
+    its power limit sustains, whose clock falls. 1 where nothing was measured, and in a calibrated
+    profile: its curve is the fastest of short rounds (a burst figure), and a calibration fits no share
+    (on a CPU the two agree; on a GPU this is a known limit of `shardplan calibrate`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,7 +223,7 @@ class HardwareProfile:
     """Fixed cost of one dispatch that runs no kernel the compute prices: a view (transpose, view,
     expand) or an op that moves nothing (_unsafe_view). Each costs the host its dispatch and
     autograd's view tracking, and its backward dispatches a view again (calibrate.py, [Note: views'
-    fixed cost]): 1.2-1.3 us a dispatch on 2 CPU ranks here, where T5 dispatches 311 views a forward.
+    fixed cost]): 1.2-1.5 us a dispatch on 2 CPU ranks here, where T5 dispatches 311 views a forward.
     0: not measured (the built-in profiles; on a GPU, the host runs ahead of the kernels)."""
 
     def __post_init__(self) -> None:
