@@ -155,8 +155,8 @@ def biased_attention(device: torch.device, batch: int = 2, seq: int = 256, width
 # The runtime's kernels around its collectives ([Note: the runtime's kernels] in cost.py) are timed
 # the same way, on the same shards: the averaging `div_` and the adding into `.grad` of a reduced
 # gradient before the step, SHARD_OPTIMIZER's clone of the stepped shard and `copy_` of the gathered
-# parameters after it. No model workload runs a `div_`, which read at half the copy bandwidth's time
-# over Mixtral's 7 MB gradients, where a profile without its factor prices it at the whole.
+# parameters after it. No model workload runs a `div_` of that size; it read at half the copy
+# bandwidth's time over Mixtral's 7 MB gradients, which a profile without its factor prices whole.
 
 def step_shards(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Flat float32 parameters, one per block of `model` (a layer of a layer container, else a
