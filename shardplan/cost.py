@@ -69,16 +69,17 @@ Time, by component (per step):
   and its input and output activations, plus its memory-bound ops (fwd_ops /
   fwd_memory_bytes): their fixed costs and the bytes they stream. Compute also
   holds the runtime's own kernels around its collectives ([Note: the runtime's kernels]).
-  [Note: the runtime's kernels] Beside the model's ops, the runtime (runtime/unit.py, collectives.py)
-  runs kernels over each unit's parameters and gradients, priced by their bytes at their op's factor
-  (runtime_kernels): per micro-batch, the casts of gathered parameters to the compute dtype (mixed
-  precision), the flat gradient's assembly (GRADIENT_ASSEMBLY) and its cast to the reduce dtype, the
-  adding into the accumulator (m > 1, all-reducing units), and for reduce-scattering units the
-  averaging `div_` (AVERAGING) and the adding of the reduced shard into `.grad` (GRADIENT_ADD); once a
-  step, the same averaging and adding for all-reducing units, and SHARD_OPTIMIZER's copies around
-  its gather of the stepped parameters (PARAMETERS_SYNC). Measured in Mixtral's 2-rank step on
-  CPU: 5.4 ms of them where only the assembly, 2.5 ms, was priced. `.grad` is taken as kept
-  between steps (zero_grad(set_to_none=False)), which the runtime adds into.
+  [Note: the runtime's kernels] Beside the model's ops, the runtime (runtime/unit.py,
+  collectives.py) runs kernels over each unit's parameters and gradients, priced by their bytes at
+  their op's factor (runtime_kernels): per micro-batch, the casts of gathered parameters to the
+  compute dtype (mixed precision), the flat gradient's assembly (GRADIENT_ASSEMBLY) and its cast to
+  the reduce dtype, the adding into the accumulator (m > 1, all-reducing units), and for
+  reduce-scattering units the averaging `div_` (AVERAGING) and the adding of the reduced shard into
+  `.grad` (GRADIENT_ADD); once a step (counted in the optimizer term), the same averaging and adding
+  for all-reducing units, and SHARD_OPTIMIZER's copies around its gather of the stepped parameters
+  (PARAMETERS_SYNC). In Mixtral's 2-rank shard_optimizer step on CPU they took about 4.7 ms, where
+  the assembly's 1.5 alone was priced before. `.grad` is taken as kept between steps
+  (zero_grad(set_to_none=False)), which the runtime adds into.
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
   every forward op but the matmul-like ones whose outputs it kept
   (plan.SELECTIVE_SAVED_OPS; a hand-built block: its memory-bound ops), priced as
@@ -111,10 +112,11 @@ Time, by component (per step):
 - offload: an offloaded shard is copied host→device before each gather and its
   gradient shard device→host after each reduce-scatter at OFFLOAD_BYTES_PER_S,
   not overlapped.
-- optimizer: the runtime's check of the kept gradients (GRADIENT_CHECK), then the step and
-  zero_grad stream the rank's shard of parameters, gradients and optimizer state (OPTIMIZER_STEPS:
-  92 bytes per parameter for AdamW, not just the state's 16 read and written once): memory bound,
-  each kernel at its op's measured factor, plus its fixed cost.
+- optimizer: the runtime's kernels once a step ([Note: the runtime's kernels]) and its check of the
+  kept gradients (GRADIENT_CHECK), then the step and zero_grad stream the rank's shard of
+  parameters, gradients and optimizer state (OPTIMIZER_STEPS: 92 bytes per parameter for AdamW, not
+  just the state's 16 read and written once): memory bound, each kernel at its op's measured factor,
+  plus its fixed cost.
 - bubble: (pp - 1) × the stage's per-micro-batch time (GPipe and 1F1B alike).
 A stage's step time is (m + pp - 1) × its per-micro-batch time + its per-step
 terms; the step time of a plan is that of its slowest stage.
@@ -292,8 +294,8 @@ class UnitCost:
     """Per micro-batch host↔device copies."""
     optimizer_s: float
     runtime_step_s: float
-    """The runtime's kernels once a step: around an all-reduce of the step's gradient, and SHARD_OPTIMIZER's
-    around its gather after the step ([Note: the runtime's kernels])."""
+    """The runtime's kernels once a step, counted in the optimizer term: around an all-reduce of the step's
+    gradient, and SHARD_OPTIMIZER's around its gather after the step ([Note: the runtime's kernels])."""
     tensor_parallel_s: float
     """Per micro-batch exchanges of the tp ranks, exposed."""
     prefetch: bool
@@ -876,7 +878,7 @@ def _stage_time(units: list[UnitCost], ctx: CostContext, boundary_s: float) -> d
     exposed_mb = sum(p.per_micro_batch_s for p in pairs) + sum(u.tensor_parallel_s for u in units) + boundary_s
     exposed_step = sum(p.per_step_s for p in pairs) + sum(u.post_step_gather_s for u in units)
     per_mb = compute_mb + recompute_mb + offload_mb + exposed_mb
-    terms = {"compute": m * compute_mb + sum(u.runtime_step_s for u in units), "recompute": m * recompute_mb,
+    terms = {"compute": m * compute_mb, "recompute": m * recompute_mb,
              "exposed_comm": m * exposed_mb + exposed_step, "offload": m * offload_mb,
-             "optimizer": sum(u.optimizer_s for u in units), "bubble": (ctx.pipeline_degree - 1) * per_mb}
+             "optimizer": sum(u.optimizer_s + u.runtime_step_s for u in units), "bubble": (ctx.pipeline_degree - 1) * per_mb}
     return {name: float(value) for name, value in terms.items()}

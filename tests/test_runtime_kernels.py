@@ -2,7 +2,7 @@
 bytes, at its op's factor ([Note: the runtime's kernels] in cost.py)."""
 import pytest
 
-from shardplan.cost import CostContext, UnitSizes, runtime_kernels, unit_cost
+from shardplan.cost import CostContext, UnitSizes, evaluate_stage, own_time_s, runtime_kernels, unit_cost
 from shardplan.plan import Decision, ShardStrategy
 
 from test_cost import LinearHardware, block, ctx
@@ -55,3 +55,14 @@ def test_a_replicated_units_step_pays_the_averaging_at_div_s_factor():
     assert plain.runtime_step_s == pytest.approx(2e-6 + (8 + 12) * 10**6 / 1e11)
     assert slow.runtime_step_s - plain.runtime_step_s == pytest.approx(2 * 8 * 10**6 / 1e11)
     assert slow.compute_bwd_s == plain.compute_bwd_s
+
+
+def test_the_once_a_step_kernels_count_in_the_optimizer_term_and_in_a_units_own_time():
+    context = ctx(dp=2)
+    replicated = Decision(strategy=ShardStrategy.REPLICATE)
+    unit = unit_cost((block(numel=NUMEL),), replicated, context)
+    step = evaluate_stage((block(numel=NUMEL),), (0,), (replicated,), context)
+    assert unit.runtime_step_s > 0
+    assert step.time_s["optimizer"] == pytest.approx(unit.optimizer_s + unit.runtime_step_s)
+    assert own_time_s(unit, context) == pytest.approx(unit.compute_fwd_s + unit.bwd_window_s + unit.optimizer_s
+                                                      + unit.runtime_step_s)
