@@ -67,11 +67,10 @@ Time, by component (per step):
   factor the profile measured for that op x its roofline time. A block built
   by hand has totals only: its FLOPs by roofline over its params (param dtype)
   and its input and output activations, plus its memory-bound ops (fwd_ops /
-  fwd_memory_bytes): their fixed costs and the bytes they stream. Compute also
-  holds the runtime's own kernels around its collectives ([Note: the runtime's kernels]).
+  fwd_memory_bytes): their fixed costs and the bytes they stream.
   [Note: the runtime's kernels] Beside the model's ops, the runtime (runtime/unit.py,
   collectives.py) runs kernels over each unit's parameters and gradients, priced by their bytes at
-  their op's factor (runtime_kernels): per micro-batch, the casts of gathered parameters to the
+  their op's factor (runtime_kernels): per micro-batch (in compute), the casts of gathered parameters to the
   compute dtype (mixed precision), the flat gradient's assembly (GRADIENT_ASSEMBLY) and its cast to
   the reduce dtype, the adding into the accumulator (m > 1, all-reducing units), and for
   reduce-scattering units the averaging `div_` (AVERAGING) and the adding of the reduced shard into
@@ -606,8 +605,8 @@ def runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> R
     backward = ((gather_cast if traits.reshard_after_forward else ()) + over(GRADIENT_ASSEMBLY, sizes.param_bytes)
                 + cast(sizes.param_bytes, sizes.grad_bytes)
                 + (over(GRADIENT_ADD, sizes.grad_bytes) if accumulates_grads(decision, ctx) else ()))
-    step = over(PARAMETERS_SYNC[0], shard(sizes.storage_bytes)) + over(PARAMETERS_SYNC[1], sizes.storage_bytes) \
-        if traits.gathers_after_step else ()
+    step = ((over(PARAMETERS_SYNC[0], shard(sizes.storage_bytes)) + over(PARAMETERS_SYNC[1], sizes.storage_bytes))
+            if traits.gathers_after_step else ())
     if traits.reduce_scatters_grads:
         backward += ((over(AVERAGING, sizes.grad_bytes) if ctx.dp > 1 else ())
                      + (over(AVERAGING, grad) if ctx.dp_replicate > 1 else ()) + into_grad)
@@ -880,5 +879,6 @@ def _stage_time(units: list[UnitCost], ctx: CostContext, boundary_s: float) -> d
     per_mb = compute_mb + recompute_mb + offload_mb + exposed_mb
     terms = {"compute": m * compute_mb, "recompute": m * recompute_mb,
              "exposed_comm": m * exposed_mb + exposed_step, "offload": m * offload_mb,
-             "optimizer": sum(u.optimizer_s + u.runtime_step_s for u in units), "bubble": (ctx.pipeline_degree - 1) * per_mb}
+             "optimizer": sum(u.optimizer_s + u.runtime_step_s for u in units),
+             "bubble": (ctx.pipeline_degree - 1) * per_mb}
     return {name: float(value) for name, value in terms.items()}

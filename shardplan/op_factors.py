@@ -180,10 +180,8 @@ def training_step_kernels(model: torch.nn.Module):
     zero_grad leaves them for the next step's check; the elementwise kernels take as long on zeros."""
     shards = step_shards(model)
     optimizer = torch.optim.AdamW(shards, lr=1e-3, foreach=False)
-    reduced = [torch.zeros_like(shard) for shard in shards]
-    """What a reduction returns, added into `.grad` (zeros: the gradients stay zero)."""
-    synced = [torch.empty_like(shard) for shard in shards]
-    """SHARD_OPTIMIZER's full buffer, which the gathered parameters are copied into."""
+    reduced = [torch.zeros_like(shard) for shard in shards]  # what a reduction returns: zeros keep `.grad` zero
+    synced = [torch.empty_like(shard) for shard in shards]  # SHARD_OPTIMIZER's full buffer, gathered into
 
     def step() -> None:
         with torch.no_grad():
