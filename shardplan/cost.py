@@ -406,6 +406,7 @@ def unpriced_dispatches(block: Block) -> int:
     """Ops the block's forward dispatches that no op kind prices: views, and ops that move nothing
     (_unsafe_view). Each costs the profile's view_overhead_s in forward, and again in backward,
     where autograd dispatches a view of its gradient ([Note: views' fixed cost] in calibrate.py)."""
+    # a block given op kinds but no dispatch count (fwd_dispatches 0, e.g. built by hand) prices no views
     return max(0, block.fwd_dispatches - sum(kind.calls for kind in block.fwd_kinds if kind.flops or kind.bytes))
 
 

@@ -257,14 +257,14 @@ def test_a_step_of_small_tensor_parallel_micro_batches_is_bound_by_nanotrons_hos
     """One node, dp 1 x tp 8, 256 micro-batches of one sequence (runs.csv): the GPU's share of a micro-batch
     is a few ms, nanotron's host dispatches 220 ATen calls and 8 Triton launches a layer (counted by running its
     code: benchmarks/count_nanotron_calls.py). Priced by the GPU alone the row reads 2.2-2.9x its measured
-    throughput; with the host's floor, within 1.8x (1.67-1.73x: the floor is 2.6 ms a layer where the rows took
-    3.8-4.1)."""
+    throughput; with the host's floor 1.67-1.73x, pinned on both sides: the counted floor is 2.6 ms a layer where
+    the rows took 3.8-4.1, a gap no call count explains (docs/benchmarks.md)."""
     row = bench.Row(model=model, n_gpus=8, dp=1, tp=8, pp=1, micro_batch_size=1, grad_accum=256, seq_len=4096,
                     zero_stage="0", status="ok", tokens_per_s_per_gpu=measured, line=0)
     (outcome,) = bench.predict([row], get_hardware("h100-80g"))
     device_only = 256 * 4096 / outcome.predicted.step_time_s / 8
     assert device_only / measured > 2
-    assert 1 < outcome.tokens_per_s_per_gpu / measured < 1.8
+    assert 1.6 < outcome.tokens_per_s_per_gpu / measured < 1.8
 
 
 def test_what_the_rows_show_pairs_zero_twins_and_times_a_layer_where_its_pipeline_runs(bench):

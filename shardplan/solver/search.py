@@ -259,7 +259,8 @@ def solve_configuration(blocks: Sequence[Block], rules: tuple[BlockRule, ...], s
     None when nothing fits the budget or nothing is as fast as `time_bound_s`. `costs`: its
     UnitCosts, where the caller keeps them (SearchMemo)."""
     contexts = [context(setting, configuration, hardware, stage) for stage in range(configuration.mesh.pp)]
-    costs = costs if costs is not None else UnitCosts(blocks, rules, space, contexts[0])  # shared by the stages: see UnitCosts
+    if costs is None:  # shared by the stages: see UnitCosts
+        costs = UnitCosts(blocks, rules, space, contexts[0])
     solvers: dict[tuple[int, int], ChainSolver] = {}
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
     floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
