@@ -39,11 +39,12 @@ from scipy.stats import kendalltau
 
 from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
 from shardplan.compile import default_space, evaluate, solve, tensor_parallel_section
-from shardplan.cost import OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, kind_time_s, unpriced_dispatches
+from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, RuntimeKernels, UnitSizes, kind_time_s,
+                            unpriced_dispatches)
 from shardplan.hardware import get_hardware
 from shardplan.solver.search import Configuration
-from shardplan.plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy,
-                           Stage, Unit)
+from shardplan.plan import (Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
+                            ShardStrategy, Stage, Unit)
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                             "published-h100", "runs.csv")
@@ -413,6 +414,24 @@ def zero1_runtime_s(row: Row, chain: BlockChain, dims: LlamaDims, hw) -> float:
     return reduce_s + copies_s
 
 
+def nanotron_runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> RuntimeKernels:
+    """What nanotron (e24d2483, accumulate_grad_in_fp32: the playbook's config) runs over a unit's parameters and
+    gradients beside the model's ops, priced in place of shardplan's runtime's ([Note: the runtime's kernels] in
+    cost.py): each micro-batch adds every bf16 gradient into its fp32 accumulator, reading both and writing the
+    sum (optim/gradient_accumulator.py `_accumulate_grad`, or `fp32_accum_hook` on DDP's syncing micro-batch);
+    once a step, at ZeRO-0 over dp > 1, DDP copies that micro-batch's bf16 gradients into its buckets (not a
+    view of them: trainer.py line 847), then the stepped fp32 parameters are copied into the bf16 model (the
+    accumulator's `step`: the rank's slice at ZeRO-1) and the accumulator is zeroed (`zero_grad`). Its
+    all-reduces average in NCCL (ReduceOp.AVG), no `div_`; ZeRO-1's copies around its gather are
+    zero1_runtime_s (--nanotron-zero1)."""
+    zero1 = decision.traits.shards_optimizer
+    stepped = sizes.storage_bytes + sizes.param_bytes
+    ddp_copy = (("copy_", 2 * sizes.param_bytes),) if not zero1 and ctx.dp * ctx.dp_replicate > 1 else ()
+    return RuntimeKernels(forward=(), backward=(("add_", sizes.param_bytes + 2 * sizes.grad_bytes),),
+                          step=ddp_copy + (("copy_", -(-stepped // ctx.dp) if zero1 else stepped),
+                                           ("zero_", sizes.grad_bytes)))
+
+
 NANOTRON_HOST_CALLS = {"layer": 220, "embedding": 23, "head": 101, "boundary": 47}
 """ATen calls nanotron's host dispatches a micro-batch, counted by executing its code (e24d2483, the playbook's
 commit, with flash-attn v2.5.8's Python) on CPU under a TorchDispatchMode: `benchmarks/count_nanotron_calls.py
@@ -554,7 +573,7 @@ def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> 
             chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1, sequence_sharded_norm=True,
                                       code=code)
         chain = chains[key]
-        plan = evaluate(chain, plan_for(row, chain, dims), hw)
+        plan = evaluate(chain, plan_for(row, chain, dims), hw, runtime=nanotron_runtime_kernels)
         predicted = as_nanotron_holds(plan, row, dims)
         host_bound_s = (row.grad_accum + row.pp - 1) * nanotron_host_s(row, chain, dims, hw) + plan.time_s["optimizer"]
         step_s = (max(predicted.step_time_s, host_bound_s)

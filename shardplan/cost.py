@@ -139,8 +139,8 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
   across nodes once the world spans them (solver/search.py, boundary_times_s).
 """
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-
 
 from .chain import Block, OpKind, merge_op_kinds
 from .dtypes import FLOAT_DTYPES, dtype_bytes
@@ -233,6 +233,10 @@ class CostContext:
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     optimizer: str = "adamw"
+    runtime: "Runtime | None" = None
+    """The kernels the runtime executing the plan runs around its collectives ([Note: the runtime's
+    kernels]); None: shardplan's own (runtime_kernels). Runs of another runtime are priced with that
+    runtime's (benchmarks/bench_published.py: nanotron's), not with shardplan's on top."""
 
     @property
     def pipeline_factor(self) -> int:
@@ -616,6 +620,10 @@ def runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> R
     return RuntimeKernels(forward=gather_cast, backward=backward, step=step)
 
 
+Runtime = Callable[[UnitSizes, Decision, CostContext], RuntimeKernels]
+"""The kernels a runtime runs over a unit's parameters and gradients (runtime_kernels: shardplan's)."""
+
+
 def kernels_s(kernels: tuple[tuple[str, int], ...], ctx: CostContext) -> float:
     """Memory-bound kernels, each (op, bytes), at their op's factor and fixed cost."""
     return sum(ctx.hardware.compute_time_s(0, nbytes, "float32", op=op) for op, nbytes in kernels)
@@ -689,7 +697,7 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
     traits, sizes = decision.traits, UnitSizes.of(blocks, ctx)
     gathered = gathered_bytes(sizes, decision, ctx)
     activation_bytes, fwd_working, bwd_working = working_bytes(blocks, decision.checkpoint, ctx)
-    kernels = runtime_kernels(sizes, decision, ctx)
+    kernels = (ctx.runtime or runtime_kernels)(sizes, decision, ctx)
     compute_fwd_s, compute_bwd_s, recompute_s = compute_s(blocks, kernels, decision, ctx)
     gather = gather_s(gathered, ctx)
     overlap = ctx.hardware.overlaps_communication
