@@ -2,7 +2,8 @@
 bytes, at its op's factor ([Note: the runtime's kernels] in cost.py)."""
 import pytest
 
-from shardplan.cost import CostContext, UnitSizes, evaluate_stage, own_time_s, runtime_kernels, unit_cost
+from shardplan.cost import (CostContext, RuntimeKernels, UnitSizes, evaluate_stage, own_time_s, runtime_kernels,
+                            unit_cost)
 from shardplan.plan import Decision, ShardStrategy
 
 from test_cost import LinearHardware, block, ctx
@@ -66,3 +67,15 @@ def test_the_once_a_step_kernels_count_in_the_optimizer_term_and_in_a_units_own_
     assert step.time_s["optimizer"] == pytest.approx(unit.optimizer_s + unit.runtime_step_s)
     assert own_time_s(unit, context) == pytest.approx(unit.compute_fwd_s + unit.bwd_window_s + unit.optimizer_s
                                                       + unit.runtime_step_s)
+
+
+def test_a_plan_another_runtime_runs_is_priced_with_that_runtimes_kernels_in_place_of_shardplans():
+    def only_a_copy_a_step(sizes, decision, context):
+        return RuntimeKernels(forward=(), backward=(), step=(("copy_", sizes.storage_bytes),))
+
+    replicated = Decision(strategy=ShardStrategy.REPLICATE)
+    own = unit_cost((block(numel=NUMEL),), replicated, ctx(dp=2, num_micro_batches=2))
+    other = unit_cost((block(numel=NUMEL),), replicated, ctx(dp=2, num_micro_batches=2, runtime=only_a_copy_a_step))
+    # shardplan's assembly (8 MB) and adding into the accumulator (12 MB) in each backward are gone, 1 us each
+    assert own.compute_bwd_s - other.compute_bwd_s == pytest.approx(2e-6 + 20 * 10**6 / 1e11)
+    assert other.runtime_step_s == pytest.approx(1e-6 + 4 * 10**6 / 1e11)
