@@ -417,19 +417,24 @@ def zero1_runtime_s(row: Row, chain: BlockChain, dims: LlamaDims, hw) -> float:
 def nanotron_runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> RuntimeKernels:
     """What nanotron (e24d2483, accumulate_grad_in_fp32: the playbook's config) runs over a unit's parameters and
     gradients beside the model's ops, priced in place of shardplan's runtime's ([Note: the runtime's kernels] in
-    cost.py): each micro-batch adds every bf16 gradient into its fp32 accumulator, reading both and writing the
-    sum (optim/gradient_accumulator.py `_accumulate_grad`, or `fp32_accum_hook` on DDP's syncing micro-batch);
-    once a step, at ZeRO-0 over dp > 1, DDP copies that micro-batch's bf16 gradients into its buckets (not a
-    view of them: trainer.py line 847), then the stepped fp32 parameters are copied into the bf16 model (the
-    accumulator's `step`: the rank's slice at ZeRO-1) and the accumulator is zeroed (`zero_grad`). Its
-    all-reduces average in NCCL (ReduceOp.AVG), no `div_`; ZeRO-1's copies around its gather are
-    zero1_runtime_s (--nanotron-zero1)."""
+    cost.py), each by the analysis's byte rule (an in-place op reads and writes its target): each micro-batch
+    adds every bf16 gradient into its fp32 accumulator (optim/gradient_accumulator.py `_accumulate_grad`, or
+    `fp32_accum_hook` on DDP's syncing micro-batch); once a step, at ZeRO-0 over dp > 1, DDP copies that
+    micro-batch's bf16 gradients into its buckets (not views of them: trainer.py line 847), and the stepped
+    fp32 parameters are copied into the bf16 model (the accumulator's `step`: the rank's slice at ZeRO-1).
+    The accumulator's `zero_` is the optimizer term's over the gradient the rank steps; at ZeRO-1 it zeroes
+    the rest too (optimizers' own zero_grad sets None). Its all-reduces average in NCCL (ReduceOp.AVG), no
+    `div_`; ZeRO-1's copies around its gather are zero1_runtime_s (--nanotron-zero1)."""
     zero1 = decision.traits.shards_optimizer
-    stepped = sizes.storage_bytes + sizes.param_bytes
-    ddp_copy = (("copy_", 2 * sizes.param_bytes),) if not zero1 and ctx.dp * ctx.dp_replicate > 1 else ()
+
+    def stepped(nbytes: int) -> int:
+        return -(-nbytes // ctx.dp) if zero1 else nbytes
+
+    ddp_copy = (("copy_", 3 * sizes.param_bytes),) if not zero1 and ctx.dp * ctx.dp_replicate > 1 else ()
+    rest_zeroed = (("zero_", 2 * (sizes.grad_bytes - stepped(sizes.grad_bytes))),) if zero1 and ctx.dp > 1 else ()
     return RuntimeKernels(forward=(), backward=(("add_", sizes.param_bytes + 2 * sizes.grad_bytes),),
-                          step=ddp_copy + (("copy_", -(-stepped // ctx.dp) if zero1 else stepped),
-                                           ("zero_", sizes.grad_bytes)))
+                          step=ddp_copy + (("copy_", stepped(sizes.storage_bytes + 2 * sizes.param_bytes)),)
+                          + rest_zeroed)
 
 
 NANOTRON_HOST_CALLS = {"layer": 220, "embedding": 23, "head": 101, "boundary": 47}

@@ -167,10 +167,10 @@ def test_nanotron_zero1_step_explains_data_parallelism_across_nodes(bench, model
 
 @pytest.mark.parametrize("strategy, step", [
     # DDP's copy of the syncing micro-batch's bf16 gradients into its buckets, the stepped fp32 parameters copied
-    # into the bf16 model, the accumulator zeroed
-    (ShardStrategy.REPLICATE, (("copy_", 4 * 10**6), ("copy_", 6 * 10**6), ("zero_", 4 * 10**6))),
-    # no DDP; the rank's stepped slice copied into the bf16 model
-    (ShardStrategy.SHARD_OPTIMIZER, (("copy_", 6 * 10**6 // 4), ("zero_", 4 * 10**6))),
+    # into the bf16 model (the accumulator's zero_ is the optimizer term's)
+    (ShardStrategy.REPLICATE, (("copy_", 6 * 10**6), ("copy_", 8 * 10**6))),
+    # no DDP; the rank's stepped slice copied into the bf16 model, the accumulator zeroed beyond that slice
+    (ShardStrategy.SHARD_OPTIMIZER, (("copy_", 2 * 10**6), ("zero_", 6 * 10**6))),
 ])
 def test_nanotron_rows_price_nanotrons_kernels_around_its_collectives_not_shardplans(bench, strategy, step):
     """A unit of 10^6 parameters under nanotron over 4 ranks, one micro-batch: its bf16 gradient is added into
