@@ -13,7 +13,8 @@ Every row of the data set becomes a shardplan plan as nanotron ran it: one unit 
 REPLICATE and ZeRO-1 as SHARD_OPTIMIZER, 1F1B over the gradient-accumulation micro-batches,
 parameters in bf16 and gradients reduced in fp32, no recomputation, stages cut as nanotron cuts
 them, and tp > 1 as nanotron's TP in REDUCE_SCATTER mode (sequence parallel, vocab-parallel embedding
-and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each plan's step time and
+and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each plan's step time, with
+nanotron's kernels around its collectives in place of shardplan's runtime's (nanotron_runtime_kernels), and
 peak memory on the profile; the step is then bounded below by what nanotron's host dispatches
 (nanotron_host_s) and the memory swapped for what nanotron holds (as_nanotron_holds; what the older code
 of old_bench keeps beyond it: NanotronCode). Printed per model and GPU count: Kendall tau of predicted
@@ -559,9 +560,9 @@ def as_nanotron_holds(plan: Predicted, row: Row, dims: LlamaDims) -> Predicted:
 
 
 def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> list[Outcome]:
-    """Each row's plan priced on `hardware`, its peak memory as nanotron holds it (as_nanotron_holds); with
-    `nanotron_zero1`, each ZeRO-1 row's step also pays what nanotron's ZeRO-1 does beyond the plan
-    (zero1_runtime_s)."""
+    """Each row's plan priced on `hardware` as nanotron runs it (nanotron_runtime_kernels), its peak memory as
+    nanotron holds it (as_nanotron_holds); with `nanotron_zero1`, each ZeRO-1 row's step also pays what
+    nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s)."""
     hw = get_hardware(hardware)
     chains: dict[tuple, BlockChain] = {}
     outcomes = []
