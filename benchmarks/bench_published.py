@@ -13,7 +13,8 @@ Every row of the data set becomes a shardplan plan as nanotron ran it: one unit 
 REPLICATE and ZeRO-1 as SHARD_OPTIMIZER, 1F1B over the gradient-accumulation micro-batches,
 parameters in bf16 and gradients reduced in fp32, no recomputation, stages cut as nanotron cuts
 them, and tp > 1 as nanotron's TP in REDUCE_SCATTER mode (sequence parallel, vocab-parallel embedding
-and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each plan's step time and
+and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each plan's step time, with
+nanotron's kernels around its collectives in place of shardplan's runtime's (nanotron_runtime_kernels), and
 peak memory on the profile; the step is then bounded below by what nanotron's host dispatches
 (nanotron_host_s) and the memory swapped for what nanotron holds (as_nanotron_holds; what the older code
 of old_bench keeps beyond it: NanotronCode). Printed per model and GPU count: Kendall tau of predicted
@@ -39,11 +40,12 @@ from scipy.stats import kendalltau
 
 from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
 from shardplan.compile import default_space, evaluate, solve, tensor_parallel_section
-from shardplan.cost import OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, kind_time_s, unpriced_dispatches
+from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, RuntimeKernels, UnitSizes, kind_time_s,
+                            unpriced_dispatches)
 from shardplan.hardware import get_hardware
 from shardplan.solver.search import Configuration
-from shardplan.plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy,
-                           Stage, Unit)
+from shardplan.plan import (Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
+                            ShardStrategy, Stage, Unit)
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                             "published-h100", "runs.csv")
@@ -413,6 +415,29 @@ def zero1_runtime_s(row: Row, chain: BlockChain, dims: LlamaDims, hw) -> float:
     return reduce_s + copies_s
 
 
+def nanotron_runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> RuntimeKernels:
+    """What nanotron (e24d2483, accumulate_grad_in_fp32: the playbook's config) runs over a unit's parameters and
+    gradients beside the model's ops, priced in place of shardplan's runtime's ([Note: the runtime's kernels] in
+    cost.py), each by the analysis's byte rule (an in-place op reads and writes its target): each micro-batch
+    adds every bf16 gradient into its fp32 accumulator (optim/gradient_accumulator.py `_accumulate_grad`, or
+    `fp32_accum_hook` on DDP's syncing micro-batch); once a step, at ZeRO-0 over dp > 1, DDP copies that
+    micro-batch's bf16 gradients into its buckets (not views of them: trainer.py line 847), and the stepped
+    fp32 parameters are copied into the bf16 model (the accumulator's `step`: the rank's slice at ZeRO-1).
+    The accumulator's `zero_` is the optimizer term's over the gradient the rank steps; at ZeRO-1 it zeroes
+    the rest too (optimizers' own zero_grad sets None). Its all-reduces average in NCCL (ReduceOp.AVG), no
+    `div_`; ZeRO-1's copies around its gather are zero1_runtime_s (--nanotron-zero1)."""
+    zero1 = decision.traits.shards_optimizer
+
+    def stepped(nbytes: int) -> int:
+        return -(-nbytes // ctx.dp) if zero1 else nbytes
+
+    ddp_copy = (("copy_", 3 * sizes.param_bytes),) if not zero1 and ctx.dp * ctx.dp_replicate > 1 else ()
+    rest_zeroed = (("zero_", 2 * (sizes.grad_bytes - stepped(sizes.grad_bytes))),) if zero1 and ctx.dp > 1 else ()
+    return RuntimeKernels(forward=(), backward=(("add_", sizes.param_bytes + 2 * sizes.grad_bytes),),
+                          step=ddp_copy + (("copy_", stepped(sizes.storage_bytes + 2 * sizes.param_bytes)),)
+                          + rest_zeroed)
+
+
 NANOTRON_HOST_CALLS = {"layer": 220, "embedding": 23, "head": 101, "boundary": 47}
 """ATen calls nanotron's host dispatches a micro-batch, counted by executing its code (e24d2483, the playbook's
 commit, with flash-attn v2.5.8's Python) on CPU under a TorchDispatchMode: `benchmarks/count_nanotron_calls.py
@@ -535,9 +560,9 @@ def as_nanotron_holds(plan: Predicted, row: Row, dims: LlamaDims) -> Predicted:
 
 
 def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> list[Outcome]:
-    """Each row's plan priced on `hardware`, its peak memory as nanotron holds it (as_nanotron_holds); with
-    `nanotron_zero1`, each ZeRO-1 row's step also pays what nanotron's ZeRO-1 does beyond the plan
-    (zero1_runtime_s)."""
+    """Each row's plan priced on `hardware` as nanotron runs it (nanotron_runtime_kernels), its peak memory as
+    nanotron holds it (as_nanotron_holds); with `nanotron_zero1`, each ZeRO-1 row's step also pays what
+    nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s)."""
     hw = get_hardware(hardware)
     chains: dict[tuple, BlockChain] = {}
     outcomes = []
@@ -554,7 +579,7 @@ def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> 
             chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1, sequence_sharded_norm=True,
                                       code=code)
         chain = chains[key]
-        plan = evaluate(chain, plan_for(row, chain, dims), hw)
+        plan = evaluate(chain, plan_for(row, chain, dims), hw, runtime=nanotron_runtime_kernels)
         predicted = as_nanotron_holds(plan, row, dims)
         host_bound_s = (row.grad_accum + row.pp - 1) * nanotron_host_s(row, chain, dims, hw) + plan.time_s["optimizer"]
         step_s = (max(predicted.step_time_s, host_bound_s)

@@ -273,9 +273,12 @@ def predict(chain: BlockChain, candidate: Candidate, setting: Setting, hw: Hardw
     return _predicted(chain, costs, names, candidate.configuration.mesh, setting, hw)
 
 
-def evaluate(chain: BlockChain, plan: Plan, hardware: str | os.PathLike | HardwareProfile | None = None) -> Predicted:
+def evaluate(chain: BlockChain, plan: Plan, hardware: str | os.PathLike | HardwareProfile | None = None, *,
+             runtime: cost.Runtime | None = None) -> Predicted:
     """What the cost model predicts for `plan`'s own decisions on `chain`, a plan written by hand
-    (runtime.manual_plan) included: how predictions are checked against measurement."""
+    (runtime.manual_plan) included: how predictions are checked against measurement. `runtime`: the
+    kernels another runtime runs around its collectives, priced in place of shardplan's runtime's
+    (cost.CostContext.runtime)."""
     hw = get_hardware(hardware or plan.hardware)
     _check_tensor_parallel(chain, plan)
     chain = _sliced_as_planned(chain, plan)
@@ -292,7 +295,8 @@ def evaluate(chain: BlockChain, plan: Plan, hardware: str | os.PathLike | Hardwa
     stage_of_unit = plan.stage_of_unit
     setting = Setting(world_size=plan.world_size, batch_size=_batch_size(chain), mixed_precision=plan.mixed_precision,
                       optimizer=plan.optimizer, skip_edges=chain.skip_edges, tied_edges=chain.tied_edges,
-                      global_batch_size=plan.mesh.dp * plan.batch_per_replica if plan.inputs else None)
+                      global_batch_size=plan.mesh.dp * plan.batch_per_replica if plan.inputs else None,
+                      runtime=runtime)
     configuration = Configuration(mesh=plan.mesh, schedule=plan.schedule,
                                   sequence_parallel=plan.tensor_parallel.sequence_parallel)
     steps, names = [], []

@@ -67,10 +67,18 @@ Time, by component (per step):
   factor the profile measured for that op x its roofline time. A block built
   by hand has totals only: its FLOPs by roofline over its params (param dtype)
   and its input and output activations, plus its memory-bound ops (fwd_ops /
-  fwd_memory_bytes): their fixed costs and the bytes they stream. Each
-  micro-batch's backward also assembles the unit's flat gradient (read and write
-  it once) and, in a replicated unit with m > 1, adds it to the accumulator
-  (read both, write one).
+  fwd_memory_bytes): their fixed costs and the bytes they stream.
+  [Note: the runtime's kernels] Beside the model's ops, the runtime (runtime/unit.py,
+  collectives.py) runs kernels over each unit's parameters and gradients, priced by their bytes at
+  their op's factor (runtime_kernels): per micro-batch (in compute), the casts of gathered parameters to the
+  compute dtype (mixed precision), the flat gradient's assembly (GRADIENT_ASSEMBLY) and its cast to
+  the reduce dtype, the adding into the accumulator (m > 1, all-reducing units), and for
+  reduce-scattering units the averaging `div_` (AVERAGING) and the adding of the reduced shard into
+  `.grad` (GRADIENT_ADD); once a step (counted in the optimizer term), the same averaging and adding
+  for all-reducing units, and SHARD_OPTIMIZER's copies around its gather of the stepped parameters
+  (PARAMETERS_SYNC). In Mixtral's 2-rank shard_optimizer step on CPU they took about 4.7 ms, where
+  the assembly's 1.5 alone was priced before. `.grad` is taken as kept between steps
+  (zero_grad(set_to_none=False)), which the runtime adds into.
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
   every forward op but the matmul-like ones whose outputs it kept
   (plan.SELECTIVE_SAVED_OPS; a hand-built block: its memory-bound ops), priced as
@@ -103,10 +111,11 @@ Time, by component (per step):
 - offload: an offloaded shard is copied host→device before each gather and its
   gradient shard device→host after each reduce-scatter at OFFLOAD_BYTES_PER_S,
   not overlapped.
-- optimizer: the runtime's check of the kept gradients (GRADIENT_CHECK), then the step and
-  zero_grad stream the rank's shard of parameters, gradients and optimizer state (OPTIMIZER_STEPS:
-  92 bytes per parameter for AdamW, not just the state's 16 read and written once): memory bound,
-  each kernel at its op's measured factor, plus its fixed cost.
+- optimizer: the runtime's kernels once a step ([Note: the runtime's kernels]) and its check of the
+  kept gradients (GRADIENT_CHECK), then the step and zero_grad stream the rank's shard of
+  parameters, gradients and optimizer state (OPTIMIZER_STEPS: 92 bytes per parameter for AdamW, not
+  just the state's 16 read and written once): memory bound, each kernel at its op's measured factor,
+  plus its fixed cost.
 - bubble: (pp - 1) × the stage's per-micro-batch time (GPipe and 1F1B alike).
 A stage's step time is (m + pp - 1) × its per-micro-batch time + its per-step
 terms; the step time of a plan is that of its slowest stage.
@@ -130,8 +139,8 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
   across nodes once the world spans them (solver/search.py, boundary_times_s).
 """
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-
 
 from .chain import Block, OpKind, merge_op_kinds
 from .dtypes import FLOAT_DTYPES, dtype_bytes
@@ -175,9 +184,25 @@ OPTIMIZER_STEPS = {
 }
 """Counted by running each optimizer's step under the analysis's byte rule (passes/execution.py, moved_bytes);
 tests/test_cost.py checks them the same way against torch.optim."""
+GRADIENT_ASSEMBLY = ("", 2)
+"""The cat of a unit's parameters' gradients into its flat gradient (`_GatherFlat`'s backward), reading
+and writing it once. Priced at the copy bandwidth, not at `cat`'s factor: the calibration's cats are
+the models' small ones, hot in cache (0.6 of the copy bandwidth's time on a CPU rank), where Mixtral's
+7 MB gradients' took 0.9-1.7 times it."""
 GRADIENT_CHECK = ("any", 4)
 """What the runtime reads of each unit's kept gradient at a step's start (runtime/sharded.py, all_zeros):
 one `any` over it, 4 bytes a float32 parameter."""
+AVERAGING = ("div_", 2)
+"""What the runtime runs over a gradient before each reduction (runtime/collectives.py, [Note: averaging]):
+a `div_` by the group's size, in place, reading and writing its bytes once."""
+GRADIENT_ADD = ("add_", 3)
+"""How the runtime adds a gradient into another, in place: a reduced one into `.grad` (runtime/unit.py,
+finish_reduction) or a micro-batch's into the step's accumulator. It reads both and writes one, 3
+bytes a byte of the sum."""
+PARAMETERS_SYNC = (("clone", 2), ("copy_", 3))
+"""What SHARD_OPTIMIZER's runtime runs around its all-gather after a step (runtime/unit.py, _sync_full):
+a clone of the stepped shard (2 bytes a byte of it), which it gathers, then a `copy_` of the gathered
+parameters into the full buffer (3 bytes a byte of it, as the analysis counts `copy_`)."""
 SELECTIVE_KEEP_FRACTION = 0.5
 """Share of saved_bytes selective checkpointing keeps in a block the analysis did not measure
 (Block.selective_bytes is 0: a chain built by hand): the matmul outputs of a transformer layer
@@ -208,6 +233,10 @@ class CostContext:
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     optimizer: str = "adamw"
+    runtime: "Runtime | None" = None
+    """The kernels the runtime executing the plan runs around its collectives ([Note: the runtime's
+    kernels]); None: shardplan's own (runtime_kernels). Runs of another runtime are priced with that
+    runtime's (benchmarks/bench_published.py: nanotron's), not with shardplan's on top."""
 
     @property
     def pipeline_factor(self) -> int:
@@ -267,6 +296,9 @@ class UnitCost:
     offload_s: float
     """Per micro-batch host↔device copies."""
     optimizer_s: float
+    runtime_step_s: float
+    """The runtime's kernels once a step, counted in the optimizer term: around an all-reduce of the step's
+    gradient, and SHARD_OPTIMIZER's around its gather after the step ([Note: the runtime's kernels])."""
     tensor_parallel_s: float
     """Per micro-batch exchanges of the tp ranks, exposed."""
     prefetch: bool
@@ -541,21 +573,73 @@ def _recomputed_by_selective(block: Block, saved: int, kept: int, ctx: CostConte
     return saved - kept
 
 
-def compute_s(blocks: tuple[Block, ...], sizes: UnitSizes, decision: Decision,
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeKernels:
+    """The runtime's kernels over one unit's parameters and gradients, each (op, bytes it reads plus
+    writes) ([Note: the runtime's kernels])."""
+
+    forward: tuple[tuple[str, int], ...]
+    """Each micro-batch's forward."""
+    backward: tuple[tuple[str, int], ...]
+    """Each micro-batch's backward."""
+    step: tuple[tuple[str, int], ...]
+    """Once a step."""
+
+
+def runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> RuntimeKernels:
+    """What the runtime runs around a unit's collectives ([Note: the runtime's kernels]). An offloaded
+    shard's copies to and from the host are offload_s, casts included."""
+    traits = decision.traits
+
+    def shard(nbytes: int) -> int:
+        return -(-nbytes // ctx.dp)
+
+    def over(kernel: tuple[str, int], nbytes: int) -> tuple[tuple[str, int], ...]:
+        return ((kernel[0], kernel[1] * nbytes),)
+
+    def cast(source: int, target: int) -> tuple[tuple[str, int], ...]:
+        return (("_to_copy", source + target),) if source != target and not decision.offload else ()
+
+    gather_cast = (cast(shard(sizes.storage_bytes), shard(sizes.param_bytes)) if traits.shards_params
+                   else cast(sizes.storage_bytes, sizes.param_bytes))
+    # the reduced gradient, cast back to the parameters' dtype and added into `.grad`: the rank's shard
+    # of it where the optimizer steps a shard
+    grad, stored = ((shard(sizes.grad_bytes), shard(sizes.storage_bytes)) if traits.shards_optimizer
+                    else (sizes.grad_bytes, sizes.storage_bytes))
+    into_grad = cast(grad, stored) + over(GRADIENT_ADD, stored)
+    backward = ((gather_cast if traits.reshard_after_forward else ()) + over(GRADIENT_ASSEMBLY, sizes.param_bytes)
+                + cast(sizes.param_bytes, sizes.grad_bytes)
+                + (over(GRADIENT_ADD, sizes.grad_bytes) if accumulates_grads(decision, ctx) else ()))
+    step = ((over(PARAMETERS_SYNC[0], shard(sizes.storage_bytes)) + over(PARAMETERS_SYNC[1], sizes.storage_bytes))
+            if traits.gathers_after_step else ())
+    if traits.reduce_scatters_grads:
+        backward += ((over(AVERAGING, sizes.grad_bytes) if ctx.dp > 1 else ())
+                     + (over(AVERAGING, grad) if ctx.dp_replicate > 1 else ()) + into_grad)
+    else:
+        step = (over(AVERAGING, sizes.grad_bytes) if ctx.dp * ctx.dp_replicate > 1 else ()) + into_grad + step
+    return RuntimeKernels(forward=gather_cast, backward=backward, step=step)
+
+
+Runtime = Callable[[UnitSizes, Decision, CostContext], RuntimeKernels]
+"""The kernels a runtime runs over a unit's parameters and gradients (runtime_kernels: shardplan's)."""
+
+
+def kernels_s(kernels: tuple[tuple[str, int], ...], ctx: CostContext) -> float:
+    """Memory-bound kernels, each (op, bytes), at their op's factor and fixed cost."""
+    return sum(ctx.hardware.compute_time_s(0, nbytes, "float32", op=op) for op, nbytes in kernels)
+
+
+def compute_s(blocks: tuple[Block, ...], kernels: RuntimeKernels, decision: Decision,
               ctx: CostContext) -> tuple[float, float, float]:
-    """(forward, backward, recompute) seconds of one micro-batch. Each backward also assembles the
-    unit's flat gradient from its parameters' (a cat) and, in a unit that accumulates, adds it to
-    the accumulator ([Note: gradient accumulation] in runtime/unit.py)."""
+    """(forward, backward, recompute) seconds of one micro-batch, the runtime's kernels of each
+    micro-batch included ([Note: the runtime's kernels])."""
     fwd_total = bwd_total = recompute = 0.0
     for block in blocks:
         fwd_s, bwd_s, selective_s = _block_times_s(block, ctx)
         fwd_total += fwd_s
         bwd_total += bwd_s
         recompute += {Checkpoint.FULL: fwd_s, Checkpoint.SELECTIVE: selective_s}.get(decision.checkpoint, 0.0)
-    accumulates = accumulates_grads(decision, ctx)
-    bwd_total += ctx.hardware.compute_time_s(0, 2 * sizes.param_bytes + (3 * sizes.grad_bytes if accumulates else 0),
-                                             "float32", calls=1 + accumulates)
-    return fwd_total, bwd_total, recompute
+    return fwd_total + kernels_s(kernels.forward, ctx), bwd_total + kernels_s(kernels.backward, ctx), recompute
 
 
 def gather_s(gathered: int, ctx: CostContext) -> float:
@@ -604,8 +688,7 @@ def optimizer_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float
     numel = -(-sizes.numel // ctx.dp) if decision.traits.shards_optimizer else sizes.numel
     if decision.offload:
         return numel * stepped.bytes_per_param / CPU_MEMORY_BYTES_PER_S
-    return sum(ctx.hardware.compute_time_s(0, numel * nbytes, "float32", op=op)
-               for op, nbytes in (GRADIENT_CHECK,) + stepped.ops)
+    return kernels_s(tuple((op, numel * nbytes) for op, nbytes in (GRADIENT_CHECK,) + stepped.ops), ctx)
 
 
 def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -> UnitCost:
@@ -614,7 +697,8 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
     traits, sizes = decision.traits, UnitSizes.of(blocks, ctx)
     gathered = gathered_bytes(sizes, decision, ctx)
     activation_bytes, fwd_working, bwd_working = working_bytes(blocks, decision.checkpoint, ctx)
-    compute_fwd_s, compute_bwd_s, recompute_s = compute_s(blocks, sizes, decision, ctx)
+    kernels = (ctx.runtime or runtime_kernels)(sizes, decision, ctx)
+    compute_fwd_s, compute_bwd_s, recompute_s = compute_s(blocks, kernels, decision, ctx)
     gather = gather_s(gathered, ctx)
     overlap = ctx.hardware.overlaps_communication
     return UnitCost(
@@ -627,7 +711,9 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         gather_fwd_s=gather, gather_bwd_s=gather if traits.reshard_after_forward else 0.0,
         reduce_s=reduce_s(sizes, decision, ctx), reduce_per_step=not traits.reduce_scatters_grads,
         post_step_gather_s=post_step_gather_s(sizes, decision, ctx), offload_s=offload_s(sizes, decision, ctx),
-        optimizer_s=optimizer_s(sizes, decision, ctx), tensor_parallel_s=tensor_parallel_s(blocks, ctx),
+        optimizer_s=optimizer_s(sizes, decision, ctx),
+        runtime_step_s=kernels_s(kernels.step, ctx),
+        tensor_parallel_s=tensor_parallel_s(blocks, ctx),
         prefetch=decision.prefetch,
         hide_fwd_s=compute_fwd_s if overlap else 0.0,
         hide_bwd_s=compute_bwd_s + recompute_s if overlap else 0.0,
@@ -715,7 +801,7 @@ def pair_exposed_s(prev: UnitCost | None, unit: UnitCost | None) -> ExposedTime:
 def own_time_s(unit: UnitCost, ctx: CostContext) -> float:
     """A unit's own contribution to its stage's step time (everything but neighbour coupling)."""
     per_mb = unit.compute_fwd_s + unit.bwd_window_s + unit.offload_s + unit.tensor_parallel_s
-    return ctx.pipeline_factor * per_mb + unit.post_step_gather_s + unit.optimizer_s
+    return ctx.pipeline_factor * per_mb + unit.runtime_step_s + unit.post_step_gather_s + unit.optimizer_s
 
 
 def pair_time_s(prev: UnitCost | None, unit: UnitCost | None, ctx: CostContext) -> float:
@@ -802,5 +888,6 @@ def _stage_time(units: list[UnitCost], ctx: CostContext, boundary_s: float) -> d
     per_mb = compute_mb + recompute_mb + offload_mb + exposed_mb
     terms = {"compute": m * compute_mb, "recompute": m * recompute_mb,
              "exposed_comm": m * exposed_mb + exposed_step, "offload": m * offload_mb,
-             "optimizer": sum(u.optimizer_s for u in units), "bubble": (ctx.pipeline_degree - 1) * per_mb}
+             "optimizer": sum(u.optimizer_s + u.runtime_step_s for u in units),
+             "bubble": (ctx.pipeline_degree - 1) * per_mb}
     return {name: float(value) for name, value in terms.items()}

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import math
 import time
+from typing import cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -151,6 +152,11 @@ def biased_attention(device: torch.device, batch: int = 2, seq: int = 256, width
 # op workload (a layer's parameters, an embedding's: 0.1-1.8M), after the workload's backward as
 # in training, and they are fitted into op factors by name like the model's ops; the cost model
 # prices OPTIMIZER_STEPS' kernels and the check by those names (cost.optimizer_s).
+# The runtime's kernels around its collectives ([Note: the runtime's kernels] in cost.py) are timed
+# the same way, on the same shards: the averaging `div_` and the adding into `.grad` of a reduced
+# gradient before the step, SHARD_OPTIMIZER's clone of the stepped shard and `copy_` of the gathered
+# parameters after it. No model workload runs a `div_` of that size; it read at half the copy
+# bandwidth's time over Mixtral's 7 MB gradients, which a profile without its factor prices whole.
 
 def step_shards(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Flat float32 parameters, one per block of `model` (a layer of a layer container, else a
@@ -168,16 +174,27 @@ def step_shards(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def training_step_kernels(model: torch.nn.Module):
     """A callable running the step's own kernels ([Note: the step's own kernels]) over `model`'s
-    step_shards: the runtime's gradient check, AdamW's single-tensor step (the kernels cost.OPTIMIZER_STEPS names) and
-    zero_grad. The gradients stay zero, as zero_grad leaves them for the next step's check; the
-    elementwise kernels take as long on zeros."""
+    step_shards: the runtime's averaging of a gradient and its adding into `.grad`, its gradient check,
+    AdamW's single-tensor step (the kernels cost.OPTIMIZER_STEPS names) and zero_grad, then the
+    runtime's copies of the stepped parameters around their gather. The gradients stay zero, as
+    zero_grad leaves them for the next step's check; the elementwise kernels take as long on zeros."""
     shards = step_shards(model)
     optimizer = torch.optim.AdamW(shards, lr=1e-3, foreach=False)
+    reduced = [torch.zeros_like(shard) for shard in shards]  # what a reduction returns: zeros keep `.grad` zero
+    synced = [torch.empty_like(shard) for shard in shards]  # SHARD_OPTIMIZER's full buffer, gathered into
 
     def step() -> None:
+        with torch.no_grad():
+            for shard, result in zip(shards, reduced):
+                grad = cast(torch.Tensor, shard.grad)  # step_shards gives each one
+                grad.div_(2)  # the averaging, in place, before the reduction
+                grad.add_(result)
         all_zeros([shard.grad for shard in shards])
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
+        with torch.no_grad():
+            for shard, full in zip(shards, synced):
+                full.copy_(shard.detach().clone())
     step()  # the first step makes the optimizer's state: other kernels than every later step's
     return step
 

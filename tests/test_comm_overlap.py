@@ -19,7 +19,8 @@ def unit(*, gather_s: float = 0.0, reduce_s: float = 0.0, window_s: float = 6 * 
                     bwd_working=(0, 0),
                     compute_fwd_s=window_s / 2, compute_bwd_s=window_s, recompute_s=0.0, gather_fwd_s=0.0,
                     gather_bwd_s=gather_s, reduce_s=reduce_s, reduce_per_step=reduce_per_step,
-                    post_step_gather_s=0.0, offload_s=0.0, optimizer_s=0.0, tensor_parallel_s=0.0, prefetch=True,
+                    post_step_gather_s=0.0, offload_s=0.0, optimizer_s=0.0, runtime_step_s=0.0, tensor_parallel_s=0.0,
+                    prefetch=True,
                     hide_fwd_s=window_s / 2, hide_bwd_s=window_s, contention=contention)
 
 

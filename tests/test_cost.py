@@ -82,7 +82,8 @@ def test_kept_activations_by_checkpoint_and_micro_batches(checkpoint, kept):
 def test_compute_recompute_and_collectives_of_a_unit():
     unit = unit_cost((block(),), Decision(checkpoint=Checkpoint.FULL), ctx(dp=4))
     assert unit.compute_fwd_s == pytest.approx(1.0)  # 1e12 FLOPs at 1 TFLOP/s
-    assert unit.compute_bwd_s == pytest.approx(2.0 + 1e-6 + 2 * 4e6 / 1e11)  # + the flat gradient's assembly
+    # + the runtime's kernels: the flat gradient's assembly, its averaging, its reduced shard added into `.grad`
+    assert unit.compute_bwd_s == pytest.approx(2.0 + 3e-6 + (2 * 4e6 + 2 * 4e6 + 3 * 1e6) / 1e11)
     assert unit.recompute_s == pytest.approx(1.0)
     assert unit.gather_fwd_s == pytest.approx(4e6 * 0.75 / 1e9)
     assert unit.gather_bwd_s == unit.gather_fwd_s  # FULL_SHARD gathers again for backward
@@ -100,10 +101,12 @@ def test_replicated_units_pay_for_accumulating_gradients_over_micro_batches():
     sharded, replicated = (unit_cost((block(**flat),), Decision(strategy=strategy), ctx(num_micro_batches=2))
                            for strategy in (ShardStrategy.FULL_SHARD, ShardStrategy.REPLICATE))
     block_op_s = 1e-6  # the block's one backward op, moving nothing
-    assert sharded.compute_bwd_s == pytest.approx(block_op_s + 1e-6 + 2 * 4e6 / 1e11)  # cat of 4 MB: read, write
-    assert replicated.compute_bwd_s == pytest.approx(block_op_s + 2e-6 + (2 + 3) * 4e6 / 1e11)  # + accumulator add
+    assembly_s = 1e-6 + 2 * 4e6 / 1e11  # cat of 4 MB: read, write
+    # each micro-batch's gradient averaged and reduce-scattered, its 1 MB shard added into `.grad`
+    assert sharded.compute_bwd_s == pytest.approx(block_op_s + assembly_s + 2e-6 + (2 * 4e6 + 3 * 1e6) / 1e11)
+    assert replicated.compute_bwd_s == pytest.approx(block_op_s + assembly_s + 1e-6 + 3 * 4e6 / 1e11)  # accumulator add
     once = unit_cost((block(**flat),), Decision(strategy=ShardStrategy.REPLICATE), ctx())
-    assert once.compute_bwd_s == pytest.approx(sharded.compute_bwd_s)  # one micro-batch accumulates nothing
+    assert once.compute_bwd_s == pytest.approx(block_op_s + assembly_s)  # one micro-batch accumulates nothing
 
 
 def test_a_single_rank_gathers_nothing_unless_it_casts():

@@ -8,8 +8,10 @@ import os
 import pytest
 
 from shardplan.compile import solve
+from shardplan.cost import CostContext, UnitSizes
 from shardplan.hardware import get_hardware
-from shardplan.plan import Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, Stage, Unit
+from shardplan.plan import (Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage,
+                            Unit)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = os.path.join(HERE, "data", "published_h100_rows.csv")
@@ -161,6 +163,25 @@ def test_nanotron_zero1_step_explains_data_parallelism_across_nodes(bench, model
     (nanotron,) = bench.predict([row], "h100-80g", nanotron_zero1=True)
     assert plan_only.tokens_per_s_per_gpu / measured > 1.7
     assert 0.8 < nanotron.tokens_per_s_per_gpu / measured < 1.15
+
+
+@pytest.mark.parametrize("strategy, step", [
+    # DDP's copy of the syncing micro-batch's bf16 gradients into its buckets, the stepped fp32 parameters copied
+    # into the bf16 model (the accumulator's zero_ is the optimizer term's)
+    (ShardStrategy.REPLICATE, (("copy_", 6 * 10**6), ("copy_", 8 * 10**6))),
+    # no DDP; the rank's stepped slice copied into the bf16 model, the accumulator zeroed beyond that slice
+    (ShardStrategy.SHARD_OPTIMIZER, (("copy_", 2 * 10**6), ("zero_", 6 * 10**6))),
+])
+def test_nanotron_rows_price_nanotrons_kernels_around_its_collectives_not_shardplans(bench, strategy, step):
+    """A unit of 10^6 parameters under nanotron over 4 ranks, one micro-batch: its bf16 gradient is added into
+    the fp32 accumulator (read both, write the sum), one micro-batch too. Its all-reduce averages in NCCL and
+    ZeRO-1's copies around its gather are zero1_runtime_s, so none of shardplan's runtime's kernels (the cat
+    of a flat gradient, div_, add_ into `.grad`, SHARD_OPTIMIZER's clone and copy_) is priced on top."""
+    context = CostContext(hardware=get_hardware("h100-80g"), dp=4, param_dtype="bfloat16")
+    sizes = UnitSizes(numel=10**6, storage_bytes=4 * 10**6, param_bytes=2 * 10**6, grad_bytes=4 * 10**6,
+                      optimizer_bytes=8 * 10**6)
+    found = bench.nanotron_runtime_kernels(sizes, Decision(strategy=strategy), context)
+    assert (found.forward, found.backward, found.step) == ((), (("add_", 10 * 10**6),), step)
 
 
 def test_nanotron_stage_cut_gives_the_lm_head_the_weight_of_layers(bench):

@@ -8,7 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardplan import get_hardware, zoo
-from shardplan.cost import GRADIENT_CHECK, OPTIMIZER_STEPS, CostContext, unit_cost
+from shardplan.cost import (AVERAGING, GRADIENT_ADD, GRADIENT_CHECK, OPTIMIZER_STEPS, PARAMETERS_SYNC, CostContext,
+                            unit_cost)
 from shardplan.hardware import SizeCurve
 from shardplan.op_factors import step_shards, training_step_kernels
 from shardplan.passes.execution import is_kernel, moved_bytes
@@ -42,7 +43,8 @@ def test_the_calibration_times_the_kernels_the_step_is_priced_by():
     kernels = _WholeShardKernels(largest)
     with kernels:
         step()
-    assert kernels.kernels == [GRADIENT_CHECK, *OPTIMIZER_STEPS["adamw"].ops]
+    per_parameter = [(op, 4 * nbytes) for op, nbytes in (AVERAGING, GRADIENT_ADD, *PARAMETERS_SYNC)]  # float32
+    assert kernels.kernels == [*per_parameter[:2], GRADIENT_CHECK, *OPTIMIZER_STEPS["adamw"].ops, *per_parameter[2:]]
 
 
 def test_each_kernel_of_the_step_is_priced_at_its_ops_factor():

@@ -59,6 +59,8 @@ class Setting:
     replica_group_ranks: int = 0
     """dp_replicate > 1 only where a replica group's dp_shard × tp ranks are a multiple of this (a
     node's devices); 0: no replica groups."""
+    runtime: cost.Runtime | None = None
+    """Whose kernels around the collectives are priced (CostContext.runtime); None: shardplan's runtime's."""
 
     def replica_batch(self, dp: int) -> float:
         """Samples one replica takes per step."""
@@ -176,7 +178,7 @@ def context(setting: Setting, configuration: Configuration, hardware: HardwareMo
                        num_micro_batches=configuration.schedule.num_micro_batches,
                        in_flight=configuration.in_flight(stage), pipeline_degree=mesh.pp,
                        param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-                       optimizer=setting.optimizer)
+                       optimizer=setting.optimizer, runtime=setting.runtime)
 
 
 def boundary_bytes(blocks: Sequence[Block], skip_edges: Sequence[tuple[int, int]]) -> list[int]:
