@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_published.py                   # ../shared/data/published-h100/runs.csv
     .venv/bin/python benchmarks/bench_published.py --data runs.csv --hardware h100-80g
     .venv/bin/python benchmarks/bench_published.py --nanotron-zero1   # + nanotron's own ZeRO-1 step
+    .venv/bin/python benchmarks/bench_published.py --fabric playbook  # + the playbook cluster's fabric by nodes
     .venv/bin/python benchmarks/bench_published.py --picks            # what compile picks on the published shapes
     .venv/bin/python benchmarks/bench_published.py --picks --nanotron-space  # and among the plans nanotron runs
     .venv/bin/python benchmarks/bench_published.py --breakdown        # a layer's op kinds as priced, one node's rows
@@ -42,7 +43,7 @@ from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallel
 from shardplan.compile import default_space, evaluate, solve, tensor_parallel_section
 from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, RuntimeKernels, UnitSizes, kind_time_s,
                             unpriced_dispatches)
-from shardplan.hardware import get_hardware
+from shardplan.hardware import HardwareProfile, get_hardware
 from shardplan.solver.search import Configuration
 from shardplan.plan import (Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
                             ShardStrategy, Stage, Unit)
@@ -57,6 +58,37 @@ RAN = ("ok", "completed", "completed_but_only_1_iteration_logged")
 CRASHED = ("crashed_or_oom", "oom", "oom (inferred")
 """Statuses that count as a crash (status prefixes); timeouts and other failures are neither."""
 BF16_BYTES, FP32_BYTES = 2, 4
+
+
+PLAYBOOK_FABRIC_GBPS = {
+    "all_reduce": {2: 361.7, 4: 160.1, 8: 99.6, 16: 84.7, 32: 64.9, 64: 32.9},
+    "all_gather_into_tensor": {2: 184.6, 4: 119.0, 8: 69.0, 16: 55.0, 32: 28.0, 64: 11.0},
+    "reduce_scatter_tensor": {2: 181.6, 4: 115.8, 8: 68.6, 16: 54.5, 32: 27.9, 64: 11.1},
+}
+"""Bus bandwidth (GB/s) of a world collective by nodes of 8 H100 on the cluster that ran the playbook's rows: the
+medians of the Ultra-Scale Playbook's figure "Communication Bandwidth by Number of Nodes" (its Space,
+assets/data/benchmarks/pp_comm_bandwidth.html; 436.0 / 249.9 / 249.7 within one node). nanotron's benchmark
+trainer (branch nouamane/bench2, trainer.py `measure_bandwidth`) measured them at each job's start: over the world
+group, 5 warm-ups then 10 calls of 1 GiB (torch.ones(256 Mi) in fp32; the title's "256MB" counts elements) between
+barriers, busbw = bytes x 2 (n - 1) / n (all-reduce) or (n - 1) / n over the time; all-gather and reduce-scatter
+through torch's list APIs (dist.all_gather, dist.reduce_scatter), which copy the buffer once beside the collective
+(1 GiB copied in one kernel a rank of the group, ~0.7 ms and a launch each: 13% of the 2-node all-gather's
+time, 5% at 8 nodes, ~3% at 64). The spread is wide (at 64
+nodes the all-reduce's 5th-95th percentile is 12.5-177 GB/s). The model's all-gather and reduce-scatter are priced
+with the list APIs' figures: nanotron's ZeRO-1 gathers its parameters with the list API, its tensor parallelism
+over nodes (tp 16, 32) uses the tensor ones, and one kind cannot tell them apart; the copy is the difference."""
+FABRICS = {"playbook": PLAYBOOK_FABRIC_GBPS}
+
+
+def with_fabric(hw: HardwareProfile, fabric: str) -> HardwareProfile:
+    """`hw` with its inter-node links' bandwidth by nodes derived from `fabric`'s measurement (FABRICS; "": `hw`
+    as it is), 1 GiB world collectives over 8 ranks a node (LinkProfile.with_fabric)."""
+    if not fabric:
+        return hw
+    measured = {kind: {nodes: gbps * 1e9 for nodes, gbps in by_nodes.items()}
+                for kind, by_nodes in FABRICS[fabric].items()}
+    return dataclasses.replace(hw, name=f"{hw.name} with the {fabric} fabric",
+                               inter_node=hw.inter_node.with_fabric(measured, nbytes=2**30, ranks_per_node=8))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -559,7 +591,7 @@ def as_nanotron_holds(plan: Predicted, row: Row, dims: LlamaDims) -> Predicted:
     return dataclasses.replace(plan, peak_bytes=sum(memory.values()), memory_bytes=memory)
 
 
-def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> list[Outcome]:
+def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1: bool = False) -> list[Outcome]:
     """Each row's plan priced on `hardware` as nanotron runs it (nanotron_runtime_kernels), its peak memory as
     nanotron holds it (as_nanotron_holds); with `nanotron_zero1`, each ZeRO-1 row's step also pays what
     nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s)."""
@@ -921,6 +953,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
     parser.add_argument("--hardware", default="h100-80g", help="built-in profile name or calibrated profile path")
+    parser.add_argument("--fabric", choices=sorted(FABRICS), default="",
+                        help="price collectives across nodes with this cluster's measured bandwidth by node count "
+                             "(playbook: the cluster that ran the rows, PLAYBOOK_FABRIC_GBPS)")
     parser.add_argument("--model", action="append", help="only these models (repeatable)")
     parser.add_argument("--nanotron-csv", help="nanotron's own benchmark CSV (bench_final2_mfu2.csv): split the "
                         "crashed rows by the status it gives them (OOM or another failure)")
@@ -939,11 +974,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.nanotron_space and not args.picks:
         parser.error("--nanotron-space narrows --picks: give both")
+    hw = with_fabric(get_hardware(args.hardware), args.fabric)
     if args.picks:
-        print_tensor_parallel_picks(args.hardware, nanotron_space=args.nanotron_space)
+        print_tensor_parallel_picks(hw, nanotron_space=args.nanotron_space)
         return
     rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
-    hw = get_hardware(args.hardware)
     if args.breakdown:
         print_op_breakdown(rows, hw)
         return
@@ -974,11 +1009,11 @@ def nanotron_options(chain: BlockChain) -> dict[str, Any]:
     return {"space": space, "allow_replica_groups": False}
 
 
-def print_tensor_parallel_picks(hardware: str, nanotron_space: bool = False) -> None:
+def print_tensor_parallel_picks(hardware: HardwareProfile, nanotron_space: bool = False) -> None:
     """What compile picks for one sequence of 4096 a rank and 256 sequences a step (tests/test_published.py pins
     the picks), with the step time of the best plan of each tp degree (the pick's own, or its reasoning's; "-"
     where none fits); with `nanotron_space`, each shape's pick among nanotron's plans too."""
-    print(f"compile on {hardware}, 256 sequences of 4096 a step, no pipelines: step s of its pick; of the best plan "
+    print(f"compile on {hardware.name}, 256 sequences of 4096 a step, no pipelines: step s of its pick; of the best plan "
           "at tp 1 / 2 / 4 / 8")
     for model, gpus in PICK_SHAPES:
         chain = llama_chain(MODELS[model], 1, 4096, pipelined=False)
