@@ -9,7 +9,7 @@ import pytest
 
 from shardplan.compile import solve
 from shardplan.cost import CostContext, UnitSizes
-from shardplan.hardware import get_hardware
+from shardplan.hardware import get_hardware, ring_factor
 from shardplan.plan import (Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage,
                             Unit)
 
@@ -370,3 +370,18 @@ def test_among_the_plans_nanotron_runs_compile_picks_tensor_parallelism_where_it
     assert (plan.mesh.tp > 1) == tensor_parallel, plan.mesh.describe()
     assert {u.strategy for u in plan.units} <= set(bench.ZERO_STAGES.values()) and plan.mesh.dp_replicate == 1
     assert {u.checkpoint.value for u in plan.units} == {"none"}
+
+
+@pytest.mark.parametrize("kind, nodes, published", [
+    ("all_reduce", 64, 32.9), ("all_reduce", 4, 160.1), ("all_gather_into_tensor", 64, 11.0),
+    ("reduce_scatter_tensor", 32, 27.9)])
+def test_the_playbook_fabric_reproduces_the_bandwidth_its_cluster_measured_by_nodes(bench, kind, nodes, published):
+    """bench_published --fabric playbook: a 1 GiB world collective over nodes of 8 H100 reaches the busbw the
+    playbook's figure gives its cluster (h100-80g alone reads 288 GB/s for the 64-node all-reduce); within one node,
+    and on h100-80g without the flag, nothing changes."""
+    plain = get_hardware("h100-80g")
+    fabric = bench.with_fabric(plain, "playbook")
+    seconds = fabric.collective_time_s(kind, 2**30, 8 * nodes, in_step=False)
+    assert 2**30 * ring_factor(kind, 8 * nodes) / seconds / 1e9 == pytest.approx(published, rel=0.02)
+    assert fabric.collective_time_s(kind, 2**30, 8) == plain.collective_time_s(kind, 2**30, 8)
+    assert bench.with_fabric(plain, "") is plain
