@@ -9,7 +9,8 @@ Both time formulas are a physical model times measured factors:
   power limit against memory bandwidth,
   times the factor measured for that op by name, read off its curve by one call's roofline
   seconds (a GELU on one CPU thread is bound by its arithmetic, not by memory);
-- a collective: alpha + bus bytes / bandwidth (alpha-beta, fitted by least squares),
+- a collective: alpha + bus bytes / bandwidth (alpha-beta, fitted by least squares; across nodes the
+  bandwidth times the share a measured fabric keeps at that node count, LinkProfile.bandwidth_by_nodes),
   times correction(bus bytes) = measured / fitted at each calibrated size, plus in a step
   the link's in_step_wait_s.
 A datasheet profile carries a generic efficiency curve, no op factors and no correction (1.0). A
