@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_published.py --data runs.csv --hardware h100-80g
     .venv/bin/python benchmarks/bench_published.py --nanotron-zero1   # + nanotron's own ZeRO-1 step
     .venv/bin/python benchmarks/bench_published.py --fabric playbook  # + the playbook cluster's fabric by nodes
+    .venv/bin/python benchmarks/bench_published.py --fabric job --nanotron-csv bench_final2_mfu2.csv  # each job's own
     .venv/bin/python benchmarks/bench_published.py --picks            # what compile picks on the published shapes
     .venv/bin/python benchmarks/bench_published.py --picks --nanotron-space  # and among the plans nanotron runs
     .venv/bin/python benchmarks/bench_published.py --breakdown        # a layer's op kinds as priced, one node's rows
@@ -77,18 +78,17 @@ time, 5% at 8 nodes, ~3% at 64). The spread is wide (at 64
 nodes the all-reduce's 5th-95th percentile is 12.5-177 GB/s). The model's all-gather and reduce-scatter are priced
 with the list APIs' figures: nanotron's ZeRO-1 gathers its parameters with the list API, its tensor parallelism
 over nodes (tp 16, 32) uses the tensor ones, and one kind cannot tell them apart; the copy is the difference."""
-FABRICS = {"playbook": PLAYBOOK_FABRIC_GBPS}
+GPUS_PER_NODE = 8
 
 
-def with_fabric(hw: HardwareProfile, fabric: str) -> HardwareProfile:
-    """`hw` with its inter-node links' bandwidth by nodes derived from `fabric`'s measurement (FABRICS; "": `hw`
-    as it is), 1 GiB world collectives over 8 ranks a node (LinkProfile.with_fabric)."""
-    if not fabric:
-        return hw
+def with_fabric(hw: HardwareProfile, measured_gbps: dict[str, dict[int, float]], name: str) -> HardwareProfile:
+    """`hw` with its inter-node links' bandwidth by nodes derived from a fabric's measured busbw in GB/s, by kind
+    and node count: 1 GiB world collectives over nodes of 8 GPUs, as measure_bandwidth took them
+    (PLAYBOOK_FABRIC_GBPS; LinkProfile.with_fabric)."""
     measured = {kind: {nodes: gbps * 1e9 for nodes, gbps in by_nodes.items()}
-                for kind, by_nodes in FABRICS[fabric].items()}
-    return dataclasses.replace(hw, name=f"{hw.name} with the {fabric} fabric",
-                               inter_node=hw.inter_node.with_fabric(measured, nbytes=2**30, ranks_per_node=8))
+                for kind, by_nodes in measured_gbps.items()}
+    return dataclasses.replace(hw, name=f"{hw.name} with {name}", inter_node=hw.inter_node.with_fabric(
+        measured, nbytes=2**30, ranks_per_node=GPUS_PER_NODE))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -591,11 +591,13 @@ def as_nanotron_holds(plan: Predicted, row: Row, dims: LlamaDims) -> Predicted:
     return dataclasses.replace(plan, peak_bytes=sum(memory.values()), memory_bytes=memory)
 
 
-def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1: bool = False) -> list[Outcome]:
+def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1: bool = False,
+            jobs: dict[tuple, list[dict[str, str]]] | None = None) -> list[Outcome]:
     """Each row's plan priced on `hardware` as nanotron runs it (nanotron_runtime_kernels), its peak memory as
     nanotron holds it (as_nanotron_holds); with `nanotron_zero1`, each ZeRO-1 row's step also pays what
-    nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s)."""
-    hw = get_hardware(hardware)
+    nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s); with `jobs` (nanotron_jobs), each row across
+    nodes on the fabric its own job measured (job_fabric)."""
+    base = get_hardware(hardware)
     chains: dict[tuple, BlockChain] = {}
     outcomes = []
     for row in rows:
@@ -603,6 +605,7 @@ def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1:
         if reason:
             outcomes.append(Outcome(row=row, reason=reason))
             continue
+        hw = job_fabric(base, row, jobs) if jobs else base
         dims = as_run(MODELS[row.model], row.tp)
         samples = row.micro_batch_size * row.grad_accum
         code = nanotron_code(row)
@@ -798,19 +801,45 @@ PLAYBOOK_WIDTHS = {"2048": "playbook-1B", "3072": "playbook-3B", "4096": "playbo
 """hidden_size in nanotron's benchmark CSV -> the playbook model of runs.csv."""
 
 
-def nanotron_statuses(path: str) -> dict[tuple, set[str]]:
-    """The statuses nanotron's own benchmark CSV gives each configuration of a playbook model, keyed as
-    configuration_key keys a row: Success, OOM (its `oom_error` column: the run's log holds an out-of-memory
-    error) or Other (any other failure, oom_error false). The playbook's figure reads this CSV
-    (scripts/scaling_benchmarks.py line 484 at e24d2483, which re-runs whatever is neither Success nor OOM);
-    a public copy: github.com/eyao600/Rapid-LLM, validation_scripts/huggingface_data/bench_final2_mfu2.csv."""
-    statuses: dict[tuple, set[str]] = defaultdict(set)
+def nanotron_jobs(path: str) -> dict[tuple, list[dict[str, str]]]:
+    """The lines of nanotron's own benchmark CSV (one a job) of each configuration of a playbook model, keyed as
+    configuration_key keys a row. The playbook's figures read this CSV (scripts/scaling_benchmarks.py line 484
+    at e24d2483, which re-runs whatever is neither Success nor OOM); a public copy: github.com/eyao600/Rapid-LLM,
+    validation_scripts/huggingface_data/bench_final2_mfu2.csv."""
+    jobs: dict[tuple, list[dict[str, str]]] = defaultdict(list)
     with open(path, newline="") as handle:
         for r in csv.DictReader(handle):
             if r["hidden_size"] in PLAYBOOK_WIDTHS:
-                statuses[PLAYBOOK_WIDTHS[r["hidden_size"]], int(r["dp"]), int(r["tp"]), int(r["pp"]), int(r["mbs"]),
-                         int(float(r["batch_accum"])), r["zero_stage"]].add(r["status"])
-    return statuses
+                jobs[PLAYBOOK_WIDTHS[r["hidden_size"]], int(r["dp"]), int(r["tp"]), int(r["pp"]), int(r["mbs"]),
+                     int(float(r["batch_accum"])), r["zero_stage"]].append(r)
+    return jobs
+
+
+def nanotron_statuses(path: str) -> dict[tuple, set[str]]:
+    """The statuses nanotron's own benchmark CSV gives each configuration (nanotron_jobs): Success, OOM (its
+    `oom_error` column: the run's log holds an out-of-memory error) or Other (any other failure, oom_error false)."""
+    return {key: {job["status"] for job in found} for key, found in nanotron_jobs(path).items()}
+
+
+JOB_FABRIC_COLUMNS = {"all_reduce": "AllReduce (GB/s)", "all_gather_into_tensor": "AllGather (GB/s)",
+                      "reduce_scatter_tensor": "ReduceScatter (GB/s)"}
+"""Where nanotron's CSV logs what its job's measure_bandwidth read over the world group (PLAYBOOK_FABRIC_GBPS)."""
+
+
+def job_fabric(hw: HardwareProfile, row: Row, jobs: dict[tuple, list[dict[str, str]]]) -> HardwareProfile:
+    """`hw` on the fabric `row`'s own job measured at its start (measure_bandwidth, as PLAYBOOK_FABRIC_GBPS): the
+    successful job of its configuration in nanotron's CSV whose throughput is the row's (within 1 token/s). The
+    job measured its whole world and nothing smaller, so every collective of the row across nodes keeps that
+    share (a pipeline pair or a tp group over fewer nodes too). `hw` where the row spans one node or no job is
+    found."""
+    nodes = row.n_gpus // GPUS_PER_NODE
+    found = [job for job in jobs.get(configuration_key(row), ()) if job["status"] == "Success"
+             and job[JOB_FABRIC_COLUMNS["all_reduce"]] and row.tokens_per_s_per_gpu
+             and abs(float(job["tok/s/gpu"]) - row.tokens_per_s_per_gpu) < 1]
+    if nodes < 2 or not found:
+        return hw
+    return with_fabric(hw, {kind: {nodes: float(found[0][column])} for kind, column in JOB_FABRIC_COLUMNS.items()},
+                       f"job {found[0]['job_id']}'s fabric")
 
 
 def configuration_key(row: Row) -> tuple:
@@ -953,9 +982,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
     parser.add_argument("--hardware", default="h100-80g", help="built-in profile name or calibrated profile path")
-    parser.add_argument("--fabric", choices=sorted(FABRICS), default="",
-                        help="price collectives across nodes with this cluster's measured bandwidth by node count "
-                             "(playbook: the cluster that ran the rows, PLAYBOOK_FABRIC_GBPS)")
+    parser.add_argument("--fabric", choices=("playbook", "job"), default="",
+                        help="price collectives across nodes with a measured fabric: playbook, the bandwidth by node "
+                             "count of the cluster that ran the rows (PLAYBOOK_FABRIC_GBPS); job, what each row's own "
+                             "job measured (needs --nanotron-csv; not with --picks)")
     parser.add_argument("--model", action="append", help="only these models (repeatable)")
     parser.add_argument("--nanotron-csv", help="nanotron's own benchmark CSV (bench_final2_mfu2.csv): split the "
                         "crashed rows by the status it gives them (OOM or another failure)")
@@ -974,7 +1004,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.nanotron_space and not args.picks:
         parser.error("--nanotron-space narrows --picks: give both")
-    hw = with_fabric(get_hardware(args.hardware), args.fabric)
+    if args.fabric == "job" and (args.picks or not args.nanotron_csv):
+        parser.error("--fabric job reads each row's job from --nanotron-csv: give it, and not with --picks")
+    hw = get_hardware(args.hardware)
+    hw = with_fabric(hw, PLAYBOOK_FABRIC_GBPS, "the playbook fabric") if args.fabric == "playbook" else hw
     if args.picks:
         print_tensor_parallel_picks(hw, nanotron_space=args.nanotron_space)
         return
@@ -982,8 +1015,10 @@ def main() -> None:
     if args.breakdown:
         print_op_breakdown(rows, hw)
         return
-    outcomes = predict(rows, hw, nanotron_zero1=args.nanotron_zero1)
-    print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name} "
+    jobs = nanotron_jobs(args.nanotron_csv) if args.fabric == "job" else None
+    outcomes = predict(rows, hw, nanotron_zero1=args.nanotron_zero1, jobs=jobs)
+    fabric = ", each row across nodes on its job's fabric" if args.fabric == "job" else ""
+    print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name}{fabric} "
           f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
     print_table(score(outcomes, hw.usable_memory_bytes))
     print_memory_ratios(memory_ratios(outcomes))
