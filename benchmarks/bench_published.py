@@ -78,6 +78,17 @@ time, 5% at 8 nodes, ~3% at 64). The spread is wide (at 64
 nodes the all-reduce's 5th-95th percentile is 12.5-177 GB/s). The model's all-gather and reduce-scatter are priced
 with the list APIs' figures: nanotron's ZeRO-1 gathers its parameters with the list API, its tensor parallelism
 over nodes (tp 16, 32) uses the tensor ones, and one kind cannot tell them apart; the copy is the difference."""
+P5_FABRIC_GBPS = {
+    "all_reduce": {2: 435.14, 4: 280.30, 8: 274.47, 16: 269.23, 32: 220.08},
+    "all_gather_into_tensor": {2: 322.00, 4: 288.53, 8: 224.47, 16: 261.88, 32: 222.40},
+    "reduce_scatter_tensor": {2: 322.00, 4: 288.53, 8: 224.47, 16: 261.88, 32: 222.40},
+}
+"""Bus bandwidth (GB/s) of 1 GiB world collectives by nodes of 8 H100 on a tuned AWS p5 cluster (p5.48xlarge,
+SageMaker HyperPod, nccl-tests with NCCL_TUNER_PLUGIN=ofi): github.com/crazyguitar/aws-gpu-communication-benchmark
+at fd167f9, data/nccl_all_reduce.csv and data/nccl_all_gather.csv, out-of-place busbw at 1024 MB. No
+reduce-scatter was measured: it takes all-gather's (both only rings in NCCL, the same bus bytes). The same source
+as h100-80g's inter-node bandwidth, which it does not carry (docs/benchmarks.md: it lowers tau a little)."""
+FABRICS = {"playbook": PLAYBOOK_FABRIC_GBPS, "p5": P5_FABRIC_GBPS}
 GPUS_PER_NODE = 8
 
 
@@ -982,10 +993,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
     parser.add_argument("--hardware", default="h100-80g", help="built-in profile name or calibrated profile path")
-    parser.add_argument("--fabric", choices=("playbook", "job"), default="",
+    parser.add_argument("--fabric", choices=(*FABRICS, "job"), default="",
                         help="price collectives across nodes with a measured fabric: playbook, the bandwidth by node "
-                             "count of the cluster that ran the rows (PLAYBOOK_FABRIC_GBPS); job, what each row's own "
-                             "job measured (needs --nanotron-csv; not with --picks)")
+                             "count of the cluster that ran the rows (PLAYBOOK_FABRIC_GBPS); p5, a tuned AWS p5 "
+                             "cluster's (P5_FABRIC_GBPS); job, what each row's own job measured (needs "
+                             "--nanotron-csv; not with --picks)")
     parser.add_argument("--model", action="append", help="only these models (repeatable)")
     parser.add_argument("--nanotron-csv", help="nanotron's own benchmark CSV (bench_final2_mfu2.csv): split the "
                         "crashed rows by the status it gives them (OOM or another failure)")
@@ -1007,7 +1019,7 @@ def main() -> None:
     if args.fabric == "job" and (args.picks or not args.nanotron_csv):
         parser.error("--fabric job reads each row's job from --nanotron-csv: give it, and not with --picks")
     hw = get_hardware(args.hardware)
-    hw = with_fabric(hw, PLAYBOOK_FABRIC_GBPS, "the playbook fabric") if args.fabric == "playbook" else hw
+    hw = with_fabric(hw, FABRICS[args.fabric], f"the {args.fabric} fabric") if args.fabric in FABRICS else hw
     if args.picks:
         print_tensor_parallel_picks(hw, nanotron_space=args.nanotron_space)
         return
