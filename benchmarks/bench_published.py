@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/bench_published.py                   # ../shared/data/published-h100/runs.csv
     .venv/bin/python benchmarks/bench_published.py --data runs.csv --hardware h100-80g
     .venv/bin/python benchmarks/bench_published.py --nanotron-zero1   # + nanotron's own ZeRO-1 step
+    .venv/bin/python benchmarks/bench_published.py --fabric playbook  # + the playbook cluster's fabric by nodes
+    .venv/bin/python benchmarks/bench_published.py --fabric job --nanotron-csv bench_final2_mfu2.csv  # each job's own
     .venv/bin/python benchmarks/bench_published.py --picks            # what compile picks on the published shapes
     .venv/bin/python benchmarks/bench_published.py --picks --nanotron-space  # and among the plans nanotron runs
     .venv/bin/python benchmarks/bench_published.py --breakdown        # a layer's op kinds as priced, one node's rows
@@ -42,7 +44,7 @@ from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallel
 from shardplan.compile import default_space, evaluate, solve, tensor_parallel_section
 from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, RuntimeKernels, UnitSizes, kind_time_s,
                             unpriced_dispatches)
-from shardplan.hardware import get_hardware
+from shardplan.hardware import HardwareProfile, get_hardware
 from shardplan.solver.search import Configuration
 from shardplan.plan import (Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
                             ShardStrategy, Stage, Unit)
@@ -57,6 +59,47 @@ RAN = ("ok", "completed", "completed_but_only_1_iteration_logged")
 CRASHED = ("crashed_or_oom", "oom", "oom (inferred")
 """Statuses that count as a crash (status prefixes); timeouts and other failures are neither."""
 BF16_BYTES, FP32_BYTES = 2, 4
+
+
+PLAYBOOK_FABRIC_GBPS = {
+    "all_reduce": {2: 361.7, 4: 160.1, 8: 99.6, 16: 84.7, 32: 64.9, 64: 32.9},
+    "all_gather_into_tensor": {2: 184.6, 4: 119.0, 8: 69.0, 16: 55.0, 32: 28.0, 64: 11.0},
+    "reduce_scatter_tensor": {2: 181.6, 4: 115.8, 8: 68.6, 16: 54.5, 32: 27.9, 64: 11.1},
+}
+"""Bus bandwidth (GB/s) of a world collective by nodes of 8 H100 on the cluster that ran the playbook's rows: the
+medians of the Ultra-Scale Playbook's figure "Communication Bandwidth by Number of Nodes" (its Space,
+assets/data/benchmarks/pp_comm_bandwidth.html; 436.0 / 249.9 / 249.7 within one node). nanotron's benchmark
+trainer (branch nouamane/bench2, trainer.py `measure_bandwidth`) measured them at each job's start: over the world
+group, 5 warm-ups then 10 calls of 1 GiB (torch.ones(256 Mi) in fp32; the title's "256MB" counts elements) between
+barriers, busbw = bytes x 2 (n - 1) / n (all-reduce) or (n - 1) / n over the time; all-gather and reduce-scatter
+through torch's list APIs (dist.all_gather, dist.reduce_scatter), which copy the buffer once beside the collective
+(1 GiB copied in one kernel a rank of the group, ~0.7 ms and a launch each: 13% of the 2-node all-gather's
+time, 5% at 8 nodes, ~3% at 64). The spread is wide (at 64
+nodes the all-reduce's 5th-95th percentile is 12.5-177 GB/s). The model's all-gather and reduce-scatter are priced
+with the list APIs' figures: nanotron's ZeRO-1 gathers its parameters with the list API, its tensor parallelism
+over nodes (tp 16, 32) uses the tensor ones, and one kind cannot tell them apart; the copy is the difference."""
+P5_FABRIC_GBPS = {
+    "all_reduce": {2: 435.14, 4: 280.30, 8: 274.47, 16: 269.23, 32: 220.08},
+    "all_gather_into_tensor": {2: 322.00, 4: 288.53, 8: 224.47, 16: 261.88, 32: 222.40},
+    "reduce_scatter_tensor": {2: 322.00, 4: 288.53, 8: 224.47, 16: 261.88, 32: 222.40},
+}
+"""Bus bandwidth (GB/s) of 1 GiB world collectives by nodes of 8 H100 on a tuned AWS p5 cluster (p5.48xlarge,
+SageMaker HyperPod, nccl-tests with NCCL_TUNER_PLUGIN=ofi): github.com/crazyguitar/aws-gpu-communication-benchmark
+at fd167f9, data/nccl_all_reduce.csv and data/nccl_all_gather.csv, out-of-place busbw at 1024 MB. No
+reduce-scatter was measured: it takes all-gather's (both only rings in NCCL, the same bus bytes). The same source
+as h100-80g's inter-node bandwidth, which it does not carry (docs/benchmarks.md: it lowers tau a little)."""
+FABRICS = {"playbook": PLAYBOOK_FABRIC_GBPS, "p5": P5_FABRIC_GBPS}
+GPUS_PER_NODE = 8
+
+
+def with_fabric(hw: HardwareProfile, measured_gbps: dict[str, dict[int, float]], name: str) -> HardwareProfile:
+    """`hw` with its inter-node links' bandwidth by nodes derived from a fabric's measured busbw in GB/s, by kind
+    and node count: 1 GiB world collectives over nodes of 8 GPUs, as measure_bandwidth took them
+    (PLAYBOOK_FABRIC_GBPS; LinkProfile.with_fabric)."""
+    measured = {kind: {nodes: gbps * 1e9 for nodes, gbps in by_nodes.items()}
+                for kind, by_nodes in measured_gbps.items()}
+    return dataclasses.replace(hw, name=f"{hw.name} with {name}", inter_node=hw.inter_node.with_fabric(
+        measured, nbytes=2**30, ranks_per_node=GPUS_PER_NODE))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -559,11 +602,13 @@ def as_nanotron_holds(plan: Predicted, row: Row, dims: LlamaDims) -> Predicted:
     return dataclasses.replace(plan, peak_bytes=sum(memory.values()), memory_bytes=memory)
 
 
-def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> list[Outcome]:
+def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1: bool = False,
+            jobs: dict[tuple, list[dict[str, str]]] | None = None) -> list[Outcome]:
     """Each row's plan priced on `hardware` as nanotron runs it (nanotron_runtime_kernels), its peak memory as
     nanotron holds it (as_nanotron_holds); with `nanotron_zero1`, each ZeRO-1 row's step also pays what
-    nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s)."""
-    hw = get_hardware(hardware)
+    nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s); with `jobs` (nanotron_jobs), each row across
+    nodes on the fabric its own job measured (job_fabric)."""
+    base = get_hardware(hardware)
     chains: dict[tuple, BlockChain] = {}
     outcomes = []
     for row in rows:
@@ -571,6 +616,7 @@ def predict(rows: list[Row], hardware: str, *, nanotron_zero1: bool = False) -> 
         if reason:
             outcomes.append(Outcome(row=row, reason=reason))
             continue
+        hw = job_fabric(base, row, jobs) if jobs else base
         dims = as_run(MODELS[row.model], row.tp)
         samples = row.micro_batch_size * row.grad_accum
         code = nanotron_code(row)
@@ -766,19 +812,45 @@ PLAYBOOK_WIDTHS = {"2048": "playbook-1B", "3072": "playbook-3B", "4096": "playbo
 """hidden_size in nanotron's benchmark CSV -> the playbook model of runs.csv."""
 
 
-def nanotron_statuses(path: str) -> dict[tuple, set[str]]:
-    """The statuses nanotron's own benchmark CSV gives each configuration of a playbook model, keyed as
-    configuration_key keys a row: Success, OOM (its `oom_error` column: the run's log holds an out-of-memory
-    error) or Other (any other failure, oom_error false). The playbook's figure reads this CSV
-    (scripts/scaling_benchmarks.py line 484 at e24d2483, which re-runs whatever is neither Success nor OOM);
-    a public copy: github.com/eyao600/Rapid-LLM, validation_scripts/huggingface_data/bench_final2_mfu2.csv."""
-    statuses: dict[tuple, set[str]] = defaultdict(set)
+def nanotron_jobs(path: str) -> dict[tuple, list[dict[str, str]]]:
+    """The lines of nanotron's own benchmark CSV (one a job) of each configuration of a playbook model, keyed as
+    configuration_key keys a row. The playbook's figures read this CSV (scripts/scaling_benchmarks.py line 484
+    at e24d2483, which re-runs whatever is neither Success nor OOM); a public copy: github.com/eyao600/Rapid-LLM,
+    validation_scripts/huggingface_data/bench_final2_mfu2.csv."""
+    jobs: dict[tuple, list[dict[str, str]]] = defaultdict(list)
     with open(path, newline="") as handle:
         for r in csv.DictReader(handle):
             if r["hidden_size"] in PLAYBOOK_WIDTHS:
-                statuses[PLAYBOOK_WIDTHS[r["hidden_size"]], int(r["dp"]), int(r["tp"]), int(r["pp"]), int(r["mbs"]),
-                         int(float(r["batch_accum"])), r["zero_stage"]].add(r["status"])
-    return statuses
+                jobs[PLAYBOOK_WIDTHS[r["hidden_size"]], int(r["dp"]), int(r["tp"]), int(r["pp"]), int(r["mbs"]),
+                     int(float(r["batch_accum"])), r["zero_stage"]].append(r)
+    return jobs
+
+
+def nanotron_statuses(path: str) -> dict[tuple, set[str]]:
+    """The statuses nanotron's own benchmark CSV gives each configuration (nanotron_jobs): Success, OOM (its
+    `oom_error` column: the run's log holds an out-of-memory error) or Other (any other failure, oom_error false)."""
+    return {key: {job["status"] for job in found} for key, found in nanotron_jobs(path).items()}
+
+
+JOB_FABRIC_COLUMNS = {"all_reduce": "AllReduce (GB/s)", "all_gather_into_tensor": "AllGather (GB/s)",
+                      "reduce_scatter_tensor": "ReduceScatter (GB/s)"}
+"""Where nanotron's CSV logs what its job's measure_bandwidth read over the world group (PLAYBOOK_FABRIC_GBPS)."""
+
+
+def job_fabric(hw: HardwareProfile, row: Row, jobs: dict[tuple, list[dict[str, str]]]) -> HardwareProfile:
+    """`hw` on the fabric `row`'s own job measured at its start (measure_bandwidth, as PLAYBOOK_FABRIC_GBPS): the
+    successful job of its configuration in nanotron's CSV whose throughput is the row's (within 1 token/s). The
+    job measured its whole world and nothing smaller, so every collective of the row across nodes keeps that
+    share (a pipeline pair or a tp group over fewer nodes too). `hw` where the row spans one node or no job is
+    found."""
+    nodes = row.n_gpus // GPUS_PER_NODE
+    found = [job for job in jobs.get(configuration_key(row), ()) if job["status"] == "Success"
+             and job[JOB_FABRIC_COLUMNS["all_reduce"]] and row.tokens_per_s_per_gpu
+             and abs(float(job["tok/s/gpu"]) - row.tokens_per_s_per_gpu) < 1]
+    if nodes < 2 or not found:
+        return hw
+    return with_fabric(hw, {kind: {nodes: float(found[0][column])} for kind, column in JOB_FABRIC_COLUMNS.items()},
+                       f"job {found[0]['job_id']}'s fabric")
 
 
 def configuration_key(row: Row) -> tuple:
@@ -921,6 +993,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
     parser.add_argument("--hardware", default="h100-80g", help="built-in profile name or calibrated profile path")
+    parser.add_argument("--fabric", choices=(*FABRICS, "job"), default="",
+                        help="price collectives across nodes with a measured fabric: playbook, the bandwidth by node "
+                             "count of the cluster that ran the rows (PLAYBOOK_FABRIC_GBPS); p5, a tuned AWS p5 "
+                             "cluster's (P5_FABRIC_GBPS); job, what each row's own job measured (needs "
+                             "--nanotron-csv; not with --picks)")
     parser.add_argument("--model", action="append", help="only these models (repeatable)")
     parser.add_argument("--nanotron-csv", help="nanotron's own benchmark CSV (bench_final2_mfu2.csv): split the "
                         "crashed rows by the status it gives them (OOM or another failure)")
@@ -939,16 +1016,21 @@ def main() -> None:
     args = parser.parse_args()
     if args.nanotron_space and not args.picks:
         parser.error("--nanotron-space narrows --picks: give both")
+    if args.fabric == "job" and (args.picks or not args.nanotron_csv):
+        parser.error("--fabric job reads each row's job from --nanotron-csv: give it, and not with --picks")
+    hw = get_hardware(args.hardware)
+    hw = with_fabric(hw, FABRICS[args.fabric], f"the {args.fabric} fabric") if args.fabric in FABRICS else hw
     if args.picks:
-        print_tensor_parallel_picks(args.hardware, nanotron_space=args.nanotron_space)
+        print_tensor_parallel_picks(hw, nanotron_space=args.nanotron_space)
         return
     rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
-    hw = get_hardware(args.hardware)
     if args.breakdown:
         print_op_breakdown(rows, hw)
         return
-    outcomes = predict(rows, hw, nanotron_zero1=args.nanotron_zero1)
-    print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name} "
+    jobs = nanotron_jobs(args.nanotron_csv) if args.fabric == "job" else None
+    outcomes = predict(rows, hw, nanotron_zero1=args.nanotron_zero1, jobs=jobs)
+    fabric = ", each row across nodes on its job's fabric" if args.fabric == "job" else ""
+    print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name}{fabric} "
           f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
     print_table(score(outcomes, hw.usable_memory_bytes))
     print_memory_ratios(memory_ratios(outcomes))
@@ -974,11 +1056,11 @@ def nanotron_options(chain: BlockChain) -> dict[str, Any]:
     return {"space": space, "allow_replica_groups": False}
 
 
-def print_tensor_parallel_picks(hardware: str, nanotron_space: bool = False) -> None:
+def print_tensor_parallel_picks(hardware: HardwareProfile, nanotron_space: bool = False) -> None:
     """What compile picks for one sequence of 4096 a rank and 256 sequences a step (tests/test_published.py pins
     the picks), with the step time of the best plan of each tp degree (the pick's own, or its reasoning's; "-"
     where none fits); with `nanotron_space`, each shape's pick among nanotron's plans too."""
-    print(f"compile on {hardware}, 256 sequences of 4096 a step, no pipelines: step s of its pick; of the best plan "
+    print(f"compile on {hardware.name}, 256 sequences of 4096 a step, no pipelines: step s of its pick; of the best plan "
           "at tp 1 / 2 / 4 / 8")
     for model, gpus in PICK_SHAPES:
         chain = llama_chain(MODELS[model], 1, 4096, pipelined=False)

@@ -9,7 +9,8 @@ Both time formulas are a physical model times measured factors:
   power limit against memory bandwidth,
   times the factor measured for that op by name, read off its curve by one call's roofline
   seconds (a GELU on one CPU thread is bound by its arithmetic, not by memory);
-- a collective: alpha + bus bytes / bandwidth (alpha-beta, fitted by least squares),
+- a collective: alpha + bus bytes / bandwidth (alpha-beta, fitted by least squares; across nodes the
+  bandwidth times the share a measured fabric keeps at that node count, LinkProfile.bandwidth_by_nodes),
   times correction(bus bytes) = measured / fitted at each calibrated size, plus in a step
   the link's in_step_wait_s.
 A datasheet profile carries a generic efficiency curve, no op factors and no correction (1.0). A
@@ -129,16 +130,44 @@ class LinkProfile:
     ring takes a step from rank to rank before it leaves for the next node (NCCL's ring latency is
     intra-node steps x their latency + network steps x theirs, src/graph/tuning.cc), so a group with
     fewer ranks on each node (tp > 1, a pipeline's point-to-point pair) waits fewer steps. 0 within a node."""
+    bandwidth_by_nodes: dict[str, SizeCurve] = field(default_factory=dict)
+    """Share of a kind's bus bandwidth the fabric keeps when a group spans N nodes (each curve's size is N),
+    applied across nodes only: a fabric whose links contend as more nodes talk at once moves a world
+    collective slower per rank than two nodes do. A kind not listed keeps all of it. Derived from a
+    measurement of the fabric by `with_fabric`, never fitted to training steps."""
 
     def time_s(self, kind: str, bus_bytes: float, *, nodes: int = 1, ranks_per_node: int = 1) -> float:
         """One collective of `kind` moving `bus_bytes` over a group of `nodes` x `ranks_per_node` ranks."""
+        latency_s, transfer_s = self._terms(kind, bus_bytes, nodes, ranks_per_node)
+        share = self.bandwidth_by_nodes[kind].at(nodes) if nodes > 1 and kind in self.bandwidth_by_nodes else 1.0
+        return (latency_s + transfer_s / share) * self.collectives[kind].correction.at(bus_bytes)
+
+    def _terms(self, kind: str, bus_bytes: float, nodes: int, ranks_per_node: int) -> tuple[float, float]:
+        """(latency, transfer at the full bus bandwidth) of one collective, before its correction."""
         cost = self.collectives[kind]
         ring_per_node_s = self.ring_latency_per_node_s + self.ring_latency_per_local_rank_s * (ranks_per_node - 1)
         growth_s = (ring_per_node_s * (nodes - 1) if kind in RING_ONLY and self.ring_latency_per_node_s
                     else self.latency_per_node_doubling_s * math.log2(nodes))
-        latency_s = cost.latency_s + growth_s
         bandwidth = cost.bus_bandwidth_bytes_per_s * min(ranks_per_node, self.rails)
-        return (latency_s + bus_bytes / bandwidth) * cost.correction.at(bus_bytes)
+        return cost.latency_s + growth_s, bus_bytes / bandwidth
+
+    def with_fabric(self, bus_bandwidth: dict[str, dict[int, float]], *, nbytes: float,
+                    ranks_per_node: int) -> "LinkProfile":
+        """This link with bandwidth_by_nodes derived from a measurement of the fabric: by kind and node count N,
+        the bus bandwidth (bus bytes / s, nccl-tests' busbw) one collective of `nbytes` (its full buffer)
+        reached over `ranks_per_node` ranks on each of N nodes. A kind's share at N is what makes this link's
+        collective of that size take the measured time once its latency terms at N are taken out of it, at
+        most 1 (a fabric measured faster than the link's bandwidth keeps all of it)."""
+        curves = {}
+        for kind, by_nodes in bus_bandwidth.items():
+            points = []
+            for nodes, measured in sorted(by_nodes.items()):
+                bus_bytes = nbytes * ring_factor(kind, nodes * ranks_per_node)
+                latency_s, transfer_s = self._terms(kind, bus_bytes, nodes, ranks_per_node)
+                left_s = bus_bytes / measured / self.collectives[kind].correction.at(bus_bytes) - latency_s
+                points.append((float(nodes), min(1.0, transfer_s / left_s) if left_s > 0 else 1.0))
+            curves[kind] = SizeCurve(points=tuple(points))
+        return dataclasses.replace(self, bandwidth_by_nodes={**self.bandwidth_by_nodes, **curves})
 
 
 class HardwareModel(Protocol):
@@ -272,6 +301,14 @@ class HardwareProfile:
             if missing:
                 raise HardwareError(f"hardware profile {self.name!r}: {link}.collectives lacks {', '.join(missing)}: "
                                     "every collective kind needs a cost; run `shardplan calibrate`")
+            for kind, curve in getattr(self, link).bandwidth_by_nodes.items():
+                if kind not in COLLECTIVES:
+                    raise HardwareError(f"hardware profile {self.name!r}: {link}.bandwidth_by_nodes names {kind!r}: "
+                                        f"use one of {', '.join(COLLECTIVES)}")
+                if any(share > 1 for _, share in curve.points):
+                    raise HardwareError(f"hardware profile {self.name!r}: {link}.bandwidth_by_nodes.{kind} has a "
+                                        f"share above 1 in {list(curve.points)}: it is the share of the bus "
+                                        "bandwidth the fabric keeps, at most 1")
 
     @property
     def usable_memory_bytes(self) -> int:
@@ -400,7 +437,11 @@ def _parse_link(data: object, where: str) -> LinkProfile:
         if "correction" in fields:
             fields["correction"] = _parse_curve(fields["correction"], f"{where}.collectives.{kind}.correction")
         costs[kind] = CollectiveCost(**fields)
-    return LinkProfile(**dict(link, collectives=costs))
+    link["collectives"] = costs
+    if "bandwidth_by_nodes" in link:
+        link["bandwidth_by_nodes"] = {kind: _parse_curve(curve, f"{where}.bandwidth_by_nodes.{kind}") for kind, curve
+                                      in _object(link["bandwidth_by_nodes"], f"{where}.bandwidth_by_nodes").items()}
+    return LinkProfile(**link)
 
 
 def _is_non_negative(value: object) -> bool:

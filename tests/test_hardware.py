@@ -269,6 +269,13 @@ def _edited(mutate) -> str:
                                                                    "at most 1"]),
     (lambda d: d["matmul"]["float32"].update(sustained_share=0), ["matmul.float32.sustained_share is 0",
                                                                  "positive"]),
+    (lambda d: d["inter_node"].update(bandwidth_by_nodes={"all_reduce": {"points": [[2, 0]]}}),
+     ["inter_node.bandwidth_by_nodes.all_reduce.points[0][1] is 0", "positive"]),
+    (lambda d: d["inter_node"].update(bandwidth_by_nodes={"all_reduce": {"points": [[2, 1.0], [8, 1.5]]}}),
+     ["inter_node.bandwidth_by_nodes.all_reduce has a share above 1", "at most 1"]),
+    (lambda d: d["inter_node"].update(bandwidth_by_nodes={"broadcast": {"points": [[2, 0.5]]}}),
+     ["inter_node.bandwidth_by_nodes names 'broadcast'", "use one of"]),
+    (lambda d: d["inter_node"].update(bandwidth_by_nodes=[0.5]), ["inter_node.bandwidth_by_nodes must be a JSON object"]),
 ])
 def test_validation_errors(mutate, fragments):
     with pytest.raises(HardwareError) as error:
@@ -289,6 +296,45 @@ def test_a_profile_written_before_sustained_shares_computes_at_its_measured_rate
         rate.pop("sustained_share")
     assert HardwareProfile.from_json(json.dumps(data)) == make_profile()
     assert make_profile().matmul["float32"].sustained_share == 1.0
+
+
+HALVED_FROM_2_TO_8_NODES = {"all_reduce": SizeCurve(points=((2.0, 1.0), (8.0, 0.5)))}
+
+
+def test_the_fabrics_bandwidth_by_nodes_slows_collectives_across_nodes_only():
+    """Groups of 4 ranks a node: 8 ranks span 2 nodes (share 1), 32 ranks span 8 (0.5), 16 ranks 4 nodes (0.75: linear
+    in log nodes), 64 ranks 16 (held at 0.5 past the end); the latency is not divided, a kind not listed keeps its
+    bandwidth, and within a node the curve is never read."""
+    plain = make_profile()
+    curved = make_profile(inter_node=dataclasses.replace(plain.inter_node, bandwidth_by_nodes=HALVED_FROM_2_TO_8_NODES),
+                          intra_node=dataclasses.replace(plain.intra_node, bandwidth_by_nodes=HALVED_FROM_2_TO_8_NODES))
+    for ranks, share in ((8, 1.0), (16, 0.75), (32, 0.5), (64, 0.5)):
+        expected = 1e-3 + 1e8 * ring_factor("all_reduce", ranks) / (1e8 * share)
+        assert curved.collective_time_s("all_reduce", 1e8, ranks) == pytest.approx(expected)
+    assert curved.collective_time_s("all_gather_into_tensor", 1e8, 32) == plain.collective_time_s(
+        "all_gather_into_tensor", 1e8, 32)
+    assert curved.collective_time_s("all_reduce", 1e8, 4) == plain.collective_time_s("all_reduce", 1e8, 4)
+    assert curved.intra_node.time_s("all_reduce", 1e8, nodes=1) == plain.intra_node.time_s("all_reduce", 1e8, nodes=1)
+
+
+def test_a_fabrics_measured_bandwidth_gives_the_share_that_reproduces_it():
+    """A 4-node all-reduce of 1e8 bytes over 16 ranks (1.875e8 bus bytes) measured at 5e7 bus bytes/s took 3.75 s;
+    the link's latency (1 ms) is taken out before the share is read, so the model takes those 3.75 s again. A
+    measurement faster than the link keeps the whole bandwidth (at most 1); the kinds not measured keep no curve."""
+    link = make_profile().inter_node.with_fabric({"all_reduce": {2: 2e8, 4: 5e7}}, nbytes=1e8, ranks_per_node=4)
+    assert link.bandwidth_by_nodes["all_reduce"].points == ((2.0, 1.0), (4.0, pytest.approx(1.875 / (3.75 - 1e-3))))
+    assert link.time_s("all_reduce", 1.875e8, nodes=4, ranks_per_node=4) == pytest.approx(3.75)
+    assert set(link.bandwidth_by_nodes) == {"all_reduce"}
+
+
+def test_a_fabrics_curve_survives_the_json_round_trip_and_a_profile_without_one_loads_as_before():
+    curved = make_profile(inter_node=dataclasses.replace(make_profile().inter_node,
+                                                         bandwidth_by_nodes=HALVED_FROM_2_TO_8_NODES))
+    assert HardwareProfile.from_json(curved.to_json()) == curved
+    data = json.loads(make_profile().to_json())
+    for link in ("intra_node", "inter_node"):
+        data[link].pop("bandwidth_by_nodes")
+    assert HardwareProfile.from_json(json.dumps(data)) == make_profile()
 
 
 def test_validation_on_construction():

@@ -9,7 +9,7 @@ import pytest
 
 from shardplan.compile import solve
 from shardplan.cost import CostContext, UnitSizes
-from shardplan.hardware import get_hardware
+from shardplan.hardware import get_hardware, ring_factor
 from shardplan.plan import (Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage,
                             Unit)
 
@@ -370,3 +370,41 @@ def test_among_the_plans_nanotron_runs_compile_picks_tensor_parallelism_where_it
     assert (plan.mesh.tp > 1) == tensor_parallel, plan.mesh.describe()
     assert {u.strategy for u in plan.units} <= set(bench.ZERO_STAGES.values()) and plan.mesh.dp_replicate == 1
     assert {u.checkpoint.value for u in plan.units} == {"none"}
+
+
+@pytest.mark.parametrize("kind, nodes, published", [
+    ("all_reduce", 64, 32.9), ("all_reduce", 4, 160.1), ("all_gather_into_tensor", 64, 11.0),
+    ("reduce_scatter_tensor", 32, 27.9)])
+def test_the_playbook_fabric_reproduces_the_bandwidth_its_cluster_measured_by_nodes(bench, kind, nodes, published):
+    """bench_published --fabric playbook: a 1 GiB world collective over nodes of 8 H100 reaches the busbw the
+    playbook's figure gives its cluster (h100-80g alone reads 288 GB/s for the 64-node all-reduce); within one node,
+    and on h100-80g without the flag, nothing changes."""
+    plain = get_hardware("h100-80g")
+    fabric = bench.with_fabric(plain, bench.PLAYBOOK_FABRIC_GBPS, "the playbook fabric")
+    seconds = fabric.collective_time_s(kind, 2**30, 8 * nodes, in_step=False)
+    assert 2**30 * ring_factor(kind, 8 * nodes) / seconds / 1e9 == pytest.approx(published, rel=0.02)
+    assert fabric.collective_time_s(kind, 2**30, 8) == plain.collective_time_s(kind, 2**30, 8)
+
+
+def test_a_row_on_its_jobs_fabric_is_priced_at_the_bandwidth_that_job_measured(bench, tmp_path):
+    """bench_published --fabric job: nanotron's CSV logs each job's start-up busbw over its world; the row takes the
+    successful job of its configuration whose throughput is its own (two attempts here, one at 20 GB/s), and its
+    1 GiB world all-reduce then reaches that job's 150 GB/s. A row on one node, or with no job of its throughput,
+    keeps the profile."""
+    nanotron_csv = tmp_path / "bench.csv"
+    columns = "job_id,hidden_size,dp,tp,pp,mbs,batch_accum,zero_stage,status,tok/s/gpu,AllReduce (GB/s)," \
+              "AllGather (GB/s),ReduceScatter (GB/s)\n"
+    nanotron_csv.write_text(columns + "1,2048,32,1,1,1,8.0,1,Success,5000.0,20.0,10.0,10.0\n"
+                            "2,2048,32,1,1,1,8.0,1,Success,9000.0,150.0,80.0,75.0\n"
+                            "3,2048,8,1,1,1,32.0,1,Success,9000.0,400.0,240.0,240.0\n")
+    jobs = bench.nanotron_jobs(str(nanotron_csv))
+    row = bench.Row(model="playbook-1B", n_gpus=32, dp=32, tp=1, pp=1, micro_batch_size=1, grad_accum=8,
+                    seq_len=4096, zero_stage="1", status="ok", tokens_per_s_per_gpu=9000.0, line=2)
+    plain = get_hardware("h100-80g")
+    fabric = bench.job_fabric(plain, row, jobs)
+    seconds = fabric.collective_time_s("all_reduce", 2**30, 32, in_step=False)
+    assert 2**30 * ring_factor("all_reduce", 32) / seconds / 1e9 == pytest.approx(150.0, rel=0.01)
+    assert fabric.name == "h100-80g with job 2's fabric"
+    one_node = dataclasses.replace(row, n_gpus=8, dp=8, grad_accum=32)
+    assert bench.job_fabric(plain, one_node, jobs) is plain
+    assert bench.job_fabric(plain, dataclasses.replace(row, tokens_per_s_per_gpu=7000.0), jobs) is plain
