@@ -20,7 +20,8 @@ and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each p
 nanotron's kernels around its collectives in place of shardplan's runtime's (nanotron_runtime_kernels), and
 peak memory on the profile; the step is then bounded below by what nanotron's host dispatches
 (nanotron_host_s) and the memory swapped for what nanotron holds (as_nanotron_holds; what the older code
-of old_bench keeps beyond it: NanotronCode). Printed per model and GPU count: Kendall tau of predicted
+of old_bench keeps beyond it: NanotronCode; with --job-pp-code a pipelined row whose job ran nanotron's pre-fix PP
+code also pays its polling, NanotronCode.polls_p2p). Printed per model and GPU count: Kendall tau of predicted
 against measured tokens/s/GPU over the rows that ran, predicted / measured throughput (median, p10, p90),
 and the memory classification (the share of crashed rows predicted over the device's usable memory, the
 share of rows that ran predicted within it); then the memory against what the rows measured and the rows
