@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_published.py --nanotron-zero1   # + nanotron's own ZeRO-1 step
     .venv/bin/python benchmarks/bench_published.py --fabric playbook  # + the playbook cluster's fabric by nodes
     .venv/bin/python benchmarks/bench_published.py --fabric job --nanotron-csv bench_final2_mfu2.csv  # each job's own
+    .venv/bin/python benchmarks/bench_published.py --job-pp-code --nanotron-csv bench_final2_mfu2.csv  # + its PP code
     .venv/bin/python benchmarks/bench_published.py --picks            # what compile picks on the published shapes
     .venv/bin/python benchmarks/bench_published.py --picks --nanotron-space  # and among the plans nanotron runs
     .venv/bin/python benchmarks/bench_published.py --breakdown        # a layer's op kinds as priced, one node's rows
@@ -19,7 +20,8 @@ and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each p
 nanotron's kernels around its collectives in place of shardplan's runtime's (nanotron_runtime_kernels), and
 peak memory on the profile; the step is then bounded below by what nanotron's host dispatches
 (nanotron_host_s) and the memory swapped for what nanotron holds (as_nanotron_holds; what the older code
-of old_bench keeps beyond it: NanotronCode). Printed per model and GPU count: Kendall tau of predicted
+of old_bench keeps beyond it: NanotronCode; with --job-pp-code a pipelined row whose job ran nanotron's pre-fix PP
+code also pays its polling, NanotronCode.polls_p2p). Printed per model and GPU count: Kendall tau of predicted
 against measured tokens/s/GPU over the rows that ran, predicted / measured throughput (median, p10, p90),
 and the memory classification (the share of crashed rows predicted over the device's usable memory, the
 share of rows that ran predicted within it); then the memory against what the rows measured and the rows
@@ -132,9 +134,11 @@ MODELS = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class NanotronCode:
-    """What the nanotron a campaign ran keeps for backward beyond llama_chain's activations. The playbook
-    (December 2024, tp_linear_async_communication on, tp_recompute_allgather true) keeps neither; oldbench
-    (nanotron main of early July 2024, f1adf520, async communication off: model_configs.md) keeps both."""
+    """What the nanotron a row ran does beyond the plan: what it keeps for backward beyond llama_chain's
+    activations, and how its pipeline waits for a message. The playbook (December 2024,
+    tp_linear_async_communication on, tp_recompute_allgather true) keeps neither; oldbench (nanotron main of
+    early July 2024, f1adf520, async communication off: model_configs.md) keeps both. Only a pipelined playbook
+    job that nanotron's CSV marks as run before its PP fix polls (nanotron_code)."""
 
     saves_gathered_input: bool = False
     """In REDUCE_SCATTER mode without async communication a column-parallel linear all-gathers its
@@ -150,13 +154,26 @@ class NanotronCode:
     beside the one flash attention saves. The non-async row_linear calls F.linear under autograd
     (functional.py lines 463-483 at f1adf520); the async one (the playbook's) calls it inside its own
     autograd.Function, which saves the view."""
+    polls_p2p: bool = False
+    """Each tensor a stage sends or receives goes with two metadata messages, each posted with isend or irecv and
+    then waited for on the host by `while not work.is_completed(): ... time.sleep(0.1)` (nanotron's branch
+    nouamane/bench2 at 67c5ebb6, "pp", 2024-12-27: pipeline_parallel/p2p.py, `_send_meta` lines 286-301 and
+    322-337, `_recv_meta` lines 359-376 and 400-414; the only commit of any branch that changes p2p.py since
+    April 2024). A NCCL work is completed once its kernel has run (ProcessGroupNCCL's isCompleted queries the
+    work's end event), which a message posted to a peer microseconds earlier has not: each wait sleeps at least
+    once, while the GPU waits for the host (the metadata goes in through a copy from pageable host memory,
+    which synchronizes the stream, and comes out through .tolist()). P2P_POLL_SLEEP_S a polled wait, polled_waits
+    a stage's."""
 
 
-def nanotron_code(row: "Row") -> NanotronCode:
-    """The code of `row`'s campaign, as far as the memory reads it."""
+def nanotron_code(row: "Row", job: dict[str, str] | None = None) -> NanotronCode:
+    """The code of `row`'s campaign; with `job` (row_job), the pipeline code that job ran: nanotron's CSV says
+    after_pp_fix False for every job id below 14097150, the threshold below which its benchmark script re-runs a
+    pp > 1 configuration (scripts/scaling_benchmarks.py lines 512-519 at e24d2483). That those jobs ran
+    67c5ebb6's p2p is inferred, not logged: it is the one PP code of the campaign's branch before the fix."""
     if row.model.startswith("oldbench-"):
         return NanotronCode(saves_gathered_input=True, o_proj_input_copy=row.micro_batch_size > 1)
-    return NanotronCode()
+    return NanotronCode(polls_p2p=row.pp > 1 and job is not None and job.get("after_pp_fix") == "False")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -356,18 +373,12 @@ LAYER_STYLES = (("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise")
 """How a decoder layer's linears slice over tp (LLaMA's module names; nanotron fuses q/k/v and gate/up)."""
 
 
-def nanotron_stage_starts(dims: LlamaDims, pp: int) -> list[int]:
-    """The first block of each stage as nanotron assigns pipeline blocks (trainer.py, "Setting PP
-    block ranks"), -1 for a stage it leaves without any. Its blocks, in order: the embedding, the
-    decoder layers, the final norm, the LM head, the fp32 cast, the loss; each weighs its weight
-    count (a layer 4 h^2 + 3 h i, the head V h, the others nothing: models/llama.py
-    get_block_compute_costs) and goes to the current stage, which moves on once the running weight
-    passes its share (stage + 1) / pp of the total.
-
-    This chain holds the final norm, the head, the cast and the loss in one block. Where nanotron
-    leaves the last stage only the cast and the loss, the head's block takes that stage and each
-    stage before it that is left without blocks takes the last block of the stage before (an
-    approximation: the head's matmul and the loss share one stage here, two in nanotron)."""
+def nanotron_block_stages(dims: LlamaDims, pp: int) -> list[int]:
+    """The stage of each of nanotron's pipeline blocks as it assigns them (models/base.py `build_model`, "Setting
+    PP block ranks"). Its blocks, in order: the embedding, the decoder layers, the final norm, the LM head, the
+    fp32 cast, the loss; each weighs its weight count (a layer 4 h^2 + 3 h i, the head V h, the others nothing:
+    models/llama.py get_block_compute_costs) and goes to the current stage, which moves on once the running
+    weight passes its share (stage + 1) / pp of the total."""
     h = dims.hidden
     costs = [0] + [4 * h * h + 3 * h * dims.intermediate] * dims.layers + [0, dims.vocab * h, 0, 0]
     total, running, stage, stage_of = sum(costs), 0, 0, []
@@ -376,6 +387,18 @@ def nanotron_stage_starts(dims: LlamaDims, pp: int) -> list[int]:
         running += block_cost
         if running * pp > total * (stage + 1):
             stage += 1
+    return stage_of
+
+
+def nanotron_stage_starts(dims: LlamaDims, pp: int) -> list[int]:
+    """The first block of each stage as nanotron assigns pipeline blocks (nanotron_block_stages), -1 for a stage
+    it leaves without any.
+
+    This chain holds the final norm, the head, the cast and the loss in one block. Where nanotron
+    leaves the last stage only the cast and the loss, the head's block takes that stage and each
+    stage before it that is left without blocks takes the last block of the stage before (an
+    approximation: the head's matmul and the loss share one stage here, two in nanotron)."""
+    stage_of = nanotron_block_stages(dims, pp)
     head = dims.layers + 1  # this chain's block holding the final norm, the head, the cast and the loss
     starts = [stage_of.index(s) if s in stage_of else -1 for s in range(pp)]
     if -1 in starts:
@@ -386,6 +409,36 @@ def nanotron_stage_starts(dims: LlamaDims, pp: int) -> list[int]:
             if starts[s] >= starts[s + 1]:
                 starts[s] = starts[s + 1] - 1
     return starts
+
+
+P2P_POLL_SLEEP_S = 0.1
+"""What a polled wait of nanotron's pre-fix PP code sleeps between checks, at least once (NanotronCode.polls_p2p)."""
+
+
+def polled_waits(dims: LlamaDims, pp: int) -> list[int]:
+    """Polled waits each stage of nanotron's pre-fix PP code does a micro-batch (NanotronCode.polls_p2p): two a
+    tensor each way it crosses a stage boundary, on each side of it (the sender's two metadata sends, the
+    receiver's two receives; the data itself is waited for on the stream). Into a decoder layer cross its
+    hidden states and sequence mask (models/llama.py, the layers' module_input_keys), into the final norm, the
+    head, the fp32 cast or the loss one tensor (the loss's labels are made on its stage); every one but the mask
+    sends a gradient back (the mask's backward sends nothing: pipeline_parallel/functional.py
+    SendTensorWithoutGradientToPipelineBuffer). So a boundary between decoder layers costs each side 6 waits,
+    one before the final norm 4: a middle stage between layers 12, the first 6."""
+    stages = nanotron_block_stages(dims, pp)
+    crossing = [(0, 0)] + [(2, 1)] * dims.layers + [(1, 1)] * 4  # into each block: (tensors, gradients back)
+    waits = [0] * pp
+    for block, (before, after) in enumerate(zip(stages, stages[1:]), start=1):
+        if before != after:
+            tensors, gradients = crossing[block]
+            waits[before] += 2 * (tensors + gradients)
+            waits[after] += 2 * (tensors + gradients)
+    return waits
+
+
+def p2p_polling_s(row: "Row", dims: LlamaDims) -> float:
+    """What nanotron's pre-fix PP code sleeps in a step: its busiest stage's polled waits a micro-batch, a sleep
+    each, over (micro-batches + stages - 1), as nanotron_host_s's host bound counts a step's micro-batches."""
+    return (row.grad_accum + row.pp - 1) * max(polled_waits(dims, row.pp)) * P2P_POLL_SLEEP_S
 
 
 def plan_for(row: Row, chain: BlockChain, dims: LlamaDims) -> Plan:
@@ -603,11 +656,13 @@ def as_nanotron_holds(plan: Predicted, row: Row, dims: LlamaDims) -> Predicted:
 
 
 def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1: bool = False,
-            jobs: dict[tuple, list[dict[str, str]]] | None = None) -> list[Outcome]:
+            fabric_jobs: dict[tuple, list[dict[str, str]]] | None = None,
+            pp_code_jobs: dict[tuple, list[dict[str, str]]] | None = None) -> list[Outcome]:
     """Each row's plan priced on `hardware` as nanotron runs it (nanotron_runtime_kernels), its peak memory as
     nanotron holds it (as_nanotron_holds); with `nanotron_zero1`, each ZeRO-1 row's step also pays what
-    nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s); with `jobs` (nanotron_jobs), each row across
-    nodes on the fabric its own job measured (job_fabric)."""
+    nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s); with `fabric_jobs` (nanotron_jobs), each row across
+    nodes on the fabric its own job measured (job_fabric); with `pp_code_jobs`, each pipelined row whose own job
+    ran nanotron's pre-fix PP code also pays its polling (NanotronCode.polls_p2p, p2p_polling_s)."""
     base = get_hardware(hardware)
     chains: dict[tuple, BlockChain] = {}
     outcomes = []
@@ -616,10 +671,10 @@ def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1:
         if reason:
             outcomes.append(Outcome(row=row, reason=reason))
             continue
-        hw = job_fabric(base, row, jobs) if jobs else base
+        hw = job_fabric(base, row, fabric_jobs) if fabric_jobs else base
         dims = as_run(MODELS[row.model], row.tp)
         samples = row.micro_batch_size * row.grad_accum
-        code = nanotron_code(row)
+        code = nanotron_code(row, row_job(row, pp_code_jobs) if pp_code_jobs else None)
         key = (dims, samples, row.seq_len, row.pp > 1, code)
         if key not in chains:
             chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1, sequence_sharded_norm=True,
@@ -629,7 +684,8 @@ def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1:
         predicted = as_nanotron_holds(plan, row, dims)
         host_bound_s = (row.grad_accum + row.pp - 1) * nanotron_host_s(row, chain, dims, hw) + plan.time_s["optimizer"]
         step_s = (max(predicted.step_time_s, host_bound_s)
-                  + (zero1_runtime_s(row, chain, dims, hw) if nanotron_zero1 else 0.0))
+                  + (zero1_runtime_s(row, chain, dims, hw) if nanotron_zero1 else 0.0)
+                  + (p2p_polling_s(row, dims) if code.polls_p2p else 0.0))
         tokens = samples * row.seq_len * row.dp / step_s / row.n_gpus
         outcomes.append(Outcome(row=row, predicted=predicted, tokens_per_s_per_gpu=tokens,
                                 after_pipeline_bytes=sum(after_pipeline(plan, row, dims).values())))
@@ -837,20 +893,24 @@ JOB_FABRIC_COLUMNS = {"all_reduce": "AllReduce (GB/s)", "all_gather_into_tensor"
 """Where nanotron's CSV logs what its job's measure_bandwidth read over the world group (PLAYBOOK_FABRIC_GBPS)."""
 
 
+def row_job(row: Row, jobs: dict[tuple, list[dict[str, str]]]) -> dict[str, str] | None:
+    """The line of nanotron's CSV (nanotron_jobs) of the job that measured `row`: the successful job of its
+    configuration whose throughput is the row's (within 1 token/s); None where there is none."""
+    return next((job for job in jobs.get(configuration_key(row), ()) if job["status"] == "Success"
+                 and row.tokens_per_s_per_gpu and abs(float(job["tok/s/gpu"]) - row.tokens_per_s_per_gpu) < 1), None)
+
+
 def job_fabric(hw: HardwareProfile, row: Row, jobs: dict[tuple, list[dict[str, str]]]) -> HardwareProfile:
-    """`hw` on the fabric `row`'s own job measured at its start (measure_bandwidth, as PLAYBOOK_FABRIC_GBPS): the
-    successful job of its configuration in nanotron's CSV whose throughput is the row's (within 1 token/s). The
-    job measured its whole world and nothing smaller, so every collective of the row across nodes keeps that
-    share (a pipeline pair or a tp group over fewer nodes too). `hw` where the row spans one node or no job is
-    found."""
+    """`hw` on the fabric `row`'s own job (row_job) measured at its start (measure_bandwidth, as
+    PLAYBOOK_FABRIC_GBPS). The job measured its whole world and nothing smaller, so every collective of the row
+    across nodes keeps that share (a pipeline pair or a tp group over fewer nodes too). `hw` where the row spans
+    one node or no job with a measurement is found."""
     nodes = row.n_gpus // GPUS_PER_NODE
-    found = [job for job in jobs.get(configuration_key(row), ()) if job["status"] == "Success"
-             and job[JOB_FABRIC_COLUMNS["all_reduce"]] and row.tokens_per_s_per_gpu
-             and abs(float(job["tok/s/gpu"]) - row.tokens_per_s_per_gpu) < 1]
-    if nodes < 2 or not found:
+    job = row_job(row, jobs)
+    if nodes < 2 or not job or not job[JOB_FABRIC_COLUMNS["all_reduce"]]:
         return hw
-    return with_fabric(hw, {kind: {nodes: float(found[0][column])} for kind, column in JOB_FABRIC_COLUMNS.items()},
-                       f"job {found[0]['job_id']}'s fabric")
+    return with_fabric(hw, {kind: {nodes: float(job[column])} for kind, column in JOB_FABRIC_COLUMNS.items()},
+                       f"job {job['job_id']}'s fabric")
 
 
 def configuration_key(row: Row) -> tuple:
@@ -1007,6 +1067,10 @@ def main() -> None:
     parser.add_argument("--nanotron-space", action="store_true",
                         help="with --picks: each shape's pick again among the plans nanotron runs (ZeRO-0/1 over all "
                              "its dp ranks, no recomputation)")
+    parser.add_argument("--job-pp-code", action="store_true",
+                        help="each pipelined row whose own job ran nanotron's pre-fix PP code (after_pp_fix False in "
+                             "--nanotron-csv) pays that code's polling: 0.1 s a polled wait, its busiest stage's "
+                             "waits a micro-batch (needs --nanotron-csv; combines with --fabric job)")
     parser.add_argument("--nanotron-zero1", action="store_true",
                         help="add nanotron's own ZeRO-1 step to its rows (blocking fp32 all-reduce, a copy kernel "
                              "per rank and tensor after the gather): what shardplan's shard_optimizer does not do")
@@ -1016,8 +1080,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.nanotron_space and not args.picks:
         parser.error("--nanotron-space narrows --picks: give both")
-    if args.fabric == "job" and (args.picks or not args.nanotron_csv):
-        parser.error("--fabric job reads each row's job from --nanotron-csv: give it, and not with --picks")
+    if (args.fabric == "job" or args.job_pp_code) and (args.picks or not args.nanotron_csv):
+        parser.error("--fabric job and --job-pp-code read each row's job from --nanotron-csv: give it, and not "
+                     "with --picks")
     hw = get_hardware(args.hardware)
     hw = with_fabric(hw, FABRICS[args.fabric], f"the {args.fabric} fabric") if args.fabric in FABRICS else hw
     if args.picks:
@@ -1027,10 +1092,12 @@ def main() -> None:
     if args.breakdown:
         print_op_breakdown(rows, hw)
         return
-    jobs = nanotron_jobs(args.nanotron_csv) if args.fabric == "job" else None
-    outcomes = predict(rows, hw, nanotron_zero1=args.nanotron_zero1, jobs=jobs)
+    jobs = nanotron_jobs(args.nanotron_csv) if args.nanotron_csv else None
+    outcomes = predict(rows, hw, nanotron_zero1=args.nanotron_zero1, fabric_jobs=jobs if args.fabric == "job" else None,
+                       pp_code_jobs=jobs if args.job_pp_code else None)
     fabric = ", each row across nodes on its job's fabric" if args.fabric == "job" else ""
-    print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name}{fabric} "
+    pp_code = ", each pipelined row on its job's PP code" if args.job_pp_code else ""
+    print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name}{fabric}{pp_code} "
           f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
     print_table(score(outcomes, hw.usable_memory_bytes))
     print_memory_ratios(memory_ratios(outcomes))

@@ -408,3 +408,47 @@ def test_a_row_on_its_jobs_fabric_is_priced_at_the_bandwidth_that_job_measured(b
     one_node = dataclasses.replace(row, n_gpus=8, dp=8, grad_accum=32)
     assert bench.job_fabric(plain, one_node, jobs) is plain
     assert bench.job_fabric(plain, dataclasses.replace(row, tokens_per_s_per_gpu=7000.0), jobs) is plain
+
+
+def test_nanotrons_pre_fix_pipeline_polls_twice_a_tensor_each_way_on_each_side_of_a_boundary(bench):
+    """NanotronCode.polls_p2p (nanotron 67c5ebb6, p2p.py): every metadata message is polled with a 0.1 s sleep, two
+    a tensor, on the sender and on the receiver. Between decoder layers the hidden states and the mask cross
+    forward and the hidden states' gradient back: 6 waits each side, 12 on a stage between two such boundaries;
+    into the final norm (or the head, the cast, the loss) one tensor and its gradient: 4."""
+    one_b = bench.MODELS["playbook-1B"]
+    assert bench.polled_waits(one_b, 2) == [6, 6]
+    assert bench.polled_waits(one_b, 4) == [6, 12, 10, 4]  # layers 0-5 | 6-10 | 11-15 | norm, head, cast, loss
+    assert bench.polled_waits(one_b, 8) == [6, 12, 12, 12, 12, 10, 8, 4]  # the head's stage sends the logits on
+    small = bench.LlamaDims(layers=4, hidden=64, heads=4, kv_heads=4, intermediate=256, vocab=16, tied=True)
+    assert bench.polled_waits(small, 3) == [6, 12, 6]  # layers 0-1 | 2 | 3 and the head
+    row = bench.Row(model="playbook-1B", n_gpus=32, dp=8, tp=1, pp=4, micro_batch_size=1, grad_accum=8,
+                    seq_len=4096, zero_stage="1", status="ok", tokens_per_s_per_gpu=1.0, line=2)
+    assert bench.p2p_polling_s(row, one_b) == pytest.approx((8 + 4 - 1) * 12 * 0.1)
+
+
+def test_a_pipelined_row_whose_job_ran_the_pre_fix_pp_code_pays_its_polling(bench, tmp_path):
+    """bench_published --job-pp-code: the row's own job (the successful one of its configuration at its throughput)
+    says after_pp_fix False, so its step pays the busiest stage's 12 polled waits a micro-batch at 0.1 s over
+    (8 + 4 - 1) micro-batches; the row whose job ran after the fix, a row no job measured, a pp = 1 row and a
+    prediction without the CSV pay nothing."""
+    nanotron_csv = tmp_path / "bench.csv"
+    nanotron_csv.write_text("job_id,hidden_size,dp,tp,pp,mbs,batch_accum,zero_stage,status,tok/s/gpu,after_pp_fix\n"
+                            "13849000,2048,8,1,4,1,8.0,1,Success,5000.0,False\n"
+                            "14099000,2048,8,1,4,1,8.0,1,Success,9000.0,True\n"
+                            "13849001,2048,32,1,1,1,8.0,1,Success,9000.0,False\n")
+    jobs = bench.nanotron_jobs(str(nanotron_csv))
+    pre_fix = bench.Row(model="playbook-1B", n_gpus=32, dp=8, tp=1, pp=4, micro_batch_size=1, grad_accum=8,
+                        seq_len=4096, zero_stage="1", status="ok", tokens_per_s_per_gpu=5000.0, line=2)
+    rows = [pre_fix, dataclasses.replace(pre_fix, tokens_per_s_per_gpu=9000.0),  # after the fix
+            dataclasses.replace(pre_fix, tokens_per_s_per_gpu=7000.0),  # no job of this throughput
+            dataclasses.replace(pre_fix, dp=32, pp=1, tokens_per_s_per_gpu=9000.0)]  # not pipelined
+
+    def steps(**jobs_for) -> list[float]:
+        return [bench.step_s(dataclasses.replace(o.row, tokens_per_s_per_gpu=o.tokens_per_s_per_gpu))
+                for o in bench.predict(rows, "h100-80g", **jobs_for)]
+
+    plain, polled = steps(), steps(pp_code_jobs=jobs)
+    assert polled[0] - plain[0] == pytest.approx((8 + 4 - 1) * 12 * 0.1)
+    assert polled[1:] == plain[1:]
+    assert bench.nanotron_code(pre_fix, bench.row_job(pre_fix, jobs)).polls_p2p
+    assert not bench.nanotron_code(pre_fix).polls_p2p
