@@ -110,10 +110,8 @@ def shared_cores(hardware: HardwareProfile, ranks: int, cores: int) -> HardwareP
     share = cores / ranks
 
     def link(profile: LinkProfile) -> LinkProfile:
-        waits = profile.in_step_wait_by_size
         return dataclasses.replace(
             profile, in_step_wait_s=profile.in_step_wait_s / share,
-            in_step_wait_by_size=waits and SizeCurve(points=tuple((size, wait / share) for size, wait in waits.points)),
             collectives={kind: dataclasses.replace(cost, latency_s=cost.latency_s / share,
                                                    bus_bandwidth_bytes_per_s=cost.bus_bandwidth_bytes_per_s * share)
                          for kind, cost in profile.collectives.items()})

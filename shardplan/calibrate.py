@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import math
 import os
 import platform
 import statistics
@@ -79,9 +78,9 @@ class Sweep:
 # Time also jumps by up to 30% between sizes 5% apart: a grid every factor of 2 follows more
 # of that than one every factor of 4.
 _ALL_SIZES_BYTES = tuple(int(2 ** (k + 0.5)) // 64 * 64 for k in range(12, 29))
-_IN_STEP_SIZES_BYTES = _ALL_SIZES_BYTES[6:11:2] + _ALL_SIZES_BYTES[11:13]
-"""About 0.4, 1.5, 6, 12 and 24 MB: from a small model's units to a mixture of experts' (Mixtral's 7 MB at
-hidden 256), each a size the collectives' own cost is timed at, so its excess is over that size's own time."""
+_IN_STEP_SIZES_BYTES = _ALL_SIZES_BYTES[6:11:2]
+"""About 0.4, 1.5 and 6 MB: below the last-level cache's cliff, where one size's own cost is known
+to a few percent (past it, sizes 5% apart differ by 30%, and the excess would be that noise)."""
 CPU_SWEEP = Sweep(matmul_sizes=(64, 128, 256, 512, 1024, 2048), dtypes=("float32", "bfloat16"),
                   collective_sizes_bytes=_ALL_SIZES_BYTES, in_step_sizes_bytes=_IN_STEP_SIZES_BYTES, rounds=10,
                   copy_bytes=256 * _MIB)
@@ -316,12 +315,9 @@ def _factor_range(curve: SizeCurve) -> str:
 def fit_profile(m: Measurements) -> HardwareProfile:
     costs = {kind: fit_collective([(nbytes * ring_factor(kind, m.world_size), seconds) for nbytes, seconds in points])
              for kind, points in m.collective_s.items()}
-    in_step = [(kind, nbytes * ring_factor(kind, m.world_size), seconds)
-               for kind, points in m.in_step_collective_s.items() for nbytes, seconds in points]
-    excess_s = [(bus_bytes, seconds - costs[kind].time_s(bus_bytes)) for kind, bus_bytes, seconds in in_step]
-    link = LinkProfile(collectives=costs,
-                       in_step_wait_s=max(0.0, float(np.mean([wait for _, wait in excess_s]))) if excess_s else 0.0,
-                       in_step_wait_by_size=fit_in_step_wait(excess_s))
+    excess_s = [seconds - costs[kind].time_s(nbytes * ring_factor(kind, m.world_size))
+                for kind, points in m.in_step_collective_s.items() for nbytes, seconds in points]
+    link = LinkProfile(collectives=costs, in_step_wait_s=max(0.0, float(np.mean(excess_s))) if excess_s else 0.0)
     on_cpu = m.backend == "gloo"
     how = ("CPU compute per rank with 1 thread (as ranks run), all ranks computing at once; " if on_cpu else "")
     profile = HardwareProfile(
@@ -342,22 +338,6 @@ def fit_profile(m: Measurements) -> HardwareProfile:
     fixed_costs = fit_op_fixed_costs(profile, m.op_calls, m.kernel_overhead_s) if on_cpu else {}
     return dataclasses.replace(profile, op_fixed_costs_s=fixed_costs,
                                view_overhead_s=m.view_overhead_s if on_cpu else 0.0)
-
-
-def fit_in_step_wait(excess_s: "list[tuple[float, float]]") -> SizeCurve | None:
-    """The in-step wait by bus bytes from (bus bytes, seconds beyond the own cost) of every in-step timing:
-    a least-squares line in log(bus bytes), never falling with size, 0 or more, flat past the sizes timed
-    ([Note: collectives in a step]). None below 2 sizes: the mean is all there is."""
-    sizes = sorted({size for size, _ in excess_s})
-    if len(sizes) < 2:
-        return None
-    log_sizes, seconds = np.log([size for size, _ in excess_s]), np.array([wait for _, wait in excess_s])
-    slope, intercept = np.polyfit(log_sizes, seconds, 1)
-    slope = max(0.0, float(slope))
-    if slope == 0.0:
-        intercept = float(np.mean(seconds))
-    return SizeCurve(points=tuple((float(size), max(0.0, float(intercept + slope * math.log(size))))
-                                  for size in (sizes[0], sizes[-1])))
 
 
 def fit_matmul(points: "list[tuple[float, float]] | tuple", kernel_overhead_s: float) -> MatmulRate:
@@ -453,14 +433,11 @@ def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Pr
 # timings a round, and the mean of all of them less the fitted own cost is the link's in_step_wait_s,
 # a latency the cost model adds to each collective (and pipeline send) of a step (whole-step
 # predictions check it: docs/benchmarks.md).
-# The wait grows with size: on 2 CPU ranks at load 3, by about 0.5 ms each time the size doubles
-# from 0.4 to 6 MB (0.6 ms to 3 ms), and more slowly past the last-level cache. A mean over the sizes
-# underprices a mixture of experts' 7 MB units (Mixtral's step read 0.83-0.94 of its prediction where
-# Llama's 3 MB units read 0.96-1.08), so the in-step sizes reach 24 MB and the wait is also fitted as
-# a line in log(size) (fit_in_step_wait, LinkProfile.in_step_wait_by_size), which prices each collective
-# at its own size. Memory-streaming compute before the collective (copies of 64 MB) in place of the
-# matmuls raised the wait by about 1 ms at every size alike, small ones as much as large: that is not
-# what separates Mixtral from Llama, and the matmuls were kept (docs/benchmarks.md, issue 22).
+# The wait grows with size (on 2 CPU ranks about 0.5 ms each time the size doubles from 0.4 to 6 MB,
+# flat and noisy past it to 24 MB), and compute that streams memory before it (copies of 64 MB) waits
+# about 1 ms longer at every size than the matmuls; priced by size, or after copies, neither moved the
+# five Hugging Face architectures' steps toward their measurements (benchmarks/bench_in_step.py,
+# docs/benchmarks.md, issue 22), so the figure stays one mean after matmuls.
 _COMPUTE_BEFORE_S = 2e-3
 """Compute before each in-step collective timing: about one transformer layer's forward on a CPU rank."""
 

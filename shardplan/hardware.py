@@ -54,7 +54,7 @@ def ring_factor(kind: str, group_size: int) -> float:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SizeCurve:
-    """A factor (or, where a field says so, seconds) by problem size, known at a few sizes.
+    """A dimensionless factor by problem size, known at a few sizes.
 
     Linear in log(size) between points, constant beyond the ends:
     `SizeCurve(points=((1e6, 0.2), (1e8, 0.6))).at(1e7) == 0.4`.
@@ -112,10 +112,6 @@ class LinkProfile:
     """Mean time a collective inside a training step takes beyond its own cost, which is timed
     with the ranks arriving together: in a step they arrive apart and communication threads wake
     late (see [Note: collectives in a step] in calibrate.py). 0 where not measured (datasheets)."""
-    in_step_wait_by_size: SizeCurve | None = None
-    """The same wait by a collective's bus bytes, in seconds, where a calibration timed it at sizes
-    far enough apart to see it grow (on 2 CPU ranks 0.6 ms at 0.2 MB, 3 ms at 6 MB); it prices each
-    collective in place of the mean. None: in_step_wait_s at every size (datasheets, older profiles)."""
     rails: int = 1
     """Ranks of one node whose own network links carry a collective across nodes side by side (a
     rail-optimized GPU cluster gives every GPU its NICs): a group with k ranks on each node moves
@@ -133,10 +129,6 @@ class LinkProfile:
     ring takes a step from rank to rank before it leaves for the next node (NCCL's ring latency is
     intra-node steps x their latency + network steps x theirs, src/graph/tuning.cc), so a group with
     fewer ranks on each node (tp > 1, a pipeline's point-to-point pair) waits fewer steps. 0 within a node."""
-
-    def in_step_wait_at_s(self, bus_bytes: float) -> float:
-        """What a collective of `bus_bytes` waits in a step beyond its own cost."""
-        return self.in_step_wait_by_size.at(bus_bytes) if self.in_step_wait_by_size else self.in_step_wait_s
 
     def time_s(self, kind: str, bus_bytes: float, *, nodes: int = 1, ranks_per_node: int = 1) -> float:
         """One collective of `kind` moving `bus_bytes` over a group of `nodes` x `ranks_per_node` ranks."""
@@ -269,15 +261,6 @@ class HardwareProfile:
             if not _is_non_negative(value):
                 raise HardwareError(f"hardware profile {self.name!r}: {where} is {value!r}, must be a finite "
                                     "number, 0 or more")
-        for where, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
-            curve = link.in_step_wait_by_size
-            if curve is None:
-                continue
-            sizes = [size for size, _ in curve.points]
-            if not all(map(_is_positive, sizes)) or any(b <= a for a, b in zip(sizes, sizes[1:])) or not all(
-                    _is_non_negative(wait) for _, wait in curve.points):
-                raise HardwareError(f"hardware profile {self.name!r}: {where}.in_step_wait_by_size has points "
-                                    f"{curve.points}: sizes must be positive and increasing, waits 0 or more")
         if self.runtime_reserved_bytes >= self.device_memory_bytes:
             raise HardwareError(f"hardware profile {self.name!r}: runtime_reserved_bytes {self.runtime_reserved_bytes} "
                                 f"leaves nothing of device_memory_bytes {self.device_memory_bytes}: lower it")
@@ -330,7 +313,7 @@ class HardwareProfile:
         nodes = -(-group_size // per_node)
         link = self.intra_node if nodes == 1 else self.inter_node
         return (link.time_s(kind, nbytes * factor, nodes=nodes, ranks_per_node=per_node)
-                + (link.in_step_wait_at_s(nbytes * factor) if in_step else 0.0))
+                + (link.in_step_wait_s if in_step else 0.0))
 
     def _matmul_rate(self, dtype: object) -> MatmulRate:
         name = str(dtype).removeprefix("torch.")
@@ -417,8 +400,6 @@ def _parse_link(data: object, where: str) -> LinkProfile:
         if "correction" in fields:
             fields["correction"] = _parse_curve(fields["correction"], f"{where}.collectives.{kind}.correction")
         costs[kind] = CollectiveCost(**fields)
-    if link.get("in_step_wait_by_size") is not None:
-        link["in_step_wait_by_size"] = _parse_curve(link["in_step_wait_by_size"], f"{where}.in_step_wait_by_size")
     return LinkProfile(**dict(link, collectives=costs))
 
 
@@ -454,7 +435,6 @@ def _figures(value: object, where: str) -> Iterator[tuple[str, object]]:
 
 
 _NOT_FIGURES = ("name", "source", "overlaps_communication", "collective_compute_share", "in_step_wait_s",
-                "in_step_wait_by_size",
                 "latency_per_node_doubling_s", "ring_latency_per_node_s", "ring_latency_per_local_rank_s",
                 "runtime_reserved_bytes", "selective_op_overhead_s", "view_overhead_s")
 """Fields that are not positive figures (a wait, a latency step, a reserve, a cost not measured may be 0:

@@ -70,29 +70,6 @@ def test_collective_time_in_a_step_adds_the_links_wait():
     assert profile.collective_time_s("all_gather_into_tensor", 8e8, 1) == 0.0  # no collective, nothing to wait on
 
 
-def test_collective_time_in_a_step_waits_by_its_bus_bytes_where_a_calibration_timed_that():
-    """A curve of the wait by bus bytes (2 CPU ranks: 0.6 ms at 0.2 MB, 3 ms at 6 MB) prices each collective at
-    its size in place of the mean; ranks sharing cores wait longer, as for the mean; a profile of a calibration
-    before it (no curve in its JSON) loads and prices with the mean."""
-    from shardplan.accuracy import shared_cores
-
-    link = dataclasses.replace(make_profile().intra_node, in_step_wait_s=1.5e-3,
-                               in_step_wait_by_size=SizeCurve(points=((2e5, 0.6e-3), (6e6, 3e-3))))
-    profile = make_profile(intra_node=link)
-    assert HardwareProfile.from_json(profile.to_json()) == profile
-    for nbytes, wait_s in ((1e5, 0.6e-3), (4e5, 0.6e-3), (12e6, 3e-3), (1e9, 3e-3), (4e5 * 30**0.5, 1.8e-3)):
-        own_s = profile.collective_time_s("all_gather_into_tensor", nbytes, 2, in_step=False)  # bus bytes nbytes / 2
-        assert profile.collective_time_s("all_gather_into_tensor", nbytes, 2) == pytest.approx(own_s + wait_s)
-    shared = shared_cores(profile, ranks=4, cores=2)
-    assert shared.collective_time_s("all_gather_into_tensor", 24e6, 2) == pytest.approx(
-        shared.collective_time_s("all_gather_into_tensor", 24e6, 2, in_step=False) + 6e-3)
-    data = json.loads(profile.to_json())
-    data["intra_node"].pop("in_step_wait_by_size")
-    older = HardwareProfile.from_json(json.dumps(data))
-    assert older.collective_time_s("all_gather_into_tensor", 24e6, 2) == pytest.approx(
-        older.collective_time_s("all_gather_into_tensor", 24e6, 2, in_step=False) + 1.5e-3)
-
-
 def test_collective_time_inter_node_and_trivial_cases():
     profile = make_profile()
     assert profile.collective_time_s("all_gather_into_tensor", 1e8, 8) == pytest.approx(1e-3 + 1e8 * 7 / 8 / 1e8)
@@ -286,10 +263,6 @@ def _edited(mutate) -> str:
     (lambda d: d.update(op_time_factors={"gelu": 2.5}), ["op_time_factors.gelu must be a JSON object"]),
     (lambda d: d.update(op_time_factors=[2.0]), ["op_time_factors must be a JSON object"]),
     (lambda d: d["intra_node"].update(in_step_wait_s=-1e-3), ["intra_node.in_step_wait_s is -0.001", "0 or more"]),
-    (lambda d: d["inter_node"].update(in_step_wait_by_size={"points": [[2e5, -1e-3], [6e6, 3e-3]]}),
-     ["inter_node.in_step_wait_by_size has points", "waits 0 or more"]),
-    (lambda d: d["inter_node"].update(in_step_wait_by_size={"points": [[6e6, 1e-3], [2e5, 3e-3]]}),
-     ["inter_node.in_step_wait_by_size has points", "increasing"]),
     (lambda d: d.update(collective_compute_share=1.0), ["collective_compute_share is 1.0", "below 1"]),
     (lambda d: d.update(collective_compute_share=-0.1), ["collective_compute_share is -0.1", "0 or more"]),
     (lambda d: d["matmul"]["float32"].update(sustained_share=1.2), ["matmul.float32.sustained_share is 1.2",
