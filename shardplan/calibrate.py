@@ -471,16 +471,18 @@ IN_STEP = "in step"
 """First item of an in-step collective probe's key."""
 
 
-def _compute_lasting(seconds: float, device: torch.device) -> Callable[[], None]:
-    """Matmuls that take about `seconds`, the same count of them on every rank (the largest any rank needs)."""
-    matmul = matmul_probe(256, 256, 256, "float32", device).call
-    count = torch.tensor(_loop_count(matmul, device, seconds), device=device)
+def _compute_lasting(seconds: float, device: torch.device,
+                     work: Callable[[], object] | None = None) -> Callable[[], None]:
+    """Calls of `work` (default: a 256 x 256 matmul) that take about `seconds`, the same count of them on every
+    rank (the largest any rank needs)."""
+    work = work or matmul_probe(256, 256, 256, "float32", device).call
+    count = torch.tensor(_loop_count(work, device, seconds), device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     count = int(count)
 
     def compute() -> None:
         for _ in range(count):
-            matmul()
+            work()
     return compute
 
 

@@ -119,6 +119,16 @@ def test_the_compute_before_an_in_step_collective_is_the_same_on_every_rank():
     assert run_world(_in_step_compute_job, world_size=2, backend="gloo", total_steps=0, progress=False) > 12e-3
 
 
+def test_measurements_kept_as_json_fit_the_same_profile():
+    """bench_hf_memory.py --keep writes a calibration's timings as JSON and --price --refit fits them again."""
+    import dataclasses
+    import json
+
+    measurements = hand_made_measurements()
+    kept = Measurements(**json.loads(json.dumps(dataclasses.asdict(measurements))))
+    assert fit_profile(kept) == fit_profile(measurements)
+
+
 def test_fit_op_factors_by_band_of_roofline_time_over_the_calls_long_enough_to_tell():
     profile = fit_profile(hand_made_measurements())  # 20 GB/s, 1e11 FLOP/s, 5 us per kernel in a step
     bare_s = 2e-6  # what a timed call holds beside its work
