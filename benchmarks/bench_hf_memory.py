@@ -50,9 +50,10 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, default="medium", help="calibration mode without --profile")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds of every plan's step, the fastest kept (default: the mode's, or 3)")
-    parser.add_argument("--keep", metavar="FOLDER", help="write each architecture's profile (<name>.profile.json) "
-                                                         "and measured peaks and step times (<name>.measured.json) "
-                                                         "there, to price the same runs on other code")
+    parser.add_argument("--keep", metavar="FOLDER", help="write each architecture's profile (<name>.profile.json), "
+                                                         "measured peaks and step times (<name>.measured.json) and "
+                                                         "calibration timings (<name>.calibration.json) there, to "
+                                                         "price the same runs on other code")
     parser.add_argument("--price", metavar="FOLDER", help="measure nothing: price the runs --keep wrote there "
                                                           "on this code (its profiles and measurements)")
     parser.add_argument("--refit", action="store_true", help="with --price: fit each profile again on this code "
