@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/bench_hf_memory.py --models --extra   # architectures of no table, same size
     .venv/bin/python benchmarks/bench_hf_memory.py --keep runs        # and write each profile and measurement
     PYTHONPATH=old .venv/bin/python benchmarks/bench_hf_memory.py --price runs   # those runs on old code
+    .venv/bin/python benchmarks/bench_hf_memory.py --price runs --refit  # their profiles fitted on this code
 
 Each of shardplan.accuracy.HF_WORKLOADS (Llama, Mixtral, GPT-2, BERT, T5, random weights) under a
 hand-written plan of every strategy x checkpoint kind, one unit per block of the analysed chain,
@@ -32,7 +33,7 @@ from rich.console import Console
 from shardplan import get_hardware, zoo
 from shardplan.accuracy import (HF_OTHER_ARCHITECTURES, HF_WORKLOADS, accuracy_table, compare, demo_chain_and_plans,
                                 hf_architecture_workload, measure_plans)
-from shardplan.calibrate import MODES, fit_profile, summary, sweep_for
+from shardplan.calibrate import MODES, Measurements, fit_profile, summary, sweep_for
 from shardplan.hardware import HardwareProfile
 
 MEMORY_BAND, STEP_TIME_BAND = (0.95, 1.05), (0.85, 1.15)
@@ -49,17 +50,21 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, default="medium", help="calibration mode without --profile")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds of every plan's step, the fastest kept (default: the mode's, or 3)")
-    parser.add_argument("--keep", metavar="FOLDER", help="write each architecture's profile (<name>.profile.json) "
-                                                         "and measured peaks and step times (<name>.measured.json) "
-                                                         "there, to price the same runs on other code")
+    parser.add_argument("--keep", metavar="FOLDER", help="write each architecture's profile (<name>.profile.json), "
+                                                         "measured peaks and step times (<name>.measured.json) and "
+                                                         "calibration timings (<name>.calibration.json) there, to "
+                                                         "price the same runs on other code")
     parser.add_argument("--price", metavar="FOLDER", help="measure nothing: price the runs --keep wrote there "
                                                           "on this code (its profiles and measurements)")
+    parser.add_argument("--refit", action="store_true", help="with --price: fit each profile again on this code "
+                                                                "from the calibration's timings --keep wrote "
+                                                                "(<name>.calibration.json)")
     parser.add_argument("--factors-like", metavar="PROFILE", help="with --price: keep only the op time factors "
                                                                   "PROFILE has, as a calibration of the code that "
                                                                   "wrote PROFILE would fit")
     options = parser.parse_args()
-    if options.factors_like and not options.price:
-        parser.error("--factors-like prices kept runs: give --price FOLDER too")
+    if (options.factors_like or options.refit) and not options.price:
+        parser.error("--factors-like and --refit price kept runs: give --price FOLDER too")
     torch.set_num_threads(1)
     console = Console(width=120)
     sweep = None if options.profile or options.price else sweep_for(options.mode, "gloo")
@@ -69,8 +74,9 @@ def main() -> None:
         workload = HF_WORKLOADS[name] if name in HF_WORKLOADS else hf_architecture_workload(name)
         chain, plans = demo_chain_and_plans(2, workload)
         load = os.getloadavg()[0]
+        measurements = None
         if options.price:
-            hardware, measured = kept_run(options.price, name, options.factors_like)
+            hardware, measured = kept_run(options.price, name, options.factors_like, options.refit)
         else:
             measurements, measured = measure_plans(plans, 2, rounds, sweep, workload=workload)
             hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)
@@ -82,6 +88,9 @@ def main() -> None:
                 handle.write(hardware.to_json())
             with open(os.path.join(options.keep, f"{name}.measured.json"), "w") as handle:
                 json.dump(measured, handle)
+            if measurements:
+                with open(os.path.join(options.keep, f"{name}.calibration.json"), "w") as handle:
+                    json.dump(dataclasses.asdict(measurements), handle)
         rows = compare(chain, plans, measured, hardware)
         how = (f"the runs kept in {options.price}" if options.price
                else options.profile or f"{options.mode} calibration in the same rounds")
@@ -100,11 +109,17 @@ def main() -> None:
                   f"step time {min(time):.2f}-{max(time):.2f}; load average {os.getloadavg()[0]:.2f} at the end")
 
 
-def kept_run(folder: str, name: str, factors_like: str | None) -> tuple[HardwareProfile, list[tuple[int, float]]]:
-    """The profile and measurements --keep wrote for `name`; the profile's op time factors only of the
-    ops `factors_like` (a profile) has factors for, when given."""
-    with open(os.path.join(folder, f"{name}.profile.json")) as handle:
-        hardware = HardwareProfile.from_json(handle.read())
+def kept_run(folder: str, name: str, factors_like: str | None,
+             refit: bool = False) -> tuple[HardwareProfile, list[tuple[int, float]]]:
+    """The profile and measurements --keep wrote for `name` (with `refit`, the profile fitted again from its
+    calibration's timings); the profile's op time factors only of the ops `factors_like` (a profile) has
+    factors for, when given."""
+    if refit:
+        with open(os.path.join(folder, f"{name}.calibration.json")) as handle:
+            hardware = fit_profile(Measurements(**json.load(handle)))
+    else:
+        with open(os.path.join(folder, f"{name}.profile.json")) as handle:
+            hardware = HardwareProfile.from_json(handle.read())
     with open(os.path.join(folder, f"{name}.measured.json")) as handle:
         measured = [(peak, seconds) for peak, seconds in json.load(handle)]
     if factors_like:

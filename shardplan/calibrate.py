@@ -428,9 +428,16 @@ def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Pr
 # took 0.3 ms back to back and, after 2 ms of compute, a median of 0.75 ms, with a quarter of the
 # timings at 3-5 ms (a scheduler time slice): a heavy tail no single size's figure reproduces
 # from one calibration to the next. So a few sizes are also timed after _COMPUTE_BEFORE_S of
-# matmuls on every rank, 8 timings a round, and the mean of all of them less the fitted own cost
-# is the link's in_step_wait_s, a latency the cost model adds to each collective (and pipeline
-# send) of a step (whole-step predictions check it: docs/benchmarks.md).
+# matmuls on every rank (the same count of them on each: a rank timing its loop count alone, its first
+# calls slow, picked 1 where the other picked 8, and the other's extra 2 ms read as the wait), 8
+# timings a round, and the mean of all of them less the fitted own cost is the link's in_step_wait_s,
+# a latency the cost model adds to each collective (and pipeline send) of a step (whole-step
+# predictions check it: docs/benchmarks.md).
+# The wait grows with size (on 2 CPU ranks about 0.5 ms each time the size doubles from 0.4 to 6 MB,
+# flat and noisy past it to 24 MB), and compute that streams memory before it (copies of 64 MB) waits
+# about 1 ms longer at every size than the matmuls; priced by size, or after copies, neither moved the
+# five Hugging Face architectures' steps toward their measurements (benchmarks/bench_in_step.py,
+# docs/benchmarks.md, issue 22), so the figure stays one mean after matmuls.
 _COMPUTE_BEFORE_S = 2e-3
 """Compute before each in-step collective timing: about one transformer layer's forward on a CPU rank."""
 
@@ -464,14 +471,18 @@ IN_STEP = "in step"
 """First item of an in-step collective probe's key."""
 
 
-def _compute_lasting(seconds: float, device: torch.device) -> Callable[[], None]:
-    """Matmuls that take about `seconds` on this rank."""
-    matmul = matmul_probe(256, 256, 256, "float32", device).call
-    count = _loop_count(matmul, device, seconds)
+def _compute_lasting(seconds: float, device: torch.device,
+                     work: Callable[[], object] | None = None) -> Callable[[], None]:
+    """Calls of `work` (default: a 256 x 256 matmul) that take about `seconds`, the same count of them on every
+    rank (the largest any rank needs)."""
+    work = work or matmul_probe(256, 256, 256, "float32", device).call
+    count = torch.tensor(_loop_count(work, device, seconds), device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    count = int(count)
 
     def compute() -> None:
         for _ in range(count):
-            matmul()
+            work()
     return compute
 
 

@@ -97,6 +97,38 @@ def test_fit_profile_from_hand_made_measurements():
     assert HardwareProfile.from_json(profile.to_json()) == profile
 
 
+def _in_step_compute_job(device, report):
+    """Rank job: _compute_lasting asked for 1 ms on rank 0 and 16 ms on rank 1; rank 0's compute timed."""
+    import time
+
+    from shardplan.calibrate import _compute_lasting
+
+    compute = _compute_lasting(1e-3 if torch.distributed.get_rank() == 0 else 16e-3, device)
+    start = time.perf_counter()
+    compute()
+    return time.perf_counter() - start
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_the_compute_before_an_in_step_collective_is_the_same_on_every_rank():
+    """A rank that picked fewer matmuls (here asked for less; in a calibration, its first calls slow: 1 where
+    the other picked 8) reaches the collective first and times the other's extra compute as the wait."""
+    from shardplan.runtime.launch import run_world
+
+    assert run_world(_in_step_compute_job, world_size=2, backend="gloo", total_steps=0, progress=False) > 12e-3
+
+
+def test_measurements_kept_as_json_fit_the_same_profile():
+    """bench_hf_memory.py --keep writes a calibration's timings as JSON and --price --refit fits them again."""
+    import dataclasses
+    import json
+
+    measurements = hand_made_measurements()
+    kept = Measurements(**json.loads(json.dumps(dataclasses.asdict(measurements))))
+    assert fit_profile(kept) == fit_profile(measurements)
+
+
 def test_fit_op_factors_by_band_of_roofline_time_over_the_calls_long_enough_to_tell():
     profile = fit_profile(hand_made_measurements())  # 20 GB/s, 1e11 FLOP/s, 5 us per kernel in a step
     bare_s = 2e-6  # what a timed call holds beside its work
