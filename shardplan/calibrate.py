@@ -476,9 +476,9 @@ def _compute_lasting(seconds: float, device: torch.device,
     """Calls of `work` (default: a 256 x 256 matmul) that take about `seconds`, the same count of them on every
     rank (the largest any rank needs)."""
     work = work or matmul_probe(256, 256, 256, "float32", device).call
-    count = torch.tensor(_loop_count(work, device, seconds), device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    count = int(count)
+    counts = torch.tensor(_loop_count(work, device, seconds), device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    count = int(counts)
 
     def compute() -> None:
         for _ in range(count):
