@@ -65,12 +65,19 @@ def main() -> None:
     options = parser.parse_args()
     if (options.factors_like or options.refit) and not options.price:
         parser.error("--factors-like and --refit price kept runs: give --price FOLDER too")
+    names = options.models + list(HF_OTHER_ARCHITECTURES if options.extra else ())
+    untimed = [name for name in names if options.refit
+               and not os.path.isfile(os.path.join(options.price, f"{name}.calibration.json"))]
+    if untimed:
+        parser.error(f"--refit: {options.price} holds no calibration timings of {', '.join(untimed)} (--keep writes "
+                     "<name>.calibration.json only where it calibrates, not with --profile): keep those runs again "
+                     "without --profile, or drop --refit")
     torch.set_num_threads(1)
     console = Console(width=120)
     sweep = None if options.profile or options.price else sweep_for(options.mode, "gloo")
     rounds = options.rounds or (sweep.rounds if sweep else 3)
     spans = []
-    for name in options.models + list(HF_OTHER_ARCHITECTURES if options.extra else ()):
+    for name in names:
         workload = HF_WORKLOADS[name] if name in HF_WORKLOADS else hf_architecture_workload(name)
         chain, plans = demo_chain_and_plans(2, workload)
         load = os.getloadavg()[0]

@@ -24,8 +24,8 @@ from shardplan.calibrate import (_ALL_SIZES_BYTES, _COMPUTE_BEFORE_S, _IN_STEP_S
 from shardplan.hardware import COLLECTIVES, ring_factor
 from shardplan.runtime.launch import run_world
 
-SIZES_BYTES = tuple(size // 8 * 8 for size in _ALL_SIZES_BYTES[6:13])
-"""About 0.4 to 24 MB, every factor of 2, in whole float32 shards of 2 ranks."""
+SIZES_BYTES = _ALL_SIZES_BYTES[6:13]
+"""About 0.4 to 24 MB, every factor of 2 (multiples of 64 bytes: whole float32 shards of 2 ranks)."""
 _STREAMED_BYTES = 64 * _MIB
 
 
@@ -64,7 +64,7 @@ def main() -> None:
                 excess[name].append((kind, nbytes, seconds[name, kind, nbytes] - own_s))
             print(f"{kind:24s} {nbytes / 1e6:6.2f} {own_s * 1e3:6.2f} "
                   + " ".join(f"{excess[name][-1][2] * 1e3:8.2f}" for name in computes))
-    calibrated = {size // 8 * 8 for size in _IN_STEP_SIZES_BYTES}
+    calibrated = set(_IN_STEP_SIZES_BYTES)
     for name, rows in excess.items():
         at_calibrated = statistics.fmean(wait for _, nbytes, wait in rows if nbytes in calibrated)
         slope, intercept = np.polyfit(np.log2([nbytes * ring_factor(kind, 2) for kind, nbytes, _ in rows]),

@@ -1080,9 +1080,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.nanotron_space and not args.picks:
         parser.error("--nanotron-space narrows --picks: give both")
-    if (args.fabric == "job" or args.job_pp_code) and (args.picks or not args.nanotron_csv):
+    if (args.fabric == "job" or args.job_pp_code) and (args.picks or args.breakdown or not args.nanotron_csv):
         parser.error("--fabric job and --job-pp-code read each row's job from --nanotron-csv: give it, and not "
-                     "with --picks")
+                     "with --picks or --breakdown (which price no row's job)")
     hw = get_hardware(args.hardware)
     hw = with_fabric(hw, FABRICS[args.fabric], f"the {args.fabric} fabric") if args.fabric in FABRICS else hw
     if args.picks:

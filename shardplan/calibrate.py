@@ -474,7 +474,7 @@ IN_STEP = "in step"
 def _compute_lasting(seconds: float, device: torch.device,
                      work: Callable[[], object] | None = None) -> Callable[[], None]:
     """Calls of `work` (default: a 256 x 256 matmul) that take about `seconds`, the same count of them on every
-    rank (the largest any rank needs)."""
+    rank (the largest any rank needs: agreed by an all-reduce, so every rank of the world calls this)."""
     work = work or matmul_probe(256, 256, 256, "float32", device).call
     counts = torch.tensor(_loop_count(work, device, seconds), device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)

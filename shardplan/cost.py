@@ -74,9 +74,9 @@ Time, by component (per step):
   compute dtype (mixed precision), the flat gradient's assembly (GRADIENT_ASSEMBLY) and its cast to
   the reduce dtype, the adding into the accumulator (m > 1, all-reducing units), and for
   reduce-scattering units the averaging `div_` (AVERAGING) and the adding of the reduced shard into
-  `.grad` (GRADIENT_ADD); once a step (counted in the optimizer term), the same averaging and adding
-  for all-reducing units, and SHARD_OPTIMIZER's copies around its gather of the stepped parameters
-  (PARAMETERS_SYNC). In Mixtral's 2-rank shard_optimizer step on CPU they took about 4.7 ms, where
+  `.grad` (GRADIENT_ADD, after its cast to the parameters' dtype); once a step (counted in the
+  optimizer term), the same averaging, cast and adding for all-reducing units, and SHARD_OPTIMIZER's
+  copies around its gather of the stepped parameters (PARAMETERS_SYNC). In Mixtral's 2-rank shard_optimizer step on CPU they took about 4.7 ms, where
   the assembly's 1.5 alone was priced before. `.grad` is taken as kept between steps
   (zero_grad(set_to_none=False)), which the runtime adds into.
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
@@ -588,7 +588,7 @@ class RuntimeKernels:
 
 def runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> RuntimeKernels:
     """What the runtime runs around a unit's collectives ([Note: the runtime's kernels]). An offloaded
-    shard's copies to and from the host are offload_s, casts included."""
+    shard's copies to and from the host are offload_s, the casts they make on the way included."""
     traits = decision.traits
 
     def shard(nbytes: int) -> int:
@@ -597,16 +597,17 @@ def runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> R
     def over(kernel: tuple[str, int], nbytes: int) -> tuple[tuple[str, int], ...]:
         return ((kernel[0], kernel[1] * nbytes),)
 
-    def cast(source: int, target: int) -> tuple[tuple[str, int], ...]:
-        return (("_to_copy", source + target),) if source != target and not decision.offload else ()
+    def cast(source: int, target: int, *, with_host_copy: bool = False) -> tuple[tuple[str, int], ...]:
+        return (("_to_copy", source + target),) if source != target and not (with_host_copy and decision.offload) \
+            else ()
 
-    gather_cast = (cast(shard(sizes.storage_bytes), shard(sizes.param_bytes)) if traits.shards_params
-                   else cast(sizes.storage_bytes, sizes.param_bytes))
+    gather_cast = (cast(shard(sizes.storage_bytes), shard(sizes.param_bytes), with_host_copy=True)
+                   if traits.shards_params else cast(sizes.storage_bytes, sizes.param_bytes))
     # the reduced gradient, cast back to the parameters' dtype and added into `.grad`: the rank's shard
     # of it where the optimizer steps a shard
     grad, stored = ((shard(sizes.grad_bytes), shard(sizes.storage_bytes)) if traits.shards_optimizer
                     else (sizes.grad_bytes, sizes.storage_bytes))
-    into_grad = cast(grad, stored) + over(GRADIENT_ADD, stored)
+    into_grad = cast(grad, stored, with_host_copy=True) + over(GRADIENT_ADD, stored)
     backward = ((gather_cast if traits.reshard_after_forward else ()) + over(GRADIENT_ASSEMBLY, sizes.param_bytes)
                 + cast(sizes.param_bytes, sizes.grad_bytes)
                 + (over(GRADIENT_ADD, sizes.grad_bytes) if accumulates_grads(decision, ctx) else ()))

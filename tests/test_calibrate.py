@@ -1,5 +1,6 @@
 """Calibration: the fits on hand-made timings, and one quick calibration of this machine at world 2."""
 import math
+import os
 
 import pytest
 import torch
@@ -127,6 +128,19 @@ def test_measurements_kept_as_json_fit_the_same_profile():
     measurements = hand_made_measurements()
     kept = Measurements(**json.loads(json.dumps(dataclasses.asdict(measurements))))
     assert fit_profile(kept) == fit_profile(measurements)
+
+
+def test_refitting_kept_runs_without_their_calibration_timings_says_so_in_one_line(tmp_path):
+    """A folder --keep wrote with --profile (or before it wrote timings) has no <name>.calibration.json to refit."""
+    import subprocess
+    import sys
+
+    (tmp_path / "hf-llama.profile.json").write_text("{}")
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_hf_memory.py")
+    done = subprocess.run([sys.executable, script, "--models", "hf-llama", "--price", str(tmp_path), "--refit"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"--refit: {tmp_path} holds no calibration timings of hf-llama" in done.stderr.splitlines()[-1]
 
 
 def test_fit_op_factors_by_band_of_roofline_time_over_the_calls_long_enough_to_tell():

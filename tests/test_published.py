@@ -410,6 +410,19 @@ def test_a_row_on_its_jobs_fabric_is_priced_at_the_bandwidth_that_job_measured(b
     assert bench.job_fabric(plain, dataclasses.replace(row, tokens_per_s_per_gpu=7000.0), jobs) is plain
 
 
+@pytest.mark.parametrize("flags", [["--fabric", "job", "--breakdown"], ["--job-pp-code", "--picks"]])
+def test_the_options_pricing_each_rows_job_refuse_the_modes_that_price_no_row(tmp_path, flags):
+    """--picks and --breakdown read no row's job: given with --fabric job or --job-pp-code they say so, in one line,
+    rather than print what the flag would not have changed."""
+    import subprocess
+    import sys
+
+    (tmp_path / "bench.csv").write_text("job_id,hidden_size,dp,tp,pp,mbs,batch_accum,zero_stage,status\n")
+    done = subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", "bench_published.py"), *flags,
+                           "--nanotron-csv", str(tmp_path / "bench.csv")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "not with --picks or --breakdown" in done.stderr.splitlines()[-1], done.stderr
+
+
 def test_nanotrons_pre_fix_pipeline_polls_twice_a_tensor_each_way_on_each_side_of_a_boundary(bench):
     """NanotronCode.polls_p2p (nanotron 67c5ebb6, p2p.py): every metadata message is polled with a 0.1 s sleep, two
     a tensor, on the sender and on the receiver. Between decoder layers the hidden states and the mask cross

@@ -45,6 +45,17 @@ def test_mixed_precision_casts_the_gathered_shard_and_the_gradient_each_way():
                               ("div_", 8 * 10**6), ("add_", 3 * 10**6))
 
 
+def test_an_offloaded_shard_casts_on_its_way_to_and_from_the_host_but_its_gradient_on_the_device():
+    """The gathered shard's cast and the reduced shard's cast back ride the host copies (offload_s); the full
+    gradient's cast to the reduce dtype before its reduce-scatter runs on the device all the same."""
+    context = ctx(dp=4, param_dtype="bfloat16")
+    found = runtime_kernels(UnitSizes.of((block(numel=NUMEL),), context),
+                            Decision(strategy=ShardStrategy.FULL_SHARD, offload=True), context)
+    assert found.forward == ()
+    assert found.backward == (("", 4 * 10**6), ("_to_copy", 2 * 10**6 + 4 * 10**6), ("div_", 8 * 10**6),
+                              ("add_", 3 * 10**6))
+
+
 def test_a_replicated_units_step_pays_the_averaging_at_div_s_factor():
     class SlowDivision(LinearHardware):
         op_time_factors = {"div_": 3.0}
