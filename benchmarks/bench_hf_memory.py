@@ -90,14 +90,7 @@ def main() -> None:
         if sweep:
             console.print(summary(hardware))
         if options.keep:
-            os.makedirs(options.keep, exist_ok=True)
-            with open(os.path.join(options.keep, f"{name}.profile.json"), "w") as handle:
-                handle.write(hardware.to_json())
-            with open(os.path.join(options.keep, f"{name}.measured.json"), "w") as handle:
-                json.dump(measured, handle)
-            if measurements:
-                with open(os.path.join(options.keep, f"{name}.calibration.json"), "w") as handle:
-                    json.dump(dataclasses.asdict(measurements), handle)
+            keep_run(options.keep, name, hardware, measured, measurements)
         rows = compare(chain, plans, measured, hardware)
         how = (f"the runs kept in {options.price}" if options.price
                else options.profile or f"{options.mode} calibration in the same rounds")
@@ -114,6 +107,20 @@ def main() -> None:
     memory, time = zip(*((row.memory_ratio, row.time_ratio) for _, rows in spans for row in rows))
     console.print(f"memory predicted/measured {min(memory):.2f}-{max(memory):.2f}, "
                   f"step time {min(time):.2f}-{max(time):.2f}; load average {os.getloadavg()[0]:.2f} at the end")
+
+
+def keep_run(folder: str, name: str, hardware: HardwareProfile, measured: list[tuple[int, float]],
+             measurements: Measurements | None) -> None:
+    """Write `name`'s profile, measured peaks and step times, and (where it calibrated) the calibration's timings
+    into `folder`, for kept_run to price again."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{name}.profile.json"), "w") as handle:
+        handle.write(hardware.to_json())
+    with open(os.path.join(folder, f"{name}.measured.json"), "w") as handle:
+        json.dump(measured, handle)
+    if measurements:
+        with open(os.path.join(folder, f"{name}.calibration.json"), "w") as handle:
+            json.dump(dataclasses.asdict(measurements), handle)
 
 
 def kept_run(folder: str, name: str, factors_like: str | None,

@@ -76,8 +76,8 @@ Time, by component (per step):
   reduce-scattering units the averaging `div_` (AVERAGING) and the adding of the reduced shard into
   `.grad` (GRADIENT_ADD, after its cast to the parameters' dtype); once a step (counted in the
   optimizer term), the same averaging, cast and adding for all-reducing units, and SHARD_OPTIMIZER's
-  copies around its gather of the stepped parameters (PARAMETERS_SYNC). In Mixtral's 2-rank shard_optimizer step on CPU they took about 4.7 ms, where
-  the assembly's 1.5 alone was priced before. `.grad` is taken as kept between steps
+  copies around its gather of the stepped parameters (PARAMETERS_SYNC). In Mixtral's 2-rank
+  shard_optimizer step on CPU they took about 4.7 ms, where the assembly's 1.5 alone was priced before. `.grad` is taken as kept between steps
   (zero_grad(set_to_none=False)), which the runtime adds into.
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
   every forward op but the matmul-like ones whose outputs it kept
@@ -598,8 +598,9 @@ def runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> R
         return ((kernel[0], kernel[1] * nbytes),)
 
     def cast(source: int, target: int, *, with_host_copy: bool = False) -> tuple[tuple[str, int], ...]:
-        return (("_to_copy", source + target),) if source != target and not (with_host_copy and decision.offload) \
-            else ()
+        if source == target or (with_host_copy and decision.offload):
+            return ()
+        return (("_to_copy", source + target),)
 
     gather_cast = (cast(shard(sizes.storage_bytes), shard(sizes.param_bytes), with_host_copy=True)
                    if traits.shards_params else cast(sizes.storage_bytes, sizes.param_bytes))
