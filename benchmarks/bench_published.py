@@ -166,6 +166,12 @@ class NanotronCode:
     a stage's."""
 
 
+KEEPS_GATHERED_INPUT = NanotronCode(saves_gathered_input=True)
+"""What shardplan's runtime does under sequence parallelism: a column-parallel linear keeps its gathered input for
+backward (chain.TensorParallelFacts) rather than gathering it again. The chain compile's own plans run on
+(print_tensor_parallel_picks); nanotron's plans keep only the shard."""
+
+
 def nanotron_code(row: "Row", job: dict[str, str] | None = None) -> NanotronCode:
     """The code of `row`'s campaign; with `job` (row_job), the pipeline code that job ran: nanotron's CSV says
     after_pp_fix False for every job id below 14097150, the threshold below which its benchmark script re-runs a
@@ -243,34 +249,33 @@ def _matmul(tokens: int, fan_in: int, fan_out: int, calls: int = 1) -> OpKind:
                   bytes=weights + calls * tokens * (fan_in + fan_out) * BF16_BYTES, weight_bytes=weights)
 
 
-def _backward(kinds: tuple[OpKind, ...]) -> tuple[OpKind, ...]:
+def _backward(products: tuple[OpKind, ...]) -> tuple[OpKind, ...]:
     """A matmul's backward computes two products (input and weight gradient) of its forward's size and
     moves about twice its bytes; flash attention's backward runs 5 of the forward's 2 products (Dao
-    2023, FlashAttention-2, sec. 3.1); an elementwise op's backward streams about twice its bytes."""
+    2023, FlashAttention-2, sec. 3.1)."""
     factor = {"mm": 2, "_scaled_dot_product_flash_attention": 2.5}
     return tuple(OpKind(name="mm" if kind.name == "mm" else f"{kind.name}_backward",
-                        calls=kind.calls * (2 if kind.name == "mm" else 1),
-                        flops=int(kind.flops * factor.get(kind.name, 0)), bytes=2 * kind.bytes,
-                        weight_bytes=2 * kind.weight_bytes) for kind in kinds)
+                        calls=kind.calls * (2 if kind.name == "mm" else 1), flops=int(kind.flops * factor[kind.name]),
+                        bytes=2 * kind.bytes, weight_bytes=2 * kind.weight_bytes) for kind in products)
 
 
-def _elementwise(name: str, calls: int, nbytes: int) -> OpKind:
-    return OpKind(name=name, calls=calls, flops=0, bytes=nbytes)
+def _elementwise(name: str, calls: int, nbytes: int, weight_bytes: int = 0) -> OpKind:
+    return OpKind(name=name, calls=calls, flops=0, bytes=nbytes + weight_bytes, weight_bytes=weight_bytes)
 
 
-def _sliced(fwd_kinds: tuple[OpKind, ...], names: tuple[str, ...], **facts) -> TensorParallelFacts:
-    """The block's ops called `names` slice whole over the tp ranks (nanotron's column- and row-parallel
-    linears, the attention over a rank's heads, the vocab-parallel cross entropy)."""
+def _sliced(fwd_kinds: tuple[OpKind, ...], bwd_kinds: tuple[OpKind, ...], names: tuple[str, ...],
+            **facts) -> TensorParallelFacts:
+    """The block's ops called `names` (forward, and their backward) slice whole over the tp ranks (nanotron's
+    column- and row-parallel linears, the attention over a rank's heads, the vocab-parallel cross entropy)."""
     fwd = tuple(kind for kind in fwd_kinds if kind.name in names)
-    bwd = tuple(kind for kind in _backward(fwd_kinds) if kind.name in names or kind.name.removesuffix("_backward")
-                in names)
+    bwd = tuple(kind for kind in bwd_kinds if kind.name.removesuffix("_backward") in names)
     return TensorParallelFacts(fwd_kinds=fwd, bwd_kinds=bwd, sliced_fwd_flops=sum(k.flops for k in fwd),
                                sliced_bwd_flops=sum(k.flops for k in bwd), **facts)
 
 
-def _block(index: int, name: str, numel: int, fwd_kinds: tuple[OpKind, ...], *, saved: int, inp: int, out: int,
-           fwd_transient: int, bwd_transient: int, tensor_parallel: TensorParallelFacts) -> Block:
-    bwd_kinds = _backward(fwd_kinds)
+def _block(index: int, name: str, numel: int, fwd_kinds: tuple[OpKind, ...], bwd_kinds: tuple[OpKind, ...], *,
+           saved: int, inp: int, out: int, fwd_transient: int, bwd_transient: int,
+           tensor_parallel: TensorParallelFacts) -> Block:
     return Block(tensor_parallel=tensor_parallel, index=index, name=name, modules=(name,), param_names=(f"{name}.weight",), param_numel=numel,
                  param_bytes=FP32_BYTES * numel, buffer_bytes=0,
                  fwd_flops=sum(k.flops for k in fwd_kinds), bwd_flops=sum(k.flops for k in bwd_kinds),
@@ -326,42 +331,63 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     attention = OpKind(name="_scaled_dot_product_flash_attention", calls=1,
                        flops=2 * samples * seq_len * seq_len * h,  # QK^T and PV, 2 s^2 h each, causal: half
                        bytes=(2 * h + 2 * kv) * tokens * BF16_BYTES)
-    layer_kinds = (_matmul(tokens, h, h + 2 * kv), attention, _matmul(tokens, h, h), _matmul(tokens, h, i, calls=2),
-                   _matmul(tokens, i, h),
-                   _elementwise("rms_norm", 2, 4 * stream), _elementwise("rotary", 2, 2 * stream + 2 * tokens * kv * 2),
-                   _elementwise("add", 2, 6 * stream), _elementwise("silu_mul", 2, 5 * tokens * i * BF16_BYTES))
+    layer_products = (_matmul(tokens, h, h + 2 * kv), attention, _matmul(tokens, h, h),
+                      _matmul(tokens, h, i, calls=2), _matmul(tokens, i, h))
+    qkv_bytes = tokens * (h + 2 * kv) * BF16_BYTES
+    kv_bytes = 2 * tokens * kv * BF16_BYTES
+    ffn = tokens * i * BF16_BYTES
+    layer_kinds = layer_products + (
+        _elementwise("rms_norm", 2, 4 * stream), _elementwise("rotary", 2, 2 * stream + kv_bytes),
+        _elementwise("add", 2, 6 * stream), _elementwise("silu_mul", 2, 5 * ffn),
+        _elementwise("layout_copy", 3, 2 * qkv_bytes + 4 * kv_bytes))
+    layer_bwd_kinds = _backward(layer_products) + (
+        _elementwise("rms_norm_backward", 2, 6 * stream), _elementwise("rotary_backward", 2, 2 * stream + kv_bytes),
+        _elementwise("add_backward", 2, 6 * stream), _elementwise("silu_mul_backward", 3, 9 * ffn),
+        _elementwise("layout_copy_backward", 4, 4 * qkv_bytes + 2 * kv_bytes + 4 * ffn))
     attention_saved = 2 * h + (4 if dims.kv_heads == dims.heads else 2) * kv + (h if code.o_proj_input_copy else 0)
     layer_saved = (4 * h + attention_saved + 4 * i) * tokens * BF16_BYTES
     logits = tokens * v
     divides = math.gcd(dims.heads, dims.kv_heads, i)
-    blocks = [_block(0, "model.embed_tokens", v * h, (_elementwise("embedding", 1, 2 * stream),),
+    # the embedding's backward writes a whole zeroed gradient table a micro-batch, and autograd sums the LM head's
+    # gradient into it where both are one parameter
+    table_writes = v * h * BF16_BYTES * (1 + (3 if dims.tied and not pipelined else 0))
+    embedding_bwd = _elementwise("embedding_dense_backward", 2, 5 * stream, weight_bytes=table_writes)
+    blocks = [_block(0, "model.embed_tokens", v * h, (_elementwise("embedding", 1, 2 * stream),), (embedding_bwd,),
                      saved=tokens * 8, inp=tokens * 8, out=stream, fwd_transient=stream, bwd_transient=stream,
-                     tensor_parallel=TensorParallelFacts(divides=v, sliced_numel=v * h, all_reduces=1,
-                                                         exchange_bytes=stream,
-                                                         sharded=(("model.embed_tokens", "vocab_embedding"),)))]
-    layer_facts = [_sliced(layer_kinds, ("mm", "_scaled_dot_product_flash_attention"), divides=divides,
-                           sliced_numel=layer_numel - 2 * h, sliced_saved_bytes=(attention_saved + 4 * i) * tokens * BF16_BYTES,
-                           sequence_layer=True, all_reduces=4, exchange_bytes=stream,
+                     tensor_parallel=TensorParallelFacts(
+                         divides=v, sliced_numel=v * h, all_reduces=1, exchange_bytes=stream,
+                         bwd_kinds=(_elementwise(embedding_bwd.name, 0, 0, weight_bytes=table_writes),),
+                         sharded=(("model.embed_tokens", "vocab_embedding"),)))]
+    regathers = 0 if code.saves_gathered_input else 1  # a column-parallel linear's, in backward
+    layer_facts = [_sliced(layer_kinds, layer_bwd_kinds, ("mm", "_scaled_dot_product_flash_attention"),
+                           divides=divides, sliced_numel=layer_numel - 2 * h,
+                           sliced_saved_bytes=(attention_saved + 4 * i) * tokens * BF16_BYTES,
+                           sequence_layer=True, all_reduces=4, regathers=2 * regathers, exchange_bytes=stream,
                            gathered_saved_bytes=2 * stream if code.saves_gathered_input else 0,
                            sharded=tuple((f"model.layers.{n}.{module}", style) for module, style in LAYER_STYLES))
                    for n in range(dims.layers)]
-    blocks += [_block(1 + n, f"model.layers.{n}", layer_numel, layer_kinds, saved=layer_saved, inp=stream,
-                      out=stream, fwd_transient=2 * tokens * i * BF16_BYTES, bwd_transient=4 * tokens * i * BF16_BYTES,
+    blocks += [_block(1 + n, f"model.layers.{n}", layer_numel, layer_kinds, layer_bwd_kinds, saved=layer_saved,
+                      inp=stream, out=stream, fwd_transient=2 * ffn, bwd_transient=4 * ffn,
                       tensor_parallel=layer_facts[n])
                for n in range(dims.layers)]
-    head_kinds = (_elementwise("rms_norm", 1, 4 * stream), _matmul(tokens, h, v),
-                  _elementwise("cross_entropy", 3, logits * (BF16_BYTES + 3 * FP32_BYTES)))
+    head_products = (_matmul(tokens, h, v),)
+    head_kinds = head_products + (_elementwise("rms_norm", 1, 2 * stream),
+                                  _elementwise("cross_entropy", 6, 38 * logits))
+    head_bwd_kinds = _backward(head_products) + (_elementwise("rms_norm_backward", 1, 3 * stream),
+                                                 _elementwise("cross_entropy_backward", 2, 14 * logits))
     head_numel = h if dims.tied and not pipelined else v * h + h
     norm = 2 * stream  # the final norm's input and output
     # of the norm, what a rank keeps of a 1/tp slice of the sequence: its input, and its output unless the LM
     # head keeps that output gathered
     sliced_norm = (stream if code.saves_gathered_input else norm) if sequence_sharded_norm else 0
-    head_facts = _sliced(head_kinds, ("mm", "cross_entropy") + (("rms_norm",) if sequence_sharded_norm else ()),
+    head_facts = _sliced(head_kinds, head_bwd_kinds,
+                         ("mm", "cross_entropy") + (("rms_norm",) if sequence_sharded_norm else ()),
                          divides=v, sliced_numel=head_numel - h, sliced_saved_bytes=logits * FP32_BYTES + sliced_norm,
-                         all_reduces=1, exchange_bytes=stream, sharded=(("lm_head", "vocab_head"),))
-    blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, saved=norm + logits * FP32_BYTES,
-                         inp=stream, out=0, fwd_transient=norm + 2 * logits * FP32_BYTES,
-                         bwd_transient=logits * BF16_BYTES + stream, tensor_parallel=head_facts))
+                         all_reduces=1, regathers=regathers, exchange_bytes=stream, sharded=(("lm_head", "vocab_head"),))
+    blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, head_bwd_kinds,
+                         saved=norm + logits * FP32_BYTES, inp=stream, out=0,
+                         fwd_transient=norm + 2 * logits * FP32_BYTES, bwd_transient=logits * BF16_BYTES + stream,
+                         tensor_parallel=head_facts))
     return BlockChain(blocks=tuple(blocks), fingerprint=f"llama-{dims.layers}x{h}", param_dtype="torch.float32",
                       inputs=(InputSpec(name="0", shape=(samples, seq_len), dtype="int64"),), input_bytes=tokens * 8,
                       extra={"model": "LlamaForCausalLM"})
@@ -518,7 +544,9 @@ def nanotron_runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostCont
     adds every bf16 gradient into its fp32 accumulator (optim/gradient_accumulator.py `_accumulate_grad`, or
     `fp32_accum_hook` on DDP's syncing micro-batch); once a step, at ZeRO-0 over dp > 1, DDP copies that
     micro-batch's bf16 gradients into its buckets (not views of them: trainer.py line 847), and the stepped
-    fp32 parameters are copied into the bf16 model (the accumulator's `step`: the rank's slice at ZeRO-1).
+    fp32 parameters are copied into the bf16 model (the accumulator's `step`: the rank's slice at ZeRO-1), and
+    before that clip_grad_norm (the config's clip_grad 1.0; optim/clip_grads.py lines 13-96) reads every fp32
+    gradient for its norm and scales it in place.
     The accumulator's `zero_` is the optimizer term's over the gradient the rank steps; at ZeRO-1 it zeroes
     the rest too (optimizers' own zero_grad sets None). Its all-reduces average in NCCL (ReduceOp.AVG), no
     `div_`; ZeRO-1's copies around its gather are zero1_runtime_s (--nanotron-zero1)."""
@@ -530,7 +558,8 @@ def nanotron_runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostCont
     ddp_copy = (("copy_", 3 * sizes.param_bytes),) if not zero1 and ctx.dp * ctx.dp_replicate > 1 else ()
     rest_zeroed = (("zero_", 2 * (sizes.grad_bytes - stepped(sizes.grad_bytes))),) if zero1 and ctx.dp > 1 else ()
     return RuntimeKernels(forward=(), backward=(("add_", sizes.param_bytes + 2 * sizes.grad_bytes),),
-                          step=ddp_copy + (("copy_", stepped(sizes.storage_bytes + 2 * sizes.param_bytes)),)
+                          step=ddp_copy + (("clip_grad_norm", 3 * sizes.grad_bytes),
+                                           ("copy_", stepped(sizes.storage_bytes + 2 * sizes.param_bytes)))
                           + rest_zeroed)
 
 
@@ -1126,14 +1155,16 @@ def nanotron_options(chain: BlockChain) -> dict[str, Any]:
 def print_tensor_parallel_picks(hardware: HardwareProfile, nanotron_space: bool = False) -> None:
     """What compile picks for one sequence of 4096 a rank and 256 sequences a step (tests/test_published.py pins
     the picks), with the step time of the best plan of each tp degree (the pick's own, or its reasoning's; "-"
-    where none fits); with `nanotron_space`, each shape's pick among nanotron's plans too."""
+    where none fits), each plan as shardplan's runtime runs it (KEEPS_GATHERED_INPUT); with `nanotron_space`, each
+    shape's pick among nanotron's plans too, as nanotron runs them."""
     print(f"compile on {hardware.name}, 256 sequences of 4096 a step, no pipelines: step s of its pick; of the best plan "
           "at tp 1 / 2 / 4 / 8")
     for model, gpus in PICK_SHAPES:
-        chain = llama_chain(MODELS[model], 1, 4096, pipelined=False)
-        spaces: list[tuple[str, dict[str, Any]]] = [("", {})]
-        spaces += [("  nanotron's plans:", nanotron_options(chain))] if nanotron_space else []
-        for label, options in spaces:
+        own = llama_chain(MODELS[model], 1, 4096, pipelined=False, code=KEEPS_GATHERED_INPUT)
+        nanotrons = llama_chain(MODELS[model], 1, 4096, pipelined=False)
+        spaces: list[tuple[str, BlockChain, dict[str, Any]]] = [("", own, {})]
+        spaces += [("  nanotron's plans:", nanotrons, nanotron_options(nanotrons))] if nanotron_space else []
+        for label, chain, options in spaces:
             plan = solve(chain, gpus, hardware=hardware, mixed_precision=BF16, global_batch_size=256,
                          allow_pipeline=False, **options)
             by_tp = {alt.description: alt.step_time_s for alt in plan.reasoning.runner_ups

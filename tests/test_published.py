@@ -153,24 +153,26 @@ def test_a_matmul_runs_at_the_rate_cublas_measured_at_its_size(b, m, n, k, measu
     ("playbook-1B", 128, 2, 22794.0), ("playbook-1B", 256, 1, 11327.0),
     ("playbook-3B", 128, 2, 10116.0), ("playbook-3B", 256, 1, 5518.0)])
 def test_nanotron_zero1_step_explains_data_parallelism_across_nodes(bench, model, gpus, micro_batch_size, measured):
-    """ZeRO-1 at tp = pp = 1 (runs.csv, tokens/s/GPU): the plan alone reads 1.8-2.9x the measured
+    """ZeRO-1 at tp = pp = 1 (runs.csv, tokens/s/GPU): the plan alone reads 1.4-1.9x the measured
     throughput at 128-256 GPUs; with nanotron's blocking fp32 all-reduce and its gather's copy per rank
-    and tensor (dp x tensors kernels at the profile's fixed cost per op) it reads 0.8-1.15x."""
+    and tensor (dp x tensors kernels at the profile's fixed cost per op) it reads 0.77-0.93x."""
     row = bench.Row(model=model, n_gpus=gpus, dp=gpus, tp=1, pp=1, micro_batch_size=micro_batch_size,
                     grad_accum=256 // gpus // micro_batch_size, seq_len=4096, zero_stage="1", status="ok",
                     tokens_per_s_per_gpu=measured, line=0)
     (plan_only,) = bench.predict([row], "h100-80g")
     (nanotron,) = bench.predict([row], "h100-80g", nanotron_zero1=True)
-    assert plan_only.tokens_per_s_per_gpu / measured > 1.7
-    assert 0.8 < nanotron.tokens_per_s_per_gpu / measured < 1.15
+    assert plan_only.tokens_per_s_per_gpu / measured > 1.4
+    assert 0.75 < nanotron.tokens_per_s_per_gpu / measured < 1.15
 
 
 @pytest.mark.parametrize("strategy, step", [
-    # DDP's copy of the syncing micro-batch's bf16 gradients into its buckets, the stepped fp32 parameters copied
-    # into the bf16 model (the accumulator's zero_ is the optimizer term's)
-    (ShardStrategy.REPLICATE, (("copy_", 6 * 10**6), ("copy_", 8 * 10**6))),
-    # no DDP; the rank's stepped slice copied into the bf16 model, the accumulator zeroed beyond that slice
-    (ShardStrategy.SHARD_OPTIMIZER, (("copy_", 2 * 10**6), ("zero_", 6 * 10**6))),
+    # DDP's copy of the syncing micro-batch's bf16 gradients into its buckets, the clipping's norm and scaling of
+    # every fp32 gradient, the stepped fp32 parameters copied into the bf16 model (the accumulator's zero_ is the
+    # optimizer term's)
+    (ShardStrategy.REPLICATE, (("copy_", 6 * 10**6), ("clip_grad_norm", 12 * 10**6), ("copy_", 8 * 10**6))),
+    # no DDP; every fp32 gradient clipped, the rank's stepped slice copied into the bf16 model, the accumulator
+    # zeroed beyond that slice
+    (ShardStrategy.SHARD_OPTIMIZER, (("clip_grad_norm", 12 * 10**6), ("copy_", 2 * 10**6), ("zero_", 6 * 10**6))),
 ])
 def test_nanotron_rows_price_nanotrons_kernels_around_its_collectives_not_shardplans(bench, strategy, step):
     """A unit of 10^6 parameters under nanotron over 4 ranks, one micro-batch: its bf16 gradient is added into
@@ -216,12 +218,13 @@ def test_tensor_parallel_rows_are_plans_with_sequence_parallelism(bench):
 @pytest.mark.parametrize("model, gpus, tensor_parallel", [
     ("playbook-1B", 8, False), ("playbook-8B", 32, False),  # published: the fastest runs use tp = 1
     ("playbook-3B", 256, True),  # published: tp 4 10.3k tokens/s/GPU against 5.5k without
-    # tp 2 0.480 s against tp = 1 0.484: the runtime's kernels around its collectives run over 1/tp of the weights
+    # tp 2 0.552 s against tp = 1 0.559: the runtime's kernels around its collectives run over 1/tp of the weights
     ("playbook-8B", 256, True),
     ("playbook-3B", 512, True), ("playbook-8B", 512, True),  # published: tp wins (256 sequences do not fill 512)
 ])
 def test_compile_picks_tensor_parallelism_where_the_published_runs_do(bench, model, gpus, tensor_parallel):
-    chain = bench.llama_chain(bench.MODELS[model], 1, 4096, pipelined=False)
+    """compile's plans as shardplan's runtime runs them: a column-parallel linear keeps its gathered input."""
+    chain = bench.llama_chain(bench.MODELS[model], 1, 4096, pipelined=False, code=bench.KEEPS_GATHERED_INPUT)
     plan = solve(chain, gpus, hardware="h100-80g", mixed_precision=bench.BF16, global_batch_size=256,
                  allow_pipeline=False)
     assert (plan.mesh.tp > 1) == tensor_parallel, plan.mesh.describe()
@@ -231,14 +234,14 @@ def test_compile_picks_tensor_parallelism_where_the_published_runs_do(bench, mod
 
 
 @pytest.mark.xfail(strict=True, reason="with units nanotron cannot run (ZeRO-2/3 over all ranks) tp = 1 stays "
-                   "ahead by 3-6% (0.402 s against 0.428 for 3B, 0.815 against 0.844 for 8B): tp inside a node "
+                   "ahead by 3-5% (0.483 s against 0.506 for 3B, 0.961 against 0.987 for 8B): tp inside a node "
                    "leaves each node's data-parallel traffic as it is; among nanotron's plans (ZeRO-0/1, no "
-                   "recomputation) both take tp 2 (test_among_the_plans_nanotron_runs_...). torchtitan measured "
+                   "recomputation) on the fabric the runs had both take tp > 1 (test_among_the_plans_nanotron_runs_...). torchtitan measured "
                    "FSDP alone on Llama 3.1 8B at 128 H100s at 97% of 8 GPUs' tokens/s/GPU; no public FSDP run "
-                   "with tp > 1 at 128 GPUs was found. Step times: bench_published.py --picks --nanotron-space")
+                   "with tp > 1 at 128 GPUs was found. Step times: bench_published.py --picks")
 @pytest.mark.parametrize("model, gpus", [("playbook-3B", 128), ("playbook-8B", 128)])
 def test_compile_picks_tensor_parallelism_at_128_gpus(bench, model, gpus):
-    chain = bench.llama_chain(bench.MODELS[model], 1, 4096, pipelined=False)
+    chain = bench.llama_chain(bench.MODELS[model], 1, 4096, pipelined=False, code=bench.KEEPS_GATHERED_INPUT)
     plan = solve(chain, gpus, hardware="h100-80g", mixed_precision=bench.BF16, global_batch_size=256,
                  allow_pipeline=False)
     assert plan.mesh.tp > 1
@@ -278,14 +281,14 @@ def test_crashed_rows_within_the_device_are_told_apart_by_what_their_configurati
 def test_a_step_of_small_tensor_parallel_micro_batches_is_bound_by_nanotrons_host(bench, model, measured):
     """One node, dp 1 x tp 8, 256 micro-batches of one sequence (runs.csv): the GPU's share of a micro-batch
     is a few ms, nanotron's host dispatches 220 ATen calls and 8 Triton launches a layer (counted by running its
-    code: benchmarks/count_nanotron_calls.py). Priced by the GPU alone the row reads 2.2-2.9x its measured
-    throughput; with the host's floor 1.67-1.73x, pinned on both sides: the counted floor is 2.6 ms a layer where
+    code: benchmarks/count_nanotron_calls.py). Priced by the GPU alone the row reads 1.85-2.4x its measured
+    throughput; with the host's floor 1.66-1.72x, pinned on both sides: the counted floor is 2.6 ms a layer where
     the rows took 3.8-4.1, a gap no call count explains (docs/benchmarks.md)."""
     row = bench.Row(model=model, n_gpus=8, dp=1, tp=8, pp=1, micro_batch_size=1, grad_accum=256, seq_len=4096,
                     zero_stage="0", status="ok", tokens_per_s_per_gpu=measured, line=0)
     (outcome,) = bench.predict([row], get_hardware("h100-80g"))
     device_only = 256 * 4096 / outcome.predicted.step_time_s / 8
-    assert device_only / measured > 2
+    assert device_only / measured > 1.8
     assert 1.6 < outcome.tokens_per_s_per_gpu / measured < 1.8
 
 
@@ -357,15 +360,19 @@ def test_reservation_is_split_by_how_fast_each_row_ran_against_its_group(bench):
 
 @pytest.mark.parametrize("model, gpus, tensor_parallel", [
     ("playbook-1B", 8, False), ("playbook-3B", 32, False),  # published: tp = 1 fastest
-    ("playbook-3B", 128, True),  # tp 2 0.489 s against tp = 1 0.494
+    ("playbook-3B", 128, True),  # tp 2 0.654 s against tp = 1 0.740 (on the default fabric 0.584 against 0.576)
     ("playbook-8B", 128, True),  # no tp = 1 plan fits: ZeRO-1 without recomputation needs 89.9 GiB a rank
-    ("playbook-3B", 256, True), ("playbook-8B", 256, True),  # tp ahead by 9% and 7%
+    ("playbook-3B", 256, True), ("playbook-8B", 256, True),  # tp ahead by 7% and 25%
     ("playbook-3B", 512, True),
 ])
 def test_among_the_plans_nanotron_runs_compile_picks_tensor_parallelism_where_its_runs_did(bench, model, gpus,
                                                                                            tensor_parallel):
+    """On the fabric the runs' cluster measured by node count (PLAYBOOK_FABRIC_GBPS: its all-reduce across 16
+    nodes at a quarter of a tuned p5's), with the kernels nanotron runs (its column-parallel linears gather
+    their input again in backward). Step times: bench_published.py --picks --nanotron-space --fabric playbook"""
     chain = bench.llama_chain(bench.MODELS[model], 1, 4096, pipelined=False)
-    plan = solve(chain, gpus, hardware="h100-80g", mixed_precision=bench.BF16, global_batch_size=256,
+    cluster = bench.with_fabric(get_hardware("h100-80g"), bench.FABRICS["playbook"], "the playbook fabric")
+    plan = solve(chain, gpus, hardware=cluster, mixed_precision=bench.BF16, global_batch_size=256,
                  allow_pipeline=False, **bench.nanotron_options(chain))
     assert (plan.mesh.tp > 1) == tensor_parallel, plan.mesh.describe()
     assert {u.strategy for u in plan.units} <= set(bench.ZERO_STAGES.values()) and plan.mesh.dp_replicate == 1

@@ -19,7 +19,7 @@ def test_a_layers_op_kinds_add_up_to_what_the_cost_model_prices_it(bench, model)
         fwd_s, bwd_s, _ = _block_times_s(block, ctx)
         assert sum(seconds for _, seconds, _, _ in breakdown[part]) == pytest.approx(fwd_s + bwd_s, rel=1e-9)
     assert {name for name, *_ in breakdown["layer"]} == {"mm", "_scaled_dot_product_flash_attention", "rms_norm",
-                                                         "rotary", "add", "silu_mul"}
+                                                         "rotary", "add", "silu_mul", "layout_copy"}
 
 
 def test_a_sequence_measured_and_predicted_comes_from_the_one_node_rows(bench):
