@@ -322,6 +322,18 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     runs it on the last layer's reduce-scattered output, a 1/tp slice of the sequence (line 905), and
     its LM head saves that slice, not the gathered input (tp_recompute_allgather, true by default).
 
+    Time: the kernels nanotron's code launches (models/llama.py and tensor_parallel/functional.py, the same at
+    67c5ebb6 and e24d2483; flash-attn v2.5.8), each priced by its bytes. A layer's attention moves q, k, v through
+    three layout copies (the fused qkv output permuted contiguous, lines 470-473; k and v concatenated and
+    permuted, 655-657: 2 q + 6 k + 6 v bytes a token in bf16); backward copies again where autograd undoes the
+    splits (the kv split's cat, the unbind's stack, the view's reshape: 4 q + 6 k + 6 v) and cats the MLP's gate and
+    up gradients (line 200). Rotary runs in place both ways; a norm's backward reads its input and gradient and
+    writes one; the residual adds' backward is autograd's two sums of 3 streams. The loss casts the logits to fp32,
+    then max, subtracts into a new tensor, exp and div_ in place, sum (38 bytes a logit), and its backward is a
+    mul_ and the cast back (14). The embedding's backward zeroes its whole gradient table each micro-batch, and
+    with tied weights autograd sums the LM head's gradient into it. Under tp its column-parallel linears gather
+    their input again in backward (tp_recompute_allgather: `regathers`) unless `code` keeps it.
+
     `code` is what an older nanotron keeps beyond that (NanotronCode; by default the playbook's code)."""
     tokens, h, i, v = samples * seq_len, dims.hidden, dims.intermediate, dims.vocab
     stream = tokens * h * BF16_BYTES
@@ -383,7 +395,8 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     head_facts = _sliced(head_kinds, head_bwd_kinds,
                          ("mm", "cross_entropy") + (("rms_norm",) if sequence_sharded_norm else ()),
                          divides=v, sliced_numel=head_numel - h, sliced_saved_bytes=logits * FP32_BYTES + sliced_norm,
-                         all_reduces=1, regathers=regathers, exchange_bytes=stream, sharded=(("lm_head", "vocab_head"),))
+                         all_reduces=1, regathers=regathers, exchange_bytes=stream,
+                         sharded=(("lm_head", "vocab_head"),))
     blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, head_bwd_kinds,
                          saved=norm + logits * FP32_BYTES, inp=stream, out=0,
                          fwd_transient=norm + 2 * logits * FP32_BYTES, bwd_transient=logits * BF16_BYTES + stream,

@@ -236,7 +236,8 @@ def test_compile_picks_tensor_parallelism_where_the_published_runs_do(bench, mod
 @pytest.mark.xfail(strict=True, reason="with units nanotron cannot run (ZeRO-2/3 over all ranks) tp = 1 stays "
                    "ahead by 3-5% (0.483 s against 0.506 for 3B, 0.961 against 0.987 for 8B): tp inside a node "
                    "leaves each node's data-parallel traffic as it is; among nanotron's plans (ZeRO-0/1, no "
-                   "recomputation) on the fabric the runs had both take tp > 1 (test_among_the_plans_nanotron_runs_...). torchtitan measured "
+                   "recomputation) on the fabric the runs had both take tp > 1 "
+                   "(test_among_the_plans_nanotron_runs_...). torchtitan measured "
                    "FSDP alone on Llama 3.1 8B at 128 H100s at 97% of 8 GPUs' tokens/s/GPU; no public FSDP run "
                    "with tp > 1 at 128 GPUs was found. Step times: bench_published.py --picks")
 @pytest.mark.parametrize("model, gpus", [("playbook-3B", 128), ("playbook-8B", 128)])
