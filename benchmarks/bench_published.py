@@ -166,7 +166,7 @@ class NanotronCode:
     a stage's."""
 
 
-KEEPS_GATHERED_INPUT = NanotronCode(saves_gathered_input=True)
+SHARDPLAN_RUNTIME = NanotronCode(saves_gathered_input=True)
 """What shardplan's runtime does under sequence parallelism: a column-parallel linear keeps its gathered input for
 backward (chain.TensorParallelFacts) rather than gathering it again. The chain compile's own plans run on
 (print_tensor_parallel_picks); nanotron's plans keep only the shard."""
@@ -323,7 +323,8 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     its LM head saves that slice, not the gathered input (tp_recompute_allgather, true by default).
 
     Time: the kernels nanotron's code launches (models/llama.py and tensor_parallel/functional.py, the same at
-    67c5ebb6 and e24d2483; flash-attn v2.5.8), each priced by its bytes. A layer's attention moves q, k, v through
+    67c5ebb6 and e24d2483; flash-attn v2.5.8), each priced by its bytes. A layer's attention (with as many kv heads
+    as heads, as in every playbook model: the grouped path copies otherwise) moves q, k, v through
     three layout copies (the fused qkv output permuted contiguous, lines 470-473; k and v concatenated and
     permuted, 655-657: 2 q + 6 k + 6 v bytes a token in bf16); backward copies again where autograd undoes the
     splits (the kv split's cat, the unbind's stack, the view's reshape: 4 q + 6 k + 6 v) and cats the MLP's gate and
@@ -331,8 +332,9 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     writes one; the residual adds' backward is autograd's two sums of 3 streams. The loss casts the logits to fp32,
     then max, subtracts into a new tensor, exp and div_ in place, sum (38 bytes a logit), and its backward is a
     mul_ and the cast back (14). The embedding's backward zeroes its whole gradient table each micro-batch, and
-    with tied weights autograd sums the LM head's gradient into it. Under tp its column-parallel linears gather
-    their input again in backward (tp_recompute_allgather: `regathers`) unless `code` keeps it.
+    with tied weights autograd sums the LM head's gradient into it. Under tp the playbook's column-parallel
+    linears gather their input again in backward (tp_recompute_allgather), unpriced: the gather runs beside the
+    input gradient's GEMM, which does not need it (tp_linear_async_communication; functional.py lines 268-332).
 
     `code` is what an older nanotron keeps beyond that (NanotronCode; by default the playbook's code)."""
     tokens, h, i, v = samples * seq_len, dims.hidden, dims.intermediate, dims.vocab
@@ -368,13 +370,13 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
                      saved=tokens * 8, inp=tokens * 8, out=stream, fwd_transient=stream, bwd_transient=stream,
                      tensor_parallel=TensorParallelFacts(
                          divides=v, sliced_numel=v * h, all_reduces=1, exchange_bytes=stream,
+                         # only the table's writes slice: the lookup runs over every token on each tp rank
                          bwd_kinds=(_elementwise(embedding_bwd.name, 0, 0, weight_bytes=table_writes),),
                          sharded=(("model.embed_tokens", "vocab_embedding"),)))]
-    regathers = 0 if code.saves_gathered_input else 1  # a column-parallel linear's, in backward
     layer_facts = [_sliced(layer_kinds, layer_bwd_kinds, ("mm", "_scaled_dot_product_flash_attention"),
                            divides=divides, sliced_numel=layer_numel - 2 * h,
                            sliced_saved_bytes=(attention_saved + 4 * i) * tokens * BF16_BYTES,
-                           sequence_layer=True, all_reduces=4, regathers=2 * regathers, exchange_bytes=stream,
+                           sequence_layer=True, all_reduces=4, exchange_bytes=stream,
                            gathered_saved_bytes=2 * stream if code.saves_gathered_input else 0,
                            sharded=tuple((f"model.layers.{n}.{module}", style) for module, style in LAYER_STYLES))
                    for n in range(dims.layers)]
@@ -395,8 +397,7 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     head_facts = _sliced(head_kinds, head_bwd_kinds,
                          ("mm", "cross_entropy") + (("rms_norm",) if sequence_sharded_norm else ()),
                          divides=v, sliced_numel=head_numel - h, sliced_saved_bytes=logits * FP32_BYTES + sliced_norm,
-                         all_reduces=1, regathers=regathers, exchange_bytes=stream,
-                         sharded=(("lm_head", "vocab_head"),))
+                         all_reduces=1, exchange_bytes=stream, sharded=(("lm_head", "vocab_head"),))
     blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, head_bwd_kinds,
                          saved=norm + logits * FP32_BYTES, inp=stream, out=0,
                          fwd_transient=norm + 2 * logits * FP32_BYTES, bwd_transient=logits * BF16_BYTES + stream,
@@ -1168,12 +1169,12 @@ def nanotron_options(chain: BlockChain) -> dict[str, Any]:
 def print_tensor_parallel_picks(hardware: HardwareProfile, nanotron_space: bool = False) -> None:
     """What compile picks for one sequence of 4096 a rank and 256 sequences a step (tests/test_published.py pins
     the picks), with the step time of the best plan of each tp degree (the pick's own, or its reasoning's; "-"
-    where none fits), each plan as shardplan's runtime runs it (KEEPS_GATHERED_INPUT); with `nanotron_space`, each
+    where none fits), each plan as shardplan's runtime runs it (SHARDPLAN_RUNTIME); with `nanotron_space`, each
     shape's pick among nanotron's plans too, as nanotron runs them."""
     print(f"compile on {hardware.name}, 256 sequences of 4096 a step, no pipelines: step s of its pick; of the best plan "
           "at tp 1 / 2 / 4 / 8")
     for model, gpus in PICK_SHAPES:
-        own = llama_chain(MODELS[model], 1, 4096, pipelined=False, code=KEEPS_GATHERED_INPUT)
+        own = llama_chain(MODELS[model], 1, 4096, pipelined=False, code=SHARDPLAN_RUNTIME)
         nanotrons = llama_chain(MODELS[model], 1, 4096, pipelined=False)
         spaces: list[tuple[str, BlockChain, dict[str, Any]]] = [("", own, {})]
         spaces += [("  nanotron's plans:", nanotrons, nanotron_options(nanotrons))] if nanotron_space else []

@@ -59,9 +59,7 @@ class TensorParallelFacts:
     Traffic: `all_reduces` all-reduces of `exchange_bytes` per replica batch without sequence
     parallelism (a pair: one in forward, one in backward; a vocab-parallel embedding: one in forward;
     the vocab-parallel head: one in backward); with it each becomes an all-gather and a
-    reduce-scatter of the same bytes (which a ring moves in the same time as the all-reduce), and a
-    runtime that keeps only the sequence shard of a column-parallel linear's input gathers it again in
-    backward (`regathers`)."""
+    reduce-scatter of the same bytes (which a ring moves in the same time as the all-reduce)."""
 
     divides: int
     """tp must divide this for the block to slice (the gcd of its heads, kv heads, widths, vocabulary)."""
@@ -81,10 +79,6 @@ class TensorParallelFacts:
     sequence_layer: bool = False
     """A layer between the pairs: with sequence parallelism all its activations divide."""
     all_reduces: int = 0
-    regathers: int = 0
-    """With sequence parallelism, all-gathers of `exchange_bytes` a backward repeats: one a column-parallel
-    linear whose runtime keeps its input's shard, not the gathered input (Megatron's and nanotron's
-    tp_recompute_allgather). shardplan's runtime keeps the gathered input: 0."""
     exchange_bytes: int = 0
     """The activation one exchange moves whole (the hidden states of the replica batch)."""
     sharded: tuple[tuple[str, str], ...] = ()

@@ -129,8 +129,8 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
   column-parallel linears keep after the all-gather (f.gathered_saved_bytes, whole). Every term
   above then reads the rank's blocks.
 - tp exchanges, per micro-batch, exposed: Σ_blocks f.all_reduces × all_reduce(f.exchange_bytes /
-  m, t), or with sequence parallelism × (all_gather + reduce_scatter) of the same bytes, plus
-  f.regathers all-gathers of them, on the tp group (consecutive ranks: one node while t ≤ its devices).
+  m, t), or with sequence parallelism × (all_gather + reduce_scatter) of the same bytes, on the tp
+  group (consecutive ranks: one node while t ≤ its devices).
 - data-parallel groups: state shards over dp_shard (ctx.dp) only; gathers over dp_shard and
   reduce-scatters over dp_shard, then (HSDP) an all-reduce of the 1/dp_shard shard over dp_replicate;
   all-reducing strategies reduce over dp_shard × dp_replicate. A dp group's ranks stride by t, so
@@ -393,12 +393,8 @@ def tensor_parallel_s(blocks: tuple[Block, ...], ctx: CostContext) -> float:
         if facts is None or not facts.slices_at(ctx.tp) or not facts.all_reduces:
             continue
         nbytes = -(-round(facts.exchange_bytes * ctx.batch_scale) // ctx.num_micro_batches)
-        if ctx.sequence_parallel:
-            gather_s = ctx.hardware.collective_time_s("all_gather_into_tensor", nbytes, ctx.tp)
-            scatter_s = ctx.hardware.collective_time_s("reduce_scatter_tensor", nbytes, ctx.tp)
-            total += facts.all_reduces * (gather_s + scatter_s) + facts.regathers * gather_s
-        else:
-            total += facts.all_reduces * ctx.hardware.collective_time_s("all_reduce", nbytes, ctx.tp)
+        kinds = ("all_gather_into_tensor", "reduce_scatter_tensor") if ctx.sequence_parallel else ("all_reduce",)
+        total += facts.all_reduces * sum(ctx.hardware.collective_time_s(kind, nbytes, ctx.tp) for kind in kinds)
     return total
 
 

@@ -171,7 +171,7 @@ def test_a_step_sustains_its_share_of_the_measured_matmul_rate():
     assert sustained.compute_time_s(1e6, 1e9) == make_profile().compute_time_s(1e6, 1e9)
 
 
-def test_an_h100_step_runs_a_4096_cube_matmul_at_its_sustained_rate():
+def test_h100_and_h200_steps_hold_the_power_limited_share_of_a_burst_matmul():
     """The best bf16 matmul of 8 H200s (the H100's GH100 die at the same 700 W) computing together: 823.9 TFLOP/s
     in a burst, 698.6 held at the power limit (ml-engineering's mamf-finder, branch fast-mamf); XLA's table, the
     profile's curve, has burst figures."""

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from shardplan.cost import CostContext, _block_times_s
+from shardplan.cost import CostContext, _block_times_s, kind_time_s
 from shardplan.hardware import get_hardware
 from test_published import bench  # noqa: F401 (the fixture: benchmarks/bench_published.py as a module)
 
@@ -34,3 +34,34 @@ def test_a_sequence_measured_and_predicted_comes_from_the_one_node_rows(bench):
     measured, predicted = found[2]
     assert measured == pytest.approx(4096 / 40150.0)  # a sequence of 4096 tokens at the rank's tokens/s
     assert predicted == pytest.approx(4096 / outcome.tokens_per_s_per_gpu)
+
+
+def test_flash_attention_runs_at_flashattention_2s_published_h100_rates_at_a_steps_clock(bench):
+    """FlashAttention-2 on H100, causal, FLOPs counted causal-halved: forward 301 TFLOP/s, backward 266 (the mean of
+    its head dims 64 and 128), both at the 0.848 of a burst a step holds, from 1e10 FLOPs a call up."""
+    hw = get_hardware("h100-80g")
+    ctx = CostContext(hardware=hw, dp=1, param_dtype="bfloat16")
+    for sequences in (1, 4, 32):  # a call of 6.9e10, 2.7e11 and 2.2e12 forward FLOPs
+        layer = bench.llama_chain(bench.MODELS["playbook-1B"], sequences, 4096, pipelined=False).blocks[1]
+        for kinds, published in ((layer.fwd_kinds, 301e12), (layer.bwd_kinds, 266e12)):
+            (attention,) = [k for k in kinds if k.name.startswith("_scaled_dot_product_flash_attention")]
+            rate = attention.flops / (kind_time_s(attention, ctx) - hw.op_overhead_s)
+            assert rate == pytest.approx(published * 0.848, rel=0.015)
+
+
+def test_a_layer_and_the_loss_move_the_bytes_nanotrons_kernels_move(bench):
+    """Per token, in bf16: the attention's layout copies 2 q + 6 k + 6 v forward, 4 q + 6 k + 6 v and the MLP's
+    gate/up cat 4 i backward; the loss 38 bytes a logit forward and 14 backward (models/llama.py,
+    tensor_parallel/functional.py)."""
+    dims = bench.MODELS["playbook-1B"]
+    tokens, h, i, v = 4096, dims.hidden, dims.intermediate, dims.vocab
+    chain = bench.llama_chain(dims, 1, 4096, pipelined=False)
+    layer, head = chain.blocks[1], chain.blocks[-1]
+
+    def moved(kinds, name: str) -> int:
+        return sum(k.bytes for k in kinds if k.name == name)
+
+    assert moved(layer.fwd_kinds, "layout_copy") == 2 * tokens * (2 * h + 6 * h + 6 * h)
+    assert moved(layer.bwd_kinds, "layout_copy_backward") == 2 * tokens * (4 * h + 6 * h + 6 * h + 4 * i)
+    assert moved(head.fwd_kinds, "cross_entropy") == 38 * tokens * v
+    assert moved(head.bwd_kinds, "cross_entropy_backward") == 14 * tokens * v
