@@ -21,8 +21,8 @@ import time
 import torch
 
 from shardplan.accuracy import HF_WORKLOADS, KINDS, demo_chain_and_plans
-from shardplan.plan import Plan
 from shardplan.runtime.launch import run_world
+from clock_step import trained_program
 
 _TIMED = ("prefetch", "gathered", "reduce", "finish_reduction", "release")
 """FlatUnit's methods whose calls are logged."""
@@ -34,8 +34,6 @@ def _faults() -> int:
 
 def timeline_job(device, report, plan_jsons: dict[str, str], workload, rounds: int) -> dict:
     """Rank job: per plan kind, its fastest round's (step s, phase marks, [(call, unit, state, start, end)])."""
-    from shardplan.runtime import parallelize
-    from shardplan.runtime.collectives import world
     from shardplan.runtime.unit import FlatUnit
 
     calls = []
@@ -55,14 +53,7 @@ def timeline_job(device, report, plan_jsons: dict[str, str], workload, rounds: i
 
     steps = {}
     for kind, plan_json in plan_jsons.items():
-        torch.manual_seed(0)
-        entry = workload.build()
-        plan = Plan.from_json(plan_json)
-        generator = torch.Generator().manual_seed(1 + plan.mesh.replica_of(world().rank))
-        ids = torch.randint(0, entry.model.config.vocab_size, entry.args[0].shape, generator=generator)
-        program = parallelize(entry.model, plan, device=device)
-        optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
-        steps[kind] = functools.partial(_marked_step, program, optimizer, ids)
+        steps[kind] = functools.partial(_marked_step, *trained_program(device, plan_json, workload))
         steps[kind]()
         steps[kind]()  # the optimizer's state exists from here on
     fastest = {}
