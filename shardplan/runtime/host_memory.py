@@ -9,8 +9,8 @@ step, where SHARD_GRAD_OP's faulted 3.7k and a REPLICATE one none). How many pag
 depends on what was allocated and freed before (another program's step, the calibration), so it is
 not a term a cost model can price; the calibration times its ops on buffers it reuses. With the mmap
 threshold and the trim threshold at their largest, freed memory stays in the process for the next
-step, and a step faults nothing once the heap has grown to its high-water mark (what a GPU's caching
-allocator holds too). Tensor memory, what MemTracker and the cost model count, does not change.
+step, and a step faults nothing once the heap has grown to its high-water mark, a few steps in (what a
+GPU's caching allocator holds too). Tensor memory, what MemTracker and the cost model count, does not change.
 """
 import ctypes
 import ctypes.util
