@@ -22,6 +22,7 @@
     chunks.py        which chunk of each flattened parameter a rank holds, for checkpoints
     measure.py       peak tensor memory and step time of a training step on this rank
     launch.py        spawn a world of ranks on this machine and run a job on each (demo, calibration)
+    host_memory.py   CPU ranks keep the memory they free (no page faults a step)
     elastic.py       training under torchrun's elastic launch: re-plan and resume on every (re)start
 """
 from typing import Callable
@@ -34,6 +35,7 @@ from ..plan import Plan
 from .manual import manual_plan
 from .model_check import check_model
 from .collectives import shutdown
+from .host_memory import keep_freed_host_memory
 from .program import Program
 
 BACKENDS = ("shardplan", "fsdp2")
@@ -66,6 +68,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     check_model(model, plan, verify_graph=verify_graph)
     _check_coverage(plan, dict(model.named_parameters()))  # every backend: FSDP2 would train the rest unplanned
     device = torch.device(device) if device is not None else collectives.default_device()
+    if device.type == "cpu":
+        keep_freed_host_memory()  # see [Note: freed host memory]
     if backend == "shardplan" and plan.mesh.pp > 1:
         from .pipelined import PipelinedProgram
         return PipelinedProgram(model, plan, loss_fn, device)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .collectives import shutdown
+from .host_memory import keep_freed_host_memory
 
 _TIMEOUT_S = 120
 """Process-group timeout of a spawned world: far above any one collective its jobs run (the largest
@@ -49,6 +50,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, job, args: t
         device = torch.device("cuda", rank)
     else:
         torch.set_num_threads(1)  # as ranks run on CPU: one core each
+        keep_freed_host_memory()  # as parallelize does on CPU: the calibration times what the steps run
         device = torch.device("cpu")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=_TIMEOUT_S))
