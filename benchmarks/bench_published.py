@@ -76,8 +76,8 @@ group, 5 warm-ups then 10 calls of 1 GiB (torch.ones(256 Mi) in fp32; the title'
 barriers, busbw = bytes x 2 (n - 1) / n (all-reduce) or (n - 1) / n over the time; all-gather and reduce-scatter
 through torch's list APIs (dist.all_gather, dist.reduce_scatter), which copy the buffer once beside the collective
 (1 GiB copied in one kernel a rank of the group, ~0.7 ms and a launch each: 13% of the 2-node all-gather's
-time, 5% at 8 nodes, ~3% at 64). The spread is wide (at 64
-nodes the all-reduce's 5th-95th percentile is 12.5-177 GB/s). The model's all-gather and reduce-scatter are priced
+time, 5% at 8 nodes, ~3% at 64). The spread is wide (at 64 nodes the all-reduce's 5th-95th percentile is
+12.5-177 GB/s). The model's all-gather and reduce-scatter are priced
 with the list APIs' figures: nanotron's ZeRO-1 gathers its parameters with the list API, its tensor parallelism
 over nodes (tp 16, 32) uses the tensor ones, and one kind cannot tell them apart; the copy is the difference."""
 P5_FABRIC_GBPS = {

@@ -77,8 +77,9 @@ Time, by component (per step):
   `.grad` (GRADIENT_ADD, after its cast to the parameters' dtype); once a step (counted in the
   optimizer term), the same averaging, cast and adding for all-reducing units, and SHARD_OPTIMIZER's
   copies around its gather of the stepped parameters (PARAMETERS_SYNC). In Mixtral's 2-rank
-  shard_optimizer step on CPU they took about 4.7 ms, where the assembly's 1.5 alone was priced before. `.grad` is taken as kept between steps
-  (zero_grad(set_to_none=False)), which the runtime adds into.
+  shard_optimizer step on CPU they took about 4.7 ms, where the assembly's 1.5 alone was priced
+  before. `.grad` is taken as kept between steps (zero_grad(set_to_none=False)), which the runtime
+  adds into.
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
   every forward op but the matmul-like ones whose outputs it kept
   (plan.SELECTIVE_SAVED_OPS; a hand-built block: its memory-bound ops), priced as
