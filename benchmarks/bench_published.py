@@ -9,6 +9,7 @@
     .venv/bin/python benchmarks/bench_published.py --picks            # what compile picks on the published shapes
     .venv/bin/python benchmarks/bench_published.py --picks --nanotron-space  # and among the plans nanotron runs
     .venv/bin/python benchmarks/bench_published.py --breakdown        # a layer's op kinds as priced, one node's rows
+    .venv/bin/python benchmarks/bench_published.py --captured-attention  # a captured layer's attention, and built
     .venv/bin/python benchmarks/bench_published.py --nanotron-csv bench_final2_mfu2.csv  # crashes by its status
 
 Every row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
@@ -1092,6 +1093,36 @@ def print_op_breakdown(rows: list[Row], hw) -> None:
             for mbs, (measured, predicted) in per_sequence_s(rows, model, hw).items()))
 
 
+LLAMA_7B = LlamaDims(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000, tied=False)
+"""zoo.llama_7b's dimensions (LLaMA-7B), as llama_chain builds them."""
+
+
+def attention_ms(hw, seq_len: int = 4096) -> dict[str, tuple[float, float]]:
+    """A LLaMA-7B layer's attention on one sequence, forward and backward milliseconds as `hw` prices them: captured
+    as compile captures it ("captured": zoo.llama_7b at one layer on meta, analysed on fake CPU tensors, so CPU's flash
+    attention op with torch's FLOPs over every score) and as llama_chain builds it ("hand-built": FlashAttention-2's
+    op, its FLOPs causal-halved as FlashAttention's benchmark counts them)."""
+    from shardplan import zoo
+    from shardplan.passes import analyze
+
+    entry = zoo.llama_7b(n_layer=1, batch=1, seq=seq_len)
+    captured = next(block for block in analyze(entry.model, entry.args, entry.kwargs).blocks
+                    if block.name == "model.layers.0")
+    built = llama_chain(dataclasses.replace(LLAMA_7B, layers=1), 1, seq_len, pipelined=False).blocks[1]
+    ctx = CostContext(hardware=hw, dp=1, param_dtype="bfloat16")
+
+    def milliseconds(block: Block) -> tuple[float, float]:
+        fwd, bwd = (sum(kind_time_s(kind, ctx) for kind in kinds if kind.name.startswith(ATTENTION)) * 1e3
+                    for kinds in (block.fwd_kinds, block.bwd_kinds))
+        return fwd, bwd
+
+    return {"captured": milliseconds(captured), "hand-built": milliseconds(built)}
+
+
+ATTENTION = "_scaled_dot_product_flash_attention"
+"""The prefix of every flash attention op's name: the GPU's, CPU's (_for_cpu) and their backward."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
@@ -1120,6 +1151,9 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="only the single-node budget: each op kind of a layer and of the head as priced, beside "
                              "what the one-node tp = pp = 1 rows took a sequence")
+    parser.add_argument("--captured-attention", action="store_true",
+                        help="only a LLaMA-7B layer's attention on one sequence of 4096 tokens, forward and backward, "
+                             "captured as compile captures it beside the hand-built chain's")
     args = parser.parse_args()
     if args.nanotron_space and not args.picks:
         parser.error("--nanotron-space narrows --picks: give both")
@@ -1130,6 +1164,11 @@ def main() -> None:
     hw = with_fabric(hw, FABRICS[args.fabric], f"the {args.fabric} fabric") if args.fabric in FABRICS else hw
     if args.picks:
         print_tensor_parallel_picks(hw, nanotron_space=args.nanotron_space)
+        return
+    if args.captured_attention:
+        for source, (fwd, bwd) in attention_ms(hw).items():
+            print(f"LLaMA-7B layer, one sequence of 4096 tokens on {hw.name}, {source}: attention forward {fwd:.3f} ms, "
+                  f"backward {bwd:.3f} ms")
         return
     rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
     if args.breakdown:
