@@ -401,9 +401,8 @@ OP_ALIASES = {
 }
 """Ops named by the device the analysis ran them on, and the name the same computation has on another
 device's kernel: a profile that does not key an op by its own name prices it by this one. The analysis
-runs a model on fake CPU tensors, so its attention is CPU's flash kernel; on a GPU the same call runs
-FlashAttention-2 (SDPA's first choice for a call without a mask on sm80 and later), whose rates the GPU
-profiles key."""
+runs a model on fake CPU tensors, so its attention is CPU's flash kernel; on a GPU the same call runs a
+flash kernel, whose published rates (FlashAttention-2's) the GPU profiles key."""
 
 _NOT_FIELDS = ("schema", "sources")
 """Keys of a profile's JSON that are not fields: its format, and where each figure comes from (for readers)."""
@@ -505,8 +504,8 @@ def _figures(value: object, where: str) -> Iterator[tuple[str, object]]:
         yield where, value
 
 
-_NOT_FIGURES = ("name", "source", "skips_masked_flops", "overlaps_communication", "collective_compute_share", "in_step_wait_s",
-                "latency_per_node_doubling_s", "ring_latency_per_node_s", "ring_latency_per_local_rank_s",
+_NOT_FIGURES = ("name", "source", "skips_masked_flops", "overlaps_communication", "collective_compute_share",
+                "in_step_wait_s", "latency_per_node_doubling_s", "ring_latency_per_node_s", "ring_latency_per_local_rank_s",
                 "runtime_reserved_bytes", "selective_op_overhead_s", "view_overhead_s")
 """Fields that are not positive figures (a wait, a latency step, a reserve, a cost not measured may be 0:
 checked on their own)."""

@@ -136,8 +136,10 @@ def op_masked_flops(func, args: tuple, kwargs: dict | None, flops: int) -> int:
     """Of an op's `flops`, those a causal mask hides (OpKind.masked_flops): for an attention kernel called
     with `is_causal`, the share of its scores above the diagonal (torch's mask keeps query row i the keys
     0..i), every product it counts (QK^T, PV and their gradients) being one per score. 0 for any other op."""
+    if not flops:
+        return 0
     values = dict(zip((argument.name for argument in func._schema.arguments), args)) | (kwargs or {})
-    if not flops or not values.get("is_causal"):
+    if not values.get("is_causal"):
         return 0
     rows, keys = values["query"].shape[-2], values["key"].shape[-2]
     diagonal = min(rows, keys)
