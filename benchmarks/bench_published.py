@@ -34,6 +34,7 @@ no torch, no capture, so the whole data set is evaluated in seconds.
 import argparse
 import csv
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -46,7 +47,7 @@ from scipy.stats import kendalltau
 from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
 from shardplan.compile import default_space, evaluate, solve, tensor_parallel_section
 from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, RuntimeKernels, UnitSizes, kind_time_s,
-                            unpriced_dispatches)
+                            on_rank, unpriced_dispatches)
 from shardplan.hardware import HardwareProfile, get_hardware
 from shardplan.solver.search import Configuration
 from shardplan.plan import (Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
@@ -1097,26 +1098,32 @@ LLAMA_7B = LlamaDims(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate
 """zoo.llama_7b's dimensions (LLaMA-7B), as llama_chain builds them."""
 
 
-def attention_ms(hw, seq_len: int = 4096) -> dict[str, tuple[float, float]]:
-    """A LLaMA-7B layer's attention on one sequence, forward and backward milliseconds as `hw` prices them: captured
-    as compile captures it ("captured": zoo.llama_7b at one layer on meta, analysed on fake CPU tensors, so CPU's flash
-    attention op with torch's FLOPs over every score) and as llama_chain builds it ("hand-built": FlashAttention-2's
-    op, its FLOPs causal-halved as FlashAttention's benchmark counts them)."""
+@functools.cache
+def llama_7b_layers(seq_len: int) -> tuple[Block, Block]:
+    """A LLaMA-7B layer over one sequence: captured as compile captures it (zoo.llama_7b at one layer on meta, analysed
+    on fake CPU tensors, so CPU's flash attention op with torch's FLOPs over every score and the masked ones apart) and
+    as llama_chain builds it (FlashAttention-2's op, its FLOPs causal-halved as FlashAttention's benchmark counts them)."""
     from shardplan import zoo
     from shardplan.passes import analyze
 
     entry = zoo.llama_7b(n_layer=1, batch=1, seq=seq_len)
     captured = next(block for block in analyze(entry.model, entry.args, entry.kwargs).blocks
                     if block.name == "model.layers.0")
-    built = llama_chain(dataclasses.replace(LLAMA_7B, layers=1), 1, seq_len, pipelined=False).blocks[1]
-    ctx = CostContext(hardware=hw, dp=1, param_dtype="bfloat16")
+    return captured, llama_chain(dataclasses.replace(LLAMA_7B, layers=1), 1, seq_len, pipelined=False).blocks[1]
+
+
+def attention_ms(hw, seq_len: int = 4096, tp: int = 1) -> dict[str, tuple[float, float]]:
+    """llama_7b_layers' attention on a rank of `tp`, forward and backward milliseconds as `hw` prices them, by
+    source: "captured" and "hand-built"."""
+    ctx = CostContext(hardware=hw, dp=1, tp=tp, param_dtype="bfloat16")
 
     def milliseconds(block: Block) -> tuple[float, float]:
+        on_tp_rank = on_rank(block, ctx)
         fwd, bwd = (sum(kind_time_s(kind, ctx) for kind in kinds if kind.name.startswith(ATTENTION)) * 1e3
-                    for kinds in (block.fwd_kinds, block.bwd_kinds))
+                    for kinds in (on_tp_rank.fwd_kinds, on_tp_rank.bwd_kinds))
         return fwd, bwd
 
-    return {"captured": milliseconds(captured), "hand-built": milliseconds(built)}
+    return dict(zip(("captured", "hand-built"), map(milliseconds, llama_7b_layers(seq_len))))
 
 
 ATTENTION = "_scaled_dot_product_flash_attention"

@@ -10,13 +10,14 @@ from shardplan.passes.execution import op_masked_flops
 from test_published import bench  # noqa: F401 (the fixture: benchmarks/bench_published.py as a module)
 
 
-@pytest.mark.parametrize("hardware", ["h100-80g", "h200", "a100-80g"])
-def test_a_captured_llama_layers_attention_costs_what_the_hand_built_chains_does(bench, hardware):
+@pytest.mark.parametrize("hardware, tp", [("h100-80g", 1), ("h200", 1), ("a100-80g", 1), ("h100-80g", 2),
+                                          ("h100-80g", 4)])
+def test_a_captured_llama_layers_attention_costs_what_the_hand_built_chains_does(bench, hardware, tp):
     """LLaMA-7B's layer captured as compile captures it (on meta, analysed on fake CPU tensors) names CPU's flash
     attention op and counts its FLOPs over every score; the chain built by hand names FlashAttention-2's and counts
-    them causal-halved. On a GPU profile both cost the same, forward and backward (before: the captured one at the
-    plain matmul rate on twice the FLOPs, 0.76x and 0.67x the hand-built time on h100-80g)."""
-    found = bench.attention_ms(get_hardware(hardware))
+    them causal-halved. On a GPU profile both cost the same, forward and backward, on a tp rank's heads too (before:
+    the captured one at the plain matmul rate on twice the FLOPs, 0.76x and 0.67x the hand-built time on h100-80g)."""
+    found = bench.attention_ms(get_hardware(hardware), tp=tp)
     for captured, built in zip(found["captured"], found["hand-built"]):
         assert captured == pytest.approx(built, rel=0.02)
 
