@@ -1044,7 +1044,7 @@ def print_communicator_bound(bounds: dict[int, CommunicatorBound], device_bytes:
     print(f"\nNCCL communicators rank 0 holds (nanotron_communicators): what the rows that ran leave them of the "
           f"device ({device_bytes / 2**30:.1f} GiB), and how far below the usable memory the {crashed} predicted "
           "within it are:\n")
-    print(f"| communicators | rows that ran | most reserved GiB | device less that, GiB | a communicator at most, GiB "
+    print("| communicators | rows that ran | most reserved GiB | device less that, GiB | a communicator at most, GiB "
           f"| {crashed} within | GiB below usable: median (range) |")
     print("|---:|---:|---:|---:|---:|---:|---|")
     for count, bound in bounds.items():
