@@ -17,15 +17,16 @@ Every row of the data set becomes a shardplan plan as nanotron ran it: one unit 
 REPLICATE and ZeRO-1 as SHARD_OPTIMIZER, 1F1B over the gradient-accumulation micro-batches,
 parameters in bf16 and gradients reduced in fp32, no recomputation, stages cut as nanotron cuts
 them, and tp > 1 as nanotron's TP in REDUCE_SCATTER mode (sequence parallel, vocab-parallel embedding
-and head: llama_chain's TensorParallelFacts). `compile.evaluate` predicts each plan's step time, with
+and head: llama_chain's TensorParallelFacts). `compile.evaluate_stages` predicts each plan's step time, with
 nanotron's kernels around its collectives in place of shardplan's runtime's (nanotron_runtime_kernels), and
-peak memory on the profile; the step is then bounded below by what nanotron's host dispatches
-(nanotron_host_s) and the memory swapped for what nanotron holds (as_nanotron_holds; what the older code
+peak memory of each stage on the profile; the step is then bounded below by what nanotron's host dispatches
+(nanotron_host_s) and the memory swapped for what nanotron holds on every stage (as_nanotron_holds; what the older code
 of old_bench keeps beyond it: NanotronCode; with --job-pp-code a pipelined row whose job ran nanotron's pre-fix PP
 code also pays its polling, NanotronCode.polls_p2p). Printed per model and GPU count: Kendall tau of predicted
 against measured tokens/s/GPU over the rows that ran, predicted / measured throughput (median, p10, p90),
 and the memory classification (the share of crashed rows predicted over the device's usable memory, the
-share of rows that ran predicted within it); then the memory against what the rows measured and the rows
+share of rows that ran predicted within it); then the memory against what the rows measured, the NCCL
+communicators a rank holds against what the rows that ran left of the device (communicator_bound) and the rows
 that cannot be expressed, each with its reason.
 
 The LLaMA chains are built by hand from the model dimensions (model_configs.md of the data set):
@@ -45,9 +46,9 @@ import numpy as np
 from scipy.stats import kendalltau
 
 from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
-from shardplan.compile import default_space, evaluate, solve, tensor_parallel_section
-from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, RuntimeKernels, UnitSizes, kind_time_s,
-                            on_rank, unpriced_dispatches)
+from shardplan.compile import default_space, evaluate_stages, solve, tensor_parallel_section
+from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, RuntimeKernels, StepCost, UnitSizes,
+                            kind_time_s, on_rank, unpriced_dispatches)
 from shardplan.hardware import HardwareProfile, get_hardware
 from shardplan.solver.search import Configuration
 from shardplan.plan import (Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
@@ -675,28 +676,33 @@ def zero1_gather_per_param(row: Row) -> float:
     return 2 * BF16_BYTES + BF16_BYTES / row.dp if row.zero_stage == "1" and row.dp > 1 else 0.0
 
 
-def after_pipeline(plan: Predicted, row: Row, dims: LlamaDims) -> dict[str, int]:
+def after_pipeline(stage_memory: dict[str, int], row: Row, dims: LlamaDims) -> dict[str, int]:
     """What a rank of nanotron holds once the pipeline is done and the activations are gone, at its largest:
-    nanotron's state for the parameters of the plan's peak stage (read back from the plan's state), its
-    all-gather buffers and, at ZeRO-1, the gather of the stepped parameters. The playbook's "Mem Alloc"
-    column measures exactly this: at the measured step the trainer resets the peak right after the
-    pipeline (trainer.py line 498, logging.py `log_memory` line 259) and rank 0 writes
+    nanotron's state for the parameters of a stage (read back from the plan's state there, `stage_memory` its
+    peak's terms), its all-gather buffers and, at ZeRO-1, the gather of the stepped parameters. The playbook's
+    "Mem Alloc" column measures exactly this: at the measured step the trainer resets the peak right after
+    the pipeline (trainer.py line 498, logging.py `log_memory` line 259) and rank 0 writes
     max_memory_allocated when the step is done (helpers.py lines 609 and 674)."""
-    params = plan.memory_bytes["sharded_state"] / plan_state_per_param(row)  # the stage's parameters on a rank
+    params = stage_memory["sharded_state"] / plan_state_per_param(row)  # the stage's parameters on a rank
     return {"sharded_state": round(params * nanotron_state_per_param(row)),
             "memory_buffer": memory_buffer_bytes(row, dims),
             "parameter_gather": round(params * zero1_gather_per_param(row))}
 
 
-def as_nanotron_holds(plan: Predicted, row: Row, dims: LlamaDims) -> Predicted:
-    """The plan's peak with what nanotron holds beside the activations in place of the plan's state, on the
-    plan's peak stage (a stage close behind it is not re-checked): nanotron's state (its bf16 parameters
-    are whole, so the plan's gathered bf16 copies go) and its all-gather buffers; or, where it is larger,
-    the step after the pipeline (after_pipeline)."""
-    after = after_pipeline(plan, row, dims)
-    during = {**plan.memory_bytes, "sharded_state": after["sharded_state"], "gathered_params": 0,
-              "memory_buffer": after["memory_buffer"]}
-    memory = max(during, after, key=lambda held: sum(held.values()))
+def as_nanotron_holds(plan: Predicted, stages: tuple[StepCost, ...], row: Row, dims: LlamaDims) -> Predicted:
+    """The plan's peak with what nanotron holds beside the activations in place of the plan's state, at the
+    largest over the pipeline's stages (`stages`, compile.evaluate_stages: nanotron's state per parameter
+    differs from the plan's, so a stage with more parameters and fewer activations than the plan's peak stage
+    can overtake it): on each, nanotron's state (its bf16 parameters are whole, so the plan's gathered bf16
+    copies go) and its all-gather buffers; or, where it is larger, the step after the pipeline
+    (after_pipeline)."""
+    def held(stage_memory: dict[str, int]) -> dict[str, int]:
+        after = after_pipeline(stage_memory, row, dims)
+        during = {**stage_memory, "sharded_state": after["sharded_state"], "gathered_params": 0,
+                  "memory_buffer": after["memory_buffer"]}
+        return max(during, after, key=lambda memory: sum(memory.values()))
+
+    memory = max((held(stage.memory_bytes) for stage in stages), key=lambda found: sum(found.values()))
     return dataclasses.replace(plan, peak_bytes=sum(memory.values()), memory_bytes=memory)
 
 
@@ -725,15 +731,15 @@ def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1:
             chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1, sequence_sharded_norm=True,
                                       code=code)
         chain = chains[key]
-        plan = evaluate(chain, plan_for(row, chain, dims), hw, runtime=nanotron_runtime_kernels)
-        predicted = as_nanotron_holds(plan, row, dims)
+        plan, stages = evaluate_stages(chain, plan_for(row, chain, dims), hw, runtime=nanotron_runtime_kernels)
+        predicted = as_nanotron_holds(plan, stages, row, dims)
         host_bound_s = (row.grad_accum + row.pp - 1) * nanotron_host_s(row, chain, dims, hw) + plan.time_s["optimizer"]
         step_s = (max(predicted.step_time_s, host_bound_s)
                   + (zero1_runtime_s(row, chain, dims, hw) if nanotron_zero1 else 0.0)
                   + (p2p_polling_s(row, dims) if code.polls_p2p else 0.0))
         tokens = samples * row.seq_len * row.dp / step_s / row.n_gpus
         outcomes.append(Outcome(row=row, predicted=predicted, tokens_per_s_per_gpu=tokens,
-                                after_pipeline_bytes=sum(after_pipeline(plan, row, dims).values())))
+                                after_pipeline_bytes=sum(after_pipeline(plan.memory_bytes, row, dims).values())))
     return outcomes
 
 
@@ -982,6 +988,76 @@ def print_crashed_by_nanotron_status(counts: dict[tuple[str, str], tuple[int, in
         print(f"  {model}, {kind}: {_share(over, total)}")
 
 
+def nanotron_communicators(row: Row) -> int:
+    """NCCL communicators world rank 0 of a playbook row holds for the whole run, read from the runs' code
+    (nanotron bench2 at 67c5ebb6; torch 2.1 builds a process group's communicator at its first collective and
+    keeps it): the default group's (init_process_group; its barrier), world_pg's (a group of every rank of its
+    own, context.py line 59; measure_bandwidth's collectives, trainer.py lines 1074-1200), and one for each
+    distinct set of ranks among the groups of more than one rank that run a collective, a set built once
+    (create_new_group, world_ranks_to_pg): local_pg (the node's ranks: measure_bandwidth), tp_pg, dp_pg, mp_pg
+    (tp x pp ranks: clip_grad_norm's all_reduce, optim/clip_grads.py lines 60-72) and at pp > 1 the tied
+    embedding's pair of the first and last stage (tied_parameters.py lines 84-100, its gradients' all_reduce);
+    at pp > 1 also the two-rank communicator torch 2.1 keys to the pair of ranks of a send and receive
+    (ProcessGroupNCCL's point-to-point) to the next stage. Ranks are laid out (pp, dp, tp), tp fastest
+    (context.py, the expert dimension 1)."""
+    ranks = np.arange(row.n_gpus).reshape(row.pp, row.dp, row.tp)
+    groups = (ranks.reshape(-1)[:GPUS_PER_NODE], ranks[0, 0, :], ranks[0, :, 0], ranks[:, 0, :].reshape(-1),
+              ranks[[0, -1], 0, 0])
+    built = {tuple(sorted(int(rank) for rank in group)) for group in groups if len(set(group)) > 1}
+    return 2 + len(built) + (row.pp > 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CommunicatorBound:
+    """The playbook rows whose rank 0 holds one number of NCCL communicators (nanotron_communicators)."""
+
+    ran: int
+    """Rows that ran with a reported memory."""
+    most_reserved_bytes: int
+    """The most any of them reserved: the device held that beside the CUDA context and every communicator's
+    buffers, so what is left of the device bounds those."""
+    short_bytes: tuple[int, ...]
+    """Each crashed row predicted within the usable memory (the ones nanotron logged out of memory where its
+    statuses are given): the usable memory less its prediction, what a term would have to add to put it over."""
+
+
+def communicator_bound(outcomes: list[Outcome], usable_bytes: int,
+                       statuses: dict[tuple, set[str]] | None = None) -> dict[int, CommunicatorBound]:
+    """Per number of communicators rank 0 holds, the most that rows that ran reserved and how far below the
+    usable memory the crashed rows predicted within it are (with `statuses`, those nanotron logged OOM)."""
+    reserved: dict[int, list[int]] = defaultdict(list)
+    short: dict[int, list[int]] = defaultdict(list)
+    for o in outcomes:
+        if o.predicted is None or not o.row.model.startswith("playbook-"):
+            continue
+        count = nanotron_communicators(o.row)
+        if o.row.ran and o.row.reported_gib:
+            reserved[count].append(round(o.row.reported_gib * 2**30))
+        out_of_memory = statuses is None or "OOM" in statuses.get(configuration_key(o.row), set())
+        if o.row.crashed and out_of_memory and o.predicted.peak_bytes <= usable_bytes:
+            short[count].append(usable_bytes - o.predicted.peak_bytes)
+    return {count: CommunicatorBound(ran=len(reserved[count]), most_reserved_bytes=max(reserved[count], default=0),
+                                     short_bytes=tuple(sorted(short[count])))
+            for count in sorted(set(reserved) | set(short))}
+
+
+def print_communicator_bound(bounds: dict[int, CommunicatorBound], device_bytes: int, out_of_memory: bool) -> None:
+    crashed = "crashed rows nanotron logged OOM" if out_of_memory else "crashed rows"
+    print(f"\nNCCL communicators rank 0 holds (nanotron_communicators): what the rows that ran leave them of the "
+          f"device ({device_bytes / 2**30:.1f} GiB), and how far below the usable memory the {crashed} predicted "
+          "within it are:\n")
+    print("| communicators | rows that ran | most reserved GiB | device less that, GiB | a communicator at most, GiB "
+          f"| {crashed} within | GiB below usable: median (range) |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for count, bound in bounds.items():
+        left = (device_bytes - bound.most_reserved_bytes) / 2**30
+        cells = (f"{bound.most_reserved_bytes / 2**30:.1f} | {left:.2f} | {left / count:.2f}" if bound.ran
+                 else "- | - | -")
+        short = [s / 2**30 for s in bound.short_bytes]
+        gap = f"{statistics.median(short):.1f} ({short[0]:.1f}-{short[-1]:.1f})" if short else "-"
+        print(f"| {count} | {bound.ran} | {cells} | {len(short)} | {gap} |")
+
+
 def print_crashed_within(counts: dict[str, dict[str, int]]) -> None:
     print("\nCrashed rows predicted within the device, by what their configuration did at other micro-batches:")
     for model, kinds in sorted(counts.items()):
@@ -1193,9 +1269,11 @@ def main() -> None:
     print_allocated_ratios(allocated_ratios(outcomes))
     print_reservation_by_speed(reservation_by_speed(outcomes))
     print_crashed_within(crashed_within(outcomes, hw.usable_memory_bytes))
-    if args.nanotron_csv:
-        print_crashed_by_nanotron_status(crashed_by_nanotron_status(outcomes, hw.usable_memory_bytes,
-                                                                    nanotron_statuses(args.nanotron_csv)))
+    statuses = nanotron_statuses(args.nanotron_csv) if args.nanotron_csv else None
+    if statuses is not None:
+        print_crashed_by_nanotron_status(crashed_by_nanotron_status(outcomes, hw.usable_memory_bytes, statuses))
+    print_communicator_bound(communicator_bound(outcomes, hw.usable_memory_bytes, statuses), hw.device_memory_bytes,
+                             out_of_memory=statuses is not None)
     print_what_rows_show(rows)
     print_left_out([o for o in outcomes if o.reason])
 

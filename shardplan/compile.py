@@ -279,6 +279,13 @@ def evaluate(chain: BlockChain, plan: Plan, hardware: str | os.PathLike | Hardwa
     (runtime.manual_plan) included: how predictions are checked against measurement. `runtime`: the
     kernels another runtime runs around its collectives, priced in place of shardplan's runtime's
     (cost.CostContext.runtime)."""
+    return evaluate_stages(chain, plan, hardware, runtime=runtime)[0]
+
+
+def evaluate_stages(chain: BlockChain, plan: Plan, hardware: str | os.PathLike | HardwareProfile | None = None, *,
+                    runtime: cost.Runtime | None = None) -> tuple[Predicted, tuple[cost.StepCost, ...]]:
+    """evaluate's prediction and each pipeline stage's own cost, in stage order: a runtime that holds more than
+    the plan on some stages (another framework's state) may have its peak on a stage that is not the plan's."""
     hw = get_hardware(hardware or plan.hardware)
     _check_tensor_parallel(chain, plan)
     chain = _sliced_as_planned(chain, plan)
@@ -308,7 +315,7 @@ def evaluate(chain: BlockChain, plan: Plan, hardware: str | os.PathLike | Hardwa
         names += [unit.name for unit in decisions]
         steps.append(_stage_cost(chain, stage, start, end, tuple(i - start for i in unit_starts), decisions,
                                  setting, configuration, hw))
-    return _predicted(chain, steps, names, plan.mesh, setting, hw)
+    return _predicted(chain, steps, names, plan.mesh, setting, hw), tuple(steps)
 
 
 def _check_tensor_parallel(chain: BlockChain, plan: Plan) -> None:

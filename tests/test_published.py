@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from shardplan.compile import solve
-from shardplan.cost import CostContext, UnitSizes
+from shardplan.compile import evaluate, evaluate_stages, solve
+from shardplan.cost import CostContext, StepCost, UnitSizes
 from shardplan.hardware import get_hardware, ring_factor
 from shardplan.plan import (Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage,
                             Unit)
@@ -475,3 +475,67 @@ def test_a_pipelined_row_whose_job_ran_the_pre_fix_pp_code_pays_its_polling(benc
     assert polled[1:] == plain[1:]
     assert bench.nanotron_code(pre_fix, bench.row_job(pre_fix, jobs)).polls_p2p
     assert not bench.nanotron_code(pre_fix).polls_p2p
+
+
+@pytest.mark.parametrize("n_gpus, dp, tp, pp, communicators", [
+    (8, 8, 1, 1, 3),  # the default group, world_pg, and the node's 8 ranks, which are dp_pg too
+    (16, 2, 8, 1, 4),  # + dp_pg (ranks 0, 8); tp_pg and mp_pg are the node's ranks
+    (8, 4, 1, 2, 6),  # + dp_pg 0-3, mp_pg (0, 4), the tied embedding's pair (the same ranks), the send's pair
+    (16, 4, 1, 4, 7),  # mp_pg 0, 4, 8, 12 and the tied pair (0, 12) apart
+    (64, 2, 4, 8, 8),  # tp_pg 0-3, dp_pg (0, 4), mp_pg of 32 ranks, the tied pair (0, 56), the send's pair
+])
+def test_a_rank_holds_a_communicator_for_each_distinct_group_nanotron_runs_a_collective_on(bench, n_gpus, dp, tp, pp,
+                                                                                         communicators):
+    row = bench.Row(model="playbook-3B", n_gpus=n_gpus, dp=dp, tp=tp, pp=pp, micro_batch_size=1, grad_accum=1,
+                    seq_len=4096, zero_stage="1", status="ok", tokens_per_s_per_gpu=1.0, line=0)
+    assert bench.nanotron_communicators(row) == communicators
+
+
+def test_rows_that_ran_bound_what_the_communicators_hold_and_crashed_rows_within_say_how_far_below(bench):
+    row = bench.Row(model="playbook-3B", n_gpus=16, dp=4, tp=1, pp=4, micro_batch_size=4, grad_accum=16,
+                    seq_len=4096, zero_stage="1", status="ok", tokens_per_s_per_gpu=1.0, line=0, reported_gib=76.9)
+    predicted = Predicted(peak_bytes=74 * 2**30, step_time_s=1.0)
+    crashed = dict(status="crashed_or_oom", tokens_per_s_per_gpu=None, reported_gib=None)
+    outcomes = [bench.Outcome(row=row, predicted=predicted),
+                bench.Outcome(row=dataclasses.replace(row, reported_gib=70.0), predicted=predicted),
+                bench.Outcome(row=dataclasses.replace(row, micro_batch_size=8, **crashed),
+                              predicted=Predicted(peak_bytes=68 * 2**30, step_time_s=1.0)),
+                bench.Outcome(row=dataclasses.replace(row, micro_batch_size=16, **crashed),
+                              predicted=Predicted(peak_bytes=90 * 2**30, step_time_s=1.0)),  # over: not counted
+                bench.Outcome(row=dataclasses.replace(row, pp=1, dp=16, reported_gib=60.0), predicted=predicted)]
+    assert bench.communicator_bound(outcomes, usable_bytes=74 * 2**30) == {
+        4: bench.CommunicatorBound(ran=1, most_reserved_bytes=60 * 2**30, short_bytes=()),  # node 0-7, dp 0-15
+        7: bench.CommunicatorBound(ran=2, most_reserved_bytes=round(76.9 * 2**30), short_bytes=(6 * 2**30,))}
+    statuses = {bench.configuration_key(dataclasses.replace(row, micro_batch_size=8)): {"Other"}}
+    assert bench.communicator_bound(outcomes, 74 * 2**30, statuses)[7].short_bytes == ()  # not out of memory
+
+
+def test_what_nanotron_holds_is_checked_on_every_stage_not_only_the_plans_peak(bench):
+    """ZeRO-0 at dp 2 and one micro-batch: the plan holds 16 bytes a parameter, nanotron 20. The plan's peak is
+    the stage of more activations (56 GiB against 54), nanotron's the stage of more parameters (62.5 against 60)."""
+    row = bench.Row(model="playbook-3B", n_gpus=4, dp=2, tp=1, pp=2, micro_batch_size=1, grad_accum=1, seq_len=4096,
+                    zero_stage="0", status="ok", tokens_per_s_per_gpu=1.0, line=0)
+    gib = 2**30
+    stages = (StepCost(peak_bytes=56 * gib, step_time_s=1.0,
+                       memory_bytes={"sharded_state": 16 * gib, "activations": 40 * gib}),
+              StepCost(peak_bytes=54 * gib, step_time_s=1.0,
+                       memory_bytes={"sharded_state": 34 * gib, "activations": 20 * gib}))
+    plan = Predicted(peak_bytes=56 * gib, step_time_s=1.0, memory_bytes=dict(stages[0].memory_bytes))
+    held = bench.as_nanotron_holds(plan, stages, row, bench.MODELS[row.model])
+    assert held.peak_bytes == 62.5 * gib
+    assert held.memory_bytes["sharded_state"] == 42.5 * gib
+
+
+def test_evaluate_stages_gives_evaluates_prediction_and_every_stages_own_cost(bench):
+    row = bench.Row(model="playbook-3B", n_gpus=16, dp=4, tp=1, pp=4, micro_batch_size=4, grad_accum=16,
+                    seq_len=4096, zero_stage="1", status="ok", tokens_per_s_per_gpu=1.0, line=0)
+    dims = bench.MODELS[row.model]
+    chain = bench.llama_chain(dims, 64, 4096, pipelined=True, sequence_sharded_norm=True)
+    plan = bench.plan_for(row, chain, dims)
+    predicted, stages = evaluate_stages(chain, plan, "h100-80g")
+    assert predicted == evaluate(chain, plan, "h100-80g")
+    assert len(stages) == 4 and predicted.peak_bytes == max(stage.peak_bytes for stage in stages)
+    # 1F1B: stage s holds pp - s micro-batches of its layers (8 on the first three stages, 4 and the head on the
+    # last; a layer 1.94 GiB a micro-batch), as nanotron's engine does (pp - rank - 1 warm-up forwards, then one
+    # forward and one backward)
+    assert [round(stage.memory_bytes["activations"] / 2**30, 2) for stage in stages] == [62.0, 46.5, 31.0, 7.75]
