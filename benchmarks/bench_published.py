@@ -9,6 +9,7 @@
     .venv/bin/python benchmarks/bench_published.py --picks            # what compile picks on the published shapes
     .venv/bin/python benchmarks/bench_published.py --picks --nanotron-space  # and among the plans nanotron runs
     .venv/bin/python benchmarks/bench_published.py --breakdown        # a layer's op kinds as priced, one node's rows
+    .venv/bin/python benchmarks/bench_published.py --captured-attention  # a captured layer's attention, and built
     .venv/bin/python benchmarks/bench_published.py --nanotron-csv bench_final2_mfu2.csv  # crashes by its status
 
 Every row of the data set becomes a shardplan plan as nanotron ran it: one unit per block
@@ -34,6 +35,7 @@ no torch, no capture, so the whole data set is evaluated in seconds.
 import argparse
 import csv
 import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -46,7 +48,7 @@ from scipy.stats import kendalltau
 from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
 from shardplan.compile import default_space, evaluate_stages, solve, tensor_parallel_section
 from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, RuntimeKernels, StepCost, UnitSizes,
-                            kind_time_s, unpriced_dispatches)
+                            kind_time_s, on_rank, unpriced_dispatches)
 from shardplan.hardware import HardwareProfile, get_hardware
 from shardplan.solver.search import Configuration
 from shardplan.plan import (Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
@@ -1168,6 +1170,42 @@ def print_op_breakdown(rows: list[Row], hw) -> None:
             for mbs, (measured, predicted) in per_sequence_s(rows, model, hw).items()))
 
 
+LLAMA_7B = LlamaDims(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000, tied=False)
+"""zoo.llama_7b's dimensions (LLaMA-7B), as llama_chain builds them."""
+
+
+@functools.cache
+def llama_7b_layers(seq_len: int) -> tuple[Block, Block]:
+    """A LLaMA-7B layer over one sequence: captured as compile captures it (zoo.llama_7b at one layer on meta, analysed
+    on fake CPU tensors, so CPU's flash attention op with torch's FLOPs over every score and the masked ones apart) and
+    as llama_chain builds it (FlashAttention-2's op, its FLOPs causal-halved as FlashAttention's benchmark counts them)."""
+    from shardplan import zoo
+    from shardplan.passes import analyze
+
+    entry = zoo.llama_7b(n_layer=1, batch=1, seq=seq_len)
+    captured = next(block for block in analyze(entry.model, entry.args, entry.kwargs).blocks
+                    if block.name == "model.layers.0")
+    return captured, llama_chain(dataclasses.replace(LLAMA_7B, layers=1), 1, seq_len, pipelined=False).blocks[1]
+
+
+def attention_ms(hw, seq_len: int = 4096, tp: int = 1) -> dict[str, tuple[float, float]]:
+    """llama_7b_layers' attention on a rank of `tp`, forward and backward milliseconds as `hw` prices them, by
+    source: "captured" and "hand-built"."""
+    ctx = CostContext(hardware=hw, dp=1, tp=tp, param_dtype="bfloat16")
+
+    def milliseconds(block: Block) -> tuple[float, float]:
+        on_tp_rank = on_rank(block, ctx)
+        fwd, bwd = (sum(kind_time_s(kind, ctx) for kind in kinds if kind.name.startswith(ATTENTION)) * 1e3
+                    for kinds in (on_tp_rank.fwd_kinds, on_tp_rank.bwd_kinds))
+        return fwd, bwd
+
+    return dict(zip(("captured", "hand-built"), map(milliseconds, llama_7b_layers(seq_len))))
+
+
+ATTENTION = "_scaled_dot_product_flash_attention"
+"""The prefix of every flash attention op's name: the GPU's, CPU's (_for_cpu) and their backward."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
@@ -1196,6 +1234,9 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="only the single-node budget: each op kind of a layer and of the head as priced, beside "
                              "what the one-node tp = pp = 1 rows took a sequence")
+    parser.add_argument("--captured-attention", action="store_true",
+                        help="only a LLaMA-7B layer's attention on one sequence of 4096 tokens, forward and backward, "
+                             "captured as compile captures it beside the hand-built chain's")
     args = parser.parse_args()
     if args.nanotron_space and not args.picks:
         parser.error("--nanotron-space narrows --picks: give both")
@@ -1206,6 +1247,11 @@ def main() -> None:
     hw = with_fabric(hw, FABRICS[args.fabric], f"the {args.fabric} fabric") if args.fabric in FABRICS else hw
     if args.picks:
         print_tensor_parallel_picks(hw, nanotron_space=args.nanotron_space)
+        return
+    if args.captured_attention:
+        for source, (fwd, bwd) in attention_ms(hw).items():
+            print(f"LLaMA-7B layer, one sequence of 4096 tokens on {hw.name}, {source}: attention forward {fwd:.3f} ms, "
+                  f"backward {bwd:.3f} ms")
         return
     rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
     if args.breakdown:

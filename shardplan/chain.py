@@ -25,6 +25,10 @@ class OpKind:
     weight_bytes: int = 0
     """Of `bytes`, those of parameters and buffers: read whole by every micro-batch, while the
     rest (activations) splits over micro-batches."""
+    masked_flops: int = 0
+    """Of `flops`, those a causal mask hides: attention's products over the scores above the diagonal,
+    which torch's FLOP formulas count as if computed. A kernel that skips masked blocks (FlashAttention-2)
+    does not run them; a profile says which do (HardwareProfile.skips_masked_flops)."""
 
 
 def merge_op_kinds(groups: Iterable[Iterable[OpKind]]) -> tuple[OpKind, ...]:
@@ -32,13 +36,15 @@ def merge_op_kinds(groups: Iterable[Iterable[OpKind]]) -> tuple[OpKind, ...]:
     totals: dict[str, list[int]] = {}
     for kinds in groups:
         for kind in kinds:
-            total = totals.setdefault(kind.name, [0, 0, 0, 0])
+            total = totals.setdefault(kind.name, [0, 0, 0, 0, 0])
             total[0] += kind.calls
             total[1] += kind.flops
             total[2] += kind.bytes
             total[3] += kind.weight_bytes
-    return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes)
-                 for name, (calls, flops, nbytes, weight_bytes) in sorted(totals.items()))
+            total[4] += kind.masked_flops
+    return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes,
+                        masked_flops=masked_flops)
+                 for name, (calls, flops, nbytes, weight_bytes, masked_flops) in sorted(totals.items()))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -356,10 +356,11 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
             activations = kind.bytes - kind.weight_bytes
             cut_weights = round(kind.weight_bytes * weights)
             weight_bytes = kind.weight_bytes - cut_weights + cut_weights // tp
-            found.append(OpKind(name=kind.name, calls=kind.calls,
-                                flops=split(kind.flops, round(kind.flops * flops)),
+            on_rank_flops = split(kind.flops, round(kind.flops * flops))
+            found.append(OpKind(name=kind.name, calls=kind.calls, flops=on_rank_flops,
                                 bytes=split(activations, round(activations * moved)) + weight_bytes,
-                                weight_bytes=weight_bytes))
+                                weight_bytes=weight_bytes,
+                                masked_flops=kind.masked_flops * on_rank_flops // max(1, kind.flops)))
         return tuple(found)
 
     cut_numel = parts.sliced_numel if parts else 0
@@ -432,7 +433,7 @@ def kind_time_s(kind: OpKind, ctx: CostContext) -> float:
     parameter bytes, at the factor and fixed cost the profile measured for it."""
     moved = kind.weight_bytes + _per_micro_batch(kind.bytes - kind.weight_bytes, ctx)
     return ctx.hardware.compute_time_s(kind.flops / ctx.num_micro_batches, moved, ctx.param_dtype, calls=kind.calls,
-                                       op=kind.name)
+                                       op=kind.name, masked_flops=kind.masked_flops / ctx.num_micro_batches)
 
 
 def unpriced_dispatches(block: Block) -> int:

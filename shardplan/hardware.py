@@ -178,8 +178,9 @@ class HardwareModel(Protocol):
         """Whether a collective can run while the device computes (HardwareProfile.overlaps_communication)."""
 
     def compute_time_s(self, flops: float, bytes_moved: float, dtype: str = "float32", *, calls: int = 1,
-                       op: str = "") -> float:
-        """Time of `calls` equal ops that together do `flops` and move `bytes_moved`."""
+                       op: str = "", masked_flops: float = 0.0) -> float:
+        """Time of `calls` equal ops that together do `flops` (`masked_flops` of them hidden by a causal
+        mask) and move `bytes_moved`."""
 
     @property
     def collective_compute_share(self) -> float:
@@ -239,6 +240,11 @@ class HardwareProfile:
     priced at its roofline (1). Small calls run further from it: a GELU of 50 us by roofline took
     3.1x its memory time here, one of 190 us 2.3x. Read at the call's roofline in the compute dtype,
     though fitted in float32 (a limit)."""
+    skips_masked_flops: tuple[str, ...] = ()
+    """Ops, by the names op_time_factors keys, whose kernel on this device skips the blocks a causal mask
+    hides (FlashAttention-2): priced on their FLOPs less OpKind.masked_flops, the count their factors are
+    against. An op not listed runs every FLOP the analysis counts (CPU's flash attention computes the
+    whole of each 512-key block, so all of a causal call of up to 512 keys: its factors are against that)."""
     op_fixed_costs_s: dict[str, float] = field(default_factory=dict)
     """Fixed cost of one call of an ATen op by name, in place of op_overhead_s, where a calibration
     timed the op's small calls ([Note: op fixed costs] in op_factors.py): a router's sort or topk
@@ -315,14 +321,19 @@ class HardwareProfile:
         return int((self.device_memory_bytes - self.runtime_reserved_bytes) * self.usable_memory_fraction)
 
     def compute_time_s(self, flops: float, bytes_moved: float, dtype: str = "float32", *, calls: int = 1,
-                       op: str = "") -> float:
+                       op: str = "", masked_flops: float = 0.0) -> float:
         """Time of `calls` equal ops that together do `flops` and move `bytes_moved`.
 
         Roofline: the slower of arithmetic (at the efficiency of one call's size) and memory
-        traffic, times the op's measured factor (`op` names it, as ATen does: "gelu"), plus the
-        fixed cost of each call (the op's own where measured, else op_overhead_s). `dtype` is a
-        name ("bfloat16") or a torch.dtype.
+        traffic, times the op's measured factor (`op` names it, as ATen does: "gelu"; an op the
+        profile does not key by that name, by the name OP_ALIASES gives it), plus the fixed cost of
+        each call (the op's own where measured, else op_overhead_s). Of `flops`, the `masked_flops`
+        a causal mask hides are not run where the op's kernel skips them (skips_masked_flops).
+        `dtype` is a name ("bfloat16") or a torch.dtype.
         """
+        op = op if op in self.op_time_factors else OP_ALIASES.get(op, op)
+        if op in self.skips_masked_flops:
+            flops -= masked_flops
         if flops <= 0 and bytes_moved <= 0:
             return 0.0
         arithmetic_s = 0.0
@@ -374,6 +385,8 @@ class HardwareProfile:
         fields = _fields(cls, {key: value for key, value in data.items() if key not in _NOT_FIELDS}, "")
         fields["matmul"] = {dtype: _parse_matmul(rate, f"matmul.{dtype}")
                             for dtype, rate in _object(fields["matmul"], "matmul").items()}
+        if "skips_masked_flops" in fields:
+            fields["skips_masked_flops"] = _parse_names(fields["skips_masked_flops"], "skips_masked_flops")
         if "op_time_factors" in fields:
             fields["op_time_factors"] = {op: _parse_curve(curve, f"op_time_factors.{op}")
                                          for op, curve in _object(fields["op_time_factors"], "op_time_factors").items()}
@@ -381,6 +394,15 @@ class HardwareProfile:
             fields[link] = _parse_link(fields[link], link)
         return cls(**fields)
 
+
+OP_ALIASES = {
+    "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward",
+}
+"""Ops named by the device the analysis ran them on, and the name the same computation has on another
+device's kernel: a profile that does not key an op by its own name prices it by this one. The analysis
+runs a model on fake CPU tensors, so its attention is CPU's flash kernel; on a GPU the same call runs a
+flash kernel, whose published rates (FlashAttention-2's) the GPU profiles key."""
 
 _NOT_FIELDS = ("schema", "sources")
 """Keys of a profile's JSON that are not fields: its format, and where each figure comes from (for readers)."""
@@ -421,6 +443,13 @@ def _parse_curve(data: object, where: str) -> SizeCurve:
         raise HardwareError(f"hardware profile field {where}.points must be a non-empty list of "
                             f"[size, factor] pairs, got {points!r}")
     return SizeCurve(points=tuple((point[0], point[1]) for point in points))
+
+
+def _parse_names(data: object, where: str) -> tuple[str, ...]:
+    if not isinstance(data, list) or not all(isinstance(name, str) for name in data):
+        raise HardwareError(f"hardware profile field {where} is {data!r}: make it a list of op names as "
+                            "ATen spells them, or leave it out")
+    return tuple(data)
 
 
 def _parse_matmul(data: object, where: str) -> MatmulRate:
@@ -475,8 +504,8 @@ def _figures(value: object, where: str) -> Iterator[tuple[str, object]]:
         yield where, value
 
 
-_NOT_FIGURES = ("name", "source", "overlaps_communication", "collective_compute_share", "in_step_wait_s",
-                "latency_per_node_doubling_s", "ring_latency_per_node_s", "ring_latency_per_local_rank_s",
+_NOT_FIGURES = ("name", "source", "skips_masked_flops", "overlaps_communication", "collective_compute_share",
+                "in_step_wait_s", "latency_per_node_doubling_s", "ring_latency_per_node_s", "ring_latency_per_local_rank_s",
                 "runtime_reserved_bytes", "selective_op_overhead_s", "view_overhead_s")
 """Fields that are not positive figures (a wait, a latency step, a reserve, a cost not measured may be 0:
 checked on their own)."""

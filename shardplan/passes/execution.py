@@ -132,6 +132,21 @@ def op_flops(func, args: tuple, kwargs: dict | None, out) -> int:
     return 0 if formula is None else formula(*args, **(kwargs or {}), out_val=out)
 
 
+def op_masked_flops(func, args: tuple, kwargs: dict | None, flops: int) -> int:
+    """Of an op's `flops`, those a causal mask hides (OpKind.masked_flops): for an attention kernel called
+    with `is_causal`, the share of its scores above the diagonal (torch's mask keeps query row i the keys
+    0..i), every product it counts (QK^T, PV and their gradients) being one per score. 0 for any other op."""
+    if not flops:
+        return 0
+    values = dict(zip((argument.name for argument in func._schema.arguments), args)) | (kwargs or {})
+    if not values.get("is_causal"):
+        return 0
+    rows, keys = values["query"].shape[-2], values["key"].shape[-2]
+    diagonal = min(rows, keys)
+    kept = diagonal * (diagonal + 1) // 2 + (rows - diagonal) * keys  # rows past the last key keep them all
+    return flops * (rows * keys - kept) // (rows * keys)
+
+
 def flop_counter() -> FlopCounterMode:
     """FlopCounterMode with EXTRA_FLOP_FORMULAS: what the analysis counts, for checks against eager.
     transformers' ops join once transformers has registered them (a model of it was built)."""
@@ -165,7 +180,7 @@ class _Tally:
 
     def __init__(self) -> None:
         self.kinds: dict[str, list[int]] = {}
-        """Op name → [calls, FLOPs, bytes, weight bytes]."""
+        """Op name → [calls, FLOPs, bytes, weight bytes, masked FLOPs]."""
         self.selective_bytes = 0
         """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
         self.selective_storages: set[StorageWeakRef] = set()
@@ -174,8 +189,9 @@ class _Tally:
         """Ops dispatched, views included (metadata queries not)."""
 
     def op_kinds(self) -> tuple[OpKind, ...]:
-        return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes)
-                     for name, (calls, flops, nbytes, weight_bytes) in sorted(self.kinds.items()))
+        return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes,
+                            masked_flops=masked_flops)
+                     for name, (calls, flops, nbytes, weight_bytes, masked_flops) in sorted(self.kinds.items()))
 
     def facts(self, phase: str) -> dict:
         kinds = self.op_kinds()
@@ -211,11 +227,13 @@ class _OpTally(TorchDispatchMode):
             tally.selective_storages.update(StorageWeakRef(t.untyped_storage()) for t in pytree.tree_leaves(out)
                                             if isinstance(t, torch.Tensor))
         matmuls = GROUPED_MATMULS.get(name)
-        kind = tally.kinds.setdefault("mm" if matmuls else name, [0, 0, 0, 0])
+        kind = tally.kinds.setdefault("mm" if matmuls else name, [0, 0, 0, 0, 0])
+        flops = op_flops(func, args, kwargs, out)
         kind[0] += matmuls * args[2].shape[0] if matmuls else 1
-        kind[1] += op_flops(func, args, kwargs, out)
+        kind[1] += flops
         kind[2] += moved_bytes(func, args, kwargs, out)
         kind[3] += moved_bytes(func, args, kwargs, out, only=self.weights)
+        kind[4] += op_masked_flops(func, args, kwargs, flops)
         return out
 
 
