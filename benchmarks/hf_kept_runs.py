@@ -4,7 +4,8 @@ strategy, and by the in-step wait each run's calibration measured.
     .venv/bin/python benchmarks/hf_kept_runs.py DIR [DIR ...]
 
 One run is one architecture's profile and measurements in one folder (<name>.profile.json,
-<name>.measured.json), priced on this code as `bench_hf_memory.py --price` prices them. A run with any
+<name>.measured.json), priced on this code as `bench_hf_memory.py --price` prices them; each run's line
+says how many of its kinds hold issue 22's bands (unrounded ratios). A run with any
 kind's step time outside 0.75-1.25 of its prediction met a load spike (a step 1.3-2x the same kind's in
 another run, or a calibration whose in-step wait read 4-7 ms) and is left out. Of the rest it prints each
 kind's mean ratio (predicted / measured), the medians of the differences between two strategies' steps at
@@ -20,6 +21,7 @@ import statistics
 
 from shardplan.accuracy import Accuracy, compare, demo_chain_and_plans, hf_workload
 from shardplan.hardware import HardwareProfile
+from bench_hf_memory import MEMORY_BAND, STEP_TIME_BAND
 
 SPIKE_BAND = (0.75, 1.25)
 """A run with a kind outside this ratio of step time met a load spike, not the model."""
@@ -56,6 +58,14 @@ def main() -> None:
     parser.add_argument("folders", nargs="+", help="folders bench_hf_memory.py --keep wrote")
     options = parser.parse_args()
     runs = kept_runs(options.folders)
+    print(f"each run: its calibration's in-step wait, memory and step time predicted / measured, kinds within "
+          f"{MEMORY_BAND[0]}-{MEMORY_BAND[1]} and {STEP_TIME_BAND[0]}-{STEP_TIME_BAND[1]}")
+    for name, wait, rows in runs:
+        memory, time = [row.memory_ratio for row in rows], [row.time_ratio for row in rows]
+        held = sum(MEMORY_BAND[0] <= row.memory_ratio <= MEMORY_BAND[1]
+                   and STEP_TIME_BAND[0] <= row.time_ratio <= STEP_TIME_BAND[1] for row in rows)
+        print(f"  {name:12s} wait {wait * 1e3:.2f} ms, memory {min(memory):.2f}-{max(memory):.2f}, "
+              f"step time {min(time):.2f}-{max(time):.2f}, {held} of {len(rows)} in band")
     quiet = [run for run in runs if not met_a_spike(run[2])]
     print(f"{len(quiet)} of {len(runs)} runs without a kind outside {SPIKE_BAND[0]}-{SPIKE_BAND[1]} "
           f"(left out: {', '.join(name for name, _, rows in runs if met_a_spike(rows)) or '-'})")
