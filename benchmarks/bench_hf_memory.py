@@ -32,7 +32,7 @@ from rich.console import Console
 
 from shardplan import get_hardware, zoo
 from shardplan.accuracy import (HF_OTHER_ARCHITECTURES, HF_WORKLOADS, accuracy_table, compare, demo_chain_and_plans,
-                                hf_architecture_workload, measure_plans)
+                                hf_workload, measure_plans)
 from shardplan.calibrate import MODES, Measurements, fit_profile, summary, sweep_for
 from shardplan.hardware import HardwareProfile
 
@@ -78,7 +78,7 @@ def main() -> None:
     rounds = options.rounds or (sweep.rounds if sweep else 3)
     spans = []
     for name in names:
-        workload = HF_WORKLOADS[name] if name in HF_WORKLOADS else hf_architecture_workload(name)
+        workload = hf_workload(name)
         chain, plans = demo_chain_and_plans(2, workload)
         load = os.getloadavg()[0]
         measurements = None

@@ -4,13 +4,14 @@
         --profile runs/hf-mixtral.profile.json
 
 Where bench_hf_memory.py finds a step mispriced, this says whether the kernels are: it runs the plan kinds
-of accuracy.HF_WORKLOADS[name] (one unit per block, as that bench plans them) on 2 gloo ranks, times every
-kernel of rank 0's step under op_factors' kernel clock (each call's fastest of --rounds rounds; the clock
-synchronises around each call, so the clocked step is a little longer than a free one) and prices each
-call on its own FLOPs and bytes at its op's factor on the profile (as the ranks share this machine's
-cores: accuracy.shared_cores). It prints, per op, calls, measured ms and priced ms, largest gap first,
-then the step: wall (unclocked), kernels measured and priced, and what compile.evaluate predicts. The
-profile is one `bench_hf_memory.py --keep DIR` wrote (<name>.profile.json), or any calibrated profile.
+of accuracy.hf_workload(name) (HF_WORKLOADS' or zoo.HF_ARCHITECTURES' at the same size; one unit per block,
+as that bench plans them) on 2 gloo ranks, times every kernel of rank 0's step under op_factors' kernel clock
+(each call's fastest of --rounds rounds; the clock synchronises around each call, so the clocked step is a
+little longer than a free one) and prices each call on its own FLOPs and bytes at its op's factor on the
+profile (as the ranks share this machine's cores: accuracy.shared_cores). It prints, per op, calls, measured
+ms and priced ms, largest gap first, then the step: wall (unclocked), kernels measured and priced, and what
+compile.evaluate predicts. The profile is one `bench_hf_memory.py --keep DIR` wrote (<name>.profile.json),
+or any calibrated profile.
 """
 import argparse
 import collections
@@ -20,7 +21,9 @@ import time
 
 import torch
 
-from shardplan.accuracy import HF_WORKLOADS, KINDS, _train_step, demo_chain_and_plans, machine_cores, shared_cores
+from shardplan import zoo
+from shardplan.accuracy import (HF_WORKLOADS, KINDS, _train_step, demo_chain_and_plans, hf_workload, machine_cores,
+                                shared_cores)
 from shardplan.compile import evaluate
 from shardplan.hardware import get_hardware
 from shardplan.op_factors import _KernelClock
@@ -70,13 +73,13 @@ def clocked_steps(device, report, plan_jsons: dict[str, str], workload, rounds: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=list(HF_WORKLOADS))
+    parser.add_argument("name", choices=list(HF_WORKLOADS) + list(zoo.HF_ARCHITECTURES))
     kinds = [f"{strategy.value}/{checkpoint.value}" for strategy, checkpoint in KINDS]
     parser.add_argument("--kinds", nargs="+", default=["shard_optimizer/none"], choices=kinds)
     parser.add_argument("--profile", required=True, help="a calibrated profile JSON (bench_hf_memory.py --keep)")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    workload = HF_WORKLOADS[args.name]
+    workload = hf_workload(args.name)
     chain, plans = demo_chain_and_plans(2, workload)
     chosen = {kind: plan for kind, plan in zip(kinds, plans) if kind in args.kinds}
     hw = shared_cores(get_hardware(args.profile), 2, machine_cores())

@@ -5,11 +5,12 @@ unit's gathers, reductions and releases, and the page faults of each phase.
     .venv/bin/python benchmarks/step_timeline.py hf-mixtral --timeline        # and every call over 0.2 ms
 
 Where bench_hf_memory.py finds a plan kind's step slower than predicted, this says in which phase: it runs
-the chosen plan kinds of accuracy.HF_WORKLOADS[name] (one unit per block, as that bench plans them) on 2
-gloo ranks, their steps interleaved round by round as that bench times them, and prints rank 0's fastest
-round of each: the phases' milliseconds and minor page faults, and per phase the calls into the runtime's
-units (runtime/unit.py: a prefetch issues an all-gather, `gathered` waits for one or gathers at once,
-`reduce` issues the gradient's reduction, `finish_reduction` waits for it and adds it into `.grad`).
+the chosen plan kinds of accuracy.hf_workload(name) (HF_WORKLOADS' or zoo.HF_ARCHITECTURES' at the same
+size; one unit per block, as that bench plans them) on 2 gloo ranks, their steps interleaved round by round
+as that bench times them, and prints rank 0's fastest round of each: the phases' milliseconds and minor page
+faults, and per phase the calls into the runtime's units (runtime/unit.py: a prefetch issues an all-gather,
+`gathered` waits for one or gathers at once, `reduce` issues the gradient's reduction, `finish_reduction`
+waits for it and adds it into `.grad`).
 """
 import argparse
 import collections
@@ -20,7 +21,8 @@ import time
 
 import torch
 
-from shardplan.accuracy import HF_WORKLOADS, KINDS, demo_chain_and_plans
+from shardplan import zoo
+from shardplan.accuracy import HF_WORKLOADS, KINDS, demo_chain_and_plans, hf_workload
 from shardplan.runtime.launch import run_world
 from clock_step import trained_program
 
@@ -103,13 +105,13 @@ def show(kind: str, marks: dict[str, float], calls: list, timeline: bool) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=list(HF_WORKLOADS))
+    parser.add_argument("name", choices=list(HF_WORKLOADS) + list(zoo.HF_ARCHITECTURES))
     kinds = [f"{strategy.value}/{checkpoint.value}" for strategy, checkpoint in KINDS]
     parser.add_argument("--kinds", nargs="+", default=kinds, choices=kinds)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--timeline", action="store_true", help="also every call over 0.2 ms, and each prefetch")
     args = parser.parse_args()
-    workload = HF_WORKLOADS[args.name]
+    workload = hf_workload(args.name)
     _, plans = demo_chain_and_plans(2, workload)
     chosen = {kind: plan.to_json() for kind, plan in zip(kinds, plans) if kind in args.kinds}
     load_before = os.getloadavg()[0]

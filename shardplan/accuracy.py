@@ -198,6 +198,11 @@ def hf_architecture_workload(architecture: str) -> Workload:
     return Workload(name=architecture, options=(("batch", batch), ("seq", seq), *sorted(fields.items())))
 
 
+def hf_workload(name: str) -> Workload:
+    """HF_WORKLOADS' `name`, or zoo.HF_ARCHITECTURES' at the same size (hf_architecture_workload)."""
+    return HF_WORKLOADS[name] if name in HF_WORKLOADS else hf_architecture_workload(name)
+
+
 def demo_chain_and_plans(world_size: int, workload: Workload = DEMO_WORKLOAD) -> tuple[BlockChain, list[Plan]]:
     """`workload`'s analysed chain and one hand-written plan per kind (one unit per block, as KINDS orders)."""
     from .passes import analyze

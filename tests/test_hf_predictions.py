@@ -84,3 +84,11 @@ def test_roberta_runs_at_the_tables_size():
     workload = hf_architecture_workload("roberta")
     entry = workload.build()
     assert entry.model(*entry.args, **entry.kwargs).loss.isfinite()
+
+
+def test_the_benchmarks_name_every_architecture_at_the_tables_size():
+    from shardplan.accuracy import hf_workload
+
+    assert hf_workload("hf-llama") is HF_WORKLOADS["hf-llama"]
+    assert hf_workload("bloom") == hf_architecture_workload("bloom")
+    assert dict(hf_workload("bloom").options)["hidden_size"] == dict(HF_WORKLOADS["hf-llama"].options)["d_model"]
