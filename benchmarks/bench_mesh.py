@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_mesh.py                      # calibrates in the same rounds
     .venv/bin/python benchmarks/bench_mesh.py --profile profile.json
+    .venv/bin/python benchmarks/bench_mesh.py --memory-only --gpt 1024 512 2 64 4 --kinds "tp2 sp vocab"
 
 The demo GPT under every kind of shardplan.accuracy.MESH_KINDS (tp 2 without and with vocabulary and
 sequence parallelism, dp 2 x tp 2, HSDP 2 x 2; every unit FULL_SHARD), trained on CPU ranks (gloo),
@@ -10,6 +11,10 @@ tensor on the rank, the largest over the ranks), time a whole training step of r
 of interleaved rounds; prediction is compile.evaluate, on a calibration made in the same rounds as
 the world of 2 (or --profile) and on the built-in cpu-gloo profile. A world of more ranks than the
 machine's cores is priced on shardplan.accuracy.shared_cores ([Note: more ranks than cores]).
+--memory-only measures each kind's peak memory in one step (no calibration, no timing: memory does not
+depend on the machine's load) against the built-in profile's prediction; --gpt sets the GPT's shape
+(8 heads), where a wider hidden size or a longer sequence makes a layer's transients a larger share of
+the peak than the demo's.
 """
 import argparse
 import os
@@ -17,9 +22,11 @@ import os
 import torch
 from rich.console import Console
 
-from shardplan import get_hardware
-from shardplan.accuracy import accuracy_table, compare, demo_mesh_plans, machine_cores, measure_by_world
+from shardplan import get_hardware, zoo
+from shardplan.accuracy import (DEMO_WORKLOAD, MESH_KINDS, Workload, accuracy_table, compare, demo_mesh_plans,
+                                machine_cores, measure_by_world)
 from shardplan.calibrate import CPU_SWEEP, fit_profile, summary
+from shardplan.sizes import format_bytes
 
 
 def main() -> None:
@@ -28,14 +35,34 @@ def main() -> None:
                                           "in the same rounds as the training steps of the world of 2")
     parser.add_argument("--rounds", type=int, default=CPU_SWEEP.rounds,
                         help="timed rounds of every probe and training step; the fastest is kept")
+    parser.add_argument("--gpt", type=int, nargs=5, metavar=("D_MODEL", "SEQ", "LAYERS", "VOCAB", "BATCH"),
+                        help="the GPT at this shape (8 heads, BATCH sequences a replica); default: the demo's")
+    parser.add_argument("--kinds", nargs="+", choices=list(MESH_KINDS), help="only these mesh kinds")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="peak memory only, measured in one step, against the built-in cpu-gloo profile")
     options = parser.parse_args()
     torch.set_num_threads(1)
-    chain, named = demo_mesh_plans()
+    workload = DEMO_WORKLOAD
+    if options.gpt:
+        d_model, seq, layers, vocab, batch = options.gpt
+        config = zoo.GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=layers, n_head=8, d_model=d_model)
+        workload = Workload(name="gpt", options=(("config", config), ("batch", batch)))
+    chain, named = demo_mesh_plans(workload, options.kinds)
     plans = list(named.values())
-    measurements, measured = measure_by_world(plans, options.rounds, sweep=None if options.profile else CPU_SWEEP)
+    console = Console(width=120)
+    if options.memory_only:
+        _, measured = measure_by_world(plans, 1, workload=workload)
+        rows = compare(chain, plans, measured, get_hardware("cpu-gloo"), list(named))
+        hidden_states = next(block for block in chain.blocks if block.name == "h.0").output_bytes
+        console.print(f"{workload.options}: a layer's hidden states {format_bytes(hidden_states)}")
+        for row in rows:
+            console.print(f"{row.kind}: predicted {format_bytes(row.predicted_bytes)}, measured "
+                          f"{format_bytes(row.measured_bytes)}, ratio {row.memory_ratio:.3f}")
+        return
+    measurements, measured = measure_by_world(plans, options.rounds, sweep=None if options.profile else CPU_SWEEP,
+                                              workload=workload)
     hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)
     how = "saved profile" if options.profile else "calibrated in the same rounds"
-    console = Console(width=120)
     console.print(summary(hardware))
     console.print(f"{machine_cores()} cores, load average {os.getloadavg()[0]:.2f} at the end")
     for profile, words in ((hardware, how), (get_hardware("cpu-gloo"), "built-in cpu-gloo profile")):

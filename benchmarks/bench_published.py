@@ -324,6 +324,9 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     With `sequence_sharded_norm` the final norm divides too, its input and output and its time: nanotron
     runs it on the last layer's reduce-scattered output, a 1/tp slice of the sequence (line 905), and
     its LM head saves that slice, not the gathered input (tp_recompute_allgather, true by default).
+    Of a layer's transients, one hidden-state tensor stays whole on every tp rank: a row-parallel linear's
+    output before its reduce-scatter (tensor_parallel/functional.py line 466 at e24d2483) and a column-parallel
+    linear's input gradient before its (line 296).
 
     Time: the kernels nanotron's code launches (models/llama.py and tensor_parallel/functional.py, the same at
     67c5ebb6 and e24d2483; flash-attn v2.5.8), each priced by its bytes. A layer's attention (with as many kv heads
@@ -381,6 +384,7 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
                            sliced_saved_bytes=(attention_saved + 4 * i) * tokens * BF16_BYTES,
                            sequence_layer=True, all_reduces=4, exchange_bytes=stream,
                            gathered_saved_bytes=2 * stream if code.saves_gathered_input else 0,
+                           whole_transient_bytes=stream,
                            sharded=tuple((f"model.layers.{n}.{module}", style) for module, style in LAYER_STYLES))
                    for n in range(dims.layers)]
     blocks += [_block(1 + n, f"model.layers.{n}", layer_numel, layer_kinds, layer_bwd_kinds, saved=layer_saved,

@@ -215,17 +215,19 @@ def demo_chain_and_plans(world_size: int, workload: Workload = DEMO_WORKLOAD) ->
                    for strategy, checkpoint in KINDS]
 
 
-def demo_mesh_plans() -> tuple[BlockChain, dict[str, Plan]]:
-    """The demo GPT's analysed chain and a plan of every mesh kind (MESH_KINDS), one unit per block."""
+def demo_mesh_plans(workload: Workload = DEMO_WORKLOAD,
+                    kinds: "list[str] | None" = None) -> tuple[BlockChain, dict[str, Plan]]:
+    """A GPT workload's analysed chain (the demo GPT's by default) and a plan of every mesh kind of
+    MESH_KINDS (or of `kinds`), one unit per block."""
     from .passes import analyze
     from .runtime.manual import manual_plan
 
-    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    entry = workload.build()
     chain = analyze(entry.model, entry.args, entry.kwargs)
-    groups = zoo.gpt_units(DEMO_GPT.n_layer)
-    return chain, {name: manual_plan(entry.model, groups, **{"dp": 1, **mesh}, example_inputs=entry.args,
+    groups = workload.units(chain)
+    return chain, {name: manual_plan(entry.model, groups, **{"dp": 1, **MESH_KINDS[name]}, example_inputs=entry.args,
                                      example_kwargs=entry.kwargs)
-                   for name, mesh in MESH_KINDS.items()}
+                   for name in kinds or MESH_KINDS}
 
 
 def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep, workload: Workload = DEMO_WORKLOAD):

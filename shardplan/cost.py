@@ -127,8 +127,9 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
   TensorParallelFacts f and t = tp where f.divides % t = 0: params = numel - f.sliced + f.sliced / t;
   FLOPs, op bytes, saved = whole - sliced + sliced / t; with sequence parallelism in a sequence layer
   all of them, and its input and output, / t (params as without), but for the pairs' inputs the
-  column-parallel linears keep after the all-gather (f.gathered_saved_bytes, whole). Every term
-  above then reads the rank's blocks.
+  column-parallel linears keep after the all-gather (f.gathered_saved_bytes, whole); transients
+  scale as the saved bytes do, but for one whole-width tensor of the hidden states under sequence
+  parallelism (f.whole_transient_bytes, whole). Every term above then reads the rank's blocks.
 - tp exchanges, per micro-batch, exposed: Σ_blocks f.all_reduces × all_reduce(f.exchange_bytes /
   m, t), or with sequence parallelism × (all_gather + reduce_scatter) of the same bytes, on the tp
   group (consecutive ranks: one node while t ≤ its devices).
@@ -328,7 +329,8 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     """`block` as one rank runs it: a replica's batch (ctx.batch_scale of the captured one), and over
     ctx.tp ranks what the block's TensorParallelFacts slice divided by tp ([Note: a block on a tp rank]
     in chain.py). Transients and the memory-bound ops' bytes scale as the saved activations do (an
-    approximation: the analysis does not split them by op)."""
+    approximation: the analysis does not split them by op), but under sequence parallelism the
+    whole-width tensor exchanged around a pair (TensorParallelFacts.whole_transient_bytes) stays whole."""
     facts = block.tensor_parallel
     sliced = facts is not None and facts.slices_at(ctx.tp)
     if ctx.batch_scale == 1 and not sliced:
@@ -369,6 +371,12 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     if everything:  # the pairs' inputs are saved after sequence parallelism's all-gather: whole
         saved += round(parts.gathered_saved_bytes * (scale - rest_scale))  # type: ignore[union-attr]
     ratio = saved / block.saved_bytes if block.saved_bytes else rest_scale
+    whole = parts.whole_transient_bytes if everything else 0  # type: ignore[union-attr]
+
+    def transient(total: int) -> int:
+        """Of a transient, the whole-width part stays whole; the rest scales as the saved bytes do."""
+        kept = min(total, whole)
+        return round((total - kept) * ratio + kept * scale)
     return replace(
         block, param_numel=numel,
         param_bytes=block.param_bytes * numel // block.param_numel if block.param_numel else block.param_bytes,
@@ -376,8 +384,8 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         bwd_flops=split(block.bwd_flops, parts.sliced_bwd_flops if parts else 0),
         saved_bytes=saved, input_bytes=round(block.input_bytes * rest_scale),
         output_bytes=round(block.output_bytes * rest_scale),
-        fwd_transient_bytes=round(block.fwd_transient_bytes * ratio),
-        bwd_transient_bytes=round(block.bwd_transient_bytes * ratio),
+        fwd_transient_bytes=transient(block.fwd_transient_bytes),
+        bwd_transient_bytes=transient(block.bwd_transient_bytes),
         fwd_memory_bytes=round(block.fwd_memory_bytes * ratio), bwd_memory_bytes=round(block.bwd_memory_bytes * ratio),
         selective_bytes=round(block.selective_bytes * ratio),
         selective_saved_bytes=round(block.selective_saved_bytes * ratio),

@@ -406,6 +406,21 @@ def test_a_block_on_a_tp_rank_divides_what_its_facts_slice():
     assert (half_batch.saved_bytes, half_batch.fwd_flops, half_batch.param_numel) == (32 * MiB, 5 * 10**11, 10**6)
 
 
+def test_under_sequence_parallelism_the_exchanged_hidden_states_stay_whole_in_a_blocks_transients():
+    """Measured on the runtime (docs/benchmarks.md, "Sequence parallelism's whole-width transients"): at the
+    peak of a layer's backward a tp rank holds its row-parallel linear's output gradient all-gathered whole
+    beside the 1/tp input gradient, so of a transient one tensor of the hidden states does not divide."""
+    whole = tensor_parallel_block(whole_transient_bytes=8 * MiB)  # the hidden states a pair exchanges
+    sequence = on_rank(whole, ctx(tp=4, sequence_parallel=True))
+    assert sequence.saved_bytes == 16 * MiB  # the rest scales as the saved bytes do: 1/4
+    assert (sequence.fwd_transient_bytes, sequence.bwd_transient_bytes) == (8 * MiB + 8 * MiB // 4,
+                                                                            8 * MiB + 24 * MiB // 4)
+    half_batch = on_rank(whole, ctx(tp=4, sequence_parallel=True, batch_scale=0.5))
+    assert half_batch.bwd_transient_bytes == 4 * MiB + 24 * MiB // 8
+    plain = on_rank(whole, ctx(tp=4))  # without sequence parallelism the saved ratio holds it already
+    assert plain.bwd_transient_bytes == round(32 * MiB * plain.saved_bytes / whole.saved_bytes)
+
+
 def test_tp_exchanges_are_exposed_all_reduces_or_gathers_and_scatters_per_micro_batch():
     b, group = tensor_parallel_block(), 4
     ring = (group - 1) / group

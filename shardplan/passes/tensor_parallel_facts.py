@@ -9,6 +9,8 @@ row-parallel linear's output is a whole-width partial sum, summed by its exchang
 The inputs of the column-parallel linears are counted apart (gathered_saved_bytes): under sequence
 parallelism the runtime saves them after gathering the sequence, whole.
 The parameters sliced are the linears' weights and the column-parallel linears' biases.
+Of the block's transients, one tensor of its hidden states (its output's bytes) is whole on every tp
+rank under sequence parallelism: what the pairs exchange, held whole around each exchange.
 Approximations: the ops outside the pairs (norms, residual adds) count as whole unless sequence
 parallelism divides the whole layer; a pair's exchange moves the block's output bytes (its hidden
 states). Embeddings and LM heads that may shard over the vocabulary (not tied) carry facts of their
@@ -63,6 +65,7 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
             sliced_bwd_flops=sum(k.flops for k in bwd),
             sliced_saved_bytes=_sliced_saved_bytes(groups[index].nodes, pairs),
             gathered_saved_bytes=_pair_input_saved_bytes(groups[index].nodes, pairs),
+            whole_transient_bytes=blocks[index].output_bytes,
             sequence_layer=bool(layers.intersection(blocks[index].modules)), all_reduces=2 * len(pairs),
             exchange_bytes=blocks[index].output_bytes,
             sharded=tuple((linear.module, linear.label) for pair, _ in pairs for linear in pair.linears)))
