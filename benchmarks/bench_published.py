@@ -25,9 +25,10 @@ of old_bench keeps beyond it: NanotronCode; with --job-pp-code a pipelined row w
 code also pays its polling, NanotronCode.polls_p2p). Printed per model and GPU count: Kendall tau of predicted
 against measured tokens/s/GPU over the rows that ran, predicted / measured throughput (median, p10, p90),
 and the memory classification (the share of crashed rows predicted over the device's usable memory, the
-share of rows that ran predicted within it); then the memory against what the rows measured, the NCCL
-communicators a rank holds against what the rows that ran left of the device (communicator_bound) and the rows
-that cannot be expressed, each with its reason.
+share of rows that ran predicted within it, both on the largest stage); then the memory against what the rows
+measured (the playbook's: rank 0's, on the first stage), the NCCL communicators a rank holds against what the
+rows that ran left of the device (communicator_bound) and the rows that cannot be expressed, each with its
+reason.
 
 The LLaMA chains are built by hand from the model dimensions (model_configs.md of the data set):
 no torch, no capture, so the whole data set is evaluated in seconds.
@@ -228,8 +229,12 @@ class Outcome:
     row: Row
     predicted: Predicted | None = None
     tokens_per_s_per_gpu: float = 0.0
+    rank0_peak_bytes: int = 0
+    """Rank 0's peak as nanotron holds it: the first stage's (as_nanotron_holds over it alone), what the
+    playbook's reported memory measures. `predicted` holds the largest stage's, which decides whether the row
+    fits the device."""
     after_pipeline_bytes: int = 0
-    """What the rank holds after the pipeline, at its largest (after_pipeline): the playbook's "Mem Alloc"."""
+    """What rank 0 (the first stage) holds after the pipeline (after_pipeline): the playbook's "Mem Alloc"."""
     reason: str = ""
     """Why the row cannot be expressed as a plan ("" when it can)."""
 
@@ -739,7 +744,8 @@ def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1:
                   + (p2p_polling_s(row, dims) if code.polls_p2p else 0.0))
         tokens = samples * row.seq_len * row.dp / step_s / row.n_gpus
         outcomes.append(Outcome(row=row, predicted=predicted, tokens_per_s_per_gpu=tokens,
-                                after_pipeline_bytes=sum(after_pipeline(plan.memory_bytes, row, dims).values())))
+                                rank0_peak_bytes=as_nanotron_holds(plan, stages[:1], row, dims).peak_bytes,
+                                after_pipeline_bytes=sum(after_pipeline(stages[0].memory_bytes, row, dims).values())))
     return outcomes
 
 
@@ -820,17 +826,19 @@ TP_DEGREES = (1, 2, 4, 8, 16, 32)
 
 
 def memory_ratios(outcomes: list[Outcome]) -> dict[tuple[str, bool, int], float]:
-    """Median predicted peak / reported memory of the rows that ran, by (model, pp > 1, tp). The reported
-    memory is rank 0's, the first stage's; the predicted peak is the plan's peak stage's."""
+    """Median predicted / reported memory of the rows that ran, by (model, pp > 1, tp): both rank 0's, the
+    first stage's (Outcome.rank0_peak_bytes)."""
     groups: dict[tuple[str, bool, int], list[float]] = defaultdict(list)
     for o in outcomes:
         if o.predicted is not None and o.row.ran and o.row.reported_gib:
-            groups[o.row.model, o.row.pp > 1, o.row.tp].append(o.predicted.peak_bytes / 2**30 / o.row.reported_gib)
+            groups[o.row.model, o.row.pp > 1, o.row.tp].append(o.rank0_peak_bytes / 2**30 / o.row.reported_gib)
     return {key: statistics.median(ratios) for key, ratios in groups.items()}
 
 
 def allocated_ratios(outcomes: list[Outcome]) -> dict[int, list[float]]:
-    """Predicted peak / the measured peak allocated memory (old_bench's rows that logged it), by tp."""
+    """Predicted peak / the measured peak allocated memory (old_bench's rows that logged it), by tp. The
+    prediction is the largest stage's: old_bench's log parser read one rank, which one unknown
+    (Row.allocated_gib)."""
     groups: dict[int, list[float]] = defaultdict(list)
     for o in outcomes:
         if o.predicted is not None and o.row.ran and o.row.allocated_gib:
@@ -855,7 +863,7 @@ def reservation_by_speed(outcomes: list[Outcome]) -> dict[str, list[float]]:
     against the best row of its (model, tp, micro-batch size) group: "fast" (over FAST of it), "slow" (under
     SLOW). A rank in such a group runs the same micro-batch (its optimizer state, priced, and its number of
     micro-batches differ), so what a row reserves beyond the prediction that follows the speed is the caching
-    allocator's, not a tensor of the program."""
+    allocator's, not a tensor of the program. (At pp = 1 rank 0 is the whole model: the prediction is its.)"""
     groups: dict[tuple, list[Outcome]] = defaultdict(list)
     for o in outcomes:
         row = o.row
@@ -881,7 +889,7 @@ def print_reservation_by_speed(found: dict[str, list[float]]) -> None:
 
 
 def print_memory_ratios(ratios: dict[tuple[str, bool, int], float]) -> None:
-    print("\nPredicted peak / reported memory (GiB reserved by rank 0), median of the rows that ran:\n")
+    print("\nPredicted / reported memory of rank 0 (the first stage; GiB reserved), median of the rows that ran:\n")
     print_by_tp({(model, "> 1" if pipelined else "1", tp): ratio for (model, pipelined, tp), ratio in ratios.items()},
                 "pp", "{:.2f}")
 
