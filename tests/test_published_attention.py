@@ -50,6 +50,22 @@ def test_a_causal_calls_masked_flops_are_those_of_its_scores_above_the_diagonal(
     assert op_masked_flops(backward, (short, short, short, short, short, short, 0.0, True), {}, 256 * 1000) == 120 * 1000
 
 
+def test_masked_flops_are_read_only_off_attention_ops_laid_out_as_sdpa_takes_them():
+    """CUDA's SDPA ops lay query and key out (batch, heads, sequence, head dim) as CPU's does; the flash kernel
+    under them, `_flash_attention_forward`, lays them (batch, sequence, heads, head dim), where the second-last
+    dimension is the heads (before: 32 heads of 128 read as 32 rows, 0.484 of its FLOPs masked). It, and any op
+    outside SDPA_LAYOUT_ATTENTION, masks none."""
+    short = torch.empty(2, 4, 16, 8)
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    assert op_masked_flops(efficient, (short, short, short, None, False, 0.0, True), {}, 256 * 1000) == 120 * 1000
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+    assert op_masked_flops(cudnn, (short, short, short, None, False), {"is_causal": True}, 256 * 1000) == 120 * 1000
+    sequence_first = torch.empty(1, 4096, 32, 128)
+    assert op_masked_flops(torch.ops.aten._flash_attention_forward.default,
+                           (sequence_first, sequence_first, sequence_first, None, None, 4096, 4096, 0.0, True), {},
+                           10**12) == 0
+
+
 def test_cpu_gloo_prices_a_causal_call_on_every_flop_it_counts():
     """CPU's flash kernel computes every key block up to the diagonal's whole (512 keys wide), so all of a causal call
     of up to 512 keys: cpu-gloo's factors are against torch's count, and its price of a call ignores the mask."""
