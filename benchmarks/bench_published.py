@@ -1178,27 +1178,32 @@ def print_op_breakdown(rows: list[Row], hw) -> None:
             for mbs, (measured, predicted) in per_sequence_s(rows, model, hw).items()))
 
 
-LLAMA_7B = LlamaDims(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000, tied=False)
-"""zoo.llama_7b's dimensions (LLaMA-7B), as llama_chain builds them."""
+ATTENTION = "_scaled_dot_product_flash_attention"
+"""The prefix of every flash attention op's name: the GPU's, CPU's (_for_cpu) and their backward."""
 
 
 @functools.cache
-def llama_7b_layers(seq_len: int) -> tuple[Block, Block]:
-    """A LLaMA-7B layer over one sequence: captured as compile captures it (zoo.llama_7b at one layer on meta, analysed
-    on fake CPU tensors, so CPU's flash attention op with torch's FLOPs over every score and the masked ones apart) and
-    as llama_chain builds it (FlashAttention-2's op, its FLOPs causal-halved as FlashAttention's benchmark counts them)."""
+def captured_and_built_layer(zoo_name: str, seq_len: int) -> tuple[Block, Block]:
+    """A layer of zoo model `zoo_name` (a LLaMA: "llama-7b", "llama-70b") over one sequence: captured as compile
+    captures it (the zoo model at one layer on meta, analysed on fake CPU tensors, so CPU's flash attention op with
+    torch's FLOPs over every score and the masked ones apart) and as llama_chain builds it from the same model's
+    config (FlashAttention-2's op, its FLOPs causal-halved as FlashAttention's benchmark counts them)."""
     from shardplan import zoo
     from shardplan.passes import analyze
 
-    entry = zoo.llama_7b(n_layer=1, batch=1, seq=seq_len)
+    entry = zoo.ZOO[zoo_name](n_layer=1, batch=1, seq=seq_len)
+    config = entry.model.config
+    dims = LlamaDims(layers=1, hidden=config.hidden_size, heads=config.num_attention_heads,
+                     kv_heads=config.num_key_value_heads, intermediate=config.intermediate_size,
+                     vocab=config.vocab_size, tied=config.tie_word_embeddings)
     captured = next(block for block in analyze(entry.model, entry.args, entry.kwargs).blocks
                     if block.name == "model.layers.0")
-    return captured, llama_chain(dataclasses.replace(LLAMA_7B, layers=1), 1, seq_len, pipelined=False).blocks[1]
+    return captured, llama_chain(dims, 1, seq_len, pipelined=False).blocks[1]
 
 
-def attention_ms(hw, seq_len: int = 4096, tp: int = 1) -> dict[str, tuple[float, float]]:
-    """llama_7b_layers' attention on a rank of `tp`, forward and backward milliseconds as `hw` prices them, by
-    source: "captured" and "hand-built"."""
+def attention_ms(hw, seq_len: int = 4096, tp: int = 1, zoo_name: str = "llama-7b") -> dict[str, tuple[float, float]]:
+    """captured_and_built_layer's attention on a rank of `tp`, forward and backward milliseconds as `hw` prices
+    them, by source: "captured" and "hand-built"."""
     ctx = CostContext(hardware=hw, dp=1, tp=tp, param_dtype="bfloat16")
 
     def milliseconds(block: Block) -> tuple[float, float]:
@@ -1207,11 +1212,11 @@ def attention_ms(hw, seq_len: int = 4096, tp: int = 1) -> dict[str, tuple[float,
                     for kinds in (on_tp_rank.fwd_kinds, on_tp_rank.bwd_kinds))
         return fwd, bwd
 
-    return dict(zip(("captured", "hand-built"), map(milliseconds, llama_7b_layers(seq_len))))
+    return dict(zip(("captured", "hand-built"), map(milliseconds, captured_and_built_layer(zoo_name, seq_len))))
 
 
-ATTENTION = "_scaled_dot_product_flash_attention"
-"""The prefix of every flash attention op's name: the GPU's, CPU's (_for_cpu) and their backward."""
+CAPTURED_ATTENTION_SEQ_LEN = 4096
+"""The sequence --captured-attention prices a layer's attention over."""
 
 
 def main() -> None:
@@ -1243,8 +1248,8 @@ def main() -> None:
                         help="only the single-node budget: each op kind of a layer and of the head as priced, beside "
                              "what the one-node tp = pp = 1 rows took a sequence")
     parser.add_argument("--captured-attention", action="store_true",
-                        help="only a LLaMA-7B layer's attention on one sequence of 4096 tokens, forward and backward, "
-                             "captured as compile captures it beside the hand-built chain's")
+                        help=f"only a LLaMA-7B layer's attention on one sequence of {CAPTURED_ATTENTION_SEQ_LEN} tokens, "
+                             "forward and backward, captured as compile captures it beside the hand-built chain's")
     args = parser.parse_args()
     if args.nanotron_space and not args.picks:
         parser.error("--nanotron-space narrows --picks: give both")
@@ -1257,9 +1262,9 @@ def main() -> None:
         print_tensor_parallel_picks(hw, nanotron_space=args.nanotron_space)
         return
     if args.captured_attention:
-        for source, (fwd, bwd) in attention_ms(hw).items():
-            print(f"LLaMA-7B layer, one sequence of 4096 tokens on {hw.name}, {source}: attention forward {fwd:.3f} ms, "
-                  f"backward {bwd:.3f} ms")
+        for source, (fwd, bwd) in attention_ms(hw, CAPTURED_ATTENTION_SEQ_LEN).items():
+            print(f"LLaMA-7B layer, one sequence of {CAPTURED_ATTENTION_SEQ_LEN} tokens on {hw.name}, {source}: "
+                  f"attention forward {fwd:.3f} ms, backward {bwd:.3f} ms")
         return
     rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
     if args.breakdown:
