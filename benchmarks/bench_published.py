@@ -25,9 +25,10 @@ of old_bench keeps beyond it: NanotronCode; with --job-pp-code a pipelined row w
 code also pays its polling, NanotronCode.polls_p2p). Printed per model and GPU count: Kendall tau of predicted
 against measured tokens/s/GPU over the rows that ran, predicted / measured throughput (median, p10, p90),
 and the memory classification (the share of crashed rows predicted over the device's usable memory, the
-share of rows that ran predicted within it); then the memory against what the rows measured, the NCCL
-communicators a rank holds against what the rows that ran left of the device (communicator_bound) and the rows
-that cannot be expressed, each with its reason.
+share of rows that ran predicted within it, both on the largest stage); then the memory against what the rows
+measured (the playbook's: rank 0's, on the first stage), the NCCL communicators a rank holds against what the
+rows that ran left of the device (communicator_bound) and the rows that cannot be expressed, each with its
+reason.
 
 The LLaMA chains are built by hand from the model dimensions (model_configs.md of the data set):
 no torch, no capture, so the whole data set is evaluated in seconds.
@@ -228,8 +229,12 @@ class Outcome:
     row: Row
     predicted: Predicted | None = None
     tokens_per_s_per_gpu: float = 0.0
+    rank0_peak_bytes: int = 0
+    """Rank 0's peak as nanotron holds it: the first stage's (as_nanotron_holds over it alone), what the
+    playbook's reported memory measures. `predicted` holds the largest stage's, which decides whether the row
+    fits the device."""
     after_pipeline_bytes: int = 0
-    """What the rank holds after the pipeline, at its largest (after_pipeline): the playbook's "Mem Alloc"."""
+    """What rank 0 (the first stage) holds after the pipeline (after_pipeline): the playbook's "Mem Alloc"."""
     reason: str = ""
     """Why the row cannot be expressed as a plan ("" when it can)."""
 
@@ -743,7 +748,8 @@ def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1:
                   + (p2p_polling_s(row, dims) if code.polls_p2p else 0.0))
         tokens = samples * row.seq_len * row.dp / step_s / row.n_gpus
         outcomes.append(Outcome(row=row, predicted=predicted, tokens_per_s_per_gpu=tokens,
-                                after_pipeline_bytes=sum(after_pipeline(plan.memory_bytes, row, dims).values())))
+                                rank0_peak_bytes=as_nanotron_holds(plan, stages[:1], row, dims).peak_bytes,
+                                after_pipeline_bytes=sum(after_pipeline(stages[0].memory_bytes, row, dims).values())))
     return outcomes
 
 
@@ -824,17 +830,19 @@ TP_DEGREES = (1, 2, 4, 8, 16, 32)
 
 
 def memory_ratios(outcomes: list[Outcome]) -> dict[tuple[str, bool, int], float]:
-    """Median predicted peak / reported memory of the rows that ran, by (model, pp > 1, tp). The reported
-    memory is rank 0's, the first stage's; the predicted peak is the plan's peak stage's."""
+    """Median predicted / reported memory of the rows that ran, by (model, pp > 1, tp): both rank 0's, the
+    first stage's (Outcome.rank0_peak_bytes)."""
     groups: dict[tuple[str, bool, int], list[float]] = defaultdict(list)
     for o in outcomes:
         if o.predicted is not None and o.row.ran and o.row.reported_gib:
-            groups[o.row.model, o.row.pp > 1, o.row.tp].append(o.predicted.peak_bytes / 2**30 / o.row.reported_gib)
+            groups[o.row.model, o.row.pp > 1, o.row.tp].append(o.rank0_peak_bytes / 2**30 / o.row.reported_gib)
     return {key: statistics.median(ratios) for key, ratios in groups.items()}
 
 
 def allocated_ratios(outcomes: list[Outcome]) -> dict[int, list[float]]:
-    """Predicted peak / the measured peak allocated memory (old_bench's rows that logged it), by tp."""
+    """Predicted peak / the measured peak allocated memory (old_bench's rows that logged it), by tp. The
+    prediction is the largest stage's: old_bench's log parser read one rank, which one unknown
+    (Row.allocated_gib)."""
     groups: dict[int, list[float]] = defaultdict(list)
     for o in outcomes:
         if o.predicted is not None and o.row.ran and o.row.allocated_gib:
@@ -859,7 +867,7 @@ def reservation_by_speed(outcomes: list[Outcome]) -> dict[str, list[float]]:
     against the best row of its (model, tp, micro-batch size) group: "fast" (over FAST of it), "slow" (under
     SLOW). A rank in such a group runs the same micro-batch (its optimizer state, priced, and its number of
     micro-batches differ), so what a row reserves beyond the prediction that follows the speed is the caching
-    allocator's, not a tensor of the program."""
+    allocator's, not a tensor of the program. (At pp = 1 rank 0 is the whole model: the prediction is its.)"""
     groups: dict[tuple, list[Outcome]] = defaultdict(list)
     for o in outcomes:
         row = o.row
@@ -885,7 +893,7 @@ def print_reservation_by_speed(found: dict[str, list[float]]) -> None:
 
 
 def print_memory_ratios(ratios: dict[tuple[str, bool, int], float]) -> None:
-    print("\nPredicted peak / reported memory (GiB reserved by rank 0), median of the rows that ran:\n")
+    print("\nPredicted / reported memory of rank 0 (the first stage; GiB reserved), median of the rows that ran:\n")
     print_by_tp({(model, "> 1" if pipelined else "1", tp): ratio for (model, pipelined, tp), ratio in ratios.items()},
                 "pp", "{:.2f}")
 
@@ -1174,27 +1182,32 @@ def print_op_breakdown(rows: list[Row], hw) -> None:
             for mbs, (measured, predicted) in per_sequence_s(rows, model, hw).items()))
 
 
-LLAMA_7B = LlamaDims(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000, tied=False)
-"""zoo.llama_7b's dimensions (LLaMA-7B), as llama_chain builds them."""
+ATTENTION = "_scaled_dot_product_flash_attention"
+"""The prefix of every flash attention op's name: the GPU's, CPU's (_for_cpu) and their backward."""
 
 
 @functools.cache
-def llama_7b_layers(seq_len: int) -> tuple[Block, Block]:
-    """A LLaMA-7B layer over one sequence: captured as compile captures it (zoo.llama_7b at one layer on meta, analysed
-    on fake CPU tensors, so CPU's flash attention op with torch's FLOPs over every score and the masked ones apart) and
-    as llama_chain builds it (FlashAttention-2's op, its FLOPs causal-halved as FlashAttention's benchmark counts them)."""
+def captured_and_built_layer(zoo_name: str, seq_len: int) -> tuple[Block, Block]:
+    """A layer of zoo model `zoo_name` (a LLaMA: "llama-7b", "llama-70b") over one sequence: captured as compile
+    captures it (the zoo model at one layer on meta, analysed on fake CPU tensors, so CPU's flash attention op with
+    torch's FLOPs over every score and the masked ones apart) and as llama_chain builds it from the same model's
+    config (FlashAttention-2's op, its FLOPs causal-halved as FlashAttention's benchmark counts them)."""
     from shardplan import zoo
     from shardplan.passes import analyze
 
-    entry = zoo.llama_7b(n_layer=1, batch=1, seq=seq_len)
+    entry = zoo.ZOO[zoo_name](n_layer=1, batch=1, seq=seq_len)
+    config = entry.model.config
+    dims = LlamaDims(layers=1, hidden=config.hidden_size, heads=config.num_attention_heads,
+                     kv_heads=config.num_key_value_heads, intermediate=config.intermediate_size,
+                     vocab=config.vocab_size, tied=config.tie_word_embeddings)
     captured = next(block for block in analyze(entry.model, entry.args, entry.kwargs).blocks
                     if block.name == "model.layers.0")
-    return captured, llama_chain(dataclasses.replace(LLAMA_7B, layers=1), 1, seq_len, pipelined=False).blocks[1]
+    return captured, llama_chain(dims, 1, seq_len, pipelined=False).blocks[1]
 
 
-def attention_ms(hw, seq_len: int = 4096, tp: int = 1) -> dict[str, tuple[float, float]]:
-    """llama_7b_layers' attention on a rank of `tp`, forward and backward milliseconds as `hw` prices them, by
-    source: "captured" and "hand-built"."""
+def attention_ms(hw, seq_len: int = 4096, tp: int = 1, zoo_name: str = "llama-7b") -> dict[str, tuple[float, float]]:
+    """captured_and_built_layer's attention on a rank of `tp`, forward and backward milliseconds as `hw` prices
+    them, by source: "captured" and "hand-built"."""
     ctx = CostContext(hardware=hw, dp=1, tp=tp, param_dtype="bfloat16")
 
     def milliseconds(block: Block) -> tuple[float, float]:
@@ -1203,11 +1216,11 @@ def attention_ms(hw, seq_len: int = 4096, tp: int = 1) -> dict[str, tuple[float,
                     for kinds in (on_tp_rank.fwd_kinds, on_tp_rank.bwd_kinds))
         return fwd, bwd
 
-    return dict(zip(("captured", "hand-built"), map(milliseconds, llama_7b_layers(seq_len))))
+    return dict(zip(("captured", "hand-built"), map(milliseconds, captured_and_built_layer(zoo_name, seq_len))))
 
 
-ATTENTION = "_scaled_dot_product_flash_attention"
-"""The prefix of every flash attention op's name: the GPU's, CPU's (_for_cpu) and their backward."""
+CAPTURED_ATTENTION_SEQ_LEN = 4096
+"""The sequence --captured-attention prices a layer's attention over."""
 
 
 def main() -> None:
@@ -1239,8 +1252,8 @@ def main() -> None:
                         help="only the single-node budget: each op kind of a layer and of the head as priced, beside "
                              "what the one-node tp = pp = 1 rows took a sequence")
     parser.add_argument("--captured-attention", action="store_true",
-                        help="only a LLaMA-7B layer's attention on one sequence of 4096 tokens, forward and backward, "
-                             "captured as compile captures it beside the hand-built chain's")
+                        help=f"only a LLaMA-7B layer's attention on one sequence of {CAPTURED_ATTENTION_SEQ_LEN} tokens, "
+                             "forward and backward, captured as compile captures it beside the hand-built chain's")
     args = parser.parse_args()
     if args.nanotron_space and not args.picks:
         parser.error("--nanotron-space narrows --picks: give both")
@@ -1253,9 +1266,9 @@ def main() -> None:
         print_tensor_parallel_picks(hw, nanotron_space=args.nanotron_space)
         return
     if args.captured_attention:
-        for source, (fwd, bwd) in attention_ms(hw).items():
-            print(f"LLaMA-7B layer, one sequence of 4096 tokens on {hw.name}, {source}: attention forward {fwd:.3f} ms, "
-                  f"backward {bwd:.3f} ms")
+        for source, (fwd, bwd) in attention_ms(hw, CAPTURED_ATTENTION_SEQ_LEN).items():
+            print(f"LLaMA-7B layer, one sequence of {CAPTURED_ATTENTION_SEQ_LEN} tokens on {hw.name}, {source}: "
+                  f"attention forward {fwd:.3f} ms, backward {bwd:.3f} ms")
         return
     rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
     if args.breakdown:

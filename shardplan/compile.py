@@ -335,7 +335,8 @@ def _predicted(chain: BlockChain, costs: list[cost.StepCost], unit_names: list[s
     slowest = max(costs, key=lambda c: c.step_time_s)
     samples = setting.replica_batch(mesh.dp) * mesh.dp
     samples_per_s = samples / slowest.step_time_s if slowest.step_time_s else 0.0
-    # Peak FLOP/s is read from the profile's matmul table where it has one (MFU is for people only).
+    # Peak FLOP/s is read from the profile's matmul table where it has one (MFU is for people only). The FLOPs
+    # keep a causal mask's masked ones, which a profile may not time: the convention is Predicted.mfu's.
     matmul = getattr(hw, "matmul", {}).get(setting.mixed_precision.param_dtype)
     peak_flops = getattr(matmul, "peak_flops_per_s", 0.0)
     model_flops = (chain.fwd_flops + chain.bwd_flops) * samples / setting.batch_size

@@ -244,7 +244,9 @@ class HardwareProfile:
     """Ops, by the names op_time_factors keys, whose kernel on this device skips the blocks a causal mask
     hides (FlashAttention-2): priced on their FLOPs less OpKind.masked_flops, the count their factors are
     against. An op not listed runs every FLOP the analysis counts (CPU's flash attention computes the
-    whole of each 512-key block, so all of a causal call of up to 512 keys: its factors are against that)."""
+    whole of each 512-key block, so all of a causal call of up to 512 keys: its factors are against that).
+    Each name must be a key of op_time_factors (checked): a skip is a fact about what an op's factors were
+    measured against, so one without factors is a misspelling, which would silently price every FLOP."""
     op_fixed_costs_s: dict[str, float] = field(default_factory=dict)
     """Fixed cost of one call of an ATen op by name, in place of op_overhead_s, where a calibration
     timed the op's small calls ([Note: op fixed costs] in op_factors.py): a router's sort or topk
@@ -302,6 +304,11 @@ class HardwareProfile:
         if not self.matmul:
             raise HardwareError(f"hardware profile {self.name!r}: matmul lists no dtype: "
                                 "add at least \"float32\" or run `shardplan calibrate`")
+        unfactored = [op for op in self.skips_masked_flops if op not in self.op_time_factors]
+        if unfactored:
+            raise HardwareError(f"hardware profile {self.name!r}: skips_masked_flops names {', '.join(unfactored)}, "
+                                "which op_time_factors does not key: spell each as op_time_factors keys it (a skip says "
+                                "what that op's factors are measured against), or remove it")
         for link in ("intra_node", "inter_node"):
             missing = [kind for kind in COLLECTIVES if kind not in getattr(self, link).collectives]
             if missing:
@@ -373,6 +380,8 @@ class HardwareProfile:
 
     def to_json(self) -> str:
         data = {"schema": SCHEMA, **dataclasses.asdict(self)}
+        if not self.skips_masked_flops:  # so a profile without skips (a calibration's) loads on code before them
+            del data["skips_masked_flops"]
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -402,7 +411,15 @@ OP_ALIASES = {
 """Ops named by the device the analysis ran them on, and the name the same computation has on another
 device's kernel: a profile that does not key an op by its own name prices it by this one. The analysis
 runs a model on fake CPU tensors, so its attention is CPU's flash kernel; on a GPU the same call runs a
-flash kernel, whose published rates (FlashAttention-2's) the GPU profiles key."""
+flash kernel, whose published rates (FlashAttention-2's) the GPU profiles key.
+
+A limit, not priced: that holds for a call without a mask or dropout, causal or not, whose causal rows equal
+its keys. CPU's flash op also takes calls a GPU's flash kernel refuses: one with an `attn_mask` (T5's position
+bias, ALiBi, a sliding window, a padding mask) or causal with rows != keys (PyTorch's can_use_flash_attention,
+check_for_attn_mask and check_flash_causal_non_square_seqlens, aten/src/ATen/native/transformers/cuda/
+sdp_utils.cpp). On a GPU those run efficient attention (or math), yet are priced here at FlashAttention-2's
+rates, a masked call on every FLOP. (A call with dropout never reaches the op: CPU runs it as math, bmm and
+softmax, priced as those, where a GPU would run it in flash.)"""
 
 _NOT_FIELDS = ("schema", "sources")
 """Keys of a profile's JSON that are not fields: its format, and where each figure comes from (for readers)."""

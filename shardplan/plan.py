@@ -362,6 +362,11 @@ class Predicted:
     """Step time by component: compute, recompute, exposed_comm, bubble."""
     samples_per_s: float = 0.0
     mfu: float = 0.0
+    """Model FLOPs utilization: the chain's forward and backward FLOPs of a step over the step time and the
+    world's peak matmul rate. The FLOPs are counted as torch's FlopCounterMode and nanotron's get_flops
+    (huggingface/nanotron 03b83fc8, src/nanotron/models/llama.py: qk and v logits over seq_len x seq_len) count
+    them, attention over every score: a causal call's masked FLOPs (OpKind.masked_flops) stay in, though a
+    profile that skips them (HardwareProfile.skips_masked_flops) does not time them."""
     units: tuple[UnitPrediction, ...] = ()
     """Every unit, in the plan's order (each stage's units in its own step)."""
 

@@ -277,12 +277,54 @@ def _edited(mutate) -> str:
     (lambda d: d["inter_node"].update(bandwidth_by_nodes={"broadcast": {"points": [[2, 0.5]]}}),
      ["inter_node.bandwidth_by_nodes names 'broadcast'", "use one of"]),
     (lambda d: d["inter_node"].update(bandwidth_by_nodes=[0.5]), ["inter_node.bandwidth_by_nodes must be a JSON object"]),
+    (lambda d: d.update(skips_masked_flops="_scaled_dot_product_flash_attention"),
+     ["skips_masked_flops is '_scaled_dot_product_flash_attention'", "make it a list of op names"]),
+    (lambda d: d.update(op_time_factors={"_scaled_dot_product_flash_attention": {"points": [[1e-4, 1.5]]}},
+                        skips_masked_flops=["_scaled_dot_product_flash_atention"]),
+     ["skips_masked_flops names _scaled_dot_product_flash_atention, which op_time_factors does not key",
+      "spell each as op_time_factors keys it"]),
+    (lambda d: d.update(skips_masked_flops=["_scaled_dot_product_flash_attention"]),  # an alias target, no factors
+     ["skips_masked_flops names _scaled_dot_product_flash_attention, which op_time_factors does not key"]),
 ])
 def test_validation_errors(mutate, fragments):
     with pytest.raises(HardwareError) as error:
         HardwareProfile.from_json(_edited(mutate))
     for fragment in fragments:
         assert fragment in str(error.value)
+
+
+FLASH, CPU_FLASH = "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu"
+
+
+def test_a_profile_without_skips_writes_none_so_code_before_them_loads_it():
+    """`skips_masked_flops` joined the fields under the same schema id; a profile that lists none (every calibration's)
+    leaves the key out, and code that does not know it rejects no field of such a file. One that lists skips writes
+    them and reads them back."""
+    plain = make_profile(op_time_factors={"gelu": SizeCurve(points=((1e-4, 2.5),))})
+    assert "skips_masked_flops" not in json.loads(plain.to_json())
+    assert HardwareProfile.from_json(plain.to_json()) == plain
+    skipping = make_profile(op_time_factors={FLASH: SizeCurve(points=((1.0, 2.0),))}, skips_masked_flops=(FLASH,))
+    assert json.loads(skipping.to_json())["skips_masked_flops"] == [FLASH]
+    assert HardwareProfile.from_json(skipping.to_json()) == skipping
+
+
+def test_a_cpu_attention_call_takes_its_gpu_names_factor_and_skip_unless_the_profile_keys_its_own_name():
+    """bfloat16 at 2e12 FLOP/s: 2e12 FLOPs take 1 s by roofline, the 1e12 a causal mask hides half of it; each call
+    adds op_overhead_s (1e-5 s). CPU's flash op on a profile that keys only the GPU's name takes that name's factor
+    (2) and skip; on one that keys CPU's name too, its own factor (3) on every FLOP; on one that keys neither, the
+    roofline on every FLOP. A name no alias reaches skips under its own name (1.5 x half)."""
+    def time_s(profile: HardwareProfile, op: str) -> float:
+        return profile.compute_time_s(2e12, 0, "bfloat16", op=op, masked_flops=1e12)
+
+    gpu = make_profile(op_time_factors={FLASH: SizeCurve(points=((1.0, 2.0),))}, skips_masked_flops=(FLASH,))
+    assert time_s(gpu, CPU_FLASH) == pytest.approx(1e-5 + 2.0 * 0.5)
+    both = make_profile(op_time_factors={FLASH: SizeCurve(points=((1.0, 2.0),)),
+                                         CPU_FLASH: SizeCurve(points=((1.0, 3.0),))}, skips_masked_flops=(FLASH,))
+    assert time_s(both, CPU_FLASH) == pytest.approx(1e-5 + 3.0 * 1.0)
+    assert time_s(make_profile(), CPU_FLASH) == pytest.approx(1e-5 + 1.0)
+    efficient = "_scaled_dot_product_efficient_attention"
+    own = make_profile(op_time_factors={efficient: SizeCurve(points=((1.0, 1.5),))}, skips_masked_flops=(efficient,))
+    assert time_s(own, efficient) == pytest.approx(1e-5 + 1.5 * 0.5)
 
 
 def test_a_profile_written_before_op_factors_loads_without_them():

@@ -103,6 +103,34 @@ def test_what_nanotron_holds_after_the_pipeline_is_what_the_playbook_measured(be
     assert 0.0 <= measured - outcome.after_pipeline_bytes / 2**30 < 0.15
 
 
+MEM_ALLOC_PIPELINED = [  # as MEM_ALLOC, pp = 2 and one micro-batch: (model, dp, tp, micro-batch, ZeRO, GiB)
+    ("playbook-1B", 32, 1, 8, "0", 18.82), ("playbook-1B", 8, 4, 32, "1", 3.82), ("playbook-3B", 64, 1, 4, "1", 21.16)]
+"""The same CSV's pipelined rows where the first stage holds more after the pipeline than the plan's peak stage
+(the last, its loss): rank 0 writes "Mem Alloc", so the first stage's is the one to compare (the plan's peak
+stage's read 11.25 / 2.65 / 16.77 GiB)."""
+
+
+@pytest.mark.parametrize("model, dp, tp, micro_batch_size, zero_stage, measured", MEM_ALLOC_PIPELINED)
+def test_what_rank_0_holds_after_a_pipeline_is_its_first_stages(bench, model, dp, tp, micro_batch_size, zero_stage,
+                                                                measured):
+    row = bench.Row(model=model, n_gpus=dp * tp * 2, dp=dp, tp=tp, pp=2, micro_batch_size=micro_batch_size,
+                    grad_accum=1, seq_len=4096, zero_stage=zero_stage, status="ok", tokens_per_s_per_gpu=1.0, line=0)
+    (outcome,) = bench.predict([row], "h100-80g")
+    assert 0.0 <= measured - outcome.after_pipeline_bytes / 2**30 < 0.15
+
+
+def test_a_pipelined_rows_reported_memory_is_compared_with_rank_0s_stage_not_the_largest(bench):
+    """runs.csv line 402 (1B, dp 32 pp 2, eight sequences, ZeRO-1): rank 0 reserved 44.9 GiB. What rank 0
+    allocates cannot exceed it, and its stage's prediction does not (0.97 of it); the largest stage, the last
+    (the loss), holds more than that (52.1 GiB) and still decides whether the row fits."""
+    row = bench.Row(model="playbook-1B", n_gpus=64, dp=32, tp=1, pp=2, micro_batch_size=8, grad_accum=1,
+                    seq_len=4096, zero_stage="1", status="ok", tokens_per_s_per_gpu=1.0, line=402, reported_gib=44.9)
+    (outcome,) = bench.predict([row], "h100-80g")
+    (ratio,) = bench.memory_ratios([outcome]).values()
+    assert ratio == outcome.rank0_peak_bytes / 2**30 / 44.9 and 0.95 < ratio <= 1.0
+    assert outcome.predicted.peak_bytes / 2**30 > 44.9
+
+
 ALL_GATHER_ON_P5 = [  # nccl-tests all_gather_perf on p5.48xlarge, nodes of 8 H100: (nodes, MiB, measured algbw GB/s)
     (2, 32, 140.06), (2, 2048, 350.49), (8, 32, 47.03), (8, 2048, 298.37), (32, 32, 12.43), (32, 512, 146.96),
     (32, 2048, 263.80)]

@@ -132,11 +132,22 @@ def op_flops(func, args: tuple, kwargs: dict | None, out) -> int:
     return 0 if formula is None else formula(*args, **(kwargs or {}), out_val=out)
 
 
+SDPA_LAYOUT_ATTENTION = (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
+"""ATen's attention ops (namespace aten) whose `query` and `key` are laid out (batch, heads, sequence, head dim), as
+scaled_dot_product_attention takes them, and that take `is_causal`: the ones op_masked_flops reads. Not the
+kernels under them, such as `_flash_attention_forward`, which lay q out (batch, sequence, heads, head dim)."""
+
+
 def op_masked_flops(func, args: tuple, kwargs: dict | None, flops: int) -> int:
-    """Of an op's `flops`, those a causal mask hides (OpKind.masked_flops): for an attention kernel called
-    with `is_causal`, the share of its scores above the diagonal (torch's mask keeps query row i the keys
-    0..i), every product it counts (QK^T, PV and their gradients) being one per score. 0 for any other op."""
-    if not flops:
+    """Of an op's `flops`, those a causal mask hides (OpKind.masked_flops): for an attention op of
+    SDPA_LAYOUT_ATTENTION called with `is_causal`, the share of its scores above the diagonal (torch's mask
+    keeps query row i the keys 0..i), every product it counts (QK^T, PV and their gradients) being one per
+    score. 0 for any other op."""
+    if not flops or func.namespace != "aten" or func.overloadpacket.__name__ not in SDPA_LAYOUT_ATTENTION:
         return 0
     values = dict(zip((argument.name for argument in func._schema.arguments), args)) | (kwargs or {})
     if not values.get("is_causal"):
