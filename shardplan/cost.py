@@ -562,11 +562,12 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
     block), and holds it through its recompute and until its own ops have read it. The analysis
     measured bwd_transient_bytes above what was live as the backward began, that gradient included,
     so it is added here. A fully checkpointed block's recompute saves its kept input again, the same
-    tensor: of its saved bytes that share is held already. A selectively checkpointed block's
-    recompute frees the kept outputs autograd does not save as it reads them (a GPT layer's attention
-    projection, one tensor of its hidden states, measured in one process with MemTracker:
-    docs/benchmarks.md, "A block's output gradient"), which the model does not price: its gradient is
-    left out with them, where pricing the one without the other overprices by as much."""
+    tensor: of its saved bytes that share is held already. A selectively checkpointed block's backward
+    peaks one tensor of its hidden states below its gradient, recompute and transient (a GPT layer, in
+    one process with MemTracker: docs/benchmarks.md, "A block's output gradient"; read, not traced op
+    by op, as its recompute freeing a kept output autograd does not save, the attention projection's,
+    as it reads it), which the model does not price: its gradient is left out with that, where pricing
+    the one without the other overprices by as much."""
     kept = [_kept_bytes(b, checkpoint, ctx) for b in blocks]
     fwd_working, bwd_working, running = (sum(kept), 0), (0, 0), 0
     for block, kept_bytes in zip(blocks, kept):
