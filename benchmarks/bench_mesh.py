@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_mesh.py                      # calibrates in the same rounds
     .venv/bin/python benchmarks/bench_mesh.py --profile profile.json
     .venv/bin/python benchmarks/bench_mesh.py --memory-only --gpt 1024 512 2 64 4 --kinds "tp2 sp vocab"
+    .venv/bin/python benchmarks/bench_mesh.py --memory-only --gpt 1024 512 2 64 4 --kinds --dp-kinds
 
 The demo GPT under every kind of shardplan.accuracy.MESH_KINDS (tp 2 without and with vocabulary and
 sequence parallelism, dp 2 x tp 2, HSDP 2 x 2; every unit FULL_SHARD), trained on CPU ranks (gloo),
@@ -14,7 +15,8 @@ machine's cores is priced on shardplan.accuracy.shared_cores ([Note: more ranks 
 --memory-only measures each kind's peak memory in one step (no calibration, no timing: memory does not
 depend on the machine's load) against the built-in profile's prediction; --gpt sets the GPT's shape
 (8 heads), where a wider hidden size or a longer sequence makes a layer's transients a larger share of
-the peak than the demo's.
+the peak than the demo's; --dp-kinds adds every plain plan kind over 2 ranks (shardplan.accuracy.KINDS:
+each strategy with each checkpointing), and --kinds with no kind leaves the mesh kinds out.
 """
 import argparse
 import os
@@ -23,8 +25,8 @@ import torch
 from rich.console import Console
 
 from shardplan import get_hardware, zoo
-from shardplan.accuracy import (DEMO_WORKLOAD, MESH_KINDS, Workload, accuracy_table, compare, demo_mesh_plans,
-                                machine_cores, measure_by_world)
+from shardplan.accuracy import (DEMO_WORKLOAD, KINDS, MESH_KINDS, Workload, accuracy_table, compare,
+                                demo_chain_and_plans, demo_mesh_plans, machine_cores, measure_by_world)
 from shardplan.calibrate import CPU_SWEEP, fit_profile, summary
 from shardplan.sizes import format_bytes
 
@@ -37,7 +39,9 @@ def main() -> None:
                         help="timed rounds of every probe and training step; the fastest is kept")
     parser.add_argument("--gpt", type=int, nargs=5, metavar=("D_MODEL", "SEQ", "LAYERS", "VOCAB", "BATCH"),
                         help="the GPT at this shape (8 heads, BATCH sequences a replica); default: the demo's")
-    parser.add_argument("--kinds", nargs="+", choices=list(MESH_KINDS), help="only these mesh kinds")
+    parser.add_argument("--kinds", nargs="*", choices=list(MESH_KINDS), help="only these mesh kinds (none: none)")
+    parser.add_argument("--dp-kinds", action="store_true",
+                        help="with --memory-only, also every plain plan kind (strategy x checkpointing) over 2 ranks")
     parser.add_argument("--memory-only", action="store_true",
                         help="peak memory only, measured in one step, against the built-in cpu-gloo profile")
     options = parser.parse_args()
@@ -47,10 +51,16 @@ def main() -> None:
         d_model, seq, layers, vocab, batch = options.gpt
         config = zoo.GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=layers, n_head=8, d_model=d_model)
         workload = Workload(name="gpt", options=(("config", config), ("batch", batch)))
-    chain, named = demo_mesh_plans(workload, options.kinds)
-    plans = list(named.values())
+    chain, named = demo_mesh_plans(workload, options.kinds) if options.kinds != [] else (None, {})
     console = Console(width=120)
     if options.memory_only:
+        if options.dp_kinds:
+            chain, plain = demo_chain_and_plans(2, workload)
+            named.update((f"dp2 {strategy.value}/{checkpoint.value}", plan)
+                         for (strategy, checkpoint), plan in zip(KINDS, plain))
+        if not named:
+            parser.error("no plan kinds to measure: name some with --kinds, or add --dp-kinds")
+        plans = list(named.values())
         _, measured = measure_by_world(plans, 1, workload=workload)
         rows = compare(chain, plans, measured, get_hardware("cpu-gloo"), list(named))
         hidden_states = next(block for block in chain.blocks if block.name == "h.0").output_bytes
@@ -59,6 +69,9 @@ def main() -> None:
             console.print(f"{row.kind}: predicted {format_bytes(row.predicted_bytes)}, measured "
                           f"{format_bytes(row.measured_bytes)}, ratio {row.memory_ratio:.3f}")
         return
+    if not named:
+        parser.error("no mesh kinds to measure: name some with --kinds (--dp-kinds needs --memory-only)")
+    plans = list(named.values())
     measurements, measured = measure_by_world(plans, options.rounds, sweep=None if options.profile else CPU_SWEEP,
                                               workload=workload)
     hardware = get_hardware(options.profile) if options.profile else fit_profile(measurements)

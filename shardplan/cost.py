@@ -32,7 +32,8 @@ Memory, by category (the peak is the largest of these events):
   min(m, pp - stage) (1F1B; the other in-flight micro-batches hold the whole
   stage's activations).
 - transient: a block's fwd_transient_bytes / bwd_transient_bytes (and for a
-  checkpointed block its recomputed saved_bytes) while it runs.
+  checkpointed block its recomputed saved_bytes) while it runs; in its backward, the
+  gradient of its outputs too ([Note: a block's output gradient] at working_bytes).
 Events: the forward of each unit (held activations of earlier units + this
 unit's gathered params + the prefetched next unit's + its forward working set),
 the end of forward, and the backward of each unit k (activations of units before
@@ -554,20 +555,35 @@ def reducing_bytes(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> in
 def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
                   ctx: CostContext) -> tuple[int, tuple[int, int], tuple[int, int]]:
     """(activations kept for backward, forward working set, backward working set) of one micro-batch;
-    a working set is (activations, transient) at its peak, above earlier units' holdings."""
+    a working set is (activations, transient) at its peak, above earlier units' holdings.
+
+    [Note: a block's output gradient] A block's backward begins holding the gradient of its outputs,
+    which the block after it made (output_bytes: a GPT layer's hidden states; none at the loss's
+    block), and holds it through its recompute and until its own ops have read it. The analysis
+    measured bwd_transient_bytes above what was live as the backward began, that gradient included,
+    so it is added here. A fully checkpointed block's recompute saves its kept input again, the same
+    tensor: of its saved bytes that share is held already. A selectively checkpointed block's backward
+    peaks one tensor of its hidden states below its gradient, recompute and transient (a GPT layer, in
+    one process with MemTracker: docs/benchmarks.md, "A block's output gradient"; read, not traced op
+    by op, as its recompute freeing a kept output autograd does not save, the attention projection's,
+    as it reads it), which the model does not price: its gradient is left out with that, where pricing
+    the one without the other overprices by as much."""
     kept = [_kept_bytes(b, checkpoint, ctx) for b in blocks]
     fwd_working, bwd_working, running = (sum(kept), 0), (0, 0), 0
     for block, kept_bytes in zip(blocks, kept):
         fwd_transient = _per_micro_batch(block.fwd_transient_bytes, ctx)
         bwd_transient = _per_micro_batch(block.bwd_transient_bytes, ctx)
+        output_grad = _per_micro_batch(block.output_bytes, ctx)
         saved = _per_micro_batch(block.saved_bytes, ctx)
         fwd_working = max(fwd_working, (running, fwd_transient), key=sum)
         if checkpoint is Checkpoint.FULL:  # recompute from the kept input, then the block's backward
-            working = (running + kept_bytes, max(fwd_transient, saved + bwd_transient))
+            recomputed = saved - min(kept_bytes, saved)
+            transient = output_grad + max(fwd_transient, recomputed + bwd_transient)
         elif checkpoint is Checkpoint.SELECTIVE:  # dropped bytes come back before the backward
-            working = (running + kept_bytes, _recomputed_by_selective(block, saved, kept_bytes, ctx) + bwd_transient)
+            transient = _recomputed_by_selective(block, saved, kept_bytes, ctx) + bwd_transient
         else:
-            working = (running + kept_bytes, bwd_transient)
+            transient = output_grad + bwd_transient
+        working = (running + kept_bytes, transient)
         bwd_working = max(bwd_working, working, key=sum)
         running += kept_bytes
     return sum(kept), fwd_working, bwd_working

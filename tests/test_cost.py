@@ -42,7 +42,8 @@ def block(index=0, numel=1_000_000, fwd=10**12, saved=64 * MiB, inp=8 * MiB, fwd
           bwd_transient=32 * MiB, **measured) -> Block:
     return Block(index=index, name=f"b{index}", modules=(f"b{index}",), param_names=(f"b{index}.w",),
                  param_numel=numel, param_bytes=4 * numel, buffer_bytes=0, fwd_flops=fwd, bwd_flops=2 * fwd,
-                 saved_bytes=saved, input_bytes=inp, output_bytes=inp, fwd_transient_bytes=fwd_transient,
+                 saved_bytes=saved, input_bytes=inp, output_bytes=measured.pop("output_bytes", inp),
+                 fwd_transient_bytes=fwd_transient,
                  bwd_transient_bytes=bwd_transient, first_node="a", last_node="b", **measured)
 
 
@@ -166,13 +167,14 @@ def test_peak_of_a_two_unit_stage_is_the_backward_of_the_last_unit():
     step = evaluate_stage(blocks, (0, 1), (Decision(), Decision()), ctx(dp=4))
     state = 2 * (16 * 10**6 // 4)
     params = 4 * 10**6
-    # backward of unit 1: unit 0's activations + unit 1's params, activations and backward transient
-    # (its gradient is assembled after them, in less) + unit 0's params prefetched for its backward.
-    expected = state + 64 * MiB + params + 64 * MiB + 32 * MiB + params
+    # backward of unit 1: unit 0's activations + unit 1's params, activations, its outputs' gradient
+    # (8 MiB, from the next stage) and backward transient (its gradient is assembled after them, in
+    # less) + unit 0's params prefetched for its backward.
+    expected = state + 64 * MiB + params + 64 * MiB + 8 * MiB + 32 * MiB + params
     assert step.peak_bytes == expected
     assert step.peak_event == "backward of unit 1"
     assert step.memory_bytes == {"sharded_state": state, "gathered_params": 2 * params,
-                                 "activations": 128 * MiB, "transient": 32 * MiB}
+                                 "activations": 128 * MiB, "transient": 40 * MiB}
 
 
 @pytest.mark.parametrize("strategy, dp, micro_batches, hardware, in_flight", [
@@ -458,7 +460,29 @@ def test_selective_recomputes_the_saved_bytes_it_did_not_keep():
     # a head: it keeps its input (saved by its matmul) and its logits, which autograd does not save (the
     # loss's log-softmax saves its own output): its backward holds the logits besides every saved byte
     head = block(saved=5 * MiB, inp=1 * MiB, fwd_transient=0, bwd_transient=8 * MiB,
-                 selective_bytes=4 * MiB, selective_saved_bytes=1 * MiB)
+                 selective_bytes=4 * MiB, selective_saved_bytes=1 * MiB, output_bytes=0)
     kept, _, backward = working_bytes((head,), Checkpoint.SELECTIVE, ctx())
     assert kept == 5 * MiB
     assert backward == (5 * MiB, 4 * MiB + 8 * MiB)  # the log-softmax's 4 MiB recomputed (or never dropped)
+
+
+@pytest.mark.parametrize("checkpoint, transient", [
+    (Checkpoint.NONE, 32 * MiB),
+    (Checkpoint.FULL, 64 * MiB - 8 * MiB + 32 * MiB),  # the recompute saves the kept input again: held already
+])
+def test_a_blocks_backward_holds_the_gradient_of_its_outputs(checkpoint, transient):
+    """Measured on the runtime (docs/benchmarks.md, "A block's output gradient"): a plain dp 2 plan of a
+    wide GPT peaks in a layer's backward one hidden-state tensor above the working set the analysis
+    measured, which starts where the gradient of the layer's output, made by the layer after it, is
+    live already: it stays live through the layer's recompute and backward. The loss's block receives none."""
+    layer = block(0, output_bytes=8 * MiB)
+    assert working_bytes((layer,), checkpoint, ctx())[2][1] == 8 * MiB + transient
+    per_micro_batch = working_bytes((layer,), checkpoint, ctx(num_micro_batches=2))[2][1]
+    assert per_micro_batch == (8 * MiB + transient) // 2
+    head = block(1, output_bytes=0)
+    assert working_bytes((head,), checkpoint, ctx())[2][1] == transient
+    sequence = on_rank(tensor_parallel_block(), ctx(tp=4, sequence_parallel=True))
+    _, _, (_, on_a_rank) = working_bytes((sequence,), checkpoint, ctx(tp=4, sequence_parallel=True))
+    assert sequence.output_bytes == tensor_parallel_block().output_bytes // 4  # the sequence's 1/tp
+    recomputed = sequence.saved_bytes - sequence.input_bytes if checkpoint is Checkpoint.FULL else 0
+    assert on_a_rank == sequence.output_bytes + recomputed + sequence.bwd_transient_bytes
