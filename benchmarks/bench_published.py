@@ -389,7 +389,6 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
                            sliced_saved_bytes=(attention_saved + 4 * i) * tokens * BF16_BYTES,
                            sequence_layer=True, all_reduces=4, exchange_bytes=stream,
                            gathered_saved_bytes=2 * stream if code.saves_gathered_input else 0,
-                           whole_transient_bytes=stream,
                            sharded=tuple((f"model.layers.{n}.{module}", style) for module, style in LAYER_STYLES))
                    for n in range(dims.layers)]
     blocks += [_block(1 + n, f"model.layers.{n}", layer_numel, layer_kinds, layer_bwd_kinds, saved=layer_saved,

@@ -60,8 +60,12 @@ class TensorParallelFacts:
     "Reducing Activation Recomputation in Large Transformer Models", sec. 4.2.2: 34 sbh / t + 5 as²b / t),
     but for `gathered_saved_bytes`: the runtime gathers a pair's input along the sequence before its
     column-parallel linears, which keep that whole input for backward (Megatron keeps the shard and
-    gathers it again in backward), and for `whole_transient_bytes`: the hidden states a pair exchanges
-    are whole while they are exchanged, so of the block's transients one such tensor does not divide.
+    gathers it again in backward), and for one tensor of the hidden states a pair exchanges
+    (`exchange_bytes`), whole while it is exchanged, so of the block's transients that much does not
+    divide: a row-parallel linear's output is a whole-width partial sum until its reduce-scatter
+    (forward); its output gradient is all-gathered whole before its matmuls, and a column-parallel
+    linear's input gradient is whole until its reduce-scatter (backward) (docs/benchmarks.md,
+    "Sequence parallelism's whole-width transients").
 
     Traffic: `all_reduces` all-reduces of `exchange_bytes` per replica batch without sequence
     parallelism (a pair: one in forward, one in backward; a vocab-parallel embedding: one in forward;
@@ -83,14 +87,6 @@ class TensorParallelFacts:
     gathered_saved_bytes: int = 0
     """Of saved_bytes, the inputs of the column-parallel linears: whole on every tp rank under
     sequence parallelism too (they are saved after its all-gather)."""
-    whole_transient_bytes: int = 0
-    """Of fwd_transient_bytes and bwd_transient_bytes, what stays whole on every tp rank under sequence
-    parallelism: one whole-width tensor of the hidden states, the replica batch's, at the transients'
-    peak. A row-parallel linear's output is a whole-width partial sum until its reduce-scatter (forward);
-    its output gradient is all-gathered whole before its matmuls, and a column-parallel linear's input
-    gradient is whole until its reduce-scatter (backward). Measured on the runtime (docs/benchmarks.md,
-    "Sequence parallelism's whole-width transients"): the peak of an MLP's backward holds the gathered
-    output gradient beside the 1/tp input gradient of its row-parallel linear."""
     sequence_layer: bool = False
     """A layer between the pairs: with sequence parallelism all its activations divide."""
     all_reduces: int = 0

@@ -130,7 +130,7 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
   all of them, and its input and output, / t (params as without), but for the pairs' inputs the
   column-parallel linears keep after the all-gather (f.gathered_saved_bytes, whole); transients
   scale as the saved bytes do, but for one whole-width tensor of the hidden states under sequence
-  parallelism (f.whole_transient_bytes, whole). Every term above then reads the rank's blocks.
+  parallelism (f.exchange_bytes, whole). Every term above then reads the rank's blocks.
 - tp exchanges, per micro-batch, exposed: Σ_blocks f.all_reduces × all_reduce(f.exchange_bytes /
   m, t), or with sequence parallelism × (all_gather + reduce_scatter) of the same bytes, on the tp
   group (consecutive ranks: one node while t ≤ its devices).
@@ -331,7 +331,7 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     ctx.tp ranks what the block's TensorParallelFacts slice divided by tp ([Note: a block on a tp rank]
     in chain.py). Transients and the memory-bound ops' bytes scale as the saved activations do (an
     approximation: the analysis does not split them by op), but under sequence parallelism the
-    whole-width tensor exchanged around a pair (TensorParallelFacts.whole_transient_bytes) stays whole."""
+    whole-width tensor exchanged around a pair (TensorParallelFacts.exchange_bytes) stays whole."""
     facts = block.tensor_parallel
     sliced = facts is not None and facts.slices_at(ctx.tp)
     if ctx.batch_scale == 1 and not sliced:
@@ -372,7 +372,7 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     if everything:  # the pairs' inputs are saved after sequence parallelism's all-gather: whole
         saved += round(parts.gathered_saved_bytes * (scale - rest_scale))  # type: ignore[union-attr]
     ratio = saved / block.saved_bytes if block.saved_bytes else rest_scale
-    whole = parts.whole_transient_bytes if everything else 0  # type: ignore[union-attr]
+    whole = parts.exchange_bytes if everything else 0  # type: ignore[union-attr]
 
     def transient(total: int) -> int:
         """Of a transient, the whole-width part stays whole; the rest scales as the saved bytes do."""

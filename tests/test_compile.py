@@ -219,7 +219,7 @@ def test_captured_layers_carry_their_tensor_parallel_facts_and_cpu_plans_keep_tp
     # outputs, the pairs' inputs, stay whole, under sequence parallelism too (gathered before the pair)
     hidden = chain.inputs[0].shape[0] * chain.inputs[0].shape[1] * n_embd * 4
     assert (facts.sliced_saved_bytes, facts.gathered_saved_bytes) == (12 * hidden, 2 * hidden)
-    assert facts.whole_transient_bytes == hidden  # exchanged whole around each pair under sequence parallelism
+    assert facts.exchange_bytes == hidden  # exchanged whole around each pair, and whole in its transients under sp
     assert chain.blocks[0].tensor_parallel.sharded == (("wte", "vocab_embedding"),)  # wpe is no vocabulary table
     assert chain.blocks[-1].tensor_parallel.sharded == (("lm_head", "vocab_head"),)
     assert solve(chain, 4, hardware="cpu-gloo").mesh.tp == 1  # CPU ranks: tp only when asked

@@ -412,7 +412,7 @@ def test_under_sequence_parallelism_the_exchanged_hidden_states_stay_whole_in_a_
     """Measured on the runtime (docs/benchmarks.md, "Sequence parallelism's whole-width transients"): at the
     peak of a layer's backward a tp rank holds its row-parallel linear's output gradient all-gathered whole
     beside the 1/tp input gradient, so of a transient one tensor of the hidden states does not divide."""
-    whole = tensor_parallel_block(whole_transient_bytes=8 * MiB)  # the hidden states a pair exchanges
+    whole = tensor_parallel_block()  # its pairs exchange 8 MiB of hidden states
     sequence = on_rank(whole, ctx(tp=4, sequence_parallel=True))
     assert sequence.saved_bytes == 16 * MiB  # the rest scales as the saved bytes do: 1/4
     assert (sequence.fwd_transient_bytes, sequence.bwd_transient_bytes) == (8 * MiB + 8 * MiB // 4,

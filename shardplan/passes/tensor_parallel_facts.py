@@ -65,7 +65,6 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
             sliced_bwd_flops=sum(k.flops for k in bwd),
             sliced_saved_bytes=_sliced_saved_bytes(groups[index].nodes, pairs),
             gathered_saved_bytes=_pair_input_saved_bytes(groups[index].nodes, pairs),
-            whole_transient_bytes=blocks[index].output_bytes,
             sequence_layer=bool(layers.intersection(blocks[index].modules)), all_reduces=2 * len(pairs),
             exchange_bytes=blocks[index].output_bytes,
             sharded=tuple((linear.module, linear.label) for pair, _ in pairs for linear in pair.linears)))
