@@ -31,8 +31,8 @@ import torch
 from rich.console import Console
 
 from shardplan import get_hardware, zoo
-from shardplan.accuracy import (HF_OTHER_ARCHITECTURES, HF_WORKLOADS, accuracy_table, compare, demo_chain_and_plans,
-                                hf_workload, measure_plans)
+from shardplan.accuracy import (HF_OTHER_ARCHITECTURES, HF_WORKLOADS, Accuracy, accuracy_table, compare,
+                                demo_chain_and_plans, hf_workload, measure_plans)
 from shardplan.calibrate import MODES, Measurements, fit_profile, summary, sweep_for
 from shardplan.hardware import HardwareProfile
 
@@ -99,14 +99,19 @@ def main() -> None:
         spans.append((name, rows))
     for name, rows in spans:
         memory, time = [row.memory_ratio for row in rows], [row.time_ratio for row in rows]
-        misses = [row.kind for row in rows if not (MEMORY_BAND[0] <= row.memory_ratio <= MEMORY_BAND[1]
-                                                   and STEP_TIME_BAND[0] <= row.time_ratio <= STEP_TIME_BAND[1])]
+        misses = [row.kind for row in rows if not in_band(row)]
         console.print(f"{name}: memory {min(memory):.2f}-{max(memory):.2f}, step time {min(time):.2f}-{max(time):.2f}; "
                       f"outside {MEMORY_BAND[0]}-{MEMORY_BAND[1]} / {STEP_TIME_BAND[0]}-{STEP_TIME_BAND[1]}: "
                       f"{', '.join(misses) or '-'}")
     memory, time = zip(*((row.memory_ratio, row.time_ratio) for _, rows in spans for row in rows))
     console.print(f"memory predicted/measured {min(memory):.2f}-{max(memory):.2f}, "
                   f"step time {min(time):.2f}-{max(time):.2f}; load average {os.getloadavg()[0]:.2f} at the end")
+
+
+def in_band(row: Accuracy) -> bool:
+    """Whether `row` holds issue 22's bands, memory and step time."""
+    return (MEMORY_BAND[0] <= row.memory_ratio <= MEMORY_BAND[1]
+            and STEP_TIME_BAND[0] <= row.time_ratio <= STEP_TIME_BAND[1])
 
 
 def keep_run(folder: str, name: str, hardware: HardwareProfile, measured: list[tuple[int, float]],

@@ -15,13 +15,11 @@ correlation and the line through them.
 """
 import argparse
 import collections
-import json
 import os
 import statistics
 
 from shardplan.accuracy import Accuracy, compare, demo_chain_and_plans, hf_workload
-from shardplan.hardware import HardwareProfile
-from bench_hf_memory import MEMORY_BAND, STEP_TIME_BAND
+from bench_hf_memory import MEMORY_BAND, STEP_TIME_BAND, in_band, kept_run
 
 SPIKE_BAND = (0.75, 1.25)
 """A run with a kind outside this ratio of step time met a load spike, not the model."""
@@ -41,10 +39,7 @@ def kept_runs(folders: list[str]) -> list[tuple[str, float, list[Accuracy]]]:
             name = file.removesuffix(".measured.json")
             if name not in chains:
                 chains[name] = demo_chain_and_plans(2, hf_workload(name))
-            with open(os.path.join(folder, f"{name}.profile.json")) as handle:
-                hardware = HardwareProfile.from_json(handle.read())
-            with open(os.path.join(folder, file)) as handle:
-                measured = [(peak, seconds) for peak, seconds in json.load(handle)]
+            hardware, measured = kept_run(folder, name, None)
             runs.append((name, hardware.intra_node.in_step_wait_s, compare(*chains[name], measured, hardware)))
     return runs
 
@@ -62,8 +57,7 @@ def main() -> None:
           f"{MEMORY_BAND[0]}-{MEMORY_BAND[1]} and {STEP_TIME_BAND[0]}-{STEP_TIME_BAND[1]}")
     for name, wait, rows in runs:
         memory, time = [row.memory_ratio for row in rows], [row.time_ratio for row in rows]
-        held = sum(MEMORY_BAND[0] <= row.memory_ratio <= MEMORY_BAND[1]
-                   and STEP_TIME_BAND[0] <= row.time_ratio <= STEP_TIME_BAND[1] for row in rows)
+        held = sum(in_band(row) for row in rows)
         print(f"  {name:12s} wait {wait * 1e3:.2f} ms, memory {min(memory):.2f}-{max(memory):.2f}, "
               f"step time {min(time):.2f}-{max(time):.2f}, {held} of {len(rows)} in band")
     quiet = [run for run in runs if not met_a_spike(run[2])]

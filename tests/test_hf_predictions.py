@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from shardplan import get_hardware, zoo
-from shardplan.accuracy import HF_WORKLOADS, compare, demo_chain_and_plans, hf_architecture_workload, measure_plans
+from shardplan.accuracy import (HF_WORKLOADS, compare, demo_chain_and_plans, hf_architecture_workload, hf_workload,
+                                measure_plans)
 from shardplan.capture import capture
 
 
@@ -70,7 +71,7 @@ def test_a_models_own_autograd_function_keeps_what_its_forward_saves():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf-llama", "hf-mixtral", "hf-bert", "bart"])
 def test_hugging_face_peak_memory_is_predicted_within_5_percent(name):
-    workload = HF_WORKLOADS[name] if name in HF_WORKLOADS else hf_architecture_workload(name)
+    workload = hf_workload(name)
     chain, plans = demo_chain_and_plans(2, workload)
     _, measured = measure_plans(plans, 2, rounds=1, progress=False, workload=workload)
     rows = compare(chain, plans, measured, get_hardware("cpu-gloo"))
@@ -87,8 +88,6 @@ def test_roberta_runs_at_the_tables_size():
 
 
 def test_the_benchmarks_name_every_architecture_at_the_tables_size():
-    from shardplan.accuracy import hf_workload
-
     assert hf_workload("hf-llama") is HF_WORKLOADS["hf-llama"]
     assert hf_workload("bloom") == hf_architecture_workload("bloom")
     assert dict(hf_workload("bloom").options)["hidden_size"] == dict(HF_WORKLOADS["hf-llama"].options)["d_model"]
