@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardplan.calibrate import (_ALL_SIZES_BYTES, _COMPUTE_BEFORE_S, _IN_STEP_SIZES_BYTES, _IN_STEP_TIMINGS, _MIB,
-                                 _SINGLE_NAMES, IN_STEP, Probe, _compute_lasting, collective_probes, time_probes_s)
+                                 IN_STEP, Probe, _compute_lasting, collective_call, collective_probes, time_probes_s)
 from shardplan.hardware import COLLECTIVES, ring_factor
 from shardplan.runtime.launch import run_world
 
@@ -53,15 +53,6 @@ def in_step_job(device, report, rounds: int) -> dict:
     return time_probes_s(by_size, device, rounds, report)
 
 
-def issued(kind: str, full: torch.Tensor, shard: torch.Tensor):
-    """`kind` on these buffers, asynchronously: a callable returning its work handle."""
-    if kind == "all_reduce":
-        return lambda: dist.all_reduce(full, async_op=True)
-    function = getattr(dist, _SINGLE_NAMES[kind], None) or getattr(dist, kind)
-    output, input = (full, shard) if kind == "all_gather_into_tensor" else (shard, full)
-    return lambda: function(output, input, async_op=True)
-
-
 def prefetched_job(device, report, rounds: int) -> dict:
     """Rank job: at the calibration's sizes, each (kind, size)'s own time, its mean after the matmuls, and the
     mean of its issue, the matmuls and its wait; and the matmuls' mean alone."""
@@ -72,7 +63,7 @@ def prefetched_job(device, report, rounds: int) -> dict:
     shard = torch.zeros(full.numel() // dist.get_world_size(), device=device)
 
     def ahead(kind: str, nbytes: int):
-        issue = issued(kind, full[:nbytes // 4], shard[:nbytes // 4 // dist.get_world_size()])
+        issue = collective_call(kind, full[:nbytes // 4], shard[:nbytes // 4 // dist.get_world_size()], async_op=True)
 
         def call() -> None:
             work = issue()

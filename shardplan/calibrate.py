@@ -460,7 +460,7 @@ def collective_probes(points: "list[tuple[str, int]]", device: torch.device, *,
     shard = torch.zeros(full.numel() // world_size, device=device)
     compute = _compute_lasting(_COMPUTE_BEFORE_S, device) if in_step else None
     return {(IN_STEP, kind, nbytes) if in_step else (kind, nbytes): Probe(
-                call=_collective_call(kind, full[:nbytes // 4], shard[:nbytes // 4 // world_size]), loop=False,
+                call=collective_call(kind, full[:nbytes // 4], shard[:nbytes // 4 // world_size]), loop=False,
                 timings_per_round=_IN_STEP_TIMINGS if in_step else min(8, max(1, 32 * _MIB // nbytes)),
                 before=compute, figure=statistics.fmean if in_step else min)
             for kind, nbytes in points}
@@ -726,12 +726,14 @@ def _measurements(sweep: Sweep, seconds: dict, op_calls: tuple, device: torch.de
         op_calls=op_calls)
 
 
-def _collective_call(kind: str, full: torch.Tensor, shard: torch.Tensor):
+def collective_call(kind: str, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+    """`kind` on these buffers (`full` the world's, `shard` a rank's): a callable that runs it, or with
+    `async_op` issues it and returns its work handle."""
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(full)
+        return lambda: dist.all_reduce(full, async_op=async_op)
     function = getattr(dist, _SINGLE_NAMES[kind], None) or getattr(dist, kind)
     output, input = (full, shard) if kind == "all_gather_into_tensor" else (shard, full)
-    return lambda: function(output, input)
+    return lambda: function(output, input, async_op=async_op)
 
 
 def _cpu_name() -> str:
