@@ -420,7 +420,7 @@ def test_under_sequence_parallelism_the_exchanged_hidden_states_stay_whole_in_a_
     half_batch = on_rank(whole, ctx(tp=4, sequence_parallel=True, batch_scale=0.5))
     assert half_batch.bwd_transient_bytes == 4 * MiB + 24 * MiB // 8
     plain = on_rank(whole, ctx(tp=4))  # without sequence parallelism the saved ratio holds it already
-    assert plain.bwd_transient_bytes == round(32 * MiB * plain.saved_bytes / whole.saved_bytes)
+    assert plain.bwd_transient_bytes == 20 * MiB  # 32 MiB at the saved ratio, 40 of 64 MiB
 
 
 def test_tp_exchanges_are_exposed_all_reduces_or_gathers_and_scatters_per_micro_batch():

@@ -88,6 +88,8 @@ def test_roberta_runs_at_the_tables_size():
 
 
 def test_the_benchmarks_name_every_architecture_at_the_tables_size():
-    assert hf_workload("hf-llama") is HF_WORKLOADS["hf-llama"]
-    assert hf_workload("bloom") == hf_architecture_workload("bloom")
-    assert dict(hf_workload("bloom").options)["hidden_size"] == dict(HF_WORKLOADS["hf-llama"].options)["d_model"]
+    table = dict(HF_WORKLOADS["hf-llama"].options)
+    for name in [*HF_WORKLOADS, *zoo.HF_ARCHITECTURES]:
+        options = dict(hf_workload(name).options)
+        assert (options["batch"], options["seq"]) == (table["batch"], table["seq"]), name
+    assert dict(hf_workload("bloom").options)["hidden_size"] == table["d_model"]

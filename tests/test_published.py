@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from shardplan.compile import evaluate, evaluate_stages, solve
+from shardplan.compile import evaluate_stages, solve
 from shardplan.cost import CostContext, StepCost, UnitSizes
 from shardplan.hardware import get_hardware, ring_factor
 from shardplan.plan import (Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage,
@@ -554,14 +554,13 @@ def test_what_nanotron_holds_is_checked_on_every_stage_not_only_the_plans_peak(b
     assert held.memory_bytes["sharded_state"] == 42.5 * gib
 
 
-def test_evaluate_stages_gives_evaluates_prediction_and_every_stages_own_cost(bench):
+def test_evaluate_stages_gives_every_stages_own_cost(bench):
     row = bench.Row(model="playbook-3B", n_gpus=16, dp=4, tp=1, pp=4, micro_batch_size=4, grad_accum=16,
                     seq_len=4096, zero_stage="1", status="ok", tokens_per_s_per_gpu=1.0, line=0)
     dims = bench.MODELS[row.model]
     chain = bench.llama_chain(dims, 64, 4096, pipelined=True, sequence_sharded_norm=True)
     plan = bench.plan_for(row, chain, dims)
     predicted, stages = evaluate_stages(chain, plan, "h100-80g")
-    assert predicted == evaluate(chain, plan, "h100-80g")
     assert len(stages) == 4 and predicted.peak_bytes == max(stage.peak_bytes for stage in stages)
     # 1F1B: stage s holds pp - s micro-batches of its layers (8 on the first three stages, 4 and the head on the
     # last; a layer 1.94 GiB a micro-batch), as nanotron's engine does (pp - rank - 1 warm-up forwards, then one
