@@ -250,6 +250,10 @@ def read_rows(path: str) -> list[Row]:
                 for line, r in enumerate(csv.DictReader(handle), start=2)]
 
 
+ATTENTION = "_scaled_dot_product_flash_attention"
+"""The prefix of every flash attention op's name: the GPU's, CPU's (_for_cpu) and their backward."""
+
+
 def _matmul(tokens: int, fan_in: int, fan_out: int, calls: int = 1) -> OpKind:
     """`calls` bf16 matmuls of (tokens x fan_in) by (fan_in x fan_out) over the replica batch."""
     weights = calls * fan_in * fan_out * BF16_BYTES
@@ -261,7 +265,7 @@ def _backward(products: tuple[OpKind, ...]) -> tuple[OpKind, ...]:
     """A matmul's backward computes two products (input and weight gradient) of its forward's size and
     moves about twice its bytes; flash attention's backward runs 5 of the forward's 2 products (Dao
     2023, FlashAttention-2, sec. 3.1)."""
-    factor = {"mm": 2, "_scaled_dot_product_flash_attention": 2.5}
+    factor = {"mm": 2, ATTENTION: 2.5}
     return tuple(OpKind(name="mm" if kind.name == "mm" else f"{kind.name}_backward",
                         calls=kind.calls * (2 if kind.name == "mm" else 1), flops=int(kind.flops * factor[kind.name]),
                         bytes=2 * kind.bytes, weight_bytes=2 * kind.weight_bytes) for kind in products)
@@ -353,7 +357,7 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     head_dim = h // dims.heads
     kv = dims.kv_heads * head_dim
     layer_numel = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-    attention = OpKind(name="_scaled_dot_product_flash_attention", calls=1,
+    attention = OpKind(name=ATTENTION, calls=1,
                        flops=2 * samples * seq_len * seq_len * h,  # QK^T and PV, 2 s^2 h each, causal: half
                        bytes=(2 * h + 2 * kv) * tokens * BF16_BYTES)
     layer_products = (_matmul(tokens, h, h + 2 * kv), attention, _matmul(tokens, h, h),
@@ -384,7 +388,7 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
                          # only the table's writes slice: the lookup runs over every token on each tp rank
                          bwd_kinds=(_elementwise(embedding_bwd.name, 0, 0, weight_bytes=table_writes),),
                          sharded=(("model.embed_tokens", "vocab_embedding"),)))]
-    layer_facts = [_sliced(layer_kinds, layer_bwd_kinds, ("mm", "_scaled_dot_product_flash_attention"),
+    layer_facts = [_sliced(layer_kinds, layer_bwd_kinds, ("mm", ATTENTION),
                            divides=divides, sliced_numel=layer_numel - 2 * h,
                            sliced_saved_bytes=(attention_saved + 4 * i) * tokens * BF16_BYTES,
                            sequence_layer=True, all_reduces=4, exchange_bytes=stream,
@@ -1181,10 +1185,6 @@ def print_op_breakdown(rows: list[Row], hw) -> None:
             for mbs, (measured, predicted) in per_sequence_s(rows, model, hw).items()))
 
 
-ATTENTION = "_scaled_dot_product_flash_attention"
-"""The prefix of every flash attention op's name: the GPU's, CPU's (_for_cpu) and their backward."""
-
-
 @functools.cache
 def captured_and_built_layer(zoo_name: str, seq_len: int) -> tuple[Block, Block]:
     """A layer of zoo model `zoo_name` (a LLaMA: "llama-7b", "llama-70b") over one sequence: captured as compile
@@ -1204,7 +1204,12 @@ def captured_and_built_layer(zoo_name: str, seq_len: int) -> tuple[Block, Block]
     return captured, llama_chain(dims, 1, seq_len, pipelined=False).blocks[1]
 
 
-def attention_ms(hw, seq_len: int = 4096, tp: int = 1, zoo_name: str = "llama-7b") -> dict[str, tuple[float, float]]:
+CAPTURED_ATTENTION_SEQ_LEN = 4096
+"""The sequence --captured-attention prices a layer's attention over."""
+
+
+def attention_ms(hw, seq_len: int = CAPTURED_ATTENTION_SEQ_LEN, tp: int = 1,
+                 zoo_name: str = "llama-7b") -> dict[str, tuple[float, float]]:
     """captured_and_built_layer's attention on a rank of `tp`, forward and backward milliseconds as `hw` prices
     them, by source: "captured" and "hand-built"."""
     ctx = CostContext(hardware=hw, dp=1, tp=tp, param_dtype="bfloat16")
@@ -1216,10 +1221,6 @@ def attention_ms(hw, seq_len: int = 4096, tp: int = 1, zoo_name: str = "llama-7b
         return fwd, bwd
 
     return dict(zip(("captured", "hand-built"), map(milliseconds, captured_and_built_layer(zoo_name, seq_len))))
-
-
-CAPTURED_ATTENTION_SEQ_LEN = 4096
-"""The sequence --captured-attention prices a layer's attention over."""
 
 
 def main() -> None:
@@ -1315,9 +1316,10 @@ def print_tensor_parallel_picks(hardware: HardwareProfile, nanotron_space: bool 
           "at tp 1 / 2 / 4 / 8")
     for model, gpus in PICK_SHAPES:
         own = llama_chain(MODELS[model], 1, 4096, pipelined=False, code=SHARDPLAN_RUNTIME)
-        nanotrons = llama_chain(MODELS[model], 1, 4096, pipelined=False)
         spaces: list[tuple[str, BlockChain, dict[str, Any]]] = [("", own, {})]
-        spaces += [("  nanotron's plans:", nanotrons, nanotron_options(nanotrons))] if nanotron_space else []
+        if nanotron_space:
+            nanotrons = llama_chain(MODELS[model], 1, 4096, pipelined=False)
+            spaces.append(("  nanotron's plans:", nanotrons, nanotron_options(nanotrons)))
         for label, chain, options in spaces:
             plan = solve(chain, gpus, hardware=hardware, mixed_precision=BF16, global_batch_size=256,
                          allow_pipeline=False, **options)

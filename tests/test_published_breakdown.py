@@ -18,7 +18,7 @@ def test_a_layers_op_kinds_add_up_to_what_the_cost_model_prices_it(bench, model)
     for part, block in (("layer", chain.blocks[1]), ("head", chain.blocks[-1])):
         fwd_s, bwd_s, _ = _block_times_s(block, ctx)
         assert sum(seconds for _, seconds, _, _ in breakdown[part]) == pytest.approx(fwd_s + bwd_s, rel=1e-9)
-    assert {name for name, *_ in breakdown["layer"]} == {"mm", "_scaled_dot_product_flash_attention", "rms_norm",
+    assert {name for name, *_ in breakdown["layer"]} == {"mm", bench.ATTENTION, "rms_norm",
                                                          "rotary", "add", "silu_mul", "layout_copy"}
 
 
@@ -44,7 +44,7 @@ def test_flash_attention_runs_at_flashattention_2s_published_h100_rates_at_a_ste
     for sequences in (1, 4, 32):  # a call of 6.9e10, 2.7e11 and 2.2e12 forward FLOPs
         layer = bench.llama_chain(bench.MODELS["playbook-1B"], sequences, 4096, pipelined=False).blocks[1]
         for kinds, published in ((layer.fwd_kinds, 301e12), (layer.bwd_kinds, 266e12)):
-            (attention,) = [k for k in kinds if k.name.startswith("_scaled_dot_product_flash_attention")]
+            (attention,) = [k for k in kinds if k.name.startswith(bench.ATTENTION)]
             rate = attention.flops / (kind_time_s(attention, ctx) - hw.op_overhead_s)
             assert rate == pytest.approx(published * 0.848, rel=0.015)
 
