@@ -23,34 +23,18 @@ import torch
 
 from shardplan import zoo
 from shardplan.accuracy import (HF_WORKLOADS, KINDS, _train_step, demo_chain_and_plans, hf_workload, machine_cores,
-                                shared_cores)
+                                shared_cores, trained_program)
 from shardplan.compile import evaluate
 from shardplan.hardware import get_hardware
 from shardplan.op_factors import _KernelClock
-from shardplan.plan import Plan
 from shardplan.runtime.launch import run_world
-
-
-def trained_program(device, plan_json: str, workload) -> tuple:
-    """On a rank: `workload`'s model parallelized by the plan, its AdamW and this replica's batch of ids (as
-    accuracy.measure_plans_job trains it)."""
-    from shardplan.runtime import parallelize
-    from shardplan.runtime.collectives import world
-
-    torch.manual_seed(0)
-    entry = workload.build()
-    plan = Plan.from_json(plan_json)
-    generator = torch.Generator().manual_seed(1 + plan.mesh.replica_of(world().rank))
-    ids = torch.randint(0, entry.model.config.vocab_size, entry.args[0].shape, generator=generator)
-    program = parallelize(entry.model, plan, device=device)
-    return program, torch.optim.AdamW(program.parameters(), lr=1e-3), ids
 
 
 def clocked_steps(device, report, plan_jsons: dict[str, str], workload, rounds: int) -> dict:
     """Per plan kind: the fastest unclocked step's seconds and every kernel's (op, FLOPs, bytes, fastest s)."""
     found = {}
     for kind, plan_json in plan_jsons.items():
-        step = functools.partial(_train_step, *trained_program(device, plan_json, workload))
+        step = functools.partial(_train_step, *trained_program(device, plan_json, workload)[1:])
         step()
         step()  # the optimizer's state exists from here on: every later step runs the same kernels
         wall_s, fastest = float("inf"), None

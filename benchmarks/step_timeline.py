@@ -22,9 +22,8 @@ import time
 import torch
 
 from shardplan import zoo
-from shardplan.accuracy import HF_WORKLOADS, KINDS, demo_chain_and_plans, hf_workload
+from shardplan.accuracy import HF_WORKLOADS, KINDS, demo_chain_and_plans, hf_workload, trained_program
 from shardplan.runtime.launch import run_world
-from clock_step import trained_program
 
 _TIMED = ("prefetch", "gathered", "reduce", "finish_reduction", "release")
 """FlatUnit's methods whose calls are logged."""
@@ -55,7 +54,7 @@ def timeline_job(device, report, plan_jsons: dict[str, str], workload, rounds: i
 
     steps = {}
     for kind, plan_json in plan_jsons.items():
-        steps[kind] = functools.partial(_marked_step, *trained_program(device, plan_json, workload))
+        steps[kind] = functools.partial(_marked_step, *trained_program(device, plan_json, workload)[1:])
         steps[kind]()
         steps[kind]()  # the optimizer's state exists from here on
     fastest = {}

@@ -230,6 +230,23 @@ def demo_mesh_plans(workload: Workload = DEMO_WORKLOAD,
                    for name in kinds or MESH_KINDS}
 
 
+def trained_program(device, plan_json: str, workload: Workload) -> tuple:
+    """On a rank: `workload`'s model (the same initial weights on every rank), parallelized by the plan, its
+    AdamW and this replica's batch of ids (the tp ranks of a replica read the same one): (model, program,
+    optimizer, ids)."""
+    from .runtime import parallelize
+    from .runtime.collectives import world
+
+    torch.manual_seed(0)
+    entry = workload.build()
+    plan = Plan.from_json(plan_json)
+    generator = torch.Generator().manual_seed(1 + plan.mesh.replica_of(world().rank))
+    vocab_size = getattr(entry.model, "config").vocab_size  # the zoo's GPT and Hugging Face models keep one
+    ids = torch.randint(0, vocab_size, entry.args[0].shape, generator=generator)
+    program = parallelize(entry.model, plan, device=device)
+    return entry.model, program, torch.optim.AdamW(program.parameters(), lr=1e-3), ids
+
+
 def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep, workload: Workload = DEMO_WORKLOAD):
     """Rank job (see runtime.launch.run_world): every plan's peak memory by MemTracker and its training
     step timed in the same interleaved rounds as the calibration of `sweep` (None: no calibration).
@@ -237,25 +254,16 @@ def measure_plans_job(device, report, plan_jsons: list[str], rounds: int, sweep,
     Returns the calibration's Measurements (None without a sweep) and per plan (peak bytes over the
     ranks, the fastest round's step seconds)."""
     from .calibrate import Probe, measure_job
-    from .runtime import parallelize
-    from .runtime.collectives import all_reduce_max, world
+    from .runtime.collectives import all_reduce_max
     from .runtime.measure import peak_step_bytes
 
     probes, peaks = {}, []
     for index, plan_json in enumerate(plan_jsons):
-        torch.manual_seed(0)  # the same initial weights on every rank
-        entry = workload.build()
-        plan = Plan.from_json(plan_json)
-        # each replica its own batch; the tp ranks of a replica read the same one
-        generator = torch.Generator().manual_seed(1 + plan.mesh.replica_of(world().rank))
-        vocab_size = getattr(entry.model, "config").vocab_size  # the zoo's GPT and Hugging Face models keep one
-        ids = torch.randint(0, vocab_size, entry.args[0].shape, generator=generator)
-        program = parallelize(entry.model, plan, device=device)
-        optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
+        model, program, optimizer, ids = trained_program(device, plan_json, workload)
         step = functools.partial(_train_step, program, optimizer, ids)
         step()  # warm-up: allocates the optimizer state, as every later step has it
         grads = [p.grad for p in program.parameters() if p.grad is not None]  # kept between steps
-        peak = peak_step_bytes(step, entry.model, optimizer, *program.parameters(), *grads)
+        peak = peak_step_bytes(step, model, optimizer, *program.parameters(), *grads)
         peaks.append(int(all_reduce_max(torch.tensor(peak))))
         probes["plan", index] = Probe(call=step, loop=False)
     measurements, seconds = measure_job(device, report, rounds, sweep, lambda device: probes)
