@@ -27,8 +27,7 @@ from typing import Callable
 
 import torch
 
-from shardplan import zoo
-from shardplan.accuracy import (HF_WORKLOADS, KINDS, _train_step, demo_chain_and_plans, hf_workload,
+from shardplan.accuracy import (HF_WORKLOAD_NAMES, KIND_NAMES, _train_step, demo_chain_and_plans, hf_workload,
                                 trained_program)
 from shardplan.runtime.launch import run_world
 
@@ -139,15 +138,14 @@ def show(kind: str, marks: list[tuple[str, float, int]], calls: list, timeline: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=list(HF_WORKLOADS) + list(zoo.HF_ARCHITECTURES))
-    kinds = [f"{strategy.value}/{checkpoint.value}" for strategy, checkpoint in KINDS]
-    parser.add_argument("--kinds", nargs="+", default=kinds, choices=kinds)
+    parser.add_argument("name", choices=HF_WORKLOAD_NAMES)
+    parser.add_argument("--kinds", nargs="+", default=KIND_NAMES, choices=KIND_NAMES)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--timeline", action="store_true", help="also every call over 0.2 ms, and each prefetch")
     args = parser.parse_args()
     workload = hf_workload(args.name)
     _, plans = demo_chain_and_plans(2, workload)
-    chosen = {kind: plan.to_json() for kind, plan in zip(kinds, plans) if kind in args.kinds}
+    chosen = {kind: plan.to_json() for kind, plan in zip(KIND_NAMES, plans) if kind in args.kinds}
     load_before = os.getloadavg()[0]
     found = run_world(timeline_job, (chosen, workload, args.rounds), world_size=2, backend="gloo", total_steps=1,
                       progress=False)
