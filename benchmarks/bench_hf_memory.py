@@ -30,8 +30,8 @@ import os
 import torch
 from rich.console import Console
 
-from shardplan import get_hardware, zoo
-from shardplan.accuracy import (HF_OTHER_ARCHITECTURES, HF_WORKLOADS, Accuracy, accuracy_table, compare,
+from shardplan import get_hardware
+from shardplan.accuracy import (HF_OTHER_ARCHITECTURES, HF_WORKLOAD_NAMES, HF_WORKLOADS, Accuracy, accuracy_table, compare,
                                 demo_chain_and_plans, hf_workload, measure_plans)
 from shardplan.calibrate import MODES, Measurements, fit_profile, summary, sweep_for
 from shardplan.hardware import HardwareProfile
@@ -43,7 +43,7 @@ MEMORY_BAND, STEP_TIME_BAND = (0.95, 1.05), (0.85, 1.15)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(HF_WORKLOADS),
-                        choices=list(HF_WORKLOADS) + list(zoo.HF_ARCHITECTURES))
+                        choices=HF_WORKLOAD_NAMES)
     parser.add_argument("--extra", action="store_true", help="also every architecture of HF_OTHER_ARCHITECTURES")
     parser.add_argument("--profile", help="a profile JSON or built-in name (cpu-gloo); default: calibrate in the "
                                           "same rounds as the training steps")

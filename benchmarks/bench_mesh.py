@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 
 from shardplan import get_hardware, zoo
-from shardplan.accuracy import (DEMO_WORKLOAD, KINDS, MESH_KINDS, Workload, accuracy_table, compare,
+from shardplan.accuracy import (DEMO_WORKLOAD, KIND_NAMES, MESH_KINDS, Workload, accuracy_table, compare,
                                 demo_chain_and_plans, demo_mesh_plans, machine_cores, measure_by_world)
 from shardplan.calibrate import CPU_SWEEP, fit_profile, summary
 from shardplan.sizes import format_bytes
@@ -56,8 +56,7 @@ def main() -> None:
     if options.memory_only:
         if options.dp_kinds:
             chain, plain = demo_chain_and_plans(2, workload)
-            named.update((f"dp2 {strategy.value}/{checkpoint.value}", plan)
-                         for (strategy, checkpoint), plan in zip(KINDS, plain))
+            named.update((f"dp2 {kind}", plan) for kind, plan in zip(KIND_NAMES, plain))
         if not named:
             parser.error("no plan kinds to measure: name some with --kinds, or add --dp-kinds")
         plans = list(named.values())

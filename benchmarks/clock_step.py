@@ -21,9 +21,8 @@ import time
 
 import torch
 
-from shardplan import zoo
-from shardplan.accuracy import (HF_WORKLOADS, KINDS, _train_step, demo_chain_and_plans, hf_workload, machine_cores,
-                                shared_cores, trained_program)
+from shardplan.accuracy import (HF_WORKLOAD_NAMES, KIND_NAMES, _train_step, demo_chain_and_plans, hf_workload,
+                                machine_cores, shared_cores, trained_program)
 from shardplan.compile import evaluate
 from shardplan.hardware import get_hardware
 from shardplan.op_factors import _KernelClock
@@ -57,15 +56,14 @@ def clocked_steps(device, report, plan_jsons: dict[str, str], workload, rounds: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=list(HF_WORKLOADS) + list(zoo.HF_ARCHITECTURES))
-    kinds = [f"{strategy.value}/{checkpoint.value}" for strategy, checkpoint in KINDS]
-    parser.add_argument("--kinds", nargs="+", default=["shard_optimizer/none"], choices=kinds)
+    parser.add_argument("name", choices=HF_WORKLOAD_NAMES)
+    parser.add_argument("--kinds", nargs="+", default=["shard_optimizer/none"], choices=KIND_NAMES)
     parser.add_argument("--profile", required=True, help="a calibrated profile JSON (bench_hf_memory.py --keep)")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     workload = hf_workload(args.name)
     chain, plans = demo_chain_and_plans(2, workload)
-    chosen = {kind: plan for kind, plan in zip(kinds, plans) if kind in args.kinds}
+    chosen = {kind: plan for kind, plan in zip(KIND_NAMES, plans) if kind in args.kinds}
     hw = shared_cores(get_hardware(args.profile), 2, machine_cores())
     load_before = os.getloadavg()[0]
     results = run_world(clocked_steps, ({kind: plan.to_json() for kind, plan in chosen.items()}, workload,

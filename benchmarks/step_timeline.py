@@ -1,5 +1,6 @@
-"""Where a Hugging Face workload's 2-rank step spends its time: forward, backward and optimizer, every
-unit's gathers, reductions and releases, and the page faults of each phase.
+"""Where a Hugging Face workload's 2-rank step spends its time: the step's phases (Program.step's entry,
+forward, backward and exit, then the optimizer), every unit's gathers, reductions and releases, and the
+page faults of each phase.
 
     .venv/bin/python benchmarks/step_timeline.py hf-mixtral --kinds full_shard/none shard_grad_op/none
     .venv/bin/python benchmarks/step_timeline.py hf-mixtral --timeline        # and every call over 0.2 ms
@@ -10,7 +11,11 @@ size; one unit per block, as that bench plans them) on 2 gloo ranks, their steps
 as that bench times them, and prints rank 0's fastest round of each: the phases' milliseconds and minor page
 faults, and per phase the calls into the runtime's units (runtime/unit.py: a prefetch issues an all-gather,
 `gathered` waits for one or gathers at once, `reduce` issues the gradient's reduction, `finish_reduction`
-waits for it and adds it into `.grad`).
+waits for it and adds it into `.grad`). The step is the one that bench times (accuracy._train_step), its
+phases marked where Program.step calls out (marked_step): "step entry" is the step's checks and the sharded
+backend's transaction setting the kept gradients aside (reading each for zeros: [Note: failed steps] in
+runtime/program.py), "step exit" the transaction putting them back and the loss's all-reduce over the ranks
+(which waits for the slower rank), "optimizer" AdamW's step and zero_grad.
 """
 import argparse
 import collections
@@ -18,11 +23,12 @@ import functools
 import os
 import resource
 import time
+from typing import Callable
 
 import torch
 
-from shardplan import zoo
-from shardplan.accuracy import HF_WORKLOADS, KINDS, demo_chain_and_plans, hf_workload, trained_program
+from shardplan.accuracy import (HF_WORKLOAD_NAMES, KIND_NAMES, _train_step, demo_chain_and_plans, hf_workload,
+                                trained_program)
 from shardplan.runtime.launch import run_world
 
 _TIMED = ("prefetch", "gathered", "reduce", "finish_reduction", "release")
@@ -34,7 +40,7 @@ def _faults() -> int:
 
 
 def timeline_job(device, report, plan_jsons: dict[str, str], workload, rounds: int) -> dict:
-    """Rank job: per plan kind, its fastest round's (step s, phase marks, [(call, unit, state, start, end)])."""
+    """Rank job: per plan kind, its fastest round's (phase marks (marked_step), [(call, unit, state, start, end)])."""
     from shardplan.runtime.unit import FlatUnit
 
     calls = []
@@ -54,7 +60,7 @@ def timeline_job(device, report, plan_jsons: dict[str, str], workload, rounds: i
 
     steps = {}
     for kind, plan_json in plan_jsons.items():
-        steps[kind] = functools.partial(_marked_step, *trained_program(device, plan_json, workload)[1:])
+        steps[kind] = marked_step(*trained_program(device, plan_json, workload)[1:])
         steps[kind]()
         steps[kind]()  # the optimizer's state exists from here on
     fastest = {}
@@ -62,57 +68,84 @@ def timeline_job(device, report, plan_jsons: dict[str, str], workload, rounds: i
         for kind, step in steps.items():
             calls.clear()
             marks = step()
-            if kind not in fastest or marks["end"] - marks["start"] < fastest[kind][0]["end"] - fastest[kind][0]["start"]:
+            if kind not in fastest or _length_s(marks) < _length_s(fastest[kind][0]):
                 fastest[kind] = (marks, list(calls))
     return fastest
 
 
-def _marked_step(program, optimizer, ids) -> dict[str, float]:
-    """One training step (as accuracy._train_step), with the time and the page faults at each phase's end."""
-    torch.distributed.barrier()
-    marks = {"start": time.perf_counter(), "faults": _faults()}
-    output = program(ids, labels=ids)
-    marks["forward"], marks["forward faults"] = time.perf_counter(), _faults()
-    output.loss.backward()
-    marks["backward"], marks["backward faults"] = time.perf_counter(), _faults()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=False)
-    marks["end"], marks["end faults"] = time.perf_counter(), _faults()
-    return marks
+def marked_step(program, optimizer, ids) -> Callable[[], list[tuple[str, float, int]]]:
+    """accuracy._train_step of `program` (Program.step, AdamW's step, zero_grad), returning where each of
+    its phases ends, in order: (phase, perf_counter, minor page faults), after ("start", ...). The step is
+    the runtime's own, observed where it calls out: its `loss` (one micro-batch's forward, wrapped here on
+    this program), its after_reduction hook (every gradient reduced) and the optimizer's step pre-hook
+    (Program.step has returned)."""
+    marks: list[tuple[str, float, int]] = []
+
+    def mark(phase: str) -> None:
+        marks.append((phase, time.perf_counter(), _faults()))
+
+    loss = program.loss
+
+    @functools.wraps(loss)
+    def forward(*args, **kwargs):
+        # before the first micro-batch: the step's entry; before a later one: the one before's backward
+        mark("step entry" if marks[-1][0] == "start" else "backward")
+        result = loss(*args, **kwargs)
+        mark("forward")
+        return result
+
+    program.loss = forward
+    program.after_reduction = lambda planned: mark("backward")
+    optimizer.register_step_pre_hook(lambda *_: mark("step exit"))
+
+    def step() -> list[tuple[str, float, int]]:
+        torch.distributed.barrier()
+        marks.clear()
+        mark("start")
+        _train_step(program, optimizer, ids)
+        mark("optimizer")
+        return list(marks)
+    return step
 
 
-def show(kind: str, marks: dict[str, float], calls: list, timeline: bool) -> None:
-    phases = (("forward", "start"), ("backward", "forward"), ("optimizer", "backward"))
-    ends = {"forward": "forward", "backward": "backward", "optimizer": "end"}
-    fault_marks = {"start": "faults", "forward": "forward faults", "backward": "backward faults", "end": "end faults"}
-    parts = [f"{phase} {(marks[ends[phase]] - marks[begin]) * 1e3:.1f} ms, "
-             f"{int(marks[fault_marks[ends[phase]]] - marks[fault_marks[begin]])} faults" for phase, begin in phases]
-    print(f"\n{kind}: step {(marks['end'] - marks['start']) * 1e3:.1f} ms; " + "; ".join(parts))
+def _length_s(marks: list[tuple[str, float, int]]) -> float:
+    return marks[-1][1] - marks[0][1]
+
+
+def show(kind: str, marks: list[tuple[str, float, int]], calls: list, timeline: bool) -> None:
+    phases: dict[str, list] = {}  # phase -> [seconds, faults], summed over its spans (one a micro-batch)
+    for (_, begin, begin_faults), (phase, end, end_faults) in zip(marks, marks[1:]):
+        total = phases.setdefault(phase, [0.0, 0])
+        total[0] += end - begin
+        total[1] += end_faults - begin_faults
+    start = marks[0][1]
+    print(f"\n{kind}: step {_length_s(marks) * 1e3:.1f} ms; "
+          + "; ".join(f"{phase} {seconds * 1e3:.1f} ms, {faults} faults" for phase, (seconds, faults) in phases.items()))
     totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    for name, unit, state, start, end in calls:
-        phase = "forward" if start < marks["forward"] else "backward" if start < marks["backward"] else "optimizer"
+    for name, unit, state, call_start, call_end in calls:
+        phase = next(phase for phase, end, _ in marks[1:] if call_start < end)
         key = f"{phase} {name} ({state})"
         totals[key][0] += 1
-        totals[key][1] += end - start
+        totals[key][1] += call_end - call_start
     for key, (count, seconds) in sorted(totals.items()):
         print(f"  {key:40s} {count:3d} calls {seconds * 1e3:8.2f} ms")
     if timeline:
-        for name, unit, state, start, end in calls:
-            if end - start > 2e-4 or name == "prefetch":
-                print(f"    at {(start - marks['start']) * 1e3:7.2f} ms {(end - start) * 1e3:6.2f} ms  {name} {unit} ({state})")
+        for name, unit, state, call_start, call_end in calls:
+            if call_end - call_start > 2e-4 or name == "prefetch":
+                print(f"    at {(call_start - start) * 1e3:7.2f} ms {(call_end - call_start) * 1e3:6.2f} ms  "
+                      f"{name} {unit} ({state})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=list(HF_WORKLOADS) + list(zoo.HF_ARCHITECTURES))
-    kinds = [f"{strategy.value}/{checkpoint.value}" for strategy, checkpoint in KINDS]
-    parser.add_argument("--kinds", nargs="+", default=kinds, choices=kinds)
+    parser.add_argument("name", choices=HF_WORKLOAD_NAMES)
+    parser.add_argument("--kinds", nargs="+", default=KIND_NAMES, choices=KIND_NAMES)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--timeline", action="store_true", help="also every call over 0.2 ms, and each prefetch")
     args = parser.parse_args()
     workload = hf_workload(args.name)
     _, plans = demo_chain_and_plans(2, workload)
-    chosen = {kind: plan.to_json() for kind, plan in zip(kinds, plans) if kind in args.kinds}
+    chosen = {kind: plan.to_json() for kind, plan in zip(KIND_NAMES, plans) if kind in args.kinds}
     load_before = os.getloadavg()[0]
     found = run_world(timeline_job, (chosen, workload, args.rounds), world_size=2, backend="gloo", total_steps=1,
                       progress=False)

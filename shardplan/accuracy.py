@@ -45,6 +45,8 @@ from .plan import Checkpoint, Plan, ShardStrategy
 from .sizes import format_bytes
 
 KINDS = tuple((strategy, checkpoint) for strategy in ShardStrategy for checkpoint in Checkpoint)
+KIND_NAMES = tuple(f"{strategy.value}/{checkpoint.value}" for strategy, checkpoint in KINDS)
+"""KINDS' names, in its order: "strategy/checkpoint", e.g. "full_shard/selective"."""
 MESH_KINDS: dict[str, dict[str, Any]] = {
     "tp2": dict(tp=2),
     "tp2 vocab": dict(tp=2, vocab_parallel=True),
@@ -176,6 +178,8 @@ HF_OTHER_ARCHITECTURES = ("qwen2", "phi3", "gemma", "gpt-neox", "opt", "bart", "
 with its own head width, a parallel residual, learned positions, an encoder-decoder of another layout,
 multi-query attention, a biased MLP with tied embeddings), which bench_hf_memory.py --extra measures
 at the same size (hf_architecture_workload)."""
+HF_WORKLOAD_NAMES = (*HF_WORKLOADS, *zoo.HF_ARCHITECTURES)
+"""Every name hf_workload takes: HF_WORKLOADS', then zoo.HF_ARCHITECTURES'."""
 _WIDTH_FIELDS = ("hidden_size", "n_embd", "d_model", "intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim",
                  "decoder_ffn_dim", "word_embed_proj_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
                  "head_dim", "d_kv", "rotary_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
@@ -292,13 +296,12 @@ def measure_plans(plans: list[Plan], world_size: int, rounds: int, sweep=None, p
 def compare(chain: BlockChain, plans: list[Plan], measured: list[tuple[int, float]], hardware,
             kinds: "list[str] | None" = None) -> list[Accuracy]:
     """Each plan's prediction on `hardware` beside what `measure_plans` measured; `kinds` names the
-    plans (default: KINDS's). A world of more ranks than this machine's cores is priced on
+    plans (default: KIND_NAMES). A world of more ranks than this machine's cores is priced on
     shared_cores ([Note: more ranks than cores])."""
     from .compile import evaluate
 
     rows = []
-    kinds = kinds or [f"{strategy.value}/{checkpoint.value}" for strategy, checkpoint in KINDS]
-    for kind, plan, (peak_bytes, step_s) in zip(kinds, plans, measured):
+    for kind, plan, (peak_bytes, step_s) in zip(kinds or KIND_NAMES, plans, measured):
         predicted = evaluate(chain, plan, shared_cores(hardware, plan.world_size, machine_cores()))
         rows.append(Accuracy(kind=kind, predicted_bytes=predicted.peak_bytes,
                              measured_bytes=peak_bytes, predicted_s=predicted.step_time_s, measured_s=step_s))

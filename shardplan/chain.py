@@ -6,7 +6,7 @@ Bytes are per data-parallel replica batch given at capture (example inputs).
 """
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -30,21 +30,23 @@ class OpKind:
     which torch's FLOP formulas count as if computed. A kernel that skips masked blocks (FlashAttention-2)
     does not run them; a profile says which do (HardwareProfile.skips_masked_flops)."""
 
+    def __add__(self, other: "OpKind") -> "OpKind":
+        """The calls of both, of this one's op name: every count summed (_OP_KIND_COUNTS)."""
+        return OpKind(name=self.name, **{count: getattr(self, count) + getattr(other, count)
+                                         for count in _OP_KIND_COUNTS})
+
+
+_OP_KIND_COUNTS = tuple(kind_field.name for kind_field in fields(OpKind) if kind_field.name != "name")
+"""OpKind's fields that sum over calls: all but its name, read off the class so that none is left out."""
+
 
 def merge_op_kinds(groups: Iterable[Iterable[OpKind]]) -> tuple[OpKind, ...]:
     """The op kinds of several nodes (or blocks) as one block's: summed by name, sorted by name."""
-    totals: dict[str, list[int]] = {}
+    totals: dict[str, OpKind] = {}
     for kinds in groups:
         for kind in kinds:
-            total = totals.setdefault(kind.name, [0, 0, 0, 0, 0])
-            total[0] += kind.calls
-            total[1] += kind.flops
-            total[2] += kind.bytes
-            total[3] += kind.weight_bytes
-            total[4] += kind.masked_flops
-    return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes,
-                        masked_flops=masked_flops)
-                 for name, (calls, flops, nbytes, weight_bytes, masked_flops) in sorted(totals.items()))
+            totals[kind.name] = totals[kind.name] + kind if kind.name in totals else kind
+    return tuple(totals[name] for name in sorted(totals))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

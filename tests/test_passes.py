@@ -1,9 +1,11 @@
 """Front end: capture and analysis passes against eager measurement."""
+import dataclasses
+
 import pytest
 import torch
 
 from shardplan import CaptureError, zoo
-from shardplan.chain import merge_op_kinds
+from shardplan.chain import OpKind, merge_op_kinds
 from shardplan.op_factors import time_op_calls_s
 from shardplan.passes import analyze, fingerprint_of
 from shardplan.passes.blocks import block_name
@@ -174,6 +176,15 @@ def test_op_kinds_are_the_kernels_of_an_eager_step(name):
             kinds = getattr(block, f"{phase}_kinds")
             assert sum(k.calls for k in kinds) == getattr(block, f"{phase}_ops")
             assert sum(k.bytes for k in kinds if not k.flops) == getattr(block, f"{phase}_memory_bytes")
+
+
+def test_merge_op_kinds_sums_every_count_of_an_op_kind():
+    # every field OpKind has, a later one too: one left out of the sum would halve below
+    counts = [field.name for field in dataclasses.fields(OpKind) if field.name != "name"]
+    mm = OpKind(name="mm", **{count: 1 + index for index, count in enumerate(counts)})
+    add = OpKind(name="add", **{count: 10 for count in counts})
+    assert merge_op_kinds([[mm, add], [mm]]) == (
+        add, OpKind(name="mm", **{count: 2 * (1 + index) for index, count in enumerate(counts)}))
 
 
 def test_cpu_attention_has_flops():

@@ -190,8 +190,8 @@ class _Tally:
     """What the ops of one node's forward (or backward) did, by op name."""
 
     def __init__(self) -> None:
-        self.kinds: dict[str, list[int]] = {}
-        """Op name → [calls, FLOPs, bytes, weight bytes, masked FLOPs]."""
+        self.kinds: dict[str, OpKind] = {}
+        """Op name → its calls so far, summed."""
         self.selective_bytes = 0
         """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
         self.selective_storages: set[StorageWeakRef] = set()
@@ -199,10 +199,11 @@ class _Tally:
         self.dispatches = 0
         """Ops dispatched, views included (metadata queries not)."""
 
+    def add(self, kind: OpKind) -> None:
+        self.kinds[kind.name] = self.kinds[kind.name] + kind if kind.name in self.kinds else kind
+
     def op_kinds(self) -> tuple[OpKind, ...]:
-        return tuple(OpKind(name=name, calls=calls, flops=flops, bytes=nbytes, weight_bytes=weight_bytes,
-                            masked_flops=masked_flops)
-                     for name, (calls, flops, nbytes, weight_bytes, masked_flops) in sorted(self.kinds.items()))
+        return tuple(self.kinds[name] for name in sorted(self.kinds))
 
     def facts(self, phase: str) -> dict:
         kinds = self.op_kinds()
@@ -238,13 +239,11 @@ class _OpTally(TorchDispatchMode):
             tally.selective_storages.update(StorageWeakRef(t.untyped_storage()) for t in pytree.tree_leaves(out)
                                             if isinstance(t, torch.Tensor))
         matmuls = GROUPED_MATMULS.get(name)
-        kind = tally.kinds.setdefault("mm" if matmuls else name, [0, 0, 0, 0, 0])
         flops = op_flops(func, args, kwargs, out)
-        kind[0] += matmuls * args[2].shape[0] if matmuls else 1
-        kind[1] += flops
-        kind[2] += moved_bytes(func, args, kwargs, out)
-        kind[3] += moved_bytes(func, args, kwargs, out, only=self.weights)
-        kind[4] += op_masked_flops(func, args, kwargs, flops)
+        tally.add(OpKind(name="mm" if matmuls else name, calls=matmuls * args[2].shape[0] if matmuls else 1,
+                         flops=flops, bytes=moved_bytes(func, args, kwargs, out),
+                         weight_bytes=moved_bytes(func, args, kwargs, out, only=self.weights),
+                         masked_flops=op_masked_flops(func, args, kwargs, flops)))
         return out
 
 
