@@ -842,6 +842,16 @@ def memory_ratios(outcomes: list[Outcome]) -> dict[tuple[str, bool, int], float]
     return {key: statistics.median(ratios) for key, ratios in groups.items()}
 
 
+def throughput_ratios(outcomes: list[Outcome]) -> dict[tuple[str, str, int], float]:
+    """Median predicted / measured throughput of the rows that ran, by (model, pp = 1 or > 1, tp)."""
+    groups: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+    for o in outcomes:
+        if o.predicted is not None and o.row.ran and o.row.tokens_per_s_per_gpu:
+            groups[o.row.model, "> 1" if o.row.pp > 1 else "1", o.row.tp].append(
+                o.tokens_per_s_per_gpu / o.row.tokens_per_s_per_gpu)
+    return {key: statistics.median(ratios) for key, ratios in groups.items()}
+
+
 def allocated_ratios(outcomes: list[Outcome]) -> dict[int, list[float]]:
     """Predicted peak / the measured peak allocated memory (old_bench's rows that logged it), by tp. The
     prediction is the largest stage's: old_bench's log parser read one rank, which one unknown
@@ -1282,6 +1292,8 @@ def main() -> None:
     print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name}{fabric}{pp_code} "
           f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
     print_table(score(outcomes, hw.usable_memory_bytes))
+    print("\nPredicted / measured throughput, median of the rows that ran:\n")
+    print_by_tp(throughput_ratios(outcomes), "pp", "{:.2f}")
     print_memory_ratios(memory_ratios(outcomes))
     print_allocated_ratios(allocated_ratios(outcomes))
     print_reservation_by_speed(reservation_by_speed(outcomes))
