@@ -89,6 +89,9 @@ class TensorParallelFacts:
     gathered_saved_bytes: int = 0
     """Of saved_bytes, the inputs of the column-parallel linears: whole on every tp rank under
     sequence parallelism too (they are saved after its all-gather)."""
+    sliced_bwd_transient_bytes: int = 0
+    """Of the block's bwd_transient_bytes, what its sliced ops' backward makes at its peak (the gradients of
+    the column-parallel features and of the sliced weights): 1/tp on a rank without sequence parallelism."""
     sequence_layer: bool = False
     """A layer between the pairs: with sequence parallelism all its activations divide."""
     all_reduces: int = 0
@@ -147,9 +150,12 @@ class Block:
 
     A tensor saved by several blocks is counted in the first; parameters are not counted."""
     input_bytes: int
-    """Bytes of the activations this block reads from earlier blocks: what a checkpointed block keeps.
+    """Bytes of the activations a checkpointed block keeps: what its modules' calls read from outside them
+    (an earlier block's output), and what its ops outside its modules (at the model's root) save, as the
+    runtime checkpoints each module's forward on its own; in a chain built by hand, what it reads from
+    earlier blocks.
 
-    A tensor several blocks read (an encoder's output, a position bias) is counted in the first."""
+    A tensor several blocks keep (an encoder's output, a position bias) is counted in the first."""
     output_bytes: int
     """Bytes of the activations later blocks read from this block."""
     fwd_transient_bytes: int

@@ -130,7 +130,8 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
   all of them, and its input and output, / t (params as without), but for the pairs' inputs the
   column-parallel linears keep after the all-gather (f.gathered_saved_bytes, whole); transients
   scale as the saved bytes do, but for one whole-width tensor of the hidden states under sequence
-  parallelism (f.exchange_bytes, whole). Every term above then reads the rank's blocks.
+  parallelism (f.exchange_bytes, whole) and, without it, what the sliced ops' backward makes at the
+  backward's peak (f.sliced_bwd_transient_bytes, / t). Every term above then reads the rank's blocks.
 - tp exchanges, per micro-batch, exposed: Σ_blocks f.all_reduces × all_reduce(f.exchange_bytes /
   m, t), or with sequence parallelism × (all_gather + reduce_scatter) of the same bytes, on the tp
   group (consecutive ranks: one node while t ≤ its devices).
@@ -331,7 +332,8 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     ctx.tp ranks what the block's TensorParallelFacts slice divided by tp ([Note: a block on a tp rank]
     in chain.py). Transients and the memory-bound ops' bytes scale as the saved activations do (an
     approximation: the analysis does not split them by op), but under sequence parallelism the
-    whole-width tensor exchanged around a pair (TensorParallelFacts.exchange_bytes) stays whole."""
+    whole-width tensor exchanged around a pair (TensorParallelFacts.exchange_bytes) stays whole, and
+    without it the part of the backward's peak the sliced ops make (sliced_bwd_transient_bytes) is 1/tp."""
     facts = block.tensor_parallel
     sliced = facts is not None and facts.slices_at(ctx.tp)
     if ctx.batch_scale == 1 and not sliced:
@@ -373,11 +375,17 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         saved += round(parts.gathered_saved_bytes * (scale - rest_scale))  # type: ignore[union-attr]
     ratio = saved / block.saved_bytes if block.saved_bytes else rest_scale
     whole = parts.exchange_bytes if everything else 0  # type: ignore[union-attr]
+    # without sequence parallelism, what the sliced ops' backward makes at its peak divides by tp, not at the
+    # saved ratio, which keeps the norms' and residual adds' whole share (docs/benchmarks.md, "Checkpointed
+    # units and tp without sequence parallelism")
+    divided = parts.sliced_bwd_transient_bytes if sliced and not everything else 0  # type: ignore[union-attr]
 
-    def transient(total: int) -> int:
-        """Of a transient, the whole-width part stays whole; the rest scales as the saved bytes do."""
+    def transient(total: int, cut: int = 0) -> int:
+        """Of a transient, the whole-width part stays whole, the sliced part `cut` is 1/tp; the rest scales
+        as the saved bytes do."""
         kept = min(total, whole)
-        return round((total - kept) * ratio + kept * scale)
+        cut = min(cut, total - kept)
+        return round((total - kept - cut) * ratio + kept * scale + cut * scale / tp)
     return replace(
         block, param_numel=numel,
         param_bytes=block.param_bytes * numel // block.param_numel if block.param_numel else block.param_bytes,
@@ -386,7 +394,7 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         saved_bytes=saved, input_bytes=round(block.input_bytes * rest_scale),
         output_bytes=round(block.output_bytes * rest_scale),
         fwd_transient_bytes=transient(block.fwd_transient_bytes),
-        bwd_transient_bytes=transient(block.bwd_transient_bytes),
+        bwd_transient_bytes=transient(block.bwd_transient_bytes, divided),
         fwd_memory_bytes=round(block.fwd_memory_bytes * ratio), bwd_memory_bytes=round(block.bwd_memory_bytes * ratio),
         selective_bytes=round(block.selective_bytes * ratio),
         selective_saved_bytes=round(block.selective_saved_bytes * ratio),

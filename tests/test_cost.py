@@ -423,6 +423,20 @@ def test_under_sequence_parallelism_the_exchanged_hidden_states_stay_whole_in_a_
     assert plain.bwd_transient_bytes == 20 * MiB  # 32 MiB at the saved ratio, 40 of 64 MiB
 
 
+def test_without_sequence_parallelism_what_the_sliced_ops_backward_makes_at_its_peak_divides_by_tp():
+    """Measured on the runtime (docs/benchmarks.md, "Checkpointed units and tp without sequence parallelism"):
+    at the peak of a GPT layer's backward a tp rank holds its MLP's row-parallel linear's input gradient and
+    its weight's gradient, both 1/tp, which the saved ratio (keeping the norms' whole share) priced higher."""
+    whole = tensor_parallel_block(sliced_bwd_transient_bytes=24 * MiB)  # of its 32 MiB backward transient
+    plain = on_rank(whole, ctx(tp=4))
+    assert plain.bwd_transient_bytes == 24 * MiB // 4 + 5 * MiB  # the other 8 MiB at the saved ratio, 40 of 64
+    assert plain.fwd_transient_bytes == 10 * MiB  # the forward's at the saved ratio, as before
+    half_batch = on_rank(whole, ctx(tp=4, batch_scale=0.5))  # saved 16 + 4 of 64 MiB
+    assert half_batch.bwd_transient_bytes == 24 * MiB // 8 + 8 * MiB * 20 // 64
+    sequence = on_rank(whole, ctx(tp=4, sequence_parallel=True))  # the whole-width tensor, the rest at 1/4
+    assert sequence.bwd_transient_bytes == 8 * MiB + 24 * MiB // 4
+
+
 def test_tp_exchanges_are_exposed_all_reduces_or_gathers_and_scatters_per_micro_batch():
     b, group = tensor_parallel_block(), 4
     ring = (group - 1) / group

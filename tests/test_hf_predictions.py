@@ -40,8 +40,11 @@ def test_a_tensor_several_blocks_read_is_kept_once_under_checkpointing():
     blocks = {block.name: block for block in analyze(entry.model, entry.args, entry.kwargs).blocks}
     hidden, bias = 2 * 32 * 64 * 4, 4 * 32 * 32 * 4  # fp32 hidden states, one attention's position bias
     # the first decoder layer reads its hidden states and the encoder's output, and makes the two biases
-    # every later layer reads: one tensor each, kept by the first layer that reads it (full checkpointing)
-    assert [blocks[f"decoder.block.{i}"].input_bytes for i in range(3)] == [2 * hidden, hidden + 2 * bias, hidden]
+    # every later layer reads: one tensor each, kept by the first checkpointed module that reads it (full
+    # checkpointing); its hidden states are decoder.dropout's output, at rate 0 its input itself, which that
+    # module, in the block before, keeps
+    assert [blocks[f"decoder.block.{i}"].input_bytes for i in range(3)] == [hidden, hidden + 2 * bias, hidden]
+    assert blocks["encoder.final_layer_norm"].modules[-1] == "decoder.dropout"
 
 
 def test_routed_experts_are_counted_as_the_matmuls_they_run():

@@ -120,16 +120,15 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
         tensors = {p: attribute_of(gm, p) for p in reads}
         saved = {sid: size for n in nodes for sid, size in facts(n).saved if sid not in seen_saved}
         seen_saved.update(saved)
-        # an input an earlier block read too is one tensor, kept by that block when both are checkpointed
+        # a tensor an earlier block keeps too is one tensor, kept by that block when both are checkpointed
         # (an encoder's output read by every decoder layer, a position bias): count it there
-        earlier_outputs = _outputs(arg for n in nodes for arg in n.all_input_nodes
-                                   if arg in block_of and block_of[arg] < index)
-        inputs_read = sum(size for sid, size in earlier_outputs.items() if sid not in read_before)
-        read_before.update(earlier_outputs)
+        kept = _kept_by_checkpoint(nodes, modules_of[index], block_of)
+        inputs_read = sum(size for sid, size in kept.items() if sid not in read_before)
+        read_before.update(kept)
         for arg in {arg for n in nodes for arg in n.all_input_nodes if arg in block_of and block_of[arg] < index}:
             flow.add_edge(block_of[arg], index)
         outputs_read = _storages(n for n in nodes if any(block_of.get(u, index) > index for u in n.users))
-        kept_by_selective = {sid for n in nodes for sid in facts(n).selective_outputs} | set(earlier_outputs)
+        kept_by_selective = {sid for n in nodes for sid in facts(n).selective_outputs} | set(kept)
         blocks.append(Block(
             index=index, name=name, modules=modules_of[index],
             param_names=tuple(p for p in reads if p in param_names),
@@ -154,6 +153,29 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
                       extra=dict(extra, nodes=len(gm.graph.nodes)),
                       skip_edges=tuple(sorted((i, j) for i, j in flow.edges if j > i + 1)),
                       tied_edges=tuple(sorted(tied_edges)))
+
+
+def _kept_by_checkpoint(nodes: list[torch.fx.Node], modules: tuple[str, ...],
+                        block_of: dict[torch.fx.Node, int]) -> dict[int, int]:
+    """The storages a checkpointed block keeps: the runtime checkpoints each of its modules' forwards on
+    its own (runtime/activation_checkpoint.py), which keeps what that module's call reads from outside it
+    (an earlier block's output, another of the block's modules'); the block's ops outside its modules (the
+    model's root: a GPT's sum of its two embeddings, a loss) are not checkpointed and keep what autograd
+    saves for them. An earlier block's output that only such an op reads (the token embedding's, read by
+    that sum, which saves nothing) is not kept."""
+    kept: dict[int, int] = {}
+    for node in nodes:
+        module = next((m for m in modules if _within(facts(node).module_path, m)), None)
+        if module is None:
+            kept.update(facts(node).saved)
+        else:
+            kept.update(_outputs(arg for arg in node.all_input_nodes
+                                 if arg in block_of and not _within(facts(arg).module_path, module)))
+    return kept
+
+
+def _within(path: str, module: str) -> bool:
+    return path == module or path.startswith(module + ".")
 
 
 def block_modules(groups: list[NodeGroup]) -> list[tuple[str, ...]]:

@@ -10,7 +10,9 @@ The inputs of the column-parallel linears are counted apart (gathered_saved_byte
 parallelism the runtime saves them after gathering the sequence, whole.
 The parameters sliced are the linears' weights and the column-parallel linears' biases.
 Of the block's transients, one tensor of its hidden states (its output's bytes) is whole on every tp
-rank under sequence parallelism: what the pairs exchange, held whole around each exchange.
+rank under sequence parallelism: what the pairs exchange, held whole around each exchange. Of its
+backward transient, what the op whose backward peaks allocates for the gradients of sliced tensors
+divides over tp (a GPT layer's MLP's row-parallel linear: its input's and its weight's gradients).
 Approximations: the ops outside the pairs (norms, residual adds) count as whole unless sequence
 parallelism divides the whole layer; a pair's exchange moves the block's output bytes (its hidden
 states). Embeddings and LM heads that may shard over the vocabulary (not tied) carry facts of their
@@ -20,6 +22,7 @@ pairs rejected by the graph (their layers are not marked for sequence parallelis
 import math
 from dataclasses import replace
 
+import torch
 import torch.fx
 
 from ..chain import BlockChain, TensorParallelFacts, merge_op_kinds
@@ -65,6 +68,8 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
             sliced_bwd_flops=sum(k.flops for k in bwd),
             sliced_saved_bytes=_sliced_saved_bytes(groups[index].nodes, pairs),
             gathered_saved_bytes=_pair_input_saved_bytes(groups[index].nodes, pairs),
+            sliced_bwd_transient_bytes=min(_sliced_bwd_peak_bytes(groups[index].nodes, pairs),
+                                           blocks[index].bwd_transient_bytes),
             sequence_layer=bool(layers.intersection(blocks[index].modules)), all_reduces=2 * len(pairs),
             exchange_bytes=blocks[index].output_bytes,
             sharded=tuple((linear.module, linear.label) for pair, _ in pairs for linear in pair.linears)))
@@ -129,6 +134,32 @@ def _sliced_saved_bytes(block_nodes: list[torch.fx.Node], pairs) -> int:
               for storage, _ in facts(node).outputs}
     saved = {storage: size for node in block_nodes for storage, size in facts(node).saved}
     return sum(size for storage, size in saved.items() if storage in sliced)
+
+
+def _sliced_bwd_peak_bytes(block_nodes: list[torch.fx.Node], pairs) -> int:
+    """What divides over tp of the allocations of the op whose backward peaks the block's (a GPT layer's:
+    its MLP's row-parallel linear, which makes the gradients of the column-parallel features and of its
+    weight, both sliced): its allocations times the share of its gradients' bytes that are of sliced
+    tensors (the pairs' column-parallel features, the sliced weights and biases)."""
+    ran = [node for node in block_nodes if facts(node).bwd_order >= 0]
+    if not ran:
+        return 0
+    peak = max(ran, key=lambda node: facts(node).bwd_peak_live_bytes)
+    weights = {f"{linear.module}.{name}" for pair, _ in pairs for linear in pair.linears
+               for name in ("weight", "bias") if linear.style is Style.COLWISE or name == "weight"}
+    sliced = {storage for node in block_nodes for pair, _ in pairs if _on_sliced_features(node, pair)
+              for storage, _ in facts(node).outputs}
+    gradients = {storage: (size, storage in sliced or (arg.op == "get_attr" and arg.target in weights))
+                 for arg in peak.all_input_nodes if _differentiable(arg) for storage, size in facts(arg).outputs}
+    total = sum(size for size, _ in gradients.values())
+    divided = sum(size for size, cut in gradients.values() if cut)
+    allocated = facts(peak).bwd_peak_live_bytes - facts(peak).bwd_live_before_bytes
+    return allocated * divided // total if total else 0
+
+
+def _differentiable(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
 
 
 def _sliced_numel(parameters: dict, pair: TensorParallelPair) -> int:
