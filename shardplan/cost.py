@@ -33,7 +33,8 @@ Memory, by category (the peak is the largest of these events):
   stage's activations).
 - transient: a block's fwd_transient_bytes / bwd_transient_bytes (and for a
   checkpointed block its recomputed saved_bytes) while it runs; in its backward, the
-  gradient of its outputs too ([Note: a block's output gradient] at working_bytes).
+  gradient of its outputs too ([Note: a block's output gradient] at working_bytes), and the
+  parameter gradients made before its peak ([Note: live parameter gradients] there).
 Events: the forward of each unit (held activations of earlier units + this
 unit's gathered params + the prefetched next unit's + its forward working set),
 the end of forward, and the backward of each unit k (activations of units before
@@ -47,8 +48,9 @@ gradients in a unit's backward, beside the `.grad` kept between steps (sharded_s
   them into the flat gradient (its `_GatherFlat` backward; cast to the reduce dtype if that
   differs): the parameters' gradients and the flat one at once, at the end of the backward, when
   its working set is spent (measured: a layer's activation gradients are freed by then, and at
-  the working set's peak few of its parameters' gradients exist). So the backward event takes
-  the larger of the two (UnitCost.grad_assembly_bytes), not their sum.
+  the working set's peak few of its parameters' gradients exist: those the working set holds
+  ([Note: live parameter gradients] at working_bytes)). So the backward event takes the larger of
+  the two (UnitCost.grad_assembly_bytes), not their sum.
 - the flat gradient is then reduced asynchronously, and the reduction is finished (its result
   added into `.grad`) only when the next unit's backward ends: through the backward of unit k,
   unit k+1's reduction stays allocated (UnitCost.reducing_bytes). What of it depends on when the
@@ -130,8 +132,11 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
   all of them, and its input and output, / t (params as without), but for the pairs' inputs the
   column-parallel linears keep after the all-gather (f.gathered_saved_bytes, whole); transients
   scale as the saved bytes do, but for one whole-width tensor of the hidden states under sequence
-  parallelism (f.exchange_bytes, whole) and, without it, what the sliced ops' backward makes at the
-  backward's peak (f.sliced_bwd_transient_bytes, / t). Every term above then reads the rank's blocks.
+  parallelism (f.exchange_bytes, whole) and what the sliced ops' backward makes at the backward's peak
+  (f.sliced_bwd_transient_bytes, / t), beside which, under sequence parallelism, a row-parallel linear's
+  backward at the peak holds its output gradient gathered whole (f.gathered_bwd_peak_bytes); the parameter
+  gradients live at the peak (Block.bwd_peak_grad_numel) as the parameters divide (f.sliced_peak_grad_numel,
+  / t). Every term above then reads the rank's blocks.
 - tp exchanges, per micro-batch, exposed: Σ_blocks f.all_reduces × all_reduce(f.exchange_bytes /
   m, t), or with sequence parallelism × (all_gather + reduce_scatter) of the same bytes, on the tp
   group (consecutive ranks: one node while t ≤ its devices).
@@ -333,8 +338,10 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     ctx.tp ranks what the block's TensorParallelFacts slice divided by tp ([Note: a block on a tp rank]
     in chain.py). Transients and the memory-bound ops' bytes scale as the saved activations do (an
     approximation: the analysis does not split them by op), but under sequence parallelism the
-    whole-width tensor exchanged around a pair (TensorParallelFacts.exchange_bytes) stays whole, and
-    without it the part of the backward's peak the sliced ops make (sliced_bwd_transient_bytes) is 1/tp."""
+    whole-width tensor exchanged around a pair (TensorParallelFacts.exchange_bytes) stays whole, and the
+    part of the backward's peak the sliced ops make (sliced_bwd_transient_bytes) is 1/tp, beside which a
+    row-parallel linear's peak holds its output gradient gathered whole under sequence parallelism
+    (gathered_bwd_peak_bytes)."""
     facts = block.tensor_parallel
     sliced = facts is not None and facts.slices_at(ctx.tp)
     if ctx.batch_scale == 1 and not sliced:

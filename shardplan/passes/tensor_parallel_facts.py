@@ -12,7 +12,8 @@ The parameters sliced are the linears' weights and the column-parallel linears' 
 Of the block's transients, one tensor of its hidden states (its output's bytes) is whole on every tp
 rank under sequence parallelism: what the pairs exchange, held whole around each exchange. Of its
 backward transient, what the op whose backward peaks allocates for the gradients of sliced tensors
-divides over tp (a GPT layer's MLP's row-parallel linear: its input's and its weight's gradients).
+divides over tp (a GPT layer's MLP's row-parallel linear: its input's and its weight's gradients);
+under sequence parallelism that linear's backward holds its output gradient gathered whole beside them.
 Approximations: the ops outside the pairs (norms, residual adds) count as whole unless sequence
 parallelism divides the whole layer; a pair's exchange moves the block's output bytes (its hidden
 states). Embeddings and LM heads that may shard over the vocabulary (not tied) carry facts of their
