@@ -221,8 +221,8 @@ def _bwd_transient(nodes) -> int:
     peak = bwd_peak_node(nodes)
     if peak is None:
         return 0
-    start = min((facts(n) for n in nodes if facts(n).bwd_order >= 0), key=lambda f: f.bwd_order).bwd_live_before_bytes
-    return max(facts(peak).bwd_peak_live_bytes - start, 0)
+    first = min((n for n in nodes if facts(n).bwd_order >= 0), key=lambda n: facts(n).bwd_order)
+    return max(facts(peak).bwd_peak_live_bytes - facts(first).bwd_live_before_bytes, 0)
 
 
 def bwd_peak_node(nodes: list[torch.fx.Node]) -> torch.fx.Node | None:

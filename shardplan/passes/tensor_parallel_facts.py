@@ -59,12 +59,13 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
     blocks = list(chain.blocks)
     for index, pairs in found.items():
         nodes = [node for _, pair_nodes in pairs for node in pair_nodes]
+        sliced_parameters = {name for name in _sliced_parameters(pairs) if name in parameters}
         fwd = merge_op_kinds(facts(node).fwd_kinds for node in nodes)
         bwd = merge_op_kinds(facts(node).bwd_kinds for node in nodes)
         blocks[index] = replace(blocks[index], tensor_parallel=TensorParallelFacts(
             divides=math.gcd(*(divisor.size for pair, _ in pairs for divisor in pair.divisors)),
             divisors=tuple((divisor.size, divisor.what) for pair, _ in pairs for divisor in pair.divisors),
-            sliced_numel=sum(parameters[name].numel() for name in _sliced_parameters(pairs) if name in parameters),
+            sliced_numel=sum(parameters[name].numel() for name in sliced_parameters),
             fwd_kinds=fwd, bwd_kinds=bwd, sliced_fwd_flops=sum(k.flops for k in fwd),
             sliced_bwd_flops=sum(k.flops for k in bwd),
             sliced_saved_bytes=_sliced_saved_bytes(groups[index].nodes, pairs),
@@ -73,7 +74,7 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
                                            blocks[index].bwd_transient_bytes),
             gathered_bwd_peak_bytes=_gathered_at_bwd_peak(groups[index].nodes, pairs),
             sliced_peak_grad_numel=sum(parameters[name].numel() for name in grads_live_at_bwd_peak(groups[index].nodes)
-                                       if name in _sliced_parameters(pairs) and name in parameters),
+                                       if name in sliced_parameters),
             sequence_layer=bool(layers.intersection(blocks[index].modules)), all_reduces=2 * len(pairs),
             exchange_bytes=blocks[index].output_bytes,
             sharded=tuple((linear.module, linear.label) for pair, _ in pairs for linear in pair.linears)))
