@@ -65,9 +65,11 @@ class TensorParallelFacts:
     gathers it again in backward), and for one tensor of the hidden states a pair exchanges
     (`exchange_bytes`), whole while it is exchanged, so of the block's transients that much does not
     divide: a row-parallel linear's output is a whole-width partial sum until its reduce-scatter
-    (forward); its output gradient is all-gathered whole before its matmuls, and a column-parallel
-    linear's input gradient is whole until its reduce-scatter (backward) (docs/benchmarks.md,
-    "Sequence parallelism's whole-width transients").
+    (forward), and a column-parallel linear's input gradient is whole until its reduce-scatter
+    (backward) (docs/benchmarks.md, "Sequence parallelism's whole-width transients"); a row-parallel
+    linear's output gradient, all-gathered whole before its matmuls, is held beside what the tp 1
+    transient counts where that backward peaks (`gathered_bwd_peak_bytes`; docs/benchmarks.md, "Live
+    gradients at a block's backward peak").
 
     Traffic: `all_reduces` all-reduces of `exchange_bytes` per replica batch without sequence
     parallelism (a pair: one in forward, one in backward; a vocab-parallel embedding: one in forward;
@@ -91,7 +93,14 @@ class TensorParallelFacts:
     sequence parallelism too (they are saved after its all-gather)."""
     sliced_bwd_transient_bytes: int = 0
     """Of the block's bwd_transient_bytes, what its sliced ops' backward makes at its peak (the gradients of
-    the column-parallel features and of the sliced weights): 1/tp on a rank without sequence parallelism."""
+    the column-parallel features and of the sliced weights): 1/tp on a rank."""
+    gathered_bwd_peak_bytes: int = 0
+    """Under sequence parallelism, what the op whose backward peaks holds whole beside its tp 1 allocations:
+    a row-parallel linear's output gradient, all-gathered along the sequence before its matmuls (at tp 1 it
+    was live before the op ran, the block's output gradient). 0 where another op peaks: there the whole-width
+    tensor (`exchange_bytes`, a column-parallel input gradient) is one of the op's own allocations."""
+    sliced_peak_grad_numel: int = 0
+    """Of the block's bwd_peak_grad_numel, the sliced parameters' (1/tp on a rank)."""
     sequence_layer: bool = False
     """A layer between the pairs: with sequence parallelism all its activations divide."""
     all_reduces: int = 0
@@ -162,7 +171,7 @@ class Block:
     """Peak bytes allocated during this block's forward beyond what was live when it began."""
     bwd_transient_bytes: int
     """Peak bytes allocated during this block's backward beyond what was live when it began
-    (parameter gradients excluded: they are counted with the sharded state)."""
+    (parameter gradients excluded but those the op at the peak makes: the rest are bwd_peak_grad_numel)."""
     first_node: str
     last_node: str
     fwd_memory_bytes: int = 0
@@ -177,6 +186,10 @@ class Block:
     selective_bytes: int = 0
     """Output bytes of the block's matmul-like ops (plan.SELECTIVE_SAVED_OPS): what selective
     checkpointing keeps besides the block's input."""
+    bwd_peak_grad_numel: int = 0
+    """Parameters whose gradients the block's backward made before the op where it peaks: beside its
+    transient there, held until its unit's backward ends ([Note: gradients in backward] in cost.py). 0 in
+    a chain built by hand."""
     selective_saved_bytes: int = 0
     """Of saved_bytes, those selective checkpointing keeps anyway (the block's inputs and matmul-like
     outputs that autograd saves): the rest is recomputed. A kept output autograd does not save (a

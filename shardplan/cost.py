@@ -33,7 +33,8 @@ Memory, by category (the peak is the largest of these events):
   stage's activations).
 - transient: a block's fwd_transient_bytes / bwd_transient_bytes (and for a
   checkpointed block its recomputed saved_bytes) while it runs; in its backward, the
-  gradient of its outputs too ([Note: a block's output gradient] at working_bytes).
+  gradient of its outputs too ([Note: a block's output gradient] at working_bytes), and the
+  parameter gradients made before its peak ([Note: live parameter gradients] there).
 Events: the forward of each unit (held activations of earlier units + this
 unit's gathered params + the prefetched next unit's + its forward working set),
 the end of forward, and the backward of each unit k (activations of units before
@@ -47,8 +48,9 @@ gradients in a unit's backward, beside the `.grad` kept between steps (sharded_s
   them into the flat gradient (its `_GatherFlat` backward; cast to the reduce dtype if that
   differs): the parameters' gradients and the flat one at once, at the end of the backward, when
   its working set is spent (measured: a layer's activation gradients are freed by then, and at
-  the working set's peak few of its parameters' gradients exist). So the backward event takes
-  the larger of the two (UnitCost.grad_assembly_bytes), not their sum.
+  the working set's peak few of its parameters' gradients exist: those the working set holds
+  ([Note: live parameter gradients] at working_bytes)). So the backward event takes the larger of
+  the two (UnitCost.grad_assembly_bytes), not their sum.
 - the flat gradient is then reduced asynchronously, and the reduction is finished (its result
   added into `.grad`) only when the next unit's backward ends: through the backward of unit k,
   unit k+1's reduction stays allocated (UnitCost.reducing_bytes). What of it depends on when the
@@ -130,8 +132,11 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
   all of them, and its input and output, / t (params as without), but for the pairs' inputs the
   column-parallel linears keep after the all-gather (f.gathered_saved_bytes, whole); transients
   scale as the saved bytes do, but for one whole-width tensor of the hidden states under sequence
-  parallelism (f.exchange_bytes, whole) and, without it, what the sliced ops' backward makes at the
-  backward's peak (f.sliced_bwd_transient_bytes, / t). Every term above then reads the rank's blocks.
+  parallelism (f.exchange_bytes, whole) and what the sliced ops' backward makes at the backward's peak
+  (f.sliced_bwd_transient_bytes, / t), beside which, under sequence parallelism, a row-parallel linear's
+  backward at the peak holds its output gradient gathered whole (f.gathered_bwd_peak_bytes); the parameter
+  gradients live at the peak (Block.bwd_peak_grad_numel) as the parameters divide (f.sliced_peak_grad_numel,
+  / t). Every term above then reads the rank's blocks.
 - tp exchanges, per micro-batch, exposed: Σ_blocks f.all_reduces × all_reduce(f.exchange_bytes /
   m, t), or with sequence parallelism × (all_gather + reduce_scatter) of the same bytes, on the tp
   group (consecutive ranks: one node while t ≤ its devices).
@@ -142,6 +147,7 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
 - pipeline sends: each rank sends its own (1/t under sequence parallelism) boundary activations,
   across nodes once the world spans them (solver/search.py, boundary_times_s).
 """
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -332,8 +338,10 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     ctx.tp ranks what the block's TensorParallelFacts slice divided by tp ([Note: a block on a tp rank]
     in chain.py). Transients and the memory-bound ops' bytes scale as the saved activations do (an
     approximation: the analysis does not split them by op), but under sequence parallelism the
-    whole-width tensor exchanged around a pair (TensorParallelFacts.exchange_bytes) stays whole, and
-    without it the part of the backward's peak the sliced ops make (sliced_bwd_transient_bytes) is 1/tp."""
+    whole-width tensor exchanged around a pair (TensorParallelFacts.exchange_bytes) stays whole, and the
+    part of the backward's peak the sliced ops make (sliced_bwd_transient_bytes) is 1/tp, beside which a
+    row-parallel linear's peak holds its output gradient gathered whole under sequence parallelism
+    (gathered_bwd_peak_bytes)."""
     facts = block.tensor_parallel
     sliced = facts is not None and facts.slices_at(ctx.tp)
     if ctx.batch_scale == 1 and not sliced:
@@ -375,17 +383,20 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         saved += round(parts.gathered_saved_bytes * (scale - rest_scale))  # type: ignore[union-attr]
     ratio = saved / block.saved_bytes if block.saved_bytes else rest_scale
     whole = parts.exchange_bytes if everything else 0  # type: ignore[union-attr]
-    # without sequence parallelism, what the sliced ops' backward makes at its peak divides by tp, not at the
-    # saved ratio, which keeps the norms' and residual adds' whole share (docs/benchmarks.md, "Checkpointed
-    # units and tp without sequence parallelism")
-    divided = parts.sliced_bwd_transient_bytes if sliced and not everything else 0  # type: ignore[union-attr]
+    # what the sliced ops' backward makes at its peak divides by tp, not at the saved ratio, which keeps the
+    # norms' and residual adds' whole share (docs/benchmarks.md, "Checkpointed units and tp without sequence
+    # parallelism"); under sequence parallelism a row-parallel linear's backward at the peak holds its output
+    # gradient gathered whole beside it ("Live gradients at a block's backward peak")
+    divided = parts.sliced_bwd_transient_bytes if sliced else 0  # type: ignore[union-attr]
+    gathered = parts.gathered_bwd_peak_bytes if everything else 0  # type: ignore[union-attr]
+    cut_grads = parts.sliced_peak_grad_numel if sliced else 0  # type: ignore[union-attr]
 
-    def transient(total: int, cut: int = 0) -> int:
-        """Of a transient, the whole-width part stays whole, the sliced part `cut` is 1/tp; the rest scales
-        as the saved bytes do."""
-        kept = min(total, whole)
+    def transient(total: int, cut: int = 0, beside: int = 0) -> int:
+        """Of a transient, the whole-width part stays whole (or, held `beside` it, is added whole), the sliced
+        part `cut` is 1/tp; the rest scales as the saved bytes do."""
+        kept = 0 if beside else min(total, whole)
         cut = min(cut, total - kept)
-        return round((total - kept - cut) * ratio + kept * scale + cut * scale / tp)
+        return round((total - kept - cut) * ratio + (kept + beside) * scale + cut * scale / tp)
     return replace(
         block, param_numel=numel,
         param_bytes=block.param_bytes * numel // block.param_numel if block.param_numel else block.param_bytes,
@@ -394,7 +405,8 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         saved_bytes=saved, input_bytes=round(block.input_bytes * rest_scale),
         output_bytes=round(block.output_bytes * rest_scale),
         fwd_transient_bytes=transient(block.fwd_transient_bytes),
-        bwd_transient_bytes=transient(block.bwd_transient_bytes, divided),
+        bwd_transient_bytes=transient(block.bwd_transient_bytes, divided, gathered),
+        bwd_peak_grad_numel=block.bwd_peak_grad_numel - cut_grads + -(-cut_grads // tp),
         fwd_memory_bytes=round(block.fwd_memory_bytes * ratio), bwd_memory_bytes=round(block.bwd_memory_bytes * ratio),
         selective_bytes=round(block.selective_bytes * ratio),
         selective_saved_bytes=round(block.selective_saved_bytes * ratio),
@@ -575,12 +587,23 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
     one process with MemTracker: docs/benchmarks.md, "A block's output gradient"; read, not traced op
     by op, as its recompute freeing a kept output autograd does not save, the attention projection's,
     as it reads it), which the model does not price: its gradient is left out with that, where pricing
-    the one without the other overprices by as much."""
+    the one without the other overprices by as much.
+
+    [Note: live parameter gradients] The runtime holds each parameter's gradient until its unit's last one
+    is made ([Note: gradients in backward]), whatever the strategy: the `.grad` the state term counts is
+    another tensor, added into after the reduction. So a block's backward peak holds, beside its
+    transient, the gradients its backward made before the op at the peak (Block.bwd_peak_grad_numel: a
+    GPT-2 layer peaks in its GELU's backward, after its output projection's), and those of the unit's
+    blocks after it, whose backward ran first; in the parameters' compute dtype, per micro-batch whole."""
     kept = [_kept_bytes(b, checkpoint, ctx) for b in blocks]
+    grad_bytes = dtype_bytes(ctx.param_dtype)
+    # each block's later blocks' parameters: a running sum from the unit's end, less the block's own
+    later_grads = [grad_bytes * (total - b.param_numel) for b, total in
+                   zip(blocks, reversed(list(itertools.accumulate(b.param_numel for b in reversed(blocks)))))]
     fwd_working, bwd_working, running = (sum(kept), 0), (0, 0), 0
-    for block, kept_bytes in zip(blocks, kept):
+    for block, kept_bytes, later in zip(blocks, kept, later_grads):
         fwd_transient = _per_micro_batch(block.fwd_transient_bytes, ctx)
-        bwd_transient = _per_micro_batch(block.bwd_transient_bytes, ctx)
+        bwd_transient = _per_micro_batch(block.bwd_transient_bytes, ctx) + block.bwd_peak_grad_numel * grad_bytes
         output_grad = _per_micro_batch(block.output_bytes, ctx)
         saved = _per_micro_batch(block.saved_bytes, ctx)
         fwd_working = max(fwd_working, (running, fwd_transient), key=sum)
@@ -591,7 +614,7 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
             transient = _recomputed_by_selective(block, saved, kept_bytes, ctx) + bwd_transient
         else:
             transient = output_grad + bwd_transient
-        working = (running + kept_bytes, transient)
+        working = (running + kept_bytes, transient + later)
         bwd_working = max(bwd_working, working, key=sum)
         running += kept_bytes
     return sum(kept), fwd_working, bwd_working

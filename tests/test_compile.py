@@ -223,6 +223,9 @@ def test_captured_layers_carry_their_tensor_parallel_facts_and_cpu_plans_keep_tp
     # its backward peaks at the MLP's row-parallel linear: the gradients of the GELU's output (4 hidden states)
     # and of its weight (4 n_embd x n_embd) divide over tp; its bias's, the rest of the transient, does not
     assert facts.sliced_bwd_transient_bytes == 4 * hidden + 4 * n_embd * n_embd * 4 == layer.bwd_transient_bytes - n_embd * 4
+    # under sequence parallelism that linear gathers its output gradient whole beside them; its backward is the
+    # layer's first, so no parameter's gradient was made before the peak
+    assert (facts.gathered_bwd_peak_bytes, layer.bwd_peak_grad_numel, facts.sliced_peak_grad_numel) == (hidden, 0, 0)
     assert chain.blocks[0].tensor_parallel.sharded == (("wte", "vocab_embedding"),)  # wpe is no vocabulary table
     assert chain.blocks[-1].tensor_parallel.sharded == (("lm_head", "vocab_head"),)
     assert solve(chain, 4, hardware="cpu-gloo").mesh.tp == 1  # CPU ranks: tp only when asked

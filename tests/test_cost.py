@@ -437,6 +437,46 @@ def test_without_sequence_parallelism_what_the_sliced_ops_backward_makes_at_its_
     assert sequence.bwd_transient_bytes == 8 * MiB + 24 * MiB // 4
 
 
+def test_under_sequence_parallelism_a_row_parallel_peak_holds_its_gathered_output_gradient_beside_the_sliced_part():
+    """Measured on the runtime (docs/benchmarks.md, "Live gradients at a block's backward peak"): a GPT layer's
+    backward (hidden 512, 4 x 512 tokens) peaks in its MLP's row-parallel linear, whose input and weight
+    gradients (16 + 4 MiB at tp 1) are 1/tp, beside its output gradient all-gathered whole (4 MiB), which at
+    tp 1 was live before the op: 4 + 10 MiB on a rank of tp 2, where the saved ratio priced 4 + 16 x 0.5625."""
+    layer = block(saved=64 * MiB, inp=4 * MiB, bwd_transient=20 * MiB, output_bytes=4 * MiB,
+                  tensor_parallel=TensorParallelFacts(divides=8, sliced_numel=999_000, sliced_saved_bytes=32 * MiB,
+                                                      sequence_layer=True, all_reduces=4, exchange_bytes=4 * MiB,
+                                                      sliced_bwd_transient_bytes=20 * MiB,
+                                                      gathered_bwd_peak_bytes=4 * MiB))
+    assert on_rank(layer, ctx(tp=2, sequence_parallel=True)).bwd_transient_bytes == 14 * MiB
+    assert on_rank(layer, ctx(tp=2)).bwd_transient_bytes == 10 * MiB  # no gather without sequence parallelism
+    other_peak = dataclasses.replace(layer, tensor_parallel=dataclasses.replace(layer.tensor_parallel,
+                                                                                gathered_bwd_peak_bytes=0))
+    # where another op peaks, the whole-width tensor is one of its own allocations: kept whole within them
+    assert on_rank(other_peak, ctx(tp=2, sequence_parallel=True)).bwd_transient_bytes == 4 * MiB + 16 * MiB // 2
+
+
+@pytest.mark.parametrize("strategy", list(ShardStrategy))
+@pytest.mark.parametrize("checkpoint", list(Checkpoint))
+def test_a_blocks_backward_peak_holds_the_parameter_gradients_made_before_it(strategy, checkpoint):
+    """Measured on the runtime (docs/benchmarks.md, "Live gradients at a block's backward peak"): a GPT-2
+    layer's backward peaks in its GELU's backward, after its output projection's, whose gradients (262,400
+    parameters, 1 MiB) the runtime holds until the unit's last gradient is made, as it holds those of the
+    unit's blocks whose backward ran before; the kept `.grad` of the state term is another tensor."""
+    layer = block(0, numel=789_760, bwd_transient=4 * MiB, output_bytes=0)
+    with_grads = dataclasses.replace(layer, bwd_peak_grad_numel=262_400)
+    decision = Decision(strategy=strategy, checkpoint=checkpoint)
+    plain, held = (unit_cost((b,), decision, ctx(dp=2)) for b in (layer, with_grads))
+    assert sum(held.bwd_working) - sum(plain.bwd_working) == 262_400 * 4  # 1 MiB and 1 KiB of float32
+    assert held.state_bytes == plain.state_bytes
+    compute = ctx(dp=2, param_dtype="bfloat16", num_micro_batches=2)  # in the compute dtype, each micro-batch whole
+    assert (sum(unit_cost((with_grads,), decision, compute).bwd_working)
+            - sum(unit_cost((layer,), decision, compute).bwd_working)) == 262_400 * 2
+    # a block after it in the unit, whose backward runs first
+    head = block(1, numel=1000, saved=0, inp=0, fwd_transient=0, bwd_transient=0, output_bytes=0)
+    alone, in_unit = unit_cost((layer,), decision, ctx(dp=2)), unit_cost((layer, head), decision, ctx(dp=2))
+    assert in_unit.bwd_working[1] == alone.bwd_working[1] + 1000 * 4
+
+
 def test_tp_exchanges_are_exposed_all_reduces_or_gathers_and_scatters_per_micro_batch():
     b, group = tensor_parallel_block(), 4
     ring = (group - 1) / group

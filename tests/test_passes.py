@@ -71,6 +71,21 @@ def test_gpt_blocks_follow_its_modules():
     assert next(k for k in layers[0].fwd_kinds if k.name == "addmm").weight_bytes == linear_bytes
 
 
+def test_a_block_names_the_parameter_gradients_made_before_its_backward_peak():
+    """GPT-2's layer peaks in its MLP's GELU backward (tanh approximation), after its output projection's
+    backward made that projection's weight and bias gradients (docs/benchmarks.md, "Live gradients at a
+    block's backward peak"); the demo GPT's layer peaks in its first backward op, its MLP's output linear."""
+    gpt2 = zoo.hf_gpt2(d_model=256, batch=4, seq=128)  # bench_hf_memory.py's layer (its activations 0.5 MiB)
+    chain = analyze(gpt2.model, gpt2.args, gpt2.kwargs)
+    layers = [b for b in chain.blocks if ".h." in b.name]
+    projection = gpt2.model.transformer.h[0].mlp.c_proj
+    assert projection.weight.numel() + projection.bias.numel() == 262_400  # 4 x 256 x 256 + 256
+    assert [b.bwd_peak_grad_numel for b in layers] == [262_400, 262_400]
+    gpt = zoo.gpt(zoo.GPTConfig(n_layer=2))
+    layers = [b for b in analyze(gpt.model, gpt.args, gpt.kwargs).blocks if b.name.startswith("h.")]
+    assert [b.bwd_peak_grad_numel for b in layers] == [0, 0]
+
+
 def test_tied_weights_and_buffers_do_not_make_blocks():
     gpt2 = zoo.hf_gpt2()
     names = [b.name for b in analyze(gpt2.model, gpt2.args, gpt2.kwargs).blocks]

@@ -145,6 +145,8 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             saved_bytes=sum(saved.values()), input_bytes=inputs_read, output_bytes=outputs_read,
             selective_saved_bytes=sum(size for sid, size in saved.items() if sid in kept_by_selective),
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
+            bwd_peak_grad_numel=sum(attribute_of(gm, p).numel() for p in grads_live_at_bwd_peak(nodes)
+                                    if p in param_names),
             first_node=nodes[0].name, last_node=nodes[-1].name))
     dtypes = sorted({str(p.dtype) for p in gm.parameters()})
     return BlockChain(blocks=tuple(blocks), fingerprint=fingerprint(gm), param_dtype=dtypes[0] if dtypes else "",
@@ -216,11 +218,30 @@ def _fwd_transient(nodes) -> int:
 
 
 def _bwd_transient(nodes) -> int:
-    ran = [facts(n) for n in nodes if facts(n).bwd_order >= 0]
-    if not ran:
+    peak = bwd_peak_node(nodes)
+    if peak is None:
         return 0
-    start = min(ran, key=lambda f: f.bwd_order).bwd_live_before_bytes
-    return max(max(f.bwd_peak_live_bytes for f in ran) - start, 0)
+    first = min((n for n in nodes if facts(n).bwd_order >= 0), key=lambda n: facts(n).bwd_order)
+    return max(facts(peak).bwd_peak_live_bytes - facts(first).bwd_live_before_bytes, 0)
+
+
+def bwd_peak_node(nodes: list[torch.fx.Node]) -> torch.fx.Node | None:
+    """The node whose backward peaks the live bytes of these nodes' backward (None: none has a backward)."""
+    ran = [node for node in nodes if facts(node).bwd_order >= 0]
+    return max(ran, key=lambda node: facts(node).bwd_peak_live_bytes) if ran else None
+
+
+def grads_live_at_bwd_peak(nodes: list[torch.fx.Node]) -> tuple[str, ...]:
+    """The parameters whose gradients these nodes' backward made before the node where it peaks
+    (bwd_peak_node), in the order made: the analysis dropped them as made, and the runtime holds them
+    until its unit's backward ends ([Note: gradients in backward] in cost.py). The peak node's own
+    gradients are in its live bytes."""
+    peak = bwd_peak_node(nodes)
+    if peak is None:
+        return ()
+    before = sorted((node for node in nodes if 0 <= facts(node).bwd_order < facts(peak).bwd_order),
+                    key=lambda node: facts(node).bwd_order)
+    return tuple(dict.fromkeys(name for node in before for name in facts(node).bwd_param_grads))
 
 
 def fingerprint(gm: torch.fx.GraphModule) -> str:

@@ -13,9 +13,10 @@ differently from the math fallback), and device moves in the model work. Three t
 - activation bytes live after every op (a dispatch mode that follows each
   output storage until it is freed), for the transient peaks.
 
-Parameter gradients are dropped as soon as they are accumulated, as a sharded
-runtime hands them to reduce-scatter: the gradient state is the cost model's
-to count, not the activations'.
+Parameter gradients are dropped as soon as they are accumulated: the gradient
+state is the cost model's to count, not the activations'. Which node's backward
+made each one is recorded (bwd_param_grads), for the gradients a runtime holds
+until its unit's backward ends (passes/blocks.py, Block.bwd_peak_grad_numel).
 """
 import math
 import weakref
@@ -421,20 +422,27 @@ def _run_backward(loss, grad_fn_owner, ops: _OpTally, live: _LiveStorages, meta)
             ops.tally = tallies[node]
         return hook
 
+    made: dict[torch.fx.Node, list[str]] = {}
+    """Each node → the parameters whose gradients were accumulated while its backward ran."""
+
+    def drop_grad(name: str):
+        def hook(param: torch.Tensor) -> None:
+            if running[0] is not None:
+                made.setdefault(running[0], []).append(name)
+            param.grad = None
+        return hook
+
     for grad_fn, node in grad_fn_owner.items():
         grad_fn.register_prehook(on_backward_start(node))
-    for param in meta.params_requiring_grad():
-        param.register_post_accumulate_grad_hook(_drop_grad)
+    for name, param in meta.params_requiring_grad():
+        param.register_post_accumulate_grad_hook(drop_grad(name))
     with ops, live:
         loss.backward()
         close_running()
     ops.tally = None
     for position, node in enumerate(order):
-        update_facts(node, bwd_order=position, **marks[node], **tallies[node].facts("bwd"))
-
-
-def _drop_grad(param: torch.Tensor) -> None:
-    param.grad = None
+        update_facts(node, bwd_order=position, bwd_param_grads=tuple(made.get(node, ())), **marks[node],
+                     **tallies[node].facts("bwd"))
 
 
 class _FakeState:
@@ -466,8 +474,9 @@ class _FakeState:
             self.tensors[target] = self.stand_in(real, requires_grad=trainable)
         return self.tensors[target]
 
-    def params_requiring_grad(self):
-        return [t for t in self.tensors.values() if t.requires_grad]
+    def params_requiring_grad(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, stand-in) of each trainable parameter."""
+        return [(name, t) for name, t in self.tensors.items() if t.requires_grad]
 
 
 def _flatten_inputs(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:

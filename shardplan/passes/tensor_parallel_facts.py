@@ -12,7 +12,8 @@ The parameters sliced are the linears' weights and the column-parallel linears' 
 Of the block's transients, one tensor of its hidden states (its output's bytes) is whole on every tp
 rank under sequence parallelism: what the pairs exchange, held whole around each exchange. Of its
 backward transient, what the op whose backward peaks allocates for the gradients of sliced tensors
-divides over tp (a GPT layer's MLP's row-parallel linear: its input's and its weight's gradients).
+divides over tp (a GPT layer's MLP's row-parallel linear: its input's and its weight's gradients);
+under sequence parallelism that linear's backward holds its output gradient gathered whole beside them.
 Approximations: the ops outside the pairs (norms, residual adds) count as whole unless sequence
 parallelism divides the whole layer; a pair's exchange moves the block's output bytes (its hidden
 states). Embeddings and LM heads that may shard over the vocabulary (not tied) carry facts of their
@@ -26,7 +27,7 @@ import torch
 import torch.fx
 
 from ..chain import BlockChain, TensorParallelFacts, merge_op_kinds
-from .blocks import group_nodes
+from .blocks import bwd_peak_node, group_nodes, grads_live_at_bwd_peak
 from .facts import facts
 from .tensor_parallel import Style, TensorParallelPair, VocabCandidate, VocabKind, find_tensor_parallel_pairs
 
@@ -58,18 +59,22 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
     blocks = list(chain.blocks)
     for index, pairs in found.items():
         nodes = [node for _, pair_nodes in pairs for node in pair_nodes]
+        sliced_parameters = {name for name in _sliced_parameters(pairs) if name in parameters}
         fwd = merge_op_kinds(facts(node).fwd_kinds for node in nodes)
         bwd = merge_op_kinds(facts(node).bwd_kinds for node in nodes)
         blocks[index] = replace(blocks[index], tensor_parallel=TensorParallelFacts(
             divides=math.gcd(*(divisor.size for pair, _ in pairs for divisor in pair.divisors)),
             divisors=tuple((divisor.size, divisor.what) for pair, _ in pairs for divisor in pair.divisors),
-            sliced_numel=sum(_sliced_numel(parameters, pair) for pair, _ in pairs),
+            sliced_numel=sum(parameters[name].numel() for name in sliced_parameters),
             fwd_kinds=fwd, bwd_kinds=bwd, sliced_fwd_flops=sum(k.flops for k in fwd),
             sliced_bwd_flops=sum(k.flops for k in bwd),
             sliced_saved_bytes=_sliced_saved_bytes(groups[index].nodes, pairs),
             gathered_saved_bytes=_pair_input_saved_bytes(groups[index].nodes, pairs),
             sliced_bwd_transient_bytes=min(_sliced_bwd_peak_bytes(groups[index].nodes, pairs),
                                            blocks[index].bwd_transient_bytes),
+            gathered_bwd_peak_bytes=_gathered_at_bwd_peak(groups[index].nodes, pairs),
+            sliced_peak_grad_numel=sum(parameters[name].numel() for name in grads_live_at_bwd_peak(groups[index].nodes)
+                                       if name in sliced_parameters),
             sequence_layer=bool(layers.intersection(blocks[index].modules)), all_reduces=2 * len(pairs),
             exchange_bytes=blocks[index].output_bytes,
             sharded=tuple((linear.module, linear.label) for pair, _ in pairs for linear in pair.linears)))
@@ -141,12 +146,10 @@ def _sliced_bwd_peak_bytes(block_nodes: list[torch.fx.Node], pairs) -> int:
     its MLP's row-parallel linear, which makes the gradients of the column-parallel features and of its
     weight, both sliced): its allocations times the share of its gradients' bytes that are of sliced
     tensors (the pairs' column-parallel features, the sliced weights and biases)."""
-    ran = [node for node in block_nodes if facts(node).bwd_order >= 0]
-    if not ran:
+    peak = bwd_peak_node(block_nodes)
+    if peak is None:
         return 0
-    peak = max(ran, key=lambda node: facts(node).bwd_peak_live_bytes)
-    weights = {f"{linear.module}.{name}" for pair, _ in pairs for linear in pair.linears
-               for name in ("weight", "bias") if linear.style is Style.COLWISE or name == "weight"}
+    weights = _sliced_parameters(pairs)
     sliced = {storage for node in block_nodes for pair, _ in pairs if _on_sliced_features(node, pair)
               for storage, _ in facts(node).outputs}
     gradients = {storage: (size, storage in sliced or (arg.op == "get_attr" and arg.target in weights))
@@ -162,11 +165,22 @@ def _differentiable(node: torch.fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
 
 
-def _sliced_numel(parameters: dict, pair: TensorParallelPair) -> int:
+def _gathered_at_bwd_peak(block_nodes: list[torch.fx.Node], pairs) -> int:
+    """The output gradient a row-parallel linear's backward gathers whole under sequence parallelism, where
+    that backward is the block's peak (a GPT layer's MLP): its output's bytes. At tp 1 that gradient was live
+    before the op ran (the block's output gradient), so the tp 1 transient does not hold it; 0 where another
+    op peaks."""
+    peak = bwd_peak_node(block_nodes)
+    rowwise = {linear.module for pair, _ in pairs for linear in pair.linears if linear.style is Style.ROWWISE}
+    if peak is None or facts(peak).module_path not in rowwise or not facts(peak).fwd_flops:
+        return 0
+    return sum(size for _, size in facts(peak).outputs)
+
+
+def _sliced_parameters(pairs) -> set[str]:
     """The linears' weights, and the column-parallel ones' biases (a row-parallel bias stays whole)."""
-    return sum(parameters[name].numel() for linear in pair.linears
-               for name in (f"{linear.module}.weight", f"{linear.module}.bias")
-               if name in parameters and (linear.style is Style.COLWISE or name.endswith(".weight")))
+    return {f"{linear.module}.{name}" for pair, _ in pairs for linear in pair.linears
+            for name in ("weight", "bias") if linear.style is Style.COLWISE or name == "weight"}
 
 
 def _pair_input_saved_bytes(block_nodes: list[torch.fx.Node], pairs) -> int:
