@@ -33,6 +33,7 @@ import numpy as np
 
 from .errors import HardwareError
 from .files import parse_json, read_text
+from .sizes import LARGEST_SIZE_BYTES
 
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 RING_ONLY = ("all_gather_into_tensor", "reduce_scatter_tensor")
@@ -264,6 +265,10 @@ class HardwareProfile:
     0: not measured (the built-in profiles; on a GPU, the host runs ahead of the kernels)."""
 
     def __post_init__(self) -> None:
+        for where in ("name", "source"):  # first: every other message quotes the name
+            if not isinstance(getattr(self, where), str):
+                raise HardwareError(f"hardware profile field {where} is {getattr(self, where)!r:.80}, must be a "
+                                    "string: quote it in the profile JSON")
         for where, value in _figures(self, ""):
             if not _is_positive(value):
                 raise HardwareError(
@@ -298,6 +303,10 @@ class HardwareProfile:
             if not _is_non_negative(value):
                 raise HardwareError(f"hardware profile {self.name!r}: {where} is {value!r}, must be a finite "
                                     "number, 0 or more")
+        if self.device_memory_bytes > LARGEST_SIZE_BYTES:
+            raise HardwareError(f"hardware profile {self.name!r}: device_memory_bytes {self.device_memory_bytes} is "
+                                f"more than 1 PiB ({LARGEST_SIZE_BYTES} bytes), the most a memory size may be: give "
+                                "the device's memory in bytes (80 GiB is 85899345920)")
         if self.runtime_reserved_bytes >= self.device_memory_bytes:
             raise HardwareError(f"hardware profile {self.name!r}: runtime_reserved_bytes {self.runtime_reserved_bytes} "
                                 f"leaves nothing of device_memory_bytes {self.device_memory_bytes}: lower it")

@@ -7,6 +7,7 @@ and adds 2 (torchrun stops the workers with SIGTERM, which checkpoints, and rest
 4, re-planned). In both, every step's loss, replayed steps included, equals an uninterrupted one-process
 run's on the same samples to 1e-5.
 """
+import json
 import sys
 from pathlib import Path
 
@@ -152,7 +153,8 @@ def resumes(program, run: Path) -> dict:
     for step in (2, 4):
         state.step = step
         program.save(run / f"step_{step:08d}", extra=state.extras())
-    journal = elastic._Journal(run, None)
+    lines: list[str] = []
+    journal = elastic._Journal(run, lines.append if torch.distributed.get_rank() == 0 else None)
 
     def tamper(step: int) -> None:
         if torch.distributed.get_rank() == 0:
@@ -161,6 +163,16 @@ def resumes(program, run: Path) -> dict:
 
     tamper(4)
     record = {"fallback_step": elastic._resume(program, None, state, run, journal).step}
+    if torch.distributed.get_rank() == 0:  # as an older version saved it: a plan past the schema's bounds
+        file = run / "step_00000002" / checkpoint.METADATA_FILE
+        metadata = json.loads(file.read_text())
+        metadata["plan"]["reasoning"]["budget_bytes"] = 2**51
+        file.write_text(json.dumps(metadata))
+    torch.distributed.barrier()
+    resumed = elastic._resume(program, None, state, run, journal)
+    journal.started(program.plan, resumed, 2, 8, 4, dict.fromkeys(
+        ("rendezvous_s", "analyze_s", "solve_s", "parallelize_s", "load_s"), 0.0), 0.0)
+    record["unreadable_plan"] = (resumed.step, resumed.plan, lines[-2:])
     tamper(2)
     try:
         elastic._resume(program, None, state, run, journal)
@@ -199,6 +211,10 @@ def test_extra_state_refusals_name_the_cause_and_change_nothing(extras):
 @pytest.mark.timeout(300)
 def test_a_start_passes_over_a_damaged_newest_checkpoint_and_refuses_when_none_loads(extras):
     assert extras["fallback_step"] == 2
+    step, plan, (note, started) = extras["unreadable_plan"]  # the state loads; the log says what it lacks
+    assert step == 2 and plan is None
+    assert "step_00000002 loaded, but the plan it records cannot be read (plan field plan.reasoning.budget_bytes" in note
+    assert "resumed step 2 (saved on 2 ranks, its plan unreadable); 0 step(s) lost" in started
     assert extras["none_loads"].startswith("none of the 2 checkpoint(s)")
 
 

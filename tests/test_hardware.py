@@ -252,6 +252,9 @@ def _edited(mutate) -> str:
     (lambda d: d["inter_node"].update(ring_latency_per_local_rank_s=-1e-6),
      ["inter_node.ring_latency_per_local_rank_s is -1e-06", "0 or more"]),
     (lambda d: d.update(peak_flops=1e12), ["unknown field peak_flops"]),
+    (lambda d: d.update(name=7), ["field name is 7, must be a string"]),  # plans copy it: they would not load
+    (lambda d: d.update(source={"by": "me"}), ["field source is {'by': 'me'}, must be a string"]),
+    (lambda d: d.update(device_memory_bytes=2**51), ["device_memory_bytes 2251799813685248 is more than 1 PiB"]),
     (lambda d: d.update(schema="shardplan.hardware/0"), ["schema 'shardplan.hardware/0'"]),
     (lambda d: d.update(matmul=[]), ["matmul must be a JSON object"]),
     (lambda d: d.update(op_time_factors={"gelu": {"points": [[1e-4, 0]]}}),

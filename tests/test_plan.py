@@ -245,3 +245,21 @@ def test_writing_to_a_folder_is_refused_in_one_line(tmp_path):
     with pytest.raises(ShardplanError, match="create the folder or write elsewhere"):
         plan().save(tmp_path / "missing" / "plan.json")
     assert list(tmp_path.iterdir()) == []  # no temporary file left behind
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hardware=7), "plan.hardware does not match the plan schema: 7 is not of type 'string'"),
+    (dict(reasoning=Reasoning(budget_bytes=2**51, binding_constraint="x")),
+     "plan.reasoning.budget_bytes does not match the plan schema: 2251799813685248 is greater than the maximum"),
+    (dict(predicted=Predicted(peak_bytes=2**64, step_time_s=0.5)), "plan.predicted.peak_bytes does not match"),
+    (dict(predicted=Predicted(peak_bytes=1, step_time_s=float("nan"))), "NaN or infinite"),
+])
+def test_a_plan_that_would_not_load_back_is_not_written(change, message, tmp_path):
+    """What from_json refuses, to_json refuses too, before any file or checkpoint holds it."""
+    path = tmp_path / "plan.json"
+    plan().save(path)
+    before = path.read_text()
+    with pytest.raises(PlanError, match=message) as refused:
+        plan(**change).save(path)
+    assert "would not load back" in str(refused.value) and "\n" not in str(refused.value)
+    assert path.read_text() == before

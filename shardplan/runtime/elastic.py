@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import default_collate
 
-from ..errors import CheckpointError, ShardplanError
+from ..errors import CheckpointError, PlanError, ShardplanError
 from ..plan import Plan
 from ..sampler import ResumableSampler
 from . import collectives, parallelize
@@ -250,8 +250,9 @@ class _TrainingState:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Resumed:
     step: int
-    plan: Plan
-    """The plan that wrote the checkpoint."""
+    plan: Plan | None
+    """The plan that wrote the checkpoint; None where this version cannot read it (a plan an older version
+    saved past the schema's bounds): only the log reads it, as every start plans afresh."""
     world_size: int
 
 
@@ -266,12 +267,23 @@ def _resume(program, optimizer, state: _TrainingState, directory: Path, journal:
             journal.note(f"checkpoint {path} not loaded ({error}); trying the one before")
             continue
         _, metadata = on_rank_zero(lambda: read_metadata(path))
-        return _Resumed(step=step, plan=Plan.from_json(json.dumps(metadata["plan"])),
-                        world_size=metadata["world_size"])
+        return _Resumed(step=step, plan=_saved_plan(metadata, path, journal), world_size=metadata["world_size"])
     if found:
         raise CheckpointError(f"none of the {len(found)} checkpoint(s) in {directory} loads (the log says why for "
                               "each): mend or move them, or train in another directory")
     return None
+
+
+def _saved_plan(metadata: dict, path: Path, journal: "_Journal") -> Plan | None:
+    """The plan a loaded checkpoint records, or None with a note where it cannot be read: the state it holds
+    loaded (checked by parameter name and shape, whatever the plan), so refusing would only make every
+    restart fail on a record the log alone reads."""
+    try:
+        return Plan.from_json(json.dumps(metadata["plan"]))
+    except PlanError as error:
+        journal.note(f"checkpoint {path} loaded, but the plan it records cannot be read ({error}); the log "
+                     "compares no plans")
+        return None
 
 
 def _save(program, optimizer, state: _TrainingState, directory: Path, journal: "_Journal") -> None:
@@ -384,13 +396,16 @@ class _Journal:
             lines.append(f"no checkpoint in {self.directory}: training from step 0")
         else:
             lost = max(0, (self.last_progress or {}).get("step", resumed.step) - resumed.step)
-            fields.update(resumed_step=resumed.step, old_world_size=resumed.world_size, steps_lost=lost,
-                          old_mesh=resumed.plan.mesh.describe(),
-                          old_predicted_step_s=resumed.plan.predicted.step_time_s)
-            lines.append(f"resumed step {resumed.step} (saved on {resumed.world_size} ranks, "
-                         f"{resumed.plan.mesh.describe()}, predicted step "
-                         f"{resumed.plan.predicted.step_time_s * 1e3:.1f} ms); {lost} step(s) lost")
-            lines += self._plan_changes(resumed.plan, plan)
+            fields.update(resumed_step=resumed.step, old_world_size=resumed.world_size, steps_lost=lost)
+            old_plan, changes = "its plan unreadable", []
+            if resumed.plan is not None:
+                fields.update(old_mesh=resumed.plan.mesh.describe(),
+                              old_predicted_step_s=resumed.plan.predicted.step_time_s)
+                old_plan = (f"{resumed.plan.mesh.describe()}, predicted step "
+                            f"{resumed.plan.predicted.step_time_s * 1e3:.1f} ms")
+                changes = self._plan_changes(resumed.plan, plan)
+            lines += [f"resumed step {resumed.step} (saved on {resumed.world_size} ranks, {old_plan}); "
+                      f"{lost} step(s) lost", *changes]
             old_global = (self.last_progress or {}).get("global_batch")
             if old_global is not None and old_global != global_batch:
                 lines.append(f"global batch scaled from {old_global} to {global_batch} samples a step "
