@@ -263,3 +263,26 @@ def test_a_plan_that_would_not_load_back_is_not_written(change, message, tmp_pat
         plan(**change).save(path)
     assert "would not load back" in str(refused.value) and "\n" not in str(refused.value)
     assert path.read_text() == before
+
+
+def test_saving_keeps_the_files_permissions_and_writes_through_a_symbolic_link(tmp_path):
+    """A shared plan stays readable by whoever could read it, and a link stays a link."""
+    import os
+    import stat
+
+    existing = tmp_path / "shared.json"
+    existing.write_text("{}")
+    existing.chmod(0o644)
+    plan().save(existing)
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o644 and load_plan(existing) == plan()
+    umask = os.umask(0o027)
+    try:
+        plan().save(tmp_path / "new.json")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o640  # 0o666 less the umask, as open() gives
+    link = tmp_path / "plan.json"
+    link.symlink_to(existing)
+    plan(model="other").save(link)
+    assert link.is_symlink() and load_plan(existing).model == "other"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["new.json", "plan.json", "shared.json"]
