@@ -7,6 +7,7 @@ planned. `update` rewrites the baseline with today's plans.
 """
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass
 
 from .errors import ShardplanError
@@ -53,7 +54,7 @@ def check_baseline(path: str, tolerance: float | None = None, update: bool = Fal
     """Every case's Outcome, each also given to `report` as soon as it is known; `debug`: a case that
     cannot be planned raises instead of failing."""
     cases, saved_tolerance = _read(path)
-    tolerance = saved_tolerance if tolerance is None else tolerance
+    tolerance = saved_tolerance if tolerance is None else _tolerance(tolerance, "--tolerance")
     outcomes = []
     for case in cases:
         outcome = _check(case, os.path.dirname(os.path.abspath(path)), tolerance, update, debug)
@@ -138,10 +139,18 @@ def _read(path: str) -> tuple[list[Case], float]:
         cases = [Case(**case) for case in data["cases"]]
     except (KeyError, TypeError) as error:
         raise ShardplanError(f"baseline {path!r} has a malformed case: {error}") from None
-    return cases, float(data.get("tolerance", DEFAULT_TOLERANCE))
+    return cases, _tolerance(data.get("tolerance", DEFAULT_TOLERANCE), f"baseline {path!r} field tolerance")
+
+
+def _tolerance(value: object, where: str) -> float:
+    """A tolerance as `where` gives it, if it is one: a finite number, 0 or more (NaN would pass every case)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= sys.float_info.max:
+        raise ShardplanError(f"{where} is {value!r:.80}: give the allowed relative worsening as a finite number, "
+                             "0 or more (0.01 allows 1%)")
+    return float(value)
 
 
 def _write(path: str, cases: list[Case], tolerance: float) -> None:
     text = json.dumps({"schema": SCHEMA, "tolerance": tolerance, "cases": [asdict(c) for c in cases]},
-                      indent=2, sort_keys=True) + "\n"
+                      indent=2, sort_keys=True, allow_nan=False) + "\n"
     write_text_atomically(path, text)

@@ -90,6 +90,24 @@ def test_check_passes_on_todays_plans_and_fails_on_a_better_baseline(tmp_path, c
     assert "FAIL mlp at world 2" in out and "step_time_s got worse" in out
 
 
+@pytest.mark.parametrize("flag, saved, message", [
+    ("nan", 0.01, "--tolerance is nan"),  # NaN would pass every case, and --update would write it
+    ("inf", 0.01, "--tolerance is inf"),
+    ("-0.5", 0.01, "--tolerance is -0.5"),
+    (None, "1%", "field tolerance is '1%'"),
+    (None, 10**400, "field tolerance is 1000000000000000000000"),  # past float's range
+    (None, True, "field tolerance is True"),
+], ids=["nan", "inf", "negative", "text", "past-float", "bool"])
+def test_check_refuses_a_tolerance_that_is_not_a_finite_number_from_0(flag, saved, message, tmp_path, capsys):
+    path = _baseline(tmp_path, [{"model": "mlp", "world_size": 2, "hardware": "cpu-gloo"}])
+    path.write_text(path.read_text().replace('"tolerance": 0.01', f'"tolerance": {json.dumps(saved)}'))
+    before = path.read_text()
+    tolerance = [] if flag is None else ["--tolerance", flag]
+    err = _refused(["check", "--baseline", str(path), "--update", *tolerance], capsys)
+    assert message in err and "finite number, 0 or more" in err
+    assert path.read_text() == before
+
+
 @pytest.mark.timeout(240)
 def test_check_gates_any_model_a_line_per_case_and_a_new_case_asks_for_update(tmp_path, monkeypatch, capsys):
     """A zoo model, a Hugging Face config beside the baseline, and a package.module:factory, all new."""
