@@ -271,6 +271,28 @@ def test_absurd_budgets_are_refused_with_the_range(budget, capsys):
     assert "between 1 B and 1 PiB" in err or "cannot read memory size" in err
 
 
+FACTORIES = ("from shardplan import zoo\n\ndef bare():\n    return zoo.residual_mlp().model\n\n"
+             "def pair():\n    entry = zoo.residual_mlp()\n    return entry.model, entry.args\n")
+
+
+@pytest.mark.parametrize("spec, flags, message", [
+    ("gpt", ["--seq", "64"], "--seq does not apply to zoo model gpt: it takes --batch; leave --seq out"),
+    ("mlp", ["--batch", "-2"], "--batch -2 is not a size: give 1 or more"),
+    ("gpt", ["--batch", "0"], "--batch 0 is not a size"),  # not a capture error blaming control flow
+    ("config.json", ["--batch", "1", "--seq", "0"], "--seq 0 is not a size"),  # not silently 512
+    ("factories:bare", [], "factory factories:bare returned ResidualMLP: return a zoo.ZooModel or (model, args, kwargs)"),
+    ("factories:pair", [], "factory factories:pair returned a tuple of 2: return a zoo.ZooModel"),
+    ("factories:pair", ["--batch", "2"], "--batch does not apply to factory factories:pair: it takes neither"),
+])
+def test_sizes_and_factories_that_do_not_make_a_model_are_refused(spec, flags, message, tmp_path, monkeypatch,
+                                                                  capsys):
+    (tmp_path / "config.json").write_text(json.dumps(HUGGING_FACE_CONFIG))
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert message in _refused(["plan", spec, "--world-size", "2", "--hardware", "cpu-gloo", *flags], capsys)
+
+
 @pytest.mark.timeout(60)
 def test_a_world_past_the_ceiling_is_refused_at_once(capsys):
     start = time.perf_counter()
