@@ -81,6 +81,30 @@ def test_only_finished_checkpoints_are_resumed_newest_first(tmp_path):
                                             (4, tmp_path / "step_00000004")]
 
 
+@pytest.mark.parametrize("damaged, cause", [
+    ('{"step": 4, "ti', "is not valid JSON"),  # a crash mid-write
+    ("[4]", "holds no step, time and global batch"),
+    ('{"step": 4, "world_size": 1}', "holds no step, time and global batch"),
+])
+def test_a_damaged_progress_file_is_noted_and_counts_no_steps_lost(tmp_path, damaged, cause):
+    """It only feeds the log: every restart must not die on it while the checkpoints are fine."""
+    (tmp_path / elastic.PROGRESS_FILE).write_text(damaged)
+    lines: list[str] = []
+    journal = elastic._Journal(tmp_path, lines.append)
+    assert journal.last_progress is None
+    assert len(lines) == 1 and cause in lines[0] and lines[0].endswith("the log counts no steps lost")
+    journal.stepped(5, 1.0, 1, 32, 8, 0.0)  # the first step after a start reads the last start's progress
+    assert json.loads((tmp_path / elastic.PROGRESS_FILE).read_text())["step"] == 5
+
+
+def test_a_run_directory_that_cannot_be_made_is_refused_before_the_rendezvous(tmp_path):
+    (tmp_path / "afile").write_text("notes")
+    for directory, cause in ((tmp_path / "afile", "it is a file"), (tmp_path / "afile" / "run", "Not a directory")):
+        with pytest.raises(ShardplanError, match=f"cannot keep the run in {directory}: {cause}; give a folder"):
+            elastic.train(lambda: None, [], ElasticOptions(directory=directory, steps=1, global_batch_size=1))
+    assert (tmp_path / "afile").read_text() == "notes"
+
+
 # extra state in checkpoints
 
 class Counter:

@@ -44,6 +44,7 @@ import torch.nn as nn
 from torch.utils.data import default_collate
 
 from ..errors import CheckpointError, PlanError, ShardplanError
+from ..files import parse_json, read_text
 from ..plan import Plan
 from ..sampler import ResumableSampler
 from . import collectives, parallelize
@@ -119,6 +120,7 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
     ...                 ElasticOptions(directory="run", steps=1000, global_batch_size=64))
     """
     started, started_at = time.perf_counter(), time.time()
+    _make_directory(Path(options.directory))
     owns_group = _join(options.timeout_s)
     timings = {**_startup(started_at), "rendezvous_s": time.perf_counter() - started}
     world = collectives.world()
@@ -300,6 +302,16 @@ def _remove_old_checkpoints(directory: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _make_directory(directory: Path) -> None:
+    """Make the run's directory, or say why it cannot be (before the rendezvous, not at the first log line)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        cause = "it is a file" if isinstance(error, FileExistsError) else error.strerror or str(error)
+        raise ShardplanError(f"cannot keep the run in {directory}: {cause}; give a folder this process may "
+                             "write (made if missing)") from None
+
+
 def _join(timeout_s: float) -> bool:
     """Join the process group torchrun's rendezvous set up; whether this call created it."""
     if dist.is_initialized():
@@ -342,6 +354,10 @@ def _timed(timings: dict[str, float], name: str, action: Callable[[], Any]) -> A
     return result
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class _Termination:
     """SIGTERM (what torchrun sends its workers when it is stopped) asks for a checkpoint and a clean exit."""
 
@@ -367,10 +383,27 @@ class _Journal:
     def __init__(self, directory: Path, log: Callable[[str], None] | None):
         self.directory = directory
         self.log = log
-        self.last_progress = json.loads((directory / PROGRESS_FILE).read_text()) \
-            if log is not None and (directory / PROGRESS_FILE).is_file() else None
+        self.last_progress = self._last_progress() if log is not None else None
         """What the last start had done when it stopped (its last finished step), read before this start writes."""
         self.first_step = True
+
+    def _last_progress(self) -> dict[str, Any] | None:
+        """progress.json, or None where there is none or it cannot be read (a crash mid-write; it only feeds the
+        log's steps lost and time since the last step, so a bad one is noted, never fatal)."""
+        file = self.directory / PROGRESS_FILE
+        if not file.is_file():
+            return None
+        try:
+            progress = parse_json(read_text(file, "progress file"), f"progress file {file}")
+        except ShardplanError as error:
+            self.note(f"{error}; the log counts no steps lost")
+            return None
+        if not (isinstance(progress, dict) and _is_count(progress.get("step"))
+                and _is_count(progress.get("global_batch", 0)) and isinstance(progress.get("time"), float)):
+            self.note(f"progress file {file} holds no step, time and global batch: it was damaged; the log counts "
+                      "no steps lost")
+            return None
+        return progress
 
     def note(self, text: str) -> None:
         self._emit(text, {"event": "note", "text": text})
