@@ -108,6 +108,25 @@ def test_check_refuses_a_tolerance_that_is_not_a_finite_number_from_0(flag, save
     assert path.read_text() == before
 
 
+@pytest.mark.parametrize("cases, message", [
+    ([{"model": "mlp", "world_size": 2, "step_time_s": "0.002", "peak_bytes": 1}],
+     "case 0 ('mlp') field step_time_s is '0.002': make it a finite number, 0 or more"),
+    ([{"model": "mlp", "world_size": 2.0}], "case 0 ('mlp') field world_size is 2.0: make it a whole number from 1"),
+    ([{"model": "mlp", "world_size": 2}, {"model": "mlp", "world_size": 2, "peak_bytes": -1}],
+     "case 1 ('mlp') field peak_bytes is -1"),
+    ([{"model": "mlp", "world_size": 2, "memory_budget": 2**20}], "field memory_budget is 1048576: make it a string"),
+    ([{"model": ["mlp"], "world_size": 2}], "case 0 (['mlp']) field model is ['mlp']: make it a string"),
+    ([{"model": "mlp", "world_size": 2, "hardware": None}], "field hardware is None: make it a string"),
+    ([{"model": "mlp"}], "case 0 is malformed (Case.__init__() missing 1 required keyword-only argument"),
+    (["mlp"], "case 0 is 'mlp': make it an object with model and world_size"),
+    ("mlp", "has no list of cases"),
+])
+def test_check_refuses_a_malformed_case_naming_it_and_the_field_before_planning(cases, message, tmp_path, capsys):
+    path = _baseline(tmp_path, [])
+    path.write_text(path.read_text().replace('"cases": []', f'"cases": {json.dumps(cases)}'))
+    assert message in _refused(["check", "--baseline", str(path)], capsys)
+
+
 @pytest.mark.timeout(240)
 def test_check_gates_any_model_a_line_per_case_and_a_new_case_asks_for_update(tmp_path, monkeypatch, capsys):
     """A zoo model, a Hugging Face config beside the baseline, and a package.module:factory, all new."""
