@@ -323,6 +323,8 @@ def _demo(options) -> int:
     from . import demo
     from .sizes import format_bytes
 
+    if options.steps < 1:  # before the calibration and the plan, which would be for nothing
+        raise ShardplanError(f"--steps {options.steps} trains no step to compare with the prediction: give 1 or more")
     console = Console()
     hardware = demo.resolve_hardware(options.hardware, options.world_size)
     plan, budget = demo.plan_demo(options.world_size, hardware, options.memory_budget)

@@ -312,6 +312,13 @@ def test_sizes_and_factories_that_do_not_make_a_model_are_refused(spec, flags, m
     assert message in _refused(["plan", spec, "--world-size", "2", "--hardware", "cpu-gloo", *flags], capsys)
 
 
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_a_demo_of_no_steps_is_refused_before_it_plans(steps, capsys):
+    start = time.perf_counter()
+    assert f"--steps {steps} trains no step" in _refused(["demo", "--hardware", "cpu-gloo", "--steps", steps], capsys)
+    assert time.perf_counter() - start < 5  # not after a whole demo
+
+
 @pytest.mark.timeout(60)
 def test_a_world_past_the_ceiling_is_refused_at_once(capsys):
     start = time.perf_counter()
