@@ -670,6 +670,13 @@ def _prepare_target(directory: Path) -> None:
     if directory.is_dir() and not (directory / METADATA_FILE).is_file() and any(directory.iterdir()):
         raise CheckpointError(f"{directory} exists and is not a shardplan checkpoint: saving would replace it; "
                               "save to another path, or remove it")
+    foreign = sorted(entry.name for entry in directory.iterdir() if not _written_by_a_save(entry.name)) \
+        if directory.is_dir() else []
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise CheckpointError(f"cannot save to {directory}: it holds {listed}, which no save writes and saving would "
+                              "delete (a save replaces the checkpoint's directory whole); nothing was changed: move "
+                              "them out, or save to another path")
     existing = next(parent for parent in directory.parents if parent.exists())
     if not existing.is_dir():
         raise CheckpointError(f"cannot save to {directory}: {existing} is a file, so no directory can be made "
@@ -680,6 +687,14 @@ def _prepare_target(directory: Path) -> None:
     except OSError as error:
         raise CheckpointError(f"cannot save to {directory} ({one_line(error)}): save where this process may "
                               "write") from None
+
+
+def _written_by_a_save(name: str) -> bool:
+    """Whether a save writes an entry of this name in a checkpoint's directory: shardplan.json, DCP's metadata and
+    data files, an extra state's file. Any other entry is the user's (notes, evaluation results, a config)."""
+    extra = name.removeprefix("extra.").removesuffix(".pt")
+    return (name in (METADATA_FILE, DCP_METADATA_FILE) or name.endswith(".distcp")
+            or (name == _extra_file(extra) and EXTRA_NAME.fullmatch(extra) is not None))
 
 
 def _remove(path: Path) -> None:
