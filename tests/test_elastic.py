@@ -127,6 +127,16 @@ class Unsafe(Counter):
         return {"value": Counter(1)}  # an object torch.load(weights_only=True) will not build
 
 
+class Unpicklable(Counter):
+    def state_dict(self) -> dict:
+        return {"value": lambda: 1}  # torch.save cannot pickle it
+
+
+class Unready(Counter):
+    def state_dict(self) -> dict:
+        raise ValueError("no state before the first step")
+
+
 def extras_run(rank: int, world: int, directory: str) -> dict:
     """Save with extra state, load it back, and every refusal; rank 0's record of what happened."""
     torch.manual_seed(0)
@@ -158,6 +168,9 @@ def extras_run(rank: int, world: int, directory: str) -> dict:
     record["missing"] = refusal(lambda: program.load(path, extra={"scheduler": Counter()}))
     record["unsafe"] = refusal(lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unsafe()}))
     record["unsafe_written"] = (Path(directory) / "unsafe").exists() or (Path(directory) / "unsafe.partial").exists()
+    record["unpicklable"] = refusal(lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unpicklable()}))
+    record["unready"] = refusal(lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unready()}))
+    record["unsafe_written"] |= (Path(directory) / "unsafe").exists() or (Path(directory) / "unsafe.partial").exists()
     record["failing_load"] = refusal(lambda: program.load(path, extra={"counter": Counter(fail=True)}))
     record["kept_after_failing_load"] = all(torch.equal(a, b) for a, b in zip(program.parameters(), changed))
     if rank == 0:
@@ -227,6 +240,10 @@ def test_extra_state_round_trips_and_is_listed_in_the_manifest(extras):
 def test_extra_state_refusals_name_the_cause_and_change_nothing(extras):
     assert "holds no extra state 'scheduler'" in extras["missing"]
     assert extras["unsafe"].startswith("CheckpointError: extra state 'bad'") and not extras["unsafe_written"]
+    assert extras["unpicklable"].startswith("CheckpointError: extra state 'bad' (Unpicklable.state_dict()) holds "
+                                            "what a checkpoint cannot store") and "pickle" in extras["unpicklable"]
+    assert extras["unready"] == ("CheckpointError: extra state 'bad': Unready.state_dict() failed (ValueError: no "
+                                 "state before the first step): mend it, or save without it")
     assert extras["failing_load"] == "ValueError: refused" and extras["kept_after_failing_load"]
     assert extras["tampered"].startswith("CheckpointError: checkpoint file") and "extra.counter.pt" in extras["tampered"]
 

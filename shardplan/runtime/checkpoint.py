@@ -566,14 +566,19 @@ def _serialized_extras(extra: Mapping[str, Stateful]) -> dict[str, bytes]:
         if not isinstance(name, str) or not EXTRA_NAME.fullmatch(name):
             raise CheckpointError(f"extra state name {str(name)[:80]!r} cannot name a file: use 1-64 letters, "
                                   "digits, '_' or '-' (e.g. 'sampler')")
-        buffer = io.BytesIO()
-        torch.save(stateful.state_dict(), buffer)
         try:
+            state = stateful.state_dict()
+        except Exception as error:  # the object's own code: any type
+            raise CheckpointError(f"extra state {name!r}: {type(stateful).__name__}.state_dict() failed "
+                                  f"({one_line(error)[:160]}): mend it, or save without it") from None
+        buffer = io.BytesIO()
+        try:
+            torch.save(state, buffer)  # pickling: a lambda or a local class fails here
             torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
         except Exception as error:  # weights_only names the refused type in its own exception types
             raise CheckpointError(f"extra state {name!r} ({type(stateful).__name__}.state_dict()) holds what a "
-                                  f"checkpoint cannot load without running code ({one_line(error)[:160]}): keep "
-                                  "it to tensors, numbers, strings, lists and dicts") from None
+                                  f"checkpoint cannot store, or load without running code ({one_line(error)[:160]}): "
+                                  "keep it to tensors, numbers, strings, lists and dicts") from None
         serialized[name] = buffer.getvalue()
     return serialized
 
