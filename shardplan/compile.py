@@ -173,6 +173,9 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
     max_tp = asked.max_tensor_parallel
     if max_tp is None:
         max_tp = hw.devices_per_node if hw.overlaps_communication else 1
+    if max_tp < 1:
+        raise ShardplanError(f"max_tensor_parallel={max_tp} leaves no tensor-parallel degree to search: give 1 or "
+                             "more (1: no tensor parallelism)")
     if max_tp > hw.devices_per_node:
         raise ShardplanError(f"max_tensor_parallel={max_tp} would put tp groups across nodes of "
                              f"{hw.devices_per_node} devices ({hw.name}): use at most {hw.devices_per_node}")

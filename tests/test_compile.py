@@ -191,6 +191,8 @@ def test_bad_arguments_are_refused(chains):
         solve(chains["gpt"], 2, hardware=HARDWARE, optimizer="lion")
     with pytest.raises(ShardplanError, match="memory size"):
         solve(chains["gpt"], 2, hardware=HARDWARE, memory_budget="lots")
+    with pytest.raises(ShardplanError, match="max_tensor_parallel=0 leaves no tensor-parallel degree"):
+        solve(chains["gpt"], 2, hardware=HARDWARE, max_tensor_parallel=0)  # not taken as the default
 
 
 
