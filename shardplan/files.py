@@ -19,7 +19,8 @@ MAX_JSON_DEPTH = 32
 
 
 def read_text(path: str | os.PathLike, what: str, error: type[ShardplanError] = ShardplanError) -> str:
-    """The UTF-8 text of the file at `path` (`what` names it in errors), refused past MAX_FILE_BYTES."""
+    """The UTF-8 text of the file at `path` (`what` names it in errors, without a leading byte order mark),
+    refused past MAX_FILE_BYTES."""
     shown = os.fspath(path)
     try:
         with open(path, "rb") as handle:
@@ -30,7 +31,7 @@ def read_text(path: str | os.PathLike, what: str, error: type[ShardplanError] = 
         raise error(f"{what} {shown!r} is larger than {MAX_FILE_BYTES // 2**20} MiB, the most shardplan "
                     "reads: give the file it wrote, not another one")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte order mark, as Windows editors write, is dropped (RFC 8259 allows it)
     except UnicodeDecodeError as problem:
         raise error(f"{what} {shown!r} is not UTF-8 text (byte {problem.start}): it is corrupt or another "
                     "kind of file") from None

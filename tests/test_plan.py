@@ -224,6 +224,8 @@ def test_plan_files_are_read_within_bounds(tmp_path):
     with pytest.raises(PlanError, match="larger than 16 MiB"):
         load_plan("/dev/zero")  # endless: read up to the limit and refused
     assert time.perf_counter() - start < 10
+    (tmp_path / "notepad.json").write_bytes(b"\xef\xbb\xbf" + plan().to_json().encode())  # a byte order mark
+    assert load_plan(tmp_path / "notepad.json") == plan()
     (tmp_path / "latin1.json").write_bytes(b'{"model": "caf\xe9"}')
     with pytest.raises(PlanError, match="not UTF-8 text"):
         load_plan(tmp_path / "latin1.json")
