@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
                            "so meshes with fewer replicas train fewer); --batch is then the largest micro-batch tried")
     plan.add_argument("--max-tp", type=int, dest="max_tensor_parallel",
                       help="the largest tensor-parallel degree searched (default: a node's devices on GPUs, 1 on CPU)")
-    plan.add_argument("--seq", "--seq-len", type=int, dest="seq", help="sequence length (of a Hugging Face config, or a model that takes one)")
+    plan.add_argument("--seq", "--seq-len", type=int, dest="seq",
+                      help="sequence length (of a Hugging Face config, or a model that takes one)")
     plan.add_argument("--headroom", type=float, metavar="FRACTION",
                       help="share of the device's usable memory (past the runtime's reserve) kept free below the "
                            "default budget (default: the profile's, 5%% on GPU profiles, 10%% on CPU); not with "

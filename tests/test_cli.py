@@ -299,7 +299,8 @@ FACTORIES = ("from shardplan import zoo\n\ndef bare():\n    return zoo.residual_
     ("mlp", ["--batch", "-2"], "--batch -2 is not a size: give 1 or more"),
     ("gpt", ["--batch", "0"], "--batch 0 is not a size"),  # not a capture error blaming control flow
     ("config.json", ["--batch", "1", "--seq", "0"], "--seq 0 is not a size"),  # not silently 512
-    ("factories:bare", [], "factory factories:bare returned ResidualMLP: return a zoo.ZooModel or (model, args, kwargs)"),
+    ("factories:bare", [],
+     "factory factories:bare returned ResidualMLP: return a zoo.ZooModel or (model, args, kwargs)"),
     ("factories:pair", [], "factory factories:pair returned a tuple of 2: return a zoo.ZooModel"),
     ("factories:pair", ["--batch", "2"], "--batch does not apply to factory factories:pair: it takes neither"),
 ])

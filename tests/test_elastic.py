@@ -254,7 +254,8 @@ def test_a_start_passes_over_a_damaged_newest_checkpoint_and_refuses_when_none_l
     assert extras["fallback_step"] == 2
     step, plan, (note, started) = extras["unreadable_plan"]  # the state loads; the log says what it lacks
     assert step == 2 and plan is None
-    assert "step_00000002 loaded, but the plan it records cannot be read (plan field plan.reasoning.budget_bytes" in note
+    assert ("step_00000002 loaded, but the plan it records cannot be read (plan field "
+            "plan.reasoning.budget_bytes") in note
     assert "resumed step 2 (saved on 2 ranks, its plan unreadable); 0 step(s) lost" in started
     assert extras["none_loads"].startswith("none of the 2 checkpoint(s)")
 
