@@ -354,10 +354,6 @@ def _timed(timings: dict[str, float], name: str, action: Callable[[], Any]) -> A
     return result
 
 
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 class _Termination:
     """SIGTERM (what torchrun sends its workers when it is stopped) asks for a checkpoint and a clean exit."""
 
@@ -398,8 +394,8 @@ class _Journal:
         except ShardplanError as error:
             self.note(f"{error}; the log counts no steps lost")
             return None
-        if not (isinstance(progress, dict) and _is_count(progress.get("step"))
-                and _is_count(progress.get("global_batch", 0)) and isinstance(progress.get("time"), float)):
+        if not (isinstance(progress, dict) and type(progress.get("step")) is int  # as stepped() writes them
+                and type(progress.get("global_batch", 0)) is int and type(progress.get("time")) is float):
             self.note(f"progress file {file} holds no step, time and global batch: it was damaged; the log counts "
                       "no steps lost")
             return None
