@@ -267,6 +267,9 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.access(folder, os.W_OK):  # fail now, not after minutes of measuring
         parser.error(f"cannot write {args.output}: folder {folder} does not exist or is not writable")
+    if os.path.isdir(args.output):
+        parser.error(f"cannot write {args.output}: it is a folder; give a file path inside it "
+                     f"(e.g. {os.path.join(args.output, 'profile.json')})")
     partial = partial_path(args.output)
     profile = calibrate(world_size=args.world_size, backend=args.backend, mode=args.mode, partial_path=partial)
     write_text_atomically(args.output, profile.to_json())

@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
                            "so meshes with fewer replicas train fewer); --batch is then the largest micro-batch tried")
     plan.add_argument("--max-tp", type=int, dest="max_tensor_parallel",
                       help="the largest tensor-parallel degree searched (default: a node's devices on GPUs, 1 on CPU)")
-    plan.add_argument("--seq", "--seq-len", type=int, dest="seq", help="sequence length")
+    plan.add_argument("--seq", "--seq-len", type=int, dest="seq",
+                      help="sequence length (of a Hugging Face config, or a model that takes one)")
     plan.add_argument("--headroom", type=float, metavar="FRACTION",
                       help="share of the device's usable memory (past the runtime's reserve) kept free below the "
                            "default budget (default: the profile's, 5%% on GPU profiles, 10%% on CPU); not with "
@@ -323,6 +324,8 @@ def _demo(options) -> int:
     from . import demo
     from .sizes import format_bytes
 
+    if options.steps < 1:  # before the calibration and the plan, which would be for nothing
+        raise ShardplanError(f"--steps {options.steps} trains no step to compare with the prediction: give 1 or more")
     console = Console()
     hardware = demo.resolve_hardware(options.hardware, options.world_size)
     plan, budget = demo.plan_demo(options.world_size, hardware, options.memory_budget)

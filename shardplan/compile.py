@@ -7,6 +7,7 @@ writes the decisions, the predicted terms and the reasoning into a Plan.
 """
 import dataclasses
 import difflib
+import itertools
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -22,8 +23,8 @@ from .hardware import HardwareModel, HardwareProfile, get_hardware
 from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, KeptWhole, Mesh, MixedPrecision, Plan,
                    Predicted, Reasoning, Schedule, ShardedModule, Stage, TensorParallel, Unit)
 from .solver.chain_dp import ROUNDING
-from .solver.search import (Candidate, Configuration, SearchMemo, Setting, boundary_time_s, context, samples_per_step,
-                            search, smallest_peak, tensor_parallel_options, tied_terms)
+from .solver.search import (Candidate, Configuration, SearchMemo, Setting, boundary_time_s, configurations, context,
+                            samples_per_step, search, smallest_peak, tensor_parallel_options, tied_terms)
 from .solver.space import BlockRule, Constraints, SearchSpace, constraint_patterns, resolve_rules
 from .sizes import format_bytes, parse_bytes
 
@@ -121,11 +122,18 @@ def compile(model: "nn.Module", world_size: int, example_inputs: tuple = (), exa
 
     _check_world_size(world_size)  # before the capture: a bad count or keyword is refused in moments
     PlanOptions.of(options)
+    shapes = [value.shape for value in (*example_inputs, *(example_kwargs or {}).values()) if hasattr(value, "shape")]
+    if shapes and shapes[0][:1] == (0,):  # the analysis would divide by it (a mean loss's backward)
+        raise ShardplanError(EMPTY_BATCH)
     chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
     plan = _with_unread_parameters(solve(chain, world_size, model_name=type(model).__name__, **options), model)
     if plan.inputs != chain.inputs:  # a global batch split over the mesh's replicas: the graph of their shapes
         plan = replace(plan, fingerprint=fingerprint_of(model, plan.inputs))
     return plan
+
+
+EMPTY_BATCH = ("the example batch is empty (dim 0 of the first input is 0), so no plan can be made: give example "
+               "inputs of 1 sample or more")
 
 
 def _with_unread_parameters(plan: Plan, model: "nn.Module") -> Plan:
@@ -160,9 +168,14 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
         if asked.max_unit_blocks < 1:
             raise ShardplanError(f"max_unit_blocks={asked.max_unit_blocks} leaves units no blocks: give 1 or more")
         space = replace(space, max_unit_blocks=asked.max_unit_blocks)
+    if asked.global_batch_size is not None and asked.global_batch_size < 1:
+        raise ShardplanError(f"global_batch_size={asked.global_batch_size} trains no samples: give 1 or more")
     max_tp = asked.max_tensor_parallel
     if max_tp is None:
         max_tp = hw.devices_per_node if hw.overlaps_communication else 1
+    if max_tp < 1:
+        raise ShardplanError(f"max_tensor_parallel={max_tp} leaves no tensor-parallel degree to search: give 1 or "
+                             "more (1: no tensor parallelism)")
     if max_tp > hw.devices_per_node:
         raise ShardplanError(f"max_tensor_parallel={max_tp} would put tp groups across nodes of "
                              f"{hw.devices_per_node} devices ({hw.name}): use at most {hw.devices_per_node}")
@@ -472,8 +485,11 @@ def _constraints_blamed(chain: BlockChain, constraints: Constraints | None, sett
 
 def _infeasible_message(chain: BlockChain, rules: tuple[BlockRule, ...], setting: Setting, hw: HardwareModel,
                         budget: int, space: SearchSpace) -> str:
-    """Name the smallest budget that fits and each option that would make the plan fit."""
+    """Name the smallest budget that fits and each option that would make the plan fit; or, where no mesh
+    takes the batch at all, that cause."""
     least = smallest_peak(chain.blocks, rules, setting, hw, space)
+    if least is None and not configurations(setting, len(chain.blocks)):
+        return _batch_taken_by_no_mesh(setting, len(chain.blocks))
     head = (f"no plan fits {format_bytes(budget)} per rank at world_size={setting.world_size}"
             + (f": the smallest peak any plan reaches is {format_bytes(least)}, so a budget of "
                f"{least / 2**30:.3g} GiB would fit" if least is not None else ""))
@@ -500,3 +516,19 @@ def _infeasible_message(chain: BlockChain, rules: tuple[BlockRule, ...], setting
         return head + ("; neither offload, a pipeline, 64x the ranks nor half the micro-batch would fit: "
                        "raise memory_budget or use a smaller model")
     return head + "; it would fit with " + ", or with ".join(options)
+
+
+def _batch_taken_by_no_mesh(setting: Setting, n_blocks: int) -> str:
+    """Why no mesh of the world was searched: an empty example batch, or a global batch that no mesh's
+    data-parallel degree divides; memory has nothing to do with it."""
+    if setting.batch_size < 1:  # else the example's batch fits a mesh of dp = world at least
+        return EMPTY_BATCH
+    batch = int(setting.global_batch_size or 0)
+    degrees = sorted({c.mesh.dp for c in configurations(replace(setting, global_batch_size=None), n_blocks)})
+    fits = next(more for more in itertools.count(batch + 1) if any(more % dp == 0 for dp in degrees))
+    pipeline = ("; or allow_pipeline=True, whose stages leave fewer replicas"
+                if not setting.allow_pipeline and configurations(replace(setting, allow_pipeline=True), n_blocks)
+                else "")
+    return (f"the global batch of {batch} samples splits evenly over none of the data-parallel degrees searched at "
+            f"world_size={setting.world_size} ({', '.join(map(str, degrees))}): give a global batch one of them "
+            f"divides (e.g. {fits}){pipeline}")

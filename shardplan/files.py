@@ -8,6 +8,7 @@ parameter's name once, about 70 bytes: a 70B-parameter Llama's plan is about 60 
 """
 import json
 import os
+import stat
 import tempfile
 from typing import Any, NoReturn
 
@@ -18,7 +19,8 @@ MAX_JSON_DEPTH = 32
 
 
 def read_text(path: str | os.PathLike, what: str, error: type[ShardplanError] = ShardplanError) -> str:
-    """The UTF-8 text of the file at `path` (`what` names it in errors), refused past MAX_FILE_BYTES."""
+    """The UTF-8 text of the file at `path` (`what` names it in errors, without a leading byte order mark),
+    refused past MAX_FILE_BYTES."""
     shown = os.fspath(path)
     try:
         with open(path, "rb") as handle:
@@ -29,7 +31,7 @@ def read_text(path: str | os.PathLike, what: str, error: type[ShardplanError] = 
         raise error(f"{what} {shown!r} is larger than {MAX_FILE_BYTES // 2**20} MiB, the most shardplan "
                     "reads: give the file it wrote, not another one")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte order mark, as Windows editors write, is dropped (RFC 8259 allows it)
     except UnicodeDecodeError as problem:
         raise error(f"{what} {shown!r} is not UTF-8 text (byte {problem.start}): it is corrupt or another "
                     "kind of file") from None
@@ -84,26 +86,41 @@ def _depth_exceeds(data: object, limit: int) -> bool:
 
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` through a temporary file in the same folder and a rename: a crash
-    mid-write leaves any previous file intact, never a truncated one."""
+    mid-write leaves any previous file intact, never a truncated one.
+
+    The file keeps what a plain write would keep: an existing file's permissions (a new one gets
+    0o666 less the umask), and a symbolic link stays a link, its target rewritten."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise ShardplanError(f"cannot write {path!r}: it is a folder; give a file path inside it "
                              f"(e.g. {os.path.join(path, 'plan.json')!r})")
-    folder = os.path.dirname(os.path.abspath(path))
+    target = os.path.realpath(path)
+    folder = os.path.dirname(target)
     try:
-        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}-", suffix=".tmp")
+        descriptor, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(target)}-", suffix=".tmp")
     except OSError as problem:
         raise ShardplanError(f"cannot write {path!r}: {problem.strerror or problem} in folder {folder!r}; "
                              "create the folder or write elsewhere") from None
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            os.fchmod(handle.fileno(), _permissions_for(target))  # mkstemp's are 0o600, whatever the umask
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temporary, path)
+        os.replace(temporary, target)
     except OSError as problem:
         os.unlink(temporary)
         raise ShardplanError(f"cannot write {path!r}: {problem.strerror or problem}; write elsewhere") from None
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+def _permissions_for(path: str) -> int:
+    """The permission bits of the file at `path`, or those open() gives a new one: 0o666 less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)  # the one way to read it: set it and put it back
+        os.umask(umask)
+        return 0o666 & ~umask

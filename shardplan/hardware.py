@@ -25,6 +25,7 @@ import difflib
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,6 +34,7 @@ import numpy as np
 
 from .errors import HardwareError
 from .files import parse_json, read_text
+from .sizes import LARGEST_SIZE_BYTES
 
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 RING_ONLY = ("all_gather_into_tensor", "reduce_scatter_tensor")
@@ -264,10 +266,14 @@ class HardwareProfile:
     0: not measured (the built-in profiles; on a GPU, the host runs ahead of the kernels)."""
 
     def __post_init__(self) -> None:
+        for where in ("name", "source"):  # first: every other message quotes the name
+            if not isinstance(getattr(self, where), str):
+                raise HardwareError(f"hardware profile field {where} is {getattr(self, where)!r:.80}, must be a "
+                                    "string: quote it in the profile JSON")
         for where, value in _figures(self, ""):
             if not _is_positive(value):
                 raise HardwareError(
-                    f"hardware profile {self.name!r}: {where} is {value!r}, must be a positive finite number: "
+                    f"hardware profile {self.name!r}: {where} is {value!r:.80}, must be a positive finite number: "
                     "correct it in the profile JSON or write a new profile with `shardplan calibrate`")
         if not isinstance(self.overlaps_communication, bool):
             raise HardwareError(f"hardware profile {self.name!r}: overlaps_communication is "
@@ -296,8 +302,19 @@ class HardwareProfile:
                              ("selective_op_overhead_s", self.selective_op_overhead_s),
                              ("view_overhead_s", self.view_overhead_s)):
             if not _is_non_negative(value):
-                raise HardwareError(f"hardware profile {self.name!r}: {where} is {value!r}, must be a finite "
+                raise HardwareError(f"hardware profile {self.name!r}: {where} is {value!r:.80}, must be a finite "
                                     "number, 0 or more")
+        for where, value in (("devices_per_node", self.devices_per_node),
+                             ("device_memory_bytes", self.device_memory_bytes),
+                             ("runtime_reserved_bytes", self.runtime_reserved_bytes),
+                             ("intra_node.rails", self.intra_node.rails), ("inter_node.rails", self.inter_node.rails)):
+            if type(value) is not int:  # counts: the solver takes ranges of them, a plan's budget is whole bytes
+                raise HardwareError(f"hardware profile {self.name!r}: {where} is {value!r}, must be a whole number: "
+                                    "write it without a decimal point or exponent")
+        if self.device_memory_bytes > LARGEST_SIZE_BYTES:
+            raise HardwareError(f"hardware profile {self.name!r}: device_memory_bytes {self.device_memory_bytes} is "
+                                f"more than 1 PiB ({LARGEST_SIZE_BYTES} bytes), the most a memory size may be: give "
+                                "the device's memory in bytes (80 GiB is 85899345920)")
         if self.runtime_reserved_bytes >= self.device_memory_bytes:
             raise HardwareError(f"hardware profile {self.name!r}: runtime_reserved_bytes {self.runtime_reserved_bytes} "
                                 f"leaves nothing of device_memory_bytes {self.device_memory_bytes}: lower it")
@@ -389,8 +406,9 @@ class HardwareProfile:
         data = parse_json(text, "hardware profile", HardwareError)
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             schema = data.get("schema") if isinstance(data, dict) else None
-            raise HardwareError(f"hardware profile schema {schema!r} is not {SCHEMA!r}: "
-                                "write it again with `shardplan calibrate -o profile.json`")
+            raise HardwareError(f"hardware profile schema {schema!r:.80} is not supported by this shardplan (reads "
+                                f"{SCHEMA!r}): install the version that wrote it, or write it again with this one "
+                                "(`shardplan calibrate -o profile.json`)")
         fields = _fields(cls, {key: value for key, value in data.items() if key not in _NOT_FIELDS}, "")
         fields["matmul"] = {dtype: _parse_matmul(rate, f"matmul.{dtype}")
                             for dtype, rate in _object(fields["matmul"], "matmul").items()}
@@ -491,7 +509,8 @@ def _parse_link(data: object, where: str) -> LinkProfile:
 
 
 def _is_non_negative(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    # compared, not math.isfinite: that raises OverflowError on an integer past float's range
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= sys.float_info.max
 
 
 def _is_positive(value: object) -> bool:

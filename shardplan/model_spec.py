@@ -1,6 +1,7 @@
 """A model named on the command line or in a baseline: a zoo name, `package.module:factory`, or a
 Hugging Face config JSON, built into a ZooModel (the model and its example inputs)."""
 import importlib
+import inspect
 
 from .dtypes import dtype_name
 from .errors import ShardplanError
@@ -18,8 +19,11 @@ def load_model(spec: str, batch: int | None = None, seq: int | None = None, *, f
     from . import zoo
 
     sizes = {key: value for key, value in (("batch", batch), ("seq", seq)) if value is not None}
+    for key, value in sizes.items():
+        if value < 1:
+            raise ShardplanError(f"--{key} {value} is not a size: give 1 or more")
     if spec in zoo.ZOO:
-        return zoo.build(spec, **sizes)
+        return zoo.build(spec, **_sizes_taken(zoo.ZOO[spec], sizes, f"zoo model {spec}"))
     if spec.endswith(".json"):
         return _hugging_face_from_config(spec, batch, seq, fp32_params, warn)
     if ":" in spec:
@@ -29,10 +33,31 @@ def load_model(spec: str, batch: int | None = None, seq: int | None = None, *, f
         except (ImportError, AttributeError) as error:
             raise ShardplanError(f"cannot load {spec!r}: {error}; write package.module:function, importable "
                                  "from here (set PYTHONPATH)") from None
-        built = factory(**sizes)
-        return built if isinstance(built, zoo.ZooModel) else zoo.ZooModel(*built)
+        built = factory(**_sizes_taken(factory, sizes, f"factory {spec}"))
+        if isinstance(built, zoo.ZooModel):
+            return built
+        if not isinstance(built, tuple) or len(built) != 3:
+            shown = f"a {type(built).__name__} of {len(built)}" if isinstance(built, (tuple, list)) else \
+                type(built).__name__
+            raise ShardplanError(f"factory {spec} returned {shown}: return a "
+                                 "zoo.ZooModel or (model, args, kwargs), the model and its example inputs "
+                                 "(e.g. return model, (tokens,), {})")
+        return zoo.ZooModel(*built)
     raise ShardplanError(f"unknown model {spec!r}: give a zoo name ({', '.join(zoo.ZOO)}), "
                          "package.module:factory, or a Hugging Face config .json")
+
+
+def _sizes_taken(factory, sizes: dict[str, int], what: str) -> dict[str, int]:
+    """`sizes` if `factory` takes each as a keyword; else which flag does not apply (it would be ignored)."""
+    parameters = inspect.signature(factory).parameters
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return sizes
+    for key in sizes:
+        if key not in parameters:
+            taken = " and ".join(f"--{name}" for name in ("batch", "seq") if name in parameters)
+            raise ShardplanError(f"--{key} does not apply to {what}: it takes {taken or 'neither --batch nor --seq'}; "
+                                 f"leave --{key} out")
+    return sizes
 
 
 def _hugging_face_from_config(path: str, batch: int | None, seq: int | None, fp32_params: bool, warn):

@@ -422,8 +422,15 @@ class Plan:
         return {name: stage.index for stage in self.stages for name in stage.units}
 
     def to_json(self) -> str:
-        """Deterministic bytes: same plan, same text."""
-        return json.dumps(_to_data(self), indent=2, sort_keys=True) + "\n"
+        """Deterministic bytes: same plan, same text. Checked against the schema from_json checks, so
+        that a plan written (a file, a checkpoint) always loads back."""
+        data = _to_data(self)
+        _validate_schema(data, _WRITING_FIX)
+        try:
+            return json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n"
+        except ValueError:  # NaN or infinity: the schema's bounds do not catch them
+            raise PlanError(f"plan holds a number that is NaN or infinite, which JSON cannot hold: "
+                            f"{_WRITING_FIX}") from None
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -436,7 +443,7 @@ class Plan:
                             f"{', '.join(map(repr, READABLE_SCHEMAS))}): re-plan with this version, or install the "
                             "version that wrote it")
         upgraded = _upgrade(data)
-        _validate_schema(upgraded)
+        _validate_schema(upgraded, "the file was edited or written by another version")
         return _from_data(cls, upgraded, "plan")
 
     def diff(self, other: "Plan") -> list[str]:
@@ -608,7 +615,13 @@ def _schema() -> dict:
         return json.load(handle)
 
 
-def _validate_schema(data: dict) -> None:
+_WRITING_FIX = ("refused, as a file or checkpoint holding it would not load back: correct the figure it came "
+                "from (a hardware profile's, a memory budget, or a Plan built by hand)")
+"""What to do about a plan that fails the schema as it is written: shardplan makes none of its own."""
+
+
+def _validate_schema(data: dict, cause: str) -> None:
+    """Refuse `data` (a plan as JSON values) unless it matches the plan schema; `cause` ends the error."""
     import jsonschema
 
     errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(data), key=lambda e: list(e.path))
@@ -617,7 +630,7 @@ def _validate_schema(data: dict) -> None:
         where = "plan" + "".join(f"[{p}]" if isinstance(p, int) else _key(p) for p in error.path)
         message = error.message if len(error.message) <= 200 else error.message[:200] + "..."  # it quotes the value
         raise PlanError(f"plan field {where} does not match the plan schema: {message} "
-                        f"({len(errors)} problem(s) in all; the file was edited or written by another version)")
+                        f"({len(errors)} problem(s) in all; {cause})")
 
 
 def _diff(old: Any, new: Any, where: str) -> list[str]:

@@ -7,7 +7,9 @@ planned. `update` rewrites the baseline with today's plans.
 """
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass
+from typing import TypeGuard
 
 from .errors import ShardplanError
 from .files import parse_json, read_text, write_text_atomically
@@ -53,7 +55,7 @@ def check_baseline(path: str, tolerance: float | None = None, update: bool = Fal
     """Every case's Outcome, each also given to `report` as soon as it is known; `debug`: a case that
     cannot be planned raises instead of failing."""
     cases, saved_tolerance = _read(path)
-    tolerance = saved_tolerance if tolerance is None else tolerance
+    tolerance = saved_tolerance if tolerance is None else _tolerance(tolerance, "--tolerance")
     outcomes = []
     for case in cases:
         outcome = _check(case, os.path.dirname(os.path.abspath(path)), tolerance, update, debug)
@@ -134,14 +136,54 @@ def _read(path: str) -> tuple[list[Case], float]:
     data = parse_json(read_text(path, "baseline"), f"baseline {path!r}")
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ShardplanError(f"baseline {path!r} is not a {SCHEMA} file")
+    if not isinstance(data.get("cases"), list):
+        raise ShardplanError(f"baseline {path!r} has no list of cases: give \"cases\": [{{\"model\": ..., "
+                             "\"world_size\": ...}, ...]")
+    cases = [_case(case, f"baseline {path!r} case {index}") for index, case in enumerate(data["cases"])]
+    return cases, _tolerance(data.get("tolerance", DEFAULT_TOLERANCE), f"baseline {path!r} field tolerance")
+
+
+def _case(data: object, where: str) -> Case:
+    """A case as the baseline holds it, each field of the type Case declares (`where` names the case)."""
+    if not isinstance(data, dict):
+        raise ShardplanError(f"{where} is {data!r:.80}: make it an object with model and world_size")
     try:
-        cases = [Case(**case) for case in data["cases"]]
-    except (KeyError, TypeError) as error:
-        raise ShardplanError(f"baseline {path!r} has a malformed case: {error}") from None
-    return cases, float(data.get("tolerance", DEFAULT_TOLERANCE))
+        case = Case(**data)
+    except TypeError as error:  # a field missing or unknown
+        raise ShardplanError(f"{where} is malformed ({error}): give model and world_size, and only Case's "
+                             "fields") from None
+    for field, wanted, fits in (
+            ("model", "a string", isinstance(case.model, str)),
+            ("world_size", "a whole number from 1", _is_count(case.world_size) and case.world_size >= 1),
+            ("hardware", "a string", isinstance(case.hardware, str)),
+            ("memory_budget", "a string such as \"40GiB\", or null", case.memory_budget is None
+             or isinstance(case.memory_budget, str)),
+            ("step_time_s", "a finite number, 0 or more", _is_finite(case.step_time_s)),
+            ("peak_bytes", "a whole number, 0 or more", _is_count(case.peak_bytes))):
+        if not fits:
+            raise ShardplanError(f"{where} ({case.model!r:.80}) field {field} is {getattr(case, field)!r:.80}: "
+                                 f"make it {wanted}, or run `shardplan check --update` to record the figures again")
+    return case
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_finite(value: object) -> TypeGuard[int | float]:
+    """A number from 0 up to float's largest (NaN and infinity, which no JSON holds, are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= sys.float_info.max
+
+
+def _tolerance(value: object, where: str) -> float:
+    """A tolerance as `where` gives it, if it is one: a finite number, 0 or more (NaN would pass every case)."""
+    if not _is_finite(value):
+        raise ShardplanError(f"{where} is {value!r:.80}: give the allowed relative worsening as a finite number, "
+                             "0 or more (0.01 allows 1%)")
+    return float(value)
 
 
 def _write(path: str, cases: list[Case], tolerance: float) -> None:
     text = json.dumps({"schema": SCHEMA, "tolerance": tolerance, "cases": [asdict(c) for c in cases]},
-                      indent=2, sort_keys=True) + "\n"
+                      indent=2, sort_keys=True, allow_nan=False) + "\n"
     write_text_atomically(path, text)

@@ -3,6 +3,7 @@ import os
 
 from rich.table import Table
 
+from .errors import ShardplanError
 from .plan import Checkpoint, Plan, ShardStrategy, input_label, input_shape
 from .sizes import format_bytes
 
@@ -143,10 +144,15 @@ def draw(plan: Plan, folder: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display is needed or wanted
-    os.makedirs(folder, exist_ok=True)
     predicted = {unit.unit: unit for unit in plan.predicted.units}
-    return [_draw_units(plan, predicted, os.path.join(folder, "units.png")),
-            _draw_memory(plan, predicted, os.path.join(folder, "memory.png"))]
+    try:
+        os.makedirs(folder, exist_ok=True)
+        return [_draw_units(plan, predicted, os.path.join(folder, "units.png")),
+                _draw_memory(plan, predicted, os.path.join(folder, "memory.png"))]
+    except OSError as error:  # a file of that name, a folder this process may not write, a full disk
+        cause = "a file has that name" if isinstance(error, FileExistsError) else error.strerror or str(error)
+        raise ShardplanError(f"cannot write pictures to {folder!r}: {cause}; pass --pictures DIR, a folder this "
+                             "process may write") from None
 
 
 MAX_LABELS = 14
@@ -265,6 +271,8 @@ def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
 def _save(figure, path: str) -> str:
     import matplotlib.pyplot as plt
 
-    figure.savefig(path, dpi=120, bbox_inches="tight")  # legends outside the axes included
-    plt.close(figure)
+    try:
+        figure.savefig(path, dpi=120, bbox_inches="tight")  # legends outside the axes included
+    finally:
+        plt.close(figure)
     return path

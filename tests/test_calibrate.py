@@ -267,11 +267,15 @@ def test_quick_calibration_at_world_2(tmp_path, capsys):
     assert 1e8 < profile.memory_bandwidth_bytes_per_s < 1e13
 
 
-def test_calibrate_rejects_bad_input_before_measuring(tmp_path):
+@pytest.mark.timeout(60)  # a calibration takes minutes: these are refused before it starts
+def test_calibrate_rejects_bad_input_before_measuring(tmp_path, capsys):
     with pytest.raises(HardwareError, match=r"sizes \[1002\] bytes do not split into 2 float32 shards"):
         calibrate(world_size=2, sizes=(4096, 1002))
     with pytest.raises(SystemExit):
         calibrate_main(["-o", str(tmp_path / "missing" / "profile.json")])
+    with pytest.raises(SystemExit):
+        calibrate_main(["-o", str(tmp_path)])
+    assert f"cannot write {tmp_path}: it is a folder; give a file path inside it" in capsys.readouterr().err
 
 
 def _timing_job(device, report):

@@ -392,7 +392,26 @@ def save_paths(rank: int, world: int, directory: Path) -> dict:
     found["file_kept"] = (directory / "a-file").read_text() == "keep me"
     found["link_kept"] = (directory / "link").is_symlink()
     expect(found, "still_loads", lambda: program.load(directory / "ckpt", optimizer))
+    annotated = directory / "annotated"
+    program.save(annotated, optimizer, extra={"counter": Counter()})
+    program.save(annotated, optimizer, extra={"counter": Counter()})  # over its own files: as before
+    (annotated / "NOTES.md").write_text("eval at step 3")
+    (annotated / "eval").mkdir()
+    (annotated / "eval" / "results.txt").write_text("0.71")
+    expect(found, "foreign", lambda: program.save(annotated, optimizer))
+    found["foreign_kept"] = sorted(path.name for path in annotated.iterdir())
+    expect(found, "annotated_loads", lambda: program.load(annotated, optimizer, extra={"counter": Counter()}))
     return found
+
+
+class Counter:
+    """An extra state, whose file a save writes beside the shards."""
+
+    def state_dict(self) -> dict:
+        return {"value": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 def saving_run(rank: int, world: int, directory: Path) -> dict:
@@ -562,6 +581,12 @@ def test_paths_a_save_cannot_replace_are_refused(runs):
         assert found[name][0] == "CheckpointError" and fragment in found[name][1], (name, found[name])
     assert found["file_kept"] and found["link_kept"]
     assert found["still_loads"] is None
+    error, message = found["foreign"]  # a user's notes beside the shards: the save's swap would delete them
+    assert error == "CheckpointError" and "annotated: it holds NOTES.md, eval, which no save writes" in message
+    assert "nothing was changed: move them out, or save to another path" in message
+    assert found["foreign_kept"] == [".metadata", "NOTES.md", "__0_0.distcp", "eval", "extra.counter.pt",
+                                     "shardplan.json"]
+    assert found["annotated_loads"] is None
 
 
 # pure: the chunk arithmetic, against the flat buffer itself

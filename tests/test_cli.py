@@ -90,6 +90,43 @@ def test_check_passes_on_todays_plans_and_fails_on_a_better_baseline(tmp_path, c
     assert "FAIL mlp at world 2" in out and "step_time_s got worse" in out
 
 
+@pytest.mark.parametrize("flag, saved, message", [
+    ("nan", 0.01, "--tolerance is nan"),  # NaN would pass every case, and --update would write it
+    ("inf", 0.01, "--tolerance is inf"),
+    ("-0.5", 0.01, "--tolerance is -0.5"),
+    (None, "1%", "field tolerance is '1%'"),
+    (None, 10**400, "field tolerance is 1000000000000000000000"),  # past float's range
+    (None, True, "field tolerance is True"),
+], ids=["nan", "inf", "negative", "text", "past-float", "bool"])
+def test_check_refuses_a_tolerance_that_is_not_a_finite_number_from_0(flag, saved, message, tmp_path, capsys):
+    path = _baseline(tmp_path, [{"model": "mlp", "world_size": 2, "hardware": "cpu-gloo"}])
+    path.write_text(path.read_text().replace('"tolerance": 0.01', f'"tolerance": {json.dumps(saved)}'))
+    before = path.read_text()
+    tolerance = [] if flag is None else ["--tolerance", flag]
+    err = _refused(["check", "--baseline", str(path), "--update", *tolerance], capsys)
+    assert message in err and "finite number, 0 or more" in err
+    assert path.read_text() == before
+
+
+@pytest.mark.parametrize("cases, message", [
+    ([{"model": "mlp", "world_size": 2, "step_time_s": "0.002", "peak_bytes": 1}],
+     "case 0 ('mlp') field step_time_s is '0.002': make it a finite number, 0 or more"),
+    ([{"model": "mlp", "world_size": 2.0}], "case 0 ('mlp') field world_size is 2.0: make it a whole number from 1"),
+    ([{"model": "mlp", "world_size": 2}, {"model": "mlp", "world_size": 2, "peak_bytes": -1}],
+     "case 1 ('mlp') field peak_bytes is -1"),
+    ([{"model": "mlp", "world_size": 2, "memory_budget": 2**20}], "field memory_budget is 1048576: make it a string"),
+    ([{"model": ["mlp"], "world_size": 2}], "case 0 (['mlp']) field model is ['mlp']: make it a string"),
+    ([{"model": "mlp", "world_size": 2, "hardware": None}], "field hardware is None: make it a string"),
+    ([{"model": "mlp"}], "case 0 is malformed (Case.__init__() missing 1 required keyword-only argument"),
+    (["mlp"], "case 0 is 'mlp': make it an object with model and world_size"),
+    ("mlp", "has no list of cases"),
+])
+def test_check_refuses_a_malformed_case_naming_it_and_the_field_before_planning(cases, message, tmp_path, capsys):
+    path = _baseline(tmp_path, [])
+    path.write_text(path.read_text().replace('"cases": []', f'"cases": {json.dumps(cases)}'))
+    assert message in _refused(["check", "--baseline", str(path)], capsys)
+
+
 @pytest.mark.timeout(240)
 def test_check_gates_any_model_a_line_per_case_and_a_new_case_asks_for_update(tmp_path, monkeypatch, capsys):
     """A zoo model, a Hugging Face config beside the baseline, and a package.module:factory, all new."""
@@ -251,6 +288,36 @@ def _refused(argv: list[str], capsys) -> str:
 def test_absurd_budgets_are_refused_with_the_range(budget, capsys):
     err = _refused(["plan", "mlp", "--world-size", "2", "--memory-budget", budget], capsys)
     assert "between 1 B and 1 PiB" in err or "cannot read memory size" in err
+
+
+FACTORIES = ("from shardplan import zoo\n\ndef bare():\n    return zoo.residual_mlp().model\n\n"
+             "def pair():\n    entry = zoo.residual_mlp()\n    return entry.model, entry.args\n")
+
+
+@pytest.mark.parametrize("spec, flags, message", [
+    ("gpt", ["--seq", "64"], "--seq does not apply to zoo model gpt: it takes --batch; leave --seq out"),
+    ("mlp", ["--batch", "-2"], "--batch -2 is not a size: give 1 or more"),
+    ("gpt", ["--batch", "0"], "--batch 0 is not a size"),  # not a capture error blaming control flow
+    ("config.json", ["--batch", "1", "--seq", "0"], "--seq 0 is not a size"),  # not silently 512
+    ("factories:bare", [],
+     "factory factories:bare returned ResidualMLP: return a zoo.ZooModel or (model, args, kwargs)"),
+    ("factories:pair", [], "factory factories:pair returned a tuple of 2: return a zoo.ZooModel"),
+    ("factories:pair", ["--batch", "2"], "--batch does not apply to factory factories:pair: it takes neither"),
+])
+def test_sizes_and_factories_that_do_not_make_a_model_are_refused(spec, flags, message, tmp_path, monkeypatch,
+                                                                  capsys):
+    (tmp_path / "config.json").write_text(json.dumps(HUGGING_FACE_CONFIG))
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert message in _refused(["plan", spec, "--world-size", "2", "--hardware", "cpu-gloo", *flags], capsys)
+
+
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_a_demo_of_no_steps_is_refused_before_it_plans(steps, capsys):
+    start = time.perf_counter()
+    assert f"--steps {steps} trains no step" in _refused(["demo", "--hardware", "cpu-gloo", "--steps", steps], capsys)
+    assert time.perf_counter() - start < 5  # not after a whole demo
 
 
 @pytest.mark.timeout(60)

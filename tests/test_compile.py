@@ -1,4 +1,5 @@
 """compile / solve end to end on the zoo: valid, deterministic, never worse than the expert defaults."""
+import dataclasses
 import math
 import re
 
@@ -165,6 +166,24 @@ def test_a_global_batch_is_split_over_the_replicas_in_the_plan_and_its_fingerpri
     assert again.peak_bytes == plan.predicted.peak_bytes and again.step_time_s == plan.predicted.step_time_s
 
 
+def test_a_batch_no_mesh_takes_is_named_as_the_cause_not_memory(chains):
+    """No plan at any budget: the message says why, where it once said "raise memory_budget"."""
+    with pytest.raises(InfeasibleError) as refused:
+        solve(chains["gpt"], 2, hardware=HARDWARE, global_batch_size=7, allow_pipeline=False)
+    assert str(refused.value) == ("the global batch of 7 samples splits evenly over none of the data-parallel degrees "
+                                  "searched at world_size=2 (2): give a global batch one of them divides (e.g. 8); or "
+                                  "allow_pipeline=True, whose stages leave fewer replicas")
+    assert solve(chains["gpt"], 2, hardware=HARDWARE, global_batch_size=7).mesh.pp == 2  # as it says
+    entry = zoo.residual_mlp(batch=0)
+    with pytest.raises(ShardplanError, match=r"^the example batch is empty \(dim 0 of the first input is 0\)"):
+        compile(entry.model, 2, entry.args, entry.kwargs, hardware=HARDWARE)
+    with pytest.raises(InfeasibleError, match=r"^the example batch is empty"):  # a chain analyzed elsewhere
+        solve(dataclasses.replace(chains["mlp"], inputs=tuple(dataclasses.replace(spec, shape=(0, *spec.shape[1:]))
+                                                              for spec in chains["mlp"].inputs)), 2, hardware=HARDWARE)
+    with pytest.raises(ShardplanError, match="global_batch_size=0 trains no samples"):  # not taken as None
+        solve(chains["gpt"], 2, hardware=HARDWARE, global_batch_size=0)
+
+
 def test_bad_arguments_are_refused(chains):
     with pytest.raises(ShardplanError, match="world_size"):
         solve(chains["gpt"], 0, hardware=HARDWARE)
@@ -172,6 +191,8 @@ def test_bad_arguments_are_refused(chains):
         solve(chains["gpt"], 2, hardware=HARDWARE, optimizer="lion")
     with pytest.raises(ShardplanError, match="memory size"):
         solve(chains["gpt"], 2, hardware=HARDWARE, memory_budget="lots")
+    with pytest.raises(ShardplanError, match="max_tensor_parallel=0 leaves no tensor-parallel degree"):
+        solve(chains["gpt"], 2, hardware=HARDWARE, max_tensor_parallel=0)  # not taken as the default
 
 
 

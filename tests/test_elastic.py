@@ -7,6 +7,7 @@ and adds 2 (torchrun stops the workers with SIGTERM, which checkpoints, and rest
 4, re-planned). In both, every step's loss, replayed steps included, equals an uninterrupted one-process
 run's on the same samples to 1e-5.
 """
+import json
 import sys
 from pathlib import Path
 
@@ -80,6 +81,30 @@ def test_only_finished_checkpoints_are_resumed_newest_first(tmp_path):
                                             (4, tmp_path / "step_00000004")]
 
 
+@pytest.mark.parametrize("damaged, cause", [
+    ('{"step": 4, "ti', "is not valid JSON"),  # a crash mid-write
+    ("[4]", "holds no step, time and global batch"),
+    ('{"step": 4, "world_size": 1}', "holds no step, time and global batch"),
+])
+def test_a_damaged_progress_file_is_noted_and_counts_no_steps_lost(tmp_path, damaged, cause):
+    """It only feeds the log: every restart must not die on it while the checkpoints are fine."""
+    (tmp_path / elastic.PROGRESS_FILE).write_text(damaged)
+    lines: list[str] = []
+    journal = elastic._Journal(tmp_path, lines.append)
+    assert journal.last_progress is None
+    assert len(lines) == 1 and cause in lines[0] and lines[0].endswith("the log counts no steps lost")
+    journal.stepped(5, 1.0, 1, 32, 8, 0.0)  # the first step after a start reads the last start's progress
+    assert json.loads((tmp_path / elastic.PROGRESS_FILE).read_text())["step"] == 5
+
+
+def test_a_run_directory_that_cannot_be_made_is_refused_before_the_rendezvous(tmp_path):
+    (tmp_path / "afile").write_text("notes")
+    for directory, cause in ((tmp_path / "afile", "it is a file"), (tmp_path / "afile" / "run", "Not a directory")):
+        with pytest.raises(ShardplanError, match=f"cannot keep the run in {directory}: {cause}; give a folder"):
+            elastic.train(lambda: None, [], ElasticOptions(directory=directory, steps=1, global_batch_size=1))
+    assert (tmp_path / "afile").read_text() == "notes"
+
+
 # extra state in checkpoints
 
 class Counter:
@@ -100,6 +125,16 @@ class Counter:
 class Unsafe(Counter):
     def state_dict(self) -> dict:
         return {"value": Counter(1)}  # an object torch.load(weights_only=True) will not build
+
+
+class Unpicklable(Counter):
+    def state_dict(self) -> dict:
+        return {"value": lambda: 1}  # torch.save cannot pickle it
+
+
+class Unready(Counter):
+    def state_dict(self) -> dict:
+        raise ValueError("no state before the first step")
 
 
 def extras_run(rank: int, world: int, directory: str) -> dict:
@@ -133,6 +168,9 @@ def extras_run(rank: int, world: int, directory: str) -> dict:
     record["missing"] = refusal(lambda: program.load(path, extra={"scheduler": Counter()}))
     record["unsafe"] = refusal(lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unsafe()}))
     record["unsafe_written"] = (Path(directory) / "unsafe").exists() or (Path(directory) / "unsafe.partial").exists()
+    record["unpicklable"] = refusal(lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unpicklable()}))
+    record["unready"] = refusal(lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unready()}))
+    record["unsafe_written"] |= (Path(directory) / "unsafe").exists() or (Path(directory) / "unsafe.partial").exists()
     record["failing_load"] = refusal(lambda: program.load(path, extra={"counter": Counter(fail=True)}))
     record["kept_after_failing_load"] = all(torch.equal(a, b) for a, b in zip(program.parameters(), changed))
     if rank == 0:
@@ -152,7 +190,8 @@ def resumes(program, run: Path) -> dict:
     for step in (2, 4):
         state.step = step
         program.save(run / f"step_{step:08d}", extra=state.extras())
-    journal = elastic._Journal(run, None)
+    lines: list[str] = []
+    journal = elastic._Journal(run, lines.append if torch.distributed.get_rank() == 0 else None)
 
     def tamper(step: int) -> None:
         if torch.distributed.get_rank() == 0:
@@ -161,6 +200,16 @@ def resumes(program, run: Path) -> dict:
 
     tamper(4)
     record = {"fallback_step": elastic._resume(program, None, state, run, journal).step}
+    if torch.distributed.get_rank() == 0:  # as an older version saved it: a plan past the schema's bounds
+        file = run / "step_00000002" / checkpoint.METADATA_FILE
+        metadata = json.loads(file.read_text())
+        metadata["plan"]["reasoning"]["budget_bytes"] = 2**51
+        file.write_text(json.dumps(metadata))
+    torch.distributed.barrier()
+    resumed = elastic._resume(program, None, state, run, journal)
+    journal.started(program.plan, resumed, 2, 8, 4, dict.fromkeys(
+        ("rendezvous_s", "analyze_s", "solve_s", "parallelize_s", "load_s"), 0.0), 0.0)
+    record["unreadable_plan"] = (resumed.step, resumed.plan, lines[-2:])
     tamper(2)
     try:
         elastic._resume(program, None, state, run, journal)
@@ -191,6 +240,10 @@ def test_extra_state_round_trips_and_is_listed_in_the_manifest(extras):
 def test_extra_state_refusals_name_the_cause_and_change_nothing(extras):
     assert "holds no extra state 'scheduler'" in extras["missing"]
     assert extras["unsafe"].startswith("CheckpointError: extra state 'bad'") and not extras["unsafe_written"]
+    assert extras["unpicklable"].startswith("CheckpointError: extra state 'bad' (Unpicklable.state_dict()) holds "
+                                            "what a checkpoint cannot store") and "pickle" in extras["unpicklable"]
+    assert extras["unready"] == ("CheckpointError: extra state 'bad': Unready.state_dict() failed (ValueError: no "
+                                 "state before the first step): mend it, or save without it")
     assert extras["failing_load"] == "ValueError: refused" and extras["kept_after_failing_load"]
     assert extras["tampered"].startswith("CheckpointError: checkpoint file") and "extra.counter.pt" in extras["tampered"]
 
@@ -199,6 +252,11 @@ def test_extra_state_refusals_name_the_cause_and_change_nothing(extras):
 @pytest.mark.timeout(300)
 def test_a_start_passes_over_a_damaged_newest_checkpoint_and_refuses_when_none_loads(extras):
     assert extras["fallback_step"] == 2
+    step, plan, (note, started) = extras["unreadable_plan"]  # the state loads; the log says what it lacks
+    assert step == 2 and plan is None
+    assert ("step_00000002 loaded, but the plan it records cannot be read (plan field "
+            "plan.reasoning.budget_bytes") in note
+    assert "resumed step 2 (saved on 2 ranks, its plan unreadable); 0 step(s) lost" in started
     assert extras["none_loads"].startswith("none of the 2 checkpoint(s)")
 
 

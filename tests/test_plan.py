@@ -224,6 +224,8 @@ def test_plan_files_are_read_within_bounds(tmp_path):
     with pytest.raises(PlanError, match="larger than 16 MiB"):
         load_plan("/dev/zero")  # endless: read up to the limit and refused
     assert time.perf_counter() - start < 10
+    (tmp_path / "notepad.json").write_bytes(b"\xef\xbb\xbf" + plan().to_json().encode())  # a byte order mark
+    assert load_plan(tmp_path / "notepad.json") == plan()
     (tmp_path / "latin1.json").write_bytes(b'{"model": "caf\xe9"}')
     with pytest.raises(PlanError, match="not UTF-8 text"):
         load_plan(tmp_path / "latin1.json")
@@ -245,3 +247,44 @@ def test_writing_to_a_folder_is_refused_in_one_line(tmp_path):
     with pytest.raises(ShardplanError, match="create the folder or write elsewhere"):
         plan().save(tmp_path / "missing" / "plan.json")
     assert list(tmp_path.iterdir()) == []  # no temporary file left behind
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hardware=7), "plan.hardware does not match the plan schema: 7 is not of type 'string'"),
+    (dict(reasoning=Reasoning(budget_bytes=2**51, binding_constraint="x")),
+     "plan.reasoning.budget_bytes does not match the plan schema: 2251799813685248 is greater than the maximum"),
+    (dict(predicted=Predicted(peak_bytes=2**64, step_time_s=0.5)), "plan.predicted.peak_bytes does not match"),
+    (dict(predicted=Predicted(peak_bytes=1, step_time_s=float("nan"))), "NaN or infinite"),
+])
+def test_a_plan_that_would_not_load_back_is_not_written(change, message, tmp_path):
+    """What from_json refuses, to_json refuses too, before any file or checkpoint holds it."""
+    path = tmp_path / "plan.json"
+    plan().save(path)
+    before = path.read_text()
+    with pytest.raises(PlanError, match=message) as refused:
+        plan(**change).save(path)
+    assert "would not load back" in str(refused.value) and "\n" not in str(refused.value)
+    assert path.read_text() == before
+
+
+def test_saving_keeps_the_files_permissions_and_writes_through_a_symbolic_link(tmp_path):
+    """A shared plan stays readable by whoever could read it, and a link stays a link."""
+    import os
+    import stat
+
+    existing = tmp_path / "shared.json"
+    existing.write_text("{}")
+    existing.chmod(0o644)
+    plan().save(existing)
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o644 and load_plan(existing) == plan()
+    umask = os.umask(0o027)
+    try:
+        plan().save(tmp_path / "new.json")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o640  # 0o666 less the umask, as open() gives
+    link = tmp_path / "plan.json"
+    link.symlink_to(existing)
+    plan(model="other").save(link)
+    assert link.is_symlink() and load_plan(existing).model == "other"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["new.json", "plan.json", "shared.json"]

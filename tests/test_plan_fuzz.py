@@ -153,3 +153,33 @@ def plan_file(tmp_path_factory):
 def test_mutated_plan_files_load_or_raise_a_shardplan_error(plan_file, data):
     plan_file.write_bytes(data)
     _loads_or_refuses(lambda: load_plan(plan_file))
+
+
+NAMES = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)
+SIZES = st.integers(min_value=-2**70, max_value=2**70)
+TIMES = st.floats(min_value=0) | st.just(float("nan"))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(model=NAMES, hardware=NAMES, unit=NAMES, peak=SIZES, budget=SIZES, memory=SIZES, step=TIMES)
+def test_a_plan_built_in_code_is_refused_when_written_or_loads_back_equal(model, hardware, unit, peak, budget,
+                                                                          memory, step):
+    """What to_json writes, from_json reads: a plan file or a checkpoint never holds one that would not load."""
+    import dataclasses
+
+    base = _valid_plan()
+    try:
+        plan = dataclasses.replace(
+            base, model=model, hardware=hardware,
+            units=(dataclasses.replace(base.units[0], name=unit), *base.units[1:]),
+            stages=(dataclasses.replace(base.stages[0], units=(unit, "h.1")), base.stages[1]),
+            predicted=dataclasses.replace(base.predicted, peak_bytes=peak, step_time_s=step,
+                                          memory_bytes={"activations": memory}),
+            reasoning=dataclasses.replace(base.reasoning, budget_bytes=budget,
+                                          runner_ups=(Alternative(description=model, peak_bytes=peak,
+                                                                  step_time_s=step),)))
+        text = plan.to_json()
+    except ShardplanError as error:
+        assert "\n" not in str(error)
+        return
+    assert Plan.from_json(text) == plan

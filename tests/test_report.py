@@ -1,10 +1,12 @@
 """The explain pictures: what a reader learns from them, read off the figures drawn."""
 import dataclasses
+import os
 
 import pytest
 
 from shardplan import report, zoo
 from shardplan.compile import compile as compile_plan
+from shardplan.errors import ShardplanError
 from shardplan.plan import ShardStrategy
 
 
@@ -52,3 +54,16 @@ def test_the_memory_picture_hatches_an_offloaded_units_forward_and_backward(plan
 def test_a_plan_without_offload_draws_no_offload(plan, tmp_path, monkeypatch):
     labels, hatched = _legends_and_hatches(plan, tmp_path, monkeypatch)
     assert not hatched and not any("offloaded" in label for label in labels)
+
+
+def test_a_picture_folder_that_cannot_be_written_is_refused_in_one_line(plan, tmp_path):
+    (tmp_path / "afile").write_text("notes")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    for folder, cause in ((tmp_path / "afile", "a file has that name"), (tmp_path / "afile" / "pictures", "Not a "
+                          "directory"), (read_only / "pictures", "Permission denied")):
+        if cause == "Permission denied" and os.geteuid() == 0:
+            continue  # root writes anywhere
+        with pytest.raises(ShardplanError, match=f"cannot write pictures to '{folder}': {cause}; pass --pictures DIR"):
+            report.draw(plan, str(folder))
+    assert (tmp_path / "afile").read_text() == "notes"

@@ -566,14 +566,19 @@ def _serialized_extras(extra: Mapping[str, Stateful]) -> dict[str, bytes]:
         if not isinstance(name, str) or not EXTRA_NAME.fullmatch(name):
             raise CheckpointError(f"extra state name {str(name)[:80]!r} cannot name a file: use 1-64 letters, "
                                   "digits, '_' or '-' (e.g. 'sampler')")
-        buffer = io.BytesIO()
-        torch.save(stateful.state_dict(), buffer)
         try:
+            state = stateful.state_dict()
+        except Exception as error:  # the object's own code: any type
+            raise CheckpointError(f"extra state {name!r}: {type(stateful).__name__}.state_dict() failed "
+                                  f"({one_line(error)[:160]}): mend it, or save without it") from None
+        buffer = io.BytesIO()
+        try:
+            torch.save(state, buffer)  # pickling: a lambda or a local class fails here
             torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
         except Exception as error:  # weights_only names the refused type in its own exception types
             raise CheckpointError(f"extra state {name!r} ({type(stateful).__name__}.state_dict()) holds what a "
-                                  f"checkpoint cannot load without running code ({one_line(error)[:160]}): keep "
-                                  "it to tensors, numbers, strings, lists and dicts") from None
+                                  f"checkpoint cannot store, or load without running code ({one_line(error)[:160]}): "
+                                  "keep it to tensors, numbers, strings, lists and dicts") from None
         serialized[name] = buffer.getvalue()
     return serialized
 
@@ -670,6 +675,13 @@ def _prepare_target(directory: Path) -> None:
     if directory.is_dir() and not (directory / METADATA_FILE).is_file() and any(directory.iterdir()):
         raise CheckpointError(f"{directory} exists and is not a shardplan checkpoint: saving would replace it; "
                               "save to another path, or remove it")
+    foreign = sorted(entry.name for entry in directory.iterdir() if not _written_by_a_save(entry.name)) \
+        if directory.is_dir() else []
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise CheckpointError(f"cannot save to {directory}: it holds {listed}, which no save writes and saving would "
+                              "delete (a save replaces the checkpoint's directory whole); nothing was changed: move "
+                              "them out, or save to another path")
     existing = next(parent for parent in directory.parents if parent.exists())
     if not existing.is_dir():
         raise CheckpointError(f"cannot save to {directory}: {existing} is a file, so no directory can be made "
@@ -680,6 +692,14 @@ def _prepare_target(directory: Path) -> None:
     except OSError as error:
         raise CheckpointError(f"cannot save to {directory} ({one_line(error)}): save where this process may "
                               "write") from None
+
+
+def _written_by_a_save(name: str) -> bool:
+    """Whether a save writes an entry of this name in a checkpoint's directory: shardplan.json, DCP's metadata and
+    data files, an extra state's file. Any other entry is the user's (notes, evaluation results, a config)."""
+    extra = name.removeprefix("extra.").removesuffix(".pt")
+    return (name in (METADATA_FILE, DCP_METADATA_FILE) or name.endswith(".distcp")
+            or (name == _extra_file(extra) and EXTRA_NAME.fullmatch(extra) is not None))
 
 
 def _remove(path: Path) -> None:

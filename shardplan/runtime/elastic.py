@@ -43,7 +43,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import default_collate
 
-from ..errors import CheckpointError, ShardplanError
+from ..errors import CheckpointError, PlanError, ShardplanError
+from ..files import parse_json, read_text
 from ..plan import Plan
 from ..sampler import ResumableSampler
 from . import collectives, parallelize
@@ -119,6 +120,7 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
     ...                 ElasticOptions(directory="run", steps=1000, global_batch_size=64))
     """
     started, started_at = time.perf_counter(), time.time()
+    _make_directory(Path(options.directory))
     owns_group = _join(options.timeout_s)
     timings = {**_startup(started_at), "rendezvous_s": time.perf_counter() - started}
     world = collectives.world()
@@ -250,8 +252,9 @@ class _TrainingState:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Resumed:
     step: int
-    plan: Plan
-    """The plan that wrote the checkpoint."""
+    plan: Plan | None
+    """The plan that wrote the checkpoint; None where this version cannot read it (a plan an older version
+    saved past the schema's bounds): only the log reads it, as every start plans afresh."""
     world_size: int
 
 
@@ -266,12 +269,23 @@ def _resume(program, optimizer, state: _TrainingState, directory: Path, journal:
             journal.note(f"checkpoint {path} not loaded ({error}); trying the one before")
             continue
         _, metadata = on_rank_zero(lambda: read_metadata(path))
-        return _Resumed(step=step, plan=Plan.from_json(json.dumps(metadata["plan"])),
-                        world_size=metadata["world_size"])
+        return _Resumed(step=step, plan=_saved_plan(metadata, path, journal), world_size=metadata["world_size"])
     if found:
         raise CheckpointError(f"none of the {len(found)} checkpoint(s) in {directory} loads (the log says why for "
                               "each): mend or move them, or train in another directory")
     return None
+
+
+def _saved_plan(metadata: dict, path: Path, journal: "_Journal") -> Plan | None:
+    """The plan a loaded checkpoint records, or None with a note where it cannot be read: the state it holds
+    loaded (checked by parameter name and shape, whatever the plan), so refusing would only make every
+    restart fail on a record the log alone reads."""
+    try:
+        return Plan.from_json(json.dumps(metadata["plan"]))
+    except PlanError as error:
+        journal.note(f"checkpoint {path} loaded, but the plan it records cannot be read ({error}); the log "
+                     "compares no plans")
+        return None
 
 
 def _save(program, optimizer, state: _TrainingState, directory: Path, journal: "_Journal") -> None:
@@ -286,6 +300,16 @@ def _remove_old_checkpoints(directory: Path) -> None:
 
     for _, path in latest_checkpoints(directory)[KEPT_CHECKPOINTS:]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _make_directory(directory: Path) -> None:
+    """Make the run's directory, or say why it cannot be (before the rendezvous, not at the first log line)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        cause = "it is a file" if isinstance(error, FileExistsError) else error.strerror or str(error)
+        raise ShardplanError(f"cannot keep the run in {directory}: {cause}; give a folder this process may "
+                             "write (made if missing)") from None
 
 
 def _join(timeout_s: float) -> bool:
@@ -355,10 +379,27 @@ class _Journal:
     def __init__(self, directory: Path, log: Callable[[str], None] | None):
         self.directory = directory
         self.log = log
-        self.last_progress = json.loads((directory / PROGRESS_FILE).read_text()) \
-            if log is not None and (directory / PROGRESS_FILE).is_file() else None
+        self.last_progress = self._last_progress() if log is not None else None
         """What the last start had done when it stopped (its last finished step), read before this start writes."""
         self.first_step = True
+
+    def _last_progress(self) -> dict[str, Any] | None:
+        """progress.json, or None where there is none or it cannot be read (a crash mid-write; it only feeds the
+        log's steps lost and time since the last step, so a bad one is noted, never fatal)."""
+        file = self.directory / PROGRESS_FILE
+        if not file.is_file():
+            return None
+        try:
+            progress = parse_json(read_text(file, "progress file"), f"progress file {file}")
+        except ShardplanError as error:
+            self.note(f"{error}; the log counts no steps lost")
+            return None
+        if not (isinstance(progress, dict) and type(progress.get("step")) is int  # as stepped() writes them
+                and type(progress.get("global_batch", 0)) is int and type(progress.get("time")) is float):
+            self.note(f"progress file {file} holds no step, time and global batch: it was damaged; the log counts "
+                      "no steps lost")
+            return None
+        return progress
 
     def note(self, text: str) -> None:
         self._emit(text, {"event": "note", "text": text})
@@ -384,13 +425,16 @@ class _Journal:
             lines.append(f"no checkpoint in {self.directory}: training from step 0")
         else:
             lost = max(0, (self.last_progress or {}).get("step", resumed.step) - resumed.step)
-            fields.update(resumed_step=resumed.step, old_world_size=resumed.world_size, steps_lost=lost,
-                          old_mesh=resumed.plan.mesh.describe(),
-                          old_predicted_step_s=resumed.plan.predicted.step_time_s)
-            lines.append(f"resumed step {resumed.step} (saved on {resumed.world_size} ranks, "
-                         f"{resumed.plan.mesh.describe()}, predicted step "
-                         f"{resumed.plan.predicted.step_time_s * 1e3:.1f} ms); {lost} step(s) lost")
-            lines += self._plan_changes(resumed.plan, plan)
+            fields.update(resumed_step=resumed.step, old_world_size=resumed.world_size, steps_lost=lost)
+            old_plan, changes = "its plan unreadable", []
+            if resumed.plan is not None:
+                fields.update(old_mesh=resumed.plan.mesh.describe(),
+                              old_predicted_step_s=resumed.plan.predicted.step_time_s)
+                old_plan = (f"{resumed.plan.mesh.describe()}, predicted step "
+                            f"{resumed.plan.predicted.step_time_s * 1e3:.1f} ms")
+                changes = self._plan_changes(resumed.plan, plan)
+            lines += [f"resumed step {resumed.step} (saved on {resumed.world_size} ranks, {old_plan}); "
+                      f"{lost} step(s) lost", *changes]
             old_global = (self.last_progress or {}).get("global_batch")
             if old_global is not None and old_global != global_batch:
                 lines.append(f"global batch scaled from {old_global} to {global_batch} samples a step "
