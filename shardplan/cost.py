@@ -410,6 +410,7 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         fwd_memory_bytes=round(block.fwd_memory_bytes * ratio), bwd_memory_bytes=round(block.bwd_memory_bytes * ratio),
         selective_bytes=round(block.selective_bytes * ratio),
         selective_saved_bytes=round(block.selective_saved_bytes * ratio),
+        selective_dropped_bytes=round(block.selective_dropped_bytes * ratio),
         fwd_kinds=kinds(block.fwd_kinds, parts.fwd_kinds if parts else ()),
         bwd_kinds=kinds(block.bwd_kinds, parts.bwd_kinds if parts else ()))
 
@@ -497,10 +498,17 @@ def _kept_bytes(block: Block, checkpoint: Checkpoint, ctx: CostContext) -> int:
     if checkpoint is Checkpoint.FULL:
         return _per_micro_batch(block.input_bytes, ctx)
     if checkpoint is Checkpoint.SELECTIVE:
-        if block.selective_bytes:  # measured by the analysis: the block's input and its matmul outputs
+        if _selective_measured(block):  # the block's input and its matmul outputs
             return _per_micro_batch(block.input_bytes + block.selective_bytes, ctx)
         return _per_micro_batch(math.ceil(block.saved_bytes * SELECTIVE_KEEP_FRACTION), ctx)
     return _per_micro_batch(block.saved_bytes, ctx)
+
+
+def _selective_measured(block: Block) -> bool:
+    """Whether the analysis measured what selective checkpointing keeps of the block: its matmul-like
+    outputs, or saved bytes it keeps though it has none (a norm's input, an embedding's positions). A
+    chain built by hand carries neither."""
+    return bool(block.selective_bytes or block.selective_saved_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -611,7 +619,7 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
             recomputed = saved - min(kept_bytes, saved)
             transient = output_grad + max(fwd_transient, recomputed + bwd_transient)
         elif checkpoint is Checkpoint.SELECTIVE:  # dropped bytes come back before the backward
-            transient = _recomputed_by_selective(block, saved, kept_bytes, ctx) + bwd_transient
+            transient = _selective_backward_start(block, saved, kept_bytes, output_grad, ctx) + bwd_transient
         else:
             transient = output_grad + bwd_transient
         working = (running + kept_bytes, transient + later)
@@ -620,13 +628,17 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
     return sum(kept), fwd_working, bwd_working
 
 
-def _recomputed_by_selective(block: Block, saved: int, kept: int, ctx: CostContext) -> int:
-    """What a selectively checkpointed block's recompute brings back before its backward: its saved bytes
-    but those it kept (Block.selective_saved_bytes). It keeps some outputs autograd does not save (a
-    head's logits, which only the loss's log-softmax reads: 4 MiB beside the saved ones at Llama's
-    loss), so its kept bytes are not all saved ones. A block built by hand: what it did not keep."""
-    if block.selective_bytes:
-        return saved - _per_micro_batch(block.selective_saved_bytes, ctx)
+def _selective_backward_start(block: Block, saved: int, kept: int, output_grad: int, ctx: CostContext) -> int:
+    """What a selectively checkpointed block's backward holds above its kept bytes once its recompute has
+    run: the gradient of its outputs, and its saved bytes but those it kept (Block.selective_saved_bytes),
+    less the kept outputs the recompute drops (Block.selective_dropped_bytes): [Note: a block's output
+    gradient]. It keeps some outputs autograd does not save (a head's logits, which only the loss's
+    log-softmax reads: 4 MiB beside the saved ones at Llama's loss), so its kept bytes are not all saved
+    ones. A block built by hand: what it did not keep, its output gradient taken to cancel what its
+    recompute drops (a transformer layer's output projection, as wide)."""
+    if _selective_measured(block):
+        return (output_grad + saved - _per_micro_batch(block.selective_saved_bytes, ctx)
+                - _per_micro_batch(block.selective_dropped_bytes, ctx))
     return saved - kept
 
 
