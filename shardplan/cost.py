@@ -505,10 +505,10 @@ def _kept_bytes(block: Block, checkpoint: Checkpoint, ctx: CostContext) -> int:
 
 
 def _selective_measured(block: Block) -> bool:
-    """Whether the analysis measured what selective checkpointing keeps of the block: its matmul-like
-    outputs, or saved bytes it keeps though it has none (a norm's input, an embedding's positions). A
-    chain built by hand carries neither."""
-    return bool(block.selective_bytes or block.selective_saved_bytes)
+    """Whether what selective checkpointing keeps of the block is known: its matmul-like outputs are given,
+    or the analysis measured the block (it counts the ops each block dispatches), which keeps its input
+    alone where it has none (an embedding, a norm). A chain built by hand carries neither count."""
+    return bool(block.selective_bytes or block.fwd_dispatches)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
