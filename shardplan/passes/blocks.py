@@ -126,12 +126,13 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
         # a tensor an earlier block keeps too is one tensor, kept by that block when both are checkpointed
         # (an encoder's output read by every decoder layer, a position bias): count it there
         kept = kept_of[index]
-        inputs_read = sum(size for sid, size in kept.items() if sid not in read_before)
+        kept_here = {sid: size for sid, size in kept.items() if sid not in read_before}
         read_before.update(kept)
         for arg in {arg for n in nodes for arg in n.all_input_nodes if arg in block_of and block_of[arg] < index}:
             flow.add_edge(block_of[arg], index)
         outputs_read = _storages(n for n in nodes if any(block_of.get(u, index) > index for u in n.users))
-        kept_by_selective = {sid for n in nodes for sid in facts(n).selective_outputs} | set(kept)
+        matmul_outputs = {sid for n in nodes for sid in facts(n).selective_outputs}
+        kept_by_selective = matmul_outputs | set(kept)
         blocks.append(Block(
             index=index, name=name, modules=modules_of[index],
             param_names=tuple(p for p in reads if p in param_names),
@@ -141,11 +142,14 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             fwd_flops=sum(facts(n).fwd_flops for n in nodes),
             bwd_flops=sum(facts(n).bwd_flops for n in nodes),
             **{name: sum(getattr(facts(n), name) for n in nodes)
-               for name in ("fwd_memory_bytes", "bwd_memory_bytes", "fwd_ops", "bwd_ops", "fwd_dispatches",
-                            "selective_bytes")},
+               for name in ("fwd_memory_bytes", "bwd_memory_bytes", "fwd_ops", "bwd_ops", "fwd_dispatches")},
+            # a matmul output the block keeps as its input too (a root op's saved tensor: RoBERTa's head
+            # saves its dense output for the GELU outside its modules) is one tensor, counted there
+            selective_bytes=sum(facts(n).selective_bytes for n in nodes)
+            - sum(size for sid, size in kept_here.items() if sid in matmul_outputs),
             fwd_kinds=merge_op_kinds(facts(n).fwd_kinds for n in nodes),
             bwd_kinds=merge_op_kinds(facts(n).bwd_kinds for n in nodes),
-            saved_bytes=sum(saved.values()), input_bytes=inputs_read, output_bytes=outputs_read,
+            saved_bytes=sum(saved.values()), input_bytes=sum(kept_here.values()), output_bytes=outputs_read,
             selective_saved_bytes=sum(size for sid, size in saved.items() if sid in kept_by_selective),
             selective_dropped_bytes=_dropped_by_recompute(nodes, modules_of[index], held),
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
