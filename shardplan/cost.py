@@ -27,8 +27,8 @@ Memory, by category (the peak is the largest of these events):
   prefetches, of SHARD_GRAD_OP units between their forward and backward, plus gradients
   ([Note: gradients in backward]).
 - activations: what each finished block keeps for backward (saved_bytes; for
-  FULL checkpointing its input_bytes; for SELECTIVE a SELECTIVE_KEEP_FRACTION of
-  saved_bytes), for the micro-batches in flight: 1 (pp == 1), m (GPipe), or
+  FULL checkpointing its input_bytes; for SELECTIVE its input_bytes and selective_bytes, or, in
+  a chain built by hand, a SELECTIVE_KEEP_FRACTION of saved_bytes), for the micro-batches in flight: 1 (pp == 1), m (GPipe), or
   min(m, pp - stage) (1F1B; the other in-flight micro-batches hold the whole
   stage's activations).
 - transient: a block's fwd_transient_bytes / bwd_transient_bytes (and for a
@@ -215,7 +215,7 @@ a clone of the stepped shard (2 bytes a byte of it), which it gathers, then a `c
 parameters into the full buffer (3 bytes a byte of it, as the analysis counts `copy_`)."""
 SELECTIVE_KEEP_FRACTION = 0.5
 """Share of saved_bytes selective checkpointing keeps in a block the analysis did not measure
-(Block.selective_bytes is 0: a chain built by hand): the matmul outputs of a transformer layer
+(a chain built by hand: _selective_measured): the matmul outputs of a transformer layer
 are about half its saved bytes (Korthikanti et al. 2022, with flash attention)."""
 OFFLOAD_BYTES_PER_S = 25e9
 """Effective host↔device copy rate (PCIe Gen5 x16 at about 40% of line rate with pinned buffers)."""
@@ -591,11 +591,12 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
     measured bwd_transient_bytes above what was live as the backward began, that gradient included,
     so it is added here. A fully checkpointed block's recompute saves its kept input again, the same
     tensor: of its saved bytes that share is held already. A selectively checkpointed block's backward
-    peaks one tensor of its hidden states below its gradient, recompute and transient (a GPT layer, in
-    one process with MemTracker: docs/benchmarks.md, "A block's output gradient"; read, not traced op
-    by op, as its recompute freeing a kept output autograd does not save, the attention projection's,
-    as it reads it), which the model does not price: its gradient is left out with that, where pricing
-    the one without the other overprices by as much.
+    holds it too, beside what its recompute brings back less the kept outputs the recompute drops
+    (Block.selective_dropped_bytes: traced op by op on Llama, docs/benchmarks.md, "Selective
+    checkpointing's working set"). Session 13 left both out, reading a GPT layer's peak from the totals:
+    there the one dropped output, the attention projection's, is as wide as the gradient, so the two
+    cancel; on Llama its query and key projections are dropped too (0.75 MiB more). A block built by hand
+    carries no dropped bytes and is priced as before, the two taken to cancel.
 
     [Note: live parameter gradients] The runtime holds each parameter's gradient until its unit's last one
     is made ([Note: gradients in backward]), whatever the strategy: the `.grad` the state term counts is
