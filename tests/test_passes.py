@@ -97,6 +97,13 @@ def test_selective_recompute_drops_the_kept_outputs_autograd_does_not_save():
     layers = [b for b in analyze(entry.model, entry.args, entry.kwargs).blocks if ".layers." in b.name]
     tokens = 4 * 128
     assert [b.selective_dropped_bytes for b in layers] == [4 * tokens * (256 + 128 + 256)] * 4 == [1_310_720] * 4
+    # Falcon's attention runs as math inside one node: its scores (4 heads x 128 x 128 a sequence), kept as a
+    # matmul output that node neither returns nor saves, are dropped too, beside its fused query-key-value,
+    # context and output projections (probe_rank_peak.py --model falcon: 2.75 MiB freed)
+    entry = hf_workload("falcon").build()
+    layers = [b for b in analyze(entry.model, entry.args, entry.kwargs).blocks if ".h." in b.name]
+    scores, fused, context, dense = 4 * 4 * 4 * 128 * 128, 4 * tokens * 384, 4 * tokens * 256, 4 * tokens * 256
+    assert [b.selective_dropped_bytes for b in layers] == [scores + fused + context + dense] * 4 == [2_883_584] * 4
 
 
 def test_a_matmul_output_a_block_keeps_as_its_input_is_counted_once():

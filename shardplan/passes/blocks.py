@@ -113,6 +113,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
     kept_of = [_kept_by_checkpoint(group.nodes, modules_of[index], block_of) for index, group in enumerate(groups)]
     held = {sid for n in gm.graph.nodes for sid, _ in facts(n).saved} | {sid for kept in kept_of for sid in kept}
     """Storages something holds for backward: autograd's saved tensors, and the checkpointed modules' inputs."""
+    storage_bytes = {sid: size for n in gm.graph.nodes for sid, size in (*facts(n).outputs, *facts(n).saved)}
     blocks = []
     for index, group in enumerate(groups):
         name, nodes = group.name, group.nodes
@@ -151,7 +152,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             bwd_kinds=merge_op_kinds(facts(n).bwd_kinds for n in nodes),
             saved_bytes=sum(saved.values()), input_bytes=sum(kept_here.values()), output_bytes=outputs_read,
             selective_saved_bytes=sum(size for sid, size in saved.items() if sid in kept_by_selective),
-            selective_dropped_bytes=_dropped_by_recompute(nodes, modules_of[index], held),
+            selective_dropped_bytes=_dropped_by_recompute(nodes, modules_of[index], held, storage_bytes),
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
             bwd_peak_grad_numel=sum(attribute_of(gm, p).numel() for p in grads_live_at_bwd_peak(nodes)
                                     if p in param_names),
@@ -184,22 +185,27 @@ def _kept_by_checkpoint(nodes: list[torch.fx.Node], modules: tuple[str, ...],
     return kept
 
 
-def _dropped_by_recompute(nodes: list[torch.fx.Node], modules: tuple[str, ...], held: set[int]) -> int:
+def _dropped_by_recompute(nodes: list[torch.fx.Node], modules: tuple[str, ...], held: set[int],
+                          storage_bytes: dict[int, int]) -> int:
     """Bytes of the outputs selective checkpointing keeps that nothing `held` holds (autograd does not save
     them: a Llama layer's query and key projections, which the rotary embedding reads, its output
-    projection, which the residual add reads), and that the recompute replays: it takes them out of the
-    checkpoint's cache to re-run their readers, and drops them. torch.utils.checkpoint (non-reentrant, with
-    early stop) re-runs a module's forward until it saves the last tensor its forward saved: a matmul saves
-    its inputs before it runs, so the op that saves last is not replayed, nor is any op after it (the down
-    projection, whose output only the residual add after it reads, stays in the cache until the module's
-    backward ends)."""
+    projection, which the residual add reads; the attention scores a node's math attention makes inside
+    it, Falcon's), and that the recompute replays: it takes them out of the checkpoint's cache to re-run
+    their readers, and drops them. torch.utils.checkpoint (non-reentrant, with early stop) re-runs a
+    module's forward until it saves the last tensor its forward saved: a matmul saves its inputs before it
+    runs, so the op that saves last is not replayed, nor is any op after it (the down projection, whose
+    output only the residual add after it reads, stays in the cache until the module's backward ends)."""
     dropped: dict[int, int] = {}
+    inside = 0
+    """Kept outputs no node outputs or saves (`storage_bytes` names none of them): each node's own."""
     for module in modules:
         region = [node for node in nodes if _within(facts(node).module_path, module)]
         replayed = max((i for i, node in enumerate(region) if facts(node).saved), default=0)
-        dropped.update((sid, size) for node in region[:replayed] for sid, size in facts(node).outputs
-                       if sid in facts(node).selective_outputs and sid not in held)
-    return sum(dropped.values())
+        for node in region[:replayed]:
+            named = {sid: storage_bytes[sid] for sid in facts(node).selective_outputs if sid in storage_bytes}
+            dropped.update((sid, size) for sid, size in named.items() if sid not in held)
+            inside += facts(node).selective_bytes - sum(named.values())
+    return sum(dropped.values()) + inside
 
 
 def _within(path: str, module: str) -> bool:
