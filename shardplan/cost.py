@@ -27,8 +27,9 @@ Memory, by category (the peak is the largest of these events):
   prefetches, of SHARD_GRAD_OP units between their forward and backward, plus gradients
   ([Note: gradients in backward]).
 - activations: what each finished block keeps for backward (saved_bytes; for
-  FULL checkpointing its input_bytes; for SELECTIVE its input_bytes and selective_bytes, or, in
-  a chain built by hand, a SELECTIVE_KEEP_FRACTION of saved_bytes), for the micro-batches in flight: 1 (pp == 1), m (GPipe), or
+  FULL checkpointing its input_bytes; for SELECTIVE its input_bytes and
+  selective_bytes, or, in a chain built by hand, a SELECTIVE_KEEP_FRACTION of
+  saved_bytes), for the micro-batches in flight: 1 (pp == 1), m (GPipe), or
   min(m, pp - stage) (1F1B; the other in-flight micro-batches hold the whole
   stage's activations).
 - transient: a block's fwd_transient_bytes / bwd_transient_bytes (and for a
@@ -619,7 +620,7 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
         if checkpoint is Checkpoint.FULL:  # recompute from the kept input, then the block's backward
             recomputed = saved - min(kept_bytes, saved)
             transient = output_grad + max(fwd_transient, recomputed + bwd_transient)
-        elif checkpoint is Checkpoint.SELECTIVE:  # dropped bytes come back before the backward
+        elif checkpoint is Checkpoint.SELECTIVE:  # the recompute brings back what was not kept before the backward
             transient = _selective_backward_start(block, saved, kept_bytes, output_grad, ctx) + bwd_transient
         else:
             transient = output_grad + bwd_transient
