@@ -194,6 +194,10 @@ class Block:
     """Of saved_bytes, those selective checkpointing keeps anyway (the block's inputs and matmul-like
     outputs that autograd saves): the rest is recomputed. A kept output autograd does not save (a
     head's logits, which the loss's log-softmax reads) is held besides saved_bytes."""
+    selective_dropped_bytes: int = 0
+    """Of selective_bytes, the outputs autograd does not save that the block's recompute re-reads and
+    drops before its backward (a Llama layer's query, key and output projections'): kept until then, not
+    at its backward's peak. 0 in a chain built by hand."""
     fwd_kinds: tuple[OpKind, ...] = ()
     """The forward's ops by name; they add up to fwd_flops, fwd_ops and (the FLOP-less ones)
     fwd_memory_bytes. Empty in a chain built by hand: the cost model then prices the totals."""

@@ -27,7 +27,8 @@ Memory, by category (the peak is the largest of these events):
   prefetches, of SHARD_GRAD_OP units between their forward and backward, plus gradients
   ([Note: gradients in backward]).
 - activations: what each finished block keeps for backward (saved_bytes; for
-  FULL checkpointing its input_bytes; for SELECTIVE a SELECTIVE_KEEP_FRACTION of
+  FULL checkpointing its input_bytes; for SELECTIVE its input_bytes and
+  selective_bytes, or, in a chain built by hand, a SELECTIVE_KEEP_FRACTION of
   saved_bytes), for the micro-batches in flight: 1 (pp == 1), m (GPipe), or
   min(m, pp - stage) (1F1B; the other in-flight micro-batches hold the whole
   stage's activations).
@@ -215,7 +216,7 @@ a clone of the stepped shard (2 bytes a byte of it), which it gathers, then a `c
 parameters into the full buffer (3 bytes a byte of it, as the analysis counts `copy_`)."""
 SELECTIVE_KEEP_FRACTION = 0.5
 """Share of saved_bytes selective checkpointing keeps in a block the analysis did not measure
-(Block.selective_bytes is 0: a chain built by hand): the matmul outputs of a transformer layer
+(a chain built by hand: _selective_measured): the matmul outputs of a transformer layer
 are about half its saved bytes (Korthikanti et al. 2022, with flash attention)."""
 OFFLOAD_BYTES_PER_S = 25e9
 """Effective host↔device copy rate (PCIe Gen5 x16 at about 40% of line rate with pinned buffers)."""
@@ -410,6 +411,7 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         fwd_memory_bytes=round(block.fwd_memory_bytes * ratio), bwd_memory_bytes=round(block.bwd_memory_bytes * ratio),
         selective_bytes=round(block.selective_bytes * ratio),
         selective_saved_bytes=round(block.selective_saved_bytes * ratio),
+        selective_dropped_bytes=round(block.selective_dropped_bytes * ratio),
         fwd_kinds=kinds(block.fwd_kinds, parts.fwd_kinds if parts else ()),
         bwd_kinds=kinds(block.bwd_kinds, parts.bwd_kinds if parts else ()))
 
@@ -497,10 +499,17 @@ def _kept_bytes(block: Block, checkpoint: Checkpoint, ctx: CostContext) -> int:
     if checkpoint is Checkpoint.FULL:
         return _per_micro_batch(block.input_bytes, ctx)
     if checkpoint is Checkpoint.SELECTIVE:
-        if block.selective_bytes:  # measured by the analysis: the block's input and its matmul outputs
+        if _selective_measured(block):  # the block's input and its matmul outputs
             return _per_micro_batch(block.input_bytes + block.selective_bytes, ctx)
         return _per_micro_batch(math.ceil(block.saved_bytes * SELECTIVE_KEEP_FRACTION), ctx)
     return _per_micro_batch(block.saved_bytes, ctx)
+
+
+def _selective_measured(block: Block) -> bool:
+    """Whether what selective checkpointing keeps of the block is known: its matmul-like outputs are given,
+    or the analysis measured the block (it counts the ops each block dispatches), which keeps its input
+    alone where it has none (an embedding, a norm). A chain built by hand carries neither count."""
+    return bool(block.selective_bytes or block.fwd_dispatches)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -583,11 +592,12 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
     measured bwd_transient_bytes above what was live as the backward began, that gradient included,
     so it is added here. A fully checkpointed block's recompute saves its kept input again, the same
     tensor: of its saved bytes that share is held already. A selectively checkpointed block's backward
-    peaks one tensor of its hidden states below its gradient, recompute and transient (a GPT layer, in
-    one process with MemTracker: docs/benchmarks.md, "A block's output gradient"; read, not traced op
-    by op, as its recompute freeing a kept output autograd does not save, the attention projection's,
-    as it reads it), which the model does not price: its gradient is left out with that, where pricing
-    the one without the other overprices by as much.
+    holds it too, beside what its recompute brings back less the kept outputs the recompute drops
+    (Block.selective_dropped_bytes: traced op by op on Llama, docs/benchmarks.md, "Selective
+    checkpointing's working set"). Session 13 left both out, reading a GPT layer's peak from the totals:
+    there the one dropped output, the attention projection's, is as wide as the gradient, so the two
+    cancel; on Llama its query and key projections are dropped too (0.75 MiB more). A block built by hand
+    carries no dropped bytes and is priced as before, the two taken to cancel.
 
     [Note: live parameter gradients] The runtime holds each parameter's gradient until its unit's last one
     is made ([Note: gradients in backward]), whatever the strategy: the `.grad` the state term counts is
@@ -610,8 +620,8 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
         if checkpoint is Checkpoint.FULL:  # recompute from the kept input, then the block's backward
             recomputed = saved - min(kept_bytes, saved)
             transient = output_grad + max(fwd_transient, recomputed + bwd_transient)
-        elif checkpoint is Checkpoint.SELECTIVE:  # dropped bytes come back before the backward
-            transient = _recomputed_by_selective(block, saved, kept_bytes, ctx) + bwd_transient
+        elif checkpoint is Checkpoint.SELECTIVE:  # the recompute brings back what was not kept before the backward
+            transient = _selective_backward_start(block, saved, kept_bytes, output_grad, ctx) + bwd_transient
         else:
             transient = output_grad + bwd_transient
         working = (running + kept_bytes, transient + later)
@@ -620,13 +630,17 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
     return sum(kept), fwd_working, bwd_working
 
 
-def _recomputed_by_selective(block: Block, saved: int, kept: int, ctx: CostContext) -> int:
-    """What a selectively checkpointed block's recompute brings back before its backward: its saved bytes
-    but those it kept (Block.selective_saved_bytes). It keeps some outputs autograd does not save (a
-    head's logits, which only the loss's log-softmax reads: 4 MiB beside the saved ones at Llama's
-    loss), so its kept bytes are not all saved ones. A block built by hand: what it did not keep."""
-    if block.selective_bytes:
-        return saved - _per_micro_batch(block.selective_saved_bytes, ctx)
+def _selective_backward_start(block: Block, saved: int, kept: int, output_grad: int, ctx: CostContext) -> int:
+    """What a selectively checkpointed block's backward holds above its kept bytes once its recompute has
+    run: the gradient of its outputs, and its saved bytes but those it kept (Block.selective_saved_bytes),
+    less the kept outputs the recompute drops (Block.selective_dropped_bytes): [Note: a block's output
+    gradient]. It keeps some outputs autograd does not save (a head's logits, which only the loss's
+    log-softmax reads: 4 MiB beside the saved ones at Llama's loss), so its kept bytes are not all saved
+    ones. A block built by hand: what it did not keep, its output gradient taken to cancel what its
+    recompute drops (a transformer layer's output projection, as wide)."""
+    if _selective_measured(block):
+        return (output_grad + saved - _per_micro_batch(block.selective_saved_bytes, ctx)
+                - _per_micro_batch(block.selective_dropped_bytes, ctx))
     return saved - kept
 
 

@@ -313,3 +313,15 @@ def test_the_search_offers_tensor_parallelism_inside_pipeline_stages():
     setting = Setting(world_size=64, batch_size=64, tensor_parallel=((1, False), (2, False), (4, True)))
     meshes = {(c.mesh.tp, c.mesh.pp) for c in configurations(setting, n_blocks=12)}
     assert {(2, 2), (2, 8), (4, 2), (4, 4)} <= meshes
+
+
+def test_a_selectively_checkpointed_llama_peaks_where_the_runtime_measured():
+    """probe_rank_peak.py --model llama --kind full_shard/selective: 54,128,428 bytes on rank 0 (MemTracker),
+    in a layer's MLP backward after its recompute dropped the query, key and output projections it kept,
+    with the layer's output gradient and its down projection's weight gradient live (docs/benchmarks.md,
+    "Selective checkpointing's working set"; 54,913,536 before)."""
+    from shardplan.accuracy import KINDS, demo_chain_and_plans, hf_workload
+
+    chain, plans = demo_chain_and_plans(2, hf_workload("llama"))
+    plan = plans[KINDS.index((ShardStrategy.FULL_SHARD, Checkpoint.SELECTIVE))]
+    assert evaluate(chain, plan, "cpu-gloo").peak_bytes == pytest.approx(54_128_428, abs=512)

@@ -520,6 +520,33 @@ def test_selective_recomputes_the_saved_bytes_it_did_not_keep():
     assert backward == (5 * MiB, 4 * MiB + 8 * MiB)  # the log-softmax's 4 MiB recomputed (or never dropped)
 
 
+def test_a_selective_blocks_backward_holds_its_output_gradient_less_what_its_recompute_drops():
+    """Measured on the runtime (docs/benchmarks.md, "Selective checkpointing's working set"): a Llama layer's
+    recompute takes its query, key and output projections out of the checkpoint's cache to re-run their
+    readers and drops them (autograd saves none), while the gradient of the layer's output, made by the
+    layer after it, is live through its backward as under every checkpointing."""
+    layer = block(saved=9 * MiB, inp=1 * MiB, fwd_transient=0, bwd_transient=2 * MiB, output_bytes=1 * MiB,
+                  selective_bytes=5 * MiB, selective_saved_bytes=3 * MiB, selective_dropped_bytes=2 * MiB)
+    kept, _, backward = working_bytes((layer,), Checkpoint.SELECTIVE, ctx())
+    assert kept == 6 * MiB  # its input and its matmul outputs
+    # its output gradient, the saved bytes it did not keep, less the kept ones its recompute drops, its transient
+    assert backward == (6 * MiB, 1 * MiB + (9 - 3) * MiB - 2 * MiB + 2 * MiB)
+
+
+def test_a_measured_block_without_matmuls_keeps_its_input_under_selective():
+    """An embedding or a norm the analysis measured keeps what checkpointing its modules keeps (a dropout's
+    input after an embedding: docs/benchmarks.md, "Selective checkpointing's working set"), not a share of
+    its saved bytes, which only a block built by hand (no dispatch count) is priced at."""
+    norm = block(saved=4 * MiB, inp=1 * MiB, fwd_transient=0, bwd_transient=1 * MiB, output_bytes=0,
+                 selective_saved_bytes=1 * MiB, fwd_dispatches=6)
+    kept, _, backward = working_bytes((norm,), Checkpoint.SELECTIVE, ctx())
+    assert (kept, backward) == (1 * MiB, (1 * MiB, (4 - 1) * MiB + 1 * MiB))
+    by_hand = dataclasses.replace(norm, fwd_dispatches=0, selective_saved_bytes=0)
+    kept, _, backward = working_bytes((by_hand,), Checkpoint.SELECTIVE, ctx())
+    assert kept == math.ceil(4 * MiB * SELECTIVE_KEEP_FRACTION) == 2 * MiB
+    assert backward == (2 * MiB, 2 * MiB + 1 * MiB)
+
+
 @pytest.mark.parametrize("checkpoint, transient", [
     (Checkpoint.NONE, 32 * MiB),
     (Checkpoint.FULL, 64 * MiB - 8 * MiB + 32 * MiB),  # the recompute saves the kept input again: held already

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from shardplan import CaptureError, zoo
+from shardplan.accuracy import hf_workload
 from shardplan.chain import OpKind, merge_op_kinds
 from shardplan.op_factors import time_op_calls_s
 from shardplan.passes import analyze, fingerprint_of
@@ -84,6 +85,35 @@ def test_a_block_names_the_parameter_gradients_made_before_its_backward_peak():
     gpt = zoo.gpt(zoo.GPTConfig(n_layer=2))
     layers = [b for b in analyze(gpt.model, gpt.args, gpt.kwargs).blocks if b.name.startswith("h.")]
     assert [b.bwd_peak_grad_numel for b in layers] == [0, 0]
+
+
+def test_selective_recompute_drops_the_kept_outputs_autograd_does_not_save():
+    """Selective checkpointing keeps a Llama layer's query, key and output projections, which autograd does
+    not save (the rotary embedding and the residual add read them); its recompute takes them out of the
+    checkpoint's cache and drops them. The down projection's output is not replayed: the recompute stops
+    at the op that saves the layer's last tensor, that projection's input (docs/benchmarks.md, "Selective
+    checkpointing's working set": probe_rank_peak.py sees these three freed, 1.25 MiB)."""
+    entry = hf_workload("llama").build()  # hidden 256, 2 key-value heads of 4: keys 128 wide; 4 x 128 tokens
+    layers = [b for b in analyze(entry.model, entry.args, entry.kwargs).blocks if ".layers." in b.name]
+    tokens = 4 * 128
+    assert [b.selective_dropped_bytes for b in layers] == [4 * tokens * (256 + 128 + 256)] * 4 == [1_310_720] * 4
+    # Falcon's attention runs as math inside one node: its scores (4 heads x 128 x 128 a sequence), kept as a
+    # matmul output that node neither returns nor saves, are dropped too, beside its fused query-key-value,
+    # context and output projections (probe_rank_peak.py --model falcon: 2.75 MiB freed)
+    entry = hf_workload("falcon").build()
+    layers = [b for b in analyze(entry.model, entry.args, entry.kwargs).blocks if ".h." in b.name]
+    scores, fused, context, dense = 4 * 4 * 4 * 128 * 128, 4 * tokens * 384, 4 * tokens * 256, 4 * tokens * 256
+    assert [b.selective_dropped_bytes for b in layers] == [scores + fused + context + dense] * 4 == [2_883_584] * 4
+
+
+def test_a_matmul_output_a_block_keeps_as_its_input_is_counted_once():
+    """RoBERTa's head applies its GELU outside its modules: autograd saves the dense layer's output for it,
+    which the block keeps as its input (input_bytes) and selective checkpointing keeps as a matmul output:
+    one tensor, 0.5 MiB."""
+    entry = hf_workload("roberta").build()
+    dense = next(b for b in analyze(entry.model, entry.args, entry.kwargs).blocks if b.name == "lm_head.dense")
+    hidden_states = 4 * 4 * 128 * 256
+    assert (dense.input_bytes, dense.selective_bytes) == (2 * hidden_states, 0)  # its input, the dense output
 
 
 def test_tied_weights_and_buffers_do_not_make_blocks():

@@ -110,6 +110,10 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
     """Storages earlier blocks read from blocks before them."""
     flow = nx.DiGraph()
     flow.add_nodes_from(range(len(groups)))
+    kept_of = [_kept_by_checkpoint(group.nodes, modules_of[index], block_of) for index, group in enumerate(groups)]
+    held = {sid for n in gm.graph.nodes for sid, _ in facts(n).saved} | {sid for kept in kept_of for sid in kept}
+    """Storages something holds for backward: autograd's saved tensors, and the checkpointed modules' inputs."""
+    storage_bytes = {sid: size for n in gm.graph.nodes for sid, size in (*facts(n).outputs, *facts(n).saved)}
     blocks = []
     for index, group in enumerate(groups):
         name, nodes = group.name, group.nodes
@@ -122,13 +126,14 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
         seen_saved.update(saved)
         # a tensor an earlier block keeps too is one tensor, kept by that block when both are checkpointed
         # (an encoder's output read by every decoder layer, a position bias): count it there
-        kept = _kept_by_checkpoint(nodes, modules_of[index], block_of)
-        inputs_read = sum(size for sid, size in kept.items() if sid not in read_before)
+        kept = kept_of[index]
+        kept_here = {sid: size for sid, size in kept.items() if sid not in read_before}
         read_before.update(kept)
         for arg in {arg for n in nodes for arg in n.all_input_nodes if arg in block_of and block_of[arg] < index}:
             flow.add_edge(block_of[arg], index)
         outputs_read = _storages(n for n in nodes if any(block_of.get(u, index) > index for u in n.users))
-        kept_by_selective = {sid for n in nodes for sid in facts(n).selective_outputs} | set(kept)
+        matmul_outputs = {sid for n in nodes for sid in facts(n).selective_outputs}
+        kept_by_selective = matmul_outputs | set(kept)
         blocks.append(Block(
             index=index, name=name, modules=modules_of[index],
             param_names=tuple(p for p in reads if p in param_names),
@@ -138,12 +143,16 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             fwd_flops=sum(facts(n).fwd_flops for n in nodes),
             bwd_flops=sum(facts(n).bwd_flops for n in nodes),
             **{name: sum(getattr(facts(n), name) for n in nodes)
-               for name in ("fwd_memory_bytes", "bwd_memory_bytes", "fwd_ops", "bwd_ops", "fwd_dispatches",
-                            "selective_bytes")},
+               for name in ("fwd_memory_bytes", "bwd_memory_bytes", "fwd_ops", "bwd_ops", "fwd_dispatches")},
+            # a matmul output the block keeps as its input too (a root op's saved tensor: RoBERTa's head
+            # saves its dense output for the GELU outside its modules) is one tensor, counted there
+            selective_bytes=sum(facts(n).selective_bytes for n in nodes)
+            - sum(size for sid, size in kept_here.items() if sid in matmul_outputs),
             fwd_kinds=merge_op_kinds(facts(n).fwd_kinds for n in nodes),
             bwd_kinds=merge_op_kinds(facts(n).bwd_kinds for n in nodes),
-            saved_bytes=sum(saved.values()), input_bytes=inputs_read, output_bytes=outputs_read,
+            saved_bytes=sum(saved.values()), input_bytes=sum(kept_here.values()), output_bytes=outputs_read,
             selective_saved_bytes=sum(size for sid, size in saved.items() if sid in kept_by_selective),
+            selective_dropped_bytes=_dropped_by_recompute(nodes, modules_of[index], held, storage_bytes),
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
             bwd_peak_grad_numel=sum(attribute_of(gm, p).numel() for p in grads_live_at_bwd_peak(nodes)
                                     if p in param_names),
@@ -174,6 +183,29 @@ def _kept_by_checkpoint(nodes: list[torch.fx.Node], modules: tuple[str, ...],
             kept.update(_outputs(arg for arg in node.all_input_nodes
                                  if arg in block_of and not _within(facts(arg).module_path, module)))
     return kept
+
+
+def _dropped_by_recompute(nodes: list[torch.fx.Node], modules: tuple[str, ...], held: set[int],
+                          storage_bytes: dict[int, int]) -> int:
+    """Bytes of the outputs selective checkpointing keeps that nothing `held` holds (autograd does not save
+    them: a Llama layer's query and key projections, which the rotary embedding reads, its output
+    projection, which the residual add reads; the attention scores a node's math attention makes inside
+    it, Falcon's), and that the recompute replays: it takes them out of the checkpoint's cache to re-run
+    their readers, and drops them. torch.utils.checkpoint (non-reentrant, with early stop) re-runs a
+    module's forward until it saves the last tensor its forward saved: a matmul saves its inputs before it
+    runs, so the op that saves last is not replayed, nor is any op after it (the down projection, whose
+    output only the residual add after it reads, stays in the cache until the module's backward ends)."""
+    dropped: dict[int, int] = {}
+    inside = 0
+    """Kept outputs no node outputs or saves (`storage_bytes` names none of them): each node's own."""
+    for module in modules:
+        region = [node for node in nodes if _within(facts(node).module_path, module)]
+        replayed = max((i for i, node in enumerate(region) if facts(node).saved), default=0)
+        for node in region[:replayed]:
+            named = {sid: storage_bytes[sid] for sid in facts(node).selective_outputs if sid in storage_bytes}
+            dropped.update((sid, size) for sid, size in named.items() if sid not in held)
+            inside += facts(node).selective_bytes - sum(named.values())
+    return sum(dropped.values()) + inside
 
 
 def _within(path: str, module: str) -> bool:
