@@ -9,14 +9,21 @@ parameter's name once, about 70 bytes: a 70B-parameter Llama's plan is about 60 
 import json
 import os
 import stat
+import sys
 import tempfile
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard
 
 from .errors import ShardplanError
 
 MAX_FILE_BYTES = 16 * 2**20
 MAX_JSON_DEPTH = 32
 
+
+
+def is_finite_number(value: object) -> TypeGuard[int | float]:
+    """An int or float JSON can hold, of either sign: not a bool, NaN or infinity. Compared rather than given
+    to math.isfinite, which raises OverflowError on an integer past float's range."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= sys.float_info.max
 
 def read_text(path: str | os.PathLike, what: str, error: type[ShardplanError] = ShardplanError) -> str:
     """The UTF-8 text of the file at `path` (`what` names it in errors, without a leading byte order mark),

@@ -25,7 +25,6 @@ import difflib
 import json
 import math
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .errors import HardwareError
-from .files import parse_json, read_text
+from .files import is_finite_number, parse_json, read_text
 from .sizes import LARGEST_SIZE_BYTES
 
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
@@ -509,8 +508,7 @@ def _parse_link(data: object, where: str) -> LinkProfile:
 
 
 def _is_non_negative(value: object) -> bool:
-    # compared, not math.isfinite: that raises OverflowError on an integer past float's range
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= sys.float_info.max
+    return is_finite_number(value) and value >= 0
 
 
 def _is_positive(value: object) -> bool:

@@ -7,12 +7,11 @@ planned. `update` rewrites the baseline with today's plans.
 """
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass
 from typing import TypeGuard
 
 from .errors import ShardplanError
-from .files import parse_json, read_text, write_text_atomically
+from .files import is_finite_number, parse_json, read_text, write_text_atomically
 from .sizes import format_bytes
 
 SCHEMA = "shardplan.baseline/1"
@@ -171,8 +170,8 @@ def _is_count(value: object) -> bool:
 
 
 def _is_finite(value: object) -> TypeGuard[int | float]:
-    """A number from 0 up to float's largest (NaN and infinity, which no JSON holds, are not)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= sys.float_info.max
+    """A finite number, 0 or more (NaN and infinity, which no JSON holds, are not)."""
+    return is_finite_number(value) and value >= 0
 
 
 def _tolerance(value: object, where: str) -> float:

@@ -57,7 +57,6 @@ import functools
 import hashlib
 import io
 import json
-import math
 import os
 import re
 import shutil
@@ -71,7 +70,7 @@ import torch.nn as nn
 
 from ..dtypes import dtype_name, torch_dtype
 from ..errors import CheckpointError, RuntimeMismatchError, ShardplanError
-from ..files import parse_json, read_text
+from ..files import is_finite_number, parse_json, read_text
 from . import collectives
 from .chunks import Holder
 from .dcp_storage import DCP_METADATA_FILE, ManifestReader, RecordingWriter, one_line, read_dcp_metadata
@@ -454,13 +453,9 @@ def _restored_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict
 
 def _is_numeric(value: Any) -> bool:
     """A hyperparameter load restores: a number, a tensor, or a tuple of numbers (betas); not a flag."""
-    return _is_number(value) or isinstance(value, torch.Tensor) or (
-        isinstance(value, (tuple, list)) and bool(value) and all(map(_is_number, value)))
+    return is_finite_number(value) or isinstance(value, torch.Tensor) or (
+        isinstance(value, (tuple, list)) and bool(value) and all(map(is_finite_number, value)))
 
-
-def _is_number(value: Any) -> bool:
-    """A finite int or float (JSON's 1e400 parses to inf); not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _number_like(live: Any, saved: Any, where: str) -> Any:
@@ -471,9 +466,9 @@ def _number_like(live: Any, saved: Any, where: str) -> Any:
             if value.shape == live.shape and bool(value.isfinite().all()):
                 return value
         elif isinstance(live, (tuple, list)):
-            if isinstance(saved, list) and len(saved) == len(live) and all(map(_is_number, saved)):
+            if isinstance(saved, list) and len(saved) == len(live) and all(map(is_finite_number, saved)):
                 return type(live)(saved)
-        elif _is_number(saved):
+        elif is_finite_number(saved):
             return float(saved) if isinstance(live, float) else saved
     except (TypeError, ValueError, KeyError, RuntimeError):  # a ragged or non-numeric "tensor"
         pass
