@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from ..chain import Block, BlockChain, InputSpec, merge_op_kinds
 from ..dtypes import dtype_bytes
-from .facts import facts, is_compute
+from .facts import facts, is_compute, within_module
 
 _LAYER_INDEX = re.compile(r"^\d+$")
 
@@ -106,8 +106,8 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
     """(i, j): block j reads a parameter block i holds (tied weights): a stage cut between them would
     need the parameter on two stages."""
     seen_saved: set[int] = set()
-    read_before: set[int] = set()
-    """Storages earlier blocks read from blocks before them."""
+    kept_before: set[int] = set()
+    """Storages earlier blocks keep when checkpointed (counted in the first that keeps them)."""
     flow = nx.DiGraph()
     flow.add_nodes_from(range(len(groups)))
     kept_of = [_kept_by_checkpoint(group.nodes, modules_of[index], block_of) for index, group in enumerate(groups)]
@@ -127,8 +127,8 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
         # a tensor an earlier block keeps too is one tensor, kept by that block when both are checkpointed
         # (an encoder's output read by every decoder layer, a position bias): count it there
         kept = kept_of[index]
-        kept_here = {sid: size for sid, size in kept.items() if sid not in read_before}
-        read_before.update(kept)
+        kept_here = {sid: size for sid, size in kept.items() if sid not in kept_before}
+        kept_before.update(kept)
         for arg in {arg for n in nodes for arg in n.all_input_nodes if arg in block_of and block_of[arg] < index}:
             flow.add_edge(block_of[arg], index)
         outputs_read = _storages(n for n in nodes if any(block_of.get(u, index) > index for u in n.users))
@@ -176,12 +176,12 @@ def _kept_by_checkpoint(nodes: list[torch.fx.Node], modules: tuple[str, ...],
     that sum, which saves nothing) is not kept."""
     kept: dict[int, int] = {}
     for node in nodes:
-        module = next((m for m in modules if _within(facts(node).module_path, m)), None)
+        module = next((m for m in modules if within_module(facts(node).module_path, m)), None)
         if module is None:
             kept.update(facts(node).saved)
         else:
             kept.update(_outputs(arg for arg in node.all_input_nodes
-                                 if arg in block_of and not _within(facts(arg).module_path, module)))
+                                 if arg in block_of and not within_module(facts(arg).module_path, module)))
     return kept
 
 
@@ -199,17 +199,13 @@ def _dropped_by_recompute(nodes: list[torch.fx.Node], modules: tuple[str, ...], 
     inside = 0
     """Kept outputs no node outputs or saves (`storage_bytes` names none of them): each node's own."""
     for module in modules:
-        region = [node for node in nodes if _within(facts(node).module_path, module)]
+        region = [node for node in nodes if within_module(facts(node).module_path, module)]
         replayed = max((i for i, node in enumerate(region) if facts(node).saved), default=0)
         for node in region[:replayed]:
             named = {sid: storage_bytes[sid] for sid in facts(node).selective_outputs if sid in storage_bytes}
             dropped.update((sid, size) for sid, size in named.items() if sid not in held)
             inside += facts(node).selective_bytes - sum(named.values())
     return sum(dropped.values()) + inside
-
-
-def _within(path: str, module: str) -> bool:
-    return path == module or path.startswith(module + ".")
 
 
 def block_modules(groups: list[NodeGroup]) -> list[tuple[str, ...]]:

@@ -68,3 +68,8 @@ def is_compute(node: torch.fx.Node) -> bool:
     if node.op == "call_module" and str(node.target).startswith("_guards"):
         return False
     return node.op in ("call_function", "call_method", "call_module")
+
+
+def within_module(path: str, module: str) -> bool:
+    """Whether a module path is `module` or one of its submodules' ("h.1" is not within "h.10")."""
+    return path == module or path.startswith(module + ".")

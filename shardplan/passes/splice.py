@@ -19,7 +19,7 @@ import torch.fx
 
 from ..repeats import Copy, RepeatedCapture, Representative
 from .export_names import name_as_export
-from .facts import KEY, NodeFacts, facts, is_compute
+from .facts import KEY, NodeFacts, facts, is_compute, within_module
 from .ownership import stack_path
 
 _COPY_STORAGE_STRIDE = 10**7
@@ -35,11 +35,7 @@ def is_copy(node: torch.fx.Node) -> bool:
 def members(gm: torch.fx.GraphModule, path: str) -> list[torch.fx.Node]:
     """The nodes traced inside the module at `path`, in graph order."""
     return [node for node in gm.graph.nodes
-            if node.op in ("call_function", "call_method", "call_module", "get_attr") and _within(stack_path(node), path)]
-
-
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root + ".")
+            if node.op in ("call_function", "call_method", "call_module", "get_attr") and within_module(stack_path(node), path)]
 
 
 def install_stand_ins(gm: torch.fx.GraphModule, repeated: RepeatedCapture | None) -> None:
@@ -213,7 +209,7 @@ def _splice_one(gm, node, copy: Copy, representative: Representative, rep_member
 
 def _renamer(old: str, new: str):
     def rename(name):
-        return new + name[len(old):] if isinstance(name, str) and _within(name, old) else name
+        return new + name[len(old):] if isinstance(name, str) and within_module(name, old) else name
     return rename
 
 

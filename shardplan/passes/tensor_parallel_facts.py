@@ -28,7 +28,7 @@ import torch.fx
 
 from ..chain import BlockChain, TensorParallelFacts, merge_op_kinds
 from .blocks import bwd_peak_node, group_nodes, grads_live_at_bwd_peak
-from .facts import facts
+from .facts import facts, within_module
 from .tensor_parallel import Style, TensorParallelPair, VocabCandidate, VocabKind, find_tensor_parallel_pairs
 
 
@@ -48,7 +48,7 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
         # A pair's linears lie inside its module: look there only (a search of the whole graph per
         # pair took 4 s at 80 layers).
         linears = {linear.module for linear in pair.linears}
-        near = {node for path, nodes in by_module.items() if path in linears or _inside(path, pair.name)
+        near = {node for path, nodes in by_module.items() if path in linears or within_module(path, pair.name)
                 for node in nodes}
         nodes = [node for node in sorted(near, key=position.__getitem__) if _sliced_by(node, pair)]
         owners = {block_of[node] for node in nodes}
@@ -83,10 +83,6 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
         if candidate.tied is None and use is not None and blocks[block_of[use]].tensor_parallel is None:
             blocks[block_of[use]] = replace(blocks[block_of[use]], tensor_parallel=_vocab_facts(use, candidate, parameters))
     return replace(chain, blocks=tuple(blocks))
-
-
-def _inside(path: str, module: str) -> bool:
-    return path == module or path.startswith(module + ".")
 
 
 def _looks_up_or_projects(node: torch.fx.Node, candidate: VocabCandidate) -> bool:
@@ -129,7 +125,7 @@ def _on_sliced_features(node: torch.fx.Node, pair: TensorParallelPair) -> bool:
     module that is not its row-parallel linear."""
     path = facts(node).module_path
     rowwise = {linear.module for linear in pair.linears if linear.style is Style.ROWWISE}
-    return _inside(path, pair.name) and path not in rowwise
+    return within_module(path, pair.name) and path not in rowwise
 
 
 def _sliced_saved_bytes(block_nodes: list[torch.fx.Node], pairs) -> int:
