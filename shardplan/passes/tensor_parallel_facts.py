@@ -60,6 +60,7 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
     for index, pairs in found.items():
         nodes = [node for _, pair_nodes in pairs for node in pair_nodes]
         sliced_parameters = {name for name in _sliced_parameters(pairs) if name in parameters}
+        peak = bwd_peak_node(groups[index].nodes)
         fwd = merge_op_kinds(facts(node).fwd_kinds for node in nodes)
         bwd = merge_op_kinds(facts(node).bwd_kinds for node in nodes)
         blocks[index] = replace(blocks[index], tensor_parallel=TensorParallelFacts(
@@ -70,9 +71,9 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
             sliced_bwd_flops=sum(k.flops for k in bwd),
             sliced_saved_bytes=_sliced_saved_bytes(groups[index].nodes, pairs),
             gathered_saved_bytes=_pair_input_saved_bytes(groups[index].nodes, pairs),
-            sliced_bwd_transient_bytes=min(_sliced_bwd_peak_bytes(groups[index].nodes, pairs),
+            sliced_bwd_transient_bytes=min(_sliced_bwd_peak_bytes(groups[index].nodes, pairs, peak, sliced_parameters),
                                            blocks[index].bwd_transient_bytes),
-            gathered_bwd_peak_bytes=_gathered_at_bwd_peak(groups[index].nodes, pairs),
+            gathered_bwd_peak_bytes=_gathered_at_bwd_peak(peak, pairs),
             sliced_peak_grad_numel=sum(parameters[name].numel() for name in grads_live_at_bwd_peak(groups[index].nodes)
                                        if name in sliced_parameters),
             sequence_layer=bool(layers.intersection(blocks[index].modules)), all_reduces=2 * len(pairs),
@@ -131,23 +132,26 @@ def _on_sliced_features(node: torch.fx.Node, pair: TensorParallelPair) -> bool:
 def _sliced_saved_bytes(block_nodes: list[torch.fx.Node], pairs) -> int:
     """Bytes of what the block's ops save for backward that are outputs of ops on a pair's
     column-parallel features (each storage once, as build_chain counts saved_bytes)."""
-    sliced = {storage for node in block_nodes for pair, _ in pairs if _on_sliced_features(node, pair)
-              for storage, _ in facts(node).outputs}
+    sliced = _sliced_feature_storages(block_nodes, pairs)
     saved = {storage: size for node in block_nodes for storage, size in facts(node).saved}
     return sum(size for storage, size in saved.items() if storage in sliced)
 
 
-def _sliced_bwd_peak_bytes(block_nodes: list[torch.fx.Node], pairs) -> int:
+def _sliced_feature_storages(block_nodes: list[torch.fx.Node], pairs) -> set[int]:
+    """The storages the block's ops on a pair's column-parallel features output."""
+    return {storage for node in block_nodes for pair, _ in pairs if _on_sliced_features(node, pair)
+            for storage, _ in facts(node).outputs}
+
+
+def _sliced_bwd_peak_bytes(block_nodes: list[torch.fx.Node], pairs, peak: torch.fx.Node | None,
+                           weights: set[str]) -> int:
     """What divides over tp of the allocations of the op whose backward peaks the block's (a GPT layer's:
     its MLP's row-parallel linear, which makes the gradients of the column-parallel features and of its
     weight, both sliced): its allocations times the share of its gradients' bytes that are of sliced
-    tensors (the pairs' column-parallel features, the sliced weights and biases)."""
-    peak = bwd_peak_node(block_nodes)
+    tensors (the pairs' column-parallel features, the sliced weights and biases: `weights`)."""
     if peak is None:
         return 0
-    weights = _sliced_parameters(pairs)
-    sliced = {storage for node in block_nodes for pair, _ in pairs if _on_sliced_features(node, pair)
-              for storage, _ in facts(node).outputs}
+    sliced = _sliced_feature_storages(block_nodes, pairs)
     gradients = {storage: (size, storage in sliced or (arg.op == "get_attr" and arg.target in weights))
                  for arg in peak.all_input_nodes if _differentiable(arg) for storage, size in facts(arg).outputs}
     total = sum(size for size, _ in gradients.values())
@@ -161,16 +165,15 @@ def _differentiable(node: torch.fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
 
 
-def _gathered_at_bwd_peak(block_nodes: list[torch.fx.Node], pairs) -> int:
+def _gathered_at_bwd_peak(peak: torch.fx.Node | None, pairs) -> int:
     """The output gradient a row-parallel linear's backward gathers whole under sequence parallelism, where
     that backward is the block's peak (a GPT layer's MLP): its output's bytes. At tp 1 that gradient was live
     before the op ran (the block's output gradient), so the tp 1 transient does not hold it; 0 where another
     op peaks."""
-    peak = bwd_peak_node(block_nodes)
     rowwise = {linear.module for pair, _ in pairs for linear in pair.linears if linear.style is Style.ROWWISE}
     if peak is None or facts(peak).module_path not in rowwise or not facts(peak).fwd_flops:
         return 0
-    return sum(size for _, size in facts(peak).outputs)
+    return _storage_bytes(peak)
 
 
 def _sliced_parameters(pairs) -> set[str]:
