@@ -19,8 +19,8 @@ import functools
 import torch
 
 from shardplan import zoo
-from shardplan.accuracy import (KINDS, MESH_KINDS, Workload, _train_step, demo_chain_and_plans, demo_mesh_plans,
-                                hf_workload, trained_program)
+from shardplan.accuracy import (HF_WORKLOAD_NAMES, KIND_NAMES, KINDS, MESH_KINDS, Workload, _train_step,
+                                demo_chain_and_plans, demo_mesh_plans, hf_workload, trained_program)
 from shardplan.compile import evaluate
 from shardplan.plan import Checkpoint
 from shardplan.runtime.manual import manual_plan
@@ -65,9 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpt", type=int, nargs=5, metavar=("D_MODEL", "SEQ", "LAYERS", "VOCAB", "BATCH"),
                         default=(512, 512, 2, 64, 4), help="the GPT at this shape (8 heads)")
-    parser.add_argument("--model", help="a Hugging Face workload of shardplan.accuracy instead (hf-gpt2, ...)")
-    kinds = [f"{strategy.value}/{checkpoint.value}" for strategy, checkpoint in KINDS]
-    parser.add_argument("--kind", default="full_shard/full", choices=kinds + list(MESH_KINDS))
+    parser.add_argument("--model", choices=HF_WORKLOAD_NAMES, help="a Hugging Face workload instead")
+    parser.add_argument("--kind", default="full_shard/full", choices=list(KIND_NAMES) + list(MESH_KINDS))
     parser.add_argument("--checkpoints", nargs="+", choices=[c.value for c in Checkpoint],
                         help="each unit's checkpointing (a plain kind only)")
     parser.add_argument("--before", type=int, default=40, help="ops shown before the peak")
@@ -87,10 +86,10 @@ def main() -> None:
         plan = named[options.kind]
     else:
         chain, plans = demo_chain_and_plans(2, workload)
-        plan = plans[kinds.index(options.kind)]
+        plan = plans[KIND_NAMES.index(options.kind)]
         if options.checkpoints:
             entry = workload.build()
-            strategy = KINDS[kinds.index(options.kind)][0]
+            strategy = KINDS[KIND_NAMES.index(options.kind)][0]
             plan = manual_plan(entry.model, workload.units(chain), dp=2, strategies=(strategy,),
                                checkpoints=[Checkpoint(value) for value in options.checkpoints])
     from shardplan.runtime.launch import run_world
