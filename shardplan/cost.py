@@ -148,7 +148,6 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
 - pipeline sends: each rank sends its own (1/t under sequence parallelism) boundary activations,
   across nodes once the world spans them (solver/search.py, boundary_times_s).
 """
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -594,10 +593,9 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
     tensor: of its saved bytes that share is held already. A selectively checkpointed block's backward
     holds it too, beside what its recompute brings back less the kept outputs the recompute drops
     (Block.selective_dropped_bytes: traced op by op on Llama, docs/benchmarks.md, "Selective
-    checkpointing's working set"). Session 13 left both out, reading a GPT layer's peak from the totals:
-    there the one dropped output, the attention projection's, is as wide as the gradient, so the two
-    cancel; on Llama its query and key projections are dropped too (0.75 MiB more). A block built by hand
-    carries no dropped bytes and is priced as before, the two taken to cancel.
+    checkpointing's working set"). On a GPT layer the one dropped output, the attention projection's, is
+    as wide as the gradient, so the two cancel; on Llama its query and key projections are dropped too
+    (0.75 MiB more). A block built by hand carries no dropped bytes: the two are taken to cancel.
 
     [Note: live parameter gradients] The runtime holds each parameter's gradient until its unit's last one
     is made ([Note: gradients in backward]), whatever the strategy: the `.grad` the state term counts is
@@ -607,11 +605,10 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
     blocks after it, whose backward ran first; in the parameters' compute dtype, per micro-batch whole."""
     kept = [_kept_bytes(b, checkpoint, ctx) for b in blocks]
     grad_bytes = dtype_bytes(ctx.param_dtype)
-    # each block's later blocks' parameters: a running sum from the unit's end, less the block's own
-    later_grads = [grad_bytes * (total - b.param_numel) for b, total in
-                   zip(blocks, reversed(list(itertools.accumulate(b.param_numel for b in reversed(blocks)))))]
+    later_numel = sum(b.param_numel for b in blocks)  # of the blocks after this one: their backward ran first
     fwd_working, bwd_working, running = (sum(kept), 0), (0, 0), 0
-    for block, kept_bytes, later in zip(blocks, kept, later_grads):
+    for block, kept_bytes in zip(blocks, kept):
+        later_numel -= block.param_numel
         fwd_transient = _per_micro_batch(block.fwd_transient_bytes, ctx)
         bwd_transient = _per_micro_batch(block.bwd_transient_bytes, ctx) + block.bwd_peak_grad_numel * grad_bytes
         output_grad = _per_micro_batch(block.output_bytes, ctx)
@@ -624,7 +621,7 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
             transient = _selective_backward_start(block, saved, kept_bytes, output_grad, ctx) + bwd_transient
         else:
             transient = output_grad + bwd_transient
-        working = (running + kept_bytes, transient + later)
+        working = (running + kept_bytes, transient + later_numel * grad_bytes)
         bwd_working = max(bwd_working, working, key=sum)
         running += kept_bytes
     return sum(kept), fwd_working, bwd_working
