@@ -7,7 +7,6 @@ writes the decisions, the predicted terms and the reasoning into a Plan.
 """
 import dataclasses
 import difflib
-import itertools
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,7 +17,7 @@ from . import cost
 from .chain import Block, BlockChain, InputSpec
 from .cost import evaluate_stage
 from .dtypes import dtype_name
-from .errors import InfeasibleError, PlanError, ShardplanError
+from .errors import EMPTY_BATCH, InfeasibleError, PlanError, ShardplanError
 from .hardware import HardwareModel, HardwareProfile, get_hardware
 from .plan import (MAX_WORLD_SIZE, Alternative, Checkpoint, Decision, KeptWhole, Mesh, MixedPrecision, Plan,
                    Predicted, Reasoning, Schedule, ShardedModule, Stage, TensorParallel, Unit)
@@ -122,18 +121,11 @@ def compile(model: "nn.Module", world_size: int, example_inputs: tuple = (), exa
 
     _check_world_size(world_size)  # before the capture: a bad count or keyword is refused in moments
     PlanOptions.of(options)
-    shapes = [value.shape for value in (*example_inputs, *(example_kwargs or {}).values()) if hasattr(value, "shape")]
-    if shapes and shapes[0][:1] == (0,):  # the analysis would divide by it (a mean loss's backward)
-        raise ShardplanError(EMPTY_BATCH)
     chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
     plan = _with_unread_parameters(solve(chain, world_size, model_name=type(model).__name__, **options), model)
     if plan.inputs != chain.inputs:  # a global batch split over the mesh's replicas: the graph of their shapes
         plan = replace(plan, fingerprint=fingerprint_of(model, plan.inputs))
     return plan
-
-
-EMPTY_BATCH = ("the example batch is empty (dim 0 of the first input is 0), so no plan can be made: give example "
-               "inputs of 1 sample or more")
 
 
 def _with_unread_parameters(plan: Plan, model: "nn.Module") -> Plan:
@@ -525,7 +517,7 @@ def _batch_taken_by_no_mesh(setting: Setting, n_blocks: int) -> str:
         return EMPTY_BATCH
     batch = int(setting.global_batch_size or 0)
     degrees = sorted({c.mesh.dp for c in configurations(replace(setting, global_batch_size=None), n_blocks)})
-    fits = next(more for more in itertools.count(batch + 1) if any(more % dp == 0 for dp in degrees))
+    fits = min(dp * (batch // dp + 1) for dp in degrees)  # the next batch one of them divides
     pipeline = ("; or allow_pipeline=True, whose stages leave fewer replicas"
                 if not setting.allow_pipeline and configurations(replace(setting, allow_pipeline=True), n_blocks)
                 else "")

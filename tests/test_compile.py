@@ -177,6 +177,9 @@ def test_a_batch_no_mesh_takes_is_named_as_the_cause_not_memory(chains):
     entry = zoo.residual_mlp(batch=0)
     with pytest.raises(ShardplanError, match=r"^the example batch is empty \(dim 0 of the first input is 0\)"):
         compile(entry.model, 2, entry.args, entry.kwargs, hardware=HARDWARE)
+    from shardplan.passes import analyze
+    with pytest.raises(ShardplanError, match=r"^the example batch is empty"):  # the analysis alone (elastic, demo)
+        analyze(entry.model, entry.args, entry.kwargs)
     with pytest.raises(InfeasibleError, match=r"^the example batch is empty"):  # a chain analyzed elsewhere
         solve(dataclasses.replace(chains["mlp"], inputs=tuple(dataclasses.replace(spec, shape=(0, *spec.shape[1:]))
                                                               for spec in chains["mlp"].inputs)), 2, hardware=HARDWARE)

@@ -14,6 +14,7 @@ import torch.fx
 from ..capture import Captured, capture
 from ..chain import BlockChain, InputSpec
 from ..dtypes import dtype_name, torch_dtype
+from ..errors import EMPTY_BATCH, ShardplanError
 from ..repeats import RepeatedCapture, capture_repeated
 from ..signature import model_signature
 from .blocks import build_chain, fingerprint
@@ -70,6 +71,9 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     ['wte', 'h.0', 'h.1', 'h.2', 'h.3', 'ln_f', 'lm_head']
     """
     example_kwargs = dict(example_kwargs or {})
+    shapes = [value.shape for value in (*example_inputs, *example_kwargs.values()) if hasattr(value, "shape")]
+    if shapes and shapes[0][:1] == (0,):
+        raise ShardplanError(EMPTY_BATCH)
     start = time.perf_counter()
     signature = model_signature(model)  # before the capture runs forward: the model as parallelize will get it
     captured, repeated = _capture(model, tuple(example_inputs), example_kwargs, reuse_blocks)
