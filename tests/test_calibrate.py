@@ -99,16 +99,21 @@ def test_fit_profile_from_hand_made_measurements():
 
 
 def _in_step_compute_job(device, report):
-    """Rank job: _compute_lasting asked for 1 ms on rank 0 and 40 ms on rank 1; rank 0's compute timed (a rank
-    slowed 3x while it counts its loop still asks for more than the 12 ms asserted)."""
-    import time
+    """Rank job: _compute_lasting asked for 1 ms on rank 0 and 40 ms on rank 1; the calls each rank's compute makes,
+    gathered on rank 0."""
+    from shardplan.calibrate import _compute_lasting, matmul_probe
 
-    from shardplan.calibrate import _compute_lasting
-
-    compute = _compute_lasting(1e-3 if torch.distributed.get_rank() == 0 else 40e-3, device)
-    start = time.perf_counter()
+    calls = [0]
+    matmul = matmul_probe(256, 256, 256, "float32", device).call
+    def work():
+        calls[0] += 1
+        matmul()
+    compute = _compute_lasting(1e-3 if torch.distributed.get_rank() == 0 else 40e-3, device, work)
+    calls[0] = 0  # the calls that chose the count are not the compute's
     compute()
-    return time.perf_counter() - start
+    counts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(counts, calls[0])
+    return counts
 
 
 @pytest.mark.distributed
@@ -118,7 +123,8 @@ def test_the_compute_before_an_in_step_collective_is_the_same_on_every_rank():
     the other picked 8) reaches the collective first and times the other's extra compute as the wait."""
     from shardplan.runtime.launch import run_world
 
-    assert run_world(_in_step_compute_job, world_size=2, backend="gloo", total_steps=0, progress=False) > 12e-3
+    counts = run_world(_in_step_compute_job, world_size=2, backend="gloo", total_steps=0, progress=False)
+    assert counts[0] == counts[1], counts  # rank 0 makes the calls rank 1 needs for its 40 ms
 
 
 def test_measurements_kept_as_json_fit_the_same_profile(tmp_path):
@@ -279,17 +285,23 @@ def test_calibrate_rejects_bad_input_before_measuring(tmp_path, capsys):
 
 
 def _timing_job(device, report):
-    """Rank job: one probe whose calls last 1 ms then 3 ms, after 20 ms of untimed work each."""
+    """Rank job: one probe whose calls last 1 ms then 3 ms, after 20 ms of untimed work each, on a clock that moves
+    only when the probe says so (a busy machine's scheduler cannot stretch what is asserted)."""
     import itertools
     import statistics
-    import time
+    import types
 
+    from shardplan import calibrate
     from shardplan.calibrate import Probe, time_probes_s
 
+    now = [0.0]
+    def spend(seconds: float) -> None:
+        now[0] += seconds
+    calibrate.time = types.SimpleNamespace(perf_counter=lambda: now[0])  # this spawned rank's own module
     durations = itertools.cycle((1e-3, 3e-3))
     def probe(**figure):
-        return Probe(call=lambda: time.sleep(next(durations)), loop=False, timings_per_round=2,
-                     before=lambda: time.sleep(20e-3), **figure)
+        return Probe(call=lambda: spend(next(durations)), loop=False, timings_per_round=2,
+                     before=lambda: spend(20e-3), **figure)
     return time_probes_s({"mean": probe(figure=statistics.fmean), "fastest": probe()}, device, rounds=2)
 
 
@@ -300,8 +312,8 @@ def test_a_figure_is_the_fastest_or_the_mean_of_all_timings_and_the_work_before_
 
     # each probe: one warm-up call, then rounds of a 1 ms and a 3 ms timing (20 ms of work before each, untimed)
     seconds = run_world(_timing_job, world_size=1, backend="gloo", total_steps=2, progress=False)
-    assert seconds["mean"] == pytest.approx(2e-3, abs=0.7e-3)
-    assert seconds["fastest"] == pytest.approx(1e-3, abs=0.7e-3)  # the default figure: the fastest timing
+    assert seconds["mean"] == pytest.approx(2e-3)
+    assert seconds["fastest"] == pytest.approx(1e-3)  # the default figure: the fastest timing
 
 
 @pytest.mark.distributed

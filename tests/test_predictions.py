@@ -1,20 +1,23 @@
 """The cost model against the runtime on this machine: every plan kind's and every mesh kind's predicted
 peak memory and step time beside what training with it measures (shardplan.accuracy), on the built-in
-cpu-gloo profile."""
+cpu-gloo profile.
+
+Memory is held here: CPU memory is deterministic. Step time is shown, not held: other work on the cores
+lengthens every measured step, so a test of it fails on a busy machine whatever the model predicts.
+`shardplan check --measure cpu-gloo` holds it, on a machine kept quiet for it."""
 import pytest
 
 from shardplan import get_hardware
-from shardplan.accuracy import (KINDS, MESH_KINDS, accuracy_table, machine_cores, measure_accuracy,
-                                measure_mesh_accuracy)
+from shardplan.accuracy import KINDS, MESH_KINDS, accuracy_table, measure_accuracy, measure_mesh_accuracy
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _assert_within_tolerance(rows, title: str, capsys, memory_only: frozenset[str] = frozenset()) -> None:
+def _assert_within_tolerance(rows, title: str, capsys) -> None:
     with capsys.disabled():  # the table either way: a pass shows the margins, a failure the culprit
         from rich.console import Console
         Console(width=120).print(accuracy_table(rows, title))
-    misses = [miss for row in rows for miss in (row.memory_misses() if row.kind in memory_only else row.misses())]
+    misses = [miss for row in rows for miss in row.memory_misses()]
     assert not misses, misses
 
 
@@ -26,15 +29,10 @@ def test_every_plan_kind_is_predicted_within_tolerance(capsys):
 
 def test_every_mesh_kind_is_predicted_within_tolerance(capsys):
     """tp 2 (vocabulary and sequence parallel or not), dp 2 x tp 2, HSDP 2 x 2: 2 and 4 gloo ranks, a
-    world of more ranks than cores priced on the share of a core each rank gets (accuracy.shared_cores).
-    Such a world's step time is shown, not held: on one 2-core box it read 0.84-1.32 of the prediction
-    from run to run (docs/benchmarks.md, issue 14); its memory is held like every other kind's."""
+    world of more ranks than cores priced on the share of a core each rank gets (accuracy.shared_cores)."""
     rows = measure_mesh_accuracy(get_hardware("cpu-gloo"), rounds=3, progress=False)
     assert [row.kind for row in rows] == list(MESH_KINDS)
-    crowded = frozenset(kind for kind, mesh in MESH_KINDS.items()
-                        if mesh.get("dp", 1) * mesh.get("dp_replicate", 1) * mesh.get("tp", 1) > machine_cores())
-    _assert_within_tolerance(rows, "predicted vs measured, demo GPT, every mesh kind (cpu-gloo)", capsys,
-                             memory_only=crowded)
+    _assert_within_tolerance(rows, "predicted vs measured, demo GPT, every mesh kind (cpu-gloo)", capsys)
 
 
 def test_ranks_sharing_cores_take_ranks_over_cores_times_as_long():
@@ -60,5 +58,4 @@ def test_every_pipelined_kind_is_predicted_within_tolerance_on_each_stage(capsys
 
     rows = measure_pipeline_accuracy(get_hardware("cpu-gloo"), progress=False)
     assert [row.kind for row in rows] == [f"{kind}/stage {stage}" for kind in PIPELINE_KINDS for stage in (0, 1)]
-    _assert_within_tolerance(rows, "predicted vs measured peak memory per stage, demo GPT, pp 2 (cpu-gloo)", capsys,
-                             memory_only=frozenset(row.kind for row in rows))
+    _assert_within_tolerance(rows, "predicted vs measured peak memory per stage, demo GPT, pp 2 (cpu-gloo)", capsys)
