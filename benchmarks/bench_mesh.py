@@ -28,6 +28,7 @@ from shardplan import get_hardware, zoo
 from shardplan.accuracy import (DEMO_WORKLOAD, KIND_NAMES, MESH_KINDS, Workload, accuracy_table, compare,
                                 demo_chain_and_plans, demo_mesh_plans, machine_cores, measure_by_world)
 from shardplan.calibrate import CPU_SWEEP, fit_profile, summary
+from shardplan.plan import BF16_MIXED, MixedPrecision
 from shardplan.sizes import format_bytes
 
 
@@ -44,6 +45,8 @@ def main() -> None:
                         help="with --memory-only, also every plain plan kind (strategy x checkpointing) over 2 ranks")
     parser.add_argument("--memory-only", action="store_true",
                         help="peak memory only, measured in one step, against the built-in cpu-gloo profile")
+    parser.add_argument("--bf16", action="store_true",
+                        help="train in bf16 mixed precision (fp32 master weights, gradients reduced in fp32)")
     options = parser.parse_args()
     torch.set_num_threads(1)
     workload = DEMO_WORKLOAD
@@ -51,11 +54,12 @@ def main() -> None:
         d_model, seq, layers, vocab, batch = options.gpt
         config = zoo.GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=layers, n_head=8, d_model=d_model)
         workload = Workload(name="gpt", options=(("config", config), ("batch", batch)))
-    chain, named = demo_mesh_plans(workload, options.kinds) if options.kinds != [] else (None, {})
+    precision = BF16_MIXED if options.bf16 else MixedPrecision()
+    chain, named = demo_mesh_plans(workload, options.kinds, precision) if options.kinds != [] else (None, {})
     console = Console(width=120)
     if options.memory_only:
         if options.dp_kinds:
-            chain, plain = demo_chain_and_plans(2, workload)
+            chain, plain = demo_chain_and_plans(2, workload, precision)
             named.update((f"dp2 {kind}", plan) for kind, plan in zip(KIND_NAMES, plain))
         if not named:
             parser.error("no plan kinds to measure: name some with --kinds, or add --dp-kinds")

@@ -41,7 +41,7 @@ from . import zoo
 from .chain import BlockChain
 from .demo import DEMO_BATCH, DEMO_GPT
 from .hardware import HardwareProfile, LinkProfile, SizeCurve
-from .plan import Checkpoint, Plan, ShardStrategy
+from .plan import Checkpoint, MixedPrecision, Plan, ShardStrategy
 from .sizes import format_bytes
 
 KINDS = tuple((strategy, checkpoint) for strategy in ShardStrategy for checkpoint in Checkpoint)
@@ -207,30 +207,33 @@ def hf_workload(name: str) -> Workload:
     return HF_WORKLOADS[name] if name in HF_WORKLOADS else hf_architecture_workload(name)
 
 
-def demo_chain_and_plans(world_size: int, workload: Workload = DEMO_WORKLOAD) -> tuple[BlockChain, list[Plan]]:
-    """`workload`'s analysed chain and one hand-written plan per kind (one unit per block, as KINDS orders)."""
+def demo_chain_and_plans(world_size: int, workload: Workload = DEMO_WORKLOAD,
+                         precision: MixedPrecision = MixedPrecision()) -> tuple[BlockChain, list[Plan]]:
+    """`workload`'s analysed chain and one hand-written plan per kind (one unit per block, as KINDS orders),
+    computing in `precision`."""
     from .passes import analyze
     from .runtime.manual import manual_plan
 
     entry = workload.build()
-    chain = analyze(entry.model, entry.args, entry.kwargs)
+    chain = analyze(entry.model, entry.args, entry.kwargs, compute_dtype=precision.param_dtype)
     groups = workload.units(chain)
-    return chain, [manual_plan(entry.model, groups, dp=world_size, strategies=(strategy,), checkpoints=(checkpoint,))
+    return chain, [manual_plan(entry.model, groups, dp=world_size, strategies=(strategy,), checkpoints=(checkpoint,),
+                               precision=precision)
                    for strategy, checkpoint in KINDS]
 
 
-def demo_mesh_plans(workload: Workload = DEMO_WORKLOAD,
-                    kinds: "list[str] | None" = None) -> tuple[BlockChain, dict[str, Plan]]:
+def demo_mesh_plans(workload: Workload = DEMO_WORKLOAD, kinds: "list[str] | None" = None,
+                    precision: MixedPrecision = MixedPrecision()) -> tuple[BlockChain, dict[str, Plan]]:
     """A GPT workload's analysed chain (the demo GPT's by default) and a plan of every mesh kind of
-    MESH_KINDS (or of `kinds`), one unit per block."""
+    MESH_KINDS (or of `kinds`), one unit per block, computing in `precision`."""
     from .passes import analyze
     from .runtime.manual import manual_plan
 
     entry = workload.build()
-    chain = analyze(entry.model, entry.args, entry.kwargs)
+    chain = analyze(entry.model, entry.args, entry.kwargs, compute_dtype=precision.param_dtype)
     groups = workload.units(chain)
     return chain, {name: manual_plan(entry.model, groups, **{"dp": 1, **MESH_KINDS[name]}, example_inputs=entry.args,
-                                     example_kwargs=entry.kwargs)
+                                     example_kwargs=entry.kwargs, precision=precision)
                    for name in kinds or MESH_KINDS}
 
 
@@ -378,16 +381,18 @@ PIPELINE_KINDS: dict[str, dict[str, Any]] = {
 gathers nothing), as runtime.manual_plan's arguments. The demo's tight budget picks such a plan."""
 
 
-def demo_pipeline_plans() -> tuple[BlockChain, dict[str, Plan]]:
-    """The demo GPT's analysed chain and a plan of every pipelined kind (PIPELINE_KINDS), one unit per block."""
+def demo_pipeline_plans(precision: MixedPrecision = MixedPrecision()) -> tuple[BlockChain, dict[str, Plan]]:
+    """The demo GPT's analysed chain and a plan of every pipelined kind (PIPELINE_KINDS), one unit per block,
+    computing in `precision`."""
     from .passes import analyze
     from .runtime.manual import manual_plan
 
     entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
-    chain = analyze(entry.model, entry.args, entry.kwargs)
+    chain = analyze(entry.model, entry.args, entry.kwargs, compute_dtype=precision.param_dtype)
     groups = zoo.gpt_units(DEMO_GPT.n_layer)
     return chain, {name: manual_plan(entry.model, groups, dp=1, pp=2, strategies=(ShardStrategy.FULL_SHARD,),
-                                     example_inputs=entry.args, example_kwargs=entry.kwargs, **kind)
+                                     example_inputs=entry.args, example_kwargs=entry.kwargs, precision=precision,
+                                     **kind)
                    for name, kind in PIPELINE_KINDS.items()}
 
 

@@ -9,12 +9,13 @@ meta tensors first, so a 70B-parameter model captures on a laptop.
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from dataclasses import dataclass
 
 import torch
 import torch.fx
+import torch.nn as nn
 
 from .errors import CaptureError
 
@@ -168,3 +169,51 @@ def _walk_traceback(error: BaseException | None):
         seen.add(id(error))
         yield from traceback.extract_tb(error.__traceback__)
         error = error.__cause__ or error.__context__
+
+
+def put_stand_ins(model: nn.Module, chosen: Callable[[torch.Tensor], bool], *, buffers: bool = False,
+                  parameter_dtype: torch.dtype | None = None,
+                  fake: tuple[Any, torch.device] | None = None) -> list[tuple[dict, str, torch.Tensor]]:
+    """Replace the `chosen` parameters (and buffers) of `model` by meta tensors of their shapes (floating
+    parameters in `parameter_dtype`, if given), or by `fake` = (a FakeTensorMode, device)'s tensors on
+    that device, one per tensor so tied parameters stay tied; return (slots, name, original) for each
+    replaced slot."""
+    originals = []
+    stand_in: dict[int, Any] = {}  # a Parameter or a buffer, as the slot it fills holds
+    for module in model.modules():
+        for slots, is_parameter in ((module._parameters, True), (module._buffers, False)):
+            if not (is_parameter or buffers):
+                continue
+            for name, value in list(slots.items()):
+                if value is None or not chosen(value):
+                    continue
+                originals.append((slots, name, value))
+                if id(value) not in stand_in:
+                    floating = is_parameter and parameter_dtype is not None and value.is_floating_point()
+                    dtype = parameter_dtype if floating else value.dtype
+                    with fake[0] if fake else contextlib.nullcontext():
+                        empty = torch.empty(value.shape, dtype=dtype, device=fake[1] if fake else "meta")
+                    stand_in[id(value)] = nn.Parameter(empty, value.requires_grad) if is_parameter else empty
+                slots[name] = stand_in[id(value)]
+    return originals
+
+
+def restore(originals: list[tuple[dict, str, torch.Tensor]]) -> None:
+    """Put back what put_stand_ins replaced."""
+    for slots, name, value in originals:
+        slots[name] = value
+
+
+@contextlib.contextmanager
+def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """`model` with its floating parameters stood in by meta tensors in `dtype`, and its other parameters and
+    buffers by meta tensors of their own dtypes, while it is captured and analyzed: what mixed precision runs
+    (the runtimes cast parameters, not buffers or inputs, to the compute dtype). The graph then bakes the
+    dtypes the runtime computes in, as eager code writes them (a cast to `x.dtype`, a softmax upcast to
+    float32 and cast back, a loss taken in float32), which casting the fp32 graph's values afterwards could
+    not see; and it allocates nothing."""
+    originals = put_stand_ins(model, lambda value: True, buffers=True, parameter_dtype=dtype)
+    try:
+        yield
+    finally:
+        restore(originals)

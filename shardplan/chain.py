@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .dtypes import dtype_name
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OpKind:
@@ -218,7 +220,10 @@ class BlockChain:
     """The model's structural signature (signature.py): what parallelize checks without a capture;
     empty in a chain built by hand, whose plans are checked by the fingerprint."""
     param_dtype: str
-    """dtype of the parameters at capture, e.g. "torch.float32"."""
+    """dtype of the parameters (the master weights), e.g. "float32"."""
+    compute_dtype: str = ""
+    """dtype the analysis computed in, which every activation, transient and op byte is priced in: mixed
+    precision's param_dtype (passes.analyze's compute_dtype); "": the parameters' own."""
     inputs: tuple["InputSpec", ...]
     input_bytes: int
     """Bytes of the example inputs (one replica's batch)."""
@@ -237,6 +242,11 @@ class BlockChain:
     """Module path → class name for every block's modules: constraints match either."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts for reports (node count, capture method, seconds spent)."""
+
+    @property
+    def computes_in(self) -> str:
+        """The dtype the chain's activations were priced in."""
+        return self.compute_dtype or dtype_name(self.param_dtype)
 
     @property
     def param_numel(self) -> int:

@@ -121,7 +121,9 @@ def compile(model: "nn.Module", world_size: int, example_inputs: tuple = (), exa
 
     _check_world_size(world_size)  # before the capture: a bad count or keyword is refused in moments
     PlanOptions.of(options)
-    chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}))
+    precision = options.get("mixed_precision")
+    chain = analyze(model, tuple(example_inputs), dict(example_kwargs or {}),
+                    compute_dtype=precision.param_dtype if isinstance(precision, MixedPrecision) else None)
     plan = _with_unread_parameters(solve(chain, world_size, model_name=type(model).__name__, **options), model)
     if plan.inputs != chain.inputs:  # a global batch split over the mesh's replicas: the graph of their shapes
         plan = replace(plan, fingerprint=fingerprint_of(model, plan.inputs))
@@ -153,8 +155,9 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
         raise ShardplanError("the model has no blocks to plan: does its forward do anything?")
     hw = get_hardware(asked.hardware)
     budget = hw.usable_memory_bytes if asked.memory_budget is None else parse_bytes(asked.memory_budget)
-    dtype = dtype_name(chain.param_dtype)
-    precision = asked.mixed_precision or MixedPrecision(param_dtype=dtype, reduce_dtype=dtype)
+    precision = asked.mixed_precision or MixedPrecision(param_dtype=chain.computes_in,
+                                                        reduce_dtype=dtype_name(chain.param_dtype))
+    check_computes_in(chain, precision)
     space = replace(asked.space or default_space(len(chain.blocks)), allow_offload=asked.allow_offload)
     if asked.max_unit_blocks is not None:
         if asked.max_unit_blocks < 1:
@@ -292,6 +295,7 @@ def evaluate_stages(chain: BlockChain, plan: Plan, hardware: str | os.PathLike |
     """evaluate's prediction and each pipeline stage's own cost, in stage order: a runtime that holds more than
     the plan on some stages (another framework's state) may have its peak on a stage that is not the plan's."""
     hw = get_hardware(hardware or plan.hardware)
+    check_computes_in(chain, plan.mixed_precision)
     _check_tensor_parallel(chain, plan)
     chain = _sliced_as_planned(chain, plan)
     unit_of = {param: index for index, unit in enumerate(plan.units) for param in unit.params}
@@ -321,6 +325,15 @@ def evaluate_stages(chain: BlockChain, plan: Plan, hardware: str | os.PathLike |
         steps.append(_stage_cost(chain, stage, start, end, tuple(i - start for i in unit_starts), decisions,
                                  setting, configuration, hw))
     return _predicted(chain, steps, names, plan.mesh, setting, hw), tuple(steps)
+
+
+def check_computes_in(chain: BlockChain, precision: MixedPrecision) -> None:
+    """The chain's activations are priced in the dtype the plan computes in: a chain analyzed in another
+    dtype would price every activation byte at that dtype's size (twice bf16's in float32)."""
+    if chain.computes_in != precision.param_dtype:
+        raise PlanError(f"the model was analyzed computing in {chain.computes_in}, and the plan computes in "
+                        f"{precision.param_dtype} (mixed precision's param_dtype): analyze it with "
+                        f"analyze(model, ..., compute_dtype={precision.param_dtype!r}) (compile does so itself)")
 
 
 def _check_tensor_parallel(chain: BlockChain, plan: Plan) -> None:

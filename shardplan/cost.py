@@ -552,11 +552,16 @@ def state_bytes(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> int:
 
 
 def gathered_bytes(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> int:
-    """Unsharded parameters of a unit while gathered. Over a single rank a gather returns the shard
-    itself: only a cast to the compute dtype, or a copy in from the host, allocates
-    ([Note: groups of one] in runtime/collectives.py)."""
-    copies = ctx.dp > 1 or sizes.param_bytes != sizes.storage_bytes or decision.offload
-    return sizes.param_bytes if decision.traits.shards_params and copies else 0
+    """A unit's parameters in the compute dtype while in use, beside its stored ones. A sharded unit's
+    gathered buffer: over a single rank a gather returns the shard itself, so only a cast to the compute
+    dtype, or a copy in from the host, allocates ([Note: groups of one] in runtime/collectives.py). A unit
+    keeping its parameters whole allocates only their cast to the compute dtype (mixed precision), whose
+    views autograd saves from the unit's forward to its backward, as SHARD_GRAD_OP keeps its gathered
+    buffer (measured in bf16 on CPU: REPLICATE and SHARD_OPTIMIZER held the model's bf16 copy)."""
+    cast = sizes.param_bytes != sizes.storage_bytes
+    if decision.traits.shards_params:
+        return sizes.param_bytes if ctx.dp > 1 or cast or decision.offload else 0
+    return sizes.param_bytes if cast else 0
 
 
 def grad_assembly_bytes(sizes: UnitSizes) -> int:
@@ -769,7 +774,7 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
     activation_bytes, fwd_working, bwd_working = working_bytes(blocks, decision.checkpoint, ctx)
     kernels = (ctx.runtime or runtime_kernels)(sizes, decision, ctx)
     compute_fwd_s, compute_bwd_s, recompute_s = compute_s(blocks, kernels, decision, ctx)
-    gather = gather_s(gathered, ctx)
+    gather = gather_s(gathered if traits.shards_params else 0, ctx)
     overlap = ctx.hardware.overlaps_communication
     return UnitCost(
         state_bytes=state_bytes(sizes, decision, ctx), activation_bytes=activation_bytes, gathered_bytes=gathered,

@@ -337,6 +337,10 @@ class MixedPrecision:
                                 f"shardplan computes in: use one of {', '.join(FLOAT_DTYPES)}")
 
 
+BF16_MIXED = MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
+"""How large models train on GPUs: fp32 master weights, bf16 compute, gradients reduced in fp32."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class UnitPrediction:
     """One unit as the cost model walks its stage's step (per micro-batch): for reports and pictures."""

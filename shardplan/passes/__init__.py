@@ -3,6 +3,7 @@
 Each pass reads the graph and writes node.meta["shardplan"] (or rewrites its device
 constants); none runs real kernels on real data.
 """
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -11,9 +12,9 @@ from typing import Callable
 import torch
 import torch.fx
 
-from ..capture import Captured, capture
+from ..capture import Captured, capture, computing_in
 from ..chain import BlockChain, InputSpec
-from ..dtypes import dtype_name, torch_dtype
+from ..dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from ..errors import EMPTY_BATCH, ShardplanError
 from ..repeats import RepeatedCapture, capture_repeated
 from ..signature import model_signature
@@ -59,11 +60,15 @@ def run_passes(gm: torch.fx.GraphModule, *, last: str, first: str = PASSES[0][0]
 
 
 def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
-            reuse_blocks: bool = True) -> BlockChain:
+            reuse_blocks: bool = True, *, compute_dtype: "torch.dtype | str | None" = None) -> BlockChain:
     """Capture `model` and reduce it to an annotated chain of blocks.
 
     `reuse_blocks`: trace and run one block of each class of repeated blocks and stamp its facts on
     the others (repeats.py, passes/splice.py); the chain is the one a full analysis gives.
+    `compute_dtype`: the dtype mixed precision computes in (MixedPrecision.param_dtype); None: the
+    parameters' own. The graph is captured and run with the parameters in it (capture.computing_in),
+    so every activation, transient and memory-bound byte is the runtime's; the parameters' own
+    bytes (the master weights) stay in their dtype.
 
     >>> from shardplan import zoo
     >>> entry = zoo.gpt()
@@ -76,9 +81,13 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         raise ShardplanError(EMPTY_BATCH)
     start = time.perf_counter()
     signature = model_signature(model)  # before the capture runs forward: the model as parallelize will get it
-    captured, repeated = _capture(model, tuple(example_inputs), example_kwargs, reuse_blocks)
-    run_passes(captured.gm, last="splice",
-               inputs=PassInputs(args=tuple(example_inputs), kwargs=example_kwargs, repeated=repeated))
+    master = _parameter_dtype(model)
+    compute = dtype_name(compute_dtype) if compute_dtype is not None else master
+    cast = compute != master and master in FLOAT_DTYPES
+    with computing_in(model, torch_dtype(compute)) if cast else contextlib.nullcontext():
+        captured, repeated = _capture(model, tuple(example_inputs), example_kwargs, reuse_blocks)
+        run_passes(captured.gm, last="splice",
+                   inputs=PassInputs(args=tuple(example_inputs), kwargs=example_kwargs, repeated=repeated))
     inputs = input_specs(example_inputs, example_kwargs)
     frozen = tuple(sorted(name for name, parameter in model.named_parameters() if not parameter.requires_grad))
     chain = build_chain(captured.gm, inputs, {"capture": captured.method, "model": type(model).__name__,
@@ -87,9 +96,27 @@ def analyze(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
                                                "reused_blocks": len(repeated.copies) if repeated else 0})
     in_blocks = {path for block in chain.blocks for path in block.modules}
     classes = {path: type(module).__name__ for path, module in model.named_modules() if path in in_blocks}
-    return with_tensor_parallel_facts(captured.gm, dataclasses.replace(chain, frozen_params=frozen,
-                                                                       module_classes=classes,
-                                                                       signature=signature))
+    chain = dataclasses.replace(chain, frozen_params=frozen, module_classes=classes, signature=signature,
+                                compute_dtype=compute)
+    if cast:  # the master weights keep their dtype; a plan is checked against the model as it is given
+        chain = _with_master_weights(chain, model, fingerprint_of(model, inputs, reuse_blocks))
+    return with_tensor_parallel_facts(captured.gm, chain)
+
+
+def _parameter_dtype(model: torch.nn.Module) -> str:
+    """The dtype of the model's floating parameters, as the chain records it ("" without any)."""
+    floating = sorted({dtype_name(p.dtype) for p in model.parameters() if p.is_floating_point()})
+    return floating[0] if floating else ""
+
+
+def _with_master_weights(chain: BlockChain, model: torch.nn.Module, model_fingerprint: str) -> BlockChain:
+    """`chain`, analyzed with its parameters stood in by the compute dtype, with the parameters' bytes and
+    dtype of the model itself, and the fingerprint of its own graph."""
+    def own_bytes(names: tuple[str, ...]) -> int:
+        return sum(model.get_parameter(name).numel() * model.get_parameter(name).element_size() for name in names)
+    return dataclasses.replace(chain, fingerprint=model_fingerprint, param_dtype=_parameter_dtype(model),
+                               blocks=tuple(dataclasses.replace(block, param_bytes=own_bytes(block.param_names))
+                                            for block in chain.blocks))
 
 
 def _capture(model: torch.nn.Module, args: tuple, kwargs: dict,

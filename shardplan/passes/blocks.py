@@ -17,7 +17,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ..chain import Block, BlockChain, InputSpec, merge_op_kinds
-from ..dtypes import dtype_bytes
+from ..dtypes import dtype_bytes, dtype_name
 from .facts import facts, is_compute, within_module
 
 _LAYER_INDEX = re.compile(r"^\d+$")
@@ -157,7 +157,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             bwd_peak_grad_numel=sum(attribute_of(gm, p).numel() for p in grads_live_at_bwd_peak(nodes)
                                     if p in param_names),
             first_node=nodes[0].name, last_node=nodes[-1].name))
-    dtypes = sorted({str(p.dtype) for p in gm.parameters()})
+    dtypes = sorted({dtype_name(p.dtype) for p in gm.parameters()})
     return BlockChain(blocks=tuple(blocks), fingerprint=fingerprint(gm), param_dtype=dtypes[0] if dtypes else "",
                       returned_bytes=facts(next(n for n in reversed(gm.graph.nodes) if n.op == "output")).out_bytes,
                       inputs=inputs, input_bytes=sum(_numel(s.shape) * dtype_bytes(s.dtype) for s in inputs),

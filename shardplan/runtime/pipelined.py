@@ -63,6 +63,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
+from ..capture import put_stand_ins
 from ..errors import PlanError, ShardplanError
 from ..passes.blocks import attribute_of
 from ..plan import Plan
@@ -71,7 +72,7 @@ from .activation_checkpoint import checkpointed
 from .program import Program, check_batch, check_micro_batches, refuse_optimizers_over
 from .scheduler import Scheduler
 from .sharded import UnitProgram, apply_plan_tensor_parallel, build_units, unit_place
-from .stage_split import (BlockCall, StageGraph, StageModule, block_runner, put_stand_ins, run_blocks,
+from .stage_split import (BlockCall, StageGraph, StageModule, block_runner, run_blocks,
                           split_stages)
 
 

@@ -32,6 +32,7 @@ import torch.fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 
+from ..capture import put_stand_ins, restore
 from ..chain import InputSpec
 from ..dtypes import torch_dtype
 from ..errors import PlanError, ShardplanError
@@ -180,35 +181,7 @@ def _stand_ins(model: nn.Module, compute_dtype: torch.dtype, device: torch.devic
     try:
         yield
     finally:
-        for slots, name, value in originals:
-            slots[name] = value
-
-
-def put_stand_ins(model: nn.Module, chosen: Callable[[torch.Tensor], bool], *, buffers: bool = False,
-                  parameter_dtype: torch.dtype | None = None,
-                  fake: tuple[Any, torch.device] | None = None) -> list[tuple[dict, str, torch.Tensor]]:
-    """Replace the `chosen` parameters (and buffers) of `model` by meta tensors of their shapes (floating
-    parameters in `parameter_dtype`, if given), or by `fake` = (a FakeTensorMode, device)'s tensors on
-    that device, one per tensor so tied parameters stay tied; return (slots, name, original) for each
-    replaced slot."""
-    originals = []
-    stand_in: dict[int, Any] = {}  # a Parameter or a buffer, as the slot it fills holds
-    for module in model.modules():
-        for slots, is_parameter in ((module._parameters, True), (module._buffers, False)):
-            if not (is_parameter or buffers):
-                continue
-            for name, value in list(slots.items()):
-                if value is None or not chosen(value):
-                    continue
-                originals.append((slots, name, value))
-                if id(value) not in stand_in:
-                    floating = is_parameter and parameter_dtype is not None and value.is_floating_point()
-                    dtype = parameter_dtype if floating else value.dtype
-                    with fake[0] if fake else contextlib.nullcontext():
-                        empty = torch.empty(value.shape, dtype=dtype, device=fake[1] if fake else "meta")
-                    stand_in[id(value)] = nn.Parameter(empty, value.requires_grad) if is_parameter else empty
-                slots[name] = stand_in[id(value)]
-    return originals
+        restore(originals)
 
 
 def _unit_of_blocks(plan: Plan, modules_of_block: list[tuple[str, ...]]) -> list[str]:
