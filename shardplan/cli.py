@@ -139,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--baseline", default="benchmarks/baseline.json")
     check.add_argument("--tolerance", type=float, help="allowed relative worsening (default: the baseline's, 1%%)")
     check.add_argument("--update", action="store_true", help="rewrite the baseline with today's plans")
+    check.add_argument("--case-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="how long a case may take to plan before it fails (default: 600)")
     check.add_argument("--measure", metavar="PROFILE", help="also train the demo GPT on 2 CPU ranks under every plan "
                        "kind and fail where PROFILE's prediction misses (memory ±10%%, step time 0.7-1.3x)")
 
@@ -301,7 +303,8 @@ def _check(options) -> int:
     from .quality import check_baseline
 
     outcomes = check_baseline(options.baseline, tolerance=options.tolerance, update=options.update,
-                              report=lambda outcome: print(outcome.line(), flush=True), debug=options.debug)
+                              report=lambda outcome: print(outcome.line(), flush=True), debug=options.debug,
+                              case_timeout_s=options.case_timeout)
     failed = sum(1 for outcome in outcomes if outcome.failures)
     print(f"{len(outcomes)} case(s): {len(outcomes) - failed} passed, {failed} failed"
           + (f"; wrote {options.baseline}" if options.update else ""))

@@ -4,9 +4,16 @@ A case fails when its predicted step time or peak memory got worse than the
 baseline by more than the tolerance, when planning it twice does not give
 byte-identical JSON, when it has no recorded figures yet, or when it cannot be
 planned. `update` rewrites the baseline with today's plans.
+
+Each case is planned in a process of its own: a model's code that ends its process (sys.exit, os.abort),
+crashes it or never returns fails that case, with the reason, and the gate goes on to the next; a case
+is never reported PASS unless a plan of it came back.
 """
 import json
+import multiprocessing
 import os
+import signal
+import sys
 from dataclasses import asdict, dataclass
 from typing import TypeGuard
 
@@ -16,6 +23,8 @@ from .sizes import format_bytes
 
 SCHEMA = "shardplan.baseline/1"
 DEFAULT_TOLERANCE = 0.01
+DEFAULT_CASE_TIMEOUT_S = 600.0
+"""Seconds a case may take to be planned twice: the baseline's plan in seconds, LLaMA-70B shapes in under a minute."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,14 +59,18 @@ class Outcome:
 
 
 def check_baseline(path: str, tolerance: float | None = None, update: bool = False,
-                   report=lambda outcome: None, debug: bool = False) -> list[Outcome]:
+                   report=lambda outcome: None, debug: bool = False,
+                   case_timeout_s: float = DEFAULT_CASE_TIMEOUT_S) -> list[Outcome]:
     """Every case's Outcome, each also given to `report` as soon as it is known; `debug`: a case that
-    cannot be planned raises instead of failing."""
+    cannot be planned raises instead of failing (planned in this process, so the traceback is its own)."""
     cases, saved_tolerance = _read(path)
     tolerance = saved_tolerance if tolerance is None else _tolerance(tolerance, "--tolerance")
+    if not _is_finite(case_timeout_s) or case_timeout_s <= 0:
+        raise ShardplanError(f"--case-timeout is {case_timeout_s!r}: give the seconds a case may take, a finite "
+                             "number above 0")
     outcomes = []
     for case in cases:
-        outcome = _check(case, os.path.dirname(os.path.abspath(path)), tolerance, update, debug)
+        outcome = _check(case, os.path.dirname(os.path.abspath(path)), tolerance, update, debug, case_timeout_s)
         report(outcome)
         outcomes.append(outcome)
     if update:
@@ -65,7 +78,27 @@ def check_baseline(path: str, tolerance: float | None = None, update: bool = Fal
     return outcomes
 
 
-def _check(case: Case, folder: str, tolerance: float, update: bool, debug: bool) -> Outcome:
+def _check(case: Case, folder: str, tolerance: float, update: bool, debug: bool, timeout_s: float) -> Outcome:
+    planned = _plan_twice(case, folder, debug) if debug else _plan_twice_apart(case, folder, timeout_s)
+    if isinstance(planned, str):
+        return Outcome(case=case, now=None, failures=(f"cannot be planned: {planned}",))
+    same_json, step_time_s, peak_bytes = planned
+    failures = []
+    if not same_json:
+        failures.append("planning twice gave different JSON (the solver is not deterministic)")
+    now = Case(model=case.model, world_size=case.world_size, hardware=case.hardware,
+               memory_budget=case.memory_budget, step_time_s=step_time_s, peak_bytes=peak_bytes)
+    if not update:
+        failures += _regressions(case, now, tolerance)
+    return Outcome(case=case, now=now, failures=tuple(failures))
+
+
+_Planned = tuple[bool, float, int]
+"""A case planned twice: (the same JSON both times, predicted step time, predicted peak bytes)."""
+
+
+def _plan_twice(case: Case, folder: str, debug: bool = False) -> _Planned | str:
+    """The case planned twice, or why it cannot be (one line)."""
     from .model_spec import summary
 
     try:
@@ -73,17 +106,46 @@ def _check(case: Case, folder: str, tolerance: float, update: bool, debug: bool)
     except Exception as error:  # a gate reports every case: one that cannot be planned is one failure
         if debug:
             raise
-        cause = str(error) if isinstance(error, ShardplanError) else f"{type(error).__name__}: {summary(error)}"
-        return Outcome(case=case, now=None, failures=(f"cannot be planned: {cause}",))
-    failures = []
-    if plan.to_json() != again.to_json():
-        failures.append("planning twice gave different JSON (the solver is not deterministic)")
-    now = Case(model=case.model, world_size=case.world_size, hardware=case.hardware,
-               memory_budget=case.memory_budget, step_time_s=plan.predicted.step_time_s,
-               peak_bytes=plan.predicted.peak_bytes)
-    if not update:
-        failures += _regressions(case, now, tolerance)
-    return Outcome(case=case, now=now, failures=tuple(failures))
+        return str(error) if isinstance(error, ShardplanError) else f"{type(error).__name__}: {summary(error)}"
+    return plan.to_json() == again.to_json(), plan.predicted.step_time_s, plan.predicted.peak_bytes
+
+
+def _plan_twice_apart(case: Case, folder: str, timeout_s: float) -> _Planned | str:
+    """_plan_twice in a process of its own (see the module's docstring), or why no plan came back."""
+    context = multiprocessing.get_context("forkserver")  # forks of one process that imported torch once
+    context.set_forkserver_preload(["shardplan.compile", "shardplan.model_spec"])
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_plan_twice_and_send, args=(case, folder, sys.path, sender), daemon=True)
+    process.start()
+    sender.close()  # the child's end alone stays open: its exit is then an end of file here
+    try:
+        if not receiver.poll(timeout_s):
+            return (f"planning took more than {timeout_s:g} s and was stopped: a model whose code waits or loops "
+                    "never plans; give --case-timeout more seconds if it is only slow")
+        try:
+            return receiver.recv()
+        except EOFError:  # the process ended without a word
+            process.join()
+            return _ended(process.exitcode)
+    finally:
+        receiver.close()
+        if process.is_alive():
+            process.kill()
+        process.join()
+
+
+def _plan_twice_and_send(case: Case, folder: str, path: list[str], sender) -> None:
+    sys.path[:] = path  # the gate's, where package.module:factory cases are imported from
+    sender.send(_plan_twice(case, folder))
+
+
+def _ended(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
+        return (f"the planning process was killed by {name} before it planned: the model's code (or a crash "
+                "under it) ended it; run `shardplan plan` on the case to see where")
+    return (f"the planning process exited with status {exitcode} before it planned: the model's code ended it "
+            "(sys.exit, quit, os._exit); a model factory must return the model")
 
 
 def _regressions(old: Case, new: Case, tolerance: float) -> list[str]:

@@ -380,3 +380,38 @@ def test_the_readme_maps_each_fsdp_habit_to_its_shardplan_spelling():
         spelling = next((row.split(" | ")[1] for row in rows if habit in row.split(" | ")[0]), "")
         assert spelling.count("`") >= 2, habit  # a row whose second cell spells it in code
 
+
+
+ENDING_FACTORIES = '''import os, sys, time
+from shardplan import zoo
+
+def leaves():
+    sys.exit()
+
+def waits():
+    time.sleep(3600)
+
+def build():
+    return zoo.build("mlp")
+'''
+
+
+@pytest.mark.timeout(300)
+def test_check_plans_each_case_apart_and_fails_one_that_ends_its_process_with_the_reason(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A case whose model's code exits, aborts or never returns is that case's FAIL; the cases after it are still
+    checked (the last one for lack of figures), and no case passes unplanned."""
+    (tmp_path / "ending_models.py").write_text(ENDING_FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    models = ["sys:exit", "builtins:quit", "os:abort", "ending_models:leaves", "ending_models:waits",
+              "ending_models:build"]
+    path = _baseline(tmp_path, [{"model": model, "world_size": 2, "hardware": "cpu-gloo"} for model in models])
+    assert main(["check", "--baseline", str(path), "--case-timeout", "20"]) == 1
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert [line.split(" at ")[0] for line in lines] == [f"FAIL {model}" for model in models], out
+    assert out.count("the planning process exited with status") == 3, out
+    assert "the planning process was killed by SIGABRT" in out
+    assert "planning took more than 20 s and was stopped" in out
+    assert "the baseline has no recorded figures for this case" in out  # the last case was planned
+    assert out.splitlines()[-1] == "6 case(s): 0 passed, 6 failed"
