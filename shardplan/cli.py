@@ -325,10 +325,12 @@ def _demo(options) -> int:
     from rich.table import Table
 
     from . import demo
+    from .runtime.launch import check_local_world
     from .sizes import format_bytes
 
     if options.steps < 1:  # before the calibration and the plan, which would be for nothing
         raise ShardplanError(f"--steps {options.steps} trains no step to compare with the prediction: give 1 or more")
+    check_local_world(options.world_size)
     console = Console()
     hardware = demo.resolve_hardware(options.hardware, options.world_size)
     plan, budget = demo.plan_demo(options.world_size, hardware, options.memory_budget)

@@ -329,6 +329,20 @@ def test_a_demo_of_no_steps_is_refused_before_it_plans(steps, capsys, monkeypatc
     assert f"--steps {steps} trains no step" in _refused(["demo", "--hardware", "cpu-gloo", "--steps", steps], capsys)
 
 
+@pytest.mark.parametrize("world", ["1000000", "0", "-2"])
+def test_a_demo_world_past_what_this_machine_runs_is_refused_before_it_plans_or_spawns(world, capsys, monkeypatch):
+    from shardplan import demo
+    from shardplan.errors import ShardplanError
+    from shardplan.runtime import launch
+
+    _forbid(monkeypatch, demo, "plan_demo")
+    _forbid(monkeypatch, launch.mp, "spawn")
+    err = _refused(["demo", "--hardware", "cpu-gloo", "--world-size", world], capsys)
+    assert f"--world-size {world}: every rank runs as a process on this machine" in err and "give 1 to" in err
+    with pytest.raises(ShardplanError, match="every rank runs as a process on this machine"):
+        launch.run_world(print, world_size=int(world), backend="gloo", total_steps=0)
+
+
 def test_a_world_past_the_ceiling_is_refused_before_the_model_is_captured(capsys, monkeypatch):
     from shardplan import passes
 

@@ -5,6 +5,7 @@ device and process group, runs the job, and leaves cleanly (see [Note:
 shutdown] in collectives.py); rank 0's result comes back to the caller.
 """
 import datetime
+import os
 import socket
 from contextlib import contextmanager
 
@@ -12,12 +13,29 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..errors import ShardplanError
 from .collectives import shutdown
 from .host_memory import keep_freed_host_memory
 
 _TIMEOUT_S = 120
 """Process-group timeout of a spawned world: far above any one collective its jobs run (the largest
 calibration buffer, 380 MB on gloo, takes ~0.6 s), so only a dead or stuck rank trips it."""
+
+
+LOCAL_RANKS_PER_CORE = 4
+"""The most ranks run_world spawns per core of this machine: past a few, ranks only wait on each other for
+the cores (and each holds its own copy of torch, a few hundred MiB)."""
+
+
+def check_local_world(world_size: int, flag: str = "--world-size") -> None:
+    """Refuse a world that run_world would spawn as more processes than this machine can run; `flag` names
+    the option that asked for it."""
+    cores = len(os.sched_getaffinity(0))
+    most = max(2, LOCAL_RANKS_PER_CORE * cores)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= most:
+        raise ShardplanError(f"{flag} {world_size!r}: every rank runs as a process on this machine, which has "
+                             f"{cores} core(s), so give 1 to {most} ranks; plan larger worlds with "
+                             "`shardplan plan --world-size N`")
 
 
 def run_world(job, args: tuple = (), *, world_size: int, backend: str, total_steps: int, progress: bool = True,
@@ -27,6 +45,8 @@ def run_world(job, args: tuple = (), *, world_size: int, backend: str, total_ste
     `job` must be a module-level function (spawn pickles it). Rank 0 calls `report(text)` after
     each of `total_steps` steps, which advances a progress bar here when `progress`.
     """
+    if backend != "nccl":  # NCCL worlds are bounded by the GPUs, which their callers check
+        check_local_world(world_size)
     queue = mp.get_context("spawn").Queue()
     context = mp.spawn(_rank_main, args=(world_size, free_port(), backend, job, args, queue),
                        nprocs=world_size, join=False)
