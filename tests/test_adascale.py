@@ -210,6 +210,14 @@ def elsewhere(rank: int, state: dict) -> dict:
     adascale = AdaScale(optimizer, program)
     adascale.load_state_dict(state)
     found["scale"], found["loaded"] = adascale.scale, adascale.state_dict() == state
+    found["bad_states"] = {}
+    for name, bad in _bad_states(state).items():
+        try:
+            adascale.load_state_dict(bad)
+            found["bad_states"][name] = "loaded"
+        except ShardplanError as error:
+            found["bad_states"][name] = str(error)
+    found["kept_after_bad_states"] = adascale.state_dict() == state and adascale.scale == found["scale"]
     with pytest.raises(ShardplanError) as unmeasured:
         adascale.step()
     found["unmeasured"] = str(unmeasured.value)
@@ -218,6 +226,16 @@ def elsewhere(rank: int, state: dict) -> dict:
         AdaScale(torch.optim.SGD(fsdp2.parameters(), lr=LR), fsdp2)
     found["fsdp2"] = str(refused.value)
     return found
+
+
+def _bad_states(state: dict) -> dict[str, dict]:
+    """`state` with one number AdaScale never holds, by what is wrong."""
+    def with_average(name: str, value) -> dict:
+        return {**state, "averages": {**state["averages"], name: [value] * len(state["averages"][name])}}
+    return {"nan variance": with_average("var", float("nan")), "infinite square": with_average("sqr", float("inf")),
+            "negative variance": with_average("var", -1.0), "weight past 1": with_average("var_weight", 2.0),
+            "base batch 0": {**state, "base_batch": 0}, "negative progress": {**state, "progress": -3.0},
+            "text progress": {**state, "progress": "3"}, "no averages": {"base_batch": 4.0, "progress": 0.0}}
 
 
 def run_world(rank: int, world: int) -> dict:
@@ -272,6 +290,15 @@ def test_refusals_name_the_fix(results):
                                    "micro-batches > 1, or use scale=1")
     assert found["unmeasured"].startswith("AdaScale.step() found no program.step(...)")
     assert found["fsdp2"].endswith("parallelize with backend='shardplan'")
+
+
+def test_a_state_holding_numbers_adascale_never_holds_is_refused_and_changes_nothing(results):
+    """NaN averages would make every parameter NaN at the next step, a base batch of 0 divide by zero."""
+    found = results["elsewhere"]
+    refusals = found["bad_states"]
+    assert all(refusal.startswith("the AdaScale state ") for refusal in refusals.values()), refusals
+    assert "has var [nan]" in refusals["nan variance"] and "has base_batch 0" in refusals["base batch 0"]
+    assert found["kept_after_bad_states"]
 
 
 # the convergence benchmark's task (benchmarks/bench_adascale.py), briefly

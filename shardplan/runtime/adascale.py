@@ -26,11 +26,13 @@ partial sums are completed); ‖ḡ‖² on the reduced shards (FlatUnit.counted
 clip_grad_norm_ counts them). Both are summed over the world in one all-reduce of 2 × (parameter
 groups) numbers per step.
 """
+import math
 from typing import cast
 
 import torch
 
 from ..errors import ShardplanError
+from ..files import is_finite_number
 from ..plan import Plan
 from . import collectives
 from .program import Program, grad_norm_term
@@ -81,6 +83,9 @@ class AdaScale:
         self.base_batch = global_batch(plan) / self.scale
         """The batch the learning rate was tuned for, in samples (in replicas when the plan records no
         inputs); kept over world changes, which re-derive `scale` from it (load_state_dict)."""
+        if smoothing is not None and not (is_finite_number(smoothing) and 0 <= smoothing < 1):
+            raise ShardplanError(f"AdaScale's smoothing is {smoothing}: give the weight of the past in its running "
+                                 "averages, from 0 to below 1")
         self.smoothing = max(1 - self.samples / 1000, 0.0) if smoothing is None else smoothing
         """Weight of the past in the running averages (FairScale's default: less the more samples a step)."""
         self._averages = {name: [0.0] * groups for name in _AVERAGES}
@@ -95,8 +100,9 @@ class AdaScale:
 
     def _checked(self, scale: float) -> float:
         """`scale`, refused where no gain can be estimated for it."""
-        if not scale > 0:
-            raise ShardplanError(f"AdaScale's scale is {scale}: give the global batch over the base batch, > 0")
+        if not (is_finite_number(scale) and scale > 0):
+            raise ShardplanError(f"AdaScale's scale is {scale}: give the global batch over the base batch, a finite "
+                                 "number above 0")
         if self.samples == 1 and scale != 1:
             raise ShardplanError(f"AdaScale at scale {scale} estimates the gradient's noise from several "
                                  "gradients a step, and this plan averages one (dp=1, 1 micro-batch): plan "
@@ -183,16 +189,45 @@ class AdaScale:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict`'s numbers; the scale is re-derived for this program's global batch (a world
-        that grew or shrank since the save): scale = global batch / the saved base batch."""
-        groups = len(self.optimizer.param_groups)
-        saved = len(state["averages"]["var"])
-        if saved != groups:
-            raise ShardplanError(f"the AdaScale state has {saved} parameter groups, this optimizer {groups}: load "
-                                 "it into an optimizer built with the same parameter groups")
-        self.scale = self._checked(global_batch(self.program.plan) / float(state["base_batch"]))
-        self.base_batch = float(state["base_batch"])
-        self.progress = float(state["progress"])
-        self._averages = {name: [float(value) for value in values] for name, values in state["averages"].items()}
+        that grew or shrank since the save): scale = global batch / the saved base batch. A state whose numbers
+        AdaScale never holds (NaN, infinite, negative; a base batch of 0) is refused, and nothing changes."""
+        base_batch, progress, averages = _checked_state(state, len(self.optimizer.param_groups))
+        self.scale = self._checked(global_batch(self.program.plan) / base_batch)
+        self.base_batch, self.progress, self._averages = base_batch, progress, averages
+
+
+def _checked_state(state: object, groups: int) -> tuple[float, float, dict[str, list[float]]]:
+    """(base batch, progress, averages) of a saved AdaScale state for `groups` parameter groups, each checked."""
+    def refuse(what: str) -> ShardplanError:
+        return ShardplanError(f"the AdaScale state {what}: it is not one AdaScale.state_dict() gives; load the state "
+                              "that was saved with this run, or start AdaScale afresh")
+
+    if not (isinstance(state, dict) and isinstance(state.get("averages"), dict)):
+        raise refuse("is not a dict with base_batch, progress and averages")
+    base_batch, progress, saved = state.get("base_batch"), state.get("progress"), state["averages"]
+    if not (is_finite_number(base_batch) and base_batch > 0):
+        raise refuse(f"has base_batch {str(base_batch)[:40]}, not a number of samples above 0")
+    if not (is_finite_number(progress) and progress >= 0):
+        raise refuse(f"has progress {str(progress)[:40]}, not a finite number, 0 or more")
+    if sorted(saved) != sorted(_AVERAGES):
+        raise refuse(f"has averages {sorted(saved)[:8]}, where AdaScale keeps {list(_AVERAGES)}")
+    averages = {}
+    for name in _AVERAGES:
+        values = saved[name]
+        if not isinstance(values, (list, tuple)) or len(values) != groups:
+            found = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
+            if name == "var":  # the usual cause: another optimizer's state
+                raise ShardplanError(f"the AdaScale state has {found} parameter groups, this optimizer {groups}: "
+                                     "load it into an optimizer built with the same parameter groups")
+            raise refuse(f"has {found} values of {name} for {groups} parameter group(s)")
+        top = 1.0 if name.endswith("_weight") else math.inf  # a debiasing weight is a sum of shares of 1
+        if not all(is_finite_number(value) and 0 <= value <= top for value in values):
+            raise refuse(f"has {name} {list(values)[:4]}: each must be a finite number, 0 or more"
+                         + (", at most 1" if top == 1.0 else ""))
+        averages[name] = [float(value) for value in values]
+    if not all(variance + square > 0 for variance, square in zip(averages["var"], averages["sqr"])):
+        raise refuse("has a group whose noise and squared gradient are both 0, which leaves its gain undefined")
+    return float(base_batch), float(progress), averages
 
 
 _AVERAGES = ("var", "sqr", "var_biased", "sqr_biased", "var_weight", "sqr_weight")
