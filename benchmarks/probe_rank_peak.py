@@ -22,7 +22,7 @@ from shardplan import zoo
 from shardplan.accuracy import (HF_WORKLOAD_NAMES, KIND_NAMES, KINDS, MESH_KINDS, Workload, _train_step,
                                 demo_chain_and_plans, demo_mesh_plans, hf_workload, trained_program)
 from shardplan.compile import evaluate
-from shardplan.plan import Checkpoint
+from shardplan.plan import BF16_MIXED, Checkpoint, MixedPrecision
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.measure import _TotalsOnly
 
@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--kind", default="full_shard/full", choices=list(KIND_NAMES) + list(MESH_KINDS))
     parser.add_argument("--checkpoints", nargs="+", choices=[c.value for c in Checkpoint],
                         help="each unit's checkpointing (a plain kind only)")
+    parser.add_argument("--bf16", action="store_true", help="in bf16 mixed precision (fp32 master weights)")
     parser.add_argument("--before", type=int, default=40, help="ops shown before the peak")
     parser.add_argument("--after", type=int, default=4, help="ops shown after the peak")
     options = parser.parse_args()
@@ -79,19 +80,20 @@ def main() -> None:
         d_model, seq, layers, vocab, batch = options.gpt
         config = zoo.GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=layers, n_head=8, d_model=d_model)
         workload = Workload(name="gpt", options=(("config", config), ("batch", batch)))
+    precision = BF16_MIXED if options.bf16 else MixedPrecision()
     if options.kind in MESH_KINDS:
         if options.checkpoints:
             parser.error("--checkpoints takes a plain kind")
-        chain, named = demo_mesh_plans(workload, [options.kind])
+        chain, named = demo_mesh_plans(workload, [options.kind], precision)
         plan = named[options.kind]
     else:
-        chain, plans = demo_chain_and_plans(2, workload)
+        chain, plans = demo_chain_and_plans(2, workload, precision)
         plan = plans[KIND_NAMES.index(options.kind)]
         if options.checkpoints:
             entry = workload.build()
             strategy = KINDS[KIND_NAMES.index(options.kind)][0]
             plan = manual_plan(entry.model, workload.units(chain), dp=2, strategies=(strategy,),
-                               checkpoints=[Checkpoint(value) for value in options.checkpoints])
+                               checkpoints=[Checkpoint(value) for value in options.checkpoints], precision=precision)
     from shardplan.runtime.launch import run_world
 
     predicted = evaluate(chain, plan, "cpu-gloo")

@@ -174,6 +174,12 @@ class Block:
     bwd_transient_bytes: int
     """Peak bytes allocated during this block's backward beyond what was live when it began
     (parameter gradients excluded but those the op at the peak makes: the rest are bwd_peak_grad_numel)."""
+    bwd_peaks: tuple[tuple[int, int], ...] = ()
+    """(parameter gradients, other bytes) the backward holds above its start at the moments it may peak: its
+    peak (bwd_transient_bytes in all), where it holds the most gradients, where it holds the most of the rest.
+    The gradients (a linear's weight gradient, an embedding's whole table) do not grow with the batch nor
+    split over micro-batches, the rest does, so at another batch another moment may peak (a head's loss
+    backward, before its weight gradient is made). Empty in a chain built by hand: its transient grows whole."""
     first_node: str
     last_node: str
     fwd_memory_bytes: int = 0

@@ -33,7 +33,9 @@ Memory, by category (the peak is the largest of these events):
   min(m, pp - stage) (1F1B; the other in-flight micro-batches hold the whole
   stage's activations).
 - transient: a block's fwd_transient_bytes / bwd_transient_bytes (and for a
-  checkpointed block its recomputed saved_bytes) while it runs; in its backward, the
+  checkpointed block its recomputed saved_bytes) while it runs, the backward's at whichever of its
+  moments peaks once the parameter gradients there are held whole and the rest per micro-batch and
+  replica batch (Block.bwd_peaks, bwd_transient_bytes below); in its backward, the
   gradient of its outputs too ([Note: a block's output gradient] at working_bytes), and the
   parameter gradients made before its peak ([Note: live parameter gradients] there).
 Events: the forward of each unit (held activations of earlier units + this
@@ -406,6 +408,10 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         output_bytes=round(block.output_bytes * rest_scale),
         fwd_transient_bytes=transient(block.fwd_transient_bytes),
         bwd_transient_bytes=transient(block.bwd_transient_bytes, divided, gathered),
+        # the gradients at a moment do not grow with the batch (sliced ones divide by tp); the rest scales as
+        # the transient does
+        bwd_peaks=tuple((-(-grads // tp), transient(other, max(divided - grads, 0), gathered))
+                        for grads, other in block.bwd_peaks),
         bwd_peak_grad_numel=block.bwd_peak_grad_numel - cut_grads + -(-cut_grads // tp),
         fwd_memory_bytes=round(block.fwd_memory_bytes * ratio), bwd_memory_bytes=round(block.bwd_memory_bytes * ratio),
         selective_bytes=round(block.selective_bytes * ratio),
@@ -615,7 +621,7 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
     for block, kept_bytes in zip(blocks, kept):
         later_numel -= block.param_numel
         fwd_transient = _per_micro_batch(block.fwd_transient_bytes, ctx)
-        bwd_transient = _per_micro_batch(block.bwd_transient_bytes, ctx) + block.bwd_peak_grad_numel * grad_bytes
+        bwd_transient = bwd_transient_bytes(block, ctx) + block.bwd_peak_grad_numel * grad_bytes
         output_grad = _per_micro_batch(block.output_bytes, ctx)
         saved = _per_micro_batch(block.saved_bytes, ctx)
         fwd_working = max(fwd_working, (running, fwd_transient), key=sum)
@@ -630,6 +636,15 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
         bwd_working = max(bwd_working, working, key=sum)
         running += kept_bytes
     return sum(kept), fwd_working, bwd_working
+
+
+def bwd_transient_bytes(block: Block, ctx: CostContext) -> int:
+    """A block's backward transient for one micro-batch: of the moments it may peak (Block.bwd_peaks), the
+    one holding the most with its parameter gradients whole (they do not split over micro-batches) and
+    the rest per micro-batch; a block built by hand, its transient per micro-batch."""
+    if not block.bwd_peaks:
+        return _per_micro_batch(block.bwd_transient_bytes, ctx)
+    return max(grads + _per_micro_batch(other, ctx) for grads, other in block.bwd_peaks)
 
 
 def _selective_backward_start(block: Block, saved: int, kept: int, output_grad: int, ctx: CostContext) -> int:

@@ -567,3 +567,29 @@ def test_a_blocks_backward_holds_the_gradient_of_its_outputs(checkpoint, transie
     assert sequence.output_bytes == tensor_parallel_block().output_bytes // 4  # the sequence's 1/tp
     recomputed = sequence.saved_bytes - sequence.input_bytes if checkpoint is Checkpoint.FULL else 0
     assert on_a_rank == sequence.output_bytes + recomputed + sequence.bwd_transient_bytes
+
+
+def test_the_bytes_that_do_not_grow_with_the_batch_are_priced_once():
+    """A GPT analysed at one sequence and priced at 8 (a larger replica batch, or 8 micro-batches of an
+    analysis at 8) holds what the analysis at 8 holds in each block's backward: weight gradients and the
+    embedding's whole-table gradient once, the activations 8 times (a head whose loss backward peaks
+    above its weight gradient's at 8 sequences included). Not the learned positions: the gradient of their
+    output summed over the batch, (1, S, d), is an activation's gradient that does not grow, priced as one
+    that does."""
+    from shardplan import zoo
+    from shardplan.cost import bwd_transient_bytes, on_rank
+    from shardplan.passes import analyze
+
+    config = zoo.GPTConfig(vocab_size=1024, seq_len=128, n_layer=2, n_head=8, d_model=256)
+    chains = {batch: analyze(*(lambda e: (e.model, e.args, e.kwargs))(zoo.gpt(config, batch=batch)))
+              for batch in (1, 8)}
+    larger, split = ctx(dp=1, batch_scale=8.0), ctx(dp=1, num_micro_batches=8)
+    for one, eight in zip(chains[1].blocks, chains[8].blocks):
+        if one.name == "wpe":
+            continue
+        expected = bwd_transient_bytes(eight, ctx(dp=1))
+        assert bwd_transient_bytes(on_rank(one, larger), larger) == pytest.approx(expected, rel=0.02, abs=2**16)
+        assert bwd_transient_bytes(eight, split) == pytest.approx(bwd_transient_bytes(one, ctx(dp=1)),
+                                                                  rel=0.02, abs=2**16)
+    embedding = chains[1].blocks[0]
+    assert embedding.bwd_peaks == ((1024 * 256 * 4, 0),)  # the table's gradient, in fp32, and nothing else

@@ -154,6 +154,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             selective_saved_bytes=sum(size for sid, size in saved.items() if sid in kept_by_selective),
             selective_dropped_bytes=_dropped_by_recompute(nodes, modules_of[index], held, storage_bytes),
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
+            bwd_peaks=_bwd_peaks(nodes),
             bwd_peak_grad_numel=sum(attribute_of(gm, p).numel() for p in grads_live_at_bwd_peak(nodes)
                                     if p in param_names),
             first_node=nodes[0].name, last_node=nodes[-1].name))
@@ -251,6 +252,21 @@ def _bwd_transient(nodes) -> int:
         return 0
     first = min((n for n in nodes if facts(n).bwd_order >= 0), key=lambda n: facts(n).bwd_order)
     return max(facts(peak).bwd_peak_live_bytes - facts(first).bwd_live_before_bytes, 0)
+
+
+def _bwd_peaks(nodes) -> tuple[tuple[int, int], ...]:
+    """The block's backward moments that may peak (Block.bwd_peaks), above the block's start: of every
+    node's (NodeFacts.bwd_moments), the one holding the most, the most gradients, the most of the rest."""
+    ran = [node for node in nodes if facts(node).bwd_order >= 0]
+    if not ran:
+        return ()
+    start = facts(min(ran, key=lambda n: facts(n).bwd_order)).bwd_live_before_bytes
+    moments = [(grads, other + facts(node).bwd_live_before_bytes - start)
+               for node in ran for grads, other in facts(node).bwd_moments]
+    if not moments:
+        return ()
+    return tuple(dict.fromkeys((max(moments, key=sum), max(moments),
+                                max(moments, key=lambda held: (held[1], held[0])))))
 
 
 def bwd_peak_node(nodes: list[torch.fx.Node]) -> torch.fx.Node | None:

@@ -16,8 +16,11 @@ differently from the math fallback), and device moves in the model work. Three t
 Parameter gradients are dropped as soon as they are accumulated: the gradient
 state is the cost model's to count, not the activations'. Which node's backward
 made each one is recorded (bwd_param_grads), for the gradients a runtime holds
-until its unit's backward ends (passes/blocks.py, Block.bwd_peak_grad_numel).
+until its unit's backward ends (passes/blocks.py, Block.bwd_peak_grad_numel), and
+how many of the bytes a node's backward holds at the moments it may peak are
+gradients (bwd_moments): those do not grow with the batch.
 """
+import itertools
 import math
 import weakref
 from typing import cast
@@ -49,13 +52,22 @@ class _LiveStorages(TorchDispatchMode):
         super().__init__()
         self.ignored = ignored
         """Storage keys never counted: parameters, buffers, inputs."""
-        self.tracked: set[StorageWeakRef] = set()
+        self.tracked: dict[StorageWeakRef, int] = {}
+        """Each live storage → its serial number (a key may be reused once its storage is freed; a serial is not)."""
+        self.serials = itertools.count()
         self.live_bytes = 0
         self.peak_bytes = 0
         """Highest live_bytes since the last `reset_peak`."""
+        self.events: list[tuple[int, int]] | None = None
+        """Where set: (serial, +bytes) per storage allocated, (serial, -bytes) per storage freed, and (-1, 0)
+        after each op, when the peak is read."""
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
+
+    def serial(self, storage) -> int | None:
+        """The serial number of a live storage it follows (None: not followed)."""
+        return self.tracked.get(StorageWeakRef(storage))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -64,15 +76,47 @@ class _LiveStorages(TorchDispatchMode):
                 storage = tensor.untyped_storage()
                 key = StorageWeakRef(storage)
                 if key not in self.tracked and key not in self.ignored:
-                    self.tracked.add(key)
+                    serial = self.tracked[key] = next(self.serials)
                     self.live_bytes += storage.nbytes()
-                    weakref.finalize(storage, self._free, key, storage.nbytes())
+                    if self.events is not None:
+                        self.events.append((serial, storage.nbytes()))
+                    weakref.finalize(storage, self._free, key, serial, storage.nbytes())
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.events is not None:
+            self.events.append((-1, 0))
         return out
 
-    def _free(self, key: StorageWeakRef, size: int) -> None:
-        self.tracked.discard(key)
+    def _free(self, key: StorageWeakRef, serial: int, size: int) -> None:
+        if self.tracked.get(key) == serial:
+            del self.tracked[key]
         self.live_bytes -= size
+        if self.events is not None:
+            self.events.append((serial, -size))
+
+
+def peak_moments(events: list[tuple[int, int]], grads: set[int]) -> tuple[tuple[int, int], ...]:
+    """(parameter gradients, other bytes) held above the start, after the op where the events peak, where
+    they hold the most gradients, and where they hold the most of the rest: the moments that can peak at
+    another batch, whose gradients stay while the rest grows with it (a head's loss backward holds the
+    logits' gradient, its weight gradient comes later). A storage freed that was allocated before the
+    events began is not a gradient."""
+    allocated: set[int] = set()
+    held_grads = held_other = 0
+    peak = most_grads = most_other = (0, 0)
+    for serial, change in events:
+        if serial < 0:
+            moment = (held_grads, held_other)
+            peak = max(peak, moment, key=sum)
+            most_grads = max(most_grads, moment)
+            most_other = max(most_other, moment, key=lambda held: (held[1], held[0]))
+            continue
+        if change > 0:
+            allocated.add(serial)
+        if serial in grads and serial in allocated:
+            held_grads += change
+        else:
+            held_other += change
+    return tuple(dict.fromkeys((peak, most_grads, most_other)))
 
 
 def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -418,17 +462,26 @@ def _run_backward(loss, grad_fn_owner, ops: _OpTally, live: _LiveStorages, meta)
                 order.append(node)
                 tallies[node] = _Tally()
                 marks[node] = {"bwd_live_before_bytes": live.live_bytes, "bwd_peak_live_bytes": live.live_bytes}
+                events[node] = []
+            live.events = events[node]  # a node's backward may run in several autograd nodes: one list
             running[0] = node
             ops.tally = tallies[node]
         return hook
 
     made: dict[torch.fx.Node, list[str]] = {}
     """Each node → the parameters whose gradients were accumulated while its backward ran."""
+    events: dict[torch.fx.Node, list[tuple[int, int]]] = {}
+    """Each node → what its backward allocated and freed (_LiveStorages.events)."""
+    grad_serials: set[int] = set()
+    """The storages that became parameter gradients."""
 
     def drop_grad(name: str):
         def hook(param: torch.Tensor) -> None:
             if running[0] is not None:
                 made.setdefault(running[0], []).append(name)
+            serial = live.serial(param.grad.untyped_storage()) if param.grad is not None else None
+            if serial is not None:
+                grad_serials.add(serial)
             param.grad = None
         return hook
 
@@ -439,10 +492,10 @@ def _run_backward(loss, grad_fn_owner, ops: _OpTally, live: _LiveStorages, meta)
     with ops, live:
         loss.backward()
         close_running()
-    ops.tally = None
+    ops.tally, live.events = None, None
     for position, node in enumerate(order):
         update_facts(node, bwd_order=position, bwd_param_grads=tuple(made.get(node, ())), **marks[node],
-                     **tallies[node].facts("bwd"))
+                     bwd_moments=peak_moments(events[node], grad_serials), **tallies[node].facts("bwd"))
 
 
 class _FakeState:

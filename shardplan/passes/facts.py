@@ -50,6 +50,9 @@ class NodeFacts:
     """Position of this node's backward in the backward pass (-1: it has none)."""
     bwd_live_before_bytes: int = 0
     bwd_peak_live_bytes: int = 0
+    bwd_moments: tuple[tuple[int, int], ...] = ()
+    """(parameter gradients, other bytes) this node's backward held above bwd_live_before_bytes at the moments
+    it may peak at another batch (execution.peak_moments): its peak, its most gradients, its most else."""
     bwd_param_grads: tuple[str, ...] = ()
     """Parameters whose gradients were accumulated while this node's backward ran (the analysis then
     drops them), as named by get_attr targets."""

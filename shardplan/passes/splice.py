@@ -254,6 +254,7 @@ class _FactTranslation:
             fwd_live_before_bytes=rep.fwd_live_before_bytes + self.fwd_shift,
             fwd_peak_live_bytes=rep.fwd_peak_live_bytes + self.fwd_shift,
             bwd_param_grads=tuple(map(self.rename, rep.bwd_param_grads)) if ran else (),
+            bwd_moments=rep.bwd_moments if ran else (),
             bwd_order=rep.bwd_order if ran else -1,
             bwd_live_before_bytes=rep.bwd_live_before_bytes + self.bwd_shift if ran else 0,
             bwd_peak_live_bytes=rep.bwd_peak_live_bytes + self.bwd_shift if ran else 0)
