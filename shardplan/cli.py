@@ -171,6 +171,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--clip", type=float, help="clip the gradients' global norm to this")
     train.add_argument("--timeout", type=float, default=300.0,
                        help="process-group timeout in seconds: how long ranks wait on a rank that died silently")
+    train.add_argument("--adopt-checkpoint", action="store_true",
+                       help="resume a checkpoint another run saved (copied into --directory to continue it)")
     _hardware_options(train)
     return parser
 
@@ -355,19 +357,25 @@ def _train(options) -> int:
 
     import torch
 
+    from .files import is_finite_number
     from .model_spec import load_model
     from .runtime.elastic import ElasticOptions, train
 
+    for flag, value, low in (("--lr", options.lr, "above 0"), ("--eps", options.eps, "0 or more"),
+                             ("--weight-decay", options.weight_decay, "0 or more")):
+        if not (is_finite_number(value) and (value > 0 if low == "above 0" else value >= 0)):
+            raise ShardplanError(f"{flag} {value}: give a finite number, {low}")
+    elastic = ElasticOptions(directory=options.directory, steps=options.steps, global_batch_size=options.global_batch,
+                             replica_batch_size=options.batch, checkpoint_every=options.checkpoint_every,
+                             seed=options.seed, clip_grad_norm=options.clip, timeout_s=options.timeout,
+                             plan_options={"hardware": options.hardware, "memory_budget": options.memory_budget},
+                             adopt_checkpoint=options.adopt_checkpoint)  # checks the numbers before the data loads
     module_name, _, factory_name = options.data.partition(":")
     try:
         dataset = getattr(importlib.import_module(module_name), factory_name)()
     except (ImportError, AttributeError, ValueError) as error:
         raise ShardplanError(f"cannot load the data {options.data!r} ({error}): write package.module:function, "
                              "importable from here (set PYTHONPATH)") from None
-    elastic = ElasticOptions(directory=options.directory, steps=options.steps, global_batch_size=options.global_batch,
-                             replica_batch_size=options.batch, checkpoint_every=options.checkpoint_every,
-                             seed=options.seed, clip_grad_norm=options.clip, timeout_s=options.timeout,
-                             plan_options={"hardware": options.hardware, "memory_budget": options.memory_budget})
     outcome = train(lambda: load_model(options.model, warn=_warn).model, dataset, elastic,
                     optimizer_factory=lambda parameters: torch.optim.AdamW(
                         parameters, lr=options.lr, eps=options.eps, weight_decay=options.weight_decay),

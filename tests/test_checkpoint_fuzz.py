@@ -12,7 +12,7 @@ import hashlib
 import json
 import pickle
 import shutil
-import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -215,7 +215,11 @@ def test_a_huge_memo_index_is_refused_at_once(tmp_path):
     file = tmp_path / ".metadata"
     file.write_bytes(pickle.PROTO + b"\x04" + pickle.EMPTY_DICT + pickle.LONG_BINPUT + (300_000_000).to_bytes(4, "little")
                      + pickle.STOP)
-    started = time.perf_counter()
-    with pytest.raises(CheckpointError, match="is not the DCP metadata"):
-        read_dcp_metadata(file, {})
-    assert time.perf_counter() - started < 1.0
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="is not the DCP metadata"):
+            read_dcp_metadata(file, {})
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < 2**20  # no memo sized by the index

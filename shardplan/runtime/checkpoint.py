@@ -70,7 +70,7 @@ import torch.nn as nn
 
 from ..dtypes import dtype_name, torch_dtype
 from ..errors import CheckpointError, RuntimeMismatchError, ShardplanError
-from ..files import is_finite_number, parse_json, read_text
+from ..files import is_finite_number, parse_json, read_text, write_atomically
 from . import collectives
 from .chunks import Holder
 from .dcp_storage import DCP_METADATA_FILE, ManifestReader, RecordingWriter, one_line, read_dcp_metadata
@@ -261,8 +261,8 @@ def export_full_state_dict(program: "Program", path: str | os.PathLike | None = 
     state = {}
     for key, module, attribute, kind in slots:
         state[key] = pieces[key] if kind == "parameter" else module.get_buffer(attribute).detach().to("cpu", copy=True)
-    if path is not None:
-        torch.save(state, path)
+    if path is not None:  # anew beside `path` and renamed: never through a link or into a FIFO left there
+        write_atomically(path, lambda handle: torch.save(state, handle), through_links=False, error=CheckpointError)
     return state
 
 

@@ -14,6 +14,7 @@ reads with a full unpickler, are refused as metadata. The checksums in
 the files can write the manifest too.
 """
 import io
+import os
 import pickle
 import pathlib
 from typing import IO, Any
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointError
+from ..files import open_regular_file
 
 DCP_METADATA_FILE = ".metadata"
 DCP_METADATA_LIMIT_BYTES = 1 << 30
@@ -67,8 +69,9 @@ def read_dcp_metadata(file: pathlib.Path, sizes_bytes: dict[str, int]) -> Metada
     """The DCP metadata in `file`, checked and rebuilt; `sizes_bytes`: the checkpoint's files by name (the
     manifest). Raises CheckpointError naming the file and what is wrong."""
     try:
-        with open(file, "rb") as handle:
-            data = handle.read(DCP_METADATA_LIMIT_BYTES + 1)
+        with open_regular_file(file, "DCP metadata", CheckpointError) as handle:
+            # no more than the file holds: a read's buffer is as large as it asks for
+            data = handle.read(min(os.fstat(handle.fileno()).st_size, DCP_METADATA_LIMIT_BYTES) + 1)
         if len(data) > DCP_METADATA_LIMIT_BYTES:
             raise ValueError(f"it is larger than {DCP_METADATA_LIMIT_BYTES >> 20} MiB")
         return _rebuilt(_MetadataUnpickler(io.BytesIO(data)).load(), sizes_bytes)

@@ -29,14 +29,17 @@ pipeline or tensor-parallel mesh splits the world's batch over fewer replicas, w
 an analysis at each candidate replica batch; not done yet.
 """
 import datetime
+import errno
 import json
 import os
 import re
 import signal
+import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -44,7 +47,7 @@ import torch.nn as nn
 from torch.utils.data import default_collate
 
 from ..errors import CheckpointError, PlanError, ShardplanError
-from ..files import parse_json, read_text
+from ..files import append_line, is_finite_number, parse_json, read_text, write_text_atomically
 from ..plan import Plan
 from ..sampler import ResumableSampler
 from . import collectives, parallelize
@@ -81,6 +84,9 @@ class ElasticOptions:
     """solve()'s PlanOptions (hardware, memory_budget, mixed_precision, ...); see [Note: elastic restarts]
     for the mesh."""
     backend: str = "shardplan"
+    adopt_checkpoint: bool = False
+    """Resume a checkpoint another run saved (copied into this run's folder to continue it); without it such
+    a checkpoint is passed over ([Note: run folder])."""
 
     def __post_init__(self) -> None:
         if (self.global_batch_size is None) == (self.replica_batch_size is None):
@@ -88,8 +94,26 @@ class ElasticOptions:
                                  "replica_batch_size (per rank: the global batch scales with the world)")
         for name in ("steps", "checkpoint_every", "global_batch_size", "replica_batch_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ShardplanError(f"{name} must be a whole number from 1, got {value!r}")
+            if value is not None and (not _is_whole(value) or not 1 <= value <= MAX_COUNT):
+                raise ShardplanError(f"{name} must be a whole number from 1 to {MAX_COUNT}, got {value!r}")
+        if not _is_whole(self.seed) or not 0 <= self.seed < 2**63:
+            raise ShardplanError(f"seed must be a whole number from 0 to 2^63 - 1 (torch's), got {self.seed!r}")
+        if self.clip_grad_norm is not None and not (is_finite_number(self.clip_grad_norm) and self.clip_grad_norm > 0):
+            raise ShardplanError(f"the gradient clip (--clip) is {self.clip_grad_norm!r}: give the largest global "
+                                 "gradient norm to allow, a finite number above 0, or no clip")
+        if not (is_finite_number(self.timeout_s) and 0 < self.timeout_s <= MAX_TIMEOUT_S):
+            raise ShardplanError(f"the process-group timeout (--timeout) is {self.timeout_s!r} s: give the seconds "
+                                 f"ranks wait on a silent one, above 0 and at most {MAX_TIMEOUT_S:.0f} (a week)")
+
+
+MAX_COUNT = 2**40
+"""The most steps, samples a step or steps between checkpoints asked for: far past any run, and what a
+checkpoint's name (step_<n>) and a sampler's count hold exactly."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _is_whole(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,21 +144,41 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
     ...                 ElasticOptions(directory="run", steps=1000, global_batch_size=64))
     """
     started, started_at = time.perf_counter(), time.time()
-    _make_directory(Path(options.directory))
+    directory = Path(options.directory)
+    _make_directory(directory)
     owns_group = _join(options.timeout_s)
     timings = {**_startup(started_at), "rendezvous_s": time.perf_counter() - started}
     world = collectives.world()
-    journal = _Journal(Path(options.directory), log if world.rank == 0 else None)
+    lock: list[_RunLock] = []  # rank 0's, held until this start returns or fails
+    try:
+        run = on_rank_zero(lambda: _claim_run_folder(directory, lock))
+        return _train(model_factory, dataset, options, optimizer_factory, scheduler_factory, log, run=run,
+                      owns_group=owns_group, timings=timings, started=started, started_at=started_at)
+    finally:
+        for held in lock:
+            held.release()
+
+
+def _train(model_factory, dataset, options: ElasticOptions, optimizer_factory, scheduler_factory, log, *, run: str,
+           owns_group: bool, timings: dict[str, float], started: float, started_at: float) -> Outcome:
+    """train's start once rank 0 holds the run folder (see [Note: run folder])."""
+    directory = Path(options.directory)
+    world = collectives.world()
+    journal = _Journal(directory, log if world.rank == 0 else None)
     global_batch, replica_batch = batch_sizes(options, world.size)
+    sampler = ResumableSampler(_samples_in(dataset), seed=options.seed)
     torch.manual_seed(options.seed)  # the same initialization on every rank, at every start
     model = model_factory()
     plan = on_rank_zero(lambda: plan_for_world(model, _example_call(dataset, replica_batch), world.size,
                                                options.plan_options, timings))
     program = _timed(timings, "parallelize_s", lambda: parallelize(model, plan, backend=options.backend))
     optimizer = (optimizer_factory or _adamw)(program.parameters())
-    state = _TrainingState(ResumableSampler(len(dataset), seed=options.seed),
-                           scheduler_factory(optimizer) if scheduler_factory else None)
-    resumed = _timed(timings, "load_s", lambda: _resume(program, optimizer, state, Path(options.directory), journal))
+    configured = configured_hyperparameters(optimizer)  # before a scheduler sets its first rate
+    state = _TrainingState(sampler, scheduler_factory(optimizer) if scheduler_factory else None, run=run,
+                           hyperparameters=configured, adopt_checkpoint=options.adopt_checkpoint)
+    resumed = _timed(timings, "load_s", lambda: _resume(program, optimizer, state, directory, journal))
+    if resumed is not None:
+        _apply_changed_hyperparameters(optimizer, state, journal)
     journal.started(plan, resumed, world.size, global_batch, replica_batch, timings, started_at)
     stop = _Termination()
     losses: list[float] = []
@@ -144,10 +188,10 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
             losses.append(_train_step(program, optimizer, state, dataset, global_batch, options.clip_grad_norm))
             journal.stepped(state.step, losses[-1], world.size, first_sample, global_batch, started)
             if state.step % options.checkpoint_every == 0 or state.step == options.steps:
-                _save(program, optimizer, state, Path(options.directory), journal)
+                _save(program, optimizer, state, directory, journal)
         stopped = state.step < options.steps
         if stopped and state.step % options.checkpoint_every:  # SIGTERM: keep what was trained
-            _save(program, optimizer, state, Path(options.directory), journal)
+            _save(program, optimizer, state, directory, journal)
     except Exception as error:  # most often a rank died: when this one saw it starts the restart's timeline
         journal.failed(state.step + 1, error)
         raise
@@ -231,10 +275,19 @@ def latest_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 class _TrainingState:
     """What a checkpoint keeps besides the model and the optimizer, as its extra state."""
 
-    def __init__(self, sampler: ResumableSampler, scheduler):
+    def __init__(self, sampler: ResumableSampler, scheduler, *, run: str = "",
+                 hyperparameters: list[dict[str, Any]] | None = None, adopt_checkpoint: bool = False):
         self.step = 0
         self.sampler = sampler
         self.scheduler = scheduler
+        self.run = run
+        """This run's id (run.json): saved with each checkpoint, compared at a load ([Note: run folder])."""
+        self.hyperparameters = hyperparameters or []
+        """The optimizer's numbers (lr, betas, ...) per param group, as this start built it: saved, so that a
+        later start sees what it changed."""
+        self.adopt_checkpoint = adopt_checkpoint
+        self.saved_hyperparameters: list[dict[str, Any]] | None = None
+        """The loaded checkpoint's `hyperparameters`; None where it records none."""
 
     def extras(self) -> dict[str, Any]:
         extras = {"sampler": self.sampler, "progress": self}
@@ -242,11 +295,73 @@ class _TrainingState:
 
     def state_dict(self) -> dict[str, Any]:
         # rank 0's generator: after a world change no rank's stream continues as it would have anyway
-        return {"step": self.step, "rng": torch.get_rng_state()}
+        return {"step": self.step, "rng": torch.get_rng_state(), "run": self.run,
+                "hyperparameters": self.hyperparameters}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        torch.set_rng_state(state["rng"])
+        """Checked whole before anything is set; a CheckpointError makes the start try the checkpoint before."""
+        step, rng, run = state.get("step"), state.get("rng"), state.get("run")
+        if not _is_whole(step) or not 0 <= step <= MAX_COUNT:
+            raise CheckpointError(f"its progress holds step {str(step)[:40]}, not a count of steps from 0: it is "
+                                  "corrupt or was crafted")
+        live_rng = torch.get_rng_state()
+        if not (isinstance(rng, torch.Tensor) and rng.dtype == live_rng.dtype and rng.shape == live_rng.shape):
+            shape = tuple(rng.shape) if isinstance(rng, torch.Tensor) else type(rng).__name__
+            raise CheckpointError(f"its progress holds a random generator state of shape {shape}, where torch's is "
+                                  f"{tuple(live_rng.shape)}: it is corrupt or was crafted")
+        if run is not None and run != self.run and not self.adopt_checkpoint:  # None: saved before runs had ids
+            raise CheckpointError(f"it was saved by another run ({str(run)[:40]}; this folder's run is {self.run}): "
+                                  "move it out of the folder, or pass --adopt-checkpoint (adopt_checkpoint=True) "
+                                  "to continue that run here")
+        self.step = step
+        torch.set_rng_state(rng)
+        saved = state.get("hyperparameters")
+        self.saved_hyperparameters = saved if _are_hyperparameters(saved) else None
+
+
+def configured_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Per param group, its numbers and tuples of numbers (lr, betas, eps, weight_decay, ...): neither tensors nor
+    flags."""
+    return [{key: value for key, value in group.items() if key != "params" and _is_hyperparameter(value)}
+            for group in optimizer.param_groups]
+
+
+def _is_hyperparameter(value: object) -> bool:
+    return is_finite_number(value) or (isinstance(value, tuple) and bool(value) and all(map(is_finite_number, value)))
+
+
+def _are_hyperparameters(saved: object) -> bool:
+    return isinstance(saved, list) and all(
+        isinstance(group, dict) and all(isinstance(key, str) and _is_hyperparameter(value)
+                                        for key, value in group.items()) for group in saved)
+
+
+def _apply_changed_hyperparameters(optimizer: torch.optim.Optimizer, state: _TrainingState,
+                                   journal: "_Journal") -> None:
+    """The hyperparameters this start built its optimizer with, where they differ from those the checkpoint's
+    start did: the load restored the checkpoint's, and a changed --lr would otherwise be dropped unsaid."""
+    saved = state.saved_hyperparameters
+    if saved is None or len(saved) != len(state.hyperparameters):
+        return
+    changes = [(index, key, saved[index][key], value) for index, group in enumerate(state.hyperparameters)
+               for key, value in group.items() if key in saved[index] and saved[index][key] != value]
+    if not changes:
+        return
+    groups = len(state.hyperparameters) > 1
+    described = ", ".join(f"{key} {old} -> {new}" + (f" (param group {index})" if groups else "")
+                          for index, key, old, new in changes)
+    if state.scheduler is not None:
+        raise ShardplanError(f"the optimizer was built with other hyperparameters than the run's checkpoint was "
+                             f"trained with ({described}), and its scheduler sets the rate from its saved state: "
+                             "build the optimizer as before to resume, or train in another directory")
+    for index, key, _, value in changes:
+        group = optimizer.param_groups[index]
+        if isinstance(group[key], torch.Tensor):
+            group[key].fill_(value)
+        else:
+            group[key] = value
+    journal.note(f"the optimizer's {described} at this start: training on with the new values (the optimizer "
+                 "state, its moments, is the checkpoint's)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,6 +415,75 @@ def _remove_old_checkpoints(directory: Path) -> None:
 
     for _, path in latest_checkpoints(directory)[KEPT_CHECKPOINTS:]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+# [Note: run folder]
+# A run's folder holds its checkpoints (step_<n>), progress.json, events.jsonl, run.json (the run's id, made at
+# its first start) and run.lock. Rank 0 holds an exclusive lock on run.lock while a start runs: a second job
+# given the same folder stops at once, where it would interleave events.jsonl with the first's and remove its
+# checkpoints as its own old ones. Each checkpoint's progress carries the run's id, and a start passes over a
+# checkpoint of another run (one copied or swapped in would resume at another run's weights and learning rate,
+# the log saying only "resumed") unless asked to adopt it. The run's own files are written anew beside their
+# name and renamed, or appended to without following a link, and read only when they are regular files: a link
+# or a FIFO someone left in the folder is refused, never written through or waited on.
+RUN_FILE = "run.json"
+LOCK_FILE = "run.lock"
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+class _RunLock:
+    """An exclusive flock on the run folder's LOCK_FILE; the system drops it when its process ends, however."""
+
+    def __init__(self, directory: Path):
+        import fcntl
+
+        file = directory / LOCK_FILE
+        try:
+            self.descriptor = os.open(file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+        except OSError as error:
+            cause = "it is a symbolic link" if error.errno == errno.ELOOP else error.strerror or str(error)
+            raise ShardplanError(f"cannot lock the run folder: {file}: {cause}; remove it, or give another "
+                                 "--directory") from None
+        try:
+            fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(self.descriptor, 200).decode("utf-8", "replace").strip() or "another process"
+            os.close(self.descriptor)
+            raise ShardplanError(f"another job is training in {directory} ({holder} holds {LOCK_FILE}): wait for it "
+                                 "to end, or give this job another --directory") from None
+        except OSError as error:
+            os.close(self.descriptor)
+            raise ShardplanError(f"cannot lock the run folder: {file}: {error.strerror or error}; give another "
+                                 "--directory") from None
+        os.ftruncate(self.descriptor, 0)
+        os.pwrite(self.descriptor, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
+
+    def release(self) -> None:
+        os.close(self.descriptor)
+
+
+def _claim_run_folder(directory: Path, held: list[_RunLock]) -> str:
+    """Lock the run folder (into `held`) and give the run's id, made at its first start ([Note: run folder])."""
+    held.append(_RunLock(directory))
+    file = directory / RUN_FILE
+    if not os.path.lexists(file):
+        run = uuid.uuid4().hex
+        write_text_atomically(file, json.dumps({"run": run}) + "\n", through_links=False)
+        return run
+    data = parse_json(read_text(file, "run identity file", regular_only=True), f"run identity file {file}")
+    if not (isinstance(data, dict) and isinstance(data.get("run"), str) and _RUN_ID.fullmatch(data["run"])):
+        raise ShardplanError(f"run identity file {file} holds no run id: it was damaged; remove it (the next start "
+                             "makes a new id, and resumes the folder's checkpoints with --adopt-checkpoint)")
+    return data["run"]
+
+
+def _samples_in(dataset) -> int:
+    """len(dataset), or a one-line error where the data factory returned no dataset."""
+    try:
+        return len(dataset)
+    except TypeError:
+        raise ShardplanError(f"the data is a {type(dataset).__name__}, which has no len(): make the data factory "
+                             "return a dataset (len(dataset) and dataset[i])") from None
 
 
 def _make_directory(directory: Path) -> None:
@@ -387,10 +571,10 @@ class _Journal:
         """progress.json, or None where there is none or it cannot be read (a crash mid-write; it only feeds the
         log's steps lost and time since the last step, so a bad one is noted, never fatal)."""
         file = self.directory / PROGRESS_FILE
-        if not file.is_file():
+        if not os.path.lexists(file):
             return None
         try:
-            progress = parse_json(read_text(file, "progress file"), f"progress file {file}")
+            progress = parse_json(read_text(file, "progress file", regular_only=True), f"progress file {file}")
         except ShardplanError as error:
             self.note(f"{error}; the log counts no steps lost")
             return None
@@ -468,9 +652,7 @@ class _Journal:
             self.first_step = False
         self._emit(text, fields)
         progress = {"step": step, "time": now, "world_size": world_size, "global_batch": global_batch}
-        temporary = self.directory / (PROGRESS_FILE + ".tmp")
-        temporary.write_text(json.dumps(progress))
-        os.replace(temporary, self.directory / PROGRESS_FILE)
+        write_text_atomically(self.directory / PROGRESS_FILE, json.dumps(progress), through_links=False)
 
     def failed(self, step: int, error: Exception) -> None:
         cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
@@ -484,6 +666,5 @@ class _Journal:
         if self.log is None:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / EVENTS_FILE, "a") as handle:
-            handle.write(json.dumps({"time": time.time(), **fields}) + "\n")
+        append_line(self.directory / EVENTS_FILE, json.dumps({"time": time.time(), **fields}), "the run's events file")
         self.log(text)

@@ -45,6 +45,7 @@ from torch.utils import _pytree as pytree
 
 from ..dtypes import dtype_name
 from ..errors import RuntimeMismatchError, ShardplanError
+from ..files import is_finite_number
 from ..chain import InputSpec
 from ..plan import Plan
 from . import collectives
@@ -298,6 +299,11 @@ class Program:
         """Scale all gradients so their global norm (over every shard on every rank) is at most max_norm.
 
         Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
+        if not (is_finite_number(max_norm) and max_norm >= 0):  # -1 would flip every gradient, NaN poison them
+            raise ShardplanError(f"clip_grad_norm_(max_norm={max_norm!r}): give the largest global gradient norm to "
+                                 "allow, a finite number, 0 or more")
+        if not (is_finite_number(norm_type) and norm_type > 0 or norm_type == math.inf):
+            raise ShardplanError(f"clip_grad_norm_(norm_type={norm_type!r}): give a p-norm's p above 0, or inf")
         self.check_in_step()
         to_reduce, complete = self._grad_norm_terms(norm_type)
         if math.isinf(norm_type):
