@@ -544,6 +544,7 @@ def _check_plan(plan: Plan) -> None:
     if (plan.mesh.pp == 1) != (plan.schedule.name == "none"):
         raise PlanError(f"schedule {plan.schedule.name!r} with pp={plan.mesh.pp}: use 'none' without a pipeline "
                         "and 'gpipe' or '1f1b' with one")
+    _check_micro_batches(plan)
     _unique([u.name for u in plan.units], "unit name", "rename one of the units")
     _unique([m for u in plan.units for m in u.modules], "module", "a module belongs to one unit")
     _unique([p for u in plan.units for p in u.params], "parameter", "a parameter belongs to one unit's flat buffer")
@@ -560,6 +561,20 @@ def _check_plan(plan: Plan) -> None:
     if in_order != [u.name for u in plan.units]:
         raise PlanError("stages must hold every unit exactly once, in the order of Plan.units "
                         f"(stages list {_shown(in_order)}, units are {_shown([u.name for u in plan.units])})")
+
+
+def _check_micro_batches(plan: Plan) -> None:
+    """Each micro-batch holds a sample at least, and a pipeline's equal ones (its stages are cut at one micro-batch's
+    shapes); a plan without inputs (written by hand) leaves the batch to its steps."""
+    if not (plan.inputs and plan.inputs[0].shape):
+        return
+    count, batch = plan.schedule.num_micro_batches, plan.batch_per_replica
+    if count > batch:
+        raise PlanError(f"schedule has {count} micro-batches but one replica's batch is {batch} sample(s): give at "
+                        f"most {batch} micro-batches, or a larger batch")
+    if plan.mesh.pp > 1 and batch % count:
+        raise PlanError(f"schedule splits one replica's batch of {batch} samples into {count} micro-batches, and a "
+                        f"pipeline runs equal ones: give a count that divides {batch}")
 
 
 def _check_inputs(inputs: tuple[InputSpec, ...]) -> None:

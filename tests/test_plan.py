@@ -67,6 +67,21 @@ def test_invariants_are_checked_on_construction_with_the_fix(change, message):
         plan(**change)
 
 
+@pytest.mark.parametrize("micro_batches, message", [
+    (8, "schedule has 8 micro-batches but one replica's batch is 4 sample\\(s\\): give at most 4"),
+    (2**20, "schedule has 1048576 micro-batches but one replica's batch is 4"),
+    (3, "splits one replica's batch of 4 samples into 3 micro-batches, and a pipeline runs equal ones"),
+])
+def test_a_pipeline_of_more_micro_batches_than_samples_or_unequal_ones_is_refused_on_load(micro_batches, message):
+    """Such a plan passed explain and diff, and parallelize failed in torch.fx's tracing of the stage."""
+    data = json.loads(plan(world_size=4, mesh=Mesh(dp_shard=2, pp=2), schedule=Schedule(num_micro_batches=2,
+                      name="1f1b"), stages=(Stage(index=0, units=("h.0",)), Stage(index=1, units=("h.1",))),
+                      inputs=(InputSpec(name="ids", shape=(4, 16), dtype="int64"),)).to_json())
+    data["schedule"]["num_micro_batches"] = micro_batches
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json(json.dumps(data))
+
+
 def test_the_mesh_lays_tp_innermost_and_pipeline_stages_outermost():
     mesh = Mesh(dp_replicate=2, dp_shard=2, tp=2, pp=2)
     assert mesh.size == 16 and mesh.dp == 4
