@@ -96,6 +96,15 @@ def test_train_refuses_a_number_flag_it_cannot_use_before_it_loads_anything(flag
     assert message in _refused(argv, capsys)  # not "cannot load the data": refused before it is imported
 
 
+@pytest.mark.parametrize("data, message", [
+    (5, r"the data is a int, which has no len\(\): make the data factory return a dataset"),  # once a SIGABRT
+    ([], "the dataset has 0 samples: give a dataset with at least one"),  # once IndexError: 0
+])
+def test_data_that_is_no_dataset_or_holds_no_sample_is_refused_before_the_rendezvous(data, message, tmp_path):
+    with pytest.raises(ShardplanError, match=message):
+        elastic.train(lambda: None, data, ElasticOptions(directory=tmp_path, steps=1, global_batch_size=1))
+
+
 def test_a_forged_or_foreign_progress_state_is_a_checkpoint_error_that_changes_nothing():
     """A CheckpointError, so that a start tries the checkpoint before it (an uncaught RuntimeError never did)."""
     saved = elastic._TrainingState(ResumableSampler(10), None, run="a" * 32)

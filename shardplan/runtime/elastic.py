@@ -146,27 +146,28 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
     started, started_at = time.perf_counter(), time.time()
     directory = Path(options.directory)
     _make_directory(directory)
+    sampler = ResumableSampler(_samples_in(dataset), seed=options.seed)  # refuses no dataset before the rendezvous
     owns_group = _join(options.timeout_s)
     timings = {**_startup(started_at), "rendezvous_s": time.perf_counter() - started}
     world = collectives.world()
     lock: list[_RunLock] = []  # rank 0's, held until this start returns or fails
     try:
         run = on_rank_zero(lambda: _claim_run_folder(directory, lock))
-        return _train(model_factory, dataset, options, optimizer_factory, scheduler_factory, log, run=run,
+        return _train(model_factory, dataset, sampler, options, optimizer_factory, scheduler_factory, log, run=run,
                       owns_group=owns_group, timings=timings, started=started, started_at=started_at)
     finally:
         for held in lock:
             held.release()
 
 
-def _train(model_factory, dataset, options: ElasticOptions, optimizer_factory, scheduler_factory, log, *, run: str,
-           owns_group: bool, timings: dict[str, float], started: float, started_at: float) -> Outcome:
+def _train(model_factory, dataset, sampler: ResumableSampler, options: ElasticOptions, optimizer_factory,
+           scheduler_factory, log, *, run: str, owns_group: bool, timings: dict[str, float], started: float,
+           started_at: float) -> Outcome:
     """train's start once rank 0 holds the run folder (see [Note: run folder])."""
     directory = Path(options.directory)
     world = collectives.world()
     journal = _Journal(directory, log if world.rank == 0 else None)
     global_batch, replica_batch = batch_sizes(options, world.size)
-    sampler = ResumableSampler(_samples_in(dataset), seed=options.seed)
     torch.manual_seed(options.seed)  # the same initialization on every rank, at every start
     model = model_factory()
     plan = on_rank_zero(lambda: plan_for_world(model, _example_call(dataset, replica_batch), world.size,
