@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_hf_memory.py --models hf-llama hf-t5 --profile cpu-gloo
     .venv/bin/python benchmarks/bench_hf_memory.py --models --extra   # architectures of no table, same size
     .venv/bin/python benchmarks/bench_hf_memory.py --keep runs        # and write each profile and measurement
+    .venv/bin/python benchmarks/bench_hf_memory.py --models --extra --bf16 --profile cpu-gloo --rounds 1
     PYTHONPATH=old .venv/bin/python benchmarks/bench_hf_memory.py --price runs   # those runs on old code
     .venv/bin/python benchmarks/bench_hf_memory.py --price runs --refit  # their profiles fitted on this code
 
@@ -35,6 +36,7 @@ from shardplan.accuracy import (HF_OTHER_ARCHITECTURES, HF_WORKLOAD_NAMES, HF_WO
                                 demo_chain_and_plans, hf_workload, measure_plans)
 from shardplan.calibrate import MODES, Measurements, fit_profile, summary, sweep_for
 from shardplan.hardware import HardwareProfile
+from shardplan.plan import BF16_MIXED, MixedPrecision
 
 MEMORY_BAND, STEP_TIME_BAND = (0.95, 1.05), (0.85, 1.15)
 """Issue 22's targets for predicted / measured (accuracy's bands are the suite's looser ones)."""
@@ -62,6 +64,8 @@ def main() -> None:
     parser.add_argument("--factors-like", metavar="PROFILE", help="with --price: keep only the op time factors "
                                                                   "PROFILE has, as a calibration of the code that "
                                                                   "wrote PROFILE would fit")
+    parser.add_argument("--bf16", action="store_true",
+                        help="train in bf16 mixed precision (fp32 master weights, gradients reduced in fp32)")
     options = parser.parse_args()
     if (options.factors_like or options.refit) and not options.price:
         parser.error("--factors-like and --refit price kept runs: give --price FOLDER too")
@@ -79,7 +83,7 @@ def main() -> None:
     spans = []
     for name in names:
         workload = hf_workload(name)
-        chain, plans = demo_chain_and_plans(2, workload)
+        chain, plans = demo_chain_and_plans(2, workload, BF16_MIXED if options.bf16 else MixedPrecision())
         load = os.getloadavg()[0]
         measurements = None
         if options.price:

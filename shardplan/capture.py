@@ -206,13 +206,18 @@ def restore(originals: list[tuple[dict, str, torch.Tensor]]) -> None:
 
 @contextlib.contextmanager
 def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    """`model` with its floating parameters stood in by meta tensors in `dtype`, and its other parameters and
-    buffers by meta tensors of their own dtypes, while it is captured and analyzed: what mixed precision runs
-    (the runtimes cast parameters, not buffers or inputs, to the compute dtype). The graph then bakes the
-    dtypes the runtime computes in, as eager code writes them (a cast to `x.dtype`, a softmax upcast to
-    float32 and cast back, a loss taken in float32), which casting the fp32 graph's values afterwards could
-    not see; and it allocates nothing."""
-    originals = put_stand_ins(model, lambda value: True, buffers=True, parameter_dtype=dtype)
+    """`model` with its floating parameters stood in by fake tensors in `dtype`, and its other parameters and
+    buffers by fake tensors of their own dtypes, on its device, while it is captured and analyzed: what mixed
+    precision runs (the runtimes cast parameters, not buffers or inputs, to the compute dtype). The graph then
+    bakes the dtypes the runtime computes in, as eager code writes them (a cast to `x.dtype`, a softmax
+    upcast to float32 and cast back, a loss taken in float32), which casting the fp32 graph's values
+    afterwards could not see; it takes the branches the model takes on its device (transformers' MoE
+    routing picks histc's dtype by `device.type`), and it allocates nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = model_device(model)
+    fake = None if device.type == "meta" else (FakeTensorMode(allow_non_fake_inputs=True), device)
+    originals = put_stand_ins(model, lambda value: True, buffers=True, parameter_dtype=dtype, fake=fake)
     try:
         yield
     finally:
