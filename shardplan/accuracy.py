@@ -334,6 +334,19 @@ def measure_accuracy(hardware, world_size: int = 2, rounds: int = 3, progress: b
     return _again_where_slow(chain, plans, measured, hardware, None, rounds, progress, workload)
 
 
+def measure_memory_accuracy(hardware, precision: MixedPrecision, progress: bool = True) -> list[Accuracy]:
+    """Every plan kind of the demo GPT over 2 ranks, and every mesh kind of 2 ranks (MESH_KINDS), computing in
+    `precision`: peak memory predicted on `hardware` beside the measured, in one world (step time, taken
+    from one step, is shown, not held)."""
+    chain, plans = demo_chain_and_plans(2, DEMO_WORKLOAD, precision)
+    two_ranks = [name for name, mesh in MESH_KINDS.items()
+                 if mesh.get("dp", 1) * mesh.get("dp_replicate", 1) * mesh.get("tp", 1) == 2]
+    _, meshes = demo_mesh_plans(DEMO_WORKLOAD, two_ranks, precision)
+    plans += list(meshes.values())
+    _, measured = measure_plans(plans, 2, 1, progress=progress)
+    return compare(chain, plans, measured, hardware, [*KIND_NAMES, *meshes])
+
+
 def measure_mesh_accuracy(hardware, rounds: int = 3, progress: bool = True) -> list[Accuracy]:
     """Every mesh kind of the demo GPT (MESH_KINDS), predicted on `hardware` and measured on CPU ranks."""
     chain, named = demo_mesh_plans()
@@ -419,14 +432,15 @@ def stage_peaks_job(device, report, plan_jsons: list[str]) -> list[list[int]]:
     return peaks
 
 
-def measure_pipeline_accuracy(hardware, progress: bool = True) -> list[Accuracy]:
-    """Every pipelined kind of the demo GPT (PIPELINE_KINDS): each stage's peak memory predicted on
-    `hardware` beside its rank's measured one (a row per stage, "kind/stage i"); step time is not
-    measured (NaN: bench_pipeline.py times pipelines)."""
+def measure_pipeline_accuracy(hardware, progress: bool = True,
+                              precision: MixedPrecision = MixedPrecision()) -> list[Accuracy]:
+    """Every pipelined kind of the demo GPT (PIPELINE_KINDS) computing in `precision`: each stage's peak
+    memory predicted on `hardware` beside its rank's measured one (a row per stage, "kind/stage i"); step
+    time is not measured (NaN: bench_pipeline.py times pipelines)."""
     from .compile import evaluate
     from .runtime.launch import run_world
 
-    chain, named = demo_pipeline_plans()
+    chain, named = demo_pipeline_plans(precision)
     measured = run_world(stage_peaks_job, ([plan.to_json() for plan in named.values()],), world_size=2,
                          backend="gloo", total_steps=len(named), progress=progress, description="pipelined steps")
     rows = []

@@ -8,7 +8,9 @@ lengthens every measured step, so a test of it fails on a busy machine whatever 
 import pytest
 
 from shardplan import get_hardware
-from shardplan.accuracy import KINDS, MESH_KINDS, accuracy_table, measure_accuracy, measure_mesh_accuracy
+from shardplan.accuracy import (KIND_NAMES, KINDS, MESH_KINDS, accuracy_table, measure_accuracy,
+                                measure_memory_accuracy, measure_mesh_accuracy)
+from shardplan.plan import BF16_MIXED
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -35,6 +37,23 @@ def test_every_mesh_kind_is_predicted_within_tolerance(capsys):
     _assert_within_tolerance(rows, "predicted vs measured, demo GPT, every mesh kind (cpu-gloo)", capsys)
 
 
+BF16_MEMORY_TOLERANCE = 0.03
+
+
+def test_every_plan_and_mesh_kind_in_bf16_mixed_precision_is_predicted_within_3_percent(capsys):
+    """Trained as GPUs train: fp32 master weights, bf16 compute, gradients reduced in fp32. Activations are
+    priced in bf16 (the chain analysed computing in it), a whole unit's bf16 copy held from its forward to
+    its backward; what stays fp32 (master weights, their gradients, the optimizer state) stays fp32."""
+    rows = measure_memory_accuracy(get_hardware("cpu-gloo"), BF16_MIXED, progress=False)
+    assert [row.kind for row in rows][:len(KIND_NAMES)] == list(KIND_NAMES) and len(rows) > len(KIND_NAMES)
+    with capsys.disabled():
+        from rich.console import Console
+        Console(width=120).print(accuracy_table(rows, "predicted vs measured, demo GPT in bf16 mixed precision, "
+                                                      "2 gloo ranks (cpu-gloo; step time from one step)"))
+    ratios = {row.kind: round(row.memory_ratio, 3) for row in rows}
+    assert all(abs(ratio - 1) <= BF16_MEMORY_TOLERANCE for ratio in ratios.values()), ratios
+
+
 def test_ranks_sharing_cores_take_ranks_over_cores_times_as_long():
     from shardplan.accuracy import shared_cores
 
@@ -59,3 +78,17 @@ def test_every_pipelined_kind_is_predicted_within_tolerance_on_each_stage(capsys
     rows = measure_pipeline_accuracy(get_hardware("cpu-gloo"), progress=False)
     assert [row.kind for row in rows] == [f"{kind}/stage {stage}" for kind in PIPELINE_KINDS for stage in (0, 1)]
     _assert_within_tolerance(rows, "predicted vs measured peak memory per stage, demo GPT, pp 2 (cpu-gloo)", capsys)
+
+
+def test_every_pipelined_kind_in_bf16_mixed_precision_is_predicted_within_tolerance_on_each_stage(capsys):
+    """As in fp32, within MEMORY_TOLERANCE, not 3%: a pipelined stage's peak reads 0.95-1.02 of the measured
+    in bf16 (0.93-1.05 in fp32), the same misses of the pipeline's schedule in both."""
+    from shardplan.accuracy import MEMORY_TOLERANCE, measure_pipeline_accuracy
+
+    rows = measure_pipeline_accuracy(get_hardware("cpu-gloo"), progress=False, precision=BF16_MIXED)
+    with capsys.disabled():
+        from rich.console import Console
+        Console(width=120).print(accuracy_table(rows, "predicted vs measured peak memory per stage, demo GPT, pp 2, "
+                                                      "bf16 mixed precision (cpu-gloo)"))
+    ratios = {row.kind: round(row.memory_ratio, 3) for row in rows}
+    assert all(abs(ratio - 1) <= MEMORY_TOLERANCE for ratio in ratios.values()), ratios
