@@ -264,11 +264,12 @@ def _matmul(tokens: int, fan_in: int, fan_out: int, calls: int = 1) -> OpKind:
 def _backward(products: tuple[OpKind, ...]) -> tuple[OpKind, ...]:
     """A matmul's backward computes two products (input and weight gradient) of its forward's size and
     moves about twice its bytes; flash attention's backward runs 5 of the forward's 2 products (Dao
-    2023, FlashAttention-2, sec. 3.1)."""
+    2023, FlashAttention-2, sec. 3.1), as many of them masked."""
     factor = {"mm": 2, ATTENTION: 2.5}
     return tuple(OpKind(name="mm" if kind.name == "mm" else f"{kind.name}_backward",
                         calls=kind.calls * (2 if kind.name == "mm" else 1), flops=int(kind.flops * factor[kind.name]),
-                        bytes=2 * kind.bytes, weight_bytes=2 * kind.weight_bytes) for kind in products)
+                        bytes=2 * kind.bytes, weight_bytes=2 * kind.weight_bytes,
+                        masked_flops=int(kind.masked_flops * factor[kind.name])) for kind in products)
 
 
 def _elementwise(name: str, calls: int, nbytes: int, weight_bytes: int = 0) -> OpKind:
@@ -357,8 +358,11 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     head_dim = h // dims.heads
     kv = dims.kv_heads * head_dim
     layer_numel = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-    attention = OpKind(name=ATTENTION, calls=1,
-                       flops=2 * samples * seq_len * seq_len * h,  # QK^T and PV, 2 s^2 h each, causal: half
+    # QK^T and PV, 2 s^2 h each, counted over every score as torch counts a captured call; the causal half
+    # masked (as FlashAttention's benchmark counts it), which FlashAttention-2 skips: the profile reads the
+    # call's sequence off these FLOPs over its bytes (hardware.py, [Note: attention by sequence length])
+    attention_flops = 4 * samples * seq_len * seq_len * h
+    attention = OpKind(name=ATTENTION, calls=1, flops=attention_flops, masked_flops=attention_flops // 2,
                        bytes=(2 * h + 2 * kv) * tokens * BF16_BYTES)
     layer_products = (_matmul(tokens, h, h + 2 * kv), attention, _matmul(tokens, h, h),
                       _matmul(tokens, h, i, calls=2), _matmul(tokens, i, h))
@@ -418,6 +422,7 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
                          fwd_transient=norm + 2 * logits * FP32_BYTES, bwd_transient=logits * BF16_BYTES + stream,
                          tensor_parallel=head_facts))
     return BlockChain(blocks=tuple(blocks), fingerprint=f"llama-{dims.layers}x{h}", param_dtype="torch.float32",
+                      compute_dtype="bfloat16",  # its activations' bytes are bf16's, as nanotron computes
                       inputs=(InputSpec(name="0", shape=(samples, seq_len), dtype="int64"),), input_bytes=tokens * 8,
                       extra={"model": "LlamaForCausalLM"})
 
@@ -1198,9 +1203,9 @@ def print_op_breakdown(rows: list[Row], hw) -> None:
 @functools.cache
 def captured_and_built_layer(zoo_name: str, seq_len: int) -> tuple[Block, Block]:
     """A layer of zoo model `zoo_name` (a LLaMA: "llama-7b", "llama-70b") over one sequence: captured as compile
-    captures it (the zoo model at one layer on meta, analysed on fake CPU tensors, so CPU's flash attention op with
-    torch's FLOPs over every score and the masked ones apart) and as llama_chain builds it from the same model's
-    config (FlashAttention-2's op, its FLOPs causal-halved as FlashAttention's benchmark counts them)."""
+    captures it (the zoo model at one layer on meta, analysed computing in bf16 on fake CPU tensors, so CPU's flash
+    attention op with torch's FLOPs over every score and the masked ones apart) and as llama_chain builds it from the
+    same model's config (FlashAttention-2's op, its FLOPs counted alike)."""
     from shardplan import zoo
     from shardplan.passes import analyze
 
@@ -1209,7 +1214,7 @@ def captured_and_built_layer(zoo_name: str, seq_len: int) -> tuple[Block, Block]
     dims = LlamaDims(layers=1, hidden=config.hidden_size, heads=config.num_attention_heads,
                      kv_heads=config.num_key_value_heads, intermediate=config.intermediate_size,
                      vocab=config.vocab_size, tied=config.tie_word_embeddings)
-    captured = next(block for block in analyze(entry.model, entry.args, entry.kwargs).blocks
+    captured = next(block for block in analyze(entry.model, entry.args, entry.kwargs, compute_dtype="bfloat16").blocks
                     if block.name == "model.layers.0")
     return captured, llama_chain(dims, 1, seq_len, pipelined=False).blocks[1]
 

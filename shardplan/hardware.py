@@ -19,6 +19,29 @@ once a buffer outgrows the last-level cache, which no straight line fits. Bus by
 are the full buffer times `ring_factor(kind, group_size)`; a backend that does more
 work than the ring (gloo's reduce_scatter_tensor is an all_reduce plus a slice) is
 captured by its fitted numbers, not by a special case.
+
+[Note: attention by sequence length]
+A fused attention kernel (FlashAttention-2 under SDPA) runs each call at a rate its published benchmarks
+give by what they vary: the sequence length (a short one gives each thread block few key blocks to spread
+its start and its final rescale over, and the causal diagonal's half-masked blocks a larger share), the head
+dim (the tiles' inner dimension: 128 keeps the tensor cores busier than 64) and the direction (backward
+runs five matmuls to forward's two, and adds into dQ atomically). A profile lists those rates
+(HardwareProfile.attention_rates), and a call is priced at the rate of its sequence length, not at the
+matmul curve's rate for its FLOPs, which does not fall with a shorter sequence of as many FLOPs.
+
+An op kind carries its FLOPs and bytes, not its shape, but their ratio gives the sequence length S.
+Forward: torch counts 4 B H S^2 D FLOPs (QK^T and PV, every score) and the call moves q, k, v and the
+output, 4 B H S D elements of the compute dtype (e bytes each): S = e x FLOPs / bytes. Backward: 10 B H S^2 D
+FLOPs (five products) over q, k, v, the output, its gradient and the three input gradients, 8 B H S D
+elements: S = 0.8 e x FLOPs / bytes. Both hold for any batch B and heads H, and over micro-batches and a
+tp rank's heads, which divide FLOPs and bytes alike. The head dim D cannot be read off them (FLOPs and
+bytes both scale with B H D), so a call of unknown head dim is priced at the mean of the rates the profile
+lists for its head dims at S. Limits of the ratio: the log-sum-exp (4 bytes a row, fp32) adds under 1% to
+the bytes at head dims of 64 and more; grouped-query attention that hands the kernel k and v of fewer heads
+moves fewer bytes, so reads as a longer sequence (1.6x with 4 query heads a key head, 1.8x with 8): a
+faster rate by what the published ones gain over that span (they rise 3-12% from 4k to 16k, and no further
+past the longest listed); a call whose rows are not its keys (cross-attention) reads as a sequence
+between the two.
 """
 import dataclasses
 import difflib
@@ -31,6 +54,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .dtypes import dtype_bytes
 from .errors import HardwareError
 from .files import is_finite_number, parse_json, read_text
 from .sizes import LARGEST_SIZE_BYTES
@@ -56,7 +80,7 @@ def ring_factor(kind: str, group_size: int) -> float:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SizeCurve:
-    """A dimensionless factor by problem size, known at a few sizes.
+    """A factor (or a rate, where its field says so) by problem size, known at a few sizes.
 
     Linear in log(size) between points, constant beyond the ends:
     `SizeCurve(points=((1e6, 0.2), (1e8, 0.6))).at(1e7) == 0.4`.
@@ -88,6 +112,46 @@ class MatmulRate:
     its power limit sustains, whose clock falls. 1 where nothing was measured, and in a calibrated
     profile: its curve is the fastest of short rounds (a burst figure), and a calibration fits no share
     (on a CPU the two agree; on a GPU this is a known limit of `shardplan calibrate`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionRate:
+    """FLOP/s one direction of a fused attention kernel reaches, as its benchmarks publish them, by sequence
+    length, for each head dim they ran ([Note: attention by sequence length]). FLOPs are counted as
+    FlashAttention's benchmark counts them: 4 B H S^2 D forward, 2.5x that backward, halved under a causal
+    mask (the blocks past the diagonal the kernel skips). Rates are burst figures (a short benchmark at
+    the boost clock): a step keeps MatmulRate.sustained_share of them."""
+
+    causal: dict[str, SizeCurve]
+    """By head dim (its decimal digits: a JSON key), FLOP/s by sequence length of a call under a causal mask, on
+    its FLOPs less those the mask hides (OpKind.masked_flops)."""
+    full: dict[str, SizeCurve]
+    """By head dim, FLOP/s by sequence length of a call without a mask, on all its FLOPs."""
+
+    def flops_per_s(self, sequence: float, *, causal: bool, head_dim: int = 0) -> float:
+        """The rate at `sequence` of a call of `head_dim` (between two listed head dims linear in head dim, past
+        the ends the nearest), or of unknown head dim (0) the mean of every listed head dim's."""
+        curves = sorted((int(dim), curve) for dim, curve in (self.causal if causal else self.full).items())
+        rates = [curve.at(sequence) for _, curve in curves]
+        if not head_dim:
+            return sum(rates) / len(rates)
+        return float(np.interp(head_dim, [dim for dim, _ in curves], rates))
+
+
+ATTENTION_ELEMENTS = {False: (4, 4), True: (8, 10)}
+"""By direction (backward?), a fused attention call's tensors of B H S D elements (forward: q, k, v, the
+output; backward also the output's gradient and the three it returns) and its FLOPs in units of B H S^2 D
+(forward QK^T and PV; backward five products): what [Note: attention by sequence length] reads S from."""
+
+
+def attention_sequence(flops: float, bytes_moved: float, element_bytes: int, *, backward: bool) -> float:
+    """The sequence length of an attention call that counts `flops` (every score's, masked ones too) and moves
+    `bytes_moved` in elements of `element_bytes` ([Note: attention by sequence length]): a forward of one sequence
+    of 4096, 32 heads of 128, in bf16 counts 4 x 32 x 4096^2 x 128 FLOPs over 4 x 32 x 4096 x 128 x 2 bytes.
+    `attention_sequence(4 * 32 * 4096**2 * 128, 4 * 32 * 4096 * 128 * 2, 2, backward=False) == 4096`. Infinite
+    without bytes (a hand-made call): the longest sequence's rate."""
+    tensors, flops_per_score = ATTENTION_ELEMENTS[backward]
+    return element_bytes * tensors / flops_per_score * flops / bytes_moved if bytes_moved > 0 else math.inf
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -246,8 +310,15 @@ class HardwareProfile:
     hides (FlashAttention-2): priced on their FLOPs less OpKind.masked_flops, the count their factors are
     against. An op not listed runs every FLOP the analysis counts (CPU's flash attention computes the
     whole of each 512-key block, so all of a causal call of up to 512 keys: its factors are against that).
-    Each name must be a key of op_time_factors (checked): a skip is a fact about what an op's factors were
-    measured against, so one without factors is a misspelling, which would silently price every FLOP."""
+    Each name must be a key of op_time_factors or attention_rates (checked): a skip is a fact about what an op's
+    factors or rates were measured against, so one without either is a misspelling, which would silently price
+    every FLOP."""
+    attention_rates: dict[str, AttentionRate] = field(default_factory=dict)
+    """Fused attention ops by the names op_time_factors keys (forward, and backward with its `_backward` suffix),
+    each priced at its published rate for a call's sequence length and head dim ([Note: attention by sequence
+    length]) where the matmul curve at the call's FLOPs is no slower (a call too small to fill the device runs
+    no faster than a GEMM of its FLOPs), in place of any op factor. Each must be listed in skips_masked_flops: a
+    causal rate is on the FLOPs the kernel runs. Empty: attention is priced as any other op."""
     op_fixed_costs_s: dict[str, float] = field(default_factory=dict)
     """Fixed cost of one call of an ATen op by name, in place of op_overhead_s, where a calibration
     timed the op's small calls ([Note: op fixed costs] in op_factors.py): a router's sort or topk
@@ -320,11 +391,13 @@ class HardwareProfile:
         if not self.matmul:
             raise HardwareError(f"hardware profile {self.name!r}: matmul lists no dtype: "
                                 "add at least \"float32\" or run `shardplan calibrate`")
-        unfactored = [op for op in self.skips_masked_flops if op not in self.op_time_factors]
+        unfactored = [op for op in self.skips_masked_flops
+                      if op not in self.op_time_factors and op not in self.attention_rates]
         if unfactored:
             raise HardwareError(f"hardware profile {self.name!r}: skips_masked_flops names {', '.join(unfactored)}, "
-                                "which op_time_factors does not key: spell each as op_time_factors keys it (a skip says "
-                                "what that op's factors are measured against), or remove it")
+                                "which neither op_time_factors nor attention_rates keys: spell each as they key it (a "
+                                "skip says what that op's factors or rates are measured against), or remove it")
+        self._check_attention_rates()
         for link in ("intra_node", "inter_node"):
             missing = [kind for kind in COLLECTIVES if kind not in getattr(self, link).collectives]
             if missing:
@@ -339,6 +412,19 @@ class HardwareProfile:
                                         f"share above 1 in {list(curve.points)}: it is the share of the bus "
                                         "bandwidth the fabric keeps, at most 1")
 
+    def _check_attention_rates(self) -> None:
+        for op, attention in self.attention_rates.items():
+            if op not in self.skips_masked_flops:
+                raise HardwareError(f"hardware profile {self.name!r}: attention_rates keys {op}, which "
+                                    "skips_masked_flops does not list: list it there (a causal rate counts the FLOPs "
+                                    "the kernel runs, those a mask hides left out)")
+            for mask in ("causal", "full"):
+                dims = list(getattr(attention, mask))
+                if not dims or not all(dim.isascii() and dim.isdigit() and int(dim) > 0 for dim in dims):
+                    raise HardwareError(f"hardware profile {self.name!r}: attention_rates.{op}.{mask} is keyed by "
+                                        f"{dims}: key each curve by a head dim in decimal digits (\"128\"), at "
+                                        "least one")
+
     @property
     def usable_memory_bytes(self) -> int:
         return int((self.device_memory_bytes - self.runtime_reserved_bytes) * self.usable_memory_fraction)
@@ -351,10 +437,14 @@ class HardwareProfile:
         traffic, times the op's measured factor (`op` names it, as ATen does: "gelu"; an op the
         profile does not key by that name, by the name OP_ALIASES gives it), plus the fixed cost of
         each call (the op's own where measured, else op_overhead_s). Of `flops`, the `masked_flops`
-        a causal mask hides are not run where the op's kernel skips them (skips_masked_flops).
+        a causal mask hides are not run where the op's kernel skips them (skips_masked_flops). A fused
+        attention op the profile lists in attention_rates runs at its published rate for the call's
+        sequence length, read off its FLOPs and bytes, where that is slower than the matmul curve
+        ([Note: attention by sequence length]); no factor applies to it.
         `dtype` is a name ("bfloat16") or a torch.dtype.
         """
-        op = op if op in self.op_time_factors else OP_ALIASES.get(op, op)
+        op = op if op in self.op_time_factors or op in self.attention_rates else OP_ALIASES.get(op, op)
+        counted_flops = flops
         if op in self.skips_masked_flops:
             flops -= masked_flops
         if flops <= 0 and bytes_moved <= 0:
@@ -362,10 +452,16 @@ class HardwareProfile:
         arithmetic_s = 0.0
         if flops > 0:
             rate = self._matmul_rate(dtype)
-            arithmetic_s = flops / (rate.peak_flops_per_s * rate.efficiency.at(flops / calls) * rate.sustained_share)
+            burst = rate.peak_flops_per_s * rate.efficiency.at(flops / calls)
+            if op in self.attention_rates:
+                sequence = attention_sequence(counted_flops, bytes_moved, dtype_bytes(dtype),
+                                              backward=op.endswith("_backward"))
+                burst = min(burst, self.attention_rates[op].flops_per_s(sequence, causal=masked_flops > 0))
+            arithmetic_s = flops / (burst * rate.sustained_share)
         memory_s = bytes_moved / self.memory_bandwidth_bytes_per_s
         roofline_s = max(arithmetic_s, memory_s)
-        factor = self.op_time_factors[op].at(roofline_s / calls) if op in self.op_time_factors else 1.0
+        factor = (self.op_time_factors[op].at(roofline_s / calls)
+                  if op in self.op_time_factors and op not in self.attention_rates else 1.0)
         return calls * self.op_fixed_costs_s.get(op, self.op_overhead_s) + factor * roofline_s
 
     def collective_time_s(self, kind: str, nbytes: float, group_size: int, *, in_step: bool = True,
@@ -398,6 +494,8 @@ class HardwareProfile:
         data = {"schema": SCHEMA, **dataclasses.asdict(self)}
         if not self.skips_masked_flops:  # so a profile without skips (a calibration's) loads on code before them
             del data["skips_masked_flops"]
+        if not self.attention_rates:  # likewise without attention rates
+            del data["attention_rates"]
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -416,6 +514,9 @@ class HardwareProfile:
         if "op_time_factors" in fields:
             fields["op_time_factors"] = {op: _parse_curve(curve, f"op_time_factors.{op}")
                                          for op, curve in _object(fields["op_time_factors"], "op_time_factors").items()}
+        if "attention_rates" in fields:
+            fields["attention_rates"] = {op: _parse_attention(rate, f"attention_rates.{op}")
+                                         for op, rate in _object(fields["attention_rates"], "attention_rates").items()}
         for link in ("intra_node", "inter_node"):
             fields[link] = _parse_link(fields[link], link)
         return cls(**fields)
@@ -490,6 +591,13 @@ def _parse_matmul(data: object, where: str) -> MatmulRate:
     fields = _fields(MatmulRate, data, where)
     fields["efficiency"] = _parse_curve(fields["efficiency"], f"{where}.efficiency")
     return MatmulRate(**fields)
+
+
+def _parse_attention(data: object, where: str) -> AttentionRate:
+    fields = _fields(AttentionRate, data, where)
+    return AttentionRate(**{mask: {dim: _parse_curve(curve, f"{where}.{mask}.{dim}")
+                                   for dim, curve in _object(fields[mask], f"{where}.{mask}").items()}
+                            for mask in ("causal", "full")})
 
 
 def _parse_link(data: object, where: str) -> LinkProfile:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardplan.errors import HardwareError
-from shardplan.hardware import (BUILTIN, COLLECTIVES, PROFILES_DIR, CollectiveCost, HardwareProfile,
+from shardplan.hardware import (BUILTIN, COLLECTIVES, PROFILES_DIR, AttentionRate, CollectiveCost, HardwareProfile,
                                 LinkProfile, MatmulRate, SizeCurve, _figures, get_hardware, ring_factor)
 
 
@@ -190,7 +190,12 @@ def test_usable_memory():
 
 @pytest.mark.parametrize("profile", [*BUILTIN.values(), make_profile(),
                                      make_profile(name="with-op-factors", op_time_factors={
-                                         "gelu": SizeCurve(points=((1e-5, 3.0), (1e-3, 2.5)))})],
+                                         "gelu": SizeCurve(points=((1e-5, 3.0), (1e-3, 2.5)))}),
+                                     make_profile(name="with-attention-rates", attention_rates={
+                                         "_scaled_dot_product_flash_attention": AttentionRate(
+                                             causal={"64": SizeCurve(points=((512.0, 1e12), (4096.0, 2e12)))},
+                                             full={"128": SizeCurve(points=((1024.0, 3e12),))})},
+                                                  skips_masked_flops=("_scaled_dot_product_flash_attention",))],
                          ids=lambda p: p.name)
 def test_json_round_trip(profile):
     text = profile.to_json()
@@ -222,6 +227,11 @@ def test_builtin_figures_name_their_sources(name):
         assert any(path == key or path.startswith(f"{key}.") for key in data["sources"]), f"{path} has no source"
     for key in data["sources"]:
         functools.reduce(operator.getitem, key.split("."), data)  # a KeyError names a source of no field
+
+_CURVE = {"points": [[512, 1e14], [4096, 2e14]]}
+_RATES = {"causal": {"64": _CURVE}, "full": {"64": _CURVE}}
+"""A fused attention op's rates as a profile's JSON spells them (HardwareProfile.attention_rates)."""
+
 
 def _edited(mutate) -> str:
     data = json.loads(make_profile().to_json())
@@ -288,10 +298,26 @@ def _edited(mutate) -> str:
      ["skips_masked_flops is '_scaled_dot_product_flash_attention'", "make it a list of op names"]),
     (lambda d: d.update(op_time_factors={"_scaled_dot_product_flash_attention": {"points": [[1e-4, 1.5]]}},
                         skips_masked_flops=["_scaled_dot_product_flash_atention"]),
-     ["skips_masked_flops names _scaled_dot_product_flash_atention, which op_time_factors does not key",
-      "spell each as op_time_factors keys it"]),
+     ["skips_masked_flops names _scaled_dot_product_flash_atention, which neither op_time_factors nor "
+      "attention_rates keys", "spell each as they key it"]),
     (lambda d: d.update(skips_masked_flops=["_scaled_dot_product_flash_attention"]),  # an alias target, no factors
-     ["skips_masked_flops names _scaled_dot_product_flash_attention, which op_time_factors does not key"]),
+     ["skips_masked_flops names _scaled_dot_product_flash_attention, which neither op_time_factors nor"]),
+    (lambda d: d.update(attention_rates={"_scaled_dot_product_flash_attention": _RATES}),
+     ["attention_rates keys _scaled_dot_product_flash_attention, which skips_masked_flops does not list",
+      "list it there"]),
+    (lambda d: d.update(attention_rates={"_scaled_dot_product_flash_attention": {**_RATES, "full": {"d64": _CURVE}}},
+                        skips_masked_flops=["_scaled_dot_product_flash_attention"]),
+     ["attention_rates._scaled_dot_product_flash_attention.full is keyed by ['d64']", "decimal digits"]),
+    (lambda d: d.update(attention_rates={"_scaled_dot_product_flash_attention": {**_RATES, "causal": {}}},
+                        skips_masked_flops=["_scaled_dot_product_flash_attention"]),
+     ["attention_rates._scaled_dot_product_flash_attention.causal is keyed by []", "at least one"]),
+    (lambda d: d.update(attention_rates={"_scaled_dot_product_flash_attention": {"causal": {"64": _CURVE}}},
+                        skips_masked_flops=["_scaled_dot_product_flash_attention"]),
+     ["lacks field attention_rates._scaled_dot_product_flash_attention.full"]),
+    (lambda d: d.update(attention_rates={"_scaled_dot_product_flash_attention": {
+        "causal": {"64": {"points": [[512, 0]]}}, "full": {"64": _CURVE}}},
+                        skips_masked_flops=["_scaled_dot_product_flash_attention"]),
+     ["attention_rates._scaled_dot_product_flash_attention.causal.64.points[0][1] is 0", "positive"]),
 ])
 def test_validation_errors(mutate, fragments):
     with pytest.raises(HardwareError) as error:
@@ -332,6 +358,54 @@ def test_a_cpu_attention_call_takes_its_gpu_names_factor_and_skip_unless_the_pro
     efficient = "_scaled_dot_product_efficient_attention"
     own = make_profile(op_time_factors={efficient: SizeCurve(points=((1.0, 1.5),))}, skips_masked_flops=(efficient,))
     assert time_s(own, efficient) == pytest.approx(1e-5 + 1.5 * 0.5)
+
+
+def test_a_profile_without_attention_rates_writes_none_so_code_before_them_loads_it():
+    """`attention_rates` joined the fields under the same schema id, as skips_masked_flops did: a profile without
+    them (every calibration's) leaves the key out; one with them writes them and reads them back."""
+    assert "attention_rates" not in json.loads(make_profile().to_json())
+    rates = AttentionRate(causal={"64": SizeCurve(points=((512.0, 1e12),))},
+                          full={"64": SizeCurve(points=((512.0, 2e12),))})
+    with_rates = make_profile(attention_rates={FLASH: rates}, skips_masked_flops=(FLASH,))
+    assert set(json.loads(with_rates.to_json())["attention_rates"]) == {FLASH}
+    assert HardwareProfile.from_json(with_rates.to_json()) == with_rates
+
+
+def test_an_attention_call_runs_at_the_rate_of_the_sequence_its_flops_and_bytes_give():
+    """bfloat16 at 4e12 FLOP/s peak (efficiency 0.5: a matmul of any size runs 2e12). A causal forward of one
+    sequence of 1024, one head of 64, counts 4 x 1024^2 x 64 FLOPs over 4 x 1024 x 64 elements of 2 bytes, so
+    reads as 1024 keys, where the rates say 1e12 FLOP/s (halfway in log between 512 and 2048); of its FLOPs the
+    causal half runs. Without a mask the same call runs all of them at the full rate, 1.5e12; as a backward
+    (10 x 1024^2 x 64 FLOPs over 8 tensors) at the backward's rates. A rate above the matmul curve's is capped
+    by it: a call too small to fill the device runs no faster than a GEMM of its FLOPs."""
+    forward, backward = FLASH, f"{FLASH}_backward"
+    curve = SizeCurve(points=((512.0, 0.5e12), (2048.0, 1.5e12)))
+    profile = make_profile(
+        attention_rates={forward: AttentionRate(causal={"64": curve}, full={"64": SizeCurve(points=((1.0, 1.5e12),))}),
+                         backward: AttentionRate(causal={"64": SizeCurve(points=((1.0, 0.8e12),))},
+                                                 full={"64": SizeCurve(points=((1.0, 5e12),))})},
+        skips_masked_flops=(forward, backward))
+    flops, nbytes = 4 * 1024**2 * 64, 4 * 1024 * 64 * 2
+    causal_s = profile.compute_time_s(flops, nbytes, "bfloat16", op=forward, masked_flops=flops / 2)
+    assert causal_s == pytest.approx(1e-5 + flops / 2 / 1e12)
+    assert profile.compute_time_s(flops, nbytes, "bfloat16", op=CPU_FLASH, masked_flops=flops / 2) == causal_s
+    assert profile.compute_time_s(flops, nbytes, "bfloat16", op=forward) == pytest.approx(1e-5 + flops / 1.5e12)
+    back_flops = 2.5 * flops
+    assert profile.compute_time_s(back_flops, 2 * nbytes, "bfloat16", op=backward, masked_flops=back_flops / 2) == \
+        pytest.approx(1e-5 + back_flops / 2 / 0.8e12)
+    assert profile.compute_time_s(back_flops, 2 * nbytes, "bfloat16", op=backward) == \
+        pytest.approx(1e-5 + back_flops / 2e12)  # 5e12 published, above the matmul curve's 2e12
+
+
+def test_attention_rates_between_and_past_the_listed_head_dims():
+    """A known head dim reads its own curve, one between two listed ones linear in head dim, one past them the
+    nearest; an unknown one (0) the mean of every listed head dim's rate."""
+    rate = AttentionRate(causal={"64": SizeCurve(points=((1.0, 1e12),)), "128": SizeCurve(points=((1.0, 2e12),))},
+                         full={"64": SizeCurve(points=((1.0, 1e12),))})
+    assert [rate.flops_per_s(4096, causal=True, head_dim=dim) for dim in (32, 64, 96, 128, 256)] == \
+        [1e12, 1e12, 1.5e12, 2e12, 2e12]
+    assert rate.flops_per_s(4096, causal=True) == 1.5e12
+    assert rate.flops_per_s(4096, causal=False) == 1e12
 
 
 def test_a_profile_written_before_op_factors_loads_without_them():

@@ -1,13 +1,99 @@
-"""A captured model's attention on the GPU profiles: priced as FlashAttention-2 runs it, at the published rates the
-hand-built chains of bench_published.py price it at (benchmarks/bench_published.py --captured-attention)."""
+"""A captured model's attention on the GPU profiles: priced as FlashAttention-2 runs it, at the published rates of
+its sequence length (HardwareProfile.attention_rates), which the hand-built chains of bench_published.py are priced
+at too (benchmarks/bench_published.py --captured-attention)."""
 import pytest
 import torch
 
 from shardplan import get_hardware, zoo
 from shardplan.cost import CostContext, kind_time_s
+from shardplan.hardware import attention_sequence
 from shardplan.passes import analyze
 from shardplan.passes.execution import op_masked_flops
 from test_published import bench  # noqa: F401 (the fixture: benchmarks/bench_published.py as a module)
+
+SEQUENCES = (512, 1024, 2048, 4096, 8192, 16384)
+"""The sequence lengths FlashAttention's benchmarks ran, 16k tokens a batch, hidden 2048."""
+A100_FWD_BWD = {("causal", 64): (88, 119, 140, 156, 165, 171), ("causal", 128): (99, 133, 155, 173, 182, 189),
+                ("full", 64): (132, 153, 162, 171, 175, 176), ("full", 128): (151, 173, 187, 196, 201, 203)}
+"""FlashAttention-2 forward + backward TFLOP/s on A100 80GB SXM4 by (mask, head dim), at SEQUENCES: Dao 2023,
+FlashAttention-2, fig. 4 (flash-attention's assets/flash2_a100_fwd_bwd_benchmark.png)."""
+H100_FWD = {("causal", 64): (180, 229, 262, 284, 295, 299), ("causal", 128): (191, 260, 298, 319, 333, 335),
+            ("full", 64): (282, 306, 318, 321, 322, 324), ("full", 128): (309, 350, 362, 368, 370, 370)}
+"""FlashAttention-2 forward TFLOP/s on H100 80GB SXM5: FlashAttention-3's fig. 5 (assets/flash3_fp16_fwd.png)."""
+H100_FWD_BWD = {("causal", 64): (141, 192, 232, 257, 273, 284), ("causal", 128): (163, 221, 265, 294, 308, 328),
+                ("full", 64): (215, 254, 274, 288, 294, 296), ("full", 128): (248, 294, 320, 326, 335, 338)}
+"""FlashAttention-2 forward + backward TFLOP/s on H100 80GB SXM5: Dao 2023, fig. 7
+(assets/flash2_h100_fwd_bwd_benchmark.png)."""
+FORWARD, BACKWARD = "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"
+
+
+def published(hardware: str) -> tuple[dict, dict]:
+    """(forward, forward + backward) TFLOP/s of `hardware`: on A100 only the second is read, and stands for both."""
+    return (A100_FWD_BWD, A100_FWD_BWD) if hardware.startswith("a100") else (H100_FWD, H100_FWD_BWD)
+
+
+@pytest.mark.parametrize("hardware", ["a100-40g", "a100-80g", "h100-80g", "h200"])
+def test_each_sequence_and_head_dims_rate_is_the_published_one(hardware):
+    """At every sequence and head dim the benchmarks ran, causal or not: on A100, whose forward + backward figure
+    is read, both directions at it; on H100 (and H200, H100's die at its clocks) the forward at FlashAttention-3's
+    figure, and a forward with its backward (2.5x its FLOPs) take the time FlashAttention-2's forward + backward
+    figure gives."""
+    rates = get_hardware(hardware).attention_rates
+    forward, both = published(hardware)
+    for (mask, dim), figures in both.items():
+        for index, sequence in enumerate(SEQUENCES):
+            fwd, bwd = (rates[op].flops_per_s(sequence, causal=mask == "causal", head_dim=dim) / 1e12
+                        for op in (FORWARD, BACKWARD))
+            assert fwd == pytest.approx(forward[mask, dim][index], rel=1e-3)
+            assert 3.5 / (1 / fwd + 2.5 / bwd) == pytest.approx(figures[index], rel=1e-3)
+
+
+def causal_call(sequence: int, head_dim: int, *, backward: bool) -> tuple[int, int, int]:
+    """(FLOPs as torch counts them, the masked ones, bytes) of one causal attention call in bf16 of the benchmarks'
+    shape: 16k tokens a batch (one sequence past 16k), 2048 wide."""
+    batch, heads = max(1, 16384 // sequence), 2048 // head_dim
+    flops = (10 if backward else 4) * batch * heads * sequence**2 * head_dim
+    masked = flops * (sequence - 1) // (2 * sequence)  # torch's mask keeps row i the keys 0..i
+    return flops, masked, (8 if backward else 4) * batch * heads * sequence * head_dim * 2
+
+
+@pytest.mark.parametrize("hardware", ["a100-80g", "h100-80g"])
+def test_a_causal_call_is_priced_at_its_sequences_published_rate_between_and_past_the_published_ones(hardware):
+    """A hand-made causal call of the benchmarks' shape runs its unmasked FLOPs at the mean of the two head dims'
+    published rates at its sequence (its head dim is not read off its FLOPs and bytes), at the share of a burst a
+    step sustains; a sequence between two published ones between their rates; one past 16k, as a 65k sequence of
+    llm-foundry's MPT runs, at 16k's rate, not faster."""
+    hw = get_hardware(hardware)
+    sustained = hw.matmul["bfloat16"].sustained_share
+    forward, both = published(hardware)
+
+    def priced(sequence: int, head_dim: int, backward: bool) -> float:
+        flops, masked, nbytes = causal_call(sequence, head_dim, backward=backward)
+        time_s = hw.compute_time_s(flops, nbytes, "bfloat16", op=BACKWARD if backward else FORWARD,
+                                   masked_flops=masked)
+        return (flops - masked) / (time_s - hw.op_overhead_s) / 1e12
+
+    for index, sequence in enumerate(SEQUENCES):
+        expected_fwd = sum(forward["causal", dim][index] for dim in (64, 128)) / 2 * sustained
+        for dim in (64, 128):
+            fwd, bwd = priced(sequence, dim, False), priced(sequence, dim, True)
+            assert fwd == pytest.approx(expected_fwd, rel=0.01)
+            assert bwd <= fwd * (1 + 1e-9)  # FlashAttention-2's backward runs slower, or (A100) at one rate
+    assert priced(1024, 128, False) < priced(1448, 128, False) < priced(2048, 128, False)
+    longest = sum(forward["causal", dim][-1] for dim in (64, 128)) / 2 * sustained
+    assert priced(65536, 128, False) == pytest.approx(longest, rel=0.01)
+    assert priced(65536, 128, True) <= longest
+
+
+def test_a_captured_calls_sequence_is_read_off_its_flops_and_bytes(bench):
+    """LLaMA-7B's layer captured computing in bf16 (as compile captures it) and built by hand: its attention's
+    forward and backward read as the sequence they run over, within the 0.4% the log-sum-exp adds to the bytes."""
+    for sequence in (1024, 4096):
+        for layer in bench.captured_and_built_layer("llama-7b", sequence):
+            for kind in (*layer.fwd_kinds, *layer.bwd_kinds):
+                if kind.name.startswith(bench.ATTENTION):
+                    assert attention_sequence(kind.flops, kind.bytes, 2, backward=kind.name.endswith("_backward")) \
+                        == pytest.approx(sequence, rel=0.005)
 
 
 @pytest.mark.parametrize("zoo_name, hardware, tp", [
@@ -25,14 +111,16 @@ def test_a_captured_llama_layers_attention_costs_what_the_hand_built_chains_does
 
 
 def test_an_encoders_attention_runs_all_its_flops_at_flashattention_2s_published_rates(bench):
-    """No causal mask (BERT): every FLOP torch counts runs, at FlashAttention-2's published H100 rates (forward 301
-    TFLOP/s, backward 266, at the 0.848 of a burst a step holds), as the hand-built chains' causal calls run theirs."""
+    """No causal mask (BERT): every FLOP torch counts runs, at FlashAttention-2's published H100 rates without a mask
+    at its 4096 keys (forward 321 and 368 TFLOP/s at head dims 64 and 128, backward 277 and 312 from forward +
+    backward's 288 and 326; the mean of the two, at the 0.848 of a burst a step holds)."""
     entry = zoo.hf_bert(n_layer=1, d_model=2048, batch=1, seq=4096, device="meta")
-    layer = next(block for block in analyze(entry.model, entry.args, entry.kwargs).blocks
+    layer = next(block for block in analyze(entry.model, entry.args, entry.kwargs, compute_dtype="bfloat16").blocks
                  if block.name == "bert.encoder.layer.0")
     hw = get_hardware("h100-80g")
     ctx = CostContext(hardware=hw, dp=1, param_dtype="bfloat16")
-    for kinds, published in ((layer.fwd_kinds, 301e12), (layer.bwd_kinds, 266e12)):
+    backward = [2.5 / (3.5 / both - 1 / fwd) for both, fwd in ((288, 321), (326, 368))]
+    for kinds, published in ((layer.fwd_kinds, (321 + 368) / 2 * 1e12), (layer.bwd_kinds, sum(backward) / 2 * 1e12)):
         (attention,) = [kind for kind in kinds if kind.name.startswith(bench.ATTENTION)]
         assert attention.masked_flops == 0
         rate = attention.flops / (kind_time_s(attention, ctx) - hw.op_overhead_s)
