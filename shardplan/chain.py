@@ -171,6 +171,10 @@ class Block:
     """Bytes of the activations later blocks read from this block."""
     fwd_transient_bytes: int
     """Peak bytes allocated during this block's forward beyond what was live when it began."""
+    recompute_transient_bytes: int | None = None
+    """Of the forward, the peak of its modules' own ops, which a checkpointed block's recompute re-runs (the
+    runtime checkpoints modules): below fwd_transient_bytes where ops at the model's root peak after them
+    (a loss's float logits and log-softmax after the head). None in a chain built by hand: the whole forward."""
     bwd_transient_bytes: int
     """Peak bytes allocated during this block's backward beyond what was live when it began
     (parameter gradients excluded but those the op at the peak makes: the rest are bwd_peak_grad_numel)."""

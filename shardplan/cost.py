@@ -407,6 +407,8 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         saved_bytes=saved, input_bytes=round(block.input_bytes * rest_scale),
         output_bytes=round(block.output_bytes * rest_scale),
         fwd_transient_bytes=transient(block.fwd_transient_bytes),
+        recompute_transient_bytes=(None if block.recompute_transient_bytes is None
+                                   else transient(block.recompute_transient_bytes)),
         bwd_transient_bytes=transient(block.bwd_transient_bytes, divided, gathered),
         # the gradients at a moment do not grow with the batch (sliced ones divide by tp); the rest scales as
         # the transient does
@@ -627,7 +629,9 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
         fwd_working = max(fwd_working, (running, fwd_transient), key=sum)
         if checkpoint is Checkpoint.FULL:  # recompute from the kept input, then the block's backward
             recomputed = saved - min(kept_bytes, saved)
-            transient = output_grad + max(fwd_transient, recomputed + bwd_transient)
+            rerun = block.fwd_transient_bytes if block.recompute_transient_bytes is None else \
+                block.recompute_transient_bytes
+            transient = output_grad + max(_per_micro_batch(rerun, ctx), recomputed + bwd_transient)
         elif checkpoint is Checkpoint.SELECTIVE:  # the recompute brings back what was not kept before the backward
             transient = _selective_backward_start(block, saved, kept_bytes, output_grad, ctx) + bwd_transient
         else:

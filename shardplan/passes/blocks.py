@@ -154,6 +154,7 @@ def build_chain(gm: torch.fx.GraphModule, inputs: tuple[InputSpec, ...], extra: 
             selective_saved_bytes=sum(size for sid, size in saved.items() if sid in kept_by_selective),
             selective_dropped_bytes=_dropped_by_recompute(nodes, modules_of[index], held, storage_bytes),
             fwd_transient_bytes=_fwd_transient(nodes), bwd_transient_bytes=_bwd_transient(nodes),
+            recompute_transient_bytes=_fwd_transient(nodes, modules_of[index]),
             bwd_peaks=_bwd_peaks(nodes),
             bwd_peak_grad_numel=sum(attribute_of(gm, p).numel() for p in grads_live_at_bwd_peak(nodes)
                                     if p in param_names),
@@ -241,9 +242,11 @@ def _outputs(nodes) -> dict[int, int]:
     return dict(output for node in nodes for output in facts(node).outputs)
 
 
-def _fwd_transient(nodes) -> int:
+def _fwd_transient(nodes, modules: tuple[str, ...] | None = None) -> int:
+    """The forward's peak above the block's start, over every node or over those of `modules`."""
     start = facts(nodes[0]).fwd_live_before_bytes
-    return max(max(facts(n).fwd_peak_live_bytes for n in nodes) - start, 0)
+    ran = [n for n in nodes if modules is None or any(within_module(facts(n).module_path, m) for m in modules)]
+    return max(max((facts(n).fwd_peak_live_bytes for n in ran), default=start) - start, 0)
 
 
 def _bwd_transient(nodes) -> int:
