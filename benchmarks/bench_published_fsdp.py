@@ -20,11 +20,11 @@ predicted against measured within each model size and their mean, and the rows p
 device's usable memory (HardwareProfile.usable_memory_bytes: past the runtime's reservation, less the
 allocator's fragmentation); then the median ratio by sequence length, and with --rows each row.
 
-What the plans leave out of the runs: llm-foundry's MPT takes its loss with flash-attn's fused cross entropy
-(its default loss_fn), which keeps the bf16 logits alone, where transformers' causal LM loss keeps fp32 copies
-(the head's memory); the rows' attention kernel (a fused one, which is not recorded) is priced as the
-profile's FlashAttention-2; Composer's FSDP (FSDP1) keeps the embeddings and the final norm in its root unit,
-gradient clipping's norm is not priced.
+The model takes its loss as MPT does, with a fused cross entropy (FusedCrossEntropy: flash-attn's, llm-foundry's
+default loss_fn), which keeps the bf16 logits alone, not transformers' causal LM loss, which keeps fp32 copies.
+What the plans leave out of the runs: the rows' attention kernel (a fused one, which is not recorded) is priced
+as the profile's FlashAttention-2; Composer's FSDP (FSDP1) keeps the embeddings and the final norm in its root
+unit; gradient clipping's norm is not priced.
 
 Chains are analyzed once per distinct (size, sequence, batch) in a run and kept in --cache for later runs,
 under a digest of the code that builds and analyzes them (analysis_digest: an edit to the cost model reuses
@@ -37,6 +37,7 @@ import csv
 import dataclasses
 import functools
 import hashlib
+import inspect
 import math
 import os
 import pickle
@@ -47,6 +48,7 @@ import time
 from collections import defaultdict
 
 import numpy as np
+import torch
 from scipy.stats import kendalltau
 
 import shardplan
@@ -104,6 +106,49 @@ OPTIMIZER = "adamw"
 state and step as torch's AdamW, which the cost model prices (LionW, which some yamls use, keeps one)."""
 COMPUTE_DTYPE = "bfloat16"
 """What every row computes in (amp_bf16 and bf16 alike): the chain's activations are priced in it."""
+
+
+IGNORE_INDEX = -100
+LOSS_ROWS = 256
+"""Rows of logits the fused loss reads at once (flash-attn's kernel holds a block of rows in registers; this
+holds it in memory, in fp32: 49 MiB at MPT's vocabulary)."""
+
+
+class FusedCrossEntropy(torch.autograd.Function):
+    """Cross entropy as llm-foundry's MPT takes its loss (`loss_fn: fused_crossentropy`, flash-attn's fused
+    kernel): the logits are read in their own dtype a block of rows at a time, kept with each row's
+    log-sum-exp for backward, and their gradient is written in their dtype. transformers' causal LM loss
+    instead makes an fp32 copy of the logits, keeps its log-softmax and makes two fp32 gradients: 12 bytes a
+    logit beside the bf16 ones, up to three quarters of these rows' peak. The model's own Function is run as
+    the Function by the analysis (capture.tagged_autograd_functions), so it keeps what this keeps."""
+
+    @staticmethod
+    def forward(ctx, logits: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
+        lse = torch.cat([block.float().logsumexp(-1) for block in logits.split(LOSS_ROWS)])
+        valid = labels != IGNORE_INDEX
+        picked = logits.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1).float()
+        ctx.save_for_backward(logits, labels, lse)
+        return ((lse - picked) * valid).sum() / valid.sum().clamp(min=1)
+
+    @staticmethod
+    def backward(ctx, grad: "torch.Tensor"):
+        logits, labels, lse = ctx.saved_tensors
+        valid = labels != IGNORE_INDEX
+        scale = (grad / valid.sum().clamp(min=1)) * valid
+        out = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], LOSS_ROWS):
+            rows = slice(start, start + LOSS_ROWS)
+            probabilities = logits[rows].to(torch.float32, copy=True).sub_(lse[rows, None]).exp_()
+            probabilities.scatter_add_(1, labels[rows].clamp(min=0).unsqueeze(1),
+                                       -torch.ones_like(lse[rows]).unsqueeze(1))
+            out[rows] = probabilities.mul_(scale[rows, None])
+        return out, None
+
+
+def fused_causal_lm_loss(logits: "torch.Tensor", labels: "torch.Tensor", vocab_size: int, **kwargs) -> "torch.Tensor":
+    """transformers' causal LM loss (labels shifted by one, -100 ignored), through FusedCrossEntropy."""
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+    return FusedCrossEntropy.apply(logits.reshape(-1, vocab_size), shifted.reshape(-1))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,8 +223,11 @@ def analyzed(size: str, seq_len: int, samples: int, cache: str | None = None) ->
     with `cache` (a folder) kept there for later runs under the digest of the code that analyzed it."""
     spec = workload(size, seq_len, samples)
     entry = spec.build()
-    # the file's name holds every field of the model's config, its folder the code that builds and analyzes it
-    fields = hashlib.sha256(f"{spec!r} {COMPUTE_DTYPE}".encode()).hexdigest()[:12]
+    entry.model.loss_function = fused_causal_lm_loss
+    # the file's name holds every field of the model's config and its loss, its folder the code that builds and
+    # analyzes it
+    loss = inspect.getsource(FusedCrossEntropy) + inspect.getsource(fused_causal_lm_loss)
+    fields = hashlib.sha256(f"{spec!r} {COMPUTE_DTYPE} {loss}".encode()).hexdigest()[:12]
     path = os.path.join(cache, analysis_digest(), f"{size}-s{seq_len}-b{samples}-{fields}.pickle") if cache else None
     if path and os.path.exists(path):
         with open(path, "rb") as handle:
