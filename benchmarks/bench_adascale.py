@@ -1,4 +1,4 @@
-"""AdaScale's convergence on CPU (issue 23): steps to a target loss at batch B, and at 4B without retuning.
+"""AdaScale's convergence on CPU: steps to a target loss at batch B, and at 4B without retuning.
 
     .venv/bin/python benchmarks/bench_adascale.py            # a few minutes on 2 cores
     .venv/bin/python benchmarks/bench_adascale.py --seed 1   # another chain

@@ -1,4 +1,4 @@
-"""Issue 16's matrix: every Hugging Face architecture of zoo.HF_ARCHITECTURES, from its tiny config,
+"""The matrix: every Hugging Face architecture of zoo.HF_ARCHITECTURES, from its tiny config,
 compiled and trained on 2 gloo ranks against one eager process.
 
     .venv/bin/python benchmarks/bench_architectures.py                 # all 29 (several minutes on 2 cores)

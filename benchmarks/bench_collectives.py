@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_collectives.py                          # calibrate and measure together
     .venv/bin/python benchmarks/bench_collectives.py --profile profile.json   # measure against a saved profile
 
-Target (issue 3): every collective of 1-256 MB within +-15% of measured at world 2 on gloo.
+Target: every collective of 1-256 MB within +-15% of measured at world 2 on gloo.
 
 By default the calibration's probes (6 KB-380 MB, square matmuls) and this table's probes
 (decimal sizes the calibration never times, non-square matmuls) run in the same interleaved

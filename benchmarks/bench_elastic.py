@@ -1,4 +1,4 @@
-"""Elastic restarts: the seconds from a rank's SIGKILL to the first step on the new plan, broken down (issue 19).
+"""Elastic restarts: the seconds from a rank's SIGKILL to the first step on the new plan, broken down.
 
     .venv/bin/python benchmarks/bench_elastic.py               # 4 ranks lose one, 3 times, fastest first
     .venv/bin/python benchmarks/bench_elastic.py --repeats 1

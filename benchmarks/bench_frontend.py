@@ -32,7 +32,7 @@ from shardplan.signature import model_signature
 
 BF16 = MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
 WORLDS = ((8, True), (64, False), (1024, False))
-"""(world, offload allowed): issue 17's targets, each compile within 10 s, a re-plan within 1 s."""
+"""(world, offload allowed): the targets, each compile within 10 s, a re-plan within 1 s."""
 TIMINGS = ("capture_s", "analyze_s", "reused_blocks")
 
 SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama", "hf-bert", "hf-t5", "hf-mixtral"]

@@ -39,7 +39,7 @@ from shardplan.hardware import HardwareProfile
 from shardplan.plan import BF16_MIXED, MixedPrecision
 
 MEMORY_BAND, STEP_TIME_BAND = (0.95, 1.05), (0.85, 1.15)
-"""Issue 22's targets for predicted / measured (accuracy's bands are the suite's looser ones)."""
+"""The targets for predicted / measured (accuracy's bands are the suite's looser ones)."""
 
 
 def main() -> None:
@@ -113,7 +113,7 @@ def main() -> None:
 
 
 def in_band(row: Accuracy) -> bool:
-    """Whether `row` holds issue 22's bands, memory and step time."""
+    """Whether `row` holds the bands, memory and step time."""
     return (MEMORY_BAND[0] <= row.memory_ratio <= MEMORY_BAND[1]
             and STEP_TIME_BAND[0] <= row.time_ratio <= STEP_TIME_BAND[1])
 

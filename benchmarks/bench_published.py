@@ -1142,7 +1142,7 @@ def layer_ms(rows: list[Row]) -> dict[tuple[str, str, int], float]:
 
 
 def print_what_rows_show(rows: list[Row]) -> None:
-    """What the measurements show that no configuration term prices (docs: issue 15)."""
+    """What the measurements show that no configuration term prices."""
     ratios = twin_ratios(rows)
     print(f"\nRows that differ only in the ZeRO stage: {sum(r > 2 for r in ratios)} of {len(ratios)} pairs differ "
           f"more than 2x in throughput (at most {max(ratios, default=1):.0f}x)")
@@ -1185,7 +1185,7 @@ def per_sequence_s(rows: list[Row], model: str, hw) -> dict[int, tuple[float, fl
 
 
 def print_op_breakdown(rows: list[Row], hw) -> None:
-    """The single-node budget (docs: issue 15): each op kind of a layer and of the head as priced, with the rate
+    """The single-node budget: each op kind of a layer and of the head as priced, with the rate
     it implies, beside what the published one-node rows took a sequence."""
     for model in ("playbook-1B", "playbook-3B"):
         dims = MODELS[model]
@@ -1313,7 +1313,7 @@ def main() -> None:
 
 
 PICK_SHAPES = [(model, gpus) for gpus in (8, 32, 128, 256, 512) for model in ("playbook-1B", "playbook-3B", "playbook-8B")]
-"""The (model, GPU count) cells where the published runs say whether tensor parallelism wins (issue 14)."""
+"""The (model, GPU count) cells where the published runs say whether tensor parallelism wins."""
 
 
 def nanotron_options(chain: BlockChain) -> dict[str, Any]:

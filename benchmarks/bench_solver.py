@@ -8,7 +8,7 @@ The whole decision space is searched, pipelines included.
 Prints four tables: (1) on the zoo, at equal budget, the solver's predicted step time
 against the expert defaults (every block its own FULL_SHARD unit, without and with full
 checkpointing) as a ratio; (2) solve times of LLaMA-70B shapes at world 8, 64 and 1024,
-against the target of issue 4 (10 s); (3) the same with 8 sequences of 1024 tokens, whose
+against the target (10 s); (3) the same with 8 sequences of 1024 tokens, whose
 micro-batch counts let 1F1B pipelines in (the outer enumeration at work); (4) re-planning
 with a new budget from the cached chain, against its target (1 s).
 """
@@ -29,9 +29,9 @@ BUDGET_FRACTIONS = (1.0, 0.75, 0.5)
 """Budgets as fractions of the expert default's peak (FULL_SHARD per block, no checkpointing)."""
 BF16 = MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
 SOLVE_TARGET_S = 10.0
-"""Issue 4: LLaMA-70B shapes at world 8, 64 and 1024 compile in under 10 s each on this machine."""
+"""LLaMA-70B shapes at world 8, 64 and 1024 compile in under 10 s each on this machine."""
 REPLAN_TARGET_S = 1.0
-"""Issue 4: re-planning with a new budget from the cached analysis in under 1 s."""
+"""Re-planning with a new budget from the cached analysis in under 1 s."""
 
 
 def llama_70b_chain(batch: int = 1, seq: int = 4096) -> BlockChain:

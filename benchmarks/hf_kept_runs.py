@@ -5,7 +5,7 @@ strategy, and by the in-step wait each run's calibration measured.
 
 One run is one architecture's profile and measurements in one folder (<name>.profile.json,
 <name>.measured.json), priced on this code as `bench_hf_memory.py --price` prices them; each run's line
-says how many of its kinds hold issue 22's bands (unrounded ratios). A run with any
+says how many of its kinds hold the bands (unrounded ratios). A run with any
 kind's step time outside 0.75-1.25 of its prediction met a load spike (a step 1.3-2x the same kind's in
 another run, or a calibration whose in-step wait read 4-7 ms) and is left out. Of the rest it prints each
 kind's mean ratio (predicted / measured), the medians of the differences between two strategies' steps at

@@ -12,7 +12,7 @@ tests/test_predictions.py and `shardplan check --measure` hold every kind to MEM
 STEP_TIME_BAND; benchmarks/bench_estimates.py prints the same table against a fresh calibration.
 
 The same plan kinds run on other models (a Workload: a zoo entry at one size, one unit per block of
-its chain): HF_WORKLOADS are the Hugging Face architectures of issue 22, which
+its chain): HF_WORKLOADS are the Hugging Face architectures of the tables, which
 benchmarks/bench_hf_memory.py prints and tests/test_hf_predictions.py holds to ±5% memory.
 
 The mesh kinds (MESH_KINDS: tensor parallelism with and without sequence and vocabulary parallelism,
@@ -171,7 +171,7 @@ _HF_SIZE = (("n_layer", 4), ("d_model", 256), ("batch", 4), ("seq", 128))
 HF_WORKLOADS = {name: Workload(name=name, options=_HF_SIZE + extra) for name, extra in (
     ("hf-llama", (("ffn", 688), ("vocab", 2048))), ("hf-mixtral", ()), ("hf-gpt2", ()), ("hf-bert", ()),
     ("hf-t5", ()))}
-"""Hugging Face architectures at the size of issue 22's example (4 layers, hidden 256; Llama with 4
+"""Hugging Face architectures at the size of the example (4 layers, hidden 256; Llama with 4
 query and 2 kv heads and a vocabulary of 2048), each rank's batch 4 x 128 tokens."""
 HF_OTHER_ARCHITECTURES = ("qwen2", "phi3", "gemma", "gpt-neox", "opt", "bart", "falcon", "starcoder2")
 """Architectures of zoo.HF_ARCHITECTURES beside HF_WORKLOADS' five (biased GQA, fused projections, GeGLU

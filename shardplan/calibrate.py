@@ -440,7 +440,7 @@ def matmul_probe(m: int, k: int, n: int, dtype: str, device: torch.device) -> Pr
 # flat and noisy past it to 24 MB), and compute that streams memory before it (copies of 64 MB) waits
 # about 1 ms longer at every size than the matmuls; priced by size, or after copies, neither moved the
 # five Hugging Face architectures' steps toward their measurements (benchmarks/bench_in_step.py,
-# docs/benchmarks.md, issue 22), so the figure stays one mean after matmuls.
+# docs/benchmarks.md), so the figure stays one mean after matmuls.
 _COMPUTE_BEFORE_S = 2e-3
 """Compute before each in-step collective timing: about one transformer layer's forward on a CPU rank."""
 

@@ -68,10 +68,9 @@ class TensorParallelFacts:
     (`exchange_bytes`), whole while it is exchanged, so of the block's transients that much does not
     divide: a row-parallel linear's output is a whole-width partial sum until its reduce-scatter
     (forward), and a column-parallel linear's input gradient is whole until its reduce-scatter
-    (backward) (docs/benchmarks.md, "Sequence parallelism's whole-width transients"); a row-parallel
+    (backward) (benchmarks/probe_rank_peak.py); a row-parallel
     linear's output gradient, all-gathered whole before its matmuls, is held beside what the tp 1
-    transient counts where that backward peaks (`gathered_bwd_peak_bytes`; docs/benchmarks.md, "Live
-    gradients at a block's backward peak").
+    transient counts where that backward peaks (`gathered_bwd_peak_bytes`; benchmarks/probe_rank_peak.py).
 
     Traffic: `all_reduces` all-reduces of `exchange_bytes` per replica batch without sequence
     parallelism (a pair: one in forward, one in backward; a vocab-parallel embedding: one in forward;

@@ -386,9 +386,8 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     ratio = saved / block.saved_bytes if block.saved_bytes else rest_scale
     whole = parts.exchange_bytes if everything else 0  # type: ignore[union-attr]
     # what the sliced ops' backward makes at its peak divides by tp, not at the saved ratio, which keeps the
-    # norms' and residual adds' whole share (docs/benchmarks.md, "Checkpointed units and tp without sequence
-    # parallelism"); under sequence parallelism a row-parallel linear's backward at the peak holds its output
-    # gradient gathered whole beside it ("Live gradients at a block's backward peak")
+    # norms' and residual adds' whole share; under sequence parallelism a row-parallel linear's backward at
+    # the peak holds its output gradient gathered whole beside it (both measured: benchmarks/probe_rank_peak.py)
     divided = parts.sliced_bwd_transient_bytes if sliced else 0  # type: ignore[union-attr]
     gathered = parts.gathered_bwd_peak_bytes if everything else 0  # type: ignore[union-attr]
     cut_grads = parts.sliced_peak_grad_numel if sliced else 0  # type: ignore[union-attr]
@@ -605,10 +604,10 @@ def working_bytes(blocks: tuple[Block, ...], checkpoint: Checkpoint,
     so it is added here. A fully checkpointed block's recompute saves its kept input again, the same
     tensor: of its saved bytes that share is held already. A selectively checkpointed block's backward
     holds it too, beside what its recompute brings back less the kept outputs the recompute drops
-    (Block.selective_dropped_bytes: traced op by op on Llama, docs/benchmarks.md, "Selective
-    checkpointing's working set"). On a GPT layer the one dropped output, the attention projection's, is
-    as wide as the gradient, so the two cancel; on Llama its query and key projections are dropped too
-    (0.75 MiB more). A block built by hand carries no dropped bytes: the two are taken to cancel.
+    (Block.selective_dropped_bytes: traced op by op on Llama, benchmarks/probe_rank_peak.py). On a GPT
+    layer the one dropped output, the attention projection's, is as wide as the gradient, so the two
+    cancel; on Llama its query and key projections are dropped too (0.75 MiB more). A block built by
+    hand carries no dropped bytes: the two are taken to cancel.
 
     [Note: live parameter gradients] The runtime holds each parameter's gradient until its unit's last one
     is made ([Note: gradients in backward]), whatever the strategy: the `.grad` the state term counts is

@@ -309,7 +309,7 @@ HF_ARCHITECTURES: dict[str, tuple[str, dict, str]] = {
                                 pad_token_id=1, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2),
              "BartForConditionalGeneration"),
 }
-"""Tiny configs of the Hugging Face architectures issue 16 checks: name → (config class, its fields, the
+"""Tiny configs of the Hugging Face architectures the suite checks: name → (config class, its fields, the
 model class, by transformers' names). Ties are each architecture's default. Dropout is off: a replica
 would draw other masks than one process does."""
 

@@ -321,8 +321,7 @@ def test_the_search_offers_tensor_parallelism_inside_pipeline_stages():
 def test_a_selectively_checkpointed_llama_peaks_where_the_runtime_measured():
     """probe_rank_peak.py --model llama --kind full_shard/selective: 54,128,428 bytes on rank 0 (MemTracker),
     in a layer's MLP backward after its recompute dropped the query, key and output projections it kept,
-    with the layer's output gradient and its down projection's weight gradient live (docs/benchmarks.md,
-    "Selective checkpointing's working set"; 54,913,536 before)."""
+    with the layer's output gradient and its down projection's weight gradient live (benchmarks/probe_rank_peak.py)."""
     from shardplan.accuracy import KINDS, demo_chain_and_plans, hf_workload
 
     chain, plans = demo_chain_and_plans(2, hf_workload("llama"))

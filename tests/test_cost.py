@@ -409,7 +409,7 @@ def test_a_block_on_a_tp_rank_divides_what_its_facts_slice():
 
 
 def test_under_sequence_parallelism_the_exchanged_hidden_states_stay_whole_in_a_blocks_transients():
-    """Measured on the runtime (docs/benchmarks.md, "Sequence parallelism's whole-width transients"): at the
+    """Measured on the runtime (benchmarks/probe_rank_peak.py): at the
     peak of a layer's backward a tp rank holds its row-parallel linear's output gradient all-gathered whole
     beside the 1/tp input gradient, so of a transient one tensor of the hidden states does not divide."""
     whole = tensor_parallel_block()  # its pairs exchange 8 MiB of hidden states
@@ -424,7 +424,7 @@ def test_under_sequence_parallelism_the_exchanged_hidden_states_stay_whole_in_a_
 
 
 def test_without_sequence_parallelism_what_the_sliced_ops_backward_makes_at_its_peak_divides_by_tp():
-    """Measured on the runtime (docs/benchmarks.md, "Checkpointed units and tp without sequence parallelism"):
+    """Measured on the runtime (benchmarks/probe_rank_peak.py):
     at the peak of a GPT layer's backward a tp rank holds its MLP's row-parallel linear's input gradient and
     its weight's gradient, both 1/tp, which the saved ratio (keeping the norms' whole share) priced higher."""
     whole = tensor_parallel_block(sliced_bwd_transient_bytes=24 * MiB)  # of its 32 MiB backward transient
@@ -438,7 +438,7 @@ def test_without_sequence_parallelism_what_the_sliced_ops_backward_makes_at_its_
 
 
 def test_under_sequence_parallelism_a_row_parallel_peak_holds_its_gathered_output_gradient_beside_the_sliced_part():
-    """Measured on the runtime (docs/benchmarks.md, "Live gradients at a block's backward peak"): a GPT layer's
+    """Measured on the runtime (benchmarks/probe_rank_peak.py): a GPT layer's
     backward (hidden 512, 4 x 512 tokens) peaks in its MLP's row-parallel linear, whose input and weight
     gradients (16 + 4 MiB at tp 1) are 1/tp, beside its output gradient all-gathered whole (4 MiB), which at
     tp 1 was live before the op: 4 + 10 MiB on a rank of tp 2, where the saved ratio priced 4 + 16 x 0.5625."""
@@ -458,7 +458,7 @@ def test_under_sequence_parallelism_a_row_parallel_peak_holds_its_gathered_outpu
 @pytest.mark.parametrize("strategy", list(ShardStrategy))
 @pytest.mark.parametrize("checkpoint", list(Checkpoint))
 def test_a_blocks_backward_peak_holds_the_parameter_gradients_made_before_it(strategy, checkpoint):
-    """Measured on the runtime (docs/benchmarks.md, "Live gradients at a block's backward peak"): a GPT-2
+    """Measured on the runtime (benchmarks/probe_rank_peak.py): a GPT-2
     layer's backward peaks in its GELU's backward, after its output projection's, whose gradients (262,400
     parameters, 1 MiB) the runtime holds until the unit's last gradient is made, as it holds those of the
     unit's blocks whose backward ran before; the kept `.grad` of the state term is another tensor."""
@@ -521,7 +521,7 @@ def test_selective_recomputes_the_saved_bytes_it_did_not_keep():
 
 
 def test_a_selective_blocks_backward_holds_its_output_gradient_less_what_its_recompute_drops():
-    """Measured on the runtime (docs/benchmarks.md, "Selective checkpointing's working set"): a Llama layer's
+    """Measured on the runtime (benchmarks/probe_rank_peak.py): a Llama layer's
     recompute takes its query, key and output projections out of the checkpoint's cache to re-run their
     readers and drops them (autograd saves none), while the gradient of the layer's output, made by the
     layer after it, is live through its backward as under every checkpointing."""
@@ -535,7 +535,7 @@ def test_a_selective_blocks_backward_holds_its_output_gradient_less_what_its_rec
 
 def test_a_measured_block_without_matmuls_keeps_its_input_under_selective():
     """An embedding or a norm the analysis measured keeps what checkpointing its modules keeps (a dropout's
-    input after an embedding: docs/benchmarks.md, "Selective checkpointing's working set"), not a share of
+    input after an embedding: benchmarks/probe_rank_peak.py), not a share of
     its saved bytes, which only a block built by hand (no dispatch count) is priced at."""
     norm = block(saved=4 * MiB, inp=1 * MiB, fwd_transient=0, bwd_transient=1 * MiB, output_bytes=0,
                  selective_saved_bytes=1 * MiB, fwd_dispatches=6)
@@ -552,7 +552,7 @@ def test_a_measured_block_without_matmuls_keeps_its_input_under_selective():
     (Checkpoint.FULL, 64 * MiB - 8 * MiB + 32 * MiB),  # the recompute saves the kept input again: held already
 ])
 def test_a_blocks_backward_holds_the_gradient_of_its_outputs(checkpoint, transient):
-    """Measured on the runtime (docs/benchmarks.md, "A block's output gradient"): a plain dp 2 plan of a
+    """Measured on the runtime (benchmarks/probe_rank_peak.py): a plain dp 2 plan of a
     wide GPT peaks in a layer's backward one hidden-state tensor above the working set the analysis
     measured, which starts where the gradient of the layer's output, made by the layer after it, is
     live already: it stays live through the layer's recompute and backward. The loss's block receives none."""

@@ -1,4 +1,4 @@
-"""Predicted against measured peak memory on Hugging Face architectures (issue 22): Llama, Mixtral
+"""Predicted against measured peak memory on Hugging Face architectures: Llama, Mixtral
 (grouped-query attention, rotary caches; Mixtral's experts) and BERT (an encoder, its head's
 weight tied to the embedding) at the issue's size, trained on 2 gloo ranks under hand-written plans
 (shardplan.accuracy.HF_WORKLOADS, one unit per block).

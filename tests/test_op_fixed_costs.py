@@ -1,4 +1,4 @@
-"""Each op's own fixed cost (issue 22): a router's sort, topk or histc took 20-37 us a call on a CPU rank where
+"""Each op's own fixed cost: a router's sort, topk or histc took 20-37 us a call on a CPU rank where
 the model priced the 3-4 us of a one-element multiply (op_factors, [Note: op fixed costs])."""
 import dataclasses
 import json

@@ -74,8 +74,8 @@ def test_gpt_blocks_follow_its_modules():
 
 def test_a_block_names_the_parameter_gradients_made_before_its_backward_peak():
     """GPT-2's layer peaks in its MLP's GELU backward (tanh approximation), after its output projection's
-    backward made that projection's weight and bias gradients (docs/benchmarks.md, "Live gradients at a
-    block's backward peak"); the demo GPT's layer peaks in its first backward op, its MLP's output linear."""
+    backward made that projection's weight and bias gradients (benchmarks/probe_rank_peak.py); the demo
+    GPT's layer peaks in its first backward op, its MLP's output linear."""
     gpt2 = zoo.hf_gpt2(d_model=256, batch=4, seq=128)  # bench_hf_memory.py's layer (its activations 0.5 MiB)
     chain = analyze(gpt2.model, gpt2.args, gpt2.kwargs)
     layers = [b for b in chain.blocks if ".h." in b.name]
@@ -91,8 +91,7 @@ def test_selective_recompute_drops_the_kept_outputs_autograd_does_not_save():
     """Selective checkpointing keeps a Llama layer's query, key and output projections, which autograd does
     not save (the rotary embedding and the residual add read them); its recompute takes them out of the
     checkpoint's cache and drops them. The down projection's output is not replayed: the recompute stops
-    at the op that saves the layer's last tensor, that projection's input (docs/benchmarks.md, "Selective
-    checkpointing's working set": probe_rank_peak.py sees these three freed, 1.25 MiB)."""
+    at the op that saves the layer's last tensor, that projection's input (benchmarks/probe_rank_peak.py sees these three freed, 1.25 MiB)."""
     entry = hf_workload("llama").build()  # hidden 256, 2 key-value heads of 4: keys 128 wide; 4 x 128 tokens
     layers = [b for b in analyze(entry.model, entry.args, entry.kwargs).blocks if ".layers." in b.name]
     tokens = 4 * 128

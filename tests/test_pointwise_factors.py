@@ -1,4 +1,4 @@
-"""Transcendental pointwise ops get measured factors (issue 22): no zoo workload ran tanh, so GPT-2's and
+"""Transcendental pointwise ops get measured factors: no zoo workload ran tanh, so GPT-2's and
 BLOOM's GELU was priced at the copy bandwidth, 13x faster than it runs on a CPU core (op_factors.PointwiseOps)."""
 import torch
 

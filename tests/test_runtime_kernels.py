@@ -1,4 +1,4 @@
-"""The runtime's own kernels around its collectives in the step time (issue 22): each strategy's, by its
+"""The runtime's own kernels around its collectives in the step time: each strategy's, by its
 bytes, at its op's factor ([Note: the runtime's kernels] in cost.py)."""
 import pytest
 

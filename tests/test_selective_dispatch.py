@@ -1,4 +1,4 @@
-"""Selective checkpointing's dispatch modes in the step time (issue 22): the analysis counts the ops a
+"""Selective checkpointing's dispatch modes in the step time: the analysis counts the ops a
 block's forward dispatches, the calibration measures what the modes add to each, the cost model adds
 that to a selective block's recompute ([Note: selective checkpointing's modes] in calibrate.py)."""
 import dataclasses

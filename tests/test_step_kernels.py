@@ -1,4 +1,4 @@
-"""The step's own kernels in the step time (issue 22): the runtime's check of the kept gradients and the
+"""The step's own kernels in the step time: the runtime's check of the kept gradients and the
 optimizer's step run each kernel at its op's measured factor, and the calibration times exactly the
 kernels the cost model prices ([Note: the step's own kernels] in op_factors.py)."""
 import dataclasses

@@ -1,4 +1,4 @@
-"""What T5's step held beside its priced kernels (issue 22): views' dispatches, priced nothing, cost the host
+"""What T5's step held beside its priced kernels: views' dispatches, priced nothing, cost the host
 about a one-element multiply's kernel each, forward and backward ([Note: views' fixed cost] in calibrate.py),
 and attention with a learned bias runs `_safe_softmax` and bmm, which no op workload ran
 (op_factors.BiasedAttention)."""

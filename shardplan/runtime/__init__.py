@@ -1,4 +1,4 @@
-"""The runtime: run a Plan on every rank (see the runtime section of DESIGN.md).
+"""The runtime: run a Plan on every rank (see docs/design.md, "The runtime").
 
     flat_param.py    where each parameter sits in a unit's flat padded buffer
     collectives.py   every torch.distributed call (all_gather, reduce_scatter, all_reduce, broadcast) and

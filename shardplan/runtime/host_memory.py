@@ -4,7 +4,7 @@
 gathered parameters, twice a step under FULL_SHARD; activations; the flat gradient). glibc's malloc
 hands buffers above its mmap threshold back to the kernel when they are freed, and trims its heap's
 top once it is free, so the next step's buffer is faulted in again, page by page (about 1.2 us a 4 KiB
-page on the 2-core box: a Mixtral FULL_SHARD step of issue 22 faulted 17k pages, 20 ms of a 245 ms
+page on the 2-core box: a Mixtral FULL_SHARD step faulted 17k pages, 20 ms of a 245 ms
 step, where SHARD_GRAD_OP's faulted 3.7k and a REPLICATE one none). How many pages a step faults
 depends on what was allocated and freed before (another program's step, the calibration), so it is
 not a term a cost model can price; the calibration times its ops on buffers it reuses. With the mmap
