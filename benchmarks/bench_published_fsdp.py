@@ -109,40 +109,33 @@ COMPUTE_DTYPE = "bfloat16"
 
 
 IGNORE_INDEX = -100
-LOSS_ROWS = 256
-"""Rows of logits the fused loss reads at once (flash-attn's kernel holds a block of rows in registers; this
-holds it in memory, in fp32: 49 MiB at MPT's vocabulary)."""
 
 
 class FusedCrossEntropy(torch.autograd.Function):
     """Cross entropy as llm-foundry's MPT takes its loss (`loss_fn: fused_crossentropy`, flash-attn's fused
-    kernel): the logits are read in their own dtype a block of rows at a time, kept with each row's
-    log-sum-exp for backward, and their gradient is written in their dtype. transformers' causal LM loss
-    instead makes an fp32 copy of the logits, keeps its log-softmax and makes two fp32 gradients: 12 bytes a
-    logit beside the bf16 ones, up to three quarters of these rows' peak. The model's own Function is run as
-    the Function by the analysis (capture.tagged_autograd_functions), so it keeps what this keeps."""
+    kernel): one pass over the logits in their own dtype, which it keeps with each row's log-sum-exp for
+    backward, and one that writes their gradient in their dtype. transformers' causal LM loss instead makes an
+    fp32 copy of the logits, keeps its log-softmax and makes two fp32 gradients: 12 bytes a logit beside the
+    bf16 ones, up to three quarters of these rows' peak. The kernel accumulates in fp32 registers; this
+    computes in the logits' dtype, whole tensors at a time, so that it holds and launches what the kernel
+    does. The analysis runs a model's own Function as the Function (capture.tagged_autograd_functions)."""
 
     @staticmethod
     def forward(ctx, logits: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
-        lse = torch.cat([block.float().logsumexp(-1) for block in logits.split(LOSS_ROWS)])
+        lse = logits.logsumexp(-1)
         valid = labels != IGNORE_INDEX
-        picked = logits.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1).float()
+        picked = logits.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
         ctx.save_for_backward(logits, labels, lse)
-        return ((lse - picked) * valid).sum() / valid.sum().clamp(min=1)
+        return ((lse - picked).float() * valid).sum() / valid.sum().clamp(min=1)
 
     @staticmethod
     def backward(ctx, grad: "torch.Tensor"):
         logits, labels, lse = ctx.saved_tensors
         valid = labels != IGNORE_INDEX
-        scale = (grad / valid.sum().clamp(min=1)) * valid
-        out = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], LOSS_ROWS):
-            rows = slice(start, start + LOSS_ROWS)
-            probabilities = logits[rows].to(torch.float32, copy=True).sub_(lse[rows, None]).exp_()
-            probabilities.scatter_add_(1, labels[rows].clamp(min=0).unsqueeze(1),
-                                       -torch.ones_like(lse[rows]).unsqueeze(1))
-            out[rows] = probabilities.mul_(scale[rows, None])
-        return out, None
+        scale = ((grad / valid.sum().clamp(min=1)) * valid).to(logits.dtype)
+        out = (logits - lse.unsqueeze(1)).exp_()  # the softmax, in place: the gradient's one tensor
+        out.scatter_add_(1, labels.clamp(min=0).unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
+        return out.mul_(scale.unsqueeze(1)), None
 
 
 def fused_causal_lm_loss(logits: "torch.Tensor", labels: "torch.Tensor", vocab_size: int, **kwargs) -> "torch.Tensor":
