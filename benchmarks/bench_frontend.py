@@ -26,11 +26,10 @@ from shardplan.compile import solve
 from shardplan.errors import InfeasibleError
 from shardplan.passes import analyze, fingerprint_of
 from shardplan.passes.execution import flop_counter
-from shardplan.plan import MixedPrecision
+from shardplan.plan import BF16_MIXED
 from shardplan.runtime.measure import forward_activation_bytes
 from shardplan.signature import model_signature
 
-BF16 = MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
 WORLDS = ((8, True), (64, False), (1024, False))
 """(world, offload allowed): the targets, each compile within 10 s, a re-plan within 1 s."""
 TIMINGS = ("capture_s", "analyze_s", "reused_blocks")
@@ -125,7 +124,7 @@ def compile_table() -> Table:
 
 def plan_or_none(chain, world: int, offload: bool, explain: bool = True):
     try:
-        return solve(chain, world, hardware="h100-80g", mixed_precision=BF16, allow_offload=offload, explain=explain)
+        return solve(chain, world, hardware="h100-80g", mixed_precision=BF16_MIXED, allow_offload=offload, explain=explain)
     except InfeasibleError:
         return None
 

@@ -52,13 +52,12 @@ from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, Runtim
                             kind_time_s, on_rank, unpriced_dispatches)
 from shardplan.hardware import HardwareProfile, get_hardware
 from shardplan.solver.search import Configuration
-from shardplan.plan import (Checkpoint, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
-                            ShardStrategy, Stage, Unit)
+from shardplan.plan import (BF16_MIXED, Checkpoint, Decision, Mesh, Plan, Predicted, Reasoning,
+                            Schedule, ShardStrategy, Stage, Unit)
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                             "published-h100", "runs.csv")
 """`<repo>/../shared/data/published-h100/runs.csv`: the shared data set beside the checkout."""
-BF16 = MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
 ZERO_STAGES = {"0": ShardStrategy.REPLICATE, "1": ShardStrategy.SHARD_OPTIMIZER}
 """nanotron shards at most the optimizer state (ZeRO-1): its parameters stay whole on every rank."""
 RAN = ("ok", "completed", "completed_but_only_1_iteration_logged")
@@ -513,7 +512,7 @@ def plan_for(row: Row, chain: BlockChain, dims: LlamaDims) -> Plan:
                 tensor_parallel=tensor_parallel_section(chain, Configuration(mesh=mesh, schedule=Schedule(),
                                                                              sequence_parallel=True)),
                 schedule=Schedule(num_micro_batches=row.grad_accum, name="1f1b" if row.pp > 1 else "none"),
-                mixed_precision=BF16, units=units, stages=stages, predicted=Predicted(peak_bytes=0, step_time_s=0.0),
+                mixed_precision=BF16_MIXED, units=units, stages=stages, predicted=Predicted(peak_bytes=0, step_time_s=0.0),
                 reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"))
 
 
@@ -1338,7 +1337,7 @@ def print_tensor_parallel_picks(hardware: HardwareProfile, nanotron_space: bool 
             nanotrons = llama_chain(MODELS[model], 1, 4096, pipelined=False)
             spaces.append(("  nanotron's plans:", nanotrons, nanotron_options(nanotrons)))
         for label, chain, options in spaces:
-            plan = solve(chain, gpus, hardware=hardware, mixed_precision=BF16, global_batch_size=256,
+            plan = solve(chain, gpus, hardware=hardware, mixed_precision=BF16_MIXED, global_batch_size=256,
                          allow_pipeline=False, **options)
             by_tp = {alt.description: alt.step_time_s for alt in plan.reasoning.runner_ups
                      if not alt.description.startswith("expert default")}

@@ -58,7 +58,7 @@ from shardplan.chain import BlockChain
 from shardplan.compile import evaluate
 from shardplan.hardware import HardwareProfile, get_hardware
 from shardplan.passes import analyze
-from shardplan.plan import Checkpoint, MixedPrecision, Plan, Predicted, ShardStrategy
+from shardplan.plan import BF16_MIXED, Checkpoint, MixedPrecision, Plan, Predicted, ShardStrategy
 from shardplan.runtime.manual import manual_plan
 
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
@@ -96,7 +96,7 @@ PROFILES = {"a100_80gb": "a100-80g", "a100_40gb": "a100-40g", "h100_80gb": "h100
 PROFILE_RAIL_GBPS = {"a100-80g": 200, "a100-40g": 200, "h100-80g": 400}
 """Line rate of one rail (a GPU's network port) that each profile's inter-node figures are for (their sources): HDR
 InfiniBand on DGX A100, NDR InfiniBand or 4 x 100 Gb/s EFA on H100 nodes."""
-PRECISIONS = {"DEFAULT": MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32"),
+PRECISIONS = {"DEFAULT": BF16_MIXED,
               "PURE": MixedPrecision(param_dtype="bfloat16", reduce_dtype="bfloat16")}
 """Composer's FSDP mixed precision modes: both compute in bf16 over fp32 master weights; PURE also reduces
 gradients in bf16."""

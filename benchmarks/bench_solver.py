@@ -20,14 +20,13 @@ from shardplan.compile import expert_defaults, solve
 from shardplan.dtypes import dtype_name
 from shardplan.errors import InfeasibleError
 from shardplan.hardware import get_hardware
-from shardplan.plan import MixedPrecision
+from shardplan.plan import BF16_MIXED, MixedPrecision
 from shardplan.solver.search import Setting
 from shardplan.sizes import format_bytes
 
 ZOO_MODELS = ("gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama")
 BUDGET_FRACTIONS = (1.0, 0.75, 0.5)
 """Budgets as fractions of the expert default's peak (FULL_SHARD per block, no checkpointing)."""
-BF16 = MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
 SOLVE_TARGET_S = 10.0
 """LLaMA-70B shapes at world 8, 64 and 1024 compile in under 10 s each on this machine."""
 REPLAN_TARGET_S = 1.0
@@ -120,7 +119,7 @@ def solve_times(chain: BlockChain, title: str) -> None:
     for world, offload in ((8, False), (8, True), (64, False), (1024, False)):
         start = time.perf_counter()
         try:
-            plan = solve(chain, world, hardware="h100-80g", mixed_precision=BF16, allow_offload=offload)
+            plan = solve(chain, world, hardware="h100-80g", mixed_precision=BF16_MIXED, allow_offload=offload)
             result = (f"{plan.mesh.describe()}, {len(plan.units)} units, peak "
                       f"{format_bytes(plan.predicted.peak_bytes)}, step {plan.predicted.step_time_s:.3f} s, "
                       f"MFU {plan.predicted.mfu:.1%}")
@@ -137,7 +136,7 @@ def replan_times(chain: BlockChain) -> None:
     for budget in ("70GiB", "50GiB", "40GiB"):
         start = time.perf_counter()
         try:
-            plan = solve(chain, 64, hardware="h100-80g", memory_budget=budget, mixed_precision=BF16)
+            plan = solve(chain, 64, hardware="h100-80g", memory_budget=budget, mixed_precision=BF16_MIXED)
             result = f"peak {format_bytes(plan.predicted.peak_bytes)}, step {plan.predicted.step_time_s:.3f} s"
         except InfeasibleError as error:
             result = f"InfeasibleError: {error}"

@@ -51,7 +51,7 @@ from shardplan.compile import evaluate  # noqa: E402
 from shardplan.files import parse_json, read_text, write_text_atomically  # noqa: E402
 from shardplan.hardware import get_hardware  # noqa: E402
 from shardplan.passes import analyze  # noqa: E402
-from shardplan.plan import Checkpoint, MixedPrecision, Plan, ShardStrategy  # noqa: E402
+from shardplan.plan import BF16_MIXED, Checkpoint, Plan, ShardStrategy  # noqa: E402
 from shardplan.runtime.launch import run_world  # noqa: E402
 from shardplan.runtime.manual import manual_plan  # noqa: E402
 from shardplan.sizes import format_bytes  # noqa: E402
@@ -64,8 +64,6 @@ parameters at world 1: SHARD_GRAD_OP keeps each unit's gathered bfloat16 copy fr
 backward, REPLICATE (DDP, NO_SHARD) gathers nothing (backend fsdp2 runs it as SHARD_GRAD_OP). ZeRO-1
 (SHARD_OPTIMIZER) is left out: at world 1 the cost model prices it within 2% of REPLICATE."""
 BACKENDS = ("shardplan", "fsdp2")
-PRECISION = MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
-"""fp32 master weights and optimizer state, bfloat16 compute, gradients reduced in fp32: FSDP's usual mix."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,13 +108,13 @@ def planned_runs(size: LlamaSize, hardware: str) -> tuple[list[Run], dict[str, A
     """Every (kind, backend) of KINDS x BACKENDS with its prediction on `hardware`, and the model's facts."""
     entry = workload(size).build()
     start = time.perf_counter()
-    chain = analyze(entry.model, entry.args, entry.kwargs, compute_dtype=PRECISION.param_dtype)
+    chain = analyze(entry.model, entry.args, entry.kwargs, compute_dtype=BF16_MIXED.param_dtype)
     analysis_s = time.perf_counter() - start
     groups = workload(size).units(chain)
     runs = []
     for strategy, checkpoint in KINDS:
         plan = manual_plan(entry.model, groups, dp=1, strategies=(strategy,), checkpoints=(checkpoint,),
-                           precision=PRECISION)
+                           precision=BF16_MIXED)
         predicted = evaluate(chain, plan, hardware)
         runs += [Run(kind=f"{strategy.value}/{checkpoint.value}", backend=backend, plan_json=plan.to_json(),
                      predicted_bytes=predicted.peak_bytes, predicted_s=predicted.step_time_s)
@@ -286,7 +284,7 @@ def main() -> None:
     runs, model = planned_runs(size, hardware)
     document: dict[str, Any] = dict(
         model=model, hardware=get_hardware(hardware).name, process_group=backend, world_size=1,
-        precision=dataclasses.asdict(PRECISION), optimizer="torch.optim.AdamW, its default implementation",
+        precision=dataclasses.asdict(BF16_MIXED), optimizer="torch.optim.AdamW, its default implementation",
         warmup_steps=options.warmup, timed_steps=options.steps, rows=[])
     print(f"Llama of {model['parameters']:,} parameters ({size.n_layer} layers, hidden {size.d_model}, "
           f"MLP {size.ffn}, {size.heads}/{size.kv_heads} heads, vocabulary {size.vocab}), "

@@ -10,8 +10,8 @@ import pytest
 from shardplan.compile import evaluate_stages, solve
 from shardplan.cost import CostContext, StepCost, UnitSizes
 from shardplan.hardware import get_hardware, ring_factor
-from shardplan.plan import (Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy, Stage,
-                            Unit)
+from shardplan.plan import (BF16_MIXED, Decision, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
+                            ShardStrategy, Stage, Unit)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = os.path.join(HERE, "data", "published_h100_rows.csv")
@@ -254,7 +254,7 @@ def test_tensor_parallel_rows_are_plans_with_sequence_parallelism(bench):
 def test_compile_picks_tensor_parallelism_where_the_published_runs_do(bench, model, gpus, tensor_parallel):
     """compile's plans as shardplan's runtime runs them: a column-parallel linear keeps its gathered input."""
     chain = bench.llama_chain(bench.MODELS[model], 1, 4096, pipelined=False, code=bench.SHARDPLAN_RUNTIME)
-    plan = solve(chain, gpus, hardware="h100-80g", mixed_precision=bench.BF16, global_batch_size=256,
+    plan = solve(chain, gpus, hardware="h100-80g", mixed_precision=BF16_MIXED, global_batch_size=256,
                  allow_pipeline=False)
     assert (plan.mesh.tp > 1) == tensor_parallel, plan.mesh.describe()
     assert plan.tensor_parallel.sequence_parallel == tensor_parallel
@@ -271,7 +271,7 @@ def test_compile_picks_tensor_parallelism_where_the_published_runs_do(bench, mod
 @pytest.mark.parametrize("model, gpus", [("playbook-3B", 128), ("playbook-8B", 128)])
 def test_compile_picks_tensor_parallelism_at_128_gpus(bench, model, gpus):
     chain = bench.llama_chain(bench.MODELS[model], 1, 4096, pipelined=False, code=bench.SHARDPLAN_RUNTIME)
-    plan = solve(chain, gpus, hardware="h100-80g", mixed_precision=bench.BF16, global_batch_size=256,
+    plan = solve(chain, gpus, hardware="h100-80g", mixed_precision=BF16_MIXED, global_batch_size=256,
                  allow_pipeline=False)
     assert plan.mesh.tp > 1
 
@@ -403,7 +403,7 @@ def test_among_the_plans_nanotron_runs_compile_picks_tensor_parallelism_where_it
     chain = bench.llama_chain(bench.MODELS[model], 1, 4096, pipelined=False)
     cluster = get_hardware("h100-80g")
     cluster = bench.with_fabric(cluster, bench.FABRICS[fabric], f"the {fabric} fabric") if fabric else cluster
-    plan = solve(chain, gpus, hardware=cluster, mixed_precision=bench.BF16, global_batch_size=256,
+    plan = solve(chain, gpus, hardware=cluster, mixed_precision=BF16_MIXED, global_batch_size=256,
                  allow_pipeline=False, **bench.nanotron_options(chain))
     assert (plan.mesh.tp > 1) == tensor_parallel, plan.mesh.describe()
     assert {u.strategy for u in plan.units} <= set(bench.ZERO_STAGES.values()) and plan.mesh.dp_replicate == 1
