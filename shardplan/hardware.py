@@ -340,11 +340,19 @@ class HardwareProfile:
             if not isinstance(getattr(self, where), str):
                 raise HardwareError(f"hardware profile field {where} is {getattr(self, where)!r:.80}, must be a "
                                     "string: quote it in the profile JSON")
+        if not self.name.isprintable():  # reports print it: an escape sequence would drive the terminal
+            raise HardwareError(f"hardware profile name {self.name!r:.80} holds control characters: name it in "
+                                "printable characters")
         for where, value in _figures(self, ""):
             if not _is_positive(value):
                 raise HardwareError(
                     f"hardware profile {self.name!r}: {where} is {value!r:.80}, must be a positive finite number: "
                     "correct it in the profile JSON or write a new profile with `shardplan calibrate`")
+            if where.endswith("_per_s") and value < SLOWEST_RATE:  # type: ignore[operator]
+                raise HardwareError(
+                    f"hardware profile {self.name!r}: {where} is {value!r:.80}, below {SLOWEST_RATE:.0e} a second, "
+                    "slower than any device or link trains on (a slip of units?): correct it in the profile JSON "
+                    "or write a new profile with `shardplan calibrate`")
         if not isinstance(self.overlaps_communication, bool):
             raise HardwareError(f"hardware profile {self.name!r}: overlaps_communication is "
                                 f"{self.overlaps_communication!r}, must be true or false")
@@ -617,6 +625,11 @@ def _parse_link(data: object, where: str) -> LinkProfile:
 
 def _is_non_negative(value: object) -> bool:
     return is_finite_number(value) and value >= 0
+
+
+SLOWEST_RATE = 1e6
+"""The least bytes or FLOPs a second a profile's rate may hold: a kilobyte-a-second link or a megaFLOP device
+is a profile written in the wrong unit, whose plans would price steps of years."""
 
 
 def _is_positive(value: object) -> bool:

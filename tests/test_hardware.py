@@ -180,6 +180,17 @@ def test_h100_and_h200_hold_the_published_power_limited_share_of_a_burst_matmul(
         assert get_hardware(name).matmul["bfloat16"].sustained_share == pytest.approx(698.6 / 823.9, abs=5e-4)
 
 
+def test_a_rate_slower_than_any_device_and_a_name_that_drives_the_terminal_are_refused():
+    slow = LinkProfile(collectives={kind: CollectiveCost(latency_s=1e-3, bus_bandwidth_bytes_per_s=1e-300)
+                                    for kind in COLLECTIVES})
+    with pytest.raises(HardwareError, match=r"inter_node\.collectives\..*bus_bandwidth_bytes_per_s is 1e-300, below"):
+        make_profile(inter_node=slow)
+    with pytest.raises(HardwareError, match="memory_bandwidth_bytes_per_s is 1000.0, below"):
+        make_profile(memory_bandwidth_bytes_per_s=1e3)
+    with pytest.raises(HardwareError, match="holds control characters"):
+        make_profile(name="gpu\x1b[2J")
+
+
 def test_usable_memory():
     assert make_profile().usable_memory_bytes == int(10 * 2**30 * 0.8)
     # the runtime's own memory (CUDA context, NCCL buffers) comes off before the allocator's share
