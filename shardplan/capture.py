@@ -143,10 +143,15 @@ def tagged_autograd_functions() -> Iterator[None]:
 def _explain(model: torch.nn.Module, export_error: Exception, trace_error: Exception) -> str:
     first_line = str(export_error).strip().splitlines()[0] if str(export_error).strip() else type(export_error).__name__
     where = _failing_location(export_error)
-    hint = ("the model's forward branches on tensor values (data-dependent control flow): "
-            "rewrite the branch with torch.where / torch.cond, or move it out of forward")
+    both = f"{export_error}\n{trace_error}"
     if "use_cache" in str(export_error) or "DynamicCache" in str(export_error):
         hint = "set config.use_cache = False on Hugging Face models before planning"
+    elif "data-dependent" in both or "control flow" in both:
+        hint = ("the model's forward branches on tensor values (data-dependent control flow): "
+                "rewrite the branch with torch.where / torch.cond, or move it out of forward")
+    else:  # the model fails on these inputs eagerly too: a dtype, a shape or a device the model does not take
+        hint = ("the model fails on these example inputs, as the error says: call model(*inputs) eagerly to see "
+                "it, and give the inputs the dtypes, shapes and devices forward takes (token ids as torch.long)")
     return (f"cannot capture {type(model).__name__}: torch.export failed{where}: {first_line}; "
             f"torch.fx.symbolic_trace failed too: {str(trace_error).strip().splitlines()[0] if str(trace_error).strip() else type(trace_error).__name__}. "
             f"Likely cause and fix: {hint}")

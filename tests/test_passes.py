@@ -173,6 +173,15 @@ def test_uncapturable_model_names_the_cause_and_the_fix():
     assert "torch.where" in message or "torch.cond" in message
 
 
+def test_inputs_the_model_does_not_take_are_named_as_the_cause_not_control_flow():
+    entry = zoo.gpt()
+    ids = entry.args[0].float()  # token ids as floats: the embedding takes integers
+    with pytest.raises(CaptureError) as error:
+        analyze(entry.model, (ids, ids))
+    message = str(error.value)
+    assert "'indices'" in message and "torch.long" in message and "control flow" not in message
+
+
 @pytest.mark.parametrize("path, expected", [
     ("h.3.attn.qkv", "h.3"), ("model.layers.12.mlp", "model.layers.12"), ("lm_head", "lm_head"),
     ("transformer.wte", "transformer.wte"), ("", ""), ("layers.0.0", "layers.0"),
