@@ -16,12 +16,24 @@ def load_model(spec: str, batch: int | None = None, seq: int | None = None, *, f
 
     `fp32_params`: build a Hugging Face model in float32 whatever its config's torch_dtype (master
     weights for mixed precision); `warn(text)` hears what a person should know about the model built."""
-    from . import zoo
-
     sizes = {key: value for key, value in (("batch", batch), ("seq", seq)) if value is not None}
     for key, value in sizes.items():
         if value < 1:
             raise ShardplanError(f"--{key} {value} is not a size: give 1 or more")
+    try:
+        return _built(spec, sizes, fp32_params, warn)
+    except (MemoryError, RuntimeError) as error:
+        if isinstance(error, RuntimeError) and "allocate" not in str(error):
+            raise
+        asked = " ".join(f"--{key} {value}" for key, value in sizes.items()) or "its own sizes"
+        raise ShardplanError(f"building {spec} at {asked} ran out of memory: give a smaller --batch or --seq (the "
+                             "example is one replica's batch; --global-batch plans a larger step)") from None
+
+
+def _built(spec: str, sizes: dict[str, int], fp32_params: bool, warn):
+    from . import zoo
+
+    batch, seq = sizes.get("batch"), sizes.get("seq")
     if spec in zoo.ZOO:
         return zoo.build(spec, **_sizes_taken(zoo.ZOO[spec], sizes, f"zoo model {spec}"))
     if spec.endswith(".json"):

@@ -298,6 +298,7 @@ FACTORIES = ("from shardplan import zoo\n\ndef bare():\n    return zoo.residual_
     ("gpt", ["--seq", "64"], "--seq does not apply to zoo model gpt: it takes --batch; leave --seq out"),
     ("mlp", ["--batch", "-2"], "--batch -2 is not a size: give 1 or more"),
     ("gpt", ["--batch", "0"], "--batch 0 is not a size"),  # not a capture error blaming control flow
+    ("gpt", ["--batch", "100000000000"], "building gpt at --batch 100000000000 ran out of memory: give a smaller"),
     ("config.json", ["--batch", "1", "--seq", "0"], "--seq 0 is not a size"),  # not silently 512
     ("factories:bare", [],
      "factory factories:bare returned ResidualMLP: return a zoo.ZooModel or (model, args, kwargs)"),
