@@ -295,6 +295,8 @@ def transactions(rank: int, world: int, directory: Path) -> dict:
     found = {}
     expect(found, "per_rank_paths", lambda: program.save(directory / f"tx-rank-{rank}", optimizer))
     found["per_rank_dirs"] = sorted(p.name for p in directory.iterdir() if p.name.startswith("tx-rank"))
+    expect(found, "optimizer_on_one_rank", lambda: program.save(directory / "tx-half", optimizer if rank else None))
+    found["optimizer_on_one_rank_dirs"] = sorted(p.name for p in directory.iterdir() if p.name.startswith("tx-half"))
     before = program.export_full_state_dict()
     optimizer_before = {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
                         for p, state in optimizer.state.items()}
@@ -549,6 +551,14 @@ def test_ranks_given_different_paths_save_nothing(runs):
     assert found["per_rank_paths"][0] == "RuntimeMismatchError" and "checkpoint paths" in found["per_rank_paths"][1]
     assert found["per_rank_dirs"] == []
     assert issubclass(RuntimeMismatchError, ShardplanError)
+
+
+@pytest.mark.timeout(300)
+def test_ranks_saving_with_and_without_the_optimizer_save_nothing_and_say_so(runs):
+    found = runs["save"]["transactions"]
+    assert found["optimizer_on_one_rank"][0] == "RuntimeMismatchError"
+    assert "ranks [1] passed an optimizer to save and the others did not" in found["optimizer_on_one_rank"][1]
+    assert found["optimizer_on_one_rank_dirs"] == []
 
 
 @pytest.mark.timeout(300)

@@ -105,6 +105,7 @@ def save(program: "Program", path: str | os.PathLike, optimizer: torch.optim.Opt
     Call on every rank, between steps. See [Note: checkpoint format], [Note: atomic save] and [Note:
     extra state]."""
     directory = _agreed_path(path)
+    _agreed_optimizer(optimizer, "save")
     program.average_running_statistics()  # [Note: running statistics] in program.py
     held = program.holders()
     metadata = _metadata(program, held, optimizer)
@@ -148,6 +149,7 @@ def load(program: "Program", path: str | os.PathLike, optimizer: torch.optim.Opt
     from the saving run's. Extra states the checkpoint holds but `extra` does not name are left
     unread. See [Note: load as a transaction] and [Note: extra state]."""
     agreed = _agreed_path(path)
+    _agreed_optimizer(optimizer, "load")
     directory, metadata = _on_rank_zero(lambda: read_metadata(agreed))
     held = program.holders()
     _check_model(program, held, metadata, directory)
@@ -613,6 +615,16 @@ def _agreed_path(path: str | os.PathLike) -> Path:
                                    f"differ; this rank's is {directory}): pass the same path on every rank (e.g. "
                                    "built from the step number, not from a clock each rank reads)")
     return directory
+
+
+def _agreed_optimizer(optimizer: torch.optim.Optimizer | None, call: str) -> None:
+    """Every rank passed an optimizer, or none did (a collective): the optimizer's entries are collectives of
+    their own, which ranks without it would pair with the next ones."""
+    given = collectives.all_gather_object(optimizer is not None)
+    if len(set(given)) > 1:
+        with_it = [rank for rank, passed in enumerate(given) if passed]
+        raise RuntimeMismatchError(f"ranks {with_it} passed an optimizer to {call} and the others did not: pass it on "
+                                   "every rank, or on none")
 
 
 def _partial(directory: Path) -> Path:
