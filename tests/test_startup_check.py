@@ -133,3 +133,14 @@ def test_compile_and_manual_plans_and_their_json_carry_the_signature(gpt_plan):
     expected = model_signature(entry.model)
     assert gpt_plan.signature == expected and type(gpt_plan).from_json(gpt_plan.to_json()).signature == expected
     assert manual_plan(entry.model, zoo.gpt_units(4), dp=1).signature == expected
+
+
+def test_a_tp_degree_the_model_does_not_divide_is_named_as_the_cause():
+    entry = zoo.gpt()  # 4 heads
+    ids = entry.args[0]
+    plan = manual_plan(entry.model, zoo.gpt_units(4), dp=1, tp=2, example_inputs=(ids,),
+                       example_kwargs={"labels": ids})
+    edited = dataclasses.replace(plan, mesh=dataclasses.replace(plan.mesh, tp=3), world_size=3)  # its file edited
+    with pytest.raises(PlanError, match=r"slices 'h\.0\.attn\.\w+' over tp=3, but .*do not divide by tp=3.* re-plan "
+                                        r"with a tp that divides them"):
+        plan_layout(entry.model, edited)

@@ -228,6 +228,13 @@ def plan_layout(model: nn.Module, plan: Plan) -> TensorParallelLayout:
     layout = find_tensor_parallel_pairs(graph).layout(
         plan.mesh.tp, sequence_parallel=options.sequence_parallel, vocab_parallel=options.vocab_parallel)
     found, listed = set(sharded_modules(layout)), set(options.sharded)
+    kept_whole = {kept.module: kept.reason for kept in (*layout.rejected, *layout.deferred)}
+    for path in sorted(module.path for module in listed - found):  # the plan's degree, not its model, may be why
+        reason = next((why for module, why in kept_whole.items() if path == module or path.startswith(module + ".")),
+                      None)
+        if reason is not None and f"tp={plan.mesh.tp}" in reason:
+            raise PlanError(f"the plan slices {path!r} over tp={plan.mesh.tp}, but {reason}: re-plan with a tp that "
+                            "divides them (shardplan.compile picks one)")
     if found != listed:
         differ = sorted(module.path for module in found ^ listed)
         raise PlanError(f"the plan slices other modules over tp than this model offers ({len(differ)} differ, "
