@@ -796,7 +796,9 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
     overlap = ctx.hardware.overlaps_communication
     return UnitCost(
         state_bytes=state_bytes(sizes, decision, ctx), activation_bytes=activation_bytes, gathered_bytes=gathered,
-        gathered_fwd_bytes=gathered, gathered_bwd_bytes=gathered if traits.reshard_after_forward else 0,
+        # a unit keeping its parameters whole casts them as it runs, not when the unit before prefetches it
+        gathered_fwd_bytes=gathered if traits.shards_params else 0,
+        gathered_bwd_bytes=gathered if traits.reshard_after_forward else 0,
         kept_gathered_bytes=0 if traits.reshard_after_forward else gathered,
         grad_assembly_bytes=grad_assembly_bytes(sizes), reducing_bytes=reducing_bytes(sizes, decision, ctx),
         fwd_working=fwd_working, bwd_working=bwd_working,

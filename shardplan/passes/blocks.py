@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 
 from ..chain import Block, BlockChain, InputSpec, merge_op_kinds
 from ..dtypes import dtype_bytes, dtype_name
+from .execution import may_peak
 from .facts import facts, is_compute, within_module
 
 _LAYER_INDEX = re.compile(r"^\d+$")
@@ -266,10 +267,7 @@ def _bwd_peaks(nodes) -> tuple[tuple[int, int], ...]:
     start = facts(min(ran, key=lambda n: facts(n).bwd_order)).bwd_live_before_bytes
     moments = [(grads, other + facts(node).bwd_live_before_bytes - start)
                for node in ran for grads, other in facts(node).bwd_moments]
-    if not moments:
-        return ()
-    return tuple(dict.fromkeys((max(moments, key=sum), max(moments),
-                                max(moments, key=lambda held: (held[1], held[0])))))
+    return may_peak(moments) if moments else ()
 
 
 def bwd_peak_node(nodes: list[torch.fx.Node]) -> torch.fx.Node | None:

@@ -102,13 +102,10 @@ def peak_moments(events: list[tuple[int, int]], grads: set[int]) -> tuple[tuple[
     events began is not a gradient."""
     allocated: set[int] = set()
     held_grads = held_other = 0
-    peak = most_grads = most_other = (0, 0)
+    moments = [(0, 0)]
     for serial, change in events:
         if serial < 0:
-            moment = (held_grads, held_other)
-            peak = max(peak, moment, key=sum)
-            most_grads = max(most_grads, moment)
-            most_other = max(most_other, moment, key=lambda held: (held[1], held[0]))
+            moments.append((held_grads, held_other))
             continue
         if change > 0:
             allocated.add(serial)
@@ -116,7 +113,14 @@ def peak_moments(events: list[tuple[int, int]], grads: set[int]) -> tuple[tuple[
             held_grads += change
         else:
             held_other += change
-    return tuple(dict.fromkeys((peak, most_grads, most_other)))
+    return may_peak(moments)
+
+
+def may_peak(moments: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Of (parameter gradients, other bytes) moments, those that may peak at another batch: the one holding
+    the most, the one holding the most gradients, the one holding the most of the rest."""
+    return tuple(dict.fromkeys((max(moments, key=sum), max(moments),
+                                max(moments, key=lambda held: (held[1], held[0])))))
 
 
 def _cpu_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
