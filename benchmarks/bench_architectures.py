@@ -18,6 +18,7 @@ Each trains 2 AdamW steps with gradient clipping next to one eager process on th
 parameter after training are within 1e-5 of it. A cell shows the largest of those differences, or
 the error's first line.
 """
+
 import argparse
 import copy
 import os
@@ -32,8 +33,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from parity import TOLERANCE, spawn_world, train_next_to_reference  # noqa: E402
 from test_architectures import compiled, pipelined  # noqa: E402
-from shardplan import zoo  # noqa: E402
+
 from shardplan.errors import ShardplanError  # noqa: E402
+from shardplan.models import zoo  # noqa: E402
 
 BATCH, SEQ, STEPS, CLIP = 4, 16, 2, 0.05
 MODES = ("compile", "dp 2", "pp 2", "fsdp2")
@@ -45,8 +47,10 @@ def _entry(name: str):
 
 
 def _batches(vocab: int) -> list[torch.Tensor]:
-    return [torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
-            for step in range(STEPS)]
+    return [
+        torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        for step in range(STEPS)
+    ]
 
 
 def _train(name: str, plan, mode: str, rank: int, pp_backend: str) -> float | None:
@@ -59,7 +63,9 @@ def _train(name: str, plan, mode: str, rank: int, pp_backend: str) -> float | No
         plan = pipelined(plan, model, BATCH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fsdp2 says it merges the tied units
-        program = parallelize(model, plan, backend={"fsdp2": "fsdp2", "pp 2": pp_backend}.get(mode, "shardplan"))
+        program = parallelize(
+            model, plan, backend={"fsdp2": "fsdp2", "pp 2": pp_backend}.get(mode, "shardplan")
+        )
     whole = _batches(reference.config.vocab_size)
     mine = whole if mode == "pp 2" else [ids.chunk(2)[rank] for ids in whole]
     errors = train_next_to_reference(program, reference, list(zip(mine, whole)), clip=CLIP)
@@ -81,7 +87,9 @@ def _architecture(rank: int, world: int, name: str, pp_backend: str) -> dict:
         plan = compiled(model, _batches(model.config.vocab_size)[0])
         cells["compile"] = f"{len(plan.units)} units"
     except Exception as error:  # noqa: BLE001 (a cell of the table)
-        return {mode: _first_line(error) for mode in MODES} | {"seconds": time.perf_counter() - start}
+        return {mode: _first_line(error) for mode in MODES} | {
+            "seconds": time.perf_counter() - start
+        }
     for mode in MODES[1:]:
         try:
             cells[mode] = _train(name, plan, mode, rank, pp_backend)
@@ -100,16 +108,24 @@ def main() -> None:
     import transformers
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", help=f"of {', '.join(zoo.HF_ARCHITECTURES)} (default: all)")
-    parser.add_argument("--pp-backend", choices=("shardplan", "fsdp2"), default="shardplan",
-                        help="the backend the pp 2 column runs on")
+    parser.add_argument(
+        "names", nargs="*", help=f"of {', '.join(zoo.HF_ARCHITECTURES)} (default: all)"
+    )
+    parser.add_argument(
+        "--pp-backend",
+        choices=("shardplan", "fsdp2"),
+        default="shardplan",
+        help="the backend the pp 2 column runs on",
+    )
     options = parser.parse_args()
     names = options.names or list(zoo.HF_ARCHITECTURES)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, 2 gloo ranks, batch {BATCH} x "
-          f"{SEQ} tokens, {STEPS} steps, clip {CLIP}"
-          f"{'' if options.pp_backend == 'shardplan' else f', pp 2 on backend {options.pp_backend!r}'}; a cell: "
-          "the largest difference from one process "
-          f"(pass: <= {TOLERANCE:.0e}), or the error\n")
+    print(
+        f"transformers {transformers.__version__}, torch {torch.__version__}, 2 gloo ranks, batch {BATCH} x "
+        f"{SEQ} tokens, {STEPS} steps, clip {CLIP}"
+        f"{'' if options.pp_backend == 'shardplan' else f', pp 2 on backend {options.pp_backend!r}'}; a cell: "
+        "the largest difference from one process "
+        f"(pass: <= {TOLERANCE:.0e}), or the error\n"
+    )
     print("| architecture | " + " | ".join(MODES) + " | s |")
     print("|---|" + "---|" * len(MODES) + "---:|")
     passed = 0
@@ -121,9 +137,15 @@ def main() -> None:
             cells = {mode: _first_line(error) for mode in MODES} | {"seconds": 0.0}
         except Exception as error:  # noqa: BLE001 (a rank died: the world's error)
             cells = {mode: _first_line(error) for mode in MODES} | {"seconds": 0.0}
-        passed += all(isinstance(cells[mode], float) and cells[mode] <= TOLERANCE for mode in MODES[1:])
-        print(f"| {name} | " + " | ".join(_cell(cells[mode]) for mode in MODES)
-              + f" | {cells['seconds']:.0f} |", flush=True)
+        passed += all(
+            isinstance(cells[mode], float) and cells[mode] <= TOLERANCE for mode in MODES[1:]
+        )
+        print(
+            f"| {name} | "
+            + " | ".join(_cell(cells[mode]) for mode in MODES)
+            + f" | {cells['seconds']:.0f} |",
+            flush=True,
+        )
     print(f"\n{passed} of {len(names)} architectures pass every mode")
 
 

@@ -7,7 +7,7 @@ Target: every collective of 1-256 MB within +-15% of measured at world 2 on gloo
 
 By default the calibration's probes (6 KB-380 MB, square matmuls) and this table's probes
 (decimal sizes the calibration never times, non-square matmuls) run in the same interleaved
-rounds of one spawned world ([Note: the fastest of interleaved rounds] in shardplan/calibrate.py):
+rounds of one spawned world ([Note: the fastest of interleaved rounds] in shardplan/calibration/calibrate.py):
 on a machine shared with other work both then see the same load, and the ratio measures the
 model (fit, interpolation, ring factor), not the neighbours. With --profile the table is
 measured alone, as a user would after calibrating earlier. The "alpha-beta only" column drops
@@ -15,8 +15,9 @@ the measured correction (hardware.py) to show what the straight-line fit alone p
 
 The first table times each collective with the ranks arriving together (its own cost, what
 the target is about); the second times 1-16 MB inside a step, after compute, against the own
-cost plus the link's in-step wait ([Note: collectives in a step] in shardplan/calibrate.py).
+cost plus the link's in-step wait ([Note: collectives in a step] in shardplan/calibration/calibrate.py).
 """
+
 import argparse
 import dataclasses
 import os
@@ -24,10 +25,18 @@ import sys
 
 import torch
 
-from shardplan.calibrate import (CPU_SWEEP, IN_STEP, collective_probes, fit_profile, matmul_probe, measure_job,
-                                 measure_steps, summary)
-from shardplan.dtypes import dtype_bytes
-from shardplan.hardware import COLLECTIVES, NO_CORRECTION, get_hardware, ring_factor
+from shardplan.calibration.calibrate import (
+    CPU_SWEEP,
+    IN_STEP,
+    collective_probes,
+    fit_profile,
+    matmul_probe,
+    measure_job,
+    measure_steps,
+    summary,
+)
+from shardplan.common.dtypes import dtype_bytes
+from shardplan.costmodel.hardware import COLLECTIVES, NO_CORRECTION, get_hardware, ring_factor
 from shardplan.runtime.launch import run_world
 
 SIZES_BYTES = tuple(mb * 10**6 for mb in (1, 4, 16, 64, 256))
@@ -41,9 +50,14 @@ TOLERANCE = 0.15
 
 def table_probes(device: torch.device) -> dict:
     """Rank side: the probes of the two tables."""
-    probes = collective_probes([(kind, nbytes) for kind in COLLECTIVES for nbytes in SIZES_BYTES], device)
-    probes |= collective_probes([(kind, nbytes) for kind in COLLECTIVES for nbytes in IN_STEP_SIZES_BYTES], device,
-                                in_step=True)
+    probes = collective_probes(
+        [(kind, nbytes) for kind in COLLECTIVES for nbytes in SIZES_BYTES], device
+    )
+    probes |= collective_probes(
+        [(kind, nbytes) for kind in COLLECTIVES for nbytes in IN_STEP_SIZES_BYTES],
+        device,
+        in_step=True,
+    )
     for dtype in DTYPES:
         for m, k, n in MATMUL_SHAPES:
             probes["matmul", dtype, m, k, n] = matmul_probe(m, k, n, dtype, device)
@@ -52,24 +66,38 @@ def table_probes(device: torch.device) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", help="a profile JSON written by `shardplan calibrate`; default: calibrate here")
+    parser.add_argument(
+        "--profile", help="a profile JSON written by `shardplan calibrate`; default: calibrate here"
+    )
     parser.add_argument("--save-profile", help="write the profile calibrated here to this path")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=CPU_SWEEP.rounds, help="timings per probe; the fastest is kept")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=CPU_SWEEP.rounds,
+        help="timings per probe; the fastest is kept",
+    )
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
     sweep = None if args.profile else CPU_SWEEP
-    measurements, seconds = run_world(measure_job, (args.rounds, sweep, table_probes), world_size=args.world_size,
-                                      backend="gloo", total_steps=measure_steps(args.rounds, sweep),
-                                      description="measuring")
+    measurements, seconds = run_world(
+        measure_job,
+        (args.rounds, sweep, table_probes),
+        world_size=args.world_size,
+        backend="gloo",
+        total_steps=measure_steps(args.rounds, sweep),
+        description="measuring",
+    )
     profile = get_hardware(args.profile) if args.profile else fit_profile(measurements)
     if args.save_profile:
         with open(args.save_profile, "w") as handle:
             handle.write(profile.to_json())
     print(summary(profile))
     how = "saved profile, table measured alone" if args.profile else "calibrated in the same rounds"
-    print(f"\nworld {args.world_size}, gloo, fastest of {args.rounds} rounds, {how}; load average "
-          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)\n")
+    print(
+        f"\nworld {args.world_size}, gloo, fastest of {args.rounds} rounds, {how}; load average "
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)\n"
+    )
     within = collective_table(profile, seconds, args.world_size)
     in_step_table(profile, seconds, args.world_size)
     matmul_table(profile, seconds)
@@ -83,14 +111,18 @@ def collective_table(profile, seconds: dict, world_size: int) -> int:
     print("|---|---:|---:|---:|---:|---:|")
     within = 0
     for kind in COLLECTIVES:
-        fit_only = dataclasses.replace(profile.intra_node.collectives[kind], correction=NO_CORRECTION)
+        fit_only = dataclasses.replace(
+            profile.intra_node.collectives[kind], correction=NO_CORRECTION
+        )
         for nbytes in SIZES_BYTES:
             predicted_s = profile.collective_time_s(kind, nbytes, world_size, in_step=False)
             measured_s = seconds[kind, nbytes]
             within += abs(predicted_s / measured_s - 1) <= TOLERANCE
-            print(f"| {kind} | {nbytes / 1e6:g} MB | {predicted_s:.5f} | {measured_s:.5f} | "
-                  f"{predicted_s / measured_s:.2f} | "
-                  f"{fit_only.time_s(nbytes * ring_factor(kind, world_size)) / measured_s:.2f} |")
+            print(
+                f"| {kind} | {nbytes / 1e6:g} MB | {predicted_s:.5f} | {measured_s:.5f} | "
+                f"{predicted_s / measured_s:.2f} | "
+                f"{fit_only.time_s(nbytes * ring_factor(kind, world_size)) / measured_s:.2f} |"
+            )
     return within
 
 
@@ -102,8 +134,10 @@ def in_step_table(profile, seconds: dict, world_size: int) -> None:
         for nbytes in IN_STEP_SIZES_BYTES:
             predicted_s = profile.collective_time_s(kind, nbytes, world_size)
             measured_s = seconds[IN_STEP, kind, nbytes]
-            print(f"| {kind} | {nbytes / 1e6:g} MB | {predicted_s:.5f} | {measured_s:.5f} | "
-                  f"{predicted_s / measured_s:.2f} |")
+            print(
+                f"| {kind} | {nbytes / 1e6:g} MB | {predicted_s:.5f} | {measured_s:.5f} | "
+                f"{predicted_s / measured_s:.2f} |"
+            )
 
 
 def matmul_table(profile, seconds: dict) -> None:
@@ -115,8 +149,10 @@ def matmul_table(profile, seconds: dict) -> None:
             flops = 2 * m * k * n
             predicted_s = profile.compute_time_s(flops, (m * k + k * n + m * n) * itemsize, dtype)
             measured_s = seconds["matmul", dtype, m, k, n]
-            print(f"| {m} x {k} x {n} | {dtype} | {flops / 1e9:.3f} | {predicted_s:.6f} | {measured_s:.6f} | "
-                  f"{predicted_s / measured_s:.2f} |")
+            print(
+                f"| {m} x {k} x {n} | {dtype} | {flops / 1e9:.3f} | {predicted_s:.6f} | {measured_s:.6f} | "
+                f"{predicted_s / measured_s:.2f} |"
+            )
 
 
 if __name__ == "__main__":

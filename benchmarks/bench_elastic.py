@@ -8,6 +8,7 @@ torchrun, 4 one-rank nodes on this machine (c10d rendezvous, keep_alive_interval
 monitor-interval=0.2), a rank other than 0 killed with SIGKILL mid-run, the job re-planned on 3. The parts
 come from rank 0's events.jsonl and the agents' logs (tests/elastic_job.py, restart_breakdown).
 """
+
 import argparse
 import os
 import sys
@@ -52,7 +53,13 @@ def main() -> None:
     # a run per column, fastest first: the parts of one run add up to its total, medians of parts would not
     runs.sort(key=lambda run: run["total_s"])
     median = (len(runs) - 1) // 2
-    print("| part | " + " | ".join(f"run {i + 1}" + (" (median)" if i == median else "") for i in range(len(runs))) + " |")
+    print(
+        "| part | "
+        + " | ".join(
+            f"run {i + 1}" + (" (median)" if i == median else "") for i in range(len(runs))
+        )
+        + " |"
+    )
     print("|---|" + "---:|" * len(runs))
     for name, what in PARTS.items():
         print(f"| {what} | " + " | ".join(f"{run[name]:.1f}" for run in runs) + " |")

@@ -11,10 +11,11 @@ every strategy x checkpoint kind; peak memory is MemTracker's (every tensor on
 the rank), time a whole training step (forward, backward, optimizer step,
 zero_grad) on rank 0; prediction is compile.evaluate. By default every plan's step
 is timed in the same interleaved rounds of one spawned world as the calibration's
-probes ([Note: the fastest of interleaved rounds] in shardplan/calibrate.py), the
+probes ([Note: the fastest of interleaved rounds] in shardplan/calibration/calibrate.py), the
 fastest round kept on both sides, so that on a machine shared with other work the
 ratio measures the model, not the neighbours' load (as bench_collectives.py does).
 """
+
 import argparse
 import time
 
@@ -22,12 +23,19 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from shardplan import ShardStrategy, get_hardware, zoo
-from shardplan.accuracy import accuracy_table, compare, demo_chain_and_plans, measure_plans
-from shardplan.calibrate import CPU_SWEEP, fit_profile, summary
-from shardplan.cost import CostContext, Decision, unit_cost
-from shardplan.demo import DEMO_BATCH, DEMO_GPT
-from shardplan.passes import analyze
+from shardplan import ShardStrategy, get_hardware
+from shardplan.calibration.accuracy import (
+    accuracy_table,
+    compare,
+    demo_chain_and_plans,
+    measure_plans,
+)
+from shardplan.calibration.calibrate import CPU_SWEEP, fit_profile, summary
+from shardplan.cli.demo import DEMO_BATCH, DEMO_GPT
+from shardplan.costmodel.cost import CostContext, Decision, unit_cost
+from shardplan.frontend.passes import analyze
+from shardplan.models import zoo
+
 
 def measure_block_times(entry: zoo.ZooModel, names: list[str], rounds: int) -> dict[str, float]:
     """Fastest seconds of each named block's forward + backward over `rounds` steps, blocks in chain order.
@@ -55,6 +63,7 @@ def measure_block_times(entry: zoo.ZooModel, names: list[str], rounds: int) -> d
             for tensor in inputs:  # its gradient is complete when the block's backward is done
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(mark_backward(name))
+
         return hook
 
     # Tensor and parameter hooks, not module backward hooks: those add autograd nodes of their own,
@@ -72,10 +81,16 @@ def measure_block_times(entry: zoo.ZooModel, names: list[str], rounds: int) -> d
         loss.backward()
         if step:  # the first step warms caches and allocators
             starts = [forward_starts[name] for name in names] + [forward_end]
-            previous_end = dict(zip(sorted(names, key=backward_ends.get),
-                                    [backward_start] + sorted(backward_ends.values())))
+            previous_end = dict(
+                zip(
+                    sorted(names, key=backward_ends.get),
+                    [backward_start] + sorted(backward_ends.values()),
+                )
+            )
             for index, name in enumerate(names):
-                spent[name].append(starts[index + 1] - starts[index] + backward_ends[name] - previous_end[name])
+                spent[name].append(
+                    starts[index + 1] - starts[index] + backward_ends[name] - previous_end[name]
+                )
         entry.model.zero_grad(set_to_none=True)
     return {name: min(times) for name, times in spent.items()}
 
@@ -86,25 +101,38 @@ def block_table(hardware, rounds: int, batch: int) -> Table:
     chain = analyze(entry.model, entry.args, entry.kwargs)
     measured = measure_block_times(entry, [b.name for b in chain.blocks], rounds)
     ctx = CostContext(hardware=hardware, dp=1)
-    table = Table(title=f"block forward+backward time, {batch} sequence(s), one process, one thread ({hardware.name})")
+    table = Table(
+        title=f"block forward+backward time, {batch} sequence(s), one process, one thread ({hardware.name})"
+    )
     for column in ("block", "predicted ms", "measured ms", "predicted / measured"):
         table.add_column(column, justify="right")
     for block in chain.blocks:
         cost = unit_cost((block,), Decision(strategy=ShardStrategy.REPLICATE), ctx)
         predicted = cost.compute_fwd_s + cost.compute_bwd_s
-        table.add_row(block.name, f"{predicted * 1e3:.2f}", f"{measured[block.name] * 1e3:.2f}",
-                      f"{predicted / measured[block.name]:.2f}")
+        table.add_row(
+            block.name,
+            f"{predicted * 1e3:.2f}",
+            f"{measured[block.name] * 1e3:.2f}",
+            f"{predicted / measured[block.name]:.2f}",
+        )
     return table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", help="a profile JSON written by `shardplan calibrate`; default: calibrate "
-                                          "in the same rounds as the training steps")
+    parser.add_argument(
+        "--profile",
+        help="a profile JSON written by `shardplan calibrate`; default: calibrate "
+        "in the same rounds as the training steps",
+    )
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=CPU_SWEEP.rounds,
-                        help="timed rounds of every probe and training step, and timed steps of the block table; "
-                             "the fastest is kept")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=CPU_SWEEP.rounds,
+        help="timed rounds of every probe and training step, and timed steps of the block table; "
+        "the fastest is kept",
+    )
     options = parser.parse_args()
     torch.set_num_threads(1)
     chain, plans = demo_chain_and_plans(options.world_size)
@@ -116,8 +144,12 @@ def main() -> None:
     console.print(summary(hardware))
     for batch in (DEMO_BATCH, 1):
         console.print(block_table(hardware, options.rounds, batch))
-    console.print(accuracy_table(compare(chain, plans, measured, hardware),
-                                 f"every plan kind: demo GPT on {options.world_size} CPU ranks (gloo), {how}"))
+    console.print(
+        accuracy_table(
+            compare(chain, plans, measured, hardware),
+            f"every plan kind: demo GPT on {options.world_size} CPU ranks (gloo), {how}",
+        )
+    )
 
 
 if __name__ == "__main__":

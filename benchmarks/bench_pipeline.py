@@ -14,6 +14,7 @@ Beside each pipeline, the same two stages written by hand for
 torch.distributed.pipelining (the model's code split in two modules): the
 cost of cutting stages out of the graph instead, as a ratio.
 """
+
 import argparse
 import statistics
 import time
@@ -23,17 +24,20 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from shardplan import ShardStrategy, get_hardware, zoo
-from shardplan.calibrate import calibrate
+from shardplan import ShardStrategy, get_hardware
+from shardplan.calibration.calibrate import calibrate
+from shardplan.cli.demo import DEMO_BATCH, DEMO_GPT
+from shardplan.common.sizes import format_bytes
 from shardplan.compile import evaluate
-from shardplan.demo import DEMO_BATCH, DEMO_GPT
-from shardplan.passes import analyze
+from shardplan.frontend.passes import analyze
+from shardplan.models import zoo
 from shardplan.runtime.launch import run_world
 from shardplan.runtime.manual import manual_plan
-from shardplan.sizes import format_bytes
 
 GROUPS = zoo.gpt_units(DEMO_GPT.n_layer)
-CONFIGURATIONS = [(1, "none", 1)] + [(2, "gpipe", m) for m in (1, 2, 4, 8)] + [(2, "1f1b", m) for m in (2, 4, 8)]
+CONFIGURATIONS = (
+    [(1, "none", 1)] + [(2, "gpipe", m) for m in (1, 2, 4, 8)] + [(2, "1f1b", m) for m in (2, 4, 8)]
+)
 """(pp, schedule, micro-batches); 1F1B over one micro-batch runs as GPipe, so it starts at two."""
 
 
@@ -42,9 +46,17 @@ def demo_plan(world_size: int, pp: int, schedule: str, micro_batches: int):
     dp = world_size // pp
     # at dp == 1 sharding only copies: the stages' units are replicated; pp == 1 shards as FSDP does
     strategy = ShardStrategy.REPLICATE if dp == 1 else ShardStrategy.FULL_SHARD
-    return manual_plan(entry.model, GROUPS, dp=dp, pp=pp, schedule=schedule,
-                       micro_batches=micro_batches, strategies=(strategy,), example_inputs=entry.args,
-                       example_kwargs=entry.kwargs)
+    return manual_plan(
+        entry.model,
+        GROUPS,
+        dp=dp,
+        pp=pp,
+        schedule=schedule,
+        micro_batches=micro_batches,
+        strategies=(strategy,),
+        example_inputs=entry.args,
+        example_kwargs=entry.kwargs,
+    )
 
 
 def _measure_rank(device, report, plan_json: str, steps: int) -> dict:
@@ -56,7 +68,9 @@ def _measure_rank(device, report, plan_json: str, steps: int) -> dict:
     plan = Plan.from_json(plan_json)
     torch.manual_seed(0)
     entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
-    generator = torch.Generator().manual_seed(1 + plan.mesh.replica_of(world().rank))  # one batch per replica
+    generator = torch.Generator().manual_seed(
+        1 + plan.mesh.replica_of(world().rank)
+    )  # one batch per replica
     ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
     program = parallelize(entry.model, plan, device=device)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
@@ -75,14 +89,22 @@ def _measure_rank(device, report, plan_json: str, steps: int) -> dict:
         optimizer.zero_grad(set_to_none=False)
 
     train_step()
-    peak = peak_step_bytes(train_step, entry.model, optimizer, *program.parameters(),
-                           *[p.grad for p in program.parameters() if p.grad is not None])
+    peak = peak_step_bytes(
+        train_step,
+        entry.model,
+        optimizer,
+        *program.parameters(),
+        *[p.grad for p in program.parameters() if p.grad is not None],
+    )
     schedule_s[0] = 0.0
     step_s, busy = _time_steps(train_step, steps, report, busy_s)
     # the bubble: time in the schedule (not the optimizer) outside the busiest stage's own work
     idle_s = schedule_s[0] / steps - busy
-    return {"peak_bytes": int(all_reduce_max(torch.tensor(peak))), "step_s": step_s,
-            "bubble_s": float(all_reduce_max(torch.tensor(idle_s)))}
+    return {
+        "peak_bytes": int(all_reduce_max(torch.tensor(peak))),
+        "step_s": step_s,
+        "bubble_s": float(all_reduce_max(torch.tensor(idle_s))),
+    }
 
 
 class _HandStage(torch.nn.Module):
@@ -119,15 +141,29 @@ def _hand_split_rank(device, report, schedule: str, micro_batches: int, steps: i
     rank = world().rank
     torch.manual_seed(0)
     entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
-    ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=torch.Generator().manual_seed(1)
+    )
     module = _HandStage(entry.model, rank)
     # what crosses the cut, given up front (else the stage infers it by running garbage through itself)
-    tokens = torch.empty(DEMO_BATCH // micro_batches, DEMO_GPT.seq_len, dtype=torch.int64, device="meta")
+    tokens = torch.empty(
+        DEMO_BATCH // micro_batches, DEMO_GPT.seq_len, dtype=torch.int64, device="meta"
+    )
     stream = torch.empty(*tokens.shape, DEMO_GPT.d_model, device="meta", requires_grad=True)
-    stage = PipelineStage(module, rank, 2, device, input_args=(tokens, tokens) if rank == 0 else (stream, tokens),
-                          output_args=(stream, tokens) if rank == 0 else torch.empty((), device="meta"))
-    run = schedule_class(schedule)(stage, n_microbatches=micro_batches, scale_grads=False,
-                                   loss_fn=lambda loss, _: loss / micro_batches)
+    stage = PipelineStage(
+        module,
+        rank,
+        2,
+        device,
+        input_args=(tokens, tokens) if rank == 0 else (stream, tokens),
+        output_args=(stream, tokens) if rank == 0 else torch.empty((), device="meta"),
+    )
+    run = schedule_class(schedule)(
+        stage,
+        n_microbatches=micro_batches,
+        scale_grads=False,
+        loss_fn=lambda loss, _: loss / micro_batches,
+    )
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
 
     def train_step():
@@ -165,32 +201,73 @@ def _timed(method, total: list[float]):
             return method(*args, **kwargs)
         finally:
             total[0] += time.perf_counter() - start
+
     return run
 
 
 def pipeline_table(hardware, world_size: int, steps: int) -> Table:
     entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
     chain = analyze(entry.model, entry.args, entry.kwargs)
-    table = Table(title=f"pipeline plans: demo GPT on {world_size} CPU ranks (gloo), median of {steps} steps")
-    for column in ("mesh", "schedule", "m", "memory pred", "memory meas", "ratio", "step pred ms", "step meas ms",
-                   "ratio", "bubble pred ms", "bubble meas ms", "hand-split ms", "meas / hand-split"):
+    table = Table(
+        title=f"pipeline plans: demo GPT on {world_size} CPU ranks (gloo), median of {steps} steps"
+    )
+    for column in (
+        "mesh",
+        "schedule",
+        "m",
+        "memory pred",
+        "memory meas",
+        "ratio",
+        "step pred ms",
+        "step meas ms",
+        "ratio",
+        "bubble pred ms",
+        "bubble meas ms",
+        "hand-split ms",
+        "meas / hand-split",
+    ):
         table.add_column(column, justify="right")
     for pp, schedule, micro_batches in CONFIGURATIONS:
         plan = demo_plan(world_size, pp, schedule, micro_batches)
         predicted = evaluate(chain, plan, hardware)
-        measured = run_world(_measure_rank, (plan.to_json(), steps), world_size=world_size, backend="gloo",
-                             total_steps=steps, progress=False)
+        measured = run_world(
+            _measure_rank,
+            (plan.to_json(), steps),
+            world_size=world_size,
+            backend="gloo",
+            total_steps=steps,
+            progress=False,
+        )
         bubble = hand = versus = "-"
         if pp > 1:
             bubble = f"{measured['bubble_s'] * 1e3:.0f}"
-            by_hand = run_world(_hand_split_rank, (schedule, micro_batches, steps), world_size=2, backend="gloo",
-                                total_steps=steps, progress=False)
-            hand, versus = f"{by_hand['step_s'] * 1e3:.0f}", f"{measured['step_s'] / by_hand['step_s']:.2f}"
-        table.add_row(f"dp{plan.mesh.dp}×pp{pp}", schedule, str(micro_batches), format_bytes(predicted.peak_bytes),
-                      format_bytes(measured["peak_bytes"]), f"{predicted.peak_bytes / measured['peak_bytes']:.2f}",
-                      f"{predicted.step_time_s * 1e3:.0f}", f"{measured['step_s'] * 1e3:.0f}",
-                      f"{predicted.step_time_s / measured['step_s']:.2f}",
-                      f"{predicted.time_s.get('bubble', 0.0) * 1e3:.0f}", bubble, hand, versus)
+            by_hand = run_world(
+                _hand_split_rank,
+                (schedule, micro_batches, steps),
+                world_size=2,
+                backend="gloo",
+                total_steps=steps,
+                progress=False,
+            )
+            hand, versus = (
+                f"{by_hand['step_s'] * 1e3:.0f}",
+                f"{measured['step_s'] / by_hand['step_s']:.2f}",
+            )
+        table.add_row(
+            f"dp{plan.mesh.dp}×pp{pp}",
+            schedule,
+            str(micro_batches),
+            format_bytes(predicted.peak_bytes),
+            format_bytes(measured["peak_bytes"]),
+            f"{predicted.peak_bytes / measured['peak_bytes']:.2f}",
+            f"{predicted.step_time_s * 1e3:.0f}",
+            f"{measured['step_s'] * 1e3:.0f}",
+            f"{predicted.step_time_s / measured['step_s']:.2f}",
+            f"{predicted.time_s.get('bubble', 0.0) * 1e3:.0f}",
+            bubble,
+            hand,
+            versus,
+        )
     return table
 
 
@@ -202,7 +279,11 @@ def main() -> None:
     options = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    hardware = get_hardware(options.profile) if options.profile else calibrate(world_size=options.world_size)
+    hardware = (
+        get_hardware(options.profile)
+        if options.profile
+        else calibrate(world_size=options.world_size)
+    )
     Console(width=160).print(pipeline_table(hardware, options.world_size, options.steps))
 
 

@@ -33,6 +33,7 @@ reason.
 The LLaMA chains are built by hand from the model dimensions (model_configs.md of the data set):
 no torch, no capture, so the whole data set is evaluated in seconds.
 """
+
 import argparse
 import csv
 import dataclasses
@@ -46,17 +47,43 @@ from typing import Any
 import numpy as np
 from scipy.stats import kendalltau
 
-from shardplan.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
 from shardplan.compile import default_space, evaluate_stages, solve, tensor_parallel_section
-from shardplan.cost import (OPTIMIZER_STATE_BYTES_PER_PARAM, CostContext, RuntimeKernels, StepCost, UnitSizes,
-                            kind_time_s, on_rank, unpriced_dispatches)
-from shardplan.hardware import HardwareProfile, get_hardware
+from shardplan.costmodel.cost import (
+    OPTIMIZER_STATE_BYTES_PER_PARAM,
+    CostContext,
+    RuntimeKernels,
+    StepCost,
+    UnitSizes,
+    kind_time_s,
+    on_rank,
+    unpriced_dispatches,
+)
+from shardplan.costmodel.hardware import HardwareProfile, get_hardware
+from shardplan.frontend.chain import Block, BlockChain, InputSpec, OpKind, TensorParallelFacts
+from shardplan.plan import (
+    BF16_MIXED,
+    Checkpoint,
+    Decision,
+    Mesh,
+    Plan,
+    Predicted,
+    Reasoning,
+    Schedule,
+    ShardStrategy,
+    Stage,
+    Unit,
+)
 from shardplan.solver.search import Configuration
-from shardplan.plan import (BF16_MIXED, Checkpoint, Decision, Mesh, Plan, Predicted, Reasoning,
-                            Schedule, ShardStrategy, Stage, Unit)
 
-DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                            "published-h100", "runs.csv")
+DEFAULT_DATA = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)),
+    "..",
+    "..",
+    "shared",
+    "data",
+    "published-h100",
+    "runs.csv",
+)
 """`<repo>/../shared/data/published-h100/runs.csv`: the shared data set beside the checkout."""
 ZERO_STAGES = {"0": ShardStrategy.REPLICATE, "1": ShardStrategy.SHARD_OPTIMIZER}
 """nanotron shards at most the optimizer state (ZeRO-1): its parameters stay whole on every rank."""
@@ -97,14 +124,21 @@ FABRICS = {"playbook": PLAYBOOK_FABRIC_GBPS, "p5": P5_FABRIC_GBPS}
 GPUS_PER_NODE = 8
 
 
-def with_fabric(hw: HardwareProfile, measured_gbps: dict[str, dict[int, float]], name: str) -> HardwareProfile:
+def with_fabric(
+    hw: HardwareProfile, measured_gbps: dict[str, dict[int, float]], name: str
+) -> HardwareProfile:
     """`hw` with its inter-node links' bandwidth by nodes derived from a fabric's measured busbw in GB/s, by kind
     and node count: 1 GiB world collectives over nodes of 8 GPUs, as measure_bandwidth took them
     (PLAYBOOK_FABRIC_GBPS; LinkProfile.with_fabric)."""
-    measured = {kind: {nodes: gbps * 1e9 for nodes, gbps in by_nodes.items()}
-                for kind, by_nodes in measured_gbps.items()}
-    return dataclasses.replace(hw, name=f"{hw.name} with {name}", inter_node=hw.inter_node.with_fabric(
-        measured, nbytes=2**30, ranks_per_node=GPUS_PER_NODE))
+    measured = {
+        kind: {nodes: gbps * 1e9 for nodes, gbps in by_nodes.items()}
+        for kind, by_nodes in measured_gbps.items()
+    }
+    return dataclasses.replace(
+        hw,
+        name=f"{hw.name} with {name}",
+        inter_node=hw.inter_node.with_fabric(measured, nbytes=2**30, ranks_per_node=GPUS_PER_NODE),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,16 +156,21 @@ class LlamaDims:
 
 
 MODELS = {
-    "playbook-1B": LlamaDims(layers=16, hidden=2048, heads=32, kv_heads=32, intermediate=8192, vocab=131072,
-                               tied=True),
-    "playbook-3B": LlamaDims(layers=28, hidden=3072, heads=32, kv_heads=32, intermediate=8192, vocab=131072,
-                             tied=True),
-    "playbook-8B": LlamaDims(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=14336, vocab=131072,
-                             tied=False),
-    "playbook-80B": LlamaDims(layers=80, hidden=8192, heads=64, kv_heads=64, intermediate=28672, vocab=131072,
-                              tied=False),
-    "oldbench-llama-1B": LlamaDims(layers=24, hidden=2048, heads=32, kv_heads=32, intermediate=4096, vocab=50257,
-                                   tied=True),
+    "playbook-1B": LlamaDims(
+        layers=16, hidden=2048, heads=32, kv_heads=32, intermediate=8192, vocab=131072, tied=True
+    ),
+    "playbook-3B": LlamaDims(
+        layers=28, hidden=3072, heads=32, kv_heads=32, intermediate=8192, vocab=131072, tied=True
+    ),
+    "playbook-8B": LlamaDims(
+        layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=14336, vocab=131072, tied=False
+    ),
+    "playbook-80B": LlamaDims(
+        layers=80, hidden=8192, heads=64, kv_heads=64, intermediate=28672, vocab=131072, tied=False
+    ),
+    "oldbench-llama-1B": LlamaDims(
+        layers=24, hidden=2048, heads=32, kv_heads=32, intermediate=4096, vocab=50257, tied=True
+    ),
 }
 
 
@@ -182,7 +221,9 @@ def nanotron_code(row: "Row", job: dict[str, str] | None = None) -> NanotronCode
     67c5ebb6's p2p is inferred, not logged: it is the one PP code of the campaign's branch before the fix."""
     if row.model.startswith("oldbench-"):
         return NanotronCode(saves_gathered_input=True, o_proj_input_copy=row.micro_batch_size > 1)
-    return NanotronCode(polls_p2p=row.pp > 1 and job is not None and job.get("after_pp_fix") == "False")
+    return NanotronCode(
+        polls_p2p=row.pp > 1 and job is not None and job.get("after_pp_fix") == "False"
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -219,8 +260,10 @@ class Row:
         return self.status.startswith(CRASHED)
 
     def describe(self) -> str:
-        return (f"{self.model} n={self.n_gpus} dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} "
-                f"ga={self.grad_accum} zero={self.zero_stage} ({self.status.split(' ')[0]}, line {self.line})")
+        return (
+            f"{self.model} n={self.n_gpus} dp={self.dp} tp={self.tp} pp={self.pp} mbs={self.micro_batch_size} "
+            f"ga={self.grad_accum} zero={self.zero_stage} ({self.status.split(' ')[0]}, line {self.line})"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -240,13 +283,31 @@ class Outcome:
 
 def read_rows(path: str) -> list[Row]:
     with open(path, newline="") as handle:
-        return [Row(model=r["model"], n_gpus=int(r["n_gpus"]), dp=int(r["dp"]), tp=int(r["tp"]), pp=int(r["pp"]),
-                    micro_batch_size=int(r["mbz"]), grad_accum=int(r["grad_accum"]), seq_len=int(r["seq_len"]),
-                    zero_stage=r["zero_stage"], status=r["status"],
-                    tokens_per_s_per_gpu=float(r["tokens_per_sec_per_gpu"]) if r["tokens_per_sec_per_gpu"] else None,
-                    line=line, reported_gib=float(r["reported_gpu_mem_GB"]) if r.get("reported_gpu_mem_GB") else None,
-                    allocated_gib=float(r["peak_allocated_MiB"]) / 1024 if r.get("peak_allocated_MiB") else None)
-                for line, r in enumerate(csv.DictReader(handle), start=2)]
+        return [
+            Row(
+                model=r["model"],
+                n_gpus=int(r["n_gpus"]),
+                dp=int(r["dp"]),
+                tp=int(r["tp"]),
+                pp=int(r["pp"]),
+                micro_batch_size=int(r["mbz"]),
+                grad_accum=int(r["grad_accum"]),
+                seq_len=int(r["seq_len"]),
+                zero_stage=r["zero_stage"],
+                status=r["status"],
+                tokens_per_s_per_gpu=float(r["tokens_per_sec_per_gpu"])
+                if r["tokens_per_sec_per_gpu"]
+                else None,
+                line=line,
+                reported_gib=float(r["reported_gpu_mem_GB"])
+                if r.get("reported_gpu_mem_GB")
+                else None,
+                allocated_gib=float(r["peak_allocated_MiB"]) / 1024
+                if r.get("peak_allocated_MiB")
+                else None,
+            )
+            for line, r in enumerate(csv.DictReader(handle), start=2)
+        ]
 
 
 ATTENTION = "_scaled_dot_product_flash_attention"
@@ -256,8 +317,13 @@ ATTENTION = "_scaled_dot_product_flash_attention"
 def _matmul(tokens: int, fan_in: int, fan_out: int, calls: int = 1) -> OpKind:
     """`calls` bf16 matmuls of (tokens x fan_in) by (fan_in x fan_out) over the replica batch."""
     weights = calls * fan_in * fan_out * BF16_BYTES
-    return OpKind(name="mm", calls=calls, flops=2 * calls * tokens * fan_in * fan_out,
-                  bytes=weights + calls * tokens * (fan_in + fan_out) * BF16_BYTES, weight_bytes=weights)
+    return OpKind(
+        name="mm",
+        calls=calls,
+        flops=2 * calls * tokens * fan_in * fan_out,
+        bytes=weights + calls * tokens * (fan_in + fan_out) * BF16_BYTES,
+        weight_bytes=weights,
+    )
 
 
 def _backward(products: tuple[OpKind, ...]) -> tuple[OpKind, ...]:
@@ -265,40 +331,89 @@ def _backward(products: tuple[OpKind, ...]) -> tuple[OpKind, ...]:
     moves about twice its bytes; flash attention's backward runs 5 of the forward's 2 products (Dao
     2023, FlashAttention-2, sec. 3.1), as many of them masked."""
     factor = {"mm": 2, ATTENTION: 2.5}
-    return tuple(OpKind(name="mm" if kind.name == "mm" else f"{kind.name}_backward",
-                        calls=kind.calls * (2 if kind.name == "mm" else 1), flops=int(kind.flops * factor[kind.name]),
-                        bytes=2 * kind.bytes, weight_bytes=2 * kind.weight_bytes,
-                        masked_flops=int(kind.masked_flops * factor[kind.name])) for kind in products)
+    return tuple(
+        OpKind(
+            name="mm" if kind.name == "mm" else f"{kind.name}_backward",
+            calls=kind.calls * (2 if kind.name == "mm" else 1),
+            flops=int(kind.flops * factor[kind.name]),
+            bytes=2 * kind.bytes,
+            weight_bytes=2 * kind.weight_bytes,
+            masked_flops=int(kind.masked_flops * factor[kind.name]),
+        )
+        for kind in products
+    )
 
 
 def _elementwise(name: str, calls: int, nbytes: int, weight_bytes: int = 0) -> OpKind:
-    return OpKind(name=name, calls=calls, flops=0, bytes=nbytes + weight_bytes, weight_bytes=weight_bytes)
+    return OpKind(
+        name=name, calls=calls, flops=0, bytes=nbytes + weight_bytes, weight_bytes=weight_bytes
+    )
 
 
-def _sliced(fwd_kinds: tuple[OpKind, ...], bwd_kinds: tuple[OpKind, ...], names: tuple[str, ...],
-            **facts) -> TensorParallelFacts:
+def _sliced(
+    fwd_kinds: tuple[OpKind, ...], bwd_kinds: tuple[OpKind, ...], names: tuple[str, ...], **facts
+) -> TensorParallelFacts:
     """The block's ops called `names` (forward, and their backward) slice whole over the tp ranks (nanotron's
     column- and row-parallel linears, the attention over a rank's heads, the vocab-parallel cross entropy)."""
     fwd = tuple(kind for kind in fwd_kinds if kind.name in names)
     bwd = tuple(kind for kind in bwd_kinds if kind.name.removesuffix("_backward") in names)
-    return TensorParallelFacts(fwd_kinds=fwd, bwd_kinds=bwd, sliced_fwd_flops=sum(k.flops for k in fwd),
-                               sliced_bwd_flops=sum(k.flops for k in bwd), **facts)
+    return TensorParallelFacts(
+        fwd_kinds=fwd,
+        bwd_kinds=bwd,
+        sliced_fwd_flops=sum(k.flops for k in fwd),
+        sliced_bwd_flops=sum(k.flops for k in bwd),
+        **facts,
+    )
 
 
-def _block(index: int, name: str, numel: int, fwd_kinds: tuple[OpKind, ...], bwd_kinds: tuple[OpKind, ...], *,
-           saved: int, inp: int, out: int, fwd_transient: int, bwd_transient: int,
-           tensor_parallel: TensorParallelFacts) -> Block:
-    return Block(tensor_parallel=tensor_parallel, index=index, name=name, modules=(name,), param_names=(f"{name}.weight",), param_numel=numel,
-                 param_bytes=FP32_BYTES * numel, buffer_bytes=0,
-                 fwd_flops=sum(k.flops for k in fwd_kinds), bwd_flops=sum(k.flops for k in bwd_kinds),
-                 saved_bytes=saved, input_bytes=inp, output_bytes=out, fwd_transient_bytes=fwd_transient,
-                 bwd_transient_bytes=bwd_transient, first_node=name, last_node=name,
-                 fwd_ops=sum(k.calls for k in fwd_kinds), bwd_ops=sum(k.calls for k in bwd_kinds),
-                 fwd_kinds=fwd_kinds, bwd_kinds=bwd_kinds)
+def _block(
+    index: int,
+    name: str,
+    numel: int,
+    fwd_kinds: tuple[OpKind, ...],
+    bwd_kinds: tuple[OpKind, ...],
+    *,
+    saved: int,
+    inp: int,
+    out: int,
+    fwd_transient: int,
+    bwd_transient: int,
+    tensor_parallel: TensorParallelFacts,
+) -> Block:
+    return Block(
+        tensor_parallel=tensor_parallel,
+        index=index,
+        name=name,
+        modules=(name,),
+        param_names=(f"{name}.weight",),
+        param_numel=numel,
+        param_bytes=FP32_BYTES * numel,
+        buffer_bytes=0,
+        fwd_flops=sum(k.flops for k in fwd_kinds),
+        bwd_flops=sum(k.flops for k in bwd_kinds),
+        saved_bytes=saved,
+        input_bytes=inp,
+        output_bytes=out,
+        fwd_transient_bytes=fwd_transient,
+        bwd_transient_bytes=bwd_transient,
+        first_node=name,
+        last_node=name,
+        fwd_ops=sum(k.calls for k in fwd_kinds),
+        bwd_ops=sum(k.calls for k in bwd_kinds),
+        fwd_kinds=fwd_kinds,
+        bwd_kinds=bwd_kinds,
+    )
 
 
-def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
-                sequence_sharded_norm: bool = False, code: NanotronCode = NanotronCode()) -> BlockChain:
+def llama_chain(
+    dims: LlamaDims,
+    samples: int,
+    seq_len: int,
+    *,
+    pipelined: bool,
+    sequence_sharded_norm: bool = False,
+    code: NanotronCode = NanotronCode(),
+) -> BlockChain:
     """The chain of a LLaMA decoder over `samples` sequences (one replica's batch), fp32 master
     parameters computed in bf16, flash attention, the loss in fp32 over the whole vocabulary.
 
@@ -361,74 +476,166 @@ def llama_chain(dims: LlamaDims, samples: int, seq_len: int, *, pipelined: bool,
     # masked (as FlashAttention's benchmark counts it), which FlashAttention-2 skips: the profile reads the
     # call's sequence off these FLOPs over its bytes (hardware.py, [Note: attention by sequence length])
     attention_flops = 4 * samples * seq_len * seq_len * h
-    attention = OpKind(name=ATTENTION, calls=1, flops=attention_flops, masked_flops=attention_flops // 2,
-                       bytes=(2 * h + 2 * kv) * tokens * BF16_BYTES)
-    layer_products = (_matmul(tokens, h, h + 2 * kv), attention, _matmul(tokens, h, h),
-                      _matmul(tokens, h, i, calls=2), _matmul(tokens, i, h))
+    attention = OpKind(
+        name=ATTENTION,
+        calls=1,
+        flops=attention_flops,
+        masked_flops=attention_flops // 2,
+        bytes=(2 * h + 2 * kv) * tokens * BF16_BYTES,
+    )
+    layer_products = (
+        _matmul(tokens, h, h + 2 * kv),
+        attention,
+        _matmul(tokens, h, h),
+        _matmul(tokens, h, i, calls=2),
+        _matmul(tokens, i, h),
+    )
     qkv_bytes = tokens * (h + 2 * kv) * BF16_BYTES
     kv_bytes = 2 * tokens * kv * BF16_BYTES
     ffn = tokens * i * BF16_BYTES
     layer_kinds = layer_products + (
-        _elementwise("rms_norm", 2, 4 * stream), _elementwise("rotary", 2, 2 * stream + kv_bytes),
-        _elementwise("add", 2, 6 * stream), _elementwise("silu_mul", 2, 5 * ffn),
-        _elementwise("layout_copy", 3, 2 * qkv_bytes + 4 * kv_bytes))
+        _elementwise("rms_norm", 2, 4 * stream),
+        _elementwise("rotary", 2, 2 * stream + kv_bytes),
+        _elementwise("add", 2, 6 * stream),
+        _elementwise("silu_mul", 2, 5 * ffn),
+        _elementwise("layout_copy", 3, 2 * qkv_bytes + 4 * kv_bytes),
+    )
     layer_bwd_kinds = _backward(layer_products) + (
-        _elementwise("rms_norm_backward", 2, 6 * stream), _elementwise("rotary_backward", 2, 2 * stream + kv_bytes),
-        _elementwise("add_backward", 2, 6 * stream), _elementwise("silu_mul_backward", 3, 9 * ffn),
-        _elementwise("layout_copy_backward", 4, 4 * qkv_bytes + 2 * kv_bytes + 4 * ffn))
-    attention_saved = 2 * h + (4 if dims.kv_heads == dims.heads else 2) * kv + (h if code.o_proj_input_copy else 0)
+        _elementwise("rms_norm_backward", 2, 6 * stream),
+        _elementwise("rotary_backward", 2, 2 * stream + kv_bytes),
+        _elementwise("add_backward", 2, 6 * stream),
+        _elementwise("silu_mul_backward", 3, 9 * ffn),
+        _elementwise("layout_copy_backward", 4, 4 * qkv_bytes + 2 * kv_bytes + 4 * ffn),
+    )
+    attention_saved = (
+        2 * h
+        + (4 if dims.kv_heads == dims.heads else 2) * kv
+        + (h if code.o_proj_input_copy else 0)
+    )
     layer_saved = (4 * h + attention_saved + 4 * i) * tokens * BF16_BYTES
     logits = tokens * v
     divides = math.gcd(dims.heads, dims.kv_heads, i)
     # the embedding's backward writes a whole zeroed gradient table a micro-batch, and autograd sums the LM head's
     # gradient into it where both are one parameter
     table_writes = v * h * BF16_BYTES * (1 + (3 if dims.tied and not pipelined else 0))
-    embedding_bwd = _elementwise("embedding_dense_backward", 2, 5 * stream, weight_bytes=table_writes)
-    blocks = [_block(0, "model.embed_tokens", v * h, (_elementwise("embedding", 1, 2 * stream),), (embedding_bwd,),
-                     saved=tokens * 8, inp=tokens * 8, out=stream, fwd_transient=stream, bwd_transient=stream,
-                     tensor_parallel=TensorParallelFacts(
-                         divides=v, sliced_numel=v * h, all_reduces=1, exchange_bytes=stream,
-                         # only the table's writes slice: the lookup runs over every token on each tp rank
-                         bwd_kinds=(_elementwise(embedding_bwd.name, 0, 0, weight_bytes=table_writes),),
-                         sharded=(("model.embed_tokens", "vocab_embedding"),)))]
-    layer_facts = [_sliced(layer_kinds, layer_bwd_kinds, ("mm", ATTENTION),
-                           divides=divides, sliced_numel=layer_numel - 2 * h,
-                           sliced_saved_bytes=(attention_saved + 4 * i) * tokens * BF16_BYTES,
-                           sequence_layer=True, all_reduces=4, exchange_bytes=stream,
-                           gathered_saved_bytes=2 * stream if code.saves_gathered_input else 0,
-                           sharded=tuple((f"model.layers.{n}.{module}", style) for module, style in LAYER_STYLES))
-                   for n in range(dims.layers)]
-    blocks += [_block(1 + n, f"model.layers.{n}", layer_numel, layer_kinds, layer_bwd_kinds, saved=layer_saved,
-                      inp=stream, out=stream, fwd_transient=2 * ffn, bwd_transient=4 * ffn,
-                      tensor_parallel=layer_facts[n])
-               for n in range(dims.layers)]
+    embedding_bwd = _elementwise(
+        "embedding_dense_backward", 2, 5 * stream, weight_bytes=table_writes
+    )
+    blocks = [
+        _block(
+            0,
+            "model.embed_tokens",
+            v * h,
+            (_elementwise("embedding", 1, 2 * stream),),
+            (embedding_bwd,),
+            saved=tokens * 8,
+            inp=tokens * 8,
+            out=stream,
+            fwd_transient=stream,
+            bwd_transient=stream,
+            tensor_parallel=TensorParallelFacts(
+                divides=v,
+                sliced_numel=v * h,
+                all_reduces=1,
+                exchange_bytes=stream,
+                # only the table's writes slice: the lookup runs over every token on each tp rank
+                bwd_kinds=(_elementwise(embedding_bwd.name, 0, 0, weight_bytes=table_writes),),
+                sharded=(("model.embed_tokens", "vocab_embedding"),),
+            ),
+        )
+    ]
+    layer_facts = [
+        _sliced(
+            layer_kinds,
+            layer_bwd_kinds,
+            ("mm", ATTENTION),
+            divides=divides,
+            sliced_numel=layer_numel - 2 * h,
+            sliced_saved_bytes=(attention_saved + 4 * i) * tokens * BF16_BYTES,
+            sequence_layer=True,
+            all_reduces=4,
+            exchange_bytes=stream,
+            gathered_saved_bytes=2 * stream if code.saves_gathered_input else 0,
+            sharded=tuple((f"model.layers.{n}.{module}", style) for module, style in LAYER_STYLES),
+        )
+        for n in range(dims.layers)
+    ]
+    blocks += [
+        _block(
+            1 + n,
+            f"model.layers.{n}",
+            layer_numel,
+            layer_kinds,
+            layer_bwd_kinds,
+            saved=layer_saved,
+            inp=stream,
+            out=stream,
+            fwd_transient=2 * ffn,
+            bwd_transient=4 * ffn,
+            tensor_parallel=layer_facts[n],
+        )
+        for n in range(dims.layers)
+    ]
     head_products = (_matmul(tokens, h, v),)
-    head_kinds = head_products + (_elementwise("rms_norm", 1, 2 * stream),
-                                  _elementwise("cross_entropy", 6, 38 * logits))
-    head_bwd_kinds = _backward(head_products) + (_elementwise("rms_norm_backward", 1, 3 * stream),
-                                                 _elementwise("cross_entropy_backward", 2, 14 * logits))
+    head_kinds = head_products + (
+        _elementwise("rms_norm", 1, 2 * stream),
+        _elementwise("cross_entropy", 6, 38 * logits),
+    )
+    head_bwd_kinds = _backward(head_products) + (
+        _elementwise("rms_norm_backward", 1, 3 * stream),
+        _elementwise("cross_entropy_backward", 2, 14 * logits),
+    )
     head_numel = h if dims.tied and not pipelined else v * h + h
     norm = 2 * stream  # the final norm's input and output
     # of the norm, what a rank keeps of a 1/tp slice of the sequence: its input, and its output unless the LM
     # head keeps that output gathered
     sliced_norm = (stream if code.saves_gathered_input else norm) if sequence_sharded_norm else 0
-    head_facts = _sliced(head_kinds, head_bwd_kinds,
-                         ("mm", "cross_entropy") + (("rms_norm",) if sequence_sharded_norm else ()),
-                         divides=v, sliced_numel=head_numel - h, sliced_saved_bytes=logits * FP32_BYTES + sliced_norm,
-                         all_reduces=1, exchange_bytes=stream, sharded=(("lm_head", "vocab_head"),))
-    blocks.append(_block(1 + dims.layers, "lm_head", head_numel, head_kinds, head_bwd_kinds,
-                         saved=norm + logits * FP32_BYTES, inp=stream, out=0,
-                         fwd_transient=norm + 2 * logits * FP32_BYTES, bwd_transient=logits * BF16_BYTES + stream,
-                         tensor_parallel=head_facts))
-    return BlockChain(blocks=tuple(blocks), fingerprint=f"llama-{dims.layers}x{h}", param_dtype="torch.float32",
-                      compute_dtype="bfloat16",  # its activations' bytes are bf16's, as nanotron computes
-                      inputs=(InputSpec(name="0", shape=(samples, seq_len), dtype="int64"),), input_bytes=tokens * 8,
-                      extra={"model": "LlamaForCausalLM"})
+    head_facts = _sliced(
+        head_kinds,
+        head_bwd_kinds,
+        ("mm", "cross_entropy") + (("rms_norm",) if sequence_sharded_norm else ()),
+        divides=v,
+        sliced_numel=head_numel - h,
+        sliced_saved_bytes=logits * FP32_BYTES + sliced_norm,
+        all_reduces=1,
+        exchange_bytes=stream,
+        sharded=(("lm_head", "vocab_head"),),
+    )
+    blocks.append(
+        _block(
+            1 + dims.layers,
+            "lm_head",
+            head_numel,
+            head_kinds,
+            head_bwd_kinds,
+            saved=norm + logits * FP32_BYTES,
+            inp=stream,
+            out=0,
+            fwd_transient=norm + 2 * logits * FP32_BYTES,
+            bwd_transient=logits * BF16_BYTES + stream,
+            tensor_parallel=head_facts,
+        )
+    )
+    return BlockChain(
+        blocks=tuple(blocks),
+        fingerprint=f"llama-{dims.layers}x{h}",
+        param_dtype="torch.float32",
+        compute_dtype="bfloat16",  # its activations' bytes are bf16's, as nanotron computes
+        inputs=(InputSpec(name="0", shape=(samples, seq_len), dtype="int64"),),
+        input_bytes=tokens * 8,
+        extra={"model": "LlamaForCausalLM"},
+    )
 
 
-LAYER_STYLES = (("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"),
-                ("self_attn.o_proj", "rowwise"), ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"),
-                ("mlp.down_proj", "rowwise"))
+LAYER_STYLES = (
+    ("self_attn.q_proj", "colwise"),
+    ("self_attn.k_proj", "colwise"),
+    ("self_attn.v_proj", "colwise"),
+    ("self_attn.o_proj", "rowwise"),
+    ("mlp.gate_proj", "colwise"),
+    ("mlp.up_proj", "colwise"),
+    ("mlp.down_proj", "rowwise"),
+)
 """How a decoder layer's linears slice over tp (LLaMA's module names; nanotron fuses q/k/v and gate/up)."""
 
 
@@ -458,7 +665,9 @@ def nanotron_stage_starts(dims: LlamaDims, pp: int) -> list[int]:
     stage before it that is left without blocks takes the last block of the stage before (an
     approximation: the head's matmul and the loss share one stage here, two in nanotron)."""
     stage_of = nanotron_block_stages(dims, pp)
-    head = dims.layers + 1  # this chain's block holding the final norm, the head, the cast and the loss
+    head = (
+        dims.layers + 1
+    )  # this chain's block holding the final norm, the head, the cast and the loss
     starts = [stage_of.index(s) if s in stage_of else -1 for s in range(pp)]
     if -1 in starts:
         return starts
@@ -484,7 +693,9 @@ def polled_waits(dims: LlamaDims, pp: int) -> list[int]:
     SendTensorWithoutGradientToPipelineBuffer). So a boundary between decoder layers costs each side 6 waits,
     one before the final norm 4: a middle stage between layers 12, the first 6."""
     stages = nanotron_block_stages(dims, pp)
-    crossing = [(0, 0)] + [(2, 1)] * dims.layers + [(1, 1)] * 4  # into each block: (tensors, gradients back)
+    crossing = (
+        [(0, 0)] + [(2, 1)] * dims.layers + [(1, 1)] * 4
+    )  # into each block: (tensors, gradients back)
     waits = [0] * pp
     for block, (before, after) in enumerate(zip(stages, stages[1:]), start=1):
         if before != after:
@@ -503,17 +714,33 @@ def p2p_polling_s(row: "Row", dims: LlamaDims) -> float:
 def plan_for(row: Row, chain: BlockChain, dims: LlamaDims) -> Plan:
     """The plan nanotron ran for `row` on `chain` (which holds one replica's batch)."""
     strategy = ZERO_STAGES[row.zero_stage]
-    units = tuple(Unit(name=b.name, modules=b.modules, params=b.param_names, strategy=strategy) for b in chain.blocks)
+    units = tuple(
+        Unit(name=b.name, modules=b.modules, params=b.param_names, strategy=strategy)
+        for b in chain.blocks
+    )
     starts = nanotron_stage_starts(dims, row.pp) + [len(units)]
-    stages = tuple(Stage(index=s, units=tuple(u.name for u in units[starts[s]:starts[s + 1]])) for s in range(row.pp))
+    stages = tuple(
+        Stage(index=s, units=tuple(u.name for u in units[starts[s] : starts[s + 1]]))
+        for s in range(row.pp)
+    )
     mesh = Mesh(dp_shard=row.dp, tp=row.tp, pp=row.pp)
-    return Plan(fingerprint=chain.fingerprint, model=row.model, world_size=mesh.size, hardware="h100-80g",
-                inputs=chain.inputs, mesh=mesh,
-                tensor_parallel=tensor_parallel_section(chain, Configuration(mesh=mesh, schedule=Schedule(),
-                                                                             sequence_parallel=True)),
-                schedule=Schedule(num_micro_batches=row.grad_accum, name="1f1b" if row.pp > 1 else "none"),
-                mixed_precision=BF16_MIXED, units=units, stages=stages, predicted=Predicted(peak_bytes=0, step_time_s=0.0),
-                reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"))
+    return Plan(
+        fingerprint=chain.fingerprint,
+        model=row.model,
+        world_size=mesh.size,
+        hardware="h100-80g",
+        inputs=chain.inputs,
+        mesh=mesh,
+        tensor_parallel=tensor_parallel_section(
+            chain, Configuration(mesh=mesh, schedule=Schedule(), sequence_parallel=True)
+        ),
+        schedule=Schedule(num_micro_batches=row.grad_accum, name="1f1b" if row.pp > 1 else "none"),
+        mixed_precision=BF16_MIXED,
+        units=units,
+        stages=stages,
+        predicted=Predicted(peak_bytes=0, step_time_s=0.0),
+        reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"),
+    )
 
 
 def as_run(dims: LlamaDims, tp: int) -> LlamaDims:
@@ -524,7 +751,7 @@ def as_run(dims: LlamaDims, tp: int) -> LlamaDims:
 
 
 def why_not_expressible(row: Row) -> str:
-    """"" when the row can be planned, else the reason it cannot."""
+    """ "" when the row can be planned, else the reason it cannot."""
     if row.model not in MODELS:
         return f"model {row.model!r} has no dimensions in MODELS"
     dims = MODELS[row.model]
@@ -536,8 +763,10 @@ def why_not_expressible(row: Row) -> str:
         return f"pp={row.pp} is more stages than the model's {dims.layers + 2} blocks"
     starts = nanotron_stage_starts(dims, row.pp)
     if -1 in starts:
-        return (f"pp={row.pp}: nanotron's cut by weight count leaves stage {starts.index(-1)} without blocks "
-                "(every such run crashed)")
+        return (
+            f"pp={row.pp}: nanotron's cut by weight count leaves stage {starts.index(-1)} without blocks "
+            "(every such run crashed)"
+        )
     if row.dp * row.tp * row.pp != row.n_gpus:
         return f"dp x tp x pp = {row.dp * row.tp * row.pp} is not the {row.n_gpus} GPUs of the row"
     return ""
@@ -562,15 +791,23 @@ def zero1_runtime_s(row: Row, chain: BlockChain, dims: LlamaDims, hw) -> float:
     stages = [chain.blocks[a:b] for a, b in zip(starts, starts[1:])]
     blocks = max(stages, key=lambda stage: sum(b.param_numel for b in stage))
     numel = sum(b.param_numel for b in blocks) // row.tp
-    tensors = sum(NANOTRON_TENSORS["embedding" if b.index == 0 else "head" if b.name == "lm_head" else "layer"]
-                  for b in blocks)
+    tensors = sum(
+        NANOTRON_TENSORS[
+            "embedding" if b.index == 0 else "head" if b.name == "lm_head" else "layer"
+        ]
+        for b in blocks
+    )
     ranks_per_node = max(1, hw.devices_per_node // row.tp)
-    reduce_s = hw.collective_time_s("all_reduce", FP32_BYTES * numel, row.dp, ranks_per_node=ranks_per_node)
+    reduce_s = hw.collective_time_s(
+        "all_reduce", FP32_BYTES * numel, row.dp, ranks_per_node=ranks_per_node
+    )
     copies_s = hw.compute_time_s(0, 2 * BF16_BYTES * numel, "bfloat16", calls=row.dp * tensors)
     return reduce_s + copies_s
 
 
-def nanotron_runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> RuntimeKernels:
+def nanotron_runtime_kernels(
+    sizes: UnitSizes, decision: Decision, ctx: CostContext
+) -> RuntimeKernels:
     """What nanotron (e24d2483, accumulate_grad_in_fp32: the playbook's config) runs over a unit's parameters and
     gradients beside the model's ops, priced in place of shardplan's runtime's ([Note: the runtime's kernels] in
     cost.py), each by the analysis's byte rule (an in-place op reads and writes its target): each micro-batch
@@ -588,12 +825,24 @@ def nanotron_runtime_kernels(sizes: UnitSizes, decision: Decision, ctx: CostCont
     def stepped(nbytes: int) -> int:
         return -(-nbytes // ctx.dp) if zero1 else nbytes
 
-    ddp_copy = (("copy_", 3 * sizes.param_bytes),) if not zero1 and ctx.dp * ctx.dp_replicate > 1 else ()
-    rest_zeroed = (("zero_", 2 * (sizes.grad_bytes - stepped(sizes.grad_bytes))),) if zero1 and ctx.dp > 1 else ()
-    return RuntimeKernels(forward=(), backward=(("add_", sizes.param_bytes + 2 * sizes.grad_bytes),),
-                          step=ddp_copy + (("clip_grad_norm", 3 * sizes.grad_bytes),
-                                           ("copy_", stepped(sizes.storage_bytes + 2 * sizes.param_bytes)))
-                          + rest_zeroed)
+    ddp_copy = (
+        (("copy_", 3 * sizes.param_bytes),) if not zero1 and ctx.dp * ctx.dp_replicate > 1 else ()
+    )
+    rest_zeroed = (
+        (("zero_", 2 * (sizes.grad_bytes - stepped(sizes.grad_bytes))),)
+        if zero1 and ctx.dp > 1
+        else ()
+    )
+    return RuntimeKernels(
+        forward=(),
+        backward=(("add_", sizes.param_bytes + 2 * sizes.grad_bytes),),
+        step=ddp_copy
+        + (
+            ("clip_grad_norm", 3 * sizes.grad_bytes),
+            ("copy_", stepped(sizes.storage_bytes + 2 * sizes.param_bytes)),
+        )
+        + rest_zeroed,
+    )
 
 
 NANOTRON_HOST_CALLS = {"layer": 220, "embedding": 23, "head": 101, "boundary": 47}
@@ -632,11 +881,16 @@ def nanotron_host_s(row: Row, chain: BlockChain, dims: LlamaDims, hw) -> float:
 
     def stage_s(blocks, boundaries: int) -> float:
         kinds = [kind(b) for b in blocks] + ["boundary"] * boundaries
-        return sum(NANOTRON_HOST_CALLS[k] * hw.op_overhead_s + NANOTRON_TRITON_LAUNCHES[k] * TRITON_LAUNCH_S
-                   for k in kinds)
+        return sum(
+            NANOTRON_HOST_CALLS[k] * hw.op_overhead_s
+            + NANOTRON_TRITON_LAUNCHES[k] * TRITON_LAUNCH_S
+            for k in kinds
+        )
 
-    return max(stage_s(chain.blocks[a:b], (s > 0) + (s < row.pp - 1))
-               for s, (a, b) in enumerate(zip(starts, starts[1:])))
+    return max(
+        stage_s(chain.blocks[a:b], (s > 0) + (s < row.pp - 1))
+        for s, (a, b) in enumerate(zip(starts, starts[1:]))
+    )
 
 
 ADAM_BYTES = OPTIMIZER_STATE_BYTES_PER_PARAM["adamw"]
@@ -647,7 +901,9 @@ def plan_state_per_param(row: Row) -> float:
     its fp32 copy whole, its fp32 gradient and AdamW state whole (replicate) or 1/dp (shard_optimizer),
     and an fp32 accumulator when the step has more than one micro-batch."""
     shards = 1 if row.zero_stage == "0" else row.dp
-    return FP32_BYTES + (FP32_BYTES + ADAM_BYTES) / shards + (FP32_BYTES if row.grad_accum > 1 else 0)
+    return (
+        FP32_BYTES + (FP32_BYTES + ADAM_BYTES) / shards + (FP32_BYTES if row.grad_accum > 1 else 0)
+    )
 
 
 def nanotron_state_per_param(row: Row) -> float:
@@ -699,32 +955,50 @@ def after_pipeline(stage_memory: dict[str, int], row: Row, dims: LlamaDims) -> d
     "Mem Alloc" column measures exactly this: at the measured step the trainer resets the peak right after
     the pipeline (trainer.py line 498, logging.py `log_memory` line 259) and rank 0 writes
     max_memory_allocated when the step is done (helpers.py lines 609 and 674)."""
-    params = stage_memory["sharded_state"] / plan_state_per_param(row)  # the stage's parameters on a rank
-    return {"sharded_state": round(params * nanotron_state_per_param(row)),
-            "memory_buffer": memory_buffer_bytes(row, dims),
-            "parameter_gather": round(params * zero1_gather_per_param(row))}
+    params = stage_memory["sharded_state"] / plan_state_per_param(
+        row
+    )  # the stage's parameters on a rank
+    return {
+        "sharded_state": round(params * nanotron_state_per_param(row)),
+        "memory_buffer": memory_buffer_bytes(row, dims),
+        "parameter_gather": round(params * zero1_gather_per_param(row)),
+    }
 
 
-def as_nanotron_holds(plan: Predicted, stages: tuple[StepCost, ...], row: Row, dims: LlamaDims) -> Predicted:
+def as_nanotron_holds(
+    plan: Predicted, stages: tuple[StepCost, ...], row: Row, dims: LlamaDims
+) -> Predicted:
     """The plan's peak with what nanotron holds beside the activations in place of the plan's state, at the
     largest over the pipeline's stages (`stages`, compile.evaluate_stages: nanotron's state per parameter
     differs from the plan's, so a stage with more parameters and fewer activations than the plan's peak stage
     can overtake it): on each, nanotron's state (its bf16 parameters are whole, so the plan's gathered bf16
     copies go) and its all-gather buffers; or, where it is larger, the step after the pipeline
     (after_pipeline)."""
+
     def held(stage_memory: dict[str, int]) -> dict[str, int]:
         after = after_pipeline(stage_memory, row, dims)
-        during = {**stage_memory, "sharded_state": after["sharded_state"], "gathered_params": 0,
-                  "memory_buffer": after["memory_buffer"]}
+        during = {
+            **stage_memory,
+            "sharded_state": after["sharded_state"],
+            "gathered_params": 0,
+            "memory_buffer": after["memory_buffer"],
+        }
         return max(during, after, key=lambda memory: sum(memory.values()))
 
-    memory = max((held(stage.memory_bytes) for stage in stages), key=lambda found: sum(found.values()))
+    memory = max(
+        (held(stage.memory_bytes) for stage in stages), key=lambda found: sum(found.values())
+    )
     return dataclasses.replace(plan, peak_bytes=sum(memory.values()), memory_bytes=memory)
 
 
-def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1: bool = False,
-            fabric_jobs: dict[tuple, list[dict[str, str]]] | None = None,
-            pp_code_jobs: dict[tuple, list[dict[str, str]]] | None = None) -> list[Outcome]:
+def predict(
+    rows: list[Row],
+    hardware: str | HardwareProfile,
+    *,
+    nanotron_zero1: bool = False,
+    fabric_jobs: dict[tuple, list[dict[str, str]]] | None = None,
+    pp_code_jobs: dict[tuple, list[dict[str, str]]] | None = None,
+) -> list[Outcome]:
     """Each row's plan priced on `hardware` as nanotron runs it (nanotron_runtime_kernels), its peak memory as
     nanotron holds it (as_nanotron_holds); with `nanotron_zero1`, each ZeRO-1 row's step also pays what
     nanotron's ZeRO-1 does beyond the plan (zero1_runtime_s); with `fabric_jobs` (nanotron_jobs), each row across
@@ -744,19 +1018,39 @@ def predict(rows: list[Row], hardware: str | HardwareProfile, *, nanotron_zero1:
         code = nanotron_code(row, row_job(row, pp_code_jobs) if pp_code_jobs else None)
         key = (dims, samples, row.seq_len, row.pp > 1, code)
         if key not in chains:
-            chains[key] = llama_chain(dims, samples, row.seq_len, pipelined=row.pp > 1, sequence_sharded_norm=True,
-                                      code=code)
+            chains[key] = llama_chain(
+                dims,
+                samples,
+                row.seq_len,
+                pipelined=row.pp > 1,
+                sequence_sharded_norm=True,
+                code=code,
+            )
         chain = chains[key]
-        plan, stages = evaluate_stages(chain, plan_for(row, chain, dims), hw, runtime=nanotron_runtime_kernels)
+        plan, stages = evaluate_stages(
+            chain, plan_for(row, chain, dims), hw, runtime=nanotron_runtime_kernels
+        )
         predicted = as_nanotron_holds(plan, stages, row, dims)
-        host_bound_s = (row.grad_accum + row.pp - 1) * nanotron_host_s(row, chain, dims, hw) + plan.time_s["optimizer"]
-        step_s = (max(predicted.step_time_s, host_bound_s)
-                  + (zero1_runtime_s(row, chain, dims, hw) if nanotron_zero1 else 0.0)
-                  + (p2p_polling_s(row, dims) if code.polls_p2p else 0.0))
+        host_bound_s = (row.grad_accum + row.pp - 1) * nanotron_host_s(
+            row, chain, dims, hw
+        ) + plan.time_s["optimizer"]
+        step_s = (
+            max(predicted.step_time_s, host_bound_s)
+            + (zero1_runtime_s(row, chain, dims, hw) if nanotron_zero1 else 0.0)
+            + (p2p_polling_s(row, dims) if code.polls_p2p else 0.0)
+        )
         tokens = samples * row.seq_len * row.dp / step_s / row.n_gpus
-        outcomes.append(Outcome(row=row, predicted=predicted, tokens_per_s_per_gpu=tokens,
-                                rank0_peak_bytes=as_nanotron_holds(plan, stages[:1], row, dims).peak_bytes,
-                                after_pipeline_bytes=sum(after_pipeline(stages[0].memory_bytes, row, dims).values())))
+        outcomes.append(
+            Outcome(
+                row=row,
+                predicted=predicted,
+                tokens_per_s_per_gpu=tokens,
+                rank0_peak_bytes=as_nanotron_holds(plan, stages[:1], row, dims).peak_bytes,
+                after_pipeline_bytes=sum(
+                    after_pipeline(stages[0].memory_bytes, row, dims).values()
+                ),
+            )
+        )
     return outcomes
 
 
@@ -795,16 +1089,34 @@ def score(outcomes: list[Outcome], usable_bytes: int) -> list[GroupScore]:
         expressed = [o for o in members if o.predicted is not None]
         ranked = [o for o in expressed if o.row.ran and o.row.tokens_per_s_per_gpu]
         ratios = sorted(o.tokens_per_s_per_gpu / o.row.tokens_per_s_per_gpu for o in ranked)
-        tau = (kendalltau([o.tokens_per_s_per_gpu for o in ranked], [o.row.tokens_per_s_per_gpu for o in ranked])[0]
-               if len(ranked) > 1 else math.nan)
+        tau = (
+            kendalltau(
+                [o.tokens_per_s_per_gpu for o in ranked],
+                [o.row.tokens_per_s_per_gpu for o in ranked],
+            )[0]
+            if len(ranked) > 1
+            else math.nan
+        )
         crashed = [o for o in expressed if o.row.crashed]
         ran = [o for o in expressed if o.row.ran]
-        scores.append(GroupScore(
-            model=model, n_gpus=n_gpus, rows=len(members), expressed=len(expressed), ranked=len(ranked),
-            tau=float(tau), ratios=tuple(ratios), ratio_median=_percentile(ratios, 50),
-            ratio_p10=_percentile(ratios, 10), ratio_p90=_percentile(ratios, 90), crashed=len(crashed),
-            crashed_over=sum(o.predicted.peak_bytes > usable_bytes for o in crashed), ran=len(ran),
-            ran_within=sum(o.predicted.peak_bytes <= usable_bytes for o in ran)))
+        scores.append(
+            GroupScore(
+                model=model,
+                n_gpus=n_gpus,
+                rows=len(members),
+                expressed=len(expressed),
+                ranked=len(ranked),
+                tau=float(tau),
+                ratios=tuple(ratios),
+                ratio_median=_percentile(ratios, 50),
+                ratio_p10=_percentile(ratios, 10),
+                ratio_p90=_percentile(ratios, 90),
+                crashed=len(crashed),
+                crashed_over=sum(o.predicted.peak_bytes > usable_bytes for o in crashed),
+                ran=len(ran),
+                ran_within=sum(o.predicted.peak_bytes <= usable_bytes for o in ran),
+            )
+        )
     return scores
 
 
@@ -813,24 +1125,34 @@ def _share(part: int, whole: int) -> str:
 
 
 def print_table(scores: list[GroupScore]) -> None:
-    print("| model | GPUs | rows (planned) | ranked | Kendall tau | pred/meas median | p10 | p90 "
-          "| crashed predicted over | ran predicted within |")
+    print(
+        "| model | GPUs | rows (planned) | ranked | Kendall tau | pred/meas median | p10 | p90 "
+        "| crashed predicted over | ran predicted within |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in scores:
-        print(f"| {s.model} | {s.n_gpus} | {s.rows} ({s.expressed}) | {s.ranked} | {s.tau:+.2f} | "
-              f"{s.ratio_median:.2f} | {s.ratio_p10:.2f} | {s.ratio_p90:.2f} | {_share(s.crashed_over, s.crashed)} | "
-              f"{_share(s.ran_within, s.ran)} |")
-    print("\n| model | mean tau over GPU counts | lowest tau | pred/meas median | p90 | crashed predicted over "
-          "| ran predicted within |")
+        print(
+            f"| {s.model} | {s.n_gpus} | {s.rows} ({s.expressed}) | {s.ranked} | {s.tau:+.2f} | "
+            f"{s.ratio_median:.2f} | {s.ratio_p10:.2f} | {s.ratio_p90:.2f} | {_share(s.crashed_over, s.crashed)} | "
+            f"{_share(s.ran_within, s.ran)} |"
+        )
+    print(
+        "\n| model | mean tau over GPU counts | lowest tau | pred/meas median | p90 | crashed predicted over "
+        "| ran predicted within |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for model in sorted({s.model for s in scores}):
         mine = [s for s in scores if s.model == model]
         taus = [s.tau for s in mine if not math.isnan(s.tau)]
         ratios = [ratio for s in mine for ratio in s.ratios]
-        mean_tau, lowest_tau = (f"{statistics.mean(taus):+.2f}", f"{min(taus):+.2f}") if taus else ("-", "-")
-        print(f"| {model} | {mean_tau} | {lowest_tau} | {_percentile(ratios, 50):.2f} | "
-              f"{_percentile(ratios, 90):.2f} | {_share(sum(s.crashed_over for s in mine), sum(s.crashed for s in mine))} | "
-              f"{_share(sum(s.ran_within for s in mine), sum(s.ran for s in mine))} |")
+        mean_tau, lowest_tau = (
+            (f"{statistics.mean(taus):+.2f}", f"{min(taus):+.2f}") if taus else ("-", "-")
+        )
+        print(
+            f"| {model} | {mean_tau} | {lowest_tau} | {_percentile(ratios, 50):.2f} | "
+            f"{_percentile(ratios, 90):.2f} | {_share(sum(s.crashed_over for s in mine), sum(s.crashed for s in mine))} | "
+            f"{_share(sum(s.ran_within for s in mine), sum(s.ran for s in mine))} |"
+        )
 
 
 TP_DEGREES = (1, 2, 4, 8, 16, 32)
@@ -842,7 +1164,9 @@ def memory_ratios(outcomes: list[Outcome]) -> dict[tuple[str, bool, int], float]
     groups: dict[tuple[str, bool, int], list[float]] = defaultdict(list)
     for o in outcomes:
         if o.predicted is not None and o.row.ran and o.row.reported_gib:
-            groups[o.row.model, o.row.pp > 1, o.row.tp].append(o.rank0_peak_bytes / 2**30 / o.row.reported_gib)
+            groups[o.row.model, o.row.pp > 1, o.row.tp].append(
+                o.rank0_peak_bytes / 2**30 / o.row.reported_gib
+            )
     return {key: statistics.median(ratios) for key, ratios in groups.items()}
 
 
@@ -852,7 +1176,8 @@ def throughput_ratios(outcomes: list[Outcome]) -> dict[tuple[str, str, int], flo
     for o in outcomes:
         if o.predicted is not None and o.row.ran and o.row.tokens_per_s_per_gpu:
             groups[o.row.model, "> 1" if o.row.pp > 1 else "1", o.row.tp].append(
-                o.tokens_per_s_per_gpu / o.row.tokens_per_s_per_gpu)
+                o.tokens_per_s_per_gpu / o.row.tokens_per_s_per_gpu
+            )
     return {key: statistics.median(ratios) for key, ratios in groups.items()}
 
 
@@ -870,8 +1195,10 @@ def allocated_ratios(outcomes: list[Outcome]) -> dict[int, list[float]]:
 def print_allocated_ratios(ratios: dict[int, list[float]]) -> None:
     print("\nPredicted peak / measured peak allocated (old_bench's log), rows that ran:")
     for tp, found in ratios.items():
-        print(f"  tp {tp}: median {statistics.median(found):.2f} ({found[0]:.2f}-{found[-1]:.2f}), "
-              f"within 5%: {sum(abs(r - 1) <= 0.05 for r in found)}/{len(found)}")
+        print(
+            f"  tp {tp}: median {statistics.median(found):.2f} ({found[0]:.2f}-{found[-1]:.2f}), "
+            f"within 5%: {sum(abs(r - 1) <= 0.05 for r in found)}/{len(found)}"
+        )
 
 
 FAST, SLOW = 0.8, 0.5
@@ -888,8 +1215,14 @@ def reservation_by_speed(outcomes: list[Outcome]) -> dict[str, list[float]]:
     groups: dict[tuple, list[Outcome]] = defaultdict(list)
     for o in outcomes:
         row = o.row
-        if o.predicted is not None and row.ran and row.reported_gib and row.tokens_per_s_per_gpu and row.pp == 1 \
-                and row.tp > 1:
+        if (
+            o.predicted is not None
+            and row.ran
+            and row.reported_gib
+            and row.tokens_per_s_per_gpu
+            and row.pp == 1
+            and row.tp > 1
+        ):
             groups[row.model, row.tp, row.micro_batch_size].append(o)
     found: dict[str, list[float]] = {"fast": [], "slow": []}
     for members in (m for m in groups.values() if len(m) > 1):
@@ -897,22 +1230,37 @@ def reservation_by_speed(outcomes: list[Outcome]) -> dict[str, list[float]]:
         for o in members:
             speed = o.row.tokens_per_s_per_gpu / best
             if speed > FAST or speed < SLOW:
-                found["fast" if speed > FAST else "slow"].append(o.row.reported_gib * 2**30 / o.predicted.peak_bytes)
+                found["fast" if speed > FAST else "slow"].append(
+                    o.row.reported_gib * 2**30 / o.predicted.peak_bytes
+                )
     return found
 
 
 def print_reservation_by_speed(found: dict[str, list[float]]) -> None:
     bounds = {"fast": f"over {FAST:.0%}", "slow": f"under {SLOW:.0%}"}
-    print("\nReported / predicted at pp = 1 and tp > 1, median, by throughput against the best row of the same "
-          "model, tp and micro-batch size: " + ", ".join(
-              f"{kind} ({bounds[kind]}) {statistics.median(ratios):.2f} ({len(ratios)} rows)"
-              for kind, ratios in found.items() if ratios))
+    print(
+        "\nReported / predicted at pp = 1 and tp > 1, median, by throughput against the best row of the same "
+        "model, tp and micro-batch size: "
+        + ", ".join(
+            f"{kind} ({bounds[kind]}) {statistics.median(ratios):.2f} ({len(ratios)} rows)"
+            for kind, ratios in found.items()
+            if ratios
+        )
+    )
 
 
 def print_memory_ratios(ratios: dict[tuple[str, bool, int], float]) -> None:
-    print("\nPredicted / reported memory of rank 0 (the first stage; GiB reserved), median of the rows that ran:\n")
-    print_by_tp({(model, "> 1" if pipelined else "1", tp): ratio for (model, pipelined, tp), ratio in ratios.items()},
-                "pp", "{:.2f}")
+    print(
+        "\nPredicted / reported memory of rank 0 (the first stage; GiB reserved), median of the rows that ran:\n"
+    )
+    print_by_tp(
+        {
+            (model, "> 1" if pipelined else "1", tp): ratio
+            for (model, pipelined, tp), ratio in ratios.items()
+        },
+        "pp",
+        "{:.2f}",
+    )
 
 
 def print_by_tp(values: dict[tuple[str, str, int], float], label: str, shown: str) -> None:
@@ -920,7 +1268,10 @@ def print_by_tp(values: dict[tuple[str, str, int], float], label: str, shown: st
     print(f"| model | {label} | " + " | ".join(f"tp {tp}" for tp in TP_DEGREES) + " |")
     print("|---|---|" + "---:|" * len(TP_DEGREES))
     for model, kind in sorted({(m, k) for m, k, _ in values}):
-        cells = (shown.format(values[model, kind, tp]) if (model, kind, tp) in values else "-" for tp in TP_DEGREES)
+        cells = (
+            shown.format(values[model, kind, tp]) if (model, kind, tp) in values else "-"
+            for tp in TP_DEGREES
+        )
         print(f"| {model} | {kind} | " + " | ".join(cells) + " |")
 
 
@@ -928,8 +1279,10 @@ def crashed_within(outcomes: list[Outcome], usable_bytes: int) -> dict[str, dict
     """Per model, the crashed rows predicted within the device, by what the same configuration (GPUs, dp,
     tp, pp, ZeRO stage) did at other micro-batch sizes: ran at the same or a larger one (so the crash was
     not out of memory), ran only at smaller ones (likely out of memory: the model's miss), or never ran."""
+
     def configuration(row: Row) -> tuple:
         return row.model, row.n_gpus, row.dp, row.tp, row.pp, row.zero_stage
+
     ran: dict[tuple, list[int]] = defaultdict(list)
     for o in outcomes:
         if o.row.ran:
@@ -938,13 +1291,23 @@ def crashed_within(outcomes: list[Outcome], usable_bytes: int) -> dict[str, dict
     for o in outcomes:
         if o.row.crashed and o.predicted is not None and o.predicted.peak_bytes <= usable_bytes:
             sizes = ran[configuration(o.row)]
-            kind = ("never ran" if not sizes else "ran at the same or a larger micro-batch"
-                    if max(sizes) >= o.row.micro_batch_size else "ran only at smaller micro-batches")
+            kind = (
+                "never ran"
+                if not sizes
+                else "ran at the same or a larger micro-batch"
+                if max(sizes) >= o.row.micro_batch_size
+                else "ran only at smaller micro-batches"
+            )
             counts[o.row.model][kind] += 1
     return counts
 
 
-PLAYBOOK_WIDTHS = {"2048": "playbook-1B", "3072": "playbook-3B", "4096": "playbook-8B", "8192": "playbook-80B"}
+PLAYBOOK_WIDTHS = {
+    "2048": "playbook-1B",
+    "3072": "playbook-3B",
+    "4096": "playbook-8B",
+    "8192": "playbook-80B",
+}
 """hidden_size in nanotron's benchmark CSV -> the playbook model of runs.csv."""
 
 
@@ -957,8 +1320,15 @@ def nanotron_jobs(path: str) -> dict[tuple, list[dict[str, str]]]:
     with open(path, newline="") as handle:
         for r in csv.DictReader(handle):
             if r["hidden_size"] in PLAYBOOK_WIDTHS:
-                jobs[PLAYBOOK_WIDTHS[r["hidden_size"]], int(r["dp"]), int(r["tp"]), int(r["pp"]), int(r["mbs"]),
-                     int(float(r["batch_accum"])), r["zero_stage"]].append(r)
+                jobs[
+                    PLAYBOOK_WIDTHS[r["hidden_size"]],
+                    int(r["dp"]),
+                    int(r["tp"]),
+                    int(r["pp"]),
+                    int(r["mbs"]),
+                    int(float(r["batch_accum"])),
+                    r["zero_stage"],
+                ].append(r)
     return jobs
 
 
@@ -968,19 +1338,32 @@ def nanotron_statuses(path: str) -> dict[tuple, set[str]]:
     return {key: {job["status"] for job in found} for key, found in nanotron_jobs(path).items()}
 
 
-JOB_FABRIC_COLUMNS = {"all_reduce": "AllReduce (GB/s)", "all_gather_into_tensor": "AllGather (GB/s)",
-                      "reduce_scatter_tensor": "ReduceScatter (GB/s)"}
+JOB_FABRIC_COLUMNS = {
+    "all_reduce": "AllReduce (GB/s)",
+    "all_gather_into_tensor": "AllGather (GB/s)",
+    "reduce_scatter_tensor": "ReduceScatter (GB/s)",
+}
 """Where nanotron's CSV logs what its job's measure_bandwidth read over the world group (PLAYBOOK_FABRIC_GBPS)."""
 
 
 def row_job(row: Row, jobs: dict[tuple, list[dict[str, str]]]) -> dict[str, str] | None:
     """The line of nanotron's CSV (nanotron_jobs) of the job that measured `row`: the successful job of its
     configuration whose throughput is the row's (within 1 token/s); None where there is none."""
-    return next((job for job in jobs.get(configuration_key(row), ()) if job["status"] == "Success"
-                 and row.tokens_per_s_per_gpu and abs(float(job["tok/s/gpu"]) - row.tokens_per_s_per_gpu) < 1), None)
+    return next(
+        (
+            job
+            for job in jobs.get(configuration_key(row), ())
+            if job["status"] == "Success"
+            and row.tokens_per_s_per_gpu
+            and abs(float(job["tok/s/gpu"]) - row.tokens_per_s_per_gpu) < 1
+        ),
+        None,
+    )
 
 
-def job_fabric(hw: HardwareProfile, row: Row, jobs: dict[tuple, list[dict[str, str]]]) -> HardwareProfile:
+def job_fabric(
+    hw: HardwareProfile, row: Row, jobs: dict[tuple, list[dict[str, str]]]
+) -> HardwareProfile:
     """`hw` on the fabric `row`'s own job (row_job) measured at its start (measure_bandwidth, as
     PLAYBOOK_FABRIC_GBPS). The job measured its whole world and nothing smaller, so every collective of the row
     across nodes keeps that share (a pipeline pair or a tp group over fewer nodes too). `hw` where the row spans
@@ -989,16 +1372,20 @@ def job_fabric(hw: HardwareProfile, row: Row, jobs: dict[tuple, list[dict[str, s
     job = row_job(row, jobs)
     if nodes < 2 or not job or not job[JOB_FABRIC_COLUMNS["all_reduce"]]:
         return hw
-    return with_fabric(hw, {kind: {nodes: float(job[column])} for kind, column in JOB_FABRIC_COLUMNS.items()},
-                       f"job {job['job_id']}'s fabric")
+    return with_fabric(
+        hw,
+        {kind: {nodes: float(job[column])} for kind, column in JOB_FABRIC_COLUMNS.items()},
+        f"job {job['job_id']}'s fabric",
+    )
 
 
 def configuration_key(row: Row) -> tuple:
     return row.model, row.dp, row.tp, row.pp, row.micro_batch_size, row.grad_accum, row.zero_stage
 
 
-def crashed_by_nanotron_status(outcomes: list[Outcome], usable_bytes: int,
-                               statuses: dict[tuple, set[str]]) -> dict[tuple[str, str], tuple[int, int]]:
+def crashed_by_nanotron_status(
+    outcomes: list[Outcome], usable_bytes: int, statuses: dict[tuple, set[str]]
+) -> dict[tuple[str, str], tuple[int, int]]:
     """Per (model, what nanotron's CSV says of the crash: "OOM" if any attempt ran out of memory, else
     "other failure"), the crashed rows predicted over the device and all of them."""
     counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
@@ -1012,7 +1399,9 @@ def crashed_by_nanotron_status(outcomes: list[Outcome], usable_bytes: int,
 
 
 def print_crashed_by_nanotron_status(counts: dict[tuple[str, str], tuple[int, int]]) -> None:
-    print("\nCrashed rows predicted over the device, by what nanotron's benchmark CSV says of the crash:")
+    print(
+        "\nCrashed rows predicted over the device, by what nanotron's benchmark CSV says of the crash:"
+    )
     for (model, kind), (over, total) in sorted(counts.items()):
         print(f"  {model}, {kind}: {_share(over, total)}")
 
@@ -1030,8 +1419,13 @@ def nanotron_communicators(row: Row) -> int:
     (ProcessGroupNCCL's point-to-point) to the next stage. Ranks are laid out (pp, dp, tp), tp fastest
     (context.py, the expert dimension 1)."""
     ranks = np.arange(row.n_gpus).reshape(row.pp, row.dp, row.tp)
-    groups = (ranks.reshape(-1)[:GPUS_PER_NODE], ranks[0, 0, :], ranks[0, :, 0], ranks[:, 0, :].reshape(-1),
-              ranks[[0, -1], 0, 0])
+    groups = (
+        ranks.reshape(-1)[:GPUS_PER_NODE],
+        ranks[0, 0, :],
+        ranks[0, :, 0],
+        ranks[:, 0, :].reshape(-1),
+        ranks[[0, -1], 0, 0],
+    )
     built = {tuple(sorted(int(rank) for rank in group)) for group in groups if len(set(group)) > 1}
     return 2 + len(built) + (row.pp > 1)
 
@@ -1050,8 +1444,9 @@ class CommunicatorBound:
     statuses are given): the usable memory less its prediction, what a term would have to add to put it over."""
 
 
-def communicator_bound(outcomes: list[Outcome], usable_bytes: int,
-                       statuses: dict[tuple, set[str]] | None = None) -> dict[int, CommunicatorBound]:
+def communicator_bound(
+    outcomes: list[Outcome], usable_bytes: int, statuses: dict[tuple, set[str]] | None = None
+) -> dict[int, CommunicatorBound]:
     """Per number of communicators rank 0 holds, the most that rows that ran reserved and how far below the
     usable memory the crashed rows predicted within it are (with `statuses`, those nanotron logged OOM)."""
     reserved: dict[int, list[int]] = defaultdict(list)
@@ -1065,32 +1460,50 @@ def communicator_bound(outcomes: list[Outcome], usable_bytes: int,
         out_of_memory = statuses is None or "OOM" in statuses.get(configuration_key(o.row), set())
         if o.row.crashed and out_of_memory and o.predicted.peak_bytes <= usable_bytes:
             short[count].append(usable_bytes - o.predicted.peak_bytes)
-    return {count: CommunicatorBound(ran=len(reserved[count]), most_reserved_bytes=max(reserved[count], default=0),
-                                     short_bytes=tuple(sorted(short[count])))
-            for count in sorted(set(reserved) | set(short))}
+    return {
+        count: CommunicatorBound(
+            ran=len(reserved[count]),
+            most_reserved_bytes=max(reserved[count], default=0),
+            short_bytes=tuple(sorted(short[count])),
+        )
+        for count in sorted(set(reserved) | set(short))
+    }
 
 
-def print_communicator_bound(bounds: dict[int, CommunicatorBound], device_bytes: int, out_of_memory: bool) -> None:
+def print_communicator_bound(
+    bounds: dict[int, CommunicatorBound], device_bytes: int, out_of_memory: bool
+) -> None:
     crashed = "crashed rows nanotron logged OOM" if out_of_memory else "crashed rows"
-    print(f"\nNCCL communicators rank 0 holds (nanotron_communicators): what the rows that ran leave them of the "
-          f"device ({device_bytes / 2**30:.1f} GiB), and how far below the usable memory the {crashed} predicted "
-          "within it are:\n")
-    print("| communicators | rows that ran | most reserved GiB | device less that, GiB | a communicator at most, GiB "
-          f"| {crashed} within | GiB below usable: median (range) |")
+    print(
+        f"\nNCCL communicators rank 0 holds (nanotron_communicators): what the rows that ran leave them of the "
+        f"device ({device_bytes / 2**30:.1f} GiB), and how far below the usable memory the {crashed} predicted "
+        "within it are:\n"
+    )
+    print(
+        "| communicators | rows that ran | most reserved GiB | device less that, GiB | a communicator at most, GiB "
+        f"| {crashed} within | GiB below usable: median (range) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---|")
     for count, bound in bounds.items():
         left = (device_bytes - bound.most_reserved_bytes) / 2**30
-        cells = (f"{bound.most_reserved_bytes / 2**30:.1f} | {left:.2f} | {left / count:.2f}" if bound.ran
-                 else "- | - | -")
+        cells = (
+            f"{bound.most_reserved_bytes / 2**30:.1f} | {left:.2f} | {left / count:.2f}"
+            if bound.ran
+            else "- | - | -"
+        )
         short = [s / 2**30 for s in bound.short_bytes]
         gap = f"{statistics.median(short):.1f} ({short[0]:.1f}-{short[-1]:.1f})" if short else "-"
         print(f"| {count} | {bound.ran} | {cells} | {len(short)} | {gap} |")
 
 
 def print_crashed_within(counts: dict[str, dict[str, int]]) -> None:
-    print("\nCrashed rows predicted within the device, by what their configuration did at other micro-batches:")
+    print(
+        "\nCrashed rows predicted within the device, by what their configuration did at other micro-batches:"
+    )
     for model, kinds in sorted(counts.items()):
-        print(f"  {model}: " + ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items())))
+        print(
+            f"  {model}: " + ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items()))
+        )
 
 
 SLOW_MODE_S = 0.5
@@ -1099,7 +1512,14 @@ SLOW_MODE_S = 0.5
 
 def step_s(row: Row) -> float:
     """A row's measured step: the global batch's tokens over the cluster's tokens/s."""
-    return row.micro_batch_size * row.grad_accum * row.seq_len * row.dp / row.tokens_per_s_per_gpu / row.n_gpus
+    return (
+        row.micro_batch_size
+        * row.grad_accum
+        * row.seq_len
+        * row.dp
+        / row.tokens_per_s_per_gpu
+        / row.n_gpus
+    )
 
 
 def busiest_stage_layers(row: Row) -> float:
@@ -1107,7 +1527,9 @@ def busiest_stage_layers(row: Row) -> float:
     V h, i.e. V h / (4 h^2 + 3 h i) layers)."""
     dims = MODELS[row.model]
     h = dims.hidden
-    weights = [0.0] + [1.0] * dims.layers + [dims.vocab * h / (4 * h * h + 3 * h * dims.intermediate)]
+    weights = (
+        [0.0] + [1.0] * dims.layers + [dims.vocab * h / (4 * h * h + 3 * h * dims.intermediate)]
+    )
     starts = nanotron_stage_starts(dims, row.pp) + [len(weights)]
     return max(sum(weights[a:b]) for a, b in zip(starts, starts[1:]))
 
@@ -1117,8 +1539,17 @@ def twin_ratios(rows: list[Row]) -> list[float]:
     twins: dict[tuple, list[float]] = defaultdict(list)
     for row in rows:
         if row.ran and row.tokens_per_s_per_gpu:
-            twins[dataclasses.replace(row, zero_stage="", status="", tokens_per_s_per_gpu=None, line=0,
-                                      reported_gib=None, allocated_gib=None)].append(row.tokens_per_s_per_gpu)
+            twins[
+                dataclasses.replace(
+                    row,
+                    zero_stage="",
+                    status="",
+                    tokens_per_s_per_gpu=None,
+                    line=0,
+                    reported_gib=None,
+                    allocated_gib=None,
+                )
+            ].append(row.tokens_per_s_per_gpu)
     return [max(pair) / min(pair) for pair in twins.values() if len(pair) == 2]
 
 
@@ -1129,13 +1560,24 @@ def layer_ms(rows: list[Row]) -> dict[tuple[str, str, int], float]:
     (micro-batches + stages - 1); rows in the slow mode (over SLOW_MODE_S a micro-batch) are left out."""
     groups: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     for row in rows:
-        if not (row.ran and row.tokens_per_s_per_gpu and row.micro_batch_size == 1 and row.model in MODELS
-                and not why_not_expressible(row)):
+        if not (
+            row.ran
+            and row.tokens_per_s_per_gpu
+            and row.micro_batch_size == 1
+            and row.model in MODELS
+            and not why_not_expressible(row)
+        ):
             continue
         per_micro_batch = step_s(row) / (row.grad_accum + row.pp - 1)
         if row.pp > 1 and per_micro_batch > SLOW_MODE_S:
             continue
-        where = "pp = 1" if row.pp == 1 else "pp > 1, across nodes" if row.n_gpus > 8 else "pp > 1, one node"
+        where = (
+            "pp = 1"
+            if row.pp == 1
+            else "pp > 1, across nodes"
+            if row.n_gpus > 8
+            else "pp > 1, one node"
+        )
         groups[row.model, where, row.tp].append(1e3 * per_micro_batch / busiest_stage_layers(row))
     return {key: statistics.median(values) for key, values in groups.items()}
 
@@ -1143,9 +1585,13 @@ def layer_ms(rows: list[Row]) -> dict[tuple[str, str, int], float]:
 def print_what_rows_show(rows: list[Row]) -> None:
     """What the measurements show that no configuration term prices."""
     ratios = twin_ratios(rows)
-    print(f"\nRows that differ only in the ZeRO stage: {sum(r > 2 for r in ratios)} of {len(ratios)} pairs differ "
-          f"more than 2x in throughput (at most {max(ratios, default=1):.0f}x)")
-    print("\nms a layer of the busiest stage takes a micro-batch of one sequence, median (slow mode left out):\n")
+    print(
+        f"\nRows that differ only in the ZeRO stage: {sum(r > 2 for r in ratios)} of {len(ratios)} pairs differ "
+        f"more than 2x in throughput (at most {max(ratios, default=1):.0f}x)"
+    )
+    print(
+        "\nms a layer of the busiest stage takes a micro-batch of one sequence, median (slow mode left out):\n"
+    )
     print_by_tp(layer_ms(rows), "pipeline", "{:.1f}")
 
 
@@ -1163,7 +1609,9 @@ def op_breakdown(dims: LlamaDims, hw) -> dict[str, list[tuple[str, float, float,
                 merged[kind.name.removesuffix("_backward")][i] += value
         if hw.view_overhead_s:  # forward and backward
             merged["views"][0] += 2 * unpriced_dispatches(block) * hw.view_overhead_s
-        found["head" if block.name == "lm_head" else "layer"] = [(name, *values) for name, values in merged.items()]
+        found["head" if block.name == "lm_head" else "layer"] = [
+            (name, *values) for name, values in merged.items()
+        ]
     return found
 
 
@@ -1172,13 +1620,23 @@ def per_sequence_s(rows: list[Row], model: str, hw) -> dict[int, tuple[float, fl
     micro-batch size (the fastest measured row of each): what op_breakdown's layers and head, with the
     per-micro-batch and per-step terms, add up to."""
     found: dict[int, tuple[float, float]] = {}
-    single = [r for r in rows if r.model == model and r.n_gpus == 8 and r.tp == r.pp == 1 and r.ran
-              and r.tokens_per_s_per_gpu]
+    single = [
+        r
+        for r in rows
+        if r.model == model
+        and r.n_gpus == 8
+        and r.tp == r.pp == 1
+        and r.ran
+        and r.tokens_per_s_per_gpu
+    ]
     for outcome in predict(single, hw):
         row = outcome.row
         sequences = row.micro_batch_size * row.grad_accum
-        seconds = (step_s(row) / sequences, step_s(dataclasses.replace(
-            row, tokens_per_s_per_gpu=outcome.tokens_per_s_per_gpu)) / sequences)
+        seconds = (
+            step_s(row) / sequences,
+            step_s(dataclasses.replace(row, tokens_per_s_per_gpu=outcome.tokens_per_s_per_gpu))
+            / sequences,
+        )
         found[row.micro_batch_size] = min(seconds, found.get(row.micro_batch_size, (math.inf, 0.0)))
     return dict(sorted(found.items()))
 
@@ -1191,12 +1649,20 @@ def print_op_breakdown(rows: list[Row], hw) -> None:
         print(f"\n{model} on {hw.name}, one sequence of 4096 tokens, tp = 1, forward + backward:")
         for part, kinds in op_breakdown(dims, hw).items():
             for name, seconds, flops, nbytes in kinds:
-                rate = f"{flops / seconds / 1e12:.0f} TFLOP/s" if flops else f"{nbytes / seconds / 1e12:.2f} TB/s"
+                rate = (
+                    f"{flops / seconds / 1e12:.0f} TFLOP/s"
+                    if flops
+                    else f"{nbytes / seconds / 1e12:.2f} TB/s"
+                )
                 print(f"  {part} {name}: {seconds * 1e3:.3f} ms ({rate})")
             print(f"  {part}: {sum(k[1] for k in kinds) * 1e3:.2f} ms")
-        print("  a sequence on 8 GPUs at tp = pp = 1, measured / predicted, by micro-batch size: " + ", ".join(
-            f"{mbs}: {measured * 1e3:.1f} / {predicted * 1e3:.1f} ms"
-            for mbs, (measured, predicted) in per_sequence_s(rows, model, hw).items()))
+        print(
+            "  a sequence on 8 GPUs at tp = pp = 1, measured / predicted, by micro-batch size: "
+            + ", ".join(
+                f"{mbs}: {measured * 1e3:.1f} / {predicted * 1e3:.1f} ms"
+                for mbs, (measured, predicted) in per_sequence_s(rows, model, hw).items()
+            )
+        )
 
 
 @functools.cache
@@ -1205,16 +1671,25 @@ def captured_and_built_layer(zoo_name: str, seq_len: int) -> tuple[Block, Block]
     captures it (the zoo model at one layer on meta, analysed computing in bf16 on fake CPU tensors, so CPU's flash
     attention op with torch's FLOPs over every score and the masked ones apart) and as llama_chain builds it from the
     same model's config (FlashAttention-2's op, its FLOPs counted alike)."""
-    from shardplan import zoo
-    from shardplan.passes import analyze
+    from shardplan.frontend.passes import analyze
+    from shardplan.models import zoo
 
     entry = zoo.ZOO[zoo_name](n_layer=1, batch=1, seq=seq_len)
     config = entry.model.config
-    dims = LlamaDims(layers=1, hidden=config.hidden_size, heads=config.num_attention_heads,
-                     kv_heads=config.num_key_value_heads, intermediate=config.intermediate_size,
-                     vocab=config.vocab_size, tied=config.tie_word_embeddings)
-    captured = next(block for block in analyze(entry.model, entry.args, entry.kwargs, compute_dtype="bfloat16").blocks
-                    if block.name == "model.layers.0")
+    dims = LlamaDims(
+        layers=1,
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+        tied=config.tie_word_embeddings,
+    )
+    captured = next(
+        block
+        for block in analyze(entry.model, entry.args, entry.kwargs, compute_dtype="bfloat16").blocks
+        if block.name == "model.layers.0"
+    )
     return captured, llama_chain(dims, 1, seq_len, pipelined=False).blocks[1]
 
 
@@ -1222,79 +1697,133 @@ CAPTURED_ATTENTION_SEQ_LEN = 4096
 """The sequence --captured-attention prices a layer's attention over."""
 
 
-def attention_ms(hw, seq_len: int = CAPTURED_ATTENTION_SEQ_LEN, tp: int = 1,
-                 zoo_name: str = "llama-7b") -> dict[str, tuple[float, float]]:
+def attention_ms(
+    hw, seq_len: int = CAPTURED_ATTENTION_SEQ_LEN, tp: int = 1, zoo_name: str = "llama-7b"
+) -> dict[str, tuple[float, float]]:
     """captured_and_built_layer's attention on a rank of `tp`, forward and backward milliseconds as `hw` prices
     them, by source: "captured" and "hand-built"."""
     ctx = CostContext(hardware=hw, dp=1, tp=tp, param_dtype="bfloat16")
 
     def milliseconds(block: Block) -> tuple[float, float]:
         on_tp_rank = on_rank(block, ctx)
-        fwd, bwd = (sum(kind_time_s(kind, ctx) for kind in kinds if kind.name.startswith(ATTENTION)) * 1e3
-                    for kinds in (on_tp_rank.fwd_kinds, on_tp_rank.bwd_kinds))
+        fwd, bwd = (
+            sum(kind_time_s(kind, ctx) for kind in kinds if kind.name.startswith(ATTENTION)) * 1e3
+            for kinds in (on_tp_rank.fwd_kinds, on_tp_rank.bwd_kinds)
+        )
         return fwd, bwd
 
-    return dict(zip(("captured", "hand-built"), map(milliseconds, captured_and_built_layer(zoo_name, seq_len))))
+    return dict(
+        zip(
+            ("captured", "hand-built"),
+            map(milliseconds, captured_and_built_layer(zoo_name, seq_len)),
+        )
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set")
-    parser.add_argument("--hardware", default="h100-80g", help="built-in profile name or calibrated profile path")
-    parser.add_argument("--fabric", choices=(*FABRICS, "job"), default="",
-                        help="price collectives across nodes with a measured fabric: playbook, the bandwidth by node "
-                             "count of the cluster that ran the rows (PLAYBOOK_FABRIC_GBPS); p5, a tuned AWS p5 "
-                             "cluster's (P5_FABRIC_GBPS); job, what each row's own job measured (needs "
-                             "--nanotron-csv; not with --picks)")
+    parser.add_argument(
+        "--data", default=DEFAULT_DATA, help="runs.csv of the published-h100 data set"
+    )
+    parser.add_argument(
+        "--hardware", default="h100-80g", help="built-in profile name or calibrated profile path"
+    )
+    parser.add_argument(
+        "--fabric",
+        choices=(*FABRICS, "job"),
+        default="",
+        help="price collectives across nodes with a measured fabric: playbook, the bandwidth by node "
+        "count of the cluster that ran the rows (PLAYBOOK_FABRIC_GBPS); p5, a tuned AWS p5 "
+        "cluster's (P5_FABRIC_GBPS); job, what each row's own job measured (needs "
+        "--nanotron-csv; not with --picks)",
+    )
     parser.add_argument("--model", action="append", help="only these models (repeatable)")
-    parser.add_argument("--nanotron-csv", help="nanotron's own benchmark CSV (bench_final2_mfu2.csv): split the "
-                        "crashed rows by the status it gives them (OOM or another failure)")
-    parser.add_argument("--picks", action="store_true",
-                        help="only what compile picks on the published shapes (1B/3B/8B at 8-512 GPUs, 256 sequences "
-                             "a step) and the best step of each tp degree")
-    parser.add_argument("--nanotron-space", action="store_true",
-                        help="with --picks: each shape's pick again among the plans nanotron runs (ZeRO-0/1 over all "
-                             "its dp ranks, no recomputation)")
-    parser.add_argument("--job-pp-code", action="store_true",
-                        help="each pipelined row whose own job ran nanotron's pre-fix PP code (after_pp_fix False in "
-                             "--nanotron-csv) pays that code's polling: 0.1 s a polled wait, its busiest stage's "
-                             "waits a micro-batch (needs --nanotron-csv; combines with --fabric job)")
-    parser.add_argument("--nanotron-zero1", action="store_true",
-                        help="add nanotron's own ZeRO-1 step to its rows (blocking fp32 all-reduce, a copy kernel "
-                             "per rank and tensor after the gather): what shardplan's shard_optimizer does not do")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="only the single-node budget: each op kind of a layer and of the head as priced, beside "
-                             "what the one-node tp = pp = 1 rows took a sequence")
-    parser.add_argument("--captured-attention", action="store_true",
-                        help=f"only a LLaMA-7B layer's attention on one sequence of {CAPTURED_ATTENTION_SEQ_LEN} tokens, "
-                             "forward and backward, captured as compile captures it beside the hand-built chain's")
+    parser.add_argument(
+        "--nanotron-csv",
+        help="nanotron's own benchmark CSV (bench_final2_mfu2.csv): split the "
+        "crashed rows by the status it gives them (OOM or another failure)",
+    )
+    parser.add_argument(
+        "--picks",
+        action="store_true",
+        help="only what compile picks on the published shapes (1B/3B/8B at 8-512 GPUs, 256 sequences "
+        "a step) and the best step of each tp degree",
+    )
+    parser.add_argument(
+        "--nanotron-space",
+        action="store_true",
+        help="with --picks: each shape's pick again among the plans nanotron runs (ZeRO-0/1 over all "
+        "its dp ranks, no recomputation)",
+    )
+    parser.add_argument(
+        "--job-pp-code",
+        action="store_true",
+        help="each pipelined row whose own job ran nanotron's pre-fix PP code (after_pp_fix False in "
+        "--nanotron-csv) pays that code's polling: 0.1 s a polled wait, its busiest stage's "
+        "waits a micro-batch (needs --nanotron-csv; combines with --fabric job)",
+    )
+    parser.add_argument(
+        "--nanotron-zero1",
+        action="store_true",
+        help="add nanotron's own ZeRO-1 step to its rows (blocking fp32 all-reduce, a copy kernel "
+        "per rank and tensor after the gather): what shardplan's shard_optimizer does not do",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="only the single-node budget: each op kind of a layer and of the head as priced, beside "
+        "what the one-node tp = pp = 1 rows took a sequence",
+    )
+    parser.add_argument(
+        "--captured-attention",
+        action="store_true",
+        help=f"only a LLaMA-7B layer's attention on one sequence of {CAPTURED_ATTENTION_SEQ_LEN} tokens, "
+        "forward and backward, captured as compile captures it beside the hand-built chain's",
+    )
     args = parser.parse_args()
     if args.nanotron_space and not args.picks:
         parser.error("--nanotron-space narrows --picks: give both")
-    if (args.fabric == "job" or args.job_pp_code) and (args.picks or args.breakdown or not args.nanotron_csv):
-        parser.error("--fabric job and --job-pp-code read each row's job from --nanotron-csv: give it, and not "
-                     "with --picks or --breakdown (which price no row's job)")
+    if (args.fabric == "job" or args.job_pp_code) and (
+        args.picks or args.breakdown or not args.nanotron_csv
+    ):
+        parser.error(
+            "--fabric job and --job-pp-code read each row's job from --nanotron-csv: give it, and not "
+            "with --picks or --breakdown (which price no row's job)"
+        )
     hw = get_hardware(args.hardware)
-    hw = with_fabric(hw, FABRICS[args.fabric], f"the {args.fabric} fabric") if args.fabric in FABRICS else hw
+    hw = (
+        with_fabric(hw, FABRICS[args.fabric], f"the {args.fabric} fabric")
+        if args.fabric in FABRICS
+        else hw
+    )
     if args.picks:
         print_tensor_parallel_picks(hw, nanotron_space=args.nanotron_space)
         return
     if args.captured_attention:
         for source, (fwd, bwd) in attention_ms(hw, CAPTURED_ATTENTION_SEQ_LEN).items():
-            print(f"LLaMA-7B layer, one sequence of {CAPTURED_ATTENTION_SEQ_LEN} tokens on {hw.name}, {source}: "
-                  f"attention forward {fwd:.3f} ms, backward {bwd:.3f} ms")
+            print(
+                f"LLaMA-7B layer, one sequence of {CAPTURED_ATTENTION_SEQ_LEN} tokens on {hw.name}, {source}: "
+                f"attention forward {fwd:.3f} ms, backward {bwd:.3f} ms"
+            )
         return
     rows = [r for r in read_rows(args.data) if not args.model or r.model in args.model]
     if args.breakdown:
         print_op_breakdown(rows, hw)
         return
     jobs = nanotron_jobs(args.nanotron_csv) if args.nanotron_csv else None
-    outcomes = predict(rows, hw, nanotron_zero1=args.nanotron_zero1, fabric_jobs=jobs if args.fabric == "job" else None,
-                       pp_code_jobs=jobs if args.job_pp_code else None)
+    outcomes = predict(
+        rows,
+        hw,
+        nanotron_zero1=args.nanotron_zero1,
+        fabric_jobs=jobs if args.fabric == "job" else None,
+        pp_code_jobs=jobs if args.job_pp_code else None,
+    )
     fabric = ", each row across nodes on its job's fabric" if args.fabric == "job" else ""
     pp_code = ", each pipelined row on its job's PP code" if args.job_pp_code else ""
-    print(f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name}{fabric}{pp_code} "
-          f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n")
+    print(
+        f"{len(rows)} rows from {os.path.normpath(args.data)} on {hw.name}{fabric}{pp_code} "
+        f"(usable memory {hw.usable_memory_bytes / 2**30:.1f} GiB)\n"
+    )
     print_table(score(outcomes, hw.usable_memory_bytes))
     print("\nPredicted / measured throughput, median of the rows that ran:\n")
     print_by_tp(throughput_ratios(outcomes), "pp", "{:.2f}")
@@ -1304,22 +1833,34 @@ def main() -> None:
     print_crashed_within(crashed_within(outcomes, hw.usable_memory_bytes))
     statuses = nanotron_statuses(args.nanotron_csv) if args.nanotron_csv else None
     if statuses is not None:
-        print_crashed_by_nanotron_status(crashed_by_nanotron_status(outcomes, hw.usable_memory_bytes, statuses))
-    print_communicator_bound(communicator_bound(outcomes, hw.usable_memory_bytes, statuses), hw.device_memory_bytes,
-                             out_of_memory=statuses is not None)
+        print_crashed_by_nanotron_status(
+            crashed_by_nanotron_status(outcomes, hw.usable_memory_bytes, statuses)
+        )
+    print_communicator_bound(
+        communicator_bound(outcomes, hw.usable_memory_bytes, statuses),
+        hw.device_memory_bytes,
+        out_of_memory=statuses is not None,
+    )
     print_what_rows_show(rows)
     print_left_out([o for o in outcomes if o.reason])
 
 
-PICK_SHAPES = [(model, gpus) for gpus in (8, 32, 128, 256, 512) for model in ("playbook-1B", "playbook-3B", "playbook-8B")]
+PICK_SHAPES = [
+    (model, gpus)
+    for gpus in (8, 32, 128, 256, 512)
+    for model in ("playbook-1B", "playbook-3B", "playbook-8B")
+]
 """The (model, GPU count) cells where the published runs say whether tensor parallelism wins."""
 
 
 def nanotron_options(chain: BlockChain) -> dict[str, Any]:
     """solve's options that leave only the plans nanotron runs: its ZeRO stages (ZERO_STAGES) over all its dp
     ranks (no replica groups), no recomputation (the published runs set none)."""
-    space = dataclasses.replace(default_space(len(chain.blocks)), strategies=tuple(ZERO_STAGES.values()),
-                                checkpoints=(Checkpoint.NONE,))
+    space = dataclasses.replace(
+        default_space(len(chain.blocks)),
+        strategies=tuple(ZERO_STAGES.values()),
+        checkpoints=(Checkpoint.NONE,),
+    )
     return {"space": space, "allow_replica_groups": False}
 
 
@@ -1328,8 +1869,10 @@ def print_tensor_parallel_picks(hardware: HardwareProfile, nanotron_space: bool 
     the picks), with the step time of the best plan of each tp degree (the pick's own, or its reasoning's; "-"
     where none fits), each plan as shardplan's runtime runs it (SHARDPLAN_RUNTIME); with `nanotron_space`, each
     shape's pick among nanotron's plans too, as nanotron runs them."""
-    print(f"compile on {hardware.name}, 256 sequences of 4096 a step, no pipelines: step s of its pick; of the best plan "
-          "at tp 1 / 2 / 4 / 8")
+    print(
+        f"compile on {hardware.name}, 256 sequences of 4096 a step, no pipelines: step s of its pick; of the best plan "
+        "at tp 1 / 2 / 4 / 8"
+    )
     for model, gpus in PICK_SHAPES:
         own = llama_chain(MODELS[model], 1, 4096, pipelined=False, code=SHARDPLAN_RUNTIME)
         spaces: list[tuple[str, BlockChain, dict[str, Any]]] = [("", own, {})]
@@ -1337,15 +1880,37 @@ def print_tensor_parallel_picks(hardware: HardwareProfile, nanotron_space: bool 
             nanotrons = llama_chain(MODELS[model], 1, 4096, pipelined=False)
             spaces.append(("  nanotron's plans:", nanotrons, nanotron_options(nanotrons)))
         for label, chain, options in spaces:
-            plan = solve(chain, gpus, hardware=hardware, mixed_precision=BF16_MIXED, global_batch_size=256,
-                         allow_pipeline=False, **options)
-            by_tp = {alt.description: alt.step_time_s for alt in plan.reasoning.runner_ups
-                     if not alt.description.startswith("expert default")}
-            best = [f"{plan.predicted.step_time_s:.3f}" if tp == plan.mesh.tp else
-                    next((f"{t:.3f}" for d, t in by_tp.items() if (f"tp={tp} " in d if tp > 1 else "tp=" not in d)),
-                         "-") for tp in (1, 2, 4, 8)]
-            print(f"  {label or f'{model} {gpus:>3} GPUs:'} {plan.mesh.describe()} {plan.predicted.step_time_s:.3f} s; "
-                  f"{' / '.join(best)}")
+            plan = solve(
+                chain,
+                gpus,
+                hardware=hardware,
+                mixed_precision=BF16_MIXED,
+                global_batch_size=256,
+                allow_pipeline=False,
+                **options,
+            )
+            by_tp = {
+                alt.description: alt.step_time_s
+                for alt in plan.reasoning.runner_ups
+                if not alt.description.startswith("expert default")
+            }
+            best = [
+                f"{plan.predicted.step_time_s:.3f}"
+                if tp == plan.mesh.tp
+                else next(
+                    (
+                        f"{t:.3f}"
+                        for d, t in by_tp.items()
+                        if (f"tp={tp} " in d if tp > 1 else "tp=" not in d)
+                    ),
+                    "-",
+                )
+                for tp in (1, 2, 4, 8)
+            ]
+            print(
+                f"  {label or f'{model} {gpus:>3} GPUs:'} {plan.mesh.describe()} {plan.predicted.step_time_s:.3f} s; "
+                f"{' / '.join(best)}"
+            )
 
 
 def print_left_out(left_out: list[Outcome]) -> None:

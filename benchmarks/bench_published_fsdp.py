@@ -31,6 +31,7 @@ under a digest of the code that builds and analyzes them (analysis_digest: an ed
 them, one to the analysis does not). The first run captures the data set's 107 chains on the meta device
 (nothing allocated): 10-12 minutes on 2 busy cores; a rerun prices them in about 20 s.
 """
+
 import argparse
 import ast
 import csv
@@ -52,17 +53,24 @@ import torch
 from scipy.stats import kendalltau
 
 import shardplan
-from shardplan import zoo
-from shardplan.accuracy import Workload
-from shardplan.chain import BlockChain
+from shardplan.calibration.accuracy import Workload
 from shardplan.compile import evaluate
-from shardplan.hardware import HardwareProfile, get_hardware
-from shardplan.passes import analyze
+from shardplan.costmodel.hardware import HardwareProfile, get_hardware
+from shardplan.frontend.chain import BlockChain
+from shardplan.frontend.passes import analyze
+from shardplan.models import zoo
 from shardplan.plan import BF16_MIXED, Checkpoint, MixedPrecision, Plan, Predicted, ShardStrategy
 from shardplan.runtime.manual import manual_plan
 
-DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                            "published-fsdp", "llm_foundry_a100.csv")
+DEFAULT_DATA = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)),
+    "..",
+    "..",
+    "shared",
+    "data",
+    "published-fsdp",
+    "llm_foundry_a100.csv",
+)
 """`<repo>/../shared/data/published-fsdp/llm_foundry_a100.csv`: the shared data set beside the checkout."""
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "shardplan", "bench_published_fsdp")
 """Where analyzed chains are kept between runs (analyzed), one folder per digest of the analysis's code."""
@@ -96,8 +104,10 @@ PROFILES = {"a100_80gb": "a100-80g", "a100_40gb": "a100-40g", "h100_80gb": "h100
 PROFILE_RAIL_GBPS = {"a100-80g": 200, "a100-40g": 200, "h100-80g": 400}
 """Line rate of one rail (a GPU's network port) that each profile's inter-node figures are for (their sources): HDR
 InfiniBand on DGX A100, NDR InfiniBand or 4 x 100 Gb/s EFA on H100 nodes."""
-PRECISIONS = {"DEFAULT": BF16_MIXED,
-              "PURE": MixedPrecision(param_dtype="bfloat16", reduce_dtype="bfloat16")}
+PRECISIONS = {
+    "DEFAULT": BF16_MIXED,
+    "PURE": MixedPrecision(param_dtype="bfloat16", reduce_dtype="bfloat16"),
+}
 """Composer's FSDP mixed precision modes: both compute in bf16 over fp32 master weights; PURE also reduces
 gradients in bf16."""
 STRATEGIES = {"FULL_SHARD": ShardStrategy.FULL_SHARD, "SHARD_GRAD_OP": ShardStrategy.SHARD_GRAD_OP}
@@ -138,7 +148,9 @@ class FusedCrossEntropy(torch.autograd.Function):
         return out.mul_(scale.unsqueeze(1)), None
 
 
-def fused_causal_lm_loss(logits: "torch.Tensor", labels: "torch.Tensor", vocab_size: int, **kwargs) -> "torch.Tensor":
+def fused_causal_lm_loss(
+    logits: "torch.Tensor", labels: "torch.Tensor", vocab_size: int, **kwargs
+) -> "torch.Tensor":
     """transformers' causal LM loss (labels shifted by one, -100 ignored), through FusedCrossEntropy."""
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
     return FusedCrossEntropy.apply(logits.reshape(-1, vocab_size), shifted.reshape(-1))
@@ -173,9 +185,11 @@ class Row:
         return self.micro_batch * self.grad_accum
 
     def describe(self) -> str:
-        return (f"{self.model} s={self.seq_len} n={self.n_gpus} {self.gpu} mb={self.micro_batch} "
-                f"ga={self.grad_accum} {self.mp_mode} {self.strategy}{' ac' if self.activation_checkpointing else ''}"
-                f" (line {self.line})")
+        return (
+            f"{self.model} s={self.seq_len} n={self.n_gpus} {self.gpu} mb={self.micro_batch} "
+            f"ga={self.grad_accum} {self.mp_mode} {self.strategy}{' ac' if self.activation_checkpointing else ''}"
+            f" (line {self.line})"
+        )
 
 
 def _flag(text: str) -> bool:
@@ -184,19 +198,31 @@ def _flag(text: str) -> bool:
 
 def read_rows(path: str) -> list[Row]:
     with open(path, newline="") as handle:
-        return [Row(line=line, model=r["model"], seq_len=int(r["seq_len"]), n_gpus=int(r["n_gpus"]), gpu=r["gpu"],
-                    micro_batch=int(r["micro_batch"]), grad_accum=int(r["grad_accum"]), mp_mode=r["mp_mode"],
-                    strategy=r["fsdp_sharding_strategy"], activation_checkpointing=_flag(r["activation_checkpointing"]),
-                    cpu_offload=_flag(r["activation_cpu_offload"]), num_params=int(r["num_params"]),
-                    tokens_per_s_per_gpu=float(r["throughput_tok_per_s_per_gpu"]),
-                    node_link_gbps=_link_gbps(r["section"]))
-                for line, r in enumerate(csv.DictReader(handle), start=2)]
+        return [
+            Row(
+                line=line,
+                model=r["model"],
+                seq_len=int(r["seq_len"]),
+                n_gpus=int(r["n_gpus"]),
+                gpu=r["gpu"],
+                micro_batch=int(r["micro_batch"]),
+                grad_accum=int(r["grad_accum"]),
+                mp_mode=r["mp_mode"],
+                strategy=r["fsdp_sharding_strategy"],
+                activation_checkpointing=_flag(r["activation_checkpointing"]),
+                cpu_offload=_flag(r["activation_cpu_offload"]),
+                num_params=int(r["num_params"]),
+                tokens_per_s_per_gpu=float(r["throughput_tok_per_s_per_gpu"]),
+                node_link_gbps=_link_gbps(r["section"]),
+            )
+            for line, r in enumerate(csv.DictReader(handle), start=2)
+        ]
 
 
 def _link_gbps(section: str) -> float:
     found = re.search(r"(\d+(?:\.\d+)?)\s*Gbps", section)
     if found is None:
-        raise ValueError(f"no inter-node line rate (\"... Gbps\") in the section title {section!r}")
+        raise ValueError(f'no inter-node line rate ("... Gbps") in the section title {section!r}')
     return float(found.group(1))
 
 
@@ -204,14 +230,27 @@ def workload(size: str, seq_len: int, samples: int) -> Workload:
     """The MPT size as a GPT-2-style `transformers` model on the meta device, its example one GPU's batch of
     a step (`samples` sequences of `seq_len` tokens, the labels the ids)."""
     shape = MPT_SIZES[size]
-    return Workload(name="gpt2", options=(
-        ("batch", samples), ("seq", seq_len), ("device", "meta"), ("vocab_size", MPT_VOCAB),
-        ("n_embd", shape.d_model), ("n_layer", shape.layers), ("n_head", shape.heads), ("n_positions", seq_len),
-        ("activation_function", "gelu"), ("attn_implementation", "sdpa")))
+    return Workload(
+        name="gpt2",
+        options=(
+            ("batch", samples),
+            ("seq", seq_len),
+            ("device", "meta"),
+            ("vocab_size", MPT_VOCAB),
+            ("n_embd", shape.d_model),
+            ("n_layer", shape.layers),
+            ("n_head", shape.heads),
+            ("n_positions", seq_len),
+            ("activation_function", "gelu"),
+            ("attn_implementation", "sdpa"),
+        ),
+    )
 
 
 @functools.lru_cache(maxsize=None)
-def analyzed(size: str, seq_len: int, samples: int, cache: str | None = None) -> tuple[zoo.ZooModel, BlockChain]:
+def analyzed(
+    size: str, seq_len: int, samples: int, cache: str | None = None
+) -> tuple[zoo.ZooModel, BlockChain]:
     """The model and its chain at one GPU's batch of a step: analyzed once per distinct shape in a run, and
     with `cache` (a folder) kept there for later runs under the digest of the code that analyzed it."""
     spec = workload(size, seq_len, samples)
@@ -221,14 +260,20 @@ def analyzed(size: str, seq_len: int, samples: int, cache: str | None = None) ->
     # analyzes it
     loss = inspect.getsource(FusedCrossEntropy) + inspect.getsource(fused_causal_lm_loss)
     fields = hashlib.sha256(f"{spec!r} {COMPUTE_DTYPE} {loss}".encode()).hexdigest()[:12]
-    path = os.path.join(cache, analysis_digest(), f"{size}-s{seq_len}-b{samples}-{fields}.pickle") if cache else None
+    path = (
+        os.path.join(cache, analysis_digest(), f"{size}-s{seq_len}-b{samples}-{fields}.pickle")
+        if cache
+        else None
+    )
     if path and os.path.exists(path):
         with open(path, "rb") as handle:
             return entry, pickle.load(handle)
     chain = analyze(entry.model, entry.args, entry.kwargs, compute_dtype=COMPUTE_DTYPE)
     if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        written = f"{path}.{os.getpid()}"  # whole or not at all: other runs may read the folder meanwhile
+        written = (
+            f"{path}.{os.getpid()}"  # whole or not at all: other runs may read the folder meanwhile
+        )
         with open(written, "wb") as handle:
             pickle.dump(chain, handle)
         os.replace(written, path)
@@ -237,15 +282,19 @@ def analyzed(size: str, seq_len: int, samples: int, cache: str | None = None) ->
 
 @functools.lru_cache(maxsize=None)
 def analysis_digest() -> str:
-    """What a cached chain depends on: the source of shardplan.passes, of the zoo that builds the model, and
+    """What a cached chain depends on: the source of shardplan.frontend.passes, of the zoo that builds the model, and
     of every shardplan module they import, directly or not (a change to the cost model leaves the chains
     valid, one to the analysis does not), and the versions of Python, torch and transformers."""
     import torch
     import transformers
 
-    digest = hashlib.sha256(f"{sys.version} {torch.__version__} {transformers.__version__}".encode())
-    for path in sorted(_imported_sources(os.path.join(PACKAGE, "passes", "__init__.py"))
-                       | _imported_sources(os.path.join(PACKAGE, "zoo.py"))):
+    digest = hashlib.sha256(
+        f"{sys.version} {torch.__version__} {transformers.__version__}".encode()
+    )
+    for path in sorted(
+        _imported_sources(os.path.join(PACKAGE, "passes", "__init__.py"))
+        | _imported_sources(os.path.join(PACKAGE, "zoo.py"))
+    ):
         with open(path, "rb") as handle:
             digest.update(os.path.relpath(path, PACKAGE).encode() + b"\0" + handle.read())
     return digest.hexdigest()[:16]
@@ -269,14 +318,23 @@ def _imported_sources(start: str) -> set[str]:
                 for _ in range(node.level - 1):
                     base = os.path.dirname(base)
                 modules = [os.path.join(base, *node.module.split("."))] if node.module else []
-                modules += [os.path.join(modules[0] if modules else base, alias.name) for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "shardplan":
+                modules += [
+                    os.path.join(modules[0] if modules else base, alias.name)
+                    for alias in node.names
+                ]
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and (node.module or "").split(".")[0] == "shardplan"
+            ):
                 modules = [os.path.join(PACKAGE, *node.module.split(".")[1:])]
             else:
                 continue
             for module in modules:
-                pending += [candidate for candidate in (module + ".py", os.path.join(module, "__init__.py"))
-                            if os.path.exists(candidate)]
+                pending += [
+                    candidate
+                    for candidate in (module + ".py", os.path.join(module, "__init__.py"))
+                    if os.path.exists(candidate)
+                ]
     return found
 
 
@@ -286,11 +344,18 @@ def plan_for(row: Row, entry: zoo.ZooModel, chain: BlockChain) -> Plan:
     capture again from those inputs."""
     if row.cpu_offload:
         raise ValueError(f"{row.describe()}: activation CPU offload is not a plan's decision")
-    plan = manual_plan(entry.model, Workload(name="gpt2").units(chain), dp=row.n_gpus,
-                       strategies=(STRATEGIES[row.strategy],),
-                       checkpoints=(Checkpoint.FULL if row.activation_checkpointing else Checkpoint.NONE,),
-                       micro_batches=row.grad_accum, precision=PRECISIONS[row.mp_mode])
-    return dataclasses.replace(plan, fingerprint=chain.fingerprint, inputs=chain.inputs, optimizer=OPTIMIZER)
+    plan = manual_plan(
+        entry.model,
+        Workload(name="gpt2").units(chain),
+        dp=row.n_gpus,
+        strategies=(STRATEGIES[row.strategy],),
+        checkpoints=(Checkpoint.FULL if row.activation_checkpointing else Checkpoint.NONE,),
+        micro_batches=row.grad_accum,
+        precision=PRECISIONS[row.mp_mode],
+    )
+    return dataclasses.replace(
+        plan, fingerprint=chain.fingerprint, inputs=chain.inputs, optimizer=OPTIMIZER
+    )
 
 
 def with_node_link_rate(hw: HardwareProfile, node_gbps: float, rail_gbps: float) -> HardwareProfile:
@@ -303,10 +368,17 @@ def with_node_link_rate(hw: HardwareProfile, node_gbps: float, rail_gbps: float)
     scale = node_gbps / (rail_gbps * link.rails)
     if math.isclose(scale, 1.0):
         return hw
-    collectives = {kind: dataclasses.replace(cost, bus_bandwidth_bytes_per_s=cost.bus_bandwidth_bytes_per_s * scale)
-                   for kind, cost in link.collectives.items()}
-    return dataclasses.replace(hw, name=f"{hw.name} at {node_gbps:g} Gbps a node",
-                               inter_node=dataclasses.replace(link, collectives=collectives))
+    collectives = {
+        kind: dataclasses.replace(
+            cost, bus_bandwidth_bytes_per_s=cost.bus_bandwidth_bytes_per_s * scale
+        )
+        for kind, cost in link.collectives.items()
+    }
+    return dataclasses.replace(
+        hw,
+        name=f"{hw.name} at {node_gbps:g} Gbps a node",
+        inter_node=dataclasses.replace(link, collectives=collectives),
+    )
 
 
 def hardware_for(row: Row) -> HardwareProfile:
@@ -345,8 +417,13 @@ def predict_row(row: Row, cache: str | None = None) -> Outcome:
     entry, chain = analyzed(row.model, row.seq_len, row.samples_per_gpu, cache=cache)
     hw = hardware_for(row)
     plan = plan_for(row, entry, chain)
-    return Outcome(row=row, plan=plan, predicted=evaluate(chain, plan, hw),
-                   param_numel=sum(p.numel() for p in entry.model.parameters()), usable_bytes=hw.usable_memory_bytes)
+    return Outcome(
+        row=row,
+        plan=plan,
+        predicted=evaluate(chain, plan, hw),
+        param_numel=sum(p.numel() for p in entry.model.parameters()),
+        usable_bytes=hw.usable_memory_bytes,
+    )
 
 
 def predict(rows: list[Row], cache: str | None = None) -> list[Outcome]:
@@ -393,21 +470,40 @@ def score(outcomes: list[Outcome]) -> list[GpuScore]:
         by_size: dict[str, list[Outcome]] = defaultdict(list)
         for outcome in members:
             by_size[outcome.row.model].append(outcome)
-        taus = {size: (float(kendalltau([o.tokens_per_s_per_gpu for o in group],
-                                        [o.row.tokens_per_s_per_gpu for o in group])[0])
-                       if len(group) > 1 else math.nan)
-                for size, group in _by_size_order(by_size)}
-        scores.append(GpuScore(gpu=gpu, rows=len(members), ratio_median=_percentile(ratios, 50),
-                               ratio_p10=_percentile(ratios, 10), ratio_p90=_percentile(ratios, 90),
-                               tau_by_size=taus, over_memory=sum(o.over_memory for o in members),
-                               usable_bytes=members[0].usable_bytes))
+        taus = {
+            size: (
+                float(
+                    kendalltau(
+                        [o.tokens_per_s_per_gpu for o in group],
+                        [o.row.tokens_per_s_per_gpu for o in group],
+                    )[0]
+                )
+                if len(group) > 1
+                else math.nan
+            )
+            for size, group in _by_size_order(by_size)
+        }
+        scores.append(
+            GpuScore(
+                gpu=gpu,
+                rows=len(members),
+                ratio_median=_percentile(ratios, 50),
+                ratio_p10=_percentile(ratios, 10),
+                ratio_p90=_percentile(ratios, 90),
+                tau_by_size=taus,
+                over_memory=sum(o.over_memory for o in members),
+                usable_bytes=members[0].usable_bytes,
+            )
+        )
     return scores
 
 
 def _by_size_order(groups: dict[str, list]) -> list[tuple[str, list]]:
     """`groups` by model size, smallest first (MPT_SIZES' order)."""
     order = list(MPT_SIZES)
-    return sorted(groups.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order))
+    return sorted(
+        groups.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order)
+    )
 
 
 def ratio_by_seq_len(outcomes: list[Outcome]) -> dict[str, dict[int, float]]:
@@ -425,17 +521,25 @@ GiB = 2**30
 
 
 def print_summary(scores: list[GpuScore]) -> None:
-    print("| GPU | rows | pred/meas median | p10 | p90 | p90/p10 | mean tau within sizes | over usable memory |")
+    print(
+        "| GPU | rows | pred/meas median | p10 | p90 | p90/p10 | mean tau within sizes | over usable memory |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for s in scores:
-        print(f"| {s.gpu} | {s.rows} | {s.ratio_median:.2f} | {s.ratio_p10:.2f} | {s.ratio_p90:.2f} | {s.spread:.2f} "
-              f"| {s.mean_tau:+.2f} | {s.over_memory}/{s.rows} (usable {s.usable_bytes / GiB:.1f} GiB) |")
+        print(
+            f"| {s.gpu} | {s.rows} | {s.ratio_median:.2f} | {s.ratio_p10:.2f} | {s.ratio_p90:.2f} | {s.spread:.2f} "
+            f"| {s.mean_tau:+.2f} | {s.over_memory}/{s.rows} (usable {s.usable_bytes / GiB:.1f} GiB) |"
+        )
     sizes = [size for size in MPT_SIZES if any(size in s.tau_by_size for s in scores)]
     print("\nKendall tau of predicted against measured tokens/s/GPU within each model size:\n")
     print("| GPU | " + " | ".join(sizes) + " |")
     print("|---|" + "---:|" * len(sizes))
     for s in scores:
-        print(f"| {s.gpu} | " + " | ".join(_signed(s.tau_by_size.get(size, math.nan)) for size in sizes) + " |")
+        print(
+            f"| {s.gpu} | "
+            + " | ".join(_signed(s.tau_by_size.get(size, math.nan)) for size in sizes)
+            + " |"
+        )
 
 
 def _signed(value: float) -> str:
@@ -448,26 +552,38 @@ def print_by_seq_len(ratios: dict[str, dict[int, float]]) -> None:
     print("| GPU | " + " | ".join(str(seq_len) for seq_len in lengths) + " |")
     print("|---|" + "---:|" * len(lengths))
     for gpu, by_len in ratios.items():
-        print(f"| {gpu} | " + " | ".join(f"{by_len[n]:.2f}" if n in by_len else "-" for n in lengths) + " |")
+        print(
+            f"| {gpu} | "
+            + " | ".join(f"{by_len[n]:.2f}" if n in by_len else "-" for n in lengths)
+            + " |"
+        )
 
 
 def print_rows(outcomes: list[Outcome]) -> None:
     """Every row: its plan, the throughput both ways, and the predicted terms (time: compute, recompute,
     exposed communication, optimizer; memory at the peak: sharded state, gathered parameters, activations,
     transients)."""
-    print("\n| line | GPU | size | seq | GPUs | mb x ga | mp | ckpt | measured tok/s | predicted | ratio "
-          "| compute / recompute / comm / optim (ms) | peak GiB (state / gathered / act / transient) | over |")
+    print(
+        "\n| line | GPU | size | seq | GPUs | mb x ga | mp | ckpt | measured tok/s | predicted | ratio "
+        "| compute / recompute / comm / optim (ms) | peak GiB (state / gathered / act / transient) | over |"
+    )
     print("|---:|---|---|---:|---:|---|---|---|---:|---:|---:|---|---|---|")
     for o in outcomes:
         r, p = o.row, o.predicted
-        times = " / ".join(f"{p.time_s[term] * 1e3:.0f}" for term in ("compute", "recompute", "exposed_comm",
-                                                                        "optimizer"))
-        memory = " / ".join(f"{p.memory_bytes[term] / GiB:.1f}" for term in ("sharded_state", "gathered_params",
-                                                                              "activations", "transient"))
-        print(f"| {r.line} | {r.gpu} | {r.model} | {r.seq_len} | {r.n_gpus} | {r.micro_batch} x {r.grad_accum} | "
-              f"{r.mp_mode} | {'full' if r.activation_checkpointing else 'none'} | {r.tokens_per_s_per_gpu:.0f} | "
-              f"{o.tokens_per_s_per_gpu:.0f} | {o.ratio:.2f} | {times} | {p.peak_bytes / GiB:.1f} ({memory}) | "
-              f"{'OVER' if o.over_memory else ''} |")
+        times = " / ".join(
+            f"{p.time_s[term] * 1e3:.0f}"
+            for term in ("compute", "recompute", "exposed_comm", "optimizer")
+        )
+        memory = " / ".join(
+            f"{p.memory_bytes[term] / GiB:.1f}"
+            for term in ("sharded_state", "gathered_params", "activations", "transient")
+        )
+        print(
+            f"| {r.line} | {r.gpu} | {r.model} | {r.seq_len} | {r.n_gpus} | {r.micro_batch} x {r.grad_accum} | "
+            f"{r.mp_mode} | {'full' if r.activation_checkpointing else 'none'} | {r.tokens_per_s_per_gpu:.0f} | "
+            f"{o.tokens_per_s_per_gpu:.0f} | {o.ratio:.2f} | {times} | {p.peak_bytes / GiB:.1f} ({memory}) | "
+            f"{'OVER' if o.over_memory else ''} |"
+        )
 
 
 def print_hardware(rows: list[Row]) -> None:
@@ -477,35 +593,53 @@ def print_hardware(rows: list[Row]) -> None:
         used = with_node_link_rate(base, gbps, PROFILE_RAIL_GBPS[name])
         link = used.inter_node
         bus_gbps = link.collectives["all_gather_into_tensor"].bus_bandwidth_bytes_per_s * 8 / 1e9
-        how = ("the profile's own inter-node figures" if used is base else
-               f"the profile's {PROFILE_RAIL_GBPS[name] * link.rails:g} Gbps a node scaled to the published {gbps:g}")
-        print(f"{gpu}: {used.name}: across nodes {link.rails} rails of {gbps / link.rails:g} Gb/s line rate, "
-              f"{bus_gbps:g} Gb/s bus bandwidth each ({how}); usable memory {used.usable_memory_bytes / GiB:.1f} GiB "
-              f"of {used.device_memory_bytes / GiB:.0f} (past {used.runtime_reserved_bytes / GiB:.1f} GiB reserved, "
-              f"x{used.usable_memory_fraction})")
+        how = (
+            "the profile's own inter-node figures"
+            if used is base
+            else f"the profile's {PROFILE_RAIL_GBPS[name] * link.rails:g} Gbps a node scaled to the published {gbps:g}"
+        )
+        print(
+            f"{gpu}: {used.name}: across nodes {link.rails} rails of {gbps / link.rails:g} Gb/s line rate, "
+            f"{bus_gbps:g} Gb/s bus bandwidth each ({how}); usable memory {used.usable_memory_bytes / GiB:.1f} GiB "
+            f"of {used.device_memory_bytes / GiB:.0f} (past {used.runtime_reserved_bytes / GiB:.1f} GiB reserved, "
+            f"x{used.usable_memory_fraction})"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=DEFAULT_DATA, help="the rows (default: %(default)s)")
     parser.add_argument("--models", nargs="+", choices=list(MPT_SIZES), help="only these sizes")
-    parser.add_argument("--rows", action="store_true", help="print every row's prediction and its terms")
-    parser.add_argument("--cache", default=DEFAULT_CACHE,
-                        help="keep analyzed chains here for later runs, under the digest of the analysis's code "
-                             "(default: %(default)s)")
-    parser.add_argument("--no-cache", action="store_true", help="analyze every chain again, keeping none")
+    parser.add_argument(
+        "--rows", action="store_true", help="print every row's prediction and its terms"
+    )
+    parser.add_argument(
+        "--cache",
+        default=DEFAULT_CACHE,
+        help="keep analyzed chains here for later runs, under the digest of the analysis's code "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-cache", action="store_true", help="analyze every chain again, keeping none"
+    )
     options = parser.parse_args()
     start = time.perf_counter()
-    rows = [row for row in read_rows(options.data) if not options.models or row.model in options.models]
+    rows = [
+        row for row in read_rows(options.data) if not options.models or row.model in options.models
+    ]
     cache = None if options.no_cache else options.cache
     print_hardware(rows)
     outcomes = predict(rows, cache)
     mismatched = [o for o in outcomes if o.param_numel != o.row.num_params]
     for o in mismatched:
-        print(f"parameters differ: {o.row.describe()}: the model has {o.param_numel}, the row {o.row.num_params}")
+        print(
+            f"parameters differ: {o.row.describe()}: the model has {o.param_numel}, the row {o.row.num_params}"
+        )
     where = f"kept in {os.path.join(cache, analysis_digest())}" if cache else "kept nowhere"
-    print(f"\n{len(rows)} rows, {analyzed.cache_info().currsize} distinct chains computing in {COMPUTE_DTYPE} "
-          f"({where}); parameter counts match on {len(rows) - len(mismatched)}/{len(rows)}\n")
+    print(
+        f"\n{len(rows)} rows, {analyzed.cache_info().currsize} distinct chains computing in {COMPUTE_DTYPE} "
+        f"({where}); parameter counts match on {len(rows) - len(mismatched)}/{len(rows)}\n"
+    )
     print_summary(score(outcomes))
     print_by_seq_len(ratio_by_seq_len(outcomes))
     if options.rows:

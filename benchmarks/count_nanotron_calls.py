@@ -32,6 +32,7 @@ Prints, per block kind and phase, the ATen calls split into views (no kernel), a
 collectives (c10d) and the rest (a kernel each on a GPU), and the Triton and flash-attn launches.
 Skips with one line when a mirror is missing (CI has none).
 """
+
 import argparse
 import contextlib
 import io
@@ -55,7 +56,9 @@ SEQ, MICRO_BATCH_SIZE, LAYERS = 32, 1, 2
 
 
 def extract(mirror: str, ref: str, path: str, into: str) -> None:
-    archive = subprocess.run(["git", "-C", mirror, "archive", ref, path], check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", mirror, "archive", ref, path], check=True, capture_output=True
+    ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
 
@@ -113,10 +116,16 @@ def install_stubs() -> None:
 
     language = Language("triton.language")
     sys.modules["triton.language"] = language
-    module("triton", jit=lambda fn=None, **kw: Kernel() if fn else (lambda fn: Kernel()),
-           autotune=lambda *a, **kw: (lambda kernel: kernel), heuristics=lambda *a, **kw: (lambda kernel: kernel),
-           Config=lambda *a, **kw: None, cdiv=lambda a, b: -(-a // b),
-           next_power_of_2=lambda n: 1 << max(0, (n - 1).bit_length()), language=language)
+    module(
+        "triton",
+        jit=lambda fn=None, **kw: Kernel() if fn else (lambda fn: Kernel()),
+        autotune=lambda *a, **kw: lambda kernel: kernel,
+        heuristics=lambda *a, **kw: lambda kernel: kernel,
+        Config=lambda *a, **kw: None,
+        cdiv=lambda a, b: -(-a // b),
+        next_power_of_2=lambda n: 1 << max(0, (n - 1).bit_length()),
+        language=language,
+    )
 
     def varlen_fwd(q, k, v, *args):  # shapes true enough: what reads them back is stubbed too
         out = torch.empty_like(q)
@@ -161,7 +170,11 @@ def dispatch_counter():
             device = kwargs.get("device")
             if device is not None and torch.device(device).type == "cuda":
                 kwargs["device"] = "cpu"
-            if func in (torch.Tensor.to, torch.Tensor.cuda) and args[1:2] and str(args[1]).startswith("cuda"):
+            if (
+                func in (torch.Tensor.to, torch.Tensor.cuda)
+                and args[1:2]
+                and str(args[1]).startswith("cuda")
+            ):
                 args = args[:1] + ("cpu",) + args[2:]
             return func(*args, **kwargs)
 
@@ -185,32 +198,61 @@ def build(tp: int, pp: int, zero: int, layers: int = LAYERS):
     from nanotron.parallel.tensor_parallel.enum import TensorParallelLinearMode
     from nanotron.trainer import mark_tied_parameters
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
-                         num_hidden_layers=layers, vocab_size=256, max_position_embeddings=SEQ, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True)
-    parallelism = ParallelismArgs(dp=1, pp=pp, tp=tp, pp_engine=OneForwardOneBackwardPipelineEngine(),
-                                  tp_mode=TensorParallelLinearMode.REDUCE_SCATTER, tp_linear_async_communication=True)
-    context = ParallelContext(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=1)
-    model = build_model(model_builder=lambda: LlamaForTraining(config, context, parallelism), parallel_context=context,
-                        dtype=torch.bfloat16, device=torch.device("cpu"))
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=layers,
+        vocab_size=256,
+        max_position_embeddings=SEQ,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    parallelism = ParallelismArgs(
+        dp=1,
+        pp=pp,
+        tp=tp,
+        pp_engine=OneForwardOneBackwardPipelineEngine(),
+        tp_mode=TensorParallelLinearMode.REDUCE_SCATTER,
+        tp_linear_async_communication=True,
+    )
+    context = ParallelContext(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=1
+    )
+    model = build_model(
+        model_builder=lambda: LlamaForTraining(config, context, parallelism),
+        parallel_context=context,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
     mark_tied_parameters(model=model, parallel_context=context, parallel_config=parallelism)
-    model.model.p2p.device = torch.device("cpu")  # used in backward too, where OnCpu is not in force
+    model.model.p2p.device = torch.device(
+        "cpu"
+    )  # used in backward too, where OnCpu is not in force
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.02)
     named = list(model.get_named_params_with_correct_tied())
     if not zero:
-        return model, FP32GradientAccumulator(named_parameters=named), context, parallelism.pp_engine
+        return (
+            model,
+            FP32GradientAccumulator(named_parameters=named),
+            context,
+            parallelism.pp_engine,
+        )
     # ZeRO-1 at dp 1 as helpers.py lines 363-404 build it: the optimizer's parameters are flat slices (the
     # whole of each here), every parameter keeps its gradient buffer, and the accumulator gets the offsets
-    accumulator = FP32GradientAccumulator(named_parameters=[(name, p.view(-1)) for name, p in named],
-                                          grad_buckets_named_params=named)
+    accumulator = FP32GradientAccumulator(
+        named_parameters=[(name, p.view(-1)) for name, p in named], grad_buckets_named_params=named
+    )
     accumulator.assign_param_offsets({name: {0: (0, p.numel())} for name, p in named}, dp_rank=0)
     return model, accumulator, context, parallelism.pp_engine
 
 
 def tagged(fn, block: str):
     """`fn` with its ops counted as `block`'s, in the phase it runs in."""
+
     def run(*args, **kwargs):
         where = COUNT.where
         COUNT.where = (block, where[1])
@@ -218,6 +260,7 @@ def tagged(fn, block: str):
             return fn(*args, **kwargs)
         finally:
             COUNT.where = where
+
     return run
 
 
@@ -231,11 +274,21 @@ def instrument(model, accumulator, engine) -> int:
 
     blocks = [("embedding", model.model.token_position_embeddings)]
     blocks += [("layer", layer) for layer in model.model.decoder]
-    blocks += [("head", b) for b in (model.model.final_layer_norm, model.model.lm_head, model.model.cast_to_fp32,
-                                     model.loss)]
-    blocks = [(kind, block) for kind, block in blocks if hasattr(block, "pp_block")]  # this rank's stage
+    blocks += [
+        ("head", b)
+        for b in (
+            model.model.final_layer_norm,
+            model.model.lm_head,
+            model.model.cast_to_fp32,
+            model.loss,
+        )
+    ]
+    blocks = [
+        (kind, block) for kind, block in blocks if hasattr(block, "pp_block")
+    ]  # this rank's stage
 
     for kind, block in blocks:
+
         def enter(module, args, kwargs, kind=kind):
             COUNT.where = (kind, "forward")
 
@@ -243,15 +296,20 @@ def instrument(model, accumulator, engine) -> int:
             COUNT.where = ("engine", "forward")
             for tensor in output.values():
                 if getattr(tensor, "requires_grad", False):
-                    tensor.register_hook(lambda grad, kind=kind: COUNT.__setattr__("where", (kind, "backward")))
+                    tensor.register_hook(
+                        lambda grad, kind=kind: COUNT.__setattr__("where", (kind, "backward"))
+                    )
 
         block.register_forward_pre_hook(enter, with_kwargs=True)
         block.register_forward_hook(leave, with_kwargs=True)
 
     for name in ("send_to_pipeline_state_buffer", "recv_from_pipeline_state_buffer"):
         setattr(pipeline_block, name, tagged(getattr(functional, name), "boundary"))
-    for function in (functional.SendTensorToPipelineBuffer, functional.SendTensorWithoutGradientToPipelineBuffer,
-                     functional.RecvTensorFromPipelineBuffer):
+    for function in (
+        functional.SendTensorToPipelineBuffer,
+        functional.SendTensorWithoutGradientToPipelineBuffer,
+        functional.RecvTensorFromPipelineBuffer,
+    ):
         function.backward = staticmethod(tagged(function.backward, "boundary"))
     for name in ("send_tensors", "recv_tensors"):
         setattr(p2p.P2P, name, tagged(getattr(p2p.P2P, name), "boundary"))
@@ -263,8 +321,17 @@ def instrument(model, accumulator, engine) -> int:
         return backward(*args, **kwargs)
 
     def counted_accumulate(name, half_param):
-        where, COUNT.where = COUNT.where, (
-            "embedding" if "token_embedding" in name else "layer" if ".decoder." in name else "head", "accumulation")
+        where, COUNT.where = (
+            COUNT.where,
+            (
+                "embedding"
+                if "token_embedding" in name
+                else "layer"
+                if ".decoder." in name
+                else "head",
+                "accumulation",
+            ),
+        )
         try:
             return accumulate(name=name, half_param=half_param)
         finally:
@@ -274,12 +341,19 @@ def instrument(model, accumulator, engine) -> int:
     return sum(kind == "layer" for kind, _ in blocks)
 
 
-def count(rank: int, world: int, port: int, tp: int, pp: int, zero: int, src: str, timed: bool = False):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
+def count(
+    rank: int, world: int, port: int, tp: int, pp: int, zero: int, src: str, timed: bool = False
+):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+    )
     sys.path.insert(0, src)
     install_stubs()
-    import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -308,17 +382,28 @@ def micro_batches(model, context) -> list[dict]:
     mask = torch.ones(MICRO_BATCH_SIZE, SEQ, dtype=torch.bool)
     first, last = model.model.token_position_embeddings.rank, model.loss.rank
     stage = dist.get_rank(context.pp_pg)
-    inputs = {"input_ids": ids, "input_mask": mask} if stage == first else {
-        "input_ids": TensorPointer(first), "input_mask": TensorPointer(first)}
-    labels = {"label_ids": ids, "label_mask": mask} if stage == last else {
-        "label_ids": TensorPointer(last), "label_mask": TensorPointer(last)}
+    inputs = (
+        {"input_ids": ids, "input_mask": mask}
+        if stage == first
+        else {"input_ids": TensorPointer(first), "input_mask": TensorPointer(first)}
+    )
+    labels = (
+        {"label_ids": ids, "label_mask": mask}
+        if stage == last
+        else {"label_ids": TensorPointer(last), "label_mask": TensorPointer(last)}
+    )
     return [inputs | labels] * MICRO_BATCHES
 
 
 def train_step(model, accumulator, context, engine, batch: list[dict]) -> None:
     COUNT.where = ("engine", "forward")
-    engine.train_batch_iter(model=model, pg=context.pp_pg, batch=batch, nb_microbatches=len(batch),
-                            grad_accumulator=accumulator)
+    engine.train_batch_iter(
+        model=model,
+        pg=context.pp_pg,
+        batch=batch,
+        nb_microbatches=len(batch),
+        grad_accumulator=accumulator,
+    )
 
 
 def time_a_layer(on_cpu, zero: int) -> float:
@@ -326,6 +411,7 @@ def time_a_layer(on_cpu, zero: int) -> float:
     off: the difference between a model of LAYERS and one of 5 x LAYERS layers, best of 5 steps each. The
     stubbed kernels cost nothing and the real ones run on tiny tensors, so this is nearly all host."""
     import torch
+
     torch.set_num_threads(1)
     best = {}
     for layers in (LAYERS, 5 * LAYERS):
@@ -365,18 +451,33 @@ def report(ops: Counter, launches: Counter, layers: int, ms_a_layer, show_ops: b
         per = MICRO_BATCHES * (layers if block == "layer" else 1)
         aten = sum(row[k] for k in kinds[:4]) / per
         totals[block] += aten
-        print(f"| {block}{' (a layer)' if block == 'layer' else ''} | {phase} | {aten:g} | "
-              + " | ".join(f"{row[k] / per:g}" for k in kinds) + " |")
-    print("ATen calls a micro-batch: " + ", ".join(f"{block} {n:g}" for block, n in sorted(totals.items())))
+        print(
+            f"| {block}{' (a layer)' if block == 'layer' else ''} | {phase} | {aten:g} | "
+            + " | ".join(f"{row[k] / per:g}" for k in kinds)
+            + " |"
+        )
+    print(
+        "ATen calls a micro-batch: "
+        + ", ".join(f"{block} {n:g}" for block, n in sorted(totals.items()))
+    )
     if ms_a_layer is not None:
-        print(f"a layer's micro-batch on this CPU, counting off: {ms_a_layer:.3f} ms, "
-              f"{ms_a_layer * 1e3 / totals['layer']:.1f} us an ATen call")
+        print(
+            f"a layer's micro-batch on this CPU, counting off: {ms_a_layer:.3f} ms, "
+            f"{ms_a_layer * 1e3 / totals['layer']:.1f} us an ATen call"
+        )
     if show_ops:
         for phase in ("forward", "backward", "accumulation"):
-            names = Counter({name: n / layers / MICRO_BATCHES for (b, p, _, name), n in ops.items()
-                             if b == "layer" and p == phase})
-            print(f"a layer's {phase}: " + ", ".join(f"{name.split('::')[1]} {n:g}"
-                                                    for name, n in names.most_common()))
+            names = Counter(
+                {
+                    name: n / layers / MICRO_BATCHES
+                    for (b, p, _, name), n in ops.items()
+                    if b == "layer" and p == phase
+                }
+            )
+            print(
+                f"a layer's {phase}: "
+                + ", ".join(f"{name.split('::')[1]} {n:g}" for name, n in names.most_common())
+            )
 
 
 def main() -> None:
@@ -385,7 +486,9 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--zero", type=int, choices=(0, 1), default=0)
     parser.add_argument("--ops", action="store_true", help="list a layer's ops by name")
-    parser.add_argument("--time", action="store_true", help="and time a layer's micro-batch here (tp = pp = 1)")
+    parser.add_argument(
+        "--time", action="store_true", help="and time a layer's micro-batch here (tp = pp = 1)"
+    )
     parser.add_argument("--nanotron", default=NANOTRON_MIRROR)
     parser.add_argument("--commit", default=NANOTRON_COMMIT)
     parser.add_argument("--flash-attn", default=FLASH_ATTN_MIRROR)
@@ -395,8 +498,10 @@ def main() -> None:
         parser.error("--time times one rank's layer: give it without --tp / --pp")
     for mirror in (args.nanotron, args.flash_attn):
         if not os.path.isdir(mirror):
-            print(f"skipped: no git mirror at {mirror} (fetch github.com/huggingface/nanotron and "
-                  "Dao-AILab/flash-attention there, or pass --nanotron / --flash-attn)")
+            print(
+                f"skipped: no git mirror at {mirror} (fetch github.com/huggingface/nanotron and "
+                "Dao-AILab/flash-attention there, or pass --nanotron / --flash-attn)"
+            )
             return
     world = args.tp * args.pp
     with tempfile.TemporaryDirectory(prefix="nanotron-") as tmp:
@@ -407,10 +512,17 @@ def main() -> None:
             results = {0: count(0, 1, free_port(), 1, 1, args.zero, src, args.time)}
         else:
             import torch.multiprocessing as mp
+
             results = mp.Manager().dict()
-            mp.spawn(run_rank, args=(world, free_port(), args.tp, args.pp, args.zero, src, results), nprocs=world)
-    print(f"nanotron {args.commit}, flash-attn {args.flash_attn_tag}: tp {args.tp}, pp {args.pp}, ZeRO-{args.zero}, "
-          f"{LAYERS} layers, {MICRO_BATCHES} micro-batches a step, the second step counted; per micro-batch")
+            mp.spawn(
+                run_rank,
+                args=(world, free_port(), args.tp, args.pp, args.zero, src, results),
+                nprocs=world,
+            )
+    print(
+        f"nanotron {args.commit}, flash-attn {args.flash_attn_tag}: tp {args.tp}, pp {args.pp}, ZeRO-{args.zero}, "
+        f"{LAYERS} layers, {MICRO_BATCHES} micro-batches a step, the second step counted; per micro-batch"
+    )
     for rank in sorted(results):
         print(f"\nrank {rank} (tp rank {rank % args.tp}, stage {rank // args.tp}):")
         report(*results[rank], args.ops)

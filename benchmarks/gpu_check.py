@@ -29,6 +29,7 @@ Estimated on one H100 (an H200 computes as fast, with more memory): about 20 s t
 analyse, then per kind about 10 s to build, materialize and shard the model and WARMUP + STEPS steps
 of 0.4-0.9 s; 12 runs in 3-4 minutes, under 5 minutes in all.
 """
+
 import argparse
 import dataclasses
 import gc
@@ -46,19 +47,24 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shardplan.accuracy import Workload  # noqa: E402
+from shardplan.calibration.accuracy import Workload  # noqa: E402
+from shardplan.common.files import parse_json, read_text, write_text_atomically  # noqa: E402
+from shardplan.common.sizes import format_bytes  # noqa: E402
 from shardplan.compile import evaluate  # noqa: E402
-from shardplan.files import parse_json, read_text, write_text_atomically  # noqa: E402
-from shardplan.hardware import get_hardware  # noqa: E402
-from shardplan.passes import analyze  # noqa: E402
+from shardplan.costmodel.hardware import get_hardware  # noqa: E402
+from shardplan.frontend.passes import analyze  # noqa: E402
 from shardplan.plan import BF16_MIXED, Checkpoint, Plan, ShardStrategy  # noqa: E402
 from shardplan.runtime.launch import run_world  # noqa: E402
 from shardplan.runtime.manual import manual_plan  # noqa: E402
-from shardplan.sizes import format_bytes  # noqa: E402
 
-KINDS = ((ShardStrategy.FULL_SHARD, Checkpoint.NONE), (ShardStrategy.FULL_SHARD, Checkpoint.SELECTIVE),
-         (ShardStrategy.FULL_SHARD, Checkpoint.FULL), (ShardStrategy.SHARD_GRAD_OP, Checkpoint.NONE),
-         (ShardStrategy.SHARD_GRAD_OP, Checkpoint.FULL), (ShardStrategy.REPLICATE, Checkpoint.NONE))
+KINDS = (
+    (ShardStrategy.FULL_SHARD, Checkpoint.NONE),
+    (ShardStrategy.FULL_SHARD, Checkpoint.SELECTIVE),
+    (ShardStrategy.FULL_SHARD, Checkpoint.FULL),
+    (ShardStrategy.SHARD_GRAD_OP, Checkpoint.NONE),
+    (ShardStrategy.SHARD_GRAD_OP, Checkpoint.FULL),
+    (ShardStrategy.REPLICATE, Checkpoint.NONE),
+)
 """Every checkpointing under FULL_SHARD (the activations' share of the peak), and the other ways to hold
 parameters at world 1: SHARD_GRAD_OP keeps each unit's gathered bfloat16 copy from its forward to its
 backward, REPLICATE (DDP, NO_SHARD) gathers nothing (backend fsdp2 runs it as SHARD_GRAD_OP). ZeRO-1
@@ -80,10 +86,14 @@ class LlamaSize:
     seq: int
 
 
-GPU_SIZE = LlamaSize(n_layer=16, d_model=2048, ffn=8192, heads=32, kv_heads=8, vocab=32000, batch=8, seq=2048)
+GPU_SIZE = LlamaSize(
+    n_layer=16, d_model=2048, ffn=8192, heads=32, kv_heads=8, vocab=32000, batch=8, seq=2048
+)
 """1.10B parameters; 8 x 2048 tokens make activations the larger part of the peak without checkpointing
 (FULL_SHARD: 49 GiB predicted, 16.5 GiB of it fp32 parameters, gradients and AdamW states)."""
-CPU_SIZE = LlamaSize(n_layer=2, d_model=128, ffn=344, heads=4, kv_heads=2, vocab=512, batch=2, seq=128)
+CPU_SIZE = LlamaSize(
+    n_layer=2, d_model=128, ffn=344, heads=4, kv_heads=2, vocab=512, batch=2, seq=128
+)
 """Small enough that twelve runs on one CPU rank take seconds."""
 
 
@@ -101,7 +111,9 @@ class Run:
 
 def workload(size: LlamaSize) -> Workload:
     """`size` as a zoo workload on the meta device: planning allocates nothing, parallelize materializes it."""
-    return Workload(name="hf-llama", options=(*dataclasses.asdict(size).items(), ("device", "meta")))
+    return Workload(
+        name="hf-llama", options=(*dataclasses.asdict(size).items(), ("device", "meta"))
+    )
 
 
 def planned_runs(size: LlamaSize, hardware: str) -> tuple[list[Run], dict[str, Any]]:
@@ -113,19 +125,44 @@ def planned_runs(size: LlamaSize, hardware: str) -> tuple[list[Run], dict[str, A
     groups = workload(size).units(chain)
     runs = []
     for strategy, checkpoint in KINDS:
-        plan = manual_plan(entry.model, groups, dp=1, strategies=(strategy,), checkpoints=(checkpoint,),
-                           precision=BF16_MIXED)
+        plan = manual_plan(
+            entry.model,
+            groups,
+            dp=1,
+            strategies=(strategy,),
+            checkpoints=(checkpoint,),
+            precision=BF16_MIXED,
+        )
         predicted = evaluate(chain, plan, hardware)
-        runs += [Run(kind=f"{strategy.value}/{checkpoint.value}", backend=backend, plan_json=plan.to_json(),
-                     predicted_bytes=predicted.peak_bytes, predicted_s=predicted.step_time_s)
-                 for backend in BACKENDS]
-    model = dict(dataclasses.asdict(size), parameters=sum(p.numel() for p in entry.model.parameters()),
-                 units=len(groups), analysis_s=round(analysis_s, 2))
+        runs += [
+            Run(
+                kind=f"{strategy.value}/{checkpoint.value}",
+                backend=backend,
+                plan_json=plan.to_json(),
+                predicted_bytes=predicted.peak_bytes,
+                predicted_s=predicted.step_time_s,
+            )
+            for backend in BACKENDS
+        ]
+    model = dict(
+        dataclasses.asdict(size),
+        parameters=sum(p.numel() for p in entry.model.parameters()),
+        units=len(groups),
+        analysis_s=round(analysis_s, 2),
+    )
     return runs, model
 
 
-def check_job(device: torch.device, report, runs: list[Run], size: LlamaSize, warmup: int, steps: int,
-              out: str, document: dict[str, Any]) -> None:
+def check_job(
+    device: torch.device,
+    report,
+    runs: list[Run],
+    size: LlamaSize,
+    warmup: int,
+    steps: int,
+    out: str,
+    document: dict[str, Any],
+) -> None:
     """Rank job (runtime.launch.run_world, world 1; `report` unused): measure every run in turn, printing
     each row and rewriting `out` with `document` and the rows so far after each."""
     document["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -133,7 +170,9 @@ def check_job(device: torch.device, report, runs: list[Run], size: LlamaSize, wa
         start = time.perf_counter()
         try:
             row = measure(device, run, size, warmup, steps)
-        except Exception as error:  # one kind's failure (out of memory, say) must not cost the others
+        except (
+            Exception
+        ) as error:  # one kind's failure (out of memory, say) must not cost the others
             traceback.print_exc()
             row = failed_row(run, f"{type(error).__name__}: {error}")
         release(device)
@@ -143,22 +182,32 @@ def check_job(device: torch.device, report, runs: list[Run], size: LlamaSize, wa
         print(table_line(row), flush=True)
 
 
-def measure(device: torch.device, run: Run, size: LlamaSize, warmup: int, steps: int) -> dict[str, Any]:
+def measure(
+    device: torch.device, run: Run, size: LlamaSize, warmup: int, steps: int
+) -> dict[str, Any]:
     """`run`'s plan trained on this rank: its peak memory and median step time beside the prediction."""
     from shardplan.runtime import parallelize
     from shardplan.runtime.measure import peak_step_bytes, synchronize
 
-    held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None  # 0 unless a kind leaked
+    held_before = (
+        torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    )  # 0 unless a kind leaked
     torch.manual_seed(0)
     entry = workload(size).build()
-    ids = torch.randint(0, size.vocab, (size.batch, size.seq), generator=torch.Generator().manual_seed(1)).to(device)
-    program = parallelize(entry.model, Plan.from_json(run.plan_json), backend=run.backend, device=device)
+    ids = torch.randint(
+        0, size.vocab, (size.batch, size.seq), generator=torch.Generator().manual_seed(1)
+    ).to(device)
+    program = parallelize(
+        entry.model, Plan.from_json(run.plan_json), backend=run.backend, device=device
+    )
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-4)
 
     def train_step() -> None:
         program.step(ids, labels=ids)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)  # gradients stay allocated between steps, as the cost model counts them
+        optimizer.zero_grad(
+            set_to_none=False
+        )  # gradients stay allocated between steps, as the cost model counts them
 
     for _ in range(warmup):
         train_step()
@@ -174,22 +223,47 @@ def measure(device: torch.device, run: Run, size: LlamaSize, warmup: int, steps:
         if device.type == "cuda":
             allocated = max(allocated, torch.cuda.max_memory_allocated(device))
             reserved = max(reserved, torch.cuda.max_memory_reserved(device))
-    if device.type != "cuda":  # no allocator statistics: MemTracker counts every tensor, once more and untimed
+    if (
+        device.type != "cuda"
+    ):  # no allocator statistics: MemTracker counts every tensor, once more and untimed
         grads = [p.grad for p in program.parameters() if p.grad is not None]
-        allocated = peak_step_bytes(train_step, entry.model, optimizer, *program.parameters(), *grads)
+        allocated = peak_step_bytes(
+            train_step, entry.model, optimizer, *program.parameters(), *grads
+        )
     measured_s = statistics.median(seconds)
-    return dict(kind=run.kind, backend=run.backend, predicted_bytes=run.predicted_bytes, allocated_bytes=allocated,
-                reserved_bytes=reserved if device.type == "cuda" else None,
-                allocated_ratio=run.predicted_bytes / allocated,
-                reserved_ratio=run.predicted_bytes / reserved if reserved else None,
-                predicted_s=run.predicted_s, measured_s=measured_s, step_times_s=seconds,
-                time_ratio=run.predicted_s / measured_s, held_before_bytes=held_before, error=None)
+    return dict(
+        kind=run.kind,
+        backend=run.backend,
+        predicted_bytes=run.predicted_bytes,
+        allocated_bytes=allocated,
+        reserved_bytes=reserved if device.type == "cuda" else None,
+        allocated_ratio=run.predicted_bytes / allocated,
+        reserved_ratio=run.predicted_bytes / reserved if reserved else None,
+        predicted_s=run.predicted_s,
+        measured_s=measured_s,
+        step_times_s=seconds,
+        time_ratio=run.predicted_s / measured_s,
+        held_before_bytes=held_before,
+        error=None,
+    )
 
 
 def failed_row(run: Run, error: str) -> dict[str, Any]:
-    return dict(kind=run.kind, backend=run.backend, predicted_bytes=run.predicted_bytes, allocated_bytes=None,
-                reserved_bytes=None, allocated_ratio=None, reserved_ratio=None, predicted_s=run.predicted_s,
-                measured_s=None, step_times_s=[], time_ratio=None, held_before_bytes=None, error=error)
+    return dict(
+        kind=run.kind,
+        backend=run.backend,
+        predicted_bytes=run.predicted_bytes,
+        allocated_bytes=None,
+        reserved_bytes=None,
+        allocated_ratio=None,
+        reserved_ratio=None,
+        predicted_s=run.predicted_s,
+        measured_s=None,
+        step_times_s=[],
+        time_ratio=None,
+        held_before_bytes=None,
+        error=error,
+    )
 
 
 def release(device: torch.device) -> None:
@@ -202,8 +276,19 @@ def release(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-COLUMNS = (("plan kind", 22), ("backend", 9), ("pred peak", 10), ("max alloc", 10), ("ratio", 5),
-           ("max resv", 10), ("ratio", 5), ("pred ms", 8), ("meas ms", 8), ("ratio", 5), ("took s", 6))
+COLUMNS = (
+    ("plan kind", 22),
+    ("backend", 9),
+    ("pred peak", 10),
+    ("max alloc", 10),
+    ("ratio", 5),
+    ("max resv", 10),
+    ("ratio", 5),
+    ("pred ms", 8),
+    ("meas ms", 8),
+    ("ratio", 5),
+    ("took s", 6),
+)
 
 
 def table_header() -> str:
@@ -212,6 +297,7 @@ def table_header() -> str:
 
 def table_line(row: dict[str, Any]) -> str:
     """One row of the table; ratios are predicted / measured, "-" where nothing was measured."""
+
     def size(value):
         return format_bytes(value) if value is not None else "-"
 
@@ -221,22 +307,40 @@ def table_line(row: dict[str, Any]) -> str:
     def ms(value):
         return f"{value * 1e3:.1f}" if value is not None else "-"
 
-    cells = (row["kind"], row["backend"], size(row["predicted_bytes"]), size(row["allocated_bytes"]),
-             ratio(row["allocated_ratio"]), size(row["reserved_bytes"]), ratio(row["reserved_ratio"]),
-             ms(row["predicted_s"]), ms(row["measured_s"]), ratio(row["time_ratio"]), f"{row['elapsed_s']:.1f}")
+    cells = (
+        row["kind"],
+        row["backend"],
+        size(row["predicted_bytes"]),
+        size(row["allocated_bytes"]),
+        ratio(row["allocated_ratio"]),
+        size(row["reserved_bytes"]),
+        ratio(row["reserved_ratio"]),
+        ms(row["predicted_s"]),
+        ms(row["measured_s"]),
+        ratio(row["time_ratio"]),
+        f"{row['elapsed_s']:.1f}",
+    )
     line = "  ".join(f"{cell:>{width}}" for cell, (_, width) in zip(cells, COLUMNS))
     return line + (f"\n    failed: {row['error'].splitlines()[0]}" if row["error"] else "")
 
 
-def measure_all(runs: list[Run], size: LlamaSize, options, document: dict[str, Any], backend: str) -> dict[str, Any]:
+def measure_all(
+    runs: list[Run], size: LlamaSize, options, document: dict[str, Any], backend: str
+) -> dict[str, Any]:
     """Every run in one world; where a rank dies (a crash no exception reaches), the run it was on is
     recorded as failed and the rest go on in a new world. Returns the document with every row."""
     write_text_atomically(options.out, json.dumps(document, indent=2) + "\n")  # no older run's rows
     while len(document["rows"]) < len(runs):
         done = len(document["rows"])
         try:
-            run_world(check_job, (runs[done:], size, options.warmup, options.steps, options.out, document),
-                      world_size=1, backend=backend, total_steps=len(runs) - done, progress=False)
+            run_world(
+                check_job,
+                (runs[done:], size, options.warmup, options.steps, options.out, document),
+                world_size=1,
+                backend=backend,
+                total_steps=len(runs) - done,
+                progress=False,
+            )
             death = None
         except Exception as error:  # the rank died: the file holds every row it finished
             death = f"the rank died: {type(error).__name__}: {error}"
@@ -256,24 +360,43 @@ def summary(rows: list[dict[str, Any]]) -> str:
     for name in ("allocated_ratio", "reserved_ratio", "time_ratio"):
         values = [row[name] for row in rows if row[name] is not None and math.isfinite(row[name])]
         if values:
-            lines.append(f"{name.replace('_', ' ')} (predicted / measured): {min(values):.2f}-{max(values):.2f}")
+            lines.append(
+                f"{name.replace('_', ' ')} (predicted / measured): {min(values):.2f}-{max(values):.2f}"
+            )
     failed = [f"{row['kind']} on {row['backend']}" for row in rows if row["error"]]
     lines.append(f"failed: {', '.join(failed) or '-'}")
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--cpu", action="store_true", help="run on CPU over gloo at the tiny size (the default "
-                                                           "without CUDA)")
-    parser.add_argument("--hardware", help="the profile predictions use: a built-in name (h100-80g, h200, ...) or "
-                                           "a calibrated profile's JSON (default: h100-80g on CUDA, cpu-gloo on CPU)")
-    parser.add_argument("--out", default="gpu_check.json", help="the JSON written as rows are measured")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run on CPU over gloo at the tiny size (the default without CUDA)",
+    )
+    parser.add_argument(
+        "--hardware",
+        help="the profile predictions use: a built-in name (h100-80g, h200, ...) or "
+        "a calibrated profile's JSON (default: h100-80g on CUDA, cpu-gloo on CPU)",
+    )
+    parser.add_argument(
+        "--out", default="gpu_check.json", help="the JSON written as rows are measured"
+    )
     parser.add_argument("--batch", type=int, help="sequences a step (default: 8 on CUDA, 2 on CPU)")
-    parser.add_argument("--seq", type=int, help="tokens a sequence (default: 2048 on CUDA, 128 on CPU)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones, per kind")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per kind (their median is kept)")
+    parser.add_argument(
+        "--seq", type=int, help="tokens a sequence (default: 2048 on CUDA, 128 on CPU)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps before the timed ones, per kind"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps per kind (their median is kept)"
+    )
     options = parser.parse_args()
     on_cuda = torch.cuda.is_available() and not options.cpu
     size = GPU_SIZE if on_cuda else CPU_SIZE
@@ -283,15 +406,25 @@ def main() -> None:
     started = time.perf_counter()
     runs, model = planned_runs(size, hardware)
     document: dict[str, Any] = dict(
-        model=model, hardware=get_hardware(hardware).name, process_group=backend, world_size=1,
-        precision=dataclasses.asdict(BF16_MIXED), optimizer="torch.optim.AdamW, its default implementation",
-        warmup_steps=options.warmup, timed_steps=options.steps, rows=[])
-    print(f"Llama of {model['parameters']:,} parameters ({size.n_layer} layers, hidden {size.d_model}, "
-          f"MLP {size.ffn}, {size.heads}/{size.kv_heads} heads, vocabulary {size.vocab}), "
-          f"{size.batch} x {size.seq} tokens a step, {model['units']} units; bfloat16 compute, fp32 master weights "
-          f"and reduction; world 1 over {backend}; "
-          f"predicted on {hardware}; analysed in {model['analysis_s']:.1f} s; median of {options.steps} steps "
-          f"after {options.warmup}", flush=True)
+        model=model,
+        hardware=get_hardware(hardware).name,
+        process_group=backend,
+        world_size=1,
+        precision=dataclasses.asdict(BF16_MIXED),
+        optimizer="torch.optim.AdamW, its default implementation",
+        warmup_steps=options.warmup,
+        timed_steps=options.steps,
+        rows=[],
+    )
+    print(
+        f"Llama of {model['parameters']:,} parameters ({size.n_layer} layers, hidden {size.d_model}, "
+        f"MLP {size.ffn}, {size.heads}/{size.kv_heads} heads, vocabulary {size.vocab}), "
+        f"{size.batch} x {size.seq} tokens a step, {model['units']} units; bfloat16 compute, fp32 master weights "
+        f"and reduction; world 1 over {backend}; "
+        f"predicted on {hardware}; analysed in {model['analysis_s']:.1f} s; median of {options.steps} steps "
+        f"after {options.warmup}",
+        flush=True,
+    )
     print(table_header(), flush=True)
     document = measure_all(runs, size, options, document, backend)
     print(summary(document["rows"]))

@@ -13,18 +13,24 @@ each checkpoint kind (predicted and measured milliseconds, and in how many runs 
 exceeds the predicted), and each run's mean ratio against its calibration's in-step wait, with the
 correlation and the line through them.
 """
+
 import argparse
 import collections
 import os
 import statistics
 
-from shardplan.accuracy import Accuracy, compare, demo_chain_and_plans, hf_workload
 from bench_hf_memory import MEMORY_BAND, STEP_TIME_BAND, in_band, kept_run
+
+from shardplan.calibration.accuracy import Accuracy, compare, demo_chain_and_plans, hf_workload
 
 SPIKE_BAND = (0.75, 1.25)
 """A run with a kind outside this ratio of step time met a load spike, not the model."""
-DIFFERENCES = (("full_shard", "shard_grad_op"), ("shard_grad_op", "replicate"), ("shard_optimizer", "shard_grad_op"),
-               ("shard_optimizer", "replicate"))
+DIFFERENCES = (
+    ("full_shard", "shard_grad_op"),
+    ("shard_grad_op", "replicate"),
+    ("shard_optimizer", "shard_grad_op"),
+    ("shard_optimizer", "replicate"),
+)
 CHECKPOINTS = ("none", "full", "selective")
 
 
@@ -40,7 +46,13 @@ def kept_runs(folders: list[str]) -> list[tuple[str, float, list[Accuracy]]]:
             if name not in chains:
                 chains[name] = demo_chain_and_plans(2, hf_workload(name))
             hardware, measured = kept_run(folder, name, None)
-            runs.append((name, hardware.intra_node.in_step_wait_s, compare(*chains[name], measured, hardware)))
+            runs.append(
+                (
+                    name,
+                    hardware.intra_node.in_step_wait_s,
+                    compare(*chains[name], measured, hardware),
+                )
+            )
     return runs
 
 
@@ -53,16 +65,22 @@ def main() -> None:
     parser.add_argument("folders", nargs="+", help="folders bench_hf_memory.py --keep wrote")
     options = parser.parse_args()
     runs = kept_runs(options.folders)
-    print(f"each run: its calibration's in-step wait, memory and step time predicted / measured, kinds within "
-          f"{MEMORY_BAND[0]}-{MEMORY_BAND[1]} and {STEP_TIME_BAND[0]}-{STEP_TIME_BAND[1]}")
+    print(
+        f"each run: its calibration's in-step wait, memory and step time predicted / measured, kinds within "
+        f"{MEMORY_BAND[0]}-{MEMORY_BAND[1]} and {STEP_TIME_BAND[0]}-{STEP_TIME_BAND[1]}"
+    )
     for name, wait, rows in runs:
         memory, time = [row.memory_ratio for row in rows], [row.time_ratio for row in rows]
         held = sum(in_band(row) for row in rows)
-        print(f"  {name:12s} wait {wait * 1e3:.2f} ms, memory {min(memory):.2f}-{max(memory):.2f}, "
-              f"step time {min(time):.2f}-{max(time):.2f}, {held} of {len(rows)} in band")
+        print(
+            f"  {name:12s} wait {wait * 1e3:.2f} ms, memory {min(memory):.2f}-{max(memory):.2f}, "
+            f"step time {min(time):.2f}-{max(time):.2f}, {held} of {len(rows)} in band"
+        )
     quiet = [run for run in runs if not met_a_spike(run[2])]
-    print(f"{len(quiet)} of {len(runs)} runs without a kind outside {SPIKE_BAND[0]}-{SPIKE_BAND[1]} "
-          f"(left out: {', '.join(name for name, _, rows in runs if met_a_spike(rows)) or '-'})")
+    print(
+        f"{len(quiet)} of {len(runs)} runs without a kind outside {SPIKE_BAND[0]}-{SPIKE_BAND[1]} "
+        f"(left out: {', '.join(name for name, _, rows in runs if met_a_spike(rows)) or '-'})"
+    )
     by_kind = collections.defaultdict(list)
     for _, _, rows in quiet:
         for row in rows:
@@ -70,7 +88,9 @@ def main() -> None:
     print("\nstep time predicted / measured by kind: mean (lowest-highest)")
     for kind, ratios in by_kind.items():
         print(f"  {kind:26s} {statistics.fmean(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
-    print("\ndifference of two strategies' steps, median predicted / measured ms (measured above predicted in)")
+    print(
+        "\ndifference of two strategies' steps, median predicted / measured ms (measured above predicted in)"
+    )
     for first, second in DIFFERENCES:
         cells = []
         for checkpoint in CHECKPOINTS:
@@ -78,18 +98,24 @@ def main() -> None:
             for _, _, rows in quiet:
                 by = {row.kind: row for row in rows}
                 a, b = by[f"{first}/{checkpoint}"], by[f"{second}/{checkpoint}"]
-                pairs.append(((a.predicted_s - b.predicted_s) * 1e3, (a.measured_s - b.measured_s) * 1e3))
+                pairs.append(
+                    ((a.predicted_s - b.predicted_s) * 1e3, (a.measured_s - b.measured_s) * 1e3)
+                )
             above = sum(measured > predicted for predicted, measured in pairs)
-            cells.append(f"{checkpoint} {statistics.median(p for p, _ in pairs):+.0f} / "
-                         f"{statistics.median(m for _, m in pairs):+.0f} ({above} of {len(pairs)})")
+            cells.append(
+                f"{checkpoint} {statistics.median(p for p, _ in pairs):+.0f} / "
+                f"{statistics.median(m for _, m in pairs):+.0f} ({above} of {len(pairs)})"
+            )
         print(f"  {first} - {second}: " + "; ".join(cells))
     waits = [wait * 1e3 for _, wait, _ in quiet]
     means = [statistics.fmean(row.time_ratio for row in rows) for _, _, rows in quiet]
     line = statistics.linear_regression(waits, means)
-    print(f"\neach run's mean ratio against its calibration's in-step wait: r = "
-          f"{statistics.correlation(waits, means):.2f}, {line.slope:+.3f} a ms, 1.00 at "
-          f"{(1 - line.intercept) / line.slope:.2f} ms; waits {min(waits):.2f}-{max(waits):.2f} ms, "
-          f"means {min(means):.3f}-{max(means):.3f}")
+    print(
+        f"\neach run's mean ratio against its calibration's in-step wait: r = "
+        f"{statistics.correlation(waits, means):.2f}, {line.slope:+.3f} a ms, 1.00 at "
+        f"{(1 - line.intercept) / line.slope:.2f} ms; waits {min(waits):.2f}-{max(waits):.2f} ms, "
+        f"means {min(means):.3f}-{max(means):.3f}"
+    )
     for (name, wait, _), mean in sorted(zip(quiet, means), key=lambda item: item[0][1]):
         print(f"  {name:12s} wait {wait * 1e3:.2f} ms, mean ratio {mean:.3f}")
 

@@ -8,14 +8,15 @@ checkpointed whole and selectively (runtime.activation_checkpoint.checkpointed, 
 unit), every parameter's gradient dropped as it is made (as the analysis does: the cost model counts them
 with the state); MemTracker's snapshots of the block's backward (every tensor live, MiB). What the cost
 model's working set of a block's backward is read against ([Note: a block's output gradient] in
-shardplan/cost.py): at a block's start the gradient of its outputs is live already.
+shardplan/costmodel/cost.py): at a block's start the gradient of its outputs is live already.
 """
+
 import argparse
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
-from shardplan import zoo
+from shardplan.models import zoo
 from shardplan.plan import Checkpoint
 from shardplan.runtime.activation_checkpoint import checkpointed
 
@@ -31,7 +32,9 @@ def main() -> None:
     cpu = torch.device("cpu")
     for kind in Checkpoint:
         torch.manual_seed(0)
-        model = zoo.GPT(zoo.GPTConfig(vocab_size=64, seq_len=512, n_layer=2, n_head=8, d_model=options.d_model))
+        model = zoo.GPT(
+            zoo.GPTConfig(vocab_size=64, seq_len=512, n_layer=2, n_head=8, d_model=options.d_model)
+        )
         for param in model.parameters():
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         if kind is not Checkpoint.NONE:
@@ -44,9 +47,15 @@ def main() -> None:
             model(ids, labels).backward()
         for name in BLOCKS:
             snapshots = tracker.memory_tracking[model.get_submodule(name)].snapshots
-            live = {moment: snapshots[state][-1][cpu]["Total"] / 2**20 for moment, state in MOMENTS.items()}
-            print(f"{kind.value:9s} {name:7s} " + ", ".join(f"{moment} {mib:.2f}" for moment, mib in live.items())
-                  + f"; peak - begins {live['peak'] - live['begins']:.2f} MiB")
+            live = {
+                moment: snapshots[state][-1][cpu]["Total"] / 2**20
+                for moment, state in MOMENTS.items()
+            }
+            print(
+                f"{kind.value:9s} {name:7s} "
+                + ", ".join(f"{moment} {mib:.2f}" for moment, mib in live.items())
+                + f"; peak - begins {live['peak'] - live['begins']:.2f} MiB"
+            )
 
 
 if __name__ == "__main__":

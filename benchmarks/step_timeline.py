@@ -17,6 +17,7 @@ backend's transaction setting the kept gradients aside (reading each for zeros: 
 runtime/program.py), "step exit" the transaction putting them back and the loss's all-reduce over the ranks
 (which waits for the slower rank), "optimizer" AdamW's step and zero_grad.
 """
+
 import argparse
 import collections
 import functools
@@ -27,8 +28,14 @@ from typing import Callable
 
 import torch
 
-from shardplan.accuracy import (HF_WORKLOAD_NAMES, KIND_NAMES, _train_step, demo_chain_and_plans, hf_workload,
-                                trained_program)
+from shardplan.calibration.accuracy import (
+    HF_WORKLOAD_NAMES,
+    KIND_NAMES,
+    _train_step,
+    demo_chain_and_plans,
+    hf_workload,
+    trained_program,
+)
 from shardplan.runtime.launch import run_world
 
 _TIMED = ("prefetch", "gathered", "reduce", "finish_reduction", "release")
@@ -53,6 +60,7 @@ def timeline_job(device, report, plan_jsons: dict[str, str], workload, rounds: i
                 return method(unit, *args, **kwargs)
             finally:
                 calls.append((name, unit.name, state, start, time.perf_counter()))
+
         return run
 
     for name in _TIMED:
@@ -105,6 +113,7 @@ def marked_step(program, optimizer, ids) -> Callable[[], list[tuple[str, float, 
         _train_step(program, optimizer, ids)
         mark("optimizer")
         return list(marks)
+
     return step
 
 
@@ -113,14 +122,21 @@ def _length_s(marks: list[tuple[str, float, int]]) -> float:
 
 
 def show(kind: str, marks: list[tuple[str, float, int]], calls: list, timeline: bool) -> None:
-    phases: dict[str, list] = {}  # phase -> [seconds, faults], summed over its spans (one a micro-batch)
+    phases: dict[
+        str, list
+    ] = {}  # phase -> [seconds, faults], summed over its spans (one a micro-batch)
     for (_, begin, begin_faults), (phase, end, end_faults) in zip(marks, marks[1:]):
         total = phases.setdefault(phase, [0.0, 0])
         total[0] += end - begin
         total[1] += end_faults - begin_faults
     start = marks[0][1]
-    print(f"\n{kind}: step {_length_s(marks) * 1e3:.1f} ms; "
-          + "; ".join(f"{phase} {seconds * 1e3:.1f} ms, {faults} faults" for phase, (seconds, faults) in phases.items()))
+    print(
+        f"\n{kind}: step {_length_s(marks) * 1e3:.1f} ms; "
+        + "; ".join(
+            f"{phase} {seconds * 1e3:.1f} ms, {faults} faults"
+            for phase, (seconds, faults) in phases.items()
+        )
+    )
     totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     for name, unit, state, call_start, call_end in calls:
         phase = next(phase for phase, end, _ in marks[1:] if call_start < end)
@@ -132,8 +148,10 @@ def show(kind: str, marks: list[tuple[str, float, int]], calls: list, timeline: 
     if timeline:
         for name, unit, state, call_start, call_end in calls:
             if call_end - call_start > 2e-4 or name == "prefetch":
-                print(f"    at {(call_start - start) * 1e3:7.2f} ms {(call_end - call_start) * 1e3:6.2f} ms  "
-                      f"{name} {unit} ({state})")
+                print(
+                    f"    at {(call_start - start) * 1e3:7.2f} ms {(call_end - call_start) * 1e3:6.2f} ms  "
+                    f"{name} {unit} ({state})"
+                )
 
 
 def main() -> None:
@@ -141,16 +159,26 @@ def main() -> None:
     parser.add_argument("name", choices=HF_WORKLOAD_NAMES)
     parser.add_argument("--kinds", nargs="+", default=KIND_NAMES, choices=KIND_NAMES)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--timeline", action="store_true", help="also every call over 0.2 ms, and each prefetch")
+    parser.add_argument(
+        "--timeline", action="store_true", help="also every call over 0.2 ms, and each prefetch"
+    )
     args = parser.parse_args()
     workload = hf_workload(args.name)
     _, plans = demo_chain_and_plans(2, workload)
     chosen = {kind: plan.to_json() for kind, plan in zip(KIND_NAMES, plans) if kind in args.kinds}
     load_before = os.getloadavg()[0]
-    found = run_world(timeline_job, (chosen, workload, args.rounds), world_size=2, backend="gloo", total_steps=1,
-                      progress=False)
-    print(f"{args.name} on 2 gloo ranks, rank 0, each kind's fastest of {args.rounds} rounds, "
-          f"load {load_before:.1f}-{os.getloadavg()[0]:.1f}")
+    found = run_world(
+        timeline_job,
+        (chosen, workload, args.rounds),
+        world_size=2,
+        backend="gloo",
+        total_steps=1,
+        progress=False,
+    )
+    print(
+        f"{args.name} on 2 gloo ranks, rank 0, each kind's fastest of {args.rounds} rounds, "
+        f"load {load_before:.1f}-{os.getloadavg()[0]:.1f}"
+    )
     for kind in chosen:
         show(kind, *found[kind], args.timeline)
 

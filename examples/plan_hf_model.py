@@ -13,6 +13,7 @@ Train with it (the same flags, under torchrun, with --train):
     torchrun --standalone --nproc-per-node 2 examples/plan_hf_model.py --world-size 2 \\
         -o llama-plan.json --train --steps 5
 """
+
 import argparse
 import datetime
 import json
@@ -23,8 +24,16 @@ import transformers
 
 import shardplan
 
-SMALL_LLAMA = dict(model_type="llama", num_hidden_layers=4, hidden_size=128, intermediate_size=344,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=256)
+SMALL_LLAMA = dict(
+    model_type="llama",
+    num_hidden_layers=4,
+    hidden_size=128,
+    intermediate_size=344,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=256,
+)
 """A LLaMA small enough to train on CPU ranks in seconds; pass --config for a real one."""
 
 
@@ -47,14 +56,22 @@ def main() -> None:
     parser.add_argument("--hardware", default="cpu-gloo")
     parser.add_argument("--memory-budget")
     parser.add_argument("-o", "--output", default="plan.json")
-    parser.add_argument("--train", action="store_true", help="run under torchrun and train with the plan")
+    parser.add_argument(
+        "--train", action="store_true", help="run under torchrun and train with the plan"
+    )
     parser.add_argument("--steps", type=int, default=5)
     options = parser.parse_args()
 
     if not options.train:
         model, ids = build(options.config, options.batch, options.seq, device="meta")
-        plan = shardplan.compile(model, options.world_size, (ids,), {"labels": ids}, hardware=options.hardware,
-                                 memory_budget=options.memory_budget)
+        plan = shardplan.compile(
+            model,
+            options.world_size,
+            (ids,),
+            {"labels": ids},
+            hardware=options.hardware,
+            memory_budget=options.memory_budget,
+        )
         plan.save(options.output)
         print(plan.summary())
         print(f"wrote {options.output}")
@@ -66,9 +83,13 @@ def main() -> None:
     plan = shardplan.load_plan(options.output)
     program = shardplan.parallelize(model, plan)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(plan.mesh.replica_of(dist.get_rank()))  # a replica's stages share its batch
+    generator = torch.Generator().manual_seed(
+        plan.mesh.replica_of(dist.get_rank())
+    )  # a replica's stages share its batch
     for step in range(options.steps):
-        ids = torch.randint(0, model.config.vocab_size, (options.batch, options.seq), generator=generator)
+        ids = torch.randint(
+            0, model.config.vocab_size, (options.batch, options.seq), generator=generator
+        )
         loss = program.step(ids, labels=ids)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

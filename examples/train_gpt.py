@@ -17,6 +17,7 @@ The plan may cut the model into pipeline stages (`shardplan plan ... --no-pipeli
 keeps one); the script is the same. The plan's world size must equal torchrun's (nnodes x nproc-per-node); every rank
 must load the same plan file (parallelize checks both before any training).
 """
+
 import argparse
 import datetime
 import os
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import shardplan
-from shardplan import zoo
+from shardplan.models import zoo
 
 
 def main() -> None:
@@ -41,7 +42,9 @@ def main() -> None:
     rank = dist.get_rank()
 
     plan = shardplan.load_plan(options.plan)
-    torch.manual_seed(0)  # the initialization below draws from it (rank 0's values are broadcast anyway)
+    torch.manual_seed(
+        0
+    )  # the initialization below draws from it (rank 0's values are broadcast anyway)
     entry = zoo.gpt(device="meta")  # parameters appear only as this rank's shards
     program = shardplan.parallelize(entry.model, plan)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)

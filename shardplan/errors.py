@@ -9,8 +9,10 @@ class ShardplanError(Exception):
     """Base class of every error shardplan raises on purpose."""
 
 
-EMPTY_BATCH = ("the example batch is empty (dim 0 of the first input is 0), so no plan can be made: give example "
-               "inputs of 1 sample or more")
+EMPTY_BATCH = (
+    "the example batch is empty (dim 0 of the first input is 0), so no plan can be made: give example "
+    "inputs of 1 sample or more"
+)
 """Why an empty example batch gets no plan: the analysis refuses it (it would divide by it, in a mean loss's
 backward), and the solver says so of a chain whose inputs are empty."""
 

@@ -5,6 +5,7 @@ or evaluated. Things are named as a person knows them (module paths,
 parameter names) and the plan carries the fingerprint of the captured graph,
 so applying it to another model fails loudly.
 """
+
 import dataclasses
 import enum
 import functools
@@ -13,13 +14,13 @@ import math
 import os
 import re
 import typing
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
-from .chain import InputSpec
-from .dtypes import FLOAT_DTYPES, INPUT_DTYPES
-from .errors import PlanError
-from .files import parse_json, read_text, write_text_atomically
+from shardplan.common.dtypes import FLOAT_DTYPES, INPUT_DTYPES
+from shardplan.common.files import parse_json, read_text, write_text_atomically
+from shardplan.errors import PlanError
+from shardplan.frontend.chain import InputSpec
 
 SCHEMA = "shardplan.plan/3"
 READABLE_SCHEMAS = ("shardplan.plan/1", "shardplan.plan/2", SCHEMA)
@@ -83,23 +84,50 @@ class StrategyTraits:
 
 
 STRATEGY_TRAITS = {
-    ShardStrategy.FULL_SHARD: StrategyTraits(shards_params=True, reshard_after_forward=True,
-                                             reduce_scatters_grads=True, shards_optimizer=True, may_offload=True),
-    ShardStrategy.SHARD_GRAD_OP: StrategyTraits(shards_params=True, reshard_after_forward=False,
-                                                reduce_scatters_grads=True, shards_optimizer=True, may_offload=True),
-    ShardStrategy.SHARD_OPTIMIZER: StrategyTraits(shards_params=False, reshard_after_forward=False,
-                                                  reduce_scatters_grads=False, shards_optimizer=True,
-                                                  may_offload=False),
-    ShardStrategy.REPLICATE: StrategyTraits(shards_params=False, reshard_after_forward=False,
-                                            reduce_scatters_grads=False, shards_optimizer=False, may_offload=False),
+    ShardStrategy.FULL_SHARD: StrategyTraits(
+        shards_params=True,
+        reshard_after_forward=True,
+        reduce_scatters_grads=True,
+        shards_optimizer=True,
+        may_offload=True,
+    ),
+    ShardStrategy.SHARD_GRAD_OP: StrategyTraits(
+        shards_params=True,
+        reshard_after_forward=False,
+        reduce_scatters_grads=True,
+        shards_optimizer=True,
+        may_offload=True,
+    ),
+    ShardStrategy.SHARD_OPTIMIZER: StrategyTraits(
+        shards_params=False,
+        reshard_after_forward=False,
+        reduce_scatters_grads=False,
+        shards_optimizer=True,
+        may_offload=False,
+    ),
+    ShardStrategy.REPLICATE: StrategyTraits(
+        shards_params=False,
+        reshard_after_forward=False,
+        reduce_scatters_grads=False,
+        shards_optimizer=False,
+        may_offload=False,
+    ),
 }
 """Offload needs a sharded strategy: the runtime gathers an offloaded shard from the host before each use
 (runtime/sharded.py), which a rank keeping full parameters never does."""
 
 
-SELECTIVE_SAVED_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_product_flash_attention_for_cpu",
-                       "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                       "_scaled_dot_product_cudnn_attention")
+SELECTIVE_SAVED_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_grouped_mm",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
 """ATen ops whose outputs SELECTIVE checkpointing keeps: the matmul-like ones (a mixture of experts'
 grouped matmuls among them), costly to recompute and few; every elementwise op, norm and activation
 between them is recomputed. The runtime keeps exactly these, and the analysis counts exactly these
@@ -148,8 +176,10 @@ class Decision:
     def _check_offload(self, who: str) -> None:
         if self.offload and not self.traits.may_offload:
             allowed = " or ".join(s.value for s in ShardStrategy if s.traits.may_offload)
-            raise PlanError(f"{who} offloads with strategy {self.strategy.value}: offload needs a sharded "
-                            f"strategy ({allowed}); set offload to false")
+            raise PlanError(
+                f"{who} offloads with strategy {self.strategy.value}: offload needs a sharded "
+                f"strategy ({allowed}); set offload to false"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,7 +195,9 @@ class Unit(Decision):
 
     def __post_init__(self) -> None:
         if not self.name or not self.modules:
-            raise PlanError(f"unit {_shown(self.name)} has no name or no modules: every unit holds at least one block")
+            raise PlanError(
+                f"unit {_shown(self.name)} has no name or no modules: every unit holds at least one block"
+            )
         self._check_offload(f"unit {_shown(self.name)}")
 
     @property
@@ -212,7 +244,9 @@ class Mesh:
     def __post_init__(self) -> None:
         for dim in MESH_DIMS:
             if getattr(self, dim) < 1:
-                raise PlanError(f"mesh {dim}={getattr(self, dim)}: every mesh dimension is at least 1")
+                raise PlanError(
+                    f"mesh {dim}={getattr(self, dim)}: every mesh dimension is at least 1"
+                )
 
     @property
     def dp(self) -> int:
@@ -224,8 +258,11 @@ class Mesh:
         return self.pp * self.dp * self.tp
 
     def describe(self) -> str:
-        return " ".join(f"{dim}={getattr(self, dim)}" for dim in MESH_DIMS if dim == "pp" or getattr(self, dim) > 1
-                        or (dim == "dp_shard" and self.dp == 1))
+        return " ".join(
+            f"{dim}={getattr(self, dim)}"
+            for dim in MESH_DIMS
+            if dim == "pp" or getattr(self, dim) > 1 or (dim == "dp_shard" and self.dp == 1)
+        )
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """`rank`'s index along each dimension ([Note: rank layout])."""
@@ -236,7 +273,7 @@ class Mesh:
 
     def stride(self, dim: str) -> int:
         """Distance in ranks between neighbours along `dim`: the product of the dimensions inside it."""
-        return math.prod(getattr(self, inner) for inner in MESH_DIMS[MESH_DIMS.index(dim) + 1:])
+        return math.prod(getattr(self, inner) for inner in MESH_DIMS[MESH_DIMS.index(dim) + 1 :])
 
     def stage_of(self, rank: int) -> int:
         return rank // (self.dp * self.tp)
@@ -246,7 +283,9 @@ class Mesh:
         return rank // self.tp % self.dp
 
 
-TENSOR_PARALLEL_STYLE = re.compile(r"colwise|colwise_fused\([2-9][0-9]*\)|rowwise|vocab_embedding|vocab_head")
+TENSOR_PARALLEL_STYLE = re.compile(
+    r"colwise|colwise_fused\([2-9][0-9]*\)|rowwise|vocab_embedding|vocab_head"
+)
 """How a module is sliced over the tp ranks (passes/tensor_parallel.py finds them): "colwise" by output
 features, "colwise_fused(n)" each of a fused projection's n chunks by output features, "rowwise" by input
 features (partial products summed), "vocab_embedding" / "vocab_head" by vocabulary rows."""
@@ -262,8 +301,10 @@ class ShardedModule:
 
     def __post_init__(self) -> None:
         if not TENSOR_PARALLEL_STYLE.fullmatch(self.style):
-            raise PlanError(f"module {_shown(self.path)} has tensor-parallel style {_shown(self.style)}: use colwise, "
-                            "colwise_fused(n), rowwise, vocab_embedding or vocab_head")
+            raise PlanError(
+                f"module {_shown(self.path)} has tensor-parallel style {_shown(self.style)}: use colwise, "
+                "colwise_fused(n), rowwise, vocab_embedding or vocab_head"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -299,14 +340,20 @@ class Schedule:
         if self.num_micro_batches < 1:
             raise PlanError(f"schedule has {self.num_micro_batches} micro-batches: at least 1")
         if self.name not in SCHEDULE_NAMES:
-            raise PlanError(f"schedule {self.name!r} is unknown: use one of {', '.join(SCHEDULE_NAMES)}")
+            raise PlanError(
+                f"schedule {self.name!r} is unknown: use one of {', '.join(SCHEDULE_NAMES)}"
+            )
 
     def in_flight(self, stage: int, pp: int) -> int:
         """Micro-batches whose activations stage `stage` of `pp` holds at once: every one under GPipe;
         under 1F1B the forwards of its warm-up, min(m, pp - stage)."""
         if pp == 1:
             return 1
-        return self.num_micro_batches if self.name == "gpipe" else min(self.num_micro_batches, pp - stage)
+        return (
+            self.num_micro_batches
+            if self.name == "gpipe"
+            else min(self.num_micro_batches, pp - stage)
+        )
 
     def runs_as(self, pp: int) -> str:
         """What the schedule does over `pp` stages, in words. 1F1B with fewer micro-batches than
@@ -317,7 +364,9 @@ class Schedule:
         m = self.num_micro_batches
         words = f"{m} micro-batch(es)" + (f", {self.name}" if pp > 1 else "")
         if pp > 1 and self.name == "1f1b" and m < pp:
-            words += f" (fewer micro-batches than the {pp} stages: fill-drain on stages 0..{pp - m})"
+            words += (
+                f" (fewer micro-batches than the {pp} stages: fill-drain on stages 0..{pp - m})"
+            )
         return words
 
 
@@ -333,8 +382,10 @@ class MixedPrecision:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in FLOAT_DTYPES:
-                raise PlanError(f"mixed precision {name} {_shown(getattr(self, name))} is not a floating-point dtype "
-                                f"shardplan computes in: use one of {', '.join(FLOAT_DTYPES)}")
+                raise PlanError(
+                    f"mixed precision {name} {_shown(getattr(self, name))} is not a floating-point dtype "
+                    f"shardplan computes in: use one of {', '.join(FLOAT_DTYPES)}"
+                )
 
 
 BF16_MIXED = MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
@@ -433,8 +484,10 @@ class Plan:
         try:
             return json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n"
         except ValueError:  # NaN or infinity: the schema's bounds do not catch them
-            raise PlanError(f"plan holds a number that is NaN or infinite, which JSON cannot hold: "
-                            f"{_WRITING_FIX}") from None
+            raise PlanError(
+                f"plan holds a number that is NaN or infinite, which JSON cannot hold: "
+                f"{_WRITING_FIX}"
+            ) from None
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -443,9 +496,11 @@ class Plan:
             raise PlanError("plan file must hold a JSON object")
         schema = data.get("schema")
         if schema not in READABLE_SCHEMAS:
-            raise PlanError(f"plan schema {_shown(schema)} is not supported by this shardplan (reads "
-                            f"{', '.join(map(repr, READABLE_SCHEMAS))}): re-plan with this version, or install the "
-                            "version that wrote it")
+            raise PlanError(
+                f"plan schema {_shown(schema)} is not supported by this shardplan (reads "
+                f"{', '.join(map(repr, READABLE_SCHEMAS))}): re-plan with this version, or install the "
+                "version that wrote it"
+            )
         upgraded = _upgrade(data)
         _validate_schema(upgraded, "the file was edited or written by another version")
         return _from_data(cls, upgraded, "plan")
@@ -461,33 +516,50 @@ class Plan:
 
     def summary(self) -> str:
         """Units, stages, predicted memory and time as a text table."""
-        from .sizes import format_bytes
+        from shardplan.common.sizes import format_bytes
 
         inputs = ", ".join(f"{input_label(spec)}: {input_shape(spec)}" for spec in self.inputs)
-        lines = [f"plan for {self.model or 'model'} on {self.world_size} ranks of {self.hardware}: "
-                 f"{self.mesh.describe()}, {self.schedule.runs_as(self.mesh.pp)}"
-                 + f", params {self.mixed_precision.param_dtype}, grads reduced in {self.mixed_precision.reduce_dtype}",
-                 f"inputs per replica: {inputs or 'none'}; global batch {self.mesh.dp * self.batch_per_replica} "
-                 f"samples a step = dp {self.mesh.dp} x {self.batch_per_replica} per replica",
-                 "", f"{'stage':>5}  {'unit':<32} {'strategy':<16} {'checkpoint':<10} {'offload':<7} {'params':>7}"]
+        lines = [
+            f"plan for {self.model or 'model'} on {self.world_size} ranks of {self.hardware}: "
+            f"{self.mesh.describe()}, {self.schedule.runs_as(self.mesh.pp)}"
+            + f", params {self.mixed_precision.param_dtype}, grads reduced in {self.mixed_precision.reduce_dtype}",
+            f"inputs per replica: {inputs or 'none'}; global batch {self.mesh.dp * self.batch_per_replica} "
+            f"samples a step = dp {self.mesh.dp} x {self.batch_per_replica} per replica",
+            "",
+            f"{'stage':>5}  {'unit':<32} {'strategy':<16} {'checkpoint':<10} {'offload':<7} {'params':>7}",
+        ]
         units = {unit.name: unit for unit in self.units}
         for stage in self.stages:
             for name in stage.units:
                 unit = units[name]
-                lines.append(f"{stage.index:>5}  {name[:32]:<32} {unit.strategy.value:<16} {unit.checkpoint.value:<10} "
-                             f"{'yes' if unit.offload else 'no':<7} {len(unit.params):>7}")
+                lines.append(
+                    f"{stage.index:>5}  {name[:32]:<32} {unit.strategy.value:<16} {unit.checkpoint.value:<10} "
+                    f"{'yes' if unit.offload else 'no':<7} {len(unit.params):>7}"
+                )
         predicted = self.predicted
-        lines += ["", f"peak memory per rank {format_bytes(predicted.peak_bytes)} "
-                      f"(budget {format_bytes(self.reasoning.budget_bytes)}):"]
-        lines += [f"  {name:<16} {format_bytes(value):>12}" for name, value in sorted(predicted.memory_bytes.items())]
-        lines += [f"step time {predicted.step_time_s:.4g} s, {predicted.samples_per_s:.4g} samples/s, "
-                  f"MFU {predicted.mfu:.1%}:"]
-        lines += [f"  {name:<16} {value:>12.4g} s" for name, value in sorted(predicted.time_s.items())]
+        lines += [
+            "",
+            f"peak memory per rank {format_bytes(predicted.peak_bytes)} "
+            f"(budget {format_bytes(self.reasoning.budget_bytes)}):",
+        ]
+        lines += [
+            f"  {name:<16} {format_bytes(value):>12}"
+            for name, value in sorted(predicted.memory_bytes.items())
+        ]
+        lines += [
+            f"step time {predicted.step_time_s:.4g} s, {predicted.samples_per_s:.4g} samples/s, "
+            f"MFU {predicted.mfu:.1%}:"
+        ]
+        lines += [
+            f"  {name:<16} {value:>12.4g} s" for name, value in sorted(predicted.time_s.items())
+        ]
         lines += ["", f"binding constraint: {self.reasoning.binding_constraint}"]
         if self.reasoning.runner_ups:
             lines.append("runner-ups:")
-            lines += [f"  {alt.step_time_s:>10.4g} s  {format_bytes(alt.peak_bytes):>12}  {alt.description}"
-                      for alt in self.reasoning.runner_ups]
+            lines += [
+                f"  {alt.step_time_s:>10.4g} s  {format_bytes(alt.peak_bytes):>12}  {alt.description}"
+                for alt in self.reasoning.runner_ups
+            ]
         return "\n".join(lines)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -527,40 +599,69 @@ def load_plan(path: str | os.PathLike) -> Plan:
 def _check_plan(plan: Plan) -> None:
     """The invariants `parallelize` relies on; each message names the fix."""
     if plan.world_size > MAX_WORLD_SIZE:
-        raise PlanError(f"world_size {plan.world_size} is more than the {MAX_WORLD_SIZE} ranks shardplan plans for: "
-                        "give the number of ranks you launch")
+        raise PlanError(
+            f"world_size {plan.world_size} is more than the {MAX_WORLD_SIZE} ranks shardplan plans for: "
+            "give the number of ranks you launch"
+        )
     _check_inputs(plan.inputs)
     _check_unicode(plan)
     if plan.mesh.size != plan.world_size:
-        raise PlanError(f"mesh {plan.mesh.describe()} is {plan.mesh.size} ranks but world_size is {plan.world_size}: "
-                        "make pp * dp_replicate * dp_shard * tp equal world_size")
-    if plan.mesh.tp == 1 and (plan.tensor_parallel.sharded or plan.tensor_parallel.sequence_parallel
-                              or plan.tensor_parallel.vocab_parallel):
-        raise PlanError("the plan slices modules over tensor-parallel ranks but its mesh has tp=1: set mesh.tp, "
-                        "or drop tensor_parallel")
-    _unique([m.path for m in plan.tensor_parallel.sharded], "tensor-parallel module", "list each sliced module once")
+        raise PlanError(
+            f"mesh {plan.mesh.describe()} is {plan.mesh.size} ranks but world_size is {plan.world_size}: "
+            "make pp * dp_replicate * dp_shard * tp equal world_size"
+        )
+    if plan.mesh.tp == 1 and (
+        plan.tensor_parallel.sharded
+        or plan.tensor_parallel.sequence_parallel
+        or plan.tensor_parallel.vocab_parallel
+    ):
+        raise PlanError(
+            "the plan slices modules over tensor-parallel ranks but its mesh has tp=1: set mesh.tp, "
+            "or drop tensor_parallel"
+        )
+    _unique(
+        [m.path for m in plan.tensor_parallel.sharded],
+        "tensor-parallel module",
+        "list each sliced module once",
+    )
     if len(plan.stages) != plan.mesh.pp:
-        raise PlanError(f"plan has {len(plan.stages)} stage(s) but pp={plan.mesh.pp}: give one stage per pipeline rank")
+        raise PlanError(
+            f"plan has {len(plan.stages)} stage(s) but pp={plan.mesh.pp}: give one stage per pipeline rank"
+        )
     if (plan.mesh.pp == 1) != (plan.schedule.name == "none"):
-        raise PlanError(f"schedule {plan.schedule.name!r} with pp={plan.mesh.pp}: use 'none' without a pipeline "
-                        "and 'gpipe' or '1f1b' with one")
+        raise PlanError(
+            f"schedule {plan.schedule.name!r} with pp={plan.mesh.pp}: use 'none' without a pipeline "
+            "and 'gpipe' or '1f1b' with one"
+        )
     _check_micro_batches(plan)
     _unique([u.name for u in plan.units], "unit name", "rename one of the units")
     _unique([m for u in plan.units for m in u.modules], "module", "a module belongs to one unit")
-    _unique([p for u in plan.units for p in u.params], "parameter", "a parameter belongs to one unit's flat buffer")
+    _unique(
+        [p for u in plan.units for p in u.params],
+        "parameter",
+        "a parameter belongs to one unit's flat buffer",
+    )
     in_order = [name for stage in plan.stages for name in stage.units]
     for index, stage in enumerate(plan.stages):
         if stage.index != index:
-            raise PlanError(f"stage at position {index} has index {stage.index}: number stages 0..pp-1 in order")
+            raise PlanError(
+                f"stage at position {index} has index {stage.index}: number stages 0..pp-1 in order"
+            )
         if not stage.units:
-            raise PlanError(f"stage {index} has no units: every pipeline stage runs at least one unit")
+            raise PlanError(
+                f"stage {index} has no units: every pipeline stage runs at least one unit"
+            )
     known = {u.name for u in plan.units}
     unknown = [name for name in in_order if name not in known]
     if unknown:
-        raise PlanError(f"stages name unknown units {_shown(unknown)}: list each unit in Plan.units")
+        raise PlanError(
+            f"stages name unknown units {_shown(unknown)}: list each unit in Plan.units"
+        )
     if in_order != [u.name for u in plan.units]:
-        raise PlanError("stages must hold every unit exactly once, in the order of Plan.units "
-                        f"(stages list {_shown(in_order)}, units are {_shown([u.name for u in plan.units])})")
+        raise PlanError(
+            "stages must hold every unit exactly once, in the order of Plan.units "
+            f"(stages list {_shown(in_order)}, units are {_shown([u.name for u in plan.units])})"
+        )
 
 
 def _check_micro_batches(plan: Plan) -> None:
@@ -570,30 +671,46 @@ def _check_micro_batches(plan: Plan) -> None:
         return
     count, batch = plan.schedule.num_micro_batches, plan.batch_per_replica
     if count > batch:
-        raise PlanError(f"schedule has {count} micro-batches but one replica's batch is {batch} sample(s): give at "
-                        f"most {batch} micro-batches, or a larger batch")
+        raise PlanError(
+            f"schedule has {count} micro-batches but one replica's batch is {batch} sample(s): give at "
+            f"most {batch} micro-batches, or a larger batch"
+        )
     if plan.mesh.pp > 1 and batch % count:
-        raise PlanError(f"schedule splits one replica's batch of {batch} samples into {count} micro-batches, and a "
-                        f"pipeline runs equal ones: give a count that divides {batch}")
+        raise PlanError(
+            f"schedule splits one replica's batch of {batch} samples into {count} micro-batches, and a "
+            f"pipeline runs equal ones: give a count that divides {batch}"
+        )
 
 
 def _check_inputs(inputs: tuple[InputSpec, ...]) -> None:
-    _unique([spec.name for spec in inputs], "input name", "name each input once", where="two inputs")
+    _unique(
+        [spec.name for spec in inputs], "input name", "name each input once", where="two inputs"
+    )
     for spec in inputs:
         name = _shown(spec.name)
         if spec.dtype not in INPUT_DTYPES:
-            raise PlanError(f"input {name} has dtype {_shown(spec.dtype)}, which is not a torch dtype: use one "
-                            f"of {', '.join(INPUT_DTYPES)}")
+            raise PlanError(
+                f"input {name} has dtype {_shown(spec.dtype)}, which is not a torch dtype: use one "
+                f"of {', '.join(INPUT_DTYPES)}"
+            )
         # dims checked before their product is taken: a million huge dims would multiply for minutes
-        if (len(spec.shape) > MAX_NDIM or any(not 0 <= size <= MAX_DIM for size in spec.shape)
-                or math.prod(spec.shape) > MAX_INPUT_NUMEL):
-            raise PlanError(f"input {name} has shape {_shown(list(spec.shape))}: at most {MAX_NDIM} dims, each "
-                            f"0..{MAX_DIM}, {MAX_INPUT_NUMEL} elements in all; re-plan from the real example inputs")
+        if (
+            len(spec.shape) > MAX_NDIM
+            or any(not 0 <= size <= MAX_DIM for size in spec.shape)
+            or math.prod(spec.shape) > MAX_INPUT_NUMEL
+        ):
+            raise PlanError(
+                f"input {name} has shape {_shown(list(spec.shape))}: at most {MAX_NDIM} dims, each "
+                f"0..{MAX_DIM}, {MAX_INPUT_NUMEL} elements in all; re-plan from the real example inputs"
+            )
         if sorted(set(spec.dynamic_dims)) != sorted(spec.dynamic_dims) or any(
-                not 0 <= dim < len(spec.shape) for dim in spec.dynamic_dims):
-            raise PlanError(f"input {name} marks dims {_shown(list(spec.dynamic_dims))} dynamic, but its shape "
-                            f"{_shown(list(spec.shape))} has dims 0..{len(spec.shape) - 1}: name each existing dim "
-                            "once")
+            not 0 <= dim < len(spec.shape) for dim in spec.dynamic_dims
+        ):
+            raise PlanError(
+                f"input {name} marks dims {_shown(list(spec.dynamic_dims))} dynamic, but its shape "
+                f"{_shown(list(spec.shape))} has dims 0..{len(spec.shape) - 1}: name each existing dim "
+                "once"
+            )
 
 
 def _check_unicode(plan: Plan) -> None:
@@ -602,9 +719,11 @@ def _check_unicode(plan: Plan) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise PlanError(f"plan text {text[max(0, error.start - 40):error.end + 10]!r} holds a lone surrogate "
-                        f"{text[error.start]!r}, which is not Unicode: rename the model, module or parameter "
-                        "(decode names as UTF-8)") from None
+        raise PlanError(
+            f"plan text {text[max(0, error.start - 40) : error.end + 10]!r} holds a lone surrogate "
+            f"{text[error.start]!r}, which is not Unicode: rename the model, module or parameter "
+            "(decode names as UTF-8)"
+        ) from None
 
 
 def _shown(value: object, limit: int = 80) -> str:
@@ -634,8 +753,10 @@ def _schema() -> dict:
         return json.load(handle)
 
 
-_WRITING_FIX = ("refused, as a file or checkpoint holding it would not load back: correct the figure it came "
-                "from (a hardware profile's, a memory budget, or a Plan built by hand)")
+_WRITING_FIX = (
+    "refused, as a file or checkpoint holding it would not load back: correct the figure it came "
+    "from (a hardware profile's, a memory budget, or a Plan built by hand)"
+)
 """What to do about a plan that fails the schema as it is written: shardplan makes none of its own."""
 
 
@@ -643,13 +764,19 @@ def _validate_schema(data: dict, cause: str) -> None:
     """Refuse `data` (a plan as JSON values) unless it matches the plan schema; `cause` ends the error."""
     import jsonschema
 
-    errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(data), key=lambda e: list(e.path))
+    errors = sorted(
+        jsonschema.Draft202012Validator(_schema()).iter_errors(data), key=lambda e: list(e.path)
+    )
     if errors:
         error = errors[0]
         where = "plan" + "".join(f"[{p}]" if isinstance(p, int) else _key(p) for p in error.path)
-        message = error.message if len(error.message) <= 200 else error.message[:200] + "..."  # it quotes the value
-        raise PlanError(f"plan field {where} does not match the plan schema: {message} "
-                        f"({len(errors)} problem(s) in all; {cause})")
+        message = (
+            error.message if len(error.message) <= 200 else error.message[:200] + "..."
+        )  # it quotes the value
+        raise PlanError(
+            f"plan field {where} does not match the plan schema: {message} "
+            f"({len(errors)} problem(s) in all; {cause})"
+        )
 
 
 def _diff(old: Any, new: Any, where: str) -> list[str]:
@@ -664,7 +791,11 @@ def _diff(old: Any, new: Any, where: str) -> list[str]:
             else:
                 lines += _diff(old[key], new[key], path)
         return lines
-    if isinstance(old, list) and isinstance(new, list) and all(isinstance(x, dict) and "name" in x for x in old + new):
+    if (
+        isinstance(old, list)
+        and isinstance(new, list)
+        and all(isinstance(x, dict) and "name" in x for x in old + new)
+    ):
         before, after = {x["name"]: x for x in old}, {x["name"]: x for x in new}
         lines = [f"{where}: added {name!r}" for name in after if name not in before]
         lines += [f"{where}: removed {name!r}" for name in before if name not in after]
@@ -674,7 +805,11 @@ def _diff(old: Any, new: Any, where: str) -> list[str]:
         if not lines and [x["name"] for x in old] != [x["name"] for x in new]:
             lines.append(f"{where}: reordered")
         return lines
-    if isinstance(old, float) and isinstance(new, float) and abs(old - new) <= 1e-9 * max(abs(old), abs(new)):
+    if (
+        isinstance(old, float)
+        and isinstance(new, float)
+        and abs(old - new) <= 1e-9 * max(abs(old), abs(new))
+    ):
         return []  # the same prediction summed in another order
     if old != new:
         return [f"{where}: {json.dumps(old, sort_keys=True)} -> {json.dumps(new, sort_keys=True)}"]
@@ -708,8 +843,10 @@ def _from_data(kind: Any, data: Any, where: str) -> Any:
         names = {f.name for f in dataclasses.fields(kind)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise PlanError(f"plan field {where} has unknown keys {_shown(unknown)}: the file was edited or "
-                            "written by another version")
+            raise PlanError(
+                f"plan field {where} has unknown keys {_shown(unknown)}: the file was edited or "
+                "written by another version"
+            )
         values = {}
         for f in dataclasses.fields(kind):
             if f.name in data:
@@ -725,7 +862,9 @@ def _from_data(kind: Any, data: Any, where: str) -> Any:
             return kind(data)
         except ValueError:
             allowed = ", ".join(repr(member.value) for member in kind)
-            raise PlanError(f"plan field {where} is {_shown(data)}; expected one of {allowed}") from None
+            raise PlanError(
+                f"plan field {where} is {_shown(data)}; expected one of {allowed}"
+            ) from None
     if origin is tuple:
         if not isinstance(data, list):
             raise PlanError(f"plan field {where} must be a list, got {type(data).__name__}")
@@ -744,8 +883,10 @@ def _from_data(kind: Any, data: Any, where: str) -> Any:
         except OverflowError:  # an integer past 1e308
             value = math.inf
         if not math.isfinite(value):
-            raise PlanError(f"plan field {where} is beyond the largest float (1.8e308): the file was edited; "
-                            "write it again")
+            raise PlanError(
+                f"plan field {where} is beyond the largest float (1.8e308): the file was edited; "
+                "write it again"
+            )
         return value
     if kind in (int, str, bool):
         if type(data) is not kind:

@@ -1,10 +1,13 @@
+import importlib.util
 import os
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from shardplan import Plan, compile, zoo
+from shardplan import Plan, compile
+from shardplan.models import zoo
 from shardplan.runtime.launch import free_port
 
 # Ranks and tests share two cores: one thread each keeps them from fighting over them.
@@ -31,3 +34,28 @@ def gpt_plan() -> Plan:
     """compile's plan of the zoo GPT for one rank."""
     entry = zoo.gpt()
     return compile(entry.model, 1, entry.args, entry.kwargs, hardware="cpu-gloo")
+
+
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module: the published runs' models and pricing live there, beside their tables."""
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: inspect finds its classes' source
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def published_bench():
+    return _benchmark("bench_published")
+
+
+@pytest.fixture(scope="session")
+def published_fsdp_bench():
+    return _benchmark("bench_published_fsdp")
+
+
+@pytest.fixture(scope="session")
+def gpu_check():
+    return _benchmark("gpu_check")

@@ -1,10 +1,11 @@
 """Datasets the elastic training tests name on torchrun's command line (`elastic_data:tokens`)."""
+
 import time
 from pathlib import Path
 
 import torch
 
-from shardplan import zoo
+from shardplan.models import zoo
 
 SAMPLES = 20
 """Not a multiple of the tests' global batch: steps straddle epochs."""
@@ -17,8 +18,12 @@ class Tokens(torch.utils.data.Dataset):
 
     def __init__(self, slow: Path | None = None):
         config = zoo.GPTConfig()
-        self.ids = torch.randint(0, config.vocab_size, (SAMPLES, config.seq_len),
-                                 generator=torch.Generator().manual_seed(1234))
+        self.ids = torch.randint(
+            0,
+            config.vocab_size,
+            (SAMPLES, config.seq_len),
+            generator=torch.Generator().manual_seed(1234),
+        )
         self.slow = slow
 
     def __len__(self) -> int:

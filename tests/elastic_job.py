@@ -4,6 +4,7 @@ tests and the restart benchmark (benchmarks/bench_elastic.py) start, pace, kill 
 Each node is a torchrun agent with one worker, so the world is the number of nodes in the rendezvous:
 starting nodes grows it, killing one (agent and worker, SIGKILL, as a machine failing) shrinks it.
 """
+
 import datetime
 import json
 import os
@@ -14,13 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+import elastic_data
 import torch
 from torch.utils.data import default_collate
 
-import elastic_data
-from shardplan.model_spec import load_model
+from shardplan.cli.model_spec import load_model
 from shardplan.runtime.launch import free_port
-from shardplan.sampler import ResumableSampler
+from shardplan.runtime.sampler import ResumableSampler
 
 ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}
 """The CLI's AdamW with --eps 1e-6 (see parity.ADAMW on eps)."""
@@ -33,10 +34,17 @@ PACE_S = 0.1
 class Job:
     """`shardplan train gpt elastic_data:paced_tokens` under torchrun --nnodes=`nnodes`, in `workdir`."""
 
-    def __init__(self, workdir: Path, *, nnodes: str, steps: int, checkpoint_every: int, global_batch: int):
+    def __init__(
+        self, workdir: Path, *, nnodes: str, steps: int, checkpoint_every: int, global_batch: int
+    ):
         self.workdir = workdir
         self.directory = workdir / "run"
-        self.nnodes, self.steps, self.checkpoint_every, self.global_batch = nnodes, steps, checkpoint_every, global_batch
+        self.nnodes, self.steps, self.checkpoint_every, self.global_batch = (
+            nnodes,
+            steps,
+            checkpoint_every,
+            global_batch,
+        )
         self.port = free_port()
         self.nodes: list[subprocess.Popen] = []
         """The nodes started and not killed, the rendezvous host first."""
@@ -57,9 +65,14 @@ class Job:
         for _ in range(count):
             log = self.workdir / f"node{len(self.logs)}.log"
             with log.open("w") as output:  # the node has its own copy of the descriptor
-                node = subprocess.Popen(self._command(host=not self.nodes), env=self._environment(),
-                                        cwd=self.workdir, stdout=output, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                node = subprocess.Popen(
+                    self._command(host=not self.nodes),
+                    env=self._environment(),
+                    cwd=self.workdir,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             self.logs[node.pid] = log
             self.nodes.append(node)
 
@@ -89,8 +102,11 @@ class Job:
     def kill_a_rank(self) -> float:
         """SIGKILL the node of a rank other than 0 (whose events.jsonl the tests read) that does not host the
         rendezvous (the job's store); the time of the kill."""
-        victim = next(node for rank in range(1, len(self.nodes))
-                      if (node := self._node_of_rank(rank)) is not None and node is not self.nodes[0])
+        victim = next(
+            node
+            for rank in range(1, len(self.nodes))
+            if (node := self._node_of_rank(rank)) is not None and node is not self.nodes[0]
+        )
         return self.kill(victim)
 
     def _node_of_rank(self, rank: int) -> subprocess.Popen | None:
@@ -116,7 +132,9 @@ class Job:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not condition():
             if time.monotonic() > deadline or any(node.poll() is not None for node in self.nodes):
-                logs = "\n".join(f"--- {path.name}\n{path.read_text()[-1500:]}" for path in self.logs.values())
+                logs = "\n".join(
+                    f"--- {path.name}\n{path.read_text()[-1500:]}" for path in self.logs.values()
+                )
                 raise AssertionError(f"gave up waiting for {what}\n{logs}")
             time.sleep(0.05)
 
@@ -125,7 +143,9 @@ class Job:
 
     def events(self) -> list[dict]:
         path = self.directory / "events.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        return (
+            [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        )
 
     def starts(self) -> list[dict]:
         return [event for event in self.events() if event["event"] == "start"]
@@ -139,27 +159,58 @@ class Job:
     def running_past_a_checkpoint(self, world_size: int) -> bool:
         """Whether the job runs on `world_size` ranks and has stepped past a checkpoint it wrote there."""
         begun, now = self.starts(), self.progress()
-        return bool(begun) and begun[-1]["world_size"] == world_size == now["world_size"] and \
-            now["step"] > begun[-1].get("resumed_step", 0) + self.checkpoint_every
+        return (
+            bool(begun)
+            and begun[-1]["world_size"] == world_size == now["world_size"]
+            and now["step"] > begun[-1].get("resumed_step", 0) + self.checkpoint_every
+        )
 
     def _command(self, host: bool) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=elastic-test",
-                # a dead node leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt (1 s x 3)
-                f"--rdzv-conf=is_host={int(host)},last_call_timeout=2,keep_alive_interval=1", "--max-restarts=3",
-                "--monitor-interval=0.2",
-                "-m", "shardplan.cli", "train", "gpt", "elastic_data:paced_tokens", "--directory", str(self.directory),
-                "--steps", str(self.steps), "--checkpoint-every", str(self.checkpoint_every), "--global-batch",
-                str(self.global_batch), "--hardware", "cpu-gloo", "--eps", str(ADAMW["eps"]), "--timeout", "60"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={self.nnodes}",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{self.port}",
+            "--rdzv-id=elastic-test",
+            # a dead node leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt (1 s x 3)
+            f"--rdzv-conf=is_host={int(host)},last_call_timeout=2,keep_alive_interval=1",
+            "--max-restarts=3",
+            "--monitor-interval=0.2",
+            "-m",
+            "shardplan.cli.main",
+            "train",
+            "gpt",
+            "elastic_data:paced_tokens",
+            "--directory",
+            str(self.directory),
+            "--steps",
+            str(self.steps),
+            "--checkpoint-every",
+            str(self.checkpoint_every),
+            "--global-batch",
+            str(self.global_batch),
+            "--hardware",
+            "cpu-gloo",
+            "--eps",
+            str(ADAMW["eps"]),
+            "--timeout",
+            "60",
+        ]
 
     @staticmethod
     def _environment() -> dict[str, str]:
         tests = str(Path(__file__).parent)
-        return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
-                # torch 2.13's shared rendezvous store never gives a node joining a running job the master's
-                # address (the README's 'Elastic training'): both agents wait 60 s and fail
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                "OMP_NUM_THREADS": "1"}  # up to 4 ranks on 2 cores: one thread each keeps them from fighting
+        return {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
+            # torch 2.13's shared rendezvous store never gives a node joining a running job the master's
+            # address (the README's 'Elastic training'): both agents wait 60 s and fail
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "OMP_NUM_THREADS": "1",
+        }  # up to 4 ranks on 2 cores: one thread each keeps them from fighting
 
 
 def lose_one_of_four(job: Job) -> float:
@@ -194,27 +245,45 @@ def restart_breakdown(events: list[dict], logs: list[str], killed: float) -> dic
     after = [event for event in events if event["time"] >= killed]
     failed = next(event for event in after if event["event"] == "failed")
     start = next(event for event in after if event["event"] == "start")
-    first_step = next(event for event in after[after.index(start):] if event["event"] == "step")
-    seen = min(at for log in logs for at in _worker_failures(log, killed) if at >= killed)  # first agent to notice
-    in_train = {"process_group_s": start["rendezvous_s"], "analysis_s": start["analyze_s"],
-                "solve_s": start["solve_s"], "parallelize_s": start["parallelize_s"], "load_s": start["load_s"]}
-    return {"detection_s": failed["time"] - killed,  # rank 0's next collective failed on the closed connection
-            "worker_exit_s": seen - failed["time"],  # the failed worker unwinds and exits; its agent notices
-            # the agents stop their other workers, meet in a new rendezvous round (once the dead node's heartbeats
-            # lapse and the last call passes) and start new workers
-            "rendezvous_s": start["started_at"] - start["startup_s"] - seen,
-            "startup_s": start["startup_s"],  # Python, importing torch and shardplan, the CLI, the dataset
-            **in_train,
-            "first_step_s": first_step["since_start_s"] - sum(in_train.values()),  # and building the model
-            "total_s": first_step["time"] - killed}
+    first_step = next(event for event in after[after.index(start) :] if event["event"] == "step")
+    seen = min(
+        at for log in logs for at in _worker_failures(log, killed) if at >= killed
+    )  # first agent to notice
+    in_train = {
+        "process_group_s": start["rendezvous_s"],
+        "analysis_s": start["analyze_s"],
+        "solve_s": start["solve_s"],
+        "parallelize_s": start["parallelize_s"],
+        "load_s": start["load_s"],
+    }
+    return {
+        "detection_s": failed["time"]
+        - killed,  # rank 0's next collective failed on the closed connection
+        "worker_exit_s": seen
+        - failed["time"],  # the failed worker unwinds and exits; its agent notices
+        # the agents stop their other workers, meet in a new rendezvous round (once the dead node's heartbeats
+        # lapse and the last call passes) and start new workers
+        "rendezvous_s": start["started_at"] - start["startup_s"] - seen,
+        "startup_s": start[
+            "startup_s"
+        ],  # Python, importing torch and shardplan, the CLI, the dataset
+        **in_train,
+        "first_step_s": first_step["since_start_s"]
+        - sum(in_train.values()),  # and building the model
+        "total_s": first_step["time"] - killed,
+    }
 
 
 def _worker_failures(log: str, near: float) -> list[float]:
     """When an agent logged a worker's failure: its glog lines (`E1123 23:45:52.046000 pid file:line] failed
     (exitcode: 1) ...`) give local time without the year, which `near` (a wall time) gives."""
     year = time.localtime(near).tm_year
-    return [datetime.datetime.strptime(f"{year}{match[1]} {match[2]}", "%Y%m%d %H:%M:%S.%f").timestamp()
-            for match in re.finditer(r"^E(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*\] failed \(exitcode", log, re.MULTILINE)]
+    return [
+        datetime.datetime.strptime(f"{year}{match[1]} {match[2]}", "%Y%m%d %H:%M:%S.%f").timestamp()
+        for match in re.finditer(
+            r"^E(\d{4}) (\d\d:\d\d:\d\d\.\d+) .*\] failed \(exitcode", log, re.MULTILINE
+        )
+    ]
 
 
 def _children(pid: int) -> list[int]:
@@ -222,7 +291,10 @@ def _children(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+            if (
+                entry.name.isdigit()
+                and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid
+            ):
                 found.append(int(entry.name))
         except (OSError, IndexError, ValueError):
             continue

@@ -1,4 +1,5 @@
 """Training a program next to a one-process reference, and the spawned gloo worlds that do it."""
+
 import torch
 import torch.distributed as dist
 
@@ -12,7 +13,9 @@ ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}
 rounding noise (~1e-10, different in every summation order) default eps=1e-8 would amplify to lr."""
 
 
-def train_next_to_reference(program, reference: torch.nn.Module, batches, clip: float | None = None) -> dict:
+def train_next_to_reference(
+    program, reference: torch.nn.Module, batches, clip: float | None = None
+) -> dict:
     """Train both with AdamW on `batches`, pairs of (this rank's batch, the whole batch), each step with
     clipping when `clip` is given, then evaluate the first batch again. Returns the largest differences:
     loss_error, absolute, in the losses; grad_norm_error, relative, in the clipped gradient norms (None
@@ -38,11 +41,17 @@ def train_next_to_reference(program, reference: torch.nn.Module, batches, clip: 
     with torch.no_grad():
         expected = _loss(reference(whole, labels=whole))
     loss_error = max(loss_error, abs(float(program.evaluate(mine, labels=mine)) - float(expected)))
-    errors = {"loss_error": loss_error, "grad_norm_error": max(norm_errors, default=None), "param_error": None}
+    errors = {
+        "loss_error": loss_error,
+        "grad_norm_error": max(norm_errors, default=None),
+        "param_error": None,
+    }
     state = program.export_full_state_dict()  # on rank 0, which reports the results
     if dist.get_rank() == 0:
-        errors["param_error"] = max((state[name] - parameter.detach()).abs().max().item()
-                                    for name, parameter in reference.named_parameters())  # a KeyError if one is missing
+        errors["param_error"] = max(
+            (state[name] - parameter.detach()).abs().max().item()
+            for name, parameter in reference.named_parameters()
+        )  # a KeyError if one is missing
     return errors
 
 
@@ -66,7 +75,9 @@ def assert_parity(results: dict, cases: dict) -> None:
 def spawn_world(world: int, job, args: tuple) -> dict:
     """Run `job(rank, world, *args)` (a module-level function) on `world` spawned gloo ranks; return
     rank 0's result."""
-    return run_world(_rank_job, (job, args), world_size=world, backend="gloo", total_steps=0, progress=False)
+    return run_world(
+        _rank_job, (job, args), world_size=world, backend="gloo", total_steps=0, progress=False
+    )
 
 
 def _rank_job(device, report, job, args: tuple):

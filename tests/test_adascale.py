@@ -7,42 +7,57 @@ every sample's gradient (one micro-batch of one replica: see [Note: AdaScale's s
 scale 1 trains exactly as plain SGD; the state goes through a save and load and continues alike, and
 loaded on a world of another global batch re-derives its scale; backend fsdp2 is refused.
 """
+
 import copy
 import io
 
 import pytest
 import torch
+from parity import spawn_world
 
-from shardplan import zoo
 from shardplan.errors import ShardplanError
+from shardplan.models import zoo
 from shardplan.plan import Checkpoint, ShardStrategy
 from shardplan.runtime import parallelize
 from shardplan.runtime.adascale import AdaScale, estimate
 from shardplan.runtime.manual import manual_plan
-
-from parity import spawn_world
 
 STEPS = 3
 LR = 0.5
 GLOBAL_BATCH = 4
 CONFIG = zoo.GPTConfig(n_layer=2, seq_len=16, d_model=32, n_head=4, vocab_size=64)
 UNITS = zoo.gpt_units(CONFIG.n_layer)
-MIXED = {"strategies": (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP, ShardStrategy.SHARD_OPTIMIZER,
-                        ShardStrategy.REPLICATE), "checkpoints": tuple(Checkpoint)}
+MIXED = {
+    "strategies": (
+        ShardStrategy.FULL_SHARD,
+        ShardStrategy.SHARD_GRAD_OP,
+        ShardStrategy.SHARD_OPTIMIZER,
+        ShardStrategy.REPLICATE,
+    ),
+    "checkpoints": tuple(Checkpoint),
+}
 """Every unit a different strategy (reduce-scattered and all-reduced gradients) and checkpointing."""
 
 CASES = {
     "strategies": {"mesh": dict(dp=2), "micro_batches": 1},
     "micro_batches": {"mesh": dict(dp=2), "micro_batches": 2},
-    "pipeline_1f1b": {"mesh": dict(dp=1, pp=2, schedule="1f1b"), "micro_batches": 2, "scale": 2.0,
-                      "one_group": True},  # a stage's units differ from the other's: one group on each
-    "tp2_sequence_parallel": {"mesh": dict(dp=1, tp=2, sequence_parallel=True, vocab_parallel=True),
-                              "micro_batches": 2, "scale": 3.0},
+    "pipeline_1f1b": {
+        "mesh": dict(dp=1, pp=2, schedule="1f1b"),
+        "micro_batches": 2,
+        "scale": 2.0,
+        "one_group": True,
+    },  # a stage's units differ from the other's: one group on each
+    "tp2_sequence_parallel": {
+        "mesh": dict(dp=1, tp=2, sequence_parallel=True, vocab_parallel=True),
+        "micro_batches": 2,
+        "scale": 3.0,
+    },
 }
 """Per case: the mesh, micro-batches, AdaScale's scale (default: dp) and parameter groups (default: one a unit)."""
 
 
 # the estimators on gradients of known noise
+
 
 def test_estimates_average_to_the_noise_and_gradient_they_measure():
     torch.manual_seed(0)
@@ -50,9 +65,14 @@ def test_estimates_average_to_the_noise_and_gradient_they_measure():
     sample_variance, samples, scale = 3.0, 4, 8.0  # trace of one sample's covariance
     estimates = []
     for _ in range(4000):
-        gradients = mean + torch.randn(samples, 4, dtype=torch.float64) * (sample_variance / 4) ** 0.5
-        estimates.append(estimate(float(gradients.pow(2).sum()), float(gradients.mean(0).pow(2).sum()),
-                                  samples, scale))
+        gradients = (
+            mean + torch.randn(samples, 4, dtype=torch.float64) * (sample_variance / 4) ** 0.5
+        )
+        estimates.append(
+            estimate(
+                float(gradients.pow(2).sum()), float(gradients.mean(0).pow(2).sum()), samples, scale
+            )
+        )
     variance, square = (sum(values) / len(values) for values in zip(*estimates))
     # at the base batch (scale / samples of a sample's), σ² = 3 × 8 / 4 = 6; a standard error ~1%
     assert variance == pytest.approx(sample_variance * scale / samples, rel=0.04)
@@ -60,6 +80,7 @@ def test_estimates_average_to_the_noise_and_gradient_they_measure():
 
 
 # one process, every sample's gradient taken by itself
+
 
 class Reference:
     """AdaScale from its definition, on `groups` of a plain model: each step's samples' gradients are taken
@@ -75,18 +96,32 @@ class Reference:
         for ids in samples:
             model.zero_grad()
             model(ids, labels=ids).backward()
-            gradients.append([[parameter.grad.clone() for parameter in group] for group in self.groups])
+            gradients.append(
+                [[parameter.grad.clone() for parameter in group] for group in self.groups]
+            )
         found = {"gain": [], "var": [], "sqr": []}
         for index, group in enumerate(self.groups):
-            mean = [torch.stack([sample[index][at] for sample in gradients]).mean(0) for at in range(len(group))]
-            spread = sum(float((sample[index][at] - mean[at]).pow(2).sum())
-                         for sample in gradients for at in range(len(group))) / (self.samples - 1)
+            mean = [
+                torch.stack([sample[index][at] for sample in gradients]).mean(0)
+                for at in range(len(group))
+            ]
+            spread = sum(
+                float((sample[index][at] - mean[at]).pow(2).sum())
+                for sample in gradients
+                for at in range(len(group))
+            ) / (self.samples - 1)
             square_of_mean = sum(float(part.pow(2).sum()) for part in mean)
-            variance = max(spread * self.scale / self.samples, 1e-6)  # one sample's, at the base batch
+            variance = max(
+                spread * self.scale / self.samples, 1e-6
+            )  # one sample's, at the base batch
             square = max(square_of_mean - variance / self.scale, 0.0)
             for name, value in (("var", variance), ("sqr", square), ("weight", 1.0)):
-                self.sums[name][index] = self.smoothing * self.sums[name][index] + (1 - self.smoothing) * value
-            variance, square = (self.sums[name][index] / self.sums["weight"][index] for name in ("var", "sqr"))
+                self.sums[name][index] = (
+                    self.smoothing * self.sums[name][index] + (1 - self.smoothing) * value
+                )
+            variance, square = (
+                self.sums[name][index] / self.sums["weight"][index] for name in ("var", "sqr")
+            )
             gain = (variance + square) / (variance / self.scale + square)
             with torch.no_grad():
                 for parameter, part in zip(group, mean):
@@ -97,14 +132,28 @@ class Reference:
 
 
 def _batches(steps: int = STEPS) -> list[torch.Tensor]:
-    return [torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.seq_len),
-                          generator=torch.Generator().manual_seed(step)) for step in range(steps)]
+    return [
+        torch.randint(
+            0,
+            CONFIG.vocab_size,
+            (GLOBAL_BATCH, CONFIG.seq_len),
+            generator=torch.Generator().manual_seed(step),
+        )
+        for step in range(steps)
+    ]
 
 
 def _program(model: torch.nn.Module, mesh: dict, micro_batches: int, replica_batch: int):
     ids = torch.zeros(replica_batch, CONFIG.seq_len, dtype=torch.long)
-    plan = manual_plan(model, UNITS, **MIXED, **mesh, micro_batches=micro_batches, example_inputs=(ids,),
-                       example_kwargs={"labels": ids})
+    plan = manual_plan(
+        model,
+        UNITS,
+        **MIXED,
+        **mesh,
+        micro_batches=micro_batches,
+        example_inputs=(ids,),
+        example_kwargs={"labels": ids},
+    )
     return parallelize(model, plan)
 
 
@@ -114,15 +163,21 @@ def _mine(program, rank: int, whole: torch.Tensor) -> torch.Tensor:
 
 def _measured(adascale: AdaScale) -> dict:
     groups = range(len(adascale.optimizer.param_groups))
-    return {"gain": [adascale.gain(index) for index in groups], "var": adascale.variance, "sqr": adascale.square}
+    return {
+        "gain": [adascale.gain(index) for index in groups],
+        "var": adascale.variance,
+        "sqr": adascale.square,
+    }
 
 
 def _param_error(program, reference: torch.nn.Module) -> float | None:
     state = program.export_full_state_dict()
     if not state:  # off rank 0
         return None
-    return max((state[name] - parameter.detach()).abs().max().item() for name, parameter in
-               reference.named_parameters())
+    return max(
+        (state[name] - parameter.detach()).abs().max().item()
+        for name, parameter in reference.named_parameters()
+    )
 
 
 def run_case(rank: int, case: dict) -> dict:
@@ -132,7 +187,10 @@ def run_case(rank: int, case: dict) -> dict:
     dp, count = case["mesh"].get("dp_replicate", 1) * case["mesh"]["dp"], case["micro_batches"]
     program = _program(copy.deepcopy(reference), case["mesh"], count, GLOBAL_BATCH // dp)
     if case.get("one_group"):
-        groups, reference_groups = [{"params": program.parameters()}], [list(reference.parameters())]
+        groups, reference_groups = (
+            [{"params": program.parameters()}],
+            [list(reference.parameters())],
+        )
     else:
         named = dict(reference.named_parameters())
         groups = [{"params": [unit.shard]} for unit in program.units]
@@ -146,8 +204,16 @@ def run_case(rank: int, case: dict) -> dict:
         measured.append(_measured(adascale))
         adascale.step()
         adascale.zero_grad()
-        wanted.append(expected.step(reference, [micro for replica in whole.chunk(dp) for micro in replica.chunk(count)]))
-    return {"measured": measured, "expected": wanted, "param_error": _param_error(program, reference)}
+        wanted.append(
+            expected.step(
+                reference, [micro for replica in whole.chunk(dp) for micro in replica.chunk(count)]
+            )
+        )
+    return {
+        "measured": measured,
+        "expected": wanted,
+        "param_error": _param_error(program, reference),
+    }
 
 
 def scale_one_and_round_trip(rank: int) -> dict:
@@ -187,13 +253,20 @@ def scale_one_and_round_trip(rank: int) -> dict:
 
     def difference(one, other) -> float:
         return max(float((a - b).abs().max()) for a, b in zip(one.parameters(), other.parameters()))
-    found = {"scale_one_gains": scale_one_gains, "scale_one_vs_plain": difference(at_scale_one, plain),
-             "compared": compared, "resumed_vs_original": difference(resumed, original),
-             "states": (adascale.state_dict(), resumed_adascale.state_dict())}
+
+    found = {
+        "scale_one_gains": scale_one_gains,
+        "scale_one_vs_plain": difference(at_scale_one, plain),
+        "compared": compared,
+        "resumed_vs_original": difference(resumed, original),
+        "states": (adascale.state_dict(), resumed_adascale.state_dict()),
+    }
     # an epoch's last batch, smaller than planned: its micro-batches are no samples of the base size
     last = _mine(plain, rank, _batches(1)[0])[:1]
     original.step(last, labels=last)
-    found["smaller_batch_kept_averages"] = adascale.state_dict()["averages"] == found["states"][0]["averages"]
+    found["smaller_batch_kept_averages"] = (
+        adascale.state_dict()["averages"] == found["states"][0]["averages"]
+    )
     adascale.step()
     return found
 
@@ -217,7 +290,9 @@ def elsewhere(rank: int, state: dict) -> dict:
             found["bad_states"][name] = "loaded"
         except ShardplanError as error:
             found["bad_states"][name] = str(error)
-    found["kept_after_bad_states"] = adascale.state_dict() == state and adascale.scale == found["scale"]
+    found["kept_after_bad_states"] = (
+        adascale.state_dict() == state and adascale.scale == found["scale"]
+    )
     with pytest.raises(ShardplanError) as unmeasured:
         adascale.step()
     found["unmeasured"] = str(unmeasured.value)
@@ -230,17 +305,30 @@ def elsewhere(rank: int, state: dict) -> dict:
 
 def _bad_states(state: dict) -> dict[str, dict]:
     """`state` with one number AdaScale never holds, by what is wrong."""
+
     def with_average(name: str, value) -> dict:
-        return {**state, "averages": {**state["averages"], name: [value] * len(state["averages"][name])}}
-    return {"nan variance": with_average("var", float("nan")), "infinite square": with_average("sqr", float("inf")),
-            "negative variance": with_average("var", -1.0), "weight past 1": with_average("var_weight", 2.0),
-            "base batch 0": {**state, "base_batch": 0}, "negative progress": {**state, "progress": -3.0},
-            "text progress": {**state, "progress": "3"}, "no averages": {"base_batch": 4.0, "progress": 0.0}}
+        return {
+            **state,
+            "averages": {**state["averages"], name: [value] * len(state["averages"][name])},
+        }
+
+    return {
+        "nan variance": with_average("var", float("nan")),
+        "infinite square": with_average("sqr", float("inf")),
+        "negative variance": with_average("var", -1.0),
+        "weight past 1": with_average("var_weight", 2.0),
+        "base batch 0": {**state, "base_batch": 0},
+        "negative progress": {**state, "progress": -3.0},
+        "text progress": {**state, "progress": "3"},
+        "no averages": {"base_batch": 4.0, "progress": 0.0},
+    }
 
 
 def run_world(rank: int, world: int) -> dict:
-    results = {"cases": {name: run_case(rank, case) for name, case in CASES.items()},
-               "scale_one_and_round_trip": scale_one_and_round_trip(rank)}
+    results = {
+        "cases": {name: run_case(rank, case) for name, case in CASES.items()},
+        "scale_one_and_round_trip": scale_one_and_round_trip(rank),
+    }
     results["elsewhere"] = elsewhere(rank, results["scale_one_and_round_trip"]["states"][0])
     return results
 
@@ -255,7 +343,10 @@ def test_gains_estimates_and_parameters_equal_one_process_taking_each_sample_alo
     found = results["cases"][name]
     for step, (measured, expected) in enumerate(zip(found["measured"], found["expected"])):
         for field in ("gain", "var", "sqr"):
-            assert measured[field] == pytest.approx(expected[field], rel=1e-5, abs=1e-8), (step, field)
+            assert measured[field] == pytest.approx(expected[field], rel=1e-5, abs=1e-8), (
+                step,
+                field,
+            )
     assert max(found["measured"][-1]["gain"]) > 1.05  # the noise was measured, not the floor
     assert found["param_error"] <= 1e-5
 
@@ -280,14 +371,18 @@ def test_a_batch_smaller_than_planned_leaves_the_estimates_alone(results):
 
 def test_a_state_loaded_on_another_global_batch_rederives_its_scale(results):
     found = results["elsewhere"]
-    assert found["loaded"] and found["scale"] == 1.0  # base batch 4 / 2 replicas, on one replica of 2
+    assert (
+        found["loaded"] and found["scale"] == 1.0
+    )  # base batch 4 / 2 replicas, on one replica of 2
 
 
 def test_refusals_name_the_fix(results):
     found = results["elsewhere"]
-    assert found["one_sample"] == ("AdaScale at scale 2.0 estimates the gradient's noise from several gradients a "
-                                   "step, and this plan averages one (dp=1, 1 micro-batch): plan dp > 1 or "
-                                   "micro-batches > 1, or use scale=1")
+    assert found["one_sample"] == (
+        "AdaScale at scale 2.0 estimates the gradient's noise from several gradients a "
+        "step, and this plan averages one (dp=1, 1 micro-batch): plan dp > 1 or "
+        "micro-batches > 1, or use scale=1"
+    )
     assert found["unmeasured"].startswith("AdaScale.step() found no program.step(...)")
     assert found["fsdp2"].endswith("parallelize with backend='shardplan'")
 
@@ -297,11 +392,15 @@ def test_a_state_holding_numbers_adascale_never_holds_is_refused_and_changes_not
     found = results["elsewhere"]
     refusals = found["bad_states"]
     assert all(refusal.startswith("the AdaScale state ") for refusal in refusals.values()), refusals
-    assert "has var [nan]" in refusals["nan variance"] and "has base_batch 0" in refusals["base batch 0"]
+    assert (
+        "has var [nan]" in refusals["nan variance"]
+        and "has base_batch 0" in refusals["base batch 0"]
+    )
     assert found["kept_after_bad_states"]
 
 
 # the convergence benchmark's task (benchmarks/bench_adascale.py), briefly
+
 
 def test_where_the_gradient_is_mostly_noise_the_gain_nears_the_scale_and_trains_further():
     """40 steps at 4 times the base batch on the benchmark's Markov chain, whose gradients at the base batch
@@ -311,10 +410,17 @@ def test_where_the_gradient_is_mostly_noise_the_gain_nears_the_scale_and_trains_
     from benchmarks import bench_adascale as bench
 
     successors = bench.markov_chain(0)
-    held_out = bench.sequences(successors, bench.EVAL_SEQUENCES, torch.Generator().manual_seed(1000))
+    held_out = bench.sequences(
+        successors, bench.EVAL_SEQUENCES, torch.Generator().manual_seed(1000)
+    )
     task = bench.Task(successors, held_out, target=0.0, max_steps=40, eval_every=40, momentum=0.9)
     batch = bench.SCALE * 2
-    adascale, plain = bench.train(task, [bench.Run("AdaScale", batch, 0.02, adascale=True, micro_batches=2),
-                                         bench.Run("SGD", batch, 0.02)])
+    adascale, plain = bench.train(
+        task,
+        [
+            bench.Run("AdaScale", batch, 0.02, adascale=True, micro_batches=2),
+            bench.Run("SGD", batch, 0.02),
+        ],
+    )
     assert 3.0 < adascale.gain <= bench.SCALE
     assert adascale.loss < plain.loss - 0.3, (adascale.loss, plain.loss)

@@ -1,4 +1,5 @@
 """Bad input and faults: each gets a clear error naming the cause and the fix, nothing hangs."""
+
 import dataclasses
 import datetime
 import json
@@ -9,10 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardplan import PlanError, Plan, RuntimeMismatchError, ShardplanError, compile, parallelize, zoo
+from shardplan import Plan, PlanError, RuntimeMismatchError, ShardplanError, compile, parallelize
+from shardplan.common.sizes import parse_bytes
 from shardplan.compile import solve
-from shardplan.passes import analyze
-from shardplan.sizes import parse_bytes
+from shardplan.frontend.passes import analyze
+from shardplan.models import zoo
 from shardplan.runtime.launch import free_port
 
 
@@ -34,18 +36,34 @@ def test_a_plan_fingerprinted_by_another_version_is_told_to_replan(gpt_plan, wor
 def test_a_batch_of_another_shape_is_refused(gpt_plan, world_of_one):
     entry = zoo.gpt()
     program = parallelize(entry.model, gpt_plan)
-    ids = entry.args[0][:, :16]  # a batch may be smaller than planned (an epoch's last), a sequence not
-    with pytest.raises(RuntimeMismatchError, match=r"shape \[4, 16\], the plan was made for \[4, 32\]"):
+    ids = entry.args[0][
+        :, :16
+    ]  # a batch may be smaller than planned (an epoch's last), a sequence not
+    with pytest.raises(
+        RuntimeMismatchError, match=r"shape \[4, 16\], the plan was made for \[4, 32\]"
+    ):
         program.step(ids, labels=ids)
     assert torch.isfinite(program.step(*entry.args, **entry.kwargs))
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("12 parsecs", "cannot read memory size"), ("-3GiB", "cannot read"), ("nan", "cannot read"),
-    (0, "out of range: write between 1 B and 1 PiB"), ("1e400GiB", "out of range"), ("1e30", "out of range"),
-    (0.001, "out of range"), (float("nan"), "out of range"), (float("inf"), "out of range"), (10**400, "out of range"),
-    ("0.5 KiB", "512"), ("1024 TiB", str(2**50)), (1.9, "1"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("12 parsecs", "cannot read memory size"),
+        ("-3GiB", "cannot read"),
+        ("nan", "cannot read"),
+        (0, "out of range: write between 1 B and 1 PiB"),
+        ("1e400GiB", "out of range"),
+        ("1e30", "out of range"),
+        (0.001, "out of range"),
+        (float("nan"), "out of range"),
+        (float("inf"), "out of range"),
+        (10**400, "out of range"),
+        ("0.5 KiB", "512"),
+        ("1024 TiB", str(2**50)),
+        (1.9, "1"),
+    ],
+)
 def test_memory_budgets_are_read_or_refused(text, fragment):
     if fragment.isdigit():
         assert parse_bytes(text) == int(fragment)
@@ -55,10 +73,14 @@ def test_memory_budgets_are_read_or_refused(text, fragment):
 
 
 @pytest.mark.parametrize("world_size", [0, -2, 2.5, True, 2**30])
-@pytest.mark.timeout(30)  # 2**30 ranks once searched every pipeline degree up to the world size: minutes
+@pytest.mark.timeout(
+    30
+)  # 2**30 ranks once searched every pipeline degree up to the world size: minutes
 def test_world_size_must_be_a_whole_number_of_ranks_within_the_ceiling(world_size):
     entry = zoo.residual_mlp()
-    with pytest.raises(ShardplanError, match="world_size must be a whole number of ranks from 1 to 1048576"):
+    with pytest.raises(
+        ShardplanError, match="world_size must be a whole number of ranks from 1 to 1048576"
+    ):
         compile(entry.model, world_size, entry.args, entry.kwargs)
 
 
@@ -89,44 +111,63 @@ def test_frozen_blocks_are_planned_in_units_parallelize_accepts(world_of_one):
     entry = zoo.gpt()
     _freeze(entry.model, "h.1.", "h.2.")
     plan = compile(entry.model, 1, entry.args, entry.kwargs, hardware="cpu-gloo")
-    frozen = {name for name, parameter in entry.model.named_parameters() if not parameter.requires_grad}
+    frozen = {
+        name for name, parameter in entry.model.named_parameters() if not parameter.requires_grad
+    }
     assert [u.name for u in plan.units if set(u.params) <= frozen] == ["h.1..h.2"]
     assert all(set(u.params) <= frozen or not set(u.params) & frozen for u in plan.units)
     program = parallelize(entry.model, plan)
-    assert [u.shard.requires_grad for u in program.units] == [not set(u.params) <= frozen for u in plan.units]
+    assert [u.shard.requires_grad for u in program.units] == [
+        not set(u.params) <= frozen for u in plan.units
+    ]
     before = [u.shard.detach().clone() for u in program.units]
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-2)
     program.step(*entry.args, **entry.kwargs)
     optimizer.step()
     assert [not torch.equal(old, u.shard) for old, u in zip(before, program.units)] == [
-        u.shard.requires_grad for u in program.units]  # the frozen unit alone keeps its values
+        u.shard.requires_grad for u in program.units
+    ]  # the frozen unit alone keeps its values
 
 
 def test_a_block_mixing_frozen_and_trainable_parameters_is_named_at_compile():
     entry = zoo.gpt()
     _freeze(entry.model, "h.1.attn.")
-    with pytest.raises(ShardplanError, match="block 'h.1' holds frozen parameters .*h.1.attn.qkv.weight.* beside "
-                                             "trainable ones.*set requires_grad alike for the whole block"):
+    with pytest.raises(
+        ShardplanError,
+        match="block 'h.1' holds frozen parameters .*h.1.attn.qkv.weight.* beside "
+        "trainable ones.*set requires_grad alike for the whole block",
+    ):
         compile(entry.model, 1, entry.args, entry.kwargs, hardware="cpu-gloo")
 
 
 def test_a_plan_missing_parameters_is_called_incomplete_not_foreign(gpt_plan, world_of_one):
     data = json.loads(gpt_plan.to_json())
     dropped = data["units"][1]["params"].pop(0)
-    with pytest.raises(PlanError, match=f"1 parameters of the model are in no unit of the plan .*{dropped}.*"
-                                        "the plan is incomplete"):
+    with pytest.raises(
+        PlanError,
+        match=f"1 parameters of the model are in no unit of the plan .*{dropped}.*"
+        "the plan is incomplete",
+    ):
         parallelize(zoo.gpt().model, Plan.from_json(json.dumps(data)))
 
 
 def _dying_rank(rank: int, port: int, folder: str) -> None:
     torch.set_num_threads(1)
     # the timeout the README tells users to set: the bound on how long a rank waits for a dead one
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )
     torch.manual_seed(0)
     entry = zoo.gpt()
     from shardplan.runtime.manual import manual_plan
-    plan = manual_plan(entry.model, [("wte", "wpe"), ("h.0", "h.1"), ("h.2", "h.3"), ("ln_f", "lm_head")], dp=2)
+
+    plan = manual_plan(
+        entry.model, [("wte", "wpe"), ("h.0", "h.1"), ("h.2", "h.3"), ("ln_f", "lm_head")], dp=2
+    )
     program = parallelize(entry.model, plan)
     program.step(*entry.args, **entry.kwargs)
     if rank == 1:
@@ -147,7 +188,9 @@ def test_a_rank_that_dies_makes_the_others_fail_not_hang(tmp_path):
     # others at once, and what this test watches is how the survivor fails on its own.
     port = free_port()
     context = mp.get_context("spawn")
-    ranks = [context.Process(target=_dying_rank, args=(rank, port, str(tmp_path))) for rank in range(2)]
+    ranks = [
+        context.Process(target=_dying_rank, args=(rank, port, str(tmp_path))) for rank in range(2)
+    ]
     for process in ranks:
         process.start()
     try:
@@ -159,4 +202,6 @@ def test_a_rank_that_dies_makes_the_others_fail_not_hang(tmp_path):
             if process.is_alive():
                 process.kill()  # a hang is the failure; leave no process behind it
     report = json.loads((tmp_path / "rank0.json").read_text())
-    assert report["outcome"] != "no error", report  # it raised, and exited: a hang would still be joined above
+    assert report["outcome"] != "no error", (
+        report
+    )  # it raised, and exited: a hang would still be joined above

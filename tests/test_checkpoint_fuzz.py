@@ -6,6 +6,7 @@ also rewrites the manifest's checksums so the loader gets past them), and loads 
 succeeds or raises a ShardplanError of one line, and a failed load leaves the program and the
 optimizer as they were (see [Note: load as a transaction] in shardplan/runtime/checkpoint.py).
 """
+
 import copy
 import datetime
 import hashlib
@@ -22,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from shardplan import zoo
 from shardplan.errors import ShardplanError
+from shardplan.models import zoo
 from shardplan.plan import ShardStrategy
 from shardplan.runtime import checkpoint, manual_plan, parallelize
 from shardplan.runtime.launch import free_port
@@ -31,23 +32,43 @@ from shardplan.runtime.launch import free_port
 CONFIG = zoo.GPTConfig(vocab_size=16, seq_len=4, n_layer=1, n_head=1, d_model=4)
 GROUPS = [("wte", "wpe"), ("h.0",), ("ln_f", "lm_head")]
 STRATEGIES = (ShardStrategy.REPLICATE, ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_OPTIMIZER)
-FUZZ = settings(max_examples=250, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=250,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
 """Deterministic examples (the same in every CI run), four tests × 250: about 20 s on one core."""
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=8) | st.sampled_from(["float32", "load", "shaped", "scalar", ".metadata", "../x"]),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+    | st.sampled_from(["float32", "load", "shaped", "scalar", ".metadata", "../x"]),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """(program, optimizer, the checkpoint's directory, a snapshot of the program's and optimizer's state)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         torch.manual_seed(0)
         model = zoo.gpt(CONFIG).model
@@ -69,10 +90,17 @@ def snapshot(program, optimizer) -> tuple:
 
 
 def same(first: tuple, second: tuple) -> bool:
-    return repr(first[1]["param_groups"]) == repr(second[1]["param_groups"]) and all(
-        torch.equal(first[0][key], second[0][key]) for key in first[0]) and all(
-        all(torch.equal(torch.as_tensor(value), torch.as_tensor(second[1]["state"][index][key]))
-            for key, value in state.items()) for index, state in first[1]["state"].items())
+    return (
+        repr(first[1]["param_groups"]) == repr(second[1]["param_groups"])
+        and all(torch.equal(first[0][key], second[0][key]) for key in first[0])
+        and all(
+            all(
+                torch.equal(torch.as_tensor(value), torch.as_tensor(second[1]["state"][index][key]))
+                for key, value in state.items()
+            )
+            for index, state in first[1]["state"].items()
+        )
+    )
 
 
 def load_mutated(saved, tmp_path, mutate) -> None:
@@ -86,9 +114,13 @@ def load_mutated(saved, tmp_path, mutate) -> None:
         program.load(directory, optimizer)
     except ShardplanError as error:
         assert "\n" not in str(error), str(error)
-        assert same(snapshot(program, optimizer), before), f"a failed load changed the state: {error}"
+        assert same(snapshot(program, optimizer), before), (
+            f"a failed load changed the state: {error}"
+        )
         return
-    program.load(base, optimizer)  # a mutation that still loads (a learning rate, say): back to the base
+    program.load(
+        base, optimizer
+    )  # a mutation that still loads (a learning rate, say): back to the base
 
 
 def restamp(directory: Path, name: str) -> None:
@@ -96,26 +128,34 @@ def restamp(directory: Path, name: str) -> None:
     file = directory / checkpoint.METADATA_FILE
     metadata = json.loads(file.read_text())
     data = (directory / name).read_bytes()
-    metadata.setdefault("files", {})[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    metadata.setdefault("files", {})[name] = {
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
     file.write_text(json.dumps(metadata))
 
 
 def damaged(data: bytes, where: float, how: str, value: int) -> bytes:
     at = min(int(where * len(data)), len(data) - 1)
     if how == "flip":
-        return data[:at] + bytes([data[at] ^ (value or 1)]) + data[at + 1:]
+        return data[:at] + bytes([data[at] ^ (value or 1)]) + data[at + 1 :]
     if how == "truncate":
         return data[:at]
     return data[:at] + bytes([value]) * 64 + data[at:]
 
 
-BYTE_DAMAGE = (st.floats(0, 1), st.sampled_from(["flip", "truncate", "insert"]), st.integers(0, 255))
+BYTE_DAMAGE = (
+    st.floats(0, 1),
+    st.sampled_from(["flip", "truncate", "insert"]),
+    st.integers(0, 255),
+)
 
 
 @FUZZ
 @given(data=st.data())
 def test_mutated_shardplan_json(saved, tmp_path, data):
     """Replace, drop or deepen a value anywhere in shardplan.json's tree, or damage its bytes."""
+
     def mutate(directory: Path) -> None:
         file = directory / checkpoint.METADATA_FILE
         if data.draw(st.booleans(), label="as bytes"):
@@ -124,13 +164,25 @@ def test_mutated_shardplan_json(saved, tmp_path, data):
         tree = json.loads(file.read_text())
         parent, key = None, None
         node = tree
-        while isinstance(node, (dict, list)) and node and data.draw(st.integers(0, 3), label="descend") > 0:
+        while (
+            isinstance(node, (dict, list))
+            and node
+            and data.draw(st.integers(0, 3), label="descend") > 0
+        ):
             parent = node
-            key = data.draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
+            key = data.draw(
+                st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node)))
+            )
             node = node[key]
         action = data.draw(st.sampled_from(["replace", "drop", "deepen"]), label="action")
         if parent is None:
-            tree = data.draw(JSON_VALUES) if action == "replace" else [tree] if action == "deepen" else {}
+            tree = (
+                data.draw(JSON_VALUES)
+                if action == "replace"
+                else [tree]
+                if action == "deepen"
+                else {}
+            )
         elif action == "replace":
             parent[key] = data.draw(JSON_VALUES, label="value")
         elif action == "drop":
@@ -138,6 +190,7 @@ def test_mutated_shardplan_json(saved, tmp_path, data):
         else:
             parent[key] = json.loads("[" * 40 + json.dumps(parent[key]) + "]" * 40)
         file.write_text(json.dumps(tree))
+
     load_mutated(saved, tmp_path, mutate)
 
 
@@ -150,17 +203,42 @@ def dcp_metadata(directory: Path):
 @given(data=st.data())
 def test_mutated_dcp_metadata(saved, tmp_path, data):
     """Change a field of the DCP metadata to an odd value, or a class it never holds, with a matching manifest."""
+
     def mutate(directory: Path) -> None:
         metadata = dcp_metadata(directory)
         fqn = data.draw(st.sampled_from(sorted(metadata.state_dict_metadata)), label="entry")
         entry = metadata.state_dict_metadata[fqn]
         index = data.draw(st.sampled_from(sorted(metadata.storage_data, key=str)), label="storage")
         info = metadata.storage_data[index]
-        odd = st.one_of(st.integers(-3, 2**40), st.none(), st.text(max_size=4), st.just(torch.Size([2, 2])),
-                        st.just([]), st.just(torch.float16), st.just(BytesStorageMetadata()))
-        field = data.draw(st.sampled_from(["size", "chunk offsets", "chunk sizes", "chunks", "dtype", "entry",
-                                           "path", "offset", "length", "transform", "storage key", "drop storage",
-                                           "foreign class"]), label="field")
+        odd = st.one_of(
+            st.integers(-3, 2**40),
+            st.none(),
+            st.text(max_size=4),
+            st.just(torch.Size([2, 2])),
+            st.just([]),
+            st.just(torch.float16),
+            st.just(BytesStorageMetadata()),
+        )
+        field = data.draw(
+            st.sampled_from(
+                [
+                    "size",
+                    "chunk offsets",
+                    "chunk sizes",
+                    "chunks",
+                    "dtype",
+                    "entry",
+                    "path",
+                    "offset",
+                    "length",
+                    "transform",
+                    "storage key",
+                    "drop storage",
+                    "foreign class",
+                ]
+            ),
+            label="field",
+        )
         value = data.draw(odd, label="value")
         if field == "size":
             entry.size = value
@@ -184,11 +262,13 @@ def test_mutated_dcp_metadata(saved, tmp_path, data):
             metadata.planner_data = collections_counter()
         (directory / ".metadata").write_bytes(pickle.dumps(metadata))
         restamp(directory, ".metadata")
+
     load_mutated(saved, tmp_path, mutate)
 
 
 def collections_counter():
     import collections
+
     return collections.Counter("a class DCP metadata never holds")
 
 
@@ -198,11 +278,13 @@ def collections_counter():
 def test_damaged_file_bytes(saved, tmp_path, name, restamped, damage):
     """Damaged bytes of the DCP metadata or a shard: caught by the checksum, or, with the manifest rewritten,
     by the restricted unpickler or torch.load(weights_only=True)."""
+
     def mutate(directory: Path) -> None:
         file = directory / name
         file.write_bytes(damaged(file.read_bytes(), *damage))
         if restamped:
             restamp(directory, name)
+
     load_mutated(saved, tmp_path, mutate)
 
 
@@ -213,8 +295,14 @@ def test_a_huge_memo_index_is_refused_at_once(tmp_path):
     from shardplan.runtime.dcp_storage import read_dcp_metadata
 
     file = tmp_path / ".metadata"
-    file.write_bytes(pickle.PROTO + b"\x04" + pickle.EMPTY_DICT + pickle.LONG_BINPUT + (300_000_000).to_bytes(4, "little")
-                     + pickle.STOP)
+    file.write_bytes(
+        pickle.PROTO
+        + b"\x04"
+        + pickle.EMPTY_DICT
+        + pickle.LONG_BINPUT
+        + (300_000_000).to_bytes(4, "little")
+        + pickle.STOP
+    )
     tracemalloc.start()
     try:
         with pytest.raises(CheckpointError, match="is not the DCP metadata"):

@@ -1,16 +1,16 @@
 """The command line, run in-process on small zoo models."""
+
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jsonschema
 import pytest
 
 from shardplan import load_plan
-from shardplan.cli import main
+from shardplan.cli.main import main
 
 SCHEMA = Path(__file__).parent.parent / "shardplan" / "schemas" / "plan.schema.json"
 
@@ -18,8 +18,13 @@ SCHEMA = Path(__file__).parent.parent / "shardplan" / "schemas" / "plan.schema.j
 def shardplan(*argv: str, **environment) -> subprocess.CompletedProcess:
     """The installed `shardplan` command, as a user runs it."""
     command = Path(sys.executable).with_name("shardplan")
-    return subprocess.run([str(command), *argv], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, **environment})
+    return subprocess.run(
+        [str(command), *argv],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **environment},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +32,26 @@ def plans(tmp_path_factory):
     """Two plans of the zoo GPT: unconstrained, and under a tight budget."""
     folder = tmp_path_factory.mktemp("plans")
     roomy, tight = folder / "roomy.json", folder / "tight.json"
-    assert main(["plan", "gpt", "--world-size", "8", "--hardware", "cpu-gloo", "-o", str(roomy)]) == 0
-    assert main(["plan", "gpt", "--world-size", "8", "--hardware", "cpu-gloo", "--memory-budget", "2MiB",
-                 "-o", str(tight)]) == 0
+    assert (
+        main(["plan", "gpt", "--world-size", "8", "--hardware", "cpu-gloo", "-o", str(roomy)]) == 0
+    )
+    assert (
+        main(
+            [
+                "plan",
+                "gpt",
+                "--world-size",
+                "8",
+                "--hardware",
+                "cpu-gloo",
+                "--memory-budget",
+                "2MiB",
+                "-o",
+                str(tight),
+            ]
+        )
+        == 0
+    )
     return roomy, tight
 
 
@@ -45,7 +67,9 @@ def test_explain_shows_shapes_batches_mesh_and_draws_real_pictures(plans, tmp_pa
     assert run.returncode == 0, run.stderr
     out, plan = run.stdout, load_plan(tight)
     assert "peak memory" in out
-    assert f"binding constraint: {plan.reasoning.binding_constraint}" in " ".join(out.split())  # a sentence, not a column
+    assert f"binding constraint: {plan.reasoning.binding_constraint}" in " ".join(
+        out.split()
+    )  # a sentence, not a column
     assert f"{plan.mesh.describe()} (dp={plan.mesh.dp} replicas, pp={plan.mesh.pp} stages" in out
     assert "4 x 32 int64" in out  # the zoo GPT's token ids: batch 4, sequence 32
     assert f"{plan.mesh.dp * 4} = dp {plan.mesh.dp} x 4 per replica" in out
@@ -68,13 +92,23 @@ def test_diff_names_what_changed_in_mib_and_ms_by_unit(plans):
     assert main(["diff", str(roomy), str(roomy)]) == 0
 
 
-HUGGING_FACE_CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64,
-                       "n_positions": 512, "bos_token_id": 0, "eos_token_id": 0}
+HUGGING_FACE_CONFIG = {
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 32,
+    "n_head": 2,
+    "vocab_size": 64,
+    "n_positions": 512,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
 
 
 def _baseline(tmp_path, cases: list[dict]) -> Path:
     path = tmp_path / "baseline.json"
-    path.write_text(json.dumps({"schema": "shardplan.baseline/1", "tolerance": 0.01, "cases": cases}))
+    path.write_text(
+        json.dumps({"schema": "shardplan.baseline/1", "tolerance": 0.01, "cases": cases})
+    )
     return path
 
 
@@ -90,17 +124,29 @@ def test_check_passes_on_todays_plans_and_fails_on_a_better_baseline(tmp_path, c
     assert "FAIL mlp at world 2" in out and "step_time_s got worse" in out
 
 
-@pytest.mark.parametrize("flag, saved, message", [
-    ("nan", 0.01, "--tolerance is nan"),  # NaN would pass every case, and --update would write it
-    ("inf", 0.01, "--tolerance is inf"),
-    ("-0.5", 0.01, "--tolerance is -0.5"),
-    (None, "1%", "field tolerance is '1%'"),
-    (None, 10**400, "field tolerance is 1000000000000000000000"),  # past float's range
-    (None, True, "field tolerance is True"),
-], ids=["nan", "inf", "negative", "text", "past-float", "bool"])
-def test_check_refuses_a_tolerance_that_is_not_a_finite_number_from_0(flag, saved, message, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "flag, saved, message",
+    [
+        (
+            "nan",
+            0.01,
+            "--tolerance is nan",
+        ),  # NaN would pass every case, and --update would write it
+        ("inf", 0.01, "--tolerance is inf"),
+        ("-0.5", 0.01, "--tolerance is -0.5"),
+        (None, "1%", "field tolerance is '1%'"),
+        (None, 10**400, "field tolerance is 1000000000000000000000"),  # past float's range
+        (None, True, "field tolerance is True"),
+    ],
+    ids=["nan", "inf", "negative", "text", "past-float", "bool"],
+)
+def test_check_refuses_a_tolerance_that_is_not_a_finite_number_from_0(
+    flag, saved, message, tmp_path, capsys
+):
     path = _baseline(tmp_path, [{"model": "mlp", "world_size": 2, "hardware": "cpu-gloo"}])
-    path.write_text(path.read_text().replace('"tolerance": 0.01', f'"tolerance": {json.dumps(saved)}'))
+    path.write_text(
+        path.read_text().replace('"tolerance": 0.01', f'"tolerance": {json.dumps(saved)}')
+    )
     before = path.read_text()
     tolerance = [] if flag is None else ["--tolerance", flag]
     err = _refused(["check", "--baseline", str(path), "--update", *tolerance], capsys)
@@ -108,137 +154,305 @@ def test_check_refuses_a_tolerance_that_is_not_a_finite_number_from_0(flag, save
     assert path.read_text() == before
 
 
-@pytest.mark.parametrize("cases, message", [
-    ([{"model": "mlp", "world_size": 2, "step_time_s": "0.002", "peak_bytes": 1}],
-     "case 0 ('mlp') field step_time_s is '0.002': make it a finite number, 0 or more"),
-    ([{"model": "mlp", "world_size": 2.0}], "case 0 ('mlp') field world_size is 2.0: make it a whole number from 1"),
-    ([{"model": "mlp", "world_size": 2}, {"model": "mlp", "world_size": 2, "peak_bytes": -1}],
-     "case 1 ('mlp') field peak_bytes is -1"),
-    ([{"model": "mlp", "world_size": 2, "memory_budget": 2**20}], "field memory_budget is 1048576: make it a string"),
-    ([{"model": ["mlp"], "world_size": 2}], "case 0 (['mlp']) field model is ['mlp']: make it a string"),
-    ([{"model": "mlp", "world_size": 2, "hardware": None}], "field hardware is None: make it a string"),
-    ([{"model": "mlp"}], "case 0 is malformed (Case.__init__() missing 1 required keyword-only argument"),
-    (["mlp"], "case 0 is 'mlp': make it an object with model and world_size"),
-    ("mlp", "has no list of cases"),
-])
-def test_check_refuses_a_malformed_case_naming_it_and_the_field_before_planning(cases, message, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "cases, message",
+    [
+        (
+            [{"model": "mlp", "world_size": 2, "step_time_s": "0.002", "peak_bytes": 1}],
+            "case 0 ('mlp') field step_time_s is '0.002': make it a finite number, 0 or more",
+        ),
+        (
+            [{"model": "mlp", "world_size": 2.0}],
+            "case 0 ('mlp') field world_size is 2.0: make it a whole number from 1",
+        ),
+        (
+            [
+                {"model": "mlp", "world_size": 2},
+                {"model": "mlp", "world_size": 2, "peak_bytes": -1},
+            ],
+            "case 1 ('mlp') field peak_bytes is -1",
+        ),
+        (
+            [{"model": "mlp", "world_size": 2, "memory_budget": 2**20}],
+            "field memory_budget is 1048576: make it a string",
+        ),
+        (
+            [{"model": ["mlp"], "world_size": 2}],
+            "case 0 (['mlp']) field model is ['mlp']: make it a string",
+        ),
+        (
+            [{"model": "mlp", "world_size": 2, "hardware": None}],
+            "field hardware is None: make it a string",
+        ),
+        (
+            [{"model": "mlp"}],
+            "case 0 is malformed (Case.__init__() missing 1 required keyword-only argument",
+        ),
+        (["mlp"], "case 0 is 'mlp': make it an object with model and world_size"),
+        ("mlp", "has no list of cases"),
+    ],
+)
+def test_check_refuses_a_malformed_case_naming_it_and_the_field_before_planning(
+    cases, message, tmp_path, capsys
+):
     path = _baseline(tmp_path, [])
     path.write_text(path.read_text().replace('"cases": []', f'"cases": {json.dumps(cases)}'))
     assert message in _refused(["check", "--baseline", str(path)], capsys)
 
 
 @pytest.mark.timeout(240)
-def test_check_gates_any_model_a_line_per_case_and_a_new_case_asks_for_update(tmp_path, monkeypatch, capsys):
+def test_check_gates_any_model_a_line_per_case_and_a_new_case_asks_for_update(
+    tmp_path, monkeypatch, capsys
+):
     """A zoo model, a Hugging Face config beside the baseline, and a package.module:factory, all new."""
     (tmp_path / "config.json").write_text(json.dumps(HUGGING_FACE_CONFIG))
-    (tmp_path / "my_models.py").write_text("from shardplan import zoo\n\ndef build():\n    return zoo.build('mlp')\n")
-    cases = [{"model": model, "world_size": 2, "hardware": "cpu-gloo"}
-             for model in ("mlp", "config.json", "my_models:build")]
+    (tmp_path / "my_models.py").write_text(
+        "from shardplan.models import zoo\n\ndef build():\n    return zoo.build('mlp')\n"
+    )
+    cases = [
+        {"model": model, "world_size": 2, "hardware": "cpu-gloo"}
+        for model in ("mlp", "config.json", "my_models:build")
+    ]
     path = _baseline(tmp_path, cases)
     new = shardplan("check", "--baseline", str(path), PYTHONPATH=str(tmp_path))
     assert new.returncode == 1 and "Traceback" not in new.stderr + new.stdout, new.stderr
     fails = [line for line in new.stdout.splitlines() if line.startswith("FAIL ")]
-    assert len(fails) == 3 and all("ms (baseline: not recorded)" in line for line in fails), new.stdout
+    assert len(fails) == 3 and all("ms (baseline: not recorded)" in line for line in fails), (
+        new.stdout
+    )
     assert new.stdout.count("run `shardplan check --update` to record them") == 3
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["check", "--baseline", str(path), "--update"]) == 0
     capsys.readouterr()
     assert main(["check", "--baseline", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(" at ")[0] for line in lines[:3]] == ["PASS mlp", "PASS config.json", "PASS my_models:build"]
+    assert [line.split(" at ")[0] for line in lines[:3]] == [
+        "PASS mlp",
+        "PASS config.json",
+        "PASS my_models:build",
+    ]
     assert all("(baseline " in line and "+0.0%" in line for line in lines[:3]), lines
     assert lines[-1] == "3 case(s): 3 passed, 0 failed"
 
 
 def test_plan_flags_reach_the_planner(tmp_path, capsys):
     output = tmp_path / "plan.json"
-    run = shardplan("plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", "--no-pipeline",
-                    "--param-dtype", "bfloat16", "--reduce-dtype", "float32", "--optimizer", "sgd",
-                    "--wrap", r"layers\.2$", "--pin", r"layers\.0$=replicate", "--global-batch", "4", "--max-tp", "1",
-                    "-o", str(output))
+    run = shardplan(
+        "plan",
+        "mlp",
+        "--world-size",
+        "2",
+        "--hardware",
+        "cpu-gloo",
+        "--no-pipeline",
+        "--param-dtype",
+        "bfloat16",
+        "--reduce-dtype",
+        "float32",
+        "--optimizer",
+        "sgd",
+        "--wrap",
+        r"layers\.2$",
+        "--pin",
+        r"layers\.0$=replicate",
+        "--global-batch",
+        "4",
+        "--max-tp",
+        "1",
+        "-o",
+        str(output),
+    )
     assert run.returncode == 0, run.stderr
     plan = load_plan(output)
     assert plan.mesh.dp * plan.batch_per_replica == 4
-    assert f"inputs per replica: input 0: {plan.batch_per_replica} x 64 float32, input 1: {plan.batch_per_replica} " \
-           "float32;" in run.stdout  # positional inputs named by their position
-    assert (plan.mixed_precision.param_dtype, plan.mixed_precision.reduce_dtype) == ("bfloat16", "float32")
+    assert (
+        f"inputs per replica: input 0: {plan.batch_per_replica} x 64 float32, input 1: {plan.batch_per_replica} "
+        "float32;" in run.stdout
+    )  # positional inputs named by their position
+    assert (plan.mixed_precision.param_dtype, plan.mixed_precision.reduce_dtype) == (
+        "bfloat16",
+        "float32",
+    )
     assert plan.optimizer == "sgd" and plan.mesh.pp == 1
     assert any(unit.modules[0] == "layers.2" for unit in plan.units)
-    assert next(unit for unit in plan.units if "layers.0" in unit.modules).strategy.value == "replicate"
-    assert "use one of full_shard" in _refused(["plan", "mlp", "--world-size", "2", "--pin", "layers=sideways"], capsys)
+    assert (
+        next(unit for unit in plan.units if "layers.0" in unit.modules).strategy.value
+        == "replicate"
+    )
+    assert "use one of full_shard" in _refused(
+        ["plan", "mlp", "--world-size", "2", "--pin", "layers=sideways"], capsys
+    )
 
 
 def test_every_constraint_and_the_unit_size_have_a_flag(tmp_path):
     output = tmp_path / "plan.json"
-    run = shardplan("plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", "--no-wrap", r"layers\.1$",
-                    "--checkpoint", r"layers\.2$=full", "--pin", r"layers\.3$=full_shard,shard_grad_op",
-                    "--max-unit-blocks", "2", "--no-replica-groups", "-o", str(output))
+    run = shardplan(
+        "plan",
+        "mlp",
+        "--world-size",
+        "2",
+        "--hardware",
+        "cpu-gloo",
+        "--no-wrap",
+        r"layers\.1$",
+        "--checkpoint",
+        r"layers\.2$=full",
+        "--pin",
+        r"layers\.3$=full_shard,shard_grad_op",
+        "--max-unit-blocks",
+        "2",
+        "--no-replica-groups",
+        "-o",
+        str(output),
+    )
     assert run.returncode == 0, run.stderr
     units = load_plan(output).units
-    assert ("layers.0", "layers.1") in [unit.modules for unit in units]  # no unit may start at layers.1
+    assert ("layers.0", "layers.1") in [
+        unit.modules for unit in units
+    ]  # no unit may start at layers.1
     assert all(len(unit.modules) <= 2 for unit in units)
     assert next(unit for unit in units if "layers.2" in unit.modules).checkpoint.value == "full"
-    assert next(unit for unit in units if "layers.3" in unit.modules).strategy.value in ("full_shard", "shard_grad_op")
+    assert next(unit for unit in units if "layers.3" in unit.modules).strategy.value in (
+        "full_shard",
+        "shard_grad_op",
+    )
 
 
 def test_stage_cut_flags_and_replica_groups_reach_the_planners_options():
-    from shardplan.cli import _parser, _plan_options
+    from shardplan.cli.main import _parser, _plan_options
     from shardplan.solver.space import Constraints
 
-    options = _parser().parse_args(["plan", "mlp", "--world-size", "4", "--stage-cut", r"layers\.2$",
-                                    "--no-stage-cut", r"layers\.1$", "--no-replica-groups", "--no-reasoning"])
+    options = _parser().parse_args(
+        [
+            "plan",
+            "mlp",
+            "--world-size",
+            "4",
+            "--stage-cut",
+            r"layers\.2$",
+            "--no-stage-cut",
+            r"layers\.1$",
+            "--no-replica-groups",
+            "--no-reasoning",
+        ]
+    )
     planned = _plan_options(options)
-    assert planned["constraints"] == Constraints(stage_boundary=(r"layers\.2$",), no_stage_boundary=(r"layers\.1$",))
+    assert planned["constraints"] == Constraints(
+        stage_boundary=(r"layers\.2$",), no_stage_boundary=(r"layers\.1$",)
+    )
     assert planned["allow_replica_groups"] is False and planned["max_unit_blocks"] is None
     assert planned["explain"] is False
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--checkpoint", "layers=sometimes"], "--checkpoint mode 'sometimes' is unknown: use one of none, full, selective"),
-    (["--checkpoint", "layers"], "is not REGEX=MODE"),
-    (["--no-wrap", "("], "--no-wrap '(' is not a regular expression"),
-    (["--stage-cut", "no-such-block"], "matches no block"),
-    (["--max-unit-blocks", "0"], "max_unit_blocks=0 leaves units no blocks"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--checkpoint", "layers=sometimes"],
+            "--checkpoint mode 'sometimes' is unknown: use one of none, full, selective",
+        ),
+        (["--checkpoint", "layers"], "is not REGEX=MODE"),
+        (["--no-wrap", "("], "--no-wrap '(' is not a regular expression"),
+        (["--stage-cut", "no-such-block"], "matches no block"),
+        (["--max-unit-blocks", "0"], "max_unit_blocks=0 leaves units no blocks"),
+    ],
+)
 def test_constraint_flags_refuse_bad_values_in_one_line(flags, message, capsys):
-    assert message in _refused(["plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", *flags], capsys)
+    assert message in _refused(
+        ["plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", *flags], capsys
+    )
 
 
 def test_a_bfloat16_hugging_face_config_warns_that_fp32_masters_are_dropped(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(HUGGING_FACE_CONFIG | {"torch_dtype": "bfloat16"}))
-    pure = shardplan("plan", str(config), "--world-size", "2", "--hardware", "cpu-gloo", "-o", str(tmp_path / "a.json"))
+    pure = shardplan(
+        "plan",
+        str(config),
+        "--world-size",
+        "2",
+        "--hardware",
+        "cpu-gloo",
+        "-o",
+        str(tmp_path / "a.json"),
+    )
     assert pure.returncode == 0, pure.stderr
-    assert "no fp32 master weights; to keep fp32 masters pass --param-dtype bfloat16 --reduce-dtype float32" \
+    assert (
+        "no fp32 master weights; to keep fp32 masters pass --param-dtype bfloat16 --reduce-dtype float32"
         in pure.stderr
+    )
     assert "example input batch 1 x sequence 512 (pass --batch and --seq" in pure.stderr
-    assert main(["plan", str(config), "--world-size", "2", "--hardware", "cpu-gloo", "--batch", "2", "--seq-len", "64",
-                 "--param-dtype", "bfloat16", "-o", str(tmp_path / "b.json")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(config),
+                "--world-size",
+                "2",
+                "--hardware",
+                "cpu-gloo",
+                "--batch",
+                "2",
+                "--seq-len",
+                "64",
+                "--param-dtype",
+                "bfloat16",
+                "-o",
+                str(tmp_path / "b.json"),
+            ]
+        )
+        == 0
+    )
     assert "warning" not in capsys.readouterr().err
     mixed = load_plan(tmp_path / "b.json")
     assert mixed.mixed_precision.reduce_dtype == "float32" and mixed.inputs[0].shape[-1] == 64
 
 
 def test_headroom_keeps_a_share_of_the_memory_free_below_the_default_budget(tmp_path, capsys):
-    from shardplan.hardware import get_hardware
+    from shardplan.costmodel.hardware import get_hardware
 
-    profile = get_hardware("cpu-gloo")  # no runtime reserve: the budget is a share of the device's memory
+    profile = get_hardware(
+        "cpu-gloo"
+    )  # no runtime reserve: the budget is a share of the device's memory
     budgets = {}
     for headroom in (None, "0.5"):
         output = tmp_path / f"{headroom}.json"
-        assert main(["plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", "-o", str(output)]
-                    + (["--headroom", headroom] if headroom else [])) == 0
+        assert (
+            main(
+                ["plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", "-o", str(output)]
+                + (["--headroom", headroom] if headroom else [])
+            )
+            == 0
+        )
         budgets[headroom] = load_plan(output).reasoning.budget_bytes
-    assert budgets == {None: int(profile.device_memory_bytes * profile.usable_memory_fraction),
-                       "0.5": int(profile.device_memory_bytes * 0.5)}
+    assert budgets == {
+        None: int(profile.device_memory_bytes * profile.usable_memory_fraction),
+        "0.5": int(profile.device_memory_bytes * 0.5),
+    }
     both = ["plan", "mlp", "--world-size", "2", "--headroom", "0.1", "--memory-budget", "1GiB"]
     assert "pass one of them" in _refused(both, capsys)
-    assert "from 0 to below 1" in _refused(["plan", "mlp", "--world-size", "2", "--headroom", "10"], capsys)
+    assert "from 0 to below 1" in _refused(
+        ["plan", "mlp", "--world-size", "2", "--headroom", "10"], capsys
+    )
 
 
 def test_errors_are_one_line_without_traceback():
-    run = subprocess.run([sys.executable, "-m", "shardplan.cli", "plan", "gpt", "--world-size", "2",
-                          "--memory-budget", "12 parsecs"], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardplan.cli.main",
+            "plan",
+            "gpt",
+            "--world-size",
+            "2",
+            "--memory-budget",
+            "12 parsecs",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0 and "Traceback" not in run.stderr
     assert "cannot read memory size" in run.stderr
@@ -262,25 +476,33 @@ def test_every_command_has_help_with_examples(capsys):
 def test_demo_plans_trains_and_compares(capsys):
     assert main(["demo", "--world-size", "2", "--steps", "1", "--hardware", "cpu-gloo"]) == 0
     out = capsys.readouterr().out
-    assert "peak memory per rank" in out and "predicted / measured" in out and "step time (fastest of 1)" in out
+    assert (
+        "peak memory per rank" in out
+        and "predicted / measured" in out
+        and "step time (fastest of 1)" in out
+    )
     assert "load average" in out  # what a step-time ratio on a shared machine is read against
     losses = [float(x) for x in out.split("loss by step:")[1].split(",")]
     assert len(losses) == 3 and losses[-1] < losses[0]  # warm-up, measured step, timed step
 
 
 def test_the_demo_compares_the_fastest_step_as_the_calibration_keeps_the_fastest_round():
-    from shardplan.demo import Measured, load_note
+    from shardplan.cli.demo import Measured, load_note
 
     measured = Measured(peak_bytes=1, step_times_s=(0.5, 0.3, 0.4), losses=())
     assert measured.step_time_s == 0.3 and measured.mean_step_time_s == pytest.approx(0.4)
-    assert load_note(measured).startswith("step times 500, 300, 400 ms (mean 400.0 ms); load average ")
+    assert load_note(measured).startswith(
+        "step times 500, 300, 400 ms (mean 400.0 ms); load average "
+    )
 
 
 def _refused(argv: list[str], capsys) -> str:
     """stderr of a command that must fail with exit 2 and one line, no traceback."""
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("shardplan: error: ") and "Traceback" not in err, err
+    assert (
+        err.count("\n") == 1 and err.startswith("shardplan: error: ") and "Traceback" not in err
+    ), err
     return err
 
 
@@ -290,80 +512,132 @@ def test_absurd_budgets_are_refused_with_the_range(budget, capsys):
     assert "between 1 B and 1 PiB" in err or "cannot read memory size" in err
 
 
-FACTORIES = ("from shardplan import zoo\n\ndef bare():\n    return zoo.residual_mlp().model\n\n"
-             "def pair():\n    entry = zoo.residual_mlp()\n    return entry.model, entry.args\n")
+FACTORIES = (
+    "from shardplan.models import zoo\n\ndef bare():\n    return zoo.residual_mlp().model\n\n"
+    "def pair():\n    entry = zoo.residual_mlp()\n    return entry.model, entry.args\n"
+)
 
 
-@pytest.mark.parametrize("spec, flags, message", [
-    ("gpt", ["--seq", "64"], "--seq does not apply to zoo model gpt: it takes --batch; leave --seq out"),
-    ("mlp", ["--batch", "-2"], "--batch -2 is not a size: give 1 or more"),
-    ("gpt", ["--batch", "0"], "--batch 0 is not a size"),  # not a capture error blaming control flow
-    ("gpt", ["--batch", "100000000000"], "building gpt at --batch 100000000000 ran out of memory: give a smaller"),
-    ("config.json", ["--batch", "1", "--seq", "0"], "--seq 0 is not a size"),  # not silently 512
-    ("factories:bare", [],
-     "factory factories:bare returned ResidualMLP: return a zoo.ZooModel or (model, args, kwargs)"),
-    ("factories:pair", [], "factory factories:pair returned a tuple of 2: return a zoo.ZooModel"),
-    ("factories:pair", ["--batch", "2"], "--batch does not apply to factory factories:pair: it takes neither"),
-])
-def test_sizes_and_factories_that_do_not_make_a_model_are_refused(spec, flags, message, tmp_path, monkeypatch,
-                                                                  capsys):
+@pytest.mark.parametrize(
+    "spec, flags, message",
+    [
+        (
+            "gpt",
+            ["--seq", "64"],
+            "--seq does not apply to zoo model gpt: it takes --batch; leave --seq out",
+        ),
+        ("mlp", ["--batch", "-2"], "--batch -2 is not a size: give 1 or more"),
+        (
+            "gpt",
+            ["--batch", "0"],
+            "--batch 0 is not a size",
+        ),  # not a capture error blaming control flow
+        (
+            "gpt",
+            ["--batch", "100000000000"],
+            "building gpt at --batch 100000000000 ran out of memory: give a smaller",
+        ),
+        (
+            "config.json",
+            ["--batch", "1", "--seq", "0"],
+            "--seq 0 is not a size",
+        ),  # not silently 512
+        (
+            "factories:bare",
+            [],
+            "factory factories:bare returned ResidualMLP: return a zoo.ZooModel or (model, args, kwargs)",
+        ),
+        (
+            "factories:pair",
+            [],
+            "factory factories:pair returned a tuple of 2: return a zoo.ZooModel",
+        ),
+        (
+            "factories:pair",
+            ["--batch", "2"],
+            "--batch does not apply to factory factories:pair: it takes neither",
+        ),
+    ],
+)
+def test_sizes_and_factories_that_do_not_make_a_model_are_refused(
+    spec, flags, message, tmp_path, monkeypatch, capsys
+):
     (tmp_path / "config.json").write_text(json.dumps(HUGGING_FACE_CONFIG))
     (tmp_path / "factories.py").write_text(FACTORIES)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    assert message in _refused(["plan", spec, "--world-size", "2", "--hardware", "cpu-gloo", *flags], capsys)
+    assert message in _refused(
+        ["plan", spec, "--world-size", "2", "--hardware", "cpu-gloo", *flags], capsys
+    )
 
 
 def _forbid(monkeypatch, module, name: str) -> None:
     """Make `module.name` fail the test if it is called: the command must refuse before it gets there."""
+
     def called(*args, **kwargs):
         raise AssertionError(f"{module.__name__}.{name} was called")
+
     monkeypatch.setattr(module, name, called)
 
 
 @pytest.mark.parametrize("steps", ["0", "-3"])
 def test_a_demo_of_no_steps_is_refused_before_it_plans(steps, capsys, monkeypatch):
-    from shardplan import demo
+    from shardplan.cli import demo
 
     _forbid(monkeypatch, demo, "resolve_hardware")  # not after a calibration and a whole demo
     _forbid(monkeypatch, demo, "plan_demo")
-    assert f"--steps {steps} trains no step" in _refused(["demo", "--hardware", "cpu-gloo", "--steps", steps], capsys)
+    assert f"--steps {steps} trains no step" in _refused(
+        ["demo", "--hardware", "cpu-gloo", "--steps", steps], capsys
+    )
 
 
 @pytest.mark.parametrize("world", ["1000000", "0", "-2"])
-def test_a_demo_world_past_what_this_machine_runs_is_refused_before_it_plans_or_spawns(world, capsys, monkeypatch):
-    from shardplan import demo
+def test_a_demo_world_past_what_this_machine_runs_is_refused_before_it_plans_or_spawns(
+    world, capsys, monkeypatch
+):
+    from shardplan.cli import demo
     from shardplan.errors import ShardplanError
     from shardplan.runtime import launch
 
     _forbid(monkeypatch, demo, "plan_demo")
     _forbid(monkeypatch, launch.mp, "spawn")
     err = _refused(["demo", "--hardware", "cpu-gloo", "--world-size", world], capsys)
-    assert f"--world-size {world}: every rank runs as a process on this machine" in err and "give 1 to" in err
+    assert (
+        f"--world-size {world}: every rank runs as a process on this machine" in err
+        and "give 1 to" in err
+    )
     with pytest.raises(ShardplanError, match="every rank runs as a process on this machine"):
         launch.run_world(print, world_size=int(world), backend="gloo", total_steps=0)
 
 
 def test_a_world_past_the_ceiling_is_refused_before_the_model_is_captured(capsys, monkeypatch):
-    from shardplan import passes
+    from shardplan.frontend import passes
 
     _forbid(monkeypatch, passes, "analyze")
     assert "from 1 to 1048576" in _refused(["plan", "mlp", "--world-size", str(2**30)], capsys)
 
 
 def test_output_to_a_folder_is_refused(tmp_path, capsys):
-    err = _refused(["plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", "-o", str(tmp_path)], capsys)
+    err = _refused(
+        ["plan", "mlp", "--world-size", "2", "--hardware", "cpu-gloo", "-o", str(tmp_path)], capsys
+    )
     assert "it is a folder; give a file path inside it" in err
 
 
-@pytest.mark.parametrize("config, message", [
-    ("[1, 2]", 'not a JSON object with a "model_type" string'),
-    ('"gpt2"', 'not a JSON object with a "model_type" string'),
-    ('{"n_layer": 2}', 'not a JSON object with a "model_type" string'),
-    ('{"model_type": "no-such-model"}', "does not know"),
-    ('{"model_type": "gpt2", "n_layer": "two"}', "n_layer"),
-    ('{"model_type": "gpt2", "x": ' + "[" * 5000 + "]" * 5000 + "}", "more than 32 levels deep"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ("[1, 2]", 'not a JSON object with a "model_type" string'),
+        ('"gpt2"', 'not a JSON object with a "model_type" string'),
+        ('{"n_layer": 2}', 'not a JSON object with a "model_type" string'),
+        ('{"model_type": "no-such-model"}', "does not know"),
+        ('{"model_type": "gpt2", "n_layer": "two"}', "n_layer"),
+        (
+            '{"model_type": "gpt2", "x": ' + "[" * 5000 + "]" * 5000 + "}",
+            "more than 32 levels deep",
+        ),
+    ],
+)
 def test_bad_hugging_face_configs_are_refused(config, message, tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(config)
@@ -375,8 +649,12 @@ def test_explain_reads_within_bounds(capsys):
     assert "larger than 16 MiB" in _refused(["explain", "/dev/zero"], capsys)
 
 
-@pytest.mark.parametrize("argv", [["calibrate", "--world-size", "1"], ["plan", "no-such-model", "--world-size", "2"]])
-def test_debug_shows_the_traceback_of_an_error_that_prints_one_line_without_it(argv, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "argv", [["calibrate", "--world-size", "1"], ["plan", "no-such-model", "--world-size", "2"]]
+)
+def test_debug_shows_the_traceback_of_an_error_that_prints_one_line_without_it(
+    argv, tmp_path, capsys
+):
     from shardplan.errors import ShardplanError
 
     argv = [*argv, "-o", str(tmp_path / "out.json")]
@@ -387,18 +665,26 @@ def test_debug_shows_the_traceback_of_an_error_that_prints_one_line_without_it(a
 
 def test_the_readme_maps_each_fsdp_habit_to_its_shardplan_spelling():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    table = readme[readme.index("| FSDP habit | shardplan |"):]
-    rows = table[:table.index("\n\n")].splitlines()
-    for habit in ("auto_wrap_policy", "transformer_layer_cls", "MixedPrecision", "CPUOffload", "no_sync",
-                  "clip_grad_norm_", "SHARDED_STATE_DICT", "FULL_STATE_DICT", "activation_checkpointing",
-                  "torch.cuda.memory_stats"):
+    table = readme[readme.index("| FSDP habit | shardplan |") :]
+    rows = table[: table.index("\n\n")].splitlines()
+    for habit in (
+        "auto_wrap_policy",
+        "transformer_layer_cls",
+        "MixedPrecision",
+        "CPUOffload",
+        "no_sync",
+        "clip_grad_norm_",
+        "SHARDED_STATE_DICT",
+        "FULL_STATE_DICT",
+        "activation_checkpointing",
+        "torch.cuda.memory_stats",
+    ):
         spelling = next((row.split(" | ")[1] for row in rows if habit in row.split(" | ")[0]), "")
         assert spelling.count("`") >= 2, habit  # a row whose second cell spells it in code
 
 
-
-ENDING_FACTORIES = '''import os, sys, time
-from shardplan import zoo
+ENDING_FACTORIES = """import os, sys, time
+from shardplan.models import zoo
 
 def leaves():
     sys.exit()
@@ -408,19 +694,28 @@ def waits():
 
 def build():
     return zoo.build("mlp")
-'''
+"""
 
 
 @pytest.mark.timeout(300)
-def test_check_plans_each_case_apart_and_fails_one_that_ends_its_process_with_the_reason(tmp_path, monkeypatch,
-                                                                                        capsys):
+def test_check_plans_each_case_apart_and_fails_one_that_ends_its_process_with_the_reason(
+    tmp_path, monkeypatch, capsys
+):
     """A case whose model's code exits, aborts or never returns is that case's FAIL; the cases after it are still
     checked (the last one for lack of figures), and no case passes unplanned."""
     (tmp_path / "ending_models.py").write_text(ENDING_FACTORIES)
     monkeypatch.syspath_prepend(str(tmp_path))
-    models = ["sys:exit", "builtins:quit", "os:abort", "ending_models:leaves", "ending_models:waits",
-              "ending_models:build"]
-    path = _baseline(tmp_path, [{"model": model, "world_size": 2, "hardware": "cpu-gloo"} for model in models])
+    models = [
+        "sys:exit",
+        "builtins:quit",
+        "os:abort",
+        "ending_models:leaves",
+        "ending_models:waits",
+        "ending_models:build",
+    ]
+    path = _baseline(
+        tmp_path, [{"model": model, "world_size": 2, "hardware": "cpu-gloo"} for model in models]
+    )
     assert main(["check", "--baseline", str(path), "--case-timeout", "20"]) == 1
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]

@@ -7,33 +7,38 @@ and adds 2 (torchrun stops the workers with SIGTERM, which checkpoints, and rest
 4, re-planned). In both, every step's loss, replayed steps included, equals an uninterrupted one-process
 run's on the same samples to 1e-5.
 """
+
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
 from elastic_job import Job, lose_one_of_four, reference_losses, restart_breakdown
 from parity import spawn_world
-from shardplan import zoo
+
 from shardplan.errors import CheckpointError, ShardplanError
-from shardplan.runtime import checkpoint, manual_plan, parallelize
-from shardplan.runtime import elastic
+from shardplan.models import zoo
+from shardplan.runtime import checkpoint, elastic, manual_plan, parallelize
 from shardplan.runtime.elastic import ElasticOptions, batch_sizes, latest_checkpoints
-from shardplan.sampler import ResumableSampler
+from shardplan.runtime.sampler import ResumableSampler
 
 TOLERANCE = 1e-5
 
 
 # the sample stream
 
+
 def stream(sampler: ResumableSampler, steps: list[tuple[int, int]]) -> list[int]:
     """Every replica's samples of `steps`, (global batch, replicas) each, in stream order."""
     read = []
     for global_batch, replicas in steps:
         indices = sampler.take(global_batch)
-        read += [i for replica in range(replicas) for i in ResumableSampler.replica_slice(indices, replica, replicas)]
+        read += [
+            i
+            for replica in range(replicas)
+            for i in ResumableSampler.replica_slice(indices, replica, replicas)
+        ]
     return read
 
 
@@ -46,7 +51,9 @@ def test_every_sample_is_read_once_an_epoch_across_world_and_batch_changes():
     assert len(read) == 22 and resumed.epoch == 2
     assert sorted(read[:10]) == sorted(read[10:20]) == list(range(10))
     assert read[:10] != read[10:20]  # each epoch its own order
-    assert read == stream(ResumableSampler(10, seed=3), [(22, 1)])  # the same stream as one uninterrupted run
+    assert read == stream(
+        ResumableSampler(10, seed=3), [(22, 1)]
+    )  # the same stream as one uninterrupted run
 
 
 def test_sampler_state_of_another_dataset_or_seed_is_refused():
@@ -60,9 +67,15 @@ def test_sampler_state_of_another_dataset_or_seed_is_refused():
 
 # what a start decides before it trains
 
+
 def test_the_global_batch_is_kept_or_scaled_as_asked():
     kept = ElasticOptions(directory="run", steps=10, global_batch_size=12)
-    assert [batch_sizes(kept, world) for world in (1, 2, 3, 4)] == [(12, 12), (12, 6), (12, 4), (12, 3)]
+    assert [batch_sizes(kept, world) for world in (1, 2, 3, 4)] == [
+        (12, 12),
+        (12, 6),
+        (12, 4),
+        (12, 3),
+    ]
     with pytest.raises(ShardplanError, match="does not split over 5 ranks"):
         batch_sizes(kept, 5)
     scaled = ElasticOptions(directory="run", steps=10, replica_batch_size=3)
@@ -72,40 +85,64 @@ def test_the_global_batch_is_kept_or_scaled_as_asked():
 
 
 def test_only_finished_checkpoints_are_resumed_newest_first(tmp_path):
-    for name in ("step_00000004", "step_00000012", "step_00000016.partial", "step_00000008.old", "notes"):
+    for name in (
+        "step_00000004",
+        "step_00000012",
+        "step_00000016.partial",
+        "step_00000008.old",
+        "notes",
+    ):
         (tmp_path / name).mkdir()
     for name in ("step_00000004", "step_00000012"):
         (tmp_path / name / checkpoint.METADATA_FILE).touch()
     (tmp_path / "step_00000020").mkdir()  # no shardplan.json: a save never finished there
-    assert latest_checkpoints(tmp_path) == [(12, tmp_path / "step_00000012"), (8, tmp_path / "step_00000008"),
-                                            (4, tmp_path / "step_00000004")]
+    assert latest_checkpoints(tmp_path) == [
+        (12, tmp_path / "step_00000012"),
+        (8, tmp_path / "step_00000008"),
+        (4, tmp_path / "step_00000004"),
+    ]
 
 
-@pytest.mark.parametrize("damaged, cause", [
-    ('{"step": 4, "ti', "is not valid JSON"),  # a crash mid-write
-    ("[4]", "holds no step, time and global batch"),
-    ('{"step": 4, "world_size": 1}', "holds no step, time and global batch"),
-])
+@pytest.mark.parametrize(
+    "damaged, cause",
+    [
+        ('{"step": 4, "ti', "is not valid JSON"),  # a crash mid-write
+        ("[4]", "holds no step, time and global batch"),
+        ('{"step": 4, "world_size": 1}', "holds no step, time and global batch"),
+    ],
+)
 def test_a_damaged_progress_file_is_noted_and_counts_no_steps_lost(tmp_path, damaged, cause):
     """It only feeds the log: every restart must not die on it while the checkpoints are fine."""
     (tmp_path / elastic.PROGRESS_FILE).write_text(damaged)
     lines: list[str] = []
     journal = elastic._Journal(tmp_path, lines.append)
     assert journal.last_progress is None
-    assert len(lines) == 1 and cause in lines[0] and lines[0].endswith("the log counts no steps lost")
-    journal.stepped(5, 1.0, 1, 32, 8, 0.0)  # the first step after a start reads the last start's progress
+    assert (
+        len(lines) == 1 and cause in lines[0] and lines[0].endswith("the log counts no steps lost")
+    )
+    journal.stepped(
+        5, 1.0, 1, 32, 8, 0.0
+    )  # the first step after a start reads the last start's progress
     assert json.loads((tmp_path / elastic.PROGRESS_FILE).read_text())["step"] == 5
 
 
 def test_a_run_directory_that_cannot_be_made_is_refused_before_the_rendezvous(tmp_path):
     (tmp_path / "afile").write_text("notes")
-    for directory, cause in ((tmp_path / "afile", "it is a file"), (tmp_path / "afile" / "run", "Not a directory")):
-        with pytest.raises(ShardplanError, match=f"cannot keep the run in {directory}: {cause}; give a folder"):
-            elastic.train(lambda: None, [], ElasticOptions(directory=directory, steps=1, global_batch_size=1))
+    for directory, cause in (
+        (tmp_path / "afile", "it is a file"),
+        (tmp_path / "afile" / "run", "Not a directory"),
+    ):
+        with pytest.raises(
+            ShardplanError, match=f"cannot keep the run in {directory}: {cause}; give a folder"
+        ):
+            elastic.train(
+                lambda: None, [], ElasticOptions(directory=directory, steps=1, global_batch_size=1)
+            )
     assert (tmp_path / "afile").read_text() == "notes"
 
 
 # extra state in checkpoints
+
 
 class Counter:
     """A stateful object, as an lr scheduler or a data loader is; `fail` makes its load raise."""
@@ -141,7 +178,9 @@ def extras_run(rank: int, world: int, directory: str) -> dict:
     """Save with extra state, load it back, and every refusal; rank 0's record of what happened."""
     torch.manual_seed(0)
     model = zoo.gpt().model
-    program = parallelize(model, manual_plan(model, zoo.gpt_units(zoo.GPTConfig().n_layer), dp=world))
+    program = parallelize(
+        model, manual_plan(model, zoo.gpt_units(zoo.GPTConfig().n_layer), dp=world)
+    )
     path = Path(directory) / "ckpt"
     sampler = ResumableSampler(20, seed=1)
     sampler.take(12)
@@ -166,13 +205,27 @@ def extras_run(rank: int, world: int, directory: str) -> dict:
         return "none"
 
     record["missing"] = refusal(lambda: program.load(path, extra={"scheduler": Counter()}))
-    record["unsafe"] = refusal(lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unsafe()}))
-    record["unsafe_written"] = (Path(directory) / "unsafe").exists() or (Path(directory) / "unsafe.partial").exists()
-    record["unpicklable"] = refusal(lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unpicklable()}))
-    record["unready"] = refusal(lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unready()}))
-    record["unsafe_written"] |= (Path(directory) / "unsafe").exists() or (Path(directory) / "unsafe.partial").exists()
-    record["failing_load"] = refusal(lambda: program.load(path, extra={"counter": Counter(fail=True)}))
-    record["kept_after_failing_load"] = all(torch.equal(a, b) for a, b in zip(program.parameters(), changed))
+    record["unsafe"] = refusal(
+        lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unsafe()})
+    )
+    record["unsafe_written"] = (Path(directory) / "unsafe").exists() or (
+        Path(directory) / "unsafe.partial"
+    ).exists()
+    record["unpicklable"] = refusal(
+        lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unpicklable()})
+    )
+    record["unready"] = refusal(
+        lambda: program.save(Path(directory) / "unsafe", extra={"bad": Unready()})
+    )
+    record["unsafe_written"] |= (Path(directory) / "unsafe").exists() or (
+        Path(directory) / "unsafe.partial"
+    ).exists()
+    record["failing_load"] = refusal(
+        lambda: program.load(path, extra={"counter": Counter(fail=True)})
+    )
+    record["kept_after_failing_load"] = all(
+        torch.equal(a, b) for a, b in zip(program.parameters(), changed)
+    )
     if rank == 0:
         (path / "extra.counter.pt").write_bytes(b"not the saved bytes")
     torch.distributed.barrier()
@@ -200,15 +253,24 @@ def resumes(program, run: Path) -> dict:
 
     tamper(4)
     record = {"fallback_step": elastic._resume(program, None, state, run, journal).step}
-    if torch.distributed.get_rank() == 0:  # as an older version saved it: a plan past the schema's bounds
+    if (
+        torch.distributed.get_rank() == 0
+    ):  # as an older version saved it: a plan past the schema's bounds
         file = run / "step_00000002" / checkpoint.METADATA_FILE
         metadata = json.loads(file.read_text())
         metadata["plan"]["reasoning"]["budget_bytes"] = 2**51
         file.write_text(json.dumps(metadata))
     torch.distributed.barrier()
     resumed = elastic._resume(program, None, state, run, journal)
-    journal.started(program.plan, resumed, 2, 8, 4, dict.fromkeys(
-        ("rendezvous_s", "analyze_s", "solve_s", "parallelize_s", "load_s"), 0.0), 0.0)
+    journal.started(
+        program.plan,
+        resumed,
+        2,
+        8,
+        4,
+        dict.fromkeys(("rendezvous_s", "analyze_s", "solve_s", "parallelize_s", "load_s"), 0.0),
+        0.0,
+    )
     record["unreadable_plan"] = (resumed.step, resumed.plan, lines[-2:])
     tamper(2)
     try:
@@ -239,23 +301,40 @@ def test_extra_state_round_trips_and_is_listed_in_the_manifest(extras):
 @pytest.mark.timeout(300)
 def test_extra_state_refusals_name_the_cause_and_change_nothing(extras):
     assert "holds no extra state 'scheduler'" in extras["missing"]
-    assert extras["unsafe"].startswith("CheckpointError: extra state 'bad'") and not extras["unsafe_written"]
-    assert extras["unpicklable"].startswith("CheckpointError: extra state 'bad' (Unpicklable.state_dict()) holds "
-                                            "what a checkpoint cannot store") and "pickle" in extras["unpicklable"]
-    assert extras["unready"] == ("CheckpointError: extra state 'bad': Unready.state_dict() failed (ValueError: no "
-                                 "state before the first step): mend it, or save without it")
+    assert (
+        extras["unsafe"].startswith("CheckpointError: extra state 'bad'")
+        and not extras["unsafe_written"]
+    )
+    assert (
+        extras["unpicklable"].startswith(
+            "CheckpointError: extra state 'bad' (Unpicklable.state_dict()) holds "
+            "what a checkpoint cannot store"
+        )
+        and "pickle" in extras["unpicklable"]
+    )
+    assert extras["unready"] == (
+        "CheckpointError: extra state 'bad': Unready.state_dict() failed (ValueError: no "
+        "state before the first step): mend it, or save without it"
+    )
     assert extras["failing_load"] == "ValueError: refused" and extras["kept_after_failing_load"]
-    assert extras["tampered"].startswith("CheckpointError: checkpoint file") and "extra.counter.pt" in extras["tampered"]
+    assert (
+        extras["tampered"].startswith("CheckpointError: checkpoint file")
+        and "extra.counter.pt" in extras["tampered"]
+    )
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_start_passes_over_a_damaged_newest_checkpoint_and_refuses_when_none_loads(extras):
     assert extras["fallback_step"] == 2
-    step, plan, (note, started) = extras["unreadable_plan"]  # the state loads; the log says what it lacks
+    step, plan, (note, started) = extras[
+        "unreadable_plan"
+    ]  # the state loads; the log says what it lacks
     assert step == 2 and plan is None
-    assert ("step_00000002 loaded, but the plan it records cannot be read (plan field "
-            "plan.reasoning.budget_bytes") in note
+    assert (
+        "step_00000002 loaded, but the plan it records cannot be read (plan field "
+        "plan.reasoning.budget_bytes"
+    ) in note
     assert "resumed step 2 (saved on 2 ranks, its plan unreadable); 0 step(s) lost" in started
     assert extras["none_loads"].startswith("none of the 2 checkpoint(s)")
 
@@ -272,10 +351,18 @@ def expected_losses() -> list[float]:
 
 
 def job(tmp_path: Path) -> Job:
-    return Job(tmp_path, nnodes="2:4", steps=STEPS, checkpoint_every=CHECKPOINT_EVERY, global_batch=GLOBAL_BATCH)
+    return Job(
+        tmp_path,
+        nnodes="2:4",
+        steps=STEPS,
+        checkpoint_every=CHECKPOINT_EVERY,
+        global_batch=GLOBAL_BATCH,
+    )
 
 
-def assert_one_stream_with_the_losses_of_one_process(found: list[dict], expected: list[float]) -> None:
+def assert_one_stream_with_the_losses_of_one_process(
+    found: list[dict], expected: list[float]
+) -> None:
     """Every step, replayed ones included, reads the next samples of one stream (none twice, none skipped, at
     every world size) and has the loss of an uninterrupted one-process run to TOLERANCE."""
     steps = [event for event in found if event["event"] == "step"]
@@ -286,9 +373,15 @@ def assert_one_stream_with_the_losses_of_one_process(found: list[dict], expected
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(400)  # its phases wait up to START_TIMEOUT_S each: a loaded machine starts processes slowly
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
-def test_a_4_rank_torchrun_job_loses_a_rank_to_sigkill_and_trains_on_3_replanned(tmp_path, expected_losses):
+@pytest.mark.timeout(
+    400
+)  # its phases wait up to START_TIMEOUT_S each: a loaded machine starts processes slowly
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc"
+)
+def test_a_4_rank_torchrun_job_loses_a_rank_to_sigkill_and_trains_on_3_replanned(
+    tmp_path, expected_losses
+):
     with job(tmp_path) as running:
         killed = lose_one_of_four(running)
     found = running.events()
@@ -297,11 +390,15 @@ def test_a_4_rank_torchrun_job_loses_a_rank_to_sigkill_and_trains_on_3_replanned
     shrunk = begun[-1]
     assert shrunk["mesh"] == "pp=1 dp_shard=3" and shrunk["old_mesh"] == "pp=1 dp_shard=4"
     # from the last periodic checkpoint on 4 ranks, the steps after it lost and replayed
-    last_before_kill = max(event["step"] for event in found[:found.index(shrunk)] if event["event"] == "step")
+    last_before_kill = max(
+        event["step"] for event in found[: found.index(shrunk)] if event["event"] == "step"
+    )
     assert shrunk["old_world_size"] == 4 and shrunk["resumed_step"] % CHECKPOINT_EVERY == 0
     assert shrunk["steps_lost"] == last_before_kill - shrunk["resumed_step"]
     failures = [event for event in found if event["event"] == "failed"]
-    assert failures and failures[-1]["step"] == last_before_kill + 1  # rank 0 saw its next step fail
+    assert (
+        failures and failures[-1]["step"] == last_before_kill + 1
+    )  # rank 0 saw its next step fail
     breakdown = restart_breakdown(found, running.logs_text(), killed)
     parts = sum(seconds for name, seconds in breakdown.items() if name != "total_s")
     assert min(breakdown.values()) >= 0 and abs(parts - breakdown["total_s"]) < 0.5, breakdown
@@ -310,13 +407,19 @@ def test_a_4_rank_torchrun_job_loses_a_rank_to_sigkill_and_trains_on_3_replanned
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc"
+)
 def test_a_2_rank_torchrun_job_grows_to_4_replanned_losing_no_step(tmp_path, expected_losses):
     with job(tmp_path) as running:
         running.start(2)
-        running.wait_for(lambda: running.progress()["world_size"] == 2 and running.progress()["step"] >= 2,
-                         "steps on 2 ranks")
-        running.pace(0.5)  # 3 s a step on 2 ranks: the job is mid-way when the new nodes join, however slowly they start
+        running.wait_for(
+            lambda: running.progress()["world_size"] == 2 and running.progress()["step"] >= 2,
+            "steps on 2 ranks",
+        )
+        running.pace(
+            0.5
+        )  # 3 s a step on 2 ranks: the job is mid-way when the new nodes join, however slowly they start
         running.start(2)
         running.wait_for(lambda: running.progress()["world_size"] == 4, "a step on 4 ranks")
         running.finish()
@@ -324,8 +427,17 @@ def test_a_2_rank_torchrun_job_grows_to_4_replanned_losing_no_step(tmp_path, exp
     begun = running.starts()
     sizes = [start["world_size"] for start in begun]
     assert sizes[0] == 2 and sizes[-1] == 4 and sizes == sorted(sizes), begun
-    assert begun[-1]["mesh"] == "pp=1 dp_shard=4" and begun[-1]["replica_batch"] == GLOBAL_BATCH // 4
+    assert (
+        begun[-1]["mesh"] == "pp=1 dp_shard=4" and begun[-1]["replica_batch"] == GLOBAL_BATCH // 4
+    )
     # torchrun's SIGTERM made the workers checkpoint their last step at each grow, so nothing was lost
     assert all(start["steps_lost"] == 0 and start["resumed_step"] > 0 for start in begun[1:])
-    assert {"startup_s", "analyze_s", "solve_s", "load_s", "old_predicted_step_s", "predicted_step_s"} <= set(begun[-1])
+    assert {
+        "startup_s",
+        "analyze_s",
+        "solve_s",
+        "load_s",
+        "old_predicted_step_s",
+        "predicted_step_s",
+    } <= set(begun[-1])
     assert_one_stream_with_the_losses_of_one_process(found, expected_losses)

@@ -1,4 +1,5 @@
 """The examples run as the README and their docstrings say (torchrun, 2 CPU ranks)."""
+
 import json
 import math
 import os
@@ -22,10 +23,33 @@ def _run(command: list[str], cwd: Path) -> str:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_train_gpt_under_torchrun(tmp_path):
-    _run([sys.executable, "-m", "shardplan.cli", "plan", "gpt", "--world-size", "2", "--hardware", "cpu-gloo",
-          "--no-pipeline", "-o", "plan.json"], tmp_path)
-    assert json.loads((tmp_path / "plan.json").read_text())["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "pp": 1, "tp": 1}
-    out = _run(TORCHRUN + [str(ROOT / "examples" / "train_gpt.py"), "--plan", "plan.json", "--steps", "3"], tmp_path)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "shardplan.cli.main",
+            "plan",
+            "gpt",
+            "--world-size",
+            "2",
+            "--hardware",
+            "cpu-gloo",
+            "--no-pipeline",
+            "-o",
+            "plan.json",
+        ],
+        tmp_path,
+    )
+    assert json.loads((tmp_path / "plan.json").read_text())["mesh"] == {
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "pp": 1,
+        "tp": 1,
+    }
+    out = _run(
+        TORCHRUN + [str(ROOT / "examples" / "train_gpt.py"), "--plan", "plan.json", "--steps", "3"],
+        tmp_path,
+    )
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0]
 
@@ -34,18 +58,44 @@ def test_train_gpt_under_torchrun(tmp_path):
 @pytest.mark.timeout(300)
 def test_train_gpt_pipelined_from_meta_under_torchrun(tmp_path):
     # 3 MiB a rank: there two stages train faster per sample than data parallelism does (it must recompute)
-    _run([sys.executable, "-m", "shardplan.cli", "plan", "gpt", "--world-size", "2", "--hardware", "cpu-gloo",
-          "--memory-budget", "3MiB", "-o", "plan.json"], tmp_path)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "shardplan.cli.main",
+            "plan",
+            "gpt",
+            "--world-size",
+            "2",
+            "--hardware",
+            "cpu-gloo",
+            "--memory-budget",
+            "3MiB",
+            "-o",
+            "plan.json",
+        ],
+        tmp_path,
+    )
     assert json.loads((tmp_path / "plan.json").read_text())["mesh"]["pp"] == 2
-    out = _run(TORCHRUN + [str(ROOT / "examples" / "train_gpt.py"), "--plan", "plan.json", "--steps", "4"], tmp_path)
+    out = _run(
+        TORCHRUN + [str(ROOT / "examples" / "train_gpt.py"), "--plan", "plan.json", "--steps", "4"],
+        tmp_path,
+    )
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
-    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    assert (
+        len(losses) == 4 and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    )
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_plan_and_train_a_hugging_face_model_from_its_config(tmp_path):
     script = str(ROOT / "examples" / "plan_hf_model.py")
-    assert "wrote plan.json" in _run([sys.executable, script, "--world-size", "2", "-o", "plan.json"], tmp_path)
-    out = _run(TORCHRUN + [script, "--world-size", "2", "-o", "plan.json", "--train", "--steps", "2"], tmp_path)
+    assert "wrote plan.json" in _run(
+        [sys.executable, script, "--world-size", "2", "-o", "plan.json"], tmp_path
+    )
+    out = _run(
+        TORCHRUN + [script, "--world-size", "2", "-o", "plan.json", "--train", "--steps", "2"],
+        tmp_path,
+    )
     assert out.count("step ") == 2

@@ -7,19 +7,19 @@ parallelism on both; GPT-2 with its tied head and embedding on different stages;
 a checkpoint saved on dp 2 × pp 2 resumed on backend "shardplan" at dp 4 and back; rank 0 returns the
 records the tests read.
 """
+
 import copy
 import tempfile
 
 import pytest
 import torch
+from parity import ADAMW, assert_parity, spawn_world, train_next_to_reference
+from test_mesh_runtime import MODELS as MESH_MODELS
+from test_pipeline import MODELS as PIPELINE_MODELS
 
 from shardplan.plan import Checkpoint, ShardStrategy
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
-
-from parity import ADAMW, assert_parity, spawn_world, train_next_to_reference
-from test_mesh_runtime import MODELS as MESH_MODELS
-from test_pipeline import MODELS as PIPELINE_MODELS
 
 STEPS = 2
 WORLD = 4
@@ -30,26 +30,59 @@ which at pp 2 sit on different stages."""
 
 CASES = {
     # the second step takes 2 samples a replica where 4 were planned (an epoch's last batch)
-    "gpt_dp2_pp2_1f1b_smaller": {"model": "gpt", "mesh": dict(dp=2, pp=2), "schedule": "1f1b", "micro_batches": 2,
-                                 "strategies": (ShardStrategy.FULL_SHARD,), "clip": 0.05, "replica_batches": (4, 2)},
+    "gpt_dp2_pp2_1f1b_smaller": {
+        "model": "gpt",
+        "mesh": dict(dp=2, pp=2),
+        "schedule": "1f1b",
+        "micro_batches": 2,
+        "strategies": (ShardStrategy.FULL_SHARD,),
+        "clip": 0.05,
+        "replica_batches": (4, 2),
+    },
     # checkpointed units recompute inside their FSDP2 group's forward, gathered by its pre-backward hook
-    "llama_dp2_pp2_gpipe": {"model": "llama", "mesh": dict(dp=2, pp=2), "schedule": "gpipe", "micro_batches": 2,
-                            "strategies": (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
-                            "checkpoints": (Checkpoint.SELECTIVE, Checkpoint.FULL), "clip": 0.05},
+    "llama_dp2_pp2_gpipe": {
+        "model": "llama",
+        "mesh": dict(dp=2, pp=2),
+        "schedule": "gpipe",
+        "micro_batches": 2,
+        "strategies": (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
+        "checkpoints": (Checkpoint.SELECTIVE, Checkpoint.FULL),
+        "clip": 0.05,
+    },
     # sequence parallel norms see half the tokens: their gradients are summed over tp after FSDP2 reduces them
-    "gpt_tp2_pp2_sp_vocab": {"model": "gpt", "mesh": dict(dp=1, tp=2, pp=2, sequence_parallel=True,
-                                                          vocab_parallel=True),
-                             "schedule": "1f1b", "micro_batches": 2, "strategies": (ShardStrategy.FULL_SHARD,),
-                             "clip": 0.05},
-    "llama_tp2_pp2_sp_vocab": {"model": "llama", "mesh": dict(dp=1, tp=2, pp=2, sequence_parallel=True,
-                                                              vocab_parallel=True),
-                               "schedule": "1f1b", "micro_batches": 2, "strategies": (ShardStrategy.FULL_SHARD,),
-                               "clip": 0.05},
+    "gpt_tp2_pp2_sp_vocab": {
+        "model": "gpt",
+        "mesh": dict(dp=1, tp=2, pp=2, sequence_parallel=True, vocab_parallel=True),
+        "schedule": "1f1b",
+        "micro_batches": 2,
+        "strategies": (ShardStrategy.FULL_SHARD,),
+        "clip": 0.05,
+    },
+    "llama_tp2_pp2_sp_vocab": {
+        "model": "llama",
+        "mesh": dict(dp=1, tp=2, pp=2, sequence_parallel=True, vocab_parallel=True),
+        "schedule": "1f1b",
+        "micro_batches": 2,
+        "strategies": (ShardStrategy.FULL_SHARD,),
+        "clip": 0.05,
+    },
     # the head's stage holds a copy of the embedding's unit, in the head's FSDP2 group
-    "gpt2-tied_dp2_pp2": {"model": "gpt2-tied", "mesh": dict(dp=2, pp=2), "schedule": "1f1b", "micro_batches": 2,
-                          "strategies": (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP), "clip": 0.05},
-    "gpt_hsdp2_pp2": {"model": "gpt", "mesh": dict(dp=1, dp_replicate=2, pp=2), "schedule": "gpipe",
-                      "micro_batches": 2, "strategies": (ShardStrategy.SHARD_GRAD_OP,), "clip": 0.05},
+    "gpt2-tied_dp2_pp2": {
+        "model": "gpt2-tied",
+        "mesh": dict(dp=2, pp=2),
+        "schedule": "1f1b",
+        "micro_batches": 2,
+        "strategies": (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
+        "clip": 0.05,
+    },
+    "gpt_hsdp2_pp2": {
+        "model": "gpt",
+        "mesh": dict(dp=1, dp_replicate=2, pp=2),
+        "schedule": "gpipe",
+        "micro_batches": 2,
+        "strategies": (ShardStrategy.SHARD_GRAD_OP,),
+        "clip": 0.05,
+    },
 }
 
 
@@ -57,8 +90,12 @@ def _batches(model: str, replicas: int, sizes: tuple[int, ...]) -> list[torch.Te
     """A whole batch of `replicas` × size samples for each step."""
     entry = MODELS[model][0](1)
     seq, vocab = entry.args[0].shape[1], entry.model.config.vocab_size
-    return [torch.randint(0, vocab, (size * replicas, seq), generator=torch.Generator().manual_seed(step))
-            for step, size in enumerate(sizes)]
+    return [
+        torch.randint(
+            0, vocab, (size * replicas, seq), generator=torch.Generator().manual_seed(step)
+        )
+        for step, size in enumerate(sizes)
+    ]
 
 
 def _program(model: str, mesh: dict, backend: str = "fsdp2", replica_batch: int = 4, **options):
@@ -69,20 +106,35 @@ def _program(model: str, mesh: dict, backend: str = "fsdp2", replica_batch: int 
     replicas = mesh["dp"] * mesh.get("dp_replicate", 1)
     example = _batches(model, replicas, (replica_batch,))[0].chunk(replicas)[0]
     copied = copy.deepcopy(reference)
-    plan = manual_plan(copied, units, example_inputs=(example,), example_kwargs={"labels": example}, **mesh,
-                       **options)
+    plan = manual_plan(
+        copied,
+        units,
+        example_inputs=(example,),
+        example_kwargs={"labels": example},
+        **mesh,
+        **options,
+    )
     return parallelize(copied, plan, backend=backend), reference
 
 
 def run_case(rank: int, case: dict) -> dict:
     """Train the case's model on its mesh next to one process on the whole batch (see train_next_to_reference)."""
-    program, reference = _program(case["model"], case["mesh"], strategies=case["strategies"],
-                                  checkpoints=case.get("checkpoints", (Checkpoint.NONE,)),
-                                  micro_batches=case["micro_batches"], schedule=case["schedule"])
+    program, reference = _program(
+        case["model"],
+        case["mesh"],
+        strategies=case["strategies"],
+        checkpoints=case.get("checkpoints", (Checkpoint.NONE,)),
+        micro_batches=case["micro_batches"],
+        schedule=case["schedule"],
+    )
     replicas, replica = program.plan.mesh.dp, program.plan.mesh.replica_of(rank)
     batches = _batches(case["model"], replicas, case.get("replica_batches", (4,) * STEPS))
-    return train_next_to_reference(program, reference, [(ids.chunk(replicas)[replica], ids) for ids in batches],
-                                   clip=case.get("clip"))
+    return train_next_to_reference(
+        program,
+        reference,
+        [(ids.chunk(replicas)[replica], ids) for ids in batches],
+        clip=case.get("clip"),
+    )
 
 
 def resume_across_backends(rank: int, directory: str) -> dict:
@@ -90,8 +142,12 @@ def resume_across_backends(rank: int, directory: str) -> dict:
     checkpoint and takes the first of them; fsdp2 dp 2 × pp 2 loads what it saved and takes the second:
     each must give the loss of the unbroken run."""
     batches = _batches("gpt", 4, (2, 2, 2))
-    pipelined = dict(mesh=dict(dp=2, pp=2), micro_batches=2, schedule="1f1b",
-                     strategies=(ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP))
+    pipelined = dict(
+        mesh=dict(dp=2, pp=2),
+        micro_batches=2,
+        schedule="1f1b",
+        strategies=(ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
+    )
 
     def train(program, optimizer, steps: list[torch.Tensor]) -> list[float]:
         losses = []
@@ -121,8 +177,10 @@ def resume_across_backends(rank: int, directory: str) -> dict:
 
 
 def run_world(rank: int, world: int, directory: str) -> dict:
-    return {"cases": {name: run_case(rank, case) for name, case in CASES.items()},
-            "resume": resume_across_backends(rank, directory)}
+    return {
+        "cases": {name: run_case(rank, case) for name, case in CASES.items()},
+        "resume": resume_across_backends(rank, directory),
+    }
 
 
 @pytest.fixture(scope="module")

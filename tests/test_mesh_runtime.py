@@ -5,35 +5,49 @@ pp 2 on the zoo GPT and a tiny Hugging Face LLaMA, HSDP under a 2-stage pipeline
 process on the whole batch), then a checkpoint saved on tp 2 × dp 2 resumed on dp 4 and on HSDP,
 and one saved on tp 2 × pp 2 resumed on tp 2 × dp 2 and dp 4, which must continue the same losses.
 """
+
 import copy
 import dataclasses
 import tempfile
 
 import pytest
 import torch
+from parity import ADAMW, assert_parity, spawn_world, train_next_to_reference
 
-from shardplan import zoo
 from shardplan.errors import ShardplanError
+from shardplan.models import zoo
 from shardplan.plan import Checkpoint, ShardStrategy
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
-
-from parity import ADAMW, assert_parity, spawn_world, train_next_to_reference
 
 STEPS = 3
 WORLD = 4
 
 MODELS = {
-    "gpt": (lambda batch: zoo.gpt(zoo.GPTConfig(n_layer=2), batch=batch),
-            [("wte", "wpe"), ("h.0",), ("h.1",), ("ln_f", "lm_head")]),
-    "llama": (lambda batch: zoo.hf_llama(n_layer=2, d_model=64, ffn=128, heads=4, kv_heads=2, vocab=128,
-                                         batch=batch, seq=16),
-              [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
+    "gpt": (
+        lambda batch: zoo.gpt(zoo.GPTConfig(n_layer=2), batch=batch),
+        [("wte", "wpe"), ("h.0",), ("h.1",), ("ln_f", "lm_head")],
+    ),
+    "llama": (
+        lambda batch: zoo.hf_llama(
+            n_layer=2, d_model=64, ffn=128, heads=4, kv_heads=2, vocab=128, batch=batch, seq=16
+        ),
+        [
+            ("model.embed_tokens",),
+            ("model.layers.0",),
+            ("model.layers.1",),
+            ("model.norm", "lm_head"),
+        ],
+    ),
 }
 """Per model: its builder (batch size → zoo entry) and its units."""
 
-STRATEGIES = (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP, ShardStrategy.SHARD_OPTIMIZER,
-              ShardStrategy.REPLICATE)
+STRATEGIES = (
+    ShardStrategy.FULL_SHARD,
+    ShardStrategy.SHARD_GRAD_OP,
+    ShardStrategy.SHARD_OPTIMIZER,
+    ShardStrategy.REPLICATE,
+)
 """Every unit kind in one plan: reduce-scattered (then all-reduced over replicas), and all-reduced over dp."""
 
 MESHES = {
@@ -46,15 +60,25 @@ MESHES = {
 
 
 def _plan(model, name: str, mesh: dict, ids: torch.Tensor, **options):
-    return manual_plan(model, MODELS[name][1], example_inputs=(ids,), example_kwargs={"labels": ids},
-                       **mesh, **options)
+    return manual_plan(
+        model,
+        MODELS[name][1],
+        example_inputs=(ids,),
+        example_kwargs={"labels": ids},
+        **mesh,
+        **options,
+    )
 
 
 def _batches(entry, replicas: int, steps: int, first: int = 0) -> list[torch.Tensor]:
     batch, seq = entry.args[0].shape
     vocab = entry.model.config.vocab_size
-    return [torch.randint(0, vocab, (batch * replicas, seq), generator=torch.Generator().manual_seed(step))
-            for step in range(first, first + steps)]
+    return [
+        torch.randint(
+            0, vocab, (batch * replicas, seq), generator=torch.Generator().manual_seed(step)
+        )
+        for step in range(first, first + steps)
+    ]
 
 
 def run_case(rank: int, case: dict) -> dict:
@@ -63,9 +87,16 @@ def run_case(rank: int, case: dict) -> dict:
     torch.manual_seed(0)
     entry = build(2)
     reference, model = entry.model, copy.deepcopy(entry.model)
-    plan = _plan(model, case["model"], case["mesh"], entry.args[0], strategies=case["strategies"],
-                 checkpoints=case.get("checkpoints", (Checkpoint.NONE,)),
-                 micro_batches=case.get("micro_batches", 1), schedule=case.get("schedule", "gpipe"))
+    plan = _plan(
+        model,
+        case["model"],
+        case["mesh"],
+        entry.args[0],
+        strategies=case["strategies"],
+        checkpoints=case.get("checkpoints", (Checkpoint.NONE,)),
+        micro_batches=case.get("micro_batches", 1),
+        schedule=case.get("schedule", "gpipe"),
+    )
     program = parallelize(model, plan, backend=case.get("backend", "shardplan"))
     replicas, replica = plan.mesh.dp, plan.mesh.replica_of(rank)
     batches = [(ids.chunk(replicas)[replica], ids) for ids in _batches(entry, replicas, STEPS)]
@@ -73,9 +104,18 @@ def run_case(rank: int, case: dict) -> dict:
 
 
 RESUMES = {
-    "tp2_dp2": ("tp2_dp2_sp_vocab", {"dp4": (dict(dp=4), "shardplan"), "hsdp2x2": (MESHES["hsdp2x2"], "shardplan"),
-                                     "hsdp2x2_fsdp2": (MESHES["hsdp2x2"], "fsdp2")}),
-    "tp2_pp2": ("tp2_pp2_sp_vocab", {"tp2_dp2": (MESHES["tp2_dp2"], "shardplan"), "dp4": (dict(dp=4), "shardplan")}),
+    "tp2_dp2": (
+        "tp2_dp2_sp_vocab",
+        {
+            "dp4": (dict(dp=4), "shardplan"),
+            "hsdp2x2": (MESHES["hsdp2x2"], "shardplan"),
+            "hsdp2x2_fsdp2": (MESHES["hsdp2x2"], "fsdp2"),
+        },
+    ),
+    "tp2_pp2": (
+        "tp2_pp2_sp_vocab",
+        {"tp2_dp2": (MESHES["tp2_dp2"], "shardplan"), "dp4": (dict(dp=4), "shardplan")},
+    ),
 }
 """Per resume: the mesh the checkpoint is saved on (backend "shardplan") and the meshes and backends it resumes on."""
 
@@ -91,8 +131,14 @@ def resume_across_meshes(rank: int, directory: str, saved_on: str, resumed_on: d
     def program_on(mesh: dict, backend: str = "shardplan"):
         model = copy.deepcopy(entry.model)
         replicas = mesh["dp"] * mesh.get("dp_replicate", 1)
-        plan = _plan(model, "llama", mesh, batches[0].chunk(replicas)[0], strategies=STRATEGIES,
-                     micro_batches=mesh.get("pp", 1))
+        plan = _plan(
+            model,
+            "llama",
+            mesh,
+            batches[0].chunk(replicas)[0],
+            strategies=STRATEGIES,
+            micro_batches=mesh.get("pp", 1),
+        )
         program = parallelize(model, plan, backend=backend)
         return program, torch.optim.AdamW(program.parameters(), **ADAMW)
 
@@ -115,11 +161,16 @@ def resume_across_meshes(rank: int, directory: str, saved_on: str, resumed_on: d
     for name, (mesh, backend) in resumed_on.items():
         program, optimizer = program_on(mesh, backend)
         program.load(f"{directory}/{saved_on}", optimizer)
-        resumed[name] = max(abs(a - b) for a, b in zip(train(program, optimizer, batches[2:]), unbroken))
+        resumed[name] = max(
+            abs(a - b) for a, b in zip(train(program, optimizer, batches[2:]), unbroken)
+        )
     names = sorted(exported) if rank == 0 else []
     shapes = {name: list(exported[name].shape) for name in names}
-    return {"loss_error": resumed, "exported_shapes": shapes,
-            "model_shapes": {name: list(p.shape) for name, p in entry.model.state_dict().items()}}
+    return {
+        "loss_error": resumed,
+        "exported_shapes": shapes,
+        "model_shapes": {name: list(p.shape) for name, p in entry.model.state_dict().items()},
+    }
 
 
 def refusals(rank: int) -> dict:
@@ -127,8 +178,12 @@ def refusals(rank: int) -> dict:
     found = {}
     entry = MODELS["gpt"][0](2)
     plan = _plan(entry.model, "gpt", MESHES["tp2_dp2"], entry.args[0])
-    edited = dataclasses.replace(plan, tensor_parallel=dataclasses.replace(
-        plan.tensor_parallel, sharded=plan.tensor_parallel.sharded[1:]))
+    edited = dataclasses.replace(
+        plan,
+        tensor_parallel=dataclasses.replace(
+            plan.tensor_parallel, sharded=plan.tensor_parallel.sharded[1:]
+        ),
+    )
     try:
         parallelize(entry.model, edited)
     except ShardplanError as error:
@@ -137,31 +192,74 @@ def refusals(rank: int) -> dict:
 
 
 CASES = {
-    **{f"{model}_{mesh}": {"model": model, "mesh": MESHES[mesh], "strategies": STRATEGIES, "clip": 0.05}
-       for model, mesh in (("gpt", "tp2_dp2"), ("gpt", "hsdp2x2"), ("llama", "tp2_dp2_sp_vocab"),
-                           ("llama", "hsdp2x2"))},
+    **{
+        f"{model}_{mesh}": {
+            "model": model,
+            "mesh": MESHES[mesh],
+            "strategies": STRATEGIES,
+            "clip": 0.05,
+        }
+        for model, mesh in (
+            ("gpt", "tp2_dp2"),
+            ("gpt", "hsdp2x2"),
+            ("llama", "tp2_dp2_sp_vocab"),
+            ("llama", "hsdp2x2"),
+        )
+    },
     "gpt_tp2_dp2_sp_vocab_micro_batches_checkpointed": {
-        "model": "gpt", "mesh": MESHES["tp2_dp2_sp_vocab"], "strategies": STRATEGIES, "micro_batches": 2,
-        "checkpoints": (Checkpoint.FULL, Checkpoint.SELECTIVE), "clip": 0.05},
-    "gpt_pp2_hsdp2": {"model": "gpt", "mesh": dict(dp=1, dp_replicate=2, pp=2), "strategies": STRATEGIES,
-                      "micro_batches": 2, "clip": 0.05},
+        "model": "gpt",
+        "mesh": MESHES["tp2_dp2_sp_vocab"],
+        "strategies": STRATEGIES,
+        "micro_batches": 2,
+        "checkpoints": (Checkpoint.FULL, Checkpoint.SELECTIVE),
+        "clip": 0.05,
+    },
+    "gpt_pp2_hsdp2": {
+        "model": "gpt",
+        "mesh": dict(dp=1, dp_replicate=2, pp=2),
+        "strategies": STRATEGIES,
+        "micro_batches": 2,
+        "clip": 0.05,
+    },
     # tp inside pipeline stages: 1F1B over checkpointed units on GPT, sequence and vocab parallel LLaMA
-    "gpt_tp2_pp2_1f1b_checkpointed": {"model": "gpt", "mesh": MESHES["tp2_pp2"], "strategies": STRATEGIES,
-                                      "micro_batches": 2, "schedule": "1f1b",
-                                      "checkpoints": (Checkpoint.FULL, Checkpoint.SELECTIVE), "clip": 0.05},
-    "llama_tp2_pp2_sp_vocab": {"model": "llama", "mesh": MESHES["tp2_pp2_sp_vocab"], "strategies": STRATEGIES,
-                               "micro_batches": 2, "clip": 0.05},
+    "gpt_tp2_pp2_1f1b_checkpointed": {
+        "model": "gpt",
+        "mesh": MESHES["tp2_pp2"],
+        "strategies": STRATEGIES,
+        "micro_batches": 2,
+        "schedule": "1f1b",
+        "checkpoints": (Checkpoint.FULL, Checkpoint.SELECTIVE),
+        "clip": 0.05,
+    },
+    "llama_tp2_pp2_sp_vocab": {
+        "model": "llama",
+        "mesh": MESHES["tp2_pp2_sp_vocab"],
+        "strategies": STRATEGIES,
+        "micro_batches": 2,
+        "clip": 0.05,
+    },
     # FSDP2 has no ZeRO-1 or DDP unit: the first two strategies
-    **{f"{model}_{mesh}_fsdp2": {"model": model, "mesh": MESHES[mesh], "strategies": STRATEGIES[:2], "clip": 0.05,
-                                 "backend": "fsdp2"}
-       for model, mesh in (("gpt", "tp2_dp2_sp_vocab"), ("llama", "hsdp2x2"))},
+    **{
+        f"{model}_{mesh}_fsdp2": {
+            "model": model,
+            "mesh": MESHES[mesh],
+            "strategies": STRATEGIES[:2],
+            "clip": 0.05,
+            "backend": "fsdp2",
+        }
+        for model, mesh in (("gpt", "tp2_dp2_sp_vocab"), ("llama", "hsdp2x2"))
+    },
 }
 
 
 def run_world(rank: int, world: int, directory: str) -> dict:
-    return {"cases": {name: run_case(rank, case) for name, case in CASES.items()},
-            "resume": {saved: resume_across_meshes(rank, directory, *how) for saved, how in RESUMES.items()},
-            "refusals": refusals(rank)}
+    return {
+        "cases": {name: run_case(rank, case) for name, case in CASES.items()},
+        "resume": {
+            saved: resume_across_meshes(rank, directory, *how) for saved, how in RESUMES.items()
+        },
+        "refusals": refusals(rank),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +273,9 @@ def test_tp_and_hsdp_train_like_one_process(results):
 
 
 @pytest.mark.parametrize("saved", RESUMES)
-def test_a_checkpoint_of_a_tp_mesh_resumes_on_other_meshes_and_backends_with_the_same_losses(results, saved):
+def test_a_checkpoint_of_a_tp_mesh_resumes_on_other_meshes_and_backends_with_the_same_losses(
+    results, saved
+):
     resume = results["resume"][saved]
     assert set(resume["loss_error"]) == set(RESUMES[saved][1])
     assert all(error <= 1e-5 for error in resume["loss_error"].values()), resume["loss_error"]
@@ -184,5 +284,7 @@ def test_a_checkpoint_of_a_tp_mesh_resumes_on_other_meshes_and_backends_with_the
 
 def test_unsupported_meshes_and_foreign_layouts_are_refused(results):
     found = results["refusals"]
-    assert found["layout"].startswith("the plan slices other modules over tp than this model offers (1 differ, "
-                                      "first: 'h.0.attn.qkv')")
+    assert found["layout"].startswith(
+        "the plan slices other modules over tp than this model offers (1 differ, "
+        "first: 'h.0.attn.qkv')"
+    )

@@ -1,21 +1,33 @@
 """Front end: capture and analysis passes against eager measurement."""
+
 import dataclasses
 
 import pytest
 import torch
 
-from shardplan import CaptureError, zoo
-from shardplan.accuracy import hf_workload
-from shardplan.chain import OpKind, merge_op_kinds
-from shardplan.op_factors import time_op_calls_s
-from shardplan.passes import analyze, fingerprint_of
-from shardplan.passes.blocks import block_name
-from shardplan.passes.execution import flop_counter
+from shardplan import CaptureError
+from shardplan.calibration.accuracy import hf_workload
+from shardplan.costmodel.op_factors import time_op_calls_s
+from shardplan.frontend.chain import OpKind, merge_op_kinds
+from shardplan.frontend.passes import analyze, fingerprint_of
+from shardplan.frontend.passes.blocks import block_name
+from shardplan.frontend.passes.execution import flop_counter
+from shardplan.models import zoo
 from shardplan.plan import Checkpoint
 from shardplan.runtime.activation_checkpoint import checkpointed
 from shardplan.runtime.measure import forward_activation_bytes
 
-SMALL = ["gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama", "hf-bert", "hf-t5", "hf-mixtral"]
+SMALL = [
+    "gpt",
+    "mlp",
+    "cnn",
+    "encoder-decoder",
+    "hf-gpt2",
+    "hf-llama",
+    "hf-bert",
+    "hf-t5",
+    "hf-mixtral",
+]
 
 
 def _loss(output):
@@ -30,7 +42,9 @@ def test_flops_and_parameter_bytes_match_eager(name):
         _loss(entry.model(*entry.args, **entry.kwargs)).backward()
     assert chain.fwd_flops + chain.bwd_flops == pytest.approx(counter.get_total_flops(), rel=0.01)
     assert chain.param_bytes == sum(p.numel() * p.element_size() for p in entry.model.parameters())
-    assert sorted(p for b in chain.blocks for p in b.param_names) == sorted(n for n, _ in entry.model.named_parameters())
+    assert sorted(p for b in chain.blocks for p in b.param_names) == sorted(
+        n for n, _ in entry.model.named_parameters()
+    )
 
 
 @pytest.mark.parametrize("name", SMALL)
@@ -49,10 +63,14 @@ def test_checkpointed_activation_bytes_match_mem_tracker(name):
     sum at the model's root reads, is not kept; a loss's saved bytes at the root are)."""
     entry = zoo.build(name)
     chain = analyze(entry.model, entry.args, entry.kwargs)
-    for module in (entry.model.get_submodule(path) for block in chain.blocks for path in block.modules):
+    for module in (
+        entry.model.get_submodule(path) for block in chain.blocks for path in block.modules
+    ):
         module.forward = checkpointed(module.forward, Checkpoint.FULL)
     measured = forward_activation_bytes(entry.model, entry.args, entry.kwargs)
-    assert sum(b.input_bytes for b in chain.blocks) + chain.returned_bytes == pytest.approx(measured, rel=0.005)
+    assert sum(b.input_bytes for b in chain.blocks) + chain.returned_bytes == pytest.approx(
+        measured, rel=0.005
+    )
 
 
 def test_gpt_blocks_follow_its_modules():
@@ -61,14 +79,25 @@ def test_gpt_blocks_follow_its_modules():
     assert [b.name for b in chain.blocks] == ["wte", "wpe", "h.0", "h.1", "h.2", "ln_f", "lm_head"]
     layers = chain.blocks[2:5]
     assert len({(b.param_bytes, b.fwd_flops, b.bwd_flops, b.saved_bytes) for b in layers}) == 1
-    assert chain.blocks[-1].bwd_flops == 2 * chain.blocks[-1].fwd_flops  # a linear layer: input and weight grads
+    assert (
+        chain.blocks[-1].bwd_flops == 2 * chain.blocks[-1].fwd_flops
+    )  # a linear layer: input and weight grads
     assert all(b.input_bytes > 0 for b in chain.blocks[1:])
     assert chain.skip_edges == ()
     # a layer's forward by op: 4 linear layers, attention, GELU, 2 norms, 2 residual adds
     assert {k.name: k.calls for k in layers[0].fwd_kinds} == {
-        "addmm": 4, "_scaled_dot_product_flash_attention_for_cpu": 1, "gelu": 1, "native_layer_norm": 2, "add": 2}
+        "addmm": 4,
+        "_scaled_dot_product_flash_attention_for_cpu": 1,
+        "gelu": 1,
+        "native_layer_norm": 2,
+        "add": 2,
+    }
     # the linear layers read their weights and biases: bytes every micro-batch reads whole
-    linear_bytes = sum(p.numel() * p.element_size() for n, p in entry.model.h[0].named_parameters() if "ln" not in n)
+    linear_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in entry.model.h[0].named_parameters()
+        if "ln" not in n
+    )
     assert next(k for k in layers[0].fwd_kinds if k.name == "addmm").weight_bytes == linear_bytes
 
 
@@ -76,7 +105,9 @@ def test_a_block_names_the_parameter_gradients_made_before_its_backward_peak():
     """GPT-2's layer peaks in its MLP's GELU backward (tanh approximation), after its output projection's
     backward made that projection's weight and bias gradients (benchmarks/probe_rank_peak.py); the demo
     GPT's layer peaks in its first backward op, its MLP's output linear."""
-    gpt2 = zoo.hf_gpt2(d_model=256, batch=4, seq=128)  # bench_hf_memory.py's layer (its activations 0.5 MiB)
+    gpt2 = zoo.hf_gpt2(
+        d_model=256, batch=4, seq=128
+    )  # bench_hf_memory.py's layer (its activations 0.5 MiB)
     chain = analyze(gpt2.model, gpt2.args, gpt2.kwargs)
     layers = [b for b in chain.blocks if ".h." in b.name]
     projection = gpt2.model.transformer.h[0].mlp.c_proj
@@ -92,17 +123,34 @@ def test_selective_recompute_drops_the_kept_outputs_autograd_does_not_save():
     not save (the rotary embedding and the residual add read them); its recompute takes them out of the
     checkpoint's cache and drops them. The down projection's output is not replayed: the recompute stops
     at the op that saves the layer's last tensor, that projection's input (benchmarks/probe_rank_peak.py sees these three freed, 1.25 MiB)."""
-    entry = hf_workload("llama").build()  # hidden 256, 2 key-value heads of 4: keys 128 wide; 4 x 128 tokens
-    layers = [b for b in analyze(entry.model, entry.args, entry.kwargs).blocks if ".layers." in b.name]
+    entry = hf_workload(
+        "llama"
+    ).build()  # hidden 256, 2 key-value heads of 4: keys 128 wide; 4 x 128 tokens
+    layers = [
+        b for b in analyze(entry.model, entry.args, entry.kwargs).blocks if ".layers." in b.name
+    ]
     tokens = 4 * 128
-    assert [b.selective_dropped_bytes for b in layers] == [4 * tokens * (256 + 128 + 256)] * 4 == [1_310_720] * 4
+    assert (
+        [b.selective_dropped_bytes for b in layers]
+        == [4 * tokens * (256 + 128 + 256)] * 4
+        == [1_310_720] * 4
+    )
     # Falcon's attention runs as math inside one node: its scores (4 heads x 128 x 128 a sequence), kept as a
     # matmul output that node neither returns nor saves, are dropped too, beside its fused query-key-value,
     # context and output projections (probe_rank_peak.py --model falcon: 2.75 MiB freed)
     entry = hf_workload("falcon").build()
     layers = [b for b in analyze(entry.model, entry.args, entry.kwargs).blocks if ".h." in b.name]
-    scores, fused, context, dense = 4 * 4 * 4 * 128 * 128, 4 * tokens * 384, 4 * tokens * 256, 4 * tokens * 256
-    assert [b.selective_dropped_bytes for b in layers] == [scores + fused + context + dense] * 4 == [2_883_584] * 4
+    scores, fused, context, dense = (
+        4 * 4 * 4 * 128 * 128,
+        4 * tokens * 384,
+        4 * tokens * 256,
+        4 * tokens * 256,
+    )
+    assert (
+        [b.selective_dropped_bytes for b in layers]
+        == [scores + fused + context + dense] * 4
+        == [2_883_584] * 4
+    )
 
 
 def test_a_matmul_output_a_block_keeps_as_its_input_is_counted_once():
@@ -110,9 +158,16 @@ def test_a_matmul_output_a_block_keeps_as_its_input_is_counted_once():
     which the block keeps as its input (input_bytes) and selective checkpointing keeps as a matmul output:
     one tensor, 0.5 MiB."""
     entry = hf_workload("roberta").build()
-    dense = next(b for b in analyze(entry.model, entry.args, entry.kwargs).blocks if b.name == "lm_head.dense")
+    dense = next(
+        b
+        for b in analyze(entry.model, entry.args, entry.kwargs).blocks
+        if b.name == "lm_head.dense"
+    )
     hidden_states = 4 * 4 * 128 * 256
-    assert (dense.input_bytes, dense.selective_bytes) == (2 * hidden_states, 0)  # its input, the dense output
+    assert (dense.input_bytes, dense.selective_bytes) == (
+        2 * hidden_states,
+        0,
+    )  # its input, the dense output
 
 
 def test_tied_weights_and_buffers_do_not_make_blocks():
@@ -121,7 +176,13 @@ def test_tied_weights_and_buffers_do_not_make_blocks():
     assert "lm_head" not in names  # its weight is the embedding's: nothing of its own to shard
     llama = zoo.hf_llama()
     names = [b.name for b in analyze(llama.model, llama.args, llama.kwargs).blocks]
-    assert names == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+    assert names == [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.norm",
+        "lm_head",
+    ]
 
 
 def test_encoder_decoder_reports_the_branch():
@@ -182,10 +243,17 @@ def test_inputs_the_model_does_not_take_are_named_as_the_cause_not_control_flow(
     assert "'indices'" in message and "torch.long" in message and "control flow" not in message
 
 
-@pytest.mark.parametrize("path, expected", [
-    ("h.3.attn.qkv", "h.3"), ("model.layers.12.mlp", "model.layers.12"), ("lm_head", "lm_head"),
-    ("transformer.wte", "transformer.wte"), ("", ""), ("layers.0.0", "layers.0"),
-])
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        ("h.3.attn.qkv", "h.3"),
+        ("model.layers.12.mlp", "model.layers.12"),
+        ("lm_head", "lm_head"),
+        ("transformer.wte", "transformer.wte"),
+        ("", ""),
+        ("layers.0.0", "layers.0"),
+    ],
+)
 def test_block_name(path, expected):
     assert block_name(path, outer_depth=2 if path.startswith("transformer") else 1) == expected
 
@@ -218,12 +286,18 @@ def test_an_embedding_reads_the_rows_it_gathers_and_its_backward_writes_the_tabl
     # backward: the sum's gradient is a view; embedding_dense_backward reads the rows' gradient and the
     # ids and writes the whole table's gradient
     assert block.bwd_memory_bytes == rows_bytes + ids_bytes + table_bytes
-    assert (block.fwd_ops, block.bwd_ops) == (2, 1)  # metadata queries (tensor.device) are not kernels
+    assert (block.fwd_ops, block.bwd_ops) == (
+        2,
+        1,
+    )  # metadata queries (tensor.device) are not kernels
     # by op name, as the cost model prices them
     assert [(k.name, k.calls, k.flops, k.bytes) for k in block.fwd_kinds] == [
-        ("embedding", 1, 0, ids_bytes + 2 * rows_bytes), ("sum", 1, 0, rows_bytes + 4)]
+        ("embedding", 1, 0, ids_bytes + 2 * rows_bytes),
+        ("sum", 1, 0, rows_bytes + 4),
+    ]
     assert [(k.name, k.calls, k.bytes) for k in block.bwd_kinds] == [
-        ("embedding_dense_backward", 1, rows_bytes + ids_bytes + table_bytes)]
+        ("embedding_dense_backward", 1, rows_bytes + ids_bytes + table_bytes)
+    ]
 
 
 @pytest.mark.parametrize("name", ["gpt", "mlp", "cnn", "encoder-decoder"])
@@ -238,12 +312,15 @@ def test_op_kinds_are_the_kernels_of_an_eager_step(name):
     counted = merge_op_kinds(block.fwd_kinds + block.bwd_kinds for block in chain.blocks)
     # every kernel but backward's seed gradient, which runs before any block's backward
     assert {k.name: [k.calls, k.flops, k.bytes] for k in counted} == {
-        name: kind for name, kind in eager.items() if name != "ones_like"}
+        name: kind for name, kind in eager.items() if name != "ones_like"
+    }
     for block in chain.blocks:
         for phase in ("fwd", "bwd"):
             kinds = getattr(block, f"{phase}_kinds")
             assert sum(k.calls for k in kinds) == getattr(block, f"{phase}_ops")
-            assert sum(k.bytes for k in kinds if not k.flops) == getattr(block, f"{phase}_memory_bytes")
+            assert sum(k.bytes for k in kinds if not k.flops) == getattr(
+                block, f"{phase}_memory_bytes"
+            )
 
 
 def test_merge_op_kinds_sums_every_count_of_an_op_kind():
@@ -252,7 +329,9 @@ def test_merge_op_kinds_sums_every_count_of_an_op_kind():
     mm = OpKind(name="mm", **{count: 1 + index for index, count in enumerate(counts)})
     add = OpKind(name="add", **{count: 10 for count in counts})
     assert merge_op_kinds([[mm, add], [mm]]) == (
-        add, OpKind(name="mm", **{count: 2 * (1 + index) for index, count in enumerate(counts)}))
+        add,
+        OpKind(name="mm", **{count: 2 * (1 + index) for index, count in enumerate(counts)}),
+    )
 
 
 def test_cpu_attention_has_flops():

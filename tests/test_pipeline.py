@@ -6,6 +6,7 @@ a plan the solver chose because pure FSDP did not fit) and the errors; rank 0 re
 record per case and the tests read them. A world of pp 4 runs 1F1B over fewer micro-batches
 than stages, and reports what each stage ran and held.
 """
+
 import contextlib
 import copy
 import dataclasses
@@ -14,18 +15,17 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from parity import TOLERANCE, assert_parity, spawn_world, train_next_to_reference
 
 from shardplan import compile as compile_plan
-from shardplan import zoo
 from shardplan.compile import evaluate, solve
 from shardplan.errors import InfeasibleError, PlanError, ShardplanError
-from shardplan.passes import analyze
+from shardplan.frontend.passes import analyze
+from shardplan.models import zoo
 from shardplan.plan import Checkpoint, MixedPrecision, Plan, Schedule, ShardStrategy, Stage
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.stage_split import split_stages
-
-from parity import TOLERANCE, assert_parity, spawn_world, train_next_to_reference
 
 STEPS = 5
 MIXED = {"strategies": tuple(ShardStrategy), "checkpoints": tuple(Checkpoint)}
@@ -33,11 +33,24 @@ MIXED = {"strategies": tuple(ShardStrategy), "checkpoints": tuple(Checkpoint)}
 
 MODELS = {
     "gpt": (lambda batch: zoo.gpt(batch=batch), zoo.gpt_units(zoo.GPTConfig().n_layer)),
-    "llama": (lambda batch: zoo.hf_llama(batch=batch, seq=16),
-              [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
-    "gpt2-tied": (lambda batch: zoo.hf_gpt2(batch=batch, seq=16),
-                  [("transformer.wte", "transformer.wpe"), ("transformer.h.0",), ("transformer.h.1",),
-                   ("transformer.ln_f", "lm_head")]),
+    "llama": (
+        lambda batch: zoo.hf_llama(batch=batch, seq=16),
+        [
+            ("model.embed_tokens",),
+            ("model.layers.0",),
+            ("model.layers.1",),
+            ("model.norm", "lm_head"),
+        ],
+    ),
+    "gpt2-tied": (
+        lambda batch: zoo.hf_gpt2(batch=batch, seq=16),
+        [
+            ("transformer.wte", "transformer.wpe"),
+            ("transformer.h.0",),
+            ("transformer.h.1",),
+            ("transformer.ln_f", "lm_head"),
+        ],
+    ),
 }
 REPLICA_BATCH = 4
 
@@ -54,16 +67,32 @@ def run_case(rank: int, world: int, case: dict) -> dict:
     model = copy.deepcopy(reference)
     vocab, seq = reference.config.vocab_size, 32 if case["model"] == "gpt" else 16
     sizes = case.get("replica_batches", (batch,) * STEPS)  # below `batch`: smaller than planned
-    batches = [torch.randint(0, vocab, (size * dp, seq), generator=torch.Generator().manual_seed(step))
-               for step, size in enumerate(sizes)]
-    mine = next(ids for ids in batches if len(ids) == batch * dp).chunk(dp)[rank % dp]  # a planned batch
-    plan = given or manual_plan(model, groups, dp=dp, pp=pp, schedule=case["schedule"],
-                                micro_batches=case["micro_batches"], strategies=case["strategies"],
-                                checkpoints=case["checkpoints"], example_inputs=(mine,),
-                                example_kwargs={"labels": mine},
-                                precision=MixedPrecision(param_dtype=case.get("param_dtype", "float32")))
-    return train_next_to_reference(parallelize(model, plan, backend=case.get("backend", "shardplan")), reference,
-                                   [(ids.chunk(dp)[rank % dp], ids) for ids in batches], clip=case.get("clip"))
+    batches = [
+        torch.randint(0, vocab, (size * dp, seq), generator=torch.Generator().manual_seed(step))
+        for step, size in enumerate(sizes)
+    ]
+    mine = next(ids for ids in batches if len(ids) == batch * dp).chunk(dp)[
+        rank % dp
+    ]  # a planned batch
+    plan = given or manual_plan(
+        model,
+        groups,
+        dp=dp,
+        pp=pp,
+        schedule=case["schedule"],
+        micro_batches=case["micro_batches"],
+        strategies=case["strategies"],
+        checkpoints=case["checkpoints"],
+        example_inputs=(mine,),
+        example_kwargs={"labels": mine},
+        precision=MixedPrecision(param_dtype=case.get("param_dtype", "float32")),
+    )
+    return train_next_to_reference(
+        parallelize(model, plan, backend=case.get("backend", "shardplan")),
+        reference,
+        [(ids.chunk(dp)[rank % dp], ids) for ids in batches],
+        clip=case.get("clip"),
+    )
 
 
 def check_loss_fn(rank: int, world: int) -> dict:
@@ -76,15 +105,19 @@ def check_loss_fn(rank: int, world: int) -> dict:
     x = torch.randn(4 * dp, 8, generator=torch.Generator().manual_seed(1))
     y = torch.randn(4 * dp, 1, generator=torch.Generator().manual_seed(2))
     mine_x, mine_y = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
-    plan = manual_plan(model, [("0",), ("2",)], dp=dp, pp=2, micro_batches=2, example_inputs=(mine_x,))
+    plan = manual_plan(
+        model, [("0",), ("2",)], dp=dp, pp=2, micro_batches=2, example_inputs=(mine_x,)
+    )
     program = parallelize(model, plan, loss_fn=torch.nn.functional.mse_loss)
     loss = program.step(mine_x, mine_y)
     expected = torch.nn.functional.mse_loss(reference(x), y)
     expected.backward()
     norm = program.clip_grad_norm_(1e9)
     expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
-    return {"error": max(abs(float(loss) - float(expected)), abs(float(norm) - float(expected_norm))),
-            "timed": program.last_step is not None and program.last_step.step_time_s > 0}
+    return {
+        "error": max(abs(float(loss) - float(expected)), abs(float(norm) - float(expected_norm))),
+        "timed": program.last_step is not None and program.last_step.step_time_s > 0,
+    }
 
 
 def check_errors(rank: int, world: int) -> dict:
@@ -101,7 +134,9 @@ def check_errors(rank: int, world: int) -> dict:
     build, groups = MODELS["gpt"]
     entry = build(REPLICA_BATCH)
     ids = entry.args[0]
-    plan = manual_plan(entry.model, groups, dp=dp, pp=2, example_inputs=(ids,), example_kwargs={"labels": ids})
+    plan = manual_plan(
+        entry.model, groups, dp=dp, pp=2, example_inputs=(ids,), example_kwargs={"labels": ids}
+    )
     program = parallelize(entry.model, plan)
     attempt("forward_alone", lambda: program(ids, labels=ids))
     return errors
@@ -128,8 +163,10 @@ def stage_work():
         if stage.has_backward:  # an evaluation's schedule calls it too, to do nothing
             work["order"] += "B"
         return backward(stage, *args, **kwargs)
-    with mock.patch.multiple(_PipelineStageBase, forward_one_chunk=counted_forward,
-                             backward_one_chunk=counted_backward):
+
+    with mock.patch.multiple(
+        _PipelineStageBase, forward_one_chunk=counted_forward, backward_one_chunk=counted_backward
+    ):
         yield work
 
 
@@ -158,13 +195,29 @@ def _all_checks(rank: int, world: int, cases: dict) -> dict:
 def solver_pipelined_plan() -> str:
     """The plan compile chooses for GPT on 2 CPU ranks under a budget pure FSDP cannot meet."""
     entry = zoo.gpt(batch=8)
-    unbounded = compile_plan(entry.model, 2, entry.args, entry.kwargs, hardware="cpu-gloo", allow_pipeline=False)
+    unbounded = compile_plan(
+        entry.model, 2, entry.args, entry.kwargs, hardware="cpu-gloo", allow_pipeline=False
+    )
     budget = int(0.3 * unbounded.predicted.peak_bytes)
     with pytest.raises(InfeasibleError):
-        compile_plan(entry.model, 2, entry.args, entry.kwargs, hardware="cpu-gloo", memory_budget=budget,
-                     allow_pipeline=False)
-    plan = compile_plan(entry.model, 2, entry.args, entry.kwargs, hardware="cpu-gloo", memory_budget=budget,
-                        allow_pipeline=True)
+        compile_plan(
+            entry.model,
+            2,
+            entry.args,
+            entry.kwargs,
+            hardware="cpu-gloo",
+            memory_budget=budget,
+            allow_pipeline=False,
+        )
+    plan = compile_plan(
+        entry.model,
+        2,
+        entry.args,
+        entry.kwargs,
+        hardware="cpu-gloo",
+        memory_budget=budget,
+        allow_pipeline=True,
+    )
     assert plan.mesh.pp > 1 and plan.predicted.peak_bytes <= budget, plan.summary()
     return plan.to_json()
 
@@ -172,8 +225,15 @@ def solver_pipelined_plan() -> str:
 def test_stages_are_cut_from_the_graph_where_the_plan_says():
     entry = zoo.gpt(batch=4)
     ids = entry.args[0]
-    plan = manual_plan(entry.model, MODELS["gpt"][1], dp=1, pp=2, micro_batches=2, example_inputs=(ids,),
-                       example_kwargs={"labels": ids})
+    plan = manual_plan(
+        entry.model,
+        MODELS["gpt"][1],
+        dp=1,
+        pp=2,
+        micro_batches=2,
+        example_inputs=(ids,),
+        example_kwargs={"labels": ids},
+    )
     first, second = split_stages(entry.model, plan, torch.device("cpu"))
     assert [call.unit for call in first.calls] == ["wte..wpe", "wte..wpe", "h.0", "h.1"]
     assert [call.unit for call in second.calls] == ["h.2", "h.3", "ln_f..lm_head", "ln_f..lm_head"]
@@ -183,10 +243,14 @@ def test_stages_are_cut_from_the_graph_where_the_plan_says():
     residual = second.examples[second.inbound[1]]
     assert tuple(residual.shape) == (2, 32, 64) and residual.requires_grad  # one micro-batch
     assert not second.examples["labels"].requires_grad
-    scrambled = dataclasses.replace(plan, units=plan.units[1:2] + plan.units[:1] + plan.units[2:],
-                                    stages=(Stage(index=0, units=(plan.units[1].name,)),
-                                            Stage(index=1, units=tuple(u.name for u in plan.units if u is not
-                                                                       plan.units[1]))))
+    scrambled = dataclasses.replace(
+        plan,
+        units=plan.units[1:2] + plan.units[:1] + plan.units[2:],
+        stages=(
+            Stage(index=0, units=(plan.units[1].name,)),
+            Stage(index=1, units=tuple(u.name for u in plan.units if u is not plan.units[1])),
+        ),
+    )
     with pytest.raises(PlanError, match="stages do not follow the graph's order"):
         split_stages(entry.model, scrambled, torch.device("cpu"))
 
@@ -195,37 +259,78 @@ def test_evaluate_prices_a_pipelined_plan_as_the_solver_did():
     entry = zoo.gpt(batch=8)
     chain = analyze(entry.model, entry.args, entry.kwargs)
     data_parallel = solve(chain, 4, hardware="cpu-gloo", allow_pipeline=False)
-    plan = solve(chain, 4, hardware="cpu-gloo", memory_budget=int(0.25 * data_parallel.predicted.peak_bytes))
+    plan = solve(
+        chain, 4, hardware="cpu-gloo", memory_budget=int(0.25 * data_parallel.predicted.peak_bytes)
+    )
     assert plan.mesh.pp > 1
     predicted = evaluate(chain, plan, "cpu-gloo")
-    assert (predicted.peak_bytes, predicted.time_s) == (plan.predicted.peak_bytes, plan.predicted.time_s)
+    assert (predicted.peak_bytes, predicted.time_s) == (
+        plan.predicted.peak_bytes,
+        plan.predicted.time_s,
+    )
     assert predicted.time_s["bubble"] > 0
 
 
 WORLD2_CASES = {
-    "gpt/gpipe/m2/full_shard": {"model": "gpt", "schedule": "gpipe", "micro_batches": 2,
-                                "strategies": (ShardStrategy.FULL_SHARD,), "checkpoints": (Checkpoint.NONE,)},
-    "gpt/1f1b/m4/mixed/clip": {"model": "gpt", "schedule": "1f1b", "micro_batches": 4, **MIXED, "clip": 0.05},
+    "gpt/gpipe/m2/full_shard": {
+        "model": "gpt",
+        "schedule": "gpipe",
+        "micro_batches": 2,
+        "strategies": (ShardStrategy.FULL_SHARD,),
+        "checkpoints": (Checkpoint.NONE,),
+    },
+    "gpt/1f1b/m4/mixed/clip": {
+        "model": "gpt",
+        "schedule": "1f1b",
+        "micro_batches": 4,
+        **MIXED,
+        "clip": 0.05,
+    },
     "gpt/gpipe/m4/mixed": {"model": "gpt", "schedule": "gpipe", "micro_batches": 4, **MIXED},
-    "llama/1f1b/m2/mixed/clip": {"model": "llama", "schedule": "1f1b", "micro_batches": 2, **MIXED, "clip": 0.05},
+    "llama/1f1b/m2/mixed/clip": {
+        "model": "llama",
+        "schedule": "1f1b",
+        "micro_batches": 2,
+        **MIXED,
+        "clip": 0.05,
+    },
     # stages computing in bfloat16 send bfloat16 (the model casts to its activations' dtype)
-    "llama/gpipe/m2/bfloat16": {"model": "llama", "schedule": "gpipe", "micro_batches": 2, **MIXED,
-                                "param_dtype": "bfloat16", "tolerance": 3e-2},
+    "llama/gpipe/m2/bfloat16": {
+        "model": "llama",
+        "schedule": "gpipe",
+        "micro_batches": 2,
+        **MIXED,
+        "param_dtype": "bfloat16",
+        "tolerance": 3e-2,
+    },
 }
 WORLD4_CASES = {
-    "gpt/gpipe/m2/mixed/clip": {"model": "gpt", "schedule": "gpipe", "micro_batches": 2, **MIXED, "clip": 0.05},
+    "gpt/gpipe/m2/mixed/clip": {
+        "model": "gpt",
+        "schedule": "gpipe",
+        "micro_batches": 2,
+        **MIXED,
+        "clip": 0.05,
+    },
     "gpt/1f1b/m4/mixed": {"model": "gpt", "schedule": "1f1b", "micro_batches": 4, **MIXED},
     # four stages: the labels pass through three of them
     "gpt/1f1b/m4/pp4": {"model": "gpt", "schedule": "1f1b", "micro_batches": 4, "pp": 4, **MIXED},
     # the embedding on stage 0, its tied head on stage 1: a copy sharded over dp as its owner is
-    "gpt2-tied/1f1b/m2/mixed/clip": {"model": "gpt2-tied", "schedule": "1f1b", "micro_batches": 2, **MIXED,
-                                     "clip": 0.05},
+    "gpt2-tied/1f1b/m2/mixed/clip": {
+        "model": "gpt2-tied",
+        "schedule": "1f1b",
+        "micro_batches": 2,
+        **MIXED,
+        "clip": 0.05,
+    },
 }
 
 
 @pytest.mark.timeout(600)
 def test_pipeline_world2_matches_one_process():
-    cases = dict(WORLD2_CASES, solver={"model": "gpt", "plan": solver_pipelined_plan(), "replica_batch": 8})
+    cases = dict(
+        WORLD2_CASES, solver={"model": "gpt", "plan": solver_pipelined_plan(), "replica_batch": 8}
+    )
     results = spawn_world(2, _all_checks, (cases,))
     assert_parity(results, cases)
     assert results["loss_fn"]["error"] <= TOLERANCE and results["loss_fn"]["timed"]
@@ -238,10 +343,23 @@ def test_pipeline_steps_batches_smaller_than_planned():
     # planned at 4 samples a replica, stepped at 2 (an epoch's last batch), 4, 2...: the schedule made for 2
     # re-uses the stage's units; the evaluation at the end runs the first batch, at 2. Llama's stages also
     # send its rotary tables, (1, T, d) at every batch size
-    cases = {"gpt/1f1b/m2/smaller": {"model": "gpt", "schedule": "1f1b", "micro_batches": 2, **MIXED, "clip": 0.05,
-                                     "replica_batches": (2, 4, 2, 4)},
-             "llama/gpipe/m2/smaller": {"model": "llama", "schedule": "gpipe", "micro_batches": 2, **MIXED,
-                                        "replica_batches": (2, 4, 2)}}
+    cases = {
+        "gpt/1f1b/m2/smaller": {
+            "model": "gpt",
+            "schedule": "1f1b",
+            "micro_batches": 2,
+            **MIXED,
+            "clip": 0.05,
+            "replica_batches": (2, 4, 2, 4),
+        },
+        "llama/gpipe/m2/smaller": {
+            "model": "llama",
+            "schedule": "gpipe",
+            "micro_batches": 2,
+            **MIXED,
+            "replica_batches": (2, 4, 2),
+        },
+    }
     assert_parity(spawn_world(2, _run_cases, (cases,)), cases)
 
 
@@ -254,20 +372,41 @@ def test_pipeline_world4_pp2_dp2_matches_one_process():
 
 FEWER_MICRO_BATCHES_THAN_STAGES = {
     "gpt/1f1b/m1/pp4": {"model": "gpt", "schedule": "1f1b", "micro_batches": 1, "pp": 4, **MIXED},
-    "gpt/1f1b/m2/pp4": {"model": "gpt", "schedule": "1f1b", "micro_batches": 2, "pp": 4, **MIXED, "clip": 0.05},
-    "gpt/1f1b/m3/pp4": {"model": "gpt", "schedule": "1f1b", "micro_batches": 3, "pp": 4, **MIXED,
-                        "replica_batch": 3},
-    "gpt/1f1b/m2/pp4/fsdp2": {"model": "gpt", "schedule": "1f1b", "micro_batches": 2, "pp": 4,
-                              "strategies": (ShardStrategy.FULL_SHARD,), "checkpoints": (Checkpoint.NONE,),
-                              "backend": "fsdp2"},
+    "gpt/1f1b/m2/pp4": {
+        "model": "gpt",
+        "schedule": "1f1b",
+        "micro_batches": 2,
+        "pp": 4,
+        **MIXED,
+        "clip": 0.05,
+    },
+    "gpt/1f1b/m3/pp4": {
+        "model": "gpt",
+        "schedule": "1f1b",
+        "micro_batches": 3,
+        "pp": 4,
+        **MIXED,
+        "replica_batch": 3,
+    },
+    "gpt/1f1b/m2/pp4/fsdp2": {
+        "model": "gpt",
+        "schedule": "1f1b",
+        "micro_batches": 2,
+        "pp": 4,
+        "strategies": (ShardStrategy.FULL_SHARD,),
+        "checkpoints": (Checkpoint.NONE,),
+        "backend": "fsdp2",
+    },
 }
 """1F1B over fewer micro-batches than its 4 stages (see [Note: 1F1B over fewer micro-batches than stages])."""
 
 
 @pytest.mark.timeout(300)
 def test_one_f_one_b_over_fewer_micro_batches_than_stages_matches_one_process_as_priced():
-    cases = {name: dict(case, replica_batches=(case.get("replica_batch", REPLICA_BATCH),) * 2)
-             for name, case in FEWER_MICRO_BATCHES_THAN_STAGES.items()}
+    cases = {
+        name: dict(case, replica_batches=(case.get("replica_batch", REPLICA_BATCH),) * 2)
+        for name, case in FEWER_MICRO_BATCHES_THAN_STAGES.items()
+    }
     results = spawn_world(4, _run_cases_with_stage_work, (cases,))
     assert_parity(results, cases)
     for name, case in cases.items():
@@ -277,5 +416,7 @@ def test_one_f_one_b_over_fewer_micro_batches_than_stages_matches_one_process_as
             # warm-up forwards, then a backward and a forward each, then the last backwards: stages with
             # pp - stage >= m run fill-drain, and each holds the micro-batches the cost model prices
             warm_up = schedule.in_flight(stage, 4)
-            assert work["order"] == ("F" * warm_up + "BF" * (m - warm_up) + "B" * warm_up) * steps, (name, stage)
+            assert (
+                work["order"] == ("F" * warm_up + "BF" * (m - warm_up) + "B" * warm_up) * steps
+            ), (name, stage)
             assert work["held"] == warm_up == min(m, 4 - stage), (name, stage)

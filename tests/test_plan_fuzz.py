@@ -4,36 +4,74 @@ Mutations follow the plan's structure (drop, repeat or add keys; values of the w
 negative, unknown enum strings, lone surrogates; deep nesting) and its bytes (truncated, flipped,
 not UTF-8). Whatever loads must round-trip and summarize: a loaded plan is a usable plan.
 """
+
 import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardplan.chain import InputSpec
 from shardplan.errors import ShardplanError
-from shardplan.plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule, ShardStrategy,
-                            Stage, Alternative, Unit, load_plan)
+from shardplan.frontend.chain import InputSpec
+from shardplan.plan import (
+    Alternative,
+    Checkpoint,
+    Mesh,
+    MixedPrecision,
+    Plan,
+    Predicted,
+    Reasoning,
+    Schedule,
+    ShardStrategy,
+    Stage,
+    Unit,
+    load_plan,
+)
 
 _DELETE, _REPEAT = object(), object()
 
 
 def _valid_plan() -> Plan:
     """A pipelined plan using every field, so every field is mutated."""
-    units = tuple(Unit(name=f"h.{i}", modules=(f"h.{i}",), params=(f"h.{i}.weight", f"h.{i}.bias"),
-                       strategy=tuple(ShardStrategy)[i], checkpoint=tuple(Checkpoint)[i % 3], offload=i == 0)
-                  for i in range(4))
-    return Plan(fingerprint="0123abcd", model="GPT", world_size=4, hardware="h100-80g",
-                inputs=(InputSpec(name="0", shape=(4, 32), dtype="int64", dynamic_dims=(1,)),
-                        InputSpec(name="labels", shape=(4, 32), dtype="int64")),
-                mesh=Mesh(dp_shard=2, pp=2), schedule=Schedule(num_micro_batches=4, name="1f1b"),
-                mixed_precision=MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32"), units=units,
-                stages=(Stage(index=0, units=("h.0", "h.1")), Stage(index=1, units=("h.2", "h.3"))),
-                predicted=Predicted(peak_bytes=3 * 2**30, step_time_s=0.25, memory_bytes={"activations": 2**30},
-                                    time_s={"compute": 0.2, "bubble": 0.05}, samples_per_s=16.0, mfu=0.4),
-                reasoning=Reasoning(budget_bytes=40 * 2**30, binding_constraint="none: the fastest plan fits",
-                                    runner_ups=(Alternative(description="dp=4 pp=1", peak_bytes=2**35,
-                                                            step_time_s=0.3),)))
+    units = tuple(
+        Unit(
+            name=f"h.{i}",
+            modules=(f"h.{i}",),
+            params=(f"h.{i}.weight", f"h.{i}.bias"),
+            strategy=tuple(ShardStrategy)[i],
+            checkpoint=tuple(Checkpoint)[i % 3],
+            offload=i == 0,
+        )
+        for i in range(4)
+    )
+    return Plan(
+        fingerprint="0123abcd",
+        model="GPT",
+        world_size=4,
+        hardware="h100-80g",
+        inputs=(
+            InputSpec(name="0", shape=(4, 32), dtype="int64", dynamic_dims=(1,)),
+            InputSpec(name="labels", shape=(4, 32), dtype="int64"),
+        ),
+        mesh=Mesh(dp_shard=2, pp=2),
+        schedule=Schedule(num_micro_batches=4, name="1f1b"),
+        mixed_precision=MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32"),
+        units=units,
+        stages=(Stage(index=0, units=("h.0", "h.1")), Stage(index=1, units=("h.2", "h.3"))),
+        predicted=Predicted(
+            peak_bytes=3 * 2**30,
+            step_time_s=0.25,
+            memory_bytes={"activations": 2**30},
+            time_s={"compute": 0.2, "bubble": 0.05},
+            samples_per_s=16.0,
+            mfu=0.4,
+        ),
+        reasoning=Reasoning(
+            budget_bytes=40 * 2**30,
+            binding_constraint="none: the fastest plan fits",
+            runner_ups=(Alternative(description="dp=4 pp=1", peak_bytes=2**35, step_time_s=0.3),),
+        ),
+    )
 
 
 VALID = json.loads(_valid_plan().to_json())
@@ -41,7 +79,13 @@ VALID = json.loads(_valid_plan().to_json())
 
 def _paths(value, path=()):
     yield path
-    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    children = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
     for key, child in children:
         yield from _paths(child, path + (key,))
 
@@ -63,14 +107,48 @@ def _text(data) -> str:
 
 
 JUNK = st.one_of(
-    st.none(), st.booleans(),
-    st.sampled_from([0, -1, 1, 2**31, 2**63, -(2**63) - 1, 10**30, 10**400, 1.5, -0.0, 1e308,
-                     float("nan"), float("inf")]),
-    st.integers(), st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from(["", "fully_shard", "FULL_SHARD", "bf16", "int8", "torch.float32", "Tensor", "nn", "none ",
-                     "interleaved", "\udc80", "h.0\ud800", "shardplan.plan/2", "\x00"]),
+    st.none(),
+    st.booleans(),
+    st.sampled_from(
+        [
+            0,
+            -1,
+            1,
+            2**31,
+            2**63,
+            -(2**63) - 1,
+            10**30,
+            10**400,
+            1.5,
+            -0.0,
+            1e308,
+            float("nan"),
+            float("inf"),
+        ]
+    ),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(
+        [
+            "",
+            "fully_shard",
+            "FULL_SHARD",
+            "bf16",
+            "int8",
+            "torch.float32",
+            "Tensor",
+            "nn",
+            "none ",
+            "interleaved",
+            "\udc80",
+            "h.0\ud800",
+            "shardplan.plan/2",
+            "\x00",
+        ]
+    ),
     st.text(max_size=8),
-    st.lists(st.integers(-3, 3), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
     st.sampled_from(DEPTHS).map(_nested),
 )
 
@@ -110,16 +188,22 @@ TEXTS = st.one_of(
     st.tuples(st.sampled_from(PATHS), JUNK).map(lambda change: _edited(*change)),
     st.sampled_from(PATHS).map(lambda path: _edited(path, _DELETE)),
     st.sampled_from(PATHS[1:]).map(lambda path: _edited(path, _REPEAT)),
-    st.tuples(st.sampled_from(PATHS), st.sampled_from(["extra", "units", "name", "\udc80"]), JUNK).map(
-        lambda change: _added(*change)),
+    st.tuples(
+        st.sampled_from(PATHS), st.sampled_from(["extra", "units", "name", "\udc80"]), JUNK
+    ).map(lambda change: _added(*change)),
 )
 VALID_BYTES = json.dumps(VALID).encode()
 BYTES = st.one_of(
-    TEXTS.map(lambda text: text.encode("utf-8", "surrogatepass")),  # lone surrogates as raw (invalid) UTF-8
+    TEXTS.map(
+        lambda text: text.encode("utf-8", "surrogatepass")
+    ),  # lone surrogates as raw (invalid) UTF-8
     st.integers(0, len(VALID_BYTES) - 1).map(lambda cut: VALID_BYTES[:cut]),
-    st.tuples(st.integers(0, len(VALID_BYTES) - 1),
-              st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00", b"{", b"]", b'"', b"\\", b"9" * 5000])).map(
-        lambda change: VALID_BYTES[:change[0]] + change[1] + VALID_BYTES[change[0] + 1:]),
+    st.tuples(
+        st.integers(0, len(VALID_BYTES) - 1),
+        st.sampled_from(
+            [b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00", b"{", b"]", b'"', b"\\", b"9" * 5000]
+        ),
+    ).map(lambda change: VALID_BYTES[: change[0]] + change[1] + VALID_BYTES[change[0] + 1 :]),
 )
 
 
@@ -156,28 +240,38 @@ def test_mutated_plan_files_load_or_raise_a_shardplan_error(plan_file, data):
 
 
 NAMES = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30)
-SIZES = st.integers(min_value=-2**70, max_value=2**70)
+SIZES = st.integers(min_value=-(2**70), max_value=2**70)
 TIMES = st.floats(min_value=0) | st.just(float("nan"))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(model=NAMES, hardware=NAMES, unit=NAMES, peak=SIZES, budget=SIZES, memory=SIZES, step=TIMES)
-def test_a_plan_built_in_code_is_refused_when_written_or_loads_back_equal(model, hardware, unit, peak, budget,
-                                                                          memory, step):
+def test_a_plan_built_in_code_is_refused_when_written_or_loads_back_equal(
+    model, hardware, unit, peak, budget, memory, step
+):
     """What to_json writes, from_json reads: a plan file or a checkpoint never holds one that would not load."""
     import dataclasses
 
     base = _valid_plan()
     try:
         plan = dataclasses.replace(
-            base, model=model, hardware=hardware,
+            base,
+            model=model,
+            hardware=hardware,
             units=(dataclasses.replace(base.units[0], name=unit), *base.units[1:]),
             stages=(dataclasses.replace(base.stages[0], units=(unit, "h.1")), base.stages[1]),
-            predicted=dataclasses.replace(base.predicted, peak_bytes=peak, step_time_s=step,
-                                          memory_bytes={"activations": memory}),
-            reasoning=dataclasses.replace(base.reasoning, budget_bytes=budget,
-                                          runner_ups=(Alternative(description=model, peak_bytes=peak,
-                                                                  step_time_s=step),)))
+            predicted=dataclasses.replace(
+                base.predicted,
+                peak_bytes=peak,
+                step_time_s=step,
+                memory_bytes={"activations": memory},
+            ),
+            reasoning=dataclasses.replace(
+                base.reasoning,
+                budget_bytes=budget,
+                runner_ups=(Alternative(description=model, peak_bytes=peak, step_time_s=step),),
+            ),
+        )
         text = plan.to_json()
     except ShardplanError as error:
         assert "\n" not in str(error)

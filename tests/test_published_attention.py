@@ -1,30 +1,46 @@
 """A captured model's attention on the GPU profiles: priced as FlashAttention-2 runs it, at the published rates of
 its sequence length (HardwareProfile.attention_rates), which the hand-built chains of bench_published.py are priced
 at too (benchmarks/bench_published.py --captured-attention)."""
+
 import pytest
 import torch
 
-from shardplan import get_hardware, zoo
-from shardplan.cost import CostContext, kind_time_s
-from shardplan.hardware import attention_sequence
-from shardplan.passes import analyze
-from shardplan.passes.execution import op_masked_flops
-from test_published import bench  # noqa: F401 (the fixture: benchmarks/bench_published.py as a module)
+from shardplan import get_hardware
+from shardplan.costmodel.cost import CostContext, kind_time_s
+from shardplan.costmodel.hardware import attention_sequence
+from shardplan.frontend.passes import analyze
+from shardplan.frontend.passes.execution import op_masked_flops
+from shardplan.models import zoo
 
 SEQUENCES = (512, 1024, 2048, 4096, 8192, 16384)
 """The sequence lengths FlashAttention's benchmarks ran, 16k tokens a batch, hidden 2048."""
-A100_FWD_BWD = {("causal", 64): (88, 119, 140, 156, 165, 171), ("causal", 128): (99, 133, 155, 173, 182, 189),
-                ("full", 64): (132, 153, 162, 171, 175, 176), ("full", 128): (151, 173, 187, 196, 201, 203)}
+A100_FWD_BWD = {
+    ("causal", 64): (88, 119, 140, 156, 165, 171),
+    ("causal", 128): (99, 133, 155, 173, 182, 189),
+    ("full", 64): (132, 153, 162, 171, 175, 176),
+    ("full", 128): (151, 173, 187, 196, 201, 203),
+}
 """FlashAttention-2 forward + backward TFLOP/s on A100 80GB SXM4 by (mask, head dim), at SEQUENCES: Dao 2023,
 FlashAttention-2, fig. 4 (flash-attention's assets/flash2_a100_fwd_bwd_benchmark.png)."""
-H100_FWD = {("causal", 64): (180, 229, 262, 284, 295, 299), ("causal", 128): (191, 260, 298, 319, 333, 335),
-            ("full", 64): (282, 306, 318, 321, 322, 324), ("full", 128): (309, 350, 362, 368, 370, 370)}
+H100_FWD = {
+    ("causal", 64): (180, 229, 262, 284, 295, 299),
+    ("causal", 128): (191, 260, 298, 319, 333, 335),
+    ("full", 64): (282, 306, 318, 321, 322, 324),
+    ("full", 128): (309, 350, 362, 368, 370, 370),
+}
 """FlashAttention-2 forward TFLOP/s on H100 80GB SXM5: FlashAttention-3's fig. 5 (assets/flash3_fp16_fwd.png)."""
-H100_FWD_BWD = {("causal", 64): (141, 192, 232, 257, 273, 284), ("causal", 128): (163, 221, 265, 294, 308, 328),
-                ("full", 64): (215, 254, 274, 288, 294, 296), ("full", 128): (248, 294, 320, 326, 335, 338)}
+H100_FWD_BWD = {
+    ("causal", 64): (141, 192, 232, 257, 273, 284),
+    ("causal", 128): (163, 221, 265, 294, 308, 328),
+    ("full", 64): (215, 254, 274, 288, 294, 296),
+    ("full", 128): (248, 294, 320, 326, 335, 338),
+}
 """FlashAttention-2 forward + backward TFLOP/s on H100 80GB SXM5: Dao 2023, fig. 7
 (assets/flash2_h100_fwd_bwd_benchmark.png)."""
-FORWARD, BACKWARD = "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"
+FORWARD, BACKWARD = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward",
+)
 
 
 def published(hardware: str) -> tuple[dict, dict]:
@@ -42,8 +58,10 @@ def test_each_sequence_and_head_dims_rate_is_the_published_one(hardware):
     forward, both = published(hardware)
     for (mask, dim), figures in both.items():
         for index, sequence in enumerate(SEQUENCES):
-            fwd, bwd = (rates[op].flops_per_s(sequence, causal=mask == "causal", head_dim=dim) / 1e12
-                        for op in (FORWARD, BACKWARD))
+            fwd, bwd = (
+                rates[op].flops_per_s(sequence, causal=mask == "causal", head_dim=dim) / 1e12
+                for op in (FORWARD, BACKWARD)
+            )
             assert fwd == pytest.approx(forward[mask, dim][index], rel=1e-3)
             assert 3.5 / (1 / fwd + 2.5 / bwd) == pytest.approx(figures[index], rel=1e-3)
 
@@ -58,7 +76,9 @@ def causal_call(sequence: int, head_dim: int, *, backward: bool) -> tuple[int, i
 
 
 @pytest.mark.parametrize("hardware", ["a100-80g", "h100-80g"])
-def test_a_causal_call_is_priced_at_its_sequences_published_rate_between_and_past_the_published_ones(hardware):
+def test_a_causal_call_is_priced_at_its_sequences_published_rate_between_and_past_the_published_ones(
+    hardware,
+):
     """A hand-made causal call of the benchmarks' shape runs its unmasked FLOPs at the mean of the two head dims'
     published rates at its sequence (its head dim is not read off its FLOPs and bytes), at the share of a burst a
     step sustains; a sequence between two published ones between their rates; one past 16k, as a 65k sequence of
@@ -69,8 +89,9 @@ def test_a_causal_call_is_priced_at_its_sequences_published_rate_between_and_pas
 
     def priced(sequence: int, head_dim: int, backward: bool) -> float:
         flops, masked, nbytes = causal_call(sequence, head_dim, backward=backward)
-        time_s = hw.compute_time_s(flops, nbytes, "bfloat16", op=BACKWARD if backward else FORWARD,
-                                   masked_flops=masked)
+        time_s = hw.compute_time_s(
+            flops, nbytes, "bfloat16", op=BACKWARD if backward else FORWARD, masked_flops=masked
+        )
         return (flops - masked) / (time_s - hw.op_overhead_s) / 1e12
 
     for index, sequence in enumerate(SEQUENCES):
@@ -78,50 +99,72 @@ def test_a_causal_call_is_priced_at_its_sequences_published_rate_between_and_pas
         for dim in (64, 128):
             fwd, bwd = priced(sequence, dim, False), priced(sequence, dim, True)
             assert fwd == pytest.approx(expected_fwd, rel=0.01)
-            assert bwd <= fwd * (1 + 1e-9)  # FlashAttention-2's backward runs slower, or (A100) at one rate
+            assert bwd <= fwd * (
+                1 + 1e-9
+            )  # FlashAttention-2's backward runs slower, or (A100) at one rate
     assert priced(1024, 128, False) < priced(1448, 128, False) < priced(2048, 128, False)
     longest = sum(forward["causal", dim][-1] for dim in (64, 128)) / 2 * sustained
     assert priced(65536, 128, False) == pytest.approx(longest, rel=0.01)
     assert priced(65536, 128, True) <= longest
 
 
-def test_a_captured_calls_sequence_is_read_off_its_flops_and_bytes(bench):
+def test_a_captured_calls_sequence_is_read_off_its_flops_and_bytes(published_bench):
     """LLaMA-7B's layer captured computing in bf16 (as compile captures it) and built by hand: its attention's
     forward and backward read as the sequence they run over, within the 0.4% the log-sum-exp adds to the bytes."""
     for sequence in (1024, 4096):
-        for layer in bench.captured_and_built_layer("llama-7b", sequence):
+        for layer in published_bench.captured_and_built_layer("llama-7b", sequence):
             for kind in (*layer.fwd_kinds, *layer.bwd_kinds):
-                if kind.name.startswith(bench.ATTENTION):
-                    assert attention_sequence(kind.flops, kind.bytes, 2, backward=kind.name.endswith("_backward")) \
-                        == pytest.approx(sequence, rel=0.005)
+                if kind.name.startswith(published_bench.ATTENTION):
+                    assert attention_sequence(
+                        kind.flops, kind.bytes, 2, backward=kind.name.endswith("_backward")
+                    ) == pytest.approx(sequence, rel=0.005)
 
 
-@pytest.mark.parametrize("zoo_name, hardware, tp", [
-    ("llama-7b", "h100-80g", 1), ("llama-7b", "h200", 1), ("llama-7b", "a100-80g", 1), ("llama-7b", "h100-80g", 2),
-    ("llama-7b", "h100-80g", 4), ("llama-70b", "h100-80g", 1), ("llama-70b", "h100-80g", 8)])
-def test_a_captured_llama_layers_attention_costs_what_the_hand_built_chains_does(bench, zoo_name, hardware, tp):
+@pytest.mark.parametrize(
+    "zoo_name, hardware, tp",
+    [
+        ("llama-7b", "h100-80g", 1),
+        ("llama-7b", "h200", 1),
+        ("llama-7b", "a100-80g", 1),
+        ("llama-7b", "h100-80g", 2),
+        ("llama-7b", "h100-80g", 4),
+        ("llama-70b", "h100-80g", 1),
+        ("llama-70b", "h100-80g", 8),
+    ],
+)
+def test_a_captured_llama_layers_attention_costs_what_the_hand_built_chains_does(
+    published_bench, zoo_name, hardware, tp
+):
     """LLaMA-7B's layer captured as compile captures it (on meta, analysed on fake CPU tensors) names CPU's flash
     attention op and counts its FLOPs over every score; the chain built by hand names FlashAttention-2's and counts
     them causal-halved. On a GPU profile both cost the same, forward and backward, on a tp rank's heads too (before:
     the captured one at the plain matmul rate on twice the FLOPs, 0.76x and 0.67x the hand-built time on h100-80g).
     So does LLaMA-2-70B's, whose 64 query heads share 8 key-value heads (grouped-query attention)."""
-    found = bench.attention_ms(get_hardware(hardware), tp=tp, zoo_name=zoo_name)
+    found = published_bench.attention_ms(get_hardware(hardware), tp=tp, zoo_name=zoo_name)
     for captured, built in zip(found["captured"], found["hand-built"]):
         assert captured == pytest.approx(built, rel=0.02)
 
 
-def test_an_encoders_attention_runs_all_its_flops_at_flashattention_2s_published_rates(bench):
+def test_an_encoders_attention_runs_all_its_flops_at_flashattention_2s_published_rates(
+    published_bench,
+):
     """No causal mask (BERT): every FLOP torch counts runs, at FlashAttention-2's published H100 rates without a mask
     at its 4096 keys (forward 321 and 368 TFLOP/s at head dims 64 and 128, backward 277 and 312 from forward +
     backward's 288 and 326; the mean of the two, at the 0.848 of a burst a step holds)."""
     entry = zoo.hf_bert(n_layer=1, d_model=2048, batch=1, seq=4096, device="meta")
-    layer = next(block for block in analyze(entry.model, entry.args, entry.kwargs, compute_dtype="bfloat16").blocks
-                 if block.name == "bert.encoder.layer.0")
+    layer = next(
+        block
+        for block in analyze(entry.model, entry.args, entry.kwargs, compute_dtype="bfloat16").blocks
+        if block.name == "bert.encoder.layer.0"
+    )
     hw = get_hardware("h100-80g")
     ctx = CostContext(hardware=hw, dp=1, param_dtype="bfloat16")
     backward = [2.5 / (3.5 / both - 1 / fwd) for both, fwd in ((288, 321), (326, 368))]
-    for kinds, published in ((layer.fwd_kinds, (321 + 368) / 2 * 1e12), (layer.bwd_kinds, sum(backward) / 2 * 1e12)):
-        (attention,) = [kind for kind in kinds if kind.name.startswith(bench.ATTENTION)]
+    for kinds, published in (
+        (layer.fwd_kinds, (321 + 368) / 2 * 1e12),
+        (layer.bwd_kinds, sum(backward) / 2 * 1e12),
+    ):
+        (attention,) = [kind for kind in kinds if kind.name.startswith(published_bench.ATTENTION)]
         assert attention.masked_flops == 0
         rate = attention.flops / (kind_time_s(attention, ctx) - hw.op_overhead_s)
         assert rate == pytest.approx(published * 0.848, rel=0.015)
@@ -133,11 +176,22 @@ def test_a_causal_calls_masked_flops_are_those_of_its_scores_above_the_diagonal(
     forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     short, long = torch.empty(2, 4, 16, 8), torch.empty(2, 4, 32, 8)
-    assert op_masked_flops(forward, (short, short, short), {"is_causal": True}, 256 * 1000) == 120 * 1000
+    assert (
+        op_masked_flops(forward, (short, short, short), {"is_causal": True}, 256 * 1000)
+        == 120 * 1000
+    )
     assert op_masked_flops(forward, (short, long, long, 0.0, True), {}, 512 * 1000) == 376 * 1000
-    assert op_masked_flops(forward, (long, short, short), {"is_causal": True}, 512 * 1000) == 120 * 1000
+    assert (
+        op_masked_flops(forward, (long, short, short), {"is_causal": True}, 512 * 1000)
+        == 120 * 1000
+    )
     assert op_masked_flops(forward, (short, short, short), {}, 256 * 1000) == 0
-    assert op_masked_flops(backward, (short, short, short, short, short, short, 0.0, True), {}, 256 * 1000) == 120 * 1000
+    assert (
+        op_masked_flops(
+            backward, (short, short, short, short, short, short, 0.0, True), {}, 256 * 1000
+        )
+        == 120 * 1000
+    )
 
 
 def test_masked_flops_are_read_only_off_attention_ops_laid_out_as_sdpa_takes_them():
@@ -147,22 +201,43 @@ def test_masked_flops_are_read_only_off_attention_ops_laid_out_as_sdpa_takes_the
     outside SDPA_LAYOUT_ATTENTION, masks none."""
     short = torch.empty(2, 4, 16, 8)
     efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
-    assert op_masked_flops(efficient, (short, short, short, None, False, 0.0, True), {}, 256 * 1000) == 120 * 1000
+    assert (
+        op_masked_flops(efficient, (short, short, short, None, False, 0.0, True), {}, 256 * 1000)
+        == 120 * 1000
+    )
     cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
-    assert op_masked_flops(cudnn, (short, short, short, None, False), {"is_causal": True}, 256 * 1000) == 120 * 1000
+    assert (
+        op_masked_flops(cudnn, (short, short, short, None, False), {"is_causal": True}, 256 * 1000)
+        == 120 * 1000
+    )
     sequence_first = torch.empty(1, 4096, 32, 128)
-    assert op_masked_flops(torch.ops.aten._flash_attention_forward.default,
-                           (sequence_first, sequence_first, sequence_first, None, None, 4096, 4096, 0.0, True), {},
-                           10**12) == 0
+    assert (
+        op_masked_flops(
+            torch.ops.aten._flash_attention_forward.default,
+            (sequence_first, sequence_first, sequence_first, None, None, 4096, 4096, 0.0, True),
+            {},
+            10**12,
+        )
+        == 0
+    )
 
 
 def test_cpu_gloo_prices_a_causal_call_on_every_flop_it_counts():
     """CPU's flash kernel computes every key block up to the diagonal's whole (512 keys wide), so all of a causal call
     of up to 512 keys: cpu-gloo's factors are against torch's count, and its price of a call ignores the mask."""
     entry = zoo.gpt(zoo.GPTConfig(n_layer=1))
-    layer = next(block for block in analyze(entry.model, entry.args, entry.kwargs).blocks if block.name == "h.0")
-    (attention,) = [kind for kind in layer.fwd_kinds if kind.name == "_scaled_dot_product_flash_attention_for_cpu"]
+    layer = next(
+        block
+        for block in analyze(entry.model, entry.args, entry.kwargs).blocks
+        if block.name == "h.0"
+    )
+    (attention,) = [
+        kind
+        for kind in layer.fwd_kinds
+        if kind.name == "_scaled_dot_product_flash_attention_for_cpu"
+    ]
     assert 0 < attention.masked_flops < attention.flops
     cpu = get_hardware("cpu-gloo")
-    assert cpu.compute_time_s(attention.flops, attention.bytes, op=attention.name, masked_flops=attention.masked_flops) \
-        == cpu.compute_time_s(attention.flops, attention.bytes, op=attention.name)
+    assert cpu.compute_time_s(
+        attention.flops, attention.bytes, op=attention.name, masked_flops=attention.masked_flops
+    ) == cpu.compute_time_s(attention.flops, attention.bytes, op=attention.name)

@@ -8,6 +8,7 @@ at different points, must refuse to go on; the latter are out of step, so the wo
 leaving its process group (as a user restarts such ranks). So must both ranks when one fails alone
 in backward and the other runs into the process group's timeout (a world of its own).
 """
+
 import copy
 import datetime
 import json
@@ -17,17 +18,15 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from parity import ADAMW, spawn_world
 
-from shardplan import zoo
-from shardplan.chain import InputSpec
 from shardplan.errors import RuntimeMismatchError, ShardplanError
+from shardplan.frontend.chain import InputSpec
+from shardplan.models import zoo
 from shardplan.plan import Checkpoint, ShardStrategy
 from shardplan.runtime import collectives, parallelize
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.program import check_batch
-from shardplan.runtime.unit import UnitState
-
-from parity import ADAMW, spawn_world
 
 UNITS = zoo.gpt_units(zoo.GPTConfig().n_layer)
 
@@ -37,8 +36,14 @@ class Fault(Exception):
 
 
 def _program(model, world: int, strategy: ShardStrategy, micro_batches: int):
-    plan = manual_plan(model, UNITS, dp=world, strategies=(strategy,), checkpoints=(Checkpoint.NONE,),
-                       micro_batches=micro_batches)
+    plan = manual_plan(
+        model,
+        UNITS,
+        dp=world,
+        strategies=(strategy,),
+        checkpoints=(Checkpoint.NONE,),
+        micro_batches=micro_batches,
+    )
     return parallelize(model, plan)
 
 
@@ -65,7 +70,9 @@ def _arm(block: torch.nn.Module, where: str, on_call: int):
     return state
 
 
-def _train(program, batches, fail_at: int | None, armed: dict | None, set_to_none: bool = True) -> list[float]:
+def _train(
+    program, batches, fail_at: int | None, armed: dict | None, set_to_none: bool = True
+) -> list[float]:
     """Steps over `batches`, pairs of (ids, whether the optimizer steps after it: gradients accumulate
     over steps in between), the step at `fail_at` failing; returns the losses of the steps that ran.
     `set_to_none=False` zeroes `.grad` in place: the next step takes its gradients into it."""
@@ -90,20 +97,42 @@ def run_fault_case(rank: int, world: int, case: dict) -> dict:
     """Train once with a fault at the third step, once skipping that batch; compare exactly."""
     torch.manual_seed(0)
     model = zoo.gpt(batch=2).model
-    batches = [(torch.randint(0, 256, (2 * case["micro_batches"], 32), generator=torch.Generator().manual_seed(
-        10 * step + rank)), step in (0, 3, 5)) for step in range(6)]  # the failing step's gradients join step 1's
+    batches = [
+        (
+            torch.randint(
+                0,
+                256,
+                (2 * case["micro_batches"], 32),
+                generator=torch.Generator().manual_seed(10 * step + rank),
+            ),
+            step in (0, 3, 5),
+        )
+        for step in range(6)
+    ]  # the failing step's gradients join step 1's
     faulty = copy.deepcopy(model)
-    armed = _arm(faulty.h[1], case["where"], on_call=case["micro_batches"])  # the step's last micro-batch
+    armed = _arm(
+        faulty.h[1], case["where"], on_call=case["micro_batches"]
+    )  # the step's last micro-batch
     program = _program(faulty, world, case["strategy"], case["micro_batches"])
     fail_at, set_to_none = case.get("fail_at", 2), case.get("set_to_none", True)
     losses = _train(program, batches, fail_at=fail_at, armed=armed, set_to_none=set_to_none)
-    facts = {"states": sorted({unit.state.value for unit in program.units}), "out_of_step": program.out_of_step}
+    facts = {
+        "states": sorted({unit.state.value for unit in program.units}),
+        "out_of_step": program.out_of_step,
+    }
     skipping = _program(copy.deepcopy(model), world, case["strategy"], case["micro_batches"])
-    expected_losses = _train(skipping, batches[:fail_at] + batches[fail_at + 1:], fail_at=None, armed=None,
-                             set_to_none=set_to_none)
+    expected_losses = _train(
+        skipping,
+        batches[:fail_at] + batches[fail_at + 1 :],
+        fail_at=None,
+        armed=None,
+        set_to_none=set_to_none,
+    )
     state, expected = program.export_full_state_dict(), skipping.export_full_state_dict()
     facts["equal_losses"] = losses == expected_losses
-    facts["equal_parameters"] = rank != 0 or all(torch.equal(state[name], expected[name]) for name in expected)
+    facts["equal_parameters"] = rank != 0 or all(
+        torch.equal(state[name], expected[name]) for name in expected
+    )
     return facts
 
 
@@ -113,11 +142,15 @@ def check_failed_raw_backward(rank: int, world: int, folder: str) -> dict[str, b
     skipped, whatever came first."""
     torch.manual_seed(0)
     model = zoo.gpt(batch=2).model
-    batches = [torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(10 * step + rank))
-               for step in range(4)]
-    after_failure = {"zero_grad": lambda program: None,
-                     "clip": lambda program: program.clip_grad_norm_(1.0),
-                     "save": lambda program: program.save(os.path.join(folder, "after_failed_backward"))}
+    batches = [
+        torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(10 * step + rank))
+        for step in range(4)
+    ]
+    after_failure = {
+        "zero_grad": lambda program: None,
+        "clip": lambda program: program.clip_grad_norm_(1.0),
+        "save": lambda program: program.save(os.path.join(folder, "after_failed_backward")),
+    }
     expected = None
     equal = {}
     for name, action in (("skipped", None), *after_failure.items()):
@@ -143,7 +176,9 @@ def check_failed_raw_backward(rank: int, world: int, folder: str) -> dict[str, b
         if action is None:
             expected = state
         else:
-            equal[name] = rank != 0 or all(torch.equal(state[key], expected[key]) for key in expected)
+            equal[name] = rank != 0 or all(
+                torch.equal(state[key], expected[key]) for key in expected
+            )
     return equal
 
 
@@ -164,14 +199,22 @@ def check_failed_pipelined_step(rank: int, world: int) -> str | None:
     refuses every later step: a stage cannot know where its neighbours stopped."""
     model = zoo.gpt(batch=2).model
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    plan = manual_plan(model, UNITS, dp=1, pp=world, micro_batches=2, example_inputs=(ids,),
-                       example_kwargs={"labels": ids})
+    plan = manual_plan(
+        model,
+        UNITS,
+        dp=1,
+        pp=world,
+        micro_batches=2,
+        example_inputs=(ids,),
+        example_kwargs={"labels": ids},
+    )
     program = parallelize(model, plan)
     program.step(ids, labels=ids)
     original = collectives.all_reduce_sum
 
     def failing(*args, **kwargs):
         raise Fault("injected after the schedule")
+
     collectives.all_reduce_sum = failing
     try:
         with pytest.raises(Fault):
@@ -189,7 +232,9 @@ def check_fsdp2_failed_step(rank: int, world: int) -> dict:
     """backend="fsdp2": an optimizer over the replaced parameters raises; a failed step refuses every later
     call (FSDP2's state cannot be read back), until a load."""
     model = zoo.gpt(batch=2).model
-    before = torch.optim.SGD(model.parameters(), lr=0.1)  # built before parallelize: over what it replaces
+    before = torch.optim.SGD(
+        model.parameters(), lr=0.1
+    )  # built before parallelize: over what it replaces
     plan = manual_plan(model, UNITS, dp=world)
     program = parallelize(model, plan, backend="fsdp2")
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank))
@@ -222,8 +267,11 @@ def check_out_of_step(rank: int, world: int) -> dict:
     except KeyboardInterrupt:
         pass
     refusals = []
-    for call in (lambda: program.step(ids, labels=ids), lambda: program(ids, labels=ids),
-                 lambda: program.clip_grad_norm_(1.0)):
+    for call in (
+        lambda: program.step(ids, labels=ids),
+        lambda: program(ids, labels=ids),
+        lambda: program.clip_grad_norm_(1.0),
+    ):
         try:
             call()
             refusals.append(None)
@@ -262,7 +310,9 @@ def _all_checks(rank: int, world: int, cases: dict, path: str) -> None:
     results["optimizer"] = check_optimizer_over_model_parameters(rank, world)
     results["pipelined"] = check_failed_pipelined_step(rank, world)
     results["fsdp2"] = check_fsdp2_failed_step(rank, world)
-    results["out_of_step"] = check_out_of_step(rank, world)  # last: the world is out of step after it
+    results["out_of_step"] = check_out_of_step(
+        rank, world
+    )  # last: the world is out of step after it
     if rank == 0:
         with open(path, "w") as file:
             json.dump(results, file)
@@ -271,12 +321,28 @@ def _all_checks(rank: int, world: int, cases: dict, path: str) -> None:
     os._exit(0)
 
 
-CASES = {f"{strategy.value}/m{micro_batches}/{where}": {"strategy": strategy, "micro_batches": micro_batches,
-                                                         "where": where}
-         for strategy in ShardStrategy for micro_batches in (1, 2) for where in ("forward", "backward")}
-CASES.update({f"{strategy.value}/m2/backward/zeroed grad": {
-    "strategy": strategy, "micro_batches": 2, "where": "backward", "set_to_none": False, "fail_at": 1}
-    for strategy in (ShardStrategy.FULL_SHARD, ShardStrategy.REPLICATE)})
+CASES = {
+    f"{strategy.value}/m{micro_batches}/{where}": {
+        "strategy": strategy,
+        "micro_batches": micro_batches,
+        "where": where,
+    }
+    for strategy in ShardStrategy
+    for micro_batches in (1, 2)
+    for where in ("forward", "backward")
+}
+CASES.update(
+    {
+        f"{strategy.value}/m2/backward/zeroed grad": {
+            "strategy": strategy,
+            "micro_batches": 2,
+            "where": "backward",
+            "set_to_none": False,
+            "fail_at": 1,
+        }
+        for strategy in (ShardStrategy.FULL_SHARD, ShardStrategy.REPLICATE)
+    }
+)
 """A step failing right after zero_grad(set_to_none=False): it took its gradients into the zeroed `.grad`."""
 
 
@@ -286,20 +352,35 @@ def test_failed_steps_recover_exactly_or_refuse(tmp_path):
     path = tmp_path / "results.json"
     spawn_world(2, _all_checks, (CASES, str(path)))
     results = json.loads(path.read_text())
-    wrong = {name: results[name] for name in CASES
-             if results[name] != {"states": ["sharded"], "out_of_step": None, "equal_losses": True,
-                                  "equal_parameters": True}}
+    wrong = {
+        name: results[name]
+        for name in CASES
+        if results[name]
+        != {
+            "states": ["sharded"],
+            "out_of_step": None,
+            "equal_losses": True,
+            "equal_parameters": True,
+        }
+    }
     assert not wrong, wrong
     assert results["raw_backward"] == {"zero_grad": True, "clip": True, "save": True}
     assert results["pipelined"] is not None and "program.load(" in results["pipelined"]
-    assert results["optimizer"] == ("optimizer steps the model's original parameters, which parallelize "
-                                    "replaced: build it over program.parameters()")
+    assert results["optimizer"] == (
+        "optimizer steps the model's original parameters, which parallelize "
+        "replaced: build it over program.parameters()"
+    )
     assert "program.parameters()" in results["fsdp2"].get("optimizer", "")
     assert "program.load(" in results["fsdp2"].get("refusal", "")
     out_of_step = results["out_of_step"]
     assert out_of_step["states"] == ["sharded"]
-    assert all(refusal is not None and "KeyboardInterrupt" in refusal and "program.load(" in refusal
-               and "\n" not in refusal for refusal in out_of_step["refusals"]), out_of_step
+    assert all(
+        refusal is not None
+        and "KeyboardInterrupt" in refusal
+        and "program.load(" in refusal
+        and "\n" not in refusal
+        for refusal in out_of_step["refusals"]
+    ), out_of_step
 
 
 @pytest.mark.distributed
@@ -312,8 +393,13 @@ def test_a_rank_failing_alone_leaves_every_rank_refusing(tmp_path):
 
 
 def test_step_refuses_an_input_of_another_dtype():
-    plan = types.SimpleNamespace(inputs=(InputSpec(name="0", shape=(2, 8), dtype="int64", dynamic_dims=(0,)),))
+    plan = types.SimpleNamespace(
+        inputs=(InputSpec(name="0", shape=(2, 8), dtype="int64", dynamic_dims=(0,)),)
+    )
     check_batch(plan, (torch.zeros(4, 8, dtype=torch.int64),), {})
-    with pytest.raises(RuntimeMismatchError, match=r"input '0' is int32, the plan was made for int64: pass it "
-                                                   r"as int64 \(\.to\(torch\.int64\)\), or re-plan for int32"):
+    with pytest.raises(
+        RuntimeMismatchError,
+        match=r"input '0' is int32, the plan was made for int64: pass it "
+        r"as int64 \(\.to\(torch\.int64\)\), or re-plan for int32",
+    ):
         check_batch(plan, (torch.zeros(2, 8, dtype=torch.int32),), {})

@@ -1,13 +1,14 @@
 """Repeated blocks analyzed once (repeats.py, passes/splice.py): the chain equals a full analysis."""
+
 import dataclasses
 
 import pytest
 import torch
 import torch.nn as nn
 
-from shardplan import zoo
-from shardplan.passes import analyze, fingerprint_of
-from shardplan.repeats import capture_repeated
+from shardplan.frontend.passes import analyze, fingerprint_of
+from shardplan.frontend.repeats import capture_repeated
+from shardplan.models import zoo
 
 TIMINGS = ("capture_s", "analyze_s", "reused_blocks")
 
@@ -22,12 +23,22 @@ MODELS = {  # enough layers that one is a copy (a class's first, second and last
     "hf-t5": lambda: zoo.hf_t5(n_layer=5),
     "hf-mixtral": lambda: zoo.hf_mixtral(n_layer=4),
 }
-REUSES = {"gpt": 1, "mlp": 1, "hf-gpt2": 1, "hf-llama": 1, "hf-bert": 1, "hf-t5": 2, "hf-mixtral": 1}
+REUSES = {
+    "gpt": 1,
+    "mlp": 1,
+    "hf-gpt2": 1,
+    "hf-llama": 1,
+    "hf-bert": 1,
+    "hf-t5": 2,
+    "hf-mixtral": 1,
+}
 """Copies stamped from a representative; the others have no block repeated often enough."""
 
 
 def _without_timings(chain):
-    return dataclasses.replace(chain, extra={k: v for k, v in chain.extra.items() if k not in TIMINGS})
+    return dataclasses.replace(
+        chain, extra={k: v for k, v in chain.extra.items() if k not in TIMINGS}
+    )
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -37,7 +48,9 @@ def test_chain_equals_a_full_analysis(name):
     reused = analyze(entry.model, entry.args, entry.kwargs)
     full = analyze(entry.model, entry.args, entry.kwargs, reuse_blocks=False)
     assert reused.extra["reused_blocks"] == REUSES.get(name, 0)
-    assert _without_timings(reused) == _without_timings(full)  # every block, field for field, names included
+    assert _without_timings(reused) == _without_timings(
+        full
+    )  # every block, field for field, names included
     assert fingerprint_of(entry.model, reused.inputs) == full.fingerprint
 
 
@@ -84,15 +97,22 @@ def test_shared_or_reentered_layers_are_traced_whole():
 @pytest.mark.parametrize("build", [zoo.residual_cnn, lambda: zoo.hf_llama(n_layer=3)])
 def test_a_model_without_enough_repeats_is_captured_once_as_before(build):
     entry = build()
-    assert capture_repeated(entry.model, entry.args, entry.kwargs) is None  # no patched trace, no second export
+    assert (
+        capture_repeated(entry.model, entry.args, entry.kwargs) is None
+    )  # no patched trace, no second export
 
 
 def test_tensor_parallel_pairs_equal_those_of_a_whole_capture():
-    from shardplan.capture import capture
-    from shardplan.passes.ownership import annotate_ownership_pass
-    from shardplan.passes.tensor_parallel import find_tensor_parallel_pairs, tensor_parallel_candidates
+    from shardplan.frontend.capture import capture
+    from shardplan.frontend.passes.ownership import annotate_ownership_pass
+    from shardplan.frontend.passes.tensor_parallel import (
+        find_tensor_parallel_pairs,
+        tensor_parallel_candidates,
+    )
 
     entry = zoo.gpt(zoo.GPTConfig(n_layer=4))
     whole = capture(entry.model, entry.args, entry.kwargs).gm
     annotate_ownership_pass(whole)
-    assert tensor_parallel_candidates(entry.model, entry.args, entry.kwargs) == find_tensor_parallel_pairs(whole)
+    assert tensor_parallel_candidates(
+        entry.model, entry.args, entry.kwargs
+    ) == find_tensor_parallel_pairs(whole)

@@ -1,6 +1,7 @@
 """An elastic run's folder ([Note: run folder] in runtime/elastic.py): its files are never written through a link
 nor waited on as a FIFO, one job at a time holds it, its checkpoints carry the run's identity, and every number a
 start reads from a flag or a checkpoint is checked."""
+
 import json
 import os
 import shutil
@@ -8,17 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from parity import spawn_world
-from shardplan import zoo
-from shardplan.errors import CheckpointError, ShardplanError
-from shardplan.runtime import elastic
-from shardplan.runtime.elastic import ElasticOptions
-from shardplan.sampler import ResumableSampler
 from test_cli import _refused
 
+from shardplan.errors import CheckpointError, ShardplanError
+from shardplan.models import zoo
+from shardplan.runtime import elastic
+from shardplan.runtime.elastic import ElasticOptions
+from shardplan.runtime.sampler import ResumableSampler
 
 # files in the run folder
+
 
 def test_the_run_files_are_written_anew_never_through_a_link(tmp_path):
     """A link named progress.json.tmp made rank 0 overwrite the link's target with its progress."""
@@ -33,8 +34,11 @@ def test_the_run_files_are_written_anew_never_through_a_link(tmp_path):
     assert not progress.is_symlink() and json.loads(progress.read_text())["step"] == 1
     (tmp_path / elastic.EVENTS_FILE).unlink()
     (tmp_path / elastic.EVENTS_FILE).symlink_to(mine)
-    with pytest.raises(ShardplanError, match=r"cannot write the run's events file .*events.jsonl': it is a symbolic "
-                                             "link; remove it, or write elsewhere"):
+    with pytest.raises(
+        ShardplanError,
+        match=r"cannot write the run's events file .*events.jsonl': it is a symbolic "
+        "link; remove it, or write elsewhere",
+    ):
         journal.note("appended through the link before")
     assert mine.read_text() == "a user's file"
 
@@ -44,10 +48,15 @@ def test_a_fifo_in_the_run_folder_is_refused_or_passed_by_never_waited_on(tmp_pa
     os.mkfifo(tmp_path / elastic.PROGRESS_FILE)
     lines: list[str] = []
     journal = elastic._Journal(tmp_path, lines.append)
-    assert journal.last_progress is None and "is a named pipe, not a regular file shardplan wrote" in lines[0]
+    assert (
+        journal.last_progress is None
+        and "is a named pipe, not a regular file shardplan wrote" in lines[0]
+    )
     os.unlink(tmp_path / elastic.PROGRESS_FILE)
     os.mkfifo(tmp_path / (elastic.PROGRESS_FILE + ".tmp"))
-    journal.stepped(1, 2.0, 1, 0, 4, 0.0)  # the progress is written beside it, under a name of its own
+    journal.stepped(
+        1, 2.0, 1, 0, 4, 0.0
+    )  # the progress is written beside it, under a name of its own
     assert json.loads((tmp_path / elastic.PROGRESS_FILE).read_text())["step"] == 1
     os.unlink(tmp_path / elastic.EVENTS_FILE)
     os.mkfifo(tmp_path / elastic.EVENTS_FILE)
@@ -59,8 +68,11 @@ def test_the_run_folder_is_held_by_one_job_and_keeps_its_run_id(tmp_path):
     first: list[elastic._RunLock] = []
     run = elastic._claim_run_folder(tmp_path, first)
     second: list[elastic._RunLock] = []
-    with pytest.raises(ShardplanError, match=rf"another job is training in {tmp_path} \(process {os.getpid()} on "
-                                             r".* holds run.lock\): wait for it to end, or give this job another"):
+    with pytest.raises(
+        ShardplanError,
+        match=rf"another job is training in {tmp_path} \(process {os.getpid()} on "
+        r".* holds run.lock\): wait for it to end, or give this job another",
+    ):
         elastic._claim_run_folder(tmp_path, second)
     assert not second
     first[0].release()
@@ -70,39 +82,78 @@ def test_the_run_folder_is_held_by_one_job_and_keeps_its_run_id(tmp_path):
 
 # numbers read from flags and checkpoints
 
-@pytest.mark.parametrize("field, value, message", [
-    ("clip_grad_norm", -1.0, "the gradient clip (--clip) is -1.0"),  # trained by gradient ascent
-    ("clip_grad_norm", float("nan"), "the gradient clip (--clip) is nan"),  # made every parameter NaN
-    ("timeout_s", 0.0, "the process-group timeout (--timeout) is 0.0 s"),
-    ("timeout_s", float("nan"), "the process-group timeout (--timeout) is nan s"),
-    ("seed", -1, "seed must be a whole number from 0"),
-    ("steps", 2**60, "steps must be a whole number from 1 to 1099511627776"),
-])
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "clip_grad_norm",
+            -1.0,
+            "the gradient clip (--clip) is -1.0",
+        ),  # trained by gradient ascent
+        (
+            "clip_grad_norm",
+            float("nan"),
+            "the gradient clip (--clip) is nan",
+        ),  # made every parameter NaN
+        ("timeout_s", 0.0, "the process-group timeout (--timeout) is 0.0 s"),
+        ("timeout_s", float("nan"), "the process-group timeout (--timeout) is nan s"),
+        ("seed", -1, "seed must be a whole number from 0"),
+        ("steps", 2**60, "steps must be a whole number from 1 to 1099511627776"),
+    ],
+)
 def test_elastic_options_hold_only_numbers_a_run_can_use(field, value, message):
     with pytest.raises(ShardplanError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ElasticOptions(directory="run", **{"steps": 2, "global_batch_size": 4, field: value})
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--lr", "nan"], "--lr nan: give a finite number, above 0"),
-    (["--lr", "-1"], "--lr -1.0: give a finite number, above 0"),
-    (["--weight-decay", "inf"], "--weight-decay inf: give a finite number, 0 or more"),
-    (["--clip", "-1"], "the gradient clip (--clip) is -1.0"),
-    (["--timeout", "0"], "the process-group timeout (--timeout) is 0.0 s"),
-])
-def test_train_refuses_a_number_flag_it_cannot_use_before_it_loads_anything(flags, message, tmp_path, capsys):
-    argv = ["train", "gpt", "no_such_module:data", "--directory", str(tmp_path / "run"), "--steps", "2",
-            "--global-batch", "4", *flags]
-    assert message in _refused(argv, capsys)  # not "cannot load the data": refused before it is imported
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lr", "nan"], "--lr nan: give a finite number, above 0"),
+        (["--lr", "-1"], "--lr -1.0: give a finite number, above 0"),
+        (["--weight-decay", "inf"], "--weight-decay inf: give a finite number, 0 or more"),
+        (["--clip", "-1"], "the gradient clip (--clip) is -1.0"),
+        (["--timeout", "0"], "the process-group timeout (--timeout) is 0.0 s"),
+    ],
+)
+def test_train_refuses_a_number_flag_it_cannot_use_before_it_loads_anything(
+    flags, message, tmp_path, capsys
+):
+    argv = [
+        "train",
+        "gpt",
+        "no_such_module:data",
+        "--directory",
+        str(tmp_path / "run"),
+        "--steps",
+        "2",
+        "--global-batch",
+        "4",
+        *flags,
+    ]
+    assert message in _refused(
+        argv, capsys
+    )  # not "cannot load the data": refused before it is imported
 
 
-@pytest.mark.parametrize("data, message", [
-    (5, r"the data is a int, which has no len\(\): make the data factory return a dataset"),  # once a SIGABRT
-    ([], "the dataset has 0 samples: give a dataset with at least one"),  # once IndexError: 0
-])
-def test_data_that_is_no_dataset_or_holds_no_sample_is_refused_before_the_rendezvous(data, message, tmp_path):
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (
+            5,
+            r"the data is a int, which has no len\(\): make the data factory return a dataset",
+        ),  # once a SIGABRT
+        ([], "the dataset has 0 samples: give a dataset with at least one"),  # once IndexError: 0
+    ],
+)
+def test_data_that_is_no_dataset_or_holds_no_sample_is_refused_before_the_rendezvous(
+    data, message, tmp_path
+):
     with pytest.raises(ShardplanError, match=message):
-        elastic.train(lambda: None, data, ElasticOptions(directory=tmp_path, steps=1, global_batch_size=1))
+        elastic.train(
+            lambda: None, data, ElasticOptions(directory=tmp_path, steps=1, global_batch_size=1)
+        )
 
 
 def test_a_forged_or_foreign_progress_state_is_a_checkpoint_error_that_changes_nothing():
@@ -110,27 +161,35 @@ def test_a_forged_or_foreign_progress_state_is_a_checkpoint_error_that_changes_n
     saved = elastic._TrainingState(ResumableSampler(10), None, run="a" * 32)
     saved.step = 4
     good = saved.state_dict()
-    for bad, message in (({**good, "step": -5}, "its progress holds step -5"),
-                         ({**good, "step": True}, "its progress holds step True"),
-                         ({**good, "rng": good["rng"][:100]}, "a random generator state of shape (100,)"),
-                         ({**good, "run": "b" * 32}, "it was saved by another run (bbbb")):
+    for bad, message in (
+        ({**good, "step": -5}, "its progress holds step -5"),
+        ({**good, "step": True}, "its progress holds step True"),
+        ({**good, "rng": good["rng"][:100]}, "a random generator state of shape (100,)"),
+        ({**good, "run": "b" * 32}, "it was saved by another run (bbbb"),
+    ):
         state = elastic._TrainingState(ResumableSampler(10), None, run="a" * 32)
         rng = torch.get_rng_state()
         with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
             state.load_state_dict(bad)
         assert state.step == 0 and torch.equal(torch.get_rng_state(), rng)
-    adopting = elastic._TrainingState(ResumableSampler(10), None, run="c" * 32, adopt_checkpoint=True)
+    adopting = elastic._TrainingState(
+        ResumableSampler(10), None, run="c" * 32, adopt_checkpoint=True
+    )
     adopting.load_state_dict(good)
-    older = {key: value for key, value in good.items() if key != "run"}  # saved before runs had an id
+    older = {
+        key: value for key, value in good.items() if key != "run"
+    }  # saved before runs had an id
     elastic._TrainingState(ResumableSampler(10), None, run="c" * 32).load_state_dict(older)
     assert adopting.step == 4
 
 
 # whole starts, on one gloo rank
 
+
 def run_folder_job(rank: int, world: int, folder: str) -> dict:
     import elastic_data
-    from shardplan.model_spec import load_model
+
+    from shardplan.cli.model_spec import load_model
     from shardplan.runtime import manual_plan, parallelize
 
     root, data, found = Path(folder), elastic_data.tokens(), {}
@@ -142,16 +201,29 @@ def run_folder_job(rank: int, world: int, folder: str) -> dict:
         def optimizer(parameters):
             built.append(torch.optim.AdamW(parameters, lr=lr))
             return built[-1]
-        outcome = elastic.train(lambda: load_model("gpt").model, data,
-                                ElasticOptions(directory=root / run, steps=steps, global_batch_size=4,
-                                               plan_options={"hardware": "cpu-gloo"}, checkpoint_every=1, **options),
-                                optimizer_factory=optimizer, log=lines.append)
+
+        outcome = elastic.train(
+            lambda: load_model("gpt").model,
+            data,
+            ElasticOptions(
+                directory=root / run,
+                steps=steps,
+                global_batch_size=4,
+                plan_options={"hardware": "cpu-gloo"},
+                checkpoint_every=1,
+                **options,
+            ),
+            optimizer_factory=optimizer,
+            log=lines.append,
+        )
         return outcome.step, lines, built[-1].param_groups[0]["lr"]
 
     start("a", 2)
     found["changed_lr"] = start("a", 3, lr=1e-2)
     start("b", 2, lr=0.5)
-    shutil.copytree(root / "b" / "step_00000002", root / "a" / "step_00000009")  # swapped in, and newer
+    shutil.copytree(
+        root / "b" / "step_00000002", root / "a" / "step_00000009"
+    )  # swapped in, and newer
     found["foreign"] = start("a", 4)
     found["adopted"] = start("a", 10, adopt_checkpoint=True)
     lock = elastic._RunLock(root / "a")  # as another job's rank 0 holds it
@@ -164,7 +236,9 @@ def run_folder_job(rank: int, world: int, folder: str) -> dict:
 
     torch.manual_seed(0)
     entry = zoo.gpt()
-    program = parallelize(entry.model, manual_plan(entry.model, zoo.gpt_units(zoo.GPTConfig().n_layer), dp=world))
+    program = parallelize(
+        entry.model, manual_plan(entry.model, zoo.gpt_units(zoo.GPTConfig().n_layer), dp=world)
+    )
     found["clips"] = []
     for max_norm in (-1.0, float("nan")):
         try:
@@ -176,8 +250,12 @@ def run_folder_job(rank: int, world: int, folder: str) -> dict:
     mine.write_text("a user's notes")
     (root / "model.pt").symlink_to(mine)
     program.export_full_state_dict(root / "model.pt")
-    found["export"] = (mine.read_text(), (root / "model.pt").is_symlink(),
-                       sorted(torch.load(root / "model.pt", weights_only=True)) == sorted(entry.model.state_dict()))
+    found["export"] = (
+        mine.read_text(),
+        (root / "model.pt").is_symlink(),
+        sorted(torch.load(root / "model.pt", weights_only=True))
+        == sorted(entry.model.state_dict()),
+    )
     try:
         program.export_full_state_dict(root / "missing" / "model.pt")
         found["export_missing"] = "written"
@@ -196,16 +274,21 @@ def starts(tmp_path_factory) -> dict:
 def test_a_changed_learning_rate_on_resume_is_applied_and_logged(starts):
     step, lines, lr = starts["changed_lr"]
     assert step == 3 and lr == 1e-2  # the checkpoint's 1e-3 trained on before, unsaid
-    assert any("the optimizer's lr 0.001 -> 0.01 at this start: training on with the new values" in line
-               for line in lines), lines
+    assert any(
+        "the optimizer's lr 0.001 -> 0.01 at this start: training on with the new values" in line
+        for line in lines
+    ), lines
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_another_runs_checkpoint_is_passed_over_unless_adopted(starts):
     step, lines, _ = starts["foreign"]
-    assert any("step_00000009 not loaded (it was saved by another run (" in line and "--adopt-checkpoint" in line
-               for line in lines), lines
+    assert any(
+        "step_00000009 not loaded (it was saved by another run (" in line
+        and "--adopt-checkpoint" in line
+        for line in lines
+    ), lines
     assert any(line.startswith("resumed step 3 ") for line in "\n".join(lines).splitlines()), lines
     assert step == 4
     step, lines, _ = starts["adopted"]
@@ -223,13 +306,19 @@ def test_a_second_job_on_a_held_run_folder_stops_at_once(starts):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_negative_or_nan_clip_is_refused_by_the_program(starts):
-    assert all(clip.startswith("clip_grad_norm_(max_norm=") and "a finite number, 0 or more" in clip
-               for clip in starts["clips"]), starts["clips"]
+    assert all(
+        clip.startswith("clip_grad_norm_(max_norm=") and "a finite number, 0 or more" in clip
+        for clip in starts["clips"]
+    ), starts["clips"]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_an_export_replaces_a_link_rather_than_writing_through_it_and_names_a_missing_folder(starts):
+def test_an_export_replaces_a_link_rather_than_writing_through_it_and_names_a_missing_folder(
+    starts,
+):
     assert starts["export"] == ("a user's notes", False, True)
-    assert starts["export_missing"].startswith("cannot write ") and "create the folder or write elsewhere" in \
-        starts["export_missing"]
+    assert (
+        starts["export_missing"].startswith("cannot write ")
+        and "create the folder or write elsewhere" in starts["export_missing"]
+    )

@@ -4,6 +4,7 @@ One spawned world per world size runs a grid of cases (models × strategies × c
 backends, plus micro-batches, clipping, offload, meta init, ties, mixed precision, errors);
 rank 0 writes one JSON record per case and the tests read them.
 """
+
 import copy
 import types
 import warnings
@@ -12,17 +13,16 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from parity import TOLERANCE, assert_parity, spawn_world, train_next_to_reference
 
-from shardplan import zoo
-from shardplan.chain import InputSpec
 from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
+from shardplan.frontend.chain import InputSpec
+from shardplan.models import zoo
 from shardplan.plan import Checkpoint, MixedPrecision, Plan, ShardStrategy
 from shardplan.runtime import parallelize
-from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.flat_param import FlatLayout
+from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.program import check_batch, split_micro_batches
-
-from parity import TOLERANCE, assert_parity, spawn_world, train_next_to_reference
 
 STEPS = 5
 STRATEGIES = tuple(ShardStrategy)
@@ -32,21 +32,39 @@ CHECKPOINTS = tuple(Checkpoint)
 # plans by hand
 
 MODELS = {
-    "gpt": (lambda world, device="cpu": zoo.gpt(batch=2 * world, device=device),
-            zoo.gpt_units(zoo.GPTConfig().n_layer)),
-    "llama": (lambda world, device="cpu": zoo.hf_llama(batch=2 * world, seq=16, device=device),
-              [("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")]),
-    "gpt2-tied": (lambda world, device="cpu": zoo.hf_gpt2(batch=2 * world, seq=16, device=device),
-                  [("transformer.wte", "transformer.wpe"), ("transformer.h.0",), ("transformer.h.1",),
-                   ("transformer.ln_f", "lm_head")]),
+    "gpt": (
+        lambda world, device="cpu": zoo.gpt(batch=2 * world, device=device),
+        zoo.gpt_units(zoo.GPTConfig().n_layer),
+    ),
+    "llama": (
+        lambda world, device="cpu": zoo.hf_llama(batch=2 * world, seq=16, device=device),
+        [
+            ("model.embed_tokens",),
+            ("model.layers.0",),
+            ("model.layers.1",),
+            ("model.norm", "lm_head"),
+        ],
+    ),
+    "gpt2-tied": (
+        lambda world, device="cpu": zoo.hf_gpt2(batch=2 * world, seq=16, device=device),
+        [
+            ("transformer.wte", "transformer.wpe"),
+            ("transformer.h.0",),
+            ("transformer.h.1",),
+            ("transformer.ln_f", "lm_head"),
+        ],
+    ),
 }
 
 
 def make_plan(model, groups, dp: int, strategies, checkpoints, **options) -> Plan:
-    return manual_plan(model, groups, dp=dp, strategies=strategies, checkpoints=checkpoints, **options)
+    return manual_plan(
+        model, groups, dp=dp, strategies=strategies, checkpoints=checkpoints, **options
+    )
 
 
 # one case on every rank
+
 
 def run_case(rank: int, world: int, case: dict) -> dict:
     """Train `case` for STEPS steps next to a one-process reference; return the largest differences."""
@@ -59,17 +77,39 @@ def run_case(rank: int, world: int, case: dict) -> dict:
     vocab, seq = reference.config.vocab_size, entry.args[0].shape[1]
     # plans record one rank's input shapes only where a case asks: each costs a capture
     planned = torch.zeros(case.get("planned_batch", 0), seq, dtype=torch.int64)
-    plan = make_plan(model, groups, world, case["strategies"], case["checkpoints"],
-                     micro_batches=case.get("micro_batches", 1), offload=case.get("offload", (False,)),
-                     prefetch=case.get("prefetch", (True,)),
-                     precision=MixedPrecision(param_dtype=case.get("param_dtype", "float32")),
-                     **({"example_inputs": (planned,), "example_kwargs": {"labels": planned}} if len(planned) else {}))
+    plan = make_plan(
+        model,
+        groups,
+        world,
+        case["strategies"],
+        case["checkpoints"],
+        micro_batches=case.get("micro_batches", 1),
+        offload=case.get("offload", (False,)),
+        prefetch=case.get("prefetch", (True,)),
+        precision=MixedPrecision(param_dtype=case.get("param_dtype", "float32")),
+        **(
+            {"example_inputs": (planned,), "example_kwargs": {"labels": planned}}
+            if len(planned)
+            else {}
+        ),
+    )
     torch.manual_seed(0)  # meta init draws the same numbers as building on CPU did
     program = parallelize(model, plan, backend=case.get("backend", "shardplan"))
-    batches = [torch.randint(0, vocab, (case.get("batch", 2) * world, seq),
-                             generator=torch.Generator().manual_seed(step)) for step in range(STEPS)]
-    return train_next_to_reference(program, reference, [(ids.chunk(world)[rank], ids) for ids in batches],
-                                   clip=case.get("clip"))
+    batches = [
+        torch.randint(
+            0,
+            vocab,
+            (case.get("batch", 2) * world, seq),
+            generator=torch.Generator().manual_seed(step),
+        )
+        for step in range(STEPS)
+    ]
+    return train_next_to_reference(
+        program,
+        reference,
+        [(ids.chunk(world)[rank], ids) for ids in batches],
+        clip=case.get("clip"),
+    )
 
 
 def check_reshard(rank: int, world: int) -> dict:
@@ -78,8 +118,13 @@ def check_reshard(rank: int, world: int) -> dict:
     build, groups = MODELS["gpt"]
     torch.manual_seed(0)
     entry = build(world)
-    plan = make_plan(entry.model, groups, world, (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
-                     (Checkpoint.NONE,))
+    plan = make_plan(
+        entry.model,
+        groups,
+        world,
+        (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
+        (Checkpoint.NONE,),
+    )
     program = parallelize(entry.model, plan)
     h1, h2 = program.units[2], program.units[3]
     seen = {}
@@ -91,9 +136,11 @@ def check_reshard(rank: int, world: int) -> dict:
     entry.model.h[1].mlp.register_forward_hook(spy)
     mine = entry.args[0].chunk(world)[rank]
     loss = program(mine, labels=mine)
-    facts = {"h2_while_h1_computes": seen["h2_while_h1_computes"],
-             "h1_buffer_alive_after_forward": seen["h1_buffer"]() is not None,
-             "after_forward": {unit.spec.strategy.value: unit.state.value for unit in (h1, h2)}}
+    facts = {
+        "h2_while_h1_computes": seen["h2_while_h1_computes"],
+        "h1_buffer_alive_after_forward": seen["h1_buffer"]() is not None,
+        "after_forward": {unit.spec.strategy.value: unit.state.value for unit in (h1, h2)},
+    }
     loss.backward()
     facts["after_backward"] = sorted({unit.state.value for unit in program.units})
     facts["shard_numel"] = [unit.shard.numel() for unit in program.units]
@@ -108,27 +155,44 @@ def check_loss_fn_and_loading(rank: int, world: int) -> dict:
     errors, stats = {}, {}
     for backend in ("shardplan", "fsdp2"):
         model = copy.deepcopy(reference)
-        plan = make_plan(model, [("0",), ("2",)], world, (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_OPTIMIZER),
-                         CHECKPOINTS[:2])
+        plan = make_plan(
+            model,
+            [("0",), ("2",)],
+            world,
+            (ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_OPTIMIZER),
+            CHECKPOINTS[:2],
+        )
         program = parallelize(model, plan, loss_fn=torch.nn.functional.mse_loss, backend=backend)
-        x, y = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1)), torch.zeros(4 * world, 1)
+        x, y = (
+            torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1)),
+            torch.zeros(4 * world, 1),
+        )
         before = program.last_step
         loss = program.step(x.chunk(world)[rank], y.chunk(world)[rank])
-        stats[backend] = {"before": before, "step_time_s": program.last_step.step_time_s,
-                          "peak_bytes": program.last_step.peak_bytes,
-                          "predicted": program.last_step.predicted_peak_bytes == plan.predicted.peak_bytes}
+        stats[backend] = {
+            "before": before,
+            "step_time_s": program.last_step.step_time_s,
+            "peak_bytes": program.last_step.peak_bytes,
+            "predicted": program.last_step.predicted_peak_bytes == plan.predicted.peak_bytes,
+        }
         expected = torch.nn.functional.mse_loss(reference(x), y)
         grads = torch.autograd.grad(expected, list(reference.parameters()))
         whole = {name: torch.randn(p.shape) for name, p in reference.named_parameters()}
         program.load_full_state_dict(whole)
         exported = program.export_full_state_dict()  # on rank 0, which compares
         loaded = exported if rank == 0 else whole
-        errors[backend] = {"loss": abs(float(loss) - float(expected)),
-                           "grad_norm": abs(float(program.clip_grad_norm_(1e9))
-                                            - float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))),
-                           "load": max((loaded[name] - value).abs().max().item() for name, value in whole.items()),
-                           "inf_norm": abs(float(program.clip_grad_norm_(1e9, norm_type=float("inf")))
-                                           - max(float(g.abs().max()) for g in grads))}
+        errors[backend] = {
+            "loss": abs(float(loss) - float(expected)),
+            "grad_norm": abs(
+                float(program.clip_grad_norm_(1e9))
+                - float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+            ),
+            "load": max((loaded[name] - value).abs().max().item() for name, value in whole.items()),
+            "inf_norm": abs(
+                float(program.clip_grad_norm_(1e9, norm_type=float("inf")))
+                - max(float(g.abs().max()) for g in grads)
+            ),
+        }
     return {"errors": errors, "stats": stats}
 
 
@@ -138,7 +202,9 @@ def check_communication(rank: int, world: int) -> dict:
 
     build, groups = MODELS["gpt"]
     entry = build(world)
-    plan = make_plan(entry.model, groups, world, (ShardStrategy.FULL_SHARD,), (Checkpoint.NONE,), micro_batches=2)
+    plan = make_plan(
+        entry.model, groups, world, (ShardStrategy.FULL_SHARD,), (Checkpoint.NONE,), micro_batches=2
+    )
     program = parallelize(entry.model, plan)
     counts = {"all_gather": 0, "reduce_scatter_mean": 0, "all_reduce_mean": 0}
     originals = {name: getattr(collectives, name) for name in counts}
@@ -147,8 +213,11 @@ def check_communication(rank: int, world: int) -> dict:
         def call(*args, **kwargs):
             before = collectives.issued()
             result = originals[name](*args, **kwargs)
-            counts[name] += collectives.issued() - before  # over a group of one (no replica groups), none
+            counts[name] += (
+                collectives.issued() - before
+            )  # over a group of one (no replica groups), none
             return result
+
         return call
 
     for name in counts:
@@ -168,15 +237,22 @@ def check_meta_hf(rank: int, world: int) -> dict:
     facts = {}
     for backend in ("shardplan", "fsdp2"):
         entry = build(world, device="meta")
-        program = parallelize(entry.model, make_plan(entry.model, groups, world, STRATEGIES, CHECKPOINTS),
-                              backend=backend)
+        program = parallelize(
+            entry.model,
+            make_plan(entry.model, groups, world, STRATEGIES, CHECKPOINTS),
+            backend=backend,
+        )
         state = program.export_full_state_dict()  # on rank 0, which reports the results
         ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(rank))
         expected_inv_freq = build(world).model.model.rotary_emb.inv_freq
-        inv_freq = entry.model.model.rotary_emb.inv_freq  # a buffer: whole on every rank, not exported
-        facts[backend] = {"embedding_std": float(state["model.embed_tokens.weight"].std()) if state else None,
-                          "inv_freq_error": float((inv_freq - expected_inv_freq).abs().max()),
-                          "loss": float(program.step(ids, labels=ids))}
+        inv_freq = (
+            entry.model.model.rotary_emb.inv_freq
+        )  # a buffer: whole on every rank, not exported
+        facts[backend] = {
+            "embedding_std": float(state["model.embed_tokens.weight"].std()) if state else None,
+            "inv_freq_error": float((inv_freq - expected_inv_freq).abs().max()),
+            "loss": float(program.step(ids, labels=ids)),
+        }
     return facts
 
 
@@ -187,7 +263,9 @@ def check_errors(rank: int, world: int) -> dict:
         "pp": lambda model: make_plan(model, groups, world // 2, STRATEGIES, CHECKPOINTS, pp=2),
         "missing": lambda model: make_plan(model, groups[:-1], world, STRATEGIES, CHECKPOINTS),
         "dp": lambda model: make_plan(model, groups, world + 1, STRATEGIES, CHECKPOINTS),
-        "ranks_disagree": lambda model: make_plan(model, groups, world, (STRATEGIES[rank % 2],), CHECKPOINTS),
+        "ranks_disagree": lambda model: make_plan(
+            model, groups, world, (STRATEGIES[rank % 2],), CHECKPOINTS
+        ),
     }
     for name, attempt in attempts.items():
         model = build(world).model
@@ -200,11 +278,17 @@ def check_errors(rank: int, world: int) -> dict:
     model = tied_build(world).model
     with warnings.catch_warnings(record=True) as caught:  # FSDP2 shards the tied units as one group
         warnings.simplefilter("always")
-        parallelize(model, make_plan(model, tied_groups, world, STRATEGIES, CHECKPOINTS), backend="fsdp2")
-    errors["fsdp2_tied"] = [str(warning.message) for warning in caught if "tied across units" in str(warning.message)]
+        parallelize(
+            model, make_plan(model, tied_groups, world, STRATEGIES, CHECKPOINTS), backend="fsdp2"
+        )
+    errors["fsdp2_tied"] = [
+        str(warning.message) for warning in caught if "tied across units" in str(warning.message)
+    ]
     model = build(world).model
     try:  # FSDP2 would train the parameters in no unit in its root group, unplanned
-        parallelize(model, make_plan(model, groups[:-1], world, STRATEGIES, CHECKPOINTS), backend="fsdp2")
+        parallelize(
+            model, make_plan(model, groups[:-1], world, STRATEGIES, CHECKPOINTS), backend="fsdp2"
+        )
     except ShardplanError as error:
         errors["fsdp2_missing"] = [type(error).__name__, str(error)]
     model = build(world).model
@@ -226,34 +310,76 @@ def _all_checks(rank: int, world: int, cases: dict) -> dict:
 
 
 def _grid(models, strategies_checkpoints) -> dict:
-    return {f"{model}/{strategy.value}/{checkpoint.value}": {"model": model, "strategies": (strategy,),
-                                                           "checkpoints": (checkpoint,)}
-            for model in models for strategy, checkpoint in strategies_checkpoints}
+    return {
+        f"{model}/{strategy.value}/{checkpoint.value}": {
+            "model": model,
+            "strategies": (strategy,),
+            "checkpoints": (checkpoint,),
+        }
+        for model in models
+        for strategy, checkpoint in strategies_checkpoints
+    }
 
 
 EVERY_PAIR = [(strategy, checkpoint) for strategy in STRATEGIES for checkpoint in CHECKPOINTS]
-DIAGONAL = [(strategy, CHECKPOINTS[index % len(CHECKPOINTS)]) for index, strategy in enumerate(STRATEGIES)]
+DIAGONAL = [
+    (strategy, CHECKPOINTS[index % len(CHECKPOINTS)]) for index, strategy in enumerate(STRATEGIES)
+]
 MIXED = {"strategies": STRATEGIES, "checkpoints": CHECKPOINTS}
 """Every unit a different strategy and checkpointing: interactions between neighbours."""
 
 WORLD2_CASES = {
     **_grid(["gpt", "llama"], EVERY_PAIR),
-    "gpt/mixed/micro_batches2/clip/offload": {"model": "gpt", **MIXED, "micro_batches": 2, "clip": 0.05,
-                                              "offload": (True, True, False, False),  # the sharded strategies offload
-                                              "prefetch": (True, True, False)},
-    "llama/mixed/micro_batches2/clip": {"model": "llama", **MIXED, "micro_batches": 2, "clip": 0.05},
+    "gpt/mixed/micro_batches2/clip/offload": {
+        "model": "gpt",
+        **MIXED,
+        "micro_batches": 2,
+        "clip": 0.05,
+        "offload": (True, True, False, False),  # the sharded strategies offload
+        "prefetch": (True, True, False),
+    },
+    "llama/mixed/micro_batches2/clip": {
+        "model": "llama",
+        **MIXED,
+        "micro_batches": 2,
+        "clip": 0.05,
+    },
     # an epoch's last batch: 3 of the planned 4 samples a rank, in micro-batches of 2 and 1
-    "gpt/mixed/smaller_batch": {"model": "gpt", **MIXED, "micro_batches": 2, "planned_batch": 4, "batch": 3},
-    "fsdp2/gpt/smaller_batch": {"model": "gpt", **MIXED, "micro_batches": 2, "planned_batch": 4, "batch": 3,
-                                "backend": "fsdp2"},
+    "gpt/mixed/smaller_batch": {
+        "model": "gpt",
+        **MIXED,
+        "micro_batches": 2,
+        "planned_batch": 4,
+        "batch": 3,
+    },
+    "fsdp2/gpt/smaller_batch": {
+        "model": "gpt",
+        **MIXED,
+        "micro_batches": 2,
+        "planned_batch": 4,
+        "batch": 3,
+        "backend": "fsdp2",
+    },
     "gpt/meta_init": {"model": "gpt", **MIXED, "meta": True},
     "gpt/bfloat16": {"model": "gpt", **MIXED, "param_dtype": "bfloat16", "tolerance": 3e-2},
-    "gpt2-tied/full_shard": {"model": "gpt2-tied", "strategies": (ShardStrategy.FULL_SHARD,),
-                             "checkpoints": CHECKPOINTS},
-    "fsdp2/gpt/full_shard/none": {"model": "gpt", "strategies": (ShardStrategy.FULL_SHARD,),
-                                  "checkpoints": (Checkpoint.NONE,), "backend": "fsdp2"},
-    "fsdp2/gpt/mixed/micro_batches2/clip": {"model": "gpt", **MIXED, "backend": "fsdp2", "micro_batches": 2,
-                                            "clip": 0.05},
+    "gpt2-tied/full_shard": {
+        "model": "gpt2-tied",
+        "strategies": (ShardStrategy.FULL_SHARD,),
+        "checkpoints": CHECKPOINTS,
+    },
+    "fsdp2/gpt/full_shard/none": {
+        "model": "gpt",
+        "strategies": (ShardStrategy.FULL_SHARD,),
+        "checkpoints": (Checkpoint.NONE,),
+        "backend": "fsdp2",
+    },
+    "fsdp2/gpt/mixed/micro_batches2/clip": {
+        "model": "gpt",
+        **MIXED,
+        "backend": "fsdp2",
+        "micro_batches": 2,
+        "clip": 0.05,
+    },
     "fsdp2/llama/mixed": {"model": "llama", **MIXED, "backend": "fsdp2"},
 }
 WORLD4_CASES = {
@@ -270,23 +396,35 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
     assert reshard["h2_while_h1_computes"] == "gathering"  # prefetched
     assert not reshard["h1_buffer_alive_after_forward"]  # saved tensors hold handles, not views
     assert reshard["after_backward"] == ["sharded"]
-    assert all(padded == shard * world for shard, padded in zip(reshard["shard_numel"], reshard["padded_numel"]))
+    assert all(
+        padded == shard * world
+        for shard, padded in zip(reshard["shard_numel"], reshard["padded_numel"])
+    )
     for backend, errors in results["loss_fn"]["errors"].items():
         assert max(errors.values()) <= TOLERANCE, (backend, errors)
     for backend, stats in results["loss_fn"]["stats"].items():  # CPU: no allocator counts the peak
-        assert stats["before"] is None and stats["step_time_s"] > 0 and stats["peak_bytes"] is None, (backend, stats)
+        assert (
+            stats["before"] is None and stats["step_time_s"] > 0 and stats["peak_bytes"] is None
+        ), (backend, stats)
         assert stats["predicted"], (backend, stats)
     for backend, facts in results["meta_hf"].items():
         # initializer_range 0.02; ln(vocab 512) = 6.24 at initialization
-        assert abs(facts["embedding_std"] - 0.02) < 2e-3 and facts["inv_freq_error"] == 0, (backend, facts)
+        assert abs(facts["embedding_std"] - 0.02) < 2e-3 and facts["inv_freq_error"] == 0, (
+            backend,
+            facts,
+        )
         assert 5.5 < facts["loss"] < 7.0, (backend, facts)
     communication = results["communication"]
     units = communication["units"]
     # FULL_SHARD: each unit gathered in forward and again in backward, and its gradient
     # reduce-scattered, in each of 2 micro-batches (see [Note: gradient accumulation]);
     # the loss all-reduced once
-    assert communication == {"units": units, "all_gather": 4 * units, "reduce_scatter_mean": 2 * units,
-                             "all_reduce_mean": 1}, communication
+    assert communication == {
+        "units": units,
+        "all_gather": 4 * units,
+        "reduce_scatter_mean": 2 * units,
+        "all_reduce_mean": 1,
+    }, communication
     errors = results["errors"]
     assert errors["pp"][0] == "PlanError" and "no input shapes" in errors["pp"][1]
     assert errors["missing"][0] == "PlanError" and "in no unit" in errors["missing"][1]
@@ -299,7 +437,9 @@ def _assert_runtime_facts(results: dict, world: int) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world, cases", [(2, WORLD2_CASES), (4, WORLD4_CASES)], ids=["world2", "world4"])
+@pytest.mark.parametrize(
+    "world, cases", [(2, WORLD2_CASES), (4, WORLD4_CASES)], ids=["world2", "world4"]
+)
 def test_parity(world, cases):
     results = spawn_world(world, _all_checks, (cases,))
     assert_parity(results, cases)
@@ -307,6 +447,7 @@ def test_parity(world, cases):
 
 
 # no processes
+
 
 def test_flat_layout_pads_to_equal_shards_and_splits_into_views():
     tensors = [torch.randn(3, 2), torch.randn(5)]
@@ -322,16 +463,21 @@ def test_flat_layout_pads_to_equal_shards_and_splits_into_views():
 
 def test_flat_layout_rejects_mixed_dtypes():
     with pytest.raises(ShardplanError, match="mixes parameter dtypes"):
-        FlatLayout.of("u", [("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16))], dp=2)
+        FlatLayout.of(
+            "u", [("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16))], dp=2
+        )
 
 
 def test_split_micro_batches_splits_every_batched_tensor():
     ids, scalar = torch.arange(8).view(4, 2), torch.tensor(3.0)
     parts = split_micro_batches((ids,), {"labels": ids, "scale": scalar, "flag": True}, 2)
-    assert [torch.equal(args[0], ids[2 * i:2 * i + 2]) for i, (args, _, _) in enumerate(parts)] == [True, True]
+    assert [
+        torch.equal(args[0], ids[2 * i : 2 * i + 2]) for i, (args, _, _) in enumerate(parts)
+    ] == [True, True]
     assert parts[1][1]["scale"] is scalar and parts[1][1]["flag"] is True
-    assert [(args[0].shape[0], share) for args, _, share in split_micro_batches((ids[:3],), {}, 2)] == \
-        [(2, 2 / 3), (1, 1 / 3)]
+    assert [
+        (args[0].shape[0], share) for args, _, share in split_micro_batches((ids[:3],), {}, 2)
+    ] == [(2, 2 / 3), (1, 1 / 3)]
     assert [args[0].shape[0] for args, _, _ in split_micro_batches((ids[:1],), {}, 2)] == [1]
     with pytest.raises(RuntimeMismatchError, match="one batch size"):
         split_micro_batches((ids,), {"mask": ids[:2]}, 2)
@@ -341,7 +487,9 @@ def test_batches_may_be_smaller_than_planned_along_dim_0_only():
     plan = types.SimpleNamespace(inputs=(InputSpec(name="0", shape=(4, 8), dtype="int64"),))
     check_batch(plan, (torch.zeros(3, 8, dtype=torch.int64),), {})
     for shape in ((5, 8), (4, 7), (0, 8)):
-        with pytest.raises(RuntimeMismatchError, match=r"pass batches of that shape or smaller along dim 0"):
+        with pytest.raises(
+            RuntimeMismatchError, match=r"pass batches of that shape or smaller along dim 0"
+        ):
             check_batch(plan, (torch.zeros(shape, dtype=torch.int64),), {})
 
 

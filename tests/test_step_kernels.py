@@ -1,21 +1,29 @@
 """The step's own kernels in the step time: the runtime's check of the kept gradients and the
 optimizer's step run each kernel at its op's measured factor, and the calibration times exactly the
 kernels the cost model prices ([Note: the step's own kernels] in op_factors.py)."""
+
 import dataclasses
 
 import pytest
 import torch
+from test_cost import block
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardplan import get_hardware, zoo
-from shardplan.cost import (AVERAGING, GRADIENT_ADD, GRADIENT_CHECK, OPTIMIZER_STEPS, PARAMETERS_SYNC, CostContext,
-                            unit_cost)
-from shardplan.hardware import SizeCurve
-from shardplan.op_factors import step_shards, training_step_kernels
-from shardplan.passes.execution import is_kernel, moved_bytes
+from shardplan import get_hardware
+from shardplan.costmodel.cost import (
+    AVERAGING,
+    GRADIENT_ADD,
+    GRADIENT_CHECK,
+    OPTIMIZER_STEPS,
+    PARAMETERS_SYNC,
+    CostContext,
+    unit_cost,
+)
+from shardplan.costmodel.hardware import SizeCurve
+from shardplan.costmodel.op_factors import step_shards, training_step_kernels
+from shardplan.frontend.passes.execution import is_kernel, moved_bytes
+from shardplan.models import zoo
 from shardplan.plan import Decision, ShardStrategy
-
-from test_cost import block
 
 
 class _WholeShardKernels(TorchDispatchMode):
@@ -27,8 +35,12 @@ class _WholeShardKernels(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if is_kernel(func) and any(isinstance(t, torch.Tensor) and t.numel() == self.numel for t in (*args, out)):
-            self.kernels.append((func.overloadpacket.__name__, moved_bytes(func, args, kwargs, out) // self.numel))
+        if is_kernel(func) and any(
+            isinstance(t, torch.Tensor) and t.numel() == self.numel for t in (*args, out)
+        ):
+            self.kernels.append(
+                (func.overloadpacket.__name__, moved_bytes(func, args, kwargs, out) // self.numel)
+            )
         return out
 
 
@@ -43,22 +55,40 @@ def test_the_calibration_times_the_kernels_the_step_is_priced_by():
     kernels = _WholeShardKernels(largest)
     with kernels:
         step()
-    per_parameter = [(op, 4 * nbytes) for op, nbytes in (AVERAGING, GRADIENT_ADD, *PARAMETERS_SYNC)]  # float32
-    assert kernels.kernels == [*per_parameter[:2], GRADIENT_CHECK, *OPTIMIZER_STEPS["adamw"].ops, *per_parameter[2:]]
+    per_parameter = [
+        (op, 4 * nbytes) for op, nbytes in (AVERAGING, GRADIENT_ADD, *PARAMETERS_SYNC)
+    ]  # float32
+    assert kernels.kernels == [
+        *per_parameter[:2],
+        GRADIENT_CHECK,
+        *OPTIMIZER_STEPS["adamw"].ops,
+        *per_parameter[2:],
+    ]
 
 
 def test_each_kernel_of_the_step_is_priced_at_its_ops_factor():
     measured = get_hardware("cpu-gloo")
     plain = dataclasses.replace(measured, op_time_factors={})
-    slow = dataclasses.replace(plain, op_time_factors={"sqrt": SizeCurve(points=((1e-6, 10.0),)),
-                                                       "any": SizeCurve(points=((1e-6, 6.0),))})
+    slow = dataclasses.replace(
+        plain,
+        op_time_factors={
+            "sqrt": SizeCurve(points=((1e-6, 10.0),)),
+            "any": SizeCurve(points=((1e-6, 6.0),)),
+        },
+    )
 
     def optimizer_s(hardware) -> float:
         context = CostContext(hardware=hardware, dp=2)
-        return unit_cost((block(numel=10**6),), Decision(strategy=ShardStrategy.REPLICATE), context).optimizer_s
+        return unit_cost(
+            (block(numel=10**6),), Decision(strategy=ShardStrategy.REPLICATE), context
+        ).optimizer_s
 
     roofline_s = 10**6 / plain.memory_bandwidth_bytes_per_s
     sqrt_bytes, check_bytes = dict(OPTIMIZER_STEPS["adamw"].ops)["sqrt"], GRADIENT_CHECK[1]
     # the check reads the replicated unit's whole gradient once; the step streams 92 bytes a parameter
-    assert optimizer_s(plain) == pytest.approx(10 * plain.op_overhead_s + (check_bytes + 92) * roofline_s)
-    assert optimizer_s(slow) - optimizer_s(plain) == pytest.approx((9 * sqrt_bytes + 5 * check_bytes) * roofline_s)
+    assert optimizer_s(plain) == pytest.approx(
+        10 * plain.op_overhead_s + (check_bytes + 92) * roofline_s
+    )
+    assert optimizer_s(slow) - optimizer_s(plain) == pytest.approx(
+        (9 * sqrt_bytes + 5 * check_bytes) * roofline_s
+    )

@@ -2,29 +2,34 @@
 about a one-element multiply's kernel each, forward and backward ([Note: views' fixed cost] in calibrate.py),
 and attention with a learned bias runs `_safe_softmax` and bmm, which no op workload ran
 (op_factors.BiasedAttention)."""
+
 import dataclasses
 import json
 
 import pytest
 import torch
-
-from shardplan import get_hardware, zoo
-from shardplan.accuracy import shared_cores
-from shardplan.calibrate import fit_profile, view_overhead_s, view_probes
-from shardplan.cost import CostContext, unit_cost, unpriced_dispatches
-from shardplan.errors import HardwareError
-from shardplan.hardware import HardwareProfile
-from shardplan.op_factors import biased_attention, fit_op_factors, time_op_calls_s
-from shardplan.passes import analyze
-from shardplan.plan import Checkpoint, Decision, ShardStrategy
 from test_calibrate import hand_made_measurements
+
+from shardplan import get_hardware
+from shardplan.calibration.accuracy import shared_cores
+from shardplan.calibration.calibrate import fit_profile, view_overhead_s, view_probes
+from shardplan.costmodel.cost import CostContext, unit_cost, unpriced_dispatches
+from shardplan.costmodel.hardware import HardwareProfile
+from shardplan.costmodel.op_factors import biased_attention, fit_op_factors, time_op_calls_s
+from shardplan.errors import HardwareError
+from shardplan.frontend.passes import analyze
+from shardplan.models import zoo
+from shardplan.plan import Checkpoint, Decision, ShardStrategy
 
 
 @pytest.fixture(scope="module")
 def llama_layer():
     entry = zoo.hf_llama(n_layer=1, batch=1, seq=16)
-    return next(block for block in analyze(entry.model, entry.args, entry.kwargs).blocks
-                if block.name == "model.layers.0")
+    return next(
+        block
+        for block in analyze(entry.model, entry.args, entry.kwargs).blocks
+        if block.name == "model.layers.0"
+    )
 
 
 def test_a_block_pays_each_view_in_forward_backward_and_every_recompute(llama_layer):
@@ -41,13 +46,20 @@ def test_a_block_pays_each_view_in_forward_backward_and_every_recompute(llama_la
     for checkpoint in Checkpoint:
         before, after = cost(free, checkpoint), cost(priced, checkpoint)
         assert after.compute_fwd_s - before.compute_fwd_s == pytest.approx(views * 3e-6)
-        assert after.compute_bwd_s - before.compute_bwd_s == pytest.approx(views * 3e-6)  # the gradients' views
-        rerun = 0 if checkpoint is Checkpoint.NONE else views * 3e-6  # full and selective dispatch them again
+        assert after.compute_bwd_s - before.compute_bwd_s == pytest.approx(
+            views * 3e-6
+        )  # the gradients' views
+        rerun = (
+            0 if checkpoint is Checkpoint.NONE else views * 3e-6
+        )  # full and selective dispatch them again
         assert after.recompute_s - before.recompute_s == pytest.approx(rerun)
 
 
 def test_the_figure_is_the_chains_time_over_its_dispatches_and_only_cpu_ranks_pay_it():
-    seconds = {"views": 40e-6 + 64 * 2.5e-6, "views plain": 40e-6}  # 32 transposes: one dispatch each way
+    seconds = {
+        "views": 40e-6 + 64 * 2.5e-6,
+        "views plain": 40e-6,
+    }  # 32 transposes: one dispatch each way
     assert view_overhead_s(seconds) == pytest.approx(2.5e-6)
     measured = dataclasses.replace(hand_made_measurements(), view_overhead_s=2.5e-6)
     assert fit_profile(measured).view_overhead_s == 2.5e-6
@@ -65,7 +77,9 @@ def test_profiles_of_earlier_calibrations_load_without_it_and_a_negative_one_is_
     data.pop("view_overhead_s")
     assert HardwareProfile.from_json(json.dumps(data)).view_overhead_s == 0.0
     data["view_overhead_s"] = -1e-6
-    with pytest.raises(HardwareError, match="view_overhead_s is -1e-06, must be a finite number, 0 or more"):
+    with pytest.raises(
+        HardwareError, match="view_overhead_s is -1e-06, must be a finite number, 0 or more"
+    ):
         HardwareProfile.from_json(json.dumps(data))
 
 
@@ -76,7 +90,7 @@ def test_the_views_probe_dispatches_the_views_the_figure_divides_by_and_nothing_
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from shardplan.calibrate import _VIEW_PROBE_LENGTH
+    from shardplan.calibration.calibrate import _VIEW_PROBE_LENGTH
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -93,7 +107,9 @@ def test_the_views_probe_dispatches_the_views_the_figure_divides_by_and_nothing_
         with Ops() as ops:
             probe.call()
         dispatched[key] = ops.names
-    assert dispatched["views"] - dispatched["views plain"] == Counter({"aten.t.default": 2 * _VIEW_PROBE_LENGTH})
+    assert dispatched["views"] - dispatched["views plain"] == Counter(
+        {"aten.t.default": 2 * _VIEW_PROBE_LENGTH}
+    )
     assert dispatched["views plain"] - dispatched["views"] == Counter()
 
 

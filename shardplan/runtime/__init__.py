@@ -1,48 +1,56 @@
 """The runtime: run a Plan on every rank (see docs/design.md, "The runtime").
 
-    flat_param.py    where each parameter sits in a unit's flat padded buffer
-    collectives.py   every torch.distributed call (all_gather, reduce_scatter, all_reduce, broadcast) and
-                     the process groups of the plan's mesh
-    unit.py          one unit's state machine: shard, gathered buffer, gradient reduction
-    scheduler.py     when units are gathered, presented, released, prefetched and reduced
-    activation_checkpoint.py  recomputing a unit's activations in backward (both backends)
-    program.py       Program: step / micro-batches / loss / clip_grad_norm_, backend-independent
-    sharded.py       backend="shardplan": tensor parallelism, then the units over the local slices
-    tensor_parallel.py  Megatron-style slices of a TensorParallelLayout's pairs, on an eager model
-    stage_split.py   the captured graph split into the plan's stages, and the module that runs one
-    pipelined.py     pp > 1: this rank's stage under GPipe / 1F1B (both backends); backend="shardplan"'s units
-                     of the stage (tp-sliced if tp > 1)
-    pipeline_schedules.py  torch's GPipe / 1F1B as a plan names them (1F1B over fewer micro-batches than stages)
-    fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard (and DTensor TP),
-                     pipelined plans as torchtitan composes them
-    manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
-    model_check.py   whether a plan is for this model: its structural signature, its graph where captured
-    adascale.py      AdaScale: the learning rate scaled by the gradient's noise, measured where units reduce
-    checkpoint.py    save / load (any plan, world size, backend) and export_full_state_dict
-    chunks.py        which chunk of each flattened parameter a rank holds, for checkpoints
-    measure.py       peak tensor memory and step time of a training step on this rank
-    launch.py        spawn a world of ranks on this machine and run a job on each (demo, calibration)
-    host_memory.py   CPU ranks keep the memory they free (no page faults a step)
-    elastic.py       training under torchrun's elastic launch: re-plan and resume on every (re)start
+flat_param.py    where each parameter sits in a unit's flat padded buffer
+collectives.py   every torch.distributed call (all_gather, reduce_scatter, all_reduce, broadcast) and
+                 the process groups of the plan's mesh
+unit.py          one unit's state machine: shard, gathered buffer, gradient reduction
+scheduler.py     when units are gathered, presented, released, prefetched and reduced
+activation_checkpoint.py  recomputing a unit's activations in backward (both backends)
+program.py       Program: step / micro-batches / loss / clip_grad_norm_, backend-independent
+sharded.py       backend="shardplan": tensor parallelism, then the units over the local slices
+tensor_parallel.py  Megatron-style slices of a TensorParallelLayout's pairs, on an eager model
+stage_split.py   the captured graph split into the plan's stages, and the module that runs one
+pipelined.py     pp > 1: this rank's stage under GPipe / 1F1B (both backends); backend="shardplan"'s units
+                 of the stage (tp-sliced if tp > 1)
+pipeline_schedules.py  torch's GPipe / 1F1B as a plan names them (1F1B over fewer micro-batches than stages)
+fsdp2.py         backend="fsdp2": the same plan through torch.distributed.fsdp.fully_shard (and DTensor TP),
+                 pipelined plans as torchtitan composes them
+manual.py        manual_plan: a plan written by hand (FSDP-style manual wrapping)
+model_check.py   whether a plan is for this model: its structural signature, its graph where captured
+adascale.py      AdaScale: the learning rate scaled by the gradient's noise, measured where units reduce
+checkpoint.py    save / load (any plan, world size, backend) and export_full_state_dict
+chunks.py        which chunk of each flattened parameter a rank holds, for checkpoints
+measure.py       peak tensor memory and step time of a training step on this rank
+launch.py        spawn a world of ranks on this machine and run a job on each (demo, calibration)
+host_memory.py   CPU ranks keep the memory they free (no page faults a step)
+elastic.py       training under torchrun's elastic launch: re-plan and resume on every (re)start
 """
+
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from ..errors import PlanError, ShardplanError
-from ..plan import Plan
-from .manual import manual_plan
-from .model_check import check_model
-from .collectives import shutdown
-from .host_memory import keep_freed_host_memory
-from .program import Program
+from shardplan.errors import PlanError, ShardplanError
+from shardplan.plan import Plan
+from shardplan.runtime.collectives import shutdown
+from shardplan.runtime.host_memory import keep_freed_host_memory
+from shardplan.runtime.manual import manual_plan
+from shardplan.runtime.model_check import check_model
+from shardplan.runtime.program import Program
 
 BACKENDS = ("shardplan", "fsdp2")
 
 
-def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None, backend: str = "shardplan",
-                device: torch.device | str | None = None, verify_graph: bool = False) -> Program:
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    loss_fn: Callable | None = None,
+    backend: str = "shardplan",
+    device: torch.device | str | None = None,
+    verify_graph: bool = False,
+) -> Program:
     """Shard `model` as `plan` says and return the Program that trains it; call on every rank.
 
     Call after torch.distributed.init_process_group, with the same plan on every rank. The model
@@ -60,27 +68,33 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     >>> loss = program.step(ids, labels=ids)                         # doctest: +SKIP
     >>> optimizer.step(); optimizer.zero_grad()                      # doctest: +SKIP
     """
-    from . import collectives
+    from shardplan.runtime import collectives
 
     world = collectives.world()  # first: without a process group, this is the error to give
     collectives.check_same_on_all_ranks(plan.to_json(), "plans")
     _check_mesh(plan, world.size)
     check_model(model, plan, verify_graph=verify_graph)
-    _check_coverage(plan, dict(model.named_parameters()))  # every backend: FSDP2 would train the rest unplanned
+    _check_coverage(
+        plan, dict(model.named_parameters())
+    )  # every backend: FSDP2 would train the rest unplanned
     device = torch.device(device) if device is not None else collectives.default_device()
     if device.type == "cpu":
         keep_freed_host_memory()  # see [Note: freed host memory]
     if backend == "shardplan" and plan.mesh.pp > 1:
-        from .pipelined import PipelinedProgram
+        from shardplan.runtime.pipelined import PipelinedProgram
+
         return PipelinedProgram(model, plan, loss_fn, device)
     if backend == "shardplan":
-        from .sharded import ShardedProgram
+        from shardplan.runtime.sharded import ShardedProgram
+
         return ShardedProgram(model, plan, loss_fn, device)
     if backend == "fsdp2" and plan.mesh.pp > 1:
-        from .fsdp2 import Fsdp2PipelinedProgram
+        from shardplan.runtime.fsdp2 import Fsdp2PipelinedProgram
+
         return Fsdp2PipelinedProgram(model, plan, loss_fn, device)
     if backend == "fsdp2":
-        from .fsdp2 import Fsdp2Program
+        from shardplan.runtime.fsdp2 import Fsdp2Program
+
         return Fsdp2Program(model, plan, loss_fn, device)
     raise ShardplanError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
 
@@ -88,27 +102,36 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
 def _check_mesh(plan: Plan, world_size: int) -> None:
     mesh = plan.mesh
     if mesh.size != world_size:
-        raise ShardplanError(f"the plan is for {mesh.describe()} = {mesh.size} ranks but the process group has "
-                             f"{world_size}: launch {mesh.size} ranks, or re-plan for world_size={world_size}")
+        raise ShardplanError(
+            f"the plan is for {mesh.describe()} = {mesh.size} ranks but the process group has "
+            f"{world_size}: launch {mesh.size} ranks, or re-plan for world_size={world_size}"
+        )
 
 
 def _check_coverage(plan: Plan, named: dict[str, nn.Parameter]) -> None:
     """Every parameter of the model in exactly one unit of the plan, and no other (after check_model: a
     plan with a signature or recorded inputs is for this model, so a mismatch is the plan's own)."""
-    source = ("the plan's file was edited, or it was made by an older shardplan" if plan.signature or plan.inputs
-              else "the plan was made for another model")
+    source = (
+        "the plan's file was edited, or it was made by an older shardplan"
+        if plan.signature or plan.inputs
+        else "the plan was made for another model"
+    )
     listed = set()  # a parameter in two units is a PlanError when the Plan is built
     for unit in plan.units:
         for name in unit.params:
             if name not in named:
-                raise PlanError(f"unit {unit.name!r} lists parameter {name!r}, which model.named_parameters() does "
-                                f"not list: {source}; re-plan with shardplan.compile for this model")
+                raise PlanError(
+                    f"unit {unit.name!r} lists parameter {name!r}, which model.named_parameters() does "
+                    f"not list: {source}; re-plan with shardplan.compile for this model"
+                )
             listed.add(name)
     missing = sorted(set(named) - listed)
     if missing:
-        raise PlanError(f"{len(missing)} parameters of the model are in no unit of the plan (first: {missing[:3]}): "
-                        "the plan is incomplete (its file was edited, or it was written by hand); add them to "
-                        "units, or re-plan with shardplan.compile")
+        raise PlanError(
+            f"{len(missing)} parameters of the model are in no unit of the plan (first: {missing[:3]}): "
+            "the plan is incomplete (its file was edited, or it was written by hand); add them to "
+            "units, or re-plan with shardplan.compile"
+        )
 
 
 __all__ = ["parallelize", "shutdown", "manual_plan", "Program", "BACKENDS"]

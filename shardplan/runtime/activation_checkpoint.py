@@ -6,24 +6,36 @@ original (the module class and its parameter names are untouched, unlike
 its inputs are kept, and it is recomputed in backward just before its
 gradient is needed.
 """
+
 import contextlib
 import functools
 from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
-from torch.utils.checkpoint import (CheckpointPolicy, _CachedTorchDispatchMode, _CachingTorchDispatchMode,
-                                    checkpoint, create_selective_checkpoint_contexts)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-from ..plan import SELECTIVE_SAVED_OPS, Checkpoint
+from shardplan.plan import SELECTIVE_SAVED_OPS, Checkpoint
 
 _aten = torch.ops.aten
-SAVED_BY_SELECTIVE = tuple(getattr(_aten, name).default for name in SELECTIVE_SAVED_OPS if hasattr(_aten, name))
+SAVED_BY_SELECTIVE = tuple(
+    getattr(_aten, name).default for name in SELECTIVE_SAVED_OPS if hasattr(_aten, name)
+)
 """The ops of plan.SELECTIVE_SAVED_OPS this torch has."""
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+    return (
+        CheckpointPolicy.MUST_SAVE
+        if op in SAVED_BY_SELECTIVE
+        else CheckpointPolicy.PREFER_RECOMPUTE
+    )
 
 
 def _selective_contexts():
@@ -42,6 +54,7 @@ def checkpointed(forward: Callable, kind: Checkpoint) -> Callable:
     def run(*args, **kwargs):
         # kwargs bound first so a module keyword can never collide with checkpoint's own options
         return checkpoint(functools.partial(forward, **kwargs), *args, **options)
+
     return run
 
 
@@ -54,7 +67,9 @@ def outside_selective_checkpoint():
     forward and recompute. Other modes (MemTracker, FlopCounterMode) still see them. The SAC
     modes are innermost inside a checkpointed region, so popping from the top finds them."""
     popped = []
-    while isinstance(_get_current_dispatch_mode(), (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
+    while isinstance(
+        _get_current_dispatch_mode(), (_CachingTorchDispatchMode, _CachedTorchDispatchMode)
+    ):
         popped.append(_pop_mode())
     try:
         yield

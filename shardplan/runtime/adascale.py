@@ -26,17 +26,18 @@ partial sums are completed); ‖ḡ‖² on the reduced shards (FlatUnit.counted
 clip_grad_norm_ counts them). Both are summed over the world in one all-reduce of 2 × (parameter
 groups) numbers per step.
 """
+
 import math
 from typing import cast
 
 import torch
 
-from ..errors import ShardplanError
-from ..files import is_finite_number
-from ..plan import Plan
-from . import collectives
-from .program import Program, grad_norm_term
-from .sharded import UnitProgram
+from shardplan.common.files import is_finite_number
+from shardplan.errors import ShardplanError
+from shardplan.plan import Plan
+from shardplan.runtime import collectives
+from shardplan.runtime.program import Program, grad_norm_term
+from shardplan.runtime.sharded import UnitProgram
 
 VARIANCE_FLOOR = 1e-6
 """FairScale's floor on the variance estimate: the gain stays defined when the noise measures ≤ 0."""
@@ -57,24 +58,43 @@ class AdaScale:
     >>> lr_schedule(adascale.progress)                                                       # doctest: +SKIP
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, program: Program, scale: float | None = None, *,
-                 smoothing: float | None = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        program: Program,
+        scale: float | None = None,
+        *,
+        smoothing: float | None = None,
+    ):
         if not isinstance(program, UnitProgram):
-            raise ShardplanError("AdaScale needs each replica's gradient before it is averaged, which "
-                                 f"{type(program).__name__} reduces inside FSDP2's own hooks: parallelize with "
-                                 "backend='shardplan'")
+            raise ShardplanError(
+                "AdaScale needs each replica's gradient before it is averaged, which "
+                f"{type(program).__name__} reduces inside FSDP2's own hooks: parallelize with "
+                "backend='shardplan'"
+            )
         if program.after_reduction is not None:
-            raise ShardplanError("this program already measures its gradients for another AdaScale: make one "
-                                 "AdaScale per program")
+            raise ShardplanError(
+                "this program already measures its gradients for another AdaScale: make one "
+                "AdaScale per program"
+            )
         groups = len(optimizer.param_groups)
-        if not collectives.same_on_all_ranks([groups]):  # the per-group sums are all-reduced by index
-            raise ShardplanError(f"the optimizers on the ranks have different numbers of parameter groups (this "
-                                 f"rank's: {groups}): build every rank's optimizer (every stage's) with as many")
+        if not collectives.same_on_all_ranks(
+            [groups]
+        ):  # the per-group sums are all-reduced by index
+            raise ShardplanError(
+                f"the optimizers on the ranks have different numbers of parameter groups (this "
+                f"rank's: {groups}): build every rank's optimizer (every stage's) with as many"
+            )
         self.optimizer = optimizer
         self.program = program
-        group_of = {id(parameter): index for index, group in enumerate(optimizer.param_groups)
-                    for parameter in group["params"]}
-        self._units = [(unit, group_of[id(unit.shard)]) for unit in program.units if id(unit.shard) in group_of]
+        group_of = {
+            id(parameter): index
+            for index, group in enumerate(optimizer.param_groups)
+            for parameter in group["params"]
+        }
+        self._units = [
+            (unit, group_of[id(unit.shard)]) for unit in program.units if id(unit.shard) in group_of
+        ]
         """This rank's units that the optimizer steps, with the index of their parameter group."""
         plan = program.plan
         self.samples = plan.mesh.dp * plan.schedule.num_micro_batches
@@ -84,8 +104,10 @@ class AdaScale:
         """The batch the learning rate was tuned for, in samples (in replicas when the plan records no
         inputs); kept over world changes, which re-derive `scale` from it (load_state_dict)."""
         if smoothing is not None and not (is_finite_number(smoothing) and 0 <= smoothing < 1):
-            raise ShardplanError(f"AdaScale's smoothing is {smoothing}: give the weight of the past in its running "
-                                 "averages, from 0 to below 1")
+            raise ShardplanError(
+                f"AdaScale's smoothing is {smoothing}: give the weight of the past in its running "
+                "averages, from 0 to below 1"
+            )
         self.smoothing = max(1 - self.samples / 1000, 0.0) if smoothing is None else smoothing
         """Weight of the past in the running averages (FairScale's default: less the more samples a step)."""
         self._averages = {name: [0.0] * groups for name in _AVERAGES}
@@ -101,12 +123,16 @@ class AdaScale:
     def _checked(self, scale: float) -> float:
         """`scale`, refused where no gain can be estimated for it."""
         if not (is_finite_number(scale) and scale > 0):
-            raise ShardplanError(f"AdaScale's scale is {scale}: give the global batch over the base batch, a finite "
-                                 "number above 0")
+            raise ShardplanError(
+                f"AdaScale's scale is {scale}: give the global batch over the base batch, a finite "
+                "number above 0"
+            )
         if self.samples == 1 and scale != 1:
-            raise ShardplanError(f"AdaScale at scale {scale} estimates the gradient's noise from several "
-                                 "gradients a step, and this plan averages one (dp=1, 1 micro-batch): plan "
-                                 "dp > 1 or micro-batches > 1, or use scale=1")
+            raise ShardplanError(
+                f"AdaScale at scale {scale} estimates the gradient's noise from several "
+                "gradients a step, and this plan averages one (dp=1, 1 micro-batch): plan "
+                "dp > 1 or micro-batches > 1, or use scale=1"
+            )
         return scale
 
     # the gain
@@ -131,8 +157,10 @@ class AdaScale:
     def step(self, closure=None):
         """The wrapped optimizer's step with each group's learning rate times its gain; advances `progress`."""
         if not self._measured:
-            raise ShardplanError("AdaScale.step() found no program.step(...) since the last step: AdaScale "
-                                 "measures the gradients program.step reduces; train with program.step")
+            raise ShardplanError(
+                "AdaScale.step() found no program.step(...) since the last step: AdaScale "
+                "measures the gradients program.step reduces; train with program.step"
+            )
         groups = self.optimizer.param_groups
         rates = [group["lr"] for group in groups]
         for index, group in enumerate(groups):
@@ -158,18 +186,23 @@ class AdaScale:
         groups = len(self.optimizer.param_groups)
         sums = torch.zeros(2 * groups + 1, dtype=torch.float64)
         for unit, group in self._units:
-            sums[group] += cast(torch.Tensor, unit.local_square_norm).double().cpu()  # set in __init__
+            sums[group] += (
+                cast(torch.Tensor, unit.local_square_norm).double().cpu()
+            )  # set in __init__
             sums[groups + group] += grad_norm_term(unit.counted_gradients(), 2.0).double()
             unit.forget_local_norm()
         sums[-1] = 0.0 if planned else 1.0
         collectives.all_reduce_sum(sums)
         count = self.program.plan.schedule.num_micro_batches
         self._measured = True
-        if self.samples == 1 or sums[-1] > 0:  # scale 1 (checked): the gain is 1 whatever the estimates
+        if (
+            self.samples == 1 or sums[-1] > 0
+        ):  # scale 1 (checked): the gain is 1 whatever the estimates
             return
         for group in range(groups):
-            variance, square = estimate(count ** 2 * sums[group].item(), sums[groups + group].item(),
-                                        self.samples, self.scale)
+            variance, square = estimate(
+                count**2 * sums[group].item(), sums[groups + group].item(), self.samples, self.scale
+            )
             self._update("var", group, variance)
             self._update("sqr", group, square)
 
@@ -184,8 +217,11 @@ class AdaScale:
 
     def state_dict(self) -> dict:
         """Plain numbers (the same on every rank): the running averages, `progress` and the base batch."""
-        return {"base_batch": self.base_batch, "progress": self.progress,
-                "averages": {name: list(values) for name, values in self._averages.items()}}
+        return {
+            "base_batch": self.base_batch,
+            "progress": self.progress,
+            "averages": {name: list(values) for name, values in self._averages.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict`'s numbers; the scale is re-derived for this program's global batch (a world
@@ -198,9 +234,12 @@ class AdaScale:
 
 def _checked_state(state: object, groups: int) -> tuple[float, float, dict[str, list[float]]]:
     """(base batch, progress, averages) of a saved AdaScale state for `groups` parameter groups, each checked."""
+
     def refuse(what: str) -> ShardplanError:
-        return ShardplanError(f"the AdaScale state {what}: it is not one AdaScale.state_dict() gives; load the state "
-                              "that was saved with this run, or start AdaScale afresh")
+        return ShardplanError(
+            f"the AdaScale state {what}: it is not one AdaScale.state_dict() gives; load the state "
+            "that was saved with this run, or start AdaScale afresh"
+        )
 
     if not (isinstance(state, dict) and isinstance(state.get("averages"), dict)):
         raise refuse("is not a dict with base_batch, progress and averages")
@@ -217,16 +256,24 @@ def _checked_state(state: object, groups: int) -> tuple[float, float, dict[str, 
         if not isinstance(values, (list, tuple)) or len(values) != groups:
             found = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
             if name == "var":  # the usual cause: another optimizer's state
-                raise ShardplanError(f"the AdaScale state has {found} parameter groups, this optimizer {groups}: "
-                                     "load it into an optimizer built with the same parameter groups")
+                raise ShardplanError(
+                    f"the AdaScale state has {found} parameter groups, this optimizer {groups}: "
+                    "load it into an optimizer built with the same parameter groups"
+                )
             raise refuse(f"has {found} values of {name} for {groups} parameter group(s)")
-        top = 1.0 if name.endswith("_weight") else math.inf  # a debiasing weight is a sum of shares of 1
+        top = (
+            1.0 if name.endswith("_weight") else math.inf
+        )  # a debiasing weight is a sum of shares of 1
         if not all(is_finite_number(value) and 0 <= value <= top for value in values):
-            raise refuse(f"has {name} {list(values)[:4]}: each must be a finite number, 0 or more"
-                         + (", at most 1" if top == 1.0 else ""))
+            raise refuse(
+                f"has {name} {list(values)[:4]}: each must be a finite number, 0 or more"
+                + (", at most 1" if top == 1.0 else "")
+            )
         averages[name] = [float(value) for value in values]
     if not all(variance + square > 0 for variance, square in zip(averages["var"], averages["sqr"])):
-        raise refuse("has a group whose noise and squared gradient are both 0, which leaves its gain undefined")
+        raise refuse(
+            "has a group whose noise and squared gradient are both 0, which leaves its gain undefined"
+        )
     return float(base_batch), float(progress), averages
 
 
@@ -234,7 +281,9 @@ _AVERAGES = ("var", "sqr", "var_biased", "sqr_biased", "var_weight", "sqr_weight
 """The running averages (var: σ², sqr: μ²) and their debiasing sums, one number per parameter group."""
 
 
-def estimate(local_square: float, reduced_square: float, samples: int, scale: float) -> tuple[float, float]:
+def estimate(
+    local_square: float, reduced_square: float, samples: int, scale: float
+) -> tuple[float, float]:
     """(σ², μ²) at the base batch from one step: `local_square` = Σ‖g_i‖² over `samples` gradients g_i,
     `reduced_square` = ‖ḡ‖² of their mean, the global batch `scale` times the base (AdaScale's
     Appendix B.3, as FairScale generalizes it to scale ≠ samples).

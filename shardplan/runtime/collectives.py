@@ -10,6 +10,7 @@ pipeline group made here.
 group size before a SUM reduction; dividing first also keeps a low-precision
 reduce dtype from overflowing.
 """
+
 import contextlib
 import datetime
 import hashlib
@@ -19,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from ..errors import RuntimeMismatchError, ShardplanError
-from ..plan import MESH_DIMS, Mesh
+from shardplan.errors import RuntimeMismatchError, ShardplanError
+from shardplan.plan import MESH_DIMS, Mesh
 
 if TYPE_CHECKING:  # for annotations only: the functions import these modules where they use them
     from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -63,9 +64,11 @@ def issued() -> int:
 
 def world() -> World:
     if not dist.is_available() or not dist.is_initialized():
-        raise ShardplanError("torch.distributed is not initialized: call "
-                             "torch.distributed.init_process_group(...) on every rank (torchrun does the "
-                             "environment) before shardplan.parallelize")
+        raise ShardplanError(
+            "torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group(...) on every rank (torchrun does the "
+            "environment) before shardplan.parallelize"
+        )
     return World(dist.get_rank(), dist.get_world_size())
 
 
@@ -80,7 +83,9 @@ def group_name(group: Group) -> str:
 
 
 def group_named(name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(cast(Any, name))  # a GroupName is a str at run time
+    return dist.distributed_c10d._resolve_process_group(
+        cast(Any, name)
+    )  # a GroupName is a str at run time
 
 
 def wait(pending: Pending) -> torch.Tensor:
@@ -114,7 +119,9 @@ def reduce_scatter_mean(full: torch.Tensor, *, async_op: bool, group: Group = No
     full.div_(size)
     output = full.new_empty(full.numel() // size)
     _issue()
-    work = dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = dist.reduce_scatter_single(
+        output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+    )
     return Pending(output, work if async_op else None)
 
 
@@ -155,8 +162,10 @@ def check_same_on_all_ranks(text: str, what: str) -> None:
     """Raise on every rank when the ranks were given different `text` (e.g. different plans)."""
     digest = hashlib.sha256(text.encode()).digest()[:8]
     if not same_on_all_ranks(list(digest)):
-        raise RuntimeMismatchError(f"ranks were given different {what} (rank {dist.get_rank()} of "
-                                   f"{dist.get_world_size()} differs): load the same plan file on every rank")
+        raise RuntimeMismatchError(
+            f"ranks were given different {what} (rank {dist.get_rank()} of "
+            f"{dist.get_world_size()} differs): load the same plan file on every rank"
+        )
 
 
 def same_on_all_ranks(values: list[int], group: Group = None) -> bool:
@@ -205,10 +214,13 @@ def device_mesh(device_type: str, plan_mesh: Mesh) -> "DeviceMesh":
 
     size = dist.get_world_size()
     if plan_mesh.size != size:
-        raise RuntimeMismatchError(f"the mesh {plan_mesh.describe()} is {plan_mesh.size} ranks, the world has "
-                                   f"{size}: launch {plan_mesh.size} ranks, or use a mesh of {size}")
-    return init_device_mesh(device_type, tuple(getattr(plan_mesh, dim) for dim in MESH_DIMS),
-                            mesh_dim_names=MESH_DIMS)
+        raise RuntimeMismatchError(
+            f"the mesh {plan_mesh.describe()} is {plan_mesh.size} ranks, the world has "
+            f"{size}: launch {plan_mesh.size} ranks, or use a mesh of {size}"
+        )
+    return init_device_mesh(
+        device_type, tuple(getattr(plan_mesh, dim) for dim in MESH_DIMS), mesh_dim_names=MESH_DIMS
+    )
 
 
 class MeshGroups(NamedTuple):
@@ -232,9 +244,18 @@ class MeshGroups(NamedTuple):
 
 def mesh_groups(device_type: str, plan_mesh: Mesh) -> MeshGroups:
     mesh = device_mesh(device_type, plan_mesh)
-    data_parallel = mesh["dp_replicate", "dp_shard"]._flatten("dp")  # the ranks reading different batches
-    return MeshGroups(plan_mesh.coordinates(dist.get_rank()), mesh.get_group("tp"), mesh.get_group("dp_shard"),
-                      mesh.get_group("dp_replicate"), data_parallel.get_group(), mesh.get_group("pp"), mesh)
+    data_parallel = mesh["dp_replicate", "dp_shard"]._flatten(
+        "dp"
+    )  # the ranks reading different batches
+    return MeshGroups(
+        plan_mesh.coordinates(dist.get_rank()),
+        mesh.get_group("tp"),
+        mesh.get_group("dp_shard"),
+        mesh.get_group("dp_replicate"),
+        data_parallel.get_group(),
+        mesh.get_group("pp"),
+        mesh,
+    )
 
 
 def stages_group(plan_mesh: Mesh, stages: tuple[int, ...]) -> dist.ProcessGroup | None:
@@ -322,8 +343,9 @@ def broadcast_object(value: T, source_rank: int = 0) -> T:
     return box[0]
 
 
-def chunked_tensor(local: list[torch.Tensor], numel: int, chunks: list[tuple[int, int, int]],
-                   like: torch.Tensor) -> "ShardedTensor":
+def chunked_tensor(
+    local: list[torch.Tensor], numel: int, chunks: list[tuple[int, int, int]], like: torch.Tensor
+) -> "ShardedTensor":
     """A 1-D tensor of `numel` elements held in chunks over ranks, for torch.distributed.checkpoint.
 
     `chunks` lists (rank, offset, numel) for every rank's chunk; `local` is this rank's chunks, in
@@ -331,17 +353,30 @@ def chunked_tensor(local: list[torch.Tensor], numel: int, chunks: list[tuple[int
     every rank, so no communication is needed to describe it. `like` gives the dtype and device."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
 
     rank = dist.get_rank()
-    metadata = [ShardMetadata(shard_offsets=[offset], shard_sizes=[size], placement=f"rank:{owner}/{like.device}")
-                for owner, offset, size in chunks]
+    metadata = [
+        ShardMetadata(
+            shard_offsets=[offset], shard_sizes=[size], placement=f"rank:{owner}/{like.device}"
+        )
+        for owner, offset, size in chunks
+    ]
     mine = [shard for shard, (owner, _, _) in zip(metadata, chunks) if owner == rank]
     local_shards = [Shard(piece, shard) for piece, shard in zip(local, mine, strict=True)]
-    properties = TensorProperties(dtype=like.dtype, layout=torch.strided, requires_grad=False,
-                                  memory_format=torch.contiguous_format, pin_memory=False)
+    properties = TensorProperties(
+        dtype=like.dtype,
+        layout=torch.strided,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards, ShardedTensorMetadata(metadata, torch.Size([numel]), properties))
+        local_shards, ShardedTensorMetadata(metadata, torch.Size([numel]), properties)
+    )
 
 
 def save_checkpoint(state: dict, writer: "StorageWriter") -> None:
@@ -383,7 +418,9 @@ def _sharded_tensor_without_deprecation_warnings() -> Iterator[None]:
     DCP reads and writes at arbitrary chunk offsets (a DTensor shards evenly along dims); DCP
     warns each time it touches one, hundreds of times per checkpoint."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*deprecating ShardedTensor", category=FutureWarning
+        )
         yield
 
 

@@ -13,34 +13,56 @@ reads with a full unpickler, are refused as metadata. The checksums in
 `shardplan.json` detect corruption and mix-ups, not malice: whoever can write
 the files can write the manifest too.
 """
+
 import io
 import os
-import pickle
 import pathlib
+import pickle
 from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   StorageMeta, TensorProperties, TensorStorageMetadata,
-                                                   _MEM_FORMAT_ENCODING)
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointError
-from ..files import open_regular_file
+from shardplan.common.files import open_regular_file
+from shardplan.errors import CheckpointError
 
 DCP_METADATA_FILE = ".metadata"
 DCP_METADATA_LIMIT_BYTES = 1 << 30
 """Largest `.metadata` read: a few hundred bytes per chunk, so a million chunks fit."""
 
-_METADATA_CLASSES = {cls.__name__: cls for cls in (Metadata, TensorStorageMetadata, BytesStorageMetadata,
-                                                   TensorProperties, ChunkStorageMetadata, MetadataIndex,
-                                                   StorageMeta, _MEM_FORMAT_ENCODING)}
-_PURE_PATHS = {"PosixPath": pathlib.PurePosixPath, "PurePosixPath": pathlib.PurePosixPath,
-               "WindowsPath": pathlib.PureWindowsPath, "PureWindowsPath": pathlib.PureWindowsPath}
+_METADATA_CLASSES = {
+    cls.__name__: cls
+    for cls in (
+        Metadata,
+        TensorStorageMetadata,
+        BytesStorageMetadata,
+        TensorProperties,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        StorageMeta,
+        _MEM_FORMAT_ENCODING,
+    )
+}
+_PURE_PATHS = {
+    "PosixPath": pathlib.PurePosixPath,
+    "PurePosixPath": pathlib.PurePosixPath,
+    "WindowsPath": pathlib.PureWindowsPath,
+    "PureWindowsPath": pathlib.PureWindowsPath,
+}
 """The saving run's checkpoint_id, unused here: built as a pure path, which touches no file."""
 
 
@@ -57,8 +79,12 @@ class _MetadataUnpickler(pickle._Unpickler):
             return torch.Size
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if (module, name) == ("torch.serialization", "_get_layout"):  # how torch pickles torch.strided
+        if (module, name) == (
+            "torch.serialization",
+            "_get_layout",
+        ):  # how torch pickles torch.strided
             from torch.serialization import _get_layout
+
             return _get_layout
         if module in ("pathlib", "pathlib._local") and name in _PURE_PATHS:
             return _PURE_PATHS[name]
@@ -75,45 +101,82 @@ def read_dcp_metadata(file: pathlib.Path, sizes_bytes: dict[str, int]) -> Metada
         if len(data) > DCP_METADATA_LIMIT_BYTES:
             raise ValueError(f"it is larger than {DCP_METADATA_LIMIT_BYTES >> 20} MiB")
         return _rebuilt(_MetadataUnpickler(io.BytesIO(data)).load(), sizes_bytes)
-    except Exception as error:  # junk makes the unpickler and the allowed constructors raise anything
-        raise CheckpointError(f"{file} is not the DCP metadata shardplan writes ({one_line(error)}): the "
-                              "checkpoint is corrupt or was crafted; restore it from a copy, or save again") from None
+    except (
+        Exception
+    ) as error:  # junk makes the unpickler and the allowed constructors raise anything
+        raise CheckpointError(
+            f"{file} is not the DCP metadata shardplan writes ({one_line(error)}): the "
+            "checkpoint is corrupt or was crafted; restore it from a copy, or save again"
+        ) from None
 
 
 def _rebuilt(loaded: Any, sizes_bytes: dict[str, int]) -> Metadata:
     """Fresh metadata holding only tensor entries whose chunks tile them and lie in the listed files."""
     _expect(type(loaded) is Metadata, "its top object is not DCP Metadata")
-    _expect(type(loaded.state_dict_metadata) is dict and type(loaded.storage_data) is dict,
-            "its entries or storage are not dicts")
+    _expect(
+        type(loaded.state_dict_metadata) is dict and type(loaded.storage_data) is dict,
+        "its entries or storage are not dicts",
+    )
     entries = {fqn: _tensor_entry(fqn, entry) for fqn, entry in loaded.state_dict_metadata.items()}
     storage = {}
     for index, info in loaded.storage_data.items():
-        _expect(type(index) is MetadataIndex and type(index.fqn) is str and index.fqn in entries
-                and type(index.offset) is torch.Size, "a storage key names no tensor entry")
-        storage[MetadataIndex(fqn=index.fqn, offset=index.offset)] = _storage_info(index.fqn, info, sizes_bytes)
+        _expect(
+            type(index) is MetadataIndex
+            and type(index.fqn) is str
+            and index.fqn in entries
+            and type(index.offset) is torch.Size,
+            "a storage key names no tensor entry",
+        )
+        storage[MetadataIndex(fqn=index.fqn, offset=index.offset)] = _storage_info(
+            index.fqn, info, sizes_bytes
+        )
     for fqn, entry in entries.items():
         for chunk in entry.chunks:
-            _expect(MetadataIndex(fqn=fqn, offset=chunk.offsets) in storage, f"a chunk of {fqn!r} is stored nowhere")
-    tensors_only: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {**entries}  # dict is invariant
+            _expect(
+                MetadataIndex(fqn=fqn, offset=chunk.offsets) in storage,
+                f"a chunk of {fqn!r} is stored nowhere",
+            )
+    tensors_only: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {
+        **entries
+    }  # dict is invariant
     return Metadata(state_dict_metadata=tensors_only, storage_data=storage)
 
 
 def _tensor_entry(fqn: Any, entry: Any) -> TensorStorageMetadata:
     _expect(type(fqn) is str, "an entry's name is not a string")
-    _expect(type(entry) is TensorStorageMetadata, f"entry {fqn!r} is not a tensor (shardplan stores only tensors)")
+    _expect(
+        type(entry) is TensorStorageMetadata,
+        f"entry {fqn!r} is not a tensor (shardplan stores only tensors)",
+    )
     properties = entry.properties
-    _expect(type(properties) is TensorProperties and isinstance(properties.dtype, torch.dtype),
-            f"entry {fqn!r} has no tensor dtype")
-    _expect(type(entry.size) is torch.Size and min(entry.size, default=0) >= 0 and type(entry.chunks) is list
-            and bool(entry.chunks), f"entry {fqn!r} has no size or chunks")
+    _expect(
+        type(properties) is TensorProperties and isinstance(properties.dtype, torch.dtype),
+        f"entry {fqn!r} has no tensor dtype",
+    )
+    _expect(
+        type(entry.size) is torch.Size
+        and min(entry.size, default=0) >= 0
+        and type(entry.chunks) is list
+        and bool(entry.chunks),
+        f"entry {fqn!r} has no size or chunks",
+    )
     chunks = []
     for chunk in entry.chunks:
-        _expect(type(chunk) is ChunkStorageMetadata and type(chunk.offsets) is torch.Size
-                and type(chunk.sizes) is torch.Size and len(chunk.offsets) == len(chunk.sizes) == len(entry.size),
-                f"a chunk of {fqn!r} does not match its rank")
+        _expect(
+            type(chunk) is ChunkStorageMetadata
+            and type(chunk.offsets) is torch.Size
+            and type(chunk.sizes) is torch.Size
+            and len(chunk.offsets) == len(chunk.sizes) == len(entry.size),
+            f"a chunk of {fqn!r} does not match its rank",
+        )
         chunks.append(ChunkStorageMetadata(offsets=chunk.offsets, sizes=chunk.sizes))
-    _expect(_tiles(entry.size, chunks), f"the chunks of {fqn!r} do not tile its {list(entry.size)} elements")
-    return TensorStorageMetadata(properties=TensorProperties(dtype=properties.dtype), size=entry.size, chunks=chunks)
+    _expect(
+        _tiles(entry.size, chunks),
+        f"the chunks of {fqn!r} do not tile its {list(entry.size)} elements",
+    )
+    return TensorStorageMetadata(
+        properties=TensorProperties(dtype=properties.dtype), size=entry.size, chunks=chunks
+    )
 
 
 def _tiles(size: torch.Size, chunks: list[ChunkStorageMetadata]) -> bool:
@@ -132,12 +195,24 @@ def _tiles(size: torch.Size, chunks: list[ChunkStorageMetadata]) -> bool:
 
 
 def _storage_info(fqn: str, info: Any, sizes_bytes: dict[str, int]) -> _StorageInfo:
-    _expect(type(info) is _StorageInfo and type(info.relative_path) is str and info.relative_path in sizes_bytes
-            and info.relative_path != DCP_METADATA_FILE, f"{fqn!r} is stored outside the checkpoint's listed files")
-    _expect(type(info.offset) is int and type(info.length) is int and 0 <= info.offset
-            and 0 <= info.length <= sizes_bytes[info.relative_path] - info.offset,
-            f"{fqn!r} is stored past the end of {info.relative_path}")
-    _expect(not getattr(info, "transform_descriptors", None), f"{fqn!r} is stored through a stream transform")
+    _expect(
+        type(info) is _StorageInfo
+        and type(info.relative_path) is str
+        and info.relative_path in sizes_bytes
+        and info.relative_path != DCP_METADATA_FILE,
+        f"{fqn!r} is stored outside the checkpoint's listed files",
+    )
+    _expect(
+        type(info.offset) is int
+        and type(info.length) is int
+        and 0 <= info.offset
+        and 0 <= info.length <= sizes_bytes[info.relative_path] - info.offset,
+        f"{fqn!r} is stored past the end of {info.relative_path}",
+    )
+    _expect(
+        not getattr(info, "transform_descriptors", None),
+        f"{fqn!r} is stored through a stream transform",
+    )
     return _StorageInfo(relative_path=info.relative_path, offset=info.offset, length=info.length)
 
 
@@ -150,7 +225,7 @@ def one_line(error: BaseException, limit: int = 300) -> str:
     """`error` as one short line: its type and its message, whitespace runs made one space, cut at `limit`."""
     text = " ".join(str(error).split())
     text = f"{type(error).__name__}: {text}" if text else type(error).__name__
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class ManifestReader(FileSystemReader):
@@ -170,8 +245,9 @@ class ManifestReader(FileSystemReader):
         try:
             return super().read_data(plan, planner)
         except Exception as error:  # DCP reports it from every rank; say which file
-            raise CheckpointError(f"{self._reading} holds no tensor data where its metadata says "
-                                  f"({one_line(error)})") from None
+            raise CheckpointError(
+                f"{self._reading} holds no tensor data where its metadata says ({one_line(error)})"
+            ) from None
 
     def _slice_file(self, file: IO[bytes], sinfo: _StorageInfo) -> IO[bytes]:
         self._reading = sinfo.relative_path

@@ -28,6 +28,7 @@ world change neither repeats nor skips a sample. The plans are data-parallel (pp
 pipeline or tensor-parallel mesh splits the world's batch over fewer replicas, which would need
 an analysis at each candidate replica batch; not done yet.
 """
+
 import datetime
 import errno
 import json
@@ -46,13 +47,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import default_collate
 
-from ..errors import CheckpointError, PlanError, ShardplanError
-from ..files import append_line, is_finite_number, parse_json, read_text, write_text_atomically
-from ..plan import Plan
-from ..sampler import ResumableSampler
-from . import collectives, parallelize
-from .checkpoint import METADATA_FILE, read_metadata
-from .checkpoint import _on_rank_zero as on_rank_zero  # rank 0 acts, every rank gets its result or its error
+from shardplan.common.files import (
+    append_line,
+    is_finite_number,
+    parse_json,
+    read_text,
+    write_text_atomically,
+)
+from shardplan.errors import CheckpointError, PlanError, ShardplanError
+from shardplan.plan import Plan
+from shardplan.runtime import collectives, parallelize
+from shardplan.runtime.checkpoint import METADATA_FILE, read_metadata
+from shardplan.runtime.checkpoint import (
+    _on_rank_zero as on_rank_zero,  # rank 0 acts, every rank gets its result or its error
+)
+from shardplan.runtime.sampler import ResumableSampler
 
 CHECKPOINT_NAME = re.compile(r"step_(\d{8})")
 KEPT_CHECKPOINTS = 2
@@ -90,20 +99,32 @@ class ElasticOptions:
 
     def __post_init__(self) -> None:
         if (self.global_batch_size is None) == (self.replica_batch_size is None):
-            raise ShardplanError("give exactly one of global_batch_size (kept at every world size) and "
-                                 "replica_batch_size (per rank: the global batch scales with the world)")
+            raise ShardplanError(
+                "give exactly one of global_batch_size (kept at every world size) and "
+                "replica_batch_size (per rank: the global batch scales with the world)"
+            )
         for name in ("steps", "checkpoint_every", "global_batch_size", "replica_batch_size"):
             value = getattr(self, name)
             if value is not None and (not _is_whole(value) or not 1 <= value <= MAX_COUNT):
-                raise ShardplanError(f"{name} must be a whole number from 1 to {MAX_COUNT}, got {value!r}")
+                raise ShardplanError(
+                    f"{name} must be a whole number from 1 to {MAX_COUNT}, got {value!r}"
+                )
         if not _is_whole(self.seed) or not 0 <= self.seed < 2**63:
-            raise ShardplanError(f"seed must be a whole number from 0 to 2^63 - 1 (torch's), got {self.seed!r}")
-        if self.clip_grad_norm is not None and not (is_finite_number(self.clip_grad_norm) and self.clip_grad_norm > 0):
-            raise ShardplanError(f"the gradient clip (--clip) is {self.clip_grad_norm!r}: give the largest global "
-                                 "gradient norm to allow, a finite number above 0, or no clip")
+            raise ShardplanError(
+                f"seed must be a whole number from 0 to 2^63 - 1 (torch's), got {self.seed!r}"
+            )
+        if self.clip_grad_norm is not None and not (
+            is_finite_number(self.clip_grad_norm) and self.clip_grad_norm > 0
+        ):
+            raise ShardplanError(
+                f"the gradient clip (--clip) is {self.clip_grad_norm!r}: give the largest global "
+                "gradient norm to allow, a finite number above 0, or no clip"
+            )
         if not (is_finite_number(self.timeout_s) and 0 < self.timeout_s <= MAX_TIMEOUT_S):
-            raise ShardplanError(f"the process-group timeout (--timeout) is {self.timeout_s!r} s: give the seconds "
-                                 f"ranks wait on a silent one, above 0 and at most {MAX_TIMEOUT_S:.0f} (a week)")
+            raise ShardplanError(
+                f"the process-group timeout (--timeout) is {self.timeout_s!r} s: give the seconds "
+                f"ranks wait on a silent one, above 0 and at most {MAX_TIMEOUT_S:.0f} (a week)"
+            )
 
 
 MAX_COUNT = 2**40
@@ -129,10 +150,15 @@ class Outcome:
     plan: Plan
 
 
-def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptions, *,
-          optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
-          scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None,
-          log: Callable[[str], None] = print) -> Outcome:
+def train(
+    model_factory: Callable[[], nn.Module],
+    dataset,
+    options: ElasticOptions,
+    *,
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> Outcome:
     """Train `model_factory()` on `dataset` to `options.steps`, resuming and re-planning on each (re)start.
 
     Call on every rank under torchrun (see [Note: elastic restarts]). `dataset[i]` is a tensor, a
@@ -146,23 +172,48 @@ def train(model_factory: Callable[[], nn.Module], dataset, options: ElasticOptio
     started, started_at = time.perf_counter(), time.time()
     directory = Path(options.directory)
     _make_directory(directory)
-    sampler = ResumableSampler(_samples_in(dataset), seed=options.seed)  # refuses no dataset before the rendezvous
+    sampler = ResumableSampler(
+        _samples_in(dataset), seed=options.seed
+    )  # refuses no dataset before the rendezvous
     owns_group = _join(options.timeout_s)
     timings = {**_startup(started_at), "rendezvous_s": time.perf_counter() - started}
-    world = collectives.world()
     lock: list[_RunLock] = []  # rank 0's, held until this start returns or fails
     try:
         run = on_rank_zero(lambda: _claim_run_folder(directory, lock))
-        return _train(model_factory, dataset, sampler, options, optimizer_factory, scheduler_factory, log, run=run,
-                      owns_group=owns_group, timings=timings, started=started, started_at=started_at)
+        return _train(
+            model_factory,
+            dataset,
+            sampler,
+            options,
+            optimizer_factory,
+            scheduler_factory,
+            log,
+            run=run,
+            owns_group=owns_group,
+            timings=timings,
+            started=started,
+            started_at=started_at,
+        )
     finally:
         for held in lock:
             held.release()
 
 
-def _train(model_factory, dataset, sampler: ResumableSampler, options: ElasticOptions, optimizer_factory,
-           scheduler_factory, log, *, run: str, owns_group: bool, timings: dict[str, float], started: float,
-           started_at: float) -> Outcome:
+def _train(
+    model_factory,
+    dataset,
+    sampler: ResumableSampler,
+    options: ElasticOptions,
+    optimizer_factory,
+    scheduler_factory,
+    log,
+    *,
+    run: str,
+    owns_group: bool,
+    timings: dict[str, float],
+    started: float,
+    started_at: float,
+) -> Outcome:
     """train's start once rank 0 holds the run folder (see [Note: run folder])."""
     directory = Path(options.directory)
     world = collectives.world()
@@ -170,14 +221,26 @@ def _train(model_factory, dataset, sampler: ResumableSampler, options: ElasticOp
     global_batch, replica_batch = batch_sizes(options, world.size)
     torch.manual_seed(options.seed)  # the same initialization on every rank, at every start
     model = model_factory()
-    plan = on_rank_zero(lambda: plan_for_world(model, _example_call(dataset, replica_batch), world.size,
-                                               options.plan_options, timings))
-    program = _timed(timings, "parallelize_s", lambda: parallelize(model, plan, backend=options.backend))
+    plan = on_rank_zero(
+        lambda: plan_for_world(
+            model, _example_call(dataset, replica_batch), world.size, options.plan_options, timings
+        )
+    )
+    program = _timed(
+        timings, "parallelize_s", lambda: parallelize(model, plan, backend=options.backend)
+    )
     optimizer = (optimizer_factory or _adamw)(program.parameters())
     configured = configured_hyperparameters(optimizer)  # before a scheduler sets its first rate
-    state = _TrainingState(sampler, scheduler_factory(optimizer) if scheduler_factory else None, run=run,
-                           hyperparameters=configured, adopt_checkpoint=options.adopt_checkpoint)
-    resumed = _timed(timings, "load_s", lambda: _resume(program, optimizer, state, directory, journal))
+    state = _TrainingState(
+        sampler,
+        scheduler_factory(optimizer) if scheduler_factory else None,
+        run=run,
+        hyperparameters=configured,
+        adopt_checkpoint=options.adopt_checkpoint,
+    )
+    resumed = _timed(
+        timings, "load_s", lambda: _resume(program, optimizer, state, directory, journal)
+    )
     if resumed is not None:
         _apply_changed_hyperparameters(optimizer, state, journal)
     journal.started(plan, resumed, world.size, global_batch, replica_batch, timings, started_at)
@@ -186,14 +249,20 @@ def _train(model_factory, dataset, sampler: ResumableSampler, options: ElasticOp
     try:
         while state.step < options.steps and not stop.agreed():
             first_sample = state.sampler.consumed
-            losses.append(_train_step(program, optimizer, state, dataset, global_batch, options.clip_grad_norm))
+            losses.append(
+                _train_step(
+                    program, optimizer, state, dataset, global_batch, options.clip_grad_norm
+                )
+            )
             journal.stepped(state.step, losses[-1], world.size, first_sample, global_batch, started)
             if state.step % options.checkpoint_every == 0 or state.step == options.steps:
                 _save(program, optimizer, state, directory, journal)
         stopped = state.step < options.steps
         if stopped and state.step % options.checkpoint_every:  # SIGTERM: keep what was trained
             _save(program, optimizer, state, directory, journal)
-    except Exception as error:  # most often a rank died: when this one saw it starts the restart's timeline
+    except (
+        Exception
+    ) as error:  # most often a rank died: when this one saw it starts the restart's timeline
         journal.failed(state.step + 1, error)
         raise
     finally:
@@ -205,12 +274,19 @@ def _train(model_factory, dataset, sampler: ResumableSampler, options: ElasticOp
     return outcome
 
 
-def _train_step(program, optimizer: torch.optim.Optimizer, state: "_TrainingState", dataset, global_batch: int,
-                clip_grad_norm: float | None) -> float:
+def _train_step(
+    program,
+    optimizer: torch.optim.Optimizer,
+    state: "_TrainingState",
+    dataset,
+    global_batch: int,
+    clip_grad_norm: float | None,
+) -> float:
     """One optimizer step on this rank's share of the stream's next global batch; its loss."""
     mesh = program.plan.mesh
-    mine = ResumableSampler.replica_slice(state.sampler.take(global_batch),
-                                          mesh.replica_of(collectives.world().rank), mesh.dp)
+    mine = ResumableSampler.replica_slice(
+        state.sampler.take(global_batch), mesh.replica_of(collectives.world().rank), mesh.dp
+    )
     args, kwargs = as_call(default_collate([dataset[index] for index in mine]))
     loss = float(program.step(*args, **kwargs))
     if clip_grad_norm is not None:
@@ -225,29 +301,45 @@ def _train_step(program, optimizer: torch.optim.Optimizer, state: "_TrainingStat
 
 def batch_sizes(options: ElasticOptions, world_size: int) -> tuple[int, int]:
     """(samples a step over every rank, samples a step on one rank) at `world_size`."""
-    if options.replica_batch_size is not None:  # then global_batch_size is None (ElasticOptions checks)
+    if (
+        options.replica_batch_size is not None
+    ):  # then global_batch_size is None (ElasticOptions checks)
         return options.replica_batch_size * world_size, options.replica_batch_size
     assert options.global_batch_size is not None  # for mypy: ElasticOptions requires one of the two
     if options.global_batch_size % world_size:
-        raise ShardplanError(f"the global batch of {options.global_batch_size} samples does not split over "
-                             f"{world_size} ranks: give a global batch every world size the job may run at "
-                             "divides (e.g. 12 for 1-4 ranks), or replica_batch_size to scale it with the world")
+        raise ShardplanError(
+            f"the global batch of {options.global_batch_size} samples does not split over "
+            f"{world_size} ranks: give a global batch every world size the job may run at "
+            "divides (e.g. 12 for 1-4 ranks), or replica_batch_size to scale it with the world"
+        )
     return options.global_batch_size, options.global_batch_size // world_size
 
 
-def plan_for_world(model: nn.Module, example: tuple[tuple, dict], world_size: int,
-                   plan_options: Mapping[str, Any], timings: dict[str, float]) -> Plan:
+def plan_for_world(
+    model: nn.Module,
+    example: tuple[tuple, dict],
+    world_size: int,
+    plan_options: Mapping[str, Any],
+    timings: dict[str, float],
+) -> Plan:
     """The fastest data-parallel plan for `world_size` ranks, each stepping `example`'s batch; the
     seconds its analysis and its solve took go into `timings`."""
-    from ..compile import solve
-    from ..passes import analyze
+    from shardplan.compile import solve
+    from shardplan.frontend.passes import analyze
 
     args, kwargs = example
     chain = _timed(timings, "analyze_s", lambda: analyze(model, args, kwargs))
     # see [Note: elastic restarts]: each rank's batch is the world's share, so dp = world
-    return _timed(timings, "solve_s", lambda: solve(chain, world_size, model_name=type(model).__name__,
-                                                     **{**plan_options, "allow_pipeline": False,
-                                                        "max_tensor_parallel": 1}))
+    return _timed(
+        timings,
+        "solve_s",
+        lambda: solve(
+            chain,
+            world_size,
+            model_name=type(model).__name__,
+            **{**plan_options, "allow_pipeline": False, "max_tensor_parallel": 1},
+        ),
+    )
 
 
 def as_call(batch) -> tuple[tuple, dict]:
@@ -258,8 +350,10 @@ def as_call(batch) -> tuple[tuple, dict]:
         return tuple(batch), {}
     if isinstance(batch, Mapping):
         return (), dict(batch)
-    raise ShardplanError(f"a batch of the dataset's samples is a {type(batch).__name__}: make dataset[i] a "
-                         "tensor, a tuple or a dict of tensors")
+    raise ShardplanError(
+        f"a batch of the dataset's samples is a {type(batch).__name__}: make dataset[i] a "
+        "tensor, a tuple or a dict of tensors"
+    )
 
 
 def latest_checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -276,8 +370,15 @@ def latest_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 class _TrainingState:
     """What a checkpoint keeps besides the model and the optimizer, as its extra state."""
 
-    def __init__(self, sampler: ResumableSampler, scheduler, *, run: str = "",
-                 hyperparameters: list[dict[str, Any]] | None = None, adopt_checkpoint: bool = False):
+    def __init__(
+        self,
+        sampler: ResumableSampler,
+        scheduler,
+        *,
+        run: str = "",
+        hyperparameters: list[dict[str, Any]] | None = None,
+        adopt_checkpoint: bool = False,
+    ):
         self.step = 0
         self.sampler = sampler
         self.scheduler = scheduler
@@ -296,24 +397,40 @@ class _TrainingState:
 
     def state_dict(self) -> dict[str, Any]:
         # rank 0's generator: after a world change no rank's stream continues as it would have anyway
-        return {"step": self.step, "rng": torch.get_rng_state(), "run": self.run,
-                "hyperparameters": self.hyperparameters}
+        return {
+            "step": self.step,
+            "rng": torch.get_rng_state(),
+            "run": self.run,
+            "hyperparameters": self.hyperparameters,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Checked whole before anything is set; a CheckpointError makes the start try the checkpoint before."""
         step, rng, run = state.get("step"), state.get("rng"), state.get("run")
         if not _is_whole(step) or not 0 <= step <= MAX_COUNT:
-            raise CheckpointError(f"its progress holds step {str(step)[:40]}, not a count of steps from 0: it is "
-                                  "corrupt or was crafted")
+            raise CheckpointError(
+                f"its progress holds step {str(step)[:40]}, not a count of steps from 0: it is "
+                "corrupt or was crafted"
+            )
         live_rng = torch.get_rng_state()
-        if not (isinstance(rng, torch.Tensor) and rng.dtype == live_rng.dtype and rng.shape == live_rng.shape):
+        if not (
+            isinstance(rng, torch.Tensor)
+            and rng.dtype == live_rng.dtype
+            and rng.shape == live_rng.shape
+        ):
             shape = tuple(rng.shape) if isinstance(rng, torch.Tensor) else type(rng).__name__
-            raise CheckpointError(f"its progress holds a random generator state of shape {shape}, where torch's is "
-                                  f"{tuple(live_rng.shape)}: it is corrupt or was crafted")
-        if run is not None and run != self.run and not self.adopt_checkpoint:  # None: saved before runs had ids
-            raise CheckpointError(f"it was saved by another run ({str(run)[:40]}; this folder's run is {self.run}): "
-                                  "move it out of the folder, or pass --adopt-checkpoint (adopt_checkpoint=True) "
-                                  "to continue that run here")
+            raise CheckpointError(
+                f"its progress holds a random generator state of shape {shape}, where torch's is "
+                f"{tuple(live_rng.shape)}: it is corrupt or was crafted"
+            )
+        if (
+            run is not None and run != self.run and not self.adopt_checkpoint
+        ):  # None: saved before runs had ids
+            raise CheckpointError(
+                f"it was saved by another run ({str(run)[:40]}; this folder's run is {self.run}): "
+                "move it out of the folder, or pass --adopt-checkpoint (adopt_checkpoint=True) "
+                "to continue that run here"
+            )
         self.step = step
         torch.set_rng_state(rng)
         saved = state.get("hyperparameters")
@@ -323,46 +440,67 @@ class _TrainingState:
 def configured_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Per param group, its numbers and tuples of numbers (lr, betas, eps, weight_decay, ...): neither tensors nor
     flags."""
-    return [{key: value for key, value in group.items() if key != "params" and _is_hyperparameter(value)}
-            for group in optimizer.param_groups]
+    return [
+        {
+            key: value
+            for key, value in group.items()
+            if key != "params" and _is_hyperparameter(value)
+        }
+        for group in optimizer.param_groups
+    ]
 
 
 def _is_hyperparameter(value: object) -> bool:
-    return is_finite_number(value) or (isinstance(value, tuple) and bool(value) and all(map(is_finite_number, value)))
+    return is_finite_number(value) or (
+        isinstance(value, tuple) and bool(value) and all(map(is_finite_number, value))
+    )
 
 
 def _are_hyperparameters(saved: object) -> bool:
     return isinstance(saved, list) and all(
-        isinstance(group, dict) and all(isinstance(key, str) and _is_hyperparameter(value)
-                                        for key, value in group.items()) for group in saved)
+        isinstance(group, dict)
+        and all(isinstance(key, str) and _is_hyperparameter(value) for key, value in group.items())
+        for group in saved
+    )
 
 
-def _apply_changed_hyperparameters(optimizer: torch.optim.Optimizer, state: _TrainingState,
-                                   journal: "_Journal") -> None:
+def _apply_changed_hyperparameters(
+    optimizer: torch.optim.Optimizer, state: _TrainingState, journal: "_Journal"
+) -> None:
     """The hyperparameters this start built its optimizer with, where they differ from those the checkpoint's
     start did: the load restored the checkpoint's, and a changed --lr would otherwise be dropped unsaid."""
     saved = state.saved_hyperparameters
     if saved is None or len(saved) != len(state.hyperparameters):
         return
-    changes = [(index, key, saved[index][key], value) for index, group in enumerate(state.hyperparameters)
-               for key, value in group.items() if key in saved[index] and saved[index][key] != value]
+    changes = [
+        (index, key, saved[index][key], value)
+        for index, group in enumerate(state.hyperparameters)
+        for key, value in group.items()
+        if key in saved[index] and saved[index][key] != value
+    ]
     if not changes:
         return
     groups = len(state.hyperparameters) > 1
-    described = ", ".join(f"{key} {old} -> {new}" + (f" (param group {index})" if groups else "")
-                          for index, key, old, new in changes)
+    described = ", ".join(
+        f"{key} {old} -> {new}" + (f" (param group {index})" if groups else "")
+        for index, key, old, new in changes
+    )
     if state.scheduler is not None:
-        raise ShardplanError(f"the optimizer was built with other hyperparameters than the run's checkpoint was "
-                             f"trained with ({described}), and its scheduler sets the rate from its saved state: "
-                             "build the optimizer as before to resume, or train in another directory")
+        raise ShardplanError(
+            f"the optimizer was built with other hyperparameters than the run's checkpoint was "
+            f"trained with ({described}), and its scheduler sets the rate from its saved state: "
+            "build the optimizer as before to resume, or train in another directory"
+        )
     for index, key, _, value in changes:
         group = optimizer.param_groups[index]
         if isinstance(group[key], torch.Tensor):
             group[key].fill_(value)
         else:
             group[key] = value
-    journal.note(f"the optimizer's {described} at this start: training on with the new values (the optimizer "
-                 "state, its moments, is the checkpoint's)")
+    journal.note(
+        f"the optimizer's {described} at this start: training on with the new values (the optimizer "
+        "state, its moments, is the checkpoint's)"
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -374,7 +512,9 @@ class _Resumed:
     world_size: int
 
 
-def _resume(program, optimizer, state: _TrainingState, directory: Path, journal: "_Journal") -> _Resumed | None:
+def _resume(
+    program, optimizer, state: _TrainingState, directory: Path, journal: "_Journal"
+) -> _Resumed | None:
     """Load the newest checkpoint that passes its checks (all or nothing on every rank); None when there is
     none. Raises when there are some and none loads: starting afresh would soon remove them."""
     found = on_rank_zero(lambda: latest_checkpoints(directory))
@@ -385,10 +525,14 @@ def _resume(program, optimizer, state: _TrainingState, directory: Path, journal:
             journal.note(f"checkpoint {path} not loaded ({error}); trying the one before")
             continue
         _, metadata = on_rank_zero(lambda: read_metadata(path))
-        return _Resumed(step=step, plan=_saved_plan(metadata, path, journal), world_size=metadata["world_size"])
+        return _Resumed(
+            step=step, plan=_saved_plan(metadata, path, journal), world_size=metadata["world_size"]
+        )
     if found:
-        raise CheckpointError(f"none of the {len(found)} checkpoint(s) in {directory} loads (the log says why for "
-                              "each): mend or move them, or train in another directory")
+        raise CheckpointError(
+            f"none of the {len(found)} checkpoint(s) in {directory} loads (the log says why for "
+            "each): mend or move them, or train in another directory"
+        )
     return None
 
 
@@ -399,8 +543,10 @@ def _saved_plan(metadata: dict, path: Path, journal: "_Journal") -> Plan | None:
     try:
         return Plan.from_json(json.dumps(metadata["plan"]))
     except PlanError as error:
-        journal.note(f"checkpoint {path} loaded, but the plan it records cannot be read ({error}); the log "
-                     "compares no plans")
+        journal.note(
+            f"checkpoint {path} loaded, but the plan it records cannot be read ({error}); the log "
+            "compares no plans"
+        )
         return None
 
 
@@ -440,22 +586,37 @@ class _RunLock:
 
         file = directory / LOCK_FILE
         try:
-            self.descriptor = os.open(file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+            self.descriptor = os.open(
+                file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666
+            )
         except OSError as error:
-            cause = "it is a symbolic link" if error.errno == errno.ELOOP else error.strerror or str(error)
-            raise ShardplanError(f"cannot lock the run folder: {file}: {cause}; remove it, or give another "
-                                 "--directory") from None
+            cause = (
+                "it is a symbolic link"
+                if error.errno == errno.ELOOP
+                else error.strerror or str(error)
+            )
+            raise ShardplanError(
+                f"cannot lock the run folder: {file}: {cause}; remove it, or give another "
+                "--directory"
+            ) from None
         try:
             fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(self.descriptor, 200).decode("utf-8", "replace").strip() or "another process"
+            holder = (
+                os.read(self.descriptor, 200).decode("utf-8", "replace").strip()
+                or "another process"
+            )
             os.close(self.descriptor)
-            raise ShardplanError(f"another job is training in {directory} ({holder} holds {LOCK_FILE}): wait for it "
-                                 "to end, or give this job another --directory") from None
+            raise ShardplanError(
+                f"another job is training in {directory} ({holder} holds {LOCK_FILE}): wait for it "
+                "to end, or give this job another --directory"
+            ) from None
         except OSError as error:
             os.close(self.descriptor)
-            raise ShardplanError(f"cannot lock the run folder: {file}: {error.strerror or error}; give another "
-                                 "--directory") from None
+            raise ShardplanError(
+                f"cannot lock the run folder: {file}: {error.strerror or error}; give another "
+                "--directory"
+            ) from None
         os.ftruncate(self.descriptor, 0)
         os.pwrite(self.descriptor, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
 
@@ -471,10 +632,18 @@ def _claim_run_folder(directory: Path, held: list[_RunLock]) -> str:
         run = uuid.uuid4().hex
         write_text_atomically(file, json.dumps({"run": run}) + "\n", through_links=False)
         return run
-    data = parse_json(read_text(file, "run identity file", regular_only=True), f"run identity file {file}")
-    if not (isinstance(data, dict) and isinstance(data.get("run"), str) and _RUN_ID.fullmatch(data["run"])):
-        raise ShardplanError(f"run identity file {file} holds no run id: it was damaged; remove it (the next start "
-                             "makes a new id, and resumes the folder's checkpoints with --adopt-checkpoint)")
+    data = parse_json(
+        read_text(file, "run identity file", regular_only=True), f"run identity file {file}"
+    )
+    if not (
+        isinstance(data, dict)
+        and isinstance(data.get("run"), str)
+        and _RUN_ID.fullmatch(data["run"])
+    ):
+        raise ShardplanError(
+            f"run identity file {file} holds no run id: it was damaged; remove it (the next start "
+            "makes a new id, and resumes the folder's checkpoints with --adopt-checkpoint)"
+        )
     return data["run"]
 
 
@@ -483,8 +652,10 @@ def _samples_in(dataset) -> int:
     try:
         return len(dataset)
     except TypeError:
-        raise ShardplanError(f"the data is a {type(dataset).__name__}, which has no len(): make the data factory "
-                             "return a dataset (len(dataset) and dataset[i])") from None
+        raise ShardplanError(
+            f"the data is a {type(dataset).__name__}, which has no len(): make the data factory "
+            "return a dataset (len(dataset) and dataset[i])"
+        ) from None
 
 
 def _make_directory(directory: Path) -> None:
@@ -492,9 +663,13 @@ def _make_directory(directory: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        cause = "it is a file" if isinstance(error, FileExistsError) else error.strerror or str(error)
-        raise ShardplanError(f"cannot keep the run in {directory}: {cause}; give a folder this process may "
-                             "write (made if missing)") from None
+        cause = (
+            "it is a file" if isinstance(error, FileExistsError) else error.strerror or str(error)
+        )
+        raise ShardplanError(
+            f"cannot keep the run in {directory}: {cause}; give a folder this process may "
+            "write (made if missing)"
+        ) from None
 
 
 def _join(timeout_s: float) -> bool:
@@ -502,9 +677,11 @@ def _join(timeout_s: float) -> bool:
     if dist.is_initialized():
         return False
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
-        raise ShardplanError("no process group and no torchrun environment (RANK, MASTER_ADDR): launch with "
-                             "torchrun --nnodes=MIN:MAX ... (README, 'Elastic training'), or call "
-                             "torch.distributed.init_process_group first")
+        raise ShardplanError(
+            "no process group and no torchrun environment (RANK, MASTER_ADDR): launch with "
+            "torchrun --nnodes=MIN:MAX ... (README, 'Elastic training'), or call "
+            "torch.distributed.init_process_group first"
+        )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -516,7 +693,9 @@ def _startup(started_at: float) -> dict[str, float]:
     """{"startup_s": seconds from this process's start to `started_at`} (Python, imports, the CLI), read from
     /proc/self/stat on Linux; {} elsewhere."""
     try:
-        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        start_ticks = int(
+            Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
+        )  # field 22, starttime
         age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, AttributeError, IndexError, ValueError):  # no /proc, or no CLOCK_BOOTTIME
         return {}
@@ -575,72 +754,122 @@ class _Journal:
         if not os.path.lexists(file):
             return None
         try:
-            progress = parse_json(read_text(file, "progress file", regular_only=True), f"progress file {file}")
+            progress = parse_json(
+                read_text(file, "progress file", regular_only=True), f"progress file {file}"
+            )
         except ShardplanError as error:
             self.note(f"{error}; the log counts no steps lost")
             return None
-        if not (isinstance(progress, dict) and type(progress.get("step")) is int  # as stepped() writes them
-                and type(progress.get("global_batch", 0)) is int and type(progress.get("time")) is float):
-            self.note(f"progress file {file} holds no step, time and global batch: it was damaged; the log counts "
-                      "no steps lost")
+        if not (
+            isinstance(progress, dict)
+            and type(progress.get("step")) is int  # as stepped() writes them
+            and type(progress.get("global_batch", 0)) is int
+            and type(progress.get("time")) is float
+        ):
+            self.note(
+                f"progress file {file} holds no step, time and global batch: it was damaged; the log counts "
+                "no steps lost"
+            )
             return None
         return progress
 
     def note(self, text: str) -> None:
         self._emit(text, {"event": "note", "text": text})
 
-    def started(self, plan: Plan, resumed: _Resumed | None, world_size: int, global_batch: int, replica_batch: int,
-                timings: dict[str, float], started_at: float) -> None:
+    def started(
+        self,
+        plan: Plan,
+        resumed: _Resumed | None,
+        world_size: int,
+        global_batch: int,
+        replica_batch: int,
+        timings: dict[str, float],
+        started_at: float,
+    ) -> None:
         if self.log is None:
             return
         predicted_ms = plan.predicted.step_time_s * 1e3
-        fields: dict[str, Any] = {"event": "start", "started_at": started_at, "world_size": world_size,
-                                  "global_batch": global_batch, "replica_batch": replica_batch,
-                                  "mesh": plan.mesh.describe(),
-                                  "micro_batches": plan.schedule.num_micro_batches,
-                                  "predicted_step_s": plan.predicted.step_time_s,
-                                  **{name: round(value, 3) for name, value in timings.items()}}
+        fields: dict[str, Any] = {
+            "event": "start",
+            "started_at": started_at,
+            "world_size": world_size,
+            "global_batch": global_batch,
+            "replica_batch": replica_batch,
+            "mesh": plan.mesh.describe(),
+            "micro_batches": plan.schedule.num_micro_batches,
+            "predicted_step_s": plan.predicted.step_time_s,
+            **{name: round(value, 3) for name, value in timings.items()},
+        }
         startup = f"start-up {timings['startup_s']:.1f} s, " if "startup_s" in timings else ""
-        lines = [f"world of {world_size} ranks: planned {plan.mesh.describe()}, "
-                 f"{plan.schedule.num_micro_batches} micro-batch(es), predicted step {predicted_ms:.1f} ms "
-                 f"({startup}rendezvous {timings['rendezvous_s']:.1f} s, analysis {timings['analyze_s']:.1f} s, solve "
-                 f"{timings['solve_s']:.1f} s, parallelize "
-                 f"{timings['parallelize_s']:.1f} s, load {timings['load_s']:.1f} s)"]
+        lines = [
+            f"world of {world_size} ranks: planned {plan.mesh.describe()}, "
+            f"{plan.schedule.num_micro_batches} micro-batch(es), predicted step {predicted_ms:.1f} ms "
+            f"({startup}rendezvous {timings['rendezvous_s']:.1f} s, analysis {timings['analyze_s']:.1f} s, solve "
+            f"{timings['solve_s']:.1f} s, parallelize "
+            f"{timings['parallelize_s']:.1f} s, load {timings['load_s']:.1f} s)"
+        ]
         if resumed is None:
             lines.append(f"no checkpoint in {self.directory}: training from step 0")
         else:
             lost = max(0, (self.last_progress or {}).get("step", resumed.step) - resumed.step)
-            fields.update(resumed_step=resumed.step, old_world_size=resumed.world_size, steps_lost=lost)
+            fields.update(
+                resumed_step=resumed.step, old_world_size=resumed.world_size, steps_lost=lost
+            )
             old_plan, changes = "its plan unreadable", []
             if resumed.plan is not None:
-                fields.update(old_mesh=resumed.plan.mesh.describe(),
-                              old_predicted_step_s=resumed.plan.predicted.step_time_s)
-                old_plan = (f"{resumed.plan.mesh.describe()}, predicted step "
-                            f"{resumed.plan.predicted.step_time_s * 1e3:.1f} ms")
+                fields.update(
+                    old_mesh=resumed.plan.mesh.describe(),
+                    old_predicted_step_s=resumed.plan.predicted.step_time_s,
+                )
+                old_plan = (
+                    f"{resumed.plan.mesh.describe()}, predicted step "
+                    f"{resumed.plan.predicted.step_time_s * 1e3:.1f} ms"
+                )
                 changes = self._plan_changes(resumed.plan, plan)
-            lines += [f"resumed step {resumed.step} (saved on {resumed.world_size} ranks, {old_plan}); "
-                      f"{lost} step(s) lost", *changes]
+            lines += [
+                f"resumed step {resumed.step} (saved on {resumed.world_size} ranks, {old_plan}); "
+                f"{lost} step(s) lost",
+                *changes,
+            ]
             old_global = (self.last_progress or {}).get("global_batch")
             if old_global is not None and old_global != global_batch:
-                lines.append(f"global batch scaled from {old_global} to {global_batch} samples a step "
-                             f"({replica_batch} per rank x {world_size} ranks); the learning rate is as it was")
+                lines.append(
+                    f"global batch scaled from {old_global} to {global_batch} samples a step "
+                    f"({replica_batch} per rank x {world_size} ranks); the learning rate is as it was"
+                )
         self._emit("\n".join(lines), fields)
 
     @staticmethod
     def _plan_changes(old: Plan, new: Plan) -> list[str]:
-        from ..report import plan_changes
+        from shardplan.cli.report import plan_changes
 
         changes = plan_changes(old, new)
-        return ["plan changes (as shardplan diff):"] + [f"  {change}" for change in changes] if changes else \
-            ["plan unchanged"]
+        return (
+            ["plan changes (as shardplan diff):"] + [f"  {change}" for change in changes]
+            if changes
+            else ["plan unchanged"]
+        )
 
-    def stepped(self, step: int, loss: float, world_size: int, first_sample: int, global_batch: int,
-                started: float) -> None:
+    def stepped(
+        self,
+        step: int,
+        loss: float,
+        world_size: int,
+        first_sample: int,
+        global_batch: int,
+        started: float,
+    ) -> None:
         if self.log is None:
             return
         now = time.time()
-        fields = {"event": "step", "step": step, "loss": loss, "world_size": world_size,
-                  "first_sample": first_sample, "global_batch": global_batch}
+        fields = {
+            "event": "step",
+            "step": step,
+            "loss": loss,
+            "world_size": world_size,
+            "first_sample": first_sample,
+            "global_batch": global_batch,
+        }
         text = f"step {step}: loss {loss:.4f}"
         if self.first_step:
             since_start = time.perf_counter() - started
@@ -652,20 +881,35 @@ class _Journal:
             text += ")"
             self.first_step = False
         self._emit(text, fields)
-        progress = {"step": step, "time": now, "world_size": world_size, "global_batch": global_batch}
-        write_text_atomically(self.directory / PROGRESS_FILE, json.dumps(progress), through_links=False)
+        progress = {
+            "step": step,
+            "time": now,
+            "world_size": world_size,
+            "global_batch": global_batch,
+        }
+        write_text_atomically(
+            self.directory / PROGRESS_FILE, json.dumps(progress), through_links=False
+        )
 
     def failed(self, step: int, error: Exception) -> None:
         cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        self._emit(f"step {step} failed: {cause}", {"event": "failed", "step": step, "error": cause})
+        self._emit(
+            f"step {step} failed: {cause}", {"event": "failed", "step": step, "error": cause}
+        )
 
     def saved(self, step: int, seconds: float) -> None:
-        self._emit(f"checkpoint at step {step} ({seconds:.1f} s)", {"event": "checkpoint", "step": step,
-                                                                   "seconds": round(seconds, 3)})
+        self._emit(
+            f"checkpoint at step {step} ({seconds:.1f} s)",
+            {"event": "checkpoint", "step": step, "seconds": round(seconds, 3)},
+        )
 
     def _emit(self, text: str, fields: dict[str, Any]) -> None:
         if self.log is None:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        append_line(self.directory / EVENTS_FILE, json.dumps({"time": time.time(), **fields}), "the run's events file")
+        append_line(
+            self.directory / EVENTS_FILE,
+            json.dumps({"time": time.time(), **fields}),
+            "the run's events file",
+        )
         self.log(text)

@@ -8,11 +8,12 @@ single concatenation: the gradient of the whole buffer is built once, not once
 per parameter. The padding never reaches a module, so its gradient is zero and
 an optimizer leaves its zeros alone.
 """
+
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import ShardplanError
+from shardplan.errors import ShardplanError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,18 +29,26 @@ class FlatLayout:
     """dtype of the shards (the model's parameter dtype, e.g. float32)."""
 
     @classmethod
-    def of(cls, unit_name: str, named_tensors: list[tuple[str, torch.Tensor]], dp: int) -> "FlatLayout":
+    def of(
+        cls, unit_name: str, named_tensors: list[tuple[str, torch.Tensor]], dp: int
+    ) -> "FlatLayout":
         dtypes = sorted({str(tensor.dtype) for _, tensor in named_tensors})
         if len(dtypes) > 1:
-            raise ShardplanError(f"unit {unit_name!r} mixes parameter dtypes {dtypes}: one flat buffer holds "
-                                 "one dtype; cast the model to one dtype before parallelize (mixed precision "
-                                 "is the plan's mixed_precision, not per-parameter dtypes)")
+            raise ShardplanError(
+                f"unit {unit_name!r} mixes parameter dtypes {dtypes}: one flat buffer holds "
+                "one dtype; cast the model to one dtype before parallelize (mixed precision "
+                "is the plan's mixed_precision, not per-parameter dtypes)"
+            )
         numels = tuple(tensor.numel() for _, tensor in named_tensors)
         total = sum(numels)
-        return cls(names=tuple(name for name, _ in named_tensors),
-                   shapes=tuple(tensor.shape for _, tensor in named_tensors), numels=numels,
-                   padded_numel=max(dp, -(-total // dp) * dp), dp=dp,
-                   dtype=named_tensors[0][1].dtype if named_tensors else torch.float32)
+        return cls(
+            names=tuple(name for name, _ in named_tensors),
+            shapes=tuple(tensor.shape for _, tensor in named_tensors),
+            numels=numels,
+            padded_numel=max(dp, -(-total // dp) * dp),
+            dp=dp,
+            dtype=named_tensors[0][1].dtype if named_tensors else torch.float32,
+        )
 
     @property
     def shard_numel(self) -> int:
@@ -61,10 +70,12 @@ class FlatLayout:
         """The whole padded buffer from the parameters' values (a new tensor)."""
         # empty, not zeros: the copies write every element but the padding, and zeroing first was one
         # more pass over the model at start-up
-        flat = torch.empty(self.padded_numel, dtype=self.dtype, device=tensors[0].device if tensors else "cpu")
+        flat = torch.empty(
+            self.padded_numel, dtype=self.dtype, device=tensors[0].device if tensors else "cpu"
+        )
         for piece, tensor in zip(self.split(flat), tensors, strict=True):
             piece.copy_(tensor)
-        flat[self.padded_numel - self.padding_numel:].zero_()
+        flat[self.padded_numel - self.padding_numel :].zero_()
         return flat
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:

@@ -36,6 +36,7 @@ reading stage its copy joins the reading unit's group (FSDP2 gathers a tied
 parameter in one group), its shards take the owner's values before each step
 and give their gradients to the owner's after it.
 """
+
 import contextlib
 import dataclasses
 import functools
@@ -46,24 +47,56 @@ from typing import Any, Callable, Iterator, cast
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from ..dtypes import torch_dtype
-from ..errors import PlanError, RuntimeMismatchError, ShardplanError
-from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabKind
-from ..plan import Plan, Unit
-from . import collectives
-from .activation_checkpoint import checkpointed
-from .chunks import DTensorHolder, Holder, dtensor_holders
-from .pipelined import StagedProgram, copied_units, drop_other_stages, make_ties, tied_stages, units_read
-from .program import Program, grad_norm_term, refuse_optimizers_over
-from .sharded import apply_plan_tensor_parallel, initialize_module
-from .stage_split import BlockCall, StageGraph, StageModule, block_runner, run_blocks, split_stages
-from .tensor_parallel import ParameterSlice, full_parameter, map_pair_input, plan_layout
+from shardplan.common.dtypes import torch_dtype
+from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
+from shardplan.frontend.passes.tensor_parallel import Style, TensorParallelLayout, VocabKind
+from shardplan.plan import Plan, Unit
+from shardplan.runtime import collectives
+from shardplan.runtime.activation_checkpoint import checkpointed
+from shardplan.runtime.chunks import DTensorHolder, Holder, dtensor_holders
+from shardplan.runtime.pipelined import (
+    StagedProgram,
+    copied_units,
+    drop_other_stages,
+    make_ties,
+    tied_stages,
+    units_read,
+)
+from shardplan.runtime.program import Program, grad_norm_term, refuse_optimizers_over
+from shardplan.runtime.sharded import apply_plan_tensor_parallel, initialize_module
+from shardplan.runtime.stage_split import (
+    BlockCall,
+    StageGraph,
+    StageModule,
+    block_runner,
+    run_blocks,
+    split_stages,
+)
+from shardplan.runtime.tensor_parallel import (
+    ParameterSlice,
+    full_parameter,
+    map_pair_input,
+    plan_layout,
+)
 
 
 class Fsdp2Program(Program):
@@ -72,7 +105,9 @@ class Fsdp2Program(Program):
     _sliced: dict[str, ParameterSlice]
     """Parameters backend="shardplan"'s tensor parallelism sliced (a pipelined stage's: [Note: FSDP2 stages])."""
 
-    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
+    def __init__(
+        self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device
+    ):
         super().__init__(module, plan, loss_fn)
         whole_mesh = self._meshes(device)
         modules = dict(module.named_modules())
@@ -89,7 +124,9 @@ class Fsdp2Program(Program):
         for units in _groups_of_ties(module, plan.units):
             targets = [modules[path] for unit in units for path in unit.modules]
             self._shard(targets if len(targets) > 1 else targets[0], units[0], device)
-        self._root = fully_shard(module, mesh=self._mesh, reshard_after_forward=False, mp_policy=self._precision)
+        self._root = fully_shard(
+            module, mesh=self._mesh, reshard_after_forward=False, mp_policy=self._precision
+        )
         if on_meta:
             _initialize(module, [module], device)
 
@@ -98,8 +135,9 @@ class Fsdp2Program(Program):
         whole mesh."""
         whole_mesh = collectives.device_mesh(device.type, self.plan.mesh)
         self._mesh = data_parallel_mesh(whole_mesh)
-        self._data_parallel = self._mesh._flatten("dp").get_group() if self._mesh.ndim > 1 \
-            else self._mesh.get_group()
+        self._data_parallel = (
+            self._mesh._flatten("dp").get_group() if self._mesh.ndim > 1 else self._mesh.get_group()
+        )
         """The replicas, for averaging running statistics (see [Note: running statistics] in program.py)."""
         self.fused = {}
         self._sliced = {}
@@ -107,16 +145,25 @@ class Fsdp2Program(Program):
         reduce_dtype = torch_dtype(self.plan.mixed_precision.reduce_dtype)
         self._precision = MixedPrecisionPolicy(
             param_dtype=None if param_dtype is torch.float32 else param_dtype,
-            reduce_dtype=None if reduce_dtype is torch.float32 else reduce_dtype)
+            reduce_dtype=None if reduce_dtype is torch.float32 else reduce_dtype,
+        )
         return whole_mesh
 
-    def _shard(self, target: nn.Module | list[nn.Module], unit: Unit, device: torch.device,
-               **options: Any) -> None:
+    def _shard(
+        self, target: nn.Module | list[nn.Module], unit: Unit, device: torch.device, **options: Any
+    ) -> None:
         """fully_shard `target` over the data-parallel mesh as `unit` decides."""
-        offload = unit.offload and device.type != "cpu"  # on CPU the shard already lives in CPU memory
-        fully_shard(target, mesh=self._mesh, reshard_after_forward=unit.reshard_after_forward,
-                    mp_policy=self._precision, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
-                    **options)
+        offload = (
+            unit.offload and device.type != "cpu"
+        )  # on CPU the shard already lives in CPU memory
+        fully_shard(
+            target,
+            mesh=self._mesh,
+            reshard_after_forward=unit.reshard_after_forward,
+            mp_policy=self._precision,
+            offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+            **options,
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -131,7 +178,9 @@ class Fsdp2Program(Program):
 
     def holders(self) -> list[Holder]:
         names = {name for name, _ in self._named_parameters()}
-        return [holder for holder in dtensor_holders(self, self._sliced) if holder.names[0] in names]
+        return [
+            holder for holder in dtensor_holders(self, self._sliced) if holder.names[0] in names
+        ]
 
     def parameters(self) -> list[nn.Parameter]:
         return [parameter for _, parameter in self._named_parameters()]
@@ -153,7 +202,9 @@ class Fsdp2Program(Program):
         with torch.no_grad():
             for name, parameter in self._named_parameters():
                 if name not in state:
-                    raise ShardplanError(f"the state dict lacks parameter {name!r}: load one saved from this model")
+                    raise ShardplanError(
+                        f"the state dict lacks parameter {name!r}: load one saved from this model"
+                    )
                 whole = state[name].to(parameter.device, parameter.dtype)
                 sharded = cast(DTensor, parameter)  # fully_shard made every parameter a DTensor
                 parameter.copy_(distribute_tensor(whole, sharded.device_mesh, sharded.placements))
@@ -164,20 +215,30 @@ class Fsdp2Program(Program):
     def _grad_norm_terms(self, norm_type: float) -> tuple[torch.Tensor, torch.Tensor]:
         # every gradient a DTensor: its local parts summed over the world at once, each divided by the number
         # of ranks holding it again (replica groups; tp ranks, for a parameter tensor parallelism left whole)
-        terms = [grad_norm_term([grad.to_local()], norm_type) / (1 if math.isinf(norm_type) else
-                                                                  self._copies(name, grad))
-                 for name, grad in ((name, cast(DTensor, parameter.grad)) for name, parameter
-                                    in self._named_parameters() if parameter.grad is not None)]
+        terms = [
+            grad_norm_term([grad.to_local()], norm_type)
+            / (1 if math.isinf(norm_type) else self._copies(name, grad))
+            for name, grad in (
+                (name, cast(DTensor, parameter.grad))
+                for name, parameter in self._named_parameters()
+                if parameter.grad is not None
+            )
+        ]
         zero = torch.zeros((), dtype=torch.float32)
         if not terms:
             return zero, zero
-        return (torch.stack(terms).max() if math.isinf(norm_type) else torch.stack(terms).sum()), zero
+        return (
+            torch.stack(terms).max() if math.isinf(norm_type) else torch.stack(terms).sum()
+        ), zero
 
     def _copies(self, name: str, grad: DTensor) -> int:
         """How many ranks hold this rank's part of parameter `name`'s gradient `grad`."""
         mesh = grad.device_mesh
-        replicated = math.prod(mesh.size(dim) for dim, placement in enumerate(grad.placements)
-                               if placement.is_replicate())
+        replicated = math.prod(
+            mesh.size(dim)
+            for dim, placement in enumerate(grad.placements)
+            if placement.is_replicate()
+        )
         over_tp = "tp" in (mesh.mesh_dim_names or ()) or name in self._sliced
         return replicated * (1 if over_tp else self.plan.mesh.tp)
 
@@ -185,14 +246,20 @@ class Fsdp2Program(Program):
 class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
     """backend="fsdp2" with pp > 1, the torchtitan composition (see [Note: FSDP2 stages])."""
 
-    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
-        Program.__init__(self, module, plan, loss_fn)  # not Fsdp2Program's, which shards the whole model
+    def __init__(
+        self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device
+    ):
+        Program.__init__(
+            self, module, plan, loss_fn
+        )  # not Fsdp2Program's, which shards the whole model
         whole_mesh = self._meshes(device)
         self._pipeline = whole_mesh.get_group("pp")
         self._device = device
         self._tensor_parallel = whole_mesh.get_group("tp")
         # sliced before the stages are cut, as backend="shardplan" slices them (see [Note: FSDP2 stages])
-        self._sliced, self._partial = apply_plan_tensor_parallel(module, plan, self._tensor_parallel)
+        self._sliced, self._partial = apply_plan_tensor_parallel(
+            module, plan, self._tensor_parallel
+        )
         stages = split_stages(module, plan, device)
         self.graph = stages[plan.mesh.coordinates(collectives.world().rank)["pp"]]
         tied = tied_stages(plan, stages, units_read(module, plan, stages))
@@ -202,7 +269,9 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
         modules = dict(module.named_modules())
         on_meta = any(parameter.is_meta for parameter in module.parameters())
         drop_other_stages(module, plan, tuple(unit.name for unit in held_here))
-        refuse_optimizers_over(list(module.parameters()))  # fully_shard replaces this stage's with DTensors
+        refuse_optimizers_over(
+            list(module.parameters())
+        )  # fully_shard replaces this stage's with DTensors
         self._groups: dict[str, _UnitGroup] = {}
         """Each unit of this stage → the FSDP2 group its blocks run in."""
         for units in _groups_of_ties(module, held_here):
@@ -213,28 +282,45 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
             self._shard(group, units[0], device, ignored_params=others or None)
             self._groups.update((unit.name, group) for unit in units)
         self._stage_root = _StageRoot(list(dict.fromkeys(self._groups.values())))
-        self._root = fully_shard(self._stage_root, mesh=self._mesh, reshard_after_forward=False,
-                                 mp_policy=self._precision)
+        self._root = fully_shard(
+            self._stage_root,
+            mesh=self._mesh,
+            reshard_after_forward=False,
+            mp_policy=self._precision,
+        )
         if on_meta:
             _initialize(module, list(self._stage_root.groups), device)
-        self._copied = {id(module.get_parameter(name)) for unit in copied for name in specs[unit].params}
+        self._copied = {
+            id(module.get_parameter(name)) for unit in copied for name in specs[unit].params
+        }
         """This rank's copies of other stages' units (see [Note: tied weights across stages] in pipelined.py)."""
-        self.ties = make_ties(plan, tied, self.graph.index,
-                              lambda unit: tuple(module.get_parameter(name) for name in specs[unit].params))
+        self.ties = make_ties(
+            plan,
+            tied,
+            self.graph.index,
+            lambda unit: tuple(module.get_parameter(name) for name in specs[unit].params),
+        )
         self._start_schedules()
 
     __call__ = StagedProgram.__call__
 
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(name, parameter) for name, parameter in self.module.named_parameters()
-                if not parameter.is_meta and id(parameter) not in self._copied]
+        return [
+            (name, parameter)
+            for name, parameter in self.module.named_parameters()
+            if not parameter.is_meta and id(parameter) not in self._copied
+        ]
 
     def _fsdp_modules(self) -> list[FSDPModule]:
         return [module for module in self._stage_root.modules() if isinstance(module, FSDPModule)]
 
     def holders(self) -> list[Holder]:
-        return [_SlicedHolder(cast(DTensorHolder, holder), self._tensor_parallel)
-                if holder.names[0] in self._sliced else holder for holder in super().holders()]
+        return [
+            _SlicedHolder(cast(DTensorHolder, holder), self._tensor_parallel)
+            if holder.names[0] in self._sliced
+            else holder
+            for holder in super().holders()
+        ]
 
     def _gradients_done(self, planned: bool) -> None:
         # whole parameters that saw this tp rank's tokens alone (sequence parallelism): their gradients summed
@@ -249,9 +335,14 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
         specs = {unit.name: unit for unit in self.plan.units}
 
         def run_segment(calls: tuple[BlockCall, ...]) -> Callable[[dict], dict]:
-            run = functools.partial(run_blocks, [(call, block_runner(call, self.module, graph.constants))
-                                                 for call in calls])
-            return functools.partial(self._groups[calls[0].unit], checkpointed(run, specs[calls[0].unit].checkpoint))
+            run = functools.partial(
+                run_blocks,
+                [(call, block_runner(call, self.module, graph.constants)) for call in calls],
+            )
+            return functools.partial(
+                self._groups[calls[0].unit], checkpointed(run, specs[calls[0].unit].checkpoint)
+            )
+
         self._stage_root.stages[batch] = StageModule(graph, run_segment, contextlib.nullcontext)
         return self._stage_root
 
@@ -267,12 +358,19 @@ class _SlicedHolder(DTensorHolder):
     over tp too."""
 
     def __init__(self, holder: DTensorHolder, group: collectives.Group):
-        super().__init__(holder.names[0], cast(nn.Parameter, holder.parameter), holder.slots, holder.program,
-                         holder.cut)
+        super().__init__(
+            holder.names[0],
+            cast(nn.Parameter, holder.parameter),
+            holder.slots,
+            holder.program,
+            holder.cut,
+        )
         self.group = group
 
     def gather(self) -> list[torch.Tensor]:
-        return [cast(ParameterSlice, self.cut).gather(local, self.group) for local in super().gather()]
+        return [
+            cast(ParameterSlice, self.cut).gather(local, self.group) for local in super().gather()
+        ]
 
 
 class _UnitGroup(nn.Module):
@@ -303,7 +401,9 @@ class _StageRoot(nn.Module):
         with warnings.catch_warnings():
             # a group returning a view (a block's reshape) would lose FSDP2's gather for backward only under an
             # in-place op on it, and the captured graph, functional, has none
-            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+            warnings.filterwarnings(
+                "ignore", message="FSDP2-wrapped module .* returned a view tensor"
+            )
             return self.stages[self.batch](*inbound)
 
 
@@ -312,14 +412,24 @@ def _group_modules(units: tuple[Unit, ...], modules: dict[str, nn.Module]) -> li
     group takes them at pp = 1)."""
     paths = [path for unit in units for path in _unit_modules(unit, modules)]
     holding = [name.rpartition(".")[0] for unit in units for name in unit.params]
-    return list(dict.fromkeys(paths + [path for path in holding
-                                       if not any(path == top or path.startswith(top + ".") for top in paths)]))
+    return list(
+        dict.fromkeys(
+            paths
+            + [
+                path
+                for path in holding
+                if not any(path == top or path.startswith(top + ".") for top in paths)
+            ]
+        )
+    )
 
 
 def _unit_modules(unit: Unit, modules: dict[str, nn.Module]) -> tuple[str, ...]:
     missing = [path for path in unit.modules if path not in modules]
     if missing:
-        raise PlanError(f"unit {unit.name!r} names modules {missing} the model does not have: re-plan with this model")
+        raise PlanError(
+            f"unit {unit.name!r} names modules {missing} the model does not have: re-plan with this model"
+        )
     return unit.modules
 
 
@@ -340,10 +450,12 @@ def _groups_of_ties(model: nn.Module, units: tuple[Unit, ...]) -> list[tuple[Uni
         joining = tuple(path for path in loose if path not in into[0].modules)
         into[0] = dataclasses.replace(into[0], modules=into[0].modules + joining)
         beside = f" and modules {loose} of no unit" if loose else ""
-        warnings.warn(f"parameter {name!r} is tied across units {owners}{beside}: backend='fsdp2' shards them as "
-                      "one group, gathered together with the first unit's decisions (the plan priced them apart; "
-                      "backend='shardplan' runs the plan as priced)",
-                      stacklevel=4)
+        warnings.warn(
+            f"parameter {name!r} is tied across units {owners}{beside}: backend='fsdp2' shards them as "
+            "one group, gathered together with the first unit's decisions (the plan priced them apart; "
+            "backend='shardplan' runs the plan as priced)",
+            stacklevel=4,
+        )
     groups = list({id(group): tuple(group) for group in merged.values()}.values())
     return sorted(groups, key=lambda group: _modules_below(group, groups))
 
@@ -352,11 +464,18 @@ def _modules_below(group: tuple[Unit, ...], groups: list[tuple[Unit, ...]]) -> i
     """How many modules of the other groups lie below `group`'s modules: sharding groups in that order
     shards a module (a loose `lm_head` a tie joined) after the units inside it, as fully_shard needs."""
     mine = [path for unit in group for path in unit.modules]
-    return sum(any(path.startswith(above + ".") for above in mine)
-               for other in groups if other is not group for unit in other for path in unit.modules)
+    return sum(
+        any(path.startswith(above + ".") for above in mine)
+        for other in groups
+        if other is not group
+        for unit in other
+        for path in unit.modules
+    )
 
 
-def _tied_across_units(model: nn.Module, units: tuple[Unit, ...]) -> list[tuple[str, list[str], list[str]]]:
+def _tied_across_units(
+    model: nn.Module, units: tuple[Unit, ...]
+) -> list[tuple[str, list[str], list[str]]]:
     """(a parameter name, the units its owners belong to in plan order, the paths of its owners in none of
     `units`) for each parameter shared across units, or between a unit and modules of none."""
     unit_of_module = {path: unit.name for unit in units for path in unit.modules}
@@ -372,15 +491,20 @@ def _tied_across_units(model: nn.Module, units: tuple[Unit, ...]) -> list[tuple[
     for path, module in model.named_modules(remove_duplicate=False):
         for attribute, parameter in module._parameters.items():
             if parameter is not None:
-                name, owning, loose = owners.setdefault(id(parameter), (f"{path}.{attribute}".lstrip("."), set(), []))
+                name, owning, loose = owners.setdefault(
+                    id(parameter), (f"{path}.{attribute}".lstrip("."), set(), [])
+                )
                 unit = unit_of(path)
                 if unit is None:
                     loose.append(path)
                 else:
                     owning.add(unit)
     order = {unit.name: index for index, unit in enumerate(units)}
-    return [(name, sorted(owning, key=order.__getitem__), loose) for name, owning, loose in owners.values()
-            if owning and len(owning) + len(loose) > 1]
+    return [
+        (name, sorted(owning, key=order.__getitem__), loose)
+        for name, owning, loose in owners.values()
+        if owning and len(owning) + len(loose) > 1
+    ]
 
 
 def _initialize(model: nn.Module, held: list[nn.Module], device: torch.device) -> None:
@@ -390,8 +514,10 @@ def _initialize(model: nn.Module, held: list[nn.Module], device: torch.device) -
     for module in found:
         module.to_empty(device=device, recurse=False)
     for module in found:
-        if next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None) \
-                is not None:
+        if (
+            next(module.parameters(recurse=False), None) is not None
+            or next(module.buffers(recurse=False), None) is not None
+        ):
             initialize_module(model, module)
 
 
@@ -401,7 +527,9 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
 
 
-def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, mesh: DeviceMesh) -> None:
+def apply_tensor_parallel_fsdp2(
+    model: nn.Module, layout: TensorParallelLayout, mesh: DeviceMesh
+) -> None:
     """The torchtitan composition: parallelize_tensor_parallel on mesh["tp"], then fully_shard on the
     data-parallel mesh for each layer holding pairs and for the root.
 
@@ -413,7 +541,9 @@ def apply_tensor_parallel_fsdp2(model: nn.Module, layout: TensorParallelLayout, 
     fully_shard(model, mesh=data_parallel_mesh(mesh))
 
 
-def parallelize_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, mesh: DeviceMesh) -> None:
+def parallelize_tensor_parallel(
+    model: nn.Module, layout: TensorParallelLayout, mesh: DeviceMesh
+) -> None:
     """`layout` applied with DTensor on the 1-D tp `mesh` (parallelize_module: ColwiseParallel /
     RowwiseParallel per pair, SequenceParallel on the layers' norms with `layout.sequence_parallel`,
     vocab-parallel embedding and head with `layout.vocab`). Every rank must hold the same full
@@ -429,8 +559,10 @@ def parallelize_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, 
     sum_sequence_parallel_gradients is not needed here), and the last layer's output is gathered
     back into a plain tensor."""
     if mesh.size() != layout.degree:
-        raise RuntimeMismatchError(f"the layout shards over tp={layout.degree} ranks, the mesh's tp dim has "
-                                   f"{mesh.size()}: make the layout for tp={mesh.size()}")
+        raise RuntimeMismatchError(
+            f"the layout shards over tp={layout.degree} ranks, the mesh's tp dim has "
+            f"{mesh.size()}: make the layout for tp={mesh.size()}"
+        )
     sequence = layout.sequence_parallel
     styles: dict[str, ParallelStyle] = {}
     for pair in layout.pairs:
@@ -438,15 +570,22 @@ def parallelize_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, 
             styles[pair.name] = _GatherSequenceInput()
         for linear in pair.linears:
             if linear.style is Style.ROWWISE:
-                styles[linear.module] = RowwiseParallel(output_layouts=Shard(1) if sequence else Replicate(),
-                                                        use_local_output=not sequence)
+                styles[linear.module] = RowwiseParallel(
+                    output_layouts=Shard(1) if sequence else Replicate(),
+                    use_local_output=not sequence,
+                )
             else:
-                styles[linear.module] = _ChunkedColwiseParallel(linear.chunks) if linear.chunks > 1 \
+                styles[linear.module] = (
+                    _ChunkedColwiseParallel(linear.chunks)
+                    if linear.chunks > 1
                     else ColwiseParallel()
+                )
     for candidate in layout.vocab:
-        styles[candidate.module] = (RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-                                    if candidate.kind is VocabKind.EMBEDDING else
-                                    ColwiseParallel(output_layouts=Replicate()))
+        styles[candidate.module] = (
+            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            if candidate.kind is VocabKind.EMBEDDING
+            else ColwiseParallel(output_layouts=Replicate())
+        )
     if sequence:
         layers = layout.sequence_layers
         for module in layout.replicated:
@@ -454,36 +593,59 @@ def parallelize_tensor_parallel(model: nn.Module, layout: TensorParallelLayout, 
                 styles[module] = SequenceParallel()
         whole, cut = (Replicate(),), (Shard(1),)
         if len(layers) == 1:
-            styles[layers[0]] = PrepareModuleInputOutput(input_layouts=whole, desired_input_layouts=cut,
-                                                         output_layouts=cut, desired_output_layouts=whole,
-                                                         use_local_output=True)
+            styles[layers[0]] = PrepareModuleInputOutput(
+                input_layouts=whole,
+                desired_input_layouts=cut,
+                output_layouts=cut,
+                desired_output_layouts=whole,
+                use_local_output=True,
+            )
         else:
             styles[layers[0]] = PrepareModuleInput(input_layouts=whole, desired_input_layouts=cut)
-            styles[layers[-1]] = PrepareModuleOutput(output_layouts=cut, desired_output_layouts=whole,
-                                                     use_local_output=True)
+            styles[layers[-1]] = PrepareModuleOutput(
+                output_layouts=cut, desired_output_layouts=whole, use_local_output=True
+            )
     parallelize_module(model, mesh, styles)
 
 
-def tensor_parallel_full_parameters(model: nn.Module, layout: TensorParallelLayout) -> dict[str, torch.Tensor]:
+def tensor_parallel_full_parameters(
+    model: nn.Module, layout: TensorParallelLayout
+) -> dict[str, torch.Tensor]:
     """Every parameter of a model under apply_tensor_parallel_fsdp2, whole and in the model's order,
     on every rank (fused projections' chunks put back from their rank-by-rank order)."""
     fused = _fused_chunks(layout)
-    return {name: full_parameter(parameter, fused.get(name, 1), layout.degree)
-            for name, parameter in model.named_parameters()}
+    return {
+        name: full_parameter(parameter, fused.get(name, 1), layout.degree)
+        for name, parameter in model.named_parameters()
+    }
 
 
 def _dtensor_slices(model: nn.Module, fused: dict[str, int]) -> dict[str, ParameterSlice]:
     """The slice this tp rank holds of each parameter parallelize_tensor_parallel sharded (a DTensor Shard
     over tp; fused projections by their `fused` chunks), as backend="shardplan"'s tensor parallelism says it."""
-    return {name: ParameterSlice(full_shape=tuple(parameter.shape), dim=placement.dim, chunks=fused.get(name, 1),
-                                 index=parameter.device_mesh.get_local_rank(), degree=parameter.device_mesh.size())
-            for name, parameter in model.named_parameters() if isinstance(parameter, DTensor)
-            for placement in parameter.placements if isinstance(placement, Shard)}
+    return {
+        name: ParameterSlice(
+            full_shape=tuple(parameter.shape),
+            dim=placement.dim,
+            chunks=fused.get(name, 1),
+            index=parameter.device_mesh.get_local_rank(),
+            degree=parameter.device_mesh.size(),
+        )
+        for name, parameter in model.named_parameters()
+        if isinstance(parameter, DTensor)
+        for placement in parameter.placements
+        if isinstance(placement, Shard)
+    }
 
 
 def _fused_chunks(layout: TensorParallelLayout) -> dict[str, int]:
-    return {f"{linear.module}.{name}": linear.chunks for pair in layout.pairs for linear in pair.linears
-            if linear.chunks > 1 for name in ("weight", "bias")}
+    return {
+        f"{linear.module}.{name}": linear.chunks
+        for pair in layout.pairs
+        for linear in pair.linears
+        if linear.chunks > 1
+        for name in ("weight", "bias")
+    }
 
 
 class _ChunkedColwiseParallel(ColwiseParallel):
@@ -498,12 +660,21 @@ class _ChunkedColwiseParallel(ColwiseParallel):
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         index, degree = device_mesh.get_local_rank(), device_mesh.size()
         for attribute, parameter in list(module.named_parameters()):
-            cut = ParameterSlice(full_shape=tuple(parameter.shape), dim=0, chunks=self.chunks, index=index,
-                                 degree=degree)
+            cut = ParameterSlice(
+                full_shape=tuple(parameter.shape),
+                dim=0,
+                chunks=self.chunks,
+                index=index,
+                degree=degree,
+            )
             local = cut.take(parameter.detach()).contiguous()
-            module.register_parameter(attribute, nn.Parameter(
-                DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False),
-                requires_grad=parameter.requires_grad))
+            module.register_parameter(
+                attribute,
+                nn.Parameter(
+                    DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False),
+                    requires_grad=parameter.requires_grad,
+                ),
+            )
 
 
 class _GatherSequenceInput(ParallelStyle):
@@ -513,9 +684,14 @@ class _GatherSequenceInput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def whole(x: torch.Tensor) -> torch.Tensor:
-            sharded = x if isinstance(x, DTensor) else DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            sharded = (
+                x
+                if isinstance(x, DTensor)
+                else DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            )
             return sharded.redistribute(device_mesh, [Replicate()])
 
-        module.register_forward_pre_hook(lambda _, args, kwargs: map_pair_input(args, kwargs, whole),
-                                         with_kwargs=True)
+        module.register_forward_pre_hook(
+            lambda _, args, kwargs: map_pair_input(args, kwargs, whole), with_kwargs=True
+        )
         return module

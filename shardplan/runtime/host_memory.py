@@ -12,13 +12,14 @@ threshold and the trim threshold at their largest, freed memory stays in the pro
 step, and a step faults nothing once the heap has grown to its high-water mark, a few steps in (what a
 GPU's caching allocator holds too). Tensor memory, what MemTracker and the cost model count, does not change.
 """
+
 import ctypes
 import ctypes.util
 import sys
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_LARGEST = 2 ** 31 - 1
+_LARGEST = 2**31 - 1
 """mallopt takes an int: buffers above 2 GiB are still mapped and unmapped each time."""
 
 _kept = False
@@ -30,7 +31,11 @@ def keep_freed_host_memory() -> None:
     if _kept or not sys.platform.startswith("linux"):
         return
     name = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None  # glibc's; musl has none
+    mallopt = (
+        getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    )  # glibc's; musl has none
     if mallopt is None:
         return
-    _kept = bool(mallopt(_M_MMAP_THRESHOLD, _LARGEST)) and bool(mallopt(_M_TRIM_THRESHOLD, _LARGEST))
+    _kept = bool(mallopt(_M_MMAP_THRESHOLD, _LARGEST)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, _LARGEST)
+    )

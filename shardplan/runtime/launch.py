@@ -4,6 +4,7 @@ What the demo, the calibration and the benchmarks share: each rank sets up its
 device and process group, runs the job, and leaves cleanly (see [Note:
 shutdown] in collectives.py); rank 0's result comes back to the caller.
 """
+
 import datetime
 import os
 import socket
@@ -13,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..errors import ShardplanError
-from .collectives import shutdown
-from .host_memory import keep_freed_host_memory
+from shardplan.errors import ShardplanError
+from shardplan.runtime.collectives import shutdown
+from shardplan.runtime.host_memory import keep_freed_host_memory
 
 _TIMEOUT_S = 120
 """Process-group timeout of a spawned world: far above any one collective its jobs run (the largest
@@ -32,14 +33,28 @@ def check_local_world(world_size: int, flag: str = "--world-size") -> None:
     the option that asked for it."""
     cores = len(os.sched_getaffinity(0))
     most = max(2, LOCAL_RANKS_PER_CORE * cores)
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= most:
-        raise ShardplanError(f"{flag} {world_size!r}: every rank runs as a process on this machine, which has "
-                             f"{cores} core(s), so give 1 to {most} ranks; plan larger worlds with "
-                             "`shardplan plan --world-size N`")
+    if (
+        not isinstance(world_size, int)
+        or isinstance(world_size, bool)
+        or not 1 <= world_size <= most
+    ):
+        raise ShardplanError(
+            f"{flag} {world_size!r}: every rank runs as a process on this machine, which has "
+            f"{cores} core(s), so give 1 to {most} ranks; plan larger worlds with "
+            "`shardplan plan --world-size N`"
+        )
 
 
-def run_world(job, args: tuple = (), *, world_size: int, backend: str, total_steps: int, progress: bool = True,
-              description: str = ""):
+def run_world(
+    job,
+    args: tuple = (),
+    *,
+    world_size: int,
+    backend: str,
+    total_steps: int,
+    progress: bool = True,
+    description: str = "",
+):
     """Run `job(device, report, *args)` on `world_size` spawned ranks; return rank 0's result.
 
     `job` must be a module-level function (spawn pickles it). Rank 0 calls `report(text)` after
@@ -48,8 +63,12 @@ def run_world(job, args: tuple = (), *, world_size: int, backend: str, total_ste
     if backend != "nccl":  # NCCL worlds are bounded by the GPUs, which their callers check
         check_local_world(world_size)
     queue = mp.get_context("spawn").Queue()
-    context = mp.spawn(_rank_main, args=(world_size, free_port(), backend, job, args, queue),
-                       nprocs=world_size, join=False)
+    context = mp.spawn(
+        _rank_main,
+        args=(world_size, free_port(), backend, job, args, queue),
+        nprocs=world_size,
+        join=False,
+    )
     result = None
     with _progress_bar(progress, description, total_steps) as advance:
         done = False
@@ -64,7 +83,9 @@ def run_world(job, args: tuple = (), *, world_size: int, backend: str, total_ste
     return result
 
 
-def _rank_main(rank: int, world_size: int, port: int, backend: str, job, args: tuple, queue) -> None:
+def _rank_main(
+    rank: int, world_size: int, port: int, backend: str, job, args: tuple, queue
+) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -72,8 +93,13 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, job, args: t
         torch.set_num_threads(1)  # as ranks run on CPU: one core each
         keep_freed_host_memory()  # as parallelize does on CPU: the calibration times what the steps run
         device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=_TIMEOUT_S))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=_TIMEOUT_S),
+    )
     try:
         report = (lambda text: queue.put(("step", text))) if rank == 0 else (lambda text: None)
         result = job(device, report, *args)
@@ -99,8 +125,13 @@ def _progress_bar(show: bool, description: str, total_steps: int):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[step]}"))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[step]}"),
+    )
     with Progress(*columns, console=Console(stderr=True)) as bar:
         task = bar.add_task(description, total=total_steps, step="")
         yield lambda text: bar.update(task, advance=1, step=text)

@@ -3,26 +3,51 @@
 This is FSDP's manual wrapping in plan form, for tests, benchmarks, and users
 who know their units; `shardplan.compile` is the planner that chooses them.
 """
+
 from collections.abc import Sequence
 
 import torch.nn as nn
 
-from ..errors import PlanError
-from ..passes import fingerprint_of, input_specs
-from ..passes.tensor_parallel import tensor_parallel_candidates
-from ..plan import (Checkpoint, Mesh, MixedPrecision, Plan, Predicted, Reasoning, Schedule,
-                    ShardStrategy, Stage, TensorParallel, Unit)
-from ..signature import model_signature
-from .tensor_parallel import sharded_modules
+from shardplan.errors import PlanError
+from shardplan.frontend.passes import fingerprint_of, input_specs
+from shardplan.frontend.passes.tensor_parallel import tensor_parallel_candidates
+from shardplan.frontend.signature import model_signature
+from shardplan.plan import (
+    Checkpoint,
+    Mesh,
+    MixedPrecision,
+    Plan,
+    Predicted,
+    Reasoning,
+    Schedule,
+    ShardStrategy,
+    Stage,
+    TensorParallel,
+    Unit,
+)
+from shardplan.runtime.tensor_parallel import sharded_modules
 
 
-def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
-                strategies: Sequence[ShardStrategy] = (ShardStrategy.FULL_SHARD,),
-                checkpoints: Sequence[Checkpoint] = (Checkpoint.NONE,), offload: Sequence[bool] = (False,),
-                prefetch: Sequence[bool] = (True,), micro_batches: int = 1,
-                precision: MixedPrecision = MixedPrecision(), pp: int = 1, schedule: str = "gpipe",
-                example_inputs: tuple = (), example_kwargs: dict | None = None, dp_replicate: int = 1,
-                tp: int = 1, sequence_parallel: bool = False, vocab_parallel: bool = False) -> Plan:
+def manual_plan(
+    model: nn.Module,
+    groups: Sequence[Sequence[str]],
+    *,
+    dp: int,
+    strategies: Sequence[ShardStrategy] = (ShardStrategy.FULL_SHARD,),
+    checkpoints: Sequence[Checkpoint] = (Checkpoint.NONE,),
+    offload: Sequence[bool] = (False,),
+    prefetch: Sequence[bool] = (True,),
+    micro_batches: int = 1,
+    precision: MixedPrecision = MixedPrecision(),
+    pp: int = 1,
+    schedule: str = "gpipe",
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    dp_replicate: int = 1,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    vocab_parallel: bool = False,
+) -> Plan:
     """One unit per group of module paths; unit i takes decision i modulo each sequence's length.
 
     A unit's parameters are those under its modules, in model.named_parameters() order; with
@@ -42,38 +67,74 @@ def manual_plan(model: nn.Module, groups: Sequence[Sequence[str]], *, dp: int,
     names = [name for name, _ in model.named_parameters()]
     units = []
     for index, modules in enumerate(groups):
-        params = tuple(name for name in names if any(name.startswith(module + ".") for module in modules))
-        units.append(Unit(name="..".join(modules), modules=tuple(modules), params=params,
-                          strategy=strategies[index % len(strategies)],
-                          checkpoint=checkpoints[index % len(checkpoints)], offload=offload[index % len(offload)],
-                          prefetch=prefetch[index % len(prefetch)]))
+        params = tuple(
+            name for name in names if any(name.startswith(module + ".") for module in modules)
+        )
+        units.append(
+            Unit(
+                name="..".join(modules),
+                modules=tuple(modules),
+                params=params,
+                strategy=strategies[index % len(strategies)],
+                checkpoint=checkpoints[index % len(checkpoints)],
+                offload=offload[index % len(offload)],
+                prefetch=prefetch[index % len(prefetch)],
+            )
+        )
     count = len(units)
-    stages = tuple(Stage(index=index, units=tuple(unit.name for unit in units[index * count // pp:
-                                                                               (index + 1) * count // pp]))
-                   for index in range(pp))
+    stages = tuple(
+        Stage(
+            index=index,
+            units=tuple(
+                unit.name for unit in units[index * count // pp : (index + 1) * count // pp]
+            ),
+        )
+        for index in range(pp)
+    )
     inputs = input_specs(tuple(example_inputs), dict(example_kwargs or {}))
     mesh = Mesh(dp_shard=dp, dp_replicate=dp_replicate, tp=tp, pp=pp)
-    return Plan(fingerprint=fingerprint_of(model, inputs) if inputs else "manual", signature=model_signature(model),
-                model=type(model).__name__,
-                world_size=mesh.size, hardware="unknown", inputs=inputs, mesh=mesh,
-                tensor_parallel=_tensor_parallel(model, tp, sequence_parallel, vocab_parallel, example_inputs,
-                                                 example_kwargs),
-                schedule=Schedule(num_micro_batches=micro_batches, name="none" if pp == 1 else schedule),
-                mixed_precision=precision, units=tuple(units), stages=stages,
-                predicted=Predicted(peak_bytes=0, step_time_s=0.0),
-                reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"))
+    return Plan(
+        fingerprint=fingerprint_of(model, inputs) if inputs else "manual",
+        signature=model_signature(model),
+        model=type(model).__name__,
+        world_size=mesh.size,
+        hardware="unknown",
+        inputs=inputs,
+        mesh=mesh,
+        tensor_parallel=_tensor_parallel(
+            model, tp, sequence_parallel, vocab_parallel, example_inputs, example_kwargs
+        ),
+        schedule=Schedule(num_micro_batches=micro_batches, name="none" if pp == 1 else schedule),
+        mixed_precision=precision,
+        units=tuple(units),
+        stages=stages,
+        predicted=Predicted(peak_bytes=0, step_time_s=0.0),
+        reasoning=Reasoning(budget_bytes=0, binding_constraint="none: written by hand"),
+    )
 
 
-def _tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool, vocab_parallel: bool,
-                     example_inputs: tuple, example_kwargs: dict | None) -> TensorParallel:
+def _tensor_parallel(
+    model: nn.Module,
+    tp: int,
+    sequence_parallel: bool,
+    vocab_parallel: bool,
+    example_inputs: tuple,
+    example_kwargs: dict | None,
+) -> TensorParallel:
     """What the captured graph slices over `tp` ranks, as a plan says it."""
     if tp == 1:
         return TensorParallel()
     if not example_inputs and not example_kwargs:
-        raise PlanError(f"a plan with tp={tp} needs example_inputs: the tensor-parallel layout is found in the "
-                        "graph they capture")
+        raise PlanError(
+            f"a plan with tp={tp} needs example_inputs: the tensor-parallel layout is found in the "
+            "graph they capture"
+        )
     layout = tensor_parallel_candidates(model, tuple(example_inputs), example_kwargs).layout(
-        tp, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
-    return TensorParallel(sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                          sharded=sharded_modules(layout),
-                          kept_whole=layout.rejected + layout.deferred)
+        tp, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel
+    )
+    return TensorParallel(
+        sequence_parallel=sequence_parallel,
+        vocab_parallel=vocab_parallel,
+        sharded=sharded_modules(layout),
+        kept_whole=layout.rejected + layout.deferred,
+    )

@@ -4,13 +4,14 @@ This is how predictions are checked on CPU, where allocator statistics do not
 exist: MemTracker sees every tensor torch allocates (shards, optimizer states,
 gathered buffers, activations, temporaries).
 """
+
 import time
 from typing import Callable
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-from . import collectives
+from shardplan.runtime import collectives
 
 
 class _TotalsOnly(MemTracker):
@@ -44,8 +45,12 @@ def forward_activation_bytes(model: torch.nn.Module, args: tuple, kwargs: dict) 
         output = model(*args, **kwargs)
         snapshot = tracker.get_tracker_snapshot("current")
     del output
-    return sum(size for by_kind in snapshot.values() for kind, size in by_kind.items()
-               if kind is _MemRefType.ACT)
+    return sum(
+        size
+        for by_kind in snapshot.values()
+        for kind, size in by_kind.items()
+        if kind is _MemRefType.ACT
+    )
 
 
 def peak_step_bytes(train_step: Callable[[], None], *existing) -> int:
@@ -59,8 +64,11 @@ def peak_step_bytes(train_step: Callable[[], None], *existing) -> int:
     with tracker:
         train_step()
     # meta-device entries are the runtime's placeholders: shapes without memory
-    return sum(snapshot["Total"] for device, snapshot in tracker.get_tracker_snapshot("peak").items()
-               if torch.device(device).type != "meta")
+    return sum(
+        snapshot["Total"]
+        for device, snapshot in tracker.get_tracker_snapshot("peak").items()
+        if torch.device(device).type != "meta"
+    )
 
 
 def synchronize(device: torch.device) -> None:

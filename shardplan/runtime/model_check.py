@@ -12,12 +12,13 @@ not hash as the plan's graph. A plan without a signature (format 2, or from a ch
 hand) and a caller who asks (`verify_graph=True`: the same parameters, another forward) get the
 capture.
 """
+
 import torch.fx
 import torch.nn as nn
 
-from ..errors import PlanError
-from ..plan import Plan
-from ..signature import SIGNATURE_VERSION, model_signature
+from shardplan.errors import PlanError
+from shardplan.frontend.signature import SIGNATURE_VERSION, model_signature
+from shardplan.plan import Plan
 
 
 def check_model(model: nn.Module, plan: Plan, *, verify_graph: bool = False) -> None:
@@ -26,10 +27,12 @@ def check_model(model: nn.Module, plan: Plan, *, verify_graph: bool = False) -> 
     if signed:
         found = model_signature(model)
         if found != plan.signature:
-            raise PlanError(f"this plan was made for another model: its structural signature is {plan.signature}, "
-                            f"this {type(model).__name__}'s is {found} (module classes, or parameter and buffer "
-                            "names, shapes, dtypes or requires_grad differ): re-plan with shardplan.compile(model, "
-                            "...) for this model")
+            raise PlanError(
+                f"this plan was made for another model: its structural signature is {plan.signature}, "
+                f"this {type(model).__name__}'s is {found} (module classes, or parameter and buffer "
+                "names, shapes, dtypes or requires_grad differ): re-plan with shardplan.compile(model, "
+                "...) for this model"
+            )
     if plan.inputs and plan.mesh.tp == 1 and (verify_graph or not signed):
         check_graph(model, plan, plan_graph(model, plan))
 
@@ -37,22 +40,26 @@ def check_model(model: nn.Module, plan: Plan, *, verify_graph: bool = False) -> 
 def plan_graph(model: nn.Module, plan: Plan) -> torch.fx.GraphModule:
     """`model` captured at the plan's input shapes, with owners and no execution facts: the graph the
     plan's fingerprint hashes and its tensor-parallel layout is found in."""
-    from ..passes import meta_inputs, structural_graph
+    from shardplan.frontend.passes import meta_inputs, structural_graph
 
     return structural_graph(model, *meta_inputs(plan.inputs))
 
 
 def check_graph(model: nn.Module, plan: Plan, graph: torch.fx.GraphModule) -> None:
     """Refuse the plan unless `graph` (plan_graph of `model`) hashes as the plan's fingerprint."""
-    from ..passes.blocks import fingerprint
+    from shardplan.frontend.passes.blocks import fingerprint
 
     found = fingerprint(graph)
     if not plan.fingerprint.startswith(found.partition("-")[0] + "-"):
-        raise PlanError(f"this plan's graph fingerprint {plan.fingerprint} was computed by another version of "
-                        "shardplan, which hashed graphs otherwise: re-plan with this version "
-                        "(shardplan plan ..., or shardplan.compile)")
+        raise PlanError(
+            f"this plan's graph fingerprint {plan.fingerprint} was computed by another version of "
+            "shardplan, which hashed graphs otherwise: re-plan with this version "
+            "(shardplan plan ..., or shardplan.compile)"
+        )
     if found != plan.fingerprint:
-        raise PlanError(f"this plan was made for another model: its graph fingerprint is {plan.fingerprint}, "
-                        f"this {type(model).__name__} captures as {found} (with inputs "
-                        f"{', '.join(f'{i.name}{list(i.shape)}' for i in plan.inputs)}): re-plan with "
-                        "shardplan.compile(model, ...) for this model")
+        raise PlanError(
+            f"this plan was made for another model: its graph fingerprint is {plan.fingerprint}, "
+            f"this {type(model).__name__} captures as {found} (with inputs "
+            f"{', '.join(f'{i.name}{list(i.shape)}' for i in plan.inputs)}): re-plan with "
+            "shardplan.compile(model, ...) for this model"
+        )

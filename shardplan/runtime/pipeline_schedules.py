@@ -16,6 +16,7 @@ stage (one forward, one backward), with the sends and receives each on their own
 Schedule1F1B's own steps without the refusal (stage 0 warms up with m >= 2 forwards: its first op is a
 plain send); m >= pp runs Schedule1F1B itself. Tested with gloo (tests/test_pipeline.py), not NCCL.
 """
+
 from collections.abc import Callable
 
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -40,5 +41,8 @@ def one_f_one_b(stage, n_microbatches: int, **options) -> PipelineScheduleSingle
     return Schedule1F1B(stage, n_microbatches, **options)
 
 
-SCHEDULES: dict[str, Callable[..., PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": one_f_one_b}
+SCHEDULES: dict[str, Callable[..., PipelineScheduleSingle]] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": one_f_one_b,
+}
 """What makes each pipeline schedule a plan names, from (stage, n_microbatches, loss_fn=, scale_grads=)."""

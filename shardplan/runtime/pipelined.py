@@ -53,6 +53,7 @@ for the tests' GPT and Llama), and a second schedule runs it over the same
 units: no parameter is copied, and only that schedule's receive buffers are
 new. Every rank of a step must pass the same batch size, as they must at pp == 1.
 """
+
 import contextlib
 import functools
 from typing import Any, Callable, NamedTuple
@@ -63,27 +64,45 @@ from torch.distributed.tensor import DTensor
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from ..capture import put_stand_ins
-from ..errors import PlanError, ShardplanError
-from ..passes.blocks import attribute_of
-from ..plan import Plan
-from . import collectives
-from .activation_checkpoint import checkpointed
-from .program import Program, check_batch, check_micro_batches, refuse_optimizers_over
-from .scheduler import Scheduler
-from .sharded import UnitProgram, apply_plan_tensor_parallel, build_units, unit_place
-from .stage_split import (BlockCall, StageGraph, StageModule, block_runner, run_blocks,
-                          split_stages)
+from shardplan.errors import PlanError, ShardplanError
+from shardplan.frontend.capture import put_stand_ins
+from shardplan.frontend.passes.blocks import attribute_of
+from shardplan.plan import Plan
+from shardplan.runtime import collectives
+from shardplan.runtime.activation_checkpoint import checkpointed
+from shardplan.runtime.program import (
+    Program,
+    check_batch,
+    check_micro_batches,
+    refuse_optimizers_over,
+)
+from shardplan.runtime.scheduler import Scheduler
+from shardplan.runtime.sharded import (
+    UnitProgram,
+    apply_plan_tensor_parallel,
+    build_units,
+    unit_place,
+)
+from shardplan.runtime.stage_split import (
+    BlockCall,
+    StageGraph,
+    StageModule,
+    block_runner,
+    run_blocks,
+    split_stages,
+)
 
 
 def schedule_class(name: str) -> Callable:
     """What makes schedule `name`, called as torch.distributed.pipelining's schedule classes are: 1F1B over
     any number of micro-batches (see [Note: 1F1B over fewer micro-batches than stages] in pipeline_schedules.py)."""
-    from .pipeline_schedules import SCHEDULES
+    from shardplan.runtime.pipeline_schedules import SCHEDULES
 
     if name not in SCHEDULES:
-        raise PlanError(f"the plan pipelines with schedule {name!r}: a plan with pp > 1 runs one of "
-                        f"{', '.join(SCHEDULES)}; re-plan with shardplan.compile")
+        raise PlanError(
+            f"the plan pipelines with schedule {name!r}: a plan with pp > 1 runs one of "
+            f"{', '.join(SCHEDULES)}; re-plan with shardplan.compile"
+        )
     return SCHEDULES[name]
 
 
@@ -102,7 +121,9 @@ class StagedProgram(Program):
     """This rank's part of each tie across stages it holds (see [Note: tied weights across stages])."""
 
     def _start_schedules(self) -> None:
-        self._schedules = {self.plan.batch_per_replica: self._schedule(self.graph, self.plan.batch_per_replica)}
+        self._schedules = {
+            self.plan.batch_per_replica: self._schedule(self.graph, self.plan.batch_per_replica)
+        }
         """This rank's torch.distributed.pipelining schedule for each replica batch size stepped, its stage
         cut from a capture at that size (see [Note: smaller pipelined batches])."""
 
@@ -142,34 +163,51 @@ class StagedProgram(Program):
         """A schedule running this rank's stage, `graph`, over the parameters built at start-up."""
         from torch.distributed.pipelining import PipelineStage
 
-        stage = PipelineStage(self._stage_module(graph, batch), graph.index, self.plan.mesh.pp, self._device,
-                              group=self._pipeline, input_args=tuple(graph.examples[name] for name in graph.inbound),
-                              output_args=tuple(graph.examples[name] for name in graph.outbound))
+        stage = PipelineStage(
+            self._stage_module(graph, batch),
+            graph.index,
+            self.plan.mesh.pp,
+            self._device,
+            group=self._pipeline,
+            input_args=tuple(graph.examples[name] for name in graph.inbound),
+            output_args=tuple(graph.examples[name] for name in graph.outbound),
+        )
         return schedule_class(self.plan.schedule.name)(
-            stage, n_microbatches=self.plan.schedule.num_micro_batches, loss_fn=self._micro_batch_loss,
-            scale_grads=False)
+            stage,
+            n_microbatches=self.plan.schedule.num_micro_batches,
+            loss_fn=self._micro_batch_loss,
+            scale_grads=False,
+        )
 
     def _schedule_for(self, batch: int):
         """The schedule for a replica batch of `batch` samples, made at its first step (see [Note: smaller
         pipelined batches])."""
         if batch not in self._schedules:
             graph = split_stages(self.module, self.plan, self._device, batch)[self.graph.index]
-            if [(call.node, call.unit) for call in graph.calls] != [(call.node, call.unit)
-                                                                    for call in self.graph.calls]:
-                raise ShardplanError(f"the model captured at {batch} samples splits into other blocks than at the "
-                                     f"planned {self.plan.batch_per_replica}: pass batches of the planned size, or "
-                                     "plan with pp=1")
+            if [(call.node, call.unit) for call in graph.calls] != [
+                (call.node, call.unit) for call in self.graph.calls
+            ]:
+                raise ShardplanError(
+                    f"the model captured at {batch} samples splits into other blocks than at the "
+                    f"planned {self.plan.batch_per_replica}: pass batches of the planned size, or "
+                    "plan with pp=1"
+                )
             self._schedules[batch] = self._schedule(graph, batch)
         return self._schedules[batch]
 
     @property
     def keeps_export_copies(self) -> bool:
-        return all(index == 0 for dim, index in self.plan.mesh.coordinates(collectives.world().rank).items()
-                   if dim != "pp")  # one per stage
+        return all(
+            index == 0
+            for dim, index in self.plan.mesh.coordinates(collectives.world().rank).items()
+            if dim != "pp"
+        )  # one per stage
 
     def __call__(self, *args, **kwargs) -> Any:
-        raise ShardplanError("a pipelined program runs whole training steps, each stage on its own ranks: call "
-                             "program.step(...); to run the model's forward alone, plan with pp=1")
+        raise ShardplanError(
+            "a pipelined program runs whole training steps, each stage on its own ranks: call "
+            "program.step(...); to run the model's forward alone, plan with pp=1"
+        )
 
     def step(self, *args, **kwargs) -> torch.Tensor:
         """As Program.step (see [Note: pipelined step]): call on every rank with its replica's batch."""
@@ -198,8 +236,14 @@ class StagedProgram(Program):
             with self._running(batch):
                 run(*inputs, target=target if last else None, losses=losses, return_outputs=False)
             if torch.is_grad_enabled():  # a step, not an evaluation
-                self._gradients_done(planned=batch == self.plan.batch_per_replica)  # as Program.step says
-            mine = torch.stack([loss.detach().float().cpu() for loss in losses]).sum() if last else torch.zeros(())
+                self._gradients_done(
+                    planned=batch == self.plan.batch_per_replica
+                )  # as Program.step says
+            mine = (
+                torch.stack([loss.detach().float().cpu() for loss in losses]).sum()
+                if last
+                else torch.zeros(())
+            )
             # every tp rank of the last stage computed the same losses (the head's logits are whole)
             return collectives.all_reduce_sum(mine) / (self.plan.mesh.dp * self.plan.mesh.tp)
 
@@ -212,7 +256,9 @@ class StagedProgram(Program):
 class PipelinedProgram(StagedProgram, UnitProgram):
     """The units of this rank's stage, sharded over the stage's dp group, run by a pipeline schedule."""
 
-    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
+    def __init__(
+        self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device
+    ):
         super().__init__(module, plan, loss_fn)
         self.groups = collectives.mesh_groups(device.type, plan.mesh)
         self._pipeline = self.groups.pipeline
@@ -227,16 +273,28 @@ class PipelinedProgram(StagedProgram, UnitProgram):
         own = plan.stages[index].units
         copied = copied_units(plan, tied, index)
         drop_other_stages(module, plan, own + copied)
-        built = build_units(module, plan, device, unit_place(plan.mesh, self.groups),
-                            units=tuple(specs[name] for name in own + copied), cuts=cuts, partial=partial)
-        self.units = built[:len(own)]
+        built = build_units(
+            module,
+            plan,
+            device,
+            unit_place(plan.mesh, self.groups),
+            units=tuple(specs[name] for name in own + copied),
+            cuts=cuts,
+            partial=partial,
+        )
+        self.units = built[: len(own)]
         self._by_name = {unit.name: unit for unit in built}
         self.ties = make_ties(plan, tied, index, lambda name: (self._by_name[name].shard,))
         self._reads = reads
         self._device = device
         # the scheduler counts a unit's distinct module paths done (a module called twice counts once)
-        self.scheduler = Scheduler(built, {unit: len({call.name for call in self.graph.calls
-                                                      if call.unit == unit.name}) for unit in built})
+        self.scheduler = Scheduler(
+            built,
+            {
+                unit: len({call.name for call in self.graph.calls if call.unit == unit.name})
+                for unit in built
+            },
+        )
         self._forwards_this_step = 0
         self._start_schedules()
 
@@ -244,13 +302,17 @@ class PipelinedProgram(StagedProgram, UnitProgram):
         specs = {unit.name: unit for unit in self.plan.units}
 
         def run_block(call: BlockCall) -> Callable:
-            run = self.scheduler.wrap(block_runner(call, self.module, graph.constants),
-                                      tuple(self._by_name[name] for name in self._reads[call.node]), call.name,
-                                      self._by_name[call.unit])
+            run = self.scheduler.wrap(
+                block_runner(call, self.module, graph.constants),
+                tuple(self._by_name[name] for name in self._reads[call.node]),
+                call.name,
+                self._by_name[call.unit],
+            )
             return checkpointed(run, specs[call.unit].checkpoint)
 
         def run_segment(calls: tuple[BlockCall, ...]) -> Callable[[dict], dict]:
             return functools.partial(run_blocks, [(call, run_block(call)) for call in calls])
+
         return StageModule(graph, run_segment, self._micro_batch_forward)
 
     @contextlib.contextmanager
@@ -270,7 +332,9 @@ class PipelinedProgram(StagedProgram, UnitProgram):
 
     @contextlib.contextmanager
     def _micro_batch_forward(self):
-        self.scheduler.communicate = self._forwards_this_step == self.plan.schedule.num_micro_batches - 1
+        self.scheduler.communicate = (
+            self._forwards_this_step == self.plan.schedule.num_micro_batches - 1
+        )
         self._forwards_this_step += 1
         with self.scheduler.forward_pass():
             yield
@@ -279,8 +343,11 @@ class PipelinedProgram(StagedProgram, UnitProgram):
 def _batch_size(args: tuple, kwargs: dict) -> int:
     """Dim 0 of the batch's first tensor that has one (check_micro_batches made them all equal when the
     plan splits the batch into micro-batches)."""
-    return next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
-                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0)
+    return next(
+        leaf.shape[0]
+        for leaf in pytree.tree_leaves((args, kwargs))
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+    )
 
 
 class _Tie(NamedTuple):
@@ -301,15 +368,26 @@ def copied_units(plan: Plan, tied: dict[str, tuple[int, ...]], index: int) -> tu
     return tuple(name for name, holders in tied.items() if index in holders and name not in own)
 
 
-def make_ties(plan: Plan, tied: dict[str, tuple[int, ...]], index: int,
-              held: Callable[[str], tuple[nn.Parameter, ...]]) -> "list[_Tie]":
+def make_ties(
+    plan: Plan,
+    tied: dict[str, tuple[int, ...]],
+    index: int,
+    held: Callable[[str], tuple[nn.Parameter, ...]],
+) -> "list[_Tie]":
     """Stage `index`'s ties (`tied`: from tied_stages), each with what `held(unit)` says this rank holds of
     the unit; makes every tie's group, so call it on every rank alike."""
     groups = {name: collectives.stages_group(plan.mesh, holders) for name, holders in tied.items()}
     step = plan.mesh.stride("pp")
-    return [_Tie(parameters=held(name), group=groups[name], is_copy=name not in plan.stages[index].units,
-                 source=collectives.world().rank + (plan.stage_of_unit[name] - index) * step)
-            for name in sorted(tied) if index in tied[name]]
+    return [
+        _Tie(
+            parameters=held(name),
+            group=groups[name],
+            is_copy=name not in plan.stages[index].units,
+            source=collectives.world().rank + (plan.stage_of_unit[name] - index) * step,
+        )
+        for name in sorted(tied)
+        if index in tied[name]
+    ]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -320,16 +398,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def units_read(model: nn.Module, plan: Plan, stages: list[StageGraph]) -> dict[str, list[str]]:
     """The units each block needs gathered: its own, and the owners of every parameter it reads (tied
     weights), which another stage may hold (see [Note: tied weights across stages])."""
-    unit_of_param = {id(model.get_parameter(name)): unit.name for unit in plan.units for name in unit.params}
+    unit_of_param = {
+        id(model.get_parameter(name)): unit.name for unit in plan.units for name in unit.params
+    }
     reads = {}
     for call in (call for graph in stages for call in graph.calls):
-        owners = [unit_of_param[id(value)] for value in map(functools.partial(attribute_of, model), call.attributes)
-                  if id(value) in unit_of_param]
+        owners = [
+            unit_of_param[id(value)]
+            for value in map(functools.partial(attribute_of, model), call.attributes)
+            if id(value) in unit_of_param
+        ]
         reads[call.node] = list(dict.fromkeys([call.unit] + owners))
     return reads
 
 
-def tied_stages(plan: Plan, stages: list[StageGraph], reads: dict[str, list[str]]) -> dict[str, tuple[int, ...]]:
+def tied_stages(
+    plan: Plan, stages: list[StageGraph], reads: dict[str, list[str]]
+) -> dict[str, tuple[int, ...]]:
     """Each unit that a block of another stage reads → every stage holding it (its own and the readers'),
     in name order (every rank makes the groups of ties in the same order)."""
     holders: dict[str, set[int]] = {}
@@ -345,6 +430,7 @@ def drop_other_stages(model: nn.Module, plan: Plan, units: tuple[str, ...]) -> N
     their shapes)."""
     kept = {name for unit in plan.units if unit.name in units for name in unit.params}
     canonical = {id(parameter): name for name, parameter in model.named_parameters()}
-    dropped = put_stand_ins(model, lambda parameter: not parameter.is_meta
-                                 and canonical[id(parameter)] not in kept)
+    dropped = put_stand_ins(
+        model, lambda parameter: not parameter.is_meta and canonical[id(parameter)] not in kept
+    )
     refuse_optimizers_over(original for _, _, original in dropped)

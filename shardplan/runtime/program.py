@@ -30,6 +30,7 @@ pipeline stage cannot tell where its neighbours stopped, so any failed
 pipelined step leaves the ranks out of step (see [Note: pipelined step]).
 A successful `program.load` ends the refusal.
 """
+
 import contextlib
 import math
 import os
@@ -43,16 +44,16 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from ..dtypes import dtype_name
-from ..errors import RuntimeMismatchError, ShardplanError
-from ..files import is_finite_number
-from ..chain import InputSpec
-from ..plan import Plan
-from . import collectives
+from shardplan.common.dtypes import dtype_name
+from shardplan.common.files import is_finite_number
+from shardplan.errors import RuntimeMismatchError, ShardplanError
+from shardplan.frontend.chain import InputSpec
+from shardplan.plan import Plan
+from shardplan.runtime import collectives
 
 if TYPE_CHECKING:  # chunks imports the units, which import this module
-    from .checkpoint import Stateful
-    from .chunks import Holder
+    from shardplan.runtime.checkpoint import Stateful
+    from shardplan.runtime.chunks import Holder
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,21 +123,34 @@ class Program:
         a collective per norm per forward). `save` and `export_full_state_dict` call this first:
         what is written is the replicas' mean, on every rank alike, not one rank's. Other buffers
         (rotary tables, counters) are the same on every replica and are left as they are."""
-        statistics = [buffer for module in self.module.modules()
-                      if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats
-                      for buffer in (module.running_mean, module.running_var) if buffer is not None]
+        statistics = [
+            buffer
+            for module in self.module.modules()
+            if isinstance(module, torch.nn.modules.batchnorm._NormBase)
+            and module.track_running_stats
+            for buffer in (module.running_mean, module.running_var)
+            if buffer is not None
+        ]
         if not statistics:
             return
         flat = torch.cat([buffer.detach().reshape(-1).double() for buffer in statistics])
-        collectives.wait(collectives.all_reduce_mean(flat, async_op=False, group=self.data_parallel_group))
+        collectives.wait(
+            collectives.all_reduce_mean(flat, async_op=False, group=self.data_parallel_group)
+        )
         with torch.no_grad():
-            for buffer, mean in zip(statistics, flat.split([buffer.numel() for buffer in statistics])):
+            for buffer, mean in zip(
+                statistics, flat.split([buffer.numel() for buffer in statistics])
+            ):
                 buffer.copy_(mean.view_as(buffer))
 
     # checkpoints (see [Note: checkpoint format] in checkpoint.py): the same format for both backends
 
-    def save(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-             extra: "Mapping[str, Stateful] | None" = None) -> None:
+    def save(
+        self,
+        path: str | os.PathLike,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: "Mapping[str, Stateful] | None" = None,
+    ) -> None:
         """Write parameters, buffers, the optimizer's state and `extra` objects' state_dict()s to the
         directory `path`, atomically.
 
@@ -144,31 +158,37 @@ class Program:
 
         >>> program.save("ckpt/step_1000", optimizer, extra={"sampler": sampler})  # doctest: +SKIP
         """
-        from . import checkpoint
+        from shardplan.runtime import checkpoint
 
         self.check_in_step()
         checkpoint.save(self, path, optimizer, extra)
 
-    def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-             extra: "Mapping[str, Stateful] | None" = None) -> None:
+    def load(
+        self,
+        path: str | os.PathLike,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: "Mapping[str, Stateful] | None" = None,
+    ) -> None:
         """Restore what `save` wrote (resharding to this plan and world size), and each `extra` object's
         state (load_state_dict); call on every rank.
 
         >>> optimizer = torch.optim.AdamW(program.parameters(), lr=3e-4)  # doctest: +SKIP
         >>> program.load("ckpt/step_1000", optimizer, extra={"sampler": sampler})  # doctest: +SKIP
         """
-        from . import checkpoint
+        from shardplan.runtime import checkpoint
 
         checkpoint.load(self, path, optimizer, extra)
         self.out_of_step = None
 
-    def export_full_state_dict(self, path: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
+    def export_full_state_dict(
+        self, path: str | os.PathLike | None = None
+    ) -> dict[str, torch.Tensor]:
         """The plain model's state dict on rank 0 ({} elsewhere), gathered one unit at a time; saved to `path`.
 
         >>> state = program.export_full_state_dict()  # doctest: +SKIP
         >>> plain_model.load_state_dict(state)        # on rank 0; doctest: +SKIP
         """
-        from . import checkpoint
+        from shardplan.runtime import checkpoint
 
         self.check_in_step()
         return checkpoint.export_full_state_dict(self, path)
@@ -193,9 +213,11 @@ class Program:
         try:
             yield
         except BaseException as error:
-            self.out_of_step = (f"a step failed ({type(error).__name__}) inside a backend whose state it may have "
-                                "left half-done: program.load(...) the last checkpoint (on every rank) rather "
-                                "than train on")
+            self.out_of_step = (
+                f"a step failed ({type(error).__name__}) inside a backend whose state it may have "
+                "left half-done: program.load(...) the last checkpoint (on every rank) rather "
+                "than train on"
+            )
             raise
 
     def check_in_step(self) -> None:
@@ -236,9 +258,11 @@ class Program:
                     total += loss.detach().float().cpu() * share
             finally:
                 self._set_gradient_sync(True)
-            self._gradients_reduced(planned=len(micro_batches) == self.plan.schedule.num_micro_batches
-                                    and all(share == micro_batches[0][2] for *_, share in micro_batches)
-                                    and not _smaller_than_planned(self.plan, args, kwargs))
+            self._gradients_reduced(
+                planned=len(micro_batches) == self.plan.schedule.num_micro_batches
+                and all(share == micro_batches[0][2] for *_, share in micro_batches)
+                and not _smaller_than_planned(self.plan, args, kwargs)
+            )
             return collectives.wait(collectives.all_reduce_mean(total, async_op=False))
 
     @contextlib.contextmanager
@@ -250,9 +274,11 @@ class Program:
         start = time.perf_counter()
         yield
         self.last_step = StepStats(
-            step_time_s=time.perf_counter() - start, predicted_step_time_s=self.plan.predicted.step_time_s,
+            step_time_s=time.perf_counter() - start,
+            predicted_step_time_s=self.plan.predicted.step_time_s,
             peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-            predicted_peak_bytes=self.plan.predicted.peak_bytes)
+            predicted_peak_bytes=self.plan.predicted.peak_bytes,
+        )
 
     def _gradients_reduced(self, planned: bool = True) -> None:
         if self.after_reduction is not None:
@@ -268,8 +294,13 @@ class Program:
         check_batch(self.plan, args, kwargs)
         micro_batches = split_micro_batches(args, kwargs, self.plan.schedule.num_micro_batches)
         with self._transaction(), torch.no_grad():
-            total = cast(torch.Tensor, sum(self.loss(micro_args, micro_kwargs).float().cpu() * share
-                                           for micro_args, micro_kwargs, share in micro_batches))
+            total = cast(
+                torch.Tensor,
+                sum(
+                    self.loss(micro_args, micro_kwargs).float().cpu() * share
+                    for micro_args, micro_kwargs, share in micro_batches
+                ),
+            )
             return collectives.wait(collectives.all_reduce_mean(total, async_op=False))
 
     def loss(self, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -281,7 +312,9 @@ class Program:
         if self.loss_fn is None:
             return args, None
         if not args:
-            raise ShardplanError("with loss_fn, pass the target as the last positional argument of step()")
+            raise ShardplanError(
+                "with loss_fn, pass the target as the last positional argument of step()"
+            )
         return args[:-1], args[-1]
 
     def loss_of(self, output: Any, target: Any) -> torch.Tensor:
@@ -290,20 +323,28 @@ class Program:
             return self.loss_fn(output, target)
         loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ShardplanError(f"the model returned {type(output).__name__}, not a scalar loss: return the "
-                                 "loss (or an output with .loss, as Hugging Face models do given labels), or "
-                                 "pass loss_fn=... to parallelize")
+            raise ShardplanError(
+                f"the model returned {type(output).__name__}, not a scalar loss: return the "
+                "loss (or an output with .loss, as Hugging Face models do given labels), or "
+                "pass loss_fn=... to parallelize"
+            )
         return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale all gradients so their global norm (over every shard on every rank) is at most max_norm.
 
         Returns the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
-        if not (is_finite_number(max_norm) and max_norm >= 0):  # -1 would flip every gradient, NaN poison them
-            raise ShardplanError(f"clip_grad_norm_(max_norm={max_norm!r}): give the largest global gradient norm to "
-                                 "allow, a finite number, 0 or more")
+        if not (
+            is_finite_number(max_norm) and max_norm >= 0
+        ):  # -1 would flip every gradient, NaN poison them
+            raise ShardplanError(
+                f"clip_grad_norm_(max_norm={max_norm!r}): give the largest global gradient norm to "
+                "allow, a finite number, 0 or more"
+            )
         if not (is_finite_number(norm_type) and norm_type > 0 or norm_type == math.inf):
-            raise ShardplanError(f"clip_grad_norm_(norm_type={norm_type!r}): give a p-norm's p above 0, or inf")
+            raise ShardplanError(
+                f"clip_grad_norm_(norm_type={norm_type!r}): give a p-norm's p above 0, or inf"
+            )
         self.check_in_step()
         to_reduce, complete = self._grad_norm_terms(norm_type)
         if math.isinf(norm_type):
@@ -324,8 +365,9 @@ def grad_norm_term(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32)
     if math.isinf(norm_type):
         return torch.stack([g.detach().abs().max().float().cpu() for g in grads]).max()
-    return torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type).cpu() ** norm_type
-                        for g in grads]).sum()
+    return torch.stack(
+        [torch.linalg.vector_norm(g.detach().float(), norm_type).cpu() ** norm_type for g in grads]
+    ).sum()
 
 
 _replaced: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
@@ -344,12 +386,19 @@ def refuse_optimizers_over(tensors: Iterable[torch.Tensor]) -> None:
         _optimizer_hook = register_optimizer_step_pre_hook(_refuse_replaced)
 
 
-def _refuse_replaced(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _refuse_replaced(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     # an error, not a warning: such a step never trains, and a warning scrolls by in a long run's log
-    if any(_replaced.get(id(parameter)) is parameter for group in optimizer.param_groups
-           for parameter in group["params"]):
-        raise ShardplanError("optimizer steps the model's original parameters, which parallelize replaced: "
-                             "build it over program.parameters()")
+    if any(
+        _replaced.get(id(parameter)) is parameter
+        for group in optimizer.param_groups
+        for parameter in group["params"]
+    ):
+        raise ShardplanError(
+            "optimizer steps the model's original parameters, which parallelize replaced: "
+            "build it over program.parameters()"
+        )
 
 
 def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
@@ -358,25 +407,35 @@ def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
     for spec in plan.inputs:
         value = _input(spec, args, kwargs)
         if not isinstance(value, torch.Tensor):
-            raise RuntimeMismatchError(f"the plan was made with input {spec.name!r} of shape {list(spec.shape)}; "
-                                       "this batch does not pass it: call step() as the model was planned")
+            raise RuntimeMismatchError(
+                f"the plan was made with input {spec.name!r} of shape {list(spec.shape)}; "
+                "this batch does not pass it: call step() as the model was planned"
+            )
         fixed = [dim for dim in range(len(spec.shape)) if dim not in spec.dynamic_dims]
         shrinks = 0 in fixed and value.dim() > 0 and 0 < value.shape[0] <= spec.shape[0]
-        if value.dim() != len(spec.shape) or any(value.shape[dim] != spec.shape[dim]
-                                                 for dim in fixed if not (dim == 0 and shrinks)):
+        if value.dim() != len(spec.shape) or any(
+            value.shape[dim] != spec.shape[dim] for dim in fixed if not (dim == 0 and shrinks)
+        ):
             raise RuntimeMismatchError(
                 f"input {spec.name!r} has shape {list(value.shape)}, the plan was made for {list(spec.shape)} "
                 "(one data-parallel replica's batch): pass batches of that shape or smaller along dim 0, "
-                "or re-plan for this one")
+                "or re-plan for this one"
+            )
         given = dtype_name(value.dtype)
         if given != spec.dtype:
-            raise RuntimeMismatchError(f"input {spec.name!r} is {given}, the plan was made for {spec.dtype}: "
-                                       f"pass it as {spec.dtype} (.to(torch.{spec.dtype})), or re-plan for {given}")
+            raise RuntimeMismatchError(
+                f"input {spec.name!r} is {given}, the plan was made for {spec.dtype}: "
+                f"pass it as {spec.dtype} (.to(torch.{spec.dtype})), or re-plan for {given}"
+            )
 
 
 def _input(spec: InputSpec, args: tuple, kwargs: dict) -> Any:
     """The argument of step(...) the plan's input `spec` names (positional ones are named "0", "1", ...)."""
-    return args[int(spec.name)] if spec.name.isdigit() and int(spec.name) < len(args) else kwargs.get(spec.name)
+    return (
+        args[int(spec.name)]
+        if spec.name.isdigit() and int(spec.name) < len(args)
+        else kwargs.get(spec.name)
+    )
 
 
 def _smaller_than_planned(plan: Plan, args: tuple, kwargs: dict) -> bool:
@@ -384,17 +443,25 @@ def _smaller_than_planned(plan: Plan, args: tuple, kwargs: dict) -> bool:
     if not plan.inputs:
         return False
     value = _input(plan.inputs[0], args, kwargs)
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] < plan.batch_per_replica
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and value.shape[0] < plan.batch_per_replica
+    )
 
 
 def check_micro_batches(args: tuple, kwargs: dict, count: int) -> None:
     """Refuse a batch that does not split into `count` equal micro-batches along dim 0."""
     leaves = pytree.tree_leaves((args, kwargs))
-    batch_sizes = sorted({leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0})
+    batch_sizes = sorted(
+        {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    )
     if count > 1 and (len(batch_sizes) != 1 or batch_sizes[0] % count):
-        raise RuntimeMismatchError(f"the plan splits each batch into {count} micro-batches along dim 0, but the "
-                                   f"inputs have batch sizes {batch_sizes}: pass one batch size divisible by "
-                                   f"{count}, or re-plan with another num_micro_batches")
+        raise RuntimeMismatchError(
+            f"the plan splits each batch into {count} micro-batches along dim 0, but the "
+            f"inputs have batch sizes {batch_sizes}: pass one batch size divisible by "
+            f"{count}, or re-plan with another num_micro_batches"
+        )
 
 
 def split_micro_batches(args: tuple, kwargs: dict, count: int) -> list[tuple[tuple, dict, float]]:
@@ -408,17 +475,27 @@ def split_micro_batches(args: tuple, kwargs: dict, count: int) -> list[tuple[tup
     gradient and loss are the batch's mean, as one forward over the whole batch gives. Ranks are
     averaged with equal weights: give every rank the same batch size (DistributedSampler does)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    batch_sizes = sorted({leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0})
+    batch_sizes = sorted(
+        {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
+    )
     if count == 1:
         return [(args, kwargs, 1.0)]
     if len(batch_sizes) != 1:
-        raise RuntimeMismatchError(f"the plan splits each batch into {count} micro-batches along dim 0, but the "
-                                   f"inputs have batch sizes {batch_sizes}: give every batched input one batch size, "
-                                   "or re-plan with one micro-batch")
+        raise RuntimeMismatchError(
+            f"the plan splits each batch into {count} micro-batches along dim 0, but the "
+            f"inputs have batch sizes {batch_sizes}: give every batched input one batch size, "
+            "or re-plan with one micro-batch"
+        )
     total = batch_sizes[0]
     quotient, remainder = divmod(total, min(count, total))
     sizes = [quotient + (index < remainder) for index in range(min(count, total))]
-    parts = [leaf.split(sizes) if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else [leaf] * len(sizes)
-             for leaf in leaves]
-    return [(*pytree.tree_unflatten([part[index] for part in parts], spec), size / total)
-            for index, size in enumerate(sizes)]
+    parts = [
+        leaf.split(sizes)
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+        else [leaf] * len(sizes)
+        for leaf in leaves
+    ]
+    return [
+        (*pytree.tree_unflatten([part[index] for part in parts], spec), size / total)
+        for index, size in enumerate(sizes)
+    ]

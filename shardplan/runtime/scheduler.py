@@ -28,6 +28,7 @@ unit's buffer (a parameter view, its transpose) by (unit, size, stride,
 offset); unpacking gathers the unit again and rebuilds the view. So no
 gathered buffer stays alive between forward and backward.
 """
+
 import contextlib
 import functools
 from typing import Any, Callable, Iterator, NamedTuple
@@ -35,8 +36,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 from torch.autograd import Variable
 
-from .activation_checkpoint import outside_selective_checkpoint
-from .unit import FlatUnit, UnitState
+from shardplan.runtime.activation_checkpoint import outside_selective_checkpoint
+from shardplan.runtime.unit import FlatUnit, UnitState
 
 
 class _Handle(NamedTuple):
@@ -50,7 +51,9 @@ class _GatherFlat(torch.autograd.Function):
     """shard → the unit's full buffer; in backward, hands the buffer's gradient to the scheduler."""
 
     @staticmethod  # ctx: Any, as autograd's context takes whatever attributes forward sets on it
-    def forward(ctx: Any, shard: torch.Tensor, unit: FlatUnit, scheduler: "Scheduler") -> torch.Tensor:
+    def forward(
+        ctx: Any, shard: torch.Tensor, unit: FlatUnit, scheduler: "Scheduler"
+    ) -> torch.Tensor:
         # decided now, not in backward: a pipeline schedule runs forwards of later micro-batches
         # before the backward of earlier ones
         ctx.unit, ctx.scheduler, ctx.communicate = unit, scheduler, scheduler.communicate
@@ -112,15 +115,18 @@ class Scheduler:
     def _end_forward(self) -> None:
         self._next.update(zip(self._order, self._order[1:]))
         for unit in self.units:
-            if unit.state is not UnitState.SHARDED and (unit.spec.reshard_after_forward
-                                                        or not torch.is_grad_enabled()):
+            if unit.state is not UnitState.SHARDED and (
+                unit.spec.reshard_after_forward or not torch.is_grad_enabled()
+            ):
                 self._release(unit)
 
     # module wrapping
 
-    def wrap(self, forward: Callable, units: tuple[FlatUnit, ...], path: str,
-             own_unit: FlatUnit | None) -> Callable:
+    def wrap(
+        self, forward: Callable, units: tuple[FlatUnit, ...], path: str, own_unit: FlatUnit | None
+    ) -> Callable:
         """`forward` with `units` activated around it; `own_unit` is the unit `path` is a module of."""
+
         @functools.wraps(forward)
         def run(*args: Any, **kwargs: Any) -> Any:
             for unit in units:
@@ -132,6 +138,7 @@ class Scheduler:
                     self._modules_done[own_unit].add(path)
                 for unit in units:
                     self._exit(unit)
+
         return run
 
     def _enter(self, unit: FlatUnit) -> None:
@@ -151,8 +158,12 @@ class Scheduler:
 
     def _exit(self, unit: FlatUnit) -> None:
         self._active[unit] -= 1
-        if (self._active[unit] == 0 and unit.spec.reshard_after_forward and not _in_backward()
-                and len(self._modules_done[unit]) >= self._module_counts[unit]):
+        if (
+            self._active[unit] == 0
+            and unit.spec.reshard_after_forward
+            and not _in_backward()
+            and len(self._modules_done[unit]) >= self._module_counts[unit]
+        ):
             self._release(unit)
 
     def _before(self, unit: FlatUnit) -> FlatUnit | None:
@@ -192,7 +203,9 @@ class Scheduler:
 
     # backward
 
-    def unit_backward_done(self, unit: FlatUnit, grad_full: torch.Tensor, *, communicate: bool) -> None:
+    def unit_backward_done(
+        self, unit: FlatUnit, grad_full: torch.Tensor, *, communicate: bool
+    ) -> None:
         task = torch._C._current_graph_task_id()
         if self._callback_task != task:
             Variable._execution_engine.queue_callback(self._end_backward)

@@ -8,24 +8,29 @@ do) so ranks agree whatever their seeds; each rank keeps its slice and the
 module's own tensors are dropped. Then module forwards are wrapped so units
 are gathered where they are used (see [Note: unit choreography]).
 """
+
 import contextlib
 from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.nn as nn
 
-from ..dtypes import torch_dtype
-from ..errors import PlanError, ShardplanError
-from ..plan import Mesh, Plan, StrategyTraits, Unit
-from . import collectives
-from .activation_checkpoint import checkpointed
-from .chunks import Holder, UnitHolder, replica_zero_owner
-from .flat_param import FlatLayout
-from .program import Program, grad_norm_term, refuse_optimizers_over
-from .scheduler import Scheduler
-from .tensor_parallel import (ParameterSlice, apply_tensor_parallel, plan_layout,
-                              sequence_parallel_parameters)
-from .unit import FlatUnit, UnitPlace, packed_in_place
+from shardplan.common.dtypes import torch_dtype
+from shardplan.errors import PlanError, ShardplanError
+from shardplan.plan import Mesh, Plan, StrategyTraits, Unit
+from shardplan.runtime import collectives
+from shardplan.runtime.activation_checkpoint import checkpointed
+from shardplan.runtime.chunks import Holder, UnitHolder, replica_zero_owner
+from shardplan.runtime.flat_param import FlatLayout
+from shardplan.runtime.program import Program, grad_norm_term, refuse_optimizers_over
+from shardplan.runtime.scheduler import Scheduler
+from shardplan.runtime.tensor_parallel import (
+    ParameterSlice,
+    apply_tensor_parallel,
+    plan_layout,
+    sequence_parallel_parameters,
+)
+from shardplan.runtime.unit import FlatUnit, UnitPlace, packed_in_place
 
 
 class UnitProgram(Program):
@@ -54,10 +59,14 @@ class UnitProgram(Program):
         return [(unit.name, unit.shard) for unit in self.units]
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        missing = sorted(name for unit in self.units for name in unit.layout.names if name not in state)
+        missing = sorted(
+            name for unit in self.units for name in unit.layout.names if name not in state
+        )
         if missing:
-            raise ShardplanError(f"the state dict lacks {len(missing)} parameters (first: {missing[:3]}): "
-                                 "load one saved from this model")
+            raise ShardplanError(
+                f"the state dict lacks {len(missing)} parameters (first: {missing[:3]}): "
+                "load one saved from this model"
+            )
         for unit in self.units:
             unit.load_full([state[name] for name in unit.layout.names])
 
@@ -101,13 +110,17 @@ class UnitProgram(Program):
 
     def _abandon(self, failure: str) -> None:
         """Forget a failed step: drained when every rank stopped at the same collective, else out of step."""
-        self.out_of_step = (f"a step failed ({failure}) at another point than on other ranks, so the ranks are "
-                            "out of step: restart every rank and program.load(...) the last checkpoint rather "
-                            "than train on")  # until the ranks are known to agree
+        self.out_of_step = (
+            f"a step failed ({failure}) at another point than on other ranks, so the ranks are "
+            "out of step: restart every rank and program.load(...) the last checkpoint rather "
+            "than train on"
+        )  # until the ranks are known to agree
         drain = self._stopped_together()
         try:
             self.scheduler.abandon(drain=drain)
-        except Exception:  # a collective every rank issued failed all the same: the group is unusable
+        except (
+            Exception
+        ):  # a collective every rank issued failed all the same: the group is unusable
             self.scheduler.abandon(drain=False)
             return
         if drain:
@@ -124,19 +137,26 @@ class UnitProgram(Program):
 
     @property
     def keeps_export_copies(self) -> bool:
-        return all(index == 0 for dim, index in self.groups.coordinates.items() if dim != "pp")  # one per stage
+        return all(
+            index == 0 for dim, index in self.groups.coordinates.items() if dim != "pp"
+        )  # one per stage
 
 
 class ShardedProgram(UnitProgram):
     """Every unit of the plan, gathered where the model's modules use them (pp == 1)."""
 
-    def __init__(self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device):
+    def __init__(
+        self, module: nn.Module, plan: Plan, loss_fn: Callable | None, device: torch.device
+    ):
         super().__init__(module, plan, loss_fn)
         self.groups = collectives.mesh_groups(device.type, plan.mesh)
         cuts, partial = apply_plan_tensor_parallel(module, plan, self.groups.tensor_parallel)
-        self.units = build_units(module, plan, device, unit_place(plan.mesh, self.groups), cuts=cuts,
-                                 partial=partial)
-        self.scheduler = Scheduler(self.units, {unit: len(set(unit.spec.modules)) for unit in self.units})
+        self.units = build_units(
+            module, plan, device, unit_place(plan.mesh, self.groups), cuts=cuts, partial=partial
+        )
+        self.scheduler = Scheduler(
+            self.units, {unit: len(set(unit.spec.modules)) for unit in self.units}
+        )
         _wrap_forwards(module, dict(module.named_modules()), self.units, self.scheduler)
         self._control = collectives.control_group()
         """Where ranks compare where a failed step stopped (see [Note: failed steps])."""
@@ -151,11 +171,14 @@ class ShardedProgram(UnitProgram):
             return self.module(*args, **kwargs)
 
     def _stopped_together(self) -> bool:
-        return collectives.agree_after_failure([self._transactions, collectives.issued()], self._control)
+        return collectives.agree_after_failure(
+            [self._transactions, collectives.issued()], self._control
+        )
 
 
-def apply_plan_tensor_parallel(model: nn.Module, plan: Plan,
-                               group: collectives.Group) -> tuple[dict[str, ParameterSlice], tuple[str, ...]]:
+def apply_plan_tensor_parallel(
+    model: nn.Module, plan: Plan, group: collectives.Group
+) -> tuple[dict[str, ParameterSlice], tuple[str, ...]]:
     """Slice `model` over its tp `group` as the plan says, before its units are built over the slices:
     (the slice of each sliced parameter, the parameters whose gradients are partial over tp)."""
     if plan.mesh.tp == 1:
@@ -166,14 +189,28 @@ def apply_plan_tensor_parallel(model: nn.Module, plan: Plan,
 
 def unit_place(mesh: Mesh, groups: collectives.MeshGroups) -> UnitPlace:
     at = groups.coordinates
-    return UnitPlace(shard=groups.shard, shard_rank=at["dp_shard"], replicate=groups.replicate,
-                     data_parallel=groups.data_parallel, tensor_parallel=groups.tensor_parallel,
-                     replica=at["dp_replicate"], tp_index=at["tp"], owner_rank=replica_zero_owner(mesh, at))
+    return UnitPlace(
+        shard=groups.shard,
+        shard_rank=at["dp_shard"],
+        replicate=groups.replicate,
+        data_parallel=groups.data_parallel,
+        tensor_parallel=groups.tensor_parallel,
+        replica=at["dp_replicate"],
+        tp_index=at["tp"],
+        owner_rank=replica_zero_owner(mesh, at),
+    )
 
 
-def build_units(model: nn.Module, plan: Plan, device: torch.device, place: UnitPlace, *,
-                units: tuple[Unit, ...] | None = None, cuts: dict[str, ParameterSlice] | None = None,
-                partial: tuple[str, ...] = ()) -> list[FlatUnit]:
+def build_units(
+    model: nn.Module,
+    plan: Plan,
+    device: torch.device,
+    place: UnitPlace,
+    *,
+    units: tuple[Unit, ...] | None = None,
+    cuts: dict[str, ParameterSlice] | None = None,
+    partial: tuple[str, ...] = (),
+) -> list[FlatUnit]:
     """This rank's FlatUnits of `units` (default: all of the plan's), at `place` in the mesh, over this
     tp rank's slices (`cuts`, from apply_plan_tensor_parallel, as `partial`)."""
     cuts = cuts or {}
@@ -190,37 +227,68 @@ def build_units(model: nn.Module, plan: Plan, device: torch.device, place: UnitP
     built = []
     for spec in plan.units if units is None else units:
         # slots are found by the original Parameter objects: materializing replaces them
-        slots = [(module, attribute, index) for index, name in enumerate(spec.params)
-                 for module, attribute in slots_of[id(named[name])]]
+        slots = [
+            (module, attribute, index)
+            for index, name in enumerate(spec.params)
+            for module, attribute in slots_of[id(named[name])]
+        ]
         if any(named[name].is_meta for name in spec.params):
-            _materialize(model, spec.name, [owners[id(named[name])][0] for name in spec.params], device)
+            _materialize(
+                model, spec.name, [owners[id(named[name])][0] for name in spec.params], device
+            )
         first_slots = {index: (module, attribute) for module, attribute, index in reversed(slots)}
-        parameters = [cast(nn.Parameter, module._parameters[attribute]) for module, attribute in
-                      (first_slots[index] for index in range(len(spec.params)))]
+        parameters = [
+            cast(nn.Parameter, module._parameters[attribute])
+            for module, attribute in (first_slots[index] for index in range(len(spec.params)))
+        ]
         trainable = {parameter.requires_grad for parameter in parameters}
         if len(trainable) > 1:
-            raise ShardplanError(f"unit {spec.name!r} mixes frozen and trainable parameters: one flat buffer has "
-                                 "one requires_grad; put frozen parameters in units of their own")
+            raise ShardplanError(
+                f"unit {spec.name!r} mixes frozen and trainable parameters: one flat buffer has "
+                "one requires_grad; put frozen parameters in units of their own"
+            )
         layout = FlatLayout.of(spec.name, list(zip(spec.params, parameters)), plan.mesh.dp_shard)
         unit_cuts = tuple(cuts.get(name) for name in spec.params)
         with torch.no_grad():
-            flat = collectives.broadcast_(layout.flatten([p.detach().to(device) for p in parameters]),
-                                          place.data_parallel)
-            if plan.mesh.tp > 1:  # the tp ranks' whole parameters are one parameter: tp index 0's values
-                packed_in_place(flat, layout, tuple(index for index, cut in enumerate(unit_cuts) if cut is None),
-                                lambda packed: collectives.broadcast_(packed, place.tensor_parallel))
+            flat = collectives.broadcast_(
+                layout.flatten([p.detach().to(device) for p in parameters]), place.data_parallel
+            )
+            if (
+                plan.mesh.tp > 1
+            ):  # the tp ranks' whole parameters are one parameter: tp index 0's values
+                packed_in_place(
+                    flat,
+                    layout,
+                    tuple(index for index, cut in enumerate(unit_cuts) if cut is None),
+                    lambda packed: collectives.broadcast_(packed, place.tensor_parallel),
+                )
         shard, full = _keep_slice(spec.traits, flat, layout, place.shard_rank, spec.offload)
         shard.requires_grad_(trainable == {True})
-        unit = FlatUnit(spec=spec, layout=layout, shard=shard, full=full, slots=slots, place=place,
-                        compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, device=device, cuts=unit_cuts,
-                        partial=tuple(index for index, name in enumerate(spec.params) if name in partial))
+        unit = FlatUnit(
+            spec=spec,
+            layout=layout,
+            shard=shard,
+            full=full,
+            slots=slots,
+            place=place,
+            compute_dtype=compute_dtype,
+            reduce_dtype=reduce_dtype,
+            device=device,
+            cuts=unit_cuts,
+            partial=tuple(index for index, name in enumerate(spec.params) if name in partial),
+        )
         unit.release()  # the modules' own tensors give way to placeholders: only the shard stays
         built.append(unit)
-    meta_buffer_owners = [path for path, module in model.named_modules()
-                          if any(buffer.is_meta for buffer in module.buffers(recurse=False))]
+    meta_buffer_owners = [
+        path
+        for path, module in model.named_modules()
+        if any(buffer.is_meta for buffer in module.buffers(recurse=False))
+    ]
     if meta_buffer_owners:  # modules with buffers and no parameters (rotary embeddings)
         _materialize(model, "(buffers)", meta_buffer_owners, device)
-    for module in model.modules():  # buffers only: every parameter slot now holds a meta placeholder
+    for (
+        module
+    ) in model.modules():  # buffers only: every parameter slot now holds a meta placeholder
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[name] = buffer.to(device)
@@ -228,8 +296,9 @@ def build_units(model: nn.Module, plan: Plan, device: torch.device, place: UnitP
     return built
 
 
-def _keep_slice(traits: StrategyTraits, flat: torch.Tensor, layout: FlatLayout, rank: int,
-                offload: bool) -> tuple[nn.Parameter, torch.Tensor | None]:
+def _keep_slice(
+    traits: StrategyTraits, flat: torch.Tensor, layout: FlatLayout, rank: int, offload: bool
+) -> tuple[nn.Parameter, torch.Tensor | None]:
     """(what the optimizer steps, the persistent full buffer it is a slice of, if any). Only a unit
     whose traits may offload is offloaded (plan.Decision refuses the others)."""
     home = torch.device("cpu") if offload else flat.device
@@ -241,16 +310,20 @@ def _keep_slice(traits: StrategyTraits, flat: torch.Tensor, layout: FlatLayout, 
     return nn.Parameter(flat.to(home)), None
 
 
-def _materialize(model: nn.Module, unit_name: str, owner_paths: list[str], device: torch.device) -> None:
+def _materialize(
+    model: nn.Module, unit_name: str, owner_paths: list[str], device: torch.device
+) -> None:
     """Give modules on the meta device real memory, initialized by the model's own code."""
     modules = dict(model.named_modules())
     for path in dict.fromkeys(owner_paths):
         module = modules[path]
         module.to_empty(device=device, recurse=False)
         if not initialize_module(model, module):
-            raise ShardplanError(f"unit {unit_name!r}: module {path!r} ({type(module).__name__}) is on the "
-                                 "meta device and has no reset_parameters() to initialize it: add one, or "
-                                 "build the model on a real device")
+            raise ShardplanError(
+                f"unit {unit_name!r}: module {path!r} ({type(module).__name__}) is on the "
+                "meta device and has no reset_parameters() to initialize it: add one, or "
+                "build the model on a real device"
+            )
 
 
 def initialize_module(model: nn.Module, module: nn.Module) -> bool:
@@ -269,14 +342,17 @@ def initialize_module(model: nn.Module, module: nn.Module) -> bool:
     return True
 
 
-def _wrap_forwards(model: nn.Module, modules: dict[str, nn.Module], units: list[FlatUnit],
-                   scheduler: Scheduler) -> None:
+def _wrap_forwards(
+    model: nn.Module, modules: dict[str, nn.Module], units: list[FlatUnit], scheduler: Scheduler
+) -> None:
     """Wrap each module that a unit names or that owns a unit's parameter (see [Note: unit choreography])."""
     unit_of_module = {path: unit for unit in units for path in unit.spec.modules}
     for path in unit_of_module:
         if path not in modules:
-            raise PlanError(f"unit {unit_of_module[path].name!r} names module {path!r}, which the model does "
-                            "not have: the plan was made for another model; re-plan with this one")
+            raise PlanError(
+                f"unit {unit_of_module[path].name!r} names module {path!r}, which the model does "
+                "not have: the plan was made for another model; re-plan with this one"
+            )
     path_of = {id(module): path for path, module in modules.items()}
     needed: dict[str, list[FlatUnit]] = {path: [unit] for path, unit in unit_of_module.items()}
     for unit in units:
@@ -286,9 +362,13 @@ def _wrap_forwards(model: nn.Module, modules: dict[str, nn.Module], units: list[
                 users.append(unit)
     for path, needed_units in needed.items():
         module = modules[path]
-        if hasattr(module.__dict__.get("forward"), "__wrapped__"):  # a Scheduler's (tensor parallelism's are partials)
-            raise ShardplanError(f"module {path!r} was already parallelized (its forward is wrapped): "
-                                 "call parallelize once per model")
+        if hasattr(
+            module.__dict__.get("forward"), "__wrapped__"
+        ):  # a Scheduler's (tensor parallelism's are partials)
+            raise ShardplanError(
+                f"module {path!r} was already parallelized (its forward is wrapped): "
+                "call parallelize once per model"
+            )
         own = unit_of_module.get(path)
         forward = scheduler.wrap(module.forward, tuple(needed_units), path, own)
         module.forward = checkpointed(forward, own.spec.checkpoint) if own is not None else forward
@@ -299,7 +379,9 @@ def all_zeros(grads: list[torch.Tensor | None]) -> list[bool]:
     sync a step, not one a unit; offloaded units keep theirs on the host)."""
     nonzero: dict[int, bool] = {}
     for device in {grad.device for grad in grads if grad is not None}:
-        mine = [index for index, grad in enumerate(grads) if grad is not None and grad.device == device]
+        mine = [
+            index for index, grad in enumerate(grads) if grad is not None and grad.device == device
+        ]
         flags = torch.stack([cast(torch.Tensor, grads[index]).any() for index in mine]).tolist()
         nonzero.update(zip(mine, flags))
     return [grads[index] is not None and not nonzero[index] for index in range(len(grads))]

@@ -21,6 +21,7 @@ gathered, prefetched, released and checkpointed the same way, and a stage's
 units shard over its data-parallel group unchanged. On backend="fsdp2" a unit's
 consecutive blocks run as its FSDP2 group's forward ([Note: FSDP2 stages] in fsdp2.py).
 """
+
 import contextlib
 import dataclasses
 import operator
@@ -32,12 +33,12 @@ import torch.fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 
-from ..capture import put_stand_ins, restore
-from ..chain import InputSpec
-from ..dtypes import torch_dtype
-from ..errors import PlanError, ShardplanError
-from ..passes.blocks import attribute_of
-from ..plan import Plan
+from shardplan.common.dtypes import torch_dtype
+from shardplan.errors import PlanError, ShardplanError
+from shardplan.frontend.capture import put_stand_ins, restore
+from shardplan.frontend.chain import InputSpec
+from shardplan.frontend.passes.blocks import attribute_of
+from shardplan.plan import Plan
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,18 +87,22 @@ class StageGraph:
 
 def micro_batch_inputs(inputs: tuple[InputSpec, ...], micro_batch: int) -> tuple[tuple, dict]:
     """Meta tensors shaped like one micro-batch of `micro_batch` samples of the plan's inputs (dim 0)."""
-    from ..passes import meta_inputs
+    from shardplan.frontend.passes import meta_inputs
 
-    return meta_inputs(dataclasses.replace(spec, shape=(micro_batch, *spec.shape[1:])) if spec.shape else spec
-                       for spec in inputs)
+    return meta_inputs(
+        dataclasses.replace(spec, shape=(micro_batch, *spec.shape[1:])) if spec.shape else spec
+        for spec in inputs
+    )
 
 
-def split_stages(model: nn.Module, plan: Plan, device: torch.device, batch: int | None = None) -> list[StageGraph]:
+def split_stages(
+    model: nn.Module, plan: Plan, device: torch.device, batch: int | None = None
+) -> list[StageGraph]:
     """Capture `model` at one micro-batch of a replica's `batch` (the planned one if None) and split its graph
     into the stages of `plan`, to run on `device`.
 
     Every rank splits out every stage, so a plan that cannot run fails alike on all of them."""
-    from ..passes.blocks import block_modules, group_nodes
+    from shardplan.frontend.passes.blocks import block_modules, group_nodes
 
     micro_batch = (batch or plan.batch_per_replica) // plan.schedule.num_micro_batches
     gm = _capture_micro_batch(model, plan, device, micro_batch)
@@ -118,10 +123,14 @@ def split_stages(model: nn.Module, plan: Plan, device: torch.device, batch: int 
         elif node.op == "call_module":
             block = int(str(node.target).removeprefix("submod_"))
             made_by[node.name] = stage_of_unit[units[block]]
-            calls[made_by[node.name]].append(_block_call(split, node, groups[block].name, units[block]))
+            calls[made_by[node.name]].append(
+                _block_call(split, node, groups[block].name, units[block])
+            )
         elif node.op == "call_function" and node.target is operator.getitem:
             made_by[node.name] = made_by[node.args[0].name]
-        reader = last if node.op == "output" else made_by.get(node.name, 0)  # nodes made by no stage read nothing
+        reader = (
+            last if node.op == "output" else made_by.get(node.name, 0)
+        )  # nodes made by no stage read nothing
         for value in node.all_input_nodes:
             if value.op != "get_attr":
                 last_read_by[value.name] = max(last_read_by.get(value.name, 0), reader)
@@ -129,41 +138,63 @@ def split_stages(model: nn.Module, plan: Plan, device: torch.device, batch: int 
     tuples = {node.name for node in split.graph.nodes if _returns_tuple(node)}
 
     def crossing(cut: int) -> tuple[str, ...]:  # values made before the cut and read after it
-        return tuple(name for name in made_by
-                     if made_by[name] < cut <= last_read_by.get(name, -1) and name not in tuples)
+        return tuple(
+            name
+            for name in made_by
+            if made_by[name] < cut <= last_read_by.get(name, -1) and name not in tuples
+        )
+
     placeholders = tuple(node.name for node in split.graph.find_nodes(op="placeholder"))
     output = next(iter(split.graph.find_nodes(op="output")))
     stages = []
     for index in range(plan.mesh.pp):
         inbound = placeholders if index == 0 else crossing(index)
         outbound = _output_names(output) if index == last else crossing(index + 1)
-        stages.append(StageGraph(
-            index=index, calls=tuple(calls[index]), inbound=inbound, outbound=outbound,
-            examples=_examples(split, inbound + outbound),
-            constants={target: attribute_of(split, target).to(device) for call in calls[index]
-                       for target in call.attributes if attribute_of(model, target) is None},
-            input_spec=gm._in_spec, output_spec=gm._out_spec))
+        stages.append(
+            StageGraph(
+                index=index,
+                calls=tuple(calls[index]),
+                inbound=inbound,
+                outbound=outbound,
+                examples=_examples(split, inbound + outbound),
+                constants={
+                    target: attribute_of(split, target).to(device)
+                    for call in calls[index]
+                    for target in call.attributes
+                    if attribute_of(model, target) is None
+                },
+                input_spec=gm._in_spec,
+                output_spec=gm._out_spec,
+            )
+        )
     return stages
 
 
-def _capture_micro_batch(model: nn.Module, plan: Plan, device: torch.device,
-                         micro_batch: int) -> torch.fx.GraphModule:
-    from ..capture import capture
-    from ..passes import PassInputs, run_passes
+def _capture_micro_batch(
+    model: nn.Module, plan: Plan, device: torch.device, micro_batch: int
+) -> torch.fx.GraphModule:
+    from shardplan.frontend.capture import capture
+    from shardplan.frontend.passes import PassInputs, run_passes
 
     if not plan.inputs:
-        raise PlanError("this plan records no input shapes (written by hand?): pipeline stages are cut from "
-                        "a capture at those shapes; make the plan with shardplan.compile")
+        raise PlanError(
+            "this plan records no input shapes (written by hand?): pipeline stages are cut from "
+            "a capture at those shapes; make the plan with shardplan.compile"
+        )
     with _stand_ins(model, torch_dtype(plan.mixed_precision.param_dtype), device):
         gm = capture(model, *micro_batch_inputs(plan.inputs, micro_batch)).gm
     if not hasattr(gm, "_in_spec"):
-        raise ShardplanError(f"torch.export could not capture {type(model).__name__} (only symbolic tracing "
-                             "could), and pipeline stages are cut from an exported graph: make the model "
-                             "exportable, or plan with pp=1")
+        raise ShardplanError(
+            f"torch.export could not capture {type(model).__name__} (only symbolic tracing "
+            "could), and pipeline stages are cut from an exported graph: make the model "
+            "exportable, or plan with pp=1"
+        )
     for node in gm.graph.find_nodes(op="call_module"):
         if str(node.target).startswith("_guards"):
             gm.graph.erase_node(node)  # re-checks input shapes, which Program.step has done
-    run_passes(gm, last="retarget_device", inputs=PassInputs(device=device))  # stand-ins capture `arange(device=meta)`
+    run_passes(
+        gm, last="retarget_device", inputs=PassInputs(device=device)
+    )  # stand-ins capture `arange(device=meta)`
     return gm
 
 
@@ -176,8 +207,13 @@ def _stand_ins(model: nn.Module, compute_dtype: torch.dtype, device: torch.devic
     meta stand-ins it baked the CUDA branch, which fails on CPU), and capturing allocates nothing."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    originals = put_stand_ins(model, lambda value: True, buffers=True, parameter_dtype=compute_dtype,
-                              fake=(FakeTensorMode(allow_non_fake_inputs=True), device))
+    originals = put_stand_ins(
+        model,
+        lambda value: True,
+        buffers=True,
+        parameter_dtype=compute_dtype,
+        fake=(FakeTensorMode(allow_non_fake_inputs=True), device),
+    )
     try:
         yield
     finally:
@@ -191,33 +227,54 @@ def _unit_of_blocks(plan: Plan, modules_of_block: list[tuple[str, ...]]) -> list
     for modules in modules_of_block:
         found = [unit_of_module[m] for m in modules if m in unit_of_module]
         if modules and not found:
-            raise PlanError(f"the graph has a block of modules {list(modules)} that no unit of the plan holds: "
-                            "the plan was made for another model; re-plan with this one")
+            raise PlanError(
+                f"the graph has a block of modules {list(modules)} that no unit of the plan holds: "
+                "the plan was made for another model; re-plan with this one"
+            )
         units.append(found[0] if found else units[-1] if units else plan.units[0].name)
     stages = [plan.stage_of_unit[unit] for unit in units]
     if stages != sorted(stages):
-        raise PlanError(f"the plan's stages do not follow the graph's order (stage of each block: {stages}): "
-                        "each stage must hold consecutive blocks; re-plan with shardplan.compile")
+        raise PlanError(
+            f"the plan's stages do not follow the graph's order (stage of each block: {stages}): "
+            "each stage must hold consecutive blocks; re-plan with shardplan.compile"
+        )
     return units
 
 
-def _block_call(split: torch.fx.GraphModule, node: torch.fx.Node, name: str, unit: str) -> BlockCall:
+def _block_call(
+    split: torch.fx.GraphModule, node: torch.fx.Node, name: str, unit: str
+) -> BlockCall:
     if node.kwargs:
-        raise ShardplanError(f"block {name!r} was split with keyword arguments, which stages do not pass")
-    arguments = tuple((value.op == "get_attr", str(value.target) if value.op == "get_attr" else value.name)
-                      for value in cast(tuple[torch.fx.Node, ...], node.args))  # split_module passes nodes alone
+        raise ShardplanError(
+            f"block {name!r} was split with keyword arguments, which stages do not pass"
+        )
+    arguments = tuple(
+        (value.op == "get_attr", str(value.target) if value.op == "get_attr" else value.name)
+        for value in cast(tuple[torch.fx.Node, ...], node.args)
+    )  # split_module passes nodes alone
     results = None
     if _returns_tuple(node):
         by_index: dict[Any, str] = {user.args[1]: user.name for user in node.users}
         results = tuple(by_index.get(index, "") for index in range(max(by_index) + 1))
-    return BlockCall(name=name, unit=unit, partition=getattr(split, str(node.target)), arguments=arguments,
-                     results=results, node=node.name)
+    return BlockCall(
+        name=name,
+        unit=unit,
+        partition=getattr(split, str(node.target)),
+        arguments=arguments,
+        results=results,
+        node=node.name,
+    )
 
 
 def _returns_tuple(node: torch.fx.Node) -> bool:
     """A partition returning several values: its users are the getitems taking them apart."""
-    return (node.op == "call_module" and bool(node.users)
-            and all(user.op == "call_function" and user.target is operator.getitem for user in node.users))
+    return (
+        node.op == "call_module"
+        and bool(node.users)
+        and all(
+            user.op == "call_function" and user.target is operator.getitem for user in node.users
+        )
+    )
 
 
 def _examples(split: torch.fx.GraphModule, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -231,22 +288,32 @@ def _examples(split: torch.fx.GraphModule, names: tuple[str, ...]) -> dict[str, 
         if node.op == "placeholder":
             value = node.meta["val"]
         else:
-            returned = next(iter(getattr(split, str(node.target)).graph.find_nodes(op="output"))).args[0]
+            returned = next(
+                iter(getattr(split, str(node.target)).graph.find_nodes(op="output"))
+            ).args[0]
             value = (returned if index is None else returned[index]).meta["val"]
         if not isinstance(value, torch.Tensor):
-            raise ShardplanError(f"a pipeline stage would send {name!r}, a {type(value).__name__}, to the next "
-                                 "stage: only tensors cross stages; plan with pp=1 for this model")
-        examples[name] = torch.empty(value.shape, dtype=value.dtype, device="meta",  # sent contiguous
-                                     requires_grad=node.op != "placeholder" and value.is_floating_point())
+            raise ShardplanError(
+                f"a pipeline stage would send {name!r}, a {type(value).__name__}, to the next "
+                "stage: only tensors cross stages; plan with pp=1 for this model"
+            )
+        examples[name] = torch.empty(
+            value.shape,
+            dtype=value.dtype,
+            device="meta",  # sent contiguous
+            requires_grad=node.op != "placeholder" and value.is_floating_point(),
+        )
     return examples
 
 
 def _output_names(output: torch.fx.Node) -> tuple[str, ...]:
     values: Any = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     if not all(isinstance(value, torch.fx.Node) for value in values):
-        raise ShardplanError("the model returns values that are not tensors computed by the graph (constants or "
-                             "None): the last pipeline stage can only return tensors; return only tensors, or "
-                             "plan with pp=1")
+        raise ShardplanError(
+            "the model returns values that are not tensors computed by the graph (constants or "
+            "None): the last pipeline stage can only return tensors; return only tensors, or "
+            "plan with pp=1"
+        )
     return tuple(value.name for value in values)
 
 
@@ -258,11 +325,18 @@ class StageModule(nn.Module):
     runtime wraps its blocks with unit gathering and checkpointing, or calls the unit's FSDP2 module);
     `forward_pass()` is the context one micro-batch's forward runs in."""
 
-    def __init__(self, graph: StageGraph, run_segment: Callable[[tuple[BlockCall, ...]], Callable[[dict], dict]],
-                 forward_pass: Callable[[], contextlib.AbstractContextManager]):
+    def __init__(
+        self,
+        graph: StageGraph,
+        run_segment: Callable[[tuple[BlockCall, ...]], Callable[[dict], dict]],
+        forward_pass: Callable[[], contextlib.AbstractContextManager],
+    ):
         super().__init__()
         self.graph = graph
-        self._runs = [(_segment_reads(segment), run_segment(segment)) for segment in unit_segments(graph.calls)]
+        self._runs = [
+            (_segment_reads(segment), run_segment(segment))
+            for segment in unit_segments(graph.calls)
+        ]
         self._forward_pass = forward_pass
 
     def forward(self, *inbound: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -288,8 +362,14 @@ def unit_segments(calls: tuple[BlockCall, ...]) -> list[tuple[BlockCall, ...]]:
 def _segment_reads(segment: tuple[BlockCall, ...]) -> tuple[str, ...]:
     """The values a segment's blocks read that none of them makes."""
     made = {name for call in segment for name in (call.results or (call.node,))}
-    return tuple(dict.fromkeys(name for call in segment for is_attribute, name in call.arguments
-                               if not is_attribute and name not in made))
+    return tuple(
+        dict.fromkeys(
+            name
+            for call in segment
+            for is_attribute, name in call.arguments
+            if not is_attribute and name not in made
+        )
+    )
 
 
 def run_blocks(runs: list[tuple[BlockCall, Callable]], values: dict[str, Any]) -> dict[str, Any]:
@@ -297,8 +377,11 @@ def run_blocks(runs: list[tuple[BlockCall, Callable]], values: dict[str, Any]) -
     known, made = dict(values), {}
     for call, run in runs:
         result = run(*(known[name] for is_attribute, name in call.arguments if not is_attribute))
-        new = {call.node: result} if call.results is None else {name: value for name, value
-                                                                in zip(call.results, result) if name}
+        new = (
+            {call.node: result}
+            if call.results is None
+            else {name: value for name, value in zip(call.results, result) if name}
+        )
         known.update(new)
         made.update(new)
     return made
@@ -307,9 +390,15 @@ def run_blocks(runs: list[tuple[BlockCall, Callable]], values: dict[str, Any]) -
 def block_runner(call: BlockCall, model: nn.Module, constants: dict[str, torch.Tensor]) -> Callable:
     """A callable running `call`'s partition on activations, reading its attributes from `model` as it starts
     (where the block's units present their gathered parameters) or from `constants`."""
+
     def run(*values):
         given = iter(values)
-        arguments = [(constants[name] if name in constants else attribute_of(model, name)) if is_attribute
-                     else next(given) for is_attribute, name in call.arguments]
+        arguments = [
+            (constants[name] if name in constants else attribute_of(model, name))
+            if is_attribute
+            else next(given)
+            for is_attribute, name in call.arguments
+        ]
         return call.partition(*arguments)
+
     return run

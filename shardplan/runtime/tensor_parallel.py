@@ -65,6 +65,7 @@ parameters outside the layers (embeddings, final norm, head) see the whole seque
 equal gradients, as without sequence parallelism. (Dropout on the sharded sequence needs a random
 stream per tp rank, as Megatron forks it; the models here use none.)
 """
+
 import dataclasses
 import functools
 import math
@@ -76,11 +77,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ..errors import PlanError, RuntimeMismatchError
-from ..passes.tensor_parallel import Style, TensorParallelLayout, VocabCandidate, VocabKind
-from ..plan import Plan, ShardedModule
-from .collectives import (Group, all_gather, all_gather_along, all_reduce_sum, group_name, group_named,
-                          group_world, reduce_scatter_sum_along, wait)
+from shardplan.errors import PlanError, RuntimeMismatchError
+from shardplan.frontend.passes.tensor_parallel import (
+    Style,
+    TensorParallelLayout,
+    VocabCandidate,
+    VocabKind,
+)
+from shardplan.plan import Plan, ShardedModule
+from shardplan.runtime.collectives import (
+    Group,
+    all_gather,
+    all_gather_along,
+    all_reduce_sum,
+    group_name,
+    group_named,
+    group_world,
+    reduce_scatter_sum_along,
+    wait,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,8 +113,11 @@ class ParameterSlice:
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of `full` (a view)."""
-        return (full.unflatten(self.dim, (self.chunks, self.degree, -1))
-                .select(self.dim + 1, self.index).flatten(self.dim, self.dim + 1))
+        return (
+            full.unflatten(self.dim, (self.chunks, self.degree, -1))
+            .select(self.dim + 1, self.index)
+            .flatten(self.dim, self.dim + 1)
+        )
 
     def assemble(self, slices: Sequence[torch.Tensor]) -> torch.Tensor:
         """The full parameter from every rank's slice, in tp-index order."""
@@ -111,9 +129,16 @@ class ParameterSlice:
         the chunks a checkpoint records for this rank (one piece, or one per fused chunk)."""
         width = self.full_shape[self.dim] // (self.chunks * self.degree)
         sizes = tuple(width if d == self.dim else size for d, size in enumerate(self.full_shape))
-        return tuple((tuple((chunk * self.degree + self.index) * width if d == self.dim else 0
-                            for d in range(len(self.full_shape))), sizes)
-                     for chunk in range(self.chunks))
+        return tuple(
+            (
+                tuple(
+                    (chunk * self.degree + self.index) * width if d == self.dim else 0
+                    for d in range(len(self.full_shape))
+                ),
+                sizes,
+            )
+            for chunk in range(self.chunks)
+        )
 
     def runs(self) -> tuple[tuple[int, int, int], ...]:
         """(start in this rank's slice flattened, start in the full parameter flattened, numel) of each
@@ -121,10 +146,16 @@ class ParameterSlice:
         (a row-parallel weight's slice is one run per row)."""
         size = self.full_shape[self.dim]
         width = size // (self.chunks * self.degree)
-        inner = math.prod(self.full_shape[self.dim + 1:])
-        return tuple(((outer * self.chunks + chunk) * width * inner,
-                      (outer * size + (chunk * self.degree + self.index) * width) * inner, width * inner)
-                     for outer in range(math.prod(self.full_shape[:self.dim])) for chunk in range(self.chunks))
+        inner = math.prod(self.full_shape[self.dim + 1 :])
+        return tuple(
+            (
+                (outer * self.chunks + chunk) * width * inner,
+                (outer * size + (chunk * self.degree + self.index) * width) * inner,
+                width * inner,
+            )
+            for outer in range(math.prod(self.full_shape[: self.dim]))
+            for chunk in range(self.chunks)
+        )
 
     def of_rank(self, index: int) -> "ParameterSlice":
         """The slice tp rank `index` holds."""
@@ -136,8 +167,9 @@ class ParameterSlice:
         return self.assemble(gathered.view(self.degree, *local.shape).unbind(0))
 
 
-def apply_tensor_parallel(model: nn.Module, layout: TensorParallelLayout,
-                          group: Group) -> dict[str, ParameterSlice]:
+def apply_tensor_parallel(
+    model: nn.Module, layout: TensorParallelLayout, group: Group
+) -> dict[str, ParameterSlice]:
     """Slice `model`'s pairs (and, with `layout.vocab`, its embedding and head) in place for this rank
     of `group`, put the collectives around them, and return the slice of every parameter this rank
     now holds a part of (the others stay whole). With `layout.sequence_parallel`, the norms' and row
@@ -147,21 +179,26 @@ def apply_tensor_parallel(model: nn.Module, layout: TensorParallelLayout,
     Every rank must hold the same full parameters before the call (same seed or same checkpoint)."""
     index, degree = group_world(group)
     if degree != layout.degree:
-        raise RuntimeMismatchError(f"the layout shards over tp={layout.degree} ranks, the tp group has {degree}: "
-                                   f"make the layout for tp={degree}, or the group of {layout.degree} ranks")
+        raise RuntimeMismatchError(
+            f"the layout shards over tp={layout.degree} ranks, the tp group has {degree}: "
+            f"make the layout for tp={degree}, or the group of {layout.degree} ranks"
+        )
     slices: dict[str, ParameterSlice] = {}
     for pair in layout.pairs:
         pair_input = _PairInput(group)
         if layout.sequence_parallel:
             model.get_submodule(pair.name).register_forward_pre_hook(
-                functools.partial(_gather_pair_input, group), with_kwargs=True)
+                functools.partial(_gather_pair_input, group), with_kwargs=True
+            )
             combine = functools.partial(_reduce_scatter_sequence, group=group)
         else:
             combine = functools.partial(_reduce_partial_products, pair_input)
         for linear in pair.linears:
             module = _linear(model, linear.module)
             if linear.style is Style.COLWISE:
-                slices |= _slice_parameters(module, linear.module, ("weight", "bias"), 0, linear.chunks, index, degree)
+                slices |= _slice_parameters(
+                    module, linear.module, ("weight", "bias"), 0, linear.chunks, index, degree
+                )
                 module.out_features //= degree
                 if not layout.sequence_parallel:
                     module.register_forward_pre_hook(pair_input.enter)
@@ -182,11 +219,18 @@ def sequence_parallel_parameters(model: nn.Module, layout: TensorParallelLayout)
     gradients must be summed over tp (see [Note: whole parameters under sequence parallelism])."""
     if not layout.sequence_parallel:
         return ()
-    sliced = {f"{linear.module}.{name}" for pair in layout.pairs for linear in pair.linears
-              for name in (("weight", "bias") if linear.style is Style.COLWISE else ("weight",))}
-    return tuple(f"{layer}.{name}" for layer in layout.sequence_layers
-                 for name, _ in model.get_submodule(layer).named_parameters()
-                 if f"{layer}.{name}" not in sliced)
+    sliced = {
+        f"{linear.module}.{name}"
+        for pair in layout.pairs
+        for linear in pair.linears
+        for name in (("weight", "bias") if linear.style is Style.COLWISE else ("weight",))
+    }
+    return tuple(
+        f"{layer}.{name}"
+        for layer in layout.sequence_layers
+        for name, _ in model.get_submodule(layer).named_parameters()
+        if f"{layer}.{name}" not in sliced
+    )
 
 
 def sum_sequence_parallel_gradients(model: nn.Module, names: Sequence[str], group: Group) -> None:
@@ -198,71 +242,115 @@ def sum_sequence_parallel_gradients(model: nn.Module, names: Sequence[str], grou
             all_reduce_sum(grad, group)
 
 
-def gather_full_parameters(model: nn.Module, slices: dict[str, ParameterSlice],
-                           group: Group) -> dict[str, torch.Tensor]:
+def gather_full_parameters(
+    model: nn.Module, slices: dict[str, ParameterSlice], group: Group
+) -> dict[str, torch.Tensor]:
     """Every parameter of `model`, whole, by name, on every rank of `group` (sliced ones gathered)."""
-    return {name: slices[name].gather(parameter.detach(), group) if name in slices else parameter.detach()
-            for name, parameter in model.named_parameters()}
+    return {
+        name: slices[name].gather(parameter.detach(), group)
+        if name in slices
+        else parameter.detach()
+        for name, parameter in model.named_parameters()
+    }
 
 
 def sharded_modules(layout: TensorParallelLayout) -> tuple[ShardedModule, ...]:
     """What `layout` slices, as a plan lists it (Plan.tensor_parallel.sharded)."""
-    return (tuple(ShardedModule(path=path, style=style) for path, style in layout.styles.items())
-            + tuple(ShardedModule(path=candidate.module, style=f"vocab_{candidate.kind.value}")
-                    for candidate in layout.vocab))
+    return tuple(
+        ShardedModule(path=path, style=style) for path, style in layout.styles.items()
+    ) + tuple(
+        ShardedModule(path=candidate.module, style=f"vocab_{candidate.kind.value}")
+        for candidate in layout.vocab
+    )
 
 
 def plan_layout(model: nn.Module, plan: Plan) -> TensorParallelLayout:
     """The layout `plan` was made with, found again in `model`'s captured graph at the plan's tp degree and
     options; refused when the graph is not the plan's, or slices other modules than the plan lists."""
-    from ..passes.tensor_parallel import find_tensor_parallel_pairs
-    from .model_check import check_graph, plan_graph
+    from shardplan.frontend.passes.tensor_parallel import find_tensor_parallel_pairs
+    from shardplan.runtime.model_check import check_graph, plan_graph
 
     options = plan.tensor_parallel
     if not plan.inputs:
-        raise PlanError(f"the plan shards over tp={plan.mesh.tp} ranks but records no inputs to find the "
-                        "tensor-parallel layout with: make it with shardplan.compile, or manual_plan(..., "
-                        "example_inputs=...)")
+        raise PlanError(
+            f"the plan shards over tp={plan.mesh.tp} ranks but records no inputs to find the "
+            "tensor-parallel layout with: make it with shardplan.compile, or manual_plan(..., "
+            "example_inputs=...)"
+        )
     graph = plan_graph(model, plan)
-    check_graph(model, plan, graph)  # the capture the layout needs checks the plan's graph too (parallelize skips it)
+    check_graph(
+        model, plan, graph
+    )  # the capture the layout needs checks the plan's graph too (parallelize skips it)
     layout = find_tensor_parallel_pairs(graph).layout(
-        plan.mesh.tp, sequence_parallel=options.sequence_parallel, vocab_parallel=options.vocab_parallel)
+        plan.mesh.tp,
+        sequence_parallel=options.sequence_parallel,
+        vocab_parallel=options.vocab_parallel,
+    )
     found, listed = set(sharded_modules(layout)), set(options.sharded)
     kept_whole = {kept.module: kept.reason for kept in (*layout.rejected, *layout.deferred)}
-    for path in sorted(module.path for module in listed - found):  # the plan's degree, not its model, may be why
-        reason = next((why for module, why in kept_whole.items() if path == module or path.startswith(module + ".")),
-                      None)
+    for path in sorted(
+        module.path for module in listed - found
+    ):  # the plan's degree, not its model, may be why
+        reason = next(
+            (
+                why
+                for module, why in kept_whole.items()
+                if path == module or path.startswith(module + ".")
+            ),
+            None,
+        )
         if reason is not None and f"tp={plan.mesh.tp}" in reason:
-            raise PlanError(f"the plan slices {path!r} over tp={plan.mesh.tp}, but {reason}: re-plan with a tp that "
-                            "divides them (shardplan.compile picks one)")
+            raise PlanError(
+                f"the plan slices {path!r} over tp={plan.mesh.tp}, but {reason}: re-plan with a tp that "
+                "divides them (shardplan.compile picks one)"
+            )
     if found != listed:
         differ = sorted(module.path for module in found ^ listed)
-        raise PlanError(f"the plan slices other modules over tp than this model offers ({len(differ)} differ, "
-                        f"first: {differ[0]!r}): it was made for another model or shardplan version; re-plan "
-                        "with shardplan.compile for this model")
+        raise PlanError(
+            f"the plan slices other modules over tp than this model offers ({len(differ)} differ, "
+            f"first: {differ[0]!r}): it was made for another model or shardplan version; re-plan "
+            "with shardplan.compile for this model"
+        )
     return layout
 
 
 def _linear(model: nn.Module, path: str) -> nn.Linear:
     module = model.get_submodule(path)
     if not isinstance(module, nn.Linear):
-        raise PlanError(f"tensor-parallel layout slices {path!r} as a linear, but it is a "
-                        f"{type(module).__name__}: make the layout from this model")
+        raise PlanError(
+            f"tensor-parallel layout slices {path!r} as a linear, but it is a "
+            f"{type(module).__name__}: make the layout from this model"
+        )
     return module
 
 
-def _slice_parameters(module: nn.Module, path: str, names: tuple[str, ...], dim: int, chunks: int,
-                      index: int, degree: int) -> dict[str, ParameterSlice]:
+def _slice_parameters(
+    module: nn.Module,
+    path: str,
+    names: tuple[str, ...],
+    dim: int,
+    chunks: int,
+    index: int,
+    degree: int,
+) -> dict[str, ParameterSlice]:
     found = {}
     for name in names:
         full = getattr(module, name)
         if full is None:
             continue
         if full.shape[dim] % (chunks * degree):
-            raise PlanError(f"{path}.{name} has {full.shape[dim]} features along dim {dim}, not divisible into "
-                            f"{chunks} chunk(s) × tp={degree}: make the layout from this model")
-        cut = ParameterSlice(full_shape=tuple(full.shape), dim=dim, chunks=chunks, index=index, degree=degree)
-        setattr(module, name, nn.Parameter(cut.take(full.detach()).clone(), requires_grad=full.requires_grad))
+            raise PlanError(
+                f"{path}.{name} has {full.shape[dim]} features along dim {dim}, not divisible into "
+                f"{chunks} chunk(s) × tp={degree}: make the layout from this model"
+            )
+        cut = ParameterSlice(
+            full_shape=tuple(full.shape), dim=dim, chunks=chunks, index=index, degree=degree
+        )
+        setattr(
+            module,
+            name,
+            nn.Parameter(cut.take(full.detach()).clone(), requires_grad=full.requires_grad),
+        )
         found[f"{path}.{name}"] = cut
     return found
 
@@ -312,7 +400,9 @@ def _gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _exchange(x, "gather", "scatter", _SEQUENCE, group)
 
 
-def _gather_pair_input(group: Group, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _gather_pair_input(
+    group: Group, module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict]:
     return map_pair_input(args, kwargs, functools.partial(_gather_sequence, group=group))
 
 
@@ -330,13 +420,17 @@ def _shard_sequence_between(model: nn.Module, layout: TensorParallelLayout, grou
     of their container must be one of them (a layer between them sees the sharded sequence)."""
     layers = layout.sequence_layers
     container = layers[0].rpartition(".")[0]
-    children = tuple(f"{container}.{name}" if container else name
-                     for name, _ in model.get_submodule(container).named_children())
+    children = tuple(
+        f"{container}.{name}" if container else name
+        for name, _ in model.get_submodule(container).named_children()
+    )
     if children != layers:
         missing = [child for child in children if child not in layers]
-        raise PlanError(f"sequence parallelism runs the layers {layers[0]}..{layers[-1]} on a shard of the "
-                        f"sequence, but {container or 'the model'} also holds {missing} (whole layers, or modules "
-                        "of another kind): make the layout with sequence_parallel=False")
+        raise PlanError(
+            f"sequence parallelism runs the layers {layers[0]}..{layers[-1]} on a shard of the "
+            f"sequence, but {container or 'the model'} also holds {missing} (whole layers, or modules "
+            "of another kind): make the layout with sequence_parallel=False"
+        )
     _, degree = group_world(group)
 
     def shard(x: torch.Tensor) -> torch.Tensor:
@@ -344,7 +438,8 @@ def _shard_sequence_between(model: nn.Module, layout: TensorParallelLayout, grou
             raise RuntimeMismatchError(
                 f"sequence parallelism shards the sequence (dim {_SEQUENCE} of {tuple(x.shape)}) over tp={degree} "
                 f"ranks, which does not divide {x.shape[_SEQUENCE] if x.dim() > 1 else 'it'}: feed sequences "
-                f"of a multiple of {degree} tokens (pad them), or make the layout with sequence_parallel=False")
+                f"of a multiple of {degree} tokens (pad them), or make the layout with sequence_parallel=False"
+            )
         return _exchange(x, "local", "gather", _SEQUENCE, group)
 
     def leave(module: nn.Module, args: tuple, output):
@@ -353,11 +448,14 @@ def _shard_sequence_between(model: nn.Module, layout: TensorParallelLayout, grou
         return whole if isinstance(output, torch.Tensor) else (whole, *output[1:])
 
     model.get_submodule(layers[0]).register_forward_pre_hook(
-        lambda _, args, kwargs: map_pair_input(args, kwargs, shard), with_kwargs=True)
+        lambda _, args, kwargs: map_pair_input(args, kwargs, shard), with_kwargs=True
+    )
     model.get_submodule(layers[-1]).register_forward_hook(leave)
 
 
-def _shard_vocabulary(model: nn.Module, candidate: VocabCandidate, group: Group) -> dict[str, ParameterSlice]:
+def _shard_vocabulary(
+    model: nn.Module, candidate: VocabCandidate, group: Group
+) -> dict[str, ParameterSlice]:
     index, degree = group_world(group)
     module = model.get_submodule(candidate.module)
     if candidate.kind is VocabKind.HEAD:
@@ -367,23 +465,39 @@ def _shard_vocabulary(model: nn.Module, candidate: VocabCandidate, group: Group)
         head.forward = functools.partial(_vocab_parallel_head, head, group)  # type: ignore[method-assign]
         return slices
     if not isinstance(module, nn.Embedding) or module.max_norm is not None:
-        raise PlanError(f"the layout shards {candidate.module!r} as a token embedding, but it is not a plain "
-                        "nn.Embedding (no max_norm): make the layout without vocab_parallel")
+        raise PlanError(
+            f"the layout shards {candidate.module!r} as a token embedding, but it is not a plain "
+            "nn.Embedding (no max_norm): make the layout without vocab_parallel"
+        )
     slices = _slice_parameters(module, candidate.module, ("weight",), 0, 1, index, degree)
     module.num_embeddings //= degree
     module.forward = functools.partial(  # type: ignore[method-assign]
-        _vocab_parallel_lookup, module, index * module.num_embeddings, group)
+        _vocab_parallel_lookup, module, index * module.num_embeddings, group
+    )
     return slices
 
 
-def _vocab_parallel_lookup(module: nn.Embedding, first: int, group: Group, ids: torch.Tensor) -> torch.Tensor:
+def _vocab_parallel_lookup(
+    module: nn.Embedding, first: int, group: Group, ids: torch.Tensor
+) -> torch.Tensor:
     """The rows of the ids this rank holds, zeros for the others, summed over the ranks (g)."""
     local = ids - first
     elsewhere = (local < 0) | (local >= module.num_embeddings)
     padding = module.padding_idx
-    padding = padding - first if padding is not None and 0 <= padding - first < module.num_embeddings else None
-    rows = F.embedding(local.masked_fill(elsewhere, 0), module.weight, padding, None, 2.0,
-                       module.scale_grad_by_freq, module.sparse)
+    padding = (
+        padding - first
+        if padding is not None and 0 <= padding - first < module.num_embeddings
+        else None
+    )
+    rows = F.embedding(
+        local.masked_fill(elsewhere, 0),
+        module.weight,
+        padding,
+        None,
+        2.0,
+        module.scale_grad_by_freq,
+        module.sparse,
+    )
     return _exchange(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0), "sum", "copy", 0, group)
 
 
@@ -398,7 +512,9 @@ def _vocab_parallel_head(module: nn.Linear, group: Group, x: torch.Tensor) -> to
 def _exchange(x: torch.Tensor, forward: str, backward: str, dim: int, group: Group) -> torch.Tensor:
     """The collective `forward` (one of _COLLECTIVES) in forward, `backward` in backward (see [Note:
     exchanges in captured graphs])."""
-    return torch.ops.shardplan.tensor_parallel_exchange(x, forward, backward, dim, group_name(group))
+    return torch.ops.shardplan.tensor_parallel_exchange(
+        x, forward, backward, dim, group_name(group)
+    )
 
 
 def _copy(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -414,24 +530,36 @@ def _local_part(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return _copy(x.chunk(degree, dim)[index], dim, group)
 
 
-_COLLECTIVES = {"copy": _copy, "sum": _sum, "gather": all_gather_along, "scatter": reduce_scatter_sum_along,
-                "local": _local_part}
+_COLLECTIVES = {
+    "copy": _copy,
+    "sum": _sum,
+    "gather": all_gather_along,
+    "scatter": reduce_scatter_sum_along,
+    "local": _local_part,
+}
 """Each exchange's collective by name, (tensor, dim, group) → a new tensor: f is copy / sum, g sum /
 copy, the sequence and vocabulary exchanges gather, scatter and local (this rank's part) along `dim`.
 (Looked up when called, so a test may count the all-reduces through this module's all_reduce_sum.)"""
 
-_WIDTH = {"gather": lambda size, degree: size * degree, "scatter": lambda size, degree: size // degree,
-          "local": lambda size, degree: size // degree}
+_WIDTH = {
+    "gather": lambda size, degree: size * degree,
+    "scatter": lambda size, degree: size // degree,
+    "local": lambda size, degree: size // degree,
+}
 """How each collective changes the size of `dim` over `degree` ranks (the others keep it)."""
 
 
 @torch.library.custom_op("shardplan::tensor_parallel_exchange", mutates_args=())
-def _exchange_op(x: torch.Tensor, forward: str, backward: str, dim: int, group: str) -> torch.Tensor:
+def _exchange_op(
+    x: torch.Tensor, forward: str, backward: str, dim: int, group: str
+) -> torch.Tensor:
     return _COLLECTIVES[forward](x, dim, group_named(group))
 
 
 @_exchange_op.register_fake
-def _exchange_shape(x: torch.Tensor, forward: str, backward: str, dim: int, group: str) -> torch.Tensor:
+def _exchange_shape(
+    x: torch.Tensor, forward: str, backward: str, dim: int, group: str
+) -> torch.Tensor:
     shape = list(x.shape)
     if forward in _WIDTH:
         shape[dim] = _WIDTH[forward](shape[dim], group_world(group_named(group)).size)
@@ -444,7 +572,11 @@ def _remember_exchange(ctx, inputs: tuple, output: torch.Tensor) -> None:
 
 def _exchange_backward(ctx, grad: torch.Tensor):
     # g's backward is the identity: the gradient itself, no copy (autograd may pass one tensor on)
-    back = grad if ctx.backward == "copy" else _exchange_op(grad, ctx.backward, ctx.forward, ctx.dim, ctx.group)
+    back = (
+        grad
+        if ctx.backward == "copy"
+        else _exchange_op(grad, ctx.backward, ctx.forward, ctx.dim, ctx.group)
+    )
     return back, None, None, None, None
 
 
@@ -457,5 +589,7 @@ def full_parameter(parameter: torch.Tensor, chunks: int, degree: int) -> torch.T
     whole = (parameter.full_tensor() if isinstance(parameter, DTensor) else parameter).detach()
     if chunks == 1:
         return whole
-    cut = ParameterSlice(full_shape=tuple(whole.shape), dim=0, chunks=chunks, index=0, degree=degree)
+    cut = ParameterSlice(
+        full_shape=tuple(whole.shape), dim=0, chunks=chunks, index=0, degree=degree
+    )
     return cut.assemble(whole.chunk(degree, dim=0))

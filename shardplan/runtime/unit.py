@@ -27,17 +27,18 @@ buffer while the unit is in use and meta-device placeholders of the right
 shape and dtype otherwise, so a stray use outside the runtime's control fails
 loudly instead of reading stale memory.
 """
+
 import enum
 from typing import Callable, NamedTuple, cast
 
 import torch
 import torch.nn as nn
 
-from ..plan import StrategyTraits, Unit
-from . import collectives
-from .collectives import Pending
-from .flat_param import FlatLayout
-from .tensor_parallel import ParameterSlice
+from shardplan.plan import StrategyTraits, Unit
+from shardplan.runtime import collectives
+from shardplan.runtime.collectives import Pending
+from shardplan.runtime.flat_param import FlatLayout
+from shardplan.runtime.tensor_parallel import ParameterSlice
 
 
 class UnitPlace(NamedTuple):
@@ -60,12 +61,24 @@ class UnitPlace(NamedTuple):
     @classmethod
     def alone(cls) -> "UnitPlace":
         """A unit held whole by one rank, outside any mesh (no collective runs over a group of one)."""
-        return cls(shard=None, shard_rank=0, replicate=None, data_parallel=None, tensor_parallel=None, replica=0,
-                   tp_index=0, owner_rank=lambda shard, tp: 0)
+        return cls(
+            shard=None,
+            shard_rank=0,
+            replicate=None,
+            data_parallel=None,
+            tensor_parallel=None,
+            replica=0,
+            tp_index=0,
+            owner_rank=lambda shard, tp: 0,
+        )
 
 
-def packed_in_place(flat: torch.Tensor, layout: FlatLayout, indices: tuple[int, ...],
-                    collective: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def packed_in_place(
+    flat: torch.Tensor,
+    layout: FlatLayout,
+    indices: tuple[int, ...],
+    collective: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
     """Apply `collective` to the parameters `indices` of `flat` at once (one message), in place."""
     if not indices:
         return
@@ -86,10 +99,21 @@ class UnitState(enum.Enum):
 
 
 class FlatUnit:
-    def __init__(self, *, spec: Unit, layout: FlatLayout, shard: nn.Parameter, full: torch.Tensor | None,
-                 slots: list[tuple[nn.Module, str, int]], place: UnitPlace, compute_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, device: torch.device,
-                 cuts: tuple[ParameterSlice | None, ...] | None = None, partial: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        *,
+        spec: Unit,
+        layout: FlatLayout,
+        shard: nn.Parameter,
+        full: torch.Tensor | None,
+        slots: list[tuple[nn.Module, str, int]],
+        place: UnitPlace,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        device: torch.device,
+        cuts: tuple[ParameterSlice | None, ...] | None = None,
+        partial: tuple[int, ...] = (),
+    ):
         self.spec = spec
         self.layout = layout
         self.shard = shard
@@ -130,8 +154,15 @@ class FlatUnit:
         part of its replica's gradient before reduction (see [Note: AdaScale's samples] there)."""
         self._synced_version = shard._version
         """SHARD_OPTIMIZER: shard version when `full` was last gathered; a step bumps it."""
-        self._placeholders = [torch.empty(layout.shapes[index], dtype=compute_dtype, device="meta",
-                                          requires_grad=shard.requires_grad) for _, _, index in slots]
+        self._placeholders = [
+            torch.empty(
+                layout.shapes[index],
+                dtype=compute_dtype,
+                device="meta",
+                requires_grad=shard.requires_grad,
+            )
+            for _, _, index in slots
+        ]
         """What the slots hold between uses: shape, dtype and requires_grad of the parameter, no memory."""
 
     @property
@@ -154,13 +185,17 @@ class FlatUnit:
     def prefetch(self) -> None:
         """Start gathering without waiting (only sharded units need communication to gather)."""
         if self.state is UnitState.SHARDED and self.sharded:
-            self._pending_gather = collectives.all_gather(self._compute_shard(), async_op=True, group=self.group)
+            self._pending_gather = collectives.all_gather(
+                self._compute_shard(), async_op=True, group=self.group
+            )
             self.state = UnitState.GATHERING
 
     def gathered(self) -> torch.Tensor:
         """The full buffer in the compute dtype, gathering (or waiting for a prefetch) if needed."""
         if self.state is UnitState.GATHERING:
-            self._buffer = collectives.wait(cast(collectives.Pending, self._pending_gather))  # GATHERING: in flight
+            self._buffer = collectives.wait(
+                cast(collectives.Pending, self._pending_gather)
+            )  # GATHERING: in flight
             self._pending_gather = None
         elif self.state is UnitState.SHARDED:
             self._buffer = self._materialize()
@@ -170,7 +205,11 @@ class FlatUnit:
     def present(self, gathered: torch.Tensor, epoch: int) -> None:
         """Put views of `gathered` (an autograd output) into the modules' parameter slots."""
         views = self.layout.split(gathered)
-        for module, attribute, index in self.slots:  # plain views in the parameter slots, as FSDP1 puts them
+        for (
+            module,
+            attribute,
+            index,
+        ) in self.slots:  # plain views in the parameter slots, as FSDP1 puts them
             module._parameters[attribute] = cast(nn.Parameter, views[index])
         self.views_epoch = epoch
 
@@ -195,7 +234,9 @@ class FlatUnit:
         self._pending_gather = self._pending_reduce = None
         self._accumulating = False
         self.forget_local_norm()
-        self.state = UnitState.SHARDED  # nothing left to wait for: release() only puts placeholders back
+        self.state = (
+            UnitState.SHARDED
+        )  # nothing left to wait for: release() only puts placeholders back
         self.release()
 
     def reduce(self, grad_full: torch.Tensor, *, communicate: bool) -> None:
@@ -206,7 +247,7 @@ class FlatUnit:
         would cost each rank the whole model's gradient, more than micro-batching saves in
         activations. Units that all-reduce (SHARD_OPTIMIZER, REPLICATE) hold a full gradient anyway,
         so micro-batches before the last only add into a full-size reduce-dtype accumulator and
-        the last reduces the sum once. The cost model counts the same (shardplan.cost). Measured for
+        the last reduces the sum once. The cost model counts the same (shardplan.costmodel.cost). Measured for
         AdaScale, every micro-batch's partial tp sums are completed before it is added (the sums commute)."""
         grad = grad_full.to(self.reduce_dtype)
         scatters = self.traits.reduce_scatters_grads
@@ -231,15 +272,25 @@ class FlatUnit:
         if not summed_now:
             self._sum_partial_over_tp(grad)
         if scatters:
-            self._pending_reduce = collectives.reduce_scatter_mean(grad, async_op=True, group=self.group)
+            self._pending_reduce = collectives.reduce_scatter_mean(
+                grad, async_op=True, group=self.group
+            )
         else:
-            self._pending_reduce = collectives.all_reduce_mean(grad, async_op=True, group=self.place.data_parallel)
-        if self._pending_reduce.work is None:  # a group of one: done, and the full gradient need not wait
+            self._pending_reduce = collectives.all_reduce_mean(
+                grad, async_op=True, group=self.place.data_parallel
+            )
+        if (
+            self._pending_reduce.work is None
+        ):  # a group of one: done, and the full gradient need not wait
             self.finish_reduction()
 
     def _sum_partial_over_tp(self, grad: torch.Tensor) -> None:
-        packed_in_place(grad, self.layout, self.partial,
-                        lambda packed: collectives.all_reduce_sum(packed, self.place.tensor_parallel))
+        packed_in_place(
+            grad,
+            self.layout,
+            self.partial,
+            lambda packed: collectives.all_reduce_sum(packed, self.place.tensor_parallel),
+        )
 
     def forget_local_norm(self) -> None:
         """Start `local_square_norm` over (a new step, or a failed one's measurements dropped)."""
@@ -252,17 +303,23 @@ class FlatUnit:
 
     def finish_reduction(self) -> None:
         """Wait for the issued reduction and add its result into `shard.grad`."""
-        reduced = collectives.wait(cast(collectives.Pending, self._pending_reduce))  # callers check `reducing`
+        reduced = collectives.wait(
+            cast(collectives.Pending, self._pending_reduce)
+        )  # callers check `reducing`
         self._pending_reduce = None
         if self.traits.reduce_scatters_grads:  # HSDP: the same shard on every replica group
-            reduced = collectives.wait(collectives.all_reduce_mean(reduced, async_op=False,
-                                                                   group=self.place.replicate))
+            reduced = collectives.wait(
+                collectives.all_reduce_mean(reduced, async_op=False, group=self.place.replicate)
+            )
         if self.full is not None:  # reduced in full, stepped as `shard`, a slice of it
             reduced = reduced[self.layout.shard_slice(self.rank)]
         reduced = reduced.to(device=self.shard.device, dtype=self.shard.dtype)
         if self.shard.grad is None:  # a copy, not the accumulator or a view of the reduced buffer
-            self.shard.grad = reduced.clone() if reduced._base is not None or reduced is self._grad_accumulator \
+            self.shard.grad = (
+                reduced.clone()
+                if reduced._base is not None or reduced is self._grad_accumulator
                 else reduced
+            )
         else:
             self.shard.grad.add_(reduced)
 
@@ -293,19 +350,27 @@ class FlatUnit:
     def full_values(self) -> torch.Tensor:
         """The full fp32 buffer (a collective for sharded units: call on every rank)."""
         if self.sharded:
-            return collectives.wait(collectives.all_gather(self.shard.detach(), async_op=False, group=self.group))
+            return collectives.wait(
+                collectives.all_gather(self.shard.detach(), async_op=False, group=self.group)
+            )
         self._sync_full()
         return (self.full if self.full is not None else self.shard).detach()
 
     def load_full(self, tensors: list[torch.Tensor]) -> None:
         """Overwrite the parameters with whole values (the same on every rank; no communication)."""
         self.release()
-        flat = self.layout.flatten([tensor.detach().to(self.shard.device, self.layout.dtype) for tensor in tensors])
+        flat = self.layout.flatten(
+            [tensor.detach().to(self.shard.device, self.layout.dtype) for tensor in tensors]
+        )
         with torch.no_grad():
             if self.full is not None:
                 self.full.copy_(flat)
             else:
-                self.shard.copy_(flat[self.layout.shard_slice(self.rank)] if self.traits.shards_optimizer else flat)
+                self.shard.copy_(
+                    flat[self.layout.shard_slice(self.rank)]
+                    if self.traits.shards_optimizer
+                    else flat
+                )
         self._synced_version = self.shard._version
 
     def _compute_shard(self) -> torch.Tensor:
@@ -313,7 +378,9 @@ class FlatUnit:
 
     def _materialize(self) -> torch.Tensor:
         if self.sharded:
-            return collectives.wait(collectives.all_gather(self._compute_shard(), async_op=False, group=self.group))
+            return collectives.wait(
+                collectives.all_gather(self._compute_shard(), async_op=False, group=self.group)
+            )
         self._sync_full()
         persistent = (self.full if self.full is not None else self.shard).detach()
         return persistent.to(device=self.device, dtype=self.compute_dtype)
@@ -322,8 +389,9 @@ class FlatUnit:
         """SHARD_OPTIMIZER: after an optimizer step changed this rank's slice, gather every slice."""
         if self.full is None or self.shard._version == self._synced_version:
             return
-        gathered = collectives.wait(collectives.all_gather(self.shard.detach().clone(), async_op=False,
-                                                          group=self.group))
+        gathered = collectives.wait(
+            collectives.all_gather(self.shard.detach().clone(), async_op=False, group=self.group)
+        )
         with torch.no_grad():
             self.full.copy_(gathered)
         self._synced_version = self.shard._version

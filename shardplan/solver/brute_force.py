@@ -3,13 +3,14 @@
 It shares nothing with the DPs but the SearchSpace and the rules: each candidate
 is scored by cost.evaluate_stage, which walks the events one by one.
 """
+
 import itertools
 from collections.abc import Iterator, Sequence
 
-from ..chain import Block
-from ..cost import CostContext, evaluate_stage
-from .chain_dp import ChainSolution
-from .space import BlockRule, SearchSpace
+from shardplan.costmodel.cost import CostContext, evaluate_stage
+from shardplan.frontend.chain import Block
+from shardplan.solver.chain_dp import ChainSolution
+from shardplan.solver.space import BlockRule, SearchSpace
 
 
 def unit_partitions(rules: tuple[BlockRule, ...], space: SearchSpace) -> Iterator[tuple[int, ...]]:
@@ -38,8 +39,13 @@ def count_candidates(rules: tuple[BlockRule, ...], space: SearchSpace) -> int:
     return total
 
 
-def solve_chain_brute_force(blocks: Sequence[Block], rules: tuple[BlockRule, ...], ctx: CostContext,
-                            budget_bytes: float, space: SearchSpace) -> ChainSolution | None:
+def solve_chain_brute_force(
+    blocks: Sequence[Block],
+    rules: tuple[BlockRule, ...],
+    ctx: CostContext,
+    budget_bytes: float,
+    space: SearchSpace,
+) -> ChainSolution | None:
     """The fastest plan of the whole chain within budget (ties: smaller peak, then first found)."""
     best = None
     for bounds in unit_partitions(rules, space):
@@ -51,6 +57,13 @@ def solve_chain_brute_force(blocks: Sequence[Block], rules: tuple[BlockRule, ...
                 continue
             key = (step.step_time_s, step.peak_bytes)
             if best is None or key < best[0]:
-                best = (key, ChainSolution(bounds=bounds, decisions=tuple(decisions), time_s=step.step_time_s,
-                                           peak_bytes=step.peak_bytes))
+                best = (
+                    key,
+                    ChainSolution(
+                        bounds=bounds,
+                        decisions=tuple(decisions),
+                        time_s=step.step_time_s,
+                        peak_bytes=step.peak_bytes,
+                    ),
+                )
     return None if best is None else best[1]

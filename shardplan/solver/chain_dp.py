@@ -26,6 +26,7 @@ exact for the cost model, not a heuristic. Further cuts, each exact:
 The decision space and its documented restrictions are in space.py; brute_force.py enumerates
 the same space and tests/test_solver.py checks gap 0 on random chains.
 """
+
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -33,11 +34,11 @@ from typing import cast
 
 import numpy as np
 
-from .. import cost
-from ..chain import Block, TensorParallelFacts
-from ..cost import CostContext, UnitCost
-from ..plan import Decision
-from .space import BlockRule, SearchSpace
+from shardplan.costmodel import cost
+from shardplan.costmodel.cost import CostContext, UnitCost
+from shardplan.frontend.chain import Block, TensorParallelFacts
+from shardplan.plan import Decision
+from shardplan.solver.space import BlockRule, SearchSpace
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,9 +54,22 @@ class ChainSolution:
 def block_signatures(blocks: Sequence[Block]) -> tuple[int, ...]:
     """Identical blocks (same numbers, any name) share an id, so their unit costs are computed once."""
     ids: dict[Block, int] = {}
-    return tuple(ids.setdefault(replace(b, index=0, name="", modules=(), param_names=(), first_node="", last_node="",
-                                        tensor_parallel=b.tensor_parallel and _unnamed(b.tensor_parallel)),
-                                len(ids)) for b in blocks)
+    return tuple(
+        ids.setdefault(
+            replace(
+                b,
+                index=0,
+                name="",
+                modules=(),
+                param_names=(),
+                first_node="",
+                last_node="",
+                tensor_parallel=b.tensor_parallel and _unnamed(b.tensor_parallel),
+            ),
+            len(ids),
+        )
+        for b in blocks
+    )
 
 
 def _unnamed(facts: TensorParallelFacts) -> TensorParallelFacts:
@@ -69,8 +83,14 @@ class UnitCosts:
 
     unit_cost does not read ctx.in_flight, so the stages of a configuration share one."""
 
-    def __init__(self, blocks: Sequence[Block], rules: tuple[BlockRule, ...], space: SearchSpace, ctx: CostContext,
-                 signatures: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        blocks: Sequence[Block],
+        rules: tuple[BlockRule, ...],
+        space: SearchSpace,
+        ctx: CostContext,
+        signatures: tuple[int, ...] | None = None,
+    ):
         self.blocks, self.rules, self.space, self.ctx = tuple(blocks), rules, space, ctx
         self.signatures = block_signatures(self.blocks) if signatures is None else signatures
         """block_signatures(blocks), which the caller may have already."""
@@ -88,7 +108,9 @@ class UnitCosts:
         key = (self.signatures[start:end], decision)
         found = self.memo.get(key)
         if found is None:
-            found = self.memo[key] = cost.unit_cost(tuple(self.blocks[start:end]), decision, self.ctx)
+            found = self.memo[key] = cost.unit_cost(
+                tuple(self.blocks[start:end]), decision, self.ctx
+            )
         return found
 
 
@@ -104,12 +126,21 @@ def block_terms(costs: UnitCosts, ctx: CostContext, count: int) -> list[list[tup
     pf = ctx.pipeline_factor
     terms, known = [], {}
     for j in range(count):
-        key = (costs.signatures[j], costs.rules[j])  # identical blocks with the same rules: one list, shared
+        key = (
+            costs.signatures[j],
+            costs.rules[j],
+        )  # identical blocks with the same rules: one list, shared
         if key not in known:
             units = [costs(j, j + 1, d) for d in costs.decisions(j, j + 1)]
-            known[key] = [(cost.own_time_s(u, ctx) + least_exposed_s(u, ctx) if costs.space.max_unit_blocks == 1
-                           else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
-                           max(0, cost.end_of_forward_bytes(u, ctx) - 1)) for u in units]
+            known[key] = [
+                (
+                    cost.own_time_s(u, ctx) + least_exposed_s(u, ctx)
+                    if costs.space.max_unit_blocks == 1
+                    else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
+                    max(0, cost.end_of_forward_bytes(u, ctx) - 1),
+                )
+                for u in units
+            ]
         terms.append(known[key])
     return terms
 
@@ -120,8 +151,10 @@ def least_exposed_s(u: UnitCost, ctx: CostContext) -> float:
     before), of its backward gather (behind the unit after) and of its reduction, and hide none of them at a
     chain end. Counted a hair low (1e-12), so that float rounding never lifts it above what the pairs sum to."""
     share = u.contention * (1 - 1e-12)
-    return share * (ctx.pipeline_factor * (u.gather_fwd_s + u.gather_bwd_s)
-                    + (1 if u.reduce_per_step else ctx.pipeline_factor) * u.reduce_s)
+    return share * (
+        ctx.pipeline_factor * (u.gather_fwd_s + u.gather_bwd_s)
+        + (1 if u.reduce_per_step else ctx.pipeline_factor) * u.reduce_s
+    )
 
 
 def priced_terms(terms: list[list[tuple[float, int]]], prices: np.ndarray) -> list[list[float]]:
@@ -174,7 +207,9 @@ class StageFloors:
         if stages == 1:
             row = self.rows.get(start)
             if row is None:
-                row = self.rows[start] = (self.sums - self.sums[:, start, None] - self.allowances[:, None]).max(axis=0)
+                row = self.rows[start] = (
+                    self.sums - self.sums[:, start, None] - self.allowances[:, None]
+                ).max(axis=0)
             return row[end]
         found = self.memo.get((start, end, stages))
         if found is None:
@@ -195,8 +230,13 @@ class _Front:
     parent_index: np.ndarray
 
     def take(self, keep: np.ndarray) -> "_Front":
-        return _Front(time_s=self.time_s[keep], r=self.r[keep], q=self.q[keep],
-                      parent_source=self.parent_source[keep], parent_index=self.parent_index[keep])
+        return _Front(
+            time_s=self.time_s[keep],
+            r=self.r[keep],
+            q=self.q[keep],
+            parent_source=self.parent_source[keep],
+            parent_index=self.parent_index[keep],
+        )
 
 
 @dataclass(slots=True)
@@ -233,8 +273,14 @@ class _Columns:
     def pair_time_s(self, nxt: UnitCost, ctx: CostContext) -> np.ndarray:
         """cost.pair_time_s(each last unit, nxt)."""
         hideable = 1 - nxt.contention  # every unit of a stage has its hardware's contention
-        per_mb = (nxt.gather_fwd_s - self.prefetch * np.minimum(nxt.gather_fwd_s * hideable, self.hide_fwd_s)
-                  + (self.gather_bwd_s - nxt.prefetch * np.minimum(self.gather_bwd_s * hideable, nxt.free_bwd_s)))
+        per_mb = (
+            nxt.gather_fwd_s
+            - self.prefetch * np.minimum(nxt.gather_fwd_s * hideable, self.hide_fwd_s)
+            + (
+                self.gather_bwd_s
+                - nxt.prefetch * np.minimum(self.gather_bwd_s * hideable, nxt.free_bwd_s)
+            )
+        )
         reduce = nxt.reduce_s - np.minimum(nxt.reduce_s * hideable, self.hide_bwd_s)
         if nxt.reduce_per_step:
             return ctx.pipeline_factor * per_mb + reduce
@@ -289,7 +335,9 @@ def _witnessed(front: _Front, order: np.ndarray) -> np.ndarray:
     struck = np.zeros(len(order), bool)
     for first, second in ((q, r), (r, q)):
         least = np.minimum.accumulate(first)
-        witness = np.maximum.accumulate(np.where(first == least, at, 0))[:-1]  # the last to reach it
+        witness = np.maximum.accumulate(np.where(first == least, at, 0))[
+            :-1
+        ]  # the last to reach it
         struck[1:] |= (first[witness] <= first[1:]) & (second[witness] <= second[1:])
     return order[~struck]
 
@@ -305,7 +353,9 @@ def _pareto(front: _Front) -> _Front:
     source key's states); only what it leaves is sorted by (T, R, Q), equal states still in input order."""
     if len(front.time_s) < 2:
         return front
-    if len(front.time_s) <= _PARETO_CHUNK:  # one chunk: a first strike would cost more than it saves
+    if (
+        len(front.time_s) <= _PARETO_CHUNK
+    ):  # one chunk: a first strike would cost more than it saves
         pool = np.lexsort((front.q, front.r, front.time_s))
     else:
         pool = _witnessed(front, np.argsort(front.time_s, kind="stable"))
@@ -315,19 +365,26 @@ def _pareto(front: _Front) -> _Front:
     while len(pool):
         chunk, pool = pool[:_PARETO_CHUNK], pool[_PARETO_CHUNK:]
         r, q = front.r[chunk], front.q[chunk]
-        earlier = _EARLIER[:len(chunk), :len(chunk)]
-        fresh = chunk[~(earlier & (r[None, :] <= r[:, None]) & (q[None, :] <= q[:, None])).any(axis=1)]
+        earlier = _EARLIER[: len(chunk), : len(chunk)]
+        fresh = chunk[
+            ~(earlier & (r[None, :] <= r[:, None]) & (q[None, :] <= q[:, None])).any(axis=1)
+        ]
         keep.append(fresh)
         if len(pool):
-            stair_r, stair_q = _staircase(np.concatenate((stair_r, front.r[fresh])),
-                                          np.concatenate((stair_q, front.q[fresh])))
+            stair_r, stair_q = _staircase(
+                np.concatenate((stair_r, front.r[fresh])), np.concatenate((stair_q, front.q[fresh]))
+            )
             pool = pool[~_beaten(stair_r, stair_q, front.r[pool], front.q[pool])]
     return front.take(np.concatenate(keep))
 
 
 def _concat(fronts: list[_Front]) -> _Front:
-    return _Front(*(np.concatenate([getattr(f, name) for f in fronts])
-                    for name in ("time_s", "r", "q", "parent_source", "parent_index")))
+    return _Front(
+        *(
+            np.concatenate([getattr(f, name) for f in fronts])
+            for name in ("time_s", "r", "q", "parent_source", "parent_index")
+        )
+    )
 
 
 class ChainSolver:
@@ -337,9 +394,19 @@ class ChainSolver:
     layers every start shares them, which is what makes pipeline stage costs cheap.
     """
 
-    def __init__(self, blocks: Sequence[Block], rules: tuple[BlockRule, ...], ctx: CostContext, budget_bytes: float,
-                 space: SearchSpace, *, minimize_memory: bool = False, time_bound_s: float = math.inf,
-                 only_end: int | None = None, costs: UnitCosts | None = None):
+    def __init__(
+        self,
+        blocks: Sequence[Block],
+        rules: tuple[BlockRule, ...],
+        ctx: CostContext,
+        budget_bytes: float,
+        space: SearchSpace,
+        *,
+        minimize_memory: bool = False,
+        time_bound_s: float = math.inf,
+        only_end: int | None = None,
+        costs: UnitCosts | None = None,
+    ):
         self.blocks, self.rules, self.ctx, self.space = tuple(blocks), rules, ctx, space
         self.budget_bytes, self.minimize_memory = budget_bytes, minimize_memory
         self.time_bound_s = time_bound_s * (1 + ROUNDING)
@@ -362,7 +429,9 @@ class ChainSolver:
     def solve(self, start: int, end: int) -> ChainSolution | None:
         """The fastest plan of blocks[start:end] as one stage, None if nothing fits the budget."""
         if self.only_end is not None and end != self.only_end:
-            raise ValueError(f"this solver was built for spans ending at {self.only_end}, not {end}")
+            raise ValueError(
+                f"this solver was built for spans ending at {self.only_end}, not {end}"
+            )
         span = self._span_id(start, end)
         if span not in self.solutions:
             self.solutions[span] = self._solve(start, end)
@@ -370,8 +439,12 @@ class ChainSolver:
         if found is None or found.bounds[0] == start:
             return found
         shift = start - found.bounds[0]
-        return ChainSolution(bounds=tuple(b + shift for b in found.bounds), decisions=found.decisions,
-                             time_s=found.time_s, peak_bytes=found.peak_bytes)
+        return ChainSolution(
+            bounds=tuple(b + shift for b in found.bounds),
+            decisions=found.decisions,
+            time_s=found.time_s,
+            peak_bytes=found.peak_bytes,
+        )
 
     def _solve(self, start: int, end: int) -> ChainSolution | None:
         built = end  # shorter spans first, from the longest one built already: no deep recursion
@@ -399,9 +472,17 @@ class ChainSolver:
             key, front = position.keys[number], position.fronts[number]
             bounds.append(start + key[0])
             decisions.append(key[2])
-            number, index, at = int(front.parent_source[index]), int(front.parent_index[index]), start + key[0]
-        return ChainSolution(bounds=tuple(reversed(bounds)), decisions=tuple(reversed(decisions)),
-                             time_s=time_s, peak_bytes=peak)
+            number, index, at = (
+                int(front.parent_source[index]),
+                int(front.parent_index[index]),
+                start + key[0],
+            )
+        return ChainSolution(
+            bounds=tuple(reversed(bounds)),
+            decisions=tuple(reversed(decisions)),
+            time_s=time_s,
+            peak_bytes=peak,
+        )
 
     def _least_rise(self, first: int, end: int, decision: Decision, prefetched: int) -> int:
         """The least that any continuation of a state whose last unit is blocks[first:end] (holding
@@ -413,14 +494,19 @@ class ChainSolver:
         the blocks after `end` are unknown (memoized fronts are shared by every span with the same
         blocks), so only the first bound holds. Memoized on the signatures of the blocks it reads:
         in a run of identical layers it is computed once."""
-        last = end if self.only_end is None or end == self.only_end else min(
-            self.only_end, end + self.space.max_unit_blocks)
+        last = (
+            end
+            if self.only_end is None or end == self.only_end
+            else min(self.only_end, end + self.space.max_unit_blocks)
+        )
         key = (self.signatures[first:last], end - first, last == end, decision, prefetched)
         if key not in self.least_rises:
             self.least_rises[key] = self._least_rise_of(first, end, last, decision, prefetched)
         return self.least_rises[key]
 
-    def _least_rise_of(self, first: int, end: int, last: int, decision: Decision, prefetched: int) -> int:
+    def _least_rise_of(
+        self, first: int, end: int, last: int, decision: Decision, prefetched: int
+    ) -> int:
         u = self.costs(first, end, decision)
         rise_fwd = self._rise_fwd(u)
         if last == end:
@@ -430,9 +516,11 @@ class ChainSolver:
         for after in range(end + 1, last + 1):
             for following in self.costs.decisions(end, after):
                 v = self.costs(end, after, following)
-                rise = max(rise_fwd + cost.prefetch_fwd_bytes(u, v, ctx),
-                           cost.own_peak_bytes(v, ctx, backward=True) + cost.prefetch_bwd_bytes(v, u),
-                           rise_bwd + cost.in_flight_bwd_bytes(v))
+                rise = max(
+                    rise_fwd + cost.prefetch_fwd_bytes(u, v, ctx),
+                    cost.own_peak_bytes(v, ctx, backward=True) + cost.prefetch_bwd_bytes(v, u),
+                    rise_bwd + cost.in_flight_bwd_bytes(v),
+                )
                 least = rise if least is None else min(least, rise)
         return rise_fwd if least is None else least
 
@@ -471,30 +559,43 @@ class ChainSolver:
         if not units:
             return 0
         gathered = max(u.gathered_bytes for u in units) + max(u.reducing_bytes for u in units)
-        rise = max(max(cost.own_peak_bytes(u, ctx, backward=True), self._rise_fwd(u)) for u in units)
+        rise = max(
+            max(cost.own_peak_bytes(u, ctx, backward=True), self._rise_fwd(u)) for u in units
+        )
         most: dict[tuple, int] = {}  # per block signature: its largest base + held bytes
         for i in range(n):
-            if self.signatures[i:i + 1] not in most:
+            if self.signatures[i : i + 1] not in most:
                 singles = [self.costs(i, i + 1, d) for d in self.costs.decisions(i, i + 1)]
-                most[self.signatures[i:i + 1]] = max(cost.end_of_forward_bytes(u, ctx) for u in singles)
-        return rise + gathered + sum(most[self.signatures[i:i + 1]] for i in range(n))
+                most[self.signatures[i : i + 1]] = max(
+                    cost.end_of_forward_bytes(u, ctx) for u in singles
+                )
+        return rise + gathered + sum(most[self.signatures[i : i + 1]] for i in range(n))
 
     def _drop_slower_than_safe(self, front: _Front) -> _Front:
         """A state is safe when every continuation of it fits the budget; then no state as slow
         or slower can end faster: keep the fastest safe state and the faster ones (exact)."""
-        safe = np.flatnonzero(np.maximum(front.r, front.q) + self.safe_margin_bytes <= self.budget_bytes)
+        safe = np.flatnonzero(
+            np.maximum(front.r, front.q) + self.safe_margin_bytes <= self.budget_bytes
+        )
         if not len(safe):
             return front
         fastest = safe[np.lexsort((front.q[safe], front.r[safe], front.time_s[safe]))[0]]
-        return front.take(np.flatnonzero((front.time_s < front.time_s[fastest])
-                                         | (np.arange(len(front.time_s)) == fastest)))
+        return front.take(
+            np.flatnonzero(
+                (front.time_s < front.time_s[fastest]) | (np.arange(len(front.time_s)) == fastest)
+            )
+        )
 
     def _span_id(self, start: int, end: int) -> int:
         found = self.span_ids.get((start, end))
         if found is None:
             for at in range(start, end + 1):
                 if (start, at) not in self.span_ids:
-                    token = (self.span_ids[(start, at - 1)], self.signatures[at - 1]) if at > start else ()
+                    token = (
+                        (self.span_ids[(start, at - 1)], self.signatures[at - 1])
+                        if at > start
+                        else ()
+                    )
                     self.span_ids[(start, at)] = self.interned.setdefault(token, len(self.interned))
             found = self.span_ids[(start, end)]
         return found
@@ -509,8 +610,14 @@ class ChainSolver:
     def _build(self, start: int, end: int) -> _Position:
         if end == start:
             zero = np.zeros(1, np.int64)
-            return _Position(keys=[None], fronts=[_Front(time_s=np.zeros(1), r=zero, q=zero, parent_source=zero,
-                                                         parent_index=zero)])
+            return _Position(
+                keys=[None],
+                fronts=[
+                    _Front(
+                        time_s=np.zeros(1), r=zero, q=zero, parent_source=zero, parent_index=zero
+                    )
+                ],
+            )
         keys, fronts = [], []
         rules, space = self.rules, self.space
         candidates: dict = {}
@@ -531,7 +638,9 @@ class ChainSolver:
         for key, front in candidates.items():
             # Raise R to Q + the least rise any continuation adds: states differing only below
             # that level behave the same in every future, so the Pareto step merges them (exact).
-            front.r = np.maximum(front.r, front.q + self._least_rise(start + key[0], start + key[1], key[2], key[3]))
+            front.r = np.maximum(
+                front.r, front.q + self._least_rise(start + key[0], start + key[1], key[2], key[3])
+            )
             if self.safe_margin_bytes is not None:
                 front = self._drop_slower_than_safe(front)
             keys.append(key)
@@ -539,7 +648,9 @@ class ChainSolver:
         return _Position(keys=keys, fronts=fronts)
 
     @staticmethod
-    def _by_prefetched(source: _Position, chunk: _Front, prefetched: np.ndarray | int) -> list[tuple[int, _Front]]:
+    def _by_prefetched(
+        source: _Position, chunk: _Front, prefetched: np.ndarray | int
+    ) -> list[tuple[int, _Front]]:
         """`chunk` split by what the new unit's backward holds of the unit before it (the key's last
         part): a scalar is one value for every state, else one of the source's units' values."""
         if not isinstance(prefetched, np.ndarray):
@@ -557,20 +668,29 @@ class ChainSolver:
             front.parent_source = np.repeat(np.arange(len(units)), sizes)
             front.parent_index = np.concatenate([np.arange(size) for size in sizes])
             position.columns = _Columns(
-                front=front, rise_fwd_bytes=np.array([self._rise_fwd(u) for u in units], np.int64),
-                rise_bwd_bytes=np.array([cost.own_peak_bytes(u, self.ctx, backward=True)
-                                         - cost.held_bytes(u, self.ctx) + key[3]
-                                         for u, key in zip(units, position.keys)], np.int64),
+                front=front,
+                rise_fwd_bytes=np.array([self._rise_fwd(u) for u in units], np.int64),
+                rise_bwd_bytes=np.array(
+                    [
+                        cost.own_peak_bytes(u, self.ctx, backward=True)
+                        - cost.held_bytes(u, self.ctx)
+                        + key[3]
+                        for u, key in zip(units, position.keys)
+                    ],
+                    np.int64,
+                ),
                 prefetch=np.array([u.prefetch for u in units], bool),
                 gathered_bwd_bytes=np.array([u.gathered_bwd_bytes for u in units], np.int64),
                 gathered_bwd_values=tuple(sorted({u.gathered_bwd_bytes for u in units})),
                 hide_fwd_s=np.array([u.hide_fwd_s for u in units], float),
                 gather_bwd_s=np.array([u.gather_bwd_s for u in units], float),
-                hide_bwd_s=np.array([u.hide_bwd_s for u in units], float))
+                hide_bwd_s=np.array([u.hide_bwd_s for u in units], float),
+            )
         return position.columns
 
-    def _extend(self, source: _Position, start: int,
-                key: tuple[int, int, Decision]) -> tuple[_Front, np.ndarray | int]:
+    def _extend(
+        self, source: _Position, start: int, key: tuple[int, int, Decision]
+    ) -> tuple[_Front, np.ndarray | int]:
         """Append unit `key` to every state of `source`; drop what is already over budget. Also returns
         what the new unit's backward holds of the unit before it (its prefetch), per state kept."""
         ctx = self.ctx
@@ -581,26 +701,42 @@ class ChainSolver:
         prefetched: np.ndarray | int
         if source.keys == [None]:
             front, rise, prefetched = source.fronts[0], v_bwd, 0
-            step: float | np.ndarray = 0.0 if self.minimize_memory else own_time + cost.pair_time_s(None, v, ctx)
+            step: float | np.ndarray = (
+                0.0 if self.minimize_memory else own_time + cost.pair_time_s(None, v, ctx)
+            )
         else:
             columns = self._columns(source, start)
             front, key_of = columns.front, columns.front.parent_source
             held_before = columns.prefetch_bwd_bytes(v)
-            rise = np.maximum(np.maximum(columns.rise_fwd_bytes + columns.prefetch_fwd_bytes(v, ctx),
-                                         v_bwd + held_before),
-                              columns.rise_bwd_bytes + cost.in_flight_bwd_bytes(v))[key_of]
+            rise = np.maximum(
+                np.maximum(
+                    columns.rise_fwd_bytes + columns.prefetch_fwd_bytes(v, ctx), v_bwd + held_before
+                ),
+                columns.rise_bwd_bytes + cost.in_flight_bwd_bytes(v),
+            )[key_of]
             prefetched = held_before[key_of] if isinstance(held_before, np.ndarray) else held_before
             step = 0.0 if self.minimize_memory else (own_time + columns.pair_time_s(v, ctx))[key_of]
         r = np.maximum(front.r, front.q + rise) + delta
         time_s, q = front.time_s + step, front.q + delta + held_v
         end = start + key[1]
         to_come_s = self.time_to_end_s[:, end, None]
-        if math.isfinite(self.budget_bytes):  # without a budget only the plain compute bound (λ = 0) is there
+        if math.isfinite(
+            self.budget_bytes
+        ):  # without a budget only the plain compute bound (λ = 0) is there
             # summed in place: adding the column into a new (prices × states) array took ten times as long
             priced = self.prices[:, None] * np.minimum(q - self.budget_bytes, 0)
             priced += to_come_s
             to_come_s = priced
-        fits = np.flatnonzero((r <= self.budget_bytes) & (time_s + to_come_s.max(axis=0) <= self.time_bound_s))
-        return (_Front(time_s=time_s[fits], r=r[fits], q=q[fits],
-                       parent_source=front.parent_source[fits], parent_index=front.parent_index[fits]),
-                prefetched[fits] if isinstance(prefetched, np.ndarray) else prefetched)
+        fits = np.flatnonzero(
+            (r <= self.budget_bytes) & (time_s + to_come_s.max(axis=0) <= self.time_bound_s)
+        )
+        return (
+            _Front(
+                time_s=time_s[fits],
+                r=r[fits],
+                q=q[fits],
+                parent_source=front.parent_source[fits],
+                parent_index=front.parent_index[fits],
+            ),
+            prefetched[fits] if isinstance(prefetched, np.ndarray) else prefetched,
+        )

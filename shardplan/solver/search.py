@@ -4,6 +4,7 @@ For each configuration the stage cut (stages.py) and, inside each stage, the uni
 their decisions (chain_dp.py) are exact; this module tries every configuration and
 ranks the results. Plain data in, plain data out.
 """
+
 import bisect
 import itertools
 import math
@@ -11,14 +12,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .. import cost
-from ..chain import Block
-from ..cost import CostContext, evaluate_stage
-from ..hardware import HardwareModel
-from ..plan import Mesh, MixedPrecision, Schedule
-from .chain_dp import ROUNDING, ChainSolution, ChainSolver, StageFloors, UnitCosts, block_signatures
-from .space import BlockRule, SearchSpace
-from .stages import StageCut, cut_stages
+from shardplan.costmodel import cost
+from shardplan.costmodel.cost import CostContext, evaluate_stage
+from shardplan.costmodel.hardware import HardwareModel
+from shardplan.frontend.chain import Block
+from shardplan.plan import Mesh, MixedPrecision, Schedule
+from shardplan.solver.chain_dp import (
+    ROUNDING,
+    ChainSolution,
+    ChainSolver,
+    StageFloors,
+    UnitCosts,
+    block_signatures,
+)
+from shardplan.solver.space import BlockRule, SearchSpace
+from shardplan.solver.stages import StageCut, cut_stages
 
 SCHEDULES = ("1f1b",)
 """Schedules searched. GPipe is left out: in the cost model it takes the time of 1F1B with more
@@ -82,9 +90,16 @@ class Configuration:
         mesh = self.mesh
         text = f"dp={mesh.dp} pp={mesh.pp} micro-batches={self.schedule.num_micro_batches}"
         if mesh.tp > 1 or mesh.dp_replicate > 1:
-            text = (f"dp_shard={mesh.dp_shard}" + (f" dp_replicate={mesh.dp_replicate}" if mesh.dp_replicate > 1 else "")
-                    + (f" tp={mesh.tp}" + (" (sequence parallel)" if self.sequence_parallel else "") if mesh.tp > 1
-                       else "") + f" pp={mesh.pp} micro-batches={self.schedule.num_micro_batches}")
+            text = (
+                f"dp_shard={mesh.dp_shard}"
+                + (f" dp_replicate={mesh.dp_replicate}" if mesh.dp_replicate > 1 else "")
+                + (
+                    f" tp={mesh.tp}" + (" (sequence parallel)" if self.sequence_parallel else "")
+                    if mesh.tp > 1
+                    else ""
+                )
+                + f" pp={mesh.pp} micro-batches={self.schedule.num_micro_batches}"
+            )
         return text + (f" {self.schedule.name}" if self.mesh.pp > 1 else "")
 
 
@@ -110,18 +125,28 @@ class SearchMemo:
     signatures: tuple[int, ...] | None = None
     """block_signatures of the chain."""
 
-    def costs(self, blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting,
-              configuration: Configuration, hardware: HardwareModel, space: SearchSpace) -> UnitCosts:
+    def costs(
+        self,
+        blocks: Sequence[Block],
+        rules: tuple[BlockRule, ...],
+        setting: Setting,
+        configuration: Configuration,
+        hardware: HardwareModel,
+        space: SearchSpace,
+    ) -> UnitCosts:
         found = self.unit_costs.get(configuration)
         if found is None:
             if self.signatures is None:
                 self.signatures = block_signatures(blocks)
             found = self.unit_costs[configuration] = UnitCosts(
-                blocks, rules, space, context(setting, configuration, hardware, 0), self.signatures)
+                blocks, rules, space, context(setting, configuration, hardware, 0), self.signatures
+            )
         return found
 
 
-def tensor_parallel_options(blocks: Sequence[Block], world_size: int, max_degree: int) -> tuple[tuple[int, bool], ...]:
+def tensor_parallel_options(
+    blocks: Sequence[Block], world_size: int, max_degree: int
+) -> tuple[tuple[int, bool], ...]:
     """(tp, sequence parallel) to search: 1, and each degree up to `max_degree` dividing the world at
     which some block slices (TensorParallelFacts.slices_at), with sequence parallelism where every
     layer between the pairs slices at it (a layer left whole cannot run on a shard of the sequence)."""
@@ -151,34 +176,58 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
     world = setting.world_size
     found = []
     for tp, sequence_parallel in setting.tensor_parallel:
-        for pp in range(1, min(world // tp, n_blocks) + 1):  # a stage holds a block at least: O(blocks), not O(ranks)
-            if (world // tp) % pp or pp > n_blocks or (pp > 1 and (not setting.allow_pipeline
-                                                                   or pp > setting.max_pipeline_degree)):
+        for pp in range(
+            1, min(world // tp, n_blocks) + 1
+        ):  # a stage holds a block at least: O(blocks), not O(ranks)
+            if (
+                (world // tp) % pp
+                or pp > n_blocks
+                or (pp > 1 and (not setting.allow_pipeline or pp > setting.max_pipeline_degree))
+            ):
                 continue
             dp = world // (tp * pp)
             batch = setting.replica_batch(dp)
             if batch != int(batch) or batch < 1:
                 continue
-            micro = [m for m in range(1, min(int(batch), setting.max_micro_batches) + 1) if batch % m == 0]
+            micro = [
+                m
+                for m in range(1, min(int(batch), setting.max_micro_batches) + 1)
+                if batch % m == 0
+            ]
             for replicas in replica_groups(setting, dp, tp):
                 for m in micro:
-                    for schedule in (SCHEDULES if pp > 1 else ("none",)):
-                        found.append(Configuration(
-                            mesh=Mesh(dp_shard=dp // replicas, dp_replicate=replicas, tp=tp, pp=pp),
-                            schedule=Schedule(num_micro_batches=m, name=schedule),
-                            sequence_parallel=sequence_parallel))
+                    for schedule in SCHEDULES if pp > 1 else ("none",):
+                        found.append(
+                            Configuration(
+                                mesh=Mesh(
+                                    dp_shard=dp // replicas, dp_replicate=replicas, tp=tp, pp=pp
+                                ),
+                                schedule=Schedule(num_micro_batches=m, name=schedule),
+                                sequence_parallel=sequence_parallel,
+                            )
+                        )
     return found
 
 
-def context(setting: Setting, configuration: Configuration, hardware: HardwareModel, stage: int) -> CostContext:
+def context(
+    setting: Setting, configuration: Configuration, hardware: HardwareModel, stage: int
+) -> CostContext:
     mesh, precision = configuration.mesh, setting.mixed_precision
-    return CostContext(hardware=hardware, dp=mesh.dp_shard, dp_replicate=mesh.dp_replicate, tp=mesh.tp,
-                       sequence_parallel=configuration.sequence_parallel,
-                       batch_scale=setting.replica_batch(mesh.dp) / setting.batch_size,
-                       num_micro_batches=configuration.schedule.num_micro_batches,
-                       in_flight=configuration.in_flight(stage), pipeline_degree=mesh.pp,
-                       param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype,
-                       optimizer=setting.optimizer, runtime=setting.runtime)
+    return CostContext(
+        hardware=hardware,
+        dp=mesh.dp_shard,
+        dp_replicate=mesh.dp_replicate,
+        tp=mesh.tp,
+        sequence_parallel=configuration.sequence_parallel,
+        batch_scale=setting.replica_batch(mesh.dp) / setting.batch_size,
+        num_micro_batches=configuration.schedule.num_micro_batches,
+        in_flight=configuration.in_flight(stage),
+        pipeline_degree=mesh.pp,
+        param_dtype=precision.param_dtype,
+        reduce_dtype=precision.reduce_dtype,
+        optimizer=setting.optimizer,
+        runtime=setting.runtime,
+    )
 
 
 def boundary_bytes(blocks: Sequence[Block], skip_edges: Sequence[tuple[int, int]]) -> list[int]:
@@ -199,8 +248,9 @@ def boundary_bytes(blocks: Sequence[Block], skip_edges: Sequence[tuple[int, int]
     return [0] + [blocks[cut - 1].output_bytes + skipping[cut] for cut in range(1, n)] + [0]
 
 
-def boundary_times_s(blocks: Sequence[Block], setting: Setting, configuration: Configuration,
-                     hardware: HardwareModel) -> list[float]:
+def boundary_times_s(
+    blocks: Sequence[Block], setting: Setting, configuration: Configuration, hardware: HardwareModel
+) -> list[float]:
     """Per-micro-batch pipeline traffic of a boundary at each cut (0 at both ends): the stages on
     either side each pay it once, one sending the activations forward, the other their gradient
     back. A send of x bytes between two ranks is priced as an all-gather of 2x bytes over 2 ranks
@@ -213,16 +263,34 @@ def boundary_times_s(blocks: Sequence[Block], setting: Setting, configuration: C
     if configuration.mesh.pp == 1:
         return [0.0] * (len(blocks) + 1)
     ctx = context(setting, configuration, hardware, 0)
-    m, crossing = ctx.num_micro_batches, boundary_bytes([cost.on_rank(b, ctx) for b in blocks], setting.skip_edges)
+    m, crossing = (
+        ctx.num_micro_batches,
+        boundary_bytes([cost.on_rank(b, ctx) for b in blocks], setting.skip_edges),
+    )
     spans_nodes = setting.world_size > getattr(hardware, "devices_per_node", setting.world_size)
-    ranks_per_node = 1 if spans_nodes else 0  # 0: the group fills nodes (CostContext.ranks_per_node)
-    return [0.0] + [hardware.collective_time_s("all_gather_into_tensor", 2 * -(-nbytes // m), 2,
-                                               ranks_per_node=ranks_per_node)
-                    for nbytes in crossing[1:-1]] + [0.0]
+    ranks_per_node = (
+        1 if spans_nodes else 0
+    )  # 0: the group fills nodes (CostContext.ranks_per_node)
+    return (
+        [0.0]
+        + [
+            hardware.collective_time_s(
+                "all_gather_into_tensor", 2 * -(-nbytes // m), 2, ranks_per_node=ranks_per_node
+            )
+            for nbytes in crossing[1:-1]
+        ]
+        + [0.0]
+    )
 
 
-def boundary_time_s(blocks: Sequence[Block], start: int, end: int, setting: Setting, configuration: Configuration,
-                    hardware: HardwareModel) -> float:
+def boundary_time_s(
+    blocks: Sequence[Block],
+    start: int,
+    end: int,
+    setting: Setting,
+    configuration: Configuration,
+    hardware: HardwareModel,
+) -> float:
     """Per-micro-batch pipeline traffic of the stage blocks[start:end] (see boundary_times_s)."""
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
     return times_s[start] + times_s[end]
@@ -235,8 +303,14 @@ class TiedTerms(NamedTuple):
     """Once a step: their values sent to the copies and the gradients summed back."""
 
 
-def tied_terms(blocks: Sequence[Block], start: int, end: int, setting: Setting, configuration: Configuration,
-               hardware: HardwareModel) -> TiedTerms:
+def tied_terms(
+    blocks: Sequence[Block],
+    start: int,
+    end: int,
+    setting: Setting,
+    configuration: Configuration,
+    hardware: HardwareModel,
+) -> TiedTerms:
     """What ties to other stages cost the stage blocks[start:end] (see [Note: tied weights across stages] in
     runtime/pipelined.py): for each tie (i, j) it holds one end of, a broadcast of the parameters and an
     all-reduce of their gradients between the two stages, each the owner's shard (block i's parameters in
@@ -247,51 +321,92 @@ def tied_terms(blocks: Sequence[Block], start: int, end: int, setting: Setting, 
             continue
         shard_bytes = -(-blocks[i].param_numel * 4 // configuration.mesh.dp_shard)
         # the broadcast to one peer priced as a send is (boundary_times_s)
-        sync_s += hardware.collective_time_s("all_gather_into_tensor", 2 * shard_bytes, 2) + \
-            hardware.collective_time_s("all_reduce", shard_bytes, 2)
+        sync_s += hardware.collective_time_s(
+            "all_gather_into_tensor", 2 * shard_bytes, 2
+        ) + hardware.collective_time_s("all_reduce", shard_bytes, 2)
         copy_bytes += 2 * shard_bytes if start <= j < end else 0
     return TiedTerms(copy_bytes, sync_s)
 
 
-def solve_configuration(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting,
-                        configuration: Configuration, hardware: HardwareModel, budget_bytes: float, space: SearchSpace,
-                        *, minimize_memory: bool = False, time_bound_s: float = math.inf,
-                        costs: UnitCosts | None = None) -> Candidate | None:
+def solve_configuration(
+    blocks: Sequence[Block],
+    rules: tuple[BlockRule, ...],
+    setting: Setting,
+    configuration: Configuration,
+    hardware: HardwareModel,
+    budget_bytes: float,
+    space: SearchSpace,
+    *,
+    minimize_memory: bool = False,
+    time_bound_s: float = math.inf,
+    costs: UnitCosts | None = None,
+) -> Candidate | None:
     """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one);
     None when nothing fits the budget or nothing is as fast as `time_bound_s`. `costs`: its
     UnitCosts, where the caller keeps them (SearchMemo)."""
-    contexts = [context(setting, configuration, hardware, stage) for stage in range(configuration.mesh.pp)]
+    contexts = [
+        context(setting, configuration, hardware, stage) for stage in range(configuration.mesh.pp)
+    ]
     if costs is None:  # shared by the stages: see UnitCosts
         costs = UnitCosts(blocks, rules, space, contexts[0])
     solvers: dict[tuple[int, int], ChainSolver] = {}
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
     floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
-    least_peak = floors if minimize_memory else StageFloors(costs, budget_bytes, minimize_memory=True)
+    least_peak = (
+        floors if minimize_memory else StageFloors(costs, budget_bytes, minimize_memory=True)
+    )
 
     def stage_cost(stage: int, start: int, end: int) -> tuple[ChainSolution, float] | None:
         ctx = contexts[stage]
         tied = tied_terms(blocks, start, end, setting, configuration, hardware)
-        if least_peak.least(start, end) > budget_bytes - tied.copy_bytes:  # no plan of the span fits: no DP
+        if (
+            least_peak.least(start, end) > budget_bytes - tied.copy_bytes
+        ):  # no plan of the span fits: no DP
             return None
-        key = (ctx.in_flight, tied.copy_bytes)  # the copies a stage holds leave its units less of the budget
+        key = (
+            ctx.in_flight,
+            tied.copy_bytes,
+        )  # the copies a stage holds leave its units less of the budget
         if key not in solvers:
             solvers[key] = ChainSolver(
-                blocks, rules, ctx, budget_bytes - tied.copy_bytes, space, minimize_memory=minimize_memory,
-                time_bound_s=time_bound_s, only_end=len(blocks) if configuration.mesh.pp == 1 else None, costs=costs)
+                blocks,
+                rules,
+                ctx,
+                budget_bytes - tied.copy_bytes,
+                space,
+                minimize_memory=minimize_memory,
+                time_bound_s=time_bound_s,
+                only_end=len(blocks) if configuration.mesh.pp == 1 else None,
+                costs=costs,
+            )
         solution = solvers[key].solve(start, end)
         if solution is None:
             return None
         if minimize_memory:
             return solution, float(solution.peak_bytes + tied.copy_bytes)
-        return solution, solution.time_s + ctx.pipeline_factor * (times_s[start] + times_s[end]) + tied.sync_s
+        return solution, solution.time_s + ctx.pipeline_factor * (
+            times_s[start] + times_s[end]
+        ) + tied.sync_s
 
-    cuts = cut_stages(rules, configuration.mesh.pp, stage_cost, floors.least,
-                      budget_bytes if minimize_memory else time_bound_s)
+    cuts = cut_stages(
+        rules,
+        configuration.mesh.pp,
+        stage_cost,
+        floors.least,
+        budget_bytes if minimize_memory else time_bound_s,
+    )
     if cuts is None:
         return None
-    return Candidate(configuration=configuration, stages=cuts, step_time_s=max(c.time_s for c in cuts),
-                     peak_bytes=max(c.solution.peak_bytes + tied_terms(blocks, c.start, c.end, setting, configuration,
-                                                                       hardware).copy_bytes for c in cuts))
+    return Candidate(
+        configuration=configuration,
+        stages=cuts,
+        step_time_s=max(c.time_s for c in cuts),
+        peak_bytes=max(
+            c.solution.peak_bytes
+            + tied_terms(blocks, c.start, c.end, setting, configuration, hardware).copy_bytes
+            for c in cuts
+        ),
+    )
 
 
 def samples_per_step(setting: Setting, configuration: Configuration) -> float:
@@ -299,10 +414,18 @@ def samples_per_step(setting: Setting, configuration: Configuration) -> float:
     return setting.replica_batch(configuration.mesh.dp) * configuration.mesh.dp
 
 
-def search(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting, hardware: HardwareModel,
-           budget_bytes: float, space: SearchSpace, *,
-           time_bound_s: float = math.inf, memo: SearchMemo | None = None,
-           runner_ups: bool = True) -> list[Candidate]:
+def search(
+    blocks: Sequence[Block],
+    rules: tuple[BlockRule, ...],
+    setting: Setting,
+    hardware: HardwareModel,
+    budget_bytes: float,
+    space: SearchSpace,
+    *,
+    time_bound_s: float = math.inf,
+    memo: SearchMemo | None = None,
+    runner_ups: bool = True,
+) -> list[Candidate]:
     """The best plan of every configuration within RUNNER_UP_SLACK of the fastest, fastest first
     (ties: smaller peak, then configuration order). Fastest per sample: meshes with fewer replicas
     (tp, pp) train fewer samples a step unless a global batch is given, when every step trains the same.
@@ -318,9 +441,18 @@ def search(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setti
     has a plan (starved_pipeline): the memory's last resort."""
     everything = configurations(setting, len(blocks))
     for starved in (False, True):
-        found = _search_among([c for c in everything if starved_pipeline(c) == starved], blocks, rules, setting,
-                              hardware, budget_bytes, space, time_bound_s=time_bound_s, memo=memo or SearchMemo(),
-                              slack=RUNNER_UP_SLACK if runner_ups else 1.0)
+        found = _search_among(
+            [c for c in everything if starved_pipeline(c) == starved],
+            blocks,
+            rules,
+            setting,
+            hardware,
+            budget_bytes,
+            space,
+            time_bound_s=time_bound_s,
+            memo=memo or SearchMemo(),
+            slack=RUNNER_UP_SLACK if runner_ups else 1.0,
+        )
         if found:
             return found
     return []
@@ -334,28 +466,63 @@ def starved_pipeline(configuration: Configuration) -> bool:
     configurations only when nothing else fits, which keeps a solve in seconds (70B shapes at world 1024
     would try four times the configurations) at the price of those fixed costs on a CPU (the zoo's
     encoder-decoder at world 2 plans 23% faster over one micro-batch than over two, within its budget)."""
-    return configuration.mesh.pp > 1 and configuration.schedule.num_micro_batches < configuration.mesh.pp
+    return (
+        configuration.mesh.pp > 1
+        and configuration.schedule.num_micro_batches < configuration.mesh.pp
+    )
 
 
-def _search_among(everything: list[Configuration], blocks: Sequence[Block], rules: tuple[BlockRule, ...],
-                  setting: Setting, hardware: HardwareModel, budget_bytes: float, space: SearchSpace, *,
-                  time_bound_s: float, memo: SearchMemo, slack: float) -> list[Candidate]:
+def _search_among(
+    everything: list[Configuration],
+    blocks: Sequence[Block],
+    rules: tuple[BlockRule, ...],
+    setting: Setting,
+    hardware: HardwareModel,
+    budget_bytes: float,
+    space: SearchSpace,
+    *,
+    time_bound_s: float,
+    memo: SearchMemo,
+    slack: float,
+) -> list[Candidate]:
     """search over `everything`, keeping the plans within `slack` of the fastest."""
     samples = [samples_per_step(setting, c) for c in everything]
     known = memo.guesses
     if time_bound_s == math.inf:
         for c in everything:
             if c not in known:
-                known[c] = uniform_plan_time_s(blocks, rules, setting, c, hardware, budget_bytes, space,
-                                               costs=memo.costs(blocks, rules, setting, c, hardware, space))
-    guess_s = ([known[c] / n for c, n in zip(everything, samples)]
-               if time_bound_s == math.inf else [math.inf] * len(everything))  # a given bound is tight enough
-    found, bound = [], min(min(guess_s, default=math.inf), time_bound_s)  # a simple plan reaches it: exact
+                known[c] = uniform_plan_time_s(
+                    blocks,
+                    rules,
+                    setting,
+                    c,
+                    hardware,
+                    budget_bytes,
+                    space,
+                    costs=memo.costs(blocks, rules, setting, c, hardware, space),
+                )
+    guess_s = (
+        [known[c] / n for c, n in zip(everything, samples)]
+        if time_bound_s == math.inf
+        else [math.inf] * len(everything)
+    )  # a given bound is tight enough
+    found, bound = (
+        [],
+        min(min(guess_s, default=math.inf), time_bound_s),
+    )  # a simple plan reaches it: exact
     for order in sorted(range(len(everything)), key=lambda i: (guess_s[i], i)):
         configuration = everything[order]
-        candidate = solve_configuration(blocks, rules, setting, configuration, hardware, budget_bytes, space,
-                                        time_bound_s=bound * samples[order],
-                                        costs=memo.costs(blocks, rules, setting, configuration, hardware, space))
+        candidate = solve_configuration(
+            blocks,
+            rules,
+            setting,
+            configuration,
+            hardware,
+            budget_bytes,
+            space,
+            time_bound_s=bound * samples[order],
+            costs=memo.costs(blocks, rules, setting, configuration, hardware, space),
+        )
         if candidate is not None:
             per_sample = candidate.step_time_s / samples[order]
             found.append((per_sample, candidate.peak_bytes, order, candidate))
@@ -366,9 +533,16 @@ def _search_among(everything: list[Configuration], blocks: Sequence[Block], rule
     return [c for *_, c in sorted(found, key=lambda item: item[:3])]
 
 
-def uniform_plan_time_s(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting,
-                        configuration: Configuration, hardware: HardwareModel,
-                        budget_bytes: float, space: SearchSpace, costs: UnitCosts) -> float:
+def uniform_plan_time_s(
+    blocks: Sequence[Block],
+    rules: tuple[BlockRule, ...],
+    setting: Setting,
+    configuration: Configuration,
+    hardware: HardwareModel,
+    budget_bytes: float,
+    space: SearchSpace,
+    costs: UnitCosts,
+) -> float:
     """Step time of the fastest simple plan of this configuration that fits: stages cut evenly by
     compute, every block its own unit, one decision per stage; inf when none fits. `costs`: the
     configuration's UnitCosts (SearchMemo)."""
@@ -377,7 +551,9 @@ def uniform_plan_time_s(blocks: Sequence[Block], rules: tuple[BlockRule, ...], s
         return math.inf
     prefix = list(itertools.accumulate((b.fwd_flops + b.bwd_flops for b in blocks), initial=0))
     edges = [0]
-    for stage in range(1, pp):  # first block past an even share of the work, one block at least per stage
+    for stage in range(
+        1, pp
+    ):  # first block past an even share of the work, one block at least per stage
         at = bisect.bisect_left(prefix, prefix[-1] * stage / pp)
         edges.append(min(max(at, edges[-1] + 1), n - (pp - stage)))
     edges.append(n)
@@ -398,27 +574,46 @@ def uniform_plan_time_s(blocks: Sequence[Block], rules: tuple[BlockRule, ...], s
         for least_s, decision in sorted(options, key=lambda option: option[0]):
             if least_s * (1 - ROUNDING) > fastest:
                 break
-            step = evaluate_stage(tuple(blocks[start:end]), tuple(range(end - start)), (decision,) * (end - start),
-                                  ctx, boundary_s=boundary_s, tied=tied_terms(blocks, start, end, setting,
-                                                                              configuration, hardware),
-                                  units=[costs(j, j + 1, decision) for j in range(start, end)])
+            step = evaluate_stage(
+                tuple(blocks[start:end]),
+                tuple(range(end - start)),
+                (decision,) * (end - start),
+                ctx,
+                boundary_s=boundary_s,
+                tied=tied_terms(blocks, start, end, setting, configuration, hardware),
+                units=[costs(j, j + 1, decision) for j in range(start, end)],
+            )
             if step.peak_bytes <= budget_bytes:
                 fastest = min(fastest, step.step_time_s)
         worst = max(worst, fastest)
     return worst
 
 
-def smallest_peak(blocks: Sequence[Block], rules: tuple[BlockRule, ...], setting: Setting, hardware: HardwareModel,
-                  space: SearchSpace, budget_bytes: float = math.inf) -> int | None:
+def smallest_peak(
+    blocks: Sequence[Block],
+    rules: tuple[BlockRule, ...],
+    setting: Setting,
+    hardware: HardwareModel,
+    space: SearchSpace,
+    budget_bytes: float = math.inf,
+) -> int | None:
     """The least peak memory per rank any configuration reaches (the budget that would just fit),
     or None when none reaches `budget_bytes`. Deepest pipelines first: they usually need the
     least, and each answer bounds (prunes) the next search exactly."""
     best, memo = None, SearchMemo()
     for configuration in reversed(configurations(setting, len(blocks))):
         bound = budget_bytes if best is None else best
-        candidate = solve_configuration(blocks, rules, setting, configuration, hardware, bound, space,
-                                        minimize_memory=True,
-                                        costs=memo.costs(blocks, rules, setting, configuration, hardware, space))
+        candidate = solve_configuration(
+            blocks,
+            rules,
+            setting,
+            configuration,
+            hardware,
+            bound,
+            space,
+            minimize_memory=True,
+            costs=memo.costs(blocks, rules, setting, configuration, hardware, space),
+        )
         if candidate is not None and (best is None or candidate.peak_bytes < best):
             best = candidate.peak_bytes
     return best

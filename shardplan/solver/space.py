@@ -10,13 +10,14 @@ property test compares like with like. Restrictions by default:
   kept gathered from forward to backward (SHARD_GRAD_OP) holds its parameters on the device anyway.
   Plans may name such a unit offloaded; the search leaves it out, so its plans stay as they were.
 """
+
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from ..chain import Block
-from ..errors import ShardplanError
-from ..plan import Checkpoint, Decision, ShardStrategy
+from shardplan.errors import ShardplanError
+from shardplan.frontend.chain import Block
+from shardplan.plan import Checkpoint, Decision, ShardStrategy
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,10 +67,15 @@ class SearchSpace:
         """Every decision a unit holding blocks with these rules may take, in a fixed order."""
         strategies = [s for s in self.strategies if all(s in r.strategies for r in rules)]
         checkpoints = [c for c in self.checkpoints if all(c in r.checkpoints for r in rules)]
-        return tuple(Decision(strategy=s, checkpoint=c, offload=o, prefetch=p)
-                     for s in strategies for c in checkpoints
-                     for o in ((False, True) if self.allow_offload and self.searches_offload(s) else (False,))
-                     for p in self.prefetch)
+        return tuple(
+            Decision(strategy=s, checkpoint=c, offload=o, prefetch=p)
+            for s in strategies
+            for c in checkpoints
+            for o in (
+                (False, True) if self.allow_offload and self.searches_offload(s) else (False,)
+            )
+            for p in self.prefetch
+        )
 
     @staticmethod
     def searches_offload(strategy: ShardStrategy) -> bool:
@@ -78,12 +84,19 @@ class SearchSpace:
 
 
 def _matches(block: Block, patterns: Iterable[str], classes: Mapping[str, str]) -> bool:
-    texts = (block.name,) + tuple(block.modules) + tuple(classes[m] for m in block.modules if m in classes)
+    texts = (
+        (block.name,)
+        + tuple(block.modules)
+        + tuple(classes[m] for m in block.modules if m in classes)
+    )
     return any(re.search(pattern, text) for pattern in patterns for text in texts)
 
 
-def resolve_rules(blocks: Sequence[Block], constraints: Constraints | None,
-                  classes: Mapping[str, str] | None = None) -> tuple[BlockRule, ...]:
+def resolve_rules(
+    blocks: Sequence[Block],
+    constraints: Constraints | None,
+    classes: Mapping[str, str] | None = None,
+) -> tuple[BlockRule, ...]:
     """One BlockRule per block; raises when the constraints contradict each other or a pattern matches nothing.
 
     `classes`: module path → class name (BlockChain.module_classes). Tied parameters do not restrict
@@ -95,10 +108,14 @@ def resolve_rules(blocks: Sequence[Block], constraints: Constraints | None,
         try:
             re.compile(pattern)
         except re.error as error:
-            raise ShardplanError(f"constraint pattern {pattern!r} is not a regular expression: {error}") from None
+            raise ShardplanError(
+                f"constraint pattern {pattern!r} is not a regular expression: {error}"
+            ) from None
         if not any(_matches(block, (pattern,), classes) for block in blocks):
-            raise ShardplanError(f"constraint {field_name}={pattern!r} matches no block, so it would change nothing: "
-                                 f"match one of the blocks' module paths or classes ({_block_names(blocks, classes)})")
+            raise ShardplanError(
+                f"constraint {field_name}={pattern!r} matches no block, so it would change nothing: "
+                f"match one of the blocks' module paths or classes ({_block_names(blocks, classes)})"
+            )
     rules = []
     for i, block in enumerate(blocks):
         must_unit = i == 0 or _matches(block, constraints.unit_boundary, classes)
@@ -106,27 +123,58 @@ def resolve_rules(blocks: Sequence[Block], constraints: Constraints | None,
         must_stage = i == 0 or _matches(block, constraints.stage_boundary, classes)
         may_stage = i == 0 or not _matches(block, constraints.no_stage_boundary, classes)
         checkpoints = frozenset(Checkpoint).intersection(
-            *[allowed for pattern, allowed in constraints.checkpoint if _matches(block, (pattern,), classes)])
+            *[
+                allowed
+                for pattern, allowed in constraints.checkpoint
+                if _matches(block, (pattern,), classes)
+            ]
+        )
         strategies = frozenset(ShardStrategy).intersection(
-            *[allowed for pattern, allowed in constraints.strategy if _matches(block, (pattern,), classes)])
+            *[
+                allowed
+                for pattern, allowed in constraints.strategy
+                if _matches(block, (pattern,), classes)
+            ]
+        )
         if must_unit and not may_unit or must_stage and not may_stage:
-            raise ShardplanError(f"constraints both pin and forbid a boundary at block {block.name!r}: "
-                                 "remove one of the two patterns")
+            raise ShardplanError(
+                f"constraints both pin and forbid a boundary at block {block.name!r}: "
+                "remove one of the two patterns"
+            )
         if not checkpoints or not strategies:
-            raise ShardplanError(f"constraints leave no checkpoint mode or shard strategy for block "
-                                 f"{block.name!r}: relax the patterns that match it")
-        rules.append(BlockRule(must_start_unit=must_unit, may_start_unit=may_unit, must_start_stage=must_stage,
-                               may_start_stage=may_stage, checkpoints=checkpoints, strategies=strategies))
+            raise ShardplanError(
+                f"constraints leave no checkpoint mode or shard strategy for block "
+                f"{block.name!r}: relax the patterns that match it"
+            )
+        rules.append(
+            BlockRule(
+                must_start_unit=must_unit,
+                may_start_unit=may_unit,
+                must_start_stage=must_stage,
+                may_start_stage=may_stage,
+                checkpoints=checkpoints,
+                strategies=strategies,
+            )
+        )
     return tuple(rules)
 
 
 def constraint_patterns(constraints: Constraints) -> list[tuple[str, str]]:
     """(field name, pattern) for every pattern the constraints hold."""
-    return [(field.name, entry[0] if isinstance(entry, tuple) else entry)
-            for field in fields(constraints) for entry in getattr(constraints, field.name)]
+    return [
+        (field.name, entry[0] if isinstance(entry, tuple) else entry)
+        for field in fields(constraints)
+        for entry in getattr(constraints, field.name)
+    ]
 
 
 def _block_names(blocks: Sequence[Block], classes: Mapping[str, str], shown: int = 6) -> str:
-    named = [f"{block.name or '<root>'} ({classes[block.name]})" if block.name in classes else block.name or "<root>"
-             for block in blocks]
-    return ", ".join(named[:shown]) + (f", ... {len(named) - shown} more" if len(named) > shown else "")
+    named = [
+        f"{block.name or '<root>'} ({classes[block.name]})"
+        if block.name in classes
+        else block.name or "<root>"
+        for block in blocks
+    ]
+    return ", ".join(named[:shown]) + (
+        f", ... {len(named) - shown} more" if len(named) > shown else ""
+    )

@@ -10,13 +10,14 @@ the slowest of the stages after it (chain_dp.StageFloors). That is exact: what i
 strictly worse than a cut in hand, or than the bound the caller gives. Each stage tries its
 ends from the balanced one outwards, so a good cut is in hand early and the bounds bite.
 """
+
 import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .chain_dp import ROUNDING, ChainSolution
-from .space import BlockRule
+from shardplan.solver.chain_dp import ROUNDING, ChainSolution
+from shardplan.solver.space import BlockRule
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,10 +33,13 @@ def stage_starts_allowed(rules: tuple[BlockRule, ...]) -> tuple[bool, ...]:
     return tuple(i == 0 or (r.may_start_stage and r.may_start_unit) for i, r in enumerate(rules))
 
 
-def cut_stages(rules: tuple[BlockRule, ...], pp: int,
-               stage_cost: Callable[[int, int, int], tuple[ChainSolution, float] | None],
-               floor: Callable[[int, int, int], float] | None = None,
-               bound: float = math.inf) -> tuple[StageCut, ...] | None:
+def cut_stages(
+    rules: tuple[BlockRule, ...],
+    pp: int,
+    stage_cost: Callable[[int, int, int], tuple[ChainSolution, float] | None],
+    floor: Callable[[int, int, int], float] | None = None,
+    bound: float = math.inf,
+) -> tuple[StageCut, ...] | None:
     """The pp stages minimizing the slowest stage's cost; None when no cut fits, or none has
     its slowest stage's cost within `bound`.
 
@@ -80,8 +84,16 @@ def cut_stages(rules: tuple[BlockRule, ...], pp: int,
                 choice = (max(found[1], rest[0]), end)
 
         # The balanced end: this stage's floor reaches the later stages' floor.
-        balanced = first if not later else bisect.bisect_left(
-            range(first, last + 1), 0.0, key=lambda end: at_least(start, end) - at_least(end, n, later)) + first
+        balanced = (
+            first
+            if not later
+            else bisect.bisect_left(
+                range(first, last + 1),
+                0.0,
+                key=lambda end: at_least(start, end) - at_least(end, n, later),
+            )
+            + first
+        )
         for end in range(balanced, last + 1):  # this stage's floor only grows
             if at_least(start, end) > limit():
                 break
@@ -98,7 +110,9 @@ def cut_stages(rules: tuple[BlockRule, ...], pp: int,
     cuts, start = [], 0
     for stage in range(pp):
         chosen = best[(stage, start)]
-        assert chosen is not None, "solve_from(0, 0) found a plan: every stage on its path has an end"
+        assert chosen is not None, (
+            "solve_from(0, 0) found a plan: every stage on its path has an end"
+        )
         end = chosen[1]
         found = stage_cost(stage, start, end)
         assert found is not None, "the search costed this stage already"

@@ -1,0 +1,1 @@
+"""Measuring this machine: hardware profiles, per-op factors, and predicted against measured."""

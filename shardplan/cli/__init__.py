@@ -1,0 +1,1 @@
+"""The command line: `shardplan plan | explain | diff | check | calibrate | demo | train`."""

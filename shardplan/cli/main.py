@@ -1,0 +1,620 @@
+"""The command line: shardplan plan | explain | diff | check | calibrate | demo | train.
+
+Errors print on one line without a traceback and exit 2 (`--debug` shows the traceback).
+"""
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+
+from rich.console import Console
+
+from shardplan.common.dtypes import FLOAT_DTYPES
+from shardplan.costmodel.cost import OPTIMIZER_STEPS
+from shardplan.errors import ShardplanError
+from shardplan.plan import Checkpoint, MixedPrecision, ShardStrategy
+
+EXAMPLES = {
+    "plan": "shardplan plan gpt --world-size 8 --hardware h100-80g --memory-budget 40GiB -o plan.json\n"
+    "  shardplan plan llama-7b --world-size 64 -o llama.json\n"
+    "  shardplan plan config.json --batch 1 --seq 4096 --world-size 16   (a Hugging Face config)\n"
+    "  shardplan plan mypackage.models:build --world-size 4   (build() returns (model, args, kwargs))\n"
+    "  shardplan plan config.json --world-size 8 --param-dtype bfloat16 --reduce-dtype float32 "
+    "--wrap 'layers\\.\\d+$' --pin 'embed=replicate'",
+    "explain": "shardplan explain plan.json --pictures plan-pictures/",
+    "diff": "shardplan diff old.json new.json",
+    "check": "shardplan check --baseline benchmarks/baseline.json\n"
+    "  shardplan check --baseline benchmarks/baseline.json --update\n"
+    "  shardplan check --measure cpu-gloo   # predicted vs measured training on this machine",
+    "calibrate": "shardplan calibrate -o profile.json --world-size 2\n"
+    "  shardplan calibrate --medium -o profile.json   # under a minute: what a small model's step reads",
+    "demo": "shardplan demo --world-size 2 --steps 5\n"
+    "  shardplan calibrate --medium -o profile.json && shardplan demo --hardware profile.json",
+    "train": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:4 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 "
+    "--rdzv-id=run1 --max-restarts=3 --no-python \\\n"
+    "      shardplan train gpt mypackage.data:tokens --directory run1 --steps 1000 --global-batch 64 "
+    "--hardware cpu-gloo",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:
+        from shardplan.calibration.calibrate import calibrate_main
+
+        return _guarded(lambda: calibrate_main(argv[1:]), "--debug" in argv)
+    parser = _parser()
+    options = parser.parse_args(argv)
+    return _guarded(lambda: options.run(options), options.debug)
+
+
+def _guarded(command, debug: bool) -> int:
+    try:
+        return command() or 0
+    except ShardplanError as error:
+        if debug:
+            raise
+        print(f"shardplan: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("shardplan: interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardplan",
+        description="Plan and run sharded PyTorch training.",
+        epilog="examples:\n  " + "\n  ".join(EXAMPLES.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, run, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog="examples:\n  " + EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
+        sub.set_defaults(run=run)
+        return sub
+
+    plan = command(
+        "plan",
+        _plan,
+        "Capture a model, solve for the fastest plan within the budget, write it as JSON.",
+    )
+    plan.add_argument(
+        "spec", help="a zoo name, package.module:factory, or a Hugging Face config JSON"
+    )
+    plan.add_argument("--world-size", type=int, required=True)
+    _hardware_options(plan)
+    plan.add_argument("--batch", type=int, help="sequences per data-parallel replica")
+    plan.add_argument(
+        "--global-batch",
+        type=int,
+        dest="global_batch_size",
+        help="sequences per step over all replicas, whatever the mesh (default: --batch per replica, "
+        "so meshes with fewer replicas train fewer); --batch is then the largest micro-batch tried",
+    )
+    plan.add_argument(
+        "--max-tp",
+        type=int,
+        dest="max_tensor_parallel",
+        help="the largest tensor-parallel degree searched (default: a node's devices on GPUs, 1 on CPU)",
+    )
+    plan.add_argument(
+        "--seq",
+        "--seq-len",
+        type=int,
+        dest="seq",
+        help="sequence length (of a Hugging Face config, or a model that takes one)",
+    )
+    plan.add_argument(
+        "--headroom",
+        type=float,
+        metavar="FRACTION",
+        help="share of the device's usable memory (past the runtime's reserve) kept free below the "
+        "default budget (default: the profile's, 5%% on GPU profiles, 10%% on CPU); not with "
+        "--memory-budget, which is used to the byte",
+    )
+    plan.add_argument(
+        "--no-pipeline",
+        dest="allow_pipeline",
+        action="store_false",
+        help="plan data parallelism only (pp = 1): no pipeline stages",
+    )
+    plan.add_argument(
+        "--offload",
+        "--allow-offload",
+        dest="allow_offload",
+        action="store_true",
+        help="let the solver keep shards and their optimizer state in CPU memory (FSDP's CPUOffload)",
+    )
+    plan.add_argument(
+        "--param-dtype",
+        choices=FLOAT_DTYPES,
+        help="dtype parameters are gathered and computed in (FSDP's MixedPrecision param_dtype); "
+        "default: float32 with --reduce-dtype, else the parameters' own. With either flag a "
+        "Hugging Face config's model is built in float32 (fp32 master weights)",
+    )
+    plan.add_argument(
+        "--reduce-dtype",
+        choices=FLOAT_DTYPES,
+        help="dtype gradients are reduced in (MixedPrecision reduce_dtype); default: float32 with "
+        "--param-dtype, else the parameters' own",
+    )
+    plan.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZER_STEPS),
+        default="adamw",
+        help="the optimizer whose state and step are priced (default: adamw)",
+    )
+    plan.add_argument(
+        "--wrap",
+        metavar="REGEX",
+        action="append",
+        default=[],
+        help="a unit starts at each block whose module path or class name matches (FSDP's "
+        "auto_wrap_policy / transformer_layer_cls); repeatable",
+    )
+    plan.add_argument(
+        "--no-wrap",
+        metavar="REGEX",
+        action="append",
+        default=[],
+        help="no unit starts at a matching block: it joins the unit of the block before; repeatable",
+    )
+    plan.add_argument(
+        "--pin",
+        metavar="REGEX=STRATEGY[,STRATEGY]",
+        action="append",
+        default=[],
+        help=f"the unit holding a matching block uses one of these strategies "
+        f"({', '.join(s.value for s in ShardStrategy)}); repeatable",
+    )
+    plan.add_argument(
+        "--checkpoint",
+        metavar="REGEX=MODE[,MODE]",
+        action="append",
+        default=[],
+        help=f"the unit holding a matching block checkpoints its activations in one of these modes "
+        f"({', '.join(c.value for c in Checkpoint)}); repeatable",
+    )
+    plan.add_argument(
+        "--stage-cut",
+        metavar="REGEX",
+        action="append",
+        default=[],
+        help="a pipeline stage starts at each matching block (when the plan has pp > 1); repeatable",
+    )
+    plan.add_argument(
+        "--no-stage-cut",
+        metavar="REGEX",
+        action="append",
+        default=[],
+        help="no pipeline stage starts at a matching block; repeatable",
+    )
+    plan.add_argument(
+        "--max-unit-blocks",
+        type=int,
+        metavar="N",
+        help="the most blocks one unit holds (default: 4 on chains of up to 16 blocks, else 1)",
+    )
+    plan.add_argument(
+        "--no-replica-groups",
+        dest="allow_replica_groups",
+        action="store_false",
+        help="shard every unit over all data-parallel ranks: no HSDP replica groups",
+    )
+    plan.add_argument(
+        "--no-reasoning",
+        dest="explain",
+        action="store_false",
+        help="skip the runner-ups and the binding constraint (most of a solve's time): the same plan",
+    )
+    plan.add_argument("-o", "--output", default="plan.json")
+
+    explain = command(
+        "explain", _explain, "Show a plan: units, predicted memory and time, and pictures."
+    )
+    explain.add_argument("plan")
+    explain.add_argument(
+        "--pictures", help="folder for units.png and memory.png (default: beside the plan)"
+    )
+
+    diff = command(
+        "diff", _diff, "What changed between two plans, and what it does to memory and time."
+    )
+    diff.add_argument("old")
+    diff.add_argument("new")
+
+    check = command(
+        "check", _check, "CI gate: re-plan the baseline's models; fail if a plan got worse."
+    )
+    check.add_argument("--baseline", default="benchmarks/baseline.json")
+    check.add_argument(
+        "--tolerance", type=float, help="allowed relative worsening (default: the baseline's, 1%%)"
+    )
+    check.add_argument(
+        "--update", action="store_true", help="rewrite the baseline with today's plans"
+    )
+    check.add_argument(
+        "--case-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long a case may take to plan before it fails (default: 600)",
+    )
+    check.add_argument(
+        "--measure",
+        metavar="PROFILE",
+        help="also train the demo GPT on 2 CPU ranks under every plan "
+        "kind and fail where PROFILE's prediction misses (memory ±10%%, step time 0.7-1.3x)",
+    )
+
+    command(
+        "calibrate",
+        None,
+        "Measure this machine and write a hardware profile (see calibrate --help).",
+    )
+
+    demo = command(
+        "demo",
+        _demo,
+        "Plan a GPT and train it with the plan on CPU ranks; compare with the prediction.",
+    )
+    demo.add_argument("--world-size", type=int, default=2)
+    demo.add_argument("--steps", type=int, default=5)
+    demo.add_argument(
+        "--hardware",
+        help="a profile name or JSON path (default: a medium calibration here, 20 s to 1.5 minutes)",
+    )
+    demo.add_argument(
+        "--memory-budget", help="bytes per rank, e.g. 300MiB (default: 60%% of the fastest plan's)"
+    )
+
+    train = command(
+        "train",
+        _train,
+        "Train under torchrun, elastic: on every (re)start re-plan for the world there "
+        "is and resume the newest checkpoint (run on every rank).",
+    )
+    train.add_argument(
+        "model",
+        help="a zoo name, package.module:factory, or a Hugging Face config JSON; its "
+        "forward returns the loss",
+    )
+    train.add_argument(
+        "data",
+        help="package.module:factory returning a dataset: len() and dataset[i], a tensor, a "
+        "tuple or a dict of tensors (the model's arguments, by position or name)",
+    )
+    train.add_argument(
+        "--directory", required=True, help="checkpoints, progress.json and events.jsonl"
+    )
+    train.add_argument(
+        "--steps", type=int, required=True, help="optimizer steps in all, over every restart"
+    )
+    batch = train.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--global-batch", type=int, help="samples a step, kept at every world size")
+    batch.add_argument(
+        "--batch", type=int, help="samples a step per rank: the global batch scales with the world"
+    )
+    train.add_argument(
+        "--checkpoint-every", type=int, default=100, help="steps between checkpoints (default: 100)"
+    )
+    train.add_argument(
+        "--seed", type=int, default=0, help="of the initialization and the sample order"
+    )
+    train.add_argument(
+        "--lr", type=float, default=1e-3, help="AdamW's learning rate (default: 1e-3)"
+    )
+    train.add_argument("--eps", type=float, default=1e-8, help="AdamW's eps (default: 1e-8)")
+    train.add_argument(
+        "--weight-decay", type=float, default=0.01, help="AdamW's weight decay (default: 0.01)"
+    )
+    train.add_argument("--clip", type=float, help="clip the gradients' global norm to this")
+    train.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="process-group timeout in seconds: how long ranks wait on a rank that died silently",
+    )
+    train.add_argument(
+        "--adopt-checkpoint",
+        action="store_true",
+        help="resume a checkpoint another run saved (copied into --directory to continue it)",
+    )
+    _hardware_options(train)
+    return parser
+
+
+def _hardware_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--hardware", default="h100-80g", help="a built-in profile name or a calibrated JSON"
+    )
+    parser.add_argument(
+        "--memory-budget", help="per rank, e.g. 40GiB (default: the device's usable memory)"
+    )
+
+
+def _plan(options) -> int:
+    from shardplan.cli.model_spec import load_model
+    from shardplan.compile import compile as compile_plan
+
+    options_of_plan = _plan_options(options)
+    entry = load_model(
+        options.spec,
+        batch=options.batch,
+        seq=options.seq,
+        fp32_params=options_of_plan["mixed_precision"] is not None,
+        warn=_warn,
+    )
+    with Console(stderr=True).status(
+        f"capturing and planning {options.spec} for {options.world_size} ranks"
+    ):
+        plan = compile_plan(
+            entry.model, options.world_size, entry.args, entry.kwargs, **options_of_plan
+        )
+    plan.save(options.output)
+    print(plan.summary())
+    print(f"wrote {options.output}")
+    return 0
+
+
+def _plan_options(options) -> dict:
+    """compile's keywords (PlanOptions' fields) from the plan command's flags."""
+    precision = None
+    if options.param_dtype or options.reduce_dtype:
+        precision = MixedPrecision(
+            param_dtype=options.param_dtype or "float32",
+            reduce_dtype=options.reduce_dtype or "float32",
+        )
+    return {
+        "hardware": _with_headroom(options),
+        "memory_budget": options.memory_budget,
+        "mixed_precision": precision,
+        "optimizer": options.optimizer,
+        "allow_pipeline": options.allow_pipeline,
+        "allow_offload": options.allow_offload,
+        "constraints": _constraints(options),
+        "max_unit_blocks": options.max_unit_blocks,
+        "allow_replica_groups": options.allow_replica_groups,
+        "global_batch_size": options.global_batch_size,
+        "max_tensor_parallel": options.max_tensor_parallel,
+        "explain": options.explain,
+    }
+
+
+def _constraints(options):
+    """Constraints from the plan command's pattern flags; None without any."""
+    from shardplan.solver.space import Constraints
+
+    constraints = Constraints(
+        unit_boundary=_regexes(options.wrap, "--wrap"),
+        no_unit_boundary=_regexes(options.no_wrap, "--no-wrap"),
+        strategy=_pins(options.pin, "--pin", ShardStrategy, "strategy"),
+        checkpoint=_pins(options.checkpoint, "--checkpoint", Checkpoint, "mode"),
+        stage_boundary=_regexes(options.stage_cut, "--stage-cut"),
+        no_stage_boundary=_regexes(options.no_stage_cut, "--no-stage-cut"),
+    )
+    return None if constraints == Constraints() else constraints
+
+
+def _with_headroom(options):
+    """The --hardware profile, its usable memory share 1 - --headroom when that is given."""
+    if options.headroom is None:
+        return options.hardware
+    from shardplan.costmodel.hardware import get_hardware
+
+    if options.memory_budget is not None:
+        raise ShardplanError(
+            "--headroom shapes the default budget, --memory-budget replaces it: pass one of them"
+        )
+    if not 0 <= options.headroom < 1:
+        raise ShardplanError(
+            f"--headroom {options.headroom} is not a share of memory: pass a number from 0 to "
+            "below 1, e.g. 0.1 to keep 10% free"
+        )
+    return dataclasses.replace(
+        get_hardware(options.hardware), usable_memory_fraction=1 - options.headroom
+    )
+
+
+def _pins(texts: list[str], flag: str, kind, noun: str) -> tuple:
+    """(pattern, allowed members of the enum `kind`) for each REGEX=NAME[,NAME] of `flag`; `noun` names a member."""
+    pins = []
+    for text in texts:
+        pattern, equals, names = text.rpartition("=")
+        if not equals or not pattern:
+            raise ShardplanError(
+                f"{flag} {text!r} is not REGEX={noun.upper()}: write e.g. "
+                f"{flag} 'layers\\.0$={next(iter(kind)).value}'"
+            )
+        pins.append(
+            (
+                _regex(pattern, flag),
+                tuple(_member(kind, name, f"{flag} {noun}") for name in names.split(",")),
+            )
+        )
+    return tuple(pins)
+
+
+def _member(kind, name: str, what: str):
+    try:
+        return kind(name)
+    except ValueError:
+        raise ShardplanError(
+            f"{what} {name!r} is unknown: use one of {', '.join(member.value for member in kind)}"
+        ) from None
+
+
+def _regexes(patterns: list[str], flag: str) -> tuple[str, ...]:
+    return tuple(_regex(pattern, flag) for pattern in patterns)
+
+
+def _regex(pattern: str, flag: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise ShardplanError(
+            f"{flag} {pattern!r} is not a regular expression ({error}): fix or quote it"
+        ) from None
+    return pattern
+
+
+def _warn(text: str) -> None:
+    print(f"shardplan: warning: {text}", file=sys.stderr)
+
+
+def _explain(options) -> int:
+    from shardplan.cli import report
+    from shardplan.plan import load_plan
+
+    plan = load_plan(options.plan)
+    console = Console()
+    console.print(report.setup_table(plan))
+    console.print(report.units_table(plan))
+    console.print(report.prediction_table(plan))
+    console.print(f"binding constraint: {plan.reasoning.binding_constraint}", markup=False)
+    if plan.reasoning.runner_ups:
+        console.print(report.runner_ups_table(plan))
+    folder = options.pictures or os.path.splitext(options.plan)[0] + "-pictures"
+    for path in report.draw(plan, folder):
+        console.print(f"wrote {path}")
+    return 0
+
+
+def _diff(options) -> int:
+    from shardplan.cli.report import plan_changes
+    from shardplan.plan import load_plan
+
+    changes = plan_changes(load_plan(options.old), load_plan(options.new))
+    print("\n".join(changes) if changes else "the plans are the same")
+    return 0
+
+
+def _check(options) -> int:
+    from shardplan.cli.quality import check_baseline
+
+    outcomes = check_baseline(
+        options.baseline,
+        tolerance=options.tolerance,
+        update=options.update,
+        report=lambda outcome: print(outcome.line(), flush=True),
+        debug=options.debug,
+        case_timeout_s=options.case_timeout,
+    )
+    failed = sum(1 for outcome in outcomes if outcome.failures)
+    print(
+        f"{len(outcomes)} case(s): {len(outcomes) - failed} passed, {failed} failed"
+        + (f"; wrote {options.baseline}" if options.update else "")
+    )
+    if options.measure:
+        from shardplan.calibration.accuracy import accuracy_table, measure_accuracy
+        from shardplan.costmodel.hardware import get_hardware
+
+        rows = measure_accuracy(get_hardware(options.measure))
+        Console(width=120).print(
+            accuracy_table(
+                rows, f"predicted ({options.measure}) vs measured, demo GPT, 2 CPU ranks"
+            )
+        )
+        misses = [miss for row in rows for miss in row.misses()]
+        for miss in misses:
+            print(f"FAIL {miss}", file=sys.stderr)
+        failed += len(misses)
+    return 1 if failed else 0
+
+
+def _demo(options) -> int:
+    from rich.table import Table
+
+    from shardplan.cli import demo
+    from shardplan.common.sizes import format_bytes
+    from shardplan.runtime.launch import check_local_world
+
+    if options.steps < 1:  # before the calibration and the plan, which would be for nothing
+        raise ShardplanError(
+            f"--steps {options.steps} trains no step to compare with the prediction: give 1 or more"
+        )
+    check_local_world(options.world_size)
+    console = Console()
+    hardware = demo.resolve_hardware(options.hardware, options.world_size)
+    plan, budget = demo.plan_demo(options.world_size, hardware, options.memory_budget)
+    console.print(
+        f"GPT {demo.DEMO_GPT.n_layer} layers, d_model {demo.DEMO_GPT.d_model}, seq {demo.DEMO_GPT.seq_len}, "
+        f"batch {demo.DEMO_BATCH} per replica; world {options.world_size}; budget {format_bytes(budget)} "
+        f"per rank; hardware: {hardware.name}"
+    )
+    print(plan.summary(), flush=True)  # plain text: rich would rewrap its columns to the terminal
+    measured = demo.train_with_plan(plan, options.world_size, options.steps)
+    table = Table(
+        title=f"predicted vs measured (CPU, gloo, {options.world_size} ranks, {options.steps} steps)"
+    )
+    for column in ("", "predicted", "measured", "predicted / measured"):
+        table.add_column(column, justify="right")
+    for row in demo.comparison_rows(plan, measured):
+        table.add_row(*row)
+    console.print(table)
+    console.print(demo.load_note(measured), markup=False)
+    console.print("loss by step: " + ", ".join(f"{loss:.3f}" for loss in measured.losses))
+    return 0
+
+
+def _train(options) -> int:
+    import importlib
+
+    import torch
+
+    from shardplan.cli.model_spec import load_model
+    from shardplan.common.files import is_finite_number
+    from shardplan.runtime.elastic import ElasticOptions, train
+
+    for flag, value, low in (
+        ("--lr", options.lr, "above 0"),
+        ("--eps", options.eps, "0 or more"),
+        ("--weight-decay", options.weight_decay, "0 or more"),
+    ):
+        if not (is_finite_number(value) and (value > 0 if low == "above 0" else value >= 0)):
+            raise ShardplanError(f"{flag} {value}: give a finite number, {low}")
+    elastic = ElasticOptions(
+        directory=options.directory,
+        steps=options.steps,
+        global_batch_size=options.global_batch,
+        replica_batch_size=options.batch,
+        checkpoint_every=options.checkpoint_every,
+        seed=options.seed,
+        clip_grad_norm=options.clip,
+        timeout_s=options.timeout,
+        plan_options={"hardware": options.hardware, "memory_budget": options.memory_budget},
+        adopt_checkpoint=options.adopt_checkpoint,
+    )  # checks the numbers before the data loads
+    module_name, _, factory_name = options.data.partition(":")
+    try:
+        dataset = getattr(importlib.import_module(module_name), factory_name)()
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ShardplanError(
+            f"cannot load the data {options.data!r} ({error}): write package.module:function, "
+            "importable from here (set PYTHONPATH)"
+        ) from None
+    outcome = train(
+        lambda: load_model(options.model, warn=_warn).model,
+        dataset,
+        elastic,
+        optimizer_factory=lambda parameters: torch.optim.AdamW(
+            parameters, lr=options.lr, eps=options.eps, weight_decay=options.weight_decay
+        ),
+        log=lambda text: print(text, flush=True),
+    )
+    return 0 if outcome.step >= options.steps or outcome.stopped else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

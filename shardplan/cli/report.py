@@ -1,0 +1,421 @@
+"""Plans for people: a table of what was decided and predicted, and pictures of it."""
+
+import os
+
+from rich.table import Table
+
+from shardplan.common.sizes import format_bytes
+from shardplan.errors import ShardplanError
+from shardplan.plan import Checkpoint, Plan, ShardStrategy, input_label, input_shape
+
+STRATEGY_COLORS = {
+    ShardStrategy.FULL_SHARD: "#4C72B0",
+    ShardStrategy.SHARD_GRAD_OP: "#55A868",
+    ShardStrategy.SHARD_OPTIMIZER: "#C44E52",
+    ShardStrategy.REPLICATE: "#8172B2",
+}
+CHECKPOINT_HATCH = {Checkpoint.NONE: "", Checkpoint.FULL: "//", Checkpoint.SELECTIVE: ".."}
+OFFLOAD_COLOR = "#DD8452"
+
+
+def setup_table(plan: Plan) -> Table:
+    """What one step trains on and where: the mesh, the example inputs, the replica and global batch, micro-batches."""
+    table = Table(title=f"{plan.model}: the training step planned for {plan.world_size} ranks")
+    table.add_column("")
+    table.add_column("value")
+    mesh = plan.mesh
+    table.add_row(
+        "mesh", f"{mesh.describe()} (dp={mesh.dp} replicas, pp={mesh.pp} stages, tp={mesh.tp})"
+    )
+    for spec in plan.inputs:
+        table.add_row(input_label(spec), input_shape(spec))
+    replica = plan.batch_per_replica
+    table.add_row(
+        "batch per replica",
+        f"{replica} (dim 0 of {input_label(plan.inputs[0])})" if plan.inputs else "1",
+    )
+    table.add_row("global batch", f"{mesh.dp * replica} = dp {mesh.dp} x {replica} per replica")
+    micro = plan.schedule.num_micro_batches
+    table.add_row(
+        "micro-batches",
+        f"{micro} of {replica / micro:g} per replica; runs as {plan.schedule.runs_as(mesh.pp)}",
+    )
+    table.add_row(
+        "precision",
+        f"params {plan.mixed_precision.param_dtype}, "
+        f"grads reduced in {plan.mixed_precision.reduce_dtype}; optimizer {plan.optimizer}",
+    )
+    return table
+
+
+def units_table(plan: Plan) -> Table:
+    table = Table(
+        title=f"{plan.model}: {len(plan.units)} units, dp={plan.mesh.dp} pp={plan.mesh.pp}, "
+        f"{plan.schedule.num_micro_batches} micro-batch(es)"
+    )
+    for column in ("unit", "modules", "params", "strategy", "checkpoint", "offload", "stage"):
+        table.add_column(column)
+    stage_of = {unit: stage.index for stage in plan.stages for unit in stage.units}
+    for unit in plan.units:
+        table.add_row(
+            unit.name,
+            str(len(unit.modules)),
+            str(len(unit.params)),
+            unit.strategy.value,
+            unit.checkpoint.value,
+            "yes" if unit.offload else "",
+            str(stage_of.get(unit.name, "")),
+        )
+    return table
+
+
+def prediction_table(plan: Plan) -> Table:
+    predicted = plan.predicted
+    # the binding constraint is a sentence: a title wraps it into a column as narrow as the table, so
+    # explain prints it on a line of its own
+    table = Table(
+        title=f"predicted per rank on {plan.hardware} (budget {format_bytes(plan.reasoning.budget_bytes)})"
+    )
+    table.add_column("term")
+    table.add_column("value", justify="right")
+    table.add_row("[b]peak memory[/b]", f"[b]{format_bytes(predicted.peak_bytes)}[/b]")
+    for category, size in sorted(predicted.memory_bytes.items()):
+        table.add_row(f"  {category}", format_bytes(size))
+    table.add_row("[b]step time[/b]", f"[b]{predicted.step_time_s * 1e3:.2f} ms[/b]")
+    for component, seconds in sorted(predicted.time_s.items()):
+        table.add_row(f"  {component}", f"{seconds * 1e3:.2f} ms")
+    if predicted.samples_per_s:
+        table.add_row("samples / s", f"{predicted.samples_per_s:.1f}")
+    if predicted.mfu:
+        table.add_row("MFU", f"{predicted.mfu:.1%}")
+    return table
+
+
+def runner_ups_table(plan: Plan) -> Table:
+    table = Table(title="runner-up plans")
+    for column in ("plan", "peak memory", "step time"):
+        table.add_column(column)
+    for alternative in plan.reasoning.runner_ups:
+        table.add_row(
+            alternative.description,
+            format_bytes(alternative.peak_bytes),
+            f"{alternative.step_time_s * 1e3:.2f} ms",
+        )
+    return table
+
+
+_SHOWN_APART = ("mesh", "schedule", "units", "stages", "predicted", "reasoning")
+"""Top-level plan fields plan_changes words itself; every other field's changes are Plan.diff's lines."""
+
+
+def plan_changes(old: Plan, new: Plan) -> list[str]:
+    """What changes from `old` to `new`, one line each: sizes in KiB-GiB, times in ms, units named by
+    their modules ([] if the plans are the same)."""
+    lines = [
+        line for line in old.diff(new) if line.split(".", 1)[0].split(":", 1)[0] not in _SHOWN_APART
+    ]
+    if old.mesh != new.mesh:
+        lines.append(f"mesh: {old.mesh.describe()} -> {new.mesh.describe()}")
+    if old.schedule != new.schedule:
+        lines.append(
+            f"schedule: {old.schedule.runs_as(old.mesh.pp)} -> {new.schedule.runs_as(new.mesh.pp)}"
+        )
+    lines += _unit_changes(old, new)
+    lines += _changed(
+        "peak memory", old.predicted.peak_bytes, new.predicted.peak_bytes, format_bytes
+    )
+    for category in sorted(set(old.predicted.memory_bytes) | set(new.predicted.memory_bytes)):
+        lines += _changed(
+            f"  memory {category}",
+            old.predicted.memory_bytes.get(category, 0),
+            new.predicted.memory_bytes.get(category, 0),
+            format_bytes,
+        )
+    lines += _changed("step time", old.predicted.step_time_s, new.predicted.step_time_s, _ms)
+    for component in sorted(set(old.predicted.time_s) | set(new.predicted.time_s)):
+        lines += _changed(
+            f"  time {component}",
+            old.predicted.time_s.get(component, 0.0),
+            new.predicted.time_s.get(component, 0.0),
+            _ms,
+        )
+    lines += _changed(
+        "samples / s", old.predicted.samples_per_s, new.predicted.samples_per_s, "{:.1f}".format
+    )
+    lines += _changed("MFU", old.predicted.mfu, new.predicted.mfu, "{:.1%}".format)
+    lines += _changed(
+        "budget", old.reasoning.budget_bytes, new.reasoning.budget_bytes, format_bytes
+    )
+    if old.reasoning.binding_constraint != new.reasoning.binding_constraint:
+        lines.append(
+            f"binding: {old.reasoning.binding_constraint} -> {new.reasoning.binding_constraint}"
+        )
+    return lines
+
+
+def _unit_changes(old: Plan, new: Plan) -> list[str]:
+    """One line per unit of `new` that is not the same unit, decided alike on the same stage, in `old`:
+    what held its modules before."""
+    before = {unit.name: _unit_words(old, unit) for unit in old.units}
+    unit_of_module = {module: unit.name for unit in old.units for module in unit.modules}
+    lines = []
+    for unit in new.units:
+        now = _unit_words(new, unit)
+        if before.get(unit.name) == now:
+            continue
+        held_by = list(
+            dict.fromkeys(unit_of_module[m] for m in unit.modules if m in unit_of_module)
+        )
+        was = "; ".join(f"in {name} ({before[name]})" for name in held_by) or "new modules"
+        lines.append(f"unit {unit.name}: {was} -> {now}")
+    kept = {module for unit in new.units for module in unit.modules}
+    lines += [
+        f"unit {unit.name}: removed ({', '.join(unit.modules)} no longer planned)"
+        for unit in old.units
+        if not kept & set(unit.modules)
+    ]
+    return lines
+
+
+def _unit_words(plan: Plan, unit) -> str:
+    stage = next((stage.index for stage in plan.stages if unit.name in stage.units), 0)
+    words = [unit.strategy.value, f"checkpoint {unit.checkpoint.value}", f"stage {stage}"]
+    return ", ".join(
+        words + (["offload"] if unit.offload else []) + ([] if unit.prefetch else ["no prefetch"])
+    )
+
+
+def _changed(what: str, before: float, after: float, shown) -> list[str]:
+    if abs(after - before) <= 1e-9 * max(abs(before), abs(after)):
+        return []  # the same figure summed in another order
+    change = f" ({after / before - 1:+.1%})" if before else ""
+    return [f"{what}: {shown(before)} -> {shown(after)}{change}"]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def draw(plan: Plan, folder: str) -> list[str]:
+    """Write the pictures of `plan` into `folder` as PNG (units.png, memory.png); return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display is needed or wanted
+    predicted = {unit.unit: unit for unit in plan.predicted.units}
+    try:
+        os.makedirs(folder, exist_ok=True)
+        return [
+            _draw_units(plan, predicted, os.path.join(folder, "units.png")),
+            _draw_memory(plan, predicted, os.path.join(folder, "memory.png")),
+        ]
+    except (
+        OSError
+    ) as error:  # a file of that name, a folder this process may not write, a full disk
+        cause = (
+            "a file has that name"
+            if isinstance(error, FileExistsError)
+            else error.strerror or str(error)
+        )
+        raise ShardplanError(
+            f"cannot write pictures to {folder!r}: {cause}; pass --pictures DIR, a folder this "
+            "process may write"
+        ) from None
+
+
+MAX_LABELS = 14
+"""Unit names written on a picture at most: the widest units (units.png) or evenly spaced ones (memory.png)."""
+
+
+def _short(name: str) -> str:
+    """A module path's last two parts ("model.layers.7.mlp" -> "layers.7.mlp" keeps its meaning)."""
+    head, _, tail = name.partition("..")
+    parts = head.split(".")
+    short = ".".join(parts[-2:]) if len(parts) > 2 else head
+    return short + (f"..{'.'.join(tail.split('.')[-2:])}" if tail else "")
+
+
+def _draw_units(plan: Plan, predicted: dict, path: str) -> str:
+    """Each stage a row of its units, each as wide as its compute time (equal widths for a plan without
+    per-unit predictions): colour the strategy, hatch the checkpointing, a dashed edge the offload."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    units = {unit.name: unit for unit in plan.units}
+    timed = all(name in predicted for name in units)
+    figure, axis = plt.subplots(figsize=(10, 1.6 + 0.5 * len(plan.stages)))
+    for stage in plan.stages:
+        widths = [predicted[name].compute_s * 1e3 if timed else 1.0 for name in stage.units]
+        total = sum(widths) or 1.0
+        labelled = set(sorted(range(len(widths)), key=lambda i: -widths[i])[:MAX_LABELS])
+        left = 0.0
+        for index, (name, width) in enumerate(zip(stage.units, widths)):
+            unit = units[name]
+            axis.barh(
+                stage.index,
+                width,
+                left=left,
+                height=0.7,
+                color=STRATEGY_COLORS[unit.strategy],
+                hatch=CHECKPOINT_HATCH[unit.checkpoint],
+                edgecolor=OFFLOAD_COLOR if unit.offload else "white",
+                linestyle="--" if unit.offload else "-",
+                linewidth=2 if unit.offload else 0.5,
+            )
+            if index in labelled and width / total > 0.03:
+                axis.text(
+                    left + width / 2,
+                    stage.index,
+                    _short(name),
+                    ha="center",
+                    va="center",
+                    color="white",
+                    fontsize=7,
+                    rotation=90 if width / total < 0.12 else 0,
+                    clip_on=True,
+                )
+            left += width
+    axis.set_yticks([s.index for s in plan.stages], [f"stage {s.index}" for s in plan.stages])
+    axis.invert_yaxis()
+    axis.set_xlabel(
+        "forward + backward compute per micro-batch (ms)" if timed else "unit, in execution order"
+    )
+    axis.set_title(
+        f"{plan.model}: {len(plan.units)} units on {plan.mesh.describe()}; width: compute time"
+    )
+    legend = (
+        [Patch(color=color, label=strategy.value) for strategy, color in STRATEGY_COLORS.items()]
+        + [
+            Patch(facecolor="grey", hatch=hatch, label=f"checkpoint {mode.value}")
+            for mode, hatch in CHECKPOINT_HATCH.items()
+            if hatch
+        ]
+        + [
+            Patch(
+                facecolor="white",
+                edgecolor=OFFLOAD_COLOR,
+                linestyle="--",
+                linewidth=2,
+                label="offloaded",
+            )
+        ]
+    )
+    axis.legend(handles=legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(figure, path)
+
+
+def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
+    """Memory on one rank over the step, each stage a line: the forward of every unit, then the backward
+    in reverse, against the budget; the peak named; an offloaded unit's events hatched (its state is in
+    host memory, not under the line). A plan without per-unit predictions: its peak's terms."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(10, 4.5))
+    scale, unit_name = (2**30, "GiB") if plan.predicted.peak_bytes >= 2**30 else (2**20, "MiB")
+    budget = plan.reasoning.budget_bytes / scale
+    offloaded = {unit.name for unit in plan.units if unit.offload}
+    offload_label = (
+        f"offloaded ({len(offloaded)} of {len(plan.units)} units):\nparameter, gradient and "
+        "optimizer\nshards in host memory"
+    )
+    if not all(unit.name in predicted for unit in plan.units):
+        bottom = 0.0
+        for category, size in sorted(plan.predicted.memory_bytes.items()):
+            axis.bar(0, size / scale, bottom=bottom, label=category)
+            bottom += size / scale
+        axis.set_xticks([])
+        axis.set_ylabel(f"{unit_name} per rank at the peak")
+        if offloaded:
+            axis.plot([], [], " ", label=offload_label)
+    else:
+        longest = max(len(stage.units) for stage in plan.stages)
+        for stage in plan.stages:
+            names = list(stage.units)
+            events = [(f"F {_short(name)}", predicted[name].forward_bytes) for name in names] + [
+                (f"B {_short(name)}", predicted[name].backward_bytes) for name in reversed(names)
+            ]
+            heights = [size / scale for _, size in events]
+            # unit k's forward at k, its backward at 2 * longest - 1 - k: a shorter stage's under their ticks
+            xs = list(range(len(names))) + [
+                2 * longest - 1 - k for k in reversed(range(len(names)))
+            ]
+            (line,) = axis.step(
+                xs,
+                heights,
+                where="mid",
+                marker="o",
+                markersize=3,
+                label=f"stage {stage.index}" if len(plan.stages) > 1 else "predicted",
+            )
+            spots = [i for i, name in enumerate(names + names[::-1]) if name in offloaded]
+            if spots:
+                axis.bar(
+                    [xs[i] for i in spots],
+                    [heights[i] for i in spots],
+                    width=1.0,
+                    fill=False,
+                    hatch="//",
+                    edgecolor=OFFLOAD_COLOR if len(plan.stages) == 1 else line.get_color(),
+                    linewidth=0,
+                    label=offload_label
+                    if offload_label not in axis.get_legend_handles_labels()[1]
+                    else None,
+                )
+            highest = max(range(len(events)), key=heights.__getitem__)
+            axis.annotate(
+                f"peak {format_bytes(events[highest][1])}\n{events[highest][0]}",
+                (xs[highest], heights[highest]),
+                textcoords="offset points",
+                xytext=(0, 8),
+                ha="center",
+                fontsize=7,
+                bbox={
+                    "boxstyle": "round",
+                    "facecolor": "white",
+                    "edgecolor": "none",
+                    "alpha": 0.85,
+                },
+            )
+        axis.axvspan(-0.5, longest - 0.5, color="#4C72B0", alpha=0.06, label="forward")
+        axis.axvspan(
+            longest - 0.5, 2 * longest - 0.5, color="#C44E52", alpha=0.06, label="backward"
+        )
+        ticks = sorted(
+            set(range(0, 2 * longest, max(1, -(-2 * longest // MAX_LABELS)))) | {2 * longest - 1}
+        )
+        # one stage: its units' names; several: a unit's position in its stage
+        names = (
+            [_short(name) for name in plan.stages[0].units]
+            if len(plan.stages) == 1
+            else [f"unit {index}" for index in range(longest)]
+        )
+        labels = [f"F {name}" for name in names] + [f"B {name}" for name in reversed(names)]
+        axis.set_xticks(ticks, [labels[t] for t in ticks], rotation=45, ha="right", fontsize=7)
+        axis.set_ylabel(f"{unit_name} on the rank")
+    peak = plan.predicted.peak_bytes / scale
+    shown_budget = f"budget {format_bytes(plan.reasoning.budget_bytes)}"
+    if budget <= 2 * peak:  # a loose budget would flatten the step to the axis: name it instead
+        axis.axhline(budget, color="black", linestyle="--", label=shown_budget)
+    else:
+        axis.plot(
+            [],
+            [],
+            " ",
+            label=f"{shown_budget} (off the chart: the peak uses {100 * peak / budget:.2g}%)",
+        )
+    axis.set_ylim(0, max(peak, budget if budget <= 2 * peak else 0) * 1.2)
+    axis.set_title(
+        f"{plan.model}: predicted memory over one micro-batch's forward and backward "
+        f"(peak {format_bytes(plan.predicted.peak_bytes)})"
+    )
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(figure, path)
+
+
+def _save(figure, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    try:
+        figure.savefig(path, dpi=120, bbox_inches="tight")  # legends outside the axes included
+    finally:
+        plt.close(figure)
+    return path

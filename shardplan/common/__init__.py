@@ -1,0 +1,1 @@
+"""Small helpers every layer shares: dtype names, byte sizes, files written safely."""

@@ -1,0 +1,1 @@
+"""Models shardplan plans in its tests, benchmarks and demo."""
