@@ -26,11 +26,11 @@ from rich.table import Table
 
 from shardplan import ShardStrategy, get_hardware
 from shardplan.calibration.calibrate import calibrate
-from shardplan.cli.demo import DEMO_BATCH, DEMO_GPT
 from shardplan.common.sizes import format_bytes
 from shardplan.compile import evaluate
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
+from shardplan.models.zoo import DEMO_BATCH, DEMO_GPT
 from shardplan.runtime.launch import run_world
 from shardplan.runtime.manual import manual_plan
 

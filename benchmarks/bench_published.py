@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import kendalltau
 
-from shardplan.compile import default_space, evaluate_stages, solve, tensor_parallel_section
+from shardplan.compile import evaluate_stages, solve
 from shardplan.costmodel.cost import (
     OPTIMIZER_STATE_BYTES_PER_PARAM,
     CostContext,
@@ -73,7 +73,9 @@ from shardplan.plan import (
     Stage,
     Unit,
 )
+from shardplan.solver.assemble import tensor_parallel_section
 from shardplan.solver.search import Configuration
+from shardplan.solver.space import default_space
 
 DEFAULT_DATA = os.path.join(
     os.path.dirname(os.path.abspath(__file__)),

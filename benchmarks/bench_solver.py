@@ -18,11 +18,12 @@ import time
 
 from shardplan.common.dtypes import dtype_name
 from shardplan.common.sizes import format_bytes
-from shardplan.compile import expert_defaults, solve
+from shardplan.compile import solve
 from shardplan.costmodel.hardware import get_hardware
 from shardplan.errors import InfeasibleError
 from shardplan.frontend.chain import Block, BlockChain, InputSpec, TensorParallelFacts
 from shardplan.plan import BF16_MIXED, MixedPrecision
+from shardplan.solver.explain import expert_defaults
 from shardplan.solver.search import Setting
 
 ZOO_MODELS = ("gpt", "mlp", "cnn", "encoder-decoder", "hf-gpt2", "hf-llama")

@@ -32,9 +32,9 @@ from shardplan.calibration.accuracy import (
     shared_cores,
     trained_program,
 )
+from shardplan.calibration.op_factors import _KernelClock
 from shardplan.compile import evaluate
 from shardplan.costmodel.hardware import get_hardware
-from shardplan.costmodel.op_factors import _KernelClock
 from shardplan.runtime.launch import run_world
 
 

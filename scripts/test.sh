@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-venv.sh
+# Style first, in seconds: ruff's format and lint (pyflakes, import order, absolute imports).
+.venv/bin/ruff format --check --quiet .
+.venv/bin/ruff check --quiet .
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 # Types: the package as pyproject.toml's [tool.mypy] says (every function typed on the seams).
 .venv/bin/python -m mypy

@@ -18,7 +18,7 @@ import pytest
 import torch
 from parity import assert_parity, spawn_world, train_next_to_reference
 
-from shardplan.compile import compile, default_space, solve
+from shardplan.compile import compile, solve
 from shardplan.costmodel.hardware import get_hardware
 from shardplan.frontend.passes import analyze, fingerprint_of
 from shardplan.models import zoo
@@ -26,7 +26,7 @@ from shardplan.plan import Mesh, Plan, Schedule, Stage
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
 from shardplan.solver.search import Configuration, Setting, smallest_peak, tied_terms
-from shardplan.solver.space import SearchSpace, resolve_rules
+from shardplan.solver.space import SearchSpace, default_space, resolve_rules
 
 STEPS = 2
 BATCH, SEQ = 4, 16

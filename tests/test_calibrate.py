@@ -9,13 +9,13 @@ import torch
 from shardplan.calibration.calibrate import (
     Measurements,
     calibrate,
-    calibrate_main,
     fit_collective,
     fit_matmul,
     fit_profile,
 )
+from shardplan.calibration.op_factors import fit_op_factors, time_op_calls_s
+from shardplan.cli.main import main
 from shardplan.costmodel.hardware import COLLECTIVES, HardwareProfile, get_hardware
-from shardplan.costmodel.op_factors import fit_op_factors, time_op_calls_s
 from shardplan.errors import HardwareError
 from shardplan.models import zoo
 
@@ -295,10 +295,9 @@ def test_the_medium_sweep_times_every_matmul_and_collective_size_the_demo_can_pl
     """The demo GPT at its whole replica batch (one micro-batch: its largest calls) and as one unit
     (its largest gather): medium times sizes up to both, on CPU and GPU, in more rounds than quick."""
     from shardplan.calibration.calibrate import sweep_for
-    from shardplan.cli import demo
     from shardplan.frontend.passes import analyze
 
-    entry = zoo.gpt(demo.DEMO_GPT, batch=demo.DEMO_BATCH)
+    entry = zoo.gpt(zoo.DEMO_GPT, batch=zoo.DEMO_BATCH)
     chain = analyze(entry.model, entry.args, entry.kwargs)
     largest_call_flops = max(
         kind.flops // kind.calls
@@ -347,7 +346,7 @@ def test_calibrate_flags_choose_the_mode(flags, mode, tmp_path, monkeypatch):
         "calibrate",
         lambda **options: chosen.append(options["mode"]) or get_hardware("cpu-gloo"),
     )
-    assert calibrate_main([*flags, "-o", str(tmp_path / "profile.json")]) == 0
+    assert main(["calibrate", *flags, "-o", str(tmp_path / "profile.json")]) == 0
     assert chosen == [mode]
 
 
@@ -356,7 +355,7 @@ def test_calibrate_flags_choose_the_mode(flags, mode, tmp_path, monkeypatch):
 @pytest.mark.timeout(120)
 def test_quick_calibration_at_world_2(tmp_path, capsys):
     path = tmp_path / "profile.json"
-    assert calibrate_main(["--quick", "--world-size", "2", "-o", str(path)]) == 0
+    assert main(["calibrate", "--quick", "--world-size", "2", "-o", str(path)]) == 0
     assert f"wrote {path}" in capsys.readouterr().out
     profile = get_hardware(path)  # validated on load: every figure positive and finite
     assert profile.name == "calibrated-gloo-cpu"
@@ -376,9 +375,9 @@ def test_calibrate_rejects_bad_input_before_measuring(tmp_path, capsys):
     ):
         calibrate(world_size=2, sizes=(4096, 1002))
     with pytest.raises(SystemExit):
-        calibrate_main(["-o", str(tmp_path / "missing" / "profile.json")])
+        main(["calibrate", "-o", str(tmp_path / "missing" / "profile.json")])
     with pytest.raises(SystemExit):
-        calibrate_main(["-o", str(tmp_path)])
+        main(["calibrate", "-o", str(tmp_path)])
     assert (
         f"cannot write {tmp_path}: it is a folder; give a file path inside it"
         in capsys.readouterr().err

@@ -9,21 +9,15 @@ import torch
 
 from shardplan.common.dtypes import dtype_name
 from shardplan.common.sizes import parse_bytes
-from shardplan.compile import (
-    compile,
-    default_space,
-    evaluate,
-    expert_defaults,
-    predict,
-    solve,
-    tensor_parallel_section,
-)
+from shardplan.compile import compile, evaluate, solve
 from shardplan.costmodel.hardware import get_hardware
 from shardplan.errors import InfeasibleError, PlanError, ShardplanError
 from shardplan.models import zoo
 from shardplan.plan import Checkpoint, Mesh, MixedPrecision, Plan, Schedule, ShardStrategy
+from shardplan.solver.assemble import predict, tensor_parallel_section
+from shardplan.solver.explain import expert_defaults
 from shardplan.solver.search import Configuration, Setting, search, tensor_parallel_options
-from shardplan.solver.space import Constraints, resolve_rules
+from shardplan.solver.space import Constraints, default_space, resolve_rules
 
 WORLD = 8
 HARDWARE = "cpu-gloo"

@@ -11,8 +11,8 @@ from test_calibrate import MIB, hand_made_measurements
 from shardplan import get_hardware
 from shardplan.calibration.accuracy import shared_cores
 from shardplan.calibration.calibrate import fit_profile
+from shardplan.calibration.op_factors import fit_op_fixed_costs, routing_ops, time_op_calls_s
 from shardplan.costmodel.hardware import HardwareProfile
-from shardplan.costmodel.op_factors import fit_op_fixed_costs, routing_ops, time_op_calls_s
 from shardplan.errors import HardwareError
 
 BARE_S = 2e-6  # what a timed call holds beside its work (hand_made_measurements' kernel_overhead_s)

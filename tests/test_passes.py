@@ -7,7 +7,7 @@ import torch
 
 from shardplan import CaptureError
 from shardplan.calibration.accuracy import hf_workload
-from shardplan.costmodel.op_factors import time_op_calls_s
+from shardplan.calibration.op_factors import time_op_calls_s
 from shardplan.frontend.chain import OpKind, merge_op_kinds
 from shardplan.frontend.passes import analyze, fingerprint_of
 from shardplan.frontend.passes.blocks import block_name

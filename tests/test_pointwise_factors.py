@@ -4,7 +4,7 @@ BLOOM's GELU was priced at the copy bandwidth, 13x faster than it runs on a CPU 
 import torch
 
 from shardplan import get_hardware
-from shardplan.costmodel.op_factors import fit_op_factors, op_workloads, time_op_calls_s
+from shardplan.calibration.op_factors import fit_op_factors, op_workloads, time_op_calls_s
 
 TRANSCENDENTAL = {
     "tanh",

@@ -104,11 +104,9 @@ def test_a_model_without_enough_repeats_is_captured_once_as_before(build):
 
 def test_tensor_parallel_pairs_equal_those_of_a_whole_capture():
     from shardplan.frontend.capture import capture
+    from shardplan.frontend.passes import tensor_parallel_candidates
     from shardplan.frontend.passes.ownership import annotate_ownership_pass
-    from shardplan.frontend.passes.tensor_parallel import (
-        find_tensor_parallel_pairs,
-        tensor_parallel_candidates,
-    )
+    from shardplan.frontend.passes.tensor_parallel import find_tensor_parallel_pairs
 
     entry = zoo.gpt(zoo.GPTConfig(n_layer=4))
     whole = capture(entry.model, entry.args, entry.kwargs).gm

@@ -10,6 +10,7 @@ from test_cost import block
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardplan import get_hardware
+from shardplan.calibration.op_factors import step_shards, training_step_kernels
 from shardplan.costmodel.cost import (
     AVERAGING,
     GRADIENT_ADD,
@@ -20,7 +21,6 @@ from shardplan.costmodel.cost import (
     unit_cost,
 )
 from shardplan.costmodel.hardware import SizeCurve
-from shardplan.costmodel.op_factors import step_shards, training_step_kernels
 from shardplan.frontend.passes.execution import is_kernel, moved_bytes
 from shardplan.models import zoo
 from shardplan.plan import Decision, ShardStrategy

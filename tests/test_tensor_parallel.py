@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from parity import ADAMW, TOLERANCE, spawn_world
 
 from shardplan.errors import PlanError, RuntimeMismatchError
+from shardplan.frontend.passes import tensor_parallel_candidates
 from shardplan.frontend.passes.tensor_parallel import (
     TensorParallelLayout,
-    tensor_parallel_candidates,
 )
 from shardplan.models import zoo
 from shardplan.plan import Mesh

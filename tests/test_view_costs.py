@@ -13,9 +13,9 @@ from test_calibrate import hand_made_measurements
 from shardplan import get_hardware
 from shardplan.calibration.accuracy import shared_cores
 from shardplan.calibration.calibrate import fit_profile, view_overhead_s, view_probes
+from shardplan.calibration.op_factors import biased_attention, fit_op_factors, time_op_calls_s
 from shardplan.costmodel.cost import CostContext, unit_cost, unpriced_dispatches
 from shardplan.costmodel.hardware import HardwareProfile
-from shardplan.costmodel.op_factors import biased_attention, fit_op_factors, time_op_calls_s
 from shardplan.errors import HardwareError
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo

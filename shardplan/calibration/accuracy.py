@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from shardplan.cli.demo import DEMO_BATCH, DEMO_GPT
 from shardplan.common.sizes import format_bytes
 from shardplan.costmodel.hardware import HardwareProfile, LinkProfile, SizeCurve
 from shardplan.frontend.chain import BlockChain
@@ -192,7 +191,7 @@ def _under(module: str, ancestors: tuple[str, ...]) -> bool:
     return any(module == ancestor or module.startswith(ancestor + ".") for ancestor in ancestors)
 
 
-DEMO_WORKLOAD = Workload(name="gpt", options=(("config", DEMO_GPT), ("batch", DEMO_BATCH)))
+DEMO_WORKLOAD = Workload(name="gpt", options=(("config", zoo.DEMO_GPT), ("batch", zoo.DEMO_BATCH)))
 _HF_SIZE = (("n_layer", 4), ("d_model", 256), ("batch", 4), ("seq", 128))
 HF_WORKLOADS = {
     name: Workload(name=name, options=_HF_SIZE + extra)
@@ -562,9 +561,9 @@ def demo_pipeline_plans(
     from shardplan.frontend.passes import analyze
     from shardplan.runtime.manual import manual_plan
 
-    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    entry = zoo.gpt(zoo.DEMO_GPT, batch=zoo.DEMO_BATCH)
     chain = analyze(entry.model, entry.args, entry.kwargs, compute_dtype=precision.param_dtype)
-    groups = zoo.gpt_units(DEMO_GPT.n_layer)
+    groups = zoo.gpt_units(zoo.DEMO_GPT.n_layer)
     return chain, {
         name: manual_plan(
             entry.model,
@@ -592,9 +591,12 @@ def stage_peaks_job(device, report, plan_jsons: list[str]) -> list[list[int]]:
     peaks = []
     for plan_json in plan_jsons:
         torch.manual_seed(0)  # the same initial weights on every rank
-        entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+        entry = zoo.gpt(zoo.DEMO_GPT, batch=zoo.DEMO_BATCH)
         ids = torch.randint(
-            0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=torch.Generator().manual_seed(1)
+            0,
+            zoo.DEMO_GPT.vocab_size,
+            entry.args[0].shape,
+            generator=torch.Generator().manual_seed(1),
         )
         program = parallelize(entry.model, Plan.from_json(plan_json), device=device)
         optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)

@@ -19,7 +19,6 @@ sees what training ranks see: on CPU one thread per rank, the other ranks comput
 it. Rank 0 reports its timings; the parent process shows progress and fits the profile.
 """
 
-import argparse
 import dataclasses
 import datetime
 import functools
@@ -37,6 +36,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardplan.calibration.op_factors import (
+    fit_op_factors,
+    fit_op_fixed_costs,
+    op_workloads,
+    time_op_calls_s,
+    training_step_kernels,
+)
 from shardplan.common.dtypes import torch_dtype
 from shardplan.common.files import write_text_atomically
 from shardplan.costmodel.hardware import (
@@ -47,13 +53,6 @@ from shardplan.costmodel.hardware import (
     MatmulRate,
     SizeCurve,
     ring_factor,
-)
-from shardplan.costmodel.op_factors import (
-    fit_op_factors,
-    fit_op_fixed_costs,
-    op_workloads,
-    time_op_calls_s,
-    training_step_kernels,
 )
 from shardplan.errors import HardwareError
 from shardplan.frontend.passes.execution import is_dispatch, is_kernel
@@ -324,66 +323,8 @@ def _whole_shards(sizes: tuple[int, ...], world_size: int) -> tuple[int, ...]:
     return tuple(sorted({size // (4 * world_size) * (4 * world_size) for size in sizes}))
 
 
-def calibrate_main(argv: list[str] | None = None) -> int:
-    """`shardplan calibrate [-o profile.json] [--world-size N] [--backend gloo|nccl] [--mode quick|medium|full]`."""
-    from shardplan.cli.main import EXAMPLES
-
-    parser = argparse.ArgumentParser(
-        prog="shardplan calibrate",
-        description="Measure this machine and write a hardware profile.",
-        epilog="examples:\n  " + EXAMPLES["calibrate"],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "-o", "--output", default="profile.json", help="where to write the profile JSON"
-    )
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn on this machine")
-    parser.add_argument(
-        "--backend",
-        choices=("gloo", "nccl"),
-        default=None,
-        help="default: nccl when CUDA is present, else gloo",
-    )
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--mode",
-        choices=MODES,
-        default="full",
-        help="quick: every figure roughly, for tests; medium: what a small model's step time reads "
-        "(matmuls to n=1024, collectives to 48 MB, 5 rounds; under a minute on 2 idle cores); "
-        "full: the whole sweep (default)",
-    )
-    mode.add_argument(
-        "--quick", dest="mode", action="store_const", const="quick", help="--mode quick"
-    )
-    mode.add_argument(
-        "--medium", dest="mode", action="store_const", const="medium", help="--mode medium"
-    )
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    args = parser.parse_args(argv)
-    folder = os.path.dirname(os.path.abspath(args.output))
-    if not os.access(folder, os.W_OK):  # fail now, not after minutes of measuring
-        parser.error(
-            f"cannot write {args.output}: folder {folder} does not exist or is not writable"
-        )
-    if os.path.isdir(args.output):
-        parser.error(
-            f"cannot write {args.output}: it is a folder; give a file path inside it "
-            f"(e.g. {os.path.join(args.output, 'profile.json')})"
-        )
-    partial = partial_path(args.output)
-    profile = calibrate(
-        world_size=args.world_size, backend=args.backend, mode=args.mode, partial_path=partial
-    )
-    write_text_atomically(args.output, profile.to_json())
-    if os.path.exists(partial):
-        os.remove(partial)
-    print(f"wrote {args.output}: {summary(profile)}")
-    return 0
-
-
 def partial_path(output: str) -> str:
-    """Where calibrate_main keeps the profile measured so far: beside `output`, e.g. profile.partial.json."""
+    """Where `shardplan calibrate` keeps the profile measured so far: beside `output`, e.g. profile.partial.json."""
     stem, extension = os.path.splitext(output)
     return f"{stem}.partial{extension or '.json'}"
 

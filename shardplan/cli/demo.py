@@ -15,10 +15,6 @@ from shardplan.costmodel.hardware import HardwareProfile, get_hardware
 from shardplan.models import zoo
 from shardplan.plan import Plan
 
-DEMO_GPT = zoo.GPTConfig(vocab_size=1024, seq_len=128, n_layer=6, n_head=8, d_model=256)
-"""Large enough that compute, not Python overhead, dominates a CPU step; small enough for seconds per step."""
-DEMO_BATCH = 8
-"""Sequences per data-parallel replica."""
 TIGHT_BUDGET_SHARE = 0.6
 """Default budget: this share of what the fastest data-parallel plan needs, so the solver must trade."""
 DEMO_CALIBRATION = "medium"
@@ -50,7 +46,7 @@ def plan_demo(world_size: int, hardware: HardwareProfile, memory_budget=None) ->
     from shardplan.compile import solve
     from shardplan.frontend.passes import analyze
 
-    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    entry = zoo.gpt(zoo.DEMO_GPT, batch=zoo.DEMO_BATCH)
     chain = analyze(entry.model, entry.args, entry.kwargs)
     if memory_budget is None:
         fastest = solve(
@@ -86,11 +82,11 @@ def _train_rank(device: torch.device, report, plan_json: str, steps: int) -> Mea
 
     plan = Plan.from_json(plan_json)
     torch.manual_seed(0)  # the same initial weights on every rank
-    entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
+    entry = zoo.gpt(zoo.DEMO_GPT, batch=zoo.DEMO_BATCH)
     generator = torch.Generator().manual_seed(
         1 + plan.mesh.replica_of(world().rank)
     )  # each replica its own batch
-    ids = torch.randint(0, DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
+    ids = torch.randint(0, zoo.DEMO_GPT.vocab_size, entry.args[0].shape, generator=generator)
     program = parallelize(entry.model, plan, device=device)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
     losses = []

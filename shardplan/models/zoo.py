@@ -172,6 +172,12 @@ class EncoderDecoder(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
+DEMO_GPT = GPTConfig(vocab_size=1024, seq_len=128, n_layer=6, n_head=8, d_model=256)
+"""The demo's and the accuracy benchmarks' GPT: large enough that compute, not Python overhead, dominates a CPU step; small enough for seconds per step."""
+DEMO_BATCH = 8
+"""Sequences per data-parallel replica."""
+
+
 def gpt(
     config: GPTConfig = GPTConfig(), batch: int = 4, device: str | torch.device = "cpu"
 ) -> ZooModel:

@@ -841,7 +841,7 @@ class _Journal:
 
     @staticmethod
     def _plan_changes(old: Plan, new: Plan) -> list[str]:
-        from shardplan.cli.report import plan_changes
+        from shardplan.plan_changes import plan_changes
 
         changes = plan_changes(old, new)
         return (

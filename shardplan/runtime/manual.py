@@ -9,8 +9,7 @@ from collections.abc import Sequence
 import torch.nn as nn
 
 from shardplan.errors import PlanError
-from shardplan.frontend.passes import fingerprint_of, input_specs
-from shardplan.frontend.passes.tensor_parallel import tensor_parallel_candidates
+from shardplan.frontend.passes import fingerprint_of, input_specs, tensor_parallel_candidates
 from shardplan.frontend.signature import model_signature
 from shardplan.plan import (
     Checkpoint,

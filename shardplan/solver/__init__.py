@@ -5,4 +5,7 @@
 - brute_force.py  exhaustive enumeration of the same space: the test oracle
 - stages.py       exact min-max pipeline stage cuts
 - search.py       the outer enumeration of meshes, micro-batch counts and schedules
+- assemble.py     the chosen candidate as a Plan's units, stages, tp section and predicted terms
+- explain.py      the plan's reasoning (binding constraint, runner-ups) and why no plan fits
+- evaluate.py     a given plan's own decisions priced
 """

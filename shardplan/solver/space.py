@@ -13,10 +13,10 @@ property test compares like with like. Restrictions by default:
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from shardplan.errors import ShardplanError
-from shardplan.frontend.chain import Block
+from shardplan.frontend.chain import Block, BlockChain
 from shardplan.plan import Checkpoint, Decision, ShardStrategy
 
 
@@ -178,3 +178,45 @@ def _block_names(blocks: Sequence[Block], classes: Mapping[str, str], shown: int
     return ", ".join(named[:shown]) + (
         f", ... {len(named) - shown} more" if len(named) > shown else ""
     )
+
+
+def default_space(n_blocks: int) -> SearchSpace:
+    """Units of up to 4 blocks on short chains; of single blocks past 16 blocks, where one
+    block (a transformer layer) is already large enough to hide its gather and the DP's
+    time grows with the square of the unit length. Prefetch is always on: turning it off
+    only saves one unit's gathered parameters."""
+    return SearchSpace(max_unit_blocks=4 if n_blocks <= 16 else 1, prefetch=(True,))
+
+
+def block_rules(chain: BlockChain, constraints: Constraints | None) -> tuple[BlockRule, ...]:
+    return _split_at_frozen(chain, resolve_rules(chain.blocks, constraints, chain.module_classes))
+
+
+def _split_at_frozen(chain: BlockChain, rules: tuple[BlockRule, ...]) -> tuple[BlockRule, ...]:
+    """Start a unit wherever the blocks switch between frozen (requires_grad=False) and trainable
+    parameters: a unit is one flat buffer with one requires_grad (runtime/sharded.py). A block without
+    parameters joins either kind."""
+    frozen = set(chain.frozen_params)
+    if not frozen:
+        return rules
+    split, previous = [], None
+    for block, rule in zip(chain.blocks, rules):
+        kinds = {name in frozen for name in block.param_names}
+        if len(kinds) > 1:
+            raise ShardplanError(
+                f"block {block.name!r} holds frozen parameters "
+                f"({', '.join(n for n in block.param_names if n in frozen)[:200]}) beside trainable ones: a unit "
+                "trains all its parameters or none; set requires_grad alike for the whole block"
+            )
+        kind = kinds.pop() if kinds else previous
+        if previous is not None and kind != previous:
+            if not rule.may_start_unit:
+                raise ShardplanError(
+                    f"a constraint forbids a unit boundary at block {block.name!r}, where the "
+                    f"parameters turn {'frozen' if kind else 'trainable'}: a unit trains all its "
+                    "parameters or none; remove that no_unit_boundary pattern"
+                )
+            rule = replace(rule, must_start_unit=True)
+        split.append(rule)
+        previous = kind
+    return tuple(split)

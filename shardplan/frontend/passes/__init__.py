@@ -22,6 +22,10 @@ from shardplan.frontend.passes.devices import retarget_device_pass
 from shardplan.frontend.passes.execution import annotate_execution_pass
 from shardplan.frontend.passes.ownership import annotate_ownership_pass
 from shardplan.frontend.passes.splice import install_stand_ins, splice_copies
+from shardplan.frontend.passes.tensor_parallel import (
+    TensorParallelCandidates,
+    find_tensor_parallel_pairs,
+)
 from shardplan.frontend.passes.tensor_parallel_facts import with_tensor_parallel_facts
 from shardplan.frontend.repeats import RepeatedCapture, capture_repeated
 from shardplan.frontend.signature import model_signature
@@ -227,3 +231,12 @@ def structural_graph(
     run_passes(captured.gm, last="ownership")
     run_passes(captured.gm, first="splice", last="splice", inputs=PassInputs(repeated=repeated))
     return captured.gm
+
+
+def tensor_parallel_candidates(
+    model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None
+) -> TensorParallelCandidates:
+    """Capture `model` (static shapes, each repeated block traced once) and find its tensor-parallel pairs."""
+    return find_tensor_parallel_pairs(
+        structural_graph(model, tuple(example_inputs), dict(example_kwargs or {}))
+    )

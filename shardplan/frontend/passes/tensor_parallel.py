@@ -229,17 +229,6 @@ def _check_sequence_layers(layout: TensorParallelLayout) -> None:
             )
 
 
-def tensor_parallel_candidates(
-    model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None
-) -> TensorParallelCandidates:
-    """Capture `model` (static shapes, each repeated block traced once) and find its tensor-parallel pairs."""
-    from shardplan.frontend.passes import structural_graph  # the package imports this module
-
-    return find_tensor_parallel_pairs(
-        structural_graph(model, tuple(example_inputs), dict(example_kwargs or {}))
-    )
-
-
 def find_tensor_parallel_pairs(gm: torch.fx.GraphModule) -> TensorParallelCandidates:
     """The pairs of a captured graph (torch.export's ATen ops, after annotate_ownership_pass).
 
