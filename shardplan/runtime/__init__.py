@@ -6,7 +6,8 @@ collectives.py   every torch.distributed call (all_gather, reduce_scatter, all_r
 unit.py          one unit's state machine: shard, gathered buffer, gradient reduction
 scheduler.py     when units are gathered, presented, released, prefetched and reduced
 activation_checkpoint.py  recomputing a unit's activations in backward (both backends)
-program.py       Program: step / micro-batches / loss / clip_grad_norm_, backend-independent
+program.py       Program: called as the model, the gradient-sync switch, admit_input (the shapes a plan
+                 takes), step / micro-batches / loss / clip_grad_norm_, backend-independent
 sharded.py       backend="shardplan": tensor parallelism, then the units over the local slices
 tensor_parallel.py  Megatron-style slices of a TensorParallelLayout's pairs, on an eager model
 stage_split.py   the captured graph split into the plan's stages, and the module that runs one
@@ -65,8 +66,9 @@ def parallelize(
 
     >>> program = parallelize(model, plan)                          # doctest: +SKIP
     >>> optimizer = torch.optim.AdamW(program.parameters(), lr=3e-4)  # doctest: +SKIP
-    >>> loss = program.step(ids, labels=ids)                         # doctest: +SKIP
+    >>> program(input_ids=ids, labels=ids).loss.backward()          # as under FSDP2; doctest: +SKIP
     >>> optimizer.step(); optimizer.zero_grad()                      # doctest: +SKIP
+    >>> loss = program.step(ids, labels=ids)                         # or: micro-batches, averaged loss; doctest: +SKIP
     """
     from shardplan.runtime import collectives
 

@@ -165,7 +165,7 @@ class Fsdp2Program(Program):
             **options,
         )
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @property

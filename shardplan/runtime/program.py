@@ -1,9 +1,23 @@
 """Program: a model trained under a plan on this rank, whatever backend runs it.
 
-What is common to both backends lives here: splitting a replica's batch into
-the plan's micro-batches, finding the loss in the model's output, averaging
-it, and gradient sync only on the last micro-batch. A backend supplies the
-forward, the gradient-sync switch, the local parameters and the norm.
+What is common to both backends lives here: calling the program as the model
+(FSDP2's loop: `loss = program(**batch).loss; loss.backward();
+optimizer.step()`), the gradient-sync switch for accumulating by hand,
+admitting a batch's shapes (admit_input), and `step`'s convenience: splitting
+a replica's batch into the plan's micro-batches, finding the loss in the
+model's output, averaging it, and gradient sync only on the last micro-batch.
+A backend supplies the forward, what the switch does to its reductions, the
+local parameters and the norm.
+
+[Note: the user's loop] `program(*args, **kwargs)` is the model's forward on
+this rank's batch, returning what the model returns; `loss.backward()` then
+reduces each unit's gradient as the plan says (reduce-scattered or
+all-reduced, averaged over the replicas) and an optimizer over
+`program.parameters()` steps the shards. A call runs its batch as one
+forward: the plan's micro-batches are `step`'s, and accumulating by hand is
+`set_requires_gradient_sync(False)` for every micro-batch but the last, as
+under FSDP2. The loss is this rank's, as the model computes it: the gradients
+are the mean of the replicas' gradients, as under DDP and FSDP.
 
 [Note: failed steps] A step that raises (in forward or backward, on any
 exception: out of memory, Ctrl-C, a hook) is abandoned as a transaction: the
@@ -26,7 +40,11 @@ unwaited, issues no collective again, and refuses every call. A successful
 step adds no collective for this. A `loss.backward()` of the program's own
 forward (outside `step`) that raises is found at the next call and abandoned
 the same way, but, as in plain PyTorch, the gradients it produced stay. A
-pipeline stage cannot tell where its neighbours stopped, so any failed
+call that fails in its forward keeps what earlier backwards accumulated by
+hand (set_requires_gradient_sync(False)); a failed backward or step drops
+what all-reducing units had summed locally, so an accumulation by hand starts
+over (optimizer.zero_grad()). A pipeline stage cannot tell where its
+neighbours stopped, so any failed
 pipelined step leaves the ranks out of step (see [Note: pipelined step]).
 A successful `program.load` ends the refusal.
 """
@@ -89,12 +107,45 @@ class Program:
         self.after_reduction: Callable[[bool], None] | None = None
         """Called inside each `step` once its gradients are reduced, while `.grad` holds this step's alone,
         with whether the step took the planned batch (AdaScale measures them there, in adascale.py)."""
-
-    # what a backend provides
+        self.requires_gradient_sync = True
+        """Whether backward reduces gradients over the replicas (see set_requires_gradient_sync)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward on this rank's data, sharded as planned (pp == 1)."""
-        raise NotImplementedError
+        """The model's forward on this rank's batch, sharded as planned (pp == 1), returning what the model
+        returns: `loss.backward()` then reduces the gradients as planned (see [Note: the user's loop]).
+
+        >>> loss = program(input_ids=ids, attention_mask=mask, labels=ids).loss  # doctest: +SKIP
+        >>> loss.backward(); optimizer.step(); optimizer.zero_grad()             # doctest: +SKIP
+        """
+        self.check_in_step()
+        admit_input(self.plan, args, kwargs)
+        with self._transaction():
+            return self._forward(*args, **kwargs)
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """Whether the backward of the next forwards reduces gradients over the replicas, as FSDP2's switch
+        of the same name (DDP's `no_sync()`): False for every micro-batch accumulated by hand but the last.
+
+        Set it before the forward: a backward reduces as the switch stood when its forward ran. What is
+        kept local follows the plan, as `step`'s micro-batches do (see [Note: gradient accumulation] in
+        unit.py): units that all-reduce (and every unit under backend="fsdp2") add into a local gradient
+        and reduce it once; units that reduce-scatter still do so every backward, the memory the plan
+        priced. `step` honours it too: with False, not even its last micro-batch syncs.
+
+        >>> program.set_requires_gradient_sync(False)          # doctest: +SKIP
+        >>> for batch in batches[:-1]: (program(**batch).loss / len(batches)).backward()  # doctest: +SKIP
+        >>> program.set_requires_gradient_sync(True)           # doctest: +SKIP
+        >>> (program(**batches[-1]).loss / len(batches)).backward(); optimizer.step()     # doctest: +SKIP
+        """
+        if self.plan.mesh.pp > 1:
+            raise ShardplanError(
+                "a pipelined plan (pp > 1) accumulates gradients over its micro-batches inside "
+                "program.step(...): pass the whole accumulation batch to one step()"
+            )
+        self.requires_gradient_sync = bool(requires)
+        self._set_gradient_sync(self.requires_gradient_sync)
+
+    # what a backend provides
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's shards: give them to any torch.optim optimizer (its state is then sharded)."""
@@ -199,11 +250,12 @@ class Program:
         return collectives.world().rank == 0
 
     def _set_gradient_sync(self, enabled: bool) -> None:
+        """Whether the backward of the forwards that follow reduces gradients (the backend's switch)."""
         raise NotImplementedError
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward inside a step (a backend whose __call__ guards the step's state overrides it)."""
-        return self(*args, **kwargs)
+        """The model's forward on this rank, inside a call's or a step's transaction."""
+        raise NotImplementedError
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -242,26 +294,29 @@ class Program:
         """Forward and backward of this rank's batch; returns the loss averaged over its samples and the ranks.
 
         Tensors of args and kwargs are split along dim 0 into the plan's micro-batches; gradients
-        are synchronized on the last one only (see [Note: gradient accumulation] in unit.py). A batch
-        may be smaller than planned along dim 0 (an epoch's last batch): see [Note: smaller batches].
-        A step that raises leaves the program as it was (see [Note: failed steps])."""
+        are synchronized on the last one only (see [Note: gradient accumulation] in unit.py), and not
+        at all after set_requires_gradient_sync(False). The batch may have any size and sequence
+        length (see admit_input); micro-batches of unequal size are weighted: see [Note: smaller
+        batches]. A step that raises leaves the program as it was (see [Note: failed steps])."""
         self.check_in_step()
-        check_batch(self.plan, args, kwargs)
+        admit_input(self.plan, args, kwargs)
         micro_batches = split_micro_batches(args, kwargs, self.plan.schedule.num_micro_batches)
         total = torch.zeros((), dtype=torch.float32)
         with self._transaction(), self._recording_stats():
             try:
                 for index, (micro_args, micro_kwargs, share) in enumerate(micro_batches):
-                    self._set_gradient_sync(index == len(micro_batches) - 1)
+                    last = index == len(micro_batches) - 1
+                    self._set_gradient_sync(last and self.requires_gradient_sync)
                     loss = self.loss(micro_args, micro_kwargs)
                     (loss * share).backward()
                     total += loss.detach().float().cpu() * share
             finally:
-                self._set_gradient_sync(True)
+                self._set_gradient_sync(self.requires_gradient_sync)
             self._gradients_reduced(
-                planned=len(micro_batches) == self.plan.schedule.num_micro_batches
+                planned=self.requires_gradient_sync
+                and len(micro_batches) == self.plan.schedule.num_micro_batches
                 and all(share == micro_batches[0][2] for *_, share in micro_batches)
-                and not _smaller_than_planned(self.plan, args, kwargs)
+                and _takes_planned_shapes(self.plan, args, kwargs)
             )
             return collectives.wait(collectives.all_reduce_mean(total, async_op=False))
 
@@ -286,12 +341,12 @@ class Program:
 
     def evaluate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The loss of this rank's batch without gradients (a validation step), averaged as `step` averages;
-        the batch may be smaller than planned along dim 0, as in `step`.
+        the batch may have any size and sequence length, as in `step`.
 
         >>> validation_loss = program.evaluate(ids, labels=ids)  # doctest: +SKIP
         """
         self.check_in_step()
-        check_batch(self.plan, args, kwargs)
+        admit_input(self.plan, args, kwargs)
         micro_batches = split_micro_batches(args, kwargs, self.plan.schedule.num_micro_batches)
         with self._transaction(), torch.no_grad():
             total = cast(
@@ -401,9 +456,61 @@ def _refuse_replaced(
         )
 
 
+def admit_input(plan: Plan, args: tuple, kwargs: dict) -> None:
+    """Admit a batch for a call, a step or an evaluation, or refuse it in one line: the one place where
+    the runtime decides which inputs a plan takes.
+
+    [Note: admitted shapes] At pp == 1 nothing in either backend is fixed to the plan's shapes (the
+    tensor-parallel layout is found once, at start-up), so any batch size and sequence length is
+    taken: dynamic padding, a larger evaluation batch, an epoch's last batch. An input the plan
+    records keeps its number of dims and its dtype. Sequence parallelism splits the sequence (dim 1
+    of the tokens) over the tp ranks, which it must divide. Under a pipeline the stages are cut from
+    captures at fixed shapes: check_batch's rule (see [Note: smaller pipelined batches] in
+    pipelined.py)."""
+    if plan.mesh.pp > 1:
+        check_batch(plan, args, kwargs)
+        return
+    for spec in plan.inputs:
+        value = _input(spec, args, kwargs)
+        if not isinstance(value, torch.Tensor):
+            continue  # left out (labels, to generate): the model's own signature decides
+        if value.dim() != len(spec.shape):
+            raise RuntimeMismatchError(
+                f"input {spec.name!r} has {value.dim()} dims (shape {list(value.shape)}), the plan "
+                f"was made for {len(spec.shape)} ({list(spec.shape)}): pass it with "
+                f"{len(spec.shape)} dims (batch and sequence may be of any size), or re-plan for this one"
+            )
+        _check_dtype(spec, value)
+    if plan.tensor_parallel.sequence_parallel:
+        _check_sequence_divides(plan.mesh.tp, args, kwargs)
+
+
+def _check_sequence_divides(tp: int, args: tuple, kwargs: dict) -> None:
+    """Refuse a sequence length that sequence parallelism cannot split over `tp` ranks, before any rank
+    runs a layer: the sequence is dim 1 of the first input of 2 dims or more (the tokens)."""
+    named = [(str(index), value) for index, value in enumerate(args)] + list(kwargs.items())
+    tokens = next(
+        (
+            (name, value)
+            for name, value in named
+            if isinstance(value, torch.Tensor) and value.dim() > 1
+        ),
+        None,
+    )
+    if tokens is not None and tokens[1].shape[1] % tp:
+        name, value = tokens
+        raise RuntimeMismatchError(
+            f"input {name!r} has a sequence of {value.shape[1]} tokens (shape {list(value.shape)}), "
+            f"which the plan's sequence parallelism cannot split over tp={tp} ranks: pad sequences "
+            f"to a multiple of {tp} (pad_to_multiple_of={tp} in a Hugging Face tokenizer or "
+            "collator), or re-plan without sequence parallelism"
+        )
+
+
 def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
     """Refuse a batch whose shapes or dtypes differ from the plan's inputs: their dynamic dims may
-    change, and dim 0 may be smaller than planned (see [Note: smaller batches])."""
+    change, and dim 0 may be smaller than planned (see [Note: smaller batches]). Pipelined plans'
+    rule (see admit_input)."""
     for spec in plan.inputs:
         value = _input(spec, args, kwargs)
         if not isinstance(value, torch.Tensor):
@@ -421,12 +528,16 @@ def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
                 "(one data-parallel replica's batch): pass batches of that shape or smaller along dim 0, "
                 "or re-plan for this one"
             )
-        given = dtype_name(value.dtype)
-        if given != spec.dtype:
-            raise RuntimeMismatchError(
-                f"input {spec.name!r} is {given}, the plan was made for {spec.dtype}: "
-                f"pass it as {spec.dtype} (.to(torch.{spec.dtype})), or re-plan for {given}"
-            )
+        _check_dtype(spec, value)
+
+
+def _check_dtype(spec: InputSpec, value: torch.Tensor) -> None:
+    given = dtype_name(value.dtype)
+    if given != spec.dtype:
+        raise RuntimeMismatchError(
+            f"input {spec.name!r} is {given}, the plan was made for {spec.dtype}: "
+            f"pass it as {spec.dtype} (.to(torch.{spec.dtype})), or re-plan for {given}"
+        )
 
 
 def _input(spec: InputSpec, args: tuple, kwargs: dict) -> Any:
@@ -438,15 +549,13 @@ def _input(spec: InputSpec, args: tuple, kwargs: dict) -> Any:
     )
 
 
-def _smaller_than_planned(plan: Plan, args: tuple, kwargs: dict) -> bool:
-    """Whether this batch has fewer samples than the plan's inputs (an epoch's last; see check_batch)."""
-    if not plan.inputs:
-        return False
-    value = _input(plan.inputs[0], args, kwargs)
-    return (
-        isinstance(value, torch.Tensor)
-        and value.dim() > 0
-        and value.shape[0] < plan.batch_per_replica
+def _takes_planned_shapes(plan: Plan, args: tuple, kwargs: dict) -> bool:
+    """Whether this batch passes every input of the plan at its planned shape (AdaScale's estimates are
+    for batches of that size: see [Note: AdaScale's samples] in adascale.py)."""
+    return all(
+        isinstance(value := _input(spec, args, kwargs), torch.Tensor)
+        and tuple(value.shape) == tuple(spec.shape)
+        for spec in plan.inputs
     )
 
 
@@ -469,11 +578,11 @@ def split_micro_batches(args: tuple, kwargs: dict, count: int) -> list[tuple[tup
     dim 0 into `count` parts as equal as can be (fewer when the batch has fewer samples).
 
     [Note: smaller batches]
-    A batch smaller than planned along dim 0 (an epoch's last, an evaluation batch) needs less memory
-    than the plan priced, so step and evaluate take it. Its micro-batches may then differ in size, so
-    each one's loss, a mean over its samples, is weighted by its share of the batch: the step's
-    gradient and loss are the batch's mean, as one forward over the whole batch gives. Ranks are
-    averaged with equal weights: give every rank the same batch size (DistributedSampler does)."""
+    A batch of another size than planned (an epoch's last, an evaluation batch; see [Note: admitted
+    shapes]) may not split evenly into the plan's micro-batches, so each one's loss, a mean over its
+    samples, is weighted by its share of the batch: the step's gradient and loss are the batch's
+    mean, as one forward over the whole batch gives. Ranks are averaged with equal weights: give
+    every rank the same batch size (DistributedSampler does)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     batch_sizes = sorted(
         {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}

@@ -92,6 +92,9 @@ class Scheduler:
         self._reducing: FlatUnit | None = None
         self._callback_task: int | None = None
         """The autograd graph task that _end_backward is queued on; None once it has run."""
+        self.backward_began = False
+        """Whether a unit's gradient reached the scheduler since the program last cleared this (as a step
+        or a call begins): a failure before then left every unit's local gradient sum as it was."""
 
     # forward pass boundaries
 
@@ -210,6 +213,7 @@ class Scheduler:
         if self._callback_task != task:
             Variable._execution_engine.queue_callback(self._end_backward)
             self._callback_task = task
+        self.backward_began = True
         if self._reducing is not None:  # one reduction in flight: finish it before issuing the next
             self._reducing.finish_reduction()
             self._reducing = None
@@ -236,12 +240,13 @@ class Scheduler:
 
     def abandon(self, *, drain: bool) -> None:
         """Forget a failed forward or backward: every unit sharded, nothing in flight (waited for when
-        `drain`), no reduction or callback pending."""
+        `drain`), no reduction or callback pending. Gradients summed locally over earlier backwards
+        (accumulation by hand) are kept when no backward had begun since `backward_began` was cleared,
+        dropped otherwise (that backward added to some units' sums and not to others')."""
         self._reducing = None
         self._callback_task = None
         self._storages.clear()
-        self.communicate = True
         for unit in self.units:
             self._active[unit] = 0
             self._modules_done[unit].clear()
-            unit.abandon(drain=drain)
+            unit.abandon(drain=drain, keep_accumulated=not self.backward_began)

@@ -87,6 +87,7 @@ class UnitProgram(Program):
         zeroed again on failure, which restores it as well without a second gradient's memory."""
         self.check_in_step()
         self._transactions += 1
+        self.scheduler.backward_began = False
         before = [unit.shard.grad for unit in self.units]
         zeroed = all_zeros(before)
         for unit, in_place in zip(self.units, zeroed):
@@ -160,11 +161,6 @@ class ShardedProgram(UnitProgram):
         _wrap_forwards(module, dict(module.named_modules()), self.units, self.scheduler)
         self._control = collectives.control_group()
         """Where ranks compare where a failed step stopped (see [Note: failed steps])."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.check_in_step()
-        with self._transaction():
-            return self._forward(*args, **kwargs)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         with self.scheduler.forward_pass():

@@ -224,15 +224,16 @@ class FlatUnit:
         self.views_epoch = -1
         self.state = UnitState.SHARDED
 
-    def abandon(self, *, drain: bool) -> None:
+    def abandon(self, *, drain: bool, keep_accumulated: bool = False) -> None:
         """Forget a failed step (see [Note: failed steps] in program.py): its collectives in flight, waited
         for when `drain` (every rank issued them) and dropped unwaited otherwise, its sum of earlier
-        micro-batches' gradients, and the gathered buffer."""
+        micro-batches' gradients unless `keep_accumulated` (no backward of the failed step ran), and the
+        gathered buffer."""
         for pending in (self._pending_gather, self._pending_reduce):
             if pending is not None and drain:
                 collectives.wait(pending)
         self._pending_gather = self._pending_reduce = None
-        self._accumulating = False
+        self._accumulating = self._accumulating and keep_accumulated
         self.forget_local_norm()
         self.state = (
             UnitState.SHARDED
