@@ -20,6 +20,7 @@ from shardplan.common.sizes import parse_bytes
 from shardplan.costmodel.hardware import HardwareProfile, get_hardware
 from shardplan.errors import InfeasibleError, ShardplanError
 from shardplan.frontend.chain import BlockChain
+from shardplan.frontend.shapes import SequenceFit, fit_lengths, inputs_at, sequence_length
 from shardplan.plan import MAX_WORLD_SIZE, MixedPrecision, Plan, Reasoning
 from shardplan.solver.assemble import (
     example_batch,
@@ -33,7 +34,7 @@ from shardplan.solver.explain import constraints_blamed, infeasible_message, rea
 from shardplan.solver.search import SearchMemo, Setting, search, tensor_parallel_options
 from shardplan.solver.space import Constraints, SearchSpace, block_rules, default_space
 
-__all__ = ["PlanOptions", "compile", "solve", "evaluate", "evaluate_stages"]
+__all__ = ["PlanOptions", "compile", "solve", "evaluate", "evaluate_stages", "sequence_fit"]
 
 if TYPE_CHECKING:
     from torch import nn
@@ -288,3 +289,22 @@ def _check_world_size(world_size: object) -> None:
             f"world_size must be a whole number of ranks from 1 to {MAX_WORLD_SIZE}, "
             f"got {world_size!r}: give the number of ranks you launch"
         )
+
+
+def sequence_fit(model: "nn.Module", plan: Plan) -> SequenceFit:
+    """`plan`'s chain at every sequence length, from analyses of `model` at three lengths (see
+    [Note: a chain as a function of the sequence length]): what `evaluate_at` and `longest_sequence`
+    (solver/shapes.py) price any shape with."""
+    from shardplan.frontend.passes import analyze, example_tensors
+
+    device = next((p.device for p in model.parameters()), "cpu")
+    lengths = fit_lengths(sequence_length(plan.inputs))
+    chains = [
+        analyze(
+            model,
+            *example_tensors(inputs_at(plan.inputs, plan.batch_per_replica, length), device),
+            compute_dtype=plan.mixed_precision.param_dtype,
+        )
+        for length in lengths
+    ]
+    return SequenceFit.of(lengths, chains)

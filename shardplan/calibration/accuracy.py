@@ -39,7 +39,7 @@ import torch
 from rich.table import Table
 
 from shardplan.common.sizes import format_bytes
-from shardplan.costmodel.hardware import HardwareProfile, LinkProfile, SizeCurve
+from shardplan.costmodel.hardware import HardwareProfile, LinkProfile, SizeCurve, get_hardware
 from shardplan.frontend.chain import BlockChain
 from shardplan.models import zoo
 from shardplan.plan import Checkpoint, MixedPrecision, Plan, ShardStrategy
@@ -649,6 +649,57 @@ def measure_pipeline_accuracy(
                     measured_bytes=peak,
                     predicted_s=math.nan,
                     measured_s=math.nan,
+                )
+            )
+    return rows
+
+
+OTHER_SHAPES = ((2, 64), (4, 256), (8, 96))
+"""(replica batch, sequence length) pairs beside HF_WORKLOADS' 4 x 128: fewer and shorter, longer,
+more and shorter."""
+
+
+def measure_shape_accuracy(
+    workload: Workload,
+    precision: MixedPrecision,
+    kinds: tuple[str, ...] = ("full_shard/none", "shard_grad_op/full"),
+    shapes: tuple[tuple[int, int], ...] = OTHER_SHAPES,
+    progress: bool = True,
+) -> list[Accuracy]:
+    """Plans of `kinds` made at `workload`'s own shape and priced at each of `shapes` from one
+    sequence fit (compile.sequence_fit, solver/shapes.py), beside training at that shape on 2 ranks;
+    a row's kind reads "kind @ batch x length"."""
+    from shardplan.compile import sequence_fit
+    from shardplan.frontend.shapes import inputs_at
+    from shardplan.solver.shapes import evaluate_at
+
+    chain, plans = demo_chain_and_plans(2, workload, precision)
+    planned = [
+        dataclasses.replace(plan, inputs=chain.inputs)
+        for kind, plan in zip(KIND_NAMES, plans)
+        if kind in kinds
+    ]
+    fit = sequence_fit(workload.build().model, planned[0])
+    hardware = shared_cores(get_hardware("cpu-gloo"), 2, machine_cores())
+    rows = []
+    for batch, length in shapes:
+        at_shape = dataclasses.replace(
+            workload, options=(*workload.options, ("batch", batch), ("seq", length))
+        )
+        reshaped = [
+            dataclasses.replace(plan, inputs=inputs_at(plan.inputs, batch, length))
+            for plan in planned
+        ]
+        _, measured = measure_plans(reshaped, 2, 1, progress=progress, workload=at_shape)
+        for kind, plan, (peak_bytes, step_s) in zip(kinds, planned, measured):
+            predicted = evaluate_at(fit, plan, batch=batch, length=length, hardware=hardware)
+            rows.append(
+                Accuracy(
+                    kind=f"{kind} @ {batch} x {length}",
+                    predicted_bytes=predicted.peak_bytes,
+                    measured_bytes=peak_bytes,
+                    predicted_s=predicted.step_time_s,
+                    measured_s=step_s,
                 )
             )
     return rows

@@ -199,8 +199,14 @@ def input_specs(args: tuple, kwargs: dict) -> tuple[InputSpec, ...]:
 
 def meta_inputs(inputs) -> tuple[tuple, dict]:
     """(args, kwargs) of meta tensors shaped as `inputs` (InputSpecs; positional ones are named "0", "1")."""
+    return example_tensors(inputs, "meta")
+
+
+def example_tensors(inputs, device: torch.device | str = "cpu") -> tuple[tuple, dict]:
+    """(args, kwargs) of tensors shaped as `inputs` and filled with ones: a valid token id, a mask
+    that masks nothing. Analysis runs on fake tensors, so only shapes, dtypes and device count."""
     tensors = {
-        spec.name: torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device="meta")
+        spec.name: torch.ones(spec.shape, dtype=torch_dtype(spec.dtype), device=device)
         for spec in inputs
     }
     return (
