@@ -70,11 +70,12 @@ def test_explain_shows_shapes_batches_mesh_and_draws_real_pictures(plans, tmp_pa
     assert f"binding constraint: {plan.reasoning.binding_constraint}" in " ".join(
         out.split()
     )  # a sentence, not a column
-    assert f"{plan.mesh.describe()} (dp={plan.mesh.dp} replicas, pp={plan.mesh.pp} stages" in out
+    assert f"{plan.mesh.describe()} ({plan.mesh.dp} data-parallel ranks" in out
     assert "4 x 32 int64" in out  # the zoo GPT's token ids: batch 4, sequence 32
-    assert f"{plan.mesh.dp * 4} = dp {plan.mesh.dp} x 4 per replica" in out
+    assert f"{plan.mesh.dp * 4} = {plan.mesh.dp} data-parallel ranks x 4" in out
     micro = plan.schedule.num_micro_batches
-    assert f"{micro} of {4 / micro:g} per replica" in out
+    assert f"{micro} of {4 / micro:g} per data-parallel rank" in out
+    assert "replica" not in out.replace("replicate", "")  # no HSDP here: "replica" names nothing
     for name in ("units.png", "memory.png"):
         picture = (tmp_path / name).read_bytes()
         assert picture[:8] == b"\x89PNG\r\n\x1a\n" and len(picture) > 10_000
@@ -89,7 +90,68 @@ def test_diff_names_what_changed_in_mib_and_ms_by_unit(plans):
     assert peak.endswith("%)") and peak.count("MiB") == 2, peak
     assert any(line.startswith("step time: ") and line.count(" ms") == 2 for line in lines), lines
     assert any(line.startswith("unit h.") for line in lines), lines  # units named by their modules
+    assert not any(line.startswith("units[") for line in lines), lines  # each unit's change once
+    assert len(lines) == len(set(lines)), lines
     assert main(["diff", str(roomy), str(roomy)]) == 0
+
+
+def test_diff_into_a_closed_pipe_exits_quietly(plans):
+    roomy, tight = plans
+    command = Path(sys.executable).with_name("shardplan")
+    process = subprocess.Popen(
+        [str(command), "diff", str(roomy), str(tight)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    process.stdout.close()  # `| head` that has read all it wanted, before shardplan writes
+    _, error = process.communicate(timeout=240)
+    assert b"Traceback" not in error and b"BrokenPipe" not in error, error
+    assert process.returncode == 141
+
+
+def _hugging_face_llama_plan():
+    """A plan of the zoo's Hugging Face LLaMA, a unit per layer (module paths under model.layers), and its
+    parameters' sizes."""
+    from shardplan.models import zoo
+    from shardplan.runtime.manual import manual_plan
+
+    model = zoo.build("hf-llama").model
+    groups = [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]]
+    sizes = {name: parameter.numel() for name, parameter in model.named_parameters()}
+    return manual_plan(model, groups, dp=2), sizes
+
+
+def test_units_keep_their_distinguishing_names_at_80_columns_and_count_parameters():
+    from rich.console import Console
+
+    from shardplan.cli import report
+
+    plan, sizes = _hugging_face_llama_plan()
+    console = Console(width=80, record=True)
+    console.print(report.units_table(plan, sizes))
+    table = console.export_text()
+    assert "model.embed_tokens..layers.0" in table and "model.layers.1..lm_head" in table, table
+    assert "…" not in table and "full_shard" in table, table  # no column cut
+    first = plan.units[0]
+    elements = sum(sizes[name] for name in first.params)
+    assert elements > 1000 and report.format_count(elements) in table  # elements, not tensors
+    text = report.summary(plan, sizes)
+    assert report.format_count(elements) in text and "tensors" not in text
+    assert "tensors" in report.summary(plan)  # without the sizes, the column says what it counts
+    assert "2 data-parallel ranks" in text and "units sharded over dp_shard=2" in text
+
+
+def test_the_mesh_says_when_no_unit_is_sharded():
+    from dataclasses import replace
+
+    from shardplan.cli import report
+    from shardplan.plan import ShardStrategy
+
+    plan, _ = _hugging_face_llama_plan()
+    replicated = replace(
+        plan, units=tuple(replace(u, strategy=ShardStrategy.REPLICATE) for u in plan.units)
+    )
+    assert "every unit replicated: no state is sharded" in report.mesh_words(replicated)
 
 
 HUGGING_FACE_CONFIG = {
@@ -266,9 +328,11 @@ def test_plan_flags_reach_the_planner(tmp_path, capsys):
     plan = load_plan(output)
     assert plan.mesh.dp * plan.batch_per_replica == 4
     assert (
-        f"inputs per replica: input 0: {plan.batch_per_replica} x 64 float32, input 1: {plan.batch_per_replica} "
-        "float32;" in run.stdout
+        f"inputs per data-parallel rank: input 0: {plan.batch_per_replica} x 64 float32, input 1: "
+        f"{plan.batch_per_replica} float32;" in run.stdout
     )  # positional inputs named by their position
+    assert "shardplan: capturing and planning mlp for 2 ranks ..." in run.stderr  # not a terminal
+    assert "shardplan: done in " in run.stderr
     assert (plan.mixed_precision.param_dtype, plan.mixed_precision.reduce_dtype) == (
         "bfloat16",
         "float32",
@@ -725,3 +789,31 @@ def test_check_plans_each_case_apart_and_fails_one_that_ends_its_process_with_th
     assert "planning took more than 20 s and was stopped" in out
     assert "the baseline has no recorded figures for this case" in out  # the last case was planned
     assert out.splitlines()[-1] == "6 case(s): 0 passed, 6 failed"
+
+
+def test_a_hugging_face_config_warns_only_of_the_shape_flags_left_out(tmp_path, capfd):
+    from shardplan.cli.model_spec import load_model
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**HUGGING_FACE_CONFIG, "torch_dtype": "float32"}))
+    heard = []
+    load_model(str(config), seq=16, warn=heard.append, shape_flags=("--seq",))
+    assert heard == []  # --global-batch sets the batch: no "pass --batch"
+    load_model(str(config), warn=heard.append, shape_flags=())
+    assert heard == []  # train reads the data's shapes
+    load_model(str(config), seq=16, warn=heard.append)
+    assert len(heard) == 1 and "--batch" in heard[0] and "--seq" not in heard[0]
+    captured = capfd.readouterr()
+    assert "deprecated" not in captured.out + captured.err  # torch_dtype read as dtype
+
+
+def test_batch_help_says_what_the_flag_does_with_a_global_batch(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "largest micro-batch" not in text
+    assert "with --global-batch only the shape the model is analyzed at" in text
+    assert "the solver chooses the micro-batches" in text
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--seq" not in capsys.readouterr().out

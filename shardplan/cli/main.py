@@ -1,13 +1,17 @@
-"""The command line: shardplan plan | explain | diff | check | calibrate | demo | train.
+"""The command line: shardplan plan | explain | diff | export | check | calibrate | demo | train.
 
 Errors print on one line without a traceback and exit 2 (`--debug` shows the traceback).
 """
 
 import argparse
+import contextlib
 import dataclasses
+import json
 import os
 import re
 import sys
+import threading
+import time
 
 from rich.console import Console
 
@@ -23,8 +27,12 @@ EXAMPLES = {
     "  shardplan plan mypackage.models:build --world-size 4   (build() returns (model, args, kwargs))\n"
     "  shardplan plan config.json --world-size 8 --param-dtype bfloat16 --reduce-dtype float32 "
     "--wrap 'layers\\.\\d+$' --pin 'embed=replicate'",
-    "explain": "shardplan explain plan.json --pictures plan-pictures/",
-    "diff": "shardplan diff old.json new.json",
+    "explain": "shardplan explain plan.json --pictures plan-pictures/\n"
+    "  shardplan explain run1/step_00000100   # the plan a checkpoint was trained on",
+    "diff": "shardplan diff old.json new.json\n"
+    "  shardplan diff run1/step_00000100/shardplan.json plan.json   # a checkpoint's plan",
+    "export": "shardplan export run1/step_00000100 -o exported/\n"
+    "  shardplan export ckpt/step_00000100 --model config.json -o exported/   # a checkpoint saved from Python",
     "check": "shardplan check --baseline benchmarks/baseline.json\n"
     "  shardplan check --baseline benchmarks/baseline.json --update\n"
     "  shardplan check --measure cpu-gloo   # predicted vs measured training on this machine",
@@ -50,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _guarded(command, debug: bool) -> int:
     try:
-        return command() or 0
+        status = command() or 0
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return status
+    except BrokenPipeError:  # `shardplan diff a b | head`: the reader has what it wanted
+        _silence_stdout()
+        return 141  # as a process SIGPIPE ends (128 + 13)
     except ShardplanError as error:
         if debug:
             raise
@@ -59,6 +72,16 @@ def _guarded(command, debug: bool) -> int:
     except KeyboardInterrupt:
         print("shardplan: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush finds no closed pipe to complain of."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is no file (a test's capture)
+        pass
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,13 +115,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--world-size", type=int, required=True)
     _hardware_options(plan)
-    plan.add_argument("--batch", type=int, help="sequences per data-parallel replica")
+    plan.add_argument(
+        "--batch",
+        type=int,
+        help="samples each data-parallel rank takes a step (the example input's dim 0; default 1 for "
+        "a Hugging Face config); with --global-batch only the shape the model is analyzed at, "
+        "scaled to global / data-parallel ranks per rank",
+    )
     plan.add_argument(
         "--global-batch",
         type=int,
         dest="global_batch_size",
-        help="sequences per step over all replicas, whatever the mesh (default: --batch per replica, "
-        "so meshes with fewer replicas train fewer); --batch is then the largest micro-batch tried",
+        help="samples per step over all data-parallel ranks, whatever the mesh (default: --batch "
+        "per data-parallel rank, so meshes with fewer of them train fewer); the solver chooses "
+        "the micro-batches",
     )
     plan.add_argument(
         "--max-tp",
@@ -221,7 +251,9 @@ def _parser() -> argparse.ArgumentParser:
     explain = command(
         "explain", _explain, "Show a plan: units, predicted memory and time, and pictures."
     )
-    explain.add_argument("plan")
+    explain.add_argument(
+        "plan", help="a plan JSON, or a checkpoint (its folder or its shardplan.json)"
+    )
     explain.add_argument(
         "--pictures", help="folder for units.png and memory.png (default: beside the plan)"
     )
@@ -229,8 +261,22 @@ def _parser() -> argparse.ArgumentParser:
     diff = command(
         "diff", _diff, "What changed between two plans, and what it does to memory and time."
     )
-    diff.add_argument("old")
-    diff.add_argument("new")
+    diff.add_argument("old", help="a plan JSON, or a checkpoint (its folder or its shardplan.json)")
+    diff.add_argument("new", help="the same")
+
+    export = command(
+        "export",
+        _export,
+        "Write a checkpoint's model as a Hugging Face save_pretrained folder (Hugging Face models) "
+        "or a plain state dict (model.pt).",
+    )
+    export.add_argument("checkpoint", help="a checkpoint folder, e.g. run1/step_00000100")
+    export.add_argument("-o", "--output", required=True, help="the folder to write (new, or empty)")
+    export.add_argument(
+        "--model",
+        help="the model's SPEC, as given to plan or train (default: what `shardplan train` "
+        "recorded in the run folder's settings.json)",
+    )
 
     check = command(
         "check", _check, "CI gate: re-plan the baseline's models; fail if a plan got worse."
@@ -343,6 +389,7 @@ def _hardware_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _plan(options) -> int:
+    from shardplan.cli import report
     from shardplan.cli.model_spec import load_model
     from shardplan.compile import compile as compile_plan
 
@@ -353,17 +400,51 @@ def _plan(options) -> int:
         seq=options.seq,
         fp32_params=options_of_plan["mixed_precision"] is not None,
         warn=_warn,
+        # with --global-batch each data-parallel rank's batch is global / ranks, whatever --batch
+        shape_flags=("--seq",) if options.global_batch_size else ("--batch", "--seq"),
     )
-    with Console(stderr=True).status(
-        f"capturing and planning {options.spec} for {options.world_size} ranks"
-    ):
+    with _progress(f"capturing and planning {options.spec} for {options.world_size} ranks"):
         plan = compile_plan(
             entry.model, options.world_size, entry.args, entry.kwargs, **options_of_plan
         )
     plan.save(options.output)
-    print(plan.summary())
+    sizes = {name: parameter.numel() for name, parameter in entry.model.named_parameters()}
+    print(report.summary(plan, sizes))
     print(f"wrote {options.output}")
     return 0
+
+
+PROGRESS_EVERY_S = 10.0
+"""Seconds between the lines saying a plan is still being made, where stderr is no terminal (a log)."""
+
+
+@contextlib.contextmanager
+def _progress(doing: str):
+    """A spinner on a terminal; elsewhere (a log, CI) a line now, one every PROGRESS_EVERY_S, one at the end."""
+    if sys.stderr.isatty():
+        with Console(stderr=True).status(doing):
+            yield
+        return
+    started = time.monotonic()
+    print(f"shardplan: {doing} ...", file=sys.stderr, flush=True)
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(PROGRESS_EVERY_S):
+            print(
+                f"shardplan: still {doing}: {time.monotonic() - started:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    print(f"shardplan: done in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
 
 
 def _plan_options(options) -> dict:
@@ -471,30 +552,89 @@ def _warn(text: str) -> None:
     print(f"shardplan: warning: {text}", file=sys.stderr)
 
 
+def _read_plan(path: str):
+    """(the plan, parameter name -> elements or None) of a plan JSON, a checkpoint's shardplan.json
+    (the plan under its "plan" key, beside the parameters' shapes) or a checkpoint's folder."""
+    from shardplan.common.files import parse_json, read_text
+    from shardplan.errors import PlanError
+    from shardplan.plan import Plan
+
+    file = os.path.join(path, "shardplan.json") if os.path.isdir(path) else path
+    if os.path.isdir(path) and not os.path.isfile(file):
+        raise ShardplanError(
+            f"{path} is a folder without shardplan.json: give a plan JSON or a checkpoint folder"
+        )
+    text = read_text(file, "plan file", PlanError)
+    data = parse_json(text, f"plan file {file!r}", PlanError)
+    if (
+        isinstance(data, dict)
+        and "schema" not in data
+        and str(data.get("format", "")).startswith("shardplan.checkpoint/")
+    ):
+        if not isinstance(data.get("plan"), dict):
+            raise ShardplanError(
+                f"checkpoint metadata {file} holds no plan: it is damaged; restore it from a copy"
+            )
+        sizes = None
+        if isinstance(data.get("parameters"), list):
+            with contextlib.suppress(TypeError, KeyError, ValueError):
+                sizes = {entry["name"]: _elements(entry["shape"]) for entry in data["parameters"]}
+        return Plan.from_json(json.dumps(data["plan"])), sizes
+    return Plan.from_json(text), None
+
+
+def _elements(shape: list) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
+
+
 def _explain(options) -> int:
     from shardplan.cli import report
-    from shardplan.plan import load_plan
 
-    plan = load_plan(options.plan)
+    plan, sizes = _read_plan(options.plan)
     console = Console()
     console.print(report.setup_table(plan))
-    console.print(report.units_table(plan))
+    console.print(report.units_table(plan, sizes))
     console.print(report.prediction_table(plan))
     console.print(f"binding constraint: {plan.reasoning.binding_constraint}", markup=False)
     if plan.reasoning.runner_ups:
         console.print(report.runner_ups_table(plan))
-    folder = options.pictures or os.path.splitext(options.plan)[0] + "-pictures"
+    if options.pictures:
+        folder = options.pictures
+    elif os.path.isdir(options.plan) or os.path.basename(options.plan) == "shardplan.json":
+        # never into a checkpoint's folder, which a save must find holding only what it wrote
+        checkpoint = options.plan if os.path.isdir(options.plan) else os.path.dirname(options.plan)
+        folder = os.path.abspath(checkpoint).rstrip(os.sep) + "-pictures"
+    else:
+        folder = os.path.splitext(options.plan)[0] + "-pictures"
     for path in report.draw(plan, folder):
         console.print(f"wrote {path}")
     return 0
 
 
+_SAID_APART = re.compile(r"(units|stages|predicted|reasoning)\b|(mesh|schedule)[.\[]")
+"""Plan.diff's raw lines of the fields plan_changes words itself ("units['h.1'].strategy: ..."): each
+unit's change is said once, by its modules."""
+
+
 def _diff(options) -> int:
-    from shardplan.plan import load_plan
     from shardplan.plan_changes import plan_changes
 
-    changes = plan_changes(load_plan(options.old), load_plan(options.new))
+    (old, _), (new, _) = _read_plan(options.old), _read_plan(options.new)
+    changes = list(
+        dict.fromkeys(line for line in plan_changes(old, new) if not _SAID_APART.match(line))
+    )
     print("\n".join(changes) if changes else "the plans are the same")
+    return 0
+
+
+def _export(options) -> int:
+    from shardplan.cli.export import export
+
+    written = export(options.checkpoint, options.output, options.model, warn=_warn)
+    print(f"wrote {written}")
     return 0
 
 
@@ -534,7 +674,7 @@ def _check(options) -> int:
 def _demo(options) -> int:
     from rich.table import Table
 
-    from shardplan.cli import demo
+    from shardplan.cli import demo, report
     from shardplan.common.sizes import format_bytes
     from shardplan.models import zoo
     from shardplan.runtime.launch import check_local_world
@@ -552,7 +692,8 @@ def _demo(options) -> int:
         f"batch {zoo.DEMO_BATCH} per replica; world {options.world_size}; budget {format_bytes(budget)} "
         f"per rank; hardware: {hardware.name}"
     )
-    print(plan.summary(), flush=True)  # plain text: rich would rewrap its columns to the terminal
+    # plain text: rich would rewrap its columns to the terminal
+    print(report.summary(plan), flush=True)
     measured = demo.train_with_plan(plan, options.world_size, options.steps)
     table = Table(
         title=f"predicted vs measured (CPU, gloo, {options.world_size} ranks, {options.steps} steps)"

@@ -1,8 +1,10 @@
 """A model named on the command line or in a baseline: a zoo name, `package.module:factory`, or a
 Hugging Face config JSON, built into a ZooModel (the model and its example inputs)."""
 
+import functools
 import importlib
 import inspect
+import re
 
 from shardplan.common.dtypes import dtype_name
 from shardplan.errors import ShardplanError
@@ -18,17 +20,21 @@ def load_model(
     *,
     fp32_params: bool = False,
     warn=lambda text: None,
+    shape_flags: tuple[str, ...] = ("--batch", "--seq"),
 ):
     """A zoo name, `package.module:factory`, or a Hugging Face config JSON → ZooModel.
 
     `fp32_params`: build a Hugging Face model in float32 whatever its config's torch_dtype (master
-    weights for mixed precision); `warn(text)` hears what a person should know about the model built."""
+    weights for mixed precision); `warn(text)` hears what a person should know about the model built.
+    `shape_flags`: the caller's flags that set a Hugging Face config's example batch and sequence
+    length, named in the warning when one is left at its default; () where the example's shape does
+    not matter (training reads the data's shapes), or where the caller sets the batch otherwise."""
     sizes = {key: value for key, value in (("batch", batch), ("seq", seq)) if value is not None}
     for key, value in sizes.items():
         if value < 1:
             raise ShardplanError(f"--{key} {value} is not a size: give 1 or more")
     try:
-        return _built(spec, sizes, fp32_params, warn)
+        return _built(spec, sizes, fp32_params, warn, shape_flags)
     except (MemoryError, RuntimeError) as error:
         if isinstance(error, RuntimeError) and "allocate" not in str(error):
             raise
@@ -39,14 +45,14 @@ def load_model(
         ) from None
 
 
-def _built(spec: str, sizes: dict[str, int], fp32_params: bool, warn):
+def _built(spec: str, sizes: dict[str, int], fp32_params: bool, warn, shape_flags: tuple[str, ...]):
     from shardplan.models import zoo
 
     batch, seq = sizes.get("batch"), sizes.get("seq")
     if spec in zoo.ZOO:
         return zoo.build(spec, **_sizes_taken(zoo.ZOO[spec], sizes, f"zoo model {spec}"))
     if spec.endswith(".json"):
-        return _hugging_face_from_config(spec, batch, seq, fp32_params, warn)
+        return _hugging_face_from_config(spec, batch, seq, fp32_params, warn, shape_flags)
     if ":" in spec:
         module_name, factory_name = spec.split(":", 1)
         try:
@@ -93,7 +99,12 @@ def _sizes_taken(factory, sizes: dict[str, int], what: str) -> dict[str, int]:
 
 
 def _hugging_face_from_config(
-    path: str, batch: int | None, seq: int | None, fp32_params: bool, warn
+    path: str,
+    batch: int | None,
+    seq: int | None,
+    fp32_params: bool,
+    warn,
+    shape_flags: tuple[str, ...] = ("--batch", "--seq"),
 ):
     import torch
     import transformers
@@ -113,6 +124,9 @@ def _hugging_face_from_config(
             f"transformers {transformers.__version__} does not know: fix it (e.g. 'llama', 'gpt2') "
             "or upgrade transformers"
         )
+    if _takes_dtype() and "torch_dtype" in fields:  # its old name: transformers warns on every read
+        fields = {"dtype": fields["torch_dtype"], **fields}
+        del fields["torch_dtype"]
     try:
         config = transformers.AutoConfig.for_model(**fields)
     except (
@@ -122,10 +136,18 @@ def _hugging_face_from_config(
             f"cannot read Hugging Face config {path!r}: {summary(error)}: fix that field"
         ) from None
     config.use_cache = False
-    if batch is None or seq is None:
+    defaulted = [
+        (flag, f"{name} {default}")
+        for flag, name, given, default in (
+            ("--batch", "batch", batch, HUGGING_FACE_DEFAULT_BATCH),
+            ("--seq", "sequence length", seq, HUGGING_FACE_DEFAULT_SEQ),
+        )
+        if given is None and flag in shape_flags
+    ]
+    if defaulted:
         warn(
-            f"{path}: example input batch {batch or HUGGING_FACE_DEFAULT_BATCH} x sequence "
-            f"{seq or HUGGING_FACE_DEFAULT_SEQ} (pass --batch and --seq for your training shape)"
+            f"{path}: example input at {' and '.join(words for _, words in defaulted)} (pass "
+            f"{' and '.join(flag for flag, _ in defaulted)} for your training shape)"
         )
     if fp32_params:
         dtype = torch.float32
@@ -138,11 +160,24 @@ def _hugging_face_from_config(
                 f"no fp32 master weights; to keep fp32 masters pass --param-dtype {name} --reduce-dtype float32"
             )
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, **{"dtype" if _takes_dtype() else "torch_dtype": dtype}
+        )
         ids = torch.zeros(
             batch or HUGGING_FACE_DEFAULT_BATCH, seq or HUGGING_FACE_DEFAULT_SEQ, dtype=torch.long
         )
     return zoo.ZooModel(model, (ids,), {"labels": ids})
+
+
+@functools.cache
+def _takes_dtype() -> bool:
+    """Whether this transformers names a model's dtype `dtype` (4.56 on), where `torch_dtype` warns."""
+    try:
+        import transformers
+    except ImportError:
+        return True
+    major, minor = (int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
+    return (major, minor) >= (4, 56)
 
 
 def _config_dtype(fields: dict):
