@@ -40,13 +40,13 @@ def _gpt_plan(precision: MixedPrecision):
     return entry.model, plan
 
 
-@pytest.fixture(scope="module", params=[MixedPrecision(), BF16_MIXED], ids=["fp32", "bf16"])
-def planned(request):
-    model, plan = _gpt_plan(request.param)
+@pytest.fixture(scope="module")
+def planned():
+    model, plan = _gpt_plan(BF16_MIXED)
     return model, plan, sequence_fit(model, plan)
 
 
-@pytest.mark.parametrize("batch, length", [(1, 96), (4, 256), (2, 1024)])
+@pytest.mark.parametrize("batch, length", [(1, 96), (4, 1024)])
 def test_a_shape_priced_from_the_fit_is_the_shape_analyzed(planned, batch, length):
     """Within the fitted lengths and far beyond them (8x), the fit's chain prices the plan as an
     analysis at that shape does: its quantities are polynomials of degree 2 in the length."""
@@ -116,8 +116,10 @@ def test_memory_at_three_other_shapes_is_predicted_within_3_percent(capsys):
     """A Hugging Face Llama planned at 4 x 128 per replica, trained at 2 x 64, 4 x 256 and 8 x 96 on 2
     gloo ranks in fp32 (benchmarks/bench_shapes.py shows bf16 too, where the smallest shape reads 0.95:
     docs/limits.md)."""
-    rows = measure_shape_accuracy(HF_WORKLOADS["hf-llama"], MixedPrecision(), progress=False)
+    rows = measure_shape_accuracy(
+        HF_WORKLOADS["hf-llama"], MixedPrecision(), kinds=("full_shard/none",), progress=False
+    )
     ratios = {row.kind: round(row.memory_ratio, 3) for row in rows}
     with capsys.disabled():
         print(ratios)
-    assert len(ratios) == 6 and all(abs(r - 1) <= 0.03 for r in ratios.values()), ratios
+    assert len(ratios) == 3 and all(abs(r - 1) <= 0.03 for r in ratios.values()), ratios

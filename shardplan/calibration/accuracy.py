@@ -343,10 +343,16 @@ def trained_program(device, plan_json: str, workload: Workload) -> tuple:
 
 
 def measure_plans_job(
-    device, report, plan_jsons: list[str], rounds: int, sweep, workload: Workload = DEMO_WORKLOAD
+    device,
+    report,
+    plan_jsons: list[str],
+    rounds: int,
+    sweep,
+    workload: "Workload | tuple[Workload, ...]" = DEMO_WORKLOAD,
 ):
     """Rank job (see runtime.launch.run_world): every plan's peak memory by MemTracker and its training
     step timed in the same interleaved rounds as the calibration of `sweep` (None: no calibration).
+    `workload`: the model every plan trains, or each plan's own (one per plan).
 
     Returns the calibration's Measurements (None without a sweep) and per plan (peak bytes over the
     ranks, the fastest round's step seconds)."""
@@ -355,8 +361,9 @@ def measure_plans_job(
     from shardplan.runtime.measure import peak_step_bytes
 
     probes, peaks = {}, []
-    for index, plan_json in enumerate(plan_jsons):
-        model, program, optimizer, ids = trained_program(device, plan_json, workload)
+    workloads = workload if isinstance(workload, tuple) else (workload,) * len(plan_jsons)
+    for index, (plan_json, planned) in enumerate(zip(plan_jsons, workloads, strict=True)):
+        model, program, optimizer, ids = trained_program(device, plan_json, planned)
         step = functools.partial(_train_step, program, optimizer, ids)
         step()  # warm-up: allocates the optimizer state, as every later step has it
         grads = [p.grad for p in program.parameters() if p.grad is not None]  # kept between steps
@@ -380,7 +387,7 @@ def measure_plans(
     rounds: int,
     sweep=None,
     progress: bool = True,
-    workload: Workload = DEMO_WORKLOAD,
+    workload: "Workload | tuple[Workload, ...]" = DEMO_WORKLOAD,
 ):
     """`measure_plans_job` on `world_size` spawned gloo ranks: (Measurements or None, [(peak bytes, step s)])."""
     from shardplan.calibration.calibrate import measure_steps
@@ -667,8 +674,8 @@ def measure_shape_accuracy(
     progress: bool = True,
 ) -> list[Accuracy]:
     """Plans of `kinds` made at `workload`'s own shape and priced at each of `shapes` from one
-    sequence fit (compile.sequence_fit, solver/shapes.py), beside training at that shape on 2 ranks;
-    a row's kind reads "kind @ batch x length"."""
+    sequence fit (compile.sequence_fit, solver/shapes.py), beside training at that shape, all in one
+    world of 2 ranks; a row's kind reads "kind @ batch x length"."""
     from shardplan.compile import sequence_fit
     from shardplan.frontend.shapes import inputs_at
     from shardplan.solver.shapes import evaluate_at
@@ -681,25 +688,31 @@ def measure_shape_accuracy(
     ]
     fit = sequence_fit(workload.build().model, planned[0])
     hardware = shared_cores(get_hardware("cpu-gloo"), 2, machine_cores())
+    cases = [
+        (kind, plan, batch, length)
+        for batch, length in shapes
+        for kind, plan in zip(kinds, planned)
+    ]
+    _, measured = measure_plans(
+        [dataclasses.replace(plan, inputs=inputs_at(plan.inputs, b, n)) for _, plan, b, n in cases],
+        2,
+        1,
+        progress=progress,
+        workload=tuple(
+            dataclasses.replace(workload, options=(*workload.options, ("batch", b), ("seq", n)))
+            for _, _, b, n in cases
+        ),
+    )
     rows = []
-    for batch, length in shapes:
-        at_shape = dataclasses.replace(
-            workload, options=(*workload.options, ("batch", batch), ("seq", length))
-        )
-        reshaped = [
-            dataclasses.replace(plan, inputs=inputs_at(plan.inputs, batch, length))
-            for plan in planned
-        ]
-        _, measured = measure_plans(reshaped, 2, 1, progress=progress, workload=at_shape)
-        for kind, plan, (peak_bytes, step_s) in zip(kinds, planned, measured):
-            predicted = evaluate_at(fit, plan, batch=batch, length=length, hardware=hardware)
-            rows.append(
-                Accuracy(
-                    kind=f"{kind} @ {batch} x {length}",
-                    predicted_bytes=predicted.peak_bytes,
-                    measured_bytes=peak_bytes,
-                    predicted_s=predicted.step_time_s,
-                    measured_s=step_s,
-                )
+    for (kind, plan, batch, length), (peak_bytes, step_s) in zip(cases, measured):
+        predicted = evaluate_at(fit, plan, batch=batch, length=length, hardware=hardware)
+        rows.append(
+            Accuracy(
+                kind=f"{kind} @ {batch} x {length}",
+                predicted_bytes=predicted.peak_bytes,
+                measured_bytes=peak_bytes,
+                predicted_s=predicted.step_time_s,
+                measured_s=step_s,
             )
+        )
     return rows
