@@ -44,8 +44,8 @@ call that fails in its forward keeps what earlier backwards accumulated by
 hand (set_requires_gradient_sync(False)); a failed backward or step drops
 what all-reducing units had summed locally, so an accumulation by hand starts
 over (optimizer.zero_grad()). A pipeline stage cannot tell where its
-neighbours stopped, so any failed
-pipelined step leaves the ranks out of step (see [Note: pipelined step]).
+neighbours stopped, so any failed pipelined step leaves the ranks out of step
+(see [Note: pipelined step]).
 A successful `program.load` ends the refusal.
 """
 
@@ -126,8 +126,8 @@ class Program:
         """Whether the backward of the next forwards reduces gradients over the replicas, as FSDP2's switch
         of the same name (DDP's `no_sync()`): False for every micro-batch accumulated by hand but the last.
 
-        Set it before the forward: a backward reduces as the switch stood when its forward ran. What is
-        kept local follows the plan, as `step`'s micro-batches do (see [Note: gradient accumulation] in
+        Set it before the forward and keep it until that forward's backward has run (backend="shardplan"
+        reads it as the forward runs, FSDP2 as the backward does). What is kept local follows the plan, as `step`'s micro-batches do (see [Note: gradient accumulation] in
         unit.py): units that all-reduce (and every unit under backend="fsdp2") add into a local gradient
         and reduce it once; units that reduce-scatter still do so every backward, the memory the plan
         priced. `step` honours it too: with False, not even its last micro-batch syncs.
