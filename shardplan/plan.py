@@ -28,7 +28,12 @@ READABLE_SCHEMAS = ("shardplan.plan/1", "shardplan.plan/2", SCHEMA)
 (no structural signature: parallelize checks such a plan by capturing the model)."""
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
 """JSON Schema of the plan file, shipped in the package; from_json validates against it."""
-SCHEDULE_NAMES = ("none", "gpipe", "1f1b")
+SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+"""Pipeline schedules, as torch.distributed.pipelining runs them: ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B (virtual stages per rank) and ScheduleInterleavedZeroBubble (the backward split
+into its input gradient and its deferred weight gradient; ZB-H1 at one stage per rank)."""
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+"""Schedules that may run several (virtual) stages per rank."""
 MAX_WORLD_SIZE = 2**20
 """The most ranks a plan spans: ten times the largest training clusters built (about 10^5 GPUs),
 and a bound that keeps every search over meshes and ranks fast."""
@@ -207,7 +212,7 @@ class Unit(Decision):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Stage:
-    """One pipeline stage: consecutive units on one pp rank."""
+    """One pipeline stage: consecutive units, on pipeline rank index mod pp ([Note: rank layout])."""
 
     index: int
     units: tuple[str, ...]
@@ -226,7 +231,10 @@ class Mesh:
     A tp group is tp consecutive ranks, so it stays inside a node whenever tp divides the node's devices
     (as torchtitan and Megatron lay it out); a data-parallel group strides by tp; a pipeline stage is
     the outermost block of dp · tp ranks. With tp = dp_replicate = 1 this is the dp × pp layout of
-    plan format 1: rank r at stage r // dp, replica r % dp.
+    plan format 1: rank r at stage r // dp, replica r % dp. With v virtual stages per rank
+    (Schedule.virtual_stages) the plan's pp · v stages go round the pipeline ranks, stage i on pipeline
+    rank i mod pp (Megatron-LM's and torch.distributed.pipelining's interleaved layout), so a
+    micro-batch leaves the last rank for the first v - 1 times.
 
     >>> Mesh(dp_shard=2, tp=2, pp=2).coordinates(5)
     {'pp': 1, 'dp_replicate': 0, 'dp_shard': 0, 'tp': 1}
@@ -330,11 +338,15 @@ class TensorParallel:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule:
-    """How one replica's batch flows: micro-batches and the pipeline schedule."""
+    """How one replica's batch flows: micro-batches, the pipeline schedule and the stages per rank."""
 
     num_micro_batches: int = 1
     name: str = "none"
-    """"none" when pp == 1, else "gpipe" or "1f1b"."""
+    """"none" when pp == 1, else one of SCHEDULE_NAMES."""
+    virtual_stages: int = 1
+    """Stages each pipeline rank runs (v): the plan has pp · v stages, stage i on pipeline rank i mod pp
+    ([Note: rank layout]); more than 1 only under MULTI_STAGE_SCHEDULES, and interleaved_1f1b needs 2 at
+    least (at 1 it is 1f1b)."""
 
     def __post_init__(self) -> None:
         if self.num_micro_batches < 1:
@@ -343,10 +355,29 @@ class Schedule:
             raise PlanError(
                 f"schedule {self.name!r} is unknown: use one of {', '.join(SCHEDULE_NAMES)}"
             )
+        if self.virtual_stages < 1 or (
+            self.virtual_stages > 1 and self.name not in MULTI_STAGE_SCHEDULES
+        ):
+            raise PlanError(
+                f"schedule {self.name!r} with {self.virtual_stages} virtual stages per rank: give 1, "
+                f"or more than 1 under {' or '.join(MULTI_STAGE_SCHEDULES)}"
+            )
+        if self.name == "interleaved_1f1b" and self.virtual_stages < 2:
+            raise PlanError(
+                "schedule 'interleaved_1f1b' with 1 virtual stage per rank is 1F1B: give "
+                "virtual_stages >= 2, or name '1f1b'"
+            )
+
+    def stages_of_rank(self, pipeline_rank: int, pp: int) -> tuple[int, ...]:
+        """The stages pipeline rank `pipeline_rank` of `pp` runs, in order: pipeline_rank + k · pp for k
+        below virtual_stages ([Note: rank layout])."""
+        return tuple(pipeline_rank + k * pp for k in range(self.virtual_stages))
 
     def in_flight(self, stage: int, pp: int) -> int:
-        """Micro-batches whose activations stage `stage` of `pp` holds at once: every one under GPipe;
-        under 1F1B the forwards of its warm-up, min(m, pp - stage)."""
+        """Micro-batches whose activations stage `stage` of `pp` holds at once, at one stage per rank:
+        every one under GPipe; under 1F1B the forwards of its warm-up, min(m, pp - stage). The schedules
+        with virtual stages or a deferred weight gradient are priced on their order of operations
+        (costmodel/cost.py, [Note: virtual stages and the zero-bubble schedule])."""
         if pp == 1:
             return 1
         return (
@@ -363,6 +394,8 @@ class Schedule:
         micro-batch times, as GPipe's does, and holds fewer activations late (in_flight)."""
         m = self.num_micro_batches
         words = f"{m} micro-batch(es)" + (f", {self.name}" if pp > 1 else "")
+        if self.virtual_stages > 1:
+            words += f" ({self.virtual_stages} stages per rank)"
         if pp > 1 and self.name == "1f1b" and m < pp:
             words += (
                 f" (fewer micro-batches than the {pp} stages: fill-drain on stages 0..{pp - m})"
@@ -473,7 +506,8 @@ class Plan:
 
     @property
     def stage_of_unit(self) -> dict[str, int]:
-        """Unit name → the index of the pipeline stage it runs on."""
+        """Unit name → the index of the pipeline stage it runs on (a virtual stage where a rank runs
+        several: stage i runs on pipeline rank i mod pp, [Note: rank layout])."""
         return {name: stage.index for stage in self.stages for name in stage.units}
 
     def to_json(self) -> str:
@@ -624,14 +658,17 @@ def _check_plan(plan: Plan) -> None:
         "tensor-parallel module",
         "list each sliced module once",
     )
-    if len(plan.stages) != plan.mesh.pp:
+    stages = plan.mesh.pp * plan.schedule.virtual_stages
+    if len(plan.stages) != stages:
         raise PlanError(
-            f"plan has {len(plan.stages)} stage(s) but pp={plan.mesh.pp}: give one stage per pipeline rank"
+            f"plan has {len(plan.stages)} stage(s) but pp={plan.mesh.pp} with "
+            f"{plan.schedule.virtual_stages} virtual stage(s) per rank: give pp * virtual_stages "
+            f"= {stages} stages"
         )
     if (plan.mesh.pp == 1) != (plan.schedule.name == "none"):
         raise PlanError(
             f"schedule {plan.schedule.name!r} with pp={plan.mesh.pp}: use 'none' without a pipeline "
-            "and 'gpipe' or '1f1b' with one"
+            f"and one of {', '.join(SCHEDULE_NAMES[1:])} with one"
         )
     _check_micro_batches(plan)
     _unique([u.name for u in plan.units], "unit name", "rename one of the units")
@@ -645,7 +682,7 @@ def _check_plan(plan: Plan) -> None:
     for index, stage in enumerate(plan.stages):
         if stage.index != index:
             raise PlanError(
-                f"stage at position {index} has index {stage.index}: number stages 0..pp-1 in order"
+                f"stage at position {index} has index {stage.index}: number stages 0..{stages - 1} in order"
             )
         if not stage.units:
             raise PlanError(

@@ -31,7 +31,8 @@ Memory, by category (the peak is the largest of these events):
   selective_bytes, or, in a chain built by hand, a SELECTIVE_KEEP_FRACTION of
   saved_bytes), for the micro-batches in flight: 1 (pp == 1), m (GPipe), or
   min(m, pp - stage) (1F1B; the other in-flight micro-batches hold the whole
-  stage's activations).
+  stage's activations); under interleaved 1F1B and the zero-bubble schedule, as their order of
+  operations holds them ([Note: virtual stages and the zero-bubble schedule]).
 - transient: a block's fwd_transient_bytes / bwd_transient_bytes (and for a
   checkpointed block its recomputed saved_bytes) while it runs, the backward's at whichever of its
   moments peaks once the parameter gradients there are held whole and the rest per micro-batch and
@@ -123,9 +124,32 @@ Time, by component (per step):
   parameters, gradients and optimizer state (OPTIMIZER_STEPS: 92 bytes per parameter for AdamW, not
   just the state's 16 read and written once): memory bound, each kernel at its op's measured factor,
   plus its fixed cost.
-- bubble: (pp - 1) × the stage's per-micro-batch time (GPipe and 1F1B alike).
+- bubble: (pp - 1) × the stage's per-micro-batch time (GPipe and 1F1B alike); (pp - 1) / v of it
+  with v virtual stages per rank, less the deferred weight gradients under the zero-bubble schedule
+  ([Note: virtual stages and the zero-bubble schedule]).
 A stage's step time is (m + pp - 1) × its per-micro-batch time + its per-step
-terms; the step time of a plan is that of its slowest stage.
+terms; the step time of a plan is that of its slowest stage (with virtual stages: of its slowest rank,
+the sum of the rank's stages, pipeline_ranks).
+
+[Note: virtual stages and the zero-bubble schedule] With v virtual stages per rank (interleaved 1F1B:
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+section 2.2.2) each rank runs v stages of 1/v of its work, and the pipeline fills and drains one stage
+at a time: the bubble is (pp - 1) / v micro-batch times of the rank (a bubble fraction of
+(pp - 1) / (v · m)), so a stage of the v counts (m + (pp - 1) / v) times its per-micro-batch time
+(CostContext.pipeline_factor); the rank's time is the sum of its stages'. The zero-bubble schedule
+(Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 3; torch's ScheduleInterleavedZeroBubble,
+its ZB1P, which is ZB-H1 at v = 1) splits each backward into the input gradient B, sent on at once, and
+the weight gradient W, deferred into the idle slots: the bubble drops from (pp - 1)(F + B + W) to
+(pp - 1)(F + B - W). With B = W = half the backward's compute (the paper's assumption), that takes
+(pp - 1) / v times the backward's compute off the step (CostContext.weight_grad_credit, own_time_s).
+What each rank holds follows its order of operations, torch's (schedule_order: warm-up of
+(v - 1) · m / rounds + f · (pp - 1 - rank) forwards, f = 2 interleaved, 1 zero-bubble, then one forward
+and one backward; the zero-bubble schedule defers rank r's first W by r micro-batches): a micro-batch's
+activations are held from its forward to its backward, under the zero-bubble schedule to its W (the
+input-gradient pass retains the autograd graph for it). A stage is priced at the micro-batches it holds
+at its rank's fullest moment (in_flight_at_peak); the rank's peak is taken over every operation of its
+order, each stage holding its own state and the activations of the micro-batches it holds then, and the
+stage running adding its working set (pipeline_ranks).
 
 The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
 - a block on a rank (on_rank, [Note: a block on a tp rank] in chain.py): activations and FLOPs × a
@@ -252,6 +276,12 @@ class CostContext:
     """Micro-batches whose activations a rank of this stage holds at once."""
     pipeline_degree: int = 1
     """pp: the stage's per-micro-batch time counts (m + pp - 1) times in the step."""
+    schedule: str = "none"
+    """The pipeline schedule (plan.SCHEDULE_NAMES)."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank (v)."""
+    stage: int = 0
+    """The stage priced (0 .. pp · v - 1); it runs on pipeline rank stage mod pp."""
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     optimizer: str = "adamw"
@@ -261,8 +291,21 @@ class CostContext:
     runtime's (benchmarks/bench_published.py: nanotron's), not with shardplan's on top."""
 
     @property
-    def pipeline_factor(self) -> int:
-        return self.num_micro_batches + self.pipeline_degree - 1
+    def bubble_share(self) -> float:
+        """Micro-batch times of this stage its rank idles in the bubble: (pp - 1) / v ([Note: virtual
+        stages and the zero-bubble schedule])."""
+        return (self.pipeline_degree - 1) / self.virtual_stages
+
+    @property
+    def pipeline_factor(self) -> float:
+        """Times the stage's per-micro-batch time counts in the step: m, and the bubble."""
+        return self.num_micro_batches + self.bubble_share
+
+    @property
+    def weight_grad_credit(self) -> float:
+        """Times the backward's compute leaves the step: the zero-bubble schedule fills the bubble with
+        deferred weight gradients ([Note: virtual stages and the zero-bubble schedule])."""
+        return self.bubble_share if self.schedule == "zero_bubble" else 0.0
 
     def ranks_per_node(self, stride: int) -> int:
         """Ranks of one group sharing a node when its members sit `stride` ranks apart ([Note: rank
@@ -1054,6 +1097,7 @@ def own_time_s(unit: UnitCost, ctx: CostContext) -> float:
     per_mb = unit.compute_fwd_s + unit.bwd_window_s + unit.offload_s + unit.tensor_parallel_s
     return (
         ctx.pipeline_factor * per_mb
+        - ctx.weight_grad_credit * unit.compute_bwd_s
         + unit.runtime_step_s
         + unit.post_step_gather_s
         + unit.optimizer_s
@@ -1080,6 +1124,32 @@ class StepCost:
     units: tuple[UnitPrediction, ...] = ()
     """Each unit's memory at its forward's and its backward's peak, and its compute (unnamed: the
     cost model knows blocks, the plan names the units)."""
+    held: "HeldBytes | None" = None
+    """What the stage holds beside its working set, for its rank's peak (pipeline_ranks); None for a
+    rank's own cost."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeldBytes:
+    """A stage's memory as its rank's order of operations adds it up ([Note: virtual stages and the
+    zero-bubble schedule]): held all step, held per micro-batch in flight, and what the stage's
+    forward or backward of one micro-batch adds while it runs."""
+
+    schedule: str
+    pipeline_degree: int
+    virtual_stages: int
+    num_micro_batches: int
+    stage: int
+    state_bytes: int
+    """Sharded state and tied copies, all step."""
+    activation_bytes: int
+    """Kept for backward by one micro-batch."""
+    kept_gathered_bytes: int
+    """Parameters kept gathered from forward to backward while a micro-batch is in flight."""
+    forward_working_bytes: int
+    """At the peak of one micro-batch's forward: its own activations so far, gathered parameters,
+    transients."""
+    backward_working_bytes: int
 
 
 def evaluate_stage(
@@ -1147,6 +1217,19 @@ def evaluate_stage(
         for u, f, b in zip(units, forward_bytes, backward_bytes)
     )
     name, acts, gathered, transient = max(events, key=lambda e: e[1] + e[2] + e[3])
+    own = always - other_micro_batches - never_resharded
+    held = HeldBytes(
+        schedule=ctx.schedule,
+        pipeline_degree=ctx.pipeline_degree,
+        virtual_stages=ctx.virtual_stages,
+        num_micro_batches=ctx.num_micro_batches,
+        stage=ctx.stage,
+        state_bytes=own,
+        activation_bytes=sum(u.activation_bytes for u in units),
+        kept_gathered_bytes=sum(u.kept_gathered_bytes for u in units),
+        forward_working_bytes=max(forward_bytes) - always,
+        backward_working_bytes=max(backward_bytes) - always,
+    )
     memory = {
         "sharded_state": state,
         "gathered_params": gathered + never_resharded,
@@ -1162,12 +1245,14 @@ def evaluate_stage(
         time_s=time,
         peak_event=name,
         units=per_unit,
+        held=held,
     )
 
 
 def _stage_time(units: list[UnitCost], ctx: CostContext, boundary_s: float) -> dict:
     m = ctx.num_micro_batches
     compute_mb = sum(u.compute_fwd_s + u.compute_bwd_s for u in units)
+    compute_bwd_mb = sum(u.compute_bwd_s for u in units)
     recompute_mb = sum(u.recompute_s for u in units)
     offload_mb = sum(u.offload_s for u in units)
     chain: list[UnitCost | None] = [None, *units, None]
@@ -1185,6 +1270,129 @@ def _stage_time(units: list[UnitCost], ctx: CostContext, boundary_s: float) -> d
         "exposed_comm": m * exposed_mb + exposed_step,
         "offload": m * offload_mb,
         "optimizer": sum(u.optimizer_s + u.runtime_step_s for u in units),
-        "bubble": (ctx.pipeline_degree - 1) * per_mb,
+        "bubble": ctx.bubble_share * per_mb - ctx.weight_grad_credit * compute_bwd_mb,
     }
     return {name: float(value) for name, value in terms.items()}
+
+
+ORDERED_SCHEDULES = {"interleaved_1f1b": 2, "zero_bubble": 1}
+"""Schedules priced on their order of operations (schedule_order) → the warm-up forwards each rank
+before the last adds per hop from it (torch.distributed.pipelining.schedules._get_warmup_ops'
+multiply_factor)."""
+
+
+def schedule_order(
+    schedule: str, pp: int, virtual_stages: int, m: int, pipeline_rank: int
+) -> list[tuple[str, int]]:
+    """The operations pipeline rank `pipeline_rank` runs in a step, in order, as torch 2.13's
+    ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble order them
+    (torch/distributed/pipelining/schedules.py, _get_warmup_ops and _get_1f1b_rank_ops): ("F", k) a
+    forward of its k-th stage, ("B", k) its backward (under the zero-bubble schedule its input gradient),
+    ("W", k) the zero-bubble schedule's deferred weight gradient. Each stage takes its micro-batches in
+    order."""
+    v, factor = virtual_stages, ORDERED_SCHEDULES[schedule]
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    warm_up = min((v - 1) * per_round + factor * (pp - 1 - pipeline_rank), m * v)
+    total = m * v
+    defers = schedule == "zero_bubble"
+
+    def forward_stage(op: int) -> int:
+        return (op // per_round) % v
+
+    def backward_stage(op: int) -> int:
+        return v - 1 - ((op - warm_up) // per_round) % v
+
+    order = [("F", forward_stage(op)) for op in range(warm_up)]
+    backwards: list[int] = []
+    for op in range(warm_up, total + warm_up):
+        if op < total:
+            order.append(("F", forward_stage(op)))
+        order.append(("B", backward_stage(op)))
+        backwards.append(backward_stage(op))
+        if defers and op - warm_up >= pipeline_rank:  # the first W waits rank micro-batches
+            order.append(("W", backwards[sum(kind == "W" for kind, _ in order)]))
+    if defers:
+        order += [("W", stage) for stage in backwards[sum(kind == "W" for kind, _ in order) :]]
+    return order
+
+
+def held_micro_batches(
+    schedule: str, pp: int, virtual_stages: int, m: int, pipeline_rank: int
+) -> list[tuple[str, int, tuple[int, ...]]]:
+    """Each operation of schedule_order with the micro-batches each of the rank's stages holds while it
+    runs: a forward's own micro-batch counts from its start, a backward's (a W's, under the zero-bubble
+    schedule) until its end."""
+    held = [0] * virtual_stages
+    frees = "W" if schedule == "zero_bubble" else "B"
+    moments = []
+    for kind, stage in schedule_order(schedule, pp, virtual_stages, m, pipeline_rank):
+        if kind == "F":
+            held[stage] += 1
+        moments.append((kind, stage, tuple(held)))
+        if kind == frees:
+            held[stage] -= 1
+    return moments
+
+
+def in_flight_at_peak(schedule: str, pp: int, virtual_stages: int, m: int, stage: int) -> int:
+    """Micro-batches stage `stage` holds at its rank's fullest moment (the most micro-batches held over
+    the rank's stages; the first such), 1 at the least: what the solver prices the stage at ([Note:
+    virtual stages and the zero-bubble schedule]); pipeline_ranks adds the rank up exactly."""
+    moments = held_micro_batches(schedule, pp, virtual_stages, m, stage % pp)
+    fullest = max(moments, key=lambda moment: sum(moment[2]))
+    return max(1, fullest[2][stage // pp])
+
+
+def pipeline_ranks(stage_costs: list[StepCost]) -> list[StepCost]:
+    """Each pipeline rank's cost from its stages' (in stage order): the stages themselves where a rank runs
+    one; with virtual stages, their times summed and the peak over the rank's order of operations (see
+    [Note: virtual stages and the zero-bubble schedule]): every stage's state, the activations of the
+    micro-batches each holds then, and the working set of the forward or backward running."""
+    held = [c.held for c in stage_costs]
+    if not held or held[0] is None or held[0].virtual_stages == 1:
+        return stage_costs
+    first = held[0]
+    pp, v, m = first.pipeline_degree, first.virtual_stages, first.num_micro_batches
+    ranks = []
+    for rank in range(pp):
+        mine = [h for h in held if h is not None and h.stage % pp == rank]
+        costs = [c for c in stage_costs if c.held is not None and c.held.stage % pp == rank]
+        state = sum(h.state_bytes for h in mine)
+        peak, memory, event = -1, {}, ""
+        for kind, local, counts in held_micro_batches(first.schedule, pp, v, m, rank):
+            running = mine[local]
+            activations = (
+                sum(
+                    count * h.activation_bytes for count, h in zip(counts, mine) if h is not running
+                )
+                + (counts[local] - 1) * running.activation_bytes
+            )
+            kept = sum(h.kept_gathered_bytes for count, h in zip(counts, mine) if count > 0)
+            working = (
+                running.forward_working_bytes if kind == "F" else running.backward_working_bytes
+            )
+            total = state + activations + kept + working
+            if total > peak:
+                peak, event = total, f"{kind} of stage {running.stage}"
+                memory = {
+                    "sharded_state": state,
+                    "activations": activations,
+                    "gathered_params": kept,
+                    "transient": working,
+                }
+        times: dict[str, float] = {}
+        for c in costs:
+            for name, value in c.time_s.items():
+                times[name] = times.get(name, 0.0) + value
+        ranks.append(
+            StepCost(
+                peak_bytes=peak,
+                memory_bytes=memory,
+                step_time_s=float(sum(times.values())),
+                time_s=times,
+                peak_event=event,
+                units=tuple(u for c in costs for u in c.units),
+            )
+        )
+    return ranks

@@ -18,8 +18,18 @@ plain send); m >= pp runs Schedule1F1B itself. Tested with gloo (tests/test_pipe
 """
 
 from collections.abc import Callable
+from typing import Any
 
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+import torch
+from torch.autograd.graph import GradientEdge
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from torch.distributed.pipelining._backward import stage_backward_input
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 
@@ -41,8 +51,73 @@ def one_f_one_b(stage, n_microbatches: int, **options) -> PipelineScheduleSingle
     return Schedule1F1B(stage, n_microbatches, **options)
 
 
-SCHEDULES: dict[str, Callable[..., PipelineScheduleSingle]] = {
+class FlatUnitStage(PipelineStage):
+    """A PipelineStage whose backward splits, for the zero-bubble schedule, over flat units (backend
+    "shardplan").
+
+    [Note: the split backward of flat units] ScheduleInterleavedZeroBubble runs each backward as an input
+    gradient (B), sent on at once, and a weight gradient (W), deferred. torch's PipelineStage finds what W
+    needs from the stage module's parameters: the autograd nodes where each parameter's path joins the
+    inputs' (stage_backward_input keeps their gradients in B and retains the graph), and W asks autograd for
+    the parameters' gradients from there. A stage of flat units reads its parameters as views of each
+    unit's gathered buffer (scheduler._GatherFlat), so its weights are the units' shards, and W runs
+    through _GatherFlat's backward, which hands the buffer's gradient to the scheduler (reduced, added into
+    the shard's .grad) and returns none to autograd: W asks for the shards' gradients allowing them unused,
+    and keeps nothing it returns. Stage 0, whose inputs take no gradient, runs its whole backward as W
+    (torch's own rule)."""
+
+    def __init__(self, *args: Any, shards: tuple[torch.nn.Parameter, ...], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.shards = shards
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward=False):
+        if backward_type == "input":
+            return stage_backward_input(
+                bwd_kwargs["stage_output"],
+                bwd_kwargs["output_grads"],
+                bwd_kwargs["input_values"],
+                iter(self.shards),
+            )
+        if backward_type == "weight":
+            _weight_gradients(bwd_kwargs["param_groups"])
+            return (), None
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+def _weight_gradients(param_groups: list[dict[str, Any]]) -> None:
+    """W of the split backward (see [Note: the split backward of flat units]): each group's kept gradients
+    run from its intermediate nodes to its shards, each intermediate's once (a prehook hands it the kept
+    gradient, as torch's stage_backward_weight does, so no path through a later intermediate adds again)."""
+    for group in param_groups:
+        intermediates, kept = group.pop("intermediates"), group.pop("grads")
+        edges, gradients = [], []
+        for grads, node in zip(kept, intermediates, strict=True):
+            for index, grad in enumerate(grads):
+                if grad is not None:
+                    edges.append(GradientEdge(node, index))
+                    gradients.append(grad)
+        handles = [
+            node.register_prehook(lambda _, grads=grads: grads)
+            for grads, node in zip(kept, intermediates)
+        ]
+        try:
+            if edges:
+                torch.autograd.grad(
+                    edges,
+                    [GradientEdge(shard, 0) for shard in group["params"]],
+                    grad_outputs=gradients,
+                    allow_unused=True,
+                )
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+SCHEDULES: dict[str, Callable[..., Any]] = {
     "gpipe": ScheduleGPipe,
     "1f1b": one_f_one_b,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
 }
-"""What makes each pipeline schedule a plan names, from (stage, n_microbatches, loss_fn=, scale_grads=)."""
+"""What makes each pipeline schedule a plan names, from (stage, n_microbatches, loss_fn=, scale_grads=); the
+last two take the list of a rank's stages (plan.MULTI_STAGE_SCHEDULES)."""

@@ -67,7 +67,7 @@ from torch.utils import _pytree as pytree
 from shardplan.errors import PlanError, ShardplanError
 from shardplan.frontend.capture import put_stand_ins
 from shardplan.frontend.passes.blocks import attribute_of
-from shardplan.plan import Plan
+from shardplan.plan import MULTI_STAGE_SCHEDULES, SCHEDULE_NAMES, Checkpoint, Plan
 from shardplan.runtime import collectives
 from shardplan.runtime.activation_checkpoint import checkpointed
 from shardplan.runtime.program import (
@@ -95,7 +95,8 @@ from shardplan.runtime.stage_split import (
 
 def schedule_class(name: str) -> Callable:
     """What makes schedule `name`, called as torch.distributed.pipelining's schedule classes are: 1F1B over
-    any number of micro-batches (see [Note: 1F1B over fewer micro-batches than stages] in pipeline_schedules.py)."""
+    any number of micro-batches (see [Note: 1F1B over fewer micro-batches than stages] in pipeline_schedules.py);
+    a schedule of MULTI_STAGE_SCHEDULES takes the list of this rank's stages."""
     from shardplan.runtime.pipeline_schedules import SCHEDULES
 
     if name not in SCHEDULES:
@@ -113,16 +114,29 @@ class StagedProgram(Program):
     module the schedule runs and what happens around a schedule's run."""
 
     graph: StageGraph
-    """This rank's stage at the planned batch."""
+    """This rank's (first) stage at the planned batch."""
+    runs_schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    """The schedules the backend runs: one stage per rank, each backward whole."""
     _device: torch.device
     _pipeline: collectives.Group
     """This rank's replica and tp index on every stage: activations flow between them."""
     ties: "list[_Tie]" = []
     """This rank's part of each tie across stages it holds (see [Note: tied weights across stages])."""
 
+    def _graphs(self) -> tuple[StageGraph, ...]:
+        """This rank's stages at the planned batch, in order: one, or its virtual stages."""
+        return (self.graph,)
+
     def _start_schedules(self) -> None:
+        if self.plan.schedule.name not in self.runs_schedules:
+            raise PlanError(
+                f"schedule {self.plan.schedule.name!r} runs on backend='shardplan' only: this backend "
+                "builds one stage per rank and reduces gradients in one whole backward (virtual stages "
+                "need several, the zero-bubble schedule splits the backward); use backend='shardplan', "
+                f"or a plan with {' or '.join(self.runs_schedules)}"
+            )
         self._schedules = {
-            self.plan.batch_per_replica: self._schedule(self.graph, self.plan.batch_per_replica)
+            self.plan.batch_per_replica: self._schedule(self._graphs(), self.plan.batch_per_replica)
         }
         """This rank's torch.distributed.pipelining schedule for each replica batch size stepped, its stage
         cut from a capture at that size (see [Note: smaller pipelined batches])."""
@@ -159,21 +173,30 @@ class StagedProgram(Program):
                 collectives.all_reduce_sum(_local(grad), tie.group)
                 parameter.grad = None if tie.is_copy else grad
 
-    def _schedule(self, graph: StageGraph, batch: int):
-        """A schedule running this rank's stage, `graph`, over the parameters built at start-up."""
+    def _stage_class(self, graph: StageGraph) -> Callable:
+        """What makes the PipelineStage of `graph`, called as torch's PipelineStage is."""
         from torch.distributed.pipelining import PipelineStage
 
-        stage = PipelineStage(
+        return PipelineStage
+
+    def _pipeline_stage(self, graph: StageGraph, batch: int):
+        """torch's PipelineStage running `graph` at a replica batch of `batch` samples."""
+        return self._stage_class(graph)(
             self._stage_module(graph, batch),
             graph.index,
-            self.plan.mesh.pp,
+            len(self.plan.stages),
             self._device,
             group=self._pipeline,
             input_args=tuple(graph.examples[name] for name in graph.inbound),
             output_args=tuple(graph.examples[name] for name in graph.outbound),
         )
-        return schedule_class(self.plan.schedule.name)(
-            stage,
+
+    def _schedule(self, graphs: tuple[StageGraph, ...], batch: int):
+        """A schedule running this rank's stages, `graphs`, over the parameters built at start-up."""
+        stages = [self._pipeline_stage(graph, batch) for graph in graphs]
+        name = self.plan.schedule.name
+        return schedule_class(name)(
+            stages if name in MULTI_STAGE_SCHEDULES else stages[0],
             n_microbatches=self.plan.schedule.num_micro_batches,
             loss_fn=self._micro_batch_loss,
             scale_grads=False,
@@ -183,16 +206,17 @@ class StagedProgram(Program):
         """The schedule for a replica batch of `batch` samples, made at its first step (see [Note: smaller
         pipelined batches])."""
         if batch not in self._schedules:
-            graph = split_stages(self.module, self.plan, self._device, batch)[self.graph.index]
-            if [(call.node, call.unit) for call in graph.calls] != [
-                (call.node, call.unit) for call in self.graph.calls
+            every = split_stages(self.module, self.plan, self._device, batch)
+            graphs = tuple(every[graph.index] for graph in self._graphs())
+            if [(call.node, call.unit) for graph in graphs for call in graph.calls] != [
+                (call.node, call.unit) for graph in self._graphs() for call in graph.calls
             ]:
                 raise ShardplanError(
                     f"the model captured at {batch} samples splits into other blocks than at the "
                     f"planned {self.plan.batch_per_replica}: pass batches of the planned size, or "
                     "plan with pp=1"
                 )
-            self._schedules[batch] = self._schedule(graph, batch)
+            self._schedules[batch] = self._schedule(graphs, batch)
         return self._schedules[batch]
 
     @property
@@ -227,7 +251,8 @@ class StagedProgram(Program):
         check_micro_batches(args, kwargs, count)
         batch = _batch_size(args, kwargs)
         run = getattr(self._schedule_for(batch), method)
-        first, last = self.graph.index == 0, self.graph.index == self.plan.mesh.pp - 1
+        indices = [graph.index for graph in self._graphs()]
+        first, last = 0 in indices, len(self.plan.stages) - 1 in indices
         inputs = fx_pytree.tree_flatten_spec((args, kwargs), self.graph.input_spec) if first else ()
         if last and target is None:  # the schedule computes a loss only given a target to split
             target = torch.zeros(count)
@@ -266,11 +291,27 @@ class PipelinedProgram(StagedProgram, UnitProgram):
         cuts, partial = apply_plan_tensor_parallel(module, plan, self.groups.tensor_parallel)
         stages = split_stages(module, plan, device)
         reads = units_read(module, plan, stages)  # before the units replace the parameters
-        self.graph = stages[self.groups.coordinates["pp"]]
+        self._stage_graphs = tuple(
+            stages[index]
+            for index in plan.schedule.stages_of_rank(self.groups.coordinates["pp"], plan.mesh.pp)
+        )
+        self.graph = self._stage_graphs[0]
         index = self.graph.index
         specs = {unit.name: unit for unit in plan.units}
         tied = tied_stages(plan, stages, reads)
-        own = plan.stages[index].units
+        if tied and plan.schedule.virtual_stages > 1:
+            raise PlanError(
+                f"units {sorted(tied)} are read on other stages (tied weights), which the runtime "
+                "shares between stages of one per rank only: re-plan with virtual_stages=1"
+            )
+        if plan.schedule.name == "zero_bubble" and any(
+            unit.checkpoint is Checkpoint.SELECTIVE for unit in plan.units
+        ):
+            raise PlanError(
+                "the zero-bubble schedule runs each backward in two passes, which torch's selective "
+                "checkpointing refuses: re-plan, or checkpoint those units 'full' or 'none'"
+            )
+        own = tuple(name for graph in self._stage_graphs for name in plan.stages[graph.index].units)
         copied = copied_units(plan, tied, index)
         drop_other_stages(module, plan, own + copied)
         built = build_units(
@@ -288,15 +329,28 @@ class PipelinedProgram(StagedProgram, UnitProgram):
         self._reads = reads
         self._device = device
         # the scheduler counts a unit's distinct module paths done (a module called twice counts once)
+        calls = [call for graph in self._stage_graphs for call in graph.calls]
         self.scheduler = Scheduler(
             built,
-            {
-                unit: len({call.name for call in self.graph.calls if call.unit == unit.name})
-                for unit in built
-            },
+            {unit: len({call.name for call in calls if call.unit == unit.name}) for unit in built},
         )
-        self._forwards_this_step = 0
+        self._forwards_this_step = {graph.index: 0 for graph in self._stage_graphs}
+        """Micro-batches each of this rank's stages has run forward this step."""
         self._start_schedules()
+
+    runs_schedules = SCHEDULE_NAMES[1:]
+
+    def _graphs(self) -> tuple[StageGraph, ...]:
+        return self._stage_graphs
+
+    def _stage_class(self, graph: StageGraph) -> Callable:
+        if self.plan.schedule.name != "zero_bubble":
+            return super()._stage_class(graph)
+        from shardplan.runtime.pipeline_schedules import FlatUnitStage
+
+        # its weights, whose gradients the deferred pass makes: the shards of the units it runs
+        shards = tuple(self._by_name[name].shard for name in self.plan.stages[graph.index].units)
+        return functools.partial(FlatUnitStage, shards=shards)
 
     def _stage_module(self, graph: StageGraph, batch: int) -> nn.Module:
         specs = {unit.name: unit for unit in self.plan.units}
@@ -313,11 +367,13 @@ class PipelinedProgram(StagedProgram, UnitProgram):
         def run_segment(calls: tuple[BlockCall, ...]) -> Callable[[dict], dict]:
             return functools.partial(run_blocks, [(call, run_block(call)) for call in calls])
 
-        return StageModule(graph, run_segment, self._micro_batch_forward)
+        return StageModule(
+            graph, run_segment, functools.partial(self._micro_batch_forward, graph.index)
+        )
 
     @contextlib.contextmanager
     def _running(self, batch: int):
-        self._forwards_this_step = 0
+        self._forwards_this_step = dict.fromkeys(self._forwards_this_step, 0)
         try:
             with super()._running(batch):
                 yield
@@ -331,11 +387,12 @@ class PipelinedProgram(StagedProgram, UnitProgram):
         return False
 
     @contextlib.contextmanager
-    def _micro_batch_forward(self):
+    def _micro_batch_forward(self, stage: int):
+        """One micro-batch's forward of stage `stage`: its backward reduces when it is the stage's last."""
         self.scheduler.communicate = (
-            self._forwards_this_step == self.plan.schedule.num_micro_batches - 1
+            self._forwards_this_step[stage] == self.plan.schedule.num_micro_batches - 1
         )
-        self._forwards_this_step += 1
+        self._forwards_this_step[stage] += 1
         with self.scheduler.forward_pass():
             yield
 

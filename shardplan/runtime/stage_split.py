@@ -99,7 +99,7 @@ def split_stages(
     model: nn.Module, plan: Plan, device: torch.device, batch: int | None = None
 ) -> list[StageGraph]:
     """Capture `model` at one micro-batch of a replica's `batch` (the planned one if None) and split its graph
-    into the stages of `plan`, to run on `device`.
+    into the stages of `plan` (pp · virtual stages per rank), to run on `device`.
 
     Every rank splits out every stage, so a plan that cannot run fails alike on all of them."""
     from shardplan.frontend.passes.blocks import block_modules, group_nodes
@@ -112,11 +112,12 @@ def split_stages(
     block_of = {node: index for index, group in enumerate(groups) for node in group.nodes}
     split = split_module(gm, gm, lambda node: block_of[node], keep_original_order=True)
 
-    last = plan.mesh.pp - 1
+    count = len(plan.stages)  # pp · virtual stages per rank
+    last = count - 1
     made_by: dict[str, int] = {}
     """Value → the stage computing it; model inputs count as stage 0's."""
     last_read_by: dict[str, int] = {}
-    calls: list[list[BlockCall]] = [[] for _ in range(plan.mesh.pp)]
+    calls: list[list[BlockCall]] = [[] for _ in range(count)]
     for node in split.graph.nodes:
         if node.op == "placeholder":
             made_by[node.name] = 0
@@ -147,7 +148,7 @@ def split_stages(
     placeholders = tuple(node.name for node in split.graph.find_nodes(op="placeholder"))
     output = next(iter(split.graph.find_nodes(op="output")))
     stages = []
-    for index in range(plan.mesh.pp):
+    for index in range(count):
         inbound = placeholders if index == 0 else crossing(index)
         outbound = _output_names(output) if index == last else crossing(index + 1)
         stages.append(

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from shardplan.costmodel import cost
-from shardplan.costmodel.cost import evaluate_stage
 from shardplan.costmodel.hardware import HardwareModel
 from shardplan.frontend.chain import Block, BlockChain, InputSpec
 from shardplan.plan import (
@@ -19,14 +18,7 @@ from shardplan.plan import (
     TensorParallel,
     Unit,
 )
-from shardplan.solver.search import (
-    Candidate,
-    Configuration,
-    Setting,
-    boundary_time_s,
-    context,
-    tied_terms,
-)
+from shardplan.solver.search import Candidate, Configuration, Setting, walk_stage
 
 
 def example_batch(chain: BlockChain) -> int:
@@ -135,13 +127,8 @@ def stage_cost(
     hw: HardwareModel,
 ) -> cost.StepCost:
     """Stage `index` (blocks start..end, units starting at `bounds` within it) walked event by event."""
-    return evaluate_stage(
-        chain.blocks[start:end],
-        bounds,
-        decisions,
-        context(setting, configuration, hw, index),
-        boundary_s=boundary_time_s(chain.blocks, start, end, setting, configuration, hw),
-        tied=tied_terms(chain.blocks, start, end, setting, configuration, hw),
+    return walk_stage(
+        chain.blocks, index, start, end, bounds, decisions, setting, configuration, hw
     )
 
 
@@ -162,8 +149,9 @@ def predicted_terms(
     setting: Setting,
     hw: HardwareModel,
 ) -> Predicted:
-    peak = max(costs, key=lambda c: c.peak_bytes)
-    slowest = max(costs, key=lambda c: c.step_time_s)
+    ranks = cost.pipeline_ranks(costs)  # a rank may run several (virtual) stages
+    peak = max(ranks, key=lambda c: c.peak_bytes)
+    slowest = max(ranks, key=lambda c: c.step_time_s)
     samples = setting.replica_batch(mesh.dp) * mesh.dp
     samples_per_s = samples / slowest.step_time_s if slowest.step_time_s else 0.0
     # Peak FLOP/s is read from the profile's matmul table where it has one (MFU is for people only). The FLOPs

@@ -136,7 +136,8 @@ def block_terms(costs: UnitCosts, ctx: CostContext, count: int) -> list[list[tup
                 (
                     cost.own_time_s(u, ctx) + least_exposed_s(u, ctx)
                     if costs.space.max_unit_blocks == 1
-                    else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s),
+                    else pf * (u.compute_fwd_s + u.compute_bwd_s + u.recompute_s)
+                    - ctx.weight_grad_credit * u.compute_bwd_s,
                     max(0, cost.end_of_forward_bytes(u, ctx) - 1),
                 )
                 for u in units

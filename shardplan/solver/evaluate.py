@@ -110,7 +110,7 @@ def evaluate_stages(
         sequence_parallel=plan.tensor_parallel.sequence_parallel,
     )
     steps, names = [], []
-    for stage in range(plan.mesh.pp):
+    for stage in range(len(plan.stages)):
         blocks = [
             i for i, owner in enumerate(owners) if stage_of_unit[plan.units[owner].name] == stage
         ]

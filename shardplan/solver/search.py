@@ -9,14 +9,21 @@ import bisect
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from shardplan.costmodel import cost
 from shardplan.costmodel.cost import CostContext, evaluate_stage
 from shardplan.costmodel.hardware import HardwareModel
 from shardplan.frontend.chain import Block
-from shardplan.plan import Mesh, MixedPrecision, Schedule
+from shardplan.plan import (
+    MULTI_STAGE_SCHEDULES,
+    Checkpoint,
+    Decision,
+    Mesh,
+    MixedPrecision,
+    Schedule,
+)
 from shardplan.solver.chain_dp import (
     ROUNDING,
     ChainSolution,
@@ -28,12 +35,46 @@ from shardplan.solver.chain_dp import (
 from shardplan.solver.space import BlockRule, SearchSpace
 from shardplan.solver.stages import StageCut, cut_stages
 
-SCHEDULES = ("1f1b",)
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
 """Schedules searched. GPipe is left out: in the cost model it takes the time of 1F1B with more
 micro-batches in flight (m instead of min(m, pp - stage)), so it never wins, at any micro-batch count:
 1F1B over fewer micro-batches than stages runs too (fill-drain on the early stages: Schedule.runs_as,
 [Note: 1F1B over fewer micro-batches than stages] in runtime/pipeline_schedules.py). A plan may still
-name GPipe (Configuration.in_flight prices it)."""
+name GPipe (Configuration.in_flight prices it). Interleaved 1F1B is searched at every v from 2 with
+pp · v stages of a block each at least, the zero-bubble schedule at every v from 1 (virtual_stage_counts);
+both over at least pp micro-batches, in whole rounds of pp as torch's schedules run them
+(multi_stage_micro_batches)."""
+
+MAX_VIRTUAL_STAGES = 4
+"""The most virtual stages per rank searched: each halves the bubble again and adds a send per
+micro-batch and rank; Megatron-LM's and torchtitan's published runs take 2 to 4."""
+
+
+def configuration_space(space: SearchSpace, configuration: "Configuration") -> SearchSpace:
+    """The decisions a configuration's units may take: the zero-bubble schedule runs each backward in two
+    passes, which torch's selective checkpointing refuses (it allows one backward through a region it
+    recomputes), so its units do not checkpoint selectively."""
+    if configuration.schedule.name != "zero_bubble":
+        return space
+    return replace(
+        space, checkpoints=tuple(c for c in space.checkpoints if c is not Checkpoint.SELECTIVE)
+    )
+
+
+def virtual_stage_counts(schedule: str, pp: int, n_blocks: int) -> range:
+    """The v searched for `schedule` over `pp` ranks of a chain of `n_blocks` blocks: pp · v stages of a
+    block each at least (see SCHEDULES)."""
+    if pp == 1 or schedule not in MULTI_STAGE_SCHEDULES:
+        return range(1, 2)
+    least = 2 if schedule == "interleaved_1f1b" else 1
+    return range(least, min(MAX_VIRTUAL_STAGES, n_blocks // pp) + 1)
+
+
+def multi_stage_micro_batches(schedule: str, pp: int, m: int) -> bool:
+    """Whether a schedule with virtual stages runs `m` micro-batches over `pp` ranks as searched: at least
+    pp, in whole rounds (torch's interleaved schedules take m divisible by its rounds, max(1, m // pp),
+    and below pp their warm-up leaves ranks waiting on one another's stages)."""
+    return schedule not in MULTI_STAGE_SCHEDULES or (m >= pp and m % (m // pp) == 0)
 
 
 RUNNER_UP_SLACK = 1.25
@@ -84,7 +125,19 @@ class Configuration:
     sequence_parallel: bool = False
 
     def in_flight(self, stage: int) -> int:
-        return self.schedule.in_flight(stage, self.mesh.pp)
+        """Micro-batches stage `stage` is priced holding ([Note: virtual stages and the zero-bubble
+        schedule] in costmodel/cost.py for the schedules with virtual stages)."""
+        schedule, pp = self.schedule, self.mesh.pp
+        if pp > 1 and schedule.name in cost.ORDERED_SCHEDULES:
+            return cost.in_flight_at_peak(
+                schedule.name, pp, schedule.virtual_stages, schedule.num_micro_batches, stage
+            )
+        return schedule.in_flight(stage, pp)
+
+    @property
+    def stage_count(self) -> int:
+        """Stages of the plan: pp · v."""
+        return self.mesh.pp * self.schedule.virtual_stages
 
     def describe(self) -> str:
         mesh = self.mesh
@@ -100,6 +153,8 @@ class Configuration:
                 )
                 + f" pp={mesh.pp} micro-batches={self.schedule.num_micro_batches}"
             )
+        if self.schedule.virtual_stages > 1:
+            text += f" virtual-stages={self.schedule.virtual_stages}"
         return text + (f" {self.schedule.name}" if self.mesh.pp > 1 else "")
 
 
@@ -139,7 +194,11 @@ class SearchMemo:
             if self.signatures is None:
                 self.signatures = block_signatures(blocks)
             found = self.unit_costs[configuration] = UnitCosts(
-                blocks, rules, space, context(setting, configuration, hardware, 0), self.signatures
+                blocks,
+                rules,
+                configuration_space(space, configuration),
+                context(setting, configuration, hardware, 0),
+                self.signatures,
             )
         return found
 
@@ -194,18 +253,19 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
                 for m in range(1, min(int(batch), setting.max_micro_batches) + 1)
                 if batch % m == 0
             ]
-            for replicas in replica_groups(setting, dp, tp):
-                for m in micro:
-                    for schedule in SCHEDULES if pp > 1 else ("none",):
-                        found.append(
-                            Configuration(
-                                mesh=Mesh(
-                                    dp_shard=dp // replicas, dp_replicate=replicas, tp=tp, pp=pp
-                                ),
-                                schedule=Schedule(num_micro_batches=m, name=schedule),
-                                sequence_parallel=sequence_parallel,
-                            )
+            for replicas, m, schedule in itertools.product(
+                replica_groups(setting, dp, tp), micro, SCHEDULES if pp > 1 else ("none",)
+            ):
+                if not multi_stage_micro_batches(schedule, pp, m):
+                    continue
+                for v in virtual_stage_counts(schedule, pp, n_blocks):
+                    found.append(
+                        Configuration(
+                            mesh=Mesh(dp_shard=dp // replicas, dp_replicate=replicas, tp=tp, pp=pp),
+                            schedule=Schedule(num_micro_batches=m, name=schedule, virtual_stages=v),
+                            sequence_parallel=sequence_parallel,
                         )
+                    )
     return found
 
 
@@ -223,6 +283,9 @@ def context(
         num_micro_batches=configuration.schedule.num_micro_batches,
         in_flight=configuration.in_flight(stage),
         pipeline_degree=mesh.pp,
+        schedule=configuration.schedule.name,
+        virtual_stages=configuration.schedule.virtual_stages,
+        stage=stage,
         param_dtype=precision.param_dtype,
         reduce_dtype=precision.reduce_dtype,
         optimizer=setting.optimizer,
@@ -344,8 +407,10 @@ def solve_configuration(
     """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one);
     None when nothing fits the budget or nothing is as fast as `time_bound_s`. `costs`: its
     UnitCosts, where the caller keeps them (SearchMemo)."""
+    space = configuration_space(space, configuration)
     contexts = [
-        context(setting, configuration, hardware, stage) for stage in range(configuration.mesh.pp)
+        context(setting, configuration, hardware, stage)
+        for stage in range(configuration.stage_count)
     ]
     if costs is None:  # shared by the stages: see UnitCosts
         costs = UnitCosts(blocks, rules, space, contexts[0])
@@ -390,22 +455,66 @@ def solve_configuration(
 
     cuts = cut_stages(
         rules,
-        configuration.mesh.pp,
+        configuration.stage_count,
         stage_cost,
         floors.least,
         budget_bytes if minimize_memory else time_bound_s,
     )
     if cuts is None:
         return None
-    return Candidate(
-        configuration=configuration,
-        stages=cuts,
-        step_time_s=max(c.time_s for c in cuts),
-        peak_bytes=max(
+    if configuration.schedule.virtual_stages > 1:
+        # a rank runs several of the stages: its time is theirs summed, its peak its order's
+        ranks = cost.pipeline_ranks(
+            [
+                walk_stage(
+                    blocks,
+                    index,
+                    cut.start,
+                    cut.end,
+                    tuple(b - cut.start for b in cut.solution.bounds),
+                    cut.solution.decisions,
+                    setting,
+                    configuration,
+                    hardware,
+                )
+                for index, cut in enumerate(cuts)
+            ]
+        )
+        peak = max(rank.peak_bytes for rank in ranks)
+        step_time_s = max(rank.step_time_s for rank in ranks)
+        if peak > budget_bytes or step_time_s > time_bound_s * (1 + ROUNDING):
+            return None
+    else:
+        step_time_s = max(c.time_s for c in cuts)
+        peak = max(
             c.solution.peak_bytes
             + tied_terms(blocks, c.start, c.end, setting, configuration, hardware).copy_bytes
             for c in cuts
-        ),
+        )
+    return Candidate(
+        configuration=configuration, stages=cuts, step_time_s=step_time_s, peak_bytes=peak
+    )
+
+
+def walk_stage(
+    blocks: Sequence[Block],
+    index: int,
+    start: int,
+    end: int,
+    bounds: tuple[int, ...],
+    decisions: tuple[Decision, ...],
+    setting: Setting,
+    configuration: Configuration,
+    hardware: HardwareModel,
+) -> cost.StepCost:
+    """Stage `index` (blocks start..end, units starting at `bounds` within it) walked event by event."""
+    return evaluate_stage(
+        tuple(blocks[start:end]),
+        bounds,
+        decisions,
+        context(setting, configuration, hardware, index),
+        boundary_s=boundary_time_s(blocks, start, end, setting, configuration, hardware),
+        tied=tied_terms(blocks, start, end, setting, configuration, hardware),
     )
 
 
@@ -545,9 +654,14 @@ def uniform_plan_time_s(
 ) -> float:
     """Step time of the fastest simple plan of this configuration that fits: stages cut evenly by
     compute, every block its own unit, one decision per stage; inf when none fits. `costs`: the
-    configuration's UnitCosts (SearchMemo)."""
+    configuration's UnitCosts (SearchMemo). With virtual stages, inf: a rank's stages taking each
+    its own fastest decision need not fit together, and a guess must be a plan's time that fits."""
     n, pp = len(blocks), configuration.mesh.pp
-    if not all(rule.may_start_unit for rule in rules) or any(r.must_start_stage for r in rules[1:]):
+    if (
+        not all(rule.may_start_unit for rule in rules)
+        or any(r.must_start_stage for r in rules[1:])
+        or configuration.schedule.virtual_stages > 1
+    ):
         return math.inf
     prefix = list(itertools.accumulate((b.fwd_flops + b.bwd_flops for b in blocks), initial=0))
     edges = [0]
