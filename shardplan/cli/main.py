@@ -375,6 +375,44 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resume a checkpoint another run saved (copied into --directory to continue it)",
     )
+    train.add_argument(
+        "--param-dtype",
+        choices=FLOAT_DTYPES,
+        help="mixed precision: the dtype parameters are gathered and computed in (e.g. bfloat16), "
+        "the model kept in float32 (fp32 master weights)",
+    )
+    train.add_argument(
+        "--reduce-dtype",
+        choices=FLOAT_DTYPES,
+        help="mixed precision: the dtype gradients are reduced in (default float32 with "
+        "--param-dtype)",
+    )
+    train.add_argument(
+        "--lr-schedule",
+        choices=("constant", "linear", "cosine"),
+        default="constant",
+        help="the learning rate after the warmup: constant, or falling to 0 at --steps linearly "
+        "or along half a cosine (default: constant)",
+    )
+    train.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        help="steps over which the learning rate rises linearly to --lr (default: 0)",
+    )
+    train.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        help="every N steps and at the end, log the loss on the held-out samples (--eval-samples)",
+    )
+    train.add_argument(
+        "--eval-samples",
+        type=int,
+        metavar="K",
+        help="the data's last K samples, never trained on, for --eval-every (default: 5%% of the "
+        "data, at least 1)",
+    )
     _hardware_options(train)
     return parser
 
@@ -708,6 +746,12 @@ def _demo(options) -> int:
     return 0
 
 
+TRAIN_SETTINGS_FIXED = ("model", "data", "seed", "eval_samples")
+"""The train settings a resumed run may not change: they fix the model and the data order of its
+checkpoints. Every other flag may change at a restart; the log names each change, and the new value
+is used ([Note: changed settings] in runtime/elastic.py)."""
+
+
 def _train(options) -> int:
     import importlib
 
@@ -724,6 +768,43 @@ def _train(options) -> int:
     ):
         if not (is_finite_number(value) and (value > 0 if low == "above 0" else value >= 0)):
             raise ShardplanError(f"{flag} {value}: give a finite number, {low}")
+    if options.eval_samples is not None and options.eval_every is None:
+        raise ShardplanError(
+            "--eval-samples holds out samples for --eval-every: give --eval-every N too"
+        )
+    precision = None
+    if options.param_dtype or options.reduce_dtype:
+        precision = MixedPrecision(
+            param_dtype=options.param_dtype or "float32",
+            reduce_dtype=options.reduce_dtype or "float32",
+        )
+    settings = {
+        "model": options.model,
+        "data": options.data,
+        "cwd": os.getcwd(),
+        "seed": options.seed,
+        "eval_samples": options.eval_samples or 0,
+        **{
+            name: getattr(options, name)
+            for name in (
+                "steps",
+                "global_batch",
+                "batch",
+                "checkpoint_every",
+                "lr",
+                "eps",
+                "weight_decay",
+                "clip",
+                "lr_schedule",
+                "warmup_steps",
+                "eval_every",
+                "param_dtype",
+                "reduce_dtype",
+                "hardware",
+                "memory_budget",
+            )
+        },
+    }
     elastic = ElasticOptions(
         directory=options.directory,
         steps=options.steps,
@@ -733,8 +814,18 @@ def _train(options) -> int:
         seed=options.seed,
         clip_grad_norm=options.clip,
         timeout_s=options.timeout,
-        plan_options={"hardware": options.hardware, "memory_budget": options.memory_budget},
+        plan_options={
+            "hardware": options.hardware,
+            "memory_budget": options.memory_budget,
+            "mixed_precision": precision,
+        },
         adopt_checkpoint=options.adopt_checkpoint,
+        lr_schedule=options.lr_schedule,
+        warmup_steps=options.warmup_steps,
+        eval_every=options.eval_every,
+        eval_samples=options.eval_samples or (1 if options.eval_every else 0),
+        settings=settings,
+        fixed_settings=TRAIN_SETTINGS_FIXED,
     )  # checks the numbers before the data loads
     module_name, _, factory_name = options.data.partition(":")
     try:
@@ -744,8 +835,25 @@ def _train(options) -> int:
             f"cannot load the data {options.data!r} ({error}): write package.module:function, "
             "importable from here (set PYTHONPATH)"
         ) from None
+    eval_samples = 0
+    if options.eval_every is not None:
+        eval_samples = options.eval_samples
+        if eval_samples is None:
+            try:
+                eval_samples = max(1, len(dataset) // 20)
+            except TypeError:
+                eval_samples = 1  # train() says the dataset has no len()
+    if eval_samples != elastic.eval_samples:
+        elastic = dataclasses.replace(
+            elastic, eval_samples=eval_samples, settings={**settings, "eval_samples": eval_samples}
+        )
     outcome = train(
-        lambda: load_model(options.model, warn=_warn).model,
+        # the data gives the shapes: no example batch or sequence length to warn of
+        lambda: (
+            load_model(
+                options.model, fp32_params=precision is not None, warn=_warn, shape_flags=()
+            ).model
+        ),
         dataset,
         elastic,
         optimizer_factory=lambda parameters: torch.optim.AdamW(

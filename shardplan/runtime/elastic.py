@@ -32,6 +32,7 @@ an analysis at each candidate replica batch; not done yet.
 import datetime
 import errno
 import json
+import math
 import os
 import re
 import signal
@@ -96,6 +97,21 @@ class ElasticOptions:
     adopt_checkpoint: bool = False
     """Resume a checkpoint another run saved (copied into this run's folder to continue it); without it such
     a checkpoint is passed over ([Note: run folder])."""
+    lr_schedule: str = "constant"
+    """How the learning rate follows the steps after the warmup: "constant", "linear" (down to 0 at
+    `steps`) or "cosine" (half a cosine down to 0 at `steps`); see lr_factor."""
+    warmup_steps: int = 0
+    """Steps whose learning rate rises linearly to the optimizer's (step k of them at (k + 1) / warmup)."""
+    eval_every: int | None = None
+    """Steps between evaluations of the held-out samples (and one at the end); None: none."""
+    eval_samples: int = 0
+    """The dataset's last samples, held out of training for evaluation; 0 with eval_every None."""
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    """What this start was asked (a command's flags, JSON values): recorded in the run folder's
+    settings.json; a later start logs each that changed ([Note: changed settings])."""
+    fixed_settings: tuple[str, ...] = ()
+    """Keys of `settings` a start may not change once the run has a checkpoint (those that fix the
+    model or the data order)."""
 
     def __post_init__(self) -> None:
         if (self.global_batch_size is None) == (self.replica_batch_size is None):
@@ -120,11 +136,59 @@ class ElasticOptions:
                 f"the gradient clip (--clip) is {self.clip_grad_norm!r}: give the largest global "
                 "gradient norm to allow, a finite number above 0, or no clip"
             )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ShardplanError(
+                f"lr_schedule {self.lr_schedule!r} is unknown: use one of {', '.join(LR_SCHEDULES)}"
+            )
+        if not _is_whole(self.warmup_steps) or not 0 <= self.warmup_steps < self.steps:
+            raise ShardplanError(
+                f"warmup_steps (--warmup-steps) is {self.warmup_steps!r}: give a whole number of "
+                f"steps from 0 to below steps ({self.steps})"
+            )
+        if self.eval_every is not None and (
+            not _is_whole(self.eval_every) or not 1 <= self.eval_every <= MAX_COUNT
+        ):
+            raise ShardplanError(
+                f"eval_every (--eval-every) is {self.eval_every!r}: give the steps between "
+                "evaluations, a whole number from 1"
+            )
+        if not _is_whole(self.eval_samples) or not 0 <= self.eval_samples <= MAX_COUNT:
+            raise ShardplanError(
+                f"eval_samples (--eval-samples) is {self.eval_samples!r}: give a whole number of "
+                "samples, 0 or more"
+            )
+        if (self.eval_every is None) != (self.eval_samples == 0):
+            raise ShardplanError(
+                "give eval_every and eval_samples together (--eval-every N holds out the data's "
+                "last --eval-samples samples), or neither"
+            )
         if not (is_finite_number(self.timeout_s) and 0 < self.timeout_s <= MAX_TIMEOUT_S):
             raise ShardplanError(
                 f"the process-group timeout (--timeout) is {self.timeout_s!r} s: give the seconds "
                 f"ranks wait on a silent one, above 0 and at most {MAX_TIMEOUT_S:.0f} (a week)"
             )
+
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def lr_factor(step: int, options: ElasticOptions) -> float:
+    """The share of the optimizer's learning rate step `step` (from 0) takes: (step + 1) / warmup_steps
+    in the warmup, then 1 (constant), falling linearly to 0 at options.steps (linear), or along half
+    a cosine to 0 at options.steps (cosine). A function of the step alone, so a resumed run follows
+    the schedule exactly, whatever world it resumes on.
+
+    >>> lr_factor(0, ElasticOptions(directory="r", steps=10, global_batch_size=2, warmup_steps=4))
+    0.25
+    """
+    if step < options.warmup_steps:
+        return (step + 1) / options.warmup_steps
+    if options.lr_schedule == "constant":
+        return 1.0
+    progress = (step - options.warmup_steps) / max(1, options.steps - options.warmup_steps)
+    if options.lr_schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 MAX_COUNT = 2**40
@@ -172,14 +236,25 @@ def train(
     started, started_at = time.perf_counter(), time.time()
     directory = Path(options.directory)
     _make_directory(directory)
-    sampler = ResumableSampler(
-        _samples_in(dataset), seed=options.seed
-    )  # refuses no dataset before the rendezvous
+    samples = _samples_in(dataset)  # refuses no dataset before the rendezvous
+    if options.eval_samples and options.eval_samples >= samples:
+        raise ShardplanError(
+            f"eval_samples (--eval-samples) {options.eval_samples} leaves none of the dataset's "
+            f"{samples} samples to train on: hold out fewer"
+        )
+    if scheduler_factory is not None and (
+        options.lr_schedule != "constant" or options.warmup_steps
+    ):
+        raise ShardplanError(
+            "both a scheduler_factory and lr_schedule / warmup_steps set the learning rate: give one"
+        )
+    sampler = ResumableSampler(samples - options.eval_samples, seed=options.seed)
     owns_group = _join(options.timeout_s)
     timings = {**_startup(started_at), "rendezvous_s": time.perf_counter() - started}
     lock: list[_RunLock] = []  # rank 0's, held until this start returns or fails
     try:
         run = on_rank_zero(lambda: _claim_run_folder(directory, lock))
+        changed = on_rank_zero(lambda: _record_settings(directory, options))
         return _train(
             model_factory,
             dataset,
@@ -189,6 +264,7 @@ def train(
             scheduler_factory,
             log,
             run=run,
+            changed_settings=changed,
             owns_group=owns_group,
             timings=timings,
             started=started,
@@ -209,6 +285,7 @@ def _train(
     log,
     *,
     run: str,
+    changed_settings: list[str],
     owns_group: bool,
     timings: dict[str, float],
     started: float,
@@ -244,17 +321,34 @@ def _train(
     if resumed is not None:
         _apply_changed_hyperparameters(optimizer, state, journal)
     journal.started(plan, resumed, world.size, global_batch, replica_batch, timings, started_at)
+    if changed_settings:
+        journal.note(
+            "changed since the run's last start, this start's values are used: "
+            + ", ".join(changed_settings)
+        )
+    base_lrs = [group.get("lr") for group in state.hyperparameters]
+    scheduled = options.lr_schedule != "constant" or options.warmup_steps > 0
     stop = _Termination()
     losses: list[float] = []
     try:
         while state.step < options.steps and not stop.agreed():
             first_sample = state.sampler.consumed
+            if scheduled:
+                _set_lr(optimizer, base_lrs, lr_factor(state.step, options))
             losses.append(
                 _train_step(
                     program, optimizer, state, dataset, global_batch, options.clip_grad_norm
                 )
             )
             journal.stepped(state.step, losses[-1], world.size, first_sample, global_batch, started)
+            if options.eval_every and (
+                state.step % options.eval_every == 0 or state.step == options.steps
+            ):
+                journal.evaluated(
+                    state.step,
+                    _evaluate(program, dataset, state.sampler.num_samples, options, global_batch),
+                    options.eval_samples,
+                )
             if state.step % options.checkpoint_every == 0 or state.step == options.steps:
                 _save(program, optimizer, state, directory, journal)
         stopped = state.step < options.steps
@@ -299,6 +393,85 @@ def _train_step(
     return loss
 
 
+def _set_lr(optimizer: torch.optim.Optimizer, base_lrs: list, factor: float) -> None:
+    """Each param group's learning rate at `factor` of its configured one (lr_factor)."""
+    for group, base in zip(optimizer.param_groups, base_lrs):
+        if base is None:
+            continue
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(base * factor)
+        else:
+            group["lr"] = base * factor
+
+
+def _evaluate(program, dataset, first: int, options: ElasticOptions, global_batch: int) -> float:
+    """The mean loss over the held-out samples (the dataset's from `first` on), a global batch at a
+    time, each data-parallel rank its slice; a last part smaller than a global batch is read at the
+    largest size the data-parallel ranks split evenly."""
+    mesh = program.plan.mesh
+    replica = mesh.replica_of(collectives.world().rank)
+    held_out = list(range(first, first + options.eval_samples))
+    total, weight = 0.0, 0
+    for start in range(0, len(held_out), global_batch):
+        chunk = held_out[start : start + global_batch]
+        chunk = chunk[: len(chunk) - len(chunk) % mesh.dp]
+        if not chunk:
+            break
+        mine = ResumableSampler.replica_slice(chunk, replica, mesh.dp)
+        args, kwargs = as_call(default_collate([dataset[index] for index in mine]))
+        total += float(program.evaluate(*args, **kwargs)) * len(chunk)
+        weight += len(chunk)
+    if not weight:
+        raise ShardplanError(
+            f"{options.eval_samples} held-out sample(s) do not split over {mesh.dp} "
+            "data-parallel ranks: hold out at least as many samples as ranks (--eval-samples)"
+        )
+    return total / weight
+
+
+# [Note: changed settings]
+# A run's settings (the command's flags) are recorded in settings.json at every start. A later start
+# compares its own with them: those that fix the model or the data order (ElasticOptions.fixed_settings:
+# the model, the data, the seed, the held-out samples) may not change once the run has a checkpoint, and
+# the start is refused naming the value to give back; every other change is logged, and this start's
+# value is used (steps, learning rate and its schedule, precision, batch, clip, evaluation, hardware).
+SETTINGS_FILE = "settings.json"
+
+
+def _record_settings(directory: Path, options: ElasticOptions) -> list[str]:
+    """Write this start's settings into the run folder; what changed since the last start's, as
+    "name old -> new" (refused for a fixed one when the run has a checkpoint)."""
+    file = directory / SETTINGS_FILE
+    before: dict[str, Any] = {}
+    if os.path.lexists(file):
+        try:
+            found = parse_json(
+                read_text(file, "run settings", regular_only=True), f"run settings {file}"
+            )
+        except ShardplanError:
+            found = None  # damaged: this start's settings replace it
+        before = found if isinstance(found, dict) else {}
+    now = json.loads(json.dumps(dict(options.settings)))
+    changed = [
+        (key, before[key], value)
+        for key, value in now.items()
+        if key in before and before[key] != value
+    ]
+    fixed = [change for change in changed if change[0] in options.fixed_settings]
+    if fixed and latest_checkpoints(directory):
+        key, old, new = fixed[0]
+        raise ShardplanError(
+            f"{key} was {json.dumps(old)} when the run in {directory} began and is {json.dumps(new)} "
+            f"now: it fixes the model or the data order of the run's checkpoints; give "
+            f"{json.dumps(old)} again, or train in another directory"
+        )
+    if now:
+        write_text_atomically(
+            file, json.dumps(now, indent=2, sort_keys=True) + "\n", through_links=False
+        )
+    return [f"{key} {json.dumps(old)} -> {json.dumps(new)}" for key, old, new in changed]
+
+
 def batch_sizes(options: ElasticOptions, world_size: int) -> tuple[int, int]:
     """(samples a step over every rank, samples a step on one rank) at `world_size`."""
     if (
@@ -328,7 +501,11 @@ def plan_for_world(
     from shardplan.frontend.passes import analyze
 
     args, kwargs = example
-    chain = _timed(timings, "analyze_s", lambda: analyze(model, args, kwargs))
+    precision = plan_options.get("mixed_precision")
+    compute_dtype = getattr(precision, "param_dtype", None)  # as compile analyzes it
+    chain = _timed(
+        timings, "analyze_s", lambda: analyze(model, args, kwargs, compute_dtype=compute_dtype)
+    )
     # see [Note: elastic restarts]: each rank's batch is the world's share, so dp = world
     return _timed(
         timings,
@@ -895,6 +1072,12 @@ class _Journal:
         cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         self._emit(
             f"step {step} failed: {cause}", {"event": "failed", "step": step, "error": cause}
+        )
+
+    def evaluated(self, step: int, loss: float, samples: int) -> None:
+        self._emit(
+            f"step {step}: held-out loss {loss:.4f} ({samples} samples)",
+            {"event": "eval", "step": step, "loss": loss, "samples": samples},
         )
 
     def saved(self, step: int, seconds: float) -> None:
