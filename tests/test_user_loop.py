@@ -236,6 +236,8 @@ def test_any_batch_size_and_sequence_length_is_admitted_but_not_other_dims_or_dt
         admit_input(_plan_of(), (), {"input_ids": torch.zeros(8, dtype=torch.int64)})
     with pytest.raises(RuntimeMismatchError, match="input 'input_ids' is int32"):
         admit_input(_plan_of(), (), {"input_ids": torch.zeros(8, 64, dtype=torch.int32)})
+    with pytest.raises(RuntimeMismatchError, match=r"no samples \(shape \[0, 64\]\): give every"):
+        admit_input(_plan_of(), (), {"input_ids": torch.zeros(0, 64, dtype=torch.int64)})
 
 
 def test_sequence_parallelism_admits_sequences_it_splits_evenly():

@@ -463,10 +463,10 @@ def admit_input(plan: Plan, args: tuple, kwargs: dict) -> None:
     [Note: admitted shapes] At pp == 1 nothing in either backend is fixed to the plan's shapes (the
     tensor-parallel layout is found once, at start-up), so any batch size and sequence length is
     taken: dynamic padding, a larger evaluation batch, an epoch's last batch. An input the plan
-    records keeps its number of dims and its dtype. Sequence parallelism splits the sequence (dim 1
-    of the tokens) over the tp ranks, which it must divide. Under a pipeline the stages are cut from
-    captures at fixed shapes: check_batch's rule (see [Note: smaller pipelined batches] in
-    pipelined.py)."""
+    records keeps its number of dims and its dtype, and holds a sample at least. Sequence
+    parallelism splits the sequence (dim 1 of the tokens) over the tp ranks, which it must divide.
+    Under a pipeline the stages are cut from captures at fixed shapes: check_batch's rule (see
+    [Note: smaller pipelined batches] in pipelined.py)."""
     if plan.mesh.pp > 1:
         check_batch(plan, args, kwargs)
         return
@@ -479,6 +479,11 @@ def admit_input(plan: Plan, args: tuple, kwargs: dict) -> None:
                 f"input {spec.name!r} has {value.dim()} dims (shape {list(value.shape)}), the plan "
                 f"was made for {len(spec.shape)} ({list(spec.shape)}): pass it with "
                 f"{len(spec.shape)} dims (batch and sequence may be of any size), or re-plan for this one"
+            )
+        if value.dim() and not value.shape[0]:
+            raise RuntimeMismatchError(
+                f"input {spec.name!r} has no samples (shape {list(value.shape)}): give every rank at "
+                "least one sample a call (a rank that skips leaves its peers waiting in a collective)"
             )
         _check_dtype(spec, value)
     if plan.tensor_parallel.sequence_parallel:
