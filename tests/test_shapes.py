@@ -14,7 +14,7 @@ from shardplan.frontend.shapes import SequenceFit, inputs_at, sequence_length
 from shardplan.models import zoo
 from shardplan.plan import BF16_MIXED, Checkpoint, MixedPrecision
 from shardplan.runtime.manual import manual_plan
-from shardplan.solver.shapes import evaluate_at, longest_sequence
+from shardplan.solver.shapes import evaluate_at, longest_sequence, sequence_limits
 
 HARDWARE = get_hardware("h100-80g")
 
@@ -57,7 +57,7 @@ def test_a_shape_priced_from_the_fit_is_the_shape_analyzed(planned, batch, lengt
         *example_tensors(at.inputs),
         compute_dtype=plan.mixed_precision.param_dtype,
     )
-    fitted = evaluate_at(fit, plan, batch=batch, length=length, hardware=HARDWARE)
+    fitted = evaluate_at(fit, plan, micro_batch=batch, length=length, hardware=HARDWARE)
     analyzed = evaluate(direct, at, HARDWARE)
     assert fitted.peak_bytes == pytest.approx(analyzed.peak_bytes, rel=2e-3)
     assert fitted.step_time_s == pytest.approx(analyzed.step_time_s, rel=2e-3)
@@ -71,14 +71,23 @@ def test_the_longest_sequence_is_the_last_that_fits(planned):
     model, plan, fit = planned
 
     def peak(length: int) -> int:
-        return evaluate_at(fit, plan, batch=2, length=length, hardware=HARDWARE).peak_bytes
+        return evaluate_at(fit, plan, micro_batch=2, length=length, hardware=HARDWARE).peak_bytes
 
     budget = peak(700)
-    found = longest_sequence(fit, plan, batch=2, memory_budget=budget, hardware=HARDWARE)
+    found = longest_sequence(fit, plan, micro_batch=2, memory_budget=budget, hardware=HARDWARE)
     assert found == 700 or (peak(found) <= budget < peak(found + 1))
-    assert longest_sequence(fit, plan, batch=2, memory_budget=1, hardware=HARDWARE) == 0
-    roomy = longest_sequence(fit, plan, batch=2, memory_budget="80GiB", hardware=HARDWARE)
+    assert longest_sequence(fit, plan, micro_batch=2, memory_budget=1, hardware=HARDWARE) == 0
+    roomy = longest_sequence(fit, plan, micro_batch=2, memory_budget="80GiB", hardware=HARDWARE)
     assert roomy == 16 * sequence_length(plan.inputs)  # every length searched fits
+
+
+def test_sequence_limits_shrink_as_the_micro_batch_grows(planned):
+    _, plan, fit = planned
+    budget = evaluate_at(fit, plan, micro_batch=2, length=700, hardware=HARDWARE).peak_bytes
+    limits = sequence_limits(fit, plan, memory_budget=budget, hardware=HARDWARE)
+    assert [size for size, _ in limits] == [1, 2, 4, 8]  # up to 4x the plan's micro-batch of 2
+    longest = dict(limits)
+    assert longest[2] >= 700 and longest[1] > longest[2] > longest[4] > longest[8] > 0
 
 
 def test_chains_of_another_structure_are_refused_and_so_are_unfit_shapes(planned):
@@ -88,8 +97,8 @@ def test_chains_of_another_structure_are_refused_and_so_are_unfit_shapes(planned
         SequenceFit.of((32, 64, 128), (fit.chains[0], fit.chains[1], other))
     with pytest.raises(ShardplanError, match="three chains at three distinct lengths"):
         SequenceFit.of((32, 32, 128), fit.chains)
-    with pytest.raises(ShardplanError, match="trains no sample"):
-        evaluate_at(fit, plan, batch=0, length=64)
+    with pytest.raises(ShardplanError, match="micro-batch 0 trains no sample"):
+        evaluate_at(fit, plan, micro_batch=0, length=64)
     with pytest.raises(ShardplanError, match="holds no token"):
         fit.chain_at(0)
 

@@ -705,7 +705,7 @@ def measure_shape_accuracy(
     )
     rows = []
     for (kind, plan, batch, length), (peak_bytes, step_s) in zip(cases, measured):
-        predicted = evaluate_at(fit, plan, batch=batch, length=length, hardware=hardware)
+        predicted = evaluate_at(fit, plan, micro_batch=batch, length=length, hardware=hardware)
         rows.append(
             Accuracy(
                 kind=f"{kind} @ {batch} x {length}",
