@@ -3,7 +3,8 @@ with its keywords, `loss.backward()`, an optimizer over `program.parameters()`, 
 `set_requires_gradient_sync(False)`, and batches of any size and sequence length (dynamic padding,
 a larger evaluation batch), next to one process training the same batches.
 
-One spawned world of 2 gloo ranks runs every case; the refusals that need no world run alone.
+One spawned world of 2 gloo ranks runs every case, and asks a pipelined program what it refuses; the
+refusals that need no world run alone.
 """
 
 import copy
@@ -183,8 +184,38 @@ def run_case(rank: int, case: dict) -> dict:
     return found
 
 
+def pipelined_refusals() -> dict:
+    """What a pipelined program (2 stages, backend "shardplan") says when called as the model, or asked to
+    hold back its gradients."""
+    build, units = MODELS["gpt"]
+    entry = build()
+    plan = manual_plan(
+        entry.model,
+        units,
+        dp=1,
+        pp=2,
+        micro_batches=2,
+        example_inputs=entry.args,
+        example_kwargs=entry.kwargs,
+    )
+    program = parallelize(entry.model, plan)
+    found = {}
+    for name, call in (
+        ("call", lambda: program(*entry.args, **entry.kwargs)),
+        ("switch", lambda: program.set_requires_gradient_sync(False)),
+    ):
+        try:
+            call()
+        except ShardplanError as error:
+            found[name] = str(error)
+    return found
+
+
 def run_world(rank: int, world: int) -> dict:
-    return {name: run_case(rank, case) for name, case in CASES.items()}
+    return {
+        "cases": {name: run_case(rank, case) for name, case in CASES.items()},
+        "pipelined": pipelined_refusals(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +227,10 @@ def results():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", CASES)
 def test_the_fsdp2_loop_with_accumulation_and_padded_batches_trains_like_one_process(results, case):
-    errors = {field: results[case][field] for field in ("loss_error", "eval_error", "param_error")}
+    errors = {
+        field: results["cases"][case][field]
+        for field in ("loss_error", "eval_error", "param_error")
+    }
     assert all(error <= TOLERANCE for error in errors.values()), errors
 
 
@@ -204,7 +238,7 @@ def test_the_fsdp2_loop_with_accumulation_and_padded_batches_trains_like_one_pro
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", [name for name in CASES if "sequence_parallel" in name])
 def test_a_sequence_sequence_parallelism_cannot_split_is_refused_before_the_forward(results, case):
-    assert results[case]["odd_sequence"].startswith(
+    assert results["cases"][case]["odd_sequence"].startswith(
         "input 'input_ids' has a sequence of 7 tokens (shape [2, 7]), which the plan's "
         "sequence parallelism cannot split over tp=2 ranks: pad sequences to a multiple of 2"
     )
@@ -214,7 +248,23 @@ def test_a_sequence_sequence_parallelism_cannot_split_is_refused_before_the_forw
 @pytest.mark.timeout(240)
 def test_unsynced_backwards_hold_back_the_all_reductions_and_reduce_scatter_as_planned(results):
     # EVERY_STRATEGY's units: reduce-scattered, all-reduced twice, reduce-scattered
-    assert results["gpt_dp2_every_strategy"]["reduced_unsynced"] == [True, False, False, True]
+    assert results["cases"]["gpt_dp2_every_strategy"]["reduced_unsynced"] == [
+        True,
+        False,
+        False,
+        True,
+    ]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_a_pipelined_program_trains_by_step_only(results):
+    assert results["pipelined"] == {
+        "call": "a pipelined program runs whole training steps, each stage on its own ranks: call "
+        "program.step(...); to run the model's forward alone, plan with pp=1",
+        "switch": "a pipelined plan (pp > 1) accumulates gradients over its micro-batches inside "
+        "program.step(...): pass the whole accumulation batch to one step()",
+    }
 
 
 def _plan_of(pp: int = 1, tp: int = 1, sequence_parallel: bool = False):
