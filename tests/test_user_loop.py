@@ -74,7 +74,9 @@ CASES = {
     ),
     "gpt_dp2_fsdp2": dict(model="gpt", mesh=dict(dp=2), backend="fsdp2", steps_accumulate=True),
     "llama_tp2_sequence_parallel": dict(
-        model="llama", mesh=dict(dp=1, tp=2, sequence_parallel=True, vocab_parallel=True)
+        model="llama",
+        mesh=dict(dp=1, tp=2, sequence_parallel=True, vocab_parallel=True),
+        strategies=EVERY_STRATEGY,
     ),
     "llama_tp2_sequence_parallel_fsdp2": dict(
         model="llama", mesh=dict(dp=1, tp=2, sequence_parallel=True), backend="fsdp2"
