@@ -817,3 +817,52 @@ def test_batch_help_says_what_the_flag_does_with_a_global_batch(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "--seq" not in capsys.readouterr().out
+
+
+def test_a_check_case_is_planned_with_the_flags_plan_takes(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(HUGGING_FACE_CONFIG))
+    flags = ["--seq", "64", "--global-batch", "8", "--param-dtype", "bfloat16", "--wrap", r"h\.1$"]
+    case = {"model": "config.json", "world_size": 2, "hardware": "cpu-gloo", "flags": flags}
+    path = _baseline(tmp_path, [case])
+    assert main(["check", "--baseline", str(path), "--update"]) == 0
+    written = json.loads(path.read_text())
+    assert written["cases"][0]["flags"] == flags
+    jsonschema.validate(written, json.loads((SCHEMA.parent / "baseline.schema.json").read_text()))
+    out = capsys.readouterr().out
+    assert "PASS config.json at world 2 on cpu-gloo, --seq 64 --global-batch 8" in out
+    # the figures recorded are those `shardplan plan` predicts with the same flags
+    plan_path = tmp_path / "plan.json"
+    argv = ["plan", str(config), "--world-size", "2", "--hardware", "cpu-gloo", *flags]
+    assert main([*argv, "-o", str(plan_path)]) == 0
+    plan = load_plan(plan_path)
+    assert written["cases"][0]["peak_bytes"] == plan.predicted.peak_bytes
+    assert plan.mixed_precision.param_dtype == "bfloat16" and plan.inputs[0].shape[1] == 64
+    assert plan.mesh.dp * plan.batch_per_replica == 8
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ({"flags": ["--sequence", "64"]}, "unrecognized arguments: --sequence 64"),
+        ({"flags": ["--world-size", "4"]}, "flag --world-size is the case's field world_size"),
+        ({"flags": "--seq 64"}, "field flags is '--seq 64': make it a list of strings"),
+        ({"flags": ["--seq", 64]}, "make it a list of strings"),
+        ({"planner": "fast"}, "unexpected keyword argument 'planner'"),
+    ],
+)
+def test_check_refuses_a_case_whose_flags_plan_would_not_take(case, message, tmp_path, capsys):
+    path = _baseline(tmp_path, [{"model": "mlp", "world_size": 2, **case}])
+    err = _refused(["check", "--baseline", str(path)], capsys)
+    assert message in err, err
+
+
+def test_the_baseline_schema_holds_the_committed_baseline_and_refuses_what_check_refuses(tmp_path):
+    schema = json.loads((SCHEMA.parent / "baseline.schema.json").read_text())
+    committed = Path(__file__).parent.parent / "benchmarks" / "baseline.json"
+    jsonschema.validate(json.loads(committed.read_text()), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(
+            {"schema": "shardplan.baseline/1", "cases": [{"model": "mlp", "world_size": 0}]},
+            schema,
+        )

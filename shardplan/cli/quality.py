@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import signal
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TypeGuard
 
 from shardplan.common.files import is_finite_number, parse_json, read_text, write_text_atomically
@@ -36,6 +36,9 @@ class Case:
     world_size: int
     hardware: str = "h100-80g"
     memory_budget: str | None = None
+    flags: tuple[str, ...] = ()
+    """Any other flags of `shardplan plan`, as on its command line (--seq 4096 --global-batch 256
+    --param-dtype bfloat16 --wrap REGEX ...): the case is planned as `shardplan plan` plans with them."""
     step_time_s: float = 0.0
     """Predicted at the last --update (0: not recorded yet)."""
     peak_bytes: int = 0
@@ -109,6 +112,7 @@ def _check(
         world_size=case.world_size,
         hardware=case.hardware,
         memory_budget=case.memory_budget,
+        flags=case.flags,
         step_time_s=step_time_s,
         peak_bytes=peak_bytes,
     )
@@ -213,26 +217,74 @@ def _regressions(old: Case, new: Case, tolerance: float) -> list[str]:
 
 
 def _plan(case: Case, folder: str):
+    from shardplan.cli.main import _plan_options
     from shardplan.cli.model_spec import load_model
     from shardplan.compile import compile as compile_plan
 
     spec = case.model
     if spec.endswith(".json") and not os.path.isabs(spec):
         spec = os.path.join(folder, spec)
-    entry = load_model(spec)
-    return compile_plan(
-        entry.model,
-        case.world_size,
-        entry.args,
-        entry.kwargs,
-        hardware=case.hardware,
-        memory_budget=case.memory_budget,
+    options = plan_flags(case)
+    options_of_plan = _plan_options(options)
+    entry = load_model(
+        spec,
+        batch=options.batch,
+        seq=options.seq,
+        fp32_params=options_of_plan["mixed_precision"] is not None,
     )
+    return compile_plan(entry.model, case.world_size, entry.args, entry.kwargs, **options_of_plan)
+
+
+_CASE_FIELDS = {
+    "--world-size": "world_size",
+    "--hardware": "hardware",
+    "--memory-budget": "memory_budget",
+    "-o": None,
+    "--output": None,
+}
+"""Flags of `shardplan plan` a case holds as fields of its own (or has no use for: -o)."""
+
+
+def plan_flags(case: Case, where: str = ""):
+    """`shardplan plan`'s options for `case`: its fields, then its flags; a flag plan does not take, or
+    one the case holds as a field, is a one-line error naming the case (`where`)."""
+    import contextlib
+    import io
+
+    from shardplan.cli.main import _parser
+
+    where = where or f"case {case.model!r:.80}"
+    for flag in case.flags:
+        name = flag.split("=", 1)[0]
+        if name in _CASE_FIELDS:
+            field = _CASE_FIELDS[name]
+            raise ShardplanError(
+                f"{where} flag {name} "
+                + (
+                    f"is the case's field {field}: set that field"
+                    if field
+                    else "has no use in a case"
+                )
+                + ", and leave the flag out"
+            )
+    argv = ["plan", case.model, "--world-size", str(case.world_size), "--hardware", case.hardware]
+    argv += ["--memory-budget", case.memory_budget] if case.memory_budget is not None else []
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            return _parser().parse_args([*argv, *case.flags])
+    except SystemExit:
+        message = (said.getvalue().strip().splitlines() or ["unreadable flags"])[-1]
+        raise ShardplanError(
+            f"{where} flags {' '.join(case.flags)[:200]!r}: {message.removeprefix('shardplan plan: error: ')}; "
+            "give flags `shardplan plan` takes"
+        ) from None
 
 
 def _name(case: Case) -> str:
     budget = f", budget {case.memory_budget}" if case.memory_budget else ""
-    return f"{case.model} at world {case.world_size} on {case.hardware}{budget}"
+    flags = f", {' '.join(case.flags)}" if case.flags else ""
+    return f"{case.model} at world {case.world_size} on {case.hardware}{budget}{flags}"
 
 
 def _ms(seconds: float) -> str:
@@ -263,9 +315,34 @@ def _read(path: str) -> tuple[list[Case], float]:
     cases = [
         _case(case, f"baseline {path!r} case {index}") for index, case in enumerate(data["cases"])
     ]
-    return cases, _tolerance(
+    tolerance = _tolerance(
         data.get("tolerance", DEFAULT_TOLERANCE), f"baseline {path!r} field tolerance"
     )
+    _check_schema(data, path)
+    for index, case in enumerate(cases):
+        plan_flags(case, f"baseline {path!r} case {index} ({case.model!r:.80})")
+    return cases, tolerance
+
+
+SCHEMA_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(__file__)), "schemas", "baseline.schema.json"
+)
+
+
+def _check_schema(data: dict, path: str) -> None:
+    """Refuse a baseline that does not match schemas/baseline.schema.json, naming the first field."""
+    import jsonschema
+
+    with open(SCHEMA_PATH) as handle:
+        schema = json.load(handle)
+    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(data))
+    if errors:
+        error = jsonschema.exceptions.best_match(errors)
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+        raise ShardplanError(
+            f"baseline {path!r} field {where or '(top)'} does not match the baseline schema: "
+            f"{error.message[:200]}: fix it (docs/usage.md, 'The baseline')"
+        )
 
 
 def _case(data: object, where: str) -> Case:
@@ -280,6 +357,14 @@ def _case(data: object, where: str) -> Case:
         raise ShardplanError(
             f"{where} is malformed ({error}): give model and world_size, and only Case's fields"
         ) from None
+    if not isinstance(case.flags, (list, tuple)) or not all(
+        isinstance(flag, str) for flag in case.flags
+    ):
+        raise ShardplanError(
+            f"{where} ({case.model!r:.80}) field flags is {case.flags!r:.80}: make it a list of "
+            'strings, e.g. ["--seq", "4096", "--param-dtype", "bfloat16"]'
+        )
+    case = replace(case, flags=tuple(case.flags))
     for field, wanted, fits in (
         ("model", "a string", isinstance(case.model, str)),
         (
@@ -326,7 +411,7 @@ def _tolerance(value: object, where: str) -> float:
 def _write(path: str, cases: list[Case], tolerance: float) -> None:
     text = (
         json.dumps(
-            {"schema": SCHEMA, "tolerance": tolerance, "cases": [asdict(c) for c in cases]},
+            {"schema": SCHEMA, "tolerance": tolerance, "cases": [_written(c) for c in cases]},
             indent=2,
             sort_keys=True,
             allow_nan=False,
@@ -334,3 +419,13 @@ def _write(path: str, cases: list[Case], tolerance: float) -> None:
         + "\n"
     )
     write_text_atomically(path, text)
+
+
+def _written(case: Case) -> dict:
+    """A case as the baseline holds it: flags only where it has some."""
+    fields = asdict(case)
+    if case.flags:
+        fields["flags"] = list(case.flags)
+    else:
+        del fields["flags"]
+    return fields
