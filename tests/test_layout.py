@@ -21,6 +21,7 @@ LAYERS = (
     "compile",
     "runtime",
     "calibration",
+    "integrations",
     "cli",
     "",  # the package's __init__: the public API
 )

@@ -1,0 +1,197 @@
+"""ShardplanTrainer: Hugging Face `transformers.Trainer` training a shardplan Program.
+
+>>> program = shardplan.parallelize(model, plan)                       # doctest: +SKIP
+>>> trainer = ShardplanTrainer(program, args=args, train_dataset=data)  # doctest: +SKIP
+>>> trainer.train(); trainer.save_model("out")                          # doctest: +SKIP
+
+[Note: what Trainer is handed] Trainer keeps two models: `model`, the Hugging Face model it inspects
+(its forward's signature, labels, config) and saves, and `model_wrapped`, what it calls, steps and
+syncs (DDP(model) under torchrun). Here `model` is the program's module, whose parameters
+parallelize replaced by placeholders, and `model_wrapped` a ProgramModule: calling it calls the
+program, its parameters are the program's shards, and its `no_sync()` (which Accelerate's
+`no_sync` calls, as on DDP) is the program's gradient-sync switch, so Trainer's gradient
+accumulation holds back the reductions the plan lets wait. `_wrap_model` returns the ProgramModule,
+so Accelerate prepares only the optimizer and the data: nothing wraps the program in DDP. The
+optimizer is built over the shards, gradient norms and clipping are the program's global ones,
+and `save_model` writes the full state dict that `export_full_state_dict` gathers, so
+`from_pretrained` loads it.
+
+[Note: the world Trainer sees] Trainer and Accelerate read the world from torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK); under it they find torch.distributed already initialized and use
+its default group. They shard the data by rank; the plan's data-parallel replicas are what must
+read different samples, and the tp ranks of one replica the same ones, so the training data is
+sharded by replica (Mesh.replica_of), which is the rank when tp is 1. Trainer's loss over the
+accumulated batch divides by the tokens of every replica (`average_tokens_across_devices`,
+counted once per replica through `get_tp_size`) and scales by the replicas, so with the program
+averaging gradients over the replicas, the step's gradient and logged loss are one process's on
+the whole batch.
+"""
+
+import contextlib
+import math
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import SaveStrategy
+
+from shardplan.errors import ShardplanError
+from shardplan.runtime import Program
+
+
+class ProgramModule(nn.Module):
+    """The program as Trainer's `model_wrapped` (see [Note: what Trainer is handed])."""
+
+    def __init__(self, program: Program):
+        super().__init__()
+        self.program = program  # a Program is no Module: its model's placeholders stay unregistered
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.program(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return iter(self.program.parameters())
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(
+            (f"shard_{index}", shard) for index, shard in enumerate(self.program.parameters())
+        )
+
+    def train(self, mode: bool = True) -> "ProgramModule":
+        self.program.train(mode)
+        return super().train(mode)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's switch, which Accelerate's `no_sync` calls: backwards inside keep their gradients local."""
+        self.program.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.program.set_requires_gradient_sync(True)
+
+
+class ShardplanTrainer(Trainer):
+    """`transformers.Trainer` training `program` (from `shardplan.parallelize`) on every rank under torchrun.
+
+    Takes Trainer's arguments but `model` and `model_init`: the model is the program's. Its
+    precision and recomputation are the plan's (`MixedPrecision`, checkpointing), so `fp16`,
+    `bf16` and `activation_checkpointing` are refused, as are pipelined plans (pp > 1), whose
+    micro-batches only `program.step` runs."""
+
+    def __init__(self, program: Program, args: TrainingArguments, **kwargs: Any):
+        _check_arguments(program, args, kwargs)
+        self.program = program
+        self.program_module = ProgramModule(program)
+        super().__init__(model=program.module, args=args, **kwargs)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.accelerator.num_processes != world:
+            raise ShardplanError(
+                f"Trainer sees {self.accelerator.num_processes} process(es), torch.distributed "
+                f"{world}: launch with torchrun, whose RANK, WORLD_SIZE and LOCAL_RANK Trainer "
+                "reads, or set them on each rank before building TrainingArguments"
+            )
+
+    def _wrap_model(
+        self, model: nn.Module, training: bool = True, dataloader: Any = None
+    ) -> nn.Module:
+        return self.program_module  # never DDP: the program reduces its own gradients
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """parallelize placed the shards; the module holds placeholders, which cannot move."""
+
+    def get_tp_size(self) -> int:
+        return self.program.plan.mesh.tp
+
+    def get_train_dataloader(self) -> Any:
+        loader = super().get_train_dataloader()
+        mesh = self.program.plan.mesh
+        if mesh.tp > 1:  # Accelerate shards by rank; a replica's tp ranks read the same samples
+            _shard_by_replica(loader, replicas=mesh.dp, replica=mesh.replica_of(dist.get_rank()))
+        return loader
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """Trainer's optimizer (`optim`, learning rate, betas...) over the program's shards."""
+        if self.optimizer is None:
+            self._check_weight_decay()
+            optimizer_class, options = (
+                self.optimizer_cls_and_kwargs
+                or self.get_optimizer_cls_and_kwargs(self.args, self.model)
+            )
+            shards = [shard for shard in self.program.parameters() if shard.requires_grad]
+            self.optimizer = optimizer_class(
+                [{"params": shards, "weight_decay": self.args.weight_decay}], **options
+            )
+        return self.optimizer
+
+    def _check_weight_decay(self) -> None:
+        """Trainer exempts biases and norm weights from weight decay; a flat shard mixes them with the
+        rest, so a decay that would have exempted some is refused rather than applied to them."""
+        if not self.args.weight_decay:
+            return
+        decayed = set(self.get_decay_parameter_names(self.model))
+        exempt = [name for name, _ in self.model.named_parameters() if name not in decayed]
+        if exempt:
+            raise ShardplanError(
+                f"weight_decay={self.args.weight_decay}: Trainer exempts {len(exempt)} bias and "
+                f"norm parameters (first: {exempt[:2]}), which share flat shards with decayed "
+                "ones: pass weight_decay=0, or optimizers=(torch.optim.AdamW(program.parameters(), "
+                "weight_decay=...), None) to decay every parameter"
+            )
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        return self.program.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        return self.program.clip_grad_norm_(math.inf) if grad_norm is None else grad_norm
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model as `save_pretrained` writes it, gathered from the shards (call on every rank)."""
+        state = self.program.export_full_state_dict()  # every rank sends its shards to rank 0
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def _check_arguments(program: Program, args: TrainingArguments, kwargs: dict[str, Any]) -> None:
+    """Refuse what ShardplanTrainer cannot honour, before Trainer builds anything."""
+    if "model" in kwargs or "model_init" in kwargs:
+        raise ShardplanError(
+            "ShardplanTrainer trains the program's model: pass the program, not model= or model_init="
+        )
+    if program.plan.mesh.pp > 1:
+        raise ShardplanError(
+            "a pipelined plan (pp > 1) runs its micro-batches inside program.step(...), which "
+            "Trainer's loop never calls: train it with program.step, or plan with pp = 1"
+        )
+    if args.fp16 or args.bf16:
+        raise ShardplanError(
+            "fp16/bf16: the plan's precision applies (compile(..., mixed_precision="
+            "MixedPrecision(param_dtype='bfloat16'))); leave Trainer's fp16 and bf16 off"
+        )
+    if args.activation_checkpointing:
+        raise ShardplanError(
+            "activation_checkpointing: the plan chooses recomputation per unit; leave it off"
+        )
+    if args.save_strategy != SaveStrategy.NO and not args.save_only_model:
+        raise ShardplanError(
+            "Trainer checkpoints would hold rank 0's optimizer shard alone: pass "
+            "save_strategy='no' or save_only_model=True (trainer.save_model writes the whole "
+            "model), and checkpoint for resuming with program.save(path, trainer.optimizer)"
+        )
+
+
+def _shard_by_replica(loader: Any, replicas: int, replica: int) -> None:
+    """Make Accelerate's per-rank view of the training data a per-replica one, as Trainer itself
+    re-points it for its BatchRebalanceSampler."""
+    batches = getattr(loader, "batch_sampler", None)
+    shard = batches if hasattr(batches, "process_index") else getattr(loader, "dataset", None)
+    if not hasattr(shard, "process_index"):
+        raise ShardplanError(
+            f"cannot give the tp ranks of a replica the same samples from a {type(loader).__name__}: "
+            "pass a map-style or iterable torch Dataset"
+        )
+    shard.num_processes, shard.process_index = replicas, replica
