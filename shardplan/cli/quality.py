@@ -10,6 +10,7 @@ crashes it or never returns fails that case, with the reason, and the gate goes 
 is never reported PASS unless a plan of it came back.
 """
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -217,15 +218,15 @@ def _regressions(old: Case, new: Case, tolerance: float) -> list[str]:
 
 
 def _plan(case: Case, folder: str):
-    from shardplan.cli.main import _plan_options
     from shardplan.cli.model_spec import load_model
+    from shardplan.cli.plan_flags import plan_options
     from shardplan.compile import compile as compile_plan
 
     spec = case.model
     if spec.endswith(".json") and not os.path.isabs(spec):
         spec = os.path.join(folder, spec)
     options = plan_flags(case)
-    options_of_plan = _plan_options(options)
+    options_of_plan = plan_options(options)
     entry = load_model(
         spec,
         batch=options.batch,
@@ -251,7 +252,7 @@ def plan_flags(case: Case, where: str = ""):
     import contextlib
     import io
 
-    from shardplan.cli.main import _parser
+    from shardplan.cli.plan_flags import add_plan_arguments
 
     where = where or f"case {case.model!r:.80}"
     for flag in case.flags:
@@ -267,12 +268,14 @@ def plan_flags(case: Case, where: str = ""):
                 )
                 + ", and leave the flag out"
             )
-    argv = ["plan", case.model, "--world-size", str(case.world_size), "--hardware", case.hardware]
+    parser = argparse.ArgumentParser(prog="shardplan plan", add_help=False)
+    add_plan_arguments(parser)
+    argv = [case.model, "--world-size", str(case.world_size), "--hardware", case.hardware]
     argv += ["--memory-budget", case.memory_budget] if case.memory_budget is not None else []
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            return _parser().parse_args([*argv, *case.flags])
+            return parser.parse_args([*argv, *case.flags])
     except SystemExit:
         message = (said.getvalue().strip().splitlines() or ["unreadable flags"])[-1]
         raise ShardplanError(
