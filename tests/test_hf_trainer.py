@@ -1,7 +1,8 @@
 """Hugging Face `transformers.Trainer` training a shardplan program (ShardplanTrainer) on 2 gloo ranks, next
 to the same Trainer run on one process without shardplan: the same loss and gradient norm every step
-(gradient accumulation, padded batches whose token counts differ across ranks, clipping), and the same
-weights in what `save_model` writes, loaded back by `from_pretrained`.
+(gradient accumulation, padded batches whose token counts differ across ranks, clipping), the same
+evaluation loss, and the same weights in what `save_model` writes, loaded back by `from_pretrained`;
+a run resumed from a Trainer checkpoint of the sharded run ends the same.
 
 The ranks are launched as torchrun launches them (RANK, WORLD_SIZE, LOCAL_RANK in their environment),
 which is how Trainer and Accelerate find the world.
@@ -37,12 +38,16 @@ UNITS = [
     ("model.layers.1",),
     ("model.norm", "lm_head"),
 ]
+CHECKPOINT = f"checkpoint-{STEPS // 2}"
+"""The sharded dp run's checkpoint halfway, from which another run resumes."""
 CASES = {
-    "dp2_full_shard": dict(dp=2, tp=1),
-    "tp2": dict(dp=1, tp=2),
+    "dp2_full_shard": dict(mesh=dict(dp=2, tp=1), save_strategy="steps", save_steps=STEPS // 2),
+    "dp2_resumed": dict(mesh=dict(dp=2, tp=1), resume_from=f"dp2_full_shard/{CHECKPOINT}"),
+    "tp2": dict(mesh=dict(dp=1, tp=2)),
 }
-"""Both read the one process's global batch: dp = 2 replicas of BATCH samples, or one replica of
-2 × BATCH samples whose 2 tp ranks read the same ones."""
+"""Each reads the one process's global batch: dp = 2 replicas of BATCH samples, or one replica of
+2 × BATCH samples whose 2 tp ranks read the same ones. Run in this order: the resumed run starts
+from the first one's checkpoint."""
 
 
 def _model():
@@ -52,22 +57,26 @@ def _model():
     )
 
 
-def _dataset() -> list[dict]:
+def _dataset(samples: int = WORLD * BATCH * ACCUMULATE * STEPS, seed: int = 7) -> list[dict]:
     """Sequences of random lengths, right-padded to SEQUENCE: ranks hold different token counts."""
-    generator = torch.Generator().manual_seed(7)
-    samples = []
-    for _ in range(WORLD * BATCH * ACCUMULATE * STEPS):
+    generator = torch.Generator().manual_seed(seed)
+    found = []
+    for _ in range(samples):
         ids = torch.randint(1, VOCAB, (SEQUENCE,), generator=generator)
         length = int(torch.randint(SEQUENCE // 4, SEQUENCE + 1, (), generator=generator))
         mask = torch.arange(SEQUENCE) < length
-        samples.append(
+        found.append(
             {
                 "input_ids": ids.masked_fill(~mask, 0),
                 "attention_mask": mask.long(),
                 "labels": ids.masked_fill(~mask, -100),
             }
         )
-    return samples
+    return found
+
+
+def _evaluation_dataset() -> list[dict]:
+    return _dataset(samples=WORLD * BATCH * 2, seed=8)
 
 
 def _arguments(output_dir: str, batch: int, **overrides):
@@ -76,6 +85,7 @@ def _arguments(output_dir: str, batch: int, **overrides):
     options = dict(
         output_dir=output_dir,
         per_device_train_batch_size=batch,
+        per_device_eval_batch_size=batch,  # a replica's share: Trainer averages over all ranks' tokens
         gradient_accumulation_steps=ACCUMULATE,
         max_steps=STEPS,
         learning_rate=1e-3,
@@ -90,24 +100,51 @@ def _arguments(output_dir: str, batch: int, **overrides):
     return TrainingArguments(**{**options, **overrides})
 
 
-def _steps(log_history: list[dict]) -> list[tuple[float, float]]:
-    """(loss, gradient norm) of every step Trainer logged."""
-    return [(entry["loss"], entry["grad_norm"]) for entry in log_history if "loss" in entry]
+def _step_counter():
+    """A callback counting the optimizer steps this run takes (a resumed run takes only the rest)."""
+    from transformers import TrainerCallback
+
+    class StepCounter(TrainerCallback):
+        taken = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.taken += 1
+
+    return StepCounter()
 
 
-def _reference(output_dir: str) -> list[tuple[float, float]]:
+def _results(trainer, counter) -> dict:
+    """(loss, gradient norm) of every step in Trainer's log, the steps this run took, and the
+    evaluation loss."""
+    found = {
+        "taken": counter.taken,
+        "steps": [
+            (entry["loss"], entry["grad_norm"])
+            for entry in trainer.state.log_history
+            if "loss" in entry
+        ],
+    }
+    if trainer.eval_dataset is not None:
+        found["eval_loss"] = trainer.evaluate()["eval_loss"]
+    return found
+
+
+def _reference(output_dir: str) -> dict:
     """The plain Trainer on one process, reading each step's batches of both replicas."""
     from transformers import Trainer
 
     torch.set_num_threads(1)
+    counter = _step_counter()
     trainer = Trainer(
         model=_model().model,
         args=_arguments(output_dir, WORLD * BATCH),
         train_dataset=_dataset(),
+        eval_dataset=_evaluation_dataset(),
+        callbacks=[counter],
     )
     trainer.train()
     trainer.save_model(output_dir)
-    return _steps(trainer.state.log_history)
+    return _results(trainer, counter)
 
 
 def _as_torchrun(rank: int, world: int) -> None:
@@ -123,52 +160,61 @@ def _as_torchrun(rank: int, world: int) -> None:
     )
 
 
+def _program(mesh: dict):
+    entry = _model()
+    plan = manual_plan(
+        entry.model,
+        UNITS,
+        strategies=(ShardStrategy.FULL_SHARD,),
+        example_kwargs={
+            key: torch.stack([s[key] for s in _dataset(BATCH)]) for key in _dataset(1)[0]
+        },
+        **mesh,
+    )
+    return parallelize(entry.model, plan)
+
+
 def _rank_job(rank: int, world: int, output_root: str) -> dict:
     from shardplan.integrations.hf_trainer import ShardplanTrainer
 
     _as_torchrun(rank, world)
     found: dict = {}
-    for name, mesh in CASES.items():
-        entry = _model()
-        plan = manual_plan(
-            entry.model,
-            UNITS,
-            strategies=(ShardStrategy.FULL_SHARD,),
-            example_kwargs=_dataset_batch(),
-            **mesh,
-        )
-        program = parallelize(entry.model, plan)
+    for name, case in CASES.items():
+        mesh = case["mesh"]
+        program = _program(mesh)
         output_dir = os.path.join(output_root, name)
+        saving = {key: case[key] for key in ("save_strategy", "save_steps") if key in case}
+        counter = _step_counter()
         trainer = ShardplanTrainer(
             program,
-            args=_arguments(output_dir, WORLD * BATCH // mesh["dp"]),
+            args=_arguments(output_dir, WORLD * BATCH // mesh["dp"], **saving),
             train_dataset=_dataset(),
+            eval_dataset=_evaluation_dataset() if mesh["tp"] == 1 else None,
+            callbacks=[counter],
         )
-        trainer.train()
+        resume_from = case.get("resume_from")
+        trainer.train(resume_from_checkpoint=resume_from and os.path.join(output_root, resume_from))
         trainer.save_model(output_dir)
-        found[name] = _steps(trainer.state.log_history)
+        found[name] = _results(trainer, counter)
     found["refusals"] = _refusals(program, output_root)
     return found
 
 
-def _dataset_batch() -> dict:
-    return {
-        key: torch.stack([sample[key] for sample in _dataset()[:BATCH]]) for key in _dataset()[0]
-    }
-
-
-def _refusals(program, output_root: str) -> dict:
+def _refusals(tp_program, output_root: str) -> dict:
     """What ShardplanTrainer refuses, each in one line, on a program it could otherwise train."""
     from shardplan.integrations.hf_trainer import ShardplanTrainer
 
     refused = {}
     for name, overrides in {
-        "checkpoints": dict(save_strategy="steps"),
         "weight_decay": dict(weight_decay=0.1),
+        "tp_evaluation": dict(eval_strategy="steps"),
+        "best_model": dict(
+            load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"
+        ),
     }.items():
         try:
             trainer = ShardplanTrainer(
-                program,
+                tp_program,
                 args=_arguments(output_root, BATCH, **overrides),
                 train_dataset=_dataset(),
             )
@@ -186,7 +232,7 @@ def _weights(directory: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_trainer_trains_a_program_as_one_process_trains_the_model(tmp_path):
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
@@ -194,22 +240,31 @@ def test_trainer_trains_a_program_as_one_process_trains_the_model(tmp_path):
         found = spawn_world(WORLD, _rank_job, (str(tmp_path),))
         reference = reference_run.result()
 
-    assert len(reference) == STEPS
+    assert len(reference["steps"]) == STEPS
     expected = _weights(str(tmp_path / "reference"))
+    errors = {}
     for name in CASES:
-        assert len(found[name]) == STEPS, name
-        loss_error = max(abs(mine[0] - theirs[0]) for mine, theirs in zip(found[name], reference))
-        norm_error = max(
-            abs(mine[1] - theirs[1]) / theirs[1] for mine, theirs in zip(found[name], reference)
-        )
+        steps = found[name]["steps"]
+        assert len(steps) == STEPS, name
+        assert found[name]["taken"] == (STEPS // 2 if "resume_from" in CASES[name] else STEPS), name
         weights = _weights(str(tmp_path / name))
         assert weights.keys() == expected.keys(), name
-        weight_error = max((weights[key] - expected[key]).abs().max().item() for key in expected)
-        assert max(loss_error, norm_error, weight_error) <= TOLERANCE, (
-            name,
-            loss_error,
-            norm_error,
-            weight_error,
-        )
-    assert "save_strategy='no'" in found["refusals"]["checkpoints"]
-    assert "weight_decay=0" in found["refusals"]["weight_decay"]
+        errors[name] = {
+            "loss": max(
+                abs(mine[0] - theirs[0]) for mine, theirs in zip(steps, reference["steps"])
+            ),
+            "grad_norm": max(
+                abs(mine[1] - theirs[1]) / theirs[1]
+                for mine, theirs in zip(steps, reference["steps"])
+            ),
+            "weights": max((weights[key] - expected[key]).abs().max().item() for key in expected),
+        }
+        if "eval_loss" in found[name]:
+            errors[name]["eval_loss"] = abs(found[name]["eval_loss"] - reference["eval_loss"])
+    assert "eval_loss" in errors["dp2_full_shard"]
+    assert all(error <= TOLERANCE for case in errors.values() for error in case.values()), errors
+    assert (tmp_path / "dp2_full_shard" / CHECKPOINT / "shardplan").is_dir()
+    refusals = found["refusals"]
+    assert "weight_decay=0" in refusals["weight_decay"]
+    assert "tensor parallelism" in refusals["tp_evaluation"]
+    assert "program.load" in refusals["best_model"]

@@ -29,16 +29,21 @@ the whole batch.
 
 import contextlib
 import math
+import os
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import SaveStrategy
+from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_utils import IntervalStrategy
 
 from shardplan.errors import ShardplanError
 from shardplan.runtime import Program
+
+PROGRAM_CHECKPOINT = "shardplan"
+"""The folder of a Trainer checkpoint that holds `program.save`'s: parameters and optimizer state."""
 
 
 class ProgramModule(nn.Module):
@@ -147,6 +152,11 @@ class ShardplanTrainer(Trainer):
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         return self.program.clip_grad_norm_(math.inf) if grad_norm is None else grad_norm
 
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        if self.program.plan.mesh.tp > 1:
+            raise ShardplanError(_TP_EVALUATION)
+        return super().evaluation_loop(*args, **kwargs)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model as `save_pretrained` writes it, gathered from the shards (call on every rank)."""
         state = self.program.export_full_state_dict()  # every rank sends its shards to rank 0
@@ -154,6 +164,34 @@ class ShardplanTrainer(Trainer):
             self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """A checkpoint's resumable state: the program's checkpoint, which every rank writes its
+        shards of (Trainer alone would keep rank 0's optimizer state), and the scheduler's."""
+        self.program.save(os.path.join(output_dir, PROGRAM_CHECKPOINT), self._torch_optimizer())
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The weights are the program checkpoint's, loaded with the optimizer's state below."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        folder = os.path.join(checkpoint, PROGRAM_CHECKPOINT)
+        if not os.path.isdir(folder):
+            raise ShardplanError(
+                f"{checkpoint} holds no {PROGRAM_CHECKPOINT}/ folder (saved with "
+                "save_only_model=True?): resume from a checkpoint ShardplanTrainer saved whole"
+            )
+        self.program.load(folder, self._torch_optimizer())
+        self.lr_scheduler.load_state_dict(
+            torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+        )
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over the program's shards, unwrapped from Accelerate's AcceleratedOptimizer."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
 
 
 def _check_arguments(program: Program, args: TrainingArguments, kwargs: dict[str, Any]) -> None:
@@ -176,12 +214,20 @@ def _check_arguments(program: Program, args: TrainingArguments, kwargs: dict[str
         raise ShardplanError(
             "activation_checkpointing: the plan chooses recomputation per unit; leave it off"
         )
-    if args.save_strategy != SaveStrategy.NO and not args.save_only_model:
+    if args.load_best_model_at_end:
         raise ShardplanError(
-            "Trainer checkpoints would hold rank 0's optimizer shard alone: pass "
-            "save_strategy='no' or save_only_model=True (trainer.save_model writes the whole "
-            "model), and checkpoint for resuming with program.save(path, trainer.optimizer)"
+            "load_best_model_at_end: pass the best checkpoint's folder to program.load "
+            f"(os.path.join(trainer.state.best_model_checkpoint, {PROGRAM_CHECKPOINT!r}))"
         )
+    if program.plan.mesh.tp > 1 and args.eval_strategy != IntervalStrategy.NO:
+        raise ShardplanError(_TP_EVALUATION)
+
+
+_TP_EVALUATION = (
+    "evaluation under tensor parallelism: Trainer gives every rank its own evaluation samples, "
+    "where a replica's tp ranks must read the same ones; evaluate with program(...) on each "
+    "replica's batches, or with a plan of tp = 1"
+)
 
 
 def _shard_by_replica(loader: Any, replicas: int, replica: int) -> None:
