@@ -20,8 +20,14 @@ from shardplan.common.sizes import parse_bytes
 from shardplan.costmodel.hardware import HardwareProfile, get_hardware
 from shardplan.errors import InfeasibleError, ShardplanError
 from shardplan.frontend.chain import BlockChain
-from shardplan.frontend.shapes import SequenceFit, fit_lengths, inputs_at, sequence_length
-from shardplan.plan import MAX_WORLD_SIZE, MixedPrecision, Plan, Reasoning
+from shardplan.frontend.shapes import (
+    MIN_FITTED_LENGTH,
+    SequenceFit,
+    fit_lengths,
+    inputs_at,
+    sequence_length,
+)
+from shardplan.plan import MAX_WORLD_SIZE, MixedPrecision, Plan, Reasoning, SequenceLimit
 from shardplan.solver.assemble import (
     example_batch,
     predict,
@@ -32,6 +38,7 @@ from shardplan.solver.assemble import (
 from shardplan.solver.evaluate import check_computes_in, evaluate, evaluate_stages
 from shardplan.solver.explain import constraints_blamed, infeasible_message, reasoning
 from shardplan.solver.search import SearchMemo, Setting, search, tensor_parallel_options
+from shardplan.solver.shapes import sequence_limits
 from shardplan.solver.space import Constraints, SearchSpace, block_rules, default_space
 
 __all__ = ["PlanOptions", "compile", "solve", "evaluate", "evaluate_stages", "sequence_fit"]
@@ -169,7 +176,23 @@ def compile(
         plan.inputs != chain.inputs
     ):  # a global batch split over the mesh's replicas: the graph of their shapes
         plan = replace(plan, fingerprint=fingerprint_of(model, plan.inputs))
-    return plan
+    return _with_sequence_limits(plan, model, PlanOptions.of(options).hardware)
+
+
+def _with_sequence_limits(plan: Plan, model: "nn.Module", hardware: Any) -> Plan:
+    """`plan` with the longest sequence each micro-batch size fits (solver/shapes.py), where its inputs
+    have a sequence; where the model's chain is no polynomial of the length, without, and a warning."""
+    if sequence_length(plan.inputs) < MIN_FITTED_LENGTH:
+        return plan
+    try:
+        fit = sequence_fit(model, plan)
+    except ShardplanError as error:
+        warnings.warn(f"no sequence limits in the plan: {error}", stacklevel=3)
+        return plan
+    limits = sequence_limits(fit, plan, hardware=hardware)
+    return replace(
+        plan, sequence_limits=tuple(SequenceLimit(micro_batch=m, longest=n) for m, n in limits)
+    )
 
 
 def _with_unread_parameters(plan: Plan, model: "nn.Module") -> Plan:
@@ -293,8 +316,9 @@ def _check_world_size(world_size: object) -> None:
 
 def sequence_fit(model: "nn.Module", plan: Plan) -> SequenceFit:
     """`plan`'s chain at every sequence length, from analyses of `model` at three lengths (see
-    [Note: a chain as a function of the sequence length]): what `evaluate_at` and `longest_sequence`
-    (solver/shapes.py) price any shape with."""
+    [Note: a chain as a function of the sequence length]): what solver/shapes.py prices any shape
+    with. Each analysis runs on inputs of ones at the plan's shapes, so the three see one layout (a
+    sliced example input is strided, and its copy to contiguous would be an op of one chain only)."""
     from shardplan.frontend.passes import analyze, example_tensors
 
     device = next((p.device for p in model.parameters()), "cpu")

@@ -22,10 +22,11 @@ from shardplan.common.files import parse_json, read_text, write_text_atomically
 from shardplan.errors import PlanError
 from shardplan.frontend.chain import InputSpec
 
-SCHEMA = "shardplan.plan/3"
-READABLE_SCHEMAS = ("shardplan.plan/1", "shardplan.plan/2", SCHEMA)
+SCHEMA = "shardplan.plan/4"
+READABLE_SCHEMAS = ("shardplan.plan/1", "shardplan.plan/2", "shardplan.plan/3", SCHEMA)
 """Plan formats this version reads, upgraded on load (_upgrade): format 1 (mesh dp × pp), format 2
-(no structural signature: parallelize checks such a plan by capturing the model)."""
+(no structural signature: parallelize checks such a plan by capturing the model), format 3 (one stage
+per pipeline rank, no sequence limits)."""
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
 """JSON Schema of the plan file, shipped in the package; from_json validates against it."""
 SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -477,6 +478,16 @@ class Reasoning:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SequenceLimit:
+    """The longest sequence whose predicted peak fits the budget at one micro-batch size
+    (solver/shapes.py): what the runtime admits a batch by, and what `shardplan explain` shows."""
+
+    micro_batch: int
+    longest: int
+    """0: not one token fits."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """Everything `parallelize` needs to train the model, plus the predictions that justify it."""
 
@@ -500,6 +511,9 @@ class Plan:
     stages: tuple[Stage, ...]
     predicted: Predicted
     reasoning: Reasoning
+    sequence_limits: tuple[SequenceLimit, ...] = ()
+    """By micro-batch size, ascending; none where the inputs have no sequence dim or the plan was
+    written by hand."""
 
     def __post_init__(self) -> None:
         _check_plan(self)
@@ -614,7 +628,8 @@ def input_shape(spec: InputSpec) -> str:
 def _upgrade(data: dict) -> dict:
     """An older plan as this format says it. Format 1 (mesh dp × pp, no tensor parallelism): its dp
     ranks shard every unit, one replica group, tp = 1; the same ranks do the same work ([Note: rank
-    layout]). Formats 1 and 2 record no signature, which is left empty."""
+    layout]). Formats 1 and 2 record no signature, which is left empty; formats 1 to 3 no virtual stages
+    and no sequence limits, whose defaults say so."""
     if data.get("schema") == "shardplan.plan/1" and isinstance(data.get("mesh"), dict):
         mesh = dict(data["mesh"])
         mesh["dp_shard"] = mesh.pop("dp", None)
@@ -639,6 +654,12 @@ def _check_plan(plan: Plan) -> None:
         )
     _check_inputs(plan.inputs)
     _check_unicode(plan)
+    sizes = [limit.micro_batch for limit in plan.sequence_limits]
+    if sizes != sorted(set(sizes)) or any(size < 1 for size in sizes):
+        raise PlanError(
+            f"sequence_limits list micro-batches {sizes}: each size of 1 or more once, ascending; "
+            "re-plan to have them computed"
+        )
     if plan.mesh.size != plan.world_size:
         raise PlanError(
             f"mesh {plan.mesh.describe()} is {plan.mesh.size} ranks but world_size is {plan.world_size}: "

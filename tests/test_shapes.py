@@ -3,11 +3,12 @@
 import dataclasses
 
 import pytest
+import torch
 
-from shardplan import get_hardware
+from shardplan import compile, get_hardware, parallelize
 from shardplan.calibration.accuracy import HF_WORKLOADS, measure_shape_accuracy
 from shardplan.compile import evaluate, sequence_fit
-from shardplan.errors import ShardplanError
+from shardplan.errors import RuntimeMismatchError, ShardplanError
 from shardplan.frontend.chain import InputSpec
 from shardplan.frontend.passes import analyze, example_tensors
 from shardplan.frontend.shapes import SequenceFit, inputs_at, sequence_length
@@ -132,3 +133,28 @@ def test_memory_at_three_other_shapes_is_predicted_within_3_percent(capsys):
     with capsys.disabled():
         print(ratios)
     assert len(ratios) == 3 and all(abs(r - 1) <= 0.03 for r in ratios.values()), ratios
+
+
+def test_the_runtime_refuses_a_shape_predicted_over_the_budget_and_warns_if_asked(world_of_one):
+    """Planned at 2 x 64 tokens with room for a little more: the plan records the longest sequence of
+    each micro-batch size, and a step past it is refused in one line naming it."""
+    entry = zoo.gpt(zoo.GPTConfig(seq_len=1024), batch=2)
+    ids = entry.args[0][:, :64]
+    roomy = compile(entry.model, 1, (ids,), {"labels": ids}, hardware="cpu-gloo", explain=False)
+    budget = int(roomy.predicted.peak_bytes * 1.5)
+    plan = compile(
+        entry.model, 1, (ids,), {"labels": ids}, hardware="cpu-gloo", memory_budget=budget
+    )
+    longest = dict((r.micro_batch, r.longest) for r in plan.sequence_limits)
+    assert 64 <= longest[2] < 1024 and longest[1] > longest[2] > longest[4]
+    program = parallelize(entry.model, plan)
+    fits, over = entry.args[0][:, : longest[2]], entry.args[0][:, : longest[2] + 1]
+    assert torch.isfinite(program.step(fits, labels=fits))
+    with pytest.raises(
+        RuntimeMismatchError,
+        match=f"the longest sequence that fits a micro-batch of 2 is {longest[2]}",
+    ):
+        program.step(over, labels=over)
+    program.over_budget = "warn"
+    with pytest.warns(UserWarning, match="predicted over the plan's memory budget"):
+        assert torch.isfinite(program.step(over, labels=over))

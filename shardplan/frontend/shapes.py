@@ -43,12 +43,17 @@ def inputs_at(inputs: Sequence[InputSpec], batch: int, length: int) -> tuple[Inp
     )
 
 
+MIN_FITTED_LENGTH = 8
+"""The shortest sequence a plan is fitted over lengths from: its quarter is still 2 tokens."""
+
+
 def fit_lengths(length: int) -> tuple[int, int, int]:
     """The three lengths a fit analyzes for a plan made at `length`: itself and its half and quarter
     (small, so the analyses are cheap; the fit is exact beyond them, see the Note above)."""
-    if length < 4:
+    if length < MIN_FITTED_LENGTH:
         raise ShardplanError(
-            f"a sequence of {length} is too short to fit the chain over lengths: plan at 4 or more"
+            f"a sequence of {length} is too short to fit the chain over lengths: plan at "
+            f"{MIN_FITTED_LENGTH} or more"
         )
     return (length // 4, length // 2, length)
 

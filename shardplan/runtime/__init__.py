@@ -51,6 +51,7 @@ def parallelize(
     backend: str = "shardplan",
     device: torch.device | str | None = None,
     verify_graph: bool = False,
+    over_budget: str = "refuse",
 ) -> Program:
     """Shard `model` as `plan` says and return the Program that trains it; call on every rank.
 
@@ -63,6 +64,9 @@ def parallelize(
     names, shapes, dtypes); `verify_graph=True` also captures the model (torch.export, seconds) and
     compares the graph's fingerprint, which refuses the same parameters computed another way. With
     tp > 1 the graph is captured for the layout anyway and always compared.
+
+    A training batch whose shape the plan predicts over its memory budget (Plan.sequence_limits) is
+    refused in one line naming the longest sequence that fits; `over_budget="warn"` warns instead.
 
     >>> program = parallelize(model, plan)                          # doctest: +SKIP
     >>> optimizer = torch.optim.AdamW(program.parameters(), lr=3e-4)  # doctest: +SKIP
@@ -82,6 +86,16 @@ def parallelize(
     device = torch.device(device) if device is not None else collectives.default_device()
     if device.type == "cpu":
         keep_freed_host_memory()  # see [Note: freed host memory]
+    if over_budget not in ("refuse", "warn"):
+        raise ShardplanError(f"over_budget={over_budget!r}: choose 'refuse' or 'warn'")
+    program = _program(model, plan, loss_fn, backend, device)
+    program.over_budget = over_budget
+    return program
+
+
+def _program(
+    model: nn.Module, plan: Plan, loss_fn: Callable | None, backend: str, device: torch.device
+) -> Program:
     if backend == "shardplan" and plan.mesh.pp > 1:
         from shardplan.runtime.pipelined import PipelinedProgram
 

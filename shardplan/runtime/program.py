@@ -53,6 +53,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, cast
@@ -68,6 +69,7 @@ from shardplan.errors import RuntimeMismatchError, ShardplanError
 from shardplan.frontend.chain import InputSpec
 from shardplan.plan import Plan
 from shardplan.runtime import collectives
+from shardplan.solver.shapes import priced_lengths
 
 if TYPE_CHECKING:  # chunks imports the units, which import this module
     from shardplan.runtime.checkpoint import Stateful
@@ -107,6 +109,9 @@ class Program:
         self.after_reduction: Callable[[bool], None] | None = None
         """Called inside each `step` once its gradients are reduced, while `.grad` holds this step's alone,
         with whether the step took the planned batch (AdaScale measures them there, in adascale.py)."""
+        self.over_budget = "refuse"
+        """What a training batch predicted over the budget meets: "refuse" or "warn" (parallelize's
+        over_budget; [Note: admitted by memory])."""
         self.requires_gradient_sync = True
         """Whether backward reduces gradients over the replicas (see set_requires_gradient_sync)."""
 
@@ -118,7 +123,7 @@ class Program:
         >>> loss.backward(); optimizer.step(); optimizer.zero_grad()             # doctest: +SKIP
         """
         self.check_in_step()
-        admit_input(self.plan, args, kwargs)
+        admit_input(self.plan, args, kwargs, over_budget=self.over_budget)
         with self._transaction():
             return self._forward(*args, **kwargs)
 
@@ -299,7 +304,13 @@ class Program:
         length (see admit_input); micro-batches of unequal size are weighted: see [Note: smaller
         batches]. A step that raises leaves the program as it was (see [Note: failed steps])."""
         self.check_in_step()
-        admit_input(self.plan, args, kwargs)
+        admit_input(
+            self.plan,
+            args,
+            kwargs,
+            micro_batches=self.plan.schedule.num_micro_batches,
+            over_budget=self.over_budget,
+        )
         micro_batches = split_micro_batches(args, kwargs, self.plan.schedule.num_micro_batches)
         total = torch.zeros((), dtype=torch.float32)
         with self._transaction(), self._recording_stats():
@@ -346,7 +357,7 @@ class Program:
         >>> validation_loss = program.evaluate(ids, labels=ids)  # doctest: +SKIP
         """
         self.check_in_step()
-        admit_input(self.plan, args, kwargs)
+        admit_input(self.plan, args, kwargs, trains=False)
         micro_batches = split_micro_batches(args, kwargs, self.plan.schedule.num_micro_batches)
         with self._transaction(), torch.no_grad():
             total = cast(
@@ -456,9 +467,19 @@ def _refuse_replaced(
         )
 
 
-def admit_input(plan: Plan, args: tuple, kwargs: dict) -> None:
+def admit_input(
+    plan: Plan,
+    args: tuple,
+    kwargs: dict,
+    *,
+    micro_batches: int = 1,
+    trains: bool = True,
+    over_budget: str = "refuse",
+) -> None:
     """Admit a batch for a call, a step or an evaluation, or refuse it in one line: the one place where
-    the runtime decides which inputs a plan takes.
+    the runtime decides which inputs a plan takes. `micro_batches`: the parts the batch is split into;
+    `trains`: False for an evaluation (no gradients, so no memory check); `over_budget`: "refuse" or
+    "warn" where a training batch is predicted over the budget ([Note: admitted by memory]).
 
     [Note: admitted shapes] At pp == 1 nothing in either backend is fixed to the plan's shapes (the
     tensor-parallel layout is found once, at start-up), so any batch size and sequence length is
@@ -488,6 +509,41 @@ def admit_input(plan: Plan, args: tuple, kwargs: dict) -> None:
         _check_dtype(spec, value)
     if plan.tensor_parallel.sequence_parallel:
         _check_sequence_divides(plan.mesh.tp, args, kwargs)
+    if trains:
+        _check_predicted_to_fit(plan, args, kwargs, micro_batches, over_budget)
+
+
+def _check_predicted_to_fit(
+    plan: Plan, args: tuple, kwargs: dict, micro_batches: int, over_budget: str
+) -> None:
+    """[Note: admitted by memory] A plan records the longest sequence that fits its budget at each
+    micro-batch size (Plan.sequence_limits, priced from one sequence fit: solver/shapes.py). A micro-
+    batch is admitted by the row of the next size up, whose limit is the smaller; sizes past the last
+    row and lengths past the lengths priced are not refused, as nothing says they do not fit."""
+    tokens = next(
+        (
+            value
+            for spec in plan.inputs
+            if isinstance(value := _input(spec, args, kwargs), torch.Tensor) and value.dim() >= 2
+        ),
+        None,
+    )
+    if tokens is None or not plan.sequence_limits:
+        return
+    micro_batch, length = -(-tokens.shape[0] // micro_batches), tokens.shape[1]
+    row = next((r for r in plan.sequence_limits if r.micro_batch >= micro_batch), None)
+    if row is None or length <= row.longest or row.longest >= priced_lengths(plan):
+        return
+    message = (
+        f"a micro-batch of {micro_batch} x {length} tokens is predicted over the plan's memory budget: "
+        f"the longest sequence that fits a micro-batch of {row.micro_batch} is {row.longest} "
+        "(Plan.sequence_limits); shorten it, use smaller micro-batches, or re-plan for this shape "
+        '(parallelize(..., over_budget="warn") warns instead)'
+    )
+    if over_budget == "warn":
+        warnings.warn(message, stacklevel=4)
+        return
+    raise RuntimeMismatchError(message)
 
 
 def _check_sequence_divides(tp: int, args: tuple, kwargs: dict) -> None:

@@ -16,6 +16,14 @@ from shardplan.solver.evaluate import evaluate
 
 Hardware = str | os.PathLike | HardwareProfile | None
 
+LENGTHS_SEARCHED = 16
+"""The longest sequence searched, in multiples of the plan's own length."""
+
+
+def priced_lengths(plan: Plan) -> int:
+    """The longest sequence `longest_sequence` searches by default: past it nothing is priced."""
+    return LENGTHS_SEARCHED * sequence_length(plan.inputs)
+
 
 def evaluate_at(
     fit: SequenceFit, plan: Plan, *, micro_batch: int, length: int, hardware: Hardware = None
@@ -44,12 +52,12 @@ def longest_sequence(
     most: int | None = None,
 ) -> int:
     """The longest sequence whose predicted peak fits the budget (the plan's own by default) at
-    `micro_batch` samples a micro-batch, up to `most` (16 times the plan's length by default); 0 where not
+    `micro_batch` samples a micro-batch, up to `most` (priced_lengths by default); 0 where not
     even one token fits. The peak grows with the length, so a bisection finds it."""
     budget = (
         plan.reasoning.budget_bytes if memory_budget is None else parse_bytes(memory_budget)
     ) or get_hardware(hardware or plan.hardware).usable_memory_bytes
-    most = most or 16 * sequence_length(plan.inputs)
+    most = most or priced_lengths(plan)
 
     def fits(length: int) -> bool:
         return (
