@@ -43,6 +43,7 @@ CHECKPOINT = f"checkpoint-{STEPS // 2}"
 CASES = {
     "dp2_full_shard": dict(mesh=dict(dp=2, tp=1), save_strategy="steps", save_steps=STEPS // 2),
     "dp2_resumed": dict(mesh=dict(dp=2, tp=1), resume_from=f"dp2_full_shard/{CHECKPOINT}"),
+    "dp2_fsdp2": dict(mesh=dict(dp=2, tp=1), backend="fsdp2"),
     "tp2": dict(mesh=dict(dp=1, tp=2)),
 }
 """Each reads the one process's global batch: dp = 2 replicas of BATCH samples, or one replica of
@@ -160,7 +161,7 @@ def _as_torchrun(rank: int, world: int) -> None:
     )
 
 
-def _program(mesh: dict):
+def _program(mesh: dict, backend: str = "shardplan"):
     entry = _model()
     plan = manual_plan(
         entry.model,
@@ -171,7 +172,7 @@ def _program(mesh: dict):
         },
         **mesh,
     )
-    return parallelize(entry.model, plan)
+    return parallelize(entry.model, plan, backend=backend)
 
 
 def _rank_job(rank: int, world: int, output_root: str) -> dict:
@@ -181,7 +182,7 @@ def _rank_job(rank: int, world: int, output_root: str) -> dict:
     found: dict = {}
     for name, case in CASES.items():
         mesh = case["mesh"]
-        program = _program(mesh)
+        program = _program(mesh, case.get("backend", "shardplan"))
         output_dir = os.path.join(output_root, name)
         saving = {key: case[key] for key in ("save_strategy", "save_steps") if key in case}
         counter = _step_counter()

@@ -83,15 +83,17 @@ class ShardplanTrainer(Trainer):
 
     Takes Trainer's arguments but `model` and `model_init`: the model is the program's. Its
     precision and recomputation are the plan's (`MixedPrecision`, checkpointing), so `fp16`,
-    `bf16` and `activation_checkpointing` are refused, as are pipelined plans (pp > 1), whose
-    micro-batches only `program.step` runs."""
+    `bf16` and `activation_checkpointing` are refused, as are `torch_compile`,
+    `load_best_model_at_end`, evaluation under tp > 1 and pipelined plans (pp > 1), whose
+    micro-batches only `program.step` runs. A nonzero `weight_decay` is refused where Trainer
+    would exempt biases and norms (see _check_weight_decay)."""
 
     def __init__(self, program: Program, args: TrainingArguments, **kwargs: Any):
         _check_arguments(program, args, kwargs)
         self.program = program
         self.program_module = ProgramModule(program)
         super().__init__(model=program.module, args=args, **kwargs)
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        world = dist.get_world_size()  # parallelize ran, so the process group is up
         if self.accelerator.num_processes != world:
             raise ShardplanError(
                 f"Trainer sees {self.accelerator.num_processes} process(es), torch.distributed "
@@ -213,6 +215,11 @@ def _check_arguments(program: Program, args: TrainingArguments, kwargs: dict[str
     if args.activation_checkpointing:
         raise ShardplanError(
             "activation_checkpointing: the plan chooses recomputation per unit; leave it off"
+        )
+    if args.torch_compile:
+        raise ShardplanError(
+            "torch_compile: Trainer compiles the model it prepares, and the program is never "
+            "prepared; leave it off"
         )
     if args.load_best_model_at_end:
         raise ShardplanError(
