@@ -445,7 +445,11 @@ def test_a_bfloat16_hugging_face_config_warns_that_fp32_masters_are_dropped(tmp_
         "no fp32 master weights; to keep fp32 masters pass --param-dtype bfloat16 --reduce-dtype float32"
         in pure.stderr
     )
-    assert "example input batch 1 x sequence 512 (pass --batch and --seq" in pure.stderr
+    assert (
+        "example input at batch 1 and sequence length 512 (pass --batch and --seq for your "
+        "training shape)" in pure.stderr
+    )
+    assert "deprecated" not in pure.stderr  # torch_dtype is read as transformers' dtype
     assert (
         main(
             [
