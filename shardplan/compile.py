@@ -176,16 +176,25 @@ def compile(
         plan.inputs != chain.inputs
     ):  # a global batch split over the mesh's replicas: the graph of their shapes
         plan = replace(plan, fingerprint=fingerprint_of(model, plan.inputs))
-    return _with_sequence_limits(plan, model, PlanOptions.of(options).hardware)
+    contiguous = all(
+        t.is_contiguous()
+        for t in (*example_inputs, *(example_kwargs or {}).values())
+        if hasattr(t, "is_contiguous")
+    )
+    return _with_sequence_limits(
+        plan, model, PlanOptions.of(options).hardware, chain if contiguous else None
+    )
 
 
-def _with_sequence_limits(plan: Plan, model: "nn.Module", hardware: Any) -> Plan:
+def _with_sequence_limits(
+    plan: Plan, model: "nn.Module", hardware: Any, analyzed: BlockChain | None
+) -> Plan:
     """`plan` with the longest sequence each micro-batch size fits (solver/shapes.py), where its inputs
     have a sequence; where the model's chain is no polynomial of the length, without, and a warning."""
     if sequence_length(plan.inputs) < MIN_FITTED_LENGTH:
         return plan
     try:
-        fit = sequence_fit(model, plan)
+        fit = sequence_fit(model, plan, analyzed=analyzed)
     except ShardplanError as error:
         warnings.warn(f"no sequence limits in the plan: {error}", stacklevel=3)
         return plan
@@ -314,19 +323,25 @@ def _check_world_size(world_size: object) -> None:
         )
 
 
-def sequence_fit(model: "nn.Module", plan: Plan) -> SequenceFit:
+def sequence_fit(
+    model: "nn.Module", plan: Plan, *, analyzed: BlockChain | None = None
+) -> SequenceFit:
     """`plan`'s chain at every sequence length, from analyses of `model` at three lengths (see
     [Note: a chain as a function of the sequence length]): what solver/shapes.py prices any shape
-    with. Each analysis runs on inputs of ones at the plan's shapes, so the three see one layout (a
-    sliced example input is strided, and its copy to contiguous would be an op of one chain only)."""
+    with. The analyses run on contiguous inputs of ones, so the three see one layout (a sliced input
+    is strided, and its copy to contiguous would be an op of one chain only). `analyzed`: the chain
+    at the plan's length already, from contiguous inputs, whose batch the others take."""
     from shardplan.frontend.passes import analyze, example_tensors
 
+    inputs = analyzed.inputs if analyzed is not None else plan.inputs
     device = next((p.device for p in model.parameters()), "cpu")
-    lengths = fit_lengths(sequence_length(plan.inputs))
+    lengths = fit_lengths(sequence_length(inputs))
     chains = [
-        analyze(
+        analyzed
+        if analyzed is not None and length == lengths[-1]
+        else analyze(
             model,
-            *example_tensors(inputs_at(plan.inputs, plan.batch_per_replica, length), device),
+            *example_tensors(inputs_at(inputs, inputs[0].shape[0], length), device),
             compute_dtype=plan.mixed_precision.param_dtype,
         )
         for length in lengths
