@@ -38,10 +38,19 @@ from shardplan.solver.assemble import (
 from shardplan.solver.evaluate import check_computes_in, evaluate, evaluate_stages
 from shardplan.solver.explain import constraints_blamed, infeasible_message, reasoning
 from shardplan.solver.search import SearchMemo, Setting, search, tensor_parallel_options
-from shardplan.solver.shapes import sequence_limits
+from shardplan.solver.shapes import evaluate_at, longest_sequence, sequence_limits
 from shardplan.solver.space import Constraints, SearchSpace, block_rules, default_space
 
-__all__ = ["PlanOptions", "compile", "solve", "evaluate", "evaluate_stages", "sequence_fit"]
+__all__ = [
+    "PlanOptions",
+    "compile",
+    "solve",
+    "evaluate",
+    "evaluate_stages",
+    "sequence_fit",
+    "evaluate_at",
+    "longest_sequence",
+]
 
 if TYPE_CHECKING:
     from torch import nn
