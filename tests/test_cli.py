@@ -881,3 +881,48 @@ def test_planning_prints_progress_lines_where_stderr_is_no_terminal(tmp_path, ca
     err = capsys.readouterr().err
     assert "shardplan: capturing and planning mlp for 2 ranks: 0 s so far" in err, err
     assert "shardplan: capturing and planning mlp for 2 ranks: done in " in err, err
+
+
+def test_plan_emits_torchtitan_and_accelerate_configs_their_parsers_accept(tmp_path, capsys):
+    import tomllib
+
+    output = tmp_path / "plan.json"
+    flags = ["--world-size", "8", "--no-reasoning", "--pin", r"lm_head=replicate"]
+    argv = ["plan", "hf-llama", *flags, "--emit", "torchtitan", "--emit", "accelerate"]
+    assert main([*argv, "-o", str(output)]) == 0
+    plan = load_plan(output)
+    titan = (tmp_path / "plan.torchtitan.toml").read_text()
+    config = tomllib.loads(titan)
+    mesh = plan.mesh
+    assert config["parallelism"]["data_parallel_shard_degree"] == mesh.dp_shard
+    assert config["parallelism"]["data_parallel_replicate_degree"] == mesh.dp_replicate
+    assert config["parallelism"]["pipeline_parallel_degree"] == mesh.pp
+    assert config["training"]["global_batch_size"] == mesh.dp * plan.batch_per_replica
+    assert config["training"]["seq_len"] == plan.inputs[0].shape[1]
+    assert config["activation_checkpoint"]["mode"] in ("none", "full", "selective")
+    # what torchtitan cannot express is listed: the pinned unit's strategy
+    lm_head = next(unit for unit in plan.units if "lm_head" in unit.modules)
+    assert f"#   {lm_head.name}: the plan says replicate" in titan
+    try:  # torchtitan's own config classes, where torchtitan installs
+        from torchtitan.config.configs import ParallelismConfig, TrainingConfig
+    except ImportError:
+        pass
+    else:
+        ParallelismConfig(**config["parallelism"])
+        TrainingConfig(**config["training"])
+    yaml = pytest.importorskip("yaml")
+    text = (tmp_path / "plan.accelerate.yaml").read_text()
+    accelerate = yaml.safe_load(text)
+    assert accelerate["distributed_type"] == "FSDP"
+    assert accelerate["fsdp_config"]["fsdp_version"] == 2
+    assert "LlamaDecoderLayer" in accelerate["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"]
+    assert f"#   {lm_head.name}: the plan says replicate" in text
+    try:  # Accelerate's own parser, where Accelerate installs
+        from accelerate.commands.config.config_args import ClusterConfig
+    except ImportError:
+        pass
+    else:
+        parsed = ClusterConfig.from_yaml_file(tmp_path / "plan.accelerate.yaml")
+        assert parsed.fsdp_config["fsdp_version"] == 2
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'plan.torchtitan.toml'}" in out

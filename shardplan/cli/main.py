@@ -25,6 +25,8 @@ EXAMPLES = {
     "  shardplan plan llama-7b --world-size 64 -o llama.json\n"
     "  shardplan plan config.json --batch 1 --seq 4096 --world-size 16   (a Hugging Face config)\n"
     "  shardplan plan mypackage.models:build --world-size 4   (build() returns (model, args, kwargs))\n"
+    "  shardplan plan config.json --world-size 8 --emit torchtitan --emit accelerate   "
+    "(also plan.torchtitan.toml, plan.accelerate.yaml)\n"
     "  shardplan plan config.json --world-size 8 --param-dtype bfloat16 --reduce-dtype float32 "
     "--wrap 'layers\\.\\d+$' --pin 'embed=replicate'",
     "explain": "shardplan explain plan.json --pictures plan-pictures/\n"
@@ -309,6 +311,15 @@ def _plan(options) -> int:
     sizes = {name: parameter.numel() for name, parameter in entry.model.named_parameters()}
     print(report.summary(plan, sizes))
     print(f"wrote {options.output}")
+    if options.emit:
+        from shardplan.cli.emit import SUFFIXES, emit
+        from shardplan.common.files import write_text_atomically
+
+        classes = {path: type(module).__name__ for path, module in entry.model.named_modules()}
+        for stack in dict.fromkeys(options.emit):
+            path = os.path.splitext(options.output)[0] + SUFFIXES[stack]
+            write_text_atomically(path, emit(plan, stack, classes, sizes))
+            print(f"wrote {path}")
     return 0
 
 

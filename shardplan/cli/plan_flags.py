@@ -144,6 +144,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="shard every unit over all data-parallel ranks: no HSDP replica groups",
     )
     parser.add_argument(
+        "--emit",
+        action="append",
+        default=[],
+        choices=("torchtitan", "accelerate"),
+        help="also write the plan as that stack's config beside -o (plan.torchtitan.toml, "
+        "plan.accelerate.yaml), with comments listing what the stack cannot express; repeatable",
+    )
+    parser.add_argument(
         "--no-reasoning",
         dest="explain",
         action="store_false",
