@@ -9,11 +9,14 @@ which is how Trainer and Accelerate find the world.
 """
 
 import concurrent.futures
+import copy
 import multiprocessing
 import os
+import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 from parity import spawn_world
 
 from shardplan.errors import ShardplanError
@@ -175,6 +178,12 @@ def _program(mesh: dict, backend: str = "shardplan"):
     return parallelize(entry.model, plan, backend=backend)
 
 
+def _dataset_batch(samples: int) -> dict:
+    """The dataset's first samples as one batch (what a plan is made for)."""
+    found = _dataset(samples)
+    return {key: torch.stack([sample[key] for sample in found]) for key in found[0]}
+
+
 def _rank_job(rank: int, world: int, output_root: str) -> dict:
     from shardplan.integrations.hf_trainer import ShardplanTrainer
 
@@ -202,27 +211,65 @@ def _rank_job(rank: int, world: int, output_root: str) -> dict:
 
 
 def _refusals(tp_program, output_root: str) -> dict:
-    """What ShardplanTrainer refuses, each in one line, on a program it could otherwise train."""
+    """What ShardplanTrainer refuses, each in one line, on a program it could otherwise train (or
+    its twin whose plan is pipelined)."""
     from shardplan.integrations.hf_trainer import ShardplanTrainer
 
-    refused = {}
-    for name, overrides in {
-        "weight_decay": dict(weight_decay=0.1),
-        "tp_evaluation": dict(eval_strategy="steps"),
-        "best_model": dict(
-            load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"
+    pipelined = copy.copy(tp_program)
+    pipelined.plan = manual_plan(
+        _model().model, UNITS, pp=2, dp=1, example_kwargs=_dataset_batch(BATCH)
+    )
+    cases = {
+        "weight_decay": (tp_program, dict(weight_decay=0.1), {}),
+        "tp_evaluation": (tp_program, dict(eval_strategy="steps"), {}),
+        "best_model": (
+            tp_program,
+            dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"),
+            {},
         ),
-    }.items():
+        "bf16": (tp_program, dict(bf16=True), {}),
+        "activation_checkpointing": (tp_program, dict(activation_checkpointing=True), {}),
+        "torch_compile": (tp_program, dict(torch_compile=True), {}),
+        "model": (tp_program, {}, dict(model=tp_program.module)),
+        "pipeline": (pipelined, {}, {}),
+    }
+    refused = {}
+    for name, (program, overrides, keywords) in cases.items():
         try:
             trainer = ShardplanTrainer(
-                tp_program,
+                program,
                 args=_arguments(output_root, BATCH, **overrides),
                 train_dataset=_dataset(),
+                **keywords,
             )
             trainer.create_optimizer()
         except ShardplanError as error:
             refused[name] = str(error)
+    refused["model_only_checkpoint"] = _resume_model_only(tp_program, output_root)
     return refused
+
+
+def _resume_model_only(program, output_root: str) -> str | None:
+    """Resume from a checkpoint of the dp run stripped of its program checkpoint, as
+    save_only_model=True saves them: there is no optimizer state to resume."""
+    from shardplan.integrations.hf_trainer import PROGRAM_CHECKPOINT, ShardplanTrainer
+
+    stripped = os.path.join(output_root, "model_only", CHECKPOINT)
+    if dist.get_rank() == 0:
+        shutil.copytree(
+            os.path.join(output_root, "dp2_full_shard", CHECKPOINT),
+            stripped,
+            ignore=shutil.ignore_patterns(PROGRAM_CHECKPOINT),
+        )
+    dist.barrier()
+    trainer = ShardplanTrainer(
+        program, args=_arguments(output_root, WORLD * BATCH), train_dataset=_dataset()
+    )
+    try:
+        trainer.train(resume_from_checkpoint=stripped)
+    except ShardplanError as error:
+        return str(error)
+    return None
 
 
 def _weights(directory: str) -> dict[str, torch.Tensor]:
@@ -269,3 +316,9 @@ def test_trainer_trains_a_program_as_one_process_trains_the_model(tmp_path):
     assert "weight_decay=0" in refusals["weight_decay"]
     assert "tensor parallelism" in refusals["tp_evaluation"]
     assert "program.load" in refusals["best_model"]
+    assert "MixedPrecision" in refusals["bf16"]
+    assert "recomputation" in refusals["activation_checkpointing"]
+    assert "never prepared" in refusals["torch_compile"]
+    assert "pass the program" in refusals["model"]
+    assert "program.step" in refusals["pipeline"]
+    assert "save_only_model=True" in refusals["model_only_checkpoint"]
