@@ -30,7 +30,7 @@ the whole batch.
 import contextlib
 import math
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -125,7 +125,7 @@ class ShardplanTrainer(Trainer):
             self._check_weight_decay()
             optimizer_class, options = (
                 self.optimizer_cls_and_kwargs
-                or self.get_optimizer_cls_and_kwargs(self.args, self.model)
+                or self.get_optimizer_cls_and_kwargs(self.args, cast(Any, self.program.module))
             )
             shards = [shard for shard in self.program.parameters() if shard.requires_grad]
             self.optimizer = optimizer_class(
@@ -138,8 +138,8 @@ class ShardplanTrainer(Trainer):
         rest, so a decay that would have exempted some is refused rather than applied to them."""
         if not self.args.weight_decay:
             return
-        decayed = set(self.get_decay_parameter_names(self.model))
-        exempt = [name for name, _ in self.model.named_parameters() if name not in decayed]
+        decayed = set(self.get_decay_parameter_names(self.program.module))
+        exempt = [name for name, _ in self.program.module.named_parameters() if name not in decayed]
         if exempt:
             raise ShardplanError(
                 f"weight_decay={self.args.weight_decay}: Trainer exempts {len(exempt)} bias and "
@@ -172,7 +172,7 @@ class ShardplanTrainer(Trainer):
         shards of (Trainer alone would keep rank 0's optimizer state), and the scheduler's."""
         self.program.save(os.path.join(output_dir, PROGRAM_CHECKPOINT), self._torch_optimizer())
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            torch.save(self._scheduler().state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """The weights are the program checkpoint's, loaded with the optimizer's state below."""
@@ -187,13 +187,20 @@ class ShardplanTrainer(Trainer):
                 "save_only_model=True?): resume from a checkpoint ShardplanTrainer saved whole"
             )
         self.program.load(folder, self._torch_optimizer())
-        self.lr_scheduler.load_state_dict(
+        self._scheduler().load_state_dict(
             torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
         )
 
     def _torch_optimizer(self) -> torch.optim.Optimizer:
         """The optimizer over the program's shards, unwrapped from Accelerate's AcceleratedOptimizer."""
-        return getattr(self.optimizer, "optimizer", self.optimizer)
+        return cast(torch.optim.Optimizer, getattr(self.optimizer, "optimizer", self.optimizer))
+
+    def _scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        if (
+            self.lr_scheduler is None
+        ):  # Trainer creates it with the optimizer, before any checkpoint
+            raise ShardplanError("no learning-rate scheduler yet: train() creates it")
+        return self.lr_scheduler
 
 
 def _check_arguments(program: Program, args: TrainingArguments, kwargs: dict[str, Any]) -> None:
@@ -241,7 +248,7 @@ def _shard_by_replica(loader: Any, replicas: int, replica: int) -> None:
     """Make Accelerate's per-rank view of the training data a per-replica one, as Trainer itself
     re-points it for its BatchRebalanceSampler."""
     batches = getattr(loader, "batch_sampler", None)
-    shard = batches if hasattr(batches, "process_index") else getattr(loader, "dataset", None)
+    shard: Any = batches if hasattr(batches, "process_index") else getattr(loader, "dataset", None)
     if not hasattr(shard, "process_index"):
         raise ShardplanError(
             f"cannot give the tp ranks of a replica the same samples from a {type(loader).__name__}: "
