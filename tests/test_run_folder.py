@@ -322,3 +322,20 @@ def test_an_export_replaces_a_link_rather_than_writing_through_it_and_names_a_mi
         starts["export_missing"].startswith("cannot write ")
         and "create the folder or write elsewhere" in starts["export_missing"]
     )
+
+
+def test_the_restart_log_says_each_unit_change_once(tmp_path):
+    from dataclasses import replace
+
+    from shardplan.plan import ShardStrategy
+    from shardplan.runtime.manual import manual_plan
+
+    model = zoo.gpt().model
+    old = manual_plan(model, zoo.gpt_units(zoo.GPTConfig().n_layer), dp=2)
+    new = replace(
+        old,
+        units=(replace(old.units[0], strategy=ShardStrategy.REPLICATE), *old.units[1:]),
+    )
+    lines = elastic._Journal._plan_changes(old, new)
+    assert lines[0] == "plan changes (as shardplan diff):"
+    assert len(lines) == 2 and lines[1].startswith(f"  unit {old.units[0].name}: "), lines
