@@ -346,8 +346,7 @@ def _train(
             ):
                 journal.evaluated(
                     state.step,
-                    _evaluate(program, dataset, state.sampler.num_samples, options, global_batch),
-                    options.eval_samples,
+                    *_evaluate(program, dataset, state.sampler.num_samples, options, global_batch),
                 )
             if state.step % options.checkpoint_every == 0 or state.step == options.steps:
                 _save(program, optimizer, state, directory, journal)
@@ -404,10 +403,12 @@ def _set_lr(optimizer: torch.optim.Optimizer, base_lrs: list, factor: float) -> 
             group["lr"] = base * factor
 
 
-def _evaluate(program, dataset, first: int, options: ElasticOptions, global_batch: int) -> float:
-    """The mean loss over the held-out samples (the dataset's from `first` on), a global batch at a
-    time, each data-parallel rank its slice; a last part smaller than a global batch is read at the
-    largest size the data-parallel ranks split evenly."""
+def _evaluate(
+    program, dataset, first: int, options: ElasticOptions, global_batch: int
+) -> tuple[float, int]:
+    """(the mean loss over the held-out samples, the dataset's from `first` on, the samples read): a
+    global batch at a time, each data-parallel rank its slice; a last part smaller than a global batch
+    is read at the largest size the data-parallel ranks split evenly (the rest is left out)."""
     mesh = program.plan.mesh
     replica = mesh.replica_of(collectives.world().rank)
     held_out = list(range(first, first + options.eval_samples))
@@ -426,7 +427,7 @@ def _evaluate(program, dataset, first: int, options: ElasticOptions, global_batc
             f"{options.eval_samples} held-out sample(s) do not split over {mesh.dp} "
             "data-parallel ranks: hold out at least as many samples as ranks (--eval-samples)"
         )
-    return total / weight
+    return total / weight, weight
 
 
 # [Note: changed settings]
