@@ -43,6 +43,8 @@ UNITS = [
 ]
 CHECKPOINT = f"checkpoint-{STEPS // 2}"
 """The sharded dp run's checkpoint halfway, from which another run resumes."""
+ACCELERATE_WEIGHTS = "accelerate_loop.pt"
+"""Where each Accelerate loop leaves the weights it trained (the one process's beside its Trainer's)."""
 CASES = {
     "dp2_full_shard": dict(mesh=dict(dp=2, tp=1), save_strategy="steps", save_steps=STEPS // 2),
     "dp2_resumed": dict(mesh=dict(dp=2, tp=1), resume_from=f"dp2_full_shard/{CHECKPOINT}"),
@@ -61,13 +63,16 @@ def _model():
     )
 
 
-def _dataset(samples: int = WORLD * BATCH * ACCUMULATE * STEPS, seed: int = 7) -> list[dict]:
-    """Sequences of random lengths, right-padded to SEQUENCE: ranks hold different token counts."""
+def _dataset(
+    samples: int = WORLD * BATCH * ACCUMULATE * STEPS, seed: int = 7, shortest: int = SEQUENCE // 4
+) -> list[dict]:
+    """Sequences of random lengths from `shortest`, right-padded to SEQUENCE: ranks hold different
+    token counts."""
     generator = torch.Generator().manual_seed(seed)
     found = []
     for _ in range(samples):
         ids = torch.randint(1, VOCAB, (SEQUENCE,), generator=generator)
-        length = int(torch.randint(SEQUENCE // 4, SEQUENCE + 1, (), generator=generator))
+        length = int(torch.randint(shortest, SEQUENCE + 1, (), generator=generator))
         mask = torch.arange(SEQUENCE) < length
         found.append(
             {
@@ -148,7 +153,46 @@ def _reference(output_dir: str) -> dict:
     )
     trainer.train()
     trainer.save_model(output_dir)
-    return _results(trainer, counter)
+    found = _results(trainer, counter)
+    model = _model().model
+    found["accelerate_losses"] = _accelerate_loop(model, model.parameters(), WORLD * BATCH)
+    torch.save(model.state_dict(), os.path.join(output_dir, ACCELERATE_WEIGHTS))
+    return found
+
+
+def _accelerate_loop(model, parameters, batch: int) -> list[float]:
+    """A training loop of one's own under Accelerate, with accumulation; each micro-batch's loss,
+    averaged over the ranks. Every sequence is whole: each rank's mean loss weighs as much as its
+    tokens, as in one process's mean over the whole batch."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATE)
+    optimizer = accelerator.prepare(torch.optim.AdamW(parameters, lr=1e-3))
+    loader = accelerator.prepare(
+        torch.utils.data.DataLoader(_dataset(seed=9, shortest=SEQUENCE), batch_size=batch)
+    )
+    losses = []
+    for inputs in loader:
+        with accelerator.accumulate(model):
+            loss = model(**inputs).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(accelerator.gather(loss.detach()).mean().item())
+    return losses
+
+
+def _recording_sync(program) -> list[bool]:
+    """Every flag given to the program's gradient-sync switch, in order."""
+    switched: list[bool] = []
+    switch = program.set_requires_gradient_sync
+
+    def recording(flag: bool) -> None:
+        switched.append(flag)
+        switch(flag)
+
+    program.set_requires_gradient_sync = recording
+    return switched
 
 
 def _as_torchrun(rank: int, world: int) -> None:
@@ -195,6 +239,7 @@ def _rank_job(rank: int, world: int, output_root: str) -> dict:
         output_dir = os.path.join(output_root, name)
         saving = {key: case[key] for key in ("save_strategy", "save_steps") if key in case}
         counter = _step_counter()
+        switched = _recording_sync(program)
         trainer = ShardplanTrainer(
             program,
             args=_arguments(output_dir, WORLD * BATCH // mesh["dp"], **saving),
@@ -205,9 +250,23 @@ def _rank_job(rank: int, world: int, output_root: str) -> dict:
         resume_from = case.get("resume_from")
         trainer.train(resume_from_checkpoint=resume_from and os.path.join(output_root, resume_from))
         trainer.save_model(output_dir)
-        found[name] = _results(trainer, counter)
+        found[name] = {**_results(trainer, counter), "switched": switched}
     found["refusals"] = _refusals(program, output_root)
+    found["accelerate_losses"] = _accelerate_program(output_root)
     return found
+
+
+def _accelerate_program(output_root: str) -> list[float]:
+    """The Accelerate loop on a FULL_SHARD program over 2 replicas, as ProgramModule; rank 0 saves the
+    weights it ends with."""
+    from shardplan.integrations.hf_trainer import ProgramModule
+
+    program = _program(dict(dp=2, tp=1))
+    losses = _accelerate_loop(ProgramModule(program), program.parameters(), BATCH)
+    state = program.export_full_state_dict()
+    if dist.get_rank() == 0:
+        torch.save(state, os.path.join(output_root, ACCELERATE_WEIGHTS))
+    return losses
 
 
 def _refusals(tp_program, output_root: str) -> dict:
@@ -294,7 +353,9 @@ def test_trainer_trains_a_program_as_one_process_trains_the_model(tmp_path):
     for name in CASES:
         steps = found[name]["steps"]
         assert len(steps) == STEPS, name
-        assert found[name]["taken"] == (STEPS // 2 if "resume_from" in CASES[name] else STEPS), name
+        taken = STEPS // 2 if "resume_from" in CASES[name] else STEPS
+        assert found[name]["taken"] == taken, name
+        assert found[name]["switched"] == [False, True] * taken, name  # accumulation, then sync
         weights = _weights(str(tmp_path / name))
         assert weights.keys() == expected.keys(), name
         errors[name] = {
@@ -312,6 +373,20 @@ def test_trainer_trains_a_program_as_one_process_trains_the_model(tmp_path):
     assert "eval_loss" in errors["dp2_full_shard"]
     assert all(error <= TOLERANCE for case in errors.values() for error in case.values()), errors
     assert (tmp_path / "dp2_full_shard" / CHECKPOINT / "shardplan").is_dir()
+    assert len(found["accelerate_losses"]) == ACCUMULATE * STEPS
+    accelerate_loss_error = max(
+        abs(mine - theirs)
+        for mine, theirs in zip(found["accelerate_losses"], reference["accelerate_losses"])
+    )
+    expected = torch.load(tmp_path / "reference" / ACCELERATE_WEIGHTS)
+    weights = torch.load(tmp_path / ACCELERATE_WEIGHTS)
+    accelerate_weight_error = max(
+        (weights[key] - expected[key]).abs().max().item() for key in expected
+    )
+    assert max(accelerate_loss_error, accelerate_weight_error) <= TOLERANCE, (
+        accelerate_loss_error,
+        accelerate_weight_error,
+    )
     refusals = found["refusals"]
     assert "weight_decay=0" in refusals["weight_decay"]
     assert "tensor parallelism" in refusals["tp_evaluation"]
