@@ -252,21 +252,22 @@ def _rank_job(rank: int, world: int, output_root: str) -> dict:
         trainer.save_model(output_dir)
         found[name] = {**_results(trainer, counter), "switched": switched}
     found["refusals"] = _refusals(program, output_root)
-    found["accelerate_losses"] = _accelerate_program(output_root)
+    found["accelerate"] = _accelerate_program(output_root)
     return found
 
 
-def _accelerate_program(output_root: str) -> list[float]:
-    """The Accelerate loop on a FULL_SHARD program over 2 replicas, as ProgramModule; rank 0 saves the
-    weights it ends with."""
+def _accelerate_program(output_root: str) -> dict:
+    """The Accelerate loop on a FULL_SHARD program over 2 replicas, as ProgramModule: its losses and
+    sync switches; rank 0 saves the weights it ends with."""
     from shardplan.integrations.hf_trainer import ProgramModule
 
     program = _program(dict(dp=2, tp=1))
+    switched = _recording_sync(program)
     losses = _accelerate_loop(ProgramModule(program), program.parameters(), BATCH)
     state = program.export_full_state_dict()
     if dist.get_rank() == 0:
         torch.save(state, os.path.join(output_root, ACCELERATE_WEIGHTS))
-    return losses
+    return {"losses": losses, "switched": switched}
 
 
 def _refusals(tp_program, output_root: str) -> dict:
@@ -373,10 +374,12 @@ def test_trainer_trains_a_program_as_one_process_trains_the_model(tmp_path):
     assert "eval_loss" in errors["dp2_full_shard"]
     assert all(error <= TOLERANCE for case in errors.values() for error in case.values()), errors
     assert (tmp_path / "dp2_full_shard" / CHECKPOINT / "shardplan").is_dir()
-    assert len(found["accelerate_losses"]) == ACCUMULATE * STEPS
+    accelerate = found["accelerate"]
+    assert len(accelerate["losses"]) == ACCUMULATE * STEPS
+    assert accelerate["switched"] == [False, True] * STEPS  # accelerator.accumulate's no_sync
     accelerate_loss_error = max(
         abs(mine - theirs)
-        for mine, theirs in zip(found["accelerate_losses"], reference["accelerate_losses"])
+        for mine, theirs in zip(accelerate["losses"], reference["accelerate_losses"])
     )
     expected = torch.load(tmp_path / "reference" / ACCELERATE_WEIGHTS)
     weights = torch.load(tmp_path / ACCELERATE_WEIGHTS)

@@ -47,7 +47,12 @@ PROGRAM_CHECKPOINT = "shardplan"
 
 
 class ProgramModule(nn.Module):
-    """The program as Trainer's `model_wrapped` (see [Note: what Trainer is handed])."""
+    """The program as the module Trainer and Accelerate call and step: Trainer's `model_wrapped` (see
+    [Note: what Trainer is handed]), or the module of an Accelerate loop, whose
+    `accelerator.accumulate(module)` and `accelerator.no_sync(module)` reach the sync switch.
+
+    >>> module = ProgramModule(program)  # then: with accelerator.accumulate(module): ...  # doctest: +SKIP
+    """
 
     def __init__(self, program: Program):
         super().__init__()
