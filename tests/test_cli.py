@@ -926,3 +926,61 @@ def test_plan_emits_torchtitan_and_accelerate_configs_their_parsers_accept(tmp_p
         assert parsed.fsdp_config["fsdp_version"] == 2
     out = capsys.readouterr().out
     assert f"wrote {tmp_path / 'plan.torchtitan.toml'}" in out
+
+
+def test_the_pictures_name_every_unit_and_give_each_stage_its_own_memory_axis(
+    tmp_path, monkeypatch
+):
+    from dataclasses import replace
+
+    from shardplan.cli import report
+    from shardplan.plan import UnitPrediction
+
+    assert report.label_spots(5) == [0, 1, 2, 3, 4]
+    spots = report.label_spots(100, 40)
+    assert len(spots) == 40 and spots[0] == 0 and spots[-1] == 99  # evenly, not the widest
+    plan, _ = _hugging_face_llama_plan()
+    stages = (
+        replace(plan.stages[0], index=0, units=(plan.units[0].name,)),
+        replace(plan.stages[0], index=1, units=(plan.units[1].name,)),
+    )
+    piped = replace(
+        plan,
+        mesh=replace(plan.mesh, dp_shard=1, pp=2),
+        schedule=replace(plan.schedule, name="gpipe"),
+        stages=stages,
+        predicted=replace(
+            plan.predicted,
+            units=tuple(
+                UnitPrediction(
+                    unit=unit.name,
+                    forward_bytes=2**20 * (index + 1),
+                    backward_bytes=2**21,
+                    compute_s=1e-3,
+                )
+                for index, unit in enumerate(plan.units)
+            ),
+        ),
+    )
+    drawn = {}
+    save = report._save
+
+    def keep(figure, path):
+        drawn[os.path.basename(path)] = [
+            (
+                [label.get_text() for label in axis.get_xticklabels()],
+                [text.get_text() for text in axis.texts],
+            )
+            for axis in figure.axes
+        ]
+        return save(figure, path)
+
+    monkeypatch.setattr(report, "_save", keep)
+    report.draw(piped, str(tmp_path))
+    memory = drawn["memory.png"]
+    assert len(memory) == 2  # a stage an axis: no stage's units under another's ticks
+    for (ticks, notes), unit in zip(memory, plan.units):
+        label = report.unit_labels([u.name for u in plan.units])[unit.name]
+        assert ticks == [f"F {label}", f"B {label}"] and len(notes) == 1  # its own peak note
+    [(_, names)] = drawn["units.png"]
+    assert sorted(names) == sorted(report.unit_labels([u.name for u in plan.units]).values())

@@ -258,16 +258,16 @@ def draw(plan: Plan, folder: str) -> list[str]:
         ) from None
 
 
-MAX_LABELS = 14
-"""Unit names written on a picture at most: the widest units (units.png) or evenly spaced ones (memory.png)."""
+MAX_LABELS = 40
+"""Unit names written on a stage's row (units.png) or axis (memory.png) at most; past it, evenly spaced ones."""
 
 
-def _short(name: str) -> str:
-    """A module path's last two parts ("model.layers.7.mlp" -> "layers.7.mlp" keeps its meaning)."""
-    head, _, tail = name.partition("..")
-    parts = head.split(".")
-    short = ".".join(parts[-2:]) if len(parts) > 2 else head
-    return short + (f"..{'.'.join(tail.split('.')[-2:])}" if tail else "")
+def label_spots(count: int, most: int = MAX_LABELS) -> list[int]:
+    """Which of `count` units in a row are named: every one up to `most`, else `most` evenly spaced,
+    the first and the last among them."""
+    if count <= most:
+        return list(range(count))
+    return sorted({round(k * (count - 1) / (most - 1)) for k in range(most)})
 
 
 def _draw_units(plan: Plan, predicted: dict, path: str) -> str:
@@ -277,12 +277,16 @@ def _draw_units(plan: Plan, predicted: dict, path: str) -> str:
     from matplotlib.patches import Patch
 
     units = {unit.name: unit for unit in plan.units}
+    labels_of = unit_labels(list(units))
     timed = all(name in predicted for name in units)
-    figure, axis = plt.subplots(figsize=(10, 1.6 + 0.5 * len(plan.stages)))
+    crowded = any(
+        len(stage.units) > 12 for stage in plan.stages
+    )  # names stand upright: taller rows
+    figure, axis = plt.subplots(figsize=(10, 1.6 + (1.4 if crowded else 0.5) * len(plan.stages)))
     for stage in plan.stages:
         widths = [predicted[name].compute_s * 1e3 if timed else 1.0 for name in stage.units]
         total = sum(widths) or 1.0
-        labelled = set(sorted(range(len(widths)), key=lambda i: -widths[i])[:MAX_LABELS])
+        labelled = set(label_spots(len(widths)))
         left = 0.0
         for index, (name, width) in enumerate(zip(stage.units, widths)):
             unit = units[name]
@@ -297,17 +301,23 @@ def _draw_units(plan: Plan, predicted: dict, path: str) -> str:
                 linestyle="--" if unit.offload else "-",
                 linewidth=2 if unit.offload else 0.5,
             )
-            if index in labelled and width / total > 0.03:
+            if index in labelled:
+                # on a box of the unit's colour: a checkpoint's hatching never runs through the name
                 axis.text(
                     left + width / 2,
                     stage.index,
-                    _short(name),
+                    labels_of[name],
                     ha="center",
                     va="center",
                     color="white",
-                    fontsize=7,
+                    fontsize=6 if len(widths) > MAX_LABELS // 2 else 7,
                     rotation=90 if width / total < 0.12 else 0,
                     clip_on=True,
+                    bbox={
+                        "facecolor": STRATEGY_COLORS[unit.strategy],
+                        "edgecolor": "none",
+                        "pad": 0.6,
+                    },
                 )
             left += width
     axis.set_yticks([s.index for s in plan.stages], [f"stage {s.index}" for s in plan.stages])
@@ -340,12 +350,32 @@ def _draw_units(plan: Plan, predicted: dict, path: str) -> str:
 
 
 def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
-    """Memory on one rank over the step, each stage a line: the forward of every unit, then the backward
-    in reverse, against the budget; the peak named; an offloaded unit's events hatched (its state is in
-    host memory, not under the line). A plan without per-unit predictions: its peak's terms."""
+    """Memory on one rank over the step: the forward of every unit, then the backward in reverse,
+    against the budget; the peak named; an offloaded unit's events hatched (its state is in host
+    memory, not under the line). Each pipeline stage has an axis of its own, its x-axis its own units
+    (stages run on different ranks), its peak named apart. A plan without per-unit predictions: its
+    peak's terms."""
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(10, 4.5))
+    timeline = all(unit.name in predicted for unit in plan.units)
+    stages = list(plan.stages) if timeline else []
+    rows = max(1, len(stages))
+    figure, axes = plt.subplots(
+        rows, 1, figsize=(10, 4.5 if rows == 1 else 1.0 + 3.2 * rows), squeeze=False
+    )
+    for row, axis in enumerate(axes[:, 0]):
+        _draw_memory_axis(plan, predicted, axis, stages[row] if stages else None, rows > 1)
+    axes[0, 0].set_title(
+        f"{plan.model}: predicted memory over one micro-batch's forward and backward "
+        f"(peak {format_bytes(plan.predicted.peak_bytes)})"
+        + (f"\nstage {stages[0].index}" if rows > 1 else "")
+    )
+    return _save(figure, path)
+
+
+def _draw_memory_axis(plan: Plan, predicted: dict, axis, stage, several: bool) -> None:
+    """One stage's memory over its step on `axis` (`stage` None: the peak's terms); `several`: the plan
+    has other stages, drawn on axes of their own."""
     scale, unit_name = (2**30, "GiB") if plan.predicted.peak_bytes >= 2**30 else (2**20, "MiB")
     budget = plan.reasoning.budget_bytes / scale
     offloaded = {unit.name for unit in plan.units if unit.offload}
@@ -353,7 +383,8 @@ def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
         f"offloaded ({len(offloaded)} of {len(plan.units)} units):\nparameter, gradient and "
         "optimizer\nshards in host memory"
     )
-    if not all(unit.name in predicted for unit in plan.units):
+    labels_of = unit_labels([unit.name for unit in plan.units])
+    if stage is None:
         bottom = 0.0
         for category, size in sorted(plan.predicted.memory_bytes.items()):
             axis.bar(0, size / scale, bottom=bottom, label=category)
@@ -363,70 +394,47 @@ def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
         if offloaded:
             axis.plot([], [], " ", label=offload_label)
     else:
-        longest = max(len(stage.units) for stage in plan.stages)
-        for stage in plan.stages:
-            names = list(stage.units)
-            events = [(f"F {_short(name)}", predicted[name].forward_bytes) for name in names] + [
-                (f"B {_short(name)}", predicted[name].backward_bytes) for name in reversed(names)
-            ]
-            heights = [size / scale for _, size in events]
-            # unit k's forward at k, its backward at 2 * longest - 1 - k: a shorter stage's under their ticks
-            xs = list(range(len(names))) + [
-                2 * longest - 1 - k for k in reversed(range(len(names)))
-            ]
-            (line,) = axis.step(
-                xs,
-                heights,
-                where="mid",
-                marker="o",
-                markersize=3,
-                label=f"stage {stage.index}" if len(plan.stages) > 1 else "predicted",
+        names = list(stage.units)
+        count = len(names)
+        events = [(f"F {labels_of[name]}", predicted[name].forward_bytes) for name in names] + [
+            (f"B {labels_of[name]}", predicted[name].backward_bytes) for name in reversed(names)
+        ]
+        heights = [size / scale for _, size in events]
+        xs = list(range(2 * count))
+        axis.step(xs, heights, where="mid", marker="o", markersize=3, label="predicted")
+        spots = [i for i, name in enumerate(names + names[::-1]) if name in offloaded]
+        if spots:
+            axis.bar(
+                [xs[i] for i in spots],
+                [heights[i] for i in spots],
+                width=1.0,
+                fill=False,
+                hatch="//",
+                edgecolor=OFFLOAD_COLOR,
+                linewidth=0,
+                label=offload_label,
             )
-            spots = [i for i, name in enumerate(names + names[::-1]) if name in offloaded]
-            if spots:
-                axis.bar(
-                    [xs[i] for i in spots],
-                    [heights[i] for i in spots],
-                    width=1.0,
-                    fill=False,
-                    hatch="//",
-                    edgecolor=OFFLOAD_COLOR if len(plan.stages) == 1 else line.get_color(),
-                    linewidth=0,
-                    label=offload_label
-                    if offload_label not in axis.get_legend_handles_labels()[1]
-                    else None,
-                )
-            highest = max(range(len(events)), key=heights.__getitem__)
-            axis.annotate(
-                f"peak {format_bytes(events[highest][1])}\n{events[highest][0]}",
-                (xs[highest], heights[highest]),
-                textcoords="offset points",
-                xytext=(0, 8),
-                ha="center",
-                fontsize=7,
-                bbox={
-                    "boxstyle": "round",
-                    "facecolor": "white",
-                    "edgecolor": "none",
-                    "alpha": 0.85,
-                },
-            )
-        axis.axvspan(-0.5, longest - 0.5, color="#4C72B0", alpha=0.06, label="forward")
-        axis.axvspan(
-            longest - 0.5, 2 * longest - 0.5, color="#C44E52", alpha=0.06, label="backward"
+        highest = max(range(len(events)), key=heights.__getitem__)
+        axis.annotate(
+            f"peak {format_bytes(events[highest][1])}\n{events[highest][0]}",
+            (xs[highest], heights[highest]),
+            textcoords="offset points",
+            xytext=(0, 8),
+            ha="center",
+            fontsize=7,
+            bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "none", "alpha": 0.85},
         )
+        axis.axvspan(-0.5, count - 0.5, color="#4C72B0", alpha=0.06, label="forward")
+        axis.axvspan(count - 0.5, 2 * count - 0.5, color="#C44E52", alpha=0.06, label="backward")
         ticks = sorted(
-            set(range(0, 2 * longest, max(1, -(-2 * longest // MAX_LABELS)))) | {2 * longest - 1}
+            set(range(0, 2 * count, max(1, -(-2 * count // MAX_LABELS)))) | {2 * count - 1}
         )
-        # one stage: its units' names; several: a unit's position in its stage
-        names = (
-            [_short(name) for name in plan.stages[0].units]
-            if len(plan.stages) == 1
-            else [f"unit {index}" for index in range(longest)]
+        axis.set_xticks(ticks, [events[t][0] for t in ticks], rotation=45, ha="right", fontsize=7)
+        axis.set_ylabel(
+            f"{unit_name} on a stage {stage.index} rank" if several else f"{unit_name} on the rank"
         )
-        labels = [f"F {name}" for name in names] + [f"B {name}" for name in reversed(names)]
-        axis.set_xticks(ticks, [labels[t] for t in ticks], rotation=45, ha="right", fontsize=7)
-        axis.set_ylabel(f"{unit_name} on the rank")
+        if several and stage.index:
+            axis.set_title(f"stage {stage.index}", fontsize=9)
     peak = plan.predicted.peak_bytes / scale
     shown_budget = f"budget {format_bytes(plan.reasoning.budget_bytes)}"
     if budget <= 2 * peak:  # a loose budget would flatten the step to the axis: name it instead
@@ -439,12 +447,7 @@ def _draw_memory(plan: Plan, predicted: dict, path: str) -> str:
             label=f"{shown_budget} (off the chart: the peak uses {100 * peak / budget:.2g}%)",
         )
     axis.set_ylim(0, max(peak, budget if budget <= 2 * peak else 0) * 1.2)
-    axis.set_title(
-        f"{plan.model}: predicted memory over one micro-batch's forward and backward "
-        f"(peak {format_bytes(plan.predicted.peak_bytes)})"
-    )
     axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(figure, path)
 
 
 def _save(figure, path: str) -> str:
