@@ -101,29 +101,44 @@ def test_a_models_own_autograd_function_keeps_what_its_forward_saves():
     assert chain.saved_bytes + chain.returned_bytes == pytest.approx(measured, rel=0.005)
 
 
+HELD = (
+    ("hf-llama", MixedPrecision()),
+    ("hf-mixtral", MixedPrecision()),
+    ("hf-bert", MixedPrecision()),
+    ("bart", MixedPrecision()),
+    ("hf-llama", BF16_MIXED),
+)
+"""Architectures whose every plan kind's peak is held here, in one world."""
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name, precision",
-    [
-        ("hf-llama", MixedPrecision()),
-        ("hf-mixtral", MixedPrecision()),
-        ("hf-bert", MixedPrecision()),
-        ("bart", MixedPrecision()),
-        ("hf-llama", BF16_MIXED),
-    ],
-    ids=["hf-llama", "hf-mixtral", "hf-bert", "bart", "hf-llama-bf16"],
-)
-def test_hugging_face_peak_memory_is_predicted_within_5_percent(name, precision):
+@pytest.mark.timeout(600)
+def test_hugging_face_peak_memory_is_predicted_within_5_percent():
     """In fp32, and for Llama in bf16 mixed precision too, where transformers keeps its own fp32 islands (its
     RMSNorm and rotary tables, the loss's float logits), which the analysis, computing in bf16, keeps too
     (every architecture in bf16: benchmarks/bench_hf_memory.py --bf16)."""
-    workload = hf_workload(name)
-    chain, plans = demo_chain_and_plans(2, workload, precision)
-    _, measured = measure_plans(plans, 2, rounds=1, progress=False, workload=workload)
-    rows = compare(chain, plans, measured, get_hardware("cpu-gloo"))
-    ratios = {row.kind: round(row.memory_ratio, 3) for row in rows}
-    assert all(abs(ratio - 1) <= 0.05 for ratio in ratios.values()), ratios
+    chains, plans, workloads = [], [], []
+    for name, precision in HELD:
+        workload = hf_workload(name)
+        chain, kinds = demo_chain_and_plans(2, workload, precision)
+        chains.append(chain)
+        plans.append(kinds)
+        workloads += [workload] * len(kinds)
+    _, measured = measure_plans(
+        [plan for kinds in plans for plan in kinds],
+        2,
+        rounds=1,
+        progress=False,
+        workload=tuple(workloads),
+    )
+    ratios = {}
+    for (name, precision), chain, kinds in zip(HELD, chains, plans):
+        found, measured = measured[: len(kinds)], measured[len(kinds) :]
+        for row in compare(chain, kinds, found, get_hardware("cpu-gloo")):
+            ratios[f"{name} {precision.param_dtype} {row.kind}"] = round(row.memory_ratio, 3)
+    misses = {kind: ratio for kind, ratio in ratios.items() if abs(ratio - 1) > 0.05}
+    assert len(ratios) == 5 * 12 and not misses, misses
 
 
 def test_roberta_runs_at_the_tables_size():
