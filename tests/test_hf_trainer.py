@@ -271,8 +271,8 @@ def _accelerate_program(output_root: str) -> dict:
 
 
 def _refusals(tp_program, output_root: str) -> dict:
-    """What ShardplanTrainer refuses, each in one line, on a program it could otherwise train (or
-    its twin whose plan is pipelined)."""
+    """What ShardplanTrainer refuses as it is built (or as it evaluates, or resumes), each in one
+    line, on a program it could otherwise train (or its twin whose plan is pipelined)."""
     from shardplan.integrations.hf_trainer import ShardplanTrainer
 
     pipelined = copy.copy(tp_program)
@@ -296,15 +296,21 @@ def _refusals(tp_program, output_root: str) -> dict:
     refused = {}
     for name, (program, overrides, keywords) in cases.items():
         try:
-            trainer = ShardplanTrainer(
+            ShardplanTrainer(
                 program,
                 args=_arguments(output_root, BATCH, **overrides),
                 train_dataset=_dataset(),
                 **keywords,
             )
-            trainer.create_optimizer()
         except ShardplanError as error:
             refused[name] = str(error)
+    trainer = ShardplanTrainer(
+        tp_program, args=_arguments(output_root, BATCH), train_dataset=_dataset()
+    )
+    try:
+        trainer.evaluate(_evaluation_dataset())
+    except ShardplanError as error:
+        refused["tp_evaluate"] = str(error)
     refused["model_only_checkpoint"] = _resume_model_only(tp_program, output_root)
     return refused
 
@@ -393,6 +399,7 @@ def test_trainer_trains_a_program_as_one_process_trains_the_model(tmp_path):
     refusals = found["refusals"]
     assert "weight_decay=0" in refusals["weight_decay"]
     assert "tensor parallelism" in refusals["tp_evaluation"]
+    assert "tensor parallelism" in refusals["tp_evaluate"]
     assert "program.load" in refusals["best_model"]
     assert "MixedPrecision" in refusals["bf16"]
     assert "recomputation" in refusals["activation_checkpointing"]

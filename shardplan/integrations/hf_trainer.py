@@ -105,6 +105,8 @@ class ShardplanTrainer(Trainer):
                 f"{world}: launch with torchrun, whose RANK, WORLD_SIZE and LOCAL_RANK Trainer "
                 "reads, or set them on each rank before building TrainingArguments"
             )
+        if self.optimizer is None:  # Trainer builds it from args; one passed in decays as it says
+            self._check_weight_decay()
 
     def _wrap_model(
         self, model: nn.Module, training: bool = True, dataloader: Any = None
@@ -127,7 +129,6 @@ class ShardplanTrainer(Trainer):
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Trainer's optimizer (`optim`, learning rate, betas...) over the program's shards."""
         if self.optimizer is None:
-            self._check_weight_decay()
             optimizer_class, options = (
                 self.optimizer_cls_and_kwargs
                 or self.get_optimizer_cls_and_kwargs(self.args, cast(Any, self.program.module))
