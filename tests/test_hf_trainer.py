@@ -251,8 +251,8 @@ def _rank_job(rank: int, world: int, output_root: str) -> dict:
         trainer.train(resume_from_checkpoint=resume_from and os.path.join(output_root, resume_from))
         trainer.save_model(output_dir)
         found[name] = {**_results(trainer, counter), "switched": switched}
-    found["refusals"] = _refusals(program, output_root)
     found["accelerate"] = _accelerate_program(output_root)
+    found["refusals"] = _refusals(program, output_root)  # last: it leaves Accelerate single-process
     return found
 
 
@@ -312,7 +312,26 @@ def _refusals(tp_program, output_root: str) -> dict:
     except ShardplanError as error:
         refused["tp_evaluate"] = str(error)
     refused["model_only_checkpoint"] = _resume_model_only(tp_program, output_root)
+    refused["without_torchrun"] = _launched_without_torchrun(tp_program, output_root)
     return refused
+
+
+def _launched_without_torchrun(program, output_root: str) -> str | None:
+    """A rank whose environment does not name the world (started by mp.spawn alone): Trainer would
+    see one process and read every sample on every rank. Accelerate keeps the world it saw first,
+    so its state is reset, and left single-process."""
+    from accelerate.state import AcceleratorState
+
+    from shardplan.integrations.hf_trainer import ShardplanTrainer
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        del os.environ[name]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        ShardplanTrainer(program, args=_arguments(output_root, BATCH), train_dataset=_dataset())
+    except ShardplanError as error:
+        return str(error)
+    return None
 
 
 def _resume_model_only(program, output_root: str) -> str | None:
@@ -407,3 +426,4 @@ def test_trainer_trains_a_program_as_one_process_trains_the_model(tmp_path):
     assert "pass the program" in refusals["model"]
     assert "program.step" in refusals["pipeline"]
     assert "save_only_model=True" in refusals["model_only_checkpoint"]
+    assert "launch with torchrun" in refusals["without_torchrun"]

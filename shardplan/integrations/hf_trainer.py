@@ -14,7 +14,9 @@ accumulation holds back the reductions the plan lets wait. `_wrap_model` returns
 so Accelerate prepares only the optimizer and the data: nothing wraps the program in DDP. The
 optimizer is built over the shards, gradient norms and clipping are the program's global ones,
 and `save_model` writes the full state dict that `export_full_state_dict` gathers, so
-`from_pretrained` loads it.
+`from_pretrained` loads it. A checkpoint adds `program.save`'s folder (every rank's shards of the
+parameters and optimizer state), from which a resumed run loads them: Trainer alone would save
+rank 0's optimizer state and load weights into the placeholders.
 
 [Note: the world Trainer sees] Trainer and Accelerate read the world from torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK); under it they find torch.distributed already initialized and use
