@@ -178,6 +178,7 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from shardplan.common.dtypes import FLOAT_DTYPES, dtype_bytes
 from shardplan.costmodel.hardware import HardwareModel
@@ -1141,11 +1142,17 @@ class HeldBytes:
     num_micro_batches: int
     stage: int
     state_bytes: int
-    """Sharded state and tied copies, all step."""
+    """Sharded state and tied copies, all step; and torch's receive buffers: a PipelineStage allocates
+    one per micro-batch for its inputs (but on stage 0) and for its outputs' gradients (but on the last
+    stage) and keeps them through the step, a replica batch of each across its micro-batches."""
     activation_bytes: int
     """Kept for backward by one micro-batch."""
     kept_gathered_bytes: int
     """Parameters kept gathered from forward to backward while a micro-batch is in flight."""
+    weight_grad_bytes: int
+    """Under the zero-bubble schedule, what one micro-batch keeps from its input gradient to its weight
+    gradient beside its activations: the gradients of the outputs of the ops that read parameters, the
+    matmul-like ones (Block.selective_bytes); none on stage 0, whose whole backward runs as W."""
     forward_working_bytes: int
     """At the peak of one micro-batch's forward: its own activations so far, gathered parameters,
     transients."""
@@ -1218,14 +1225,23 @@ def evaluate_stage(
     )
     name, acts, gathered, transient = max(events, key=lambda e: e[1] + e[2] + e[3])
     own = always - other_micro_batches - never_resharded
+    stages = ctx.pipeline_degree * ctx.virtual_stages
+    receive_buffers = (on_rank(blocks[0], ctx).input_bytes if ctx.stage > 0 else 0) + (
+        on_rank(blocks[-1], ctx).output_bytes if ctx.stage < stages - 1 else 0
+    )
     held = HeldBytes(
         schedule=ctx.schedule,
         pipeline_degree=ctx.pipeline_degree,
         virtual_stages=ctx.virtual_stages,
         num_micro_batches=ctx.num_micro_batches,
         stage=ctx.stage,
-        state_bytes=own,
+        state_bytes=own + receive_buffers,
         activation_bytes=sum(u.activation_bytes for u in units),
+        weight_grad_bytes=sum(
+            _per_micro_batch(on_rank(block, ctx).selective_bytes, ctx) for block in blocks
+        )
+        if ctx.schedule == "zero_bubble" and ctx.stage > 0
+        else 0,
         kept_gathered_bytes=sum(u.kept_gathered_bytes for u in units),
         forward_working_bytes=max(forward_bytes) - always,
         backward_working_bytes=max(backward_bytes) - always,
@@ -1317,21 +1333,36 @@ def schedule_order(
     return order
 
 
+class Moment(NamedTuple):
+    """One operation of a rank's order (schedule_order) and what the rank's stages hold while it runs."""
+
+    kind: str
+    stage: int
+    """The rank's k-th stage."""
+    held: tuple[int, ...]
+    """Micro-batches each of the rank's stages holds activations of: a forward's own counts from its
+    start, a backward's (a W's, under the zero-bubble schedule) until its end."""
+    awaiting_weights: tuple[int, ...]
+    """Micro-batches past their input gradient whose weight gradient has not run (zero-bubble)."""
+
+
 def held_micro_batches(
     schedule: str, pp: int, virtual_stages: int, m: int, pipeline_rank: int
-) -> list[tuple[str, int, tuple[int, ...]]]:
-    """Each operation of schedule_order with the micro-batches each of the rank's stages holds while it
-    runs: a forward's own micro-batch counts from its start, a backward's (a W's, under the zero-bubble
-    schedule) until its end."""
-    held = [0] * virtual_stages
+) -> list[Moment]:
+    """Each operation of schedule_order with what the rank's stages hold while it runs."""
+    held, awaiting = [0] * virtual_stages, [0] * virtual_stages
     frees = "W" if schedule == "zero_bubble" else "B"
     moments = []
     for kind, stage in schedule_order(schedule, pp, virtual_stages, m, pipeline_rank):
         if kind == "F":
             held[stage] += 1
-        moments.append((kind, stage, tuple(held)))
+        moments.append(Moment(kind, stage, tuple(held), tuple(awaiting)))
         if kind == frees:
             held[stage] -= 1
+        if kind == "B" and frees == "W":
+            awaiting[stage] += 1
+        if kind == "W":
+            awaiting[stage] -= 1
     return moments
 
 
@@ -1340,8 +1371,8 @@ def in_flight_at_peak(schedule: str, pp: int, virtual_stages: int, m: int, stage
     the rank's stages; the first such), 1 at the least: what the solver prices the stage at ([Note:
     virtual stages and the zero-bubble schedule]); pipeline_ranks adds the rank up exactly."""
     moments = held_micro_batches(schedule, pp, virtual_stages, m, stage % pp)
-    fullest = max(moments, key=lambda moment: sum(moment[2]))
-    return max(1, fullest[2][stage // pp])
+    fullest = max(moments, key=lambda moment: sum(moment.held))
+    return max(1, fullest.held[stage // pp])
 
 
 def pipeline_ranks(stage_costs: list[StepCost]) -> list[StepCost]:
@@ -1350,7 +1381,7 @@ def pipeline_ranks(stage_costs: list[StepCost]) -> list[StepCost]:
     [Note: virtual stages and the zero-bubble schedule]): every stage's state, the activations of the
     micro-batches each holds then, and the working set of the forward or backward running."""
     held = [c.held for c in stage_costs]
-    if not held or held[0] is None or held[0].virtual_stages == 1:
+    if not held or held[0] is None or held[0].schedule not in ORDERED_SCHEDULES:
         return stage_costs
     first = held[0]
     pp, v, m = first.pipeline_degree, first.virtual_stages, first.num_micro_batches
@@ -1360,13 +1391,14 @@ def pipeline_ranks(stage_costs: list[StepCost]) -> list[StepCost]:
         costs = [c for c in stage_costs if c.held is not None and c.held.stage % pp == rank]
         state = sum(h.state_bytes for h in mine)
         peak, memory, event = -1, {}, ""
-        for kind, local, counts in held_micro_batches(first.schedule, pp, v, m, rank):
+        for kind, local, counts, awaiting in held_micro_batches(first.schedule, pp, v, m, rank):
             running = mine[local]
             activations = (
                 sum(
                     count * h.activation_bytes for count, h in zip(counts, mine) if h is not running
                 )
                 + (counts[local] - 1) * running.activation_bytes
+                + sum(count * h.weight_grad_bytes for count, h in zip(awaiting, mine))
             )
             kept = sum(h.kept_gathered_bytes for count, h in zip(counts, mine) if count > 0)
             working = (

@@ -462,8 +462,9 @@ def solve_configuration(
     )
     if cuts is None:
         return None
-    if configuration.schedule.virtual_stages > 1:
-        # a rank runs several of the stages: its time is theirs summed, its peak its order's
+    if configuration.schedule.name in cost.ORDERED_SCHEDULES:
+        # a rank may run several of the stages, and hold what its order holds: its time is theirs
+        # summed, its peak its order's ([Note: virtual stages and the zero-bubble schedule])
         ranks = cost.pipeline_ranks(
             [
                 walk_stage(
