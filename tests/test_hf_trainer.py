@@ -287,6 +287,7 @@ def _refusals(tp_program, output_root: str) -> dict:
             dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"),
             {},
         ),
+        "tp_batch_rebalance": (tp_program, dict(train_sampling_strategy="batch_rebalance"), {}),
         "bf16": (tp_program, dict(bf16=True), {}),
         "activation_checkpointing": (tp_program, dict(activation_checkpointing=True), {}),
         "torch_compile": (tp_program, dict(torch_compile=True), {}),
@@ -420,6 +421,7 @@ def test_trainer_trains_a_program_as_one_process_trains_the_model(tmp_path):
     assert "tensor parallelism" in refusals["tp_evaluation"]
     assert "tensor parallelism" in refusals["tp_evaluate"]
     assert "program.load" in refusals["best_model"]
+    assert "same ones" in refusals["tp_batch_rebalance"]
     assert "MixedPrecision" in refusals["bf16"]
     assert "recomputation" in refusals["activation_checkpointing"]
     assert "never prepared" in refusals["torch_compile"]

@@ -243,6 +243,12 @@ def _check_arguments(program: Program, args: TrainingArguments, kwargs: dict[str
         )
     if program.plan.mesh.tp > 1 and args.eval_strategy != IntervalStrategy.NO:
         raise ShardplanError(_TP_EVALUATION)
+    if program.plan.mesh.tp > 1 and args.train_sampling_strategy == "batch_rebalance":
+        raise ShardplanError(
+            "train_sampling_strategy='batch_rebalance' splits batches over every rank, where a "
+            "replica's tp ranks must read the same ones: use 'random', 'sequential' or "
+            "'group_by_length'"
+        )
 
 
 _TP_EVALUATION = (
