@@ -1,11 +1,14 @@
 """Hugging Face `transformers.Trainer` training a shardplan program (ShardplanTrainer) on 2 gloo ranks, next
 to the same Trainer run on one process without shardplan: the same loss and gradient norm every step
-(gradient accumulation, padded batches whose token counts differ across ranks, clipping), the same
-evaluation loss, and the same weights in what `save_model` writes, loaded back by `from_pretrained`;
-a run resumed from a Trainer checkpoint of the sharded run ends the same.
+(gradient accumulation through the program's sync switch, padded batches whose token counts differ
+across ranks, clipping), the same evaluation loss, and the same weights in what `save_model` writes,
+loaded back by `from_pretrained`. Under FULL_SHARD over 2 replicas on both backends, under tp = 2,
+and resumed from a Trainer checkpoint of the sharded run. Then an Accelerate loop of one's own on
+ProgramModule next to the same loop on one process, and everything ShardplanTrainer refuses.
 
 The ranks are launched as torchrun launches them (RANK, WORLD_SIZE, LOCAL_RANK in their environment),
-which is how Trainer and Accelerate find the world.
+which is how Trainer and Accelerate find the world. One spawned world runs every case, beside one
+process running the references.
 """
 
 import concurrent.futures
