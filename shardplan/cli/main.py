@@ -294,6 +294,11 @@ def _plan(options) -> int:
         from shardplan.common.sizes import parse_bytes
 
         parse_bytes(options.memory_budget)
+    if os.path.isdir(options.output):
+        raise ShardplanError(
+            f"cannot write {options.output!r}: it is a folder; give a file path inside it "
+            f"(e.g. {os.path.join(options.output, 'plan.json')})"
+        )
     entry = load_model(
         options.spec,
         batch=options.batch,
