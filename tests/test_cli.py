@@ -532,7 +532,7 @@ def test_unknown_model_names_the_choices(capsys):
 
 
 def test_every_command_has_help_with_examples(capsys):
-    for command in ("plan", "explain", "diff", "check", "calibrate", "demo", "train"):
+    for command in ("plan", "explain", "diff", "export", "check", "calibrate", "demo", "train"):
         with pytest.raises(SystemExit) as done:
             main([command, "--help"])
         assert done.value.code == 0
