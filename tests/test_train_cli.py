@@ -150,3 +150,24 @@ def test_a_changed_flag_on_resume_is_logged_and_wins_and_a_fixed_one_is_refused(
 def test_export_finds_the_trained_model_in_the_run_folder(trained):
     assert trained["export"] == 0
     assert "wte.weight" in trained["exported"]
+
+
+def test_a_token_file_is_a_language_models_dataset_and_a_bad_one_is_refused(tmp_path, capsys):
+    from shardplan.cli.main import TokenFile, main
+
+    ids = torch.randint(0, 50, (6, 8), dtype=torch.int32)
+    torch.save(ids, tmp_path / "tokens.pt")
+    keywords = TokenFile(str(tmp_path / "tokens.pt"), keywords=True)
+    assert len(keywords) == 6 and torch.equal(keywords[2]["input_ids"], ids[2].long())
+    assert torch.equal(keywords[2]["labels"], ids[2].long())
+    inputs, labels = TokenFile(str(tmp_path / "tokens.pt"), keywords=False)[1]
+    assert torch.equal(inputs, ids[1].long()) and torch.equal(labels, ids[1].long())
+    torch.save(torch.rand(6, 8), tmp_path / "floats.pt")
+    for name, message in (
+        ("floats.pt", "holds a 2-D torch.float32 tensor: save a 2-D integer tensor of token ids"),
+        ("missing.pt", "cannot read the token file"),
+    ):
+        argv = ["train", "gpt", str(tmp_path / name), "--directory", str(tmp_path / "run")]
+        assert main([*argv, "--steps", "2", "--global-batch", "2"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

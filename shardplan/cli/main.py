@@ -203,8 +203,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "data",
-        help="package.module:factory returning a dataset: len() and dataset[i], a tensor, a "
-        "tuple or a dict of tensors (the model's arguments, by position or name)",
+        help="a .pt file of token ids (samples x sequence length; each row the input and the "
+        "labels), or package.module:factory returning a dataset: len() and dataset[i], a tensor, "
+        "a tuple or a dict of tensors (the model's arguments, by position or name)",
     )
     train.add_argument(
         "--directory", required=True, help="checkpoints, progress.json and events.jsonl"
@@ -530,6 +531,47 @@ def _demo(options) -> int:
     return 0
 
 
+class TokenFile:
+    """A `.pt` file of token ids, samples × sequence length (torch.save of a 2-D integer tensor), as
+    a language model's dataset: each row is its input and its labels, as keywords (input_ids, labels)
+    for a Hugging Face config's model, else as two positional arguments."""
+
+    def __init__(self, path: str, keywords: bool):
+        import torch
+
+        try:
+            tokens = torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, ValueError) as error:
+            cause = getattr(error, "strerror", None) or str(error).splitlines()[0][:200]
+            raise ShardplanError(
+                f"cannot read the token file {path!r} ({cause}): give a file torch.save wrote"
+            ) from None
+        if not (
+            isinstance(tokens, torch.Tensor)
+            and tokens.dim() == 2
+            and not tokens.is_floating_point()
+            and not tokens.is_complex()
+            and tokens.numel()
+        ):
+            shown = (
+                f"a {tokens.dim()}-D {tokens.dtype} tensor"
+                if isinstance(tokens, torch.Tensor)
+                else f"a {type(tokens).__name__}"
+            )
+            raise ShardplanError(
+                f"the token file {path!r} holds {shown}: save a 2-D integer tensor of token ids, "
+                "samples x sequence length (torch.save(ids.long(), path))"
+            )
+        self.tokens, self.keywords = tokens.long(), keywords
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, index: int):
+        row = self.tokens[index]
+        return {"input_ids": row, "labels": row} if self.keywords else (row, row)
+
+
 TRAIN_SETTINGS_FIXED = ("model", "data", "seed", "eval_samples")
 """The train settings a resumed run may not change: they fix the model and the data order of its
 checkpoints. Every other flag may change at a restart; the log names each change, and the new value
@@ -611,14 +653,17 @@ def _train(options) -> int:
         settings=settings,
         fixed_settings=TRAIN_SETTINGS_FIXED,
     )  # checks the numbers before the data loads
-    module_name, _, factory_name = options.data.partition(":")
-    try:
-        dataset = getattr(importlib.import_module(module_name), factory_name)()
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ShardplanError(
-            f"cannot load the data {options.data!r} ({error}): write package.module:function, "
-            "importable from here (set PYTHONPATH)"
-        ) from None
+    if options.data.endswith(".pt"):
+        dataset = TokenFile(options.data, keywords=options.model.endswith(".json"))
+    else:
+        module_name, _, factory_name = options.data.partition(":")
+        try:
+            dataset = getattr(importlib.import_module(module_name), factory_name)()
+        except (ImportError, AttributeError, ValueError) as error:
+            raise ShardplanError(
+                f"cannot load the data {options.data!r} ({error}): write package.module:function, "
+                "importable from here (set PYTHONPATH), or give a .pt file of token ids"
+            ) from None
     eval_samples = 0
     if options.eval_every is not None:
         eval_samples = options.eval_samples
