@@ -984,3 +984,23 @@ def test_the_pictures_name_every_unit_and_give_each_stage_its_own_memory_axis(
         assert ticks == [f"F {label}", f"B {label}"] and len(notes) == 1  # its own peak note
     [(_, names)] = drawn["units.png"]
     assert sorted(names) == sorted(report.unit_labels([u.name for u in plan.units]).values())
+
+
+def test_plan_adds_itself_to_a_baseline_that_check_then_passes(tmp_path, capsys):
+    config = tmp_path / "configs" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(HUGGING_FACE_CONFIG))
+    baseline = tmp_path / "ci" / "baseline.json"
+    baseline.parent.mkdir()
+    argv = ["plan", str(config), "--world-size", "2", "--hardware", "cpu-gloo", "--seq", "64"]
+    argv += ["--param-dtype", "bfloat16", "-o", str(tmp_path / "plan.json")]
+    assert main([*argv, "--add-to-baseline", str(baseline), "--emit", "accelerate"]) == 0
+    assert f"added a case to {baseline}" in capsys.readouterr().out
+    assert main([*argv, "--add-to-baseline", str(baseline)]) == 0  # the same case: replaced
+    assert f"replaced the case in {baseline}" in capsys.readouterr().out
+    [case] = json.loads(baseline.read_text())["cases"]
+    assert case["model"] == os.path.join("..", "configs", "config.json")  # beside the baseline
+    assert case["flags"] == ["--seq", "64", "--param-dtype", "bfloat16"]
+    assert case["peak_bytes"] == load_plan(tmp_path / "plan.json").predicted.peak_bytes
+    assert main(["check", "--baseline", str(baseline)]) == 0
+    assert "PASS ../configs/config.json at world 2 on cpu-gloo, --seq 64" in capsys.readouterr().out

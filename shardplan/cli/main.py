@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return _guarded(lambda: _calibrate(argv[1:]), "--debug" in argv)
     parser = _parser()
     options = parser.parse_args(argv)
+    options.argv = argv
     return _guarded(lambda: options.run(options), options.debug)
 
 
@@ -114,6 +115,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan_flags.add_plan_arguments(plan)
     plan.add_argument("-o", "--output", default="plan.json")
+    plan.add_argument(
+        "--add-to-baseline",
+        metavar="BASELINE",
+        help="also record this plan as a case of the shardplan check baseline BASELINE (made if "
+        "missing): its model, world size, hardware, budget and every other flag given, with "
+        "today's figures; a case of the same model and flags is replaced",
+    )
 
     explain = command(
         "explain", _explain, "Show a plan: units, predicted memory and time, and pictures."
@@ -285,6 +293,54 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NOT_CASE_FLAGS = {
+    "--world-size",
+    "--hardware",
+    "--memory-budget",
+    "-o",
+    "--output",
+    "--emit",
+    "--add-to-baseline",
+}
+"""plan's flags a baseline case does not keep among its flags: its own fields, or what only writes files."""
+
+
+def _case_flags(argv: list[str]) -> tuple[str, ...]:
+    """The flags of a `plan` command line a baseline case keeps: all but SPEC, --debug and _NOT_CASE_FLAGS
+    (with their values)."""
+    kept, index, positional = [], 1, False  # argv[0] is "plan"
+    while index < len(argv):
+        word = argv[index]
+        name = word.split("=", 1)[0]
+        if name in _NOT_CASE_FLAGS:
+            index += 1 if "=" in word else 2
+            continue
+        if word == "--debug":
+            index += 1
+            continue
+        if not word.startswith("-") and not positional and (not kept or not _takes_value(kept[-1])):
+            positional = True  # SPEC
+            index += 1
+            continue
+        kept.append(word)
+        index += 1
+    return tuple(kept)
+
+
+def _takes_value(flag: str) -> bool:
+    """Whether `flag` (a plan flag, without "=") is followed by a value."""
+    if "=" in flag or not flag.startswith("-"):
+        return False
+    action = next((a for a in _parser_plan_actions() if flag in a.option_strings), None)
+    return action is not None and action.nargs != 0
+
+
+def _parser_plan_actions():
+    parser = argparse.ArgumentParser(add_help=False)
+    plan_flags.add_plan_arguments(parser)
+    return parser._actions
+
+
 def _plan(options) -> int:
     from shardplan.cli import report
     from shardplan.cli.model_spec import load_model
@@ -317,6 +373,22 @@ def _plan(options) -> int:
     sizes = {name: parameter.numel() for name, parameter in entry.model.named_parameters()}
     print(report.summary(plan, sizes))
     print(f"wrote {options.output}")
+    if options.add_to_baseline:
+        from shardplan.cli.quality import Case, add_case
+
+        case = Case(
+            model=options.spec,
+            world_size=options.world_size,
+            hardware=options.hardware,
+            memory_budget=options.memory_budget,
+            flags=_case_flags(getattr(options, "argv", None) or []),
+            step_time_s=plan.predicted.step_time_s,
+            peak_bytes=plan.predicted.peak_bytes,
+        )
+        replaced = add_case(options.add_to_baseline, case)
+        print(
+            f"{'replaced the case in' if replaced else 'added a case to'} {options.add_to_baseline}"
+        )
     if options.emit:
         from shardplan.cli.emit import SUFFIXES, emit
         from shardplan.common.files import write_text_atomically

@@ -242,6 +242,9 @@ _CASE_FIELDS = {
     "--memory-budget": "memory_budget",
     "-o": None,
     "--output": None,
+    "--emit": None,
+    "--add-to-baseline": None,
+    "--debug": None,
 }
 """Flags of `shardplan plan` a case holds as fields of its own (or has no use for: -o)."""
 
@@ -432,3 +435,25 @@ def _written(case: Case) -> dict:
     else:
         del fields["flags"]
     return fields
+
+
+def add_case(path: str, case: Case) -> bool:
+    """Put `case` into the baseline at `path` (made if missing), in place of a case of the same model,
+    world size, hardware, budget and flags; whether one was replaced. The model's path, where it is a
+    config file, is written relative to the baseline's folder (as check reads it)."""
+    if case.model.endswith(".json") and os.path.exists(case.model):
+        folder = os.path.dirname(os.path.abspath(path))
+        case = replace(case, model=os.path.relpath(os.path.abspath(case.model), folder))
+    cases, tolerance = _read(path) if os.path.exists(path) else ([], DEFAULT_TOLERANCE)
+    same = [
+        index
+        for index, old in enumerate(cases)
+        if replace(old, step_time_s=0.0, peak_bytes=0)
+        == replace(case, step_time_s=0.0, peak_bytes=0)
+    ]
+    if same:
+        cases[same[0]] = case
+    else:
+        cases.append(case)
+    _write(path, cases, tolerance)
+    return bool(same)
