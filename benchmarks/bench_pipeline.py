@@ -4,25 +4,34 @@
     .venv/bin/python benchmarks/bench_pipeline.py                          # calibrates first (a few minutes)
 
 The demo GPT (6 layers) on 2 CPU ranks (gloo) as two pipeline stages of four
-units each, under GPipe and 1F1B with 1 to 8 micro-batches; the pp=1 FSDP
+units each, under GPipe and 1F1B with 1 to 8 micro-batches, then as four stages
+of two units, two per rank, under interleaved 1F1B and the zero-bubble schedule
+(ScheduleInterleavedZeroBubble, also at one stage per rank: ZB-H1); the pp=1 FSDP
 plan of the same units beside them. Step time is the slowest rank's
 (optimizer included); the measured bubble is the time the schedule spends
 outside the busiest stage's forward and backward chunks (waiting for its
 neighbour), on average per step; the predicted one is the cost model's
-(pp - 1) x the stage's per-micro-batch time. Memory is MemTracker's peak (every tensor on the rank).
+(pp - 1) x the stage's per-micro-batch time ((pp - 1) / v of the rank's with v stages per rank, less the
+deferred weight gradients under the zero-bubble schedule). Memory is MemTracker's peak (every tensor on the
+rank), its module hooks off: their multi-grad hooks refuse the autograd.grad of the zero-bubble schedule's
+input-gradient pass, and the totals do not need them.
 Beside each pipeline, the same two stages written by hand for
 torch.distributed.pipelining (the model's code split in two modules): the
 cost of cutting stages out of the graph instead, as a ratio.
 """
 
 import argparse
+import contextlib
+import dataclasses
 import statistics
 import time
 import warnings
+from unittest import mock
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from torch.distributed._tools.mod_tracker import ModTracker
 
 from shardplan import ShardStrategy, get_hardware
 from shardplan.calibration.calibrate import calibrate
@@ -31,35 +40,57 @@ from shardplan.compile import evaluate
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
 from shardplan.models.zoo import DEMO_BATCH, DEMO_GPT
+from shardplan.plan import Schedule
 from shardplan.runtime.launch import run_world
 from shardplan.runtime.manual import manual_plan
 
 GROUPS = zoo.gpt_units(DEMO_GPT.n_layer)
 CONFIGURATIONS = (
-    [(1, "none", 1)] + [(2, "gpipe", m) for m in (1, 2, 4, 8)] + [(2, "1f1b", m) for m in (2, 4, 8)]
+    [(1, "none", 1, 1)]
+    + [(2, "gpipe", m, 1) for m in (1, 2, 4, 8)]
+    + [(2, "1f1b", m, 1) for m in (2, 4, 8)]
+    + [(2, "interleaved_1f1b", m, 2) for m in (2, 4, 8)]
+    + [(2, "zero_bubble", m, v) for v in (1, 2) for m in (4, 8)]
 )
-"""(pp, schedule, micro-batches); 1F1B over one micro-batch runs as GPipe, so it starts at two."""
+"""(pp, schedule, micro-batches, stages per rank); 1F1B over one micro-batch runs as GPipe, so it starts at
+two; the schedules with virtual stages run at least pp micro-batches."""
 
 
-def demo_plan(world_size: int, pp: int, schedule: str, micro_batches: int):
+def demo_plan(world_size: int, pp: int, schedule: str, micro_batches: int, virtual_stages: int):
+    """The demo GPT's units cut into pp · virtual_stages stages, stage i on pipeline rank i mod pp."""
     entry = zoo.gpt(DEMO_GPT, batch=DEMO_BATCH)
     dp = world_size // pp
     # at dp == 1 sharding only copies: the stages' units are replicated; pp == 1 shards as FSDP does
     strategy = ShardStrategy.REPLICATE if dp == 1 else ShardStrategy.FULL_SHARD
-    return manual_plan(
+    plan = manual_plan(
         entry.model,
         GROUPS,
         dp=dp,
-        pp=pp,
-        schedule=schedule,
+        pp=pp * virtual_stages,
+        schedule="1f1b" if pp > 1 else schedule,
         micro_batches=micro_batches,
         strategies=(strategy,),
         example_inputs=entry.args,
         example_kwargs=entry.kwargs,
     )
+    return dataclasses.replace(
+        plan,
+        world_size=world_size,
+        mesh=dataclasses.replace(plan.mesh, pp=pp),
+        schedule=Schedule(
+            num_micro_batches=micro_batches, name=schedule, virtual_stages=virtual_stages
+        ),
+    )
 
 
 def _measure_rank(device, report, plan_json: str, steps: int) -> dict:
+    with contextlib.ExitStack() as stack:
+        return _measure(stack, device, report, plan_json, steps)
+
+
+def _measure(stack, device, report, plan_json: str, steps: int) -> dict:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
     from shardplan.plan import Plan
     from shardplan.runtime import parallelize
     from shardplan.runtime.collectives import all_reduce_max, world
@@ -75,10 +106,13 @@ def _measure_rank(device, report, plan_json: str, steps: int) -> dict:
     program = parallelize(entry.model, plan, device=device)
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-3)
     busy_s = [0.0]
-    stage = getattr(program, "stage", None)
-    if stage is not None:  # time the stage's own work: forward and backward chunks
-        for name in ("forward_one_chunk", "backward_one_chunk"):
-            setattr(stage, name, _timed(getattr(stage, name), busy_s))
+    # time the stages' own work: forward and backward chunks (weight gradients apart, zero-bubble)
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        stack.enter_context(
+            mock.patch.object(
+                _PipelineStageBase, name, _timed(getattr(_PipelineStageBase, name), busy_s)
+            )
+        )
 
     schedule_s = [0.0]
     run_schedule = _timed(program.step, schedule_s)
@@ -89,13 +123,17 @@ def _measure_rank(device, report, plan_json: str, steps: int) -> dict:
         optimizer.zero_grad(set_to_none=False)
 
     train_step()
-    peak = peak_step_bytes(
-        train_step,
-        entry.model,
-        optimizer,
-        *program.parameters(),
-        *[p.grad for p in program.parameters() if p.grad is not None],
-    )
+    with (
+        mock.patch.object(ModTracker, "__enter__", lambda tracker: tracker),
+        mock.patch.object(ModTracker, "__exit__", lambda tracker, *error: None),
+    ):
+        peak = peak_step_bytes(
+            train_step,
+            entry.model,
+            optimizer,
+            *program.parameters(),
+            *[p.grad for p in program.parameters() if p.grad is not None],
+        )
     schedule_s[0] = 0.0
     step_s, busy = _time_steps(train_step, steps, report, busy_s)
     # the bubble: time in the schedule (not the optimizer) outside the busiest stage's own work
@@ -214,6 +252,7 @@ def pipeline_table(hardware, world_size: int, steps: int) -> Table:
     for column in (
         "mesh",
         "schedule",
+        "v",
         "m",
         "memory pred",
         "memory meas",
@@ -227,8 +266,8 @@ def pipeline_table(hardware, world_size: int, steps: int) -> Table:
         "meas / hand-split",
     ):
         table.add_column(column, justify="right")
-    for pp, schedule, micro_batches in CONFIGURATIONS:
-        plan = demo_plan(world_size, pp, schedule, micro_batches)
+    for pp, schedule, micro_batches, virtual_stages in CONFIGURATIONS:
+        plan = demo_plan(world_size, pp, schedule, micro_batches, virtual_stages)
         predicted = evaluate(chain, plan, hardware)
         measured = run_world(
             _measure_rank,
@@ -241,6 +280,7 @@ def pipeline_table(hardware, world_size: int, steps: int) -> Table:
         bubble = hand = versus = "-"
         if pp > 1:
             bubble = f"{measured['bubble_s'] * 1e3:.0f}"
+        if pp > 1 and schedule in ("gpipe", "1f1b"):  # the hand-split stages: one per rank
             by_hand = run_world(
                 _hand_split_rank,
                 (schedule, micro_batches, steps),
@@ -256,6 +296,7 @@ def pipeline_table(hardware, world_size: int, steps: int) -> Table:
         table.add_row(
             f"dp{plan.mesh.dp}×pp{pp}",
             schedule,
+            str(virtual_stages),
             str(micro_batches),
             format_bytes(predicted.peak_bytes),
             format_bytes(measured["peak_bytes"]),
