@@ -51,6 +51,7 @@ EXAMPLES = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_libraries()
     if argv[:1] == ["calibrate"]:
         return _guarded(lambda: _calibrate(argv[1:]), "--debug" in argv)
     parser = _parser()
@@ -75,6 +76,30 @@ def _guarded(command, debug: bool) -> int:
     except KeyboardInterrupt:
         print("shardplan: interrupted", file=sys.stderr)
         return 130
+
+
+QUIET_LOGGERS = ("torch._subclasses.fake_tensor",)
+"""Loggers of libraries that log, with a traceback, failures shardplan catches and answers itself (a
+capture that falls back): a command prints its own one-line warnings and errors instead."""
+
+
+def _quiet_libraries() -> None:
+    import logging
+    import warnings
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shown = warnings.showwarning
+
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(filename).startswith(package + os.sep):  # shardplan's own: one line
+            print(f"shardplan: warning: {str(message).splitlines()[0]}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    if getattr(warnings.showwarning, "__name__", "") != "one_line":
+        warnings.showwarning = one_line
 
 
 def _silence_stdout() -> None:
