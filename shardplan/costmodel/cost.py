@@ -1151,8 +1151,8 @@ class HeldBytes:
     """Parameters kept gathered from forward to backward while a micro-batch is in flight."""
     weight_grad_bytes: int
     """Under the zero-bubble schedule, what one micro-batch keeps from its input gradient to its weight
-    gradient beside its activations: the gradients of the outputs of the ops that read parameters, the
-    matmul-like ones (Block.selective_bytes); none on stage 0, whose whole backward runs as W."""
+    gradient beside its activations (weight_grad_inputs_bytes); none on stage 0, whose whole backward runs
+    as W."""
     forward_working_bytes: int
     """At the peak of one micro-batch's forward: its own activations so far, gathered parameters,
     transients."""
@@ -1238,7 +1238,7 @@ def evaluate_stage(
         state_bytes=own + receive_buffers,
         activation_bytes=sum(u.activation_bytes for u in units),
         weight_grad_bytes=sum(
-            _per_micro_batch(on_rank(block, ctx).selective_bytes, ctx) for block in blocks
+            _per_micro_batch(weight_grad_inputs_bytes(on_rank(block, ctx)), ctx) for block in blocks
         )
         if ctx.schedule == "zero_bubble" and ctx.stage > 0
         else 0,
@@ -1320,17 +1320,32 @@ def schedule_order(
         return v - 1 - ((op - warm_up) // per_round) % v
 
     order = [("F", forward_stage(op)) for op in range(warm_up)]
-    backwards: list[int] = []
+    backwards: list[int] = []  # the stage of each backward so far: W follows them in order
+    weights = 0
     for op in range(warm_up, total + warm_up):
         if op < total:
             order.append(("F", forward_stage(op)))
         order.append(("B", backward_stage(op)))
         backwards.append(backward_stage(op))
         if defers and op - warm_up >= pipeline_rank:  # the first W waits rank micro-batches
-            order.append(("W", backwards[sum(kind == "W" for kind, _ in order)]))
+            order.append(("W", backwards[weights]))
+            weights += 1
     if defers:
-        order += [("W", stage) for stage in backwards[sum(kind == "W" for kind, _ in order) :]]
+        order += [("W", stage) for stage in backwards[weights:]]
     return order
+
+
+def weight_grad_inputs_bytes(block: Block) -> int:
+    """What the zero-bubble schedule's weight gradient starts from in `block`: the gradient of the output
+    of every op reading a parameter, kept from the input gradient's pass. The matmul-like ops' outputs
+    (Block.selective_bytes), and of the other ops reading a parameter (norms) the half of their activation
+    bytes they write (one input read, one output of its size written)."""
+    others = sum(
+        (kind.bytes - kind.weight_bytes) // 2
+        for kind in block.fwd_kinds
+        if kind.weight_bytes and not kept_by_selective(kind.name)
+    )
+    return block.selective_bytes + others
 
 
 class Moment(NamedTuple):
