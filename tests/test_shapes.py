@@ -117,6 +117,8 @@ def test_inputs_at_changes_the_batch_and_every_sequence_dim():
     )
     assert [s.shape for s in inputs_at(inputs, 2, 64)] == [(2, 64), (2, 1, 64, 64), (2, 3)]
     assert sequence_length(inputs) == 128
+    features = InputSpec(name="0", shape=(16, 64), dtype="float32")  # an MLP's: no sequence
+    assert sequence_length((features,)) == 0
 
 
 @pytest.mark.distributed

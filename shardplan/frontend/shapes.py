@@ -23,9 +23,17 @@ from shardplan.frontend.chain import BlockChain, InputSpec
 
 
 def sequence_length(inputs: Sequence[InputSpec]) -> int:
-    """The sequence length of a plan's or a chain's inputs: dim 1 of the first input with two dims or
-    more (input_ids [batch, sequence]); 0 where no input has one."""
-    return next((spec.shape[1] for spec in inputs if len(spec.shape) >= 2), 0)
+    """The sequence length of a plan's or a chain's inputs: dim 1 of the first input of token ids (an
+    integer tensor of two dims or more, [batch, sequence]); 0 where none is (features, images), whose
+    dim 1 is no sequence."""
+    return next(
+        (
+            spec.shape[1]
+            for spec in inputs
+            if len(spec.shape) >= 2 and spec.dtype.startswith(("int", "uint"))
+        ),
+        0,
+    )
 
 
 def inputs_at(inputs: Sequence[InputSpec], batch: int, length: int) -> tuple[InputSpec, ...]:
