@@ -98,7 +98,10 @@ def _quiet_libraries() -> None:
         else:
             shown(message, category, filename, lineno, file, line)
 
-    if getattr(warnings.showwarning, "__name__", "") != "one_line":
+    # not where warnings are being recorded (catch_warnings(record=True): a test's, or a caller's)
+    recording = getattr(getattr(warnings, "_showwarnmsg_impl", None), "__name__", "") == "append"
+    original = warnings.showwarning is getattr(warnings, "_showwarning_orig", None)
+    if original and not recording:
         warnings.showwarning = one_line
 
 
