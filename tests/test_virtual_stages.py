@@ -385,6 +385,8 @@ def test_the_solver_searches_virtual_stages_and_says_so():
     assert ("zero_bubble", 1, 4) in pipelined and ("zero_bubble", 3, 8) in pipelined
     assert ("interleaved_1f1b", 4, 2) not in pipelined  # 8 stages of 6 blocks
     assert not any(name == "interleaved_1f1b" and m < 2 for name, _, m in pipelined)
+    tied = search.Setting(world_size=2, batch_size=8, tied_edges=((0, 5),))
+    assert all(c.schedule.virtual_stages == 1 for c in search.configurations(tied, n_blocks=6))
     # each is solved as any configuration is, and named so in the reasoning's runner-ups
     entry = zoo.gpt(batch=8)
     chain = analyze(entry.model, entry.args, entry.kwargs)

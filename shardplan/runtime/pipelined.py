@@ -1,10 +1,12 @@
 """pp > 1: the plan's stages run by torch.distributed.pipelining, on either backend.
 
-Rank r holds stage r // (dp · tp) (plan.Mesh, [Note: rank layout]). Its stage is
-cut out of the captured graph (see [Note: stage graphs] in stage_split.py); a
-GPipe or 1F1B schedule runs the stage and sends activations and their gradients
-to the neighbouring stages of the same replica and tp index (StagedProgram, for
-both backends). On backend="shardplan" (PipelinedProgram) the stage's units are
+Rank r is pipeline rank r // (dp · tp) (plan.Mesh, [Note: rank layout]) and holds
+its stage, or with v virtual stages per rank stages r // (dp · tp) + k · pp. Its
+stages are cut out of the captured graph (see [Note: stage graphs] in stage_split.py);
+a GPipe or 1F1B schedule runs the stage (interleaved 1F1B or the zero-bubble
+schedule its stages, on backend="shardplan") and sends activations and their
+gradients to the neighbouring stages of the same replica and tp index
+(StagedProgram, for both backends). On backend="shardplan" (PipelinedProgram) the stage's units are
 built as without pipelining, but sharded over the stage's data-parallel group;
 backend="fsdp2" shards them with fully_shard ([Note: FSDP2 stages] in fsdp2.py).
 

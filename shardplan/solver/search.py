@@ -61,13 +61,14 @@ def configuration_space(space: SearchSpace, configuration: "Configuration") -> S
     )
 
 
-def virtual_stage_counts(schedule: str, pp: int, n_blocks: int) -> range:
+def virtual_stage_counts(schedule: str, pp: int, n_blocks: int, tied: bool = False) -> range:
     """The v searched for `schedule` over `pp` ranks of a chain of `n_blocks` blocks: pp · v stages of a
-    block each at least (see SCHEDULES)."""
+    block each at least (see SCHEDULES); one stage per rank for a chain with `tied` parameters, whose
+    ties across stages the runtime shares between stages of one per rank only."""
     if pp == 1 or schedule not in MULTI_STAGE_SCHEDULES:
         return range(1, 2)
     least = 2 if schedule == "interleaved_1f1b" else 1
-    return range(least, min(MAX_VIRTUAL_STAGES, n_blocks // pp) + 1)
+    return range(least, (1 if tied else min(MAX_VIRTUAL_STAGES, n_blocks // pp)) + 1)
 
 
 def multi_stage_micro_batches(schedule: str, pp: int, m: int) -> bool:
@@ -258,7 +259,7 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
             ):
                 if not multi_stage_micro_batches(schedule, pp, m):
                     continue
-                for v in virtual_stage_counts(schedule, pp, n_blocks):
+                for v in virtual_stage_counts(schedule, pp, n_blocks, bool(setting.tied_edges)):
                     found.append(
                         Configuration(
                             mesh=Mesh(dp_shard=dp // replicas, dp_replicate=replicas, tp=tp, pp=pp),
