@@ -1,6 +1,8 @@
 """What changed from one plan to another, one line each, in the units people read: what `shardplan diff`
 prints, and what an elastic restart logs when it re-plans for a new world."""
 
+import re
+
 from shardplan.common.sizes import format_bytes
 from shardplan.plan import Plan
 
@@ -11,9 +13,8 @@ _SHOWN_APART = ("mesh", "schedule", "units", "stages", "predicted", "reasoning")
 def plan_changes(old: Plan, new: Plan) -> list[str]:
     """What changes from `old` to `new`, one line each: sizes in KiB-GiB, times in ms, units named by
     their modules ([] if the plans are the same)."""
-    lines = [
-        line for line in old.diff(new) if line.split(".", 1)[0].split(":", 1)[0] not in _SHOWN_APART
-    ]
+    # Plan.diff's line names its field first: "units['h.1'].strategy: ..." is a unit's, said below
+    lines = [line for line in old.diff(new) if re.match(r"\w+", line).group() not in _SHOWN_APART]
     if old.mesh != new.mesh:
         lines.append(f"mesh: {old.mesh.describe()} -> {new.mesh.describe()}")
     if old.schedule != new.schedule:

@@ -76,6 +76,11 @@ def test_explain_shows_shapes_batches_mesh_and_draws_real_pictures(plans, tmp_pa
     micro = plan.schedule.num_micro_batches
     assert f"{micro} of {4 / micro:g} per data-parallel rank" in out
     assert "replica" not in out.replace("replicate", "")  # no HSDP here: "replica" names nothing
+    limits = ", ".join(
+        f"{r.micro_batch}: {'>= ' if r.longest >= 16 * 32 else ''}{r.longest}"
+        for r in plan.sequence_limits
+    )
+    assert plan.sequence_limits and f"by micro-batch size: {limits}" in " ".join(out.split())
     for name in ("units.png", "memory.png"):
         picture = (tmp_path / name).read_bytes()
         assert picture[:8] == b"\x89PNG\r\n\x1a\n" and len(picture) > 10_000

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -522,6 +521,8 @@ def _explain(options) -> int:
     console.print(report.units_table(plan, sizes))
     console.print(report.prediction_table(plan))
     console.print(f"binding constraint: {plan.reasoning.binding_constraint}", markup=False)
+    if plan.sequence_limits:
+        console.print(report.sequence_limits_line(plan), markup=False)
     if plan.reasoning.runner_ups:
         console.print(report.runner_ups_table(plan))
     if options.pictures:
@@ -537,18 +538,11 @@ def _explain(options) -> int:
     return 0
 
 
-_SAID_APART = re.compile(r"(units|stages|predicted|reasoning)\b|(mesh|schedule)[.\[]")
-"""Plan.diff's raw lines of the fields plan_changes words itself ("units['h.1'].strategy: ..."): each
-unit's change is said once, by its modules."""
-
-
 def _diff(options) -> int:
     from shardplan.plan_changes import plan_changes
 
     (old, _), (new, _) = _read_plan(options.old), _read_plan(options.new)
-    changes = list(
-        dict.fromkeys(line for line in plan_changes(old, new) if not _SAID_APART.match(line))
-    )
+    changes = plan_changes(old, new)
     print("\n".join(changes) if changes else "the plans are the same")
     return 0
 

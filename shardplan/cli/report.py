@@ -219,6 +219,20 @@ def prediction_table(plan: Plan) -> Table:
     return table
 
 
+def sequence_limits_line(plan: Plan) -> str:
+    """The longest sequence each micro-batch size fits ("" where the plan records none)."""
+    from shardplan.solver.shapes import priced_lengths
+
+    if not plan.sequence_limits:
+        return ""
+    searched = priced_lengths(plan)
+    shown = ", ".join(
+        f"{r.micro_batch}: {'>= ' if r.longest >= searched else ''}{r.longest}"
+        for r in plan.sequence_limits
+    )
+    return f"longest sequence that fits, by micro-batch size: {shown}"
+
+
 def runner_ups_table(plan: Plan) -> Table:
     table = Table(title="runner-up plans")
     for column in ("plan", "peak memory", "step time"):

@@ -915,9 +915,6 @@ class _Termination:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-_SAID_APART = re.compile(r"(units|stages|predicted|reasoning)\b|(mesh|schedule)[.\[]")
-
-
 class _Journal:
     """Rank 0's record: a line for a person (`log`), a JSON object in events.jsonl, progress.json."""
 
@@ -1024,9 +1021,7 @@ class _Journal:
     def _plan_changes(old: Plan, new: Plan) -> list[str]:
         from shardplan.plan_changes import plan_changes
 
-        # Plan.diff's raw lines of the fields plan_changes words itself ("units['h.1'].strategy: ..."):
-        # each unit's change is logged once, by its modules, as `shardplan diff` prints it
-        changes = [line for line in plan_changes(old, new) if not _SAID_APART.match(line)]
+        changes = plan_changes(old, new)
         return (
             ["plan changes (as shardplan diff):"] + [f"  {change}" for change in changes]
             if changes
