@@ -14,7 +14,9 @@ def plan_changes(old: Plan, new: Plan) -> list[str]:
     """What changes from `old` to `new`, one line each: sizes in KiB-GiB, times in ms, units named by
     their modules ([] if the plans are the same)."""
     # Plan.diff's line names its field first: "units['h.1'].strategy: ..." is a unit's, said below
-    lines = [line for line in old.diff(new) if re.match(r"\w+", line).group() not in _SHOWN_APART]
+    lines = [
+        line for line in old.diff(new) if re.split(r"\W", line, maxsplit=1)[0] not in _SHOWN_APART
+    ]
     if old.mesh != new.mesh:
         lines.append(f"mesh: {old.mesh.describe()} -> {new.mesh.describe()}")
     if old.schedule != new.schedule:

@@ -7,9 +7,13 @@ units the plan decides otherwise, with what the file does instead.
 """
 
 from collections import Counter
+from collections.abc import Callable
+from typing import TypeVar
 
 from shardplan.common.sizes import format_bytes
-from shardplan.plan import Checkpoint, Plan, ShardStrategy
+from shardplan.plan import Checkpoint, Plan, ShardStrategy, Unit
+
+T = TypeVar("T")
 
 STACKS = ("torchtitan", "accelerate")
 SUFFIXES = {"torchtitan": ".torchtitan.toml", "accelerate": ".accelerate.yaml"}
@@ -28,7 +32,8 @@ def _weights(plan: Plan, sizes: dict[str, int]) -> dict[str, int]:
     }
 
 
-def _majority(plan: Plan, sizes: dict[str, int], decision) -> object:
+def _majority(plan: Plan, sizes: dict[str, int], decision: Callable[[Unit], T]) -> T:
+    """The decision most of the model's parameters take (by size where known, else by unit)."""
     votes: Counter = Counter()
     weights = _weights(plan, sizes)
     for unit in plan.units:

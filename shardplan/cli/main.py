@@ -335,7 +335,8 @@ _NOT_CASE_FLAGS = {
 def _case_flags(argv: list[str]) -> tuple[str, ...]:
     """The flags of a `plan` command line a baseline case keeps: all but SPEC, --debug and _NOT_CASE_FLAGS
     (with their values)."""
-    kept, index, positional = [], 1, False  # argv[0] is "plan"
+    kept: list[str] = []
+    index, positional = 1, False  # argv[0] is "plan"
     while index < len(argv):
         word = argv[index]
         name = word.split("=", 1)[0]

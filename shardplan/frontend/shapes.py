@@ -123,7 +123,7 @@ def _combine(values: Sequence[Any], weights: Sequence[float], path: str) -> Any:
     if isinstance(first, (int, float)):
         total = sum(w * v for w, v in zip(weights, values))
         return round(total) if isinstance(first, int) else total
-    if is_dataclass(first):
+    if is_dataclass(first) and not isinstance(first, type):
         changed = {
             f.name: _combine([getattr(v, f.name) for v in values], weights, f"{path}.{f.name}")
             for f in fields(first)
