@@ -270,11 +270,13 @@ def test_a_pipelined_program_trains_by_step_only(results):
 
 
 def _plan_of(pp: int = 1, tp: int = 1, sequence_parallel: bool = False):
-    """What admit_input and the switch read of a plan: its mesh, inputs and tensor parallelism."""
+    """What admit_input and the switch read of a plan: its mesh, inputs, tensor parallelism and
+    sequence limits (none: no batch is refused for memory here)."""
     return types.SimpleNamespace(
         mesh=types.SimpleNamespace(pp=pp, tp=tp),
         inputs=(InputSpec(name="input_ids", shape=(8, 128), dtype="int64"),),
         tensor_parallel=types.SimpleNamespace(sequence_parallel=sequence_parallel),
+        sequence_limits=(),
     )
 
 
