@@ -562,27 +562,36 @@ class Plan:
         """Samples one data-parallel replica takes a step: dim 0 of the first example input."""
         return self.inputs[0].shape[0] if self.inputs and self.inputs[0].shape else 1
 
-    def summary(self) -> str:
-        """Units, stages, predicted memory and time as a text table."""
+    def summary(self, sizes: dict[str, int] | None = None) -> str:
+        """The plan as plain text (what `shardplan plan` prints): the step, the units, the predicted
+        memory and time; `sizes` (parameter name -> elements) counts each unit's parameters, without
+        it the column counts parameter tensors."""
         from shardplan.common.sizes import format_bytes
 
         inputs = ", ".join(f"{input_label(spec)}: {input_shape(spec)}" for spec in self.inputs)
+        batch = self.batch_per_replica
+        counts = parameter_counts(self, sizes)
+        labels = unit_labels([unit.name for unit in self.units])
+        width = max([4, *map(len, labels.values())])
         lines = [
-            f"plan for {self.model or 'model'} on {self.world_size} ranks of {self.hardware}: "
-            f"{self.mesh.describe()}, {self.schedule.runs_as(self.mesh.pp)}"
-            + f", params {self.mixed_precision.param_dtype}, grads reduced in {self.mixed_precision.reduce_dtype}",
-            f"inputs per replica: {inputs or 'none'}; global batch {self.mesh.dp * self.batch_per_replica} "
-            f"samples a step = dp {self.mesh.dp} x {self.batch_per_replica} per replica",
+            f"plan for {self.model or 'model'} on {self.world_size} ranks of {self.hardware}",
+            f"mesh: {mesh_words(self)}",
+            f"schedule: {self.schedule.runs_as(self.mesh.pp)}; params "
+            f"{self.mixed_precision.param_dtype}, grads reduced in {self.mixed_precision.reduce_dtype}",
+            f"inputs per data-parallel rank: {inputs or 'none'}; global batch "
+            f"{self.mesh.dp * batch} samples a step = {self.mesh.dp} data-parallel ranks x {batch}",
             "",
-            f"{'stage':>5}  {'unit':<32} {'strategy':<16} {'checkpoint':<10} {'offload':<7} {'params':>7}",
+            f"{'stage':>5}  {'unit':<{width}}  {'strategy':<16} {'checkpoint':<10} {'offload':<7} "
+            f"{'params' if counts else 'tensors':>7}",
         ]
         units = {unit.name: unit for unit in self.units}
         for stage in self.stages:
             for name in stage.units:
                 unit = units[name]
                 lines.append(
-                    f"{stage.index:>5}  {name[:32]:<32} {unit.strategy.value:<16} {unit.checkpoint.value:<10} "
-                    f"{'yes' if unit.offload else 'no':<7} {len(unit.params):>7}"
+                    f"{stage.index:>5}  {labels[name]:<{width}}  {unit.strategy.value:<16} "
+                    f"{unit.checkpoint.value:<10} {'yes' if unit.offload else 'no':<7} "
+                    f"{format_count(counts[name]) if counts else str(len(unit.params)):>7}"
                 )
         predicted = self.predicted
         lines += [
@@ -594,10 +603,10 @@ class Plan:
             f"  {name:<16} {format_bytes(value):>12}"
             for name, value in sorted(predicted.memory_bytes.items())
         ]
-        lines += [
+        lines.append(
             f"step time {predicted.step_time_s:.4g} s, {predicted.samples_per_s:.4g} samples/s, "
             f"MFU {predicted.mfu:.1%}:"
-        ]
+        )
         lines += [
             f"  {name:<16} {value:>12.4g} s" for name, value in sorted(predicted.time_s.items())
         ]
@@ -635,6 +644,66 @@ def _upgrade(data: dict) -> dict:
         mesh["dp_shard"] = mesh.pop("dp", None)
         data = {**data, "mesh": {**mesh, "dp_replicate": 1, "tp": 1}}
     return {**data, "schema": SCHEMA}
+
+
+def unit_labels(names: list[str]) -> dict[str, str]:
+    """Each unit's name as it tells units apart: a leading module path every unit shares is dropped
+    ("model." where every module is under it), and a range's last module drops what it shares with
+    its first ("model.layers.0..model.layers.3" -> "model.layers.0..3"), each module keeping its last two fields."""
+    parts = [part.split(".") for name in names for part in name.split("..")]
+    shared = os.path.commonprefix(parts) if len(parts) > 1 else []
+    # a module keeps its last two fields ("layers.3", not "3")
+    cut = min([len(shared)] + [max(0, len(fields) - 2) for fields in parts])
+    return {
+        name: _range_label([part.split(".")[cut:] for part in name.split("..")]) for name in names
+    }
+
+
+def _range_label(parts: list[list[str]]) -> str:
+    first, *rest = parts
+    if not rest:
+        return ".".join(first)
+    last = rest[-1]
+    same = len(os.path.commonprefix([first, last[:-1]]))
+    return ".".join(first) + ".." + ".".join(last[same:])
+
+
+def parameter_counts(plan: Plan, sizes: dict[str, int] | None) -> dict[str, int] | None:
+    """Each unit's parameters counted in elements, from `sizes` (parameter name -> elements); None
+    where `sizes` is None or misses one of the plan's parameters."""
+    if sizes is None or any(name not in sizes for unit in plan.units for name in unit.params):
+        return None
+    return {unit.name: sum(sizes[name] for name in unit.params) for unit in plan.units}
+
+
+def format_count(count: int) -> str:
+    """A number of parameters as people read it: 950, 12.6K, 3.41M, 8.03B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.3g}{suffix}"
+    return str(count)
+
+
+def mesh_words(plan: Plan) -> str:
+    """The mesh in the words the command line uses throughout: "data-parallel ranks" read different
+    batches; a "replica group" is HSDP's group of ranks holding the same shards; and whether any unit
+    is sharded over the dp_shard ranks at all."""
+    mesh = plan.mesh
+    words = [f"{mesh.dp} data-parallel rank{'s' if mesh.dp > 1 else ''}"]
+    if mesh.dp_replicate > 1:
+        words.append(f"{mesh.dp_replicate} replica groups (HSDP) of {mesh.dp_shard}")
+    if mesh.dp_shard > 1:
+        sharded = sum(1 for unit in plan.units if unit.strategy is not ShardStrategy.REPLICATE)
+        words.append(
+            "every unit replicated: no state is sharded"
+            if not sharded
+            else f"{sharded} of {len(plan.units)} units sharded over dp_shard={mesh.dp_shard} ranks"
+        )
+    if mesh.pp > 1:
+        words.append(f"{mesh.pp} pipeline stages")
+    if mesh.tp > 1:
+        words.append(f"tensor parallel over {mesh.tp} ranks")
+    return f"{mesh.describe()} ({'; '.join(words)})"
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -11,6 +11,7 @@ import pytest
 
 from shardplan import load_plan
 from shardplan.cli.main import main
+from shardplan.plan import format_count, mesh_words, unit_labels
 
 SCHEMA = Path(__file__).parent.parent / "shardplan" / "schemas" / "plan.schema.json"
 
@@ -139,24 +140,23 @@ def test_units_keep_their_distinguishing_names_at_80_columns_and_count_parameter
     assert "…" not in table and "full_shard" in table, table  # no column cut
     first = plan.units[0]
     elements = sum(sizes[name] for name in first.params)
-    assert elements > 1000 and report.format_count(elements) in table  # elements, not tensors
-    text = report.summary(plan, sizes)
-    assert report.format_count(elements) in text and "tensors" not in text
-    assert "tensors" in report.summary(plan)  # without the sizes, the column says what it counts
+    assert elements > 1000 and format_count(elements) in table  # elements, not tensors
+    text = plan.summary(sizes)
+    assert format_count(elements) in text and "tensors" not in text
+    assert "tensors" in plan.summary()  # without the sizes, the column says what it counts
     assert "2 data-parallel ranks" in text and "units sharded over dp_shard=2" in text
 
 
 def test_the_mesh_says_when_no_unit_is_sharded():
     from dataclasses import replace
 
-    from shardplan.cli import report
     from shardplan.plan import ShardStrategy
 
     plan, _ = _hugging_face_llama_plan()
     replicated = replace(
         plan, units=tuple(replace(u, strategy=ShardStrategy.REPLICATE) for u in plan.units)
     )
-    assert "every unit replicated: no state is sharded" in report.mesh_words(replicated)
+    assert "every unit replicated: no state is sharded" in mesh_words(replicated)
 
 
 HUGGING_FACE_CONFIG = {
@@ -985,10 +985,10 @@ def test_the_pictures_name_every_unit_and_give_each_stage_its_own_memory_axis(
     memory = drawn["memory.png"]
     assert len(memory) == 2  # a stage an axis: no stage's units under another's ticks
     for (ticks, notes), unit in zip(memory, plan.units):
-        label = report.unit_labels([u.name for u in plan.units])[unit.name]
+        label = unit_labels([u.name for u in plan.units])[unit.name]
         assert ticks == [f"F {label}", f"B {label}"] and len(notes) == 1  # its own peak note
     [(_, names)] = drawn["units.png"]
-    assert sorted(names) == sorted(report.unit_labels([u.name for u in plan.units]).values())
+    assert sorted(names) == sorted(unit_labels([u.name for u in plan.units]).values())
 
 
 def test_plan_adds_itself_to_a_baseline_that_check_then_passes(tmp_path, capsys):

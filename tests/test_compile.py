@@ -232,7 +232,8 @@ def test_a_global_batch_is_split_over_the_replicas_in_the_plan_and_its_fingerpri
     )
     assert plan.mesh.dp == 4 and [spec.shape for spec in plan.inputs] == [(2, 32), (2, 32)]
     assert (
-        plan.batch_per_replica == 2 and "global batch 8 samples a step = dp 4 x 2" in plan.summary()
+        plan.batch_per_replica == 2
+        and "global batch 8 samples a step = 4 data-parallel ranks x 2" in plan.summary()
     )
     assert plan.fingerprint == fingerprint_of(entry.model, plan.inputs)
     again = evaluate(analyze(entry.model, entry.args, entry.kwargs), plan)

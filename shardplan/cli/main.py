@@ -370,7 +370,6 @@ def _parser_plan_actions():
 
 
 def _plan(options) -> int:
-    from shardplan.cli import report
     from shardplan.cli.model_spec import load_model
     from shardplan.compile import compile as compile_plan
 
@@ -399,7 +398,7 @@ def _plan(options) -> int:
         )
     plan.save(options.output)
     sizes = {name: parameter.numel() for name, parameter in entry.model.named_parameters()}
-    print(report.summary(plan, sizes))
+    print(plan.summary(sizes))
     print(f"wrote {options.output}")
     if options.add_to_baseline:
         from shardplan.cli.quality import Case, add_case
@@ -592,7 +591,7 @@ def _check(options) -> int:
 def _demo(options) -> int:
     from rich.table import Table
 
-    from shardplan.cli import demo, report
+    from shardplan.cli import demo
     from shardplan.common.sizes import format_bytes
     from shardplan.models import zoo
     from shardplan.runtime.launch import check_local_world
@@ -611,7 +610,7 @@ def _demo(options) -> int:
         f"per rank; hardware: {hardware.name}"
     )
     # plain text: rich would rewrap its columns to the terminal
-    print(report.summary(plan), flush=True)
+    print(plan.summary(), flush=True)
     measured = demo.train_with_plan(plan, options.world_size, options.steps)
     table = Table(
         title=f"predicted vs measured (CPU, gloo, {options.world_size} ranks, {options.steps} steps)"

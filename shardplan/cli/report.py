@@ -6,7 +6,17 @@ from rich.table import Table
 
 from shardplan.common.sizes import format_bytes
 from shardplan.errors import ShardplanError
-from shardplan.plan import Checkpoint, Plan, ShardStrategy, input_label, input_shape
+from shardplan.plan import (
+    Checkpoint,
+    Plan,
+    ShardStrategy,
+    format_count,
+    input_label,
+    input_shape,
+    mesh_words,
+    parameter_counts,
+    unit_labels,
+)
 
 STRATEGY_COLORS = {
     ShardStrategy.FULL_SHARD: "#4C72B0",
@@ -16,66 +26,6 @@ STRATEGY_COLORS = {
 }
 CHECKPOINT_HATCH = {Checkpoint.NONE: "", Checkpoint.FULL: "//", Checkpoint.SELECTIVE: ".."}
 OFFLOAD_COLOR = "#DD8452"
-
-
-def unit_labels(names: list[str]) -> dict[str, str]:
-    """Each unit's name as it tells units apart: a leading module path every unit shares is dropped
-    ("model." where every module is under it), and a range's last module drops what it shares with
-    its first ("model.layers.0..model.layers.3" -> "model.layers.0..3"), each module keeping its last two fields."""
-    parts = [part.split(".") for name in names for part in name.split("..")]
-    shared = os.path.commonprefix(parts) if len(parts) > 1 else []
-    # a module keeps its last two fields ("layers.3", not "3")
-    cut = min([len(shared)] + [max(0, len(fields) - 2) for fields in parts])
-    return {
-        name: _range_label([part.split(".")[cut:] for part in name.split("..")]) for name in names
-    }
-
-
-def _range_label(parts: list[list[str]]) -> str:
-    first, *rest = parts
-    if not rest:
-        return ".".join(first)
-    last = rest[-1]
-    same = len(os.path.commonprefix([first, last[:-1]]))
-    return ".".join(first) + ".." + ".".join(last[same:])
-
-
-def parameter_counts(plan: Plan, sizes: dict[str, int] | None) -> dict[str, int] | None:
-    """Each unit's parameters counted in elements, from `sizes` (parameter name -> elements); None
-    where `sizes` is None or misses one of the plan's parameters."""
-    if sizes is None or any(name not in sizes for unit in plan.units for name in unit.params):
-        return None
-    return {unit.name: sum(sizes[name] for name in unit.params) for unit in plan.units}
-
-
-def format_count(count: int) -> str:
-    """A number of parameters as people read it: 950, 12.6K, 3.41M, 8.03B."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if count >= scale:
-            return f"{count / scale:.3g}{suffix}"
-    return str(count)
-
-
-def mesh_words(plan: Plan) -> str:
-    """The mesh in the words the command line uses throughout: "data-parallel ranks" read different
-    batches; a "replica group" is HSDP's group of ranks holding the same shards; and whether any unit
-    is sharded over the dp_shard ranks at all."""
-    mesh = plan.mesh
-    words = [f"{mesh.dp} data-parallel rank{'s' if mesh.dp > 1 else ''}"]
-    if mesh.dp_replicate > 1:
-        words.append(f"{mesh.dp_replicate} replica groups (HSDP) of {mesh.dp_shard}")
-    if mesh.dp_shard > 1:
-        sharded = sum(1 for unit in plan.units if unit.strategy is not ShardStrategy.REPLICATE)
-        words.append(
-            "every unit replicated: no state is sharded"
-            if not sharded
-            else f"{sharded} of {len(plan.units)} units sharded over dp_shard={mesh.dp_shard} ranks"
-        )
-    if mesh.pp > 1:
-        words.append(f"{mesh.pp} pipeline stages")
-    if mesh.tp > 1:
-        words.append(f"tensor parallel over {mesh.tp} ranks")
-    return f"{mesh.describe()} ({'; '.join(words)})"
 
 
 def setup_table(plan: Plan) -> Table:
@@ -142,59 +92,6 @@ def units_table(plan: Plan, sizes: dict[str, int] | None = None) -> Table:
             *([str(stage_of.get(unit.name, ""))] if plan.mesh.pp > 1 else []),
         )
     return table
-
-
-def summary(plan: Plan, sizes: dict[str, int] | None = None) -> str:
-    """The plan as plain text (what `shardplan plan` prints): the step, the units, the predicted
-    memory and time; `sizes` as units_table's."""
-    inputs = ", ".join(f"{input_label(spec)}: {input_shape(spec)}" for spec in plan.inputs)
-    batch = plan.batch_per_replica
-    counts = parameter_counts(plan, sizes)
-    labels = unit_labels([unit.name for unit in plan.units])
-    width = max([4, *map(len, labels.values())])
-    lines = [
-        f"plan for {plan.model or 'model'} on {plan.world_size} ranks of {plan.hardware}",
-        f"mesh: {mesh_words(plan)}",
-        f"schedule: {plan.schedule.runs_as(plan.mesh.pp)}; params "
-        f"{plan.mixed_precision.param_dtype}, grads reduced in {plan.mixed_precision.reduce_dtype}",
-        f"inputs per data-parallel rank: {inputs or 'none'}; global batch "
-        f"{plan.mesh.dp * batch} samples a step = {plan.mesh.dp} data-parallel ranks x {batch}",
-        "",
-        f"{'stage':>5}  {'unit':<{width}}  {'strategy':<16} {'checkpoint':<10} {'offload':<7} "
-        f"{'params' if counts else 'tensors':>7}",
-    ]
-    units = {unit.name: unit for unit in plan.units}
-    for stage in plan.stages:
-        for name in stage.units:
-            unit = units[name]
-            lines.append(
-                f"{stage.index:>5}  {labels[name]:<{width}}  {unit.strategy.value:<16} "
-                f"{unit.checkpoint.value:<10} {'yes' if unit.offload else 'no':<7} "
-                f"{format_count(counts[name]) if counts else str(len(unit.params)):>7}"
-            )
-    predicted = plan.predicted
-    lines += [
-        "",
-        f"peak memory per rank {format_bytes(predicted.peak_bytes)} "
-        f"(budget {format_bytes(plan.reasoning.budget_bytes)}):",
-    ]
-    lines += [
-        f"  {name:<16} {format_bytes(value):>12}"
-        for name, value in sorted(predicted.memory_bytes.items())
-    ]
-    lines.append(
-        f"step time {predicted.step_time_s:.4g} s, {predicted.samples_per_s:.4g} samples/s, "
-        f"MFU {predicted.mfu:.1%}:"
-    )
-    lines += [f"  {name:<16} {value:>12.4g} s" for name, value in sorted(predicted.time_s.items())]
-    lines += ["", f"binding constraint: {plan.reasoning.binding_constraint}"]
-    if plan.reasoning.runner_ups:
-        lines.append("runner-ups:")
-        lines += [
-            f"  {alt.step_time_s:>10.4g} s  {format_bytes(alt.peak_bytes):>12}  {alt.description}"
-            for alt in plan.reasoning.runner_ups
-        ]
-    return "\n".join(lines)
 
 
 def prediction_table(plan: Plan) -> Table:
