@@ -9,7 +9,6 @@ from shardplan.costmodel import cost
 from shardplan.costmodel.hardware import HardwareModel
 from shardplan.frontend.chain import Block, BlockChain, InputSpec
 from shardplan.plan import (
-    Decision,
     KeptWhole,
     Mesh,
     Predicted,
@@ -100,8 +99,8 @@ def stage_costs(
 ) -> list[cost.StepCost]:
     """Every stage's StepCost, walked event by event (cost.evaluate_stage)."""
     return [
-        stage_cost(
-            chain,
+        walk_stage(
+            chain.blocks,
             index,
             cut.start,
             cut.end,
@@ -113,23 +112,6 @@ def stage_costs(
         )
         for index, cut in enumerate(candidate.stages)
     ]
-
-
-def stage_cost(
-    chain: BlockChain,
-    index: int,
-    start: int,
-    end: int,
-    bounds: tuple[int, ...],
-    decisions: tuple[Decision, ...],
-    setting: Setting,
-    configuration: Configuration,
-    hw: HardwareModel,
-) -> cost.StepCost:
-    """Stage `index` (blocks start..end, units starting at `bounds` within it) walked event by event."""
-    return walk_stage(
-        chain.blocks, index, start, end, bounds, decisions, setting, configuration, hw
-    )
 
 
 def predict(

@@ -9,8 +9,8 @@ from shardplan.costmodel.hardware import HardwareProfile, get_hardware
 from shardplan.errors import PlanError
 from shardplan.frontend.chain import BlockChain
 from shardplan.plan import MixedPrecision, Plan, Predicted
-from shardplan.solver.assemble import example_batch, predicted_terms, stage_cost
-from shardplan.solver.search import Configuration, Setting
+from shardplan.solver.assemble import example_batch, predicted_terms
+from shardplan.solver.search import Configuration, Setting, walk_stage
 
 
 def evaluate(
@@ -119,8 +119,8 @@ def evaluate_stages(
         decisions = tuple(plan.units[owners[i]] for i in unit_starts)  # a Unit is its Decision
         names += [unit.name for unit in decisions]
         steps.append(
-            stage_cost(
-                chain,
+            walk_stage(
+                chain.blocks,
                 stage,
                 start,
                 end,
