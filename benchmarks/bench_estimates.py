@@ -31,10 +31,10 @@ from shardplan.calibration.accuracy import (
     measure_plans,
 )
 from shardplan.calibration.calibrate import CPU_SWEEP, fit_profile, summary
-from shardplan.cli.demo import DEMO_BATCH, DEMO_GPT
 from shardplan.costmodel.cost import CostContext, Decision, unit_cost
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
+from shardplan.models.zoo import DEMO_BATCH, DEMO_GPT
 
 
 def measure_block_times(entry: zoo.ZooModel, names: list[str], rounds: int) -> dict[str, float]:

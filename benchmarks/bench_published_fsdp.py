@@ -292,8 +292,8 @@ def analysis_digest() -> str:
         f"{sys.version} {torch.__version__} {transformers.__version__}".encode()
     )
     for path in sorted(
-        _imported_sources(os.path.join(PACKAGE, "passes", "__init__.py"))
-        | _imported_sources(os.path.join(PACKAGE, "zoo.py"))
+        _imported_sources(os.path.join(PACKAGE, "frontend", "passes", "__init__.py"))
+        | _imported_sources(os.path.join(PACKAGE, "models", "zoo.py"))
     ):
         with open(path, "rb") as handle:
             digest.update(os.path.relpath(path, PACKAGE).encode() + b"\0" + handle.read())
