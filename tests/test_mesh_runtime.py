@@ -4,6 +4,8 @@ One spawned world of 4 ranks runs every case (tp 2 × dp 2, dp_replicate 2 × dp
 pp 2 on the zoo GPT and a tiny Hugging Face LLaMA, HSDP under a 2-stage pipeline, each next to one
 process on the whole batch), then a checkpoint saved on tp 2 × dp 2 resumed on dp 4 and on HSDP,
 and one saved on tp 2 × pp 2 resumed on tp 2 × dp 2 and dp 4, which must continue the same losses.
+Every plan is written here once, before the world starts (its capture is the same on every rank),
+and given to the ranks as JSON.
 """
 
 import copy
@@ -16,7 +18,7 @@ from parity import ADAMW, assert_parity, spawn_world, train_next_to_reference
 
 from shardplan.errors import ShardplanError
 from shardplan.models import zoo
-from shardplan.plan import Checkpoint, ShardStrategy
+from shardplan.plan import Checkpoint, Plan, ShardStrategy
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
 
@@ -81,14 +83,11 @@ def _batches(entry, replicas: int, steps: int, first: int = 0) -> list[torch.Ten
     ]
 
 
-def run_case(rank: int, case: dict) -> dict:
-    """Train the case's model on its mesh next to one process on the whole batch (see train_next_to_reference)."""
-    build, _ = MODELS[case["model"]]
-    torch.manual_seed(0)
-    entry = build(2)
-    reference, model = entry.model, copy.deepcopy(entry.model)
-    plan = _plan(
-        model,
+def case_plan(case: dict) -> str:
+    """The case's plan, as JSON: its model's units on its mesh, at one replica's batch."""
+    entry = MODELS[case["model"]][0](2)
+    return _plan(
+        entry.model,
         case["model"],
         case["mesh"],
         entry.args[0],
@@ -96,7 +95,16 @@ def run_case(rank: int, case: dict) -> dict:
         checkpoints=case.get("checkpoints", (Checkpoint.NONE,)),
         micro_batches=case.get("micro_batches", 1),
         schedule=case.get("schedule", "gpipe"),
-    )
+    ).to_json()
+
+
+def run_case(rank: int, case: dict, plan_json: str) -> dict:
+    """Train the case's model on its mesh next to one process on the whole batch (see train_next_to_reference)."""
+    build, _ = MODELS[case["model"]]
+    torch.manual_seed(0)
+    entry = build(2)
+    reference, model = entry.model, copy.deepcopy(entry.model)
+    plan = Plan.from_json(plan_json)
     program = parallelize(model, plan, backend=case.get("backend", "shardplan"))
     replicas, replica = plan.mesh.dp, plan.mesh.replica_of(rank)
     batches = [(ids.chunk(replicas)[replica], ids) for ids in _batches(entry, replicas, STEPS)]
@@ -120,26 +128,48 @@ RESUMES = {
 """Per resume: the mesh the checkpoint is saved on (backend "shardplan") and the meshes and backends it resumes on."""
 
 
-def resume_across_meshes(rank: int, directory: str, saved_on: str, resumed_on: dict) -> dict:
+def _resume_batches(entry) -> list[torch.Tensor]:
+    return _batches(entry, WORLD // 2, 4)
+
+
+def resume_plans(saved_on: str, resumed_on: dict) -> dict[str, str]:
+    """LLaMA's plans of a resume, as JSON, by mesh name (saved_on's and each of resumed_on's), at one
+    replica's batch of the resume's batches."""
+    entry = MODELS["llama"][0](2)
+    meshes = {saved_on: MESHES[saved_on]} | {name: mesh for name, (mesh, _) in resumed_on.items()}
+    first = _resume_batches(entry)[0]
+    plans, written = {}, {}
+    for name, mesh in meshes.items():
+        key = repr(sorted(mesh.items()))  # a mesh two backends resume on: one plan
+        if key in written:
+            plans[name] = written[key]
+            continue
+        replicas = mesh["dp"] * mesh.get("dp_replicate", 1)
+        plans[name] = written[key] = _plan(
+            entry.model,
+            "llama",
+            mesh,
+            first.chunk(replicas)[0],
+            strategies=STRATEGIES,
+            micro_batches=mesh.get("pp", 1),
+        ).to_json()
+    return plans
+
+
+def resume_across_meshes(
+    rank: int, directory: str, saved_on: str, resumed_on: dict, plans: dict[str, str]
+) -> dict:
     """Train LLaMA 2 steps on MESHES[saved_on], save; resume on each of `resumed_on` for 2 more steps, next
-    to the same 4 steps in one run on `saved_on`: the losses after the resume must be the same."""
+    to the same 4 steps in one run on `saved_on`: the losses after the resume must be the same. `plans`:
+    resume_plans'."""
     build, _ = MODELS["llama"]
     torch.manual_seed(0)
     entry = build(2)
-    batches = _batches(entry, WORLD // 2, 4)
+    batches = _resume_batches(entry)
 
-    def program_on(mesh: dict, backend: str = "shardplan"):
+    def program_on(name: str, backend: str = "shardplan"):
         model = copy.deepcopy(entry.model)
-        replicas = mesh["dp"] * mesh.get("dp_replicate", 1)
-        plan = _plan(
-            model,
-            "llama",
-            mesh,
-            batches[0].chunk(replicas)[0],
-            strategies=STRATEGIES,
-            micro_batches=mesh.get("pp", 1),
-        )
-        program = parallelize(model, plan, backend=backend)
+        program = parallelize(model, Plan.from_json(plans[name]), backend=backend)
         return program, torch.optim.AdamW(program.parameters(), **ADAMW)
 
     def train(program, optimizer, steps: list[torch.Tensor]) -> list[float]:
@@ -152,14 +182,14 @@ def resume_across_meshes(rank: int, directory: str, saved_on: str, resumed_on: d
             optimizer.zero_grad()
         return losses
 
-    program, optimizer = program_on(MESHES[saved_on])
+    program, optimizer = program_on(saved_on)
     train(program, optimizer, batches[:2])
     program.save(f"{directory}/{saved_on}", optimizer)
     unbroken = train(program, optimizer, batches[2:])
     exported = program.export_full_state_dict()
     resumed = {}
-    for name, (mesh, backend) in resumed_on.items():
-        program, optimizer = program_on(mesh, backend)
+    for name, (_, backend) in resumed_on.items():
+        program, optimizer = program_on(name, backend)
         program.load(f"{directory}/{saved_on}", optimizer)
         resumed[name] = max(
             abs(a - b) for a, b in zip(train(program, optimizer, batches[2:]), unbroken)
@@ -173,11 +203,11 @@ def resume_across_meshes(rank: int, directory: str, saved_on: str, resumed_on: d
     }
 
 
-def refusals(rank: int) -> dict:
-    """A plan whose sliced modules differ from what the model offers."""
+def refusals(rank: int, plan_json: str) -> dict:
+    """A plan whose sliced modules differ from what the model offers; `plan_json`: GPT's on tp2_dp2."""
     found = {}
     entry = MODELS["gpt"][0](2)
-    plan = _plan(entry.model, "gpt", MESHES["tp2_dp2"], entry.args[0])
+    plan = Plan.from_json(plan_json)
     edited = dataclasses.replace(
         plan,
         tensor_parallel=dataclasses.replace(
@@ -252,20 +282,25 @@ CASES = {
 }
 
 
-def run_world(rank: int, world: int, directory: str) -> dict:
+def run_world(rank: int, world: int, directory: str, plans: dict) -> dict:
     return {
-        "cases": {name: run_case(rank, case) for name, case in CASES.items()},
+        "cases": {name: run_case(rank, case, plans["cases"][name]) for name, case in CASES.items()},
         "resume": {
-            saved: resume_across_meshes(rank, directory, *how) for saved, how in RESUMES.items()
+            saved: resume_across_meshes(rank, directory, *how, plans["resume"][saved])
+            for saved, how in RESUMES.items()
         },
-        "refusals": refusals(rank),
+        "refusals": refusals(rank, plans["cases"]["gpt_tp2_dp2"]),
     }
 
 
 @pytest.fixture(scope="module")
 def results():
+    plans = {
+        "cases": {name: case_plan(case) for name, case in CASES.items()},
+        "resume": {saved: resume_plans(*how) for saved, how in RESUMES.items()},
+    }
     with tempfile.TemporaryDirectory() as directory:
-        return spawn_world(WORLD, run_world, (directory,))
+        return spawn_world(WORLD, run_world, (directory, plans))
 
 
 def test_tp_and_hsdp_train_like_one_process(results):
