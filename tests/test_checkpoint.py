@@ -3,8 +3,10 @@ export a full state dict.
 
 World 2 trains a GPT for 5 steps, saving after step 3; everything else is compared with that
 uninterrupted run: world 2 resumes it exactly, worlds 4 and 1 (other unit groupings and strategy
-mixes, and FSDP2 at world 4) continue its losses. A world-1 process dies mid-save for real. Each
-spawned world runs all its cases and returns rank 0's record, which the tests read.
+mixes, and FSDP2 at world 4) continue its losses. A world-1 process dies mid-save for real. World 4
+then trains and saves tensor-parallel meshes of its own, which other meshes and backends resume. Each
+spawned world runs all its cases and returns rank 0's record, which the tests read; plans that
+capture the model are written once, before their world starts.
 """
 
 import functools
@@ -25,7 +27,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardplan.errors import CheckpointError, RuntimeMismatchError, ShardplanError
 from shardplan.models import zoo
-from shardplan.plan import ShardStrategy
+from shardplan.plan import Plan, ShardStrategy
 from shardplan.runtime import checkpoint, manual_plan, parallelize
 from shardplan.runtime.chunks import Chunk, DTensorHolder, row_chunks, unit_chunks
 from shardplan.runtime.flat_param import FlatLayout
@@ -111,29 +113,32 @@ def across_backends(rank: int, world: int, directory: Path) -> dict:
     return {"losses": losses, "export_error": max_difference(saved, loaded) if saved else None}
 
 
-def pipelined(rank: int, world: int, directory: Path) -> dict:
-    """pp 2 × dp 2 resumes the step-3 checkpoint, trains to step 5 and saves; a pp = 1 plan resumes that.
-    state_error: its parameters' largest difference from the uninterrupted run's, reloaded_error: the pp = 1
-    plan's from what it saved (None off rank 0, which alone holds an export)."""
+def pipelined_plan(world: int) -> Plan:
+    """PLANS[2]'s units in 2 stages of world / 2 ranks each, 1F1B over 2 micro-batches."""
+    dp = world // 2
+    groups, strategies = PLANS[2]
+    example = batch(0, 0, dp)  # one replica's batch
+    return manual_plan(
+        zoo.gpt().model,
+        groups,
+        dp=dp,
+        pp=2,
+        strategies=strategies,
+        micro_batches=2,
+        schedule="1f1b",
+        example_inputs=(example,),
+        example_kwargs={"labels": example},
+    )
+
+
+def pipelined(rank: int, world: int, directory: Path, plan_json: str) -> dict:
+    """pp 2 × dp 2 (pipelined_plan, as JSON) resumes the step-3 checkpoint, trains to step 5 and saves; a
+    pp = 1 plan resumes that. state_error: its parameters' largest difference from the uninterrupted run's,
+    reloaded_error: the pp = 1 plan's from what it saved (None off rank 0, which alone holds an export)."""
     dp = world // 2
     torch.manual_seed(0)
     model = zoo.gpt().model
-    groups, strategies = PLANS[2]
-    example = batch(0, rank % dp, dp)
-    program = parallelize(
-        model,
-        manual_plan(
-            model,
-            groups,
-            dp=dp,
-            pp=2,
-            strategies=strategies,
-            micro_batches=2,
-            schedule="1f1b",
-            example_inputs=(example,),
-            example_kwargs={"labels": example},
-        ),
-    )
+    program = parallelize(model, Plan.from_json(plan_json))
     optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
     program.load(directory / "ckpt", optimizer)
     losses = train(program, optimizer, range(SAVE_AFTER, STEPS), rank % dp, dp)
@@ -515,7 +520,8 @@ class Counter:
 
 
 def saving_run(rank: int, world: int, directory: Path) -> dict:
-    """World 2: the uninterrupted run that saves the step-3 checkpoint, its exact resume, crashes, exports."""
+    """World 2: the uninterrupted run that saves the step-3 checkpoint, its exact resume, crashes, exports;
+    then replicas' BatchNorm statistics on each backend."""
     # in this order: resume loads what the uninterrupted run saved
     return {
         "uninterrupted": uninterrupted(rank, world, directory),
@@ -523,17 +529,26 @@ def saving_run(rank: int, world: int, directory: Path) -> dict:
         "crashes": crashes(rank, world, directory, SwapCrash),
         "hugging_face": hugging_face_export(rank, world, directory),
         "transactions": transactions(rank, world, directory),
+        "batch_norm": {
+            backend: running_statistics_run(rank, world, directory, backend)
+            for backend in ("shardplan", "fsdp2")
+        },
     }
 
 
-def resuming_run(rank: int, world: int, directory: Path) -> dict:
+def resuming_run(rank: int, world: int, directory: Path, plans: dict | None = None) -> dict:
     """Worlds 4 and 1: resume the step-3 checkpoint on another plan; world 4 also across backends, pipelined
-    and after the death mid-save, world 1 the refusals."""
+    and after the death mid-save, then the tensor-parallel checkpoints of its own run, its plans
+    (`plans`: pipelined_plan's and tensor_parallel_plans', as JSON) written before it started; world 1
+    the refusals."""
     results = resume(rank, world, directory)
     if world == 4:
         results["fsdp2"] = across_backends(rank, world, directory)
-        results["pipelined"] = pipelined(rank, world, directory)
+        results["pipelined"] = pipelined(rank, world, directory, plans["pipelined"])
         results["after_death"] = after_death(rank, world, directory)
+        results["tensor_parallel"] = tensor_parallel_checkpoints(
+            rank, world, directory, plans["tensor_parallel"]
+        )
     if world == 1:
         results["errors"] = errors(rank, world, directory)
         results["tampered"] = tampered(rank, world, directory)
@@ -548,9 +563,13 @@ def runs(tmp_path_factory) -> dict:
     with pytest.raises(mp.ProcessExitedException, match="exit code 17"):
         spawn_world(1, die_mid_save, (directory,))
     saved["dead_dirs"] = sorted(p.name for p in directory.iterdir() if p.name.startswith("dying"))
+    plans = {  # the same on every rank: captured once, here
+        "pipelined": pipelined_plan(4).to_json(),
+        "tensor_parallel": {name: plan.to_json() for name, plan in tensor_parallel_plans().items()},
+    }
     return {
         "save": saved,
-        4: spawn_world(4, resuming_run, (directory,)),
+        4: spawn_world(4, resuming_run, (directory, plans)),
         1: spawn_world(1, resuming_run, (directory,)),
         "directory": directory,
     }
@@ -822,8 +841,9 @@ def test_row_chunks_follow_torch_chunk_along_dim_0():
     ]
 
 
-def running_statistics_run(rank: int, world: int, directory: str, backend: str) -> dict:
-    """Replicas train a CNN with BatchNorm on batches of their own, then save and export (rank 0's record)."""
+def running_statistics_run(rank: int, world: int, directory: Path, backend: str) -> dict:
+    """Replicas train a CNN with BatchNorm on batches of their own, then save (in
+    batch-norm-<backend>) and export (rank 0's record)."""
     torch.manual_seed(0)
     entry = zoo.residual_cnn(batch=4)
     plan = manual_plan(
@@ -843,7 +863,7 @@ def running_statistics_run(rank: int, world: int, directory: str, backend: str) 
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     exported = program.export_full_state_dict()
-    program.save(os.path.join(directory, backend))
+    program.save(directory / f"batch-norm-{backend}")
     saved = {
         name: buffer.detach().clone()
         for name, buffer in entry.model.named_buffers()
@@ -859,8 +879,8 @@ def running_statistics_run(rank: int, world: int, directory: str, backend: str) 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["shardplan", "fsdp2"])
-def test_batch_norm_statistics_are_the_replicas_mean_in_checkpoints_and_exports(tmp_path, backend):
-    record = spawn_world(2, running_statistics_run, (str(tmp_path), backend))
+def test_batch_norm_statistics_are_the_replicas_mean_in_checkpoints_and_exports(runs, backend):
+    record = runs["save"]["batch_norm"][backend]  # world 2's, after its other cases
     first, second = (
         {name: torch.tensor(values, dtype=torch.float64) for name, values in replica.items()}
         for replica in record["replicas"]
@@ -874,7 +894,7 @@ def test_batch_norm_statistics_are_the_replicas_mean_in_checkpoints_and_exports(
             torch.testing.assert_close(
                 torch.tensor(record[where][name], dtype=torch.float64), mean, rtol=1e-6, atol=1e-7
             )
-    saved = json.loads((tmp_path / backend / "shardplan.json").read_text())
+    saved = json.loads((runs["directory"] / f"batch-norm-{backend}" / "shardplan.json").read_text())
     assert any("running_mean" in entry["name"] for entry in saved["buffers"])
 
 
@@ -892,8 +912,20 @@ def tensor_parallel_plan(dp: int, **options):
     )
 
 
-def tensor_parallel_program(plan, backend: str, rank: int) -> tuple:
-    """(a program of `plan` on `backend` from seed 0, its optimizer, this rank's replica, the replicas)."""
+def tensor_parallel_plans() -> dict[str, Plan]:
+    """The plans of tensor_parallel_checkpoints, by name."""
+    return {
+        "tp2_dp2": tensor_parallel_plan(dp=2),
+        "tp2_dp2_sp_vocab": tensor_parallel_plan(dp=2, sequence_parallel=True, vocab_parallel=True),
+        "tp2_hsdp2": tensor_parallel_plan(dp=1, dp_replicate=2),
+        "tp2_pp2": tensor_parallel_plan(dp=1, pp=2, micro_batches=2, schedule="1f1b"),
+    }
+
+
+def tensor_parallel_program(plan_json: str, backend: str, rank: int) -> tuple:
+    """(a program of the plan `plan_json` on `backend` from seed 0, its optimizer, this rank's replica, the
+    replicas)."""
+    plan = Plan.from_json(plan_json)
     torch.manual_seed(0)
     program = parallelize(zoo.gpt().model, plan, backend=backend)
     return (
@@ -904,8 +936,8 @@ def tensor_parallel_program(plan, backend: str, rank: int) -> tuple:
     )
 
 
-def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
-    """fsdp2 tp 2 × dp 2 trains 5 steps, saving after step 3. From that checkpoint: shardplan dp 4 and fsdp2
+def tensor_parallel_checkpoints(rank: int, world: int, directory: Path, plans: dict) -> dict:
+    """`plans`: tensor_parallel_plans', as JSON. fsdp2 tp 2 × dp 2 trains 5 steps, saving after step 3. From that checkpoint: shardplan dp 4 and fsdp2
     tp 2 × dp 2 with sequence and vocab parallelism resume; shardplan tp 2 × dp 2 takes a step and saves,
     which fsdp2 tp 2 × HSDP 2 resumes; fsdp2 tp 2 × pp 2 resumes and saves at the end, which shardplan dp 4
     loads. Per case: its losses after step 3, loaded_error (each load's export against the saving program's
@@ -931,7 +963,7 @@ def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
             "state_error": difference(state, final),
         }
 
-    sharded = tensor_parallel_plan(dp=2)
+    sharded = plans["tp2_dp2"]
     program, optimizer, replica, replicas = tensor_parallel_program(sharded, "fsdp2", rank)
     uninterrupted = train(program, optimizer, range(SAVE_AFTER), replica, replicas)
     program.save(directory / "fsdp2-tp", optimizer)
@@ -947,9 +979,7 @@ def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
     losses, loaded_error = resume(program, optimizer, rank, world)
     results["shardplan dp 4"] = record(program.export_full_state_dict(), losses, loaded_error)
 
-    program, *rest = tensor_parallel_program(
-        tensor_parallel_plan(dp=2, sequence_parallel=True, vocab_parallel=True), "fsdp2", rank
-    )
+    program, *rest = tensor_parallel_program(plans["tp2_dp2_sp_vocab"], "fsdp2", rank)
     losses, loaded_error = resume(program, *rest)
     results["fsdp2 tp 2 × dp 2, sequence and vocab parallel"] = record(
         program.export_full_state_dict(), losses, loaded_error
@@ -961,9 +991,7 @@ def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
     )
     program.save(directory / "shardplan-tp", optimizer)
     at_step = program.export_full_state_dict()
-    program, *rest = tensor_parallel_program(
-        tensor_parallel_plan(dp=1, dp_replicate=2), "fsdp2", rank
-    )
+    program, *rest = tensor_parallel_program(plans["tp2_hsdp2"], "fsdp2", rank)
     more, hybrid_error = resumed(
         program, *rest, path="shardplan-tp", saved=at_step, steps=range(SAVE_AFTER + 1, STEPS)
     )
@@ -971,8 +999,7 @@ def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
         program.export_full_state_dict(), losses + more, loaded_error, hybrid_error
     )
 
-    pipelined = tensor_parallel_plan(dp=1, pp=2, micro_batches=2, schedule="1f1b")
-    program, optimizer, *rest = tensor_parallel_program(pipelined, "fsdp2", rank)
+    program, optimizer, *rest = tensor_parallel_program(plans["tp2_pp2"], "fsdp2", rank)
     losses, loaded_error = resume(program, optimizer, *rest)
     program.save(directory / "fsdp2-tp-pp", optimizer)
     at_end = program.export_full_state_dict()
@@ -987,8 +1014,8 @@ def tensor_parallel_checkpoints(rank: int, world: int, directory: Path) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_fsdp2_tensor_parallel_checkpoints_resume_on_other_meshes_and_backends(tmp_path):
-    results = spawn_world(4, tensor_parallel_checkpoints, (tmp_path,))
+def test_fsdp2_tensor_parallel_checkpoints_resume_on_other_meshes_and_backends(runs):
+    results = dict(runs[4]["tensor_parallel"])  # world 4's own run, in the checkpoints' directory
     expected = results.pop("uninterrupted")[SAVE_AFTER:]
     assert len(results) == 4
     for name, resumed in results.items():
@@ -997,6 +1024,6 @@ def test_fsdp2_tensor_parallel_checkpoints_resume_on_other_meshes_and_backends(t
             name
         )  # every parameter bit-equal to the saving program's
         assert resumed["state_error"] < 1e-5, name
-    metadata = json.loads((tmp_path / "fsdp2-tp" / checkpoint.METADATA_FILE).read_text())
+    metadata = json.loads((runs["directory"] / "fsdp2-tp" / checkpoint.METADATA_FILE).read_text())
     shapes = {entry["name"]: entry["shape"] for entry in metadata["parameters"]}
     assert shapes["h.0.attn.qkv.weight"] == [192, 64] and shapes["h.0.mlp.proj.weight"] == [64, 256]
