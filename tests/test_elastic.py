@@ -1,11 +1,11 @@
-"""Elastic training: the sample stream, extra state in checkpoints, and torchrun elastic jobs that shrink
-and grow (tests/elastic_job.py runs them: one-rank nodes, each a torchrun agent).
+"""Elastic training: the sample stream, extra state in checkpoints, and a torchrun elastic job that grows
+and shrinks (tests/elastic_job.py runs it: one-rank nodes, each a torchrun agent).
 
-The shrink starts 4 nodes, kills one with SIGKILL mid-run (the others fail at their next collective,
-torchrun restarts them on a world of 3, re-planned, from the last checkpoint). The grow starts 2 nodes
-and adds 2 (torchrun stops the workers with SIGTERM, which checkpoints, and restarts them on a world of
-4, re-planned). In both, every step's loss, replayed steps included, equals an uninterrupted one-process
-run's on the same samples to 1e-5.
+The job starts 2 nodes and adds 2 (torchrun stops the workers with SIGTERM, which checkpoints, and
+restarts them on a world of 4, re-planned); once the 4 have stepped past a checkpoint, it kills one
+with SIGKILL (the others fail at their next collective, torchrun restarts them on a world of 3,
+re-planned, from the last checkpoint). Every step's loss, replayed steps included, equals an
+uninterrupted one-process run's on the same samples to 1e-5.
 """
 
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from elastic_job import Job, lose_one_of_four, reference_losses, restart_breakdown
+from elastic_job import PACE_S, Job, reference_losses, restart_breakdown
 from parity import spawn_world
 
 from shardplan.errors import CheckpointError, ShardplanError
@@ -339,10 +339,10 @@ def test_a_start_passes_over_a_damaged_newest_checkpoint_and_refuses_when_none_l
     assert extras["none_loads"].startswith("none of the 2 checkpoint(s)")
 
 
-# torchrun elastic jobs: 4 ranks lose one, 2 ranks gain two
+# a torchrun elastic job: 2 ranks gain two, then the 4 lose one
 
 GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 12, 30, 4
-"""12 samples a step split over 4, 3 and 2 ranks; enough steps that a paced job is mid-way while a test acts."""
+"""12 samples a step split over 2, 4 and 3 ranks; enough steps that a paced job is mid-way while a test acts."""
 
 
 @pytest.fixture(scope="module")
@@ -360,6 +360,38 @@ def job(tmp_path: Path) -> Job:
     )
 
 
+@pytest.fixture(scope="module")
+def grown_then_shrunk(tmp_path_factory) -> dict:
+    """One job (one torchrun start-up for both changes): 2 nodes, joined by 2 more mid-run, then one of
+    the 4 killed with SIGKILL once they have stepped past a checkpoint of their own; run to the end.
+    Its events, starts, logs and the time of the kill."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("finds torchrun's workers in /proc")
+    with job(tmp_path_factory.mktemp("elastic")) as running:
+        running.start(2)
+        running.wait_for(
+            lambda: running.progress()["world_size"] == 2 and running.progress()["step"] >= 2,
+            "steps on 2 ranks",
+        )
+        running.pace(
+            0.5
+        )  # 3 s a step on 2 ranks: the job is mid-way when the new nodes join, however slowly they start
+        running.start(2)
+        running.wait_for(lambda: running.progress()["world_size"] == 4, "a step on 4 ranks")
+        running.pace(PACE_S)
+        running.wait_for(
+            lambda: running.running_past_a_checkpoint(4), "steps on 4 ranks past a checkpoint"
+        )
+        killed = running.kill_a_rank()
+        running.finish()
+    return {
+        "events": running.events(),
+        "starts": running.starts(),
+        "logs": running.logs_text(),
+        "killed": killed,
+    }
+
+
 def assert_one_stream_with_the_losses_of_one_process(
     found: list[dict], expected: list[float]
 ) -> None:
@@ -374,18 +406,12 @@ def assert_one_stream_with_the_losses_of_one_process(
 
 @pytest.mark.distributed
 @pytest.mark.timeout(
-    400
+    600
 )  # its phases wait up to START_TIMEOUT_S each: a loaded machine starts processes slowly
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc"
-)
 def test_a_4_rank_torchrun_job_loses_a_rank_to_sigkill_and_trains_on_3_replanned(
-    tmp_path, expected_losses
+    grown_then_shrunk, expected_losses
 ):
-    with job(tmp_path) as running:
-        killed = lose_one_of_four(running)
-    found = running.events()
-    begun = running.starts()
+    found, begun = grown_then_shrunk["events"], grown_then_shrunk["starts"]
     assert [start["world_size"] for start in begun][-2:] == [4, 3], begun
     shrunk = begun[-1]
     assert shrunk["mesh"] == "pp=1 dp_shard=3" and shrunk["old_mesh"] == "pp=1 dp_shard=4"
@@ -399,32 +425,19 @@ def test_a_4_rank_torchrun_job_loses_a_rank_to_sigkill_and_trains_on_3_replanned
     assert (
         failures and failures[-1]["step"] == last_before_kill + 1
     )  # rank 0 saw its next step fail
-    breakdown = restart_breakdown(found, running.logs_text(), killed)
+    breakdown = restart_breakdown(found, grown_then_shrunk["logs"], grown_then_shrunk["killed"])
     parts = sum(seconds for name, seconds in breakdown.items() if name != "total_s")
     assert min(breakdown.values()) >= 0 and abs(parts - breakdown["total_s"]) < 0.5, breakdown
     assert_one_stream_with_the_losses_of_one_process(found, expected_losses)
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(400)
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc"
-)
-def test_a_2_rank_torchrun_job_grows_to_4_replanned_losing_no_step(tmp_path, expected_losses):
-    with job(tmp_path) as running:
-        running.start(2)
-        running.wait_for(
-            lambda: running.progress()["world_size"] == 2 and running.progress()["step"] >= 2,
-            "steps on 2 ranks",
-        )
-        running.pace(
-            0.5
-        )  # 3 s a step on 2 ranks: the job is mid-way when the new nodes join, however slowly they start
-        running.start(2)
-        running.wait_for(lambda: running.progress()["world_size"] == 4, "a step on 4 ranks")
-        running.finish()
-    found = running.events()
-    begun = running.starts()
+@pytest.mark.timeout(600)
+def test_a_2_rank_torchrun_job_grows_to_4_replanned_losing_no_step(
+    grown_then_shrunk, expected_losses
+):
+    found = grown_then_shrunk["events"]
+    begun = grown_then_shrunk["starts"][:-1]  # the last: the shrink after the kill
     sizes = [start["world_size"] for start in begun]
     assert sizes[0] == 2 and sizes[-1] == 4 and sizes == sorted(sizes), begun
     assert (
