@@ -5,7 +5,8 @@ One spawned world of 4 ranks runs every case (dp 2 × pp 2 with 1F1B on the zoo 
 smaller than planned too; GPipe on a tiny Hugging Face LLaMA; tp 2 × pp 2 with sequence and vocab
 parallelism on both; GPT-2 with its tied head and embedding on different stages; HSDP inside the stages), and
 a checkpoint saved on dp 2 × pp 2 resumed on backend "shardplan" at dp 4 and back; rank 0 returns the
-records the tests read.
+records the tests read. Every plan is written once, before the world starts (its capture is the same
+on every rank), and given to the ranks as JSON.
 """
 
 import copy
@@ -17,7 +18,7 @@ from parity import ADAMW, assert_parity, spawn_world, train_next_to_reference
 from test_mesh_runtime import MODELS as MESH_MODELS
 from test_pipeline import MODELS as PIPELINE_MODELS
 
-from shardplan.plan import Checkpoint, ShardStrategy
+from shardplan.plan import Checkpoint, Plan, ShardStrategy
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
 
@@ -98,28 +99,33 @@ def _batches(model: str, replicas: int, sizes: tuple[int, ...]) -> list[torch.Te
     ]
 
 
-def _program(model: str, mesh: dict, backend: str = "fsdp2", replica_batch: int = 4, **options):
-    """(a copy of the model trained from seed 0 under a plan for `mesh`, the plain model) of `replica_batch`."""
+def _plan(model: str, mesh: dict, replica_batch: int = 4, **options) -> str:
+    """The model's plan for `mesh` at `replica_batch` samples a replica, as JSON."""
     build, units = MODELS[model]
-    torch.manual_seed(0)
-    reference = build(replica_batch).model
     replicas = mesh["dp"] * mesh.get("dp_replicate", 1)
     example = _batches(model, replicas, (replica_batch,))[0].chunk(replicas)[0]
-    copied = copy.deepcopy(reference)
-    plan = manual_plan(
-        copied,
+    return manual_plan(
+        build(replica_batch).model,
         units,
         example_inputs=(example,),
         example_kwargs={"labels": example},
         **mesh,
         **options,
-    )
-    return parallelize(copied, plan, backend=backend), reference
+    ).to_json()
 
 
-def run_case(rank: int, case: dict) -> dict:
-    """Train the case's model on its mesh next to one process on the whole batch (see train_next_to_reference)."""
-    program, reference = _program(
+def _program(model: str, plan_json: str, backend: str = "fsdp2", replica_batch: int = 4):
+    """(a copy of the model trained from seed 0 under the plan `plan_json`, the plain model) of
+    `replica_batch`."""
+    build, _ = MODELS[model]
+    torch.manual_seed(0)
+    reference = build(replica_batch).model
+    copied = copy.deepcopy(reference)
+    return parallelize(copied, Plan.from_json(plan_json), backend=backend), reference
+
+
+def case_plan(case: dict) -> str:
+    return _plan(
         case["model"],
         case["mesh"],
         strategies=case["strategies"],
@@ -127,6 +133,11 @@ def run_case(rank: int, case: dict) -> dict:
         micro_batches=case["micro_batches"],
         schedule=case["schedule"],
     )
+
+
+def run_case(rank: int, case: dict, plan_json: str) -> dict:
+    """Train the case's model on its mesh next to one process on the whole batch (see train_next_to_reference)."""
+    program, reference = _program(case["model"], plan_json)
     replicas, replica = program.plan.mesh.dp, program.plan.mesh.replica_of(rank)
     batches = _batches(case["model"], replicas, case.get("replica_batches", (4,) * STEPS))
     return train_next_to_reference(
@@ -137,17 +148,26 @@ def run_case(rank: int, case: dict) -> dict:
     )
 
 
-def resume_across_backends(rank: int, directory: str) -> dict:
+def resume_plans() -> dict[str, str]:
+    """resume_across_backends' plans of GPT, as JSON: dp 2 × pp 2 (1F1B) at 4 samples a replica, dp 4 at 2."""
+    return {
+        "dp2_pp2": _plan(
+            "gpt",
+            dict(dp=2, pp=2),
+            4,
+            micro_batches=2,
+            schedule="1f1b",
+            strategies=(ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
+        ),
+        "dp4": _plan("gpt", dict(dp=4), 2),
+    }
+
+
+def resume_across_backends(rank: int, directory: str, plans: dict[str, str]) -> dict:
     """GPT on fsdp2 dp 2 × pp 2 steps, saves, and steps twice more; backend "shardplan" at dp 4 loads that
     checkpoint and takes the first of them; fsdp2 dp 2 × pp 2 loads what it saved and takes the second:
-    each must give the loss of the unbroken run."""
+    each must give the loss of the unbroken run. `plans`: resume_plans'."""
     batches = _batches("gpt", 4, (2, 2, 2))
-    pipelined = dict(
-        mesh=dict(dp=2, pp=2),
-        micro_batches=2,
-        schedule="1f1b",
-        strategies=(ShardStrategy.FULL_SHARD, ShardStrategy.SHARD_GRAD_OP),
-    )
 
     def train(program, optimizer, steps: list[torch.Tensor]) -> list[float]:
         losses = []
@@ -158,35 +178,39 @@ def resume_across_backends(rank: int, directory: str) -> dict:
             optimizer.zero_grad()
         return losses
 
-    def start(backend: str, mesh: dict, replica_batch: int, **options):
-        program, _ = _program("gpt", mesh, backend, replica_batch, **options)
+    def start(backend: str, plan: str, replica_batch: int):
+        program, _ = _program("gpt", plans[plan], backend, replica_batch)
         return program, torch.optim.AdamW(program.parameters(), **ADAMW)
 
-    program, optimizer = start("fsdp2", replica_batch=4, **pipelined)
+    program, optimizer = start("fsdp2", "dp2_pp2", 4)
     train(program, optimizer, batches[:1])
     program.save(f"{directory}/fsdp2", optimizer)
     unbroken = train(program, optimizer, batches[1:])
-    program, optimizer = start("shardplan", dict(dp=4), 2)
+    program, optimizer = start("shardplan", "dp4", 2)
     program.load(f"{directory}/fsdp2", optimizer)
     resumed = train(program, optimizer, batches[1:2])
     program.save(f"{directory}/shardplan", optimizer)
-    program, optimizer = start("fsdp2", replica_batch=4, **pipelined)
+    program, optimizer = start("fsdp2", "dp2_pp2", 4)
     program.load(f"{directory}/shardplan", optimizer)
     resumed += train(program, optimizer, batches[2:])
     return {"unbroken": unbroken, "resumed": resumed}
 
 
-def run_world(rank: int, world: int, directory: str) -> dict:
+def run_world(rank: int, world: int, directory: str, plans: dict) -> dict:
     return {
-        "cases": {name: run_case(rank, case) for name, case in CASES.items()},
-        "resume": resume_across_backends(rank, directory),
+        "cases": {name: run_case(rank, case, plans["cases"][name]) for name, case in CASES.items()},
+        "resume": resume_across_backends(rank, directory, plans["resume"]),
     }
 
 
 @pytest.fixture(scope="module")
 def results():
+    plans = {
+        "cases": {name: case_plan(case) for name, case in CASES.items()},
+        "resume": resume_plans(),
+    }
     with tempfile.TemporaryDirectory() as directory:
-        return spawn_world(WORLD, run_world, (directory,))
+        return spawn_world(WORLD, run_world, (directory, plans))
 
 
 def test_fsdp2_pipelines_train_like_one_process(results):
