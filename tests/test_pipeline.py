@@ -3,8 +3,9 @@
 One spawned world per world size (pp 2 at world 2; pp 2 × dp 2 at world 4) runs a grid of
 cases (schedules × strategies × checkpointing × micro-batches, a Hugging Face model, loss_fn,
 a plan the solver chose because pure FSDP did not fit) and the errors; rank 0 returns one
-record per case and the tests read them. A world of pp 4 runs 1F1B over fewer micro-batches
-than stages, and reports what each stage ran and held.
+record per case and the tests read them. The world of 4 also runs pp 4 1F1B over fewer micro-batches
+than stages, and reports what each stage ran and held; its plans are written once, before it starts
+(their capture is the same on every rank), and given to the ranks as JSON.
 """
 
 import contextlib
@@ -185,11 +186,41 @@ def _run_cases(rank: int, world: int, cases: dict) -> dict:
     return {name: run_case(rank, world, case) for name, case in cases.items()}
 
 
-def _all_checks(rank: int, world: int, cases: dict) -> dict:
+def _all_checks(rank: int, world: int, cases: dict, more: dict | None = None) -> dict:
+    """Every case, loss_fn and the errors; then (under "more") the cases of `more` with each stage's
+    work (_run_cases_with_stage_work)."""
     results = _run_cases(rank, world, cases)
     results["loss_fn"] = check_loss_fn(rank, world)
     results["errors"] = check_errors(rank, world)
+    if more:
+        results["more"] = _run_cases_with_stage_work(rank, world, more)
     return results
+
+
+def planned(world: int, cases: dict) -> dict:
+    """`cases`, each with the plan run_case would write on a rank (as JSON, under "plan")."""
+    found = {}
+    for name, case in cases.items():
+        pp = case.get("pp", 2)
+        dp = world // pp
+        build, groups = MODELS[case["model"]]
+        batch = case.get("replica_batch", REPLICA_BATCH)
+        mine = torch.zeros(batch, 32 if case["model"] == "gpt" else 16, dtype=torch.int64)
+        plan = manual_plan(
+            build(batch * dp).model,
+            groups,
+            dp=dp,
+            pp=pp,
+            schedule=case["schedule"],
+            micro_batches=case["micro_batches"],
+            strategies=case["strategies"],
+            checkpoints=case["checkpoints"],
+            example_inputs=(mine,),
+            example_kwargs={"labels": mine},
+            precision=MixedPrecision(param_dtype=case.get("param_dtype", "float32")),
+        )
+        found[name] = dict(case, plan=plan.to_json())
+    return found
 
 
 def solver_pipelined_plan() -> str:
@@ -326,48 +357,52 @@ WORLD4_CASES = {
 }
 
 
-@pytest.mark.timeout(600)
-def test_pipeline_world2_matches_one_process():
+# planned at 4 samples a replica, stepped at 2 (an epoch's last batch), 4, 2...: the schedule made for 2
+# re-uses the stage's units; the evaluation at the end runs the first batch, at 2. Llama's stages also
+# send its rotary tables, (1, T, d) at every batch size
+SMALLER_THAN_PLANNED = {
+    "gpt/1f1b/m2/smaller": {
+        "model": "gpt",
+        "schedule": "1f1b",
+        "micro_batches": 2,
+        **MIXED,
+        "clip": 0.05,
+        "replica_batches": (2, 4, 2, 4),
+    },
+    "llama/gpipe/m2/smaller": {
+        "model": "llama",
+        "schedule": "gpipe",
+        "micro_batches": 2,
+        **MIXED,
+        "replica_batches": (2, 4, 2),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    """The world of 2: WORLD2_CASES, the solver's plan, SMALLER_THAN_PLANNED, loss_fn and the errors."""
     cases = dict(
-        WORLD2_CASES, solver={"model": "gpt", "plan": solver_pipelined_plan(), "replica_batch": 8}
+        WORLD2_CASES,
+        solver={"model": "gpt", "plan": solver_pipelined_plan(), "replica_batch": 8},
+        **SMALLER_THAN_PLANNED,
     )
-    results = spawn_world(2, _all_checks, (cases,))
+    return cases, spawn_world(2, _all_checks, (cases,))
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_world2_matches_one_process(world2):
+    cases, results = world2
+    cases = {name: case for name, case in cases.items() if name not in SMALLER_THAN_PLANNED}
     assert_parity(results, cases)
     assert results["loss_fn"]["error"] <= TOLERANCE and results["loss_fn"]["timed"]
     errors = results["errors"]
     assert errors["forward_alone"][0] == "ShardplanError" and "step(" in errors["forward_alone"][1]
 
 
-@pytest.mark.timeout(120)
-def test_pipeline_steps_batches_smaller_than_planned():
-    # planned at 4 samples a replica, stepped at 2 (an epoch's last batch), 4, 2...: the schedule made for 2
-    # re-uses the stage's units; the evaluation at the end runs the first batch, at 2. Llama's stages also
-    # send its rotary tables, (1, T, d) at every batch size
-    cases = {
-        "gpt/1f1b/m2/smaller": {
-            "model": "gpt",
-            "schedule": "1f1b",
-            "micro_batches": 2,
-            **MIXED,
-            "clip": 0.05,
-            "replica_batches": (2, 4, 2, 4),
-        },
-        "llama/gpipe/m2/smaller": {
-            "model": "llama",
-            "schedule": "gpipe",
-            "micro_batches": 2,
-            **MIXED,
-            "replica_batches": (2, 4, 2),
-        },
-    }
-    assert_parity(spawn_world(2, _run_cases, (cases,)), cases)
-
-
 @pytest.mark.timeout(600)
-def test_pipeline_world4_pp2_dp2_matches_one_process():
-    results = spawn_world(4, _all_checks, (WORLD4_CASES,))
-    assert_parity(results, WORLD4_CASES)
-    assert results["loss_fn"]["error"] <= TOLERANCE and results["loss_fn"]["timed"]
+def test_pipeline_steps_batches_smaller_than_planned(world2):
+    assert_parity(world2[1], SMALLER_THAN_PLANNED)
 
 
 FEWER_MICRO_BATCHES_THAN_STAGES = {
@@ -401,13 +436,28 @@ FEWER_MICRO_BATCHES_THAN_STAGES = {
 """1F1B over fewer micro-batches than its 4 stages (see [Note: 1F1B over fewer micro-batches than stages])."""
 
 
-@pytest.mark.timeout(300)
-def test_one_f_one_b_over_fewer_micro_batches_than_stages_matches_one_process_as_priced():
-    cases = {
-        name: dict(case, replica_batches=(case.get("replica_batch", REPLICA_BATCH),) * 2)
-        for name, case in FEWER_MICRO_BATCHES_THAN_STAGES.items()
-    }
-    results = spawn_world(4, _run_cases_with_stage_work, (cases,))
+FEWER_CASES = {
+    name: dict(case, replica_batches=(case.get("replica_batch", REPLICA_BATCH),) * 2)
+    for name, case in FEWER_MICRO_BATCHES_THAN_STAGES.items()
+}
+
+
+@pytest.fixture(scope="module")
+def world4():
+    """The world of 4: WORLD4_CASES, loss_fn and the errors, then FEWER_CASES with each stage's work."""
+    return spawn_world(4, _all_checks, (planned(4, WORLD4_CASES), planned(4, FEWER_CASES)))
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_world4_pp2_dp2_matches_one_process(world4):
+    assert_parity(world4, WORLD4_CASES)
+    assert world4["loss_fn"]["error"] <= TOLERANCE and world4["loss_fn"]["timed"]
+
+
+@pytest.mark.timeout(600)
+def test_one_f_one_b_over_fewer_micro_batches_than_stages_matches_one_process_as_priced(world4):
+    cases = FEWER_CASES
+    results = world4["more"]
     assert_parity(results, cases)
     for name, case in cases.items():
         schedule = Schedule(num_micro_batches=case["micro_batches"], name="1f1b")
