@@ -383,8 +383,9 @@ WORLD2_CASES = {
     "fsdp2/llama/mixed": {"model": "llama", **MIXED, "backend": "fsdp2"},
 }
 WORLD4_CASES = {
-    **_grid(["gpt"], EVERY_PAIR),
-    **_grid(["llama"], DIAGONAL),
+    # every strategy and every checkpointing at 4 shards (uneven chunks, other padding); every pair of
+    # them trains at world 2, where a pair's interplay is the same
+    **_grid(["gpt", "llama"], DIAGONAL),
     "gpt/mixed/micro_batches2/clip": {"model": "gpt", **MIXED, "micro_batches": 2, "clip": 0.05},
     "fsdp2/gpt/mixed": {"model": "gpt", **MIXED, "backend": "fsdp2"},
 }
