@@ -23,7 +23,8 @@ allocator's fragmentation); then the median ratio by sequence length, and with -
 The model takes its loss as MPT does, with a fused cross entropy (FusedCrossEntropy: flash-attn's, llm-foundry's
 default loss_fn), which keeps the bf16 logits alone, not transformers' causal LM loss, which keeps fp32 copies.
 What the plans leave out of the runs: the rows' attention kernel (a fused one, which is not recorded) is priced
-as the profile's FlashAttention-2; Composer's FSDP (FSDP1) keeps the embeddings and the final norm in its root
+as the profile's FlashAttention-2, what SDPA runs (--attention-kernel triton: as the Triton FlashAttention MPT
+can run instead, a what-if); Composer's FSDP (FSDP1) keeps the embeddings and the final norm in its root
 unit; gradient clipping's norm is not priced.
 
 Chains are analyzed once per distinct (size, sequence, batch) in a run and kept in --cache for later runs,
@@ -55,7 +56,7 @@ from scipy.stats import kendalltau
 import shardplan
 from shardplan.calibration.accuracy import Workload
 from shardplan.compile import evaluate
-from shardplan.costmodel.hardware import HardwareProfile, get_hardware
+from shardplan.costmodel.hardware import AttentionRate, HardwareProfile, SizeCurve, get_hardware
 from shardplan.frontend.chain import BlockChain
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
@@ -381,9 +382,73 @@ def with_node_link_rate(hw: HardwareProfile, node_gbps: float, rail_gbps: float)
     )
 
 
-def hardware_for(row: Row) -> HardwareProfile:
+TRITON_FLASH_ATTENTION_A100 = {
+    "causal": {
+        "64": (
+            (512, 59e12),
+            (1024, 75e12),
+            (2048, 79e12),
+            (4096, 76e12),
+            (8192, 79e12),
+            (16384, 80e12),
+        ),
+        "128": (
+            (512, 50e12),
+            (1024, 61e12),
+            (2048, 68e12),
+            (4096, 74e12),
+            (8192, 78e12),
+            (16384, 80e12),
+        ),
+    },
+    "full": {
+        "64": (
+            (512, 90e12),
+            (1024, 102e12),
+            (2048, 98e12),
+            (4096, 98e12),
+            (8192, 100e12),
+            (16384, 100e12),
+        ),
+        "128": (
+            (512, 78e12),
+            (1024, 85e12),
+            (2048, 90e12),
+            (4096, 93e12),
+            (8192, 95e12),
+            (16384, 95e12),
+        ),
+    },
+}
+"""FLOP/s of the Triton FlashAttention (flash_attn_triton, which MPT runs under `attn_impl: triton`) on A100 80GB
+SXM4, forward + backward, bf16/fp16, batch x sequence = 16k tokens: the same figure and bars the a100 profiles
+read FlashAttention-2's rates from (Dao 2023, "FlashAttention-2", arXiv 2307.08691, fig. 4, "FlashAttention
+Triton"), FLOPs counted alike (a causal call's halved). The --attention-kernel triton what-if."""
+
+
+def with_attention_kernel(hw: HardwareProfile, kernel: str) -> HardwareProfile:
+    """`hw` with its fused attention priced as `kernel` runs it: "sdpa", the profile's own rates (FlashAttention-2,
+    what SDPA runs on A100); "triton", TRITON_FLASH_ATTENTION_A100's, in both directions, as the profile prices
+    FlashAttention-2's combined rate."""
+    if kernel == "sdpa":
+        return hw
+    rate = AttentionRate(
+        **{
+            mask: {dim: SizeCurve(points=points) for dim, points in by_dim.items()}
+            for mask, by_dim in TRITON_FLASH_ATTENTION_A100.items()
+        }
+    )
+    return dataclasses.replace(
+        hw,
+        name=f"{hw.name} with Triton FlashAttention",
+        attention_rates={op: rate for op in hw.attention_rates},
+    )
+
+
+def hardware_for(row: Row, attention_kernel: str = "sdpa") -> HardwareProfile:
     name = PROFILES[row.gpu]
-    return with_node_link_rate(get_hardware(name), row.node_link_gbps, PROFILE_RAIL_GBPS[name])
+    hw = with_node_link_rate(get_hardware(name), row.node_link_gbps, PROFILE_RAIL_GBPS[name])
+    return with_attention_kernel(hw, attention_kernel)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -412,10 +477,11 @@ class Outcome:
         return self.predicted.peak_bytes > self.usable_bytes
 
 
-def predict_row(row: Row, cache: str | None = None) -> Outcome:
-    """`row`'s plan priced on its GPU; `cache`: a folder of chains analyzed before (analyzed)."""
+def predict_row(row: Row, cache: str | None = None, attention_kernel: str = "sdpa") -> Outcome:
+    """`row`'s plan priced on its GPU, its fused attention as `attention_kernel` runs it
+    (with_attention_kernel); `cache`: a folder of chains analyzed before (analyzed)."""
     entry, chain = analyzed(row.model, row.seq_len, row.samples_per_gpu, cache=cache)
-    hw = hardware_for(row)
+    hw = hardware_for(row, attention_kernel)
     plan = plan_for(row, entry, chain)
     return Outcome(
         row=row,
@@ -426,8 +492,10 @@ def predict_row(row: Row, cache: str | None = None) -> Outcome:
     )
 
 
-def predict(rows: list[Row], cache: str | None = None) -> list[Outcome]:
-    return [predict_row(row, cache) for row in rows]
+def predict(
+    rows: list[Row], cache: str | None = None, attention_kernel: str = "sdpa"
+) -> list[Outcome]:
+    return [predict_row(row, cache, attention_kernel) for row in rows]
 
 
 def _percentile(values: list[float], percent: float) -> float:
@@ -622,6 +690,13 @@ def main() -> None:
     parser.add_argument(
         "--no-cache", action="store_true", help="analyze every chain again, keeping none"
     )
+    parser.add_argument(
+        "--attention-kernel",
+        choices=("sdpa", "triton"),
+        default="sdpa",
+        help="price the rows' fused attention as SDPA's FlashAttention-2 (the profiles' rates) or, what-if, "
+        "as the Triton FlashAttention MPT can run (TRITON_FLASH_ATTENTION_A100); default: %(default)s",
+    )
     options = parser.parse_args()
     start = time.perf_counter()
     rows = [
@@ -629,7 +704,7 @@ def main() -> None:
     ]
     cache = None if options.no_cache else options.cache
     print_hardware(rows)
-    outcomes = predict(rows, cache)
+    outcomes = predict(rows, cache, options.attention_kernel)
     mismatched = [o for o in outcomes if o.param_numel != o.row.num_params]
     for o in mismatched:
         print(

@@ -273,6 +273,56 @@ def test_a_step_sustains_its_share_of_the_measured_matmul_rate():
     assert sustained.compute_time_s(1e6, 1e9) == make_profile().compute_time_s(1e6, 1e9)
 
 
+def test_a_matmul_pays_its_exposed_share_of_its_memory_time_beside_its_arithmetic():
+    """A GEMM of few FLOPs per byte runs slower than one of as many FLOPs and fewer bytes: its arithmetic
+    plus the share of its memory time the pipeline does not hide. Memory-bound ops keep the roofline."""
+    hidden, exposed = (
+        make_profile(
+            matmul={
+                "float32": MatmulRate(
+                    peak_flops_per_s=1e12,
+                    efficiency=SizeCurve(points=((1.0, 0.5),)),
+                    exposed_memory_share=share,
+                )
+            }
+        )
+        for share in (0.0, 0.25)
+    )
+    # 1e10 FLOPs at 0.5 of 1e12: 20 ms; 1e9 bytes at 1e11 B/s: 10 ms, a quarter of it shows
+    assert exposed.compute_time_s(1e10, 1e9) == pytest.approx(1e-5 + 2e-2 + 0.25 * 1e-2)
+    assert hidden.compute_time_s(1e10, 1e9) == pytest.approx(1e-5 + 2e-2)
+    # a call bound by its bytes takes its memory time, no more
+    assert exposed.compute_time_s(1e8, 1e10) == pytest.approx(1e-5 + 1e10 / 1e11)
+    assert exposed.compute_time_s(0, 1e9) == hidden.compute_time_s(0, 1e9)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
+def test_an_exposed_memory_share_outside_zero_to_one_is_refused(share):
+    with pytest.raises(
+        HardwareError, match=r"matmul\.float32\.exposed_memory_share is .*from 0 to 1"
+    ):
+        make_profile(
+            matmul={
+                "float32": MatmulRate(
+                    peak_flops_per_s=1e12,
+                    efficiency=SizeCurve(points=((1.0, 0.5),)),
+                    exposed_memory_share=share,
+                )
+            }
+        )
+
+
+def test_gpu_profiles_fit_the_exposed_share_to_the_h100_gemm_table():
+    """A pin of the profiles' data against its source: XLA's H100 GEMM table fits a third of a GEMM's memory
+    time beside its arithmetic (h100-80g.json's sources); the A100s, without a table, carry it over."""
+    for name in ("h100-80g", "h200", "a100-40g", "a100-80g"):
+        rates = get_hardware(name).matmul
+        assert rates["bfloat16"].exposed_memory_share == rates["float16"].exposed_memory_share
+        assert rates["bfloat16"].exposed_memory_share == pytest.approx(0.325)
+        assert rates["float32"].exposed_memory_share == 0.0
+    assert get_hardware("cpu-gloo").matmul["float32"].exposed_memory_share == 0.0
+
+
 def test_h100_and_h200_hold_the_published_power_limited_share_of_a_burst_matmul():
     """A pin of the profiles' data against its source (the mechanism is the test above): the best bf16 matmul of
     8 H200s (the H100's GH100 die at the same 700 W) computing together, 823.9 TFLOP/s in a burst, 698.6 held at

@@ -20,6 +20,17 @@ are the full buffer times `ring_factor(kind, group_size)`; a backend that does m
 work than the ring (gloo's reduce_scatter_tensor is an all_reduce plus a slice) is
 captured by its fitted numbers, not by a special case.
 
+[Note: a GEMM's traffic shows through]
+A GEMM streams its operands in tiles while the tensor cores work on the tiles before, so its memory time hides
+under its arithmetic, but not all of it: each tile's prologue and epilogue (the first loads, the result's
+store) run with nothing to hide behind, more of them the fewer FLOPs a byte carries. XLA's measured H100
+table (375 cuBLAS GEMMs, each side 256-4096) fits time = FLOPs / (peak x efficiency(FLOPs)) + 0.325 x bytes
+/ bandwidth best: median measured / fitted 0.99, p10-p90 0.91-1.11, and no trend with FLOPs per byte, which
+the roofline (the slower of the two) leaves. A transformer's GEMMs carry about 0.8 x hidden FLOPs a byte in
+bf16, so the share costs a 768-wide model's GEMMs ~7% on A100 and an 8192-wide one's under 1%
+(MatmulRate.exposed_memory_share). What the share does not hold: at equal bytes a short inner dimension
+(k = 256) runs ~10% slower still, and an op's FLOPs and bytes do not tell its k.
+
 [Note: attention by sequence length]
 A fused attention kernel (FlashAttention-2 under SDPA) runs each call at a rate its published benchmarks
 give by what they vary: the sequence length (a short one gives each thread block few key blocks to spread
@@ -113,6 +124,10 @@ class MatmulRate:
     its power limit sustains, whose clock falls. 1 where nothing was measured, and in a calibrated
     profile: its curve is the fastest of short rounds (a burst figure), and a calibration fits no share
     (on a CPU the two agree; on a GPU this is a known limit of `shardplan calibrate`)."""
+    exposed_memory_share: float = 0.0
+    """Share of a matmul's memory time (its operands and result at the memory bandwidth) that adds to its
+    arithmetic time rather than hiding under it ([Note: a GEMM's traffic shows through]). 0: the roofline,
+    as a calibration fits its curve."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -409,6 +424,13 @@ class HardwareProfile:
                 f"hardware profile {self.name!r}: overlaps_communication is "
                 f"{self.overlaps_communication!r}, must be true or false"
             )
+        for dtype, rate in self.matmul.items():
+            if not _is_non_negative(rate.exposed_memory_share) or rate.exposed_memory_share > 1:
+                raise HardwareError(
+                    f"hardware profile {self.name!r}: matmul.{dtype}.exposed_memory_share is "
+                    f"{rate.exposed_memory_share!r:.80}, must be from 0 to 1: the share of a matmul's "
+                    "memory time its arithmetic does not hide"
+                )
         if (
             not _is_non_negative(self.collective_compute_share)
             or self.collective_compute_share >= 1
@@ -553,9 +575,10 @@ class HardwareProfile:
     ) -> float:
         """Time of `calls` equal ops that together do `flops` and move `bytes_moved`.
 
-        Roofline: the slower of arithmetic (at the efficiency of one call's size) and memory
-        traffic, times the op's measured factor (`op` names it, as ATen does: "gelu"; an op the
-        profile does not key by that name, by the name OP_ALIASES gives it), plus the fixed cost of
+        Roofline: the slower of arithmetic (at the efficiency of one call's size, plus a matmul's
+        MatmulRate.exposed_memory_share of its memory time) and memory traffic, times the op's
+        measured factor (`op` names it, as ATen does: "gelu"; an op the profile does not key by
+        that name, by the name OP_ALIASES gives it), plus the fixed cost of
         each call (the op's own where measured, else op_overhead_s). Of `flops`, the `masked_flops`
         a causal mask hides are not run where the op's kernel skips them (skips_masked_flops). A fused
         attention op the profile lists in attention_rates runs at its published rate for the call's
@@ -574,8 +597,11 @@ class HardwareProfile:
         if flops <= 0 and bytes_moved <= 0:
             return 0.0
         arithmetic_s = 0.0
+        exposed_share = 0.0
         if flops > 0:
             rate = self._matmul_rate(dtype)
+            if op not in self.attention_rates:
+                exposed_share = rate.exposed_memory_share
             burst = rate.peak_flops_per_s * rate.efficiency.at(flops / calls)
             if op in self.attention_rates:
                 sequence = attention_sequence(
@@ -589,7 +615,7 @@ class HardwareProfile:
                 )
             arithmetic_s = flops / (burst * rate.sustained_share)
         memory_s = bytes_moved / self.memory_bandwidth_bytes_per_s
-        roofline_s = max(arithmetic_s, memory_s)
+        roofline_s = max(arithmetic_s + exposed_share * memory_s, memory_s)
         factor = (
             self.op_time_factors[op].at(roofline_s / calls)
             if op in self.op_time_factors and op not in self.attention_rates
@@ -852,6 +878,7 @@ _NOT_FIGURES = (
     "source",
     "skips_masked_flops",
     "overlaps_communication",
+    "exposed_memory_share",
     "collective_compute_share",
     "in_step_wait_s",
     "latency_per_node_doubling_s",
