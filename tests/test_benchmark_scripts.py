@@ -10,25 +10,24 @@ BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
 SCRIPTS = sorted(name for name in os.listdir(BENCHMARKS) if name.endswith(".py"))
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_benchmark_script_imports(script, monkeypatch):
+def load(script: str, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.syspath_prepend(BENCHMARKS)  # as when run: a script imports its siblings
     spec = importlib.util.spec_from_file_location(
         f"benchmark_{script.removesuffix('.py')}", os.path.join(BENCHMARKS, script)
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert callable(getattr(module, "main", None)), f"{script} has no main()"
+    return module
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_benchmark_script_imports(script, monkeypatch):
+    assert callable(getattr(load(script, monkeypatch), "main", None)), f"{script} has no main()"
 
 
 def test_the_published_fsdp_cache_digest_reads_the_analysis_sources(monkeypatch):
     """The cache key hashes the analysis passes and the zoo by path: a moved file must fail here, not in a run."""
-    monkeypatch.syspath_prepend(BENCHMARKS)
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_digest", os.path.join(BENCHMARKS, "bench_published_fsdp.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load("bench_published_fsdp.py", monkeypatch)
     sources = module._imported_sources(
         os.path.join(module.PACKAGE, "frontend", "passes", "__init__.py")
     )
