@@ -36,16 +36,24 @@ RUNNER_UPS = 4
 """Other configurations listed in Plan.reasoning, besides the expert defaults."""
 
 
+NEAR_TIE = 0.03
+"""A runner-up this much slower a sample than the plan, or less, is called a near tie: within the cost model's
+error on measured runs (memory and time within a few percent on CPU ranks, more against published GPU runs),
+so the simpler plan may be the faster one."""
+
+
 def expert_defaults(
-    chain: BlockChain, setting: Setting, hw: HardwareModel
+    chain: BlockChain, setting: Setting, hw: HardwareModel, budget: int | None = None
 ) -> list[tuple[str, cost.StepCost]]:
     """What a person would write by hand: every block its own FULL_SHARD unit, dp = world,
     without and with full checkpointing (the baselines the solver must never lose to); none where a
-    global batch does not split over the world's ranks."""
-    if setting.replica_batch(setting.world_size) % 1:
+    global batch does not split over the world's ranks. With a `budget`, each accumulates over the
+    fewest micro-batches that fit it (the most, one sample each, where none does), as a person
+    meeting an out-of-memory error would; without, one micro-batch."""
+    replica_batch = setting.replica_batch(setting.world_size)
+    if replica_batch % 1:
         return []
-    configuration = Configuration(mesh=Mesh(dp_shard=setting.world_size), schedule=Schedule())
-    ctx = context(setting, configuration, hw, 0)
+    counts = [m for m in range(1, int(replica_batch) + 1) if replica_batch % m == 0]
     bounds = tuple(range(len(chain.blocks)))
     found = []
     for label, checkpoint in (
@@ -53,7 +61,16 @@ def expert_defaults(
         ("expert default: FULL_SHARD per block + full checkpointing", Checkpoint.FULL),
     ):
         decisions = tuple(Decision(checkpoint=checkpoint) for _ in bounds)
-        found.append((label, evaluate_stage(chain.blocks, bounds, decisions, ctx)))
+        for m in counts if budget is not None else counts[:1]:
+            configuration = Configuration(
+                mesh=Mesh(dp_shard=setting.world_size), schedule=Schedule(num_micro_batches=m)
+            )
+            step = evaluate_stage(
+                chain.blocks, bounds, decisions, context(setting, configuration, hw, 0)
+            )
+            if budget is None or step.peak_bytes <= budget:
+                break
+        found.append((f"{label}, {m} micro-batch(es)" if budget is not None else label, step))
     return found
 
 
@@ -99,20 +116,35 @@ def reasoning(
         for c in best_of_each_tp(chain, best, candidates, rules, setting, hw, budget, space, memo)
         if c not in listed
     ]
+
+    def tie(step_time_s: float, samples: float) -> str:
+        slower = step_time_s / samples / per_sample - 1
+        return f"; near tie: {slower:.1%} slower a sample" if slower <= NEAR_TIE else ""
+
     runner_ups = [
         Alternative(
-            description=f"{c.configuration.describe()}, "
-            f"{samples_per_step(setting, c.configuration):g} samples a step",
+            description=f"{c.configuration.describe()}, {samples:g} samples a step"
+            + tie(c.step_time_s, samples),
             peak_bytes=c.peak_bytes,
             step_time_s=c.step_time_s,
         )
         for c in listed
+        for samples in (samples_per_step(setting, c.configuration),)
     ]
-    for label, step in expert_defaults(chain, setting, hw):
-        fits = "fits" if step.peak_bytes <= budget else "over budget"
+    for label, step in expert_defaults(chain, setting, hw, budget):
+        fits = budget >= step.peak_bytes
         runner_ups.append(
             Alternative(
-                description=f"{label} ({fits})",
+                description=f"{label} ({'fits' if fits else 'over budget'}"
+                + (
+                    tie(
+                        step.step_time_s,
+                        setting.replica_batch(setting.world_size) * setting.world_size,
+                    )
+                    if fits
+                    else ""
+                )
+                + ")",
                 peak_bytes=step.peak_bytes,
                 step_time_s=step.step_time_s,
             )
