@@ -1,4 +1,5 @@
-"""The examples run as the README and their docstrings say (torchrun, 2 CPU ranks)."""
+"""The examples run as the README and their docstrings say (torchrun, 2 CPU ranks); the plans they
+train are written by `shardplan plan`, run in this process (its entry point, main)."""
 
 import json
 import math
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from shardplan.cli.main import main
 
 ROOT = Path(__file__).parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -23,22 +26,21 @@ def _run(command: list[str], cwd: Path) -> str:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_train_gpt_under_torchrun(tmp_path):
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "shardplan.cli.main",
-            "plan",
-            "gpt",
-            "--world-size",
-            "2",
-            "--hardware",
-            "cpu-gloo",
-            "--no-pipeline",
-            "-o",
-            "plan.json",
-        ],
-        tmp_path,
+    assert (
+        main(
+            [
+                "plan",
+                "gpt",
+                "--world-size",
+                "2",
+                "--hardware",
+                "cpu-gloo",
+                "--no-pipeline",
+                "-o",
+                str(tmp_path / "plan.json"),
+            ]
+        )
+        == 0
     )
     assert json.loads((tmp_path / "plan.json").read_text())["mesh"] == {
         "dp_replicate": 1,
@@ -58,23 +60,22 @@ def test_train_gpt_under_torchrun(tmp_path):
 @pytest.mark.timeout(300)
 def test_train_gpt_pipelined_from_meta_under_torchrun(tmp_path):
     # 3 MiB a rank: there two stages train faster per sample than data parallelism does (it must recompute)
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "shardplan.cli.main",
-            "plan",
-            "gpt",
-            "--world-size",
-            "2",
-            "--hardware",
-            "cpu-gloo",
-            "--memory-budget",
-            "3MiB",
-            "-o",
-            "plan.json",
-        ],
-        tmp_path,
+    assert (
+        main(
+            [
+                "plan",
+                "gpt",
+                "--world-size",
+                "2",
+                "--hardware",
+                "cpu-gloo",
+                "--memory-budget",
+                "3MiB",
+                "-o",
+                str(tmp_path / "plan.json"),
+            ]
+        )
+        == 0
     )
     assert json.loads((tmp_path / "plan.json").read_text())["mesh"]["pp"] == 2
     out = _run(
