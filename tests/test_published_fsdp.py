@@ -23,8 +23,15 @@ def rows(published_fsdp_bench):
 
 
 @pytest.fixture(scope="module")
-def outcomes(published_fsdp_bench, rows):
-    return {_key(row): published_fsdp_bench.predict_row(row) for row in rows}
+def analyses(tmp_path_factory) -> str:
+    """A folder of the chains analyzed here (bench_published_fsdp.analyzed's cache): a model at a shape
+    is analyzed once in this module."""
+    return str(tmp_path_factory.mktemp("analyses"))
+
+
+@pytest.fixture(scope="module")
+def outcomes(published_fsdp_bench, rows, analyses):
+    return {_key(row): published_fsdp_bench.predict_row(row, analyses) for row in rows}
 
 
 def _key(row) -> tuple[str, str, int, int]:
@@ -81,9 +88,13 @@ def test_the_model_has_the_rows_parameter_count(outcomes, key):
 
 
 @pytest.mark.slow  # analyzes the rows' models: seconds each
-def test_checkpointing_and_the_strategy_follow_the_row(published_fsdp_bench, rows):
+def test_checkpointing_and_the_strategy_follow_the_row(
+    published_fsdp_bench, rows, outcomes, analyses
+):
     row = dataclasses.replace(rows[0], activation_checkpointing=True, strategy="SHARD_GRAD_OP")
-    entry, chain = published_fsdp_bench.analyzed(row.model, row.seq_len, row.samples_per_gpu)
+    entry, chain = published_fsdp_bench.analyzed(
+        row.model, row.seq_len, row.samples_per_gpu, cache=analyses
+    )  # the chain `outcomes` analyzed for rows[0]
     plan = published_fsdp_bench.plan_for(row, entry, chain)
     assert {unit.checkpoint for unit in plan.units} == {Checkpoint.FULL}
     assert {unit.strategy for unit in plan.units} == {ShardStrategy.SHARD_GRAD_OP}
