@@ -789,13 +789,13 @@ def test_check_plans_each_case_apart_and_fails_one_that_ends_its_process_with_th
     path = _baseline(
         tmp_path, [{"model": model, "world_size": 2, "hardware": "cpu-gloo"} for model in models]
     )
-    assert main(["check", "--baseline", str(path), "--case-timeout", "20"]) == 1
+    assert main(["check", "--baseline", str(path), "--case-timeout", "10"]) == 1
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert [line.split(" at ")[0] for line in lines] == [f"FAIL {model}" for model in models], out
     assert out.count("the planning process exited with status") == 3, out
     assert "the planning process was killed by SIGABRT" in out
-    assert "planning took more than 20 s and was stopped" in out
+    assert "planning took more than 10 s and was stopped" in out
     assert "the baseline has no recorded figures for this case" in out  # the last case was planned
     assert out.splitlines()[-1] == "6 case(s): 0 passed, 6 failed"
 
