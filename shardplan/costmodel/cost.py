@@ -49,12 +49,14 @@ units still gathered + the reduction of unit k+1 in flight).
 [Note: gradients in backward] What the runtime (runtime/scheduler.py, unit.py) allocates for
 gradients in a unit's backward, beside the `.grad` kept between steps (sharded_state):
 - autograd holds each parameter's gradient until the unit's last one is made, then concatenates
-  them into the flat gradient (its `_GatherFlat` backward; cast to the reduce dtype if that
-  differs): the parameters' gradients and the flat one at once, at the end of the backward, when
-  its working set is spent (measured: a layer's activation gradients are freed by then, and at
-  the working set's peak few of its parameters' gradients exist: those the working set holds
-  ([Note: live parameter gradients] at working_bytes)). So the backward event takes the larger of
-  the two (UnitCost.grad_assembly_bytes), not their sum.
+  them into the flat gradient (its `_GatherFlat` backward), which the unit casts to the reduce
+  dtype if that differs: the parameters' gradients, the flat one and its cast at once, at the end
+  of the backward, when its working set is spent (measured: a layer's activation gradients are
+  freed by then, and at the working set's peak few of its parameters' gradients exist: those the
+  working set holds ([Note: live parameter gradients] at working_bytes); in bf16 with fp32
+  reduction a Llama layer at 2 x 64 tokens peaks there, with all three). So the backward event
+  takes the larger of the working set and the assembly (UnitCost.grad_assembly_bytes), not their
+  sum.
 - the flat gradient is then reduced asynchronously, and the reduction is finished (its result
   added into `.grad`) only when the next unit's backward ends: through the backward of unit k,
   unit k+1's reduction stays allocated (UnitCost.reducing_bytes). What of it depends on when the
@@ -692,9 +694,10 @@ def gathered_bytes(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> in
 
 
 def grad_assembly_bytes(sizes: UnitSizes) -> int:
-    """The parameters' gradients (param dtype) and the flat gradient they are concatenated into, or
-    its cast to the reduce dtype, whichever is larger ([Note: gradients in backward])."""
-    return sizes.param_bytes + max(sizes.param_bytes, sizes.grad_bytes)
+    """The parameters' gradients (param dtype), the flat gradient they are concatenated into, and its
+    cast to the reduce dtype where that differs ([Note: gradients in backward])."""
+    cast = sizes.grad_bytes if sizes.grad_bytes != sizes.param_bytes else 0
+    return 2 * sizes.param_bytes + cast
 
 
 def reducing_bytes(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> int:
