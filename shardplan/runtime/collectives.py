@@ -251,7 +251,7 @@ def mesh_groups(device_type: str, plan_mesh: Mesh) -> MeshGroups:
     mesh = device_mesh(device_type, plan_mesh)
     # the cp ranks hold the same parameters: they shard and reduce them with the dp_shard ranks
     sharding = ("dp_shard", "cp") if plan_mesh.cp > 1 else ("dp_shard",)
-    data_parallel = mesh["dp_replicate", *sharding]._flatten("dp")
+    data_parallel = mesh[("dp_replicate", *sharding)]._flatten("dp")
     shard = (
         mesh[sharding]._flatten("dp_shard_cp").get_group()
         if plan_mesh.cp > 1
