@@ -93,7 +93,7 @@ def test_a_plan_written_by_hand_round_trips():
     [
         (
             dict(mesh=Mesh(dp_shard=3)),
-            "make pp \\* dp_replicate \\* dp_shard \\* tp equal world_size",
+            "make pp \\* dp_replicate \\* dp_shard \\* cp \\* tp equal world_size",
         ),
         (
             dict(
@@ -236,7 +236,7 @@ def test_unit_and_mesh_invariants():
         (lambda d: d.pop("predicted"), "'predicted' is a required property"),
         (
             lambda d: d["mesh"].update(dp_shard=2),
-            "make pp \\* dp_replicate \\* dp_shard \\* tp equal world_size",
+            "make pp \\* dp_replicate \\* dp_shard \\* cp \\* tp equal world_size",
         ),
     ],
 )

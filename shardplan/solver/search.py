@@ -276,11 +276,12 @@ def context(
     mesh, precision = configuration.mesh, setting.mixed_precision
     return CostContext(
         hardware=hardware,
-        dp=mesh.dp_shard,
+        dp=mesh.parameter_mesh.dp_shard,  # the cp ranks shard the units with the dp_shard ranks
         dp_replicate=mesh.dp_replicate,
         tp=mesh.tp,
         sequence_parallel=configuration.sequence_parallel,
-        batch_scale=setting.replica_batch(mesh.dp) / setting.batch_size,
+        cp=mesh.cp,
+        batch_scale=setting.replica_batch(mesh.dp) / setting.batch_size / mesh.cp,
         num_micro_batches=configuration.schedule.num_micro_batches,
         in_flight=configuration.in_flight(stage),
         pipeline_degree=mesh.pp,
