@@ -78,6 +78,10 @@ CASES = {
     4: {
         "dp2_cp2": {"mesh": dict(dp=2, cp=2), "clip": 0.05},
         "cp4": {"mesh": dict(cp=4), "clip": 0.05},
+        "tp2_cp2_sp_vocab": {
+            "mesh": dict(tp=2, cp=2, sequence_parallel=True, vocab_parallel=True),
+            "clip": 0.05,
+        },
     },
 }
 """By world size: each case's mesh and how it trains (next to one process on the whole batch)."""

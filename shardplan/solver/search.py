@@ -146,8 +146,6 @@ class Configuration:
     def describe(self) -> str:
         mesh = self.mesh
         text = f"dp={mesh.dp} pp={mesh.pp} micro-batches={self.schedule.num_micro_batches}"
-        if mesh.cp > 1:
-            text = f"cp={mesh.cp} " + text
         if mesh.tp > 1 or mesh.dp_replicate > 1:
             text = (
                 f"dp_shard={mesh.dp_shard}"
@@ -159,6 +157,8 @@ class Configuration:
                 )
                 + f" pp={mesh.pp} micro-batches={self.schedule.num_micro_batches}"
             )
+        if mesh.cp > 1:
+            text = f"cp={mesh.cp} " + text
         if self.schedule.virtual_stages > 1:
             text += f" virtual-stages={self.schedule.virtual_stages}"
         return text + (f" {self.schedule.name}" if self.mesh.pp > 1 else "")
