@@ -10,6 +10,8 @@ program.py       Program: called as the model, the gradient-sync switch, admit_i
                  takes), step / micro-batches / loss / clip_grad_norm_, backend-independent
 sharded.py       backend="shardplan": tensor parallelism, then the units over the local slices
 tensor_parallel.py  Megatron-style slices of a TensorParallelLayout's pairs, on an eager model
+context_parallel.py  cp > 1: this rank's chunks of each sequence, attention over keys and values
+                 gathered over the cp group (backend="shardplan")
 stage_split.py   the captured graph split into the plan's stages, and the module that runs one
 pipelined.py     pp > 1: this rank's stage under GPipe / 1F1B (both backends); backend="shardplan"'s units
                  of the stage (tp-sliced if tp > 1)
