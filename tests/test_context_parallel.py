@@ -6,6 +6,7 @@ world of 4 resumes a checkpoint saved under cp on a plan without it and back, wi
 """
 
 import copy
+import dataclasses
 import json
 import tempfile
 
@@ -15,13 +16,15 @@ from parity import ADAMW, assert_parity, spawn_world, train_next_to_reference
 
 from shardplan import get_hardware
 from shardplan.calibration.accuracy import HF_WORKLOADS, compare, measure_by_world
+from shardplan.compile import solve
 from shardplan.errors import PlanError, ShardplanError
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
-from shardplan.plan import SCHEMA, Checkpoint, Mesh, Plan, ShardStrategy
+from shardplan.plan import BF16_MIXED, SCHEMA, Checkpoint, Mesh, Plan, ShardStrategy
 from shardplan.runtime import parallelize
 from shardplan.runtime.context_parallel import zigzag_positions
 from shardplan.runtime.manual import manual_plan
+from shardplan.solver.search import context_parallel_options
 
 STEPS = 3
 SEQUENCE = 16
@@ -58,9 +61,11 @@ def _plan(model, ids: torch.Tensor, **mesh):
     )
 
 
-def _batches(replicas: int, steps: int, first: int = 0) -> list[torch.Tensor]:
+def _batches(
+    replicas: int, steps: int, first: int = 0, length: int = SEQUENCE
+) -> list[torch.Tensor]:
     return [
-        torch.randint(0, 128, (2 * replicas, SEQUENCE), generator=torch.Generator().manual_seed(s))
+        torch.randint(0, 128, (2 * replicas, length), generator=torch.Generator().manual_seed(s))
         for s in range(first, first + steps)
     ]
 
@@ -74,6 +79,7 @@ CASES = {
             "micro_batches": 2,
             "clip": 0.05,
         },
+        "cp2_longer_than_planned": {"mesh": dict(cp=2), "length": 2 * SEQUENCE, "clip": 0.05},
     },
     4: {
         "dp2_cp2": {"mesh": dict(dp=2, cp=2), "clip": 0.05},
@@ -102,7 +108,10 @@ def run_case(rank: int, case: dict) -> dict:
     )
     program = parallelize(model, plan)
     replicas, replica = plan.mesh.dp, plan.mesh.replica_of(rank)
-    batches = [(ids.chunk(replicas)[replica], ids) for ids in _batches(replicas, STEPS)]
+    batches = [
+        (ids.chunk(replicas)[replica], ids)
+        for ids in _batches(replicas, STEPS, length=case.get("length", SEQUENCE))
+    ]
     return train_next_to_reference(program, reference, batches, clip=case.get("clip"))
 
 
@@ -239,6 +248,50 @@ def test_a_cp_plans_peak_memory_is_predicted_within_3_percent():
 
 
 # the plan, no processes
+
+
+@pytest.fixture(scope="module")
+def long_llama_chain():
+    """A Llama-3.1-8B-shaped model of 4 layers over one sequence of 131072 tokens, on meta, in bf16."""
+    entry = zoo.hf_llama(
+        n_layer=4,
+        d_model=4096,
+        ffn=14336,
+        heads=32,
+        kv_heads=8,
+        vocab=128256,
+        batch=1,
+        seq=131072,
+        device="meta",
+    )
+    return analyze(entry.model, entry.args, entry.kwargs, compute_dtype="bfloat16")
+
+
+@pytest.mark.slow
+def test_the_solver_splits_a_long_sequence_over_cp_ranks_and_shows_the_other_degrees(
+    long_llama_chain,
+):
+    plan = solve(long_llama_chain, 8, hardware="h100-80g", mixed_precision=BF16_MIXED)
+    assert plan.mesh.cp > 1 and plan.mesh.pp == 1
+    others = [alt.description for alt in plan.reasoning.runner_ups]
+    assert any(text.startswith("cp=") for text in others), others
+    assert f"each sequence split over {plan.mesh.cp} context-parallel ranks" in plan.summary()
+    on_cpu = solve(long_llama_chain, 2, hardware="cpu-gloo", memory_budget="1 TiB")
+    assert on_cpu.mesh.cp == 1  # max_context_parallel is 1 on CPU unless asked
+
+
+def test_cp_is_searched_where_the_model_attends_over_a_sequence_2_cp_chunks_divide(
+    long_llama_chain,
+):
+    assert context_parallel_options(long_llama_chain, 8, 8) == (1, 2, 4, 8)
+    assert context_parallel_options(long_llama_chain, 8, 2) == (1, 2)
+    short = dataclasses.replace(
+        long_llama_chain,
+        inputs=tuple(dataclasses.replace(spec, shape=(1, 12)) for spec in long_llama_chain.inputs),
+    )
+    assert context_parallel_options(short, 8, 8) == (1, 2)  # 12 tokens: 4 chunks, not 8 or 16
+    unlabelled = dataclasses.replace(long_llama_chain, inputs=long_llama_chain.inputs[:1])
+    assert context_parallel_options(unlabelled, 8, 8) == (1,)
 
 
 def test_cp_ranks_lie_between_dp_shard_and_tp_and_shard_parameters_with_dp_shard():
