@@ -196,11 +196,13 @@ def results(request):
         return request.param, spawn_world(request.param, run_world, (directory,))
 
 
+@pytest.mark.timeout(900)  # a world's setup trains every case of its size
 def test_a_llama_trains_with_its_sequences_split_over_cp_ranks_like_one_process(results):
     world, found = results
     assert_parity(found["cases"], CASES[world])
 
 
+@pytest.mark.timeout(900)  # a world's setup trains every case of its size
 def test_a_checkpoint_saved_under_cp_resumes_without_it_and_back_with_the_same_losses(results):
     world, found = results
     if world != 4:
@@ -208,6 +210,7 @@ def test_a_checkpoint_saved_under_cp_resumes_without_it_and_back_with_the_same_l
     assert found["resume"]["loss_error"] <= 1e-5, found["resume"]
 
 
+@pytest.mark.timeout(900)  # a world's setup trains every case of its size
 def test_what_context_parallelism_cannot_run_is_refused_in_one_line(results):
     world, found = results
     if world != 2:
@@ -223,6 +226,7 @@ def test_what_context_parallelism_cannot_run_is_refused_in_one_line(results):
     assert all("\n" not in message for message in found.values())
 
 
+@pytest.mark.timeout(600)
 def test_a_cp_plans_peak_memory_is_predicted_within_3_percent():
     """The example-sized LLaMA (4 layers, hidden 256, 4 x 128 tokens) at cp 2 on 2 gloo ranks, with and
     without checkpointing: MemTracker's peak beside the cost model's (CPU memory is deterministic)."""
