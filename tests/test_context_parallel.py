@@ -22,6 +22,7 @@ from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
 from shardplan.plan import BF16_MIXED, SCHEMA, Checkpoint, Mesh, Plan, ShardStrategy
 from shardplan.runtime import parallelize
+from shardplan.runtime.adascale import AdaScale
 from shardplan.runtime.context_parallel import zigzag_positions
 from shardplan.runtime.manual import manual_plan
 from shardplan.solver.search import context_parallel_options
@@ -131,6 +132,10 @@ def refusals(rank: int) -> dict:
         except ShardplanError as error:
             found[name] = str(error)
     program = parallelize(copy.deepcopy(entry.model), plan)
+    try:
+        AdaScale(torch.optim.SGD(program.parameters(), lr=0.1), program)
+    except ShardplanError as error:
+        found["adascale"] = str(error)
     ids = entry.args[0]
     for name, (tokens, batch) in {
         "length": (ids[:, :6], dict(labels=ids[:, :6])),
@@ -223,6 +228,7 @@ def test_what_context_parallelism_cannot_run_is_refused_in_one_line(results):
     ), found["length"]
     assert "context parallelism takes unpadded sequences" in found["padding"]
     assert "pass labels=..." in found["no_labels"]
+    assert found["adascale"].startswith("AdaScale estimates the gradient's noise")
     assert all("\n" not in message for message in found.values())
 
 
