@@ -37,7 +37,13 @@ from shardplan.solver.assemble import (
 )
 from shardplan.solver.evaluate import check_computes_in, evaluate, evaluate_stages
 from shardplan.solver.explain import constraints_blamed, infeasible_message, reasoning
-from shardplan.solver.search import SearchMemo, Setting, search, tensor_parallel_options
+from shardplan.solver.search import (
+    SearchMemo,
+    Setting,
+    context_parallel_options,
+    search,
+    tensor_parallel_options,
+)
 from shardplan.solver.shapes import evaluate_at, longest_sequence, sequence_limits
 from shardplan.solver.space import Constraints, SearchSpace, block_rules, default_space
 
@@ -79,6 +85,11 @@ class PlanOptions:
     """The largest tp searched (among degrees dividing the world at which the chain's layout slices
     something); None: a node's devices where the device overlaps communication with compute (GPUs),
     1 on CPU ranks (gloo), where the tp ranks' exchanges take the cores the compute needs."""
+    max_context_parallel: int | None = None
+    """The largest cp searched (among degrees dividing the world where the model attends over a
+    sequence that 2 · cp chunks divide, and takes labels=: context_parallel_options); None: the world
+    where the device overlaps communication with compute (GPUs), 1 on CPU ranks (gloo), where the
+    gathers of keys and values take the cores the compute needs."""
     allow_replica_groups: bool = True
     """Search HSDP (dp_replicate > 1) where each replica group's dp_shard × tp ranks fill whole nodes."""
     global_batch_size: int | None = None
@@ -275,6 +286,14 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
             f"max_tensor_parallel={max_tp} would put tp groups across nodes of "
             f"{hw.devices_per_node} devices ({hw.name}): use at most {hw.devices_per_node}"
         )
+    max_cp = asked.max_context_parallel
+    if max_cp is None:
+        max_cp = world_size if hw.overlaps_communication else 1
+    if max_cp < 1:
+        raise ShardplanError(
+            f"max_context_parallel={max_cp} leaves no context-parallel degree to search: give 1 or "
+            "more (1: no context parallelism)"
+        )
     setting = Setting(
         world_size=world_size,
         batch_size=example_batch(chain),
@@ -285,6 +304,7 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
         tied_edges=chain.tied_edges,
         global_batch_size=asked.global_batch_size,
         tensor_parallel=tensor_parallel_options(chain.blocks, world_size, max_tp),
+        context_parallel=context_parallel_options(chain, world_size, max_cp),
         replica_group_ranks=hw.devices_per_node if asked.allow_replica_groups else 0,
     )
     rules = block_rules(chain, asked.constraints)

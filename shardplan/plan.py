@@ -22,11 +22,17 @@ from shardplan.common.files import parse_json, read_text, write_text_atomically
 from shardplan.errors import PlanError
 from shardplan.frontend.chain import InputSpec
 
-SCHEMA = "shardplan.plan/4"
-READABLE_SCHEMAS = ("shardplan.plan/1", "shardplan.plan/2", "shardplan.plan/3", SCHEMA)
+SCHEMA = "shardplan.plan/5"
+READABLE_SCHEMAS = (
+    "shardplan.plan/1",
+    "shardplan.plan/2",
+    "shardplan.plan/3",
+    "shardplan.plan/4",
+    SCHEMA,
+)
 """Plan formats this version reads, upgraded on load (_upgrade): format 1 (mesh dp × pp), format 2
 (no structural signature: parallelize checks such a plan by capturing the model), format 3 (one stage
-per pipeline rank, no sequence limits)."""
+per pipeline rank, no sequence limits), format 4 (no context parallelism)."""
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
 """JSON Schema of the plan file, shipped in the package; from_json validates against it."""
 SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -220,25 +226,34 @@ class Stage:
     """Names of the units in this stage."""
 
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimensions, outermost first (see Mesh.coordinates)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Mesh:
-    """World = pp × dp_replicate × dp_shard × tp, laid out in MESH_DIMS order, tp innermost.
+    """World = pp × dp_replicate × dp_shard × cp × tp, laid out in MESH_DIMS order, tp innermost.
 
-    [Note: rank layout] rank = ((stage · dp_replicate + replica group) · dp_shard + shard) · tp + tp rank.
-    A tp group is tp consecutive ranks, so it stays inside a node whenever tp divides the node's devices
-    (as torchtitan and Megatron lay it out); a data-parallel group strides by tp; a pipeline stage is
-    the outermost block of dp · tp ranks. With tp = dp_replicate = 1 this is the dp × pp layout of
+    [Note: rank layout] rank = (((stage · dp_replicate + replica group) · dp_shard + shard) · cp + cp
+    rank) · tp + tp rank. A tp group is tp consecutive ranks, so it stays inside a node whenever tp
+    divides the node's devices (as torchtitan and Megatron lay it out); a cp group strides by tp, a
+    data-parallel group by cp · tp; a pipeline stage is the outermost block of dp · cp · tp ranks. The
+    cp ranks of a replica read the same batch and each computes its share of the sequence
+    ([Note: context parallelism]); they hold the same parameters, which they shard as dp_shard ranks
+    do (parameter_mesh). With tp = dp_replicate = 1 this is the dp × pp layout of
     plan format 1: rank r at stage r // dp, replica r % dp. With v virtual stages per rank
     (Schedule.virtual_stages) the plan's pp · v stages go round the pipeline ranks, stage i on pipeline
     rank i mod pp (Megatron-LM's and torch.distributed.pipelining's interleaved layout), so a
     micro-batch leaves the last rank for the first v - 1 times.
 
     >>> Mesh(dp_shard=2, tp=2, pp=2).coordinates(5)
-    {'pp': 1, 'dp_replicate': 0, 'dp_shard': 0, 'tp': 1}
+    {'pp': 1, 'dp_replicate': 0, 'dp_shard': 0, 'cp': 0, 'tp': 1}
+
+    [Note: context parallelism] At cp > 1 each sequence is cut into 2 · cp chunks along dim 1 and cp
+    rank r computes chunks r and 2 · cp - 1 - r (torchtitan's and Megatron's causal load balance: every
+    rank attends to the same number of earlier tokens). Everything in a decoder but attention is
+    token-wise; attention gathers the keys and values of the whole sequence over the cp group and
+    masks by the tokens' global positions.
     """
 
     dp_shard: int = 1
@@ -249,6 +264,8 @@ class Mesh:
     tp: int = 1
     """Ranks one tensor-parallel group slices each sharded module over (Plan.tensor_parallel)."""
     pp: int = 1
+    cp: int = 1
+    """Ranks one sequence is split over (context parallelism, [Note: context parallelism])."""
 
     def __post_init__(self) -> None:
         for dim in MESH_DIMS:
@@ -264,7 +281,17 @@ class Mesh:
 
     @property
     def size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def parameter_mesh(self) -> "Mesh":
+        """The mesh as the units see it: the cp ranks of a replica hold the same parameters and shard
+        them as dp_shard ranks do (torchtitan's dp_shard_cp), so cp folds into dp_shard, shard index
+        shard · cp + cp rank ([Note: rank layout]); their gradients are averaged over it as over
+        data-parallel ranks, each cp rank's loss scaled to count for its share of the tokens."""
+        return Mesh(
+            dp_shard=self.dp_shard * self.cp, dp_replicate=self.dp_replicate, tp=self.tp, pp=self.pp
+        )
 
     def describe(self) -> str:
         return " ".join(
@@ -285,11 +312,12 @@ class Mesh:
         return math.prod(getattr(self, inner) for inner in MESH_DIMS[MESH_DIMS.index(dim) + 1 :])
 
     def stage_of(self, rank: int) -> int:
-        return rank // (self.dp * self.tp)
+        return rank // (self.dp * self.cp * self.tp)
 
     def replica_of(self, rank: int) -> int:
-        """The data-parallel replica `rank` computes for (0..dp-1): its stages and tp ranks read the same batch."""
-        return rank // self.tp % self.dp
+        """The data-parallel replica `rank` computes for (0..dp-1): its stages, cp and tp ranks read the
+        same batch."""
+        return rank // (self.cp * self.tp) % self.dp
 
 
 TENSOR_PARALLEL_STYLE = re.compile(
@@ -638,7 +666,7 @@ def _upgrade(data: dict) -> dict:
     """An older plan as this format says it. Format 1 (mesh dp × pp, no tensor parallelism): its dp
     ranks shard every unit, one replica group, tp = 1; the same ranks do the same work ([Note: rank
     layout]). Formats 1 and 2 record no signature, which is left empty; formats 1 to 3 no virtual stages
-    and no sequence limits, whose defaults say so."""
+    and no sequence limits, formats 1 to 4 no cp, whose defaults say so."""
     if data.get("schema") == "shardplan.plan/1" and isinstance(data.get("mesh"), dict):
         mesh = dict(data["mesh"])
         mesh["dp_shard"] = mesh.pop("dp", None)
@@ -703,6 +731,8 @@ def mesh_words(plan: Plan) -> str:
         words.append(f"{mesh.pp} pipeline stages")
     if mesh.tp > 1:
         words.append(f"tensor parallel over {mesh.tp} ranks")
+    if mesh.cp > 1:
+        words.append(f"each sequence split over {mesh.cp} context-parallel ranks")
     return f"{mesh.describe()} ({'; '.join(words)})"
 
 
@@ -732,7 +762,7 @@ def _check_plan(plan: Plan) -> None:
     if plan.mesh.size != plan.world_size:
         raise PlanError(
             f"mesh {plan.mesh.describe()} is {plan.mesh.size} ranks but world_size is {plan.world_size}: "
-            "make pp * dp_replicate * dp_shard * tp equal world_size"
+            "make pp * dp_replicate * dp_shard * cp * tp equal world_size"
         )
     if plan.mesh.tp == 1 and (
         plan.tensor_parallel.sharded

@@ -93,7 +93,7 @@ def test_a_plan_written_by_hand_round_trips():
     [
         (
             dict(mesh=Mesh(dp_shard=3)),
-            "make pp \\* dp_replicate \\* dp_shard \\* tp equal world_size",
+            "make pp \\* dp_replicate \\* dp_shard \\* cp \\* tp equal world_size",
         ),
         (
             dict(
@@ -170,7 +170,7 @@ def test_the_mesh_lays_tp_innermost_and_pipeline_stages_outermost():
         0,
         1,
     ]  # a tp group: consecutive ranks
-    assert mesh.coordinates(13) == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "tp": 1}
+    assert mesh.coordinates(13) == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 1}
     assert [mesh.stride(dim) for dim in ("pp", "dp_replicate", "dp_shard", "tp")] == [8, 4, 2, 1]
     assert [mesh.stage_of(rank) for rank in (7, 8)] == [0, 1]
     assert [mesh.replica_of(rank) for rank in (0, 1, 2, 7, 8)] == [
@@ -236,7 +236,7 @@ def test_unit_and_mesh_invariants():
         (lambda d: d.pop("predicted"), "'predicted' is a required property"),
         (
             lambda d: d["mesh"].update(dp_shard=2),
-            "make pp \\* dp_replicate \\* dp_shard \\* tp equal world_size",
+            "make pp \\* dp_replicate \\* dp_shard \\* cp \\* tp equal world_size",
         ),
     ],
 )

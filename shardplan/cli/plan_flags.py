@@ -40,6 +40,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="the largest tensor-parallel degree searched (default: a node's devices on GPUs, 1 on CPU)",
     )
     parser.add_argument(
+        "--max-cp",
+        type=int,
+        dest="max_context_parallel",
+        help="the largest context-parallel degree searched, each sequence split over that many ranks "
+        "(default: the world on GPUs, 1 on CPU)",
+    )
+    parser.add_argument(
         "--seq",
         "--seq-len",
         type=int,
@@ -188,6 +195,7 @@ def plan_options(options) -> dict:
         "allow_replica_groups": options.allow_replica_groups,
         "global_batch_size": options.global_batch_size,
         "max_tensor_parallel": options.max_tensor_parallel,
+        "max_context_parallel": options.max_context_parallel,
         "explain": options.explain,
     }
 

@@ -185,7 +185,7 @@ from typing import NamedTuple
 from shardplan.common.dtypes import FLOAT_DTYPES, dtype_bytes
 from shardplan.costmodel.hardware import HardwareModel
 from shardplan.errors import ShardplanError
-from shardplan.frontend.chain import Block, OpKind, merge_op_kinds
+from shardplan.frontend.chain import Block, OpKind, TensorParallelFacts, merge_op_kinds
 from shardplan.plan import Checkpoint, Decision, UnitPrediction, kept_by_selective
 
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}
@@ -272,8 +272,12 @@ class CostContext:
     """Groups of `dp` ranks holding the same shards (HSDP), whose gradients are all-reduced across groups."""
     tp: int = 1
     sequence_parallel: bool = False
+    cp: int = 1
+    """Ranks one sequence is split over (context parallelism): batch_scale holds their 1/cp share of the
+    tokens, and attention gathers the whole sequence's keys and values ([Note: a block on a cp rank])."""
     batch_scale: float = 1.0
-    """A replica's batch over the batch the chain was captured with: activations and FLOPs scale by it."""
+    """A replica's batch over the batch the chain was captured with, per cp rank: activations and FLOPs
+    scale by it."""
     num_micro_batches: int = 1
     in_flight: int = 1
     """Micro-batches whose activations a rank of this stage holds at once."""
@@ -372,7 +376,7 @@ class UnitCost:
     """The runtime's kernels once a step, counted in the optimizer term: around an all-reduce of the step's
     gradient, and SHARD_OPTIMIZER's around its gather after the step ([Note: the runtime's kernels])."""
     tensor_parallel_s: float
-    """Per micro-batch exchanges of the tp ranks, exposed."""
+    """Per micro-batch exchanges of the tp ranks, and of the cp ranks (context_parallel_s), exposed."""
     prefetch: bool
     hide_fwd_s: float
     """Forward compute that collectives issued beside it can hide under: compute_fwd_s, or 0 on
@@ -410,6 +414,31 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     (gathered_bwd_peak_bytes)."""
     facts = block.tensor_parallel
     sliced = facts is not None and facts.slices_at(ctx.tp)
+    if ctx.cp > 1:
+        return _gathering_keys(_on_tp_rank(block, ctx, facts, sliced), block, ctx, sliced)
+    return _on_tp_rank(block, ctx, facts, sliced)
+
+
+def _gathering_keys(block: Block, whole: Block, ctx: CostContext, sliced: bool) -> Block:
+    """[Note: a block on a cp rank] A cp rank computes 1/cp of the tokens (ctx.batch_scale holds the
+    share): every token-wise op, and attention's queries over all keys, which the zigzag split balances
+    exactly (context_parallel.py). Its attention's keys and values are gathered whole over the cp
+    group: autograd saves them for the backward, whose gradients of them are whole too until the
+    reduce-scatter, so both hold the whole sequence's (its attention_kv_bytes, as it now counts them)."""
+    tp = ctx.tp if sliced else 1
+    local = round(whole.attention_kv_bytes * ctx.batch_scale / tp)
+    gathered = local * ctx.cp
+    return replace(
+        block,
+        attention_kv_bytes=gathered,
+        saved_bytes=block.saved_bytes + gathered - local,
+        bwd_transient_bytes=block.bwd_transient_bytes + gathered - local,
+    )
+
+
+def _on_tp_rank(
+    block: Block, ctx: CostContext, facts: TensorParallelFacts | None, sliced: bool
+) -> Block:
     if ctx.batch_scale == 1 and not sliced:
         return block
     scale, tp = ctx.batch_scale, ctx.tp if sliced else 1
@@ -507,6 +536,25 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
         fwd_kinds=kinds(block.fwd_kinds, parts.fwd_kinds if parts else ()),
         bwd_kinds=kinds(block.bwd_kinds, parts.bwd_kinds if parts else ()),
     )
+
+
+def context_parallel_s(blocks: tuple[Block, ...], ctx: CostContext) -> float:
+    """The cp ranks' exchanges of one micro-batch (on_rank's blocks, [Note: a block on a cp rank]): each
+    attention's keys and values all-gathered in forward and their gradients reduce-scattered in
+    backward, over the cp group (ranks tp apart). Not hidden: attention waits for its keys."""
+    if ctx.cp == 1:
+        return 0.0
+    total = 0.0
+    for block in blocks:
+        each = -(-block.attention_kv_bytes // (2 * ctx.num_micro_batches))  # keys, then values
+        if each:
+            total += 2 * sum(
+                ctx.hardware.collective_time_s(
+                    kind, each, ctx.cp, ranks_per_node=ctx.ranks_per_node(ctx.tp)
+                )
+                for kind in ("all_gather_into_tensor", "reduce_scatter_tensor")
+            )
+    return total
 
 
 def tensor_parallel_s(blocks: tuple[Block, ...], ctx: CostContext) -> float:
@@ -1005,7 +1053,7 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         offload_s=offload_s(sizes, decision, ctx),
         optimizer_s=optimizer_s(sizes, decision, ctx),
         runtime_step_s=kernels_s(kernels.step, ctx),
-        tensor_parallel_s=tensor_parallel_s(blocks, ctx),
+        tensor_parallel_s=tensor_parallel_s(blocks, ctx) + context_parallel_s(blocks, ctx),
         prefetch=decision.prefetch,
         hide_fwd_s=compute_fwd_s if overlap else 0.0,
         hide_bwd_s=compute_bwd_s + recompute_s if overlap else 0.0,

@@ -221,6 +221,10 @@ class Block:
     """The backward's ops by name, likewise."""
     tensor_parallel: TensorParallelFacts | None = None
     """What divides over tp ranks; None: the block stays whole on every tp rank."""
+    attention_kv_bytes: int = 0
+    """Bytes of the keys and values the block's scaled_dot_product_attention reads: what context
+    parallelism gathers over the cp ranks ([Note: context parallelism] in plan.py). 0 in a chain
+    built by hand."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

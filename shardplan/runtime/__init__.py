@@ -10,6 +10,8 @@ program.py       Program: called as the model, the gradient-sync switch, admit_i
                  takes), step / micro-batches / loss / clip_grad_norm_, backend-independent
 sharded.py       backend="shardplan": tensor parallelism, then the units over the local slices
 tensor_parallel.py  Megatron-style slices of a TensorParallelLayout's pairs, on an eager model
+context_parallel.py  cp > 1: this rank's chunks of each sequence, attention over keys and values
+                 gathered over the cp group (backend="shardplan")
 stage_split.py   the captured graph split into the plan's stages, and the module that runs one
 pipelined.py     pp > 1: this rank's stage under GPipe / 1F1B (both backends); backend="shardplan"'s units
                  of the stage (tp-sliced if tp > 1)
@@ -96,6 +98,8 @@ def parallelize(
 def _program(
     model: nn.Module, plan: Plan, loss_fn: Callable | None, backend: str, device: torch.device
 ) -> Program:
+    if plan.mesh.cp > 1:
+        _check_context_parallel(plan, loss_fn, backend)
     if backend == "shardplan" and plan.mesh.pp > 1:
         from shardplan.runtime.pipelined import PipelinedProgram
 
@@ -113,6 +117,28 @@ def _program(
 
         return Fsdp2Program(model, plan, loss_fn, device)
     raise ShardplanError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+
+
+def _check_context_parallel(plan: Plan, loss_fn: Callable | None, backend: str) -> None:
+    """What runs a sequence split over cp ranks today (see context_parallel.py)."""
+    cp = plan.mesh.cp
+    if backend == "fsdp2":
+        raise ShardplanError(
+            f"backend='fsdp2' does not run context parallelism (cp={cp}): it would need attention "
+            "over sequence shards, which shardplan builds on its own units only; use "
+            "backend='shardplan', or re-plan with cp=1"
+        )
+    if plan.mesh.pp > 1:
+        raise ShardplanError(
+            f"context parallelism (cp={cp}) does not run under a pipeline (pp={plan.mesh.pp}) yet: "
+            "re-plan with pp=1 or cp=1"
+        )
+    if loss_fn is not None:
+        raise ShardplanError(
+            f"context parallelism (cp={cp}) computes the loss inside the model from labels=..., "
+            "shifted over the whole sequence; a loss_fn would see one rank's tokens: drop loss_fn "
+            "and pass labels=..., or re-plan with cp=1"
+        )
 
 
 def _check_mesh(plan: Plan, world_size: int) -> None:

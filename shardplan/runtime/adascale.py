@@ -72,6 +72,12 @@ class AdaScale:
                 f"{type(program).__name__} reduces inside FSDP2's own hooks: parallelize with "
                 "backend='shardplan'"
             )
+        if program.plan.mesh.cp > 1:
+            raise ShardplanError(
+                f"AdaScale estimates the gradient's noise from each rank's gradient of its own "
+                f"samples, and under context parallelism (cp={program.plan.mesh.cp}) a rank's "
+                "gradient is its share of one sequence's: re-plan with cp=1 to use AdaScale"
+            )
         if program.after_reduction is not None:
             raise ShardplanError(
                 "this program already measures its gradients for another AdaScale: make one "

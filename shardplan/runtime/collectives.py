@@ -227,34 +227,45 @@ class MeshGroups(NamedTuple):
     """This rank's place in the plan's mesh and the process groups along its dimensions."""
 
     coordinates: dict[str, int]
-    """This rank's index along each of plan.MESH_DIMS."""
+    """This rank's index along each of plan.MESH_DIMS in the mesh the units see (Mesh.parameter_mesh:
+    cp folded into dp_shard)."""
     tensor_parallel: dist.ProcessGroup
     """Consecutive ranks: they slice the same replica's sharded modules."""
     shard: dist.ProcessGroup
-    """Same stage, replica group and tp index: a unit's flat buffer is sharded over them."""
+    """Same stage, replica group and tp index: a unit's flat buffer is sharded over them (dp_shard ×
+    cp)."""
     replicate: dist.ProcessGroup
     """Same stage, shard and tp index: they hold the same shards and all-reduce their gradients (HSDP)."""
     data_parallel: dist.ProcessGroup
-    """Same stage and tp index: every data-parallel replica of what this rank holds."""
+    """Same stage and tp index: every data-parallel replica of what this rank holds (and its cp ranks,
+    which hold the same parameters)."""
     pipeline: dist.ProcessGroup
     """Same replica and tp index, one rank per stage: activations flow between them."""
     mesh: "DeviceMesh"
     """The DeviceMesh (device_mesh) the groups come from."""
+    context_parallel: dist.ProcessGroup
+    """Same stage, replica, shard and tp index: they split one sequence ([Note: context parallelism])."""
 
 
 def mesh_groups(device_type: str, plan_mesh: Mesh) -> MeshGroups:
     mesh = device_mesh(device_type, plan_mesh)
-    data_parallel = mesh["dp_replicate", "dp_shard"]._flatten(
-        "dp"
-    )  # the ranks reading different batches
+    # the cp ranks hold the same parameters: they shard and reduce them with the dp_shard ranks
+    sharding = ("dp_shard", "cp") if plan_mesh.cp > 1 else ("dp_shard",)
+    data_parallel = mesh[("dp_replicate", *sharding)]._flatten("dp")
+    shard = (
+        mesh[sharding]._flatten("dp_shard_cp").get_group()
+        if plan_mesh.cp > 1
+        else mesh.get_group("dp_shard")
+    )
     return MeshGroups(
-        plan_mesh.coordinates(dist.get_rank()),
-        mesh.get_group("tp"),
-        mesh.get_group("dp_shard"),
-        mesh.get_group("dp_replicate"),
-        data_parallel.get_group(),
-        mesh.get_group("pp"),
-        mesh,
+        coordinates=plan_mesh.parameter_mesh.coordinates(dist.get_rank()),
+        tensor_parallel=mesh.get_group("tp"),
+        shard=shard,
+        replicate=mesh.get_group("dp_replicate"),
+        data_parallel=data_parallel.get_group(),
+        pipeline=mesh.get_group("pp"),
+        mesh=mesh,
+        context_parallel=mesh.get_group("cp"),
     )
 
 

@@ -515,7 +515,12 @@ def plan_for_world(
             chain,
             world_size,
             model_name=type(model).__name__,
-            **{**plan_options, "allow_pipeline": False, "max_tensor_parallel": 1},
+            **{
+                **plan_options,
+                "allow_pipeline": False,
+                "max_tensor_parallel": 1,
+                "max_context_parallel": 1,
+            },
         ),
     )
 

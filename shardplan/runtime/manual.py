@@ -46,6 +46,7 @@ def manual_plan(
     tp: int = 1,
     sequence_parallel: bool = False,
     vocab_parallel: bool = False,
+    cp: int = 1,
 ) -> Plan:
     """One unit per group of module paths; unit i takes decision i modulo each sequence's length.
 
@@ -56,10 +57,11 @@ def manual_plan(
     The model's structural signature is recorded with or without them: parallelize refuses the plan
     for a model of other modules or parameters.
 
-    The mesh is pp × dp_replicate × dp × tp: `dp` ranks shard each unit (dp_shard), `dp_replicate`
+    The mesh is pp × dp_replicate × dp × cp × tp: `dp` ranks shard each unit (dp_shard), `dp_replicate`
     groups of them hold the same shards (HSDP), and with tp > 1 the pairs the captured graph offers
     at that degree are sliced over tp ranks (passes/tensor_parallel.py), with `sequence_parallel` and
-    `vocab_parallel` as its layout takes them.
+    `vocab_parallel` as its layout takes them. With cp > 1 each sequence is split over cp ranks
+    ([Note: context parallelism] in plan.py), which shard the units with the dp ranks.
 
     >>> plan = manual_plan(gpt, [("wte", "wpe"), ("h.0",), ("h.1",), ("ln_f", "lm_head")], dp=2)  # doctest: +SKIP
     """
@@ -91,7 +93,7 @@ def manual_plan(
         for index in range(pp)
     )
     inputs = input_specs(tuple(example_inputs), dict(example_kwargs or {}))
-    mesh = Mesh(dp_shard=dp, dp_replicate=dp_replicate, tp=tp, pp=pp)
+    mesh = Mesh(dp_shard=dp, dp_replicate=dp_replicate, tp=tp, pp=pp, cp=cp)
     return Plan(
         fingerprint=fingerprint_of(model, inputs) if inputs else "manual",
         signature=model_signature(model),

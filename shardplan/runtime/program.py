@@ -485,7 +485,8 @@ def admit_input(
     tensor-parallel layout is found once, at start-up), so any batch size and sequence length is
     taken: dynamic padding, a larger evaluation batch, an epoch's last batch. An input the plan
     records keeps its number of dims and its dtype, and holds a sample at least. Sequence
-    parallelism splits the sequence (dim 1 of the tokens) over the tp ranks, which it must divide.
+    parallelism splits the sequence (dim 1 of the tokens) over the tp ranks, which it must divide;
+    context parallelism into 2 · cp chunks (each split again over tp under sequence parallelism).
     Under a pipeline the stages are cut from captures at fixed shapes: check_batch's rule (see
     [Note: smaller pipelined batches] in pipelined.py)."""
     if plan.mesh.pp > 1:
@@ -507,8 +508,20 @@ def admit_input(
                 "least one sample a call (a rank that skips leaves its peers waiting in a collective)"
             )
         _check_dtype(spec, value)
-    if plan.tensor_parallel.sequence_parallel:
-        _check_sequence_divides(plan.mesh.tp, args, kwargs)
+    if plan.mesh.cp > 1:
+        # each cp rank's 2 chunks, then split again over tp by sequence parallelism
+        tp = plan.mesh.tp if plan.tensor_parallel.sequence_parallel else 1
+        _check_sequence_divides(
+            2 * plan.mesh.cp * tp, "context parallelism", "cut into 2 * cp chunks", args, kwargs
+        )
+    elif plan.tensor_parallel.sequence_parallel:
+        _check_sequence_divides(
+            plan.mesh.tp,
+            "sequence parallelism",
+            f"split over tp={plan.mesh.tp} ranks",
+            args,
+            kwargs,
+        )
     if trains:
         _check_predicted_to_fit(plan, args, kwargs, micro_batches, over_budget)
 
@@ -546,9 +559,12 @@ def _check_predicted_to_fit(
     raise RuntimeMismatchError(message)
 
 
-def _check_sequence_divides(tp: int, args: tuple, kwargs: dict) -> None:
-    """Refuse a sequence length that sequence parallelism cannot split over `tp` ranks, before any rank
-    runs a layer: the sequence is dim 1 of the first input of 2 dims or more (the tokens)."""
+def _check_sequence_divides(
+    multiple: int, parallelism: str, split: str, args: tuple, kwargs: dict
+) -> None:
+    """Refuse a sequence length that `parallelism` cannot `split` (a multiple of `multiple` tokens),
+    before any rank runs a layer: the sequence is dim 1 of the first input of 2 dims or more (the
+    tokens)."""
     named = [(str(index), value) for index, value in enumerate(args)] + list(kwargs.items())
     tokens = next(
         (
@@ -558,13 +574,13 @@ def _check_sequence_divides(tp: int, args: tuple, kwargs: dict) -> None:
         ),
         None,
     )
-    if tokens is not None and tokens[1].shape[1] % tp:
+    if tokens is not None and tokens[1].shape[1] % multiple:
         name, value = tokens
         raise RuntimeMismatchError(
             f"input {name!r} has a sequence of {value.shape[1]} tokens (shape {list(value.shape)}), "
-            f"which the plan's sequence parallelism cannot split over tp={tp} ranks: pad sequences "
-            f"to a multiple of {tp} (pad_to_multiple_of={tp} in a Hugging Face tokenizer or "
-            "collator), or re-plan without sequence parallelism"
+            f"which the plan's {parallelism} cannot {split}: pad sequences "
+            f"to a multiple of {multiple} (pad_to_multiple_of={multiple} in a Hugging Face tokenizer or "
+            f"collator), or re-plan without {parallelism}"
         )
 
 

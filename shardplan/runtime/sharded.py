@@ -21,6 +21,7 @@ from shardplan.plan import Mesh, Plan, StrategyTraits, Unit
 from shardplan.runtime import collectives
 from shardplan.runtime.activation_checkpoint import checkpointed
 from shardplan.runtime.chunks import Holder, UnitHolder, replica_zero_owner
+from shardplan.runtime.context_parallel import ContextParallel
 from shardplan.runtime.flat_param import FlatLayout
 from shardplan.runtime.program import Program, grad_norm_term, refuse_optimizers_over
 from shardplan.runtime.scheduler import Scheduler
@@ -158,13 +159,27 @@ class ShardedProgram(UnitProgram):
         self.scheduler = Scheduler(
             self.units, {unit: len(set(unit.spec.modules)) for unit in self.units}
         )
-        _wrap_forwards(module, dict(module.named_modules()), self.units, self.scheduler)
+        self.context = (
+            ContextParallel(module, self.groups.context_parallel) if plan.mesh.cp > 1 else None
+        )
+        """The sequence split over the cp ranks (None at cp = 1)."""
+        _wrap_forwards(
+            module,
+            dict(module.named_modules()),
+            self.units,
+            self.scheduler,
+            self.context.wrap if self.context is not None else None,
+        )
         self._control = collectives.control_group()
         """Where ranks compare where a failed step stopped (see [Note: failed steps])."""
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self.scheduler.forward_pass():
-            return self.module(*args, **kwargs)
+        if self.context is None:
+            with self.scheduler.forward_pass():
+                return self.module(*args, **kwargs)
+        args, kwargs = self.context.shard_batch(args, kwargs)
+        with self.scheduler.forward_pass(), self.context.attending():
+            return self.context.scale_loss(self.module(*args, **kwargs))
 
     def _stopped_together(self) -> bool:
         return collectives.agree_after_failure(
@@ -184,7 +199,9 @@ def apply_plan_tensor_parallel(
 
 
 def unit_place(mesh: Mesh, groups: collectives.MeshGroups) -> UnitPlace:
-    at = groups.coordinates
+    """Where this rank's units sit: `groups.coordinates` are in the mesh the units see (cp folded into
+    dp_shard, Mesh.parameter_mesh), so is the owner of each chunk."""
+    mesh, at = mesh.parameter_mesh, groups.coordinates
     return UnitPlace(
         shard=groups.shard,
         shard_rank=at["dp_shard"],
@@ -243,7 +260,9 @@ def build_units(
                 f"unit {spec.name!r} mixes frozen and trainable parameters: one flat buffer has "
                 "one requires_grad; put frozen parameters in units of their own"
             )
-        layout = FlatLayout.of(spec.name, list(zip(spec.params, parameters)), plan.mesh.dp_shard)
+        layout = FlatLayout.of(
+            spec.name, list(zip(spec.params, parameters)), plan.mesh.parameter_mesh.dp_shard
+        )
         unit_cuts = tuple(cuts.get(name) for name in spec.params)
         with torch.no_grad():
             flat = collectives.broadcast_(
@@ -339,9 +358,14 @@ def initialize_module(model: nn.Module, module: nn.Module) -> bool:
 
 
 def _wrap_forwards(
-    model: nn.Module, modules: dict[str, nn.Module], units: list[FlatUnit], scheduler: Scheduler
+    model: nn.Module,
+    modules: dict[str, nn.Module],
+    units: list[FlatUnit],
+    scheduler: Scheduler,
+    around: Callable[[Callable], Callable] | None = None,
 ) -> None:
-    """Wrap each module that a unit names or that owns a unit's parameter (see [Note: unit choreography])."""
+    """Wrap each module that a unit names or that owns a unit's parameter (see [Note: unit choreography]);
+    a unit's own forward runs inside `around` too, recomputed or not (context parallelism's attention)."""
     unit_of_module = {path: unit for unit in units for path in unit.spec.modules}
     for path in unit_of_module:
         if path not in modules:
@@ -367,6 +391,8 @@ def _wrap_forwards(
             )
         own = unit_of_module.get(path)
         forward = scheduler.wrap(module.forward, tuple(needed_units), path, own)
+        if own is not None and around is not None:
+            forward = around(forward)
         module.forward = checkpointed(forward, own.spec.checkpoint) if own is not None else forward
 
 

@@ -400,6 +400,12 @@ def _gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _exchange(x, "gather", "scatter", _SEQUENCE, group)
 
 
+def gather_sequence_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim` in rank order; its gradient summed over the ranks and
+    cut back to this rank's part (context parallelism's keys and values)."""
+    return _exchange(x, "gather", "scatter", dim, group)
+
+
 def _gather_pair_input(
     group: Group, module: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict]:

@@ -111,11 +111,12 @@ def reasoning(
     else:
         binding = f"none: the fastest plan fits (peak {format_bytes(best.peak_bytes)}, {share:.0%} of the budget)"
     listed = candidates[1 : 1 + RUNNER_UPS]
-    listed += [
-        c
-        for c in best_of_each_tp(chain, best, candidates, rules, setting, hw, budget, space, memo)
-        if c not in listed
-    ]
+    for others in (best_of_each_tp, best_of_each_cp):
+        listed += [
+            c
+            for c in others(chain, best, candidates, rules, setting, hw, budget, space, memo)
+            if c not in listed
+        ]
 
     def tie(step_time_s: float, samples: float) -> str:
         slower = step_time_s / samples / per_sample - 1
@@ -176,6 +177,39 @@ def best_of_each_tp(
                 chain.blocks,
                 rules,
                 replace(setting, tensor_parallel=(option,)),
+                hw,
+                budget,
+                space,
+                memo=memo,
+                runner_ups=False,
+            )[:1]
+        )
+    return found
+
+
+def best_of_each_cp(
+    chain: BlockChain,
+    best: Candidate,
+    candidates: list[Candidate],
+    rules: tuple[BlockRule, ...],
+    setting: Setting,
+    hw: HardwareModel,
+    budget: int,
+    space: SearchSpace,
+    memo: SearchMemo,
+) -> list[Candidate]:
+    """The fastest plan of each cp degree searched other than the best's, as best_of_each_tp finds them."""
+    found: list[Candidate] = []
+    for cp in setting.context_parallel:
+        if cp == best.configuration.mesh.cp:
+            continue
+        mine = [c for c in candidates if c.configuration.mesh.cp == cp]
+        found += (
+            mine[:1]
+            or search(
+                chain.blocks,
+                rules,
+                replace(setting, context_parallel=(cp,)),
                 hw,
                 budget,
                 space,

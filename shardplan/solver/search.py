@@ -1,4 +1,5 @@
-"""The outer enumeration: mesh (pp × dp_replicate × dp_shard × tp), micro-batch count and pipeline schedule.
+"""The outer enumeration: mesh (pp × dp_replicate × dp_shard × cp × tp), micro-batch count and pipeline
+schedule.
 
 For each configuration the stage cut (stages.py) and, inside each stage, the units and
 their decisions (chain_dp.py) are exact; this module tries every configuration and
@@ -15,7 +16,7 @@ from typing import NamedTuple
 from shardplan.costmodel import cost
 from shardplan.costmodel.cost import CostContext, evaluate_stage
 from shardplan.costmodel.hardware import HardwareModel
-from shardplan.frontend.chain import Block
+from shardplan.frontend.chain import Block, BlockChain
 from shardplan.plan import (
     MULTI_STAGE_SCHEDULES,
     Checkpoint,
@@ -106,6 +107,8 @@ class Setting:
     replica takes the chain's batch (`batch_size`), whatever dp."""
     tensor_parallel: tuple[tuple[int, bool], ...] = ((1, False),)
     """(tp degree, sequence parallel) pairs to search: tensor_parallel_options."""
+    context_parallel: tuple[int, ...] = (1,)
+    """cp degrees to search: context_parallel_options."""
     replica_group_ranks: int = 0
     """dp_replicate > 1 only where a replica group's dp_shard × tp ranks are a multiple of this (a
     node's devices); 0: no replica groups."""
@@ -154,6 +157,8 @@ class Configuration:
                 )
                 + f" pp={mesh.pp} micro-batches={self.schedule.num_micro_batches}"
             )
+        if mesh.cp > 1:
+            text = f"cp={mesh.cp} " + text
         if self.schedule.virtual_stages > 1:
             text += f" virtual-stages={self.schedule.virtual_stages}"
         return text + (f" {self.schedule.name}" if self.mesh.pp > 1 else "")
@@ -220,6 +225,24 @@ def tensor_parallel_options(
     return tuple(found)
 
 
+def context_parallel_options(
+    chain: BlockChain, world_size: int, max_degree: int
+) -> tuple[int, ...]:
+    """cp to search: 1, and each degree up to `max_degree` dividing the world where the runtime can split
+    the sequence (runtime/context_parallel.py): the model attends (a block's attention_kv_bytes), is
+    trained from labels=, and its sequence (dim 1 of the first input of 2 dims or more) divides into
+    2 · cp chunks."""
+    lengths = [spec.shape[1] for spec in chain.inputs if len(spec.shape) > 1]
+    attends = any(block.attention_kv_bytes for block in chain.blocks)
+    if not (lengths and attends and any(spec.name == "labels" for spec in chain.inputs)):
+        return (1,)
+    return (1,) + tuple(
+        cp
+        for cp in range(2, min(max_degree, world_size) + 1)
+        if world_size % cp == 0 and lengths[0] % (2 * cp) == 0
+    )
+
+
 def replica_groups(setting: Setting, dp: int, tp: int) -> tuple[int, ...]:
     """dp_replicate to try over `dp` data-parallel ranks: 1 (every rank shards), and replica groups
     of one node's worth of ranks (dp_shard × tp = setting.replica_group_ranks), whose gathers stay
@@ -231,42 +254,41 @@ def replica_groups(setting: Setting, dp: int, tp: int) -> tuple[int, ...]:
 
 def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
     """Every mesh, micro-batch count and schedule to try, in a fixed order: tp among
-    setting.tensor_parallel, pp up to the blocks, dp_replicate among replica_groups, micro-batch
-    counts dividing a replica's batch."""
+    setting.tensor_parallel, cp among setting.context_parallel (without a pipeline), pp up to the
+    blocks, dp_replicate among replica_groups, micro-batch counts dividing a replica's batch."""
     world = setting.world_size
     found = []
-    for tp, sequence_parallel in setting.tensor_parallel:
-        for pp in range(
-            1, min(world // tp, n_blocks) + 1
-        ):  # a stage holds a block at least: O(blocks), not O(ranks)
-            if (
-                (world // tp) % pp
-                or pp > n_blocks
-                or (pp > 1 and (not setting.allow_pipeline or pp > setting.max_pipeline_degree))
-            ):
+    for (tp, sequence_parallel), cp, pp in itertools.product(
+        setting.tensor_parallel, setting.context_parallel, range(1, n_blocks + 1)
+    ):  # a stage holds a block at least: O(blocks), not O(ranks)
+        if (
+            (world // tp) % (pp * cp)
+            or (pp > 1 and (not setting.allow_pipeline or pp > setting.max_pipeline_degree))
+            or (cp > 1 and pp > 1)  # the runtime splits no sequence under a pipeline
+        ):
+            continue
+        dp = world // (tp * pp * cp)
+        batch = setting.replica_batch(dp)
+        if batch != int(batch) or batch < 1:
+            continue
+        micro = [
+            m for m in range(1, min(int(batch), setting.max_micro_batches) + 1) if batch % m == 0
+        ]
+        for replicas, m, schedule in itertools.product(
+            replica_groups(setting, dp, tp * cp), micro, SCHEDULES if pp > 1 else ("none",)
+        ):
+            if not multi_stage_micro_batches(schedule, pp, m):
                 continue
-            dp = world // (tp * pp)
-            batch = setting.replica_batch(dp)
-            if batch != int(batch) or batch < 1:
-                continue
-            micro = [
-                m
-                for m in range(1, min(int(batch), setting.max_micro_batches) + 1)
-                if batch % m == 0
-            ]
-            for replicas, m, schedule in itertools.product(
-                replica_groups(setting, dp, tp), micro, SCHEDULES if pp > 1 else ("none",)
-            ):
-                if not multi_stage_micro_batches(schedule, pp, m):
-                    continue
-                for v in virtual_stage_counts(schedule, pp, n_blocks, bool(setting.tied_edges)):
-                    found.append(
-                        Configuration(
-                            mesh=Mesh(dp_shard=dp // replicas, dp_replicate=replicas, tp=tp, pp=pp),
-                            schedule=Schedule(num_micro_batches=m, name=schedule, virtual_stages=v),
-                            sequence_parallel=sequence_parallel,
-                        )
+            for v in virtual_stage_counts(schedule, pp, n_blocks, bool(setting.tied_edges)):
+                found.append(
+                    Configuration(
+                        mesh=Mesh(
+                            dp_shard=dp // replicas, dp_replicate=replicas, tp=tp, pp=pp, cp=cp
+                        ),
+                        schedule=Schedule(num_micro_batches=m, name=schedule, virtual_stages=v),
+                        sequence_parallel=sequence_parallel,
                     )
+                )
     return found
 
 
@@ -276,11 +298,12 @@ def context(
     mesh, precision = configuration.mesh, setting.mixed_precision
     return CostContext(
         hardware=hardware,
-        dp=mesh.dp_shard,
+        dp=mesh.parameter_mesh.dp_shard,  # the cp ranks shard the units with the dp_shard ranks
         dp_replicate=mesh.dp_replicate,
         tp=mesh.tp,
         sequence_parallel=configuration.sequence_parallel,
-        batch_scale=setting.replica_batch(mesh.dp) / setting.batch_size,
+        cp=mesh.cp,
+        batch_scale=setting.replica_batch(mesh.dp) / setting.batch_size / mesh.cp,
         num_micro_batches=configuration.schedule.num_micro_batches,
         in_flight=configuration.in_flight(stage),
         pipeline_degree=mesh.pp,

@@ -207,6 +207,7 @@ def build_chain(
                 ),
                 first_node=nodes[0].name,
                 last_node=nodes[-1].name,
+                attention_kv_bytes=_attention_kv_bytes(nodes),
             )
         )
     dtypes = sorted({dtype_name(p.dtype) for p in gm.parameters()})
@@ -279,6 +280,17 @@ def _dropped_by_recompute(
             dropped.update((sid, size) for sid, size in named.items() if sid not in held)
             inside += facts(node).selective_bytes - sum(named.values())
     return sum(dropped.values()) + inside
+
+
+def _attention_kv_bytes(nodes) -> int:
+    """Bytes of the keys and values (arguments 1 and 2) of the attention nodes among `nodes`."""
+    return sum(
+        tensor.numel() * tensor.element_size()
+        for node in nodes
+        if node.target is torch.ops.aten.scaled_dot_product_attention.default
+        for tensor in (argument.meta.get("val") for argument in node.args[1:3])
+        if isinstance(tensor, torch.Tensor)
+    )
 
 
 def block_modules(groups: list[NodeGroup]) -> list[tuple[str, ...]]:
