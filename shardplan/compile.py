@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, cast
 
 from shardplan.common.dtypes import dtype_name
+from shardplan.common.files import is_finite_number
 from shardplan.common.sizes import parse_bytes
 from shardplan.costmodel.hardware import HardwareProfile, get_hardware
 from shardplan.errors import InfeasibleError, ShardplanError
@@ -42,6 +43,7 @@ from shardplan.solver.search import (
     Setting,
     context_parallel_options,
     search,
+    simplest_near_the_fastest,
     tensor_parallel_options,
 )
 from shardplan.solver.shapes import evaluate_at, longest_sequence, sequence_limits
@@ -95,6 +97,10 @@ class PlanOptions:
     global_batch_size: int | None = None
     """Samples per step over all replicas, split evenly over dp (meshes whose dp does not divide it are
     not searched); None: every replica takes the chain's batch."""
+    near_tie: float = 0.02
+    """A simpler plan (no pipeline, then fewer distinct unit settings) predicted at most this share slower a
+    sample than the fastest is chosen instead, and the reasoning says so ([Note: near ties] in
+    solver/search.py); 0 takes the fastest."""
     explain: bool = True
     """Write the reasoning: the binding constraint (a second search without the budget) and the
     runner-ups (the best plan of every other tp degree). Those searches are most of a solve's time;
@@ -273,6 +279,11 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
         raise ShardplanError(
             f"global_batch_size={asked.global_batch_size} trains no samples: give 1 or more"
         )
+    if not (is_finite_number(asked.near_tie) and 0 <= asked.near_tie < 1):
+        raise ShardplanError(
+            f"near_tie={asked.near_tie!r} is no share of a step's time: give 0 (the fastest plan) up to "
+            "below 1, e.g. 0.02"
+        )
     max_tp = asked.max_tensor_parallel
     if max_tp is None:
         max_tp = hw.devices_per_node if hw.overlaps_communication else 1
@@ -315,6 +326,7 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
             constraints_blamed(chain, asked.constraints, setting, hw, budget, space)
             or infeasible_message(chain, rules, setting, hw, budget, space)
         )
+    candidates = simplest_near_the_fastest(candidates, setting, asked.near_tie)
     best = candidates[0]
     units, stages = units_and_stages(chain, best)
     return Plan(
@@ -333,7 +345,9 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
         stages=stages,
         predicted=predict(chain, best, setting, hw),
         reasoning=(
-            reasoning(chain, best, candidates, rules, setting, hw, budget, space, memo)
+            reasoning(
+                chain, best, candidates, rules, setting, hw, budget, space, memo, asked.near_tie
+            )
             if asked.explain
             else Reasoning(budget_bytes=budget, binding_constraint="not computed (explain=False)")
         ),

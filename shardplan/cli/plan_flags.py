@@ -62,6 +62,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-budget, which is used to the byte",
     )
     parser.add_argument(
+        "--near-tie",
+        type=float,
+        default=0.02,
+        metavar="FRACTION",
+        help="choose the simpler plan (no pipeline, then fewer unit settings) when it is predicted at "
+        "most this share slower a sample than the fastest (default: %(default)s; 0: the fastest)",
+    )
+    parser.add_argument(
         "--no-pipeline",
         dest="allow_pipeline",
         action="store_false",
@@ -196,6 +204,7 @@ def plan_options(options) -> dict:
         "global_batch_size": options.global_batch_size,
         "max_tensor_parallel": options.max_tensor_parallel,
         "max_context_parallel": options.max_context_parallel,
+        "near_tie": options.near_tie,
         "explain": options.explain,
     }
 

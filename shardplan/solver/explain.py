@@ -36,12 +36,6 @@ RUNNER_UPS = 4
 """Other configurations listed in Plan.reasoning, besides the expert defaults."""
 
 
-NEAR_TIE = 0.03
-"""A runner-up this much slower a sample than the plan, or less, is called a near tie: within the cost model's
-error on measured runs (memory and time within a few percent on CPU ranks, more against published GPU runs),
-so the simpler plan may be the faster one."""
-
-
 def expert_defaults(
     chain: BlockChain, setting: Setting, hw: HardwareModel, budget: int | None = None
 ) -> list[tuple[str, cost.StepCost]]:
@@ -84,6 +78,7 @@ def reasoning(
     budget: int,
     space: SearchSpace,
     memo: SearchMemo,
+    near_tie: float,
 ) -> Reasoning:
     share = best.peak_bytes / budget
     per_sample = best.step_time_s / samples_per_step(setting, best.configuration)
@@ -119,8 +114,11 @@ def reasoning(
         ]
 
     def tie(step_time_s: float, samples: float) -> str:
+        """What a runner-up within `near_tie` of the plan is ([Note: near ties] in search.py)."""
         slower = step_time_s / samples / per_sample - 1
-        return f"; near tie: {slower:.1%} slower a sample" if slower <= NEAR_TIE else ""
+        if slower < 0:
+            return f"; {-slower:.1%} faster a sample, a near tie: the simpler plan was chosen"
+        return f"; near tie: {slower:.1%} slower a sample" if slower <= near_tie else ""
 
     runner_ups = [
         Alternative(
