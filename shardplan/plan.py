@@ -228,6 +228,12 @@ class Stage:
     """Names of the units in this stage."""
 
 
+ROUTED_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+"""The parameters holding a mixture of experts' routed experts, 3-D with the expert dim first
+(transformers 5's Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 experts): what expert parallelism
+splits over the ep ranks ([Note: expert parallelism])."""
+
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimensions, outermost first (see Mesh.coordinates)."""
 

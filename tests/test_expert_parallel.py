@@ -12,11 +12,17 @@ import pytest
 import torch
 from parity import assert_parity, spawn_world, train_next_to_reference
 
+from shardplan import get_hardware
+from shardplan.calibration.accuracy import HF_WORKLOADS, compare, measure_by_world
+from shardplan.compile import solve
+from shardplan.costmodel.cost import CostContext, unit_cost
 from shardplan.errors import PlanError, ShardplanError
+from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
-from shardplan.plan import SCHEMA, Checkpoint, Mesh, Plan, ShardStrategy
+from shardplan.plan import SCHEMA, Checkpoint, Decision, Mesh, Plan, ShardStrategy
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
+from shardplan.solver.search import expert_parallel_options
 
 STEPS = 3
 UNITS = [
@@ -144,7 +150,60 @@ def test_what_expert_parallelism_cannot_run_is_refused_in_one_line(results):
     assert all("\n" not in message for message in found.values())
 
 
-# the plan, no processes
+@pytest.mark.timeout(600)
+def test_an_ep_plans_peak_memory_is_predicted_within_3_percent():
+    """The example-sized Mixtral (4 layers, hidden 256, 4 x 128 tokens a rank) at dp 2 × ep 2 on 2 gloo
+    ranks, with and without checkpointing: MemTracker's peak beside the cost model's (CPU memory is
+    deterministic)."""
+    workload = HF_WORKLOADS["hf-mixtral"]
+    entry = workload.build()
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    plans = [
+        manual_plan(
+            entry.model,
+            workload.units(chain),
+            dp=2,
+            ep=2,
+            checkpoints=(checkpoint,),
+            example_inputs=entry.args,
+            example_kwargs=entry.kwargs,
+        )
+        for checkpoint in (Checkpoint.NONE, Checkpoint.FULL)
+    ]
+    _, measured = measure_by_world(plans, 1, progress=False, workload=workload)
+    rows = compare(chain, plans, measured, get_hardware("cpu-gloo"), ["ep2", "ep2 full"])
+    ratios = {row.kind: round(row.memory_ratio, 3) for row in rows}
+    assert all(abs(ratio - 1) <= 0.03 for ratio in ratios.values()), ratios
+
+
+# the plan and the cost model, no processes
+
+
+def test_the_analysis_finds_the_routed_experts_and_the_tokens_routed_to_them():
+    entry = zoo.hf_architecture("mixtral")  # 2 x 16 tokens, top-2 of 4 experts, hidden 64
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    experts = entry.model.model.layers[0].mlp.experts
+    moe = [block for block in chain.blocks if block.expert_param_numel]
+    assert [block.name for block in moe] == ["model.layers.0", "model.layers.1"]
+    assert moe[0].expert_param_numel == experts.gate_up_proj.numel() + experts.down_proj.numel()
+    assert moe[0].routed_elements == 2 * 16 * 2 * 64
+
+
+def test_ep_divides_the_experts_state_and_prices_their_all_to_all():
+    entry = zoo.hf_architecture("mixtral")
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    block = next(block for block in chain.blocks if block.expert_param_numel)
+    hardware = get_hardware("h100-80g")
+    decision = Decision(strategy=ShardStrategy.FULL_SHARD)
+    alone, split = (
+        unit_cost((block,), decision, CostContext(hardware=hardware, dp=4, ep=ep)) for ep in (1, 4)
+    )
+    expert_state = block.expert_param_numel * (4 + 4 + 8)  # fp32 parameters, gradient, AdamW
+    # sharded over 4 ranks without ep; whole on each of 4 ep ranks, a quarter of the experts each
+    assert alone.state_bytes - split.state_bytes == pytest.approx(0, abs=expert_state * 0.01)
+    assert split.tensor_parallel_s > alone.tensor_parallel_s == 0.0
+    two = unit_cost((block,), decision, CostContext(hardware=hardware, dp=4, ep=2))
+    assert two.state_bytes - alone.state_bytes == pytest.approx(expert_state / 4, rel=0.01)
 
 
 def test_an_ep_plan_round_trips_and_a_format_5_plan_loads_with_ep_1():
@@ -167,3 +226,29 @@ def test_an_ep_that_does_not_divide_the_sharding_ranks_is_refused():
     with pytest.raises(PlanError, match="every mesh dimension is at least 1"):
         Mesh(ep=0)
     assert Mesh(dp_shard=2, cp=2, ep=4).size == 4  # ep borrows ranks, it adds none
+
+
+def test_ep_is_searched_among_the_degrees_dividing_the_world_and_every_blocks_experts():
+    mixtral = zoo.hf_architecture("mixtral")  # 4 experts a layer
+    chain = analyze(mixtral.model, mixtral.args, mixtral.kwargs)
+    assert expert_parallel_options(chain, 8, 8) == (1, 2, 4)
+    assert expert_parallel_options(chain, 6, 8) == (1, 2)
+    assert expert_parallel_options(chain, 8, 1) == (1,)
+    llama = zoo.hf_architecture("llama")
+    assert expert_parallel_options(analyze(llama.model, llama.args, llama.kwargs), 8, 8) == (1,)
+
+
+def test_the_solver_prices_each_ep_degree_and_shows_the_best_plan_of_each():
+    mixtral = zoo.hf_architecture("mixtral", batch=8)
+    chain = analyze(mixtral.model, mixtral.args, mixtral.kwargs)
+    plan = solve(chain, 4, hardware="h100-80g")
+    shown = {plan.mesh.ep} | {
+        int(alt.description.split()[0].removeprefix("ep="))
+        for alt in plan.reasoning.runner_ups
+        if alt.description.startswith("ep=")
+    }
+    assert shown >= {2, 4}, [alt.description for alt in plan.reasoning.runner_ups]
+    on_cpu = solve(chain, 4, hardware="cpu-gloo", memory_budget="1 TiB")
+    assert on_cpu.mesh.ep == 1  # max_expert_parallel is 1 on CPU unless asked
+    asked = solve(chain, 4, hardware="cpu-gloo", memory_budget="1 TiB", max_expert_parallel=4)
+    assert {alt.description.split()[0] for alt in asked.reasoning.runner_ups} & {"ep=2", "ep=4"}

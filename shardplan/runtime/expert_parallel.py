@@ -32,23 +32,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardplan.errors import ShardplanError
-from shardplan.plan import Plan, ShardStrategy, Unit
+from shardplan.plan import ROUTED_EXPERT_PARAMETERS, Plan, ShardStrategy, Unit
 from shardplan.runtime.tensor_parallel import ParameterSlice
 from shardplan.runtime.unit import UnitPlace
 
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
-"""The routed experts' parameters, expert dim first."""
-
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Path → every module of `model` holding routed experts as EXPERT_PARAMETERS."""
+    """Path → every module of `model` holding routed experts as ROUTED_EXPERT_PARAMETERS."""
     return {
         path: module
         for path, module in model.named_modules()
         if all(
             isinstance(module._parameters.get(name), nn.Parameter)
             and module._parameters[name].dim() == 3  # type: ignore[union-attr]
-            for name in EXPERT_PARAMETERS
+            for name in ROUTED_EXPERT_PARAMETERS
         )
         and hasattr(module, "act_fn")
     }
@@ -82,19 +79,19 @@ def split_experts(
     if not found:
         raise ShardplanError(
             f"the plan has ep={plan.mesh.ep}, but {type(model).__name__} has no routed experts "
-            f"(modules holding 3-D {' and '.join(EXPERT_PARAMETERS)}, as transformers' mixtures of "
+            f"(modules holding 3-D {' and '.join(ROUTED_EXPERT_PARAMETERS)}, as transformers' mixtures of "
             "experts do) to split over ep ranks: re-plan with ep=1"
         )
     cuts: dict[str, ParameterSlice] = {}
     expert_units: dict[str, Unit] = {}
     for path, module in found.items():
-        experts = module._parameters[EXPERT_PARAMETERS[0]].shape[0]  # type: ignore[union-attr]
+        experts = module._parameters[ROUTED_EXPERT_PARAMETERS[0]].shape[0]  # type: ignore[union-attr]
         if experts % groups.ep:
             raise ShardplanError(
                 f"{path} holds {experts} experts, which ep={groups.ep} ranks cannot split evenly: "
                 f"re-plan with an ep that divides {experts}"
             )
-        for name in EXPERT_PARAMETERS:
+        for name in ROUTED_EXPERT_PARAMETERS:
             whole = module._parameters[name]
             assert whole is not None
             cut = ParameterSlice(
@@ -108,7 +105,7 @@ def split_experts(
         expert_units[path] = Unit(
             name=path,
             modules=(path,),
-            params=tuple(f"{path}.{name}" for name in EXPERT_PARAMETERS),
+            params=tuple(f"{path}.{name}" for name in ROUTED_EXPERT_PARAMETERS),
             strategy=ShardStrategy.REPLICATE,
         )
     units = []
@@ -195,10 +192,10 @@ def _routed_forward(module: nn.Module, experts: int, groups: ExpertGroups) -> Ca
             gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(activation(gate) * up, down[expert]))
         computed = torch.cat(outputs)[torch.argsort(by_expert)]
-        returned = _exchange(computed, send, receive, group)
-        weighted = returned * top_k_weights.reshape(-1)[order, None]
-        return torch.zeros_like(hidden_states).index_add_(
-            0, token, weighted.to(hidden_states.dtype)
-        )
+        # back in (token, choice) order: each token's choices summed with the router's weights (an
+        # index_add_ would save its whole source for backward; indexing saves only the indices)
+        returned = _exchange(computed, send, receive, group)[torch.argsort(order)]
+        weighted = returned.view(*top_k_index.shape, -1) * top_k_weights.unsqueeze(-1)
+        return weighted.sum(dim=-2).to(hidden_states.dtype)
 
     return forward
