@@ -2,15 +2,17 @@
 trained with their routed experts split over ep ranks next to one process on the whole batch.
 
 One spawned world of 2 ranks (dp 2, ep 2) and one of 4 (dp 4, ep 2: each expert on 2 ranks) train
-every case; the world of 2 also checks what expert parallelism refuses.
+every case, check what expert parallelism refuses, and resume a checkpoint saved under one ep on a
+plan with another and back, with the same losses.
 """
 
 import copy
 import json
+import tempfile
 
 import pytest
 import torch
-from parity import assert_parity, spawn_world, train_next_to_reference
+from parity import ADAMW, assert_parity, spawn_world, train_next_to_reference
 
 from shardplan import get_hardware
 from shardplan.calibration.accuracy import HF_WORKLOADS, compare, measure_by_world
@@ -117,16 +119,63 @@ def refusals(world: int) -> dict:
     return found
 
 
-def run_world(rank: int, world: int) -> dict:
+RESUMED_MESHES = {
+    2: (dict(dp=2, ep=2), dict(dp=2), dict(dp=2, ep=2)),
+    4: (dict(dp=4, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2)),
+}
+"""By world size: the mesh that saves, the one that resumes and saves again, and the one that resumes
+that."""
+
+
+def resume_across_meshes(rank: int, world: int, directory: str) -> dict:
+    """Train 2 steps on the first mesh and save; resume on the second for a step and save; resume that
+    on the third for a step: the losses after each resume must be those of 4 steps in one run."""
+    first, second, third = RESUMED_MESHES[world]
+    batches = [
+        torch.randint(0, 512, (2 * world, 16), generator=torch.Generator().manual_seed(s))
+        for s in range(4)
+    ]
+
+    def program_on(mesh: dict):
+        model = _model("mixtral")
+        program = parallelize(model, _plan(model, **mesh))
+        return program, torch.optim.AdamW(program.parameters(), **ADAMW)
+
+    def train(program, optimizer, steps: list[torch.Tensor]) -> list[float]:
+        losses = []
+        for ids in steps:
+            mine = ids.chunk(world)[rank]
+            losses.append(float(program.step(mine, labels=mine)))
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses
+
+    program, optimizer = program_on(first)
+    train(program, optimizer, batches[:2])
+    program.save(f"{directory}/first", optimizer)
+    unbroken = train(program, optimizer, batches[2:])
+    program, optimizer = program_on(second)
+    program.load(f"{directory}/first", optimizer)
+    resumed = train(program, optimizer, batches[2:3])
+    program.save(f"{directory}/second", optimizer)
+    program, optimizer = program_on(third)
+    program.load(f"{directory}/second", optimizer)
+    resumed += train(program, optimizer, batches[3:])
+    return {"loss_error": max(abs(a - b) for a, b in zip(resumed, unbroken))}
+
+
+def run_world(rank: int, world: int, directory: str) -> dict:
     return {
         "cases": {name: run_case(rank, case) for name, case in CASES[world].items()},
         "refusals": refusals(world),
+        "resume": resume_across_meshes(rank, world, directory),
     }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def results(request):
-    return request.param, spawn_world(request.param, run_world, ())
+    with tempfile.TemporaryDirectory() as directory:
+        return request.param, spawn_world(request.param, run_world, (directory,))
 
 
 @pytest.mark.timeout(900)  # a world's setup trains every case of its size
@@ -135,6 +184,12 @@ def test_mixtures_of_experts_train_with_their_experts_split_over_ep_ranks_like_o
 ):
     world, found = results
     assert_parity(found["cases"], CASES[world])
+
+
+@pytest.mark.timeout(900)  # a world's setup trains every case of its size
+def test_a_checkpoint_saved_under_one_ep_resumes_under_another_with_the_same_losses(results):
+    world, found = results
+    assert found["resume"]["loss_error"] <= 1e-5, (RESUMED_MESHES[world], found["resume"])
 
 
 @pytest.mark.timeout(900)  # a world's setup trains every case of its size
