@@ -23,6 +23,7 @@ from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
 from shardplan.plan import SCHEMA, Checkpoint, Decision, Mesh, Plan, ShardStrategy
 from shardplan.runtime import parallelize
+from shardplan.runtime.adascale import AdaScale
 from shardplan.runtime.manual import manual_plan
 from shardplan.solver.search import expert_parallel_options
 
@@ -57,6 +58,12 @@ CASES = {
         "qwen3_moe_ep2": {"model": "qwen3-moe", "mesh": dict(dp=2, ep=2), "clip": 0.05},
         "qwen2_moe_ep2": {"model": "qwen2-moe", "mesh": dict(dp=2, ep=2), "clip": 0.05},
         "deepseek_v3_ep2": {"model": "deepseek-v3", "mesh": dict(dp=2, ep=2), "clip": 0.05},
+        "mixtral_ep2_micro_batches": {
+            "model": "mixtral",
+            "mesh": dict(dp=2, ep=2),
+            "micro_batches": 2,
+            "clip": 0.05,
+        },
         "mixtral_ep2_checkpointed": {
             "model": "mixtral",
             "mesh": dict(dp=2, ep=2),
@@ -81,6 +88,7 @@ def run_case(rank: int, case: dict) -> dict:
         UNITS,
         strategies=STRATEGIES,
         checkpoints=case.get("checkpoints", (Checkpoint.NONE,)),
+        micro_batches=case.get("micro_batches", 1),
         **{"dp": 1, **case["mesh"]},
     )
     program = parallelize(model, plan)
@@ -116,6 +124,12 @@ def refusals(world: int) -> dict:
             attempt()
         except ShardplanError as error:
             found[name] = str(error)
+    if world == 2:
+        program = parallelize(copy.deepcopy(mixtral), _plan(mixtral, dp=2, ep=2))
+        try:
+            AdaScale(torch.optim.SGD(program.parameters(), lr=0.1), program)
+        except ShardplanError as error:
+            found["adascale"] = str(error)
     return found
 
 
@@ -202,6 +216,7 @@ def test_what_expert_parallelism_cannot_run_is_refused_in_one_line(results):
     assert found["fsdp2"].startswith("backend='fsdp2' does not run expert parallelism (ep=2)")
     assert "has no routed experts" in found["no_experts"], found
     assert "re-plan with ep=1" in found["no_experts"]
+    assert found["adascale"].startswith("AdaScale estimates the gradient's noise")
     assert all("\n" not in message for message in found.values())
 
 
