@@ -64,6 +64,7 @@ CASES = {
             "micro_batches": 2,
             "clip": 0.05,
         },
+        "mixtral_cp2_ep2": {"model": "mixtral", "mesh": dict(cp=2, ep=2), "clip": 0.05},
         "mixtral_ep2_checkpointed": {
             "model": "mixtral",
             "mesh": dict(dp=2, ep=2),
