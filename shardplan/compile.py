@@ -42,6 +42,7 @@ from shardplan.solver.search import (
     SearchMemo,
     Setting,
     context_parallel_options,
+    expert_parallel_options,
     search,
     simplest_near_the_fastest,
     tensor_parallel_options,
@@ -92,6 +93,10 @@ class PlanOptions:
     sequence that 2 · cp chunks divide, and takes labels=: context_parallel_options); None: the world
     where the device overlaps communication with compute (GPUs), 1 on CPU ranks (gloo), where the
     gathers of keys and values take the cores the compute needs."""
+    max_expert_parallel: int | None = None
+    """The largest ep searched (among degrees dividing the world and every MoE block's experts:
+    expert_parallel_options); None: the world where the device overlaps communication with compute
+    (GPUs), 1 on CPU ranks (gloo), where the all-to-alls take the cores the compute needs."""
     allow_replica_groups: bool = True
     """Search HSDP (dp_replicate > 1) where each replica group's dp_shard × tp ranks fill whole nodes."""
     global_batch_size: int | None = None
@@ -305,6 +310,14 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
             f"max_context_parallel={max_cp} leaves no context-parallel degree to search: give 1 or "
             "more (1: no context parallelism)"
         )
+    max_ep = asked.max_expert_parallel
+    if max_ep is None:
+        max_ep = world_size if hw.overlaps_communication else 1
+    if max_ep < 1:
+        raise ShardplanError(
+            f"max_expert_parallel={max_ep} leaves no expert-parallel degree to search: give 1 or "
+            "more (1: no expert parallelism)"
+        )
     setting = Setting(
         world_size=world_size,
         batch_size=example_batch(chain),
@@ -316,6 +329,7 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
         global_batch_size=asked.global_batch_size,
         tensor_parallel=tensor_parallel_options(chain.blocks, world_size, max_tp),
         context_parallel=context_parallel_options(chain, world_size, max_cp),
+        expert_parallel=expert_parallel_options(chain, world_size, max_ep),
         replica_group_ranks=hw.devices_per_node if asked.allow_replica_groups else 0,
     )
     rules = block_rules(chain, asked.constraints)

@@ -22,17 +22,19 @@ from shardplan.common.files import parse_json, read_text, write_text_atomically
 from shardplan.errors import PlanError
 from shardplan.frontend.chain import InputSpec
 
-SCHEMA = "shardplan.plan/5"
+SCHEMA = "shardplan.plan/6"
 READABLE_SCHEMAS = (
     "shardplan.plan/1",
     "shardplan.plan/2",
     "shardplan.plan/3",
     "shardplan.plan/4",
+    "shardplan.plan/5",
     SCHEMA,
 )
 """Plan formats this version reads, upgraded on load (_upgrade): format 1 (mesh dp × pp), format 2
 (no structural signature: parallelize checks such a plan by capturing the model), format 3 (one stage
-per pipeline rank, no sequence limits), format 4 (no context parallelism)."""
+per pipeline rank, no sequence limits), format 4 (no context parallelism), format 5 (no expert
+parallelism)."""
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
 """JSON Schema of the plan file, shipped in the package; from_json validates against it."""
 SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -226,6 +228,12 @@ class Stage:
     """Names of the units in this stage."""
 
 
+ROUTED_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+"""The parameters holding a mixture of experts' routed experts, 3-D with the expert dim first
+(transformers 5's Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 experts): what expert parallelism
+splits over the ep ranks ([Note: expert parallelism])."""
+
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimensions, outermost first (see Mesh.coordinates)."""
 
@@ -254,6 +262,15 @@ class Mesh:
     rank attends to the same number of earlier tokens). Everything in a decoder but attention is
     token-wise; attention gathers the keys and values of the whole sequence over the cp group and
     masks by the tokens' global positions.
+
+    [Note: expert parallelism] ep is not a dimension of the world: as in torchtitan, the ep ranks are
+    borrowed from the ranks that shard the parameters (dp_shard · cp, Mesh.parameter_mesh), ep
+    consecutive ones of them forming one ep group. A mixture of experts' routed experts are split over
+    the ep group, ep rank i holding experts i · E/ep .. (i + 1) · E/ep - 1 whole (not sharded); every
+    other parameter is sharded over dp_shard · cp as without ep. Tokens stay on the rank that reads
+    them; the ones routed to an expert held elsewhere are sent there and their outputs sent back by
+    all-to-all over the ep group. An expert's gradient sums the ep group's tokens; it is averaged over
+    the ranks holding the same experts (parameter_mesh.dp / ep of them).
     """
 
     dp_shard: int = 1
@@ -266,13 +283,21 @@ class Mesh:
     pp: int = 1
     cp: int = 1
     """Ranks one sequence is split over (context parallelism, [Note: context parallelism])."""
+    ep: int = 1
+    """Ranks a mixture of experts' routed experts are split over, borrowed from the dp_shard · cp ranks
+    ([Note: expert parallelism])."""
 
     def __post_init__(self) -> None:
-        for dim in MESH_DIMS:
+        for dim in (*MESH_DIMS, "ep"):
             if getattr(self, dim) < 1:
                 raise PlanError(
                     f"mesh {dim}={getattr(self, dim)}: every mesh dimension is at least 1"
                 )
+        if (self.dp_shard * self.cp) % self.ep:
+            raise PlanError(
+                f"mesh ep={self.ep} does not divide dp_shard * cp = {self.dp_shard * self.cp}: the "
+                "expert-parallel ranks are borrowed from the ranks that shard the parameters"
+            )
 
     @property
     def dp(self) -> int:
@@ -295,9 +320,12 @@ class Mesh:
 
     def describe(self) -> str:
         return " ".join(
-            f"{dim}={getattr(self, dim)}"
-            for dim in MESH_DIMS
-            if dim == "pp" or getattr(self, dim) > 1 or (dim == "dp_shard" and self.dp == 1)
+            [
+                f"{dim}={getattr(self, dim)}"
+                for dim in MESH_DIMS
+                if dim == "pp" or getattr(self, dim) > 1 or (dim == "dp_shard" and self.dp == 1)
+            ]
+            + ([f"ep={self.ep}"] if self.ep > 1 else [])
         )
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -666,7 +694,7 @@ def _upgrade(data: dict) -> dict:
     """An older plan as this format says it. Format 1 (mesh dp × pp, no tensor parallelism): its dp
     ranks shard every unit, one replica group, tp = 1; the same ranks do the same work ([Note: rank
     layout]). Formats 1 and 2 record no signature, which is left empty; formats 1 to 3 no virtual stages
-    and no sequence limits, formats 1 to 4 no cp, whose defaults say so."""
+    and no sequence limits, formats 1 to 4 no cp, formats 1 to 5 no ep, whose defaults say so."""
     if data.get("schema") == "shardplan.plan/1" and isinstance(data.get("mesh"), dict):
         mesh = dict(data["mesh"])
         mesh["dp_shard"] = mesh.pop("dp", None)
@@ -733,6 +761,8 @@ def mesh_words(plan: Plan) -> str:
         words.append(f"tensor parallel over {mesh.tp} ranks")
     if mesh.cp > 1:
         words.append(f"each sequence split over {mesh.cp} context-parallel ranks")
+    if mesh.ep > 1:
+        words.append(f"routed experts split over {mesh.ep} expert-parallel ranks")
     return f"{mesh.describe()} ({'; '.join(words)})"
 
 

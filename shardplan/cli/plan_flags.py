@@ -47,6 +47,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the world on GPUs, 1 on CPU)",
     )
     parser.add_argument(
+        "--max-ep",
+        type=int,
+        dest="max_expert_parallel",
+        help="the largest expert-parallel degree searched, a mixture of experts' routed experts split "
+        "over that many ranks (default: the world on GPUs, 1 on CPU)",
+    )
+    parser.add_argument(
         "--seq",
         "--seq-len",
         type=int,
@@ -204,6 +211,7 @@ def plan_options(options) -> dict:
         "global_batch_size": options.global_batch_size,
         "max_tensor_parallel": options.max_tensor_parallel,
         "max_context_parallel": options.max_context_parallel,
+        "max_expert_parallel": options.max_expert_parallel,
         "near_tie": options.near_tie,
         "explain": options.explain,
     }

@@ -186,7 +186,13 @@ from shardplan.common.dtypes import FLOAT_DTYPES, dtype_bytes
 from shardplan.costmodel.hardware import HardwareModel
 from shardplan.errors import ShardplanError
 from shardplan.frontend.chain import Block, OpKind, TensorParallelFacts, merge_op_kinds
-from shardplan.plan import Checkpoint, Decision, UnitPrediction, kept_by_selective
+from shardplan.plan import (
+    Checkpoint,
+    Decision,
+    ShardStrategy,
+    UnitPrediction,
+    kept_by_selective,
+)
 
 OPTIMIZER_STATE_BYTES_PER_PARAM = {"adamw": 8, "adam": 8, "sgd": 4, "none": 0}
 """fp32 state per parameter: Adam keeps two moments, SGD one momentum buffer."""
@@ -275,6 +281,9 @@ class CostContext:
     cp: int = 1
     """Ranks one sequence is split over (context parallelism): batch_scale holds their 1/cp share of the
     tokens, and attention gathers the whole sequence's keys and values ([Note: a block on a cp rank])."""
+    ep: int = 1
+    """Ranks the routed experts are split over, borrowed from the dp × cp ranks ([Note: experts on an
+    ep rank])."""
     batch_scale: float = 1.0
     """A replica's batch over the batch the chain was captured with, per cp rank: activations and FLOPs
     scale by it."""
@@ -555,6 +564,61 @@ def context_parallel_s(blocks: tuple[Block, ...], ctx: CostContext) -> float:
                 for kind in ("all_gather_into_tensor", "reduce_scatter_tensor")
             )
     return total
+
+
+def expert_parallel_s(blocks: tuple[Block, ...], ctx: CostContext) -> float:
+    """The ep ranks' exchanges of one micro-batch ([Note: experts on an ep rank]): each block's routed
+    hidden states dispatched to their experts' ranks and combined back in forward, and their gradients
+    the same two ways in backward, by all-to-all over the ep group (consecutive ranks). An all-to-all
+    sends and receives (ep - 1) / ep of each rank's buffer, as an all-gather's ring does: it is priced
+    as one (no profile calibrates all-to-all). Not hidden: the experts wait for their tokens."""
+    if ctx.ep == 1:
+        return 0.0
+    total = 0.0
+    for block in blocks:
+        routed = block.routed_elements * ctx.batch_scale / ctx.num_micro_batches
+        if routed:
+            total += 4 * ctx.hardware.collective_time_s(
+                "all_gather_into_tensor",
+                routed * dtype_bytes(ctx.param_dtype),
+                ctx.ep,
+                ranks_per_node=ctx.ranks_per_node(ctx.tp),
+            )
+    return total
+
+
+def _experts_on_rank(
+    blocks: tuple[Block, ...], ctx: CostContext
+) -> tuple[tuple[Block, ...], "UnitSizes | None"]:
+    """[Note: experts on an ep rank] At ep > 1 an ep rank holds 1/ep of each block's routed experts
+    whole, in a REPLICATE unit of their own beside the planned unit (runtime/expert_parallel.py), its
+    gradient all-reduced over the dp × cp / ep ranks holding the same experts. Returns the blocks with
+    that share of the experts counted in their parameters (the gradients their backward holds), and the
+    experts' sizes on this rank (None without experts or at ep = 1), which the unit's terms then count
+    apart from the planned unit's. Routed tokens are balanced in expectation: every ep rank is priced as
+    computing 1/ep of the routed work, which on_rank leaves whole: its FLOPs are counted as if the rank
+    ran all of its own tokens' experts, the same total."""
+    expert_numel = sum(block.expert_param_numel for block in blocks)
+    if ctx.ep == 1 or not expert_numel:
+        return blocks, None
+    kept = tuple(
+        replace(
+            block,
+            param_numel=block.param_numel - block.expert_param_numel,
+            param_bytes=block.param_bytes
+            - block.param_bytes * block.expert_param_numel // block.param_numel,
+        )
+        for block in blocks
+    )
+    storage = sum(block.param_bytes for block in blocks) - sum(block.param_bytes for block in kept)
+    numel = expert_numel // ctx.ep
+    return kept, UnitSizes(
+        numel=numel,
+        storage_bytes=storage // ctx.ep,
+        param_bytes=numel * dtype_bytes(ctx.param_dtype),
+        grad_bytes=numel * dtype_bytes(ctx.reduce_dtype),
+        optimizer_bytes=numel * OPTIMIZER_STATE_BYTES_PER_PARAM[ctx.optimizer],
+    )
 
 
 def tensor_parallel_s(blocks: tuple[Block, ...], ctx: CostContext) -> float:
@@ -1022,24 +1086,25 @@ def optimizer_s(sizes: UnitSizes, decision: Decision, ctx: CostContext) -> float
 
 def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -> UnitCost:
     """The terms of one unit made of `blocks` (consecutive) under `decision`, on one rank (on_rank)."""
-    blocks = tuple(on_rank(block, ctx) for block in blocks)
+    blocks, experts = _experts_on_rank(tuple(on_rank(block, ctx) for block in blocks), ctx)
     traits, sizes = decision.traits, UnitSizes.of(blocks, ctx)
     gathered = gathered_bytes(sizes, decision, ctx)
     activation_bytes, fwd_working, bwd_working = working_bytes(blocks, decision.checkpoint, ctx)
+    own = _expert_terms(experts, ctx)
     kernels = (ctx.runtime or runtime_kernels)(sizes, decision, ctx)
     compute_fwd_s, compute_bwd_s, recompute_s = compute_s(blocks, kernels, decision, ctx)
     gather = gather_s(gathered if traits.shards_params else 0, ctx)
     overlap = ctx.hardware.overlaps_communication
     return UnitCost(
-        state_bytes=state_bytes(sizes, decision, ctx),
+        state_bytes=state_bytes(sizes, decision, ctx) + own.state_bytes,
         activation_bytes=activation_bytes,
         gathered_bytes=gathered,
         # a unit keeping its parameters whole casts them as it runs, not when the unit before prefetches it
         gathered_fwd_bytes=gathered if traits.shards_params else 0,
         gathered_bwd_bytes=gathered if traits.reshard_after_forward else 0,
         kept_gathered_bytes=0 if traits.reshard_after_forward else gathered,
-        grad_assembly_bytes=grad_assembly_bytes(sizes),
-        reducing_bytes=reducing_bytes(sizes, decision, ctx),
+        grad_assembly_bytes=grad_assembly_bytes(sizes) + own.grad_assembly_bytes,
+        reducing_bytes=reducing_bytes(sizes, decision, ctx) + own.reducing_bytes,
         fwd_working=fwd_working,
         bwd_working=bwd_working,
         compute_fwd_s=compute_fwd_s,
@@ -1047,17 +1112,44 @@ def unit_cost(blocks: tuple[Block, ...], decision: Decision, ctx: CostContext) -
         recompute_s=recompute_s,
         gather_fwd_s=gather,
         gather_bwd_s=gather if traits.reshard_after_forward else 0.0,
-        reduce_s=reduce_s(sizes, decision, ctx),
+        reduce_s=reduce_s(sizes, decision, ctx) + own.reduce_s,
         reduce_per_step=not traits.reduce_scatters_grads,
         post_step_gather_s=post_step_gather_s(sizes, decision, ctx),
         offload_s=offload_s(sizes, decision, ctx),
-        optimizer_s=optimizer_s(sizes, decision, ctx),
+        optimizer_s=optimizer_s(sizes, decision, ctx) + own.optimizer_s,
         runtime_step_s=kernels_s(kernels.step, ctx),
-        tensor_parallel_s=tensor_parallel_s(blocks, ctx) + context_parallel_s(blocks, ctx),
+        tensor_parallel_s=tensor_parallel_s(blocks, ctx)
+        + context_parallel_s(blocks, ctx)
+        + expert_parallel_s(blocks, ctx),
         prefetch=decision.prefetch,
         hide_fwd_s=compute_fwd_s if overlap else 0.0,
         hide_bwd_s=compute_bwd_s + recompute_s if overlap else 0.0,
         contention=ctx.hardware.collective_compute_share if overlap else 0.0,
+    )
+
+
+class ExpertTerms(NamedTuple):
+    """What an ep rank's unit of routed experts adds to the planned unit's terms ([Note: experts on an
+    ep rank]): its state whole, its gradient's assembly and all-reduce, its optimizer step."""
+
+    state_bytes: int = 0
+    grad_assembly_bytes: int = 0
+    reducing_bytes: int = 0
+    reduce_s: float = 0.0
+    optimizer_s: float = 0.0
+
+
+def _expert_terms(experts: "UnitSizes | None", ctx: CostContext) -> ExpertTerms:
+    if experts is None:
+        return ExpertTerms()
+    replicated = Decision(strategy=ShardStrategy.REPLICATE)
+    same_experts = replace(ctx, dp=ctx.dp * ctx.dp_replicate // ctx.ep, dp_replicate=1)
+    return ExpertTerms(
+        state_bytes=state_bytes(experts, replicated, same_experts),
+        grad_assembly_bytes=grad_assembly_bytes(experts),
+        reducing_bytes=reducing_bytes(experts, replicated, same_experts),
+        reduce_s=reduce_s(experts, replicated, same_experts),
+        optimizer_s=optimizer_s(experts, replicated, same_experts),
     )
 
 

@@ -225,6 +225,17 @@ class Block:
     """Bytes of the keys and values the block's scaled_dot_product_attention reads: what context
     parallelism gathers over the cp ranks ([Note: context parallelism] in plan.py). 0 in a chain
     built by hand."""
+    expert_param_numel: int = 0
+    """Of param_numel, the routed experts' (3-D parameters named as plan.ROUTED_EXPERT_PARAMETERS):
+    what expert parallelism splits over the ep ranks ([Note: expert parallelism] in plan.py). 0 in a
+    chain built by hand."""
+    routed_experts: int = 0
+    """Experts each of the block's routed-expert modules holds (the expert dim of its parameters): the ep
+    degrees that split them evenly. 0 in a chain built by hand."""
+    routed_elements: int = 0
+    """Elements of the hidden states one forward sends to the block's routed experts (tokens · top-k ·
+    hidden): what expert parallelism's all-to-all dispatches, and combines back. 0 in a chain built
+    by hand."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,6 +12,8 @@ sharded.py       backend="shardplan": tensor parallelism, then the units over th
 tensor_parallel.py  Megatron-style slices of a TensorParallelLayout's pairs, on an eager model
 context_parallel.py  cp > 1: this rank's chunks of each sequence, attention over keys and values
                  gathered over the cp group (backend="shardplan")
+expert_parallel.py  ep > 1: this rank's routed experts, tokens dispatched to them and combined back
+                 by all-to-all over the ep group (backend="shardplan")
 stage_split.py   the captured graph split into the plan's stages, and the module that runs one
 pipelined.py     pp > 1: this rank's stage under GPipe / 1F1B (both backends); backend="shardplan"'s units
                  of the stage (tp-sliced if tp > 1)
@@ -100,6 +102,8 @@ def _program(
 ) -> Program:
     if plan.mesh.cp > 1:
         _check_context_parallel(plan, loss_fn, backend)
+    if plan.mesh.ep > 1:
+        _check_expert_parallel(plan, backend)
     if backend == "shardplan" and plan.mesh.pp > 1:
         from shardplan.runtime.pipelined import PipelinedProgram
 
@@ -139,6 +143,23 @@ def _check_context_parallel(plan: Plan, loss_fn: Callable | None, backend: str) 
             "shifted over the whole sequence; a loss_fn would see one rank's tokens: drop loss_fn "
             "and pass labels=..., or re-plan with cp=1"
         )
+
+
+def _check_expert_parallel(plan: Plan, backend: str) -> None:
+    """What runs routed experts split over ep ranks today (see expert_parallel.py)."""
+    mesh = plan.mesh
+    if backend == "fsdp2":
+        raise ShardplanError(
+            f"backend='fsdp2' does not run expert parallelism (ep={mesh.ep}): it would need the "
+            "experts' tokens dispatched by all-to-all, which shardplan builds on its own units only; "
+            "use backend='shardplan', or re-plan with ep=1"
+        )
+    for dim in ("pp", "tp"):
+        if getattr(mesh, dim) > 1:
+            raise ShardplanError(
+                f"expert parallelism (ep={mesh.ep}) does not run with {dim}={getattr(mesh, dim)} "
+                f"yet: re-plan with {dim}=1 or ep=1"
+            )
 
 
 def _check_mesh(plan: Plan, world_size: int) -> None:

@@ -78,6 +78,12 @@ class AdaScale:
                 f"samples, and under context parallelism (cp={program.plan.mesh.cp}) a rank's "
                 "gradient is its share of one sequence's: re-plan with cp=1 to use AdaScale"
             )
+        if program.plan.mesh.ep > 1:
+            raise ShardplanError(
+                f"AdaScale estimates the gradient's noise from each rank's gradient of its own "
+                f"samples, and under expert parallelism (ep={program.plan.mesh.ep}) a rank's expert "
+                "gradients sum its ep group's tokens: re-plan with ep=1 to use AdaScale"
+            )
         if program.after_reduction is not None:
             raise ShardplanError(
                 "this program already measures its gradients for another AdaScale: make one "

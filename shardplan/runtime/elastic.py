@@ -520,6 +520,7 @@ def plan_for_world(
                 "allow_pipeline": False,
                 "max_tensor_parallel": 1,
                 "max_context_parallel": 1,
+                "max_expert_parallel": 1,
             },
         ),
     )

@@ -47,6 +47,7 @@ def manual_plan(
     sequence_parallel: bool = False,
     vocab_parallel: bool = False,
     cp: int = 1,
+    ep: int = 1,
 ) -> Plan:
     """One unit per group of module paths; unit i takes decision i modulo each sequence's length.
 
@@ -61,7 +62,8 @@ def manual_plan(
     groups of them hold the same shards (HSDP), and with tp > 1 the pairs the captured graph offers
     at that degree are sliced over tp ranks (passes/tensor_parallel.py), with `sequence_parallel` and
     `vocab_parallel` as its layout takes them. With cp > 1 each sequence is split over cp ranks
-    ([Note: context parallelism] in plan.py), which shard the units with the dp ranks.
+    ([Note: context parallelism] in plan.py), which shard the units with the dp ranks. With ep > 1 the
+    routed experts are split over ep of those ranks ([Note: expert parallelism] in plan.py).
 
     >>> plan = manual_plan(gpt, [("wte", "wpe"), ("h.0",), ("h.1",), ("ln_f", "lm_head")], dp=2)  # doctest: +SKIP
     """
@@ -93,7 +95,7 @@ def manual_plan(
         for index in range(pp)
     )
     inputs = input_specs(tuple(example_inputs), dict(example_kwargs or {}))
-    mesh = Mesh(dp_shard=dp, dp_replicate=dp_replicate, tp=tp, pp=pp, cp=cp)
+    mesh = Mesh(dp_shard=dp, dp_replicate=dp_replicate, tp=tp, pp=pp, cp=cp, ep=ep)
     return Plan(
         fingerprint=fingerprint_of(model, inputs) if inputs else "manual",
         signature=model_signature(model),

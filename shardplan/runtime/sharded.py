@@ -22,6 +22,7 @@ from shardplan.runtime import collectives
 from shardplan.runtime.activation_checkpoint import checkpointed
 from shardplan.runtime.chunks import Holder, UnitHolder, replica_zero_owner
 from shardplan.runtime.context_parallel import ContextParallel
+from shardplan.runtime.expert_parallel import ExpertGroups, expert_place, split_experts
 from shardplan.runtime.flat_param import FlatLayout
 from shardplan.runtime.program import Program, grad_norm_term, refuse_optimizers_over
 from shardplan.runtime.scheduler import Scheduler
@@ -153,9 +154,11 @@ class ShardedProgram(UnitProgram):
         super().__init__(module, plan, loss_fn)
         self.groups = collectives.mesh_groups(device.type, plan.mesh)
         cuts, partial = apply_plan_tensor_parallel(module, plan, self.groups.tensor_parallel)
-        self.units = build_units(
-            module, plan, device, unit_place(plan.mesh, self.groups), cuts=cuts, partial=partial
-        )
+        place = unit_place(plan.mesh, self.groups)
+        if plan.mesh.ep > 1:
+            self.units = _build_expert_parallel_units(module, plan, device, place)
+        else:
+            self.units = build_units(module, plan, device, place, cuts=cuts, partial=partial)
         self.scheduler = Scheduler(
             self.units, {unit: len(set(unit.spec.modules)) for unit in self.units}
         )
@@ -196,6 +199,29 @@ def apply_plan_tensor_parallel(
         return {}, ()
     layout = plan_layout(model, plan)
     return apply_tensor_parallel(model, layout, group), sequence_parallel_parameters(model, layout)
+
+
+def _build_expert_parallel_units(
+    module: nn.Module, plan: Plan, device: torch.device, place: UnitPlace
+) -> list[FlatUnit]:
+    """The plan's units without the routed experts, sharded as planned, and a unit of this rank's
+    experts beside each ([Note: expert parallelism] in plan.py), in the order the model runs them."""
+    groups = ExpertGroups(plan.mesh.size, plan.mesh.ep)
+    units, cuts, expert_units = split_experts(module, plan, groups)
+    experts = set(expert_units.values())
+    built = build_units(
+        module, plan, device, place, units=tuple(u for u in units if u not in experts)
+    )
+    built += build_units(
+        module,
+        plan,
+        device,
+        expert_place(groups),
+        units=tuple(expert_units.values()),
+        cuts=cuts,
+    )
+    position = {unit.name: index for index, unit in enumerate(units)}
+    return sorted(built, key=lambda unit: position[unit.name])
 
 
 def unit_place(mesh: Mesh, groups: collectives.MeshGroups) -> UnitPlace:

@@ -106,7 +106,7 @@ def reasoning(
     else:
         binding = f"none: the fastest plan fits (peak {format_bytes(best.peak_bytes)}, {share:.0%} of the budget)"
     listed = candidates[1 : 1 + RUNNER_UPS]
-    for others in (best_of_each_tp, best_of_each_cp):
+    for others in (best_of_each_tp, best_of_each_cp, best_of_each_ep):
         listed += [
             c
             for c in others(chain, best, candidates, rules, setting, hw, budget, space, memo)
@@ -208,6 +208,39 @@ def best_of_each_cp(
                 chain.blocks,
                 rules,
                 replace(setting, context_parallel=(cp,)),
+                hw,
+                budget,
+                space,
+                memo=memo,
+                runner_ups=False,
+            )[:1]
+        )
+    return found
+
+
+def best_of_each_ep(
+    chain: BlockChain,
+    best: Candidate,
+    candidates: list[Candidate],
+    rules: tuple[BlockRule, ...],
+    setting: Setting,
+    hw: HardwareModel,
+    budget: int,
+    space: SearchSpace,
+    memo: SearchMemo,
+) -> list[Candidate]:
+    """The fastest plan of each ep degree searched other than the best's, as best_of_each_tp finds them."""
+    found: list[Candidate] = []
+    for ep in setting.expert_parallel:
+        if ep == best.configuration.mesh.ep:
+            continue
+        mine = [c for c in candidates if c.configuration.mesh.ep == ep]
+        found += (
+            mine[:1]
+            or search(
+                chain.blocks,
+                rules,
+                replace(setting, expert_parallel=(ep,)),
                 hw,
                 budget,
                 space,

@@ -115,6 +115,8 @@ class Setting:
     """(tp degree, sequence parallel) pairs to search: tensor_parallel_options."""
     context_parallel: tuple[int, ...] = (1,)
     """cp degrees to search: context_parallel_options."""
+    expert_parallel: tuple[int, ...] = (1,)
+    """ep degrees to search: expert_parallel_options."""
     replica_group_ranks: int = 0
     """dp_replicate > 1 only where a replica group's dp_shard × tp ranks are a multiple of this (a
     node's devices); 0: no replica groups."""
@@ -165,6 +167,8 @@ class Configuration:
             )
         if mesh.cp > 1:
             text = f"cp={mesh.cp} " + text
+        if mesh.ep > 1:
+            text = f"ep={mesh.ep} " + text
         if self.schedule.virtual_stages > 1:
             text += f" virtual-stages={self.schedule.virtual_stages}"
         return text + (f" {self.schedule.name}" if self.mesh.pp > 1 else "")
@@ -249,6 +253,17 @@ def context_parallel_options(
     )
 
 
+def expert_parallel_options(chain: BlockChain, world_size: int, max_degree: int) -> tuple[int, ...]:
+    """ep to search: 1, and each degree up to `max_degree` dividing the world and the experts of every
+    block holding routed experts (Block.routed_experts), where the model has some."""
+    counts = [block.routed_experts for block in chain.blocks if block.routed_experts]
+    return (1,) + tuple(
+        ep
+        for ep in range(2, min(max_degree, world_size) + 1)
+        if counts and world_size % ep == 0 and all(count % ep == 0 for count in counts)
+    )
+
+
 def replica_groups(setting: Setting, dp: int, tp: int) -> tuple[int, ...]:
     """dp_replicate to try over `dp` data-parallel ranks: 1 (every rank shards), and replica groups
     of one node's worth of ranks (dp_shard × tp = setting.replica_group_ranks), whose gathers stay
@@ -261,7 +276,9 @@ def replica_groups(setting: Setting, dp: int, tp: int) -> tuple[int, ...]:
 def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
     """Every mesh, micro-batch count and schedule to try, in a fixed order: tp among
     setting.tensor_parallel, cp among setting.context_parallel (without a pipeline), pp up to the
-    blocks, dp_replicate among replica_groups, micro-batch counts dividing a replica's batch."""
+    blocks, dp_replicate among replica_groups, ep among setting.expert_parallel where it divides
+    dp_shard × cp (without tp or a pipeline, as the runtime runs it), micro-batch counts dividing a
+    replica's batch."""
     world = setting.world_size
     found = []
     for (tp, sequence_parallel), cp, pp in itertools.product(
@@ -280,16 +297,26 @@ def configurations(setting: Setting, n_blocks: int) -> list[Configuration]:
         micro = [
             m for m in range(1, min(int(batch), setting.max_micro_batches) + 1) if batch % m == 0
         ]
-        for replicas, m, schedule in itertools.product(
-            replica_groups(setting, dp, tp * cp), micro, SCHEDULES if pp > 1 else ("none",)
+        for replicas, ep, m, schedule in itertools.product(
+            replica_groups(setting, dp, tp * cp),
+            setting.expert_parallel,
+            micro,
+            SCHEDULES if pp > 1 else ("none",),
         ):
-            if not multi_stage_micro_batches(schedule, pp, m):
+            if not multi_stage_micro_batches(schedule, pp, m) or (
+                ep > 1 and ((dp // replicas * cp) % ep or tp > 1 or pp > 1)
+            ):
                 continue
             for v in virtual_stage_counts(schedule, pp, n_blocks, bool(setting.tied_edges)):
                 found.append(
                     Configuration(
                         mesh=Mesh(
-                            dp_shard=dp // replicas, dp_replicate=replicas, tp=tp, pp=pp, cp=cp
+                            dp_shard=dp // replicas,
+                            dp_replicate=replicas,
+                            tp=tp,
+                            pp=pp,
+                            cp=cp,
+                            ep=ep,
                         ),
                         schedule=Schedule(num_micro_batches=m, name=schedule, virtual_stages=v),
                         sequence_parallel=sequence_parallel,
@@ -309,6 +336,7 @@ def context(
         tp=mesh.tp,
         sequence_parallel=configuration.sequence_parallel,
         cp=mesh.cp,
+        ep=mesh.ep,
         batch_scale=setting.replica_batch(mesh.dp) / setting.batch_size / mesh.cp,
         num_micro_batches=configuration.schedule.num_micro_batches,
         in_flight=configuration.in_flight(stage),

@@ -21,6 +21,7 @@ from shardplan.common.dtypes import dtype_bytes, dtype_name
 from shardplan.frontend.chain import Block, BlockChain, InputSpec, merge_op_kinds
 from shardplan.frontend.passes.execution import may_peak
 from shardplan.frontend.passes.facts import facts, is_compute, within_module
+from shardplan.plan import ROUTED_EXPERT_PARAMETERS
 
 _LAYER_INDEX = re.compile(r"^\d+$")
 
@@ -156,6 +157,7 @@ def build_chain(
         )
         matmul_outputs = {sid for n in nodes for sid in facts(n).selective_outputs}
         kept_by_selective = matmul_outputs | set(kept)
+        expert_numel, expert_count, routed = _routed_experts(nodes, tensors)
         blocks.append(
             Block(
                 index=index,
@@ -208,6 +210,9 @@ def build_chain(
                 first_node=nodes[0].name,
                 last_node=nodes[-1].name,
                 attention_kv_bytes=_attention_kv_bytes(nodes),
+                expert_param_numel=expert_numel,
+                routed_experts=expert_count,
+                routed_elements=routed,
             )
         )
     dtypes = sorted({dtype_name(p.dtype) for p in gm.parameters()})
@@ -224,6 +229,38 @@ def build_chain(
         skip_edges=tuple(sorted((i, j) for i, j in flow.edges if j > i + 1)),
         tied_edges=tuple(sorted(tied_edges)),
     )
+
+
+def _routed_experts(nodes: list[torch.fx.Node], tensors: dict[str, Any]) -> tuple[int, int, int]:
+    """(parameters of the block's routed experts, ROUTED_EXPERT_PARAMETERS 3-D with the expert dim
+    first; the fewest experts one of its modules holds; elements of the hidden states its forward
+    routes to them). Each routed row costs 2 FLOPs per parameter of one expert in
+    forward, so the experts' modules' forward FLOPs over that give the rows (tokens · top-k, as
+    routed: no expert drops any), each `hidden` wide (the gate-up projection's input features)."""
+    experts = {
+        name.rsplit(".", 1)[0]: tensor
+        for name, tensor in tensors.items()
+        if name.rsplit(".", 1)[-1] == ROUTED_EXPERT_PARAMETERS[0] and tensor.dim() == 3
+    }
+    numel = sum(
+        tensors[f"{module}.{name}"].numel()
+        for module in experts
+        for name in ROUTED_EXPERT_PARAMETERS
+        if f"{module}.{name}" in tensors
+    )
+    routed = 0
+    for module, gate_up in experts.items():
+        count, _, hidden = gate_up.shape
+        per_expert = sum(
+            tensors[f"{module}.{name}"].numel() // count
+            for name in ROUTED_EXPERT_PARAMETERS
+            if f"{module}.{name}" in tensors
+        )
+        flops = sum(
+            facts(n).fwd_flops for n in nodes if within_module(facts(n).module_path, module)
+        )
+        routed += flops // (2 * per_expert) * hidden
+    return numel, min((gate_up.shape[0] for gate_up in experts.values()), default=0), routed
 
 
 def _kept_by_checkpoint(
