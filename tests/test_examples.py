@@ -42,12 +42,8 @@ def test_train_gpt_under_torchrun(tmp_path):
         )
         == 0
     )
-    assert json.loads((tmp_path / "plan.json").read_text())["mesh"] == {
-        "dp_replicate": 1,
-        "dp_shard": 2,
-        "pp": 1,
-        "tp": 1,
-    }
+    mesh = json.loads((tmp_path / "plan.json").read_text())["mesh"]
+    assert {name: size for name, size in mesh.items() if size != 1} == {"dp_shard": 2}, mesh
     out = _run(
         TORCHRUN + [str(ROOT / "examples" / "train_gpt.py"), "--plan", "plan.json", "--steps", "3"],
         tmp_path,
