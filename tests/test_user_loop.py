@@ -17,7 +17,7 @@ from parity import ADAMW, spawn_world
 from shardplan.errors import RuntimeMismatchError, ShardplanError
 from shardplan.frontend.chain import InputSpec
 from shardplan.models import zoo
-from shardplan.plan import ShardStrategy
+from shardplan.plan import Mesh, ShardStrategy
 from shardplan.runtime import Program, parallelize
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.program import admit_input
@@ -273,7 +273,7 @@ def _plan_of(pp: int = 1, tp: int = 1, sequence_parallel: bool = False):
     """What admit_input and the switch read of a plan: its mesh, inputs, tensor parallelism and
     sequence limits (none: no batch is refused for memory here)."""
     return types.SimpleNamespace(
-        mesh=types.SimpleNamespace(pp=pp, tp=tp),
+        mesh=Mesh(pp=pp, tp=tp),
         inputs=(InputSpec(name="input_ids", shape=(8, 128), dtype="int64"),),
         tensor_parallel=types.SimpleNamespace(sequence_parallel=sequence_parallel),
         sequence_limits=(),
