@@ -4,6 +4,7 @@ names the smallest budget and each option that would fit."""
 
 import dataclasses
 from dataclasses import replace
+from typing import Any
 
 from shardplan.common.sizes import format_bytes
 from shardplan.costmodel import cost
@@ -106,12 +107,9 @@ def reasoning(
     else:
         binding = f"none: the fastest plan fits (peak {format_bytes(best.peak_bytes)}, {share:.0%} of the budget)"
     listed = candidates[1 : 1 + RUNNER_UPS]
-    for others in (best_of_each_tp, best_of_each_cp, best_of_each_ep):
-        listed += [
-            c
-            for c in others(chain, best, candidates, rules, setting, hw, budget, space, memo)
-            if c not in listed
-        ]
+    for c in best_of_each_degree(chain, best, candidates, rules, setting, hw, budget, space, memo):
+        if c not in listed:  # one plan may be the best of its tp degree and of its cp degree
+            listed.append(c)
 
     def tie(step_time_s: float, samples: float) -> str:
         """What a runner-up within `near_tie` of the plan is ([Note: near ties] in search.py)."""
@@ -151,7 +149,16 @@ def reasoning(
     return Reasoning(budget_bytes=budget, binding_constraint=binding, runner_ups=tuple(runner_ups))
 
 
-def best_of_each_tp(
+SEARCHED_DEGREES = (
+    ("tp", "tensor_parallel", lambda option: option[0]),
+    ("cp", "context_parallel", lambda option: option),
+    ("ep", "expert_parallel", lambda option: option),
+)
+"""The mesh dimensions whose every searched degree the reasoning shows: (Mesh field, Setting field of the
+options searched, the degree an option sets; a tp option also says whether it is sequence parallel)."""
+
+
+def best_of_each_degree(
     chain: BlockChain,
     best: Candidate,
     candidates: list[Candidate],
@@ -162,92 +169,30 @@ def best_of_each_tp(
     space: SearchSpace,
     memo: SearchMemo,
 ) -> list[Candidate]:
-    """The fastest plan of each tp degree searched other than the best's: from the candidates when
-    one is among them, else searched at that degree alone."""
+    """The fastest plan of each tp, cp and ep degree searched other than the best's: from the candidates
+    when one is among them, else searched at that degree alone."""
     found: list[Candidate] = []
-    for option in setting.tensor_parallel:
-        if option[0] == best.configuration.mesh.tp:
-            continue
-        mine = [c for c in candidates if c.configuration.mesh.tp == option[0]]
-        found += (
-            mine[:1]
-            or search(
-                chain.blocks,
-                rules,
-                replace(setting, tensor_parallel=(option,)),
-                hw,
-                budget,
-                space,
-                memo=memo,
-                runner_ups=False,
-            )[:1]
-        )
-    return found
-
-
-def best_of_each_cp(
-    chain: BlockChain,
-    best: Candidate,
-    candidates: list[Candidate],
-    rules: tuple[BlockRule, ...],
-    setting: Setting,
-    hw: HardwareModel,
-    budget: int,
-    space: SearchSpace,
-    memo: SearchMemo,
-) -> list[Candidate]:
-    """The fastest plan of each cp degree searched other than the best's, as best_of_each_tp finds them."""
-    found: list[Candidate] = []
-    for cp in setting.context_parallel:
-        if cp == best.configuration.mesh.cp:
-            continue
-        mine = [c for c in candidates if c.configuration.mesh.cp == cp]
-        found += (
-            mine[:1]
-            or search(
-                chain.blocks,
-                rules,
-                replace(setting, context_parallel=(cp,)),
-                hw,
-                budget,
-                space,
-                memo=memo,
-                runner_ups=False,
-            )[:1]
-        )
-    return found
-
-
-def best_of_each_ep(
-    chain: BlockChain,
-    best: Candidate,
-    candidates: list[Candidate],
-    rules: tuple[BlockRule, ...],
-    setting: Setting,
-    hw: HardwareModel,
-    budget: int,
-    space: SearchSpace,
-    memo: SearchMemo,
-) -> list[Candidate]:
-    """The fastest plan of each ep degree searched other than the best's, as best_of_each_tp finds them."""
-    found: list[Candidate] = []
-    for ep in setting.expert_parallel:
-        if ep == best.configuration.mesh.ep:
-            continue
-        mine = [c for c in candidates if c.configuration.mesh.ep == ep]
-        found += (
-            mine[:1]
-            or search(
-                chain.blocks,
-                rules,
-                replace(setting, expert_parallel=(ep,)),
-                hw,
-                budget,
-                space,
-                memo=memo,
-                runner_ups=False,
-            )[:1]
-        )
+    for dimension, options, degree_of in SEARCHED_DEGREES:
+        chosen = getattr(best.configuration.mesh, dimension)
+        for option in getattr(setting, options):
+            degree = degree_of(option)
+            if degree == chosen:
+                continue
+            mine = [c for c in candidates if getattr(c.configuration.mesh, dimension) == degree]
+            only: dict[str, Any] = {options: (option,)}
+            found += (
+                mine[:1]
+                or search(
+                    chain.blocks,
+                    rules,
+                    replace(setting, **only),
+                    hw,
+                    budget,
+                    space,
+                    memo=memo,
+                    runner_ups=False,
+                )[:1]
+            )
     return found
 
 
