@@ -24,13 +24,12 @@ from rich.console import Console
 from rich.table import Table
 
 from shardplan import get_hardware
-from shardplan.calibration.accuracy import HF_WORKLOADS, compare, measure_by_world
+from shardplan.calibration.accuracy import HF_WORKLOADS, accuracy_table, measure_hand_plans
 from shardplan.common.sizes import format_bytes
 from shardplan.compile import solve
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
 from shardplan.plan import Checkpoint
-from shardplan.runtime.manual import manual_plan
 
 MEASURED_MESHES = {
     "dp2": (dict(dp=2), Checkpoint.NONE),
@@ -55,35 +54,10 @@ enough to capture on CPU (the experts' routing does not run on the meta device).
 
 
 def measured(console: Console) -> None:
-    workload = HF_WORKLOADS["hf-mixtral"]
-    entry = workload.build()
-    chain = analyze(entry.model, entry.args, entry.kwargs)
-    plans = [
-        manual_plan(
-            entry.model,
-            workload.units(chain),
-            **mesh,
-            checkpoints=(checkpoint,),
-            example_inputs=entry.args,
-            example_kwargs=entry.kwargs,
-        )
-        for mesh, checkpoint in MEASURED_MESHES.values()
-    ]
-    _, found = measure_by_world(plans, 1, progress=False, workload=workload)
-    rows = compare(chain, plans, found, get_hardware("cpu-gloo"), list(MEASURED_MESHES))
-    table = Table(title="hf-mixtral, 2 gloo ranks (cpu-gloo): predicted vs measured")
-    for column in ("mesh", "pred. peak", "meas. peak", "pred/meas", "pred. step", "meas. step"):
-        table.add_column(column, justify="left" if column == "mesh" else "right")
-    for row in rows:
-        table.add_row(
-            row.kind,
-            format_bytes(row.predicted_bytes),
-            format_bytes(row.measured_bytes),
-            f"{row.memory_ratio:.3f}",
-            f"{row.predicted_s * 1e3:.0f} ms",
-            f"{row.measured_s * 1e3:.0f} ms",
-        )
-    console.print(table)
+    rows = measure_hand_plans(HF_WORKLOADS["hf-mixtral"], MEASURED_MESHES)
+    console.print(
+        accuracy_table(rows, "hf-mixtral, 2 gloo ranks (cpu-gloo): predicted vs measured")
+    )
 
 
 def planned(console: Console) -> None:

@@ -14,8 +14,10 @@ import pytest
 import torch
 from parity import ADAMW, assert_parity, spawn_world, train_next_to_reference
 
-from shardplan import get_hardware
-from shardplan.calibration.accuracy import HF_WORKLOADS, compare, measure_by_world
+from shardplan.calibration.accuracy import (
+    HF_WORKLOADS,
+    measure_hand_plans,
+)
 from shardplan.compile import solve
 from shardplan.errors import PlanError, ShardplanError
 from shardplan.frontend.passes import analyze
@@ -236,23 +238,13 @@ def test_what_context_parallelism_cannot_run_is_refused_in_one_line(results):
 def test_a_cp_plans_peak_memory_is_predicted_within_3_percent():
     """The example-sized LLaMA (4 layers, hidden 256, 4 x 128 tokens) at cp 2 on 2 gloo ranks, with and
     without checkpointing: MemTracker's peak beside the cost model's (CPU memory is deterministic)."""
-    workload = HF_WORKLOADS["hf-llama"]
-    entry = workload.build()
-    chain = analyze(entry.model, entry.args, entry.kwargs)
-    plans = [
-        manual_plan(
-            entry.model,
-            workload.units(chain),
-            dp=1,
-            cp=2,
-            checkpoints=(checkpoint,),
-            example_inputs=entry.args,
-            example_kwargs=entry.kwargs,
-        )
-        for checkpoint in (Checkpoint.NONE, Checkpoint.FULL)
-    ]
-    _, measured = measure_by_world(plans, 1, progress=False, workload=workload)
-    rows = compare(chain, plans, measured, get_hardware("cpu-gloo"), ["cp2", "cp2 full"])
+    rows = measure_hand_plans(
+        HF_WORKLOADS["hf-llama"],
+        {
+            "cp2": (dict(dp=1, cp=2), Checkpoint.NONE),
+            "cp2 full": (dict(dp=1, cp=2), Checkpoint.FULL),
+        },
+    )
     ratios = {row.kind: round(row.memory_ratio, 3) for row in rows}
     assert all(abs(ratio - 1) <= 0.03 for ratio in ratios.values()), ratios
 

@@ -15,7 +15,10 @@ import torch
 from parity import ADAMW, assert_parity, spawn_world, train_next_to_reference
 
 from shardplan import get_hardware
-from shardplan.calibration.accuracy import HF_WORKLOADS, compare, measure_by_world
+from shardplan.calibration.accuracy import (
+    HF_WORKLOADS,
+    measure_hand_plans,
+)
 from shardplan.compile import solve
 from shardplan.costmodel.cost import CostContext, unit_cost
 from shardplan.errors import PlanError, ShardplanError
@@ -226,23 +229,13 @@ def test_an_ep_plans_peak_memory_is_predicted_within_3_percent():
     """The example-sized Mixtral (4 layers, hidden 256, 4 x 128 tokens a rank) at dp 2 × ep 2 on 2 gloo
     ranks, with and without checkpointing: MemTracker's peak beside the cost model's (CPU memory is
     deterministic)."""
-    workload = HF_WORKLOADS["hf-mixtral"]
-    entry = workload.build()
-    chain = analyze(entry.model, entry.args, entry.kwargs)
-    plans = [
-        manual_plan(
-            entry.model,
-            workload.units(chain),
-            dp=2,
-            ep=2,
-            checkpoints=(checkpoint,),
-            example_inputs=entry.args,
-            example_kwargs=entry.kwargs,
-        )
-        for checkpoint in (Checkpoint.NONE, Checkpoint.FULL)
-    ]
-    _, measured = measure_by_world(plans, 1, progress=False, workload=workload)
-    rows = compare(chain, plans, measured, get_hardware("cpu-gloo"), ["ep2", "ep2 full"])
+    rows = measure_hand_plans(
+        HF_WORKLOADS["hf-mixtral"],
+        {
+            "ep2": (dict(dp=2, ep=2), Checkpoint.NONE),
+            "ep2 full": (dict(dp=2, ep=2), Checkpoint.FULL),
+        },
+    )
     ratios = {row.kind: round(row.memory_ratio, 3) for row in rows}
     assert all(abs(ratio - 1) <= 0.03 for ratio in ratios.values()), ratios
 

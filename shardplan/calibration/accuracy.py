@@ -496,6 +496,32 @@ def measure_mesh_accuracy(hardware, rounds: int = 3, progress: bool = True) -> l
     return _again_where_slow(chain, plans, measured, hardware, list(named), rounds, progress)
 
 
+def measure_hand_plans(
+    workload: Workload, meshes: dict[str, tuple[dict[str, Any], Checkpoint]]
+) -> list[Accuracy]:
+    """Each named plan of `workload`, written by hand (manual_plan's mesh keywords, every unit's
+    checkpointing), trained for one step after a warm-up in one world per world size, beside its
+    prediction on cpu-gloo."""
+    from shardplan.frontend.passes import analyze
+    from shardplan.runtime.manual import manual_plan
+
+    entry = workload.build()
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    plans = [
+        manual_plan(
+            entry.model,
+            workload.units(chain),
+            **mesh,
+            checkpoints=(checkpoint,),
+            example_inputs=entry.args,
+            example_kwargs=entry.kwargs,
+        )
+        for mesh, checkpoint in meshes.values()
+    ]
+    _, measured = measure_by_world(plans, 1, progress=False, workload=workload)
+    return compare(chain, plans, measured, get_hardware("cpu-gloo"), list(meshes))
+
+
 def _again_where_slow(
     chain: BlockChain,
     plans: list[Plan],
