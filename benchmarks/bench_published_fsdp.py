@@ -22,9 +22,9 @@ allocator's fragmentation); then the median ratio by sequence length, and with -
 
 The model takes its loss as MPT does, with a fused cross entropy (FusedCrossEntropy: flash-attn's, llm-foundry's
 default loss_fn), which keeps the bf16 logits alone, not transformers' causal LM loss, which keeps fp32 copies.
-What the plans leave out of the runs: the rows' attention kernel (a fused one, which is not recorded) is priced
-as the profile's FlashAttention-2, what SDPA runs (--attention-kernel triton: as the Triton FlashAttention MPT
-can run instead, a what-if); Composer's FSDP (FSDP1) keeps the embeddings and the final norm in its root
+The rows' attention runs the kernel llm-foundry's benchmark script ran by default, the Triton FlashAttention, at
+its published rates (ATTENTION_KERNELS; --attention-kernel sdpa prices it as the profile's FlashAttention-2, what
+shardplan runs). What the plans leave out of the runs: Composer's FSDP (FSDP1) keeps the embeddings and the final norm in its root
 unit; gradient clipping's norm is not priced.
 
 Chains are analyzed once per distinct (size, sequence, batch) in a run and kept in --cache for later runs,
@@ -420,32 +420,105 @@ TRITON_FLASH_ATTENTION_A100 = {
         ),
     },
 }
-"""FLOP/s of the Triton FlashAttention (flash_attn_triton, which MPT runs under `attn_impl: triton`) on A100 80GB
-SXM4, forward + backward, bf16/fp16, batch x sequence = 16k tokens: the same figure and bars the a100 profiles
-read FlashAttention-2's rates from (Dao 2023, "FlashAttention-2", arXiv 2307.08691, fig. 4, "FlashAttention
-Triton"), FLOPs counted alike (a causal call's halved). The --attention-kernel triton what-if."""
+"""FLOP/s of the Triton FlashAttention on A100 80GB SXM4, forward + backward, bf16/fp16, batch x sequence = 16k
+tokens: Dao 2023, "FlashAttention-2", arXiv 2307.08691, fig. 4, its "FlashAttention Triton" bars (the same figure and
+FLOP count the a100 profiles read FlashAttention-2's rates from: a causal call's halved). The kernel measured is
+flash-attn's flash_attn_triton.py on Triton's pre-MLIR compiler, the one llm-foundry copies and runs under
+`attn_impl: triton` (its `triton-pre-mlir` dependency)."""
+
+FLASH_ATTENTION_1_H100 = {
+    "causal": {
+        "64": (
+            (512, 104e12),
+            (1024, 123e12),
+            (2048, 136e12),
+            (4096, 138e12),
+            (8192, 149e12),
+            (16384, 156e12),
+        ),
+        "128": (
+            (512, 98e12),
+            (1024, 109e12),
+            (2048, 108e12),
+            (4096, 126e12),
+            (8192, 135e12),
+            (16384, 137e12),
+        ),
+    },
+    "full": {
+        "64": (
+            (512, 157e12),
+            (1024, 159e12),
+            (2048, 161e12),
+            (4096, 161e12),
+            (8192, 166e12),
+            (16384, 168e12),
+        ),
+        "128": (
+            (512, 127e12),
+            (1024, 127e12),
+            (2048, 128e12),
+            (4096, 131e12),
+            (8192, 137e12),
+            (16384, 139e12),
+        ),
+    },
+}
+"""FLOP/s of FlashAttention (the first, CUDA) on H100 80GB SXM5, forward + backward: the same paper's fig. 7. It stands
+in for the Triton kernel on H100, which no published figure measured: on A100, where fig. 4 measured both, their
+rates agree within 20% at every sequence (causal, 16k: 97 and 83 against Triton's 80 and 80)."""
+
+TRITON_FORWARD_OVER_BACKWARD = 1.8
+"""How much faster a Triton FlashAttention runs its forward than its backward, FLOPs counted alike: flash_attn_triton.py's
+own notes say its forward is faster than the CUDA kernel's and its backward slower; Triton's fused-attention tutorial
+(triton-lang.org, tutorials/06-fused-attention, its printed table: causal, head dim 64, fp16) measures a descendant of
+the same kernel at 111.7, 136.5 and 150.0 TFLOP/s forward and 59.8, 76.2 and 87.5 backward at 1k, 2k and 4k, 1.87,
+1.79 and 1.71 times. A recomputed forward then costs the forward's share of the published forward + backward time."""
+
+ATTENTION_KERNELS = ("triton", "sdpa")
+"""The fused attention a row is priced as running: "triton", what llm-foundry's benchmark script ran
+(scripts/train/benchmarking/submit_benchmarks.py, `--attn_impl` default 'triton' from the tables' first commit
+until March 2024, its A100 tables last refreshed in October 2023 at b2a43a147); "sdpa", the profile's own
+FlashAttention-2, what SDPA, shardplan's runtimes and FSDP2 run."""
+
+
+def _directional_rate(
+    by_mask: dict[str, dict[str, tuple[tuple[float, float], ...]]], share: float
+) -> AttentionRate:
+    return AttentionRate(
+        **{
+            mask: {
+                dim: SizeCurve(points=tuple((seq, rate * share) for seq, rate in points))
+                for dim, points in by_dim.items()
+            }
+            for mask, by_dim in by_mask.items()
+        }
+    )
 
 
 def with_attention_kernel(hw: HardwareProfile, kernel: str) -> HardwareProfile:
-    """`hw` with its fused attention priced as `kernel` runs it: "sdpa", the profile's own rates (FlashAttention-2,
-    what SDPA runs on A100); "triton", TRITON_FLASH_ATTENTION_A100's, in both directions, as the profile prices
-    FlashAttention-2's combined rate."""
+    """`hw` with its fused attention priced as `kernel` (ATTENTION_KERNELS) runs it. For "triton", each direction at
+    its own rate: a forward and its backward (2.5x its FLOPs) take the published forward + backward time, the forward
+    TRITON_FORWARD_OVER_BACKWARD times as fast (backward = forward + backward x (1 / ratio + 2.5) / 3.5)."""
     if kernel == "sdpa":
         return hw
-    rate = AttentionRate(
-        **{
-            mask: {dim: SizeCurve(points=points) for dim, points in by_dim.items()}
-            for mask, by_dim in TRITON_FLASH_ATTENTION_A100.items()
-        }
+    published = (
+        TRITON_FLASH_ATTENTION_A100 if hw.name.startswith("a100") else FLASH_ATTENTION_1_H100
     )
+    backward_share = (1 / TRITON_FORWARD_OVER_BACKWARD + 2.5) / 3.5
+    rates = {
+        op: _directional_rate(
+            published,
+            backward_share * (1 if op.endswith("_backward") else TRITON_FORWARD_OVER_BACKWARD),
+        )
+        for op in hw.attention_rates
+    }
     return dataclasses.replace(
-        hw,
-        name=f"{hw.name} with Triton FlashAttention",
-        attention_rates={op: rate for op in hw.attention_rates},
+        hw, name=f"{hw.name} running Triton FlashAttention", attention_rates=rates
     )
 
 
-def hardware_for(row: Row, attention_kernel: str = "sdpa") -> HardwareProfile:
+def hardware_for(row: Row, attention_kernel: str = "triton") -> HardwareProfile:
     name = PROFILES[row.gpu]
     hw = with_node_link_rate(get_hardware(name), row.node_link_gbps, PROFILE_RAIL_GBPS[name])
     return with_attention_kernel(hw, attention_kernel)
@@ -477,7 +550,7 @@ class Outcome:
         return self.predicted.peak_bytes > self.usable_bytes
 
 
-def predict_row(row: Row, cache: str | None = None, attention_kernel: str = "sdpa") -> Outcome:
+def predict_row(row: Row, cache: str | None = None, attention_kernel: str = "triton") -> Outcome:
     """`row`'s plan priced on its GPU, its fused attention as `attention_kernel` runs it
     (with_attention_kernel); `cache`: a folder of chains analyzed before (analyzed)."""
     entry, chain = analyzed(row.model, row.seq_len, row.samples_per_gpu, cache=cache)
@@ -493,7 +566,7 @@ def predict_row(row: Row, cache: str | None = None, attention_kernel: str = "sdp
 
 
 def predict(
-    rows: list[Row], cache: str | None = None, attention_kernel: str = "sdpa"
+    rows: list[Row], cache: str | None = None, attention_kernel: str = "triton"
 ) -> list[Outcome]:
     return [predict_row(row, cache, attention_kernel) for row in rows]
 
@@ -692,10 +765,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--attention-kernel",
-        choices=("sdpa", "triton"),
-        default="sdpa",
-        help="price the rows' fused attention as SDPA's FlashAttention-2 (the profiles' rates) or, what-if, "
-        "as the Triton FlashAttention MPT can run (TRITON_FLASH_ATTENTION_A100); default: %(default)s",
+        choices=ATTENTION_KERNELS,
+        default="triton",
+        help="price the rows' fused attention as the Triton FlashAttention llm-foundry's benchmarks ran, or as "
+        "SDPA's FlashAttention-2 (the profiles' rates, what shardplan runs); default: %(default)s",
     )
     options = parser.parse_args()
     start = time.perf_counter()
