@@ -341,6 +341,7 @@ def _backward(products: tuple[OpKind, ...]) -> tuple[OpKind, ...]:
             bytes=2 * kind.bytes,
             weight_bytes=2 * kind.weight_bytes,
             masked_flops=int(kind.masked_flops * factor[kind.name]),
+            head_dim_flops=int(kind.head_dim_flops * factor[kind.name]),
         )
         for kind in products
     )
@@ -483,6 +484,7 @@ def llama_chain(
         calls=1,
         flops=attention_flops,
         masked_flops=attention_flops // 2,
+        head_dim_flops=attention_flops * head_dim,
         bytes=(2 * h + 2 * kv) * tokens * BF16_BYTES,
     )
     layer_products = (

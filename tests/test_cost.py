@@ -42,7 +42,7 @@ class LinearHardware:
     collective_compute_share = 0.0
 
     def compute_time_s(
-        self, flops, bytes_moved, dtype="float32", *, calls=1, op="", masked_flops=0.0
+        self, flops, bytes_moved, dtype="float32", *, calls=1, op="", masked_flops=0.0, head_dim=0.0
     ):
         return calls * 1e-6 + self.op_time_factors.get(op, 1.0) * max(
             flops / 1e12, bytes_moved / 1e11

@@ -487,6 +487,7 @@ def _on_tp_rank(
                     bytes=split(activations, round(activations * moved)) + weight_bytes,
                     weight_bytes=weight_bytes,
                     masked_flops=kind.masked_flops * on_rank_flops // max(1, kind.flops),
+                    head_dim_flops=kind.head_dim_flops * on_rank_flops // max(1, kind.flops),
                 )
             )
         return tuple(found)
@@ -691,6 +692,7 @@ def kind_time_s(kind: OpKind, ctx: CostContext) -> float:
         calls=kind.calls,
         op=kind.name,
         masked_flops=kind.masked_flops / ctx.num_micro_batches,
+        head_dim=kind.head_dim_flops / kind.flops if kind.flops else 0.0,
     )
 
 

@@ -46,8 +46,9 @@ output, 4 B H S D elements of the compute dtype (e bytes each): S = e x FLOPs / 
 FLOPs (five products) over q, k, v, the output, its gradient and the three input gradients, 8 B H S D
 elements: S = 0.8 e x FLOPs / bytes. Both hold for any batch B and heads H, and over micro-batches and a
 tp rank's heads, which divide FLOPs and bytes alike. The head dim D cannot be read off them (FLOPs and
-bytes both scale with B H D), so a call of unknown head dim is priced at the mean of the rates the profile
-lists for its head dims at S. Limits of the ratio: the log-sum-exp (4 bytes a row, fp32) adds under 1% to
+bytes both scale with B H D): the analysis records it from the call's query (OpKind.head_dim_flops), and a
+call of unknown head dim (a chain built by hand) is priced at the mean of the rates the profile lists for
+its head dims at S. Limits of the ratio: the log-sum-exp (4 bytes a row, fp32) adds under 1% to
 the bytes at head dims of 64 and more; grouped-query attention that hands the kernel k and v of fewer heads
 moves fewer bytes, so reads as a longer sequence (1.6x with 4 query heads a key head, 1.8x with 8): a
 faster rate by what the published ones gain over that span (they rise 3-12% from 4k to 16k, and no further
@@ -144,7 +145,7 @@ class AttentionRate:
     full: dict[str, SizeCurve]
     """By head dim, FLOP/s by sequence length of a call without a mask, on all its FLOPs."""
 
-    def flops_per_s(self, sequence: float, *, causal: bool, head_dim: int = 0) -> float:
+    def flops_per_s(self, sequence: float, *, causal: bool, head_dim: float = 0) -> float:
         """The rate at `sequence` of a call of `head_dim` (between two listed head dims linear in head dim, past
         the ends the nearest), or of unknown head dim (0) the mean of every listed head dim's."""
         curves = sorted(
@@ -294,6 +295,7 @@ class HardwareModel(Protocol):
         calls: int = 1,
         op: str = "",
         masked_flops: float = 0.0,
+        head_dim: float = 0.0,
     ) -> float:
         """Time of `calls` equal ops that together do `flops` (`masked_flops` of them hidden by a causal
         mask) and move `bytes_moved`."""
@@ -572,6 +574,7 @@ class HardwareProfile:
         calls: int = 1,
         op: str = "",
         masked_flops: float = 0.0,
+        head_dim: float = 0.0,
     ) -> float:
         """Time of `calls` equal ops that together do `flops` and move `bytes_moved`.
 
@@ -582,8 +585,8 @@ class HardwareProfile:
         each call (the op's own where measured, else op_overhead_s). Of `flops`, the `masked_flops`
         a causal mask hides are not run where the op's kernel skips them (skips_masked_flops). A fused
         attention op the profile lists in attention_rates runs at its published rate for the call's
-        sequence length, read off its FLOPs and bytes, where that is slower than the matmul curve
-        ([Note: attention by sequence length]); no factor applies to it.
+        sequence length, read off its FLOPs and bytes, and its `head_dim` (0: unknown), where that is
+        slower than the matmul curve ([Note: attention by sequence length]); no factor applies to it.
         `dtype` is a name ("bfloat16") or a torch.dtype.
         """
         op = (
@@ -611,7 +614,10 @@ class HardwareProfile:
                     backward=op.endswith("_backward"),
                 )
                 burst = min(
-                    burst, self.attention_rates[op].flops_per_s(sequence, causal=masked_flops > 0)
+                    burst,
+                    self.attention_rates[op].flops_per_s(
+                        sequence, causal=masked_flops > 0, head_dim=head_dim
+                    ),
                 )
             arithmetic_s = flops / (burst * rate.sustained_share)
         memory_s = bytes_moved / self.memory_bandwidth_bytes_per_s

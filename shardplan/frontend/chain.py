@@ -32,6 +32,10 @@ class OpKind:
     """Of `flops`, those a causal mask hides: attention's products over the scores above the diagonal,
     which torch's FLOP formulas count as if computed. A kernel that skips masked blocks (FlashAttention-2)
     does not run them; a profile says which do (HardwareProfile.skips_masked_flops)."""
+    head_dim_flops: int = 0
+    """Of an attention op, each call's FLOPs times its head dim, summed: head_dim_flops / flops is the
+    calls' head dim, FLOP-weighted, which a fused kernel's published rates are by (AttentionRate). 0 for
+    any other op."""
 
     def __add__(self, other: "OpKind") -> "OpKind":
         """The calls of both, of this one's op name: every count summed (_OP_KIND_COUNTS)."""

@@ -213,21 +213,27 @@ scaled_dot_product_attention takes them, and that take `is_causal`: the ones op_
 kernels under them, such as `_flash_attention_forward`, which lay q out (batch, sequence, heads, head dim)."""
 
 
+def _sdpa_arguments(func, args: tuple, kwargs: dict | None) -> dict | None:
+    """An SDPA_LAYOUT_ATTENTION op's arguments by name; None for any other op."""
+    if func.namespace != "aten" or func.overloadpacket.__name__ not in SDPA_LAYOUT_ATTENTION:
+        return None
+    return dict(zip((argument.name for argument in func._schema.arguments), args)) | (kwargs or {})
+
+
+def op_head_dim_flops(func, args: tuple, kwargs: dict | None, flops: int) -> int:
+    """An attention op's `flops` times its head dim (OpKind.head_dim_flops): its query's last dim, for an op of
+    SDPA_LAYOUT_ATTENTION. 0 for any other op."""
+    values = _sdpa_arguments(func, args, kwargs)
+    return flops * values["query"].shape[-1] if values and flops else 0
+
+
 def op_masked_flops(func, args: tuple, kwargs: dict | None, flops: int) -> int:
     """Of an op's `flops`, those a causal mask hides (OpKind.masked_flops): for an attention op of
     SDPA_LAYOUT_ATTENTION called with `is_causal`, the share of its scores above the diagonal (torch's mask
     keeps query row i the keys 0..i), every product it counts (QK^T, PV and their gradients) being one per
     score. 0 for any other op."""
-    if (
-        not flops
-        or func.namespace != "aten"
-        or func.overloadpacket.__name__ not in SDPA_LAYOUT_ATTENTION
-    ):
-        return 0
-    values = dict(zip((argument.name for argument in func._schema.arguments), args)) | (
-        kwargs or {}
-    )
-    if not values.get("is_causal"):
+    values = _sdpa_arguments(func, args, kwargs)
+    if not flops or not values or not values.get("is_causal"):
         return 0
     rows, keys = values["query"].shape[-2], values["key"].shape[-2]
     diagonal = min(rows, keys)
@@ -336,6 +342,7 @@ class _OpTally(TorchDispatchMode):
                 bytes=moved_bytes(func, args, kwargs, out),
                 weight_bytes=moved_bytes(func, args, kwargs, out, only=self.weights),
                 masked_flops=op_masked_flops(func, args, kwargs, flops),
+                head_dim_flops=op_head_dim_flops(func, args, kwargs, flops),
             )
         )
         return out
