@@ -29,3 +29,13 @@ def sharded_loss_refusal(model: nn.Module, head: str) -> str | None:
     if output_embeddings is None or output_embeddings is not model.get_submodule(head):
         return f"{head!r} is not the output embedding {type(model).__name__}'s loss reads"
     return None
+
+
+def sharded_loss_head(model: nn.Module) -> str | None:
+    """The module path of the LM head whose logits `model`'s loss may read sharded over the vocabulary
+    (None: the loss reads none so)."""
+    output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
+    head = next(
+        (path for path, module in model.named_modules() if module is output_embeddings), None
+    )
+    return head if head is not None and sharded_loss_refusal(model, head) is None else None

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from shardplan.errors import PlanError
 from shardplan.frontend.passes import fingerprint_of, input_specs, tensor_parallel_candidates
-from shardplan.frontend.sharded_loss import sharded_loss_refusal
+from shardplan.frontend.sharded_loss import sharded_loss_head
 from shardplan.frontend.signature import model_signature
 from shardplan.plan import (
     Checkpoint,
@@ -146,13 +146,12 @@ def _tensor_parallel(
     layout = tensor_parallel_candidates(model, tuple(example_inputs), example_kwargs).layout(
         tp, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel
     )
-    head = layout.head
     return TensorParallel(
         sequence_parallel=sequence_parallel,
         vocab_parallel=vocab_parallel,
         loss_parallel=loss_parallel
-        and head is not None
-        and sharded_loss_refusal(model, head) is None,
+        and layout.head is not None
+        and layout.head == sharded_loss_head(model),
         sharded=sharded_modules(layout),
         kept_whole=layout.rejected + layout.deferred,
     )
