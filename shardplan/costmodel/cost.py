@@ -161,10 +161,10 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
   all of them, and its input and output, / t (params as without), but for the pairs' inputs the
   column-parallel linears keep after the all-gather (f.gathered_saved_bytes, whole); transients
   scale as the saved bytes do, but for one whole-width tensor of the hidden states under sequence
-  parallelism (f.exchange_bytes, whole), what the sliced ops make (f.sliced_fwd_transient_bytes, / t: a
-  head's logits and its loss's tensors over them, where the loss runs on its vocabulary slices) and what
-  their backward makes at the backward's peak (f.sliced_bwd_transient_bytes, / t), beside which, under sequence parallelism, a row-parallel linear's
-  backward at the peak holds its output gradient gathered whole (f.gathered_bwd_peak_bytes); the parameter
+  parallelism (f.exchange_bytes, whole), what the sliced ops make (f.sliced_fwd_transient_bytes, / t:
+  a head's logits and its loss's tensors over them, where the loss runs on its vocabulary slices) and
+  what their backward makes at the backward's peak (f.sliced_bwd_transient_bytes, / t), beside which,
+  under sequence parallelism, a row-parallel linear's backward at the peak holds its output gradient gathered whole (f.gathered_bwd_peak_bytes); the parameter
   gradients live at the peak (Block.bwd_peak_grad_numel) as the parameters divide (f.sliced_peak_grad_numel,
   / t). Every term above then reads the rank's blocks.
 - tp exchanges, per micro-batch, exposed: Σ_blocks f.all_reduces × all_reduce(f.exchange_bytes /
@@ -418,10 +418,11 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     """`block` as one rank runs it: a replica's batch (ctx.batch_scale of the captured one), and over
     ctx.tp ranks what the block's TensorParallelFacts slice divided by tp ([Note: a block on a tp rank]
     in chain.py). Transients and the memory-bound ops' bytes scale as the saved activations do (an
-    approximation: the analysis does not split them by op), but what the sliced ops make
-    (sliced_fwd_transient_bytes) is 1/tp, under sequence parallelism the
-    whole-width tensor exchanged around a pair (TensorParallelFacts.exchange_bytes) stays whole, and the
-    part of the backward's peak the sliced ops make (sliced_bwd_transient_bytes) is 1/tp, beside which a
+    approximation: the analysis does not split them by op), but under sequence parallelism the
+    whole-width tensor exchanged around a pair (TensorParallelFacts.exchange_bytes) stays whole, what the
+    sliced ops make in forward (sliced_fwd_transient_bytes: a head's logits and its loss's tensors over
+    them, where the loss runs on its vocabulary slices) is 1/tp, and the part of the backward's peak the
+    sliced ops make (sliced_bwd_transient_bytes) is 1/tp, beside which a
     row-parallel linear's peak holds its output gradient gathered whole under sequence parallelism
     (gathered_bwd_peak_bytes)."""
     facts = block.tensor_parallel

@@ -76,6 +76,8 @@ class TensorParallelFacts:
     (backward) (benchmarks/probe_rank_peak.py); a row-parallel
     linear's output gradient, all-gathered whole before its matmuls, is held beside what the tp 1
     transient counts where that backward peaks (`gathered_bwd_peak_bytes`; benchmarks/probe_rank_peak.py).
+    A vocab-parallel LM head whose loss runs on its vocabulary slices (`sharded_loss`) divides its
+    logits and what its loss computes over them, saved or transient, forward and backward.
 
     Traffic: `all_reduces` all-reduces of `exchange_bytes` per replica batch without sequence
     parallelism (a pair: one in forward, one in backward; a vocab-parallel embedding: one in forward;

@@ -17,7 +17,9 @@ under sequence parallelism that linear's backward holds its output gradient gath
 Approximations: the ops outside the pairs (norms, residual adds) count as whole unless sequence
 parallelism divides the whole layer; a pair's exchange moves the block's output bytes (its hidden
 states). Embeddings and LM heads that may shard over the vocabulary (not tied) carry facts of their
-own (_vocab_facts), which a plan without vocab_parallel leaves unused (compile.evaluate). Left out:
+own (_vocab_facts), which a plan without vocab_parallel leaves unused (compile.evaluate); a head whose
+loss may run on its vocabulary slices (frontend/sharded_loss.py) carries those of that loss, and beside
+them the gathered head's, for a plan without loss_parallel (_sharded_loss_facts). Left out:
 pairs rejected by the graph (their layers are not marked for sequence parallelism).
 """
 
