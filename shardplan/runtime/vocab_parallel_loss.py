@@ -33,10 +33,8 @@ import torch.nn.functional as F
 
 from shardplan.errors import RuntimeMismatchError
 from shardplan.runtime.collectives import Group, group_world
+from shardplan.runtime.context_parallel import IGNORE_INDEX
 from shardplan.runtime.tensor_parallel import exchange
-
-IGNORE_INDEX = -100
-"""The label the loss skips (torch's cross_entropy default, Hugging Face's)."""
 
 
 def vocab_parallel_cross_entropy(
