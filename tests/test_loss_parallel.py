@@ -99,6 +99,7 @@ def parity():
     return spawn_world(2, train_cases, ({name: plan.to_json() for name, plan in plans.items()},))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", CASES)
 def test_the_loss_on_sharded_logits_trains_like_one_process(parity, name):
     errors = parity[name]
@@ -152,6 +153,7 @@ MEMORY_WORKLOAD = Workload(
 LOGITS_BYTES = 4 * 128 * 8192 * 4
 
 
+@pytest.mark.distributed
 def test_predicted_peak_memory_within_3_percent_half_the_logits_below_gathering():
     entry = MEMORY_WORKLOAD.build()
     plans, chains, drops = [], [], {}
