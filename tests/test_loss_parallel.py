@@ -145,12 +145,12 @@ MEMORY_WORKLOAD = Workload(
         ("d_model", 256),
         ("ffn", 688),
         ("vocab", 8192),
-        ("batch", 4),
+        ("batch", 2),
         ("seq", 128),
     ),
 )
-"""A vocabulary large beside the model: 4 x 128 tokens' float32 logits are 16 MiB, the hidden states 0.5."""
-LOGITS_BYTES = 4 * 128 * 8192 * 4
+"""A vocabulary large beside the model: 2 x 128 tokens' float32 logits are 8 MiB, the hidden states 0.25."""
+LOGITS_BYTES = 2 * 128 * 8192 * 4
 
 
 @pytest.mark.distributed
