@@ -388,6 +388,11 @@ class TensorParallel:
     """Activations between the sliced modules are split along the sequence over the tp ranks (Megatron SP)."""
     vocab_parallel: bool = False
     """Embedding tables and the LM head are sliced by vocabulary (listed in `sharded`)."""
+    loss_parallel: bool = False
+    """The loss runs on the vocab-parallel head's slices of the logits, which no rank holds whole
+    (torchtitan's loss_parallel; [Note: loss on sharded logits] in runtime/vocab_parallel_loss.py): for
+    a model whose loss the runtime knows (frontend/sharded_loss.py). False with a vocab-parallel head:
+    its logits are gathered whole on every tp rank before the model's own loss."""
     sharded: tuple[ShardedModule, ...] = ()
     kept_whole: tuple[KeptWhole, ...] = ()
     """Pairs and tables the graph offered that stay whole: the plan says why (indivisible heads, a tie)."""
@@ -759,6 +764,12 @@ def mesh_words(plan: Plan) -> str:
         words.append(f"{mesh.pp} pipeline stages")
     if mesh.tp > 1:
         words.append(f"tensor parallel over {mesh.tp} ranks")
+    if plan.tensor_parallel.vocab_parallel:
+        words.append(
+            "the loss on the head's vocabulary slices"
+            if plan.tensor_parallel.loss_parallel
+            else "the head's logits gathered whole before the loss"
+        )
     if mesh.cp > 1:
         words.append(f"each sequence split over {mesh.cp} context-parallel ranks")
     if mesh.ep > 1:
@@ -802,6 +813,11 @@ def _check_plan(plan: Plan) -> None:
         raise PlanError(
             "the plan slices modules over tensor-parallel ranks but its mesh has tp=1: set mesh.tp, "
             "or drop tensor_parallel"
+        )
+    if plan.tensor_parallel.loss_parallel and not plan.tensor_parallel.vocab_parallel:
+        raise PlanError(
+            "the plan computes the loss on the head's vocabulary slices (loss_parallel) but does not "
+            "slice the head by vocabulary: set vocab_parallel, or drop loss_parallel"
         )
     _unique(
         [m.path for m in plan.tensor_parallel.sharded],

@@ -128,6 +128,7 @@ def _torchtitan(plan: Plan, classes: dict[str, str], sizes: dict[str, int]) -> s
     }
     if mesh.tp > 1:
         parallelism["enable_sequence_parallel"] = plan.tensor_parallel.sequence_parallel
+        parallelism["disable_loss_parallel"] = not plan.tensor_parallel.loss_parallel
     if mesh.pp > 1:
         parallelism["pipeline_parallel_schedule"] = schedule
         parallelism["pipeline_parallel_microbatch_size"] = max(1, batch // micro)

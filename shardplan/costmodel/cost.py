@@ -161,14 +161,16 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
   all of them, and its input and output, / t (params as without), but for the pairs' inputs the
   column-parallel linears keep after the all-gather (f.gathered_saved_bytes, whole); transients
   scale as the saved bytes do, but for one whole-width tensor of the hidden states under sequence
-  parallelism (f.exchange_bytes, whole) and what the sliced ops' backward makes at the backward's peak
-  (f.sliced_bwd_transient_bytes, / t), beside which, under sequence parallelism, a row-parallel linear's
-  backward at the peak holds its output gradient gathered whole (f.gathered_bwd_peak_bytes); the parameter
+  parallelism (f.exchange_bytes, whole), what the sliced ops make (f.sliced_fwd_transient_bytes, / t:
+  a head's logits and its loss's tensors over them, where the loss runs on its vocabulary slices) and
+  what their backward makes at the backward's peak (f.sliced_bwd_transient_bytes, / t), beside which,
+  under sequence parallelism, a row-parallel linear's backward at the peak holds its output gradient gathered whole (f.gathered_bwd_peak_bytes); the parameter
   gradients live at the peak (Block.bwd_peak_grad_numel) as the parameters divide (f.sliced_peak_grad_numel,
   / t). Every term above then reads the rank's blocks.
 - tp exchanges, per micro-batch, exposed: Σ_blocks f.all_reduces × all_reduce(f.exchange_bytes /
   m, t), or with sequence parallelism × (all_gather + reduce_scatter) of the same bytes, on the tp
-  group (consecutive ranks: one node while t ≤ its devices).
+  group (consecutive ranks: one node while t ≤ its devices), and a vocab-parallel head's
+  f.loss_exchanges (its logits all-gathered, or a float per token twice when the loss runs on the slices).
 - data-parallel groups: state shards over dp_shard (ctx.dp) only; gathers over dp_shard and
   reduce-scatters over dp_shard, then (HSDP) an all-reduce of the 1/dp_shard shard over dp_replicate;
   all-reducing strategies reduce over dp_shard × dp_replicate. A dp group's ranks stride by t, so
@@ -417,8 +419,10 @@ def on_rank(block: Block, ctx: CostContext) -> Block:
     ctx.tp ranks what the block's TensorParallelFacts slice divided by tp ([Note: a block on a tp rank]
     in chain.py). Transients and the memory-bound ops' bytes scale as the saved activations do (an
     approximation: the analysis does not split them by op), but under sequence parallelism the
-    whole-width tensor exchanged around a pair (TensorParallelFacts.exchange_bytes) stays whole, and the
-    part of the backward's peak the sliced ops make (sliced_bwd_transient_bytes) is 1/tp, beside which a
+    whole-width tensor exchanged around a pair (TensorParallelFacts.exchange_bytes) stays whole, what the
+    sliced ops make in forward (sliced_fwd_transient_bytes: a head's logits and its loss's tensors over
+    them, where the loss runs on its vocabulary slices) is 1/tp, and the part of the backward's peak the
+    sliced ops make (sliced_bwd_transient_bytes) is 1/tp, beside which a
     row-parallel linear's peak holds its output gradient gathered whole under sequence parallelism
     (gathered_bwd_peak_bytes)."""
     facts = block.tensor_parallel
@@ -503,6 +507,7 @@ def _on_tp_rank(
     # norms' and residual adds' whole share; under sequence parallelism a row-parallel linear's backward at
     # the peak holds its output gradient gathered whole beside it (both measured: benchmarks/probe_rank_peak.py)
     divided = parts.sliced_bwd_transient_bytes if sliced else 0  # type: ignore[union-attr]
+    made = parts.sliced_fwd_transient_bytes if sliced else 0  # type: ignore[union-attr]
     gathered = parts.gathered_bwd_peak_bytes if everything else 0  # type: ignore[union-attr]
     cut_grads = parts.sliced_peak_grad_numel if sliced else 0  # type: ignore[union-attr]
 
@@ -524,11 +529,11 @@ def _on_tp_rank(
         saved_bytes=saved,
         input_bytes=round(block.input_bytes * rest_scale),
         output_bytes=round(block.output_bytes * rest_scale),
-        fwd_transient_bytes=transient(block.fwd_transient_bytes),
+        fwd_transient_bytes=transient(block.fwd_transient_bytes, made),
         recompute_transient_bytes=(
             None
             if block.recompute_transient_bytes is None
-            else transient(block.recompute_transient_bytes)
+            else transient(block.recompute_transient_bytes, made)
         ),
         bwd_transient_bytes=transient(block.bwd_transient_bytes, divided, gathered),
         # the gradients at a moment do not grow with the batch (sliced ones divide by tp); the rest scales as
@@ -626,19 +631,27 @@ def tensor_parallel_s(blocks: tuple[Block, ...], ctx: CostContext) -> float:
     """The tp ranks' exchanges of one micro-batch ([Note: a block on a tp rank] in chain.py), on the tp
     group: consecutive ranks, inside a node while tp divides its devices. Not hidden: the runtime
     waits for each before the next op."""
+
+    def per_micro_batch(nbytes: int) -> int:
+        return -(-round(nbytes * ctx.batch_scale) // ctx.num_micro_batches)
+
     total = 0.0
     for block in blocks:
         facts = block.tensor_parallel
-        if facts is None or not facts.slices_at(ctx.tp) or not facts.all_reduces:
+        if facts is None or not facts.slices_at(ctx.tp):
             continue
-        nbytes = -(-round(facts.exchange_bytes * ctx.batch_scale) // ctx.num_micro_batches)
         kinds = (
             ("all_gather_into_tensor", "reduce_scatter_tensor")
             if ctx.sequence_parallel
             else ("all_reduce",)
         )
         total += facts.all_reduces * sum(
-            ctx.hardware.collective_time_s(kind, nbytes, ctx.tp) for kind in kinds
+            ctx.hardware.collective_time_s(kind, per_micro_batch(facts.exchange_bytes), ctx.tp)
+            for kind in kinds
+        )
+        total += sum(
+            ctx.hardware.collective_time_s(kind, per_micro_batch(nbytes), ctx.tp)
+            for kind, nbytes in facts.loss_exchanges
         )
     return total
 

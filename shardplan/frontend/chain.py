@@ -80,11 +80,14 @@ class TensorParallelFacts:
     (backward) (benchmarks/probe_rank_peak.py); a row-parallel
     linear's output gradient, all-gathered whole before its matmuls, is held beside what the tp 1
     transient counts where that backward peaks (`gathered_bwd_peak_bytes`; benchmarks/probe_rank_peak.py).
+    A vocab-parallel LM head whose loss runs on its vocabulary slices (`sharded_loss`) divides its
+    logits and what its loss computes over them, saved or transient, forward and backward.
 
     Traffic: `all_reduces` all-reduces of `exchange_bytes` per replica batch without sequence
     parallelism (a pair: one in forward, one in backward; a vocab-parallel embedding: one in forward;
     the vocab-parallel head: one in backward); with it each becomes an all-gather and a
-    reduce-scatter of the same bytes (which a ring moves in the same time as the all-reduce)."""
+    reduce-scatter of the same bytes (which a ring moves in the same time as the all-reduce). A
+    vocab-parallel head adds its `loss_exchanges`."""
 
     divides: int
     """tp must divide this for the block to slice (the gcd of its heads, kv heads, widths, vocabulary)."""
@@ -104,6 +107,10 @@ class TensorParallelFacts:
     sliced_bwd_transient_bytes: int = 0
     """Of the block's bwd_transient_bytes, what its sliced ops' backward makes at its peak (the gradients of
     the column-parallel features and of the sliced weights): 1/tp on a rank."""
+    sliced_fwd_transient_bytes: int = 0
+    """Of the block's fwd_transient_bytes (and of its recompute's), what its sliced ops make: 1/tp on a
+    rank. An LM head's logits and its loss's tensors over them, where the loss runs on the vocabulary
+    slices (`sharded_loss`); 0 elsewhere, where the transients scale as the saved bytes do."""
     gathered_bwd_peak_bytes: int = 0
     """Under sequence parallelism, what the op whose backward peaks holds whole beside its tp 1 allocations:
     a row-parallel linear's output gradient, all-gathered along the sequence before its matmuls (at tp 1 it
@@ -113,6 +120,18 @@ class TensorParallelFacts:
     """Of the block's bwd_peak_grad_numel, the sliced parameters' (1/tp on a rank)."""
     sequence_layer: bool = False
     """A layer between the pairs: with sequence parallelism all its activations divide."""
+    sharded_loss: bool = False
+    """A vocab-parallel LM head whose loss runs on its vocabulary slices (frontend/sharded_loss.py): its
+    logits and the loss's tensors over them divide over tp (`sliced_*`); else its logits are gathered whole
+    before the loss, which computes over them on every rank as at tp 1."""
+    loss_exchanges: tuple[tuple[str, int], ...] = ()
+    """(collective, full buffer bytes per replica batch) of each exchange between a vocab-parallel head and
+    its loss, in forward (their backward moves nothing): the logits all-gathered whole, or under
+    `sharded_loss` a float32 number per token twice (the ranks' log-sum-exps, all-gathered, priced as an
+    all-reduce of one: the same ring traffic at tp 2, and latency-bound; the target logit, all-reduced)."""
+    gathered_loss: "TensorParallelFacts | None" = None
+    """Under `sharded_loss`, the same head's facts with its logits gathered whole before the loss: how a
+    plan without loss_parallel runs it (solver/evaluate.py prices the plan's own)."""
     all_reduces: int = 0
     exchange_bytes: int = 0
     """The activation one exchange moves whole (the hidden states of the replica batch)."""

@@ -97,6 +97,7 @@ from shardplan.runtime.tensor_parallel import (
     map_pair_input,
     plan_layout,
 )
+from shardplan.runtime.vocab_parallel_loss import shard_loss
 
 
 class Fsdp2Program(Program):
@@ -116,6 +117,8 @@ class Fsdp2Program(Program):
         if plan.mesh.tp > 1:
             layout = plan_layout(module, plan)
             parallelize_tensor_parallel(module, layout, whole_mesh["tp"])
+            if layout.sharded_loss:
+                shard_loss(module, whole_mesh["tp"].get_group())
             self.fused = _fused_chunks(layout)
             self._sliced = _dtensor_slices(module, self.fused)
         for unit in plan.units:
@@ -546,7 +549,8 @@ def parallelize_tensor_parallel(
 ) -> None:
     """`layout` applied with DTensor on the 1-D tp `mesh` (parallelize_module: ColwiseParallel /
     RowwiseParallel per pair, SequenceParallel on the layers' norms with `layout.sequence_parallel`,
-    vocab-parallel embedding and head with `layout.vocab`). Every rank must hold the same full
+    vocab-parallel embedding and head with `layout.vocab`; the head's logits left sliced with
+    `layout.sharded_loss`, for vocab_parallel_loss.shard_loss). Every rank must hold the same full
     parameters before the call. A fused projection (qkv) is colwise per chunk: its DTensor
     is Shard(0) over the ranks' chunk slices, so its full_tensor() lists the chunks rank by rank
     (`tensor_parallel_full_parameters` puts them back in the model's order).
@@ -584,7 +588,8 @@ def parallelize_tensor_parallel(
         styles[candidate.module] = (
             RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
             if candidate.kind is VocabKind.EMBEDDING
-            else ColwiseParallel(output_layouts=Replicate())
+            # with the loss on the vocabulary slices the head returns this rank's slice, a plain tensor
+            else ColwiseParallel(output_layouts=Shard(-1) if layout.sharded_loss else Replicate())
         )
     if sequence:
         layers = layout.sequence_layers

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from shardplan.errors import PlanError
 from shardplan.frontend.passes import fingerprint_of, input_specs, tensor_parallel_candidates
+from shardplan.frontend.sharded_loss import sharded_loss_head
 from shardplan.frontend.signature import model_signature
 from shardplan.plan import (
     Checkpoint,
@@ -46,6 +47,7 @@ def manual_plan(
     tp: int = 1,
     sequence_parallel: bool = False,
     vocab_parallel: bool = False,
+    loss_parallel: bool = True,
     cp: int = 1,
     ep: int = 1,
 ) -> Plan:
@@ -61,7 +63,9 @@ def manual_plan(
     The mesh is pp × dp_replicate × dp × cp × tp: `dp` ranks shard each unit (dp_shard), `dp_replicate`
     groups of them hold the same shards (HSDP), and with tp > 1 the pairs the captured graph offers
     at that degree are sliced over tp ranks (passes/tensor_parallel.py), with `sequence_parallel` and
-    `vocab_parallel` as its layout takes them. With cp > 1 each sequence is split over cp ranks
+    `vocab_parallel` as its layout takes them; with `loss_parallel` the loss runs on the vocab-parallel
+    head's slices of the logits where the model's loss allows it (frontend/sharded_loss.py), else they
+    are gathered whole before it. With cp > 1 each sequence is split over cp ranks
     ([Note: context parallelism] in plan.py), which shard the units with the dp ranks. With ep > 1 the
     routed experts are split over ep of those ranks ([Note: expert parallelism] in plan.py).
 
@@ -105,7 +109,13 @@ def manual_plan(
         inputs=inputs,
         mesh=mesh,
         tensor_parallel=_tensor_parallel(
-            model, tp, sequence_parallel, vocab_parallel, example_inputs, example_kwargs
+            model,
+            tp,
+            sequence_parallel,
+            vocab_parallel,
+            loss_parallel,
+            example_inputs,
+            example_kwargs,
         ),
         schedule=Schedule(num_micro_batches=micro_batches, name="none" if pp == 1 else schedule),
         mixed_precision=precision,
@@ -121,6 +131,7 @@ def _tensor_parallel(
     tp: int,
     sequence_parallel: bool,
     vocab_parallel: bool,
+    loss_parallel: bool,
     example_inputs: tuple,
     example_kwargs: dict | None,
 ) -> TensorParallel:
@@ -138,6 +149,9 @@ def _tensor_parallel(
     return TensorParallel(
         sequence_parallel=sequence_parallel,
         vocab_parallel=vocab_parallel,
+        loss_parallel=loss_parallel
+        and layout.head is not None
+        and layout.head == sharded_loss_head(model),
         sharded=sharded_modules(layout),
         kept_whole=layout.rejected + layout.deferred,
     )

@@ -21,8 +21,9 @@ stream (the same on every tp rank), or, under sequence parallelism and at a cut
 between the first and the last sequence-parallel layer, this rank's part of the
 sequence: 1/tp of the activations, as the cost model prices a cut. The
 embeddings (vocab-parallel, where the plan says) run on the first stage, the
-head on the last, whose logits are gathered whole before the model's own loss:
-every tp rank of the last stage computes the same loss.
+head on the last, whose logits are gathered whole before the model's own loss,
+or read as this rank's slice by the loss on sharded logits (loss_parallel): either
+way every tp rank of the last stage computes the same loss.
 
 [Note: tied weights across stages] A parameter two stages read (an LM head tied to the
 input embedding) lives in its plan unit on its own stage; each other stage reading it
@@ -271,7 +272,7 @@ class StagedProgram(Program):
                 if last
                 else torch.zeros(())
             )
-            # every tp rank of the last stage computed the same losses (the head's logits are whole)
+            # every tp rank of the last stage computed the same losses (see [Note: tensor parallel stages])
             return collectives.all_reduce_sum(mine) / (self.plan.mesh.dp * self.plan.mesh.tp)
 
     def _micro_batch_loss(self, outputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor:

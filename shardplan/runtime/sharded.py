@@ -33,6 +33,7 @@ from shardplan.runtime.tensor_parallel import (
     sequence_parallel_parameters,
 )
 from shardplan.runtime.unit import FlatUnit, UnitPlace, packed_in_place
+from shardplan.runtime.vocab_parallel_loss import shard_loss
 
 
 class UnitProgram(Program):
@@ -193,12 +194,16 @@ class ShardedProgram(UnitProgram):
 def apply_plan_tensor_parallel(
     model: nn.Module, plan: Plan, group: collectives.Group
 ) -> tuple[dict[str, ParameterSlice], tuple[str, ...]]:
-    """Slice `model` over its tp `group` as the plan says, before its units are built over the slices:
+    """Slice `model` over its tp `group` as the plan says (its loss on the head's vocabulary slices where
+    the plan says loss_parallel), before its units are built over the slices:
     (the slice of each sliced parameter, the parameters whose gradients are partial over tp)."""
     if plan.mesh.tp == 1:
         return {}, ()
     layout = plan_layout(model, plan)
-    return apply_tensor_parallel(model, layout, group), sequence_parallel_parameters(model, layout)
+    slices = apply_tensor_parallel(model, layout, group)
+    if layout.sharded_loss:
+        shard_loss(model, group)
+    return slices, sequence_parallel_parameters(model, layout)
 
 
 def _build_expert_parallel_units(

@@ -22,9 +22,10 @@ The sequence length must divide by tp; see [Note: whole parameters under sequenc
 
 With `layout.vocab`, the token embedding holds vocab / tp rows (a rank looks up the ids in its
 rows, zeros the others, and g sums the ranks' lookups) and the LM head is column-parallel over the
-vocabulary, its logits gathered whole before the model's own loss: shardplan does not rewrite a
-model's loss, so every rank computes it over the full logits (a vocab-parallel cross-entropy,
-which never gathers them, is not built).
+vocabulary. With `layout.sharded_loss` the head returns this rank's slice of the logits, which the
+loss reads as they are ([Note: loss on sharded logits] in vocab_parallel_loss.py: the caller installs
+that loss); otherwise its logits are gathered whole before the model's own loss, which every rank
+computes over the full logits.
 
 Parameters stay plain tensors, not DTensors, so shardplan's flat-buffer units flatten them like
 any other: a unit over a sharded module holds this rank's slices (`ParameterSlice` says which part
@@ -84,6 +85,7 @@ from shardplan.frontend.passes.tensor_parallel import (
     VocabCandidate,
     VocabKind,
 )
+from shardplan.frontend.sharded_loss import sharded_loss_refusal
 from shardplan.plan import Plan, ShardedModule
 from shardplan.runtime.collectives import (
     Group,
@@ -208,7 +210,7 @@ def apply_tensor_parallel(
                 # nn.Linear adds its bias before g would sum it over the ranks: this forward adds it after
                 module.forward = functools.partial(_row_parallel_forward, module, combine)  # type: ignore[method-assign]
     for candidate in layout.vocab:
-        slices |= _shard_vocabulary(model, candidate, group)
+        slices |= _shard_vocabulary(model, candidate, group, not layout.sharded_loss)
     if layout.sequence_parallel:
         _shard_sequence_between(model, layout, group)
     return slices
@@ -285,7 +287,16 @@ def plan_layout(model: nn.Module, plan: Plan) -> TensorParallelLayout:
         plan.mesh.tp,
         sequence_parallel=options.sequence_parallel,
         vocab_parallel=options.vocab_parallel,
+        sharded_loss=options.loss_parallel,
     )
+    refusal = (
+        sharded_loss_refusal(model, layout.head) if layout.head and layout.sharded_loss else None
+    )
+    if refusal is not None:
+        raise PlanError(
+            f"the plan computes the loss on the head's vocabulary slices (loss_parallel), but {refusal}: "
+            "re-plan for this model (its logits are then gathered whole before its loss)"
+        )
     found, listed = set(sharded_modules(layout)), set(options.sharded)
     kept_whole = {kept.module: kept.reason for kept in (*layout.rejected, *layout.deferred)}
     for path in sorted(
@@ -367,7 +378,7 @@ class _PairInput:
     def enter(self, module: nn.Module, args: tuple) -> tuple:
         x = args[0]
         if self.entered is None or self.entered[0] is not x:
-            self.entered = (x, _exchange(x, "copy", "sum", 0, self.group))
+            self.entered = (x, exchange(x, "copy", "sum", 0, self.group))
         return (self.entered[1], *args[1:])
 
     def leave(self) -> None:
@@ -382,7 +393,7 @@ def _row_parallel_forward(module: nn.Linear, combine, x: torch.Tensor) -> torch.
 def _reduce_partial_products(pair_input: _PairInput, partial: torch.Tensor) -> torch.Tensor:
     """g: the pair's output whole on every rank."""
     pair_input.leave()
-    return _exchange(partial, "sum", "copy", 0, pair_input.group)
+    return exchange(partial, "sum", "copy", 0, pair_input.group)
 
 
 _SEQUENCE = 1
@@ -391,19 +402,19 @@ _SEQUENCE = 1
 
 def _reduce_scatter_sequence(partial: torch.Tensor, group: Group) -> torch.Tensor:
     """g under sequence parallelism: the sum over the ranks, this rank's tokens kept."""
-    return _exchange(partial, "scatter", "gather", _SEQUENCE, group)
+    return exchange(partial, "scatter", "gather", _SEQUENCE, group)
 
 
 def _gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     """f under sequence parallelism: the whole sequence from every rank's tokens; its gradient summed
     over the ranks and cut back to this rank's tokens."""
-    return _exchange(x, "gather", "scatter", _SEQUENCE, group)
+    return exchange(x, "gather", "scatter", _SEQUENCE, group)
 
 
 def gather_sequence_along(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Every rank's `x` concatenated along `dim` in rank order; its gradient summed over the ranks and
     cut back to this rank's part (context parallelism's keys and values)."""
-    return _exchange(x, "gather", "scatter", dim, group)
+    return exchange(x, "gather", "scatter", dim, group)
 
 
 def _gather_pair_input(
@@ -446,11 +457,11 @@ def _shard_sequence_between(model: nn.Module, layout: TensorParallelLayout, grou
                 f"ranks, which does not divide {x.shape[_SEQUENCE] if x.dim() > 1 else 'it'}: feed sequences "
                 f"of a multiple of {degree} tokens (pad them), or make the layout with sequence_parallel=False"
             )
-        return _exchange(x, "local", "gather", _SEQUENCE, group)
+        return exchange(x, "local", "gather", _SEQUENCE, group)
 
     def leave(module: nn.Module, args: tuple, output):
         y = output if isinstance(output, torch.Tensor) else output[0]
-        whole = _exchange(y, "gather", "local", _SEQUENCE, group)
+        whole = exchange(y, "gather", "local", _SEQUENCE, group)
         return whole if isinstance(output, torch.Tensor) else (whole, *output[1:])
 
     model.get_submodule(layers[0]).register_forward_pre_hook(
@@ -460,15 +471,16 @@ def _shard_sequence_between(model: nn.Module, layout: TensorParallelLayout, grou
 
 
 def _shard_vocabulary(
-    model: nn.Module, candidate: VocabCandidate, group: Group
+    model: nn.Module, candidate: VocabCandidate, group: Group, gather: bool
 ) -> dict[str, ParameterSlice]:
+    """Slice `candidate` over the vocabulary; a head's logits are gathered whole when `gather`."""
     index, degree = group_world(group)
     module = model.get_submodule(candidate.module)
     if candidate.kind is VocabKind.HEAD:
         head = _linear(model, candidate.module)
         slices = _slice_parameters(head, candidate.module, ("weight", "bias"), 0, 1, index, degree)
         head.out_features //= degree
-        head.forward = functools.partial(_vocab_parallel_head, head, group)  # type: ignore[method-assign]
+        head.forward = functools.partial(_vocab_parallel_head, head, group, gather)  # type: ignore[method-assign]
         return slices
     if not isinstance(module, nn.Embedding) or module.max_norm is not None:
         raise PlanError(
@@ -504,20 +516,22 @@ def _vocab_parallel_lookup(
         module.scale_grad_by_freq,
         module.sparse,
     )
-    return _exchange(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0), "sum", "copy", 0, group)
+    return exchange(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0), "sum", "copy", 0, group)
 
 
-def _vocab_parallel_head(module: nn.Linear, group: Group, x: torch.Tensor) -> torch.Tensor:
-    """Column-parallel logits over this rank's vocabulary, gathered whole for the model's loss; in
-    backward every rank holds the same gradient of the whole logits (the loss ran on every rank)
-    and keeps its own columns."""
-    logits = F.linear(_exchange(x, "copy", "sum", 0, group), module.weight, module.bias)
-    return _exchange(logits, "gather", "local", -1, group)
+def _vocab_parallel_head(
+    module: nn.Linear, group: Group, gather: bool, x: torch.Tensor
+) -> torch.Tensor:
+    """Column-parallel logits over this rank's vocabulary, gathered whole for the model's loss when
+    `gather`: in backward every rank holds the same gradient of the whole logits (the loss ran on every
+    rank) and keeps its own columns."""
+    logits = F.linear(exchange(x, "copy", "sum", 0, group), module.weight, module.bias)
+    return exchange(logits, "gather", "local", -1, group) if gather else logits
 
 
-def _exchange(x: torch.Tensor, forward: str, backward: str, dim: int, group: Group) -> torch.Tensor:
-    """The collective `forward` (one of _COLLECTIVES) in forward, `backward` in backward (see [Note:
-    exchanges in captured graphs])."""
+def exchange(x: torch.Tensor, forward: str, backward: str, dim: int, group: Group) -> torch.Tensor:
+    """The collective `forward` (one of _COLLECTIVES) in forward, `backward` in backward, over the tp
+    `group` (see [Note: exchanges in captured graphs])."""
     return torch.ops.shardplan.tensor_parallel_exchange(
         x, forward, backward, dim, group_name(group)
     )

@@ -85,6 +85,7 @@ def tensor_parallel_section(chain: BlockChain, configuration: Configuration) -> 
     return TensorParallel(
         sequence_parallel=configuration.sequence_parallel,
         vocab_parallel=any(m.style.startswith("vocab") for m in sharded),
+        loss_parallel=any(f.sharded_loss for _, f in facts if f.slices_at(tp)),
         sharded=sharded,
         kept_whole=tuple(
             KeptWhole(module=b.name, reason=str(f.refusal(tp)))

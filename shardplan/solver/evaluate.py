@@ -7,7 +7,7 @@ from dataclasses import replace
 from shardplan.costmodel import cost
 from shardplan.costmodel.hardware import HardwareProfile, get_hardware
 from shardplan.errors import PlanError
-from shardplan.frontend.chain import BlockChain
+from shardplan.frontend.chain import BlockChain, TensorParallelFacts
 from shardplan.plan import MixedPrecision, Plan, Predicted
 from shardplan.solver.assemble import example_batch, predicted_terms
 from shardplan.solver.search import Configuration, Setting, walk_stage
@@ -52,17 +52,20 @@ def _check_tensor_parallel(chain: BlockChain, plan: Plan) -> None:
 
 def _sliced_as_planned(chain: BlockChain, plan: Plan) -> BlockChain:
     """`chain` with tensor-parallel facts on the blocks whose modules the plan slices only: a block it
-    keeps whole (an embedding of a plan without vocab_parallel) is priced whole."""
+    keeps whole (an embedding of a plan without vocab_parallel) is priced whole, and a head whose loss
+    could run on its vocabulary slices is priced with its logits gathered unless the plan says loss_parallel."""
     named = {m.path for m in plan.tensor_parallel.sharded}
+
+    def planned(facts: TensorParallelFacts | None) -> TensorParallelFacts | None:
+        if facts is None or not named.intersection(path for path, _ in facts.sharded):
+            return None
+        if facts.gathered_loss is not None and not plan.tensor_parallel.loss_parallel:
+            return facts.gathered_loss
+        return facts
+
     return replace(
         chain,
-        blocks=tuple(
-            b
-            if b.tensor_parallel is None
-            or named.intersection(path for path, _ in b.tensor_parallel.sharded)
-            else replace(b, tensor_parallel=None)
-            for b in chain.blocks
-        ),
+        blocks=tuple(replace(b, tensor_parallel=planned(b.tensor_parallel)) for b in chain.blocks),
     )
 
 

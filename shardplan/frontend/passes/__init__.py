@@ -28,6 +28,7 @@ from shardplan.frontend.passes.tensor_parallel import (
 )
 from shardplan.frontend.passes.tensor_parallel_facts import with_tensor_parallel_facts
 from shardplan.frontend.repeats import RepeatedCapture, capture_repeated
+from shardplan.frontend.sharded_loss import sharded_loss_head
 from shardplan.frontend.signature import model_signature
 
 
@@ -146,7 +147,7 @@ def analyze(
         cast
     ):  # the master weights keep their dtype; a plan is checked against the model as it is given
         chain = _with_master_weights(chain, model, fingerprint_of(model, inputs, reuse_blocks))
-    return with_tensor_parallel_facts(captured.gm, chain)
+    return with_tensor_parallel_facts(captured.gm, chain, sharded_loss_head(model))
 
 
 def _parameter_dtype(model: torch.nn.Module) -> str:

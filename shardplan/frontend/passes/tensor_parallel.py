@@ -97,7 +97,8 @@ class VocabKind(str, enum.Enum):
     """A token embedding table: each rank holds vocab / tp rows, looks up the ids it holds, and the
     ranks' lookups are summed."""
     HEAD = "head"
-    """The LM head: column-parallel over the vocabulary, its logits gathered before the model's loss."""
+    """The LM head: column-parallel over the vocabulary, its logits gathered before the model's loss, or
+    read sharded by a loss the runtime computes on them (TensorParallelLayout.sharded_loss)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -131,6 +132,9 @@ class TensorParallelLayout:
     """Embeddings and the LM head sharded over the vocabulary (only with vocab_parallel)."""
     sequence_parallel: bool = False
     """Activations between the pairs sharded along the sequence (dim 1) over the tp ranks."""
+    sharded_loss: bool = False
+    """The loss runs on the vocab-parallel head's slices of the logits, which are not gathered
+    (frontend/sharded_loss.py says which losses can)."""
 
     @property
     def sequence_layers(self) -> tuple[str, ...]:
@@ -138,6 +142,11 @@ class TensorParallelLayout:
         parallelism, are sharded along the sequence: the sequence enters sharded at the first
         one and is gathered after the last."""
         return tuple(dict.fromkeys(pair.name.rpartition(".")[0] for pair in self.pairs))
+
+    @property
+    def head(self) -> str | None:
+        """The module path of the LM head sliced over the vocabulary (None when none is)."""
+        return next((c.module for c in self.vocab if c.kind is VocabKind.HEAD), None)
 
     @property
     def styles(self) -> dict[str, str]:
@@ -157,7 +166,12 @@ class TensorParallelCandidates:
     """Every module holding parameters, in graph order."""
 
     def layout(
-        self, degree: int, *, sequence_parallel: bool = False, vocab_parallel: bool = False
+        self,
+        degree: int,
+        *,
+        sequence_parallel: bool = False,
+        vocab_parallel: bool = False,
+        sharded_loss: bool = False,
     ) -> TensorParallelLayout:
         if degree < 1:
             raise PlanError(f"tensor-parallel degree is {degree}: it counts ranks, use 1 or more")
@@ -173,6 +187,11 @@ class TensorParallelCandidates:
             for candidate in self.vocab
         }
         vocab = tuple(candidate for candidate in self.vocab if verdicts[candidate.module] is None)
+        if sharded_loss and not any(candidate.kind is VocabKind.HEAD for candidate in vocab):
+            raise PlanError(
+                f"the loss is to run on the head's vocabulary slices, but no LM head is sliced over "
+                f"tp={degree}: make the layout with vocab_parallel=True, or without sharded_loss"
+            )
         sharded = {linear.module for pair in applied for linear in pair.linears} | {
             c.module for c in vocab
         }
@@ -183,6 +202,7 @@ class TensorParallelCandidates:
             rejected=rejected,
             vocab=vocab,
             sequence_parallel=sequence_parallel,
+            sharded_loss=sharded_loss,
             deferred=tuple(
                 KeptWhole(module=module, reason=verdict)
                 for module, verdict in verdicts.items()

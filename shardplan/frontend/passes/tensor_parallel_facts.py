@@ -17,7 +17,9 @@ under sequence parallelism that linear's backward holds its output gradient gath
 Approximations: the ops outside the pairs (norms, residual adds) count as whole unless sequence
 parallelism divides the whole layer; a pair's exchange moves the block's output bytes (its hidden
 states). Embeddings and LM heads that may shard over the vocabulary (not tied) carry facts of their
-own (_vocab_facts), which a plan without vocab_parallel leaves unused (compile.evaluate). Left out:
+own (_vocab_facts), which a plan without vocab_parallel leaves unused (compile.evaluate); a head whose
+loss may run on its vocabulary slices (frontend/sharded_loss.py) carries those of that loss, and beside
+them the gathered head's, for a plan without loss_parallel (_sharded_loss_facts). Left out:
 pairs rejected by the graph (their layers are not marked for sequence parallelism).
 """
 
@@ -39,8 +41,11 @@ from shardplan.frontend.passes.tensor_parallel import (
 )
 
 
-def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> BlockChain:
-    """`chain` (built from `gm` by build_chain) with each block holding pairs given its facts."""
+def with_tensor_parallel_facts(
+    gm: torch.fx.GraphModule, chain: BlockChain, sharded_loss_head: str | None = None
+) -> BlockChain:
+    """`chain` (built from `gm` by build_chain) with each block holding pairs given its facts;
+    `sharded_loss_head`: the LM head whose loss may run on its vocabulary slices (frontend/sharded_loss.py)."""
     candidates = find_tensor_parallel_pairs(gm)
     groups = group_nodes(gm)  # build_chain's grouping: block i holds groups[i].nodes
     if not candidates.pairs or len(groups) != len(chain.blocks):
@@ -113,8 +118,16 @@ def with_tensor_parallel_facts(gm: torch.fx.GraphModule, chain: BlockChain) -> B
             and use is not None
             and blocks[block_of[use]].tensor_parallel is None
         ):
-            blocks[block_of[use]] = replace(
-                blocks[block_of[use]], tensor_parallel=_vocab_facts(use, candidate, parameters)
+            index = block_of[use]
+            blocks[index] = replace(
+                blocks[index],
+                tensor_parallel=_vocab_facts(
+                    use,
+                    candidate,
+                    parameters,
+                    groups[index].nodes,
+                    sharded_loss=candidate.module == sharded_loss_head,
+                ),
             )
     return replace(chain, blocks=tuple(blocks))
 
@@ -126,15 +139,20 @@ def _looks_up_or_projects(node: torch.fx.Node, candidate: VocabCandidate) -> boo
 
 
 def _vocab_facts(
-    node: torch.fx.Node, candidate: VocabCandidate, parameters: dict
+    node: torch.fx.Node,
+    candidate: VocabCandidate,
+    parameters: dict,
+    block_nodes: list[torch.fx.Node],
+    sharded_loss: bool,
 ) -> TensorParallelFacts:
     """A table or head sliced over the vocabulary (runtime/tensor_parallel.py): its weight is 1/tp per
     rank. An embedding's lookups are summed over the ranks (an all-reduce of its output in forward)
     and cost what a whole lookup does; a head's matmul is 1/tp and the gradient of its input is summed
-    (an all-reduce in backward), while its logits are gathered whole for the loss, which keeps them
-    (nothing saved divides; the gather itself is not priced)."""
+    (an all-reduce in backward). Its logits are gathered whole for the loss, which keeps them (nothing
+    saved divides), or with `sharded_loss` read as they are by a loss on the vocabulary slices, whose
+    ops, saved tensors and transients over the logits divide as the head's matmul does."""
     embedding, found = candidate.kind is VocabKind.EMBEDDING, facts(node)
-    return TensorParallelFacts(
+    gathered = TensorParallelFacts(
         divides=candidate.divisor.size,
         divisors=((candidate.divisor.size, candidate.divisor.what),),
         sliced_numel=sum(
@@ -148,8 +166,55 @@ def _vocab_facts(
         sliced_bwd_flops=0 if embedding else found.bwd_flops,
         all_reduces=1,
         exchange_bytes=found.out_bytes if embedding else _storage_bytes(node.all_input_nodes[0]),
+        loss_exchanges=() if embedding else (("all_gather_into_tensor", _storage_bytes(node)),),
         sharded=((candidate.module, f"vocab_{candidate.kind.value}"),),
     )
+    if embedding or not sharded_loss:
+        return gathered
+    return _sharded_loss_facts(node, gathered, block_nodes)
+
+
+def _sharded_loss_facts(
+    head: torch.fx.Node, gathered: TensorParallelFacts, block_nodes: list[torch.fx.Node]
+) -> TensorParallelFacts:
+    """The head and its loss on the vocabulary slices ([Note: loss on sharded logits] in
+    runtime/vocab_parallel_loss.py): the head's matmul and every op of its block over its logits (the
+    loss) divide, with the tensors they output (in forward, and their gradients in backward) and those
+    of them that are saved; the head's input and its gradient stay whole. What the ops allocate inside
+    themselves is priced as at tp 1: the graph computes the model's own loss there, a cross entropy
+    whose log-softmax is internal to it, saved, while on a rank's slice the vocab-parallel loss's
+    log-sum-exp holds its shifted logits and exponentials, saves its input, and its backward holds more
+    per logit than the log-softmax's. The two come to about as much: a Llama's peak is measured within
+    2 % in float32 and bf16 (docs/benchmarks.md)."""
+    nodes = _over_logits(head, block_nodes)
+    outputs = {storage: size for node in nodes for storage, size in facts(node).outputs}
+    saved = {storage: size for node in block_nodes for storage, size in facts(node).saved}
+    fwd = merge_op_kinds(facts(node).fwd_kinds for node in nodes)
+    bwd = merge_op_kinds(facts(node).bwd_kinds for node in nodes)
+    value = head.meta["val"]
+    tokens = value.numel() // value.shape[-1]
+    return replace(
+        gathered,
+        fwd_kinds=fwd,
+        bwd_kinds=bwd,
+        sliced_fwd_flops=sum(kind.flops for kind in fwd),
+        sliced_bwd_flops=sum(kind.flops for kind in bwd),
+        sliced_saved_bytes=sum(size for storage, size in saved.items() if storage in outputs),
+        sliced_fwd_transient_bytes=sum(outputs.values()),
+        sliced_bwd_transient_bytes=sum(outputs.values()),
+        sharded_loss=True,
+        loss_exchanges=(("all_reduce", 4 * tokens),) * 2,
+        gathered_loss=gathered,
+    )
+
+
+def _over_logits(head: torch.fx.Node, block_nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The head's matmul and the ops of its block that read its logits, directly or through each other."""
+    reached = {head}
+    for node in block_nodes:
+        if any(source in reached for source in node.all_input_nodes):
+            reached.add(node)
+    return [node for node in block_nodes if node in reached]
 
 
 def _storage_bytes(node: torch.fx.Node) -> int:
