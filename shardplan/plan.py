@@ -22,19 +22,20 @@ from shardplan.common.files import parse_json, read_text, write_text_atomically
 from shardplan.errors import PlanError
 from shardplan.frontend.chain import InputSpec
 
-SCHEMA = "shardplan.plan/6"
+SCHEMA = "shardplan.plan/7"
 READABLE_SCHEMAS = (
     "shardplan.plan/1",
     "shardplan.plan/2",
     "shardplan.plan/3",
     "shardplan.plan/4",
     "shardplan.plan/5",
+    "shardplan.plan/6",
     SCHEMA,
 )
 """Plan formats this version reads, upgraded on load (_upgrade): format 1 (mesh dp × pp), format 2
 (no structural signature: parallelize checks such a plan by capturing the model), format 3 (one stage
 per pipeline rank, no sequence limits), format 4 (no context parallelism), format 5 (no expert
-parallelism)."""
+parallelism), format 6 (no loss on sharded logits: a vocabulary-parallel head's logits gathered)."""
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
 """JSON Schema of the plan file, shipped in the package; from_json validates against it."""
 SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -699,7 +700,8 @@ def _upgrade(data: dict) -> dict:
     """An older plan as this format says it. Format 1 (mesh dp × pp, no tensor parallelism): its dp
     ranks shard every unit, one replica group, tp = 1; the same ranks do the same work ([Note: rank
     layout]). Formats 1 and 2 record no signature, which is left empty; formats 1 to 3 no virtual stages
-    and no sequence limits, formats 1 to 4 no cp, formats 1 to 5 no ep, whose defaults say so."""
+    and no sequence limits, formats 1 to 4 no cp, formats 1 to 5 no ep, formats 1 to 6 no
+    loss_parallel, whose defaults say so."""
     if data.get("schema") == "shardplan.plan/1" and isinstance(data.get("mesh"), dict):
         mesh = dict(data["mesh"])
         mesh["dp_shard"] = mesh.pop("dp", None)

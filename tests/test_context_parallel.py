@@ -320,7 +320,7 @@ def test_a_cp_plan_round_trips_and_a_format_4_plan_loads_with_cp_1():
     plan = _plan(entry.model, entry.args[0], dp=2, cp=2)
     assert Plan.from_json(plan.to_json()) == plan
     data = json.loads(plan.to_json())
-    assert data["schema"] == SCHEMA == "shardplan.plan/6" and data["mesh"]["cp"] == 2
+    assert data["schema"] == SCHEMA == "shardplan.plan/7" and data["mesh"]["cp"] == 2
     data["schema"] = "shardplan.plan/4"
     del data["mesh"]["cp"]
     data["world_size"] = 2

@@ -275,7 +275,7 @@ def test_an_ep_plan_round_trips_and_a_format_5_plan_loads_with_ep_1():
     plan = _plan(model, dp=2, ep=2)
     assert Plan.from_json(plan.to_json()) == plan
     data = json.loads(plan.to_json())
-    assert data["schema"] == SCHEMA == "shardplan.plan/6" and data["mesh"]["ep"] == 2
+    assert data["schema"] == SCHEMA == "shardplan.plan/7" and data["mesh"]["ep"] == 2
     data["schema"] = "shardplan.plan/5"
     del data["mesh"]["ep"]
     loaded = Plan.from_json(json.dumps(data))

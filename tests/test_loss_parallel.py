@@ -8,6 +8,7 @@ Llama's sequence- and vocab-parallel plans, which compute the loss on the slices
 """
 
 import copy
+import json
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from shardplan.compile import evaluate
 from shardplan.errors import PlanError
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
-from shardplan.plan import BF16_MIXED, MixedPrecision, Plan
+from shardplan.plan import BF16_MIXED, SCHEMA, MixedPrecision, Plan
 from shardplan.runtime import parallelize
 from shardplan.runtime.manual import manual_plan
 
@@ -136,6 +137,12 @@ def test_the_plan_says_which_loss_runs_and_the_runtime_holds_it():
     assert "the loss on the head's vocabulary slices" in plan.summary()
     with pytest.raises(PlanError, match="loss_parallel"):
         Plan.from_json(plan.to_json().replace('"vocab_parallel": true', '"vocab_parallel": false'))
+    # a format 6 plan, written before the loss could run on the slices, gathers the logits as priced
+    older = json.loads(plan.to_json())
+    older["schema"] = "shardplan.plan/6"
+    del older["tensor_parallel"]["loss_parallel"]
+    loaded = Plan.from_json(json.dumps(older))
+    assert loaded.schema == SCHEMA and not loaded.tensor_parallel.loss_parallel
 
 
 MEMORY_WORKLOAD = Workload(
