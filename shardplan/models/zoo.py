@@ -525,6 +525,19 @@ def llama_70b(n_layer: int = 80, batch: int = 1, seq: int = 4096) -> ZooModel:
     return hf_llama(n_layer, 8192, 28672, 64, 8, 32000, batch, seq, device="meta")
 
 
+def llama_405b(n_layer: int = 126, batch: int = 1, seq: int = 8192) -> ZooModel:
+    """Llama-3.1-405B shapes on the meta device (128 query and 8 KV heads, a 128k vocabulary)."""
+    return hf_llama(n_layer, 16384, 53248, 128, 8, 128256, batch, seq, device="meta")
+
+
+def deepseek_v3(n_layer: int = 61, batch: int = 1, seq: int = 4096) -> ZooModel:
+    """DeepSeek-V3 shapes on the meta device, transformers' DeepseekV3Config defaults: multi-head latent
+    attention, 3 dense layers, then 256 routed experts of width 2048 (top-8) and 1 shared a layer."""
+    import transformers
+
+    return _hf_causal_lm(transformers.DeepseekV3Config(num_hidden_layers=n_layer), batch, seq, "meta")
+
+
 ZOO: dict[str, Callable[..., ZooModel]] = {
     "gpt": gpt,
     "mlp": residual_mlp,
@@ -537,6 +550,8 @@ ZOO: dict[str, Callable[..., ZooModel]] = {
     "hf-mixtral": hf_mixtral,
     "llama-7b": llama_7b,
     "llama-70b": llama_70b,
+    "llama-405b": llama_405b,
+    "deepseek-v3": deepseek_v3,
 }
 """Zoo entries by the name the CLI and benchmarks use."""
 
