@@ -15,7 +15,7 @@ plan it passed over.
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -615,6 +615,7 @@ def search(
     time_bound_s: float = math.inf,
     memo: SearchMemo | None = None,
     runner_ups: bool = True,
+    only: Callable[[Configuration], bool] | None = None,
 ) -> list[Candidate]:
     """The best plan of every configuration within RUNNER_UP_SLACK of the fastest, fastest first
     (ties: smaller peak, then configuration order). Fastest per sample: meshes with fewer replicas
@@ -628,8 +629,9 @@ def search(
     same blocks, rules and space share (see SearchMemo; those of other tp options included).
 
     Pipelines over fewer micro-batches than stages are searched only when no other configuration
-    has a plan (starved_pipeline): the memory's last resort."""
-    everything = configurations(setting, len(blocks))
+    has a plan (starved_pipeline): the memory's last resort. `only`: the configurations searched
+    (every one where None)."""
+    everything = [c for c in configurations(setting, len(blocks)) if only is None or only(c)]
     for starved in (False, True):
         found = _search_among(
             [c for c in everything if starved_pipeline(c) == starved],
