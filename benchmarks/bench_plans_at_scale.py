@@ -71,7 +71,13 @@ def torchtitan_405b(schedule: str, virtual_stages: int) -> Callable[[Configurati
 
     def matches(c: Configuration) -> bool:
         mesh = c.mesh
-        return (mesh.dp_shard, mesh.dp_replicate, mesh.tp, mesh.pp, mesh.cp) == (8, 1, 8, 8, 1) and (
+        return (mesh.dp_shard, mesh.dp_replicate, mesh.tp, mesh.pp, mesh.cp) == (
+            8,
+            1,
+            8,
+            8,
+            1,
+        ) and (
             c.schedule.name,
             c.schedule.virtual_stages,
             c.schedule.num_micro_batches,
@@ -133,7 +139,9 @@ def planned(console: Console, workload: Workload, chain: BlockChain) -> None:
     started = time.perf_counter()
     plan = solve(chain, workload.world_size, **options)
     solved_s = time.perf_counter() - started
-    table = new_table(f"{workload.title}: chosen and runner-ups", "plan", "step", "tokens/s/GPU", "peak")
+    table = new_table(
+        f"{workload.title}: chosen and runner-ups", "plan", "step", "tokens/s/GPU", "peak"
+    )
     rows = [(f"chosen: {plan.mesh.describe()}, {plan.schedule.name}", plan.predicted)] + [
         (alternative.description, alternative) for alternative in plan.reasoning.runner_ups
     ]
@@ -217,7 +225,11 @@ def hand_plans(console: Console, workload: Workload, chain: BlockChain, options:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", choices=list(WORKLOADS), nargs="+", default=list(WORKLOADS), help="models planned"
+        "--model",
+        choices=list(WORKLOADS),
+        nargs="+",
+        default=list(WORKLOADS),
+        help="models planned",
     )
     options = parser.parse_args()
     console = Console(width=160)

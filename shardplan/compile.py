@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, cast
 from shardplan.common.dtypes import dtype_name
 from shardplan.common.files import is_finite_number
 from shardplan.common.sizes import parse_bytes
-from shardplan.costmodel.hardware import HardwareModel, HardwareProfile, get_hardware
+from shardplan.costmodel.hardware import HardwareProfile, get_hardware
 from shardplan.errors import InfeasibleError, ShardplanError
 from shardplan.frontend.chain import BlockChain
 from shardplan.frontend.shapes import (
@@ -270,7 +270,7 @@ class _Searched:
     """What solve searches: the options it was asked, checked, and the search's inputs from them."""
 
     asked: PlanOptions
-    hw: HardwareModel
+    hw: HardwareProfile
     budget: int
     precision: MixedPrecision
     space: SearchSpace
@@ -425,6 +425,10 @@ def best_of_each(
     )
     found = {}
     for name in names:
+
+        def only(configuration: Configuration, name: Hashable = name) -> bool:
+            return group(configuration) == name
+
         fastest = search(
             chain.blocks,
             searched.rules,
@@ -434,7 +438,7 @@ def best_of_each(
             searched.space,
             memo=memo,
             runner_ups=False,
-            only=lambda c, name=name: group(c) == name,
+            only=only,
         )
         if fastest:
             found[name] = fastest[0]

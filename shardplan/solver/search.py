@@ -478,6 +478,13 @@ def solve_configuration(
     least_peak = (
         floors if minimize_memory else StageFloors(costs, budget_bytes, minimize_memory=True)
     )
+    pp, v = configuration.mesh.pp, configuration.schedule.virtual_stages
+    if (
+        not minimize_memory
+        and v > 1
+        and floors.least_of_ranks(pp, v) * (1 - ROUNDING) > time_bound_s * (1 + ROUNDING)
+    ):  # the stage cut bounds each stage's time; a rank's, the sum of its v stages', only this does
+        return None
 
     def stage_cost(stage: int, start: int, end: int) -> tuple[ChainSolution, float] | None:
         ctx = contexts[stage]
