@@ -16,8 +16,9 @@ The space is the solver's, but for one restriction: cp up to a node's 8 devices 
 """
 
 import argparse
+import contextlib
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -28,7 +29,7 @@ from shardplan.compile import best_of_each, solve
 from shardplan.frontend.chain import BlockChain
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
-from shardplan.plan import BF16_MIXED, Checkpoint, ShardStrategy
+from shardplan.plan import BF16_MIXED, Checkpoint, Plan, ShardStrategy
 from shardplan.solver.search import Configuration
 from shardplan.solver.space import SearchSpace
 
@@ -129,20 +130,40 @@ def new_table(title: str, *columns: str) -> Table:
     return table
 
 
-def planned(console: Console, workload: Workload, chain: BlockChain) -> None:
+@contextlib.contextmanager
+def timed(label: str, spent: list[str]) -> Iterator[None]:
+    """Append to `spent` how long the block took, on the clock and in this process's CPU time (the two
+    differ on a machine others share)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    yield
+    spent.append(
+        f"{label} {time.perf_counter() - wall:.0f} s ({time.process_time() - cpu:.0f} s of CPU)"
+    )
+
+
+def describe(plan: Plan) -> str:
+    schedule = plan.schedule
+    text = f"{plan.mesh.describe()}, {schedule.num_micro_batches} micro-batch(es)"
+    if plan.mesh.pp > 1:
+        text += f", {schedule.name}" + (
+            f" x {schedule.virtual_stages} virtual stages" if schedule.virtual_stages > 1 else ""
+        )
+    return text
+
+
+def planned(console: Console, workload: Workload, chain: BlockChain, spent: list[str]) -> None:
     options = dict(
         hardware=HARDWARE,
         mixed_precision=BF16_MIXED,
         global_batch_size=workload.global_batch,
         max_context_parallel=MAX_CONTEXT_PARALLEL,
     )
-    started = time.perf_counter()
-    plan = solve(chain, workload.world_size, **options)
-    solved_s = time.perf_counter() - started
+    with timed("solve (its reasoning included)", spent):
+        plan = solve(chain, workload.world_size, **options)
     table = new_table(
         f"{workload.title}: chosen and runner-ups", "plan", "step", "tokens/s/GPU", "peak"
     )
-    rows = [(f"chosen: {plan.mesh.describe()}, {plan.schedule.name}", plan.predicted)] + [
+    rows = [(f"chosen: {describe(plan)}", plan.predicted)] + [
         (alternative.description, alternative) for alternative in plan.reasoning.runner_ups
     ]
     for name, figures in rows:
@@ -155,11 +176,10 @@ def planned(console: Console, workload: Workload, chain: BlockChain) -> None:
     console.print(table)
     console.print(f"binding constraint: {plan.reasoning.binding_constraint}")
 
-    started = time.perf_counter()
-    fastest = best_of_each(
-        chain, workload.world_size, lambda c: (c.mesh.pp, c.schedule.name), **options
-    )
-    grouped_s = time.perf_counter() - started
+    with timed("each pipeline degree and schedule", spent):
+        fastest = best_of_each(
+            chain, workload.world_size, lambda c: (c.mesh.pp, c.schedule.name), **options
+        )
     table = new_table(
         f"{workload.title}: the fastest plan of each pipeline degree and schedule",
         "pp",
@@ -180,13 +200,9 @@ def planned(console: Console, workload: Workload, chain: BlockChain) -> None:
         )
     console.print(table)
 
-    started = time.perf_counter()
     if workload.published:
-        hand_plans(console, workload, chain, options)
-    console.print(
-        f"solve (with its reasoning) {solved_s:.0f} s, each pipeline degree and schedule "
-        f"{grouped_s:.0f} s, published plans {time.perf_counter() - started:.0f} s"
-    )
+        with timed("published plans", spent):
+            hand_plans(console, workload, chain, options)
 
 
 def hand_plans(console: Console, workload: Workload, chain: BlockChain, options: dict) -> None:
@@ -234,15 +250,17 @@ def main() -> None:
     options = parser.parse_args()
     console = Console(width=160)
     for name in options.model:
-        workload = WORKLOADS[name]
-        started = time.perf_counter()
-        entry = workload.build()
-        chain = analyze(entry.model, entry.args, entry.kwargs, compute_dtype=BF16_MIXED.param_dtype)
+        workload, spent = WORKLOADS[name], []
+        with timed("built and analyzed on meta", spent):
+            entry = workload.build()
+            chain = analyze(
+                entry.model, entry.args, entry.kwargs, compute_dtype=BF16_MIXED.param_dtype
+            )
         console.print(
-            f"{name}: {len(chain.blocks)} blocks, {chain.param_numel / 1e9:.0f}B parameters, "
-            f"built and analyzed on meta in {time.perf_counter() - started:.0f} s"
+            f"{name}: {len(chain.blocks)} blocks, {chain.param_numel / 1e9:.0f}B parameters"
         )
-        planned(console, workload, chain)
+        planned(console, workload, chain, spent)
+        console.print(f"{name}: " + "; ".join(spent))
 
 
 if __name__ == "__main__":
