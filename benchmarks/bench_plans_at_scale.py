@@ -119,6 +119,10 @@ WORKLOADS = {
 }
 
 
+TABLES = ("chosen", "pipelines", "published")
+"""The solver's plan and runner-ups, the fastest of each pipeline_group, the published plans priced."""
+
+
 def tokens_per_gpu_s(workload: Workload, step_time_s: float) -> float:
     return workload.global_batch * workload.seq / step_time_s / workload.world_size
 
@@ -162,13 +166,28 @@ def pipeline_group(c: Configuration) -> tuple[int, str] | None:
     return None
 
 
-def planned(console: Console, workload: Workload, chain: BlockChain, spent: list[str]) -> None:
+def planned(
+    console: Console, workload: Workload, chain: BlockChain, tables: list[str], spent: list[str]
+) -> None:
     options = dict(
         hardware=HARDWARE,
         mixed_precision=BF16_MIXED,
         global_batch_size=workload.global_batch,
         max_context_parallel=MAX_CONTEXT_PARALLEL,
     )
+    if "chosen" in tables:
+        chosen(console, workload, chain, options, spent)
+    if "published" in tables and workload.published:
+        with timed("published plans", spent):
+            hand_plans(console, workload, chain, options)
+    if "pipelines" in tables:
+        pipelines(console, workload, chain, options, spent)
+
+
+def chosen(
+    console: Console, workload: Workload, chain: BlockChain, options: dict, spent: list[str]
+) -> None:
+    """The solver's plan and its reasoning's runner-ups."""
     with timed("solve (its reasoning included)", spent):
         plan = solve(chain, workload.world_size, **options)
     table = new_table(
@@ -187,6 +206,11 @@ def planned(console: Console, workload: Workload, chain: BlockChain, spent: list
     console.print(table)
     console.print(f"binding constraint: {plan.reasoning.binding_constraint}")
 
+
+def pipelines(
+    console: Console, workload: Workload, chain: BlockChain, options: dict, spent: list[str]
+) -> None:
+    """The fastest plan of each pipeline_group."""
     with timed("each pipeline degree and schedule", spent):
         fastest = best_of_each(chain, workload.world_size, pipeline_group, **options)
     table = new_table(
@@ -209,10 +233,6 @@ def planned(console: Console, workload: Workload, chain: BlockChain, spent: list
             format_bytes(candidate.peak_bytes),
         )
     console.print(table)
-
-    if workload.published:
-        with timed("published plans", spent):
-            hand_plans(console, workload, chain, options)
 
 
 def hand_plans(console: Console, workload: Workload, chain: BlockChain, options: dict) -> None:
@@ -257,6 +277,9 @@ def main() -> None:
         default=list(WORKLOADS),
         help="models planned",
     )
+    parser.add_argument(
+        "--tables", choices=TABLES, nargs="+", default=list(TABLES), help="tables printed"
+    )
     options = parser.parse_args()
     console = Console(width=160)
     for name in options.model:
@@ -269,7 +292,7 @@ def main() -> None:
         console.print(
             f"{name}: {len(chain.blocks)} blocks, {chain.param_numel / 1e9:.0f}B parameters"
         )
-        planned(console, workload, chain, spent)
+        planned(console, workload, chain, options.tables, spent)
         console.print(f"{name}: " + "; ".join(spent))
 
 
