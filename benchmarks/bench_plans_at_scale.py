@@ -2,17 +2,18 @@
 DeepSeek-V3 shape on 256 x h100-80g. Predictions, not measurements.
 
     .venv/bin/python benchmarks/bench_plans_at_scale.py                        # both models
-    .venv/bin/python benchmarks/bench_plans_at_scale.py --model llama-405b
+    .venv/bin/python benchmarks/bench_plans_at_scale.py --model llama-405b --tables chosen
 
 Each model (shardplan.models.zoo: llama_405b, deepseek_v3) is captured on the meta device, each repeated
 layer traced once (frontend/repeats.py), analyzed in bf16 mixed precision and planned for a global batch
 (torchtitan's 256 sequences of 8192 tokens for the 405B; 1024 sequences of 4096 tokens for
-DeepSeek-V3). Three tables a model: the chosen plan and its runner-ups (the solver's reasoning: the next
-fastest configurations, the fastest of every other tp, cp and ep degree, and the expert defaults); the
-fastest plan of each pipeline degree and schedule (compile.best_of_each); for the 405B, torchtitan's
-published plans priced beside their published figures.
+DeepSeek-V3). The tables (TABLES, --tables): the chosen plan and its runner-ups (the solver's
+reasoning: the next fastest configurations, the fastest of every other tp, cp and ep degree, and the
+expert defaults); for the 405B, torchtitan's published plans priced beside their published figures;
+the fastest plan of each pipeline degree (compile.best_of_each; pipeline_group says which schedules).
 
 The space is the solver's, but for one restriction: cp up to a node's 8 devices (MAX_CONTEXT_PARALLEL).
+On 2 cores the 405B's solve with its reasoning takes about 4 minutes of CPU, DeepSeek-V3's 3.
 """
 
 import argparse
