@@ -13,9 +13,9 @@ warm-up, beside compile.evaluate on the built-in cpu-gloo profile. Step time is 
 (other work on the cores lengthens it).
 
 --planned: a Qwen3-MoE-shaped model (2 layers, hidden 1024, 32 experts of width 512, top-4, 4 x 512
-tokens a replica) captured on CPU (transformers' expert routing does not run on the meta device),
-planned by the solver for 8 x h100-80g in float32: the chosen mesh and its figures, and the
-runner-ups (the fastest plan of every other tp, cp and ep degree).
+tokens a replica) captured on CPU, planned by the solver for 8 x h100-80g in float32: the chosen mesh
+and its figures, and the runner-ups (the fastest plan of every other tp, cp and ep degree). A
+DeepSeek-V3 shape at 256 GPUs, captured on the meta device: bench_plans_at_scale.py.
 """
 
 import argparse
@@ -50,7 +50,7 @@ PLANNED_SHAPE = dict(
     vocab_size=32000,
 )
 """A Qwen3-MoE layout at half Qwen3-30B-A3B's width and a quarter of its experts, 2 layers: small
-enough to capture on CPU (the experts' routing does not run on the meta device)."""
+enough to build on CPU."""
 
 
 def measured(console: Console) -> None:

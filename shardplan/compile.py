@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, cast
 
@@ -39,8 +39,11 @@ from shardplan.solver.assemble import (
 from shardplan.solver.evaluate import check_computes_in, evaluate, evaluate_stages
 from shardplan.solver.explain import constraints_blamed, infeasible_message, reasoning
 from shardplan.solver.search import (
+    Candidate,
+    Configuration,
     SearchMemo,
     Setting,
+    configurations,
     context_parallel_options,
     expert_parallel_options,
     search,
@@ -48,12 +51,19 @@ from shardplan.solver.search import (
     tensor_parallel_options,
 )
 from shardplan.solver.shapes import evaluate_at, longest_sequence, sequence_limits
-from shardplan.solver.space import Constraints, SearchSpace, block_rules, default_space
+from shardplan.solver.space import (
+    BlockRule,
+    Constraints,
+    SearchSpace,
+    block_rules,
+    default_space,
+)
 
 __all__ = [
     "PlanOptions",
     "compile",
     "solve",
+    "best_of_each",
     "evaluate",
     "evaluate_stages",
     "sequence_fit",
@@ -255,10 +265,22 @@ def _with_unread_parameters(plan: Plan, model: "nn.Module") -> Plan:
     return replace(plan, units=plan.units[:-1] + (last,))
 
 
-@_solve_keywords(PlanOptions)
-def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: Any) -> Plan:
-    """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch); `options` are
-    PlanOptions' fields."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Searched:
+    """What solve searches: the options it was asked, checked, and the search's inputs from them."""
+
+    asked: PlanOptions
+    hw: HardwareProfile
+    budget: int
+    precision: MixedPrecision
+    space: SearchSpace
+    setting: Setting
+    rules: tuple[BlockRule, ...]
+
+
+def _searched(chain: BlockChain, world_size: int, options: dict[str, Any]) -> _Searched:
+    """The search `options` (PlanOptions' fields) ask for on `chain`; a ShardplanError naming an option
+    that asks for nothing searchable."""
     _check_world_size(world_size)
     asked = PlanOptions.of(options)
     if not chain.blocks:
@@ -332,7 +354,24 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
         expert_parallel=expert_parallel_options(chain, world_size, max_ep),
         replica_group_ranks=hw.devices_per_node if asked.allow_replica_groups else 0,
     )
-    rules = block_rules(chain, asked.constraints)
+    return _Searched(
+        asked=asked,
+        hw=hw,
+        budget=budget,
+        precision=precision,
+        space=space,
+        setting=setting,
+        rules=block_rules(chain, asked.constraints),
+    )
+
+
+@_solve_keywords(PlanOptions)
+def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: Any) -> Plan:
+    """The plan for an analyzed chain: plain data in, Plan out (no capture, no torch); `options` are
+    PlanOptions' fields."""
+    searched = _searched(chain, world_size, options)
+    asked, hw, budget, setting = searched.asked, searched.hw, searched.budget, searched.setting
+    rules, space = searched.rules, searched.space
     memo = SearchMemo()  # the searches below try the same configurations
     candidates = search(chain.blocks, rules, setting, hw, budget, space, memo=memo)
     if not candidates:
@@ -353,7 +392,7 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
         mesh=best.configuration.mesh,
         schedule=best.configuration.schedule,
         tensor_parallel=tensor_parallel_section(chain, best.configuration),
-        mixed_precision=precision,
+        mixed_precision=searched.precision,
         optimizer=asked.optimizer,
         units=units,
         stages=stages,
@@ -366,6 +405,44 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
             else Reasoning(budget_bytes=budget, binding_constraint="not computed (explain=False)")
         ),
     )
+
+
+def best_of_each(
+    chain: BlockChain,
+    world_size: int,
+    group: Callable[[Configuration], Hashable | None],
+    **options: Any,
+) -> dict[Hashable, Candidate]:
+    """The fastest plan of each group of the configurations `solve` searches with these `options`
+    (PlanOptions' fields), by `group`'s name for a configuration (e.g. its pp degree and schedule;
+    None: not searched), in the order the groups first come in the search; a group none of whose plans
+    fits is left out. What the reasoning's runner-ups show for each tp, cp and ep degree, for any
+    grouping; each group is searched alone, the searches sharing what they price."""
+    searched = _searched(chain, world_size, options)
+    setting, memo = searched.setting, SearchMemo()
+    names = dict.fromkeys(
+        name for c in configurations(setting, len(chain.blocks)) if (name := group(c)) is not None
+    )
+    found = {}
+    for name in names:
+
+        def only(configuration: Configuration, name: Hashable = name) -> bool:
+            return group(configuration) == name
+
+        fastest = search(
+            chain.blocks,
+            searched.rules,
+            setting,
+            searched.hw,
+            searched.budget,
+            searched.space,
+            memo=memo,
+            runner_ups=False,
+            only=only,
+        )
+        if fastest:
+            found[name] = fastest[0]
+    return found
 
 
 def _check_world_size(world_size: object) -> None:

@@ -206,6 +206,19 @@ def test_meta_model_is_analyzed_without_memory():
     assert layer.fwd_flops == pytest.approx(2 * weights * tokens, rel=0.05)
 
 
+def test_a_mixture_of_experts_on_the_meta_device_is_analyzed_as_on_the_cpu():
+    """transformers' expert routing picks histc's dtype by device type: captured on meta stand-ins it
+    took a branch the CPU analysis refuses (capture.computing_in stands a meta model in on the CPU)."""
+    chains = []
+    for device in ("cpu", "meta"):
+        entry = zoo.hf_architecture("deepseek-v3", device=device)
+        chains.append(analyze(entry.model, entry.args, entry.kwargs))
+    on_cpu, on_meta = chains
+    assert on_meta.fingerprint == on_cpu.fingerprint
+    assert on_meta.blocks == on_cpu.blocks
+    assert [b.routed_experts for b in on_meta.blocks] == [0, 0, 4, 0, 0]
+
+
 def test_fingerprint_is_stable_and_tells_models_apart():
     first = zoo.gpt()
     again = zoo.gpt()

@@ -256,13 +256,22 @@ def computing_in(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     bakes the dtypes the runtime computes in, as eager code writes them (a cast to `x.dtype`, a softmax
     upcast to float32 and cast back, a loss taken in float32), which casting the fp32 graph's values
     afterwards could not see; it takes the branches the model takes on its device (transformers' MoE
-    routing picks histc's dtype by `device.type`), and it allocates nothing."""
+    routing picks histc's dtype by `device.type`), and it allocates nothing.
+
+    A model on the meta device is stood in on the CPU: the analysis runs the graph on fake CPU tensors
+    (passes/execution.py), so the graph must take the CPU branches (on meta, transformers' routing
+    bakes histc over integers, which the CPU refuses), and a model too large to build for real still
+    captures (a DeepSeek-V3 shape)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device = model_device(model)
-    fake = None if device.type == "meta" else (FakeTensorMode(allow_non_fake_inputs=True), device)
+    on = torch.device("cpu") if device.type == "meta" else device
     originals = put_stand_ins(
-        model, lambda value: True, buffers=True, parameter_dtype=dtype, fake=fake
+        model,
+        lambda value: True,
+        buffers=True,
+        parameter_dtype=dtype,
+        fake=(FakeTensorMode(allow_non_fake_inputs=True), on),
     )
     try:
         yield

@@ -525,6 +525,42 @@ def llama_70b(n_layer: int = 80, batch: int = 1, seq: int = 4096) -> ZooModel:
     return hf_llama(n_layer, 8192, 28672, 64, 8, 32000, batch, seq, device="meta")
 
 
+def llama_405b(n_layer: int = 126, batch: int = 1, seq: int = 8192) -> ZooModel:
+    """Llama-3.1-405B shapes on the meta device (128 query and 8 KV heads, a 128k vocabulary)."""
+    return hf_llama(n_layer, 16384, 53248, 128, 8, 128256, batch, seq, device="meta")
+
+
+PADDED_VALUES_ATTENTION = "sdpa_padded_values"
+"""transformers' attention implementation name for _sdpa_padded_values."""
+
+
+def _sdpa_padded_values(module, query, key, value, attention_mask, **kwargs):
+    """SDPA with the values zero-padded to the queries' head dim and the output cut back, as FlashAttention
+    runs multi-head latent attention (its kernels take one head dim): torch's fused kernels on the CPU
+    refuse DeepSeek-V3's 192-wide queries over 128-wide values, and the math kernel they fall back to
+    keeps every head's scores (gigabytes a layer at 4096 tokens), which no GPU run keeps."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    width = value.shape[-1]
+    padded = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
+    output, weights = sdpa_attention_forward(module, query, key, padded, attention_mask, **kwargs)
+    return output[..., :width], weights
+
+
+def deepseek_v3(n_layer: int = 61, batch: int = 1, seq: int = 4096) -> ZooModel:
+    """DeepSeek-V3 shapes on the meta device, transformers' DeepseekV3Config defaults: multi-head latent
+    attention (through _sdpa_padded_values), 3 dense layers, then 256 routed experts of width 2048
+    (top-8) and 1 shared a layer."""
+    import transformers
+
+    transformers.AttentionInterface.register(PADDED_VALUES_ATTENTION, _sdpa_padded_values)
+    config = transformers.DeepseekV3Config(
+        num_hidden_layers=n_layer,
+        attn_implementation=PADDED_VALUES_ATTENTION,  # type: ignore[call-arg]  # a **kwargs field
+    )
+    return _hf_causal_lm(config, batch, seq, "meta")
+
+
 ZOO: dict[str, Callable[..., ZooModel]] = {
     "gpt": gpt,
     "mlp": residual_mlp,
@@ -537,6 +573,8 @@ ZOO: dict[str, Callable[..., ZooModel]] = {
     "hf-mixtral": hf_mixtral,
     "llama-7b": llama_7b,
     "llama-70b": llama_70b,
+    "llama-405b": llama_405b,
+    "deepseek-v3": deepseek_v3,
 }
 """Zoo entries by the name the CLI and benchmarks use."""
 

@@ -218,6 +218,13 @@ class StageFloors:
             found = self.memo[(start, end, stages)] = float(spread.max())
         return found
 
+    def least_of_ranks(self, ranks: int, stages_per_rank: int) -> float:
+        """At least the slowest rank's time when `ranks` ranks each run `stages_per_rank` of the stages
+        covering the chain (virtual stages), a rank's time the sum of its stages': the mean of the
+        ranks' bounds, each the sum of its stages' (every stage has its own memory allowance)."""
+        spread = self.sums[:, -1] / ranks - stages_per_rank * self.allowances
+        return float(spread.max())
+
 
 @dataclass(slots=True)
 class _Front:

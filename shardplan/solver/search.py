@@ -15,7 +15,7 @@ plan it passed over.
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -478,6 +478,13 @@ def solve_configuration(
     least_peak = (
         floors if minimize_memory else StageFloors(costs, budget_bytes, minimize_memory=True)
     )
+    pp, v = configuration.mesh.pp, configuration.schedule.virtual_stages
+    if (
+        not minimize_memory
+        and v > 1
+        and floors.least_of_ranks(pp, v) * (1 - ROUNDING) > time_bound_s * (1 + ROUNDING)
+    ):  # the stage cut bounds each stage's time; a rank's, the sum of its v stages', only this does
+        return None
 
     def stage_cost(stage: int, start: int, end: int) -> tuple[ChainSolution, float] | None:
         ctx = contexts[stage]
@@ -615,6 +622,7 @@ def search(
     time_bound_s: float = math.inf,
     memo: SearchMemo | None = None,
     runner_ups: bool = True,
+    only: Callable[[Configuration], bool] | None = None,
 ) -> list[Candidate]:
     """The best plan of every configuration within RUNNER_UP_SLACK of the fastest, fastest first
     (ties: smaller peak, then configuration order). Fastest per sample: meshes with fewer replicas
@@ -628,8 +636,9 @@ def search(
     same blocks, rules and space share (see SearchMemo; those of other tp options included).
 
     Pipelines over fewer micro-batches than stages are searched only when no other configuration
-    has a plan (starved_pipeline): the memory's last resort."""
-    everything = configurations(setting, len(blocks))
+    has a plan (starved_pipeline): the memory's last resort. `only`: the configurations searched
+    (every one where None)."""
+    everything = [c for c in configurations(setting, len(blocks)) if only is None or only(c)]
     for starved in (False, True):
         found = _search_among(
             [c for c in everything if starved_pipeline(c) == starved],

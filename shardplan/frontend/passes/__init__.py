@@ -15,7 +15,7 @@ import torch.fx
 
 from shardplan.common.dtypes import FLOAT_DTYPES, dtype_name, torch_dtype
 from shardplan.errors import EMPTY_BATCH, ShardplanError
-from shardplan.frontend.capture import Captured, capture, computing_in
+from shardplan.frontend.capture import Captured, capture, computing_in, model_device
 from shardplan.frontend.chain import BlockChain, InputSpec
 from shardplan.frontend.passes.blocks import build_chain, fingerprint
 from shardplan.frontend.passes.devices import retarget_device_pass
@@ -110,7 +110,8 @@ def analyze(
     master = _parameter_dtype(model)
     compute = dtype_name(compute_dtype) if compute_dtype is not None else master
     cast = compute != master and master in FLOAT_DTYPES
-    with computing_in(model, torch_dtype(compute)) if cast else contextlib.nullcontext():
+    stand_in = cast or model_device(model).type == "meta"  # see capture.computing_in
+    with computing_in(model, torch_dtype(compute)) if stand_in else contextlib.nullcontext():
         captured, repeated = _capture(model, tuple(example_inputs), example_kwargs, reuse_blocks)
         run_passes(
             captured.gm,
