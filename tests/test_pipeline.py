@@ -3,7 +3,8 @@
 One spawned world per world size (pp 2 at world 2; pp 2 × dp 2 at world 4) runs a grid of
 cases (schedules × strategies × checkpointing × micro-batches, a Hugging Face model, loss_fn,
 a plan the solver chose because pure FSDP did not fit) and the errors; rank 0 returns one
-record per case and the tests read them. The world of 4 also runs pp 4 1F1B over fewer micro-batches
+record per case and the tests read them. The world of 2 also trains a Hugging Face Llama on
+padded batches of other shapes than planned (PADDED_SHAPES). The world of 4 also runs pp 4 1F1B over fewer micro-batches
 than stages, and reports what each stage ran and held; its plans are written once, before it starts
 (their capture is the same on every rank), and given to the ranks as JSON.
 """
@@ -16,15 +17,16 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from parity import TOLERANCE, assert_parity, spawn_world, train_next_to_reference
+from parity import ADAMW, TOLERANCE, assert_parity, spawn_world, train_next_to_reference
+from test_user_loop import padded_batch
 
 from shardplan import compile as compile_plan
 from shardplan.compile import evaluate, solve
-from shardplan.errors import InfeasibleError, PlanError, ShardplanError
+from shardplan.errors import InfeasibleError, PlanError, RuntimeMismatchError, ShardplanError
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
 from shardplan.plan import Checkpoint, MixedPrecision, Plan, Schedule, ShardStrategy, Stage
-from shardplan.runtime import parallelize
+from shardplan.runtime import parallelize, pipelined
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.stage_split import split_stages
 
@@ -358,8 +360,7 @@ WORLD4_CASES = {
 
 
 # planned at 4 samples a replica, stepped at 2 (an epoch's last batch), 4, 2...: the schedule made for 2
-# re-uses the stage's units; the evaluation at the end runs the first batch, at 2. Llama's stages also
-# send its rotary tables, (1, T, d) at every batch size
+# re-uses the stage's units; the evaluation at the end runs the first batch, at 2
 SMALLER_THAN_PLANNED = {
     "gpt/1f1b/m2/smaller": {
         "model": "gpt",
@@ -368,26 +369,114 @@ SMALLER_THAN_PLANNED = {
         **MIXED,
         "clip": 0.05,
         "replica_batches": (2, 4, 2, 4),
-    },
-    "llama/gpipe/m2/smaller": {
-        "model": "llama",
-        "schedule": "gpipe",
-        "micro_batches": 2,
-        **MIXED,
-        "replica_batches": (2, 4, 2),
-    },
+    }
 }
+
+PADDED_PLANNED = (4, 16)
+"""(samples, longest sequence) of the padded batch the Llama of PADDED_SHAPES is planned at."""
+PADDED_STEPS = ((4, 12), (4, 16), (2, 6), (6, 12), (4, 12))
+"""Each step's (samples, longest sequence): shorter, as planned, fewer samples and shorter, more
+samples, and a shape seen before; then an evaluation at (8, 10)."""
+PADDED_SHAPES = {
+    # a cut for each of the 4 new shapes (the evaluation's too), each kept. Llama's stages also send its
+    # rotary tables, (1, T, d) at every batch size
+    "llama/gpipe/m2/padded": {"schedule": "gpipe", "kept_cuts": pipelined.KEPT_CUTS, "cuts": 4},
+    # 2 kept: (4, 12) was dropped by the time it returns, and is cut again
+    "llama/1f1b/m2/padded/2_kept": {"schedule": "1f1b", "kept_cuts": 2, "cuts": 5},
+}
+"""A Hugging Face Llama at pp 2, trained on right-padded batches (attention_mask, labels -100 on the
+padding) of other shapes than planned, next to one process running the same micro-batches."""
+
+
+def _padded_micro_batch_loss(reference: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """What a step of 2 micro-batches computes: the mean of their losses, each the model's own (a mean over
+    the micro-batch's unpadded tokens)."""
+    halves = [{name: value.chunk(2)[index] for name, value in batch.items()} for index in range(2)]
+    return sum(reference(**half).loss for half in halves) / 2
+
+
+def run_padded_case(rank: int, case: dict) -> dict:
+    """Train a Llama planned at PADDED_PLANNED on PADDED_STEPS next to one process; the largest
+    differences in the losses and (on rank 0) the parameters at the end, and how many times the stages
+    were cut again. Then what the program refuses: a batch its micro-batches cannot split evenly, and
+    stages given different shapes; and that it trains on after them."""
+    torch.manual_seed(0)
+    reference = zoo.hf_llama(batch=PADDED_PLANNED[0], seq=PADDED_PLANNED[1]).model
+    model = copy.deepcopy(reference)
+    split, cuts = pipelined.split_stages, []
+
+    def counted(*args):
+        cuts.append(args)
+        return split(*args)
+
+    with (
+        mock.patch.object(pipelined, "KEPT_CUTS", case["kept_cuts"]),
+        mock.patch.object(pipelined, "split_stages", counted),
+    ):
+        plan = manual_plan(
+            model,
+            MODELS["llama"][1],
+            dp=1,
+            pp=2,
+            schedule=case["schedule"],
+            micro_batches=2,
+            example_kwargs=padded_batch("llama", *PADDED_PLANNED, seed=99),
+            **MIXED,
+        )
+        program = parallelize(model, plan)
+        cuts.clear()  # the planned shape's, at start-up
+        optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+        found: dict = {"loss_error": 0.0}
+        for step, shape in enumerate(PADDED_STEPS):
+            batch = padded_batch("llama", *shape, seed=step)
+            loss = program.step(**batch)
+            reference_loss = _padded_micro_batch_loss(reference, batch)
+            reference_loss.backward()
+            for each in (optimizer, reference_optimizer):
+                each.step()
+                each.zero_grad()
+            found["loss_error"] = max(found["loss_error"], abs(float(loss) - float(reference_loss)))
+        evaluation = padded_batch("llama", 8, 10, seed=7)
+        with torch.no_grad():
+            expected = _padded_micro_batch_loss(reference, evaluation)
+        found["eval_error"] = abs(float(program.evaluate(**evaluation)) - float(expected))
+        state = program.export_full_state_dict()
+        if rank == 0:  # whose export is compared
+            found["param_error"] = max(
+                (state[name] - parameter.detach()).abs().max().item()
+                for name, parameter in reference.named_parameters()
+            )
+        found["cuts"] = len(cuts)
+        for name, batch in (
+            ("uneven", padded_batch("llama", 5, 12, seed=1)),
+            ("stages_differ", padded_batch("llama", 4, 12 if rank == 0 else 10, seed=1)),
+        ):
+            try:
+                program.step(**batch)
+            except RuntimeMismatchError as error:
+                found[name] = str(error)
+        found["trains_on"] = bool(torch.isfinite(program.step(**padded_batch("llama", 4, 12, 1))))
+    return found
+
+
+def _world2_checks(rank: int, world: int, cases: dict) -> dict:
+    """_all_checks, and PADDED_SHAPES under "padded"."""
+    results = _all_checks(rank, world, cases)
+    results["padded"] = {name: run_padded_case(rank, case) for name, case in PADDED_SHAPES.items()}
+    return results
 
 
 @pytest.fixture(scope="module")
 def world2():
-    """The world of 2: WORLD2_CASES, the solver's plan, SMALLER_THAN_PLANNED, loss_fn and the errors."""
+    """The world of 2: WORLD2_CASES, the solver's plan, SMALLER_THAN_PLANNED, loss_fn, the errors and
+    PADDED_SHAPES."""
     cases = dict(
         WORLD2_CASES,
         solver={"model": "gpt", "plan": solver_pipelined_plan(), "replica_batch": 8},
         **SMALLER_THAN_PLANNED,
     )
-    return cases, spawn_world(2, _all_checks, (cases,))
+    return cases, spawn_world(2, _world2_checks, (cases,))
 
 
 @pytest.mark.timeout(600)
@@ -403,6 +492,29 @@ def test_pipeline_world2_matches_one_process(world2):
 @pytest.mark.timeout(600)
 def test_pipeline_steps_batches_smaller_than_planned(world2):
     assert_parity(world2[1], SMALLER_THAN_PLANNED)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", PADDED_SHAPES)
+def test_a_pipeline_trains_padded_batches_of_other_shapes_like_one_process(world2, case):
+    found = world2[1]["padded"][case]
+    errors = {name: found[name] for name in ("loss_error", "eval_error", "param_error")}
+    assert all(error <= TOLERANCE for error in errors.values()), errors
+    assert found["cuts"] == PADDED_SHAPES[case]["cuts"]
+
+
+@pytest.mark.timeout(600)
+def test_a_pipeline_refuses_uneven_micro_batches_and_stages_given_different_shapes(world2):
+    found = world2[1]["padded"]["llama/1f1b/m2/padded/2_kept"]
+    assert found["uneven"].startswith(
+        "a pipelined plan splits each batch into 2 equal micro-batches along dim 0 (its schedule "
+        "runs micro-batches of one shape), but the inputs have batch sizes [5]"
+    )
+    assert found["stages_differ"].startswith(
+        "the ranks of a pipeline (the stages of one replica) were given batches of different "
+        "shapes (rank 0: micro-batches input_ids [2, 12], attention_mask [2, 12], labels [2, 12])"
+    )
+    assert found["trains_on"]
 
 
 FEWER_MICRO_BATCHES_THAN_STAGES = {
