@@ -636,7 +636,7 @@ def _check_equal_micro_batches(args: tuple, kwargs: dict, count: int) -> None:
     batch_sizes = sorted(
         {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
     )
-    if len(batch_sizes) != 1 or batch_sizes[0] % count:
+    if count > 1 and (len(batch_sizes) != 1 or batch_sizes[0] % count):
         raise RuntimeMismatchError(
             f"a pipelined plan splits each batch into {count} equal micro-batches along dim 0 (its "
             f"schedule runs micro-batches of one shape), but the inputs have batch sizes "
