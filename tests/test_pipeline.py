@@ -474,7 +474,8 @@ def run_padded_case(rank: int, case: dict) -> dict:
             for each in (optimizer, reference_optimizer):
                 each.step()
                 each.zero_grad()
-            found["loss_error"] = max(found["loss_error"], abs(float(loss) - float(reference_loss)))
+            error = abs(float(loss) - float(reference_loss.detach()))
+            found["loss_error"] = max(found["loss_error"], error)
         evaluation = batches(8, 10, seed=7)
         with torch.no_grad():
             expected = _padded_micro_batch_loss(reference, evaluation)
