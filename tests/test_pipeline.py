@@ -3,9 +3,11 @@
 One spawned world per world size (pp 2 at world 2; pp 2 × dp 2 at world 4) runs a grid of
 cases (schedules × strategies × checkpointing × micro-batches, a Hugging Face model, loss_fn,
 a plan the solver chose because pure FSDP did not fit) and the errors; rank 0 returns one
-record per case and the tests read them. The world of 4 also runs pp 4 1F1B over fewer micro-batches
-than stages, and reports what each stage ran and held; its plans are written once, before it starts
-(their capture is the same on every rank), and given to the ranks as JSON.
+record per case and the tests read them. Both train a Hugging Face Llama on padded batches of
+other shapes than planned (PADDED_SHAPES, PADDED_SHAPES_DP2). The world of 4 also runs pp 4 1F1B
+over fewer micro-batches than stages, and reports what each stage ran and held. Its plans, and the
+padded cases', are written once, before the world starts (their capture is the same on every
+rank), and given to the ranks as JSON.
 """
 
 import contextlib
@@ -16,15 +18,16 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from parity import TOLERANCE, assert_parity, spawn_world, train_next_to_reference
+from parity import ADAMW, TOLERANCE, assert_parity, spawn_world, train_next_to_reference
+from test_user_loop import padded_batch
 
 from shardplan import compile as compile_plan
 from shardplan.compile import evaluate, solve
-from shardplan.errors import InfeasibleError, PlanError, ShardplanError
+from shardplan.errors import InfeasibleError, PlanError, RuntimeMismatchError, ShardplanError
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
 from shardplan.plan import Checkpoint, MixedPrecision, Plan, Schedule, ShardStrategy, Stage
-from shardplan.runtime import parallelize
+from shardplan.runtime import parallelize, pipelined
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.stage_split import split_stages
 
@@ -186,14 +189,18 @@ def _run_cases(rank: int, world: int, cases: dict) -> dict:
     return {name: run_case(rank, world, case) for name, case in cases.items()}
 
 
-def _all_checks(rank: int, world: int, cases: dict, more: dict | None = None) -> dict:
+def _all_checks(
+    rank: int, world: int, cases: dict, more: dict | None = None, padded: dict | None = None
+) -> dict:
     """Every case, loss_fn and the errors; then (under "more") the cases of `more` with each stage's
-    work (_run_cases_with_stage_work)."""
+    work (_run_cases_with_stage_work), and (under "padded") those of `padded` (run_padded_case)."""
     results = _run_cases(rank, world, cases)
     results["loss_fn"] = check_loss_fn(rank, world)
     results["errors"] = check_errors(rank, world)
     if more:
         results["more"] = _run_cases_with_stage_work(rank, world, more)
+    if padded:
+        results["padded"] = {name: run_padded_case(rank, case) for name, case in padded.items()}
     return results
 
 
@@ -358,8 +365,7 @@ WORLD4_CASES = {
 
 
 # planned at 4 samples a replica, stepped at 2 (an epoch's last batch), 4, 2...: the schedule made for 2
-# re-uses the stage's units; the evaluation at the end runs the first batch, at 2. Llama's stages also
-# send its rotary tables, (1, T, d) at every batch size
+# re-uses the stage's units; the evaluation at the end runs the first batch, at 2
 SMALLER_THAN_PLANNED = {
     "gpt/1f1b/m2/smaller": {
         "model": "gpt",
@@ -368,26 +374,144 @@ SMALLER_THAN_PLANNED = {
         **MIXED,
         "clip": 0.05,
         "replica_batches": (2, 4, 2, 4),
-    },
-    "llama/gpipe/m2/smaller": {
-        "model": "llama",
-        "schedule": "gpipe",
-        "micro_batches": 2,
-        **MIXED,
-        "replica_batches": (2, 4, 2),
+    }
+}
+
+PADDED_PLANNED = (4, 16)
+"""(samples, longest sequence) of the padded batch a replica of PADDED_SHAPES' Llama is planned at."""
+PADDED_STEPS = ((4, 12), (4, 16), (2, 6), (6, 12), (4, 12))
+"""Each step's (samples, longest sequence): shorter, as planned, fewer samples and shorter, more
+samples, and a shape seen before; then an evaluation at (8, 10). At dp 2 the second replica's
+sequences are 2 shorter: replicas may pass different shapes."""
+PADDED_SHAPES = {
+    # a cut for each of the 4 new shapes (the evaluation's too), each kept. Llama's stages also send its
+    # rotary tables, (1, T, d) at every batch size
+    "llama/gpipe/m2/padded": {"schedule": "gpipe", "kept_cuts": pipelined.KEPT_CUTS, "cuts": 4},
+    # 2 kept: (4, 12) was dropped by the time it returns, and is cut again; then the refusals
+    "llama/1f1b/m2/padded/2_kept": {
+        "schedule": "1f1b",
+        "kept_cuts": 2,
+        "cuts": 5,
+        "refusals": True,
     },
 }
+"""A Hugging Face Llama at pp 2 (world 2), trained on right-padded batches (attention_mask, labels -100
+on the padding) of other shapes than planned, next to one process running the same micro-batches."""
+PADDED_SHAPES_DP2 = {
+    "llama/1f1b/m2/padded/dp2": {"schedule": "1f1b", "kept_cuts": pipelined.KEPT_CUTS, "cuts": 4}
+}
+"""As PADDED_SHAPES, at dp 2 x pp 2 (world 4)."""
+
+
+def planned_padded(world: int, cases: dict) -> dict:
+    """`cases` of PADDED_SHAPES, each with its plan for `world` ranks (as JSON, under "plan")."""
+    model = zoo.hf_llama(batch=PADDED_PLANNED[0], seq=PADDED_PLANNED[1]).model
+    return {
+        name: dict(
+            case,
+            plan=manual_plan(
+                model,
+                MODELS["llama"][1],
+                dp=world // 2,
+                pp=2,
+                schedule=case["schedule"],
+                micro_batches=2,
+                example_kwargs=padded_batch("llama", *PADDED_PLANNED, seed=99),
+                **MIXED,
+            ).to_json(),
+        )
+        for name, case in cases.items()
+    }
+
+
+def _padded_micro_batch_loss(reference: torch.nn.Module, batches: list[dict]) -> torch.Tensor:
+    """What a step of 2 micro-batches over the replicas' `batches` computes: the mean of their micro-batches'
+    losses, each the model's own (a mean over the micro-batch's unpadded tokens)."""
+    halves = [
+        {name: value.chunk(2)[index] for name, value in batch.items()}
+        for batch in batches
+        for index in range(2)
+    ]
+    return sum(reference(**half).loss for half in halves) / len(halves)
+
+
+def run_padded_case(rank: int, case: dict) -> dict:
+    """Train a Llama planned at PADDED_PLANNED on PADDED_STEPS next to one process; the largest
+    differences in the losses and (on rank 0) the parameters at the end, and how many times the stages
+    were cut again. With "refusals", then what the program refuses: a batch its micro-batches cannot
+    split evenly, and stages given different shapes; and that it trains on after them."""
+    plan = Plan.from_json(case["plan"])
+    torch.manual_seed(0)
+    reference = zoo.hf_llama(batch=PADDED_PLANNED[0], seq=PADDED_PLANNED[1]).model
+    model = copy.deepcopy(reference)
+    split, cuts = pipelined.split_stages, []
+
+    def counted(*args):
+        cuts.append(args)
+        return split(*args)
+
+    def batches(rows: int, longest: int, seed: int) -> list[dict]:  # each replica's
+        return [
+            padded_batch("llama", rows, longest - 2 * replica, seed=10 * seed + replica)
+            for replica in range(plan.mesh.dp)
+        ]
+
+    replica = plan.mesh.replica_of(rank)
+    with (
+        mock.patch.object(pipelined, "KEPT_CUTS", case["kept_cuts"]),
+        mock.patch.object(pipelined, "split_stages", counted),
+    ):
+        program = parallelize(model, plan)
+        cuts.clear()  # the planned shape's, at start-up
+        optimizer = torch.optim.AdamW(program.parameters(), **ADAMW)
+        reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+        found: dict = {"loss_error": 0.0}
+        for step, shape in enumerate(PADDED_STEPS):
+            each_replica = batches(*shape, seed=step)
+            loss = program.step(**each_replica[replica])
+            reference_loss = _padded_micro_batch_loss(reference, each_replica)
+            reference_loss.backward()
+            for each in (optimizer, reference_optimizer):
+                each.step()
+                each.zero_grad()
+            error = abs(float(loss) - float(reference_loss.detach()))
+            found["loss_error"] = max(found["loss_error"], error)
+        evaluation = batches(8, 10, seed=7)
+        with torch.no_grad():
+            expected = _padded_micro_batch_loss(reference, evaluation)
+        found["eval_error"] = abs(float(program.evaluate(**evaluation[replica])) - float(expected))
+        state = program.export_full_state_dict()
+        if rank == 0:  # whose export is compared
+            found["param_error"] = max(
+                (state[name] - parameter.detach()).abs().max().item()
+                for name, parameter in reference.named_parameters()
+            )
+        found["cuts"] = len(cuts)
+        if case.get("refusals"):
+            for name, batch in (
+                ("uneven", padded_batch("llama", 5, 12, seed=1)),
+                ("stages_differ", padded_batch("llama", 4, 12 if rank == 0 else 10, seed=1)),
+            ):
+                try:
+                    program.step(**batch)
+                except RuntimeMismatchError as error:
+                    found[name] = str(error)
+            found["trains_on"] = bool(
+                torch.isfinite(program.step(**padded_batch("llama", 4, 12, seed=1)))
+            )
+    return found
 
 
 @pytest.fixture(scope="module")
 def world2():
-    """The world of 2: WORLD2_CASES, the solver's plan, SMALLER_THAN_PLANNED, loss_fn and the errors."""
+    """The world of 2: WORLD2_CASES, the solver's plan, SMALLER_THAN_PLANNED, loss_fn, the errors and
+    PADDED_SHAPES."""
     cases = dict(
         WORLD2_CASES,
         solver={"model": "gpt", "plan": solver_pipelined_plan(), "replica_batch": 8},
         **SMALLER_THAN_PLANNED,
     )
-    return cases, spawn_world(2, _all_checks, (cases,))
+    return cases, spawn_world(2, _all_checks, (cases, None, planned_padded(2, PADDED_SHAPES)))
 
 
 @pytest.mark.timeout(600)
@@ -403,6 +527,32 @@ def test_pipeline_world2_matches_one_process(world2):
 @pytest.mark.timeout(600)
 def test_pipeline_steps_batches_smaller_than_planned(world2):
     assert_parity(world2[1], SMALLER_THAN_PLANNED)
+
+
+def _check_padded(found: dict, case: dict) -> None:
+    errors = {name: found[name] for name in ("loss_error", "eval_error", "param_error")}
+    assert all(error <= TOLERANCE for error in errors.values()), errors
+    assert found["cuts"] == case["cuts"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", PADDED_SHAPES)
+def test_a_pipeline_trains_padded_batches_of_other_shapes_like_one_process(world2, case):
+    _check_padded(world2[1]["padded"][case], PADDED_SHAPES[case])
+
+
+@pytest.mark.timeout(600)
+def test_a_pipeline_refuses_uneven_micro_batches_and_stages_given_different_shapes(world2):
+    found = world2[1]["padded"]["llama/1f1b/m2/padded/2_kept"]
+    assert found["uneven"].startswith(
+        "a pipelined plan splits each batch into 2 equal micro-batches along dim 0 (its schedule "
+        "runs micro-batches of one shape), but the inputs have batch sizes [5]"
+    )
+    assert found["stages_differ"].startswith(
+        "the ranks of a pipeline (the stages of one replica) were given batches of different "
+        "shapes (rank 0: micro-batches input_ids [2, 12], attention_mask [2, 12], labels [2, 12])"
+    )
+    assert found["trains_on"]
 
 
 FEWER_MICRO_BATCHES_THAN_STAGES = {
@@ -444,14 +594,31 @@ FEWER_CASES = {
 
 @pytest.fixture(scope="module")
 def world4():
-    """The world of 4: WORLD4_CASES, loss_fn and the errors, then FEWER_CASES with each stage's work."""
-    return spawn_world(4, _all_checks, (planned(4, WORLD4_CASES), planned(4, FEWER_CASES)))
+    """The world of 4: WORLD4_CASES, loss_fn and the errors, then FEWER_CASES with each stage's work, and
+    PADDED_SHAPES_DP2."""
+    return spawn_world(
+        4,
+        _all_checks,
+        (
+            planned(4, WORLD4_CASES),
+            planned(4, FEWER_CASES),
+            planned_padded(4, PADDED_SHAPES_DP2),
+        ),
+    )
 
 
 @pytest.mark.timeout(600)
 def test_pipeline_world4_pp2_dp2_matches_one_process(world4):
     assert_parity(world4, WORLD4_CASES)
     assert world4["loss_fn"]["error"] <= TOLERANCE and world4["loss_fn"]["timed"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", PADDED_SHAPES_DP2)
+def test_replicas_of_a_pipeline_train_padded_batches_of_their_own_shapes_like_one_process(
+    world4, case
+):
+    _check_padded(world4["padded"][case], PADDED_SHAPES_DP2[case])
 
 
 @pytest.mark.timeout(600)

@@ -23,10 +23,10 @@ from parity import ADAMW, spawn_world
 from shardplan.errors import RuntimeMismatchError, ShardplanError
 from shardplan.frontend.chain import InputSpec
 from shardplan.models import zoo
-from shardplan.plan import Checkpoint, ShardStrategy
+from shardplan.plan import Checkpoint, Mesh, ShardStrategy
 from shardplan.runtime import collectives, parallelize
 from shardplan.runtime.manual import manual_plan
-from shardplan.runtime.program import check_batch
+from shardplan.runtime.program import admit_input
 
 UNITS = zoo.gpt_units(zoo.GPTConfig().n_layer)
 
@@ -394,12 +394,15 @@ def test_a_rank_failing_alone_leaves_every_rank_refusing(tmp_path):
 
 def test_step_refuses_an_input_of_another_dtype():
     plan = types.SimpleNamespace(
-        inputs=(InputSpec(name="0", shape=(2, 8), dtype="int64", dynamic_dims=(0,)),)
+        mesh=Mesh(),
+        inputs=(InputSpec(name="0", shape=(2, 8), dtype="int64"),),
+        tensor_parallel=types.SimpleNamespace(sequence_parallel=False),
+        sequence_limits=(),
     )
-    check_batch(plan, (torch.zeros(4, 8, dtype=torch.int64),), {})
+    admit_input(plan, (torch.zeros(4, 8, dtype=torch.int64),), {})
     with pytest.raises(
         RuntimeMismatchError,
         match=r"input '0' is int32, the plan was made for int64: pass it "
         r"as int64 \(\.to\(torch\.int64\)\), or re-plan for int32",
     ):
-        check_batch(plan, (torch.zeros(2, 8, dtype=torch.int32),), {})
+        admit_input(plan, (torch.zeros(2, 8, dtype=torch.int32),), {})

@@ -6,7 +6,6 @@ rank 0 writes one JSON record per case and the tests read them.
 """
 
 import copy
-import types
 import warnings
 import weakref
 
@@ -16,13 +15,12 @@ import torch.distributed as dist
 from parity import TOLERANCE, assert_parity, spawn_world, train_next_to_reference
 
 from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
-from shardplan.frontend.chain import InputSpec
 from shardplan.models import zoo
 from shardplan.plan import Checkpoint, MixedPrecision, Plan, ShardStrategy
 from shardplan.runtime import parallelize
 from shardplan.runtime.flat_param import FlatLayout
 from shardplan.runtime.manual import manual_plan
-from shardplan.runtime.program import check_batch, split_micro_batches
+from shardplan.runtime.program import split_micro_batches
 
 STEPS = 5
 STRATEGIES = tuple(ShardStrategy)
@@ -482,16 +480,6 @@ def test_split_micro_batches_splits_every_batched_tensor():
     assert [args[0].shape[0] for args, _, _ in split_micro_batches((ids[:1],), {}, 2)] == [1]
     with pytest.raises(RuntimeMismatchError, match="one batch size"):
         split_micro_batches((ids,), {"mask": ids[:2]}, 2)
-
-
-def test_batches_may_be_smaller_than_planned_along_dim_0_only():
-    plan = types.SimpleNamespace(inputs=(InputSpec(name="0", shape=(4, 8), dtype="int64"),))
-    check_batch(plan, (torch.zeros(3, 8, dtype=torch.int64),), {})
-    for shape in ((5, 8), (4, 7), (0, 8)):
-        with pytest.raises(
-            RuntimeMismatchError, match=r"pass batches of that shape or smaller along dim 0"
-        ):
-            check_batch(plan, (torch.zeros(shape, dtype=torch.int64),), {})
 
 
 def test_parallelize_needs_a_process_group():

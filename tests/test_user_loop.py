@@ -17,7 +17,7 @@ from parity import ADAMW, spawn_world
 from shardplan.errors import RuntimeMismatchError, ShardplanError
 from shardplan.frontend.chain import InputSpec
 from shardplan.models import zoo
-from shardplan.plan import Mesh, ShardStrategy
+from shardplan.plan import Mesh, SequenceLimit, ShardStrategy
 from shardplan.runtime import Program, parallelize
 from shardplan.runtime.manual import manual_plan
 from shardplan.runtime.program import admit_input
@@ -87,7 +87,7 @@ switch too. Only for GPT: its batches are unpadded, so step's micro-batches, wei
 samples, give the batch's mean, where a Hugging Face loss is a mean over unpadded tokens."""
 
 
-def _padded_batch(model_name: str, rows: int, longest: int, seed: int) -> dict:
+def padded_batch(model_name: str, rows: int, longest: int, seed: int) -> dict:
     """A batch of `rows` sequences of random lengths up to `longest`, right-padded to `longest` (the
     longest one has it): the keywords a data collator gives the model."""
     generator = torch.Generator().manual_seed(seed)
@@ -115,7 +115,7 @@ def run_case(rank: int, case: dict) -> dict:
     torch.manual_seed(0)
     entry = build()
     reference, model = entry.model, copy.deepcopy(entry.model)
-    planned = _padded_batch(case["model"], 2, PLANNED_SEQUENCE, seed=99)
+    planned = padded_batch(case["model"], 2, PLANNED_SEQUENCE, seed=99)
     plan = manual_plan(
         model,
         units,
@@ -130,7 +130,7 @@ def run_case(rank: int, case: dict) -> dict:
     replicas, replica = plan.mesh.dp, plan.mesh.replica_of(rank)
     found: dict = {"loss_error": 0.0}
     if plan.tensor_parallel.sequence_parallel:
-        odd = _padded_batch(case["model"], 2, 7, seed=98)
+        odd = padded_batch(case["model"], 2, 7, seed=98)
         try:
             program(**odd)
         except RuntimeMismatchError as error:
@@ -138,7 +138,7 @@ def run_case(rank: int, case: dict) -> dict:
     for step, longest in enumerate(STEP_LENGTHS):
         for micro in range(ACCUMULATED):
             batches = [
-                _padded_batch(case["model"], 2, longest, seed=100 * step + 10 * micro + index)
+                padded_batch(case["model"], 2, longest, seed=100 * step + 10 * micro + index)
                 for index in range(replicas)
             ]
             program.set_requires_gradient_sync(micro == ACCUMULATED - 1)
@@ -158,7 +158,7 @@ def run_case(rank: int, case: dict) -> dict:
     if case.get("steps_accumulate"):
         for sync in (False, True):
             batches = [
-                _padded_batch(case["model"], 2, 10, seed=500 + 10 * sync + index)
+                padded_batch(case["model"], 2, 10, seed=500 + 10 * sync + index)
                 for index in range(replicas)
             ]
             program.set_requires_gradient_sync(sync)
@@ -171,7 +171,7 @@ def run_case(rank: int, case: dict) -> dict:
         reference_optimizer.step()
         reference_optimizer.zero_grad()
     # evaluation at three times the planned batch and another sequence length, called and by evaluate
-    evaluation = _padded_batch(case["model"], 6, 10, seed=7)
+    evaluation = padded_batch(case["model"], 6, 10, seed=7)
     with torch.no_grad():
         expected = float(_loss(reference(**evaluation)))
         called = float(_loss(program(**evaluation)))
@@ -269,14 +269,19 @@ def test_a_pipelined_program_trains_by_step_only(results):
     }
 
 
-def _plan_of(pp: int = 1, tp: int = 1, sequence_parallel: bool = False):
-    """What admit_input and the switch read of a plan: its mesh, inputs, tensor parallelism and
-    sequence limits (none: no batch is refused for memory here)."""
+def _plan_of(
+    pp: int = 1,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    limits: tuple[SequenceLimit, ...] = (),
+):
+    """What admit_input and the switch read of a plan made at 8 x 128 tokens: its mesh, inputs, tensor
+    parallelism and sequence limits (by default none: no batch is refused for memory)."""
     return types.SimpleNamespace(
         mesh=Mesh(pp=pp, tp=tp),
         inputs=(InputSpec(name="input_ids", shape=(8, 128), dtype="int64"),),
         tensor_parallel=types.SimpleNamespace(sequence_parallel=sequence_parallel),
-        sequence_limits=(),
+        sequence_limits=limits,
     )
 
 
@@ -301,10 +306,26 @@ def test_sequence_parallelism_admits_sequences_it_splits_evenly():
         admit_input(plan, (torch.zeros(3, 66, dtype=torch.int64),), {})
 
 
-def test_a_pipelined_plan_keeps_its_shape_and_step():
+def test_a_pipelined_plan_admits_any_shape_in_equal_micro_batches_and_keeps_its_step():
     plan = _plan_of(pp=2)
-    admit_input(plan, (), {"input_ids": torch.zeros(4, 128, dtype=torch.int64)})  # smaller: taken
-    with pytest.raises(RuntimeMismatchError, match=r"the plan was made for \[8, 128\]"):
-        admit_input(plan, (), {"input_ids": torch.zeros(8, 64, dtype=torch.int64)})
+    for shape in ((8, 64), (32, 512), (2, 1)):
+        admit_input(plan, (), {"input_ids": torch.zeros(shape, dtype=torch.int64)}, micro_batches=2)
+    with pytest.raises(RuntimeMismatchError, match="this batch does not pass it, which a pipeline"):
+        admit_input(plan, (), {}, micro_batches=2)  # its first stage reads every planned input
+    with pytest.raises(RuntimeMismatchError, match=r"into 2 equal micro-batches .* sizes \[3\]"):
+        admit_input(plan, (), {"input_ids": torch.zeros(3, 64, dtype=torch.int64)}, micro_batches=2)
     with pytest.raises(ShardplanError, match=r"pass the whole accumulation batch to one step\(\)"):
         Program(torch.nn.Module(), plan, None).set_requires_gradient_sync(False)
+
+
+def test_a_pipelined_plan_refuses_a_shape_predicted_over_the_budget_as_without_a_pipeline():
+    plan = _plan_of(pp=2, limits=(SequenceLimit(micro_batch=4, longest=200),))
+    fits, over = torch.zeros(8, 200, dtype=torch.int64), torch.zeros(8, 201, dtype=torch.int64)
+    admit_input(plan, (), {"input_ids": fits}, micro_batches=2)
+    with pytest.raises(
+        RuntimeMismatchError, match="the longest sequence that fits a micro-batch of 4"
+    ):
+        admit_input(plan, (), {"input_ids": over}, micro_batches=2)
+    with pytest.warns(UserWarning, match="predicted over the plan's memory budget"):
+        admit_input(plan, (), {"input_ids": over}, micro_batches=2, over_budget="warn")
+    admit_input(plan, (), {"input_ids": over}, micro_batches=2, trains=False)  # an evaluation

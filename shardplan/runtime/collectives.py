@@ -269,14 +269,17 @@ def mesh_groups(device_type: str, plan_mesh: Mesh) -> MeshGroups:
     )
 
 
-def stages_group(plan_mesh: Mesh, stages: tuple[int, ...]) -> dist.ProcessGroup | None:
+def stages_group(
+    plan_mesh: Mesh, stages: tuple[int, ...], backend: str | None = None
+) -> dist.ProcessGroup | None:
     """The ranks of `stages` (sorted) that share this rank's replica and tp index, as a group (None when this
-    rank's stage is not among them). Every rank makes every such group, so call it on all ranks alike."""
+    rank's stage is not among them) of `backend` (None: the world's). Every rank makes every such group,
+    so call it on all ranks alike."""
     step = plan_mesh.stride("pp")
     mine = None
     for first in range(stages[0] * step, (stages[0] + 1) * step):
         ranks = [first + (stage - stages[0]) * step for stage in stages]
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, backend=backend)
         if dist.get_rank() in ranks:
             mine = group
     return mine

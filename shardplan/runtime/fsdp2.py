@@ -10,9 +10,9 @@ optimizer state sharded too), which this backend states rather than hides.
 [Note: FSDP2 stages] With pp > 1 this backend is torchtitan's composition on
 the stages backend="shardplan" runs: this rank's stage is cut out of the
 captured graph (stage_split.py) and run by the plan's GPipe or 1F1B schedule
-(pipelined.StagedProgram, shared by both backends, so `step` and smaller
-batches mean the same: [Note: pipelined step], [Note: smaller pipelined
-batches]). A stage runs its blocks' graph partitions, not its modules'
+(pipelined.StagedProgram, shared by both backends, so `step` and batches of
+other shapes mean the same: [Note: pipelined step], [Note: pipelined
+shapes]). A stage runs its blocks' graph partitions, not its modules'
 forwards, so fully_shard is applied to a _UnitGroup per unit (per units
 sharing a parameter) holding the unit's modules, and each run of consecutive
 blocks of one unit is that group's forward: FSDP2's own hooks gather the unit
@@ -68,6 +68,7 @@ from torch.distributed.tensor.parallel import (
 
 from shardplan.common.dtypes import torch_dtype
 from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
+from shardplan.frontend.chain import InputSpec
 from shardplan.frontend.passes.tensor_parallel import Style, TensorParallelLayout, VocabKind
 from shardplan.plan import Plan, Unit
 from shardplan.runtime import collectives
@@ -334,7 +335,7 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
                 collectives.all_reduce_sum(cast(DTensor, grad).to_local(), self._tensor_parallel)
         super()._gradients_done(planned)
 
-    def _stage_module(self, graph: StageGraph, batch: int) -> nn.Module:
+    def _stage_module(self, graph: StageGraph, shape: tuple[InputSpec, ...]) -> nn.Module:
         specs = {unit.name: unit for unit in self.plan.units}
 
         def run_segment(calls: tuple[BlockCall, ...]) -> Callable[[dict], dict]:
@@ -346,13 +347,16 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
                 self._groups[calls[0].unit], checkpointed(run, specs[calls[0].unit].checkpoint)
             )
 
-        self._stage_root.stages[batch] = StageModule(graph, run_segment, contextlib.nullcontext)
+        self._stage_root.stages[shape] = StageModule(graph, run_segment, contextlib.nullcontext)
         return self._stage_root
 
+    def _forget(self, shape: tuple[InputSpec, ...]) -> None:
+        del self._stage_root.stages[shape]
+
     @contextlib.contextmanager
-    def _running(self, batch: int) -> Iterator[None]:
-        self._stage_root.batch = batch
-        with super()._running(batch):
+    def _running(self, shape: tuple[InputSpec, ...]) -> Iterator[None]:
+        self._stage_root.shape = shape
+        with super()._running(shape):
             yield
 
 
@@ -390,15 +394,16 @@ class _UnitGroup(nn.Module):
 
 class _StageRoot(nn.Module):
     """The FSDP2 root of a pipelined stage: its unit groups below it, and as its forward the StageModule
-    for the batch size running (see [Note: FSDP2 stages])."""
+    for the micro-batch shape running (see [Note: FSDP2 stages])."""
 
     def __init__(self, groups: list[_UnitGroup]):
         super().__init__()
         self.groups = nn.ModuleList(groups)
-        self.stages: dict[int, StageModule] = {}
-        """This stage's module at each replica batch size stepped."""
-        self.batch = 0
-        """The replica batch size running."""
+        self.stages: dict[tuple[InputSpec, ...], StageModule] = {}
+        """This stage's module at each micro-batch shape kept (see [Note: pipelined shapes] in
+        pipelined.py)."""
+        self.shape: tuple[InputSpec, ...] = ()
+        """The micro-batch shape running."""
 
     def forward(self, *inbound: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with warnings.catch_warnings():
@@ -407,7 +412,7 @@ class _StageRoot(nn.Module):
             warnings.filterwarnings(
                 "ignore", message="FSDP2-wrapped module .* returned a view tensor"
             )
-            return self.stages[self.batch](*inbound)
+            return self.stages[self.shape](*inbound)
 
 
 def _group_modules(units: tuple[Unit, ...], modules: dict[str, nn.Module]) -> list[str]:

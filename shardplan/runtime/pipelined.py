@@ -43,20 +43,35 @@ the schedule interleaves forwards and backwards of different micro-batches.
 A step that fails on any stage leaves the ranks out of step (see [Note:
 failed steps] in program.py): every later call refuses.
 
-[Note: smaller pipelined batches] A batch smaller than planned along dim 0 (an
-epoch's last, an evaluation batch) is taken when it splits into the plan's
-number of equal micro-batches, so each micro-batch's loss is still divided by
-their number (see [Note: smaller batches] in program.py for pp == 1, where
-they may differ). The stages cannot run it as planned: the captured graph
-bakes the micro-batch's sizes into its reshapes, and what crosses a cut need
-not scale with the batch (a Llama's rotary tables are (1, T, d)). So the first
-step at a new batch size captures the model again at its micro-batch and cuts
-this rank's stage out of it (about as long as the capture at start-up: 0.3 s
-for the tests' GPT and Llama), and a second schedule runs it over the same
-units: no parameter is copied, and only that schedule's receive buffers are
-new. Every rank of a step must pass the same batch size, as they must at pp == 1.
+[Note: pipelined shapes] A pipelined plan takes the batches a plan without a
+pipeline takes (see [Note: admitted shapes] in program.py): any batch size and
+sequence length whose predicted peak fits, refused or warned of as there. The
+stages cannot run another shape as planned: the captured graph bakes a
+micro-batch's sizes into its reshapes, the schedule's receive buffers are
+sized to what crosses a cut, and that need not scale with the batch (a
+Llama's rotary tables are (1, T, d)). So the first step (or evaluation) at a
+new micro-batch shape captures the model again at that shape and cuts this
+rank's stages out of it (about as long as the capture at start-up: 0.3 s for
+the tests' GPT and Llama), and a new schedule runs them over the same units:
+no parameter is copied. The cut is kept for the next batch of that shape, up
+to KEPT_CUTS of them, the least recently run dropped first. A kept cut holds
+torch's receive buffers, a replica batch of the values crossing its cuts
+(each micro-batch's inputs and output gradients) at its shape, which the
+plan prices once: each other kept cut adds its own beside the prediction. So
+pad sequences to a multiple (a collator's pad_to_multiple_of) so that few
+shapes recur: with more than KEPT_CUTS in turn, every change of shape
+captures again.
+A schedule runs micro-batches of one shape, so a batch must split into the
+plan's number of equal micro-batches (admit_input refuses one that does not,
+rather than weigh unequal ones as `step` at pp == 1 does), and each
+micro-batch's loss is divided by their number, as planned. Every rank of a
+pipeline (the stages of one replica and tp index) must pass the same shape:
+they compare it each step, over a gloo group of their own (two all-reduces of
+a few integers, on the host), and refuse a step they disagree on before any
+stage runs; replicas may differ, as they may at pp == 1.
 """
 
+import collections
 import contextlib
 import functools
 from typing import Any, Callable, NamedTuple
@@ -67,18 +82,14 @@ from torch.distributed.tensor import DTensor
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from shardplan.errors import PlanError, ShardplanError
+from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
 from shardplan.frontend.capture import put_stand_ins
+from shardplan.frontend.chain import InputSpec
 from shardplan.frontend.passes.blocks import attribute_of
 from shardplan.plan import MULTI_STAGE_SCHEDULES, SCHEDULE_NAMES, Checkpoint, Plan
 from shardplan.runtime import collectives
 from shardplan.runtime.activation_checkpoint import checkpointed
-from shardplan.runtime.program import (
-    Program,
-    check_batch,
-    check_micro_batches,
-    refuse_optimizers_over,
-)
+from shardplan.runtime.program import Program, admit_input, batch_inputs, refuse_optimizers_over
 from shardplan.runtime.scheduler import Scheduler
 from shardplan.runtime.sharded import (
     UnitProgram,
@@ -91,9 +102,14 @@ from shardplan.runtime.stage_split import (
     StageGraph,
     StageModule,
     block_runner,
+    micro_batch_of,
     run_blocks,
     split_stages,
 )
+
+KEPT_CUTS = 4
+"""The most micro-batch shapes a pipelined program keeps its stages cut at (see [Note: pipelined
+shapes])."""
 
 
 def schedule_class(name: str) -> Callable:
@@ -112,12 +128,12 @@ def schedule_class(name: str) -> Callable:
 
 class StagedProgram(Program):
     """What a pipelined program is on either backend: this rank's stage, cut from the captured graph, run
-    by a GPipe or 1F1B schedule of torch.distributed.pipelining, one schedule per replica batch size
-    stepped (see [Note: pipelined step] and [Note: smaller pipelined batches]). A backend supplies the
-    module the schedule runs and what happens around a schedule's run."""
+    by a GPipe or 1F1B schedule of torch.distributed.pipelining, one schedule per micro-batch shape
+    stepped (see [Note: pipelined step] and [Note: pipelined shapes]). A backend supplies the module the
+    schedule runs and what happens around a schedule's run."""
 
     graph: StageGraph
-    """This rank's (first) stage at the planned batch."""
+    """This rank's (first) stage at the planned shape."""
     runs_schedules: tuple[str, ...] = ("gpipe", "1f1b")
     """The schedules the backend runs: one stage per rank, each backward whole."""
     _device: torch.device
@@ -127,7 +143,7 @@ class StagedProgram(Program):
     """This rank's part of each tie across stages it holds (see [Note: tied weights across stages])."""
 
     def _graphs(self) -> tuple[StageGraph, ...]:
-        """This rank's stages at the planned batch, in order: one, or its virtual stages."""
+        """This rank's stages at the planned shape, in order: one, or its virtual stages."""
         return (self.graph,)
 
     def _start_schedules(self) -> None:
@@ -138,24 +154,32 @@ class StagedProgram(Program):
                 "need several, the zero-bubble schedule splits the backward); use backend='shardplan', "
                 f"or a plan with {' or '.join(self.runs_schedules)}"
             )
-        self._schedules = {
-            self.plan.batch_per_replica: self._schedule(self._graphs(), self.plan.batch_per_replica)
-        }
-        """This rank's torch.distributed.pipelining schedule for each replica batch size stepped, its stage
-        cut from a capture at that size (see [Note: smaller pipelined batches])."""
+        self._planned = micro_batch_of(self.plan.inputs, self.plan.schedule.num_micro_batches)
+        self._cuts = collections.OrderedDict(
+            [(self._planned, self._schedule(self._graphs(), self._planned))]
+        )
+        """This rank's torch.distributed.pipelining schedule at each micro-batch shape kept, the least
+        recently run first (see [Note: pipelined shapes])."""
+        self._shape_peers = collectives.stages_group(
+            self.plan.mesh, tuple(range(self.plan.mesh.pp)), backend="gloo"
+        )
+        """This rank's pipeline, on the host: where its ranks compare the shape of each step."""
 
-    def _stage_module(self, graph: StageGraph, batch: int) -> nn.Module:
-        """The module running `graph`, this rank's stage at a replica batch of `batch` samples."""
+    def _stage_module(self, graph: StageGraph, shape: tuple[InputSpec, ...]) -> nn.Module:
+        """The module running `graph`, this rank's stage cut at micro-batch `shape`."""
         raise NotImplementedError
 
+    def _forget(self, shape: tuple[InputSpec, ...]) -> None:
+        """Drop what the backend keeps of the cut at `shape`, no longer kept (see [Note: pipelined shapes])."""
+
     @contextlib.contextmanager
-    def _running(self, batch: int):
-        """The context the schedule for `batch` runs in."""
+    def _running(self, shape: tuple[InputSpec, ...]):
+        """The context the schedule for micro-batch `shape` runs in."""
         self._copy_tied_values()
         yield
 
     def _gradients_done(self, planned: bool) -> None:
-        """After a step's schedule: the gradients complete (`planned`: the step took the planned batch)."""
+        """After a step's schedule: the gradients complete (`planned`: the step took the planned shape)."""
         self._sum_tied_gradients()
         self._gradients_reduced(planned)
 
@@ -182,10 +206,10 @@ class StagedProgram(Program):
 
         return PipelineStage
 
-    def _pipeline_stage(self, graph: StageGraph, batch: int):
-        """torch's PipelineStage running `graph` at a replica batch of `batch` samples."""
+    def _pipeline_stage(self, graph: StageGraph, shape: tuple[InputSpec, ...]):
+        """torch's PipelineStage running `graph`, cut at micro-batch `shape`."""
         return self._stage_class(graph)(
-            self._stage_module(graph, batch),
+            self._stage_module(graph, shape),
             graph.index,
             len(self.plan.stages),
             self._device,
@@ -194,9 +218,9 @@ class StagedProgram(Program):
             output_args=tuple(graph.examples[name] for name in graph.outbound),
         )
 
-    def _schedule(self, graphs: tuple[StageGraph, ...], batch: int):
+    def _schedule(self, graphs: tuple[StageGraph, ...], shape: tuple[InputSpec, ...]):
         """A schedule running this rank's stages, `graphs`, over the parameters built at start-up."""
-        stages = [self._pipeline_stage(graph, batch) for graph in graphs]
+        stages = [self._pipeline_stage(graph, shape) for graph in graphs]
         name = self.plan.schedule.name
         return schedule_class(name)(
             stages if name in MULTI_STAGE_SCHEDULES else stages[0],
@@ -205,22 +229,26 @@ class StagedProgram(Program):
             scale_grads=False,
         )
 
-    def _schedule_for(self, batch: int):
-        """The schedule for a replica batch of `batch` samples, made at its first step (see [Note: smaller
-        pipelined batches])."""
-        if batch not in self._schedules:
-            every = split_stages(self.module, self.plan, self._device, batch)
-            graphs = tuple(every[graph.index] for graph in self._graphs())
-            if [(call.node, call.unit) for graph in graphs for call in graph.calls] != [
-                (call.node, call.unit) for graph in self._graphs() for call in graph.calls
-            ]:
-                raise ShardplanError(
-                    f"the model captured at {batch} samples splits into other blocks than at the "
-                    f"planned {self.plan.batch_per_replica}: pass batches of the planned size, or "
-                    "plan with pp=1"
-                )
-            self._schedules[batch] = self._schedule(graphs, batch)
-        return self._schedules[batch]
+    def _schedule_for(self, shape: tuple[InputSpec, ...]):
+        """The schedule for micro-batches of `shape`, cut at its first step and kept (see [Note: pipelined
+        shapes])."""
+        if shape in self._cuts:
+            self._cuts.move_to_end(shape)
+            return self._cuts[shape]
+        every = split_stages(self.module, self.plan, self._device, shape)
+        graphs = tuple(every[graph.index] for graph in self._graphs())
+        if [(call.node, call.unit) for graph in graphs for call in graph.calls] != [
+            (call.node, call.unit) for graph in self._graphs() for call in graph.calls
+        ]:
+            raise ShardplanError(
+                f"the model captured at micro-batch {_shown(shape)} splits into other blocks than "
+                f"at the planned {_shown(self._planned)}: pass batches of the planned shape, or "
+                "plan with pp=1"
+            )
+        self._cuts[shape] = self._schedule(graphs, shape)
+        if len(self._cuts) > KEPT_CUTS:
+            self._forget(self._cuts.popitem(last=False)[0])
+        return self._cuts[shape]
 
     @property
     def keeps_export_copies(self) -> bool:
@@ -248,12 +276,19 @@ class StagedProgram(Program):
 
     def _run_schedule(self, method: str, args: tuple, kwargs: dict) -> torch.Tensor:
         self.check_in_step()
-        check_batch(self.plan, args, kwargs)
-        args, target = self.split_target(args)
         count = self.plan.schedule.num_micro_batches
-        check_micro_batches(args, kwargs, count)
-        batch = _batch_size(args, kwargs)
-        run = getattr(self._schedule_for(batch), method)
+        admit_input(
+            self.plan,
+            args,
+            kwargs,
+            micro_batches=count,
+            trains=method == "step",
+            over_budget=self.over_budget,
+        )
+        args, target = self.split_target(args)
+        shape = micro_batch_of(batch_inputs(self.plan, args, kwargs), count)
+        self._check_same_shape(shape)
+        run = getattr(self._schedule_for(shape), method)
         indices = [graph.index for graph in self._graphs()]
         first, last = 0 in indices, len(self.plan.stages) - 1 in indices
         inputs = fx_pytree.tree_flatten_spec((args, kwargs), self.graph.input_spec) if first else ()
@@ -261,12 +296,10 @@ class StagedProgram(Program):
             target = torch.zeros(count)
         losses: list[torch.Tensor] = []
         with self._transaction():
-            with self._running(batch):
+            with self._running(shape):
                 run(*inputs, target=target if last else None, losses=losses, return_outputs=False)
             if torch.is_grad_enabled():  # a step, not an evaluation
-                self._gradients_done(
-                    planned=batch == self.plan.batch_per_replica
-                )  # as Program.step says
+                self._gradients_done(planned=shape == self._planned)  # as Program.step says
             mine = (
                 torch.stack([loss.detach().float().cpu() for loss in losses]).sum()
                 if last
@@ -274,6 +307,17 @@ class StagedProgram(Program):
             )
             # every tp rank of the last stage computed the same losses (see [Note: tensor parallel stages])
             return collectives.all_reduce_sum(mine) / (self.plan.mesh.dp * self.plan.mesh.tp)
+
+    def _check_same_shape(self, shape: tuple[InputSpec, ...]) -> None:
+        """Refuse, on every rank of this pipeline, a step whose ranks were given micro-batches of different
+        shapes, before any stage runs (see [Note: pipelined shapes])."""
+        sizes = [size for spec in shape for size in spec.shape]
+        if not collectives.same_on_all_ranks(sizes, self._shape_peers):
+            raise RuntimeMismatchError(
+                f"the ranks of a pipeline (the stages of one replica) were given batches of different "
+                f"shapes (rank {collectives.world().rank}: micro-batches {_shown(shape)}): give every "
+                "rank of a replica the same batch (Mesh.replica_of(rank) names the replica)"
+            )
 
     def _micro_batch_loss(self, outputs: tuple[torch.Tensor, ...], target: Any) -> torch.Tensor:
         output = pytree.tree_unflatten(list(outputs), self.graph.output_spec)
@@ -355,7 +399,7 @@ class PipelinedProgram(StagedProgram, UnitProgram):
         shards = tuple(self._by_name[name].shard for name in self.plan.stages[graph.index].units)
         return functools.partial(FlatUnitStage, shards=shards)
 
-    def _stage_module(self, graph: StageGraph, batch: int) -> nn.Module:
+    def _stage_module(self, graph: StageGraph, shape: tuple[InputSpec, ...]) -> nn.Module:
         specs = {unit.name: unit for unit in self.plan.units}
 
         def run_block(call: BlockCall) -> Callable:
@@ -375,10 +419,10 @@ class PipelinedProgram(StagedProgram, UnitProgram):
         )
 
     @contextlib.contextmanager
-    def _running(self, batch: int):
+    def _running(self, shape: tuple[InputSpec, ...]):
         self._forwards_this_step = dict.fromkeys(self._forwards_this_step, 0)
         try:
-            with super()._running(batch):
+            with super()._running(shape):
                 yield
         finally:
             self.scheduler.communicate = True
@@ -400,14 +444,9 @@ class PipelinedProgram(StagedProgram, UnitProgram):
             yield
 
 
-def _batch_size(args: tuple, kwargs: dict) -> int:
-    """Dim 0 of the batch's first tensor that has one (check_micro_batches made them all equal when the
-    plan splits the batch into micro-batches)."""
-    return next(
-        leaf.shape[0]
-        for leaf in pytree.tree_leaves((args, kwargs))
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
-    )
+def _shown(shape: tuple[InputSpec, ...]) -> str:
+    """A micro-batch's shape as messages show it: each input's name and sizes."""
+    return ", ".join(f"{spec.name} {list(spec.shape)}" for spec in shape)
 
 
 class _Tie(NamedTuple):

@@ -50,6 +50,7 @@ A successful `program.load` ends the refusal.
 """
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -481,20 +482,25 @@ def admit_input(
     `trains`: False for an evaluation (no gradients, so no memory check); `over_budget`: "refuse" or
     "warn" where a training batch is predicted over the budget ([Note: admitted by memory]).
 
-    [Note: admitted shapes] At pp == 1 nothing in either backend is fixed to the plan's shapes (the
-    tensor-parallel layout is found once, at start-up), so any batch size and sequence length is
+    [Note: admitted shapes] Nothing in either backend is fixed to the plan's shapes (the
+    tensor-parallel layout is found once, at start-up; a pipeline re-cuts its stages at each new
+    shape: [Note: pipelined shapes] in pipelined.py), so any batch size and sequence length is
     taken: dynamic padding, a larger evaluation batch, an epoch's last batch. An input the plan
     records keeps its number of dims and its dtype, and holds a sample at least. Sequence
     parallelism splits the sequence (dim 1 of the tokens) over the tp ranks, which it must divide;
     context parallelism into 2 · cp chunks (each split again over tp under sequence parallelism).
-    Under a pipeline the stages are cut from captures at fixed shapes: check_batch's rule (see
-    [Note: smaller pipelined batches] in pipelined.py)."""
-    if plan.mesh.pp > 1:
-        check_batch(plan, args, kwargs)
-        return
+    A pipeline's first stage reads every input the plan records, and its schedule runs
+    micro-batches of one shape, so the batch must pass them all and split into equal
+    micro-batches."""
     for spec in plan.inputs:
         value = _input(spec, args, kwargs)
         if not isinstance(value, torch.Tensor):
+            if plan.mesh.pp > 1:
+                raise RuntimeMismatchError(
+                    f"the plan was made with input {spec.name!r} of shape {list(spec.shape)}; "
+                    "this batch does not pass it, which a pipeline's first stage reads: call "
+                    "step() with the inputs the model was planned with"
+                )
             continue  # left out (labels, to generate): the model's own signature decides
         if value.dim() != len(spec.shape):
             raise RuntimeMismatchError(
@@ -508,6 +514,8 @@ def admit_input(
                 "least one sample a call (a rank that skips leaves its peers waiting in a collective)"
             )
         _check_dtype(spec, value)
+    if plan.mesh.pp > 1:
+        _check_equal_micro_batches(args, kwargs, micro_batches)
     if plan.mesh.cp > 1:
         # each cp rank's 2 chunks, then split again over tp by sequence parallelism
         tp = plan.mesh.tp if plan.tensor_parallel.sequence_parallel else 1
@@ -584,30 +592,6 @@ def _check_sequence_divides(
         )
 
 
-def check_batch(plan: Plan, args: tuple, kwargs: dict) -> None:
-    """Refuse a batch whose shapes or dtypes differ from the plan's inputs: their dynamic dims may
-    change, and dim 0 may be smaller than planned (see [Note: smaller batches]). Pipelined plans'
-    rule (see admit_input)."""
-    for spec in plan.inputs:
-        value = _input(spec, args, kwargs)
-        if not isinstance(value, torch.Tensor):
-            raise RuntimeMismatchError(
-                f"the plan was made with input {spec.name!r} of shape {list(spec.shape)}; "
-                "this batch does not pass it: call step() as the model was planned"
-            )
-        fixed = [dim for dim in range(len(spec.shape)) if dim not in spec.dynamic_dims]
-        shrinks = 0 in fixed and value.dim() > 0 and 0 < value.shape[0] <= spec.shape[0]
-        if value.dim() != len(spec.shape) or any(
-            value.shape[dim] != spec.shape[dim] for dim in fixed if not (dim == 0 and shrinks)
-        ):
-            raise RuntimeMismatchError(
-                f"input {spec.name!r} has shape {list(value.shape)}, the plan was made for {list(spec.shape)} "
-                "(one data-parallel replica's batch): pass batches of that shape or smaller along dim 0, "
-                "or re-plan for this one"
-            )
-        _check_dtype(spec, value)
-
-
 def _check_dtype(spec: InputSpec, value: torch.Tensor) -> None:
     given = dtype_name(value.dtype)
     if given != spec.dtype:
@@ -626,6 +610,15 @@ def _input(spec: InputSpec, args: tuple, kwargs: dict) -> Any:
     )
 
 
+def batch_inputs(plan: Plan, args: tuple, kwargs: dict) -> tuple[InputSpec, ...]:
+    """The plan's inputs at the shapes this batch passes them (each one a tensor: a pipeline's batch, which
+    admit_input has taken)."""
+    return tuple(
+        dataclasses.replace(spec, shape=tuple(_input(spec, args, kwargs).shape))
+        for spec in plan.inputs
+    )
+
+
 def _takes_planned_shapes(plan: Plan, args: tuple, kwargs: dict) -> bool:
     """Whether this batch passes every input of the plan at its planned shape (AdaScale's estimates are
     for batches of that size: see [Note: AdaScale's samples] in adascale.py)."""
@@ -636,17 +629,19 @@ def _takes_planned_shapes(plan: Plan, args: tuple, kwargs: dict) -> bool:
     )
 
 
-def check_micro_batches(args: tuple, kwargs: dict, count: int) -> None:
-    """Refuse a batch that does not split into `count` equal micro-batches along dim 0."""
+def _check_equal_micro_batches(args: tuple, kwargs: dict, count: int) -> None:
+    """Refuse a batch that does not split into `count` equal micro-batches along dim 0: a pipeline's
+    schedule runs micro-batches of one shape (see [Note: pipelined shapes] in pipelined.py)."""
     leaves = pytree.tree_leaves((args, kwargs))
     batch_sizes = sorted(
         {leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.dim() > 0}
     )
     if count > 1 and (len(batch_sizes) != 1 or batch_sizes[0] % count):
         raise RuntimeMismatchError(
-            f"the plan splits each batch into {count} micro-batches along dim 0, but the "
-            f"inputs have batch sizes {batch_sizes}: pass one batch size divisible by "
-            f"{count}, or re-plan with another num_micro_batches"
+            f"a pipelined plan splits each batch into {count} equal micro-batches along dim 0 (its "
+            f"schedule runs micro-batches of one shape), but the inputs have batch sizes "
+            f"{batch_sizes}: pass one batch size divisible by {count} (DataLoader(drop_last=True) "
+            "drops an epoch's uneven last batch), or re-plan with another num_micro_batches"
         )
 
 

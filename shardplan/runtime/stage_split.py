@@ -85,27 +85,34 @@ class StageGraph:
     """How the last stage's outputs unflatten into what the model returns."""
 
 
-def micro_batch_inputs(inputs: tuple[InputSpec, ...], micro_batch: int) -> tuple[tuple, dict]:
-    """Meta tensors shaped like one micro-batch of `micro_batch` samples of the plan's inputs (dim 0)."""
-    from shardplan.frontend.passes import meta_inputs
-
-    return meta_inputs(
-        dataclasses.replace(spec, shape=(micro_batch, *spec.shape[1:])) if spec.shape else spec
+def micro_batch_of(inputs: tuple[InputSpec, ...], count: int) -> tuple[InputSpec, ...]:
+    """`inputs`, a replica's batch, at one of its `count` micro-batches (dim 0 divided by `count`)."""
+    return tuple(
+        dataclasses.replace(spec, shape=(spec.shape[0] // count, *spec.shape[1:]))
+        if spec.shape
+        else spec
         for spec in inputs
     )
 
 
 def split_stages(
-    model: nn.Module, plan: Plan, device: torch.device, batch: int | None = None
+    model: nn.Module,
+    plan: Plan,
+    device: torch.device,
+    micro_batch: tuple[InputSpec, ...] | None = None,
 ) -> list[StageGraph]:
-    """Capture `model` at one micro-batch of a replica's `batch` (the planned one if None) and split its graph
+    """Capture `model` at the inputs of one `micro_batch` (the plan's own if None) and split its graph
     into the stages of `plan` (pp · virtual stages per rank), to run on `device`.
 
     Every rank splits out every stage, so a plan that cannot run fails alike on all of them."""
     from shardplan.frontend.passes.blocks import block_modules, group_nodes
 
-    micro_batch = (batch or plan.batch_per_replica) // plan.schedule.num_micro_batches
-    gm = _capture_micro_batch(model, plan, device, micro_batch)
+    gm = _capture_micro_batch(
+        model,
+        plan,
+        device,
+        micro_batch or micro_batch_of(plan.inputs, plan.schedule.num_micro_batches),
+    )
     groups = group_nodes(gm)
     units = _unit_of_blocks(plan, block_modules(groups))
     stage_of_unit = plan.stage_of_unit
@@ -172,10 +179,10 @@ def split_stages(
 
 
 def _capture_micro_batch(
-    model: nn.Module, plan: Plan, device: torch.device, micro_batch: int
+    model: nn.Module, plan: Plan, device: torch.device, micro_batch: tuple[InputSpec, ...]
 ) -> torch.fx.GraphModule:
     from shardplan.frontend.capture import capture
-    from shardplan.frontend.passes import PassInputs, run_passes
+    from shardplan.frontend.passes import PassInputs, meta_inputs, run_passes
 
     if not plan.inputs:
         raise PlanError(
@@ -183,7 +190,7 @@ def _capture_micro_batch(
             "a capture at those shapes; make the plan with shardplan.compile"
         )
     with _stand_ins(model, torch_dtype(plan.mixed_precision.param_dtype), device):
-        gm = capture(model, *micro_batch_inputs(plan.inputs, micro_batch)).gm
+        gm = capture(model, *meta_inputs(micro_batch)).gm
     if not hasattr(gm, "_in_spec"):
         raise ShardplanError(
             f"torch.export could not capture {type(model).__name__} (only symbolic tracing "
