@@ -35,7 +35,8 @@ READABLE_SCHEMAS = (
 """Plan formats this version reads, upgraded on load (_upgrade): format 1 (mesh dp × pp), format 2
 (no structural signature: parallelize checks such a plan by capturing the model), format 3 (one stage
 per pipeline rank, no sequence limits), format 4 (no context parallelism), format 5 (no expert
-parallelism), format 6 (no loss on sharded logits: a vocabulary-parallel head's logits gathered)."""
+parallelism), format 6 (no loss on sharded logits: a vocabulary-parallel head's logits gathered; an
+input's dims that may vary, which every input's may now)."""
 SCHEMA_PATH = os.path.join(os.path.dirname(__file__), "schemas", "plan.schema.json")
 """JSON Schema of the plan file, shipped in the package; from_json validates against it."""
 SCHEDULE_NAMES = ("none", "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -701,7 +702,18 @@ def _upgrade(data: dict) -> dict:
     ranks shard every unit, one replica group, tp = 1; the same ranks do the same work ([Note: rank
     layout]). Formats 1 and 2 record no signature, which is left empty; formats 1 to 3 no virtual stages
     and no sequence limits, formats 1 to 4 no cp, formats 1 to 5 no ep, formats 1 to 6 no
-    loss_parallel, whose defaults say so."""
+    loss_parallel, whose defaults say so. Formats 1 to 6 could name the dims of an input that may vary
+    (dynamic_dims), which nothing read: every dim may, and the names are dropped."""
+    if data.get("schema") != SCHEMA and isinstance(data.get("inputs"), list):
+        data = {
+            **data,
+            "inputs": [
+                {key: value for key, value in spec.items() if key != "dynamic_dims"}
+                if isinstance(spec, dict)
+                else spec
+                for spec in data["inputs"]
+            ],
+        }
     if data.get("schema") == "shardplan.plan/1" and isinstance(data.get("mesh"), dict):
         mesh = dict(data["mesh"])
         mesh["dp_shard"] = mesh.pop("dp", None)
@@ -907,14 +919,6 @@ def _check_inputs(inputs: tuple[InputSpec, ...]) -> None:
             raise PlanError(
                 f"input {name} has shape {_shown(list(spec.shape))}: at most {MAX_NDIM} dims, each "
                 f"0..{MAX_DIM}, {MAX_INPUT_NUMEL} elements in all; re-plan from the real example inputs"
-            )
-        if sorted(set(spec.dynamic_dims)) != sorted(spec.dynamic_dims) or any(
-            not 0 <= dim < len(spec.shape) for dim in spec.dynamic_dims
-        ):
-            raise PlanError(
-                f"input {name} marks dims {_shown(list(spec.dynamic_dims))} dynamic, but its shape "
-                f"{_shown(list(spec.shape))} has dims 0..{len(spec.shape) - 1}: name each existing dim "
-                "once"
             )
 
 

@@ -50,7 +50,7 @@ def _valid_plan() -> Plan:
         world_size=4,
         hardware="h100-80g",
         inputs=(
-            InputSpec(name="0", shape=(4, 32), dtype="int64", dynamic_dims=(1,)),
+            InputSpec(name="0", shape=(4, 32), dtype="int64"),
             InputSpec(name="labels", shape=(4, 32), dtype="int64"),
         ),
         mesh=Mesh(dp_shard=2, pp=2),

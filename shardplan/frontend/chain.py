@@ -329,5 +329,3 @@ class InputSpec:
     """Positional index as a string ("0", "1") or the keyword name."""
     shape: tuple[int, ...]
     dtype: str
-    dynamic_dims: tuple[int, ...] = ()
-    """Dims that may change between batches (batch, sequence)."""
