@@ -326,6 +326,7 @@ def test_a_pipelined_plan_refuses_a_shape_predicted_over_the_budget_as_without_a
         RuntimeMismatchError, match="the longest sequence that fits a micro-batch of 4"
     ):
         admit_input(plan, (), {"input_ids": over}, micro_batches=2)
-    with pytest.warns(UserWarning, match="predicted over the plan's memory budget"):
+    with pytest.warns(UserWarning, match="predicted over the plan's memory budget") as caught:
         admit_input(plan, (), {"input_ids": over}, micro_batches=2, over_budget="warn")
+    assert caught[0].filename == __file__  # the caller's line, however deep the warning is raised
     admit_input(plan, (), {"input_ids": over}, micro_batches=2, trains=False)  # an evaluation

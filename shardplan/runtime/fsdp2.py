@@ -66,6 +66,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from shardplan.common.caller import warn_at_caller
 from shardplan.common.dtypes import torch_dtype
 from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
 from shardplan.frontend.chain import InputSpec
@@ -458,11 +459,10 @@ def _groups_of_ties(model: nn.Module, units: tuple[Unit, ...]) -> list[tuple[Uni
         joining = tuple(path for path in loose if path not in into[0].modules)
         into[0] = dataclasses.replace(into[0], modules=into[0].modules + joining)
         beside = f" and modules {loose} of no unit" if loose else ""
-        warnings.warn(
+        warn_at_caller(
             f"parameter {name!r} is tied across units {owners}{beside}: backend='fsdp2' shards them as "
             "one group, gathered together with the first unit's decisions (the plan priced them apart; "
-            "backend='shardplan' runs the plan as priced)",
-            stacklevel=4,
+            "backend='shardplan' runs the plan as priced)"
         )
     groups = list({id(group): tuple(group) for group in merged.values()}.values())
     return sorted(groups, key=lambda group: _modules_below(group, groups))

@@ -54,7 +54,6 @@ import dataclasses
 import math
 import os
 import time
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, cast
@@ -64,6 +63,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
+from shardplan.common.caller import warn_at_caller
 from shardplan.common.dtypes import dtype_name
 from shardplan.common.files import is_finite_number
 from shardplan.errors import RuntimeMismatchError, ShardplanError
@@ -562,7 +562,7 @@ def _check_predicted_to_fit(
         '(parallelize(..., over_budget="warn") warns instead)'
     )
     if over_budget == "warn":
-        warnings.warn(message, stacklevel=4)
+        warn_at_caller(message)
         return
     raise RuntimeMismatchError(message)
 
