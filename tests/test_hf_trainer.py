@@ -321,9 +321,9 @@ def _refusals(tp_program, output_root: str) -> dict:
 
 
 def _launched_without_torchrun(program, output_root: str) -> str | None:
-    """A rank whose environment does not name the world (started by torch.multiprocessing alone): Trainer would
-    see one process and read every sample on every rank. Accelerate keeps the world it saw first,
-    so its state is reset, and left single-process."""
+    """A rank whose environment does not name the world (started by torch.multiprocessing alone):
+    Trainer would see one process and read every sample on every rank. Accelerate keeps the world it
+    saw first, so its state is reset, and left single-process."""
     from accelerate.state import AcceleratorState
 
     from shardplan.integrations.hf_trainer import ShardplanTrainer
