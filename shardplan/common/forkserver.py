@@ -1,13 +1,14 @@
 """The one process every child process shardplan starts is forked from.
 
-A spawned child starts a fresh interpreter and imports torch, shardplan and, for the Hugging Face models,
-transformers again: 3-4 s of CPU a rank, more than many a rank's whole job, and a world of 4 ranks on
-2 cores waits for all of them. A forkserver imports them once, when it starts, and forks every child
-from that warm state, as a spawned child would be after its imports (multiprocessing prepares it the same
-way: the parent's sys.path, working directory and main module).
+A spawned child starts a fresh interpreter and imports torch, shardplan and, for the Hugging Face
+models, transformers again: 3-4 s of CPU a rank, more than many a rank's whole job, and a world of 4
+ranks on 2 cores waits for all of them. A forkserver imports them once, when it starts, and forks
+every child from that warm state; multiprocessing then prepares the child as it prepares a spawned
+one (the parent's sys.path, working directory and main module), but its environment and standard
+streams are the server's as it started (runtime/launch.py hands ranks the caller's environment).
 
-Python runs one forkserver per process, preloaded with the modules named before it first starts, so every
-caller asks for it here, with one list.
+Python runs one forkserver per process, preloaded with the modules named before it first starts, so
+every caller asks for it here, with one list.
 """
 
 import multiprocessing
