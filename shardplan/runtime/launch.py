@@ -56,10 +56,11 @@ def run_world(
     progress: bool = True,
     description: str = "",
 ):
-    """Run `job(device, report, *args)` on `world_size` spawned ranks; return rank 0's result.
+    """Run `job(device, report, *args)` on `world_size` ranks, processes of their own; return rank 0's
+    result.
 
-    `job` must be a module-level function (it is pickled to each rank). Rank 0 calls `report(text)` after
-    each of `total_steps` steps, which advances a progress bar here when `progress`.
+    `job` must be a module-level function (it is pickled to each rank). Rank 0 calls `report(text)`
+    after each of `total_steps` steps, which advances a progress bar here when `progress`.
     """
     if backend != "nccl":  # NCCL worlds are bounded by the GPUs, which their callers check
         check_local_world(world_size)
