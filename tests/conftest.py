@@ -29,9 +29,9 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gpt_plan() -> Plan:
-    """compile's plan of the zoo GPT for one rank."""
+    """compile's plan of the zoo GPT for one rank (frozen: the modules that read it share one)."""
     entry = zoo.gpt()
     return compile(entry.model, 1, entry.args, entry.kwargs, hardware="cpu-gloo")
 

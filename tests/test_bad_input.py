@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardplan import Plan, PlanError, RuntimeMismatchError, ShardplanError, compile, parallelize
+from shardplan.common.forkserver import forkserver_context
 from shardplan.common.sizes import parse_bytes
 from shardplan.compile import solve
 from shardplan.frontend.passes import analyze
@@ -181,10 +181,10 @@ def _dying_rank(rank: int, port: int, folder: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_a_rank_that_dies_makes_the_others_fail_not_hang(tmp_path):
-    # Spawned by hand, not by run_world: when a rank dies, run_world (mp.spawn's join) terminates the
-    # others at once, and what this test watches is how the survivor fails on its own.
+    # Started by hand, not by run_world: when a rank dies, run_world (torch.multiprocessing's join)
+    # terminates the others at once, and what this test watches is how the survivor fails on its own.
     port = free_port()
-    context = mp.get_context("spawn")
+    context = forkserver_context()  # run_world's: its server has imported torch already
     ranks = [
         context.Process(target=_dying_rank, args=(rank, port, str(tmp_path))) for rank in range(2)
     ]

@@ -673,7 +673,7 @@ def test_a_demo_world_past_what_this_machine_runs_is_refused_before_it_plans_or_
     from shardplan.runtime import launch
 
     _forbid(monkeypatch, demo, "plan_demo")
-    _forbid(monkeypatch, launch.mp, "spawn")
+    _forbid(monkeypatch, launch.mp, "start_processes")
     err = _refused(["demo", "--hardware", "cpu-gloo", "--world-size", world], capsys)
     assert (
         f"--world-size {world}: every rank runs as a process on this machine" in err

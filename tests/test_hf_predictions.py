@@ -13,11 +13,8 @@ encoder-decoder, zoo.HF_ARCHITECTURES' config at the same size), holds only with
 kept once under full checkpointing, not once per decoder layer (shard_grad_op/full read 1.050); Llama's
 selective kinds only with the logits their head keeps beside the saved bytes (0.951-0.974 without)."""
 
-import math
-
 import pytest
 import torch
-from parity import spawn_world
 
 from shardplan import get_hardware
 from shardplan.calibration.accuracy import (
@@ -26,7 +23,7 @@ from shardplan.calibration.accuracy import (
     demo_chain_and_plans,
     hf_architecture_workload,
     hf_workload,
-    trained_program,
+    measure_plans,
 )
 from shardplan.frontend.capture import capture
 from shardplan.models import zoo
@@ -114,30 +111,6 @@ HELD = (
 """Architectures whose every plan kind's peak is held here, in one world."""
 
 
-def peak_bytes_job(rank: int, world: int, plan_jsons: list[str], workloads: tuple) -> list[int]:
-    """Every plan's peak memory over the ranks, as calibration.accuracy.measure_plans_job measures it
-    (its model, program and batch from trained_program, a warm-up step that allocates the optimizer
-    state, then MemTracker's peak of the next step), without the timed steps it runs after: step time
-    is not held here."""
-    from shardplan.runtime.collectives import all_reduce_max
-    from shardplan.runtime.measure import peak_step_bytes
-
-    peaks = []
-    for plan_json, workload in zip(plan_jsons, workloads, strict=True):
-        model, program, optimizer, ids = trained_program(torch.device("cpu"), plan_json, workload)
-
-        def step():
-            program.step(ids, labels=ids)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)  # kept between steps, as the cost model counts
-
-        step()
-        grads = [p.grad for p in program.parameters() if p.grad is not None]
-        peak = peak_step_bytes(step, model, optimizer, *program.parameters(), *grads)
-        peaks.append(int(all_reduce_max(torch.tensor(peak))))
-    return peaks
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
@@ -152,16 +125,13 @@ def test_hugging_face_peak_memory_is_predicted_within_5_percent():
         chains.append(chain)
         plans.append(kinds)
         workloads += [workload] * len(kinds)
-    peaks = spawn_world(
-        2,
-        peak_bytes_job,
-        ([plan.to_json() for kinds in plans for plan in kinds], tuple(workloads)),
+    _, measured = measure_plans(  # memory alone: step time is not held here
+        [plan for kinds in plans for plan in kinds], 2, 0, progress=False, workload=tuple(workloads)
     )
     ratios = {}
     for (name, precision), chain, kinds in zip(HELD, chains, plans):
-        found, peaks = peaks[: len(kinds)], peaks[len(kinds) :]
-        measured = [(peak, math.nan) for peak in found]
-        for row in compare(chain, kinds, measured, get_hardware("cpu-gloo")):
+        found, measured = measured[: len(kinds)], measured[len(kinds) :]
+        for row in compare(chain, kinds, found, get_hardware("cpu-gloo")):
             ratios[f"{name} {precision.param_dtype} {row.kind}"] = round(row.memory_ratio, 3)
     misses = {kind: ratio for kind, ratio in ratios.items() if abs(ratio - 1) > 0.05}
     assert len(ratios) == 5 * 12 and not misses, misses

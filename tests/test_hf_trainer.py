@@ -13,7 +13,6 @@ process running the references.
 
 import concurrent.futures
 import copy
-import multiprocessing
 import os
 import shutil
 
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 from parity import spawn_world
 
+from shardplan.common.forkserver import forkserver_context
 from shardplan.errors import ShardplanError
 from shardplan.models import zoo
 from shardplan.plan import ShardStrategy
@@ -321,9 +321,9 @@ def _refusals(tp_program, output_root: str) -> dict:
 
 
 def _launched_without_torchrun(program, output_root: str) -> str | None:
-    """A rank whose environment does not name the world (started by mp.spawn alone): Trainer would
-    see one process and read every sample on every rank. Accelerate keeps the world it saw first,
-    so its state is reset, and left single-process."""
+    """A rank whose environment does not name the world (started by torch.multiprocessing alone):
+    Trainer would see one process and read every sample on every rank. Accelerate keeps the world it
+    saw first, so its state is reset, and left single-process."""
     from accelerate.state import AcceleratorState
 
     from shardplan.integrations.hf_trainer import ShardplanTrainer
@@ -371,7 +371,7 @@ def _weights(directory: str) -> dict[str, torch.Tensor]:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_trainer_trains_a_program_as_one_process_trains_the_model(tmp_path):
-    context = multiprocessing.get_context("spawn")
+    context = forkserver_context()  # the ranks' (run_world): its server has imported transformers
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         reference_run = pool.submit(_reference, str(tmp_path / "reference"))
         found = spawn_world(WORLD, _rank_job, (str(tmp_path),))

@@ -351,7 +351,8 @@ def measure_plans_job(
     workload: "Workload | tuple[Workload, ...]" = DEMO_WORKLOAD,
 ):
     """Rank job (see runtime.launch.run_world): every plan's peak memory by MemTracker and its training
-    step timed in the same interleaved rounds as the calibration of `sweep` (None: no calibration).
+    step timed in `rounds` interleaved rounds, the same as the calibration of `sweep` (None: no
+    calibration); no rounds and no sweep measure memory alone, each step's seconds NaN.
     `workload`: the model every plan trains, or each plan's own (one per plan).
 
     Returns the calibration's Measurements (None without a sweep) and per plan (peak bytes over the
@@ -360,6 +361,7 @@ def measure_plans_job(
     from shardplan.runtime.collectives import all_reduce_max
     from shardplan.runtime.measure import peak_step_bytes
 
+    timed = rounds > 0 or sweep is not None
     probes, peaks = {}, []
     workloads = workload if isinstance(workload, tuple) else (workload,) * len(plan_jsons)
     for index, (plan_json, planned) in enumerate(zip(plan_jsons, workloads, strict=True)):
@@ -369,7 +371,10 @@ def measure_plans_job(
         grads = [p.grad for p in program.parameters() if p.grad is not None]  # kept between steps
         peak = peak_step_bytes(step, model, optimizer, *program.parameters(), *grads)
         peaks.append(int(all_reduce_max(torch.tensor(peak))))
-        probes["plan", index] = Probe(call=step, loop=False)
+        if timed:  # the program lives on to be timed; untimed, nothing holds it past its peak
+            probes["plan", index] = Probe(call=step, loop=False)
+    if not timed:
+        return None, [(peak, math.nan) for peak in peaks]
     measurements, seconds = measure_job(device, report, rounds, sweep, lambda device: probes)
     return measurements, [(peak, seconds["plan", index]) for index, peak in enumerate(peaks)]
 
@@ -474,8 +479,8 @@ def measure_memory_accuracy(
     hardware, precision: MixedPrecision, progress: bool = True
 ) -> list[Accuracy]:
     """Every plan kind of the demo GPT over 2 ranks, and every mesh kind of 2 ranks (MESH_KINDS), computing in
-    `precision`: peak memory predicted on `hardware` beside the measured, in one world (step time, taken
-    from one step, is shown, not held)."""
+    `precision`: peak memory predicted on `hardware` beside the measured, in one world (step time is not
+    measured: NaN; measure_accuracy and measure_mesh_accuracy time the steps)."""
     chain, plans = demo_chain_and_plans(2, DEMO_WORKLOAD, precision)
     two_ranks = [
         name
@@ -484,7 +489,7 @@ def measure_memory_accuracy(
     ]
     _, meshes = demo_mesh_plans(DEMO_WORKLOAD, two_ranks, precision)
     plans += list(meshes.values())
-    _, measured = measure_plans(plans, 2, 1, progress=progress)
+    _, measured = measure_plans(plans, 2, 0, progress=progress)
     return compare(chain, plans, measured, hardware, [*KIND_NAMES, *meshes])
 
 
@@ -497,11 +502,11 @@ def measure_mesh_accuracy(hardware, rounds: int = 3, progress: bool = True) -> l
 
 
 def measure_hand_plans(
-    workload: Workload, meshes: dict[str, tuple[dict[str, Any], Checkpoint]]
+    workload: Workload, meshes: dict[str, tuple[dict[str, Any], Checkpoint]], rounds: int = 1
 ) -> list[Accuracy]:
     """Each named plan of `workload`, written by hand (manual_plan's mesh keywords, every unit's
-    checkpointing), trained for one step after a warm-up in one world per world size, beside its
-    prediction on cpu-gloo."""
+    checkpointing), trained for `rounds` timed steps after a warm-up (none: memory alone, step time
+    NaN) in one world per world size, beside its prediction on cpu-gloo."""
     from shardplan.frontend.passes import analyze
     from shardplan.runtime.manual import manual_plan
 
@@ -518,7 +523,7 @@ def measure_hand_plans(
         )
         for mesh, checkpoint in meshes.values()
     ]
-    _, measured = measure_by_world(plans, 1, progress=False, workload=workload)
+    _, measured = measure_by_world(plans, rounds, progress=False, workload=workload)
     return compare(chain, plans, measured, get_hardware("cpu-gloo"), list(meshes))
 
 

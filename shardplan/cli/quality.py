@@ -12,7 +12,6 @@ is never reported PASS unless a plan of it came back.
 
 import argparse
 import json
-import multiprocessing
 import os
 import signal
 import sys
@@ -20,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TypeGuard
 
 from shardplan.common.files import is_finite_number, parse_json, read_text, write_text_atomically
+from shardplan.common.forkserver import forkserver_context
 from shardplan.common.sizes import format_bytes
 from shardplan.errors import ShardplanError
 
@@ -147,10 +147,7 @@ def _plan_twice(case: Case, folder: str, debug: bool = False) -> _Planned | str:
 
 def _plan_twice_apart(case: Case, folder: str, timeout_s: float) -> _Planned | str:
     """_plan_twice in a process of its own (see the module's docstring), or why no plan came back."""
-    context = multiprocessing.get_context(
-        "forkserver"
-    )  # forks of one process that imported torch once
-    context.set_forkserver_preload(["shardplan.compile", "shardplan.cli.model_spec"])
+    context = forkserver_context()  # forks of one process that imported torch once
     receiver, sender = context.Pipe(duplex=False)
     process = context.Process(
         target=_plan_twice_and_send, args=(case, folder, sys.path, sender), daemon=True

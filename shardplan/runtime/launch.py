@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardplan.common.forkserver import forkserver_context
 from shardplan.errors import ShardplanError
 from shardplan.runtime.collectives import shutdown
 from shardplan.runtime.host_memory import keep_freed_host_memory
@@ -55,19 +56,22 @@ def run_world(
     progress: bool = True,
     description: str = "",
 ):
-    """Run `job(device, report, *args)` on `world_size` spawned ranks; return rank 0's result.
+    """Run `job(device, report, *args)` on `world_size` ranks, processes of their own; return rank 0's
+    result.
 
-    `job` must be a module-level function (spawn pickles it). Rank 0 calls `report(text)` after
-    each of `total_steps` steps, which advances a progress bar here when `progress`.
+    `job` must be a module-level function (it is pickled to each rank). Rank 0 calls `report(text)`
+    after each of `total_steps` steps, which advances a progress bar here when `progress`.
     """
     if backend != "nccl":  # NCCL worlds are bounded by the GPUs, which their callers check
         check_local_world(world_size)
-    queue = mp.get_context("spawn").Queue()
-    context = mp.spawn(
+    # Ranks start as forks of a server that imported torch and shardplan once (common/forkserver.py).
+    queue = forkserver_context().Queue()
+    context = mp.start_processes(
         _rank_main,
-        args=(world_size, free_port(), backend, job, args, queue),
+        args=(world_size, free_port(), backend, job, args, queue, dict(os.environ)),
         nprocs=world_size,
         join=False,
+        start_method="forkserver",
     )
     result = None
     with _progress_bar(progress, description, total_steps) as advance:
@@ -84,8 +88,19 @@ def run_world(
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, backend: str, job, args: tuple, queue
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    job,
+    args: tuple,
+    queue,
+    environment: dict[str, str],
 ) -> None:
+    # A fork of the forkserver has the environment the server started with: the caller's is the one a
+    # spawned rank would have had.
+    os.environ.clear()
+    os.environ.update(environment)
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
