@@ -192,7 +192,7 @@ def test_predicted_peak_memory_within_3_percent_half_the_logits_below_gathering(
     # of their float copy for the loss (measured: 8.4 MB less in both, the bf16 prediction 1.5x that)
     assert abs(drops["float32"] / (LOGITS_BYTES / 2) - 1) < 0.001, drops
     assert abs(drops["bfloat16"] / (LOGITS_BYTES * 3 / 4) - 1) < 0.001, drops
-    _, measured = measure_plans(plans, 2, 1, progress=False, workload=MEMORY_WORKLOAD)
+    _, measured = measure_plans(plans, 2, 0, progress=False, workload=MEMORY_WORKLOAD)
     ratios = {
         plan.mixed_precision.param_dtype: compare(
             chain, [plan], [found], get_hardware("cpu-gloo"), ["tp2 vocab"]

@@ -64,11 +64,20 @@ def run_world(
     """
     if backend != "nccl":  # NCCL worlds are bounded by the GPUs, which their callers check
         check_local_world(world_size)
+    # The rendezvous store listens here, on a port the OS picked as it bound it: a port probed free and
+    # bound later by rank 0 could be taken in between by another world starting on this machine.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=_TIMEOUT_S),
+    )
     # Ranks start as forks of a server that imported torch and shardplan once (common/forkserver.py).
     queue = forkserver_context().Queue()
     context = mp.start_processes(
         _rank_main,
-        args=(world_size, free_port(), backend, job, args, queue, dict(os.environ)),
+        args=(world_size, store.port, backend, job, args, queue, dict(os.environ)),
         nprocs=world_size,
         join=False,
         start_method="forkserver",
@@ -108,13 +117,9 @@ def _rank_main(
         torch.set_num_threads(1)  # as ranks run on CPU: one core each
         keep_freed_host_memory()  # as parallelize does on CPU: the calibration times what the steps run
         device = torch.device("cpu")
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=_TIMEOUT_S),
-    )
+    timeout = datetime.timedelta(seconds=_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         report = (lambda text: queue.put(("step", text))) if rank == 0 else (lambda text: None)
         result = job(device, report, *args)
