@@ -42,6 +42,14 @@ IGNORE_INDEX = -100
 """The label a causal-LM loss skips (torch's cross_entropy default, Hugging Face's)."""
 _SEQUENCE = 1
 """The sequence dim of the model's inputs (batch first)."""
+
+
+def shifted_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The causal-LM targets of `labels` (..., sequence): each token's next, the last `ignore_index`,
+    as transformers' ForCausalLMLoss shifts them."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
 _KEYS = -2
 """The sequence dim of attention's queries, keys and values: (batch, heads, tokens, head dim)."""
 
@@ -105,9 +113,7 @@ class ContextParallel:
                 f"{int((mask == 0).sum())} token(s); pack or trim sequences to equal lengths"
             )
         positions = zigzag_positions(length, self.cp, self.rank).to(labels.device)
-        shifted = torch.cat(
-            [labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=_SEQUENCE
-        )
+        shifted = shifted_labels(labels)
 
         def local(value: Any) -> Any:
             sequenced = (

@@ -29,11 +29,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from shardplan.errors import RuntimeMismatchError
 from shardplan.runtime.collectives import Group, group_world
-from shardplan.runtime.context_parallel import IGNORE_INDEX
+from shardplan.runtime.context_parallel import IGNORE_INDEX, shifted_labels
 from shardplan.runtime.tensor_parallel import exchange
 
 
@@ -87,7 +86,7 @@ def causal_lm_loss(
             f"for a vocabulary of {vocab_size}: the head must return this rank's slice"
         )
     if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = shifted_labels(labels, ignore_index)
     loss = vocab_parallel_cross_entropy(
         logits.float().flatten(0, -2),
         shift_labels.flatten().to(logits.device),
