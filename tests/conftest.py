@@ -57,5 +57,10 @@ def published_fsdp_bench():
 
 
 @pytest.fixture(scope="session")
+def published_torchtitan_bench():
+    return _benchmark("bench_published_torchtitan")
+
+
+@pytest.fixture(scope="session")
 def gpu_check():
     return _benchmark("gpu_check")
