@@ -902,3 +902,15 @@ def test_get_hardware(tmp_path):
 def test_profiles_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         make_profile().name = "other"
+
+
+def test_attention_rates_past_the_longest_sequence_rise_toward_a_ceiling():
+    """Past its longest point a rising curve continues as ceiling x S / (S + S0) through its last two points
+    (S0 = 1024 here: 1 / (1 + 1024 / S) at 1k, 2k, 4k); a flat or falling one holds its last rate."""
+    rising = SizeCurve(points=((1024.0, 0.5e12), (2048.0, 2e12 / 3)))
+    flat = SizeCurve(points=((1024.0, 1e12), (2048.0, 1e12)))
+    rate = AttentionRate(causal={"64": rising}, full={"64": flat})
+    assert rate.flops_per_s(2048, causal=True) == pytest.approx(2e12 / 3)
+    assert rate.flops_per_s(4096, causal=True) == pytest.approx(0.8e12)
+    assert rate.flops_per_s(1e9, causal=True) == pytest.approx(1e12, rel=1e-5)
+    assert rate.flops_per_s(65536, causal=False) == 1e12

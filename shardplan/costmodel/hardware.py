@@ -51,9 +51,15 @@ call of unknown head dim (a chain built by hand) is priced at the mean of the ra
 its head dims at S. Limits of the ratio: the log-sum-exp (4 bytes a row, fp32) adds under 1% to
 the bytes at head dims of 64 and more; grouped-query attention that hands the kernel k and v of fewer heads
 moves fewer bytes, so reads as a longer sequence (1.6x with 4 query heads a key head, 1.8x with 8): a
-faster rate by what the published ones gain over that span (they rise 3-12% from 4k to 16k, and no further
-past the longest listed); a call whose rows are not its keys (cross-attention) reads as a sequence
-between the two.
+faster rate by what the published ones gain over that span (they rise 3-12% from 4k to 16k); a call whose
+rows are not its keys (cross-attention) reads as a sequence between the two.
+
+Past the longest sequence a figure lists, a kernel's rate keeps rising, more slowly: each thread block of
+queries pays fixed work (loading its queries, the final rescale and store, and under a causal mask the
+half-masked tile on the diagonal) spread over the S / block key blocks it streams, so the rate approaches its
+ceiling as S / (S + S0). A curve is continued in that form through its two longest points: FlashAttention-2
+causal at head dim 128 on A100 (203 and 210 TFLOP/s forward at 8k and 16k) gives S0 = 660 and 215 at 32k,
+217 at 64k, where holding the 16k rate would price a 64k call 3% slow.
 """
 
 import dataclasses
@@ -151,10 +157,22 @@ class AttentionRate:
         curves = sorted(
             (int(dim), curve) for dim, curve in (self.causal if causal else self.full).items()
         )
-        rates = [curve.at(sequence) for _, curve in curves]
+        rates = [_attention_rate_at(curve, sequence) for _, curve in curves]
         if not head_dim:
             return sum(rates) / len(rates)
         return float(np.interp(head_dim, [dim for dim, _ in curves], rates))
+
+
+def _attention_rate_at(curve: SizeCurve, sequence: float) -> float:
+    """`curve`'s rate at `sequence`; past its longest sequence, still rising as its last two points rise
+    ([Note: attention by sequence length]): rate = ceiling x S / (S + S0), S0 and the ceiling through those two
+    points. A curve that does not rise there holds its last rate."""
+    (s1, r1), (s2, r2) = ((0.0, 0.0), *curve.points)[-2:]
+    growth = r2 / r1 if r1 > 0 else 0.0
+    if sequence <= s2 or not 1 < growth < s2 / s1:
+        return curve.at(sequence)
+    s0 = s1 * s2 * (growth - 1) / (s2 - growth * s1)
+    return r2 * (s2 + s0) / s2 * sequence / (sequence + s0)
 
 
 ATTENTION_ELEMENTS = {False: (4, 4), True: (8, 10)}
