@@ -18,6 +18,7 @@ solver for 8 x h100-80g in bf16 mixed precision: the chosen mesh and its figures
 """
 
 import argparse
+import re
 
 from rich.console import Console
 from rich.table import Table
@@ -30,6 +31,8 @@ from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
 from shardplan.plan import BF16_MIXED, Checkpoint
 
+SAMPLES_A_STEP = re.compile(r", (\d+(?:\.\d+)?) samples a step")
+"""Where a runner-up's description (solver/explain.py) says how many samples its step trains."""
 MEASURED_MESHES = {
     "dp2": (dict(dp=2), Checkpoint.NONE),
     "cp2": (dict(dp=1, cp=2), Checkpoint.NONE),
@@ -75,9 +78,11 @@ def planned(console: Console, lengths: list[int]) -> None:
         for alternative in plan.reasoning.runner_ups:
             if alternative.description.startswith("expert default"):
                 continue
-            samples = float(alternative.description.rsplit(", ", 1)[1].split()[0])
+            found = SAMPLES_A_STEP.search(alternative.description)
+            assert found, f"no samples a step in {alternative.description!r}"
+            samples = float(found.group(1))
             table.add_row(
-                alternative.description.rsplit(", ", 1)[0],
+                alternative.description[: found.start()] + alternative.description[found.end() :],
                 f"{alternative.step_time_s:.3g} s",
                 f"{samples * length / alternative.step_time_s / 8:.0f}",
                 format_bytes(alternative.peak_bytes),
