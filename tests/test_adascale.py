@@ -10,6 +10,7 @@ loaded on a world of another global batch re-derives its scale; backend fsdp2 is
 
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -268,6 +269,17 @@ def scale_one_and_round_trip(rank: int) -> dict:
         adascale.state_dict()["averages"] == found["states"][0]["averages"]
     )
     adascale.step()
+    optimizers[2].zero_grad()
+    # a step that overflowed (a loop would skip it for its loss): its gradients are not finite
+    with torch.no_grad():
+        original.parameters()[0].fill_(float("inf"))
+    full = _mine(plain, rank, _batches(1)[0])
+    loss = original.step(full, labels=full)
+    found["overflowed_step"] = (
+        math.isfinite(float(loss)),
+        adascale.state_dict()["averages"] == found["states"][0]["averages"],
+        math.isfinite(adascale.gain()),
+    )
     return found
 
 
@@ -367,6 +379,11 @@ def test_a_saved_state_continues_as_if_never_saved(results):
 
 def test_a_batch_smaller_than_planned_leaves_the_estimates_alone(results):
     assert results["scale_one_and_round_trip"]["smaller_batch_kept_averages"]
+
+
+def test_a_step_whose_gradients_overflowed_leaves_the_estimates_alone(results):
+    loss_finite, kept_averages, gain_finite = results["scale_one_and_round_trip"]["overflowed_step"]
+    assert not loss_finite and kept_averages and gain_finite
 
 
 def test_a_state_loaded_on_another_global_batch_rederives_its_scale(results):

@@ -194,7 +194,8 @@ class AdaScale:
     def _measure(self, planned: bool) -> None:
         """Update the running averages from the step just reduced (on every rank: one all-reduce), unless
         a rank's batch was smaller than planned (an epoch's last): its micro-batches are not samples of
-        the size the estimates are for, so that step keeps the averages (and gains) as they were."""
+        the size the estimates are for, so that step keeps the averages (and gains) as they were; as does
+        a step whose gradients are not finite."""
         groups = len(self.optimizer.param_groups)
         sums = torch.zeros(2 * groups + 1, dtype=torch.float64)
         for unit, group in self._units:
@@ -210,6 +211,10 @@ class AdaScale:
         if (
             self.samples == 1 or sums[-1] > 0
         ):  # scale 1 (checked): the gain is 1 whatever the estimates
+            return
+        if not torch.isfinite(sums).all():
+            # an overflowed step (one a loop skips for its non-finite loss) would make every later
+            # average, gain and learning rate NaN: the averages keep their last values instead
             return
         for group in range(groups):
             variance, square = estimate(

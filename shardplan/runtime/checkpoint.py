@@ -993,7 +993,10 @@ def _commit(
     """Write the extra states and `shardplan.json`, last, into `<path>.partial`; swap it in."""
     partial = _partial(directory)
     for name, data in extras.items():
-        (partial / _extra_file(name)).write_bytes(data)
+        with open(partial / _extra_file(name), "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())  # on disk before the swap names this checkpoint the newest
     files = {**files, **_described_files(partial, [_extra_file(name) for name in extras])}
     metadata = {**metadata, "files": dict(sorted(files.items()))}
     if extras:
@@ -1004,6 +1007,7 @@ def _commit(
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, partial / METADATA_FILE)
+    _fsync_directory(partial)
     _swap(directory)
 
 
