@@ -83,6 +83,37 @@ def test_the_run_folder_is_held_by_one_job_and_keeps_its_run_id(tmp_path):
 # numbers read from flags and checkpoints
 
 
+def _checkpoint(folder: Path, name: str, run: str | None) -> Path:
+    """A finished checkpoint's folder as latest_checkpoints finds it, its progress naming `run` (None: no
+    readable progress)."""
+    path = folder / name
+    path.mkdir()
+    (path / elastic.METADATA_FILE).write_text("{}")
+    if run is not None:
+        torch.save({"step": 0, "run": run}, path / "extra.progress.pt")
+    return path
+
+
+def test_a_save_removes_only_this_runs_older_checkpoints_past_the_one_before_it(tmp_path):
+    """The run saved 350 after 300 and 250, beside another run's later checkpoints copied in (a start passes
+    them over) and an older one of unreadable progress: 250 goes, with a crashed swap's leftover of 200; the
+    two newest of this run, the other run's and the unreadable one stay."""
+    for step, run in ((200, "mine"), (250, "mine"), (300, "mine"), (350, "mine")):
+        _checkpoint(tmp_path, f"step_{step:08d}", run)
+    (tmp_path / "step_00000200").rename(tmp_path / "step_00000200.old")
+    for step in (950, 1000):
+        _checkpoint(tmp_path, f"step_{step:08d}", "theirs")
+    _checkpoint(tmp_path, "step_00000100", None)
+    elastic.remove_old_checkpoints(tmp_path, 350, "mine")
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "step_00000100",
+        "step_00000300",
+        "step_00000350",
+        "step_00000950",
+        "step_00001000",
+    ]
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [
@@ -186,6 +217,21 @@ def test_a_forged_or_foreign_progress_state_is_a_checkpoint_error_that_changes_n
 # whole starts, on one gloo rank
 
 
+class _FailingHeldOut(torch.utils.data.Dataset):
+    """`data` whose held-out samples (from index `first`) fail to load, as an evaluation may fail."""
+
+    def __init__(self, data, first: int):
+        self.data, self.first = data, first
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        if index >= self.first:
+            raise RuntimeError(f"held-out sample {index} failed")
+        return self.data[index]
+
+
 def run_folder_job(rank: int, world: int, folder: str) -> dict:
     import elastic_data
 
@@ -220,6 +266,26 @@ def run_folder_job(rank: int, world: int, folder: str) -> dict:
 
     start("a", 2)
     found["changed_lr"] = start("a", 3, lr=1e-2)
+    held_out = len(data) - 4
+    failing = _FailingHeldOut(data, held_out)
+    try:
+        elastic.train(
+            lambda: load_model("gpt").model,
+            failing,
+            ElasticOptions(
+                directory=root / "e",
+                steps=4,
+                global_batch_size=4,
+                plan_options={"hardware": "cpu-gloo"},
+                checkpoint_every=2,
+                eval_every=2,
+                eval_samples=4,
+            ),
+        )
+        found["failed_evaluation"] = "trained"
+    except RuntimeError as error:
+        found["failed_evaluation"] = str(error)
+    found["saved_before_evaluating"] = sorted(path.name for path in (root / "e").glob("step_*"))
     start("b", 2, lr=0.5)
     shutil.copytree(
         root / "b" / "step_00000002", root / "a" / "step_00000009"
@@ -282,6 +348,43 @@ def test_a_changed_learning_rate_on_resume_is_applied_and_logged(starts):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
+def test_a_failed_evaluation_leaves_its_steps_checkpoint(starts):
+    assert starts["failed_evaluation"].startswith("held-out sample ")
+    assert starts["saved_before_evaluating"] == ["step_00000002"]
+
+
+def too_few_held_out_job(rank: int, world: int, folder: str) -> str:
+    import elastic_data
+
+    from shardplan.cli.model_spec import load_model
+
+    try:
+        elastic.train(
+            lambda: load_model("gpt").model,
+            elastic_data.tokens(),
+            ElasticOptions(
+                directory=Path(folder) / "run",
+                steps=4,
+                global_batch_size=4,
+                plan_options={"hardware": "cpu-gloo"},
+                eval_every=2,
+                eval_samples=1,
+            ),
+        )
+        return "trained"
+    except ShardplanError as error:
+        return str(error)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_held_out_samples_fewer_than_the_ranks_are_refused_before_any_step(tmp_path):
+    """Found at the first evaluation instead, every restart would train to it and fail again."""
+    refused = spawn_world(2, too_few_held_out_job, (str(tmp_path),))
+    assert refused.startswith("1 held-out sample(s) do not split over this world's 2 data-parallel")
+    assert not list((tmp_path / "run").glob("step_*"))
+
+
 def test_another_runs_checkpoint_is_passed_over_unless_adopted(starts):
     step, lines, _ = starts["foreign"]
     assert any(

@@ -5,6 +5,8 @@ import contextlib
 import io
 import json
 import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -48,8 +50,8 @@ def train_job(rank: int, world: int, folder: str) -> dict:
 
     run, found = Path(folder) / "run", {}
 
-    def train(*flags: str) -> tuple[int, str, str]:
-        out, err = io.StringIO(), io.StringIO()
+    def train(*flags: str, directory: Path = run, out=None) -> tuple[int, str, str]:
+        out, err = out or io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             status = main(
                 [
@@ -57,7 +59,7 @@ def train_job(rank: int, world: int, folder: str) -> dict:
                     "gpt",
                     "elastic_data:tokens",
                     "--directory",
-                    str(run),
+                    str(directory),
                     "--global-batch",
                     "4",
                     "--hardware",
@@ -97,8 +99,26 @@ def train_job(rank: int, world: int, folder: str) -> dict:
     found["lr_at_6"] = metadata["optimizer"]["param_groups"][0]["lr"]
     found["reseeded"] = train("--steps", "8", "--seed", "5", *first)
     found["export"] = main(["export", str(run / "step_00000006"), "-o", str(Path(folder) / "out")])
+    stopped = Path(folder) / "stopped"
+    found["stopped"] = train("--steps", "50", directory=stopped, out=_TerminatedAtStep(1))
+    found["stopped_saved"] = sorted(path.name for path in stopped.glob("step_*"))
     found["exported"] = sorted(torch.load(Path(folder) / "out" / "model.pt", weights_only=True))
     return found
+
+
+class _TerminatedAtStep(io.StringIO):
+    """Standard output that sends this process SIGTERM when the log reports `step`, as torchrun stops a
+    worker, or a scheduler a job, mid-run."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.line, self.sent = f"step {step}: ", False
+
+    def write(self, text: str) -> int:
+        if self.line in text and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().write(text)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +163,16 @@ def test_a_changed_flag_on_resume_is_logged_and_wins_and_a_fixed_one_is_refused(
     status, out, err = trained["reseeded"]
     assert status == 2 and "seed was 0 when the run in " in err and "give 0 again" in err, err
     assert err.count("\n") == 1
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_run_stopped_short_of_its_steps_saves_and_exits_as_stopped_by_sigterm(trained):
+    """Not 0: torchrun would take the worker group as done and end the job, where it should restart the
+    workers a stopped one left, and a scheduler requeue a preempted job."""
+    status, out, err = trained["stopped"]
+    assert status == 128 + signal.SIGTERM, err
+    assert trained["stopped_saved"] == ["step_00000001"]
 
 
 @pytest.mark.distributed

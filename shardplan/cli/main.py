@@ -670,6 +670,8 @@ TRAIN_SETTINGS_FIXED = ("model", "data", "seed", "eval_samples")
 """The train settings a resumed run may not change: they fix the model and the data order of its
 checkpoints. Every other flag may change at a restart; the log names each change, and the new value
 is used ([Note: changed settings] in runtime/elastic.py)."""
+STOPPED_EXIT_CODE = 128 + 15
+"""`shardplan train`'s exit status when SIGTERM stopped it before --steps (the shell's for SIGTERM)."""
 
 
 def _train(options) -> int:
@@ -784,7 +786,9 @@ def _train(options) -> int:
         ),
         log=lambda text: print(text, flush=True),
     )
-    return 0 if outcome.step >= options.steps or outcome.stopped else 1
+    # Stopped by SIGTERM short of --steps, its last step saved: not a success, so that torchrun
+    # restarts the workers a stopped worker or node left, and a scheduler requeues a preempted job.
+    return 0 if outcome.step >= options.steps else STOPPED_EXIT_CODE
 
 
 def _calibrate(argv: list[str] | None = None) -> int:

@@ -778,6 +778,22 @@ def _load_extras(extra: Mapping[str, Stateful], states: dict[str, Any]) -> None:
         extra[name].load_state_dict(state)
 
 
+def read_saved_extra(path: str | os.PathLike, name: str) -> Any:
+    """A checkpoint's extra state `name` as saved, read without running code, from `path` or, after a crash
+    mid-swap, `path`.old (as read_metadata falls back); CheckpointError where it cannot be read."""
+    directory = Path(os.path.abspath(path))
+    if not directory.exists() and _old(directory).exists():
+        directory = _old(directory)
+    return _read_extra(directory, name)
+
+
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Remove a checkpoint and what a save cut short left beside it (`path`.old, `path`.partial)."""
+    directory = Path(os.path.abspath(path))
+    for stale in (directory, _old(directory), _partial(directory)):
+        _remove(stale)
+
+
 def _read_extra(directory: Path, name: str) -> Any:
     """An extra object's state, read without running code (its bytes were checked against the manifest)."""
     file = directory / _extra_file(name)

@@ -58,7 +58,12 @@ from shardplan.common.files import (
 from shardplan.errors import CheckpointError, PlanError, ShardplanError
 from shardplan.plan import Plan
 from shardplan.runtime import collectives, parallelize
-from shardplan.runtime.checkpoint import METADATA_FILE, read_metadata
+from shardplan.runtime.checkpoint import (
+    METADATA_FILE,
+    read_metadata,
+    read_saved_extra,
+    remove_checkpoint,
+)
 from shardplan.runtime.checkpoint import (
     _on_rank_zero as on_rank_zero,  # rank 0 acts, every rank gets its result or its error
 )
@@ -303,6 +308,13 @@ def _train(
             model, _example_call(dataset, replica_batch), world.size, options.plan_options, timings
         )
     )
+    if options.eval_samples and options.eval_samples < plan.mesh.dp:
+        # refused before any step: found at the first evaluation, every restart would train to it again
+        raise ShardplanError(
+            f"{options.eval_samples} held-out sample(s) do not split over this world's "
+            f"{plan.mesh.dp} data-parallel ranks: hold out at least as many samples as ranks "
+            "(--eval-samples)"
+        )
     program = _timed(
         timings, "parallelize_s", lambda: parallelize(model, plan, backend=options.backend)
     )
@@ -341,6 +353,9 @@ def _train(
                 )
             )
             journal.stepped(state.step, losses[-1], world.size, first_sample, global_batch, started)
+            # saved first: an evaluation that fails must not cost the step its checkpoint
+            if state.step % options.checkpoint_every == 0 or state.step == options.steps:
+                _save(program, optimizer, state, directory, journal)
             if options.eval_every and (
                 state.step % options.eval_every == 0 or state.step == options.steps
             ):
@@ -348,8 +363,6 @@ def _train(
                     state.step,
                     *_evaluate(program, dataset, state.sampler.num_samples, options, global_batch),
                 )
-            if state.step % options.checkpoint_every == 0 or state.step == options.steps:
-                _save(program, optimizer, state, directory, journal)
         stopped = state.step < options.steps
         if stopped and state.step % options.checkpoint_every:  # SIGTERM: keep what was trained
             _save(program, optimizer, state, directory, journal)
@@ -737,15 +750,28 @@ def _saved_plan(metadata: dict, path: Path, journal: "_Journal") -> Plan | None:
 def _save(program, optimizer, state: _TrainingState, directory: Path, journal: "_Journal") -> None:
     started = time.perf_counter()
     program.save(directory / f"step_{state.step:08d}", optimizer, extra=state.extras())
-    on_rank_zero(lambda: _remove_old_checkpoints(directory))
+    on_rank_zero(lambda: remove_old_checkpoints(directory, state.step, state.run))
     journal.saved(state.step, time.perf_counter() - started)
 
 
-def _remove_old_checkpoints(directory: Path) -> None:
-    import shutil
+def remove_old_checkpoints(directory: Path, saved_step: int, run: str) -> None:
+    """After a save at `saved_step`, remove this run's checkpoints older than the newest KEPT_CHECKPOINTS - 1
+    before it. Only those: a checkpoint of a later step, or one this run did not save (another run's, one
+    whose progress cannot be read), is a start's to pass over, never this run's to delete."""
+    older = [path for step, path in latest_checkpoints(directory) if step < saved_step]
+    for path in older[KEPT_CHECKPOINTS - 1 :]:
+        if _saved_by(path) == run:
+            remove_checkpoint(path)
 
-    for _, path in latest_checkpoints(directory)[KEPT_CHECKPOINTS:]:
-        shutil.rmtree(path, ignore_errors=True)
+
+def _saved_by(path: Path) -> str | None:
+    """The run id a checkpoint's progress records; None where it records none or cannot be read."""
+    try:
+        progress = read_saved_extra(path, "progress")
+    except CheckpointError:
+        return None
+    run = progress.get("run") if isinstance(progress, dict) else None
+    return run if isinstance(run, str) else None
 
 
 # [Note: run folder]
