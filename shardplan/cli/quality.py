@@ -91,8 +91,8 @@ def check_baseline(
         )
         report(outcome)
         outcomes.append(outcome)
-    if update:
-        _write(path, [outcome.now or outcome.case for outcome in outcomes], tolerance)
+    if update:  # the baseline keeps its own tolerance: one loose run must not loosen the gate
+        _write(path, [outcome.now or outcome.case for outcome in outcomes], saved_tolerance)
     return outcomes
 
 
@@ -310,9 +310,10 @@ def _read(path: str) -> tuple[list[Case], float]:
     data = parse_json(read_text(path, "baseline"), f"baseline {path!r}")
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise ShardplanError(f"baseline {path!r} is not a {SCHEMA} file")
-    if not isinstance(data.get("cases"), list):
+    if not isinstance(data.get("cases"), list) or not data["cases"]:
+        # a gate of no cases would pass whatever the planner does
         raise ShardplanError(
-            f'baseline {path!r} has no list of cases: give "cases": [{{"model": ..., '
+            f'baseline {path!r} has no cases: give "cases": [{{"model": ..., '
             '"world_size": ...}, ...]'
         )
     cases = [
