@@ -796,7 +796,11 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
     >>> plan = load_plan("plan.json")  # doctest: +SKIP
     """
-    return Plan.from_json(read_text(path, "plan file", PlanError))
+    text = read_text(path, "plan file", PlanError)
+    try:
+        return Plan.from_json(text)
+    except PlanError as error:  # from_json reads text, not a file: name the one that was read
+        raise PlanError(f"plan file {os.fspath(path)!r}: {error}") from None
 
 
 def _check_plan(plan: Plan) -> None:

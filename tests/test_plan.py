@@ -266,6 +266,12 @@ def test_corrupt_and_foreign_files_are_refused(tmp_path):
         Plan.from_json(text.replace(SCHEMA, "shardplan.plan/9"))
     with pytest.raises(PlanError, match="cannot read"):
         load_plan(tmp_path / "missing.json")
+    future = tmp_path / "future.json"
+    future.write_text(text.replace(SCHEMA, "shardplan.plan/99"))
+    with pytest.raises(
+        PlanError, match=r"^plan file '.*future\.json': plan schema .* not supported"
+    ):
+        load_plan(future)
 
 
 def test_the_shipped_schema_names_every_field_of_the_dataclasses():

@@ -479,7 +479,7 @@ def _read_plan(path: str):
     (the plan under its "plan" key, beside the parameters' shapes) or a checkpoint's folder."""
     from shardplan.common.files import parse_json, read_text
     from shardplan.errors import PlanError
-    from shardplan.plan import Plan
+    from shardplan.plan import Plan, load_plan
 
     file = os.path.join(path, "shardplan.json") if os.path.isdir(path) else path
     if os.path.isdir(path) and not os.path.isfile(file):
@@ -501,8 +501,11 @@ def _read_plan(path: str):
         if isinstance(data.get("parameters"), list):
             with contextlib.suppress(TypeError, KeyError, ValueError):
                 sizes = {entry["name"]: _elements(entry["shape"]) for entry in data["parameters"]}
-        return Plan.from_json(json.dumps(data["plan"])), sizes
-    return Plan.from_json(text), None
+        try:
+            return Plan.from_json(json.dumps(data["plan"])), sizes
+        except PlanError as error:
+            raise PlanError(f"the plan of checkpoint metadata {file!r}: {error}") from None
+    return load_plan(file), None
 
 
 def _elements(shape: list) -> int:
