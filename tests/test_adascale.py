@@ -305,6 +305,9 @@ def elsewhere(rank: int, state: dict) -> dict:
     found["kept_after_bad_states"] = (
         adascale.state_dict() == state and adascale.scale == found["scale"]
     )
+    with pytest.raises(ShardplanError) as smaller_base:  # a world that shrank to one sample a step
+        adascale.load_state_dict({**state, "base_batch": 1.0})
+    found["smaller_base"] = str(smaller_base.value)
     with pytest.raises(ShardplanError) as unmeasured:
         adascale.step()
     found["unmeasured"] = str(unmeasured.value)
@@ -399,6 +402,9 @@ def test_refusals_name_the_fix(results):
         "AdaScale at scale 2.0 estimates the gradient's noise from several gradients a "
         "step, and this plan averages one (dp=1, 1 micro-batch): plan dp > 1 or "
         "micro-batches > 1, or use scale=1"
+    )
+    assert found["smaller_base"].endswith(
+        "plan dp > 1 or micro-batches > 1, or train at the saved base batch of 1 without AdaScale"
     )
     assert found["unmeasured"].startswith("AdaScale.step() found no program.step(...)")
     assert found["fsdp2"].endswith("parallelize with backend='shardplan'")

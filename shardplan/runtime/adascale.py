@@ -132,8 +132,8 @@ class AdaScale:
             unit.local_square_norm = torch.zeros((), device=unit.device)
         program.after_reduction = self._measure
 
-    def _checked(self, scale: float) -> float:
-        """`scale`, refused where no gain can be estimated for it."""
+    def _checked(self, scale: float, fix: str = "use scale=1") -> float:
+        """`scale`, refused where no gain can be estimated for it; `fix`: the way out besides re-planning."""
         if not (is_finite_number(scale) and scale > 0):
             raise ShardplanError(
                 f"AdaScale's scale is {scale}: give the global batch over the base batch, a finite "
@@ -143,7 +143,7 @@ class AdaScale:
             raise ShardplanError(
                 f"AdaScale at scale {scale} estimates the gradient's noise from several "
                 "gradients a step, and this plan averages one (dp=1, 1 micro-batch): plan "
-                "dp > 1 or micro-batches > 1, or use scale=1"
+                f"dp > 1 or micro-batches > 1, or {fix}"
             )
         return scale
 
@@ -245,7 +245,10 @@ class AdaScale:
         that grew or shrank since the save): scale = global batch / the saved base batch. A state whose numbers
         AdaScale never holds (NaN, infinite, negative; a base batch of 0) is refused, and nothing changes."""
         base_batch, progress, averages = _checked_state(state, len(self.optimizer.param_groups))
-        self.scale = self._checked(global_batch(self.program.plan) / base_batch)
+        self.scale = self._checked(
+            global_batch(self.program.plan) / base_batch,
+            fix=f"train at the saved base batch of {base_batch:g} without AdaScale",
+        )
         self.base_batch, self.progress, self._averages = base_batch, progress, averages
 
 
