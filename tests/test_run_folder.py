@@ -94,6 +94,21 @@ def _checkpoint(folder: Path, name: str, run: str | None) -> Path:
     return path
 
 
+def test_damaged_run_settings_are_replaced_only_where_no_checkpoint_was_trained_with_them(tmp_path):
+    options = ElasticOptions(
+        directory=tmp_path, steps=2, global_batch_size=4, settings={"model": "gpt", "seed": 0}
+    )
+    settings = tmp_path / elastic.SETTINGS_FILE
+    settings.write_text('{"model": "gpt", "se')
+    assert elastic._record_settings(tmp_path, options) == []
+    assert json.loads(settings.read_text()) == {"model": "gpt", "seed": 0}
+    _checkpoint(tmp_path, "step_00000002", "mine")
+    settings.write_text("[]")
+    with pytest.raises(ShardplanError, match="it holds no object; run settings .* restore the file"):
+        elastic._record_settings(tmp_path, options)
+    assert settings.read_text() == "[]"
+
+
 def test_a_save_removes_only_this_runs_older_checkpoints_past_the_one_before_it(tmp_path):
     """The run saved 350 after 300 and 250, beside another run's later checkpoints copied in (a start passes
     them over) and an older one of unreadable progress: 250 goes, with a crashed swap's leftover of 200; the

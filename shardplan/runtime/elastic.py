@@ -462,8 +462,16 @@ def _record_settings(directory: Path, options: ElasticOptions) -> list[str]:
             found = parse_json(
                 read_text(file, "run settings", regular_only=True), f"run settings {file}"
             )
-        except ShardplanError:
-            found = None  # damaged: this start's settings replace it
+        except ShardplanError as error:
+            found = error
+        if not isinstance(found, dict) and latest_checkpoints(directory):
+            # replaced unread, it could no longer refuse a start whose model or data differ from
+            # the checkpoints'
+            why = found if isinstance(found, ShardplanError) else "it holds no object"
+            raise ShardplanError(
+                f"{why}; run settings {file} hold what the run's checkpoints were trained with: "
+                "restore the file from a copy, or remove it to take this start's settings"
+            )
         before = found if isinstance(found, dict) else {}
     now = json.loads(json.dumps(dict(options.settings)))
     changed = [
