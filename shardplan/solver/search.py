@@ -744,13 +744,15 @@ def uniform_plan_time_s(
 ) -> float:
     """Step time of the fastest simple plan of this configuration that fits: stages cut evenly by
     compute, every block its own unit, one decision per stage; inf when none fits. `costs`: the
-    configuration's UnitCosts (SearchMemo). With virtual stages, inf: a rank's stages taking each
-    its own fastest decision need not fit together, and a guess must be a plan's time that fits."""
+    configuration's UnitCosts (SearchMemo). Under a schedule priced by its order of operations
+    (cost.ORDERED_SCHEDULES), inf: a rank holds more than its stages' walks (the zero-bubble schedule
+    its deferred weight gradients' inputs, virtual stages each other's activations), so its stages
+    taking each its own fastest decision need not fit, and a guess must be a plan's time that fits."""
     n, pp = len(blocks), configuration.mesh.pp
     if (
         not all(rule.may_start_unit for rule in rules)
         or any(r.must_start_stage for r in rules[1:])
-        or configuration.schedule.virtual_stages > 1
+        or configuration.schedule.name in cost.ORDERED_SCHEDULES
     ):
         return math.inf
     prefix = list(itertools.accumulate((b.fwd_flops + b.bwd_flops for b in blocks), initial=0))
