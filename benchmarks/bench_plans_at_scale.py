@@ -158,10 +158,9 @@ def describe(plan: Plan) -> str:
 
 def pipeline_group(c: Configuration) -> tuple[int, str] | None:
     """(pp, schedule) of the configurations without a pipeline or with 1F1B, every mesh; of those with
-    virtual stages or the zero-bubble schedule, only at pp 8 x tp 8 (torchtitan's 405B layout): a
-    configuration of virtual stages has no simple plan to bound its search with
-    (search.uniform_plan_time_s), and at 126 layers each takes seconds to rule out; every mesh's would
-    take an hour on 2 cores."""
+    virtual stages or the zero-bubble schedule, only at pp 8 x tp 8 (torchtitan's 405B layout): such a
+    configuration has no simple plan to bound its search with (search.uniform_plan_time_s), and at 126
+    layers each takes seconds to rule out; every mesh's would take an hour on 2 cores."""
     if c.schedule.name in ("none", "1f1b") or (c.mesh.pp, c.mesh.tp) == (8, 8):
         return c.mesh.pp, c.schedule.name
     return None

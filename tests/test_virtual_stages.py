@@ -29,7 +29,7 @@ from shardplan.runtime.manual import manual_plan
 from shardplan.solver import search
 from shardplan.solver.assemble import predict
 from shardplan.solver.evaluate import evaluate_stages
-from shardplan.solver.space import block_rules, default_space
+from shardplan.solver.space import SearchSpace, block_rules, default_space
 
 STEPS = 3
 REPLICA_BATCH = 4
@@ -463,3 +463,59 @@ def test_plans_name_their_virtual_stages_and_older_plans_load_as_one():
         Schedule(num_micro_batches=2, name="interleaved_1f1b")
     with pytest.raises(PlanError, match="more than 1 under"):
         Schedule(num_micro_batches=2, name="1f1b", virtual_stages=2)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_a_ranks_stages_share_its_budget(schedule):
+    """The zoo GPT's 8 blocks cut into 8 stages of a block, 4 a rank (pp 2), each checkpointed or not:
+    every plan of the space walked and each rank's order added up (cost.pipeline_ranks) is the oracle.
+    With each stage's fastest decision that fits the budget alone, a rank holds more than the budget;
+    the search lowers its stages' budgets until the rank fits ([Note: a rank's stages share its budget]
+    in solver/search.py): at the least budget any plan fits it finds the oracle's plan, and at every
+    budget some plan fits it finds one that fits, never faster than the oracle's."""
+    entry = zoo.gpt(batch=8)
+    chain = analyze(entry.model, entry.args, entry.kwargs)
+    blocks, rules = chain.blocks, block_rules(chain, None)
+    space = SearchSpace(
+        strategies=(ShardStrategy.FULL_SHARD,),
+        checkpoints=(Checkpoint.NONE, Checkpoint.FULL),
+        prefetch=(True,),
+        max_unit_blocks=1,
+    )
+    setting = search.Setting(world_size=2, batch_size=8, skip_edges=chain.skip_edges)
+    configuration = search.Configuration(
+        mesh=search.Mesh(pp=2),
+        schedule=Schedule(num_micro_batches=2, name=schedule, virtual_stages=4),
+    )
+    hardware = get_hardware("cpu-gloo")
+    walked = [
+        [
+            search.walk_stage(
+                blocks, stage, stage, stage + 1, (0,), (decision,), setting, configuration, hardware
+            )
+            for decision in space.decisions(rules[stage : stage + 1])
+        ]
+        for stage in range(len(blocks))
+    ]
+    plans = []
+    for stages in itertools.product(*walked):
+        ranks = cost.pipeline_ranks(list(stages))
+        plans.append(
+            (max(rank.step_time_s for rank in ranks), max(rank.peak_bytes for rank in ranks))
+        )
+    budgets = sorted({peak for _, peak in plans})
+    least = budgets[0]
+    each_alone = [
+        min((step for step in options if step.peak_bytes <= least), key=lambda s: s.step_time_s)
+        for options in walked
+    ]
+    assert max(rank.peak_bytes for rank in cost.pipeline_ranks(each_alone)) > least
+    for budget in budgets:
+        fastest = min(step_time_s for step_time_s, peak in plans if peak <= budget)
+        found = search.solve_configuration(
+            blocks, rules, setting, configuration, hardware, budget, space
+        )
+        assert found is not None and found.peak_bytes <= budget
+        assert found.step_time_s >= fastest * (1 - 1e-9)
+        if budget == least:
+            assert found.step_time_s == pytest.approx(fastest, rel=1e-9)

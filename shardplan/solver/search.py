@@ -2,14 +2,30 @@
 schedule.
 
 For each configuration the stage cut (stages.py) and, inside each stage, the units and
-their decisions (chain_dp.py) are exact; this module tries every configuration and
-ranks the results. Plain data in, plain data out.
+their decisions (chain_dp.py) are exact, but where a rank runs several stages or defers their
+weight gradients ([Note: a rank's stages share its budget]); this module tries every configuration
+and ranks the results. Plain data in, plain data out.
 
 [Note: near ties] The cost model is off by a few percent against measured runs (memory and time on CPU
 ranks, more against published GPU runs), so a plan predicted 1-2% faster than a much simpler one is not
 known to be faster. Within PlanOptions.near_tie of the fastest time a sample, the plan without a
 pipeline, then the one mixing the fewest unit settings, is chosen, and its reasoning names the faster
 plan it passed over.
+
+[Note: a rank's stages share its budget] Under a schedule priced by its order of operations
+(cost.ORDERED_SCHEDULES: virtual stages, the zero-bubble schedule) a rank's peak is its stages'
+together (cost.pipeline_ranks): while one runs, the others hold their state and the activations of
+the micro-batches they have in flight, and under the zero-bubble schedule what their deferred weight
+gradients start from; a stage's DP sees its own peak alone. So solve_configuration cuts the stages
+with each given the whole budget, walks each rank's order, and while some rank's peak is over, lowers
+the budgets of that rank's stages by the excess, shared in proportion to how far each stage's peak
+stands above the least its span can reach, and cuts again. Where every stage of the rank is at that
+least already, each budget goes one byte below it: the cut must give those stages fewer blocks. Each
+round takes a plan of some stage out of its reach for good, so the rounds end, with a plan whose
+every rank fits or with none. It is not exact: what a stage saves of its own peak and what its rank
+saves at its fullest moment differ (the shares may lower a stage more than its rank needed, a slower
+plan), and the cut is made on the stages' budgets, not the ranks' (tests/test_virtual_stages.py
+checks it against every plan of a tiny model). Without such a schedule the first cut is the answer.
 """
 
 import bisect
@@ -472,7 +488,7 @@ def solve_configuration(
     ]
     if costs is None:  # shared by the stages: see UnitCosts
         costs = UnitCosts(blocks, rules, space, contexts[0])
-    solvers: dict[tuple[int, int], ChainSolver] = {}
+    solvers: dict[tuple[int, float, bool], ChainSolver] = {}
     times_s = boundary_times_s(blocks, setting, configuration, hardware)
     floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
     least_peak = (
@@ -486,30 +502,35 @@ def solve_configuration(
     ):  # the stage cut bounds each stage's time; a rank's, the sum of its v stages', only this does
         return None
 
-    def stage_cost(stage: int, start: int, end: int) -> tuple[ChainSolution, float] | None:
+    budgets = [budget_bytes] * configuration.stage_count
+    """What each stage's own peak may reach: the budget, less what the other stages of its rank need
+    of it where a rank runs several ([Note: a rank's stages share its budget])."""
+
+    def solver(stage: int, allowed: float, least: bool) -> ChainSolver:
+        """The DP of stage `stage`'s units within `allowed` bytes: the fastest, or the least peak."""
         ctx = contexts[stage]
-        tied = tied_terms(blocks, start, end, setting, configuration, hardware)
-        if (
-            least_peak.least(start, end) > budget_bytes - tied.copy_bytes
-        ):  # no plan of the span fits: no DP
-            return None
-        key = (
-            ctx.in_flight,
-            tied.copy_bytes,
-        )  # the copies a stage holds leave its units less of the budget
+        key = (ctx.in_flight, allowed, least)
         if key not in solvers:
             solvers[key] = ChainSolver(
                 blocks,
                 rules,
                 ctx,
-                budget_bytes - tied.copy_bytes,
+                allowed,
                 space,
-                minimize_memory=minimize_memory,
-                time_bound_s=time_bound_s,
+                minimize_memory=least,
+                time_bound_s=math.inf if least else time_bound_s,
                 only_end=len(blocks) if configuration.mesh.pp == 1 else None,
                 costs=costs,
             )
-        solution = solvers[key].solve(start, end)
+        return solvers[key]
+
+    def stage_cost(stage: int, start: int, end: int) -> tuple[ChainSolution, float] | None:
+        ctx = contexts[stage]
+        tied = tied_terms(blocks, start, end, setting, configuration, hardware)
+        allowed = budgets[stage] - tied.copy_bytes  # the copies a stage holds leave its units less
+        if least_peak.least(start, end) > allowed:  # no plan of the span fits: no DP
+            return None
+        solution = solver(stage, allowed, minimize_memory).solve(start, end)
         if solution is None:
             return None
         if minimize_memory:
@@ -518,16 +539,47 @@ def solve_configuration(
             times_s[start] + times_s[end]
         ) + tied.sync_s
 
-    cuts = cut_stages(
-        rules,
-        configuration.stage_count,
-        stage_cost,
-        floors.least,
-        budget_bytes if minimize_memory else time_bound_s,
-    )
-    if cuts is None:
-        return None
-    if configuration.schedule.name in cost.ORDERED_SCHEDULES:
+    def tighten(cuts: tuple[StageCut, ...], over_bytes: list[float]) -> None:
+        """Lower the budgets of the stages of each rank `over_bytes` over the budget ([Note: a rank's
+        stages share its budget])."""
+        for rank, over in enumerate(over_bytes):
+            if over <= 0:
+                continue
+            own, rooms = {}, {}
+            for index in range(rank, len(cuts), pp):
+                cut = cuts[index]
+                own[index] = (
+                    cut.solution.peak_bytes
+                    + tied_terms(
+                        blocks, cut.start, cut.end, setting, configuration, hardware
+                    ).copy_bytes
+                )
+                least = solver(index, math.inf, True).solve(cut.start, cut.end)
+                assert least is not None, "without a budget every span has a plan"
+                rooms[index] = cut.solution.peak_bytes - least.peak_bytes
+            total = sum(rooms.values())
+            for index, room in rooms.items():
+                shrink = min(room, -(-over * room // total)) if total else 1  # 1: past the least
+                budgets[index] = min(budgets[index], own[index] - shrink)
+
+    while True:
+        cuts = cut_stages(
+            rules,
+            configuration.stage_count,
+            stage_cost,
+            floors.least,
+            budget_bytes if minimize_memory else time_bound_s,
+        )
+        if cuts is None:
+            return None
+        if configuration.schedule.name not in cost.ORDERED_SCHEDULES:
+            step_time_s = max(c.time_s for c in cuts)
+            peak = max(
+                c.solution.peak_bytes
+                + tied_terms(blocks, c.start, c.end, setting, configuration, hardware).copy_bytes
+                for c in cuts
+            )
+            break
         # a rank may run several of the stages, and hold what its order holds: its time is theirs
         # summed, its peak its order's ([Note: virtual stages and the zero-bubble schedule])
         ranks = cost.pipeline_ranks(
@@ -548,15 +600,13 @@ def solve_configuration(
         )
         peak = max(rank.peak_bytes for rank in ranks)
         step_time_s = max(rank.step_time_s for rank in ranks)
-        if peak > budget_bytes or step_time_s > time_bound_s * (1 + ROUNDING):
+        if step_time_s > time_bound_s * (1 + ROUNDING):
             return None
-    else:
-        step_time_s = max(c.time_s for c in cuts)
-        peak = max(
-            c.solution.peak_bytes
-            + tied_terms(blocks, c.start, c.end, setting, configuration, hardware).copy_bytes
-            for c in cuts
-        )
+        if peak <= budget_bytes:
+            break
+        if minimize_memory:  # its stages are at their least peaks already
+            return None
+        tighten(cuts, [rank.peak_bytes - budget_bytes for rank in ranks])
     return Candidate(
         configuration=configuration, stages=cuts, step_time_s=step_time_s, peak_bytes=peak
     )
@@ -744,13 +794,15 @@ def uniform_plan_time_s(
 ) -> float:
     """Step time of the fastest simple plan of this configuration that fits: stages cut evenly by
     compute, every block its own unit, one decision per stage; inf when none fits. `costs`: the
-    configuration's UnitCosts (SearchMemo). With virtual stages, inf: a rank's stages taking each
-    its own fastest decision need not fit together, and a guess must be a plan's time that fits."""
+    configuration's UnitCosts (SearchMemo). Under a schedule priced by its order of operations
+    (cost.ORDERED_SCHEDULES), inf: a rank holds more than its stages' walks (the zero-bubble schedule
+    its deferred weight gradients' inputs, virtual stages each other's activations), so its stages
+    taking each its own fastest decision need not fit, and a guess must be a plan's time that fits."""
     n, pp = len(blocks), configuration.mesh.pp
     if (
         not all(rule.may_start_unit for rule in rules)
         or any(r.must_start_stage for r in rules[1:])
-        or configuration.schedule.virtual_stages > 1
+        or configuration.schedule.name in cost.ORDERED_SCHEDULES
     ):
         return math.inf
     prefix = list(itertools.accumulate((b.fwd_flops + b.bwd_flops for b in blocks), initial=0))
