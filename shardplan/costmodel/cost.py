@@ -184,7 +184,7 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
 from shardplan.common.dtypes import FLOAT_DTYPES, dtype_bytes
@@ -584,7 +584,8 @@ def _share_of(
     )
 
 
-_SHARED_COUNTS = ("flops", "bytes", "weight_bytes", "masked_flops", "head_dim_flops")
+_SHARED_COUNTS = tuple(f.name for f in fields(OpKind) if f.name not in ("name", "calls"))
+"""OpKind's counts a share of its calls' work takes in proportion; each call still runs on every rank."""
 
 
 def context_parallel_s(blocks: tuple[Block, ...], ctx: CostContext) -> float:
