@@ -57,16 +57,6 @@ class NodeFacts:
     """Parameters whose gradients were accumulated while this node's backward ran (the analysis then
     drops them), as named by get_attr targets."""
 
-    @property
-    def selective_bytes(self) -> int:
-        """Output bytes of the ops selective checkpointing keeps."""
-        return sum(call.bytes for call in self.selective_calls)
-
-    @property
-    def selective_outputs(self) -> tuple[int, ...]:
-        """Storage ids of those outputs."""
-        return tuple(sid for call in self.selective_calls for sid in call.storages)
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SelectiveCall:
