@@ -14,9 +14,10 @@ bf16, without Float8 (ROWS, each with its source):
 Every row becomes the plan it ran (runtime.manual_plan): the Llama shape as a `transformers` Llama on the meta
 device, fp32 master weights, analyzed computing in bf16 over one GPU's batch; one unit per block, each
 FULL_SHARD; its activation checkpointing: "full" every block, "selective layer" every second block (torchtitan's
-`selective_ac_option = "2"`: blocks 1, 3, 5, ... counting from 0), "selective op" shardplan's selective mode on
-every block (it keeps every matmul's output; torchtitan's op policy keeps every second one and recomputes the
-rest); AdamW; the loss as torchtitan takes it, cross entropy over fp32 logits, as transformers' is.
+`selective_ac_option = "2"`: blocks 1, 3, 5, ... counting from 0), "selective op" shardplan's selective_alternate
+mode on every block (torchtitan's op policy: it keeps attention's outputs and every second matmul's of a block,
+and recomputes the rest); AdamW; the loss as torchtitan takes it, cross entropy over fp32 logits, as
+transformers' is.
 
 What the plans leave out of the runs: torchtitan's root unit (the embedding, the final norm and the head under
 one `fully_shard`) keeps the embedding gathered through the forward; the gradient clipping's norm.
@@ -143,7 +144,7 @@ def checkpoints(row: Row, units: list[tuple[str, ...]]) -> list[Checkpoint]:
     per_block = {
         "none": lambda block: Checkpoint.NONE,
         "full": lambda block: Checkpoint.FULL,
-        "selective op": lambda block: Checkpoint.SELECTIVE,
+        "selective op": lambda block: Checkpoint.SELECTIVE_ALTERNATE,
         "selective layer": lambda block: Checkpoint.FULL if block % 2 == 1 else Checkpoint.NONE,
     }[row.checkpointing]
     blocks = [re.fullmatch(r"model\.layers\.(\d+)", modules[0]) for modules in units]

@@ -294,7 +294,8 @@ def _searched(chain: BlockChain, world_size: int, options: dict[str, Any]) -> _S
     )
     check_computes_in(chain, precision)
     space = replace(
-        asked.space or default_space(len(chain.blocks)), allow_offload=asked.allow_offload
+        asked.space or default_space(len(chain.blocks), asked.constraints),
+        allow_offload=asked.allow_offload,
     )
     if asked.max_unit_blocks is not None:
         if asked.max_unit_blocks < 1:

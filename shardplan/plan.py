@@ -156,9 +156,26 @@ as its own `grouped_mm_fallback` custom op: the same matmul, so the analysis and
 must take it as kept where the runtime keeps `_grouped_mm`."""
 
 
+ALTERNATED_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+"""Of SELECTIVE_SAVED_OPS, the matmuls SELECTIVE_ALTERNATE keeps only every second of: all the
+matmul-like ops, not torchtitan's `mm` alone, so that a projection with a bias (addmm: GPT-2's, Qwen's
+query, key and value) or a grouped expert matmul counts as a Llama projection does; on a Llama layer,
+whose projections all run as `mm`, the two count alike. Attention kernels are kept every time."""
+
+
 def kept_by_selective(op_name: str) -> bool:
     """Whether SELECTIVE checkpointing keeps the outputs of the op the analysis named `op_name`."""
-    return SELECTIVE_STAND_INS.get(op_name, op_name) in SELECTIVE_SAVED_OPS
+    return _aten_name(op_name) in SELECTIVE_SAVED_OPS
+
+
+def alternated(op_name: str) -> bool:
+    """Whether SELECTIVE_ALTERNATE keeps only every second call of the op the analysis named `op_name`
+    (ALTERNATED_OPS)."""
+    return _aten_name(op_name) in ALTERNATED_OPS
+
+
+def _aten_name(op_name: str) -> str:
+    return SELECTIVE_STAND_INS.get(op_name, op_name)
 
 
 class Checkpoint(str, enum.Enum):
@@ -169,6 +186,17 @@ class Checkpoint(str, enum.Enum):
     """Keep only each block's inputs; recompute the block in backward."""
     SELECTIVE = "selective"
     """Keep the outputs of matmul-like ops, recompute the cheap elementwise ones."""
+    SELECTIVE_ALTERNATE = "selective_alternate"
+    """torchtitan's selective op policy: keep the outputs of attention and of every second matmul of each
+    checkpointed module's call (ALTERNATED_OPS, counted from 1 in the order they run: the odd ones are
+    kept), recompute the rest. Of a Llama layer's seven projections it keeps the query, value, gate and
+    down projections and recomputes the key, output and up projections: about half the matmul outputs
+    SELECTIVE keeps, for some matmuls run again; between SELECTIVE and FULL."""
+
+    @property
+    def selective(self) -> bool:
+        """Whether the mode keeps some ops' outputs through torch's selective checkpointing."""
+        return self in (Checkpoint.SELECTIVE, Checkpoint.SELECTIVE_ALTERNATE)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

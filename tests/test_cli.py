@@ -421,7 +421,7 @@ def test_stage_cut_flags_and_replica_groups_reach_the_planners_options():
     [
         (
             ["--checkpoint", "layers=sometimes"],
-            "--checkpoint mode 'sometimes' is unknown: use one of none, full, selective",
+            "--checkpoint mode 'sometimes' is unknown: use one of none, full, selective, selective_alternate",
         ),
         (["--checkpoint", "layers"], "is not REGEX=MODE"),
         (["--no-wrap", "("], "--no-wrap '(' is not a regular expression"),

@@ -62,6 +62,9 @@ def test_every_plan_kind_and_two_rank_mesh_kind_is_predicted_within_tolerance(
         )
     ratios = {row.kind: round(row.memory_ratio, 3) for row in rows}
     assert all(abs(ratio - 1) <= tolerance for ratio in ratios.values()), ratios
+    # selective_alternate's kept and dropped outputs, counted as torch's selective checkpointing keeps them
+    alternate = {kind: ratio for kind, ratio in ratios.items() if "selective_alternate" in kind}
+    assert len(alternate) == 4 and all(abs(r - 1) <= 0.03 for r in alternate.values()), alternate
 
 
 def test_every_four_rank_mesh_kind_is_predicted_within_tolerance(capsys):

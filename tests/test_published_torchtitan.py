@@ -45,7 +45,10 @@ def test_a_row_is_the_plan_it_ran(outcomes):
         Checkpoint.FULL,
     ] + [Checkpoint.NONE] * 2
     checkpoints = [unit.checkpoint for unit in outcomes["selective op"].plan.units]
-    assert checkpoints == [Checkpoint.NONE] + [Checkpoint.SELECTIVE] * 4 + [Checkpoint.NONE] * 2
+    assert (
+        checkpoints
+        == [Checkpoint.NONE] + [Checkpoint.SELECTIVE_ALTERNATE] * 4 + [Checkpoint.NONE] * 2
+    )
 
 
 def test_checkpointing_trades_time_for_memory(outcomes):

@@ -379,6 +379,15 @@ WORLD2_CASES = {
         "clip": 0.05,
     },
     "fsdp2/llama/mixed": {"model": "llama", **MIXED, "backend": "fsdp2"},
+    **{
+        f"fsdp2/{model}/full_shard/selective_alternate": {
+            "model": model,
+            "strategies": (ShardStrategy.FULL_SHARD,),
+            "checkpoints": (Checkpoint.SELECTIVE_ALTERNATE,),
+            "backend": "fsdp2",
+        }
+        for model in ("gpt", "llama")
+    },
 }
 WORLD4_CASES = {
     # every strategy and every checkpointing at 4 shards (uneven chunks, other padding); every pair of

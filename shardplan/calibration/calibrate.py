@@ -737,6 +737,8 @@ def training_op_probe(device: torch.device) -> Probe:
 # here; a tiny Llama layer's read 26), forward and backward with and without selective
 # checkpointing. The difference, less the re-run of the ops it does not keep (each a bare call's
 # fixed cost), over the ops the forward dispatched, is the profile's selective_op_overhead_s.
+# SELECTIVE_ALTERNATE runs the same modes (its policy counts matmuls, a Python increment beside the
+# dispatch), so it pays the same overhead an op; the matmuls it re-runs are priced as ops.
 def selective_op_probes(device: torch.device) -> dict[str, Probe]:
     """A tiny transformer layer forward and backward with ("selective") and without ("selective plain")
     selective checkpointing ([Note: selective checkpointing's modes])."""

@@ -155,6 +155,12 @@ def _torchtitan(plan: Plan, classes: dict[str, str], sizes: dict[str, int]) -> s
         "#",
     ]
     lines += _strategy_notes(plan, sizes, reshard)
+    if checkpoint is Checkpoint.SELECTIVE:
+        lines.append(
+            "# torchtitan's selective op policy keeps every second matmul's output "
+            "(selective_alternate): less memory and more recomputation than the plan's selective, "
+            "which keeps them all."
+        )
     lines += _checkpoint_notes(plan, checkpoint)
     lines += _offload_notes(plan, offload)
     if micro > 1 and mesh.pp == 1:
@@ -170,8 +176,10 @@ def _torchtitan(plan: Plan, classes: dict[str, str], sizes: dict[str, int]) -> s
     lines += [f"{key} = {_toml(value)}" for key, value in parallelism.items()]
     lines += ["", "[training]"]
     lines += [f"{key} = {_toml(value)}" for key, value in training.items()]
-    lines += ["", "[activation_checkpoint]", f"mode = {_toml(checkpoint.value)}"]
-    if checkpoint is Checkpoint.SELECTIVE:
+    # torchtitan's selective op policy is SELECTIVE_ALTERNATE's; SELECTIVE (every matmul kept) is closest to it
+    mode = "selective" if checkpoint.selective else checkpoint.value
+    lines += ["", "[activation_checkpoint]", f"mode = {_toml(mode)}"]
+    if checkpoint.selective:
         lines.append('selective_ac_option = "op"')
     return "\n".join(lines) + "\n"
 
@@ -199,7 +207,7 @@ def _accelerate(plan: Plan, classes: dict[str, str], sizes: dict[str, int]) -> s
     )
     lines = _header(plan, "Accelerate")
     lines += _strategy_notes(plan, sizes, reshard)
-    if checkpoint is Checkpoint.SELECTIVE:
+    if checkpoint.selective:
         lines.append(
             "# Accelerate checkpoints whole blocks only: the plan's selective checkpointing is "
             "written as full (more recomputation, less memory)."

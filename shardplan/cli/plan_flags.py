@@ -137,7 +137,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help=f"the unit holding a matching block checkpoints its activations in one of these modes "
-        f"({', '.join(c.value for c in Checkpoint)}); repeatable",
+        f"({', '.join(c.value for c in Checkpoint)}; selective_alternate is searched only where "
+        "named); repeatable",
     )
     parser.add_argument(
         "--stage-cut",

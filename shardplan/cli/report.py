@@ -24,7 +24,12 @@ STRATEGY_COLORS = {
     ShardStrategy.SHARD_OPTIMIZER: "#C44E52",
     ShardStrategy.REPLICATE: "#8172B2",
 }
-CHECKPOINT_HATCH = {Checkpoint.NONE: "", Checkpoint.FULL: "//", Checkpoint.SELECTIVE: ".."}
+CHECKPOINT_HATCH = {
+    Checkpoint.NONE: "",
+    Checkpoint.FULL: "//",
+    Checkpoint.SELECTIVE: "..",
+    Checkpoint.SELECTIVE_ALTERNATE: "oo",
+}
 OFFLOAD_COLOR = "#DD8452"
 
 

@@ -29,7 +29,8 @@ Memory, by category (the peak is the largest of these events):
 - activations: what each finished block keeps for backward (saved_bytes; for
   FULL checkpointing its input_bytes; for SELECTIVE its input_bytes and
   selective_bytes, or, in a chain built by hand, a SELECTIVE_KEEP_FRACTION of
-  saved_bytes), for the micro-batches in flight: 1 (pp == 1), m (GPipe), or
+  saved_bytes; for SELECTIVE_ALTERNATE its input_bytes and alternate_bytes, or half
+  SELECTIVE's share), for the micro-batches in flight: 1 (pp == 1), m (GPipe), or
   min(m, pp - stage) (1F1B; the other in-flight micro-batches hold the whole
   stage's activations); under interleaved 1F1B and the zero-bubble schedule, as their order of
   operations holds them ([Note: virtual stages and the zero-bubble schedule]).
@@ -92,8 +93,10 @@ Time, by component (per step):
 - recompute: FULL re-runs the block's forward in backward; SELECTIVE re-runs
   every forward op but the matmul-like ones whose outputs it kept
   (plan.SELECTIVE_SAVED_OPS; a hand-built block: its memory-bound ops), priced as
-  in compute, and its dispatch modes add the profile's selective_op_overhead_s to
-  every op the forward dispatches (Block.fwd_dispatches).
+  in compute; SELECTIVE_ALTERNATE re-runs those and every second matmul
+  (Block.alternate_recompute_kinds; a hand-built block: half its FLOP-counted ops). The dispatch
+  modes of both add the profile's selective_op_overhead_s to every op the forward dispatches
+  (Block.fwd_dispatches).
 - views: each dispatch no op kind prices (a view; cost.unpriced_dispatches) costs the profile's
   view_overhead_s in forward, again in backward (autograd's view of its gradient) and in any recompute.
 - exposed_comm: collectives not hidden by compute, each with the in-step wait
@@ -181,7 +184,7 @@ The 4-D mesh (plan.Mesh: pp × dp_replicate × dp_shard × tp, tp innermost):
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
 from shardplan.common.dtypes import FLOAT_DTYPES, dtype_bytes
@@ -548,9 +551,41 @@ def _on_tp_rank(
         selective_bytes=round(block.selective_bytes * ratio),
         selective_saved_bytes=round(block.selective_saved_bytes * ratio),
         selective_dropped_bytes=round(block.selective_dropped_bytes * ratio),
+        alternate_bytes=round(block.alternate_bytes * ratio),
+        alternate_saved_bytes=round(block.alternate_saved_bytes * ratio),
+        alternate_dropped_bytes=round(block.alternate_dropped_bytes * ratio),
+        alternate_recompute_kinds=kinds(
+            block.alternate_recompute_kinds,
+            _share_of(block.alternate_recompute_kinds, block.fwd_kinds, parts.fwd_kinds)
+            if parts
+            else (),
+        ),
         fwd_kinds=kinds(block.fwd_kinds, parts.fwd_kinds if parts else ()),
         bwd_kinds=kinds(block.bwd_kinds, parts.bwd_kinds if parts else ()),
     )
+
+
+def _share_of(
+    kinds: tuple[OpKind, ...], whole: tuple[OpKind, ...], part: tuple[OpKind, ...]
+) -> tuple[OpKind, ...]:
+    """Of `kinds` (some of the calls of `whole`'s), the sliced part: `part`'s share of `whole` by name, each
+    count in proportion (the matmuls SELECTIVE_ALTERNATE re-runs slice as the block's matmuls do)."""
+    totals = {kind.name: kind for kind in merge_op_kinds([whole])}
+    cuts = {kind.name: kind for kind in merge_op_kinds([part])}
+
+    def share(count: str, kind: OpKind) -> int:
+        total = getattr(totals[kind.name], count)
+        return getattr(kind, count) * getattr(cuts[kind.name], count) // total if total else 0
+
+    return tuple(
+        OpKind(name=kind.name, calls=kind.calls, **{c: share(c, kind) for c in _SHARED_COUNTS})
+        for kind in merge_op_kinds([kinds])
+        if kind.name in cuts and kind.name in totals
+    )
+
+
+_SHARED_COUNTS = tuple(f.name for f in fields(OpKind) if f.name not in ("name", "calls"))
+"""OpKind's counts a share of its calls' work takes in proportion; each call still runs on every rank."""
 
 
 def context_parallel_s(blocks: tuple[Block, ...], ctx: CostContext) -> float:
@@ -656,18 +691,20 @@ def tensor_parallel_s(blocks: tuple[Block, ...], ctx: CostContext) -> float:
     return total
 
 
-def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]:
-    """(forward, backward, selective recompute) seconds of one block for one micro-batch.
+def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, dict[Checkpoint, float]]:
+    """(forward, backward, recompute by checkpoint mode) seconds of one block for one micro-batch.
 
     Each op kind the analysis counted pays its calls' fixed cost plus the factor the profile
     measured for it times its roofline time (per micro-batch: 1/m of its FLOPs and activation
-    bytes, all of its parameter bytes); selective checkpointing re-runs every forward op but the
-    matmul-like ones it keeps (SELECTIVE_SAVED_OPS), and its dispatch modes cost each op the
+    bytes, all of its parameter bytes). FULL re-runs the forward; SELECTIVE re-runs every forward op
+    but the matmul-like ones it keeps (SELECTIVE_SAVED_OPS), SELECTIVE_ALTERNATE those and the matmuls it
+    does not keep (Block.alternate_recompute_kinds); the selective modes' dispatch modes cost each op the
     forward dispatches a fixed cost of their own (views included; they see it in forward and in
     recompute: 30-60 us an op on a CPU rank, ten times a kernel's). Views cost their own fixed cost
     in forward, backward and any recompute (unpriced_dispatches).
     A chain built by hand has only totals: its FLOP-counted ops are priced together by roofline
-    over the parameters and the block's input and output, its memory-bound ops by their bytes."""
+    over the parameters and the block's input and output, its memory-bound ops by their bytes; of those
+    SELECTIVE re-runs the memory-bound ones, SELECTIVE_ALTERNATE half the FLOP-counted ones too."""
     hw = ctx.hardware
     if block.fwd_kinds or block.bwd_kinds:
         fwd = [kind_time_s(kind, ctx) for kind in block.fwd_kinds]
@@ -677,20 +714,28 @@ def _block_times_s(block: Block, ctx: CostContext) -> tuple[float, float, float]
             + views_s
             + block.fwd_dispatches * hw.selective_op_overhead_s
         )
-        return (
-            sum(fwd) + views_s,
-            sum(kind_time_s(kind, ctx) for kind in block.bwd_kinds) + views_s,
-            selective,
+        forward = sum(fwd) + views_s
+        backward = sum(kind_time_s(kind, ctx) for kind in block.bwd_kinds) + views_s
+        alternate = selective + sum(kind_time_s(k, ctx) for k in block.alternate_recompute_kinds)
+    else:
+        moved = block.param_numel * dtype_bytes(ctx.param_dtype) + _per_micro_batch(
+            block.input_bytes + block.output_bytes, ctx
         )
-    moved = block.param_numel * dtype_bytes(ctx.param_dtype) + _per_micro_batch(
-        block.input_bytes + block.output_bytes, ctx
-    )
-    fwd_memory_s = _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx)
+        selective = _memory_bound_s(hw, block.fwd_memory_bytes, block.fwd_ops, ctx)
+        arithmetic = _arithmetic_s(hw, block.fwd_flops, moved, block.fwd_ops, ctx)
+        forward = arithmetic + selective
+        backward = _arithmetic_s(
+            hw, block.bwd_flops, 2 * moved, block.bwd_ops, ctx
+        ) + _memory_bound_s(hw, block.bwd_memory_bytes, block.bwd_ops, ctx)
+        alternate = selective + arithmetic / 2
     return (
-        _arithmetic_s(hw, block.fwd_flops, moved, block.fwd_ops, ctx) + fwd_memory_s,
-        _arithmetic_s(hw, block.bwd_flops, 2 * moved, block.bwd_ops, ctx)
-        + _memory_bound_s(hw, block.bwd_memory_bytes, block.bwd_ops, ctx),
-        fwd_memory_s,
+        forward,
+        backward,
+        {
+            Checkpoint.FULL: forward,
+            Checkpoint.SELECTIVE: selective,
+            Checkpoint.SELECTIVE_ALTERNATE: alternate,
+        },
     )
 
 
@@ -746,11 +791,21 @@ def _per_micro_batch(nbytes: int, ctx: CostContext) -> int:
 def _kept_bytes(block: Block, checkpoint: Checkpoint, ctx: CostContext) -> int:
     if checkpoint is Checkpoint.FULL:
         return _per_micro_batch(block.input_bytes, ctx)
-    if checkpoint is Checkpoint.SELECTIVE:
-        if _selective_measured(block):  # the block's input and its matmul outputs
-            return _per_micro_batch(block.input_bytes + block.selective_bytes, ctx)
-        return _per_micro_batch(math.ceil(block.saved_bytes * SELECTIVE_KEEP_FRACTION), ctx)
+    if checkpoint.selective:
+        if _selective_measured(block):  # the block's input and the outputs the mode keeps
+            return _per_micro_batch(block.input_bytes + _selective_keeps(block, checkpoint)[0], ctx)
+        share = SELECTIVE_KEEP_FRACTION / (2 if checkpoint is Checkpoint.SELECTIVE_ALTERNATE else 1)
+        return _per_micro_batch(math.ceil(block.saved_bytes * share), ctx)
     return _per_micro_batch(block.saved_bytes, ctx)
+
+
+def _selective_keeps(block: Block, checkpoint: Checkpoint) -> tuple[int, int, int]:
+    """(the outputs kept, of saved_bytes those kept, of the outputs kept those its recompute drops) of a
+    block under a selective mode: Block.selective_bytes, selective_saved_bytes, selective_dropped_bytes
+    or their SELECTIVE_ALTERNATE counterparts."""
+    if checkpoint is Checkpoint.SELECTIVE_ALTERNATE:
+        return block.alternate_bytes, block.alternate_saved_bytes, block.alternate_dropped_bytes
+    return block.selective_bytes, block.selective_saved_bytes, block.selective_dropped_bytes
 
 
 def _selective_measured(block: Block) -> bool:
@@ -890,10 +945,10 @@ def working_bytes(
             )
             transient = output_grad + max(_per_micro_batch(rerun, ctx), recomputed + bwd_transient)
         elif (
-            checkpoint is Checkpoint.SELECTIVE
+            checkpoint.selective
         ):  # the recompute brings back what was not kept before the backward
             transient = (
-                _selective_backward_start(block, saved, kept_bytes, output_grad, ctx)
+                _selective_backward_start(block, checkpoint, saved, kept_bytes, output_grad, ctx)
                 + bwd_transient
             )
         else:
@@ -914,7 +969,7 @@ def bwd_transient_bytes(block: Block, ctx: CostContext) -> int:
 
 
 def _selective_backward_start(
-    block: Block, saved: int, kept: int, output_grad: int, ctx: CostContext
+    block: Block, checkpoint: Checkpoint, saved: int, kept: int, output_grad: int, ctx: CostContext
 ) -> int:
     """What a selectively checkpointed block's backward holds above its kept bytes once its recompute has
     run: the gradient of its outputs, and its saved bytes but those it kept (Block.selective_saved_bytes),
@@ -924,11 +979,9 @@ def _selective_backward_start(
     ones. A block built by hand: what it did not keep, its output gradient taken to cancel what its
     recompute drops (a transformer layer's output projection, as wide)."""
     if _selective_measured(block):
+        _, kept_saved, dropped = _selective_keeps(block, checkpoint)
         return (
-            output_grad
-            + saved
-            - _per_micro_batch(block.selective_saved_bytes, ctx)
-            - _per_micro_batch(block.selective_dropped_bytes, ctx)
+            output_grad + saved - _per_micro_batch(kept_saved, ctx) - _per_micro_batch(dropped, ctx)
         )
     return saved - kept
 
@@ -1022,12 +1075,10 @@ def compute_s(
     micro-batch included ([Note: the runtime's kernels])."""
     fwd_total = bwd_total = recompute = 0.0
     for block in blocks:
-        fwd_s, bwd_s, selective_s = _block_times_s(block, ctx)
+        fwd_s, bwd_s, recompute_s = _block_times_s(block, ctx)
         fwd_total += fwd_s
         bwd_total += bwd_s
-        recompute += {Checkpoint.FULL: fwd_s, Checkpoint.SELECTIVE: selective_s}.get(
-            decision.checkpoint, 0.0
-        )
+        recompute += recompute_s.get(decision.checkpoint, 0.0)
     return (
         fwd_total + kernels_s(kernels.forward, ctx),
         bwd_total + kernels_s(kernels.backward, ctx),

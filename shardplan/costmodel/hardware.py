@@ -403,7 +403,8 @@ class HardwareProfile:
     took 24-33 us a call here, a one-element multiply (op_overhead_s) 3-4 us. An op not listed
     costs op_overhead_s; calibrations on CPU ranks fit them, GPU ones none."""
     selective_op_overhead_s: float = 0.0
-    """Fixed cost selective checkpointing adds to each op a block's forward dispatches, views
+    """Fixed cost selective checkpointing (SELECTIVE and SELECTIVE_ALTERNATE alike: the same modes, the
+    latter's policy counting matmuls besides) adds to each op a block's forward dispatches, views
     included (Block.fwd_dispatches): its dispatch modes, in Python, see every op in forward and
     again in recompute (calibrate.py, [Note: selective checkpointing's modes]). 0: not measured."""
     view_overhead_s: float = 0.0

@@ -237,6 +237,16 @@ class Block:
     """Of selective_bytes, the outputs autograd does not save that the block's recompute re-reads and
     drops before its backward (a Llama layer's query, key and output projections'): kept until then, not
     at its backward's peak. 0 in a chain built by hand."""
+    alternate_bytes: int = 0
+    """Of selective_bytes, what SELECTIVE_ALTERNATE keeps: attention's outputs and every second matmul's of
+    each module call (plan.Checkpoint.SELECTIVE_ALTERNATE)."""
+    alternate_saved_bytes: int = 0
+    """selective_saved_bytes under SELECTIVE_ALTERNATE: of saved_bytes, its inputs and the outputs it keeps."""
+    alternate_dropped_bytes: int = 0
+    """selective_dropped_bytes under SELECTIVE_ALTERNATE: of alternate_bytes, those its recompute drops."""
+    alternate_recompute_kinds: tuple[OpKind, ...] = ()
+    """The matmuls SELECTIVE keeps and SELECTIVE_ALTERNATE re-runs (of fwd_kinds), by name: what its
+    recompute runs beyond SELECTIVE's. Empty in a chain built by hand."""
     fwd_kinds: tuple[OpKind, ...] = ()
     """The forward's ops by name; they add up to fwd_flops, fwd_ops and (the FLOP-less ones)
     fwd_memory_bytes. Empty in a chain built by hand: the cost model then prices the totals."""

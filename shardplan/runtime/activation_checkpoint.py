@@ -21,13 +21,19 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from shardplan.plan import SELECTIVE_SAVED_OPS, Checkpoint
+from shardplan.plan import ALTERNATED_OPS, SELECTIVE_SAVED_OPS, Checkpoint
 
 _aten = torch.ops.aten
-SAVED_BY_SELECTIVE = tuple(
-    getattr(_aten, name).default for name in SELECTIVE_SAVED_OPS if hasattr(_aten, name)
-)
+
+
+def _this_torchs(names: tuple[str, ...]) -> frozenset:
+    return frozenset(getattr(_aten, name).default for name in names if hasattr(_aten, name))
+
+
+SAVED_BY_SELECTIVE = _this_torchs(SELECTIVE_SAVED_OPS)
 """The ops of plan.SELECTIVE_SAVED_OPS this torch has."""
+ALTERNATED = _this_torchs(ALTERNATED_OPS)
+"""The ops of plan.ALTERNATED_OPS this torch has."""
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -42,13 +48,37 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
+def _alternate_contexts():
+    """SELECTIVE_ALTERNATE's policy for one call of a checkpointed region: SELECTIVE's, but of the
+    matmuls (ALTERNATED) only the odd ones are kept, counted from 1 in this call. The recompute replays
+    the forward's ops in its order, and counts them afresh, so it recomputes the same ones the forward
+    did not keep (torchtitan's `_get_custom_policy`)."""
+    counts = {False: 0, True: 0}  # by ctx.is_recompute
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in ALTERNATED:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _selective_policy(ctx, op, *args, **kwargs)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+_CONTEXTS = {
+    Checkpoint.SELECTIVE: _selective_contexts,
+    Checkpoint.SELECTIVE_ALTERNATE: _alternate_contexts,
+}
+"""Each selective mode's context_fn: called once for each call of a checkpointed region."""
+
+
 def checkpointed(forward: Callable, kind: Checkpoint) -> Callable:
     """`forward` recomputed in backward as `kind` says (non-reentrant torch.utils.checkpoint)."""
     if kind is Checkpoint.NONE:
         return forward
     options: dict[str, object] = {"use_reentrant": False}
-    if kind is Checkpoint.SELECTIVE:
-        options["context_fn"] = _selective_contexts
+    if kind.selective:
+        options["context_fn"] = _CONTEXTS[kind]
 
     @functools.wraps(forward)
     def run(*args, **kwargs):

@@ -340,13 +340,22 @@ class Fsdp2PipelinedProgram(Fsdp2Program, StagedProgram):
         specs = {unit.name: unit for unit in self.plan.units}
 
         def run_segment(calls: tuple[BlockCall, ...]) -> Callable[[dict], dict]:
+            # each block checkpointed on its own, as backend="shardplan" does: SELECTIVE_ALTERNATE counts
+            # its matmuls per checkpointed call
             run = functools.partial(
                 run_blocks,
-                [(call, block_runner(call, self.module, graph.constants)) for call in calls],
+                [
+                    (
+                        call,
+                        checkpointed(
+                            block_runner(call, self.module, graph.constants),
+                            specs[call.unit].checkpoint,
+                        ),
+                    )
+                    for call in calls
+                ],
             )
-            return functools.partial(
-                self._groups[calls[0].unit], checkpointed(run, specs[calls[0].unit].checkpoint)
-            )
+            return functools.partial(self._groups[calls[0].unit], run)
 
         self._stage_root.stages[shape] = StageModule(graph, run_segment, contextlib.nullcontext)
         return self._stage_root

@@ -86,7 +86,7 @@ from shardplan.errors import PlanError, RuntimeMismatchError, ShardplanError
 from shardplan.frontend.capture import put_stand_ins
 from shardplan.frontend.chain import InputSpec
 from shardplan.frontend.passes.blocks import attribute_of
-from shardplan.plan import MULTI_STAGE_SCHEDULES, SCHEDULE_NAMES, Checkpoint, Plan
+from shardplan.plan import MULTI_STAGE_SCHEDULES, SCHEDULE_NAMES, Plan
 from shardplan.runtime import collectives
 from shardplan.runtime.activation_checkpoint import checkpointed
 from shardplan.runtime.program import Program, admit_input, batch_inputs, refuse_optimizers_over
@@ -352,7 +352,7 @@ class PipelinedProgram(StagedProgram, UnitProgram):
                 "shares between stages of one per rank only: re-plan with virtual_stages=1"
             )
         if plan.schedule.name == "zero_bubble" and any(
-            unit.checkpoint is Checkpoint.SELECTIVE for unit in plan.units
+            unit.checkpoint.selective for unit in plan.units
         ):
             raise PlanError(
                 "the zero-bubble schedule runs each backward in two passes, which torch's selective "

@@ -41,7 +41,6 @@ from shardplan.costmodel.hardware import HardwareModel
 from shardplan.frontend.chain import Block, BlockChain
 from shardplan.plan import (
     MULTI_STAGE_SCHEDULES,
-    Checkpoint,
     Decision,
     Mesh,
     MixedPrecision,
@@ -79,9 +78,7 @@ def configuration_space(space: SearchSpace, configuration: "Configuration") -> S
     recomputes), so its units do not checkpoint selectively."""
     if configuration.schedule.name != "zero_bubble":
         return space
-    return replace(
-        space, checkpoints=tuple(c for c in space.checkpoints if c is not Checkpoint.SELECTIVE)
-    )
+    return replace(space, checkpoints=tuple(c for c in space.checkpoints if not c.selective))
 
 
 def virtual_stage_counts(schedule: str, pp: int, n_blocks: int, tied: bool = False) -> range:

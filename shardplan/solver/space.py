@@ -55,10 +55,16 @@ class BlockRule:
     strategies: frozenset = frozenset(ShardStrategy)
 
 
+DEFAULT_CHECKPOINTS = (Checkpoint.NONE, Checkpoint.FULL, Checkpoint.SELECTIVE)
+"""The checkpoint modes searched unless asked for others. SELECTIVE_ALTERNATE is opt-in
+(SearchSpace(checkpoints=tuple(Checkpoint)), or a constraint allowing it): a fourth mode on every unit
+made LLaMA-70B's solve at world 8 with offload 7 times as long (benchmarks/bench_solver.py)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchSpace:
     strategies: tuple[ShardStrategy, ...] = tuple(ShardStrategy)
-    checkpoints: tuple[Checkpoint, ...] = tuple(Checkpoint)
+    checkpoints: tuple[Checkpoint, ...] = DEFAULT_CHECKPOINTS
     prefetch: tuple[bool, ...] = (True, False)
     allow_offload: bool = False
     max_unit_blocks: int = 4
@@ -180,12 +186,18 @@ def _block_names(blocks: Sequence[Block], classes: Mapping[str, str], shown: int
     )
 
 
-def default_space(n_blocks: int) -> SearchSpace:
+def default_space(n_blocks: int, constraints: Constraints | None = None) -> SearchSpace:
     """Units of up to 4 blocks on short chains; of single blocks past 16 blocks, where one
     block (a transformer layer) is already large enough to hide its gather and the DP's
     time grows with the square of the unit length. Prefetch is always on: turning it off
-    only saves one unit's gathered parameters."""
-    return SearchSpace(max_unit_blocks=4 if n_blocks <= 16 else 1, prefetch=(True,))
+    only saves one unit's gathered parameters. The checkpoint modes are DEFAULT_CHECKPOINTS and
+    those a constraint allows (an opt-in mode asked for by `--checkpoint REGEX=selective_alternate`)."""
+    allowed = {mode for _, modes in (constraints or Constraints()).checkpoint for mode in modes}
+    return SearchSpace(
+        max_unit_blocks=4 if n_blocks <= 16 else 1,
+        prefetch=(True,),
+        checkpoints=tuple(m for m in Checkpoint if m in DEFAULT_CHECKPOINTS or m in allowed),
+    )
 
 
 def block_rules(chain: BlockChain, constraints: Constraints | None) -> tuple[BlockRule, ...]:

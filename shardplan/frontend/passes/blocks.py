@@ -10,7 +10,7 @@ import functools
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import networkx as nx
 import torch
@@ -18,10 +18,10 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from shardplan.common.dtypes import dtype_bytes, dtype_name
-from shardplan.frontend.chain import Block, BlockChain, InputSpec, merge_op_kinds
+from shardplan.frontend.chain import Block, BlockChain, InputSpec, OpKind, merge_op_kinds
 from shardplan.frontend.passes.execution import may_peak
-from shardplan.frontend.passes.facts import facts, is_compute, within_module
-from shardplan.plan import ROUTED_EXPERT_PARAMETERS
+from shardplan.frontend.passes.facts import SelectiveCall, facts, is_compute, within_module
+from shardplan.plan import ROUTED_EXPERT_PARAMETERS, alternated
 
 _LAYER_INDEX = re.compile(r"^\d+$")
 
@@ -155,8 +155,13 @@ def build_chain(
         outputs_read = _storages(
             n for n in nodes if any(block_of.get(u, index) > index for u in n.users)
         )
-        matmul_outputs = {sid for n in nodes for sid in facts(n).selective_outputs}
-        kept_by_selective = matmul_outputs | set(kept)
+        alternate_calls, alternate_recomputes = _alternate(nodes, modules_of[index])
+        selective, alternate = (
+            _selective_keeps(
+                nodes, modules_of[index], calls, kept, kept_here, saved, held, storage_bytes
+            )
+            for calls in ({n: facts(n).selective_calls for n in nodes}, alternate_calls)
+        )
         expert_numel, expert_count, routed = _routed_experts(nodes, tensors)
         blocks.append(
             Block(
@@ -183,21 +188,18 @@ def build_chain(
                         "fwd_dispatches",
                     )
                 },
-                # a matmul output the block keeps as its input too (a root op's saved tensor: RoBERTa's head
-                # saves its dense output for the GELU outside its modules) is one tensor, counted there
-                selective_bytes=sum(facts(n).selective_bytes for n in nodes)
-                - sum(size for sid, size in kept_here.items() if sid in matmul_outputs),
+                selective_bytes=selective.bytes,
+                selective_saved_bytes=selective.saved_bytes,
+                selective_dropped_bytes=selective.dropped_bytes,
+                alternate_bytes=alternate.bytes,
+                alternate_saved_bytes=alternate.saved_bytes,
+                alternate_dropped_bytes=alternate.dropped_bytes,
+                alternate_recompute_kinds=alternate_recomputes,
                 fwd_kinds=merge_op_kinds(facts(n).fwd_kinds for n in nodes),
                 bwd_kinds=merge_op_kinds(facts(n).bwd_kinds for n in nodes),
                 saved_bytes=sum(saved.values()),
                 input_bytes=sum(kept_here.values()),
                 output_bytes=outputs_read,
-                selective_saved_bytes=sum(
-                    size for sid, size in saved.items() if sid in kept_by_selective
-                ),
-                selective_dropped_bytes=_dropped_by_recompute(
-                    nodes, modules_of[index], held, storage_bytes
-                ),
                 fwd_transient_bytes=_fwd_transient(nodes),
                 bwd_transient_bytes=_bwd_transient(nodes),
                 recompute_transient_bytes=_fwd_transient(nodes, modules_of[index]),
@@ -288,14 +290,74 @@ def _kept_by_checkpoint(
     return kept
 
 
+class SelectiveKeeps(NamedTuple):
+    """What a selective mode keeps of a block (Block.selective_bytes, selective_saved_bytes,
+    selective_dropped_bytes and their SELECTIVE_ALTERNATE counterparts)."""
+
+    bytes: int
+    saved_bytes: int
+    dropped_bytes: int
+
+
+def _selective_keeps(
+    nodes: list[torch.fx.Node],
+    modules: tuple[str, ...],
+    calls: dict[torch.fx.Node, tuple[SelectiveCall, ...]],
+    kept: dict[int, int],
+    kept_here: dict[int, int],
+    saved: dict[int, int],
+    held: set[int],
+    storage_bytes: dict[int, int],
+) -> SelectiveKeeps:
+    """What a selective mode keeps of a block whose checkpointed block keeps `kept` (`kept_here` counted in
+    it), keeping the outputs of `calls` (each node's, in order)."""
+    outputs = {sid for node in nodes for call in calls[node] for sid in call.storages}
+    return SelectiveKeeps(
+        # an output the block keeps as its input too (a root op's saved tensor: RoBERTa's head saves its
+        # dense output for the GELU outside its modules) is one tensor, counted there
+        bytes=sum(call.bytes for node in nodes for call in calls[node])
+        - sum(size for sid, size in kept_here.items() if sid in outputs),
+        saved_bytes=sum(size for sid, size in saved.items() if sid in outputs or sid in kept),
+        dropped_bytes=_dropped_by_recompute(nodes, modules, calls, held, storage_bytes),
+    )
+
+
+def _alternate(
+    nodes: list[torch.fx.Node], modules: tuple[str, ...]
+) -> tuple[dict[torch.fx.Node, tuple[SelectiveCall, ...]], tuple[OpKind, ...]]:
+    """(each node's selective calls SELECTIVE_ALTERNATE keeps, the op kinds of those it re-runs). Each call
+    of one of the block's modules is checkpointed on its own, and counts its matmuls (plan.alternated) from 1
+    in the order they run, keeping the odd ones (runtime/activation_checkpoint.py); a call is a run of
+    consecutive nodes of the module. Ops outside the modules (the model's root) are not checkpointed: what
+    selective checkpointing keeps of them is kept."""
+    kept: dict[torch.fx.Node, tuple[SelectiveCall, ...]] = {}
+    recomputed: list[OpKind] = []
+    region, count = None, 0
+    for node in nodes:
+        module = next((m for m in modules if within_module(facts(node).module_path, m)), None)
+        if module != region:
+            region, count = module, 0
+        keep = []
+        for call in facts(node).selective_calls:
+            if module is not None and alternated(call.kind.name):
+                count += 1
+                if count % 2 == 0:
+                    recomputed.append(call.kind)
+                    continue
+            keep.append(call)
+        kept[node] = tuple(keep)
+    return kept, merge_op_kinds([recomputed])
+
+
 def _dropped_by_recompute(
     nodes: list[torch.fx.Node],
     modules: tuple[str, ...],
+    calls: dict[torch.fx.Node, tuple[SelectiveCall, ...]],
     held: set[int],
     storage_bytes: dict[int, int],
 ) -> int:
-    """Bytes of the outputs selective checkpointing keeps that nothing `held` holds (autograd does not save
-    them: a Llama layer's query and key projections, which the rotary embedding reads, its output
+    """Bytes of the outputs of `calls` a selective mode keeps that nothing `held` holds (autograd does not
+    save them: a Llama layer's query and key projections, which the rotary embedding reads, its output
     projection, which the residual add reads; the attention scores a node's math attention makes inside
     it, Falcon's), and that the recompute replays: it takes them out of the checkpoint's cache to re-run
     their readers, and drops them. torch.utils.checkpoint (non-reentrant, with early stop) re-runs a
@@ -309,13 +371,10 @@ def _dropped_by_recompute(
         region = [node for node in nodes if within_module(facts(node).module_path, module)]
         replayed = max((i for i, node in enumerate(region) if facts(node).saved), default=0)
         for node in region[:replayed]:
-            named = {
-                sid: storage_bytes[sid]
-                for sid in facts(node).selective_outputs
-                if sid in storage_bytes
-            }
-            dropped.update((sid, size) for sid, size in named.items() if sid not in held)
-            inside += facts(node).selective_bytes - sum(named.values())
+            for call in calls[node]:
+                named = {sid: storage_bytes[sid] for sid in call.storages if sid in storage_bytes}
+                dropped.update((sid, size) for sid, size in named.items() if sid not in held)
+                inside += call.bytes - sum(named.values())
     return sum(dropped.values()) + inside
 
 

@@ -42,7 +42,7 @@ from torch.utils.flop_counter import (
 
 from shardplan.frontend.capture import AUTOGRAD_FUNCTION
 from shardplan.frontend.chain import OpKind
-from shardplan.frontend.passes.facts import update_facts
+from shardplan.frontend.passes.facts import SelectiveCall, update_facts
 from shardplan.plan import kept_by_selective
 
 
@@ -277,10 +277,9 @@ class _Tally:
     def __init__(self) -> None:
         self.kinds: dict[str, OpKind] = {}
         """Op name → its calls so far, summed."""
-        self.selective_bytes = 0
-        """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
-        self.selective_storages: set[StorageWeakRef] = set()
-        """Output storages of those ops (not the tensors: holding them would keep them live)."""
+        self.selective_calls: list[tuple[OpKind, int, list[StorageWeakRef]]] = []
+        """(op kind, output bytes, output storages) of each call of the ops selective checkpointing keeps
+        (plan.SELECTIVE_SAVED_OPS), in order: storages, not the tensors, which holding would keep live."""
         self.dispatches = 0
         """Ops dispatched, views included (metadata queries not)."""
 
@@ -298,8 +297,7 @@ class _Tally:
             f"{phase}_memory_bytes": sum(k.bytes for k in kinds if not k.flops),
             f"{phase}_ops": sum(k.calls for k in kinds),
         }
-        if phase == "fwd":  # what selective checkpointing keeps and re-runs is made in forward
-            changes["selective_bytes"] = self.selective_bytes
+        if phase == "fwd":
             changes["fwd_dispatches"] = self.dispatches
         return changes
 
@@ -321,30 +319,25 @@ class _OpTally(TorchDispatchMode):
         if tally is None or not is_kernel(func):
             return out
         name = func.overloadpacket.__name__
-        if kept_by_selective(name):
-            tally.selective_bytes += sum(
-                t.untyped_storage().nbytes()
-                for t in pytree.tree_leaves(out)
-                if isinstance(t, torch.Tensor)
-            )
-            tally.selective_storages.update(
-                StorageWeakRef(t.untyped_storage())
-                for t in pytree.tree_leaves(out)
-                if isinstance(t, torch.Tensor)
-            )
         matmuls = GROUPED_MATMULS.get(name)
         flops = op_flops(func, args, kwargs, out)
-        tally.add(
-            OpKind(
-                name="mm" if matmuls else name,
-                calls=matmuls * args[2].shape[0] if matmuls else 1,
-                flops=flops,
-                bytes=moved_bytes(func, args, kwargs, out),
-                weight_bytes=moved_bytes(func, args, kwargs, out, only=self.weights),
-                masked_flops=op_masked_flops(func, args, kwargs, flops),
-                head_dim_flops=op_head_dim_flops(func, args, kwargs, flops),
-            )
+        kind = OpKind(
+            name="mm" if matmuls else name,
+            calls=matmuls * args[2].shape[0] if matmuls else 1,
+            flops=flops,
+            bytes=moved_bytes(func, args, kwargs, out),
+            weight_bytes=moved_bytes(func, args, kwargs, out, only=self.weights),
+            masked_flops=op_masked_flops(func, args, kwargs, flops),
+            head_dim_flops=op_head_dim_flops(func, args, kwargs, flops),
         )
+        tally.add(kind)
+        if kept_by_selective(name):
+            storages = [
+                t.untyped_storage() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+            ]
+            tally.selective_calls.append(
+                (kind, sum(s.nbytes() for s in storages), [StorageWeakRef(s) for s in storages])
+            )
         return out
 
 
@@ -516,15 +509,20 @@ def annotate_execution_pass(gm: torch.fx.GraphModule, args: tuple, kwargs: dict)
                 for t in pytree.tree_leaves(result)
                 if isinstance(t, torch.Tensor)
             }
-            kept = sorted(
-                storage_id.ids[ref]
-                for ref in tally.tally.selective_storages
-                if ref in storage_id.ids
+            selective_calls = tuple(
+                SelectiveCall(
+                    kind=kind,
+                    bytes=nbytes,
+                    storages=tuple(
+                        dict.fromkeys(storage_id.ids[ref] for ref in refs if ref in storage_id.ids)
+                    ),
+                )
+                for kind, nbytes, refs in tally.tally.selective_calls
             )
             update_facts(
                 node,
                 **tally.tally.facts("fwd"),
-                selective_outputs=tuple(kept),
+                selective_calls=selective_calls,
                 outputs=tuple(sorted(outputs.items())),
                 out_bytes=max(live.live_bytes - live_before, 0),
                 fwd_live_before_bytes=live_before,

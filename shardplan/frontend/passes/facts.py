@@ -27,10 +27,9 @@ class NodeFacts:
     fwd_memory_bytes: int = 0
     """Bytes read and written by the node's memory-bound ops (those without counted FLOPs)."""
     bwd_memory_bytes: int = 0
-    selective_bytes: int = 0
-    """Output bytes of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS)."""
-    selective_outputs: tuple[int, ...] = ()
-    """Storage ids of those outputs."""
+    selective_calls: tuple["SelectiveCall", ...] = ()
+    """The calls of the ops selective checkpointing keeps (plan.SELECTIVE_SAVED_OPS), in the order run:
+    SELECTIVE_ALTERNATE keeps every second matmul of a module's call by that order."""
     fwd_ops: int = 0
     """Ops (kernels) the node runs, views not counted."""
     bwd_ops: int = 0
@@ -57,6 +56,19 @@ class NodeFacts:
     bwd_param_grads: tuple[str, ...] = ()
     """Parameters whose gradients were accumulated while this node's backward ran (the analysis then
     drops them), as named by get_attr targets."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SelectiveCall:
+    """One call of an op of plan.SELECTIVE_SAVED_OPS."""
+
+    kind: OpKind
+    """The call's op, FLOPs and bytes, as the node's fwd_kinds count it: what re-running it costs."""
+    bytes: int
+    """Bytes of its outputs' storages."""
+    storages: tuple[int, ...]
+    """Ids of those storages that outlive the node's ops (a node's output, a saved tensor); the rest
+    (the scores a node's math attention makes inside it) are its own."""
 
 
 def facts(node: torch.fx.Node) -> NodeFacts:

@@ -347,7 +347,10 @@ class _FactTranslation:
             param_names=tuple(map(self.rename, rep.param_names)),
             outputs=tuple((self.storage(sid), size) for sid, size in rep.outputs),
             saved=tuple((self.storage(sid), size) for sid, size in rep.saved),
-            selective_outputs=tuple(self.storage(sid) for sid in rep.selective_outputs),
+            selective_calls=tuple(
+                replace(call, storages=tuple(map(self.storage, call.storages)))
+                for call in rep.selective_calls
+            ),
             fwd_live_before_bytes=rep.fwd_live_before_bytes + self.fwd_shift,
             fwd_peak_live_bytes=rep.fwd_peak_live_bytes + self.fwd_shift,
             bwd_param_grads=tuple(map(self.rename, rep.bwd_param_grads)) if ran else (),
