@@ -141,6 +141,20 @@ def test_constraints_reach_the_plan(chains):
     assert all(u.checkpoint is Checkpoint.FULL for u in plan.units if "h.1" in u.modules)
 
 
+@pytest.mark.parametrize("mode", [Checkpoint.SELECTIVE, Checkpoint.SELECTIVE_ALTERNATE])
+def test_a_selective_mode_pinned_by_a_constraint_is_planned_with_pipelines_searched(chains, mode):
+    """The zero-bubble schedule runs no selective checkpointing: its configurations leave a pinned block
+    no decision, and are passed over rather than solved."""
+    plan = solve(
+        chains["gpt"],
+        WORLD,
+        hardware=HARDWARE,
+        constraints=Constraints(checkpoint=(("TransformerBlock", (mode,)),)),
+    )
+    pinned = [unit for unit in plan.units if unit.modules[0].startswith("h.")]
+    assert pinned and all(unit.checkpoint is mode for unit in pinned)
+
+
 def test_constraints_match_module_classes_and_refuse_patterns_that_match_nothing(chains):
     chain = chains["gpt"]
     assert chain.module_classes["h.0"] == "TransformerBlock"

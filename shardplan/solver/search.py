@@ -479,6 +479,8 @@ def solve_configuration(
     None when nothing fits the budget or nothing is as fast as `time_bound_s`. `costs`: its
     UnitCosts, where the caller keeps them (SearchMemo)."""
     space = configuration_space(space, configuration)
+    if not all(space.decisions((rule,)) for rule in rules):
+        return None  # a block's constraint allows only what this schedule cannot run
     contexts = [
         context(setting, configuration, hardware, stage)
         for stage in range(configuration.stage_count)
