@@ -36,16 +36,17 @@ REPLAN_TARGET_S = 1.0
 
 
 def llama_70b_chain(batch: int = 1, seq: int = 4096) -> BlockChain:
-    """LLaMA-2-70B as the front end reports it, from its shapes (fp32 parameters, as built on meta).
+    """LLaMA-2-70B as the front end reports it, from its shapes: fp32 parameters, as built on meta, computing in
+    bf16, as analyze(compute_dtype="bfloat16") records it for a bf16 mixed-precision plan.
 
     Per layer: q, o 8192² + k, v 8192×1024 + gate, up, down 8192×28672 + 2 norms; FLOPs 2 × params
-    × tokens + causal attention 4·s²·d; saved ≈ 20 fp32 activations of b·s·d (norm inputs, q/k/v,
+    × tokens + causal attention 4·s²·d; saved ≈ 20 bf16 activations of b·s·d (norm inputs, q/k/v,
     attention output, MLP gate/up/activation, residual stream); transients of the attention and MLP.
     Over tp ranks (chain.TensorParallelFacts): a layer slices all but its norms, every FLOP and 14 of
     its 20 saved activations (the norms' inputs and outputs and the residual stay whole), tp dividing
     its 8 kv heads; the embedding and the head slice over the 32000-row vocabulary."""
     tokens, width, vocab = batch * seq, 8192, 32000
-    stream = tokens * width * 4
+    stream = tokens * width * 2
     layer_numel = 2 * width * width + 2 * width * 1024 + 3 * width * 28672 + 2 * width
 
     def block(index, name, numel, fwd, saved, transient, facts):
@@ -112,22 +113,23 @@ def llama_70b_chain(batch: int = 1, seq: int = 4096) -> BlockChain:
             "lm_head",
             vocab * width + width,
             head_fwd,
-            stream + tokens * vocab * 4,
-            2 * tokens * vocab * 4,
-            sliced(vocab, vocab * width, head_fwd, tokens * vocab * 4, 1),
+            stream + tokens * vocab * 2,
+            2 * tokens * vocab * 2,
+            sliced(vocab, vocab * width, head_fwd, tokens * vocab * 2, 1),
         )
     )
     return BlockChain(
         blocks=tuple(blocks),
         fingerprint="llama-70b-shapes",
         param_dtype="torch.float32",
+        compute_dtype=BF16_MIXED.param_dtype,
         inputs=(InputSpec(name="0", shape=(batch, seq), dtype="int64"),),
         input_bytes=tokens * 8,
         extra={"model": "LlamaForCausalLM"},
     )
 
 
-def analyzed(name: str) -> BlockChain:
+def analyzed(name: str, compute_dtype: str | None = None) -> BlockChain:
     import torch
 
     from shardplan.frontend.passes import analyze
@@ -135,7 +137,7 @@ def analyzed(name: str) -> BlockChain:
 
     torch.set_num_threads(1)
     entry = zoo.build(name)
-    return analyze(entry.model, entry.args, entry.kwargs)
+    return analyze(entry.model, entry.args, entry.kwargs, compute_dtype=compute_dtype)
 
 
 def quality_table(world_size: int, hardware: str) -> None:
@@ -242,7 +244,7 @@ def main() -> None:
         quality_table(8, "cpu-gloo")
     if options.analyze:
         start = time.perf_counter()
-        chain = analyzed("llama-70b")
+        chain = analyzed("llama-70b", compute_dtype=BF16_MIXED.param_dtype)
         source = f"analyzed in {time.perf_counter() - start:.1f} s"
     else:
         chain, source = llama_70b_chain(), "hand-built shapes"

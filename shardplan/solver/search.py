@@ -478,9 +478,10 @@ def solve_configuration(
     """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one);
     None when nothing fits the budget or nothing is as fast as `time_bound_s`. `costs`: its
     UnitCosts, where the caller keeps them (SearchMemo)."""
-    space = configuration_space(space, configuration)
-    if not all(space.decisions((rule,)) for rule in rules):
+    narrowed = configuration_space(space, configuration)
+    if narrowed is not space and not all(narrowed.decisions((rule,)) for rule in set(rules)):
         return None  # a block's constraint allows only what this schedule cannot run
+    space = narrowed
     contexts = [
         context(setting, configuration, hardware, stage)
         for stage in range(configuration.stage_count)
