@@ -5,10 +5,8 @@ Routed experts run eagerly as `_grouped_mm` and, captured by export, as transfor
 reran every expert matmul of its forward, and the analysis' selective bytes left their outputs out.
 """
 
-from collections import Counter
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_calls import OpCalls
 
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
@@ -20,19 +18,9 @@ TOKENS = BATCH * SEQ
 FLOAT32_BYTES = 4
 
 
-class _OpCalls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _grouped_mm_calls(moe: torch.nn.Module, hidden: torch.Tensor, kind: Checkpoint) -> int:
     """`_grouped_mm` calls of one forward and backward of `moe` checkpointed as the runtime does."""
-    with _OpCalls() as mode:
+    with OpCalls() as mode:
         checkpointed(moe.forward, kind)(hidden).sum().backward()
     return mode.calls["_grouped_mm"]
 

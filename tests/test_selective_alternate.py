@@ -3,11 +3,9 @@ outputs and every second matmul's, counted from 1; the analysis counts what torc
 keeps, the cost model prices it between SELECTIVE and FULL, and a plan carries it. Training with it next to
 one process is in tests/test_runtime.py (both backends), its predicted memory in tests/test_predictions.py."""
 
-from collections import Counter
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_calls import OpCalls
 
 from shardplan import get_hardware
 from shardplan.frontend.passes import analyze
@@ -72,16 +70,6 @@ def test_kept_bytes_match_what_torchs_selective_checkpointing_keeps(llama, mode)
     assert predicted == pytest.approx(measured, rel=0.005)
 
 
-class _OpCalls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_runtime_reruns_every_second_matmul_of_each_call():
     """A Llama layer's forward and backward, twice through one checkpointed forward: each call counts its
     own matmuls from 1 (the recompute again), so each backward re-runs the same three."""
@@ -92,7 +80,7 @@ def test_the_runtime_reruns_every_second_matmul_of_each_call():
 
     def mm_calls(mode: Checkpoint) -> int:
         forward = checkpointed(layer.forward, mode)
-        with _OpCalls() as counted:
+        with OpCalls() as counted:
             for _ in range(2):
                 x = hidden.clone().requires_grad_()
                 output = forward(x, position_embeddings=position)
