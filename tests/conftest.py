@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 from shardplan import Plan, compile
 from shardplan.models import zoo
-from shardplan.runtime.launch import free_port
 
 # Ranks and tests share two cores: one thread each keeps them from fighting over them.
 torch.set_num_threads(1)
@@ -23,8 +22,8 @@ def _seed():
 @pytest.fixture(scope="module")
 def world_of_one():
     """A one-rank gloo world in this process: enough for parallelize's own checks."""
-    port = free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # A store in this process: a rendezvous on a TCP port could lose the port to another world.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

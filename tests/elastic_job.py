@@ -17,10 +17,10 @@ from pathlib import Path
 
 import elastic_data
 import torch
+import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from shardplan.cli.model_spec import load_model
-from shardplan.runtime.launch import free_port
 from shardplan.runtime.sampler import ResumableSampler
 
 ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}
@@ -45,9 +45,12 @@ class Job:
             checkpoint_every,
             global_batch,
         )
-        self.port = free_port()
+        # The rendezvous store listens here, on a port the OS picked as it bound it, and every node joins
+        # it as a client: a port probed free and bound later by the first node could be taken in between
+        # by another job starting on this machine. It also outlives any node the tests kill.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.nodes: list[subprocess.Popen] = []
-        """The nodes started and not killed, the rendezvous host first."""
+        """The nodes started and not killed, in the order they started."""
         self.logs: dict[int, Path] = {}
         """Each node's torchrun output, by its agent's pid."""
 
@@ -59,14 +62,15 @@ class Job:
         for node in list(self.nodes):
             if node.poll() is None:
                 self.kill(node)
+        del self.store  # stops listening once no node is left to ask it
 
     def start(self, count: int) -> None:
-        """Start `count` more nodes together; the first node of the job hosts the rendezvous."""
+        """Start `count` more nodes together."""
         for _ in range(count):
             log = self.workdir / f"node{len(self.logs)}.log"
             with log.open("w") as output:  # the node has its own copy of the descriptor
                 node = subprocess.Popen(
-                    self._command(host=not self.nodes),
+                    self._command(),
                     env=self._environment(),
                     cwd=self.workdir,
                     stdout=output,
@@ -100,12 +104,12 @@ class Job:
         return killed
 
     def kill_a_rank(self) -> float:
-        """SIGKILL the node of a rank other than 0 (whose events.jsonl the tests read) that does not host the
-        rendezvous (the job's store); the time of the kill."""
+        """SIGKILL the node of a rank other than 0 (whose events.jsonl the tests read); the time of the
+        kill."""
         victim = next(
             node
             for rank in range(1, len(self.nodes))
-            if (node := self._node_of_rank(rank)) is not None and node is not self.nodes[0]
+            if (node := self._node_of_rank(rank)) is not None
         )
         return self.kill(victim)
 
@@ -165,7 +169,7 @@ class Job:
             and now["step"] > begun[-1].get("resumed_step", 0) + self.checkpoint_every
         )
 
-    def _command(self, host: bool) -> list[str]:
+    def _command(self) -> list[str]:
         return [
             sys.executable,
             "-m",
@@ -173,10 +177,10 @@ class Job:
             f"--nnodes={self.nnodes}",
             "--nproc-per-node=1",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{self.port}",
+            f"--rdzv-endpoint=127.0.0.1:{self.store.port}",
             "--rdzv-id=elastic-test",
             # a dead node leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt (1 s x 3)
-            f"--rdzv-conf=is_host={int(host)},last_call_timeout=2,keep_alive_interval=1",
+            "--rdzv-conf=is_host=0,last_call_timeout=2,keep_alive_interval=1",
             "--max-restarts=3",
             "--monitor-interval=0.2",
             "-m",

@@ -72,6 +72,17 @@ def assert_parity(results: dict, cases: dict) -> None:
     assert not failures, failures
 
 
+def written_once(rank: int, world: int, writers: dict) -> dict:
+    """Each writer's result (a plan's JSON) by its key, in `writers`' order: each writer is called on one
+    rank and its result shared with all, so the ranks write side by side what would be the same on every
+    rank. A writer must pickle (a module-level function, or a functools.partial of one)."""
+    mine = {key: write() for key, write in list(writers.items())[rank::world]}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    written = {key: value for part in gathered for key, value in part.items()}
+    return {key: written[key] for key in writers}
+
+
 def spawn_world(world: int, job, args: tuple) -> dict:
     """Run `job(rank, world, *args)` (a module-level function) on `world` spawned gloo ranks; return
     rank 0's result."""

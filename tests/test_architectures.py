@@ -3,20 +3,21 @@
 Each plan puts the blocks in units of their own, so the input embedding (stage 0) and the head
 (stage 1) of a tied model sit on different stages, and in different units: the ties the runtime
 must keep (see [Note: tied weights across stages] in runtime/pipelined.py). Most plans are written
-by hand; RoBERTa's and BART's are compile's (made once, here), whose units leave a module holding a
+by hand; RoBERTa's and BART's are compile's, whose units leave a module holding a
 tied parameter (RoBERTa's `lm_head`, BART's `model.shared`) in no unit, which fsdp2 must group with
-the tie. One spawned world of 2 gloo ranks runs every case (2 steps each); rank 0 returns the
-differences from the reference. The solver's side: a cut between tied blocks is allowed and priced,
+the tie. One spawned world of 2 gloo ranks writes every plan, each once, by one rank, then runs
+every case (2 steps each); rank 0 returns the differences from the reference. The solver's side: a cut between tied blocks is allowed and priced,
 and T5 pipelines. benchmarks/bench_architectures.py runs every architecture of zoo.HF_ARCHITECTURES.
 """
 
 import copy
+import functools
 import warnings
 from dataclasses import replace
 
 import pytest
 import torch
-from parity import assert_parity, spawn_world, train_next_to_reference
+from parity import assert_parity, spawn_world, train_next_to_reference, written_once
 
 from shardplan.compile import compile, solve
 from shardplan.costmodel.hardware import get_hardware
@@ -220,12 +221,11 @@ def pipelined(plan: Plan, model: torch.nn.Module, batch: int) -> Plan:
     )
 
 
-def _plan(model: torch.nn.Module, name: str, pp: int, rank: int, plans: dict[str, str]) -> Plan:
-    if name in plans:
-        plan = Plan.from_json(plans[name])
-        return pipelined(plan, model, BATCH) if pp == 2 else plan
+def hand_written_plan(name: str, pp: int) -> str:
+    """The plan, as JSON, of a model whose units MODELS gives: at pp 2 (2 micro-batches) or dp 2."""
+    model = _model(name)
     ids = _batches(model.config.vocab_size)[0]
-    mine = ids if pp == 2 else ids.chunk(2)[rank]
+    mine = ids if pp == 2 else ids.chunk(2)[0]  # one replica's batch: every replica's has its shape
     return manual_plan(
         model,
         MODELS[name][1],
@@ -234,24 +234,43 @@ def _plan(model: torch.nn.Module, name: str, pp: int, rank: int, plans: dict[str
         micro_batches=2 if pp == 2 else 1,
         example_inputs=(mine,),
         example_kwargs={"labels": mine},
-    )
+    ).to_json()
 
 
-def compiled_plans() -> dict[str, str]:
-    """The JSON of compile's plan of each model that uses one (a capture is seconds: made once, not per rank)."""
-    plans = {}
-    for name, (_, units) in MODELS.items():
-        if units is None:
-            model = _model(name)
-            plans[name] = compiled(model, _batches(model.config.vocab_size)[0]).to_json()
-    return plans
+def compiled_plan(name: str) -> str:
+    """compile's plan, as JSON, of a model whose units MODELS leaves to it."""
+    model = _model(name)
+    return compiled(model, _batches(model.config.vocab_size)[0]).to_json()
 
 
-def run_case(rank: int, case: dict, plans: dict[str, str]) -> dict:
+def written_plans(rank: int, world: int) -> dict:
+    """Every plan the cases and round_trip train, as JSON: compile's by model, the hand-written ones by
+    (model, pp). Each is written by one rank (see parity.written_once); compile's go first, onto
+    different ranks."""
+    writers = {
+        name: functools.partial(compiled_plan, name)
+        for name, (_, units) in MODELS.items()
+        if units is None
+    }
+    for case in CASES.values():
+        name, pp = case["model"], 2 if case["mode"] == "pp2" else 1
+        if MODELS[name][1] is not None:
+            writers[name, pp] = functools.partial(hand_written_plan, name, pp)
+    return written_once(rank, world, writers)
+
+
+def _plan(model: torch.nn.Module, name: str, pp: int, plans: dict) -> Plan:
+    if MODELS[name][1] is not None:
+        return Plan.from_json(plans[name, pp])
+    plan = Plan.from_json(plans[name])
+    return pipelined(plan, model, BATCH) if pp == 2 else plan
+
+
+def run_case(rank: int, case: dict, plans: dict) -> dict:
     reference = _model(case["model"])
     model = copy.deepcopy(reference)
     pp = 2 if case["mode"] == "pp2" else 1
-    plan = _plan(model, case["model"], pp, rank, plans)
+    plan = _plan(model, case["model"], pp, plans)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fsdp2 says it merges the tied units
         program = parallelize(
@@ -266,10 +285,10 @@ def run_case(rank: int, case: dict, plans: dict[str, str]) -> dict:
     )
 
 
-def round_trip(rank: int, directory: str) -> float | None:
+def round_trip(rank: int, directory: str, plans: dict) -> float | None:
     """A tied pp = 2 plan's checkpoint loaded into a dp = 2 plan: the largest difference of their exports."""
     trained = _model("gpt2-tied")
-    program = parallelize(trained, _plan(trained, "gpt2-tied", 2, rank, {}))
+    program = parallelize(trained, _plan(trained, "gpt2-tied", 2, plans))
     ids = _batches(trained.config.vocab_size)[0]
     optimizer = torch.optim.AdamW(program.parameters(), lr=1e-2)
     program.step(ids, labels=ids)
@@ -277,7 +296,7 @@ def round_trip(rank: int, directory: str) -> float | None:
     program.save(directory, optimizer)
     saved = program.export_full_state_dict()
     fresh = _model("gpt2-tied")
-    loaded = parallelize(fresh, _plan(fresh, "gpt2-tied", 1, rank, {}))
+    loaded = parallelize(fresh, _plan(fresh, "gpt2-tied", 1, plans))
     loaded.load(directory, torch.optim.AdamW(loaded.parameters(), lr=1e-2))
     state = loaded.export_full_state_dict()
     if rank:
@@ -287,15 +306,16 @@ def round_trip(rank: int, directory: str) -> float | None:
     return max((saved[name] - state[name]).abs().max().item() for name in state)
 
 
-def _all_cases(rank: int, world: int, directory: str, plans: dict[str, str]) -> dict:
+def _all_cases(rank: int, world: int, directory: str) -> dict:
+    plans = written_plans(rank, world)
     results = {name: run_case(rank, case, plans) for name, case in CASES.items()}
-    results["round_trip"] = round_trip(rank, directory)
+    results["round_trip"] = round_trip(rank, directory, plans)
     return results
 
 
 @pytest.mark.timeout(600)
 def test_architectures_pipeline_and_fsdp2_match_one_process(tmp_path):
-    results = spawn_world(2, _all_cases, (str(tmp_path / "ckpt"), compiled_plans()))
+    results = spawn_world(2, _all_cases, (str(tmp_path / "ckpt"),))
     assert_parity(results, {name: {"clip": True} for name in CASES})
     assert results["round_trip"] == 0.0
 

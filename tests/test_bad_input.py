@@ -15,7 +15,6 @@ from shardplan.common.sizes import parse_bytes
 from shardplan.compile import solve
 from shardplan.frontend.passes import analyze
 from shardplan.models import zoo
-from shardplan.runtime.launch import free_port
 
 
 def test_a_plan_for_another_model_is_refused(gpt_plan, world_of_one):
@@ -151,13 +150,9 @@ def test_a_plan_missing_parameters_is_called_incomplete_not_foreign(gpt_plan, wo
 def _dying_rank(rank: int, port: int, folder: str) -> None:
     torch.set_num_threads(1)
     # the timeout the README tells users to set: the bound on how long a rank waits for a dead one
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=30),
-    )
+    timeout = datetime.timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
     torch.manual_seed(0)
     entry = zoo.gpt()
     from shardplan.runtime.manual import manual_plan
@@ -183,10 +178,12 @@ def _dying_rank(rank: int, port: int, folder: str) -> None:
 def test_a_rank_that_dies_makes_the_others_fail_not_hang(tmp_path):
     # Started by hand, not by run_world: when a rank dies, run_world (torch.multiprocessing's join)
     # terminates the others at once, and what this test watches is how the survivor fails on its own.
-    port = free_port()
+    # The store listens here, on a port the OS picked as it bound it (as run_world's does).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     context = forkserver_context()  # run_world's: its server has imported torch already
     ranks = [
-        context.Process(target=_dying_rank, args=(rank, port, str(tmp_path))) for rank in range(2)
+        context.Process(target=_dying_rank, args=(rank, store.port, str(tmp_path)))
+        for rank in range(2)
     ]
     for process in ranks:
         process.start()

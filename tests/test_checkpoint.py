@@ -898,12 +898,17 @@ def test_batch_norm_statistics_are_the_replicas_mean_in_checkpoints_and_exports(
     assert any("running_mean" in entry["name"] for entry in saved["buffers"])
 
 
+TENSOR_PARALLEL_GPT = zoo.GPTConfig(n_layer=2)
+"""The tensor-parallel checkpoints' GPT: the default's width (its shapes are checked) and two blocks,
+which each layout treats as it treats four; every load reads metadata per chunk of each parameter."""
+
+
 def tensor_parallel_plan(dp: int, **options):
     """The GPT's plan over 4 ranks with tp 2, `dp` ranks sharding each unit, the rest as `options` say."""
     example = batch(0, 0, dp * options.get("dp_replicate", 1))  # one replica's batch
     return manual_plan(
-        zoo.gpt().model,
-        zoo.gpt_units(zoo.GPTConfig().n_layer),
+        zoo.gpt(TENSOR_PARALLEL_GPT).model,
+        zoo.gpt_units(TENSOR_PARALLEL_GPT.n_layer),
         dp=dp,
         tp=2,
         example_inputs=(example,),
@@ -927,13 +932,23 @@ def tensor_parallel_program(plan_json: str, backend: str, rank: int) -> tuple:
     replicas)."""
     plan = Plan.from_json(plan_json)
     torch.manual_seed(0)
-    program = parallelize(zoo.gpt().model, plan, backend=backend)
+    program = parallelize(zoo.gpt(TENSOR_PARALLEL_GPT).model, plan, backend=backend)
     return (
         program,
         torch.optim.AdamW(program.parameters(), **ADAMW),
         plan.mesh.replica_of(rank),
         plan.mesh.dp,
     )
+
+
+def tensor_parallel_gpt_on_dp(world: int) -> tuple:
+    """(a shardplan program of the tensor-parallel checkpoints' GPT on `world` data-parallel ranks, one
+    unit per block and PLANS[4]'s strategy mix, its optimizer)."""
+    torch.manual_seed(0)
+    model = zoo.gpt(TENSOR_PARALLEL_GPT).model
+    units = zoo.gpt_units(TENSOR_PARALLEL_GPT.n_layer)
+    program = parallelize(model, manual_plan(model, units, dp=world, strategies=PLANS[4][1]))
+    return program, torch.optim.AdamW(program.parameters(), **ADAMW)
 
 
 def tensor_parallel_checkpoints(rank: int, world: int, directory: Path, plans: dict) -> dict:
@@ -975,7 +990,7 @@ def tensor_parallel_checkpoints(rank: int, world: int, directory: Path, plans: d
         resumed, path="fsdp2-tp", saved=at_save, steps=range(SAVE_AFTER, STEPS)
     )
 
-    program, optimizer = build(rank, world)
+    program, optimizer = tensor_parallel_gpt_on_dp(world)
     losses, loaded_error = resume(program, optimizer, rank, world)
     results["shardplan dp 4"] = record(program.export_full_state_dict(), losses, loaded_error)
 
@@ -1004,7 +1019,12 @@ def tensor_parallel_checkpoints(rank: int, world: int, directory: Path, plans: d
     program.save(directory / "fsdp2-tp-pp", optimizer)
     at_end = program.export_full_state_dict()
     _, reloaded_error = resumed(
-        *build(rank, world), rank, world, path="fsdp2-tp-pp", saved=at_end, steps=range(0)
+        *tensor_parallel_gpt_on_dp(world),
+        rank,
+        world,
+        path="fsdp2-tp-pp",
+        saved=at_end,
+        steps=range(0),
     )
     results["fsdp2 tp 2 × pp 2, then shardplan dp 4"] = record(
         at_end, losses, loaded_error, reloaded_error

@@ -7,7 +7,6 @@ shutdown] in collectives.py); rank 0's result comes back to the caller.
 
 import datetime
 import os
-import socket
 from contextlib import contextmanager
 
 import torch
@@ -127,13 +126,6 @@ def _rank_main(
             queue.put(("result", result))
     finally:
         shutdown()  # see [Note: shutdown]
-
-
-def free_port() -> int:
-    """A TCP port on the loopback address that nothing listens on now (for a world's rendezvous)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextmanager
