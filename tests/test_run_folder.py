@@ -104,7 +104,9 @@ def test_damaged_run_settings_are_replaced_only_where_no_checkpoint_was_trained_
     assert json.loads(settings.read_text()) == {"model": "gpt", "seed": 0}
     _checkpoint(tmp_path, "step_00000002", "mine")
     settings.write_text("[]")
-    with pytest.raises(ShardplanError, match="it holds no object; run settings .* restore the file"):
+    with pytest.raises(
+        ShardplanError, match="it holds no object; run settings .* restore the file"
+    ):
         elastic._record_settings(tmp_path, options)
     assert settings.read_text() == "[]"
 
