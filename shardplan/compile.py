@@ -378,7 +378,7 @@ def solve(chain: BlockChain, world_size: int, model_name: str = "", **options: A
     if not candidates:
         raise InfeasibleError(
             constraints_blamed(chain, asked.constraints, setting, hw, budget, space)
-            or infeasible_message(chain, rules, setting, hw, budget, space)
+            or infeasible_message(chain, rules, setting, hw, budget, space, memo)
         )
     candidates = simplest_near_the_fastest(candidates, setting, asked.near_tie)
     best = candidates[0]

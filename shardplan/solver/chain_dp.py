@@ -199,8 +199,10 @@ class StageFloors:
         for j, row in enumerate(per_block):
             self.sums[:, j + 1] = self.sums[:, j] + row
         self.allowances = allowances
-        self.rows: dict[int, np.ndarray] = {}
-        """start → the bound of one stage from there, for every end at once (the stage cut asks often)."""
+        self.rows: dict[int, list[float]] = {}
+        """start → the bound of one stage from there, for every end at once (the stage cut asks often,
+        millions of times a solve: a list, as indexing an array and handing back a numpy scalar cost
+        several times as much for the same float)."""
         self.memo: dict[tuple[int, int, int], float] = {}
 
     def least(self, start: int, end: int, stages: int = 1) -> float:
@@ -209,8 +211,10 @@ class StageFloors:
             row = self.rows.get(start)
             if row is None:
                 row = self.rows[start] = (
-                    self.sums - self.sums[:, start, None] - self.allowances[:, None]
-                ).max(axis=0)
+                    (self.sums - self.sums[:, start, None] - self.allowances[:, None])
+                    .max(axis=0)
+                    .tolist()
+                )
             return row[end]
         found = self.memo.get((start, end, stages))
         if found is None:
@@ -467,10 +471,15 @@ class ChainSolver:
             tail = 0.0 if self.minimize_memory else cost.pair_time_s(u, None, self.ctx)
             peak = np.maximum(front.r, front.q + max(self._rise_fwd(u), 0))
             time_s = front.time_s + tail
-            for i in np.flatnonzero((peak <= self.budget_bytes) & (time_s <= self.time_bound_s)):
-                candidate = (float(time_s[i]), int(peak[i]))
-                if best is None or candidate < best[0]:
-                    best = (candidate, number, int(i))
+            fits = np.flatnonzero((peak <= self.budget_bytes) & (time_s <= self.time_bound_s))
+            if not len(fits):
+                continue
+            # the key's least (time, peak), the first of equals (lexsort is stable): a loop over
+            # every state took most of a solve's own time on fronts of thousands
+            i = int(fits[np.lexsort((peak[fits], time_s[fits]))[0]])
+            candidate = (float(time_s[i]), int(peak[i]))
+            if best is None or candidate < best[0]:
+                best = (candidate, number, i)
         if best is None:
             return None
         (time_s, peak), number, index = best

@@ -237,10 +237,12 @@ def infeasible_message(
     hw: HardwareModel,
     budget: int,
     space: SearchSpace,
+    memo: SearchMemo | None = None,
 ) -> str:
     """Name the smallest budget that fits and each option that would make the plan fit; or, where no mesh
-    takes the batch at all, that cause."""
-    least = smallest_peak(chain.blocks, rules, setting, hw, space)
+    takes the batch at all, that cause. `memo`: the failed search's, whose setting and space the
+    smallest peak searches again (the other options change them)."""
+    least = smallest_peak(chain.blocks, rules, setting, hw, space, memo=memo)
     if least is None and not configurations(setting, len(chain.blocks)):
         return _batch_taken_by_no_mesh(setting, len(chain.blocks))
     head = f"no plan fits {format_bytes(budget)} per rank at world_size={setting.world_size}" + (

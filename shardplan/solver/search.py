@@ -208,6 +208,9 @@ class SearchMemo:
     """Each configuration's UnitCosts, priced once (they do not depend on the budget)."""
     signatures: tuple[int, ...] | None = None
     """block_signatures of the chain."""
+    boundaries: dict[Configuration, list[float]] = field(default_factory=dict)
+    """Each configuration's boundary_times_s, priced once: the guess and the search of a configuration
+    each took them, and pricing every block on its rank for them was a tenth of a search."""
 
     def costs(
         self,
@@ -228,6 +231,20 @@ class SearchMemo:
                 configuration_space(space, configuration),
                 context(setting, configuration, hardware, 0),
                 self.signatures,
+            )
+        return found
+
+    def boundary_times_s(
+        self,
+        blocks: Sequence[Block],
+        setting: Setting,
+        configuration: Configuration,
+        hardware: HardwareModel,
+    ) -> list[float]:
+        found = self.boundaries.get(configuration)
+        if found is None:
+            found = self.boundaries[configuration] = boundary_times_s(
+                blocks, setting, configuration, hardware
             )
         return found
 
@@ -474,10 +491,11 @@ def solve_configuration(
     minimize_memory: bool = False,
     time_bound_s: float = math.inf,
     costs: UnitCosts | None = None,
+    times_s: Sequence[float] | None = None,
 ) -> Candidate | None:
     """The best plan with this mesh, micro-batch count and schedule (or the smallest-peak one);
-    None when nothing fits the budget or nothing is as fast as `time_bound_s`. `costs`: its
-    UnitCosts, where the caller keeps them (SearchMemo)."""
+    None when nothing fits the budget or nothing is as fast as `time_bound_s`. `costs`, `times_s`:
+    its UnitCosts and boundary_times_s, where the caller keeps them (SearchMemo)."""
     narrowed = configuration_space(space, configuration)
     if narrowed is not space and not all(narrowed.decisions((rule,)) for rule in set(rules)):
         return None  # a block's constraint allows only what this schedule cannot run
@@ -489,7 +507,8 @@ def solve_configuration(
     if costs is None:  # shared by the stages: see UnitCosts
         costs = UnitCosts(blocks, rules, space, contexts[0])
     solvers: dict[tuple[int, float, bool], ChainSolver] = {}
-    times_s = boundary_times_s(blocks, setting, configuration, hardware)
+    if times_s is None:
+        times_s = boundary_times_s(blocks, setting, configuration, hardware)
     floors = StageFloors(costs, budget_bytes, minimize_memory=minimize_memory)
     least_peak = (
         floors if minimize_memory else StageFloors(costs, budget_bytes, minimize_memory=True)
@@ -594,6 +613,7 @@ def solve_configuration(
                     setting,
                     configuration,
                     hardware,
+                    times_s,
                 )
                 for index, cut in enumerate(cuts)
             ]
@@ -622,14 +642,21 @@ def walk_stage(
     setting: Setting,
     configuration: Configuration,
     hardware: HardwareModel,
+    times_s: Sequence[float] | None = None,
 ) -> cost.StepCost:
-    """Stage `index` (blocks start..end, units starting at `bounds` within it) walked event by event."""
+    """Stage `index` (blocks start..end, units starting at `bounds` within it) walked event by event.
+    `times_s`: the configuration's boundary_times_s where the caller has them (pricing every cut for
+    one stage's two was most of a search's walks)."""
     return evaluate_stage(
         tuple(blocks[start:end]),
         bounds,
         decisions,
         context(setting, configuration, hardware, index),
-        boundary_s=boundary_time_s(blocks, start, end, setting, configuration, hardware),
+        boundary_s=(
+            boundary_time_s(blocks, start, end, setting, configuration, hardware)
+            if times_s is None
+            else times_s[start] + times_s[end]
+        ),
         tied=tied_terms(blocks, start, end, setting, configuration, hardware),
     )
 
@@ -749,6 +776,7 @@ def _search_among(
                     budget_bytes,
                     space,
                     costs=memo.costs(blocks, rules, setting, c, hardware, space),
+                    times_s=memo.boundary_times_s(blocks, setting, c, hardware),
                 )
     guess_s = (
         [known[c] / n for c, n in zip(everything, samples)]
@@ -771,6 +799,7 @@ def _search_among(
             space,
             time_bound_s=bound * samples[order],
             costs=memo.costs(blocks, rules, setting, configuration, hardware, space),
+            times_s=memo.boundary_times_s(blocks, setting, configuration, hardware),
         )
         if candidate is not None:
             per_sample = candidate.step_time_s / samples[order]
@@ -791,13 +820,15 @@ def uniform_plan_time_s(
     budget_bytes: float,
     space: SearchSpace,
     costs: UnitCosts,
+    times_s: Sequence[float],
 ) -> float:
     """Step time of the fastest simple plan of this configuration that fits: stages cut evenly by
-    compute, every block its own unit, one decision per stage; inf when none fits. `costs`: the
-    configuration's UnitCosts (SearchMemo). Under a schedule priced by its order of operations
-    (cost.ORDERED_SCHEDULES), inf: a rank holds more than its stages' walks (the zero-bubble schedule
-    its deferred weight gradients' inputs, virtual stages each other's activations), so its stages
-    taking each its own fastest decision need not fit, and a guess must be a plan's time that fits."""
+    compute, every block its own unit, one decision per stage; inf when none fits. `costs`, `times_s`:
+    the configuration's UnitCosts and boundary_times_s (SearchMemo). Under a schedule priced by its
+    order of operations (cost.ORDERED_SCHEDULES), inf: a rank holds more than its stages' walks (the
+    zero-bubble schedule its deferred weight gradients' inputs, virtual stages each other's
+    activations), so its stages taking each its own fastest decision need not fit, and a guess must
+    be a plan's time that fits."""
     n, pp = len(blocks), configuration.mesh.pp
     if (
         not all(rule.may_start_unit for rule in rules)
@@ -815,7 +846,7 @@ def uniform_plan_time_s(
     edges.append(n)
     if any(not rules[e].may_start_stage for e in edges[1:-1]):
         return math.inf
-    times_s, worst = boundary_times_s(blocks, setting, configuration, hardware), 0.0
+    worst = 0.0
     for stage, (start, end) in enumerate(zip(edges, edges[1:])):
         ctx = context(setting, configuration, hardware, stage)
         boundary_s = times_s[start] + times_s[end]
@@ -852,11 +883,13 @@ def smallest_peak(
     hardware: HardwareModel,
     space: SearchSpace,
     budget_bytes: float = math.inf,
+    memo: SearchMemo | None = None,
 ) -> int | None:
     """The least peak memory per rank any configuration reaches (the budget that would just fit),
     or None when none reaches `budget_bytes`. Deepest pipelines first: they usually need the
-    least, and each answer bounds (prunes) the next search exactly."""
-    best, memo = None, SearchMemo()
+    least, and each answer bounds (prunes) the next search exactly. `memo`: as search's (only its
+    budget-free parts are read)."""
+    best, memo = None, memo or SearchMemo()
     for configuration in reversed(configurations(setting, len(blocks))):
         bound = budget_bytes if best is None else best
         candidate = solve_configuration(
@@ -869,6 +902,7 @@ def smallest_peak(
             space,
             minimize_memory=True,
             costs=memo.costs(blocks, rules, setting, configuration, hardware, space),
+            times_s=memo.boundary_times_s(blocks, setting, configuration, hardware),
         )
         if candidate is not None and (best is None or candidate.peak_bytes < best):
             best = candidate.peak_bytes
