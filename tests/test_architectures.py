@@ -3,11 +3,12 @@
 Each plan puts the blocks in units of their own, so the input embedding (stage 0) and the head
 (stage 1) of a tied model sit on different stages, and in different units: the ties the runtime
 must keep (see [Note: tied weights across stages] in runtime/pipelined.py). Most plans are written
-by hand; RoBERTa's and BART's are compile's, whose units leave a module holding a
-tied parameter (RoBERTa's `lm_head`, BART's `model.shared`) in no unit, which fsdp2 must group with
-the tie. One spawned world of 2 gloo ranks writes every plan, each once, by one rank, then runs
-every case (2 steps each); rank 0 returns the differences from the reference. The solver's side: a cut between tied blocks is allowed and priced,
-and T5 pipelines. benchmarks/bench_architectures.py runs every architecture of zoo.HF_ARCHITECTURES.
+by hand; RoBERTa's and BART's are compile's, whose units leave a module holding a tied parameter
+(RoBERTa's `lm_head`, BART's `model.shared`) in no unit, which fsdp2 must group with the tie. One
+spawned world of 2 gloo ranks writes every plan, each once, by one rank, then runs every case (2
+steps each); rank 0 returns the differences from the reference. The solver's side: a cut between
+tied blocks is allowed and priced, and T5 pipelines. benchmarks/bench_architectures.py runs every
+architecture of zoo.HF_ARCHITECTURES.
 """
 
 import copy
