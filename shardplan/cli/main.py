@@ -791,7 +791,7 @@ def _train(options) -> int:
     )
     # Stopped by SIGTERM short of --steps, its last step saved: not a success, so that torchrun
     # restarts the workers a stopped worker or node left, and a scheduler requeues a preempted job.
-    return 0 if outcome.step >= options.steps else STOPPED_EXIT_CODE
+    return STOPPED_EXIT_CODE if outcome.stopped else 0
 
 
 def _calibrate(argv: list[str] | None = None) -> int:
