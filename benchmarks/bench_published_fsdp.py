@@ -658,6 +658,18 @@ def ratio_by_seq_len(outcomes: list[Outcome]) -> dict[str, dict[int, float]]:
     return dict(found)
 
 
+def print_by_size(outcomes: list[Outcome]) -> None:
+    """Median predicted / measured throughput by model size, both GPU types together."""
+    by_size: dict[str, list[float]] = defaultdict(list)
+    for outcome in outcomes:
+        by_size[outcome.row.model].append(outcome.ratio)
+    print("\nMedian predicted / measured throughput by model size, every GPU type:\n")
+    ordered = _by_size_order(by_size)
+    print("| " + " | ".join(size for size, _ in ordered) + " |")
+    print("|" + "---:|" * len(ordered))
+    print("| " + " | ".join(f"{statistics.median(r):.2f}" for _, r in ordered) + " |")
+
+
 GiB = 2**30
 
 
@@ -790,6 +802,7 @@ def main() -> None:
     )
     print_summary(score(outcomes))
     print_by_seq_len(ratio_by_seq_len(outcomes))
+    print_by_size(outcomes)
     if options.rows:
         print_rows(outcomes)
     print(f"\n{time.perf_counter() - start:.0f} s")
